@@ -1,0 +1,29 @@
+"""ring_jax: blockwise ring attention (sequence/context parallelism) in pure JAX.
+
+Public API:
+  ring_attention          inside ``jax.shard_map``, on local sequence shards.
+  ring_attention_sharded  on global arrays: builds the shard_map for you.
+  reference_attention     dense single-device oracle with the same arguments.
+  blockwise_ffn           chunked, rematerialised position-wise feed-forward.
+  to_layout / from_layout / layout_positions / schedule
+                          contiguous, zigzag and striped layouts.
+"""
+
+from ring_jax.ffn import blockwise_ffn
+from ring_jax.layouts import (LAYOUTS, Schedule, from_layout, layout_positions, local_positions,
+                              schedule, to_layout)
+from ring_jax.reference import reference_attention
+
+__all__ = [
+    "LAYOUTS",
+    "Schedule",
+    "blockwise_ffn",
+    "from_layout",
+    "layout_positions",
+    "local_positions",
+    "reference_attention",
+    "schedule",
+    "to_layout",
+]
+
+__version__ = "0.1.0"

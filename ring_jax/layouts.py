@@ -1,0 +1,266 @@
+"""Sequence layouts for ring attention and the block schedule they induce.
+
+A *layout* says which global token positions each device of the ring holds.
+With ``n`` devices and global length ``L`` (local length ``L/n``):
+
+* ``"contiguous"``: device ``i`` holds positions ``[i*L/n, (i+1)*L/n)``.
+  Under a causal mask device ``n-1`` does ``n`` times the work of device 0.
+* ``"zigzag"``: the sequence is cut into ``2n`` chunks; device ``i`` holds
+  chunks ``i`` and ``2n-1-i``. Every device then does the same causal work at
+  every hop (half of a full hop after hop 0), as in Megatron/TE context
+  parallelism and Brandon et al., "Striped Attention" (2023) Sec. 3.
+* ``"striped"``: token ``t`` lives on device ``t mod n`` (Striped Attention).
+
+Arrays are laid out "in layout order": the global array is the concatenation
+of the devices' local shards, so sharding the sequence axis evenly over the
+ring gives each device exactly its tokens. :func:`to_layout` /
+:func:`from_layout` convert between natural order and layout order, and
+:func:`layout_positions` gives each token's global position (for RoPE and
+masks) in layout order.
+
+:func:`schedule` returns, as plain numpy data, which query block meets which
+key/value block on which device at which hop. The ring kernel iterates over
+exactly these block pairs, so tests and benchmarks that inspect the schedule
+inspect what is computed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Literal
+
+import jax.numpy as jnp
+import numpy as np
+
+Layout = Literal["contiguous", "zigzag", "striped"]
+LAYOUTS: tuple[str, ...] = ("contiguous", "zigzag", "striped")
+
+
+def check_layout(layout: str) -> None:
+  if layout not in LAYOUTS:
+    raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}.")
+
+
+def check_local_length(layout: str, local_len: int, what: str = "local sequence length") -> None:
+  """Raises ValueError if ``layout`` cannot split a shard of ``local_len`` tokens."""
+  check_layout(layout)
+  if local_len < 1:
+    raise ValueError(f"{what} must be positive, got {local_len}.")
+  if layout == "zigzag" and local_len % 2:
+    raise ValueError(
+        f"layout='zigzag' holds two chunks per device, so the {what} must be even; got "
+        f"{local_len}. Pad the sequence to a multiple of 2 * ring_size, or use "
+        "layout='striped' or 'contiguous'.")
+
+
+def _check_global(layout: str, ring_size: int, length: int) -> int:
+  check_layout(layout)
+  if ring_size < 1:
+    raise ValueError(f"ring_size must be >= 1, got {ring_size}.")
+  if length % ring_size:
+    raise ValueError(
+        f"sequence length {length} is not divisible by the ring size {ring_size}; pad it "
+        f"to a multiple of {ring_size * (2 if layout == 'zigzag' else 1)}.")
+  local_len = length // ring_size
+  check_local_length(layout, local_len)
+  return local_len
+
+
+def local_positions(layout: str, ring_size: int, local_len: int, device):
+  """Global positions ``[local_len]`` (int32) of the tokens held by ``device``.
+
+  ``device`` may be a Python int or a traced int32 scalar (e.g.
+  ``jax.lax.axis_index``), so the same formula serves the kernel and the
+  schedule. Works with numpy when ``device`` is an int.
+  """
+  xp = np if isinstance(device, (int, np.integer)) else jnp
+  j = xp.arange(local_len, dtype=np.int32)
+  if layout == "contiguous":
+    return device * local_len + j
+  if layout == "striped":
+    return j * ring_size + device
+  if layout == "zigzag":
+    half = local_len // 2
+    first = device * half + j
+    second = (2 * ring_size - 1 - device) * half + (j - half)
+    return xp.where(j < half, first, second).astype(np.int32)
+  raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}.")
+
+
+@functools.lru_cache(maxsize=256)
+def _permutation(layout: str, ring_size: int, length: int) -> np.ndarray:
+  """perm[k] = natural position of the token at layout-order index k."""
+  local_len = _check_global(layout, ring_size, length)
+  perm = np.concatenate(
+      [local_positions(layout, ring_size, local_len, d) for d in range(ring_size)])
+  perm.setflags(write=False)
+  return perm
+
+
+def layout_positions(layout: str, ring_size: int, length: int) -> np.ndarray:
+  """Global position ``[length]`` of each token of a layout-ordered sequence."""
+  return _permutation(layout, ring_size, length).copy()
+
+
+def to_layout(x, layout: str, ring_size: int, axis: int = 1):
+  """Reorders a natural-order array along ``axis`` into ``layout`` order."""
+  perm = _permutation(layout, ring_size, x.shape[axis])
+  if layout == "contiguous":
+    return x
+  return jnp.take(x, jnp.asarray(perm), axis=axis)
+
+
+def from_layout(x, layout: str, ring_size: int, axis: int = 1):
+  """Inverse of :func:`to_layout`: layout order back to natural order."""
+  perm = _permutation(layout, ring_size, x.shape[axis])
+  if layout == "contiguous":
+    return x
+  return jnp.take(x, jnp.asarray(np.argsort(perm)), axis=axis)
+
+
+def normalize_window(local_window_size) -> tuple[int, int] | None:
+  """``int w`` -> ``(w, w)``; ``(left, right)`` kept; ``None`` kept.
+
+  Same meaning as ``jax.nn.dot_product_attention``: query at position ``p``
+  may attend keys in ``[p - left, p + right]``.
+  """
+  if local_window_size is None:
+    return None
+  if isinstance(local_window_size, (int, np.integer)):
+    w = (int(local_window_size), int(local_window_size))
+  else:
+    try:
+      left, right = local_window_size
+    except (TypeError, ValueError):
+      raise TypeError(
+          "local_window_size must be an int or a (left, right) pair of ints, got "
+          f"{local_window_size!r}.") from None
+    w = (int(left), int(right))
+  if w[0] < 0 or w[1] < 0:
+    raise ValueError(f"local_window_size entries must be >= 0, got {local_window_size!r}.")
+  return w
+
+
+def position_mask(q_pos, k_pos, is_causal: bool, window):
+  """Boolean ``[..., Tq, Tk]`` mask allowed by causality and the local window."""
+  xp = np if isinstance(q_pos, np.ndarray) else jnp
+  diff = q_pos[..., :, None] - k_pos[..., None, :]  # >0: key is in the past
+  mask = xp.ones(diff.shape, dtype=bool)
+  if is_causal:
+    mask &= diff >= 0
+  if window is not None:
+    left, right = window
+    mask &= (diff <= left) & (diff >= -right)
+  return mask
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+  """Which (query block, key/value block) pairs each device computes at each hop.
+
+  At hop ``h`` device ``d`` holds the key/value shard that started on device
+  ``(d - h) mod n`` (K/V travel ``d -> d+1``).
+
+  Attributes:
+    pairs: int32 ``[n, n, P, 2]``: ``pairs[d, h, p] = (q_block, kv_block)`` for
+      ``p < num_pairs[d, h]``; the rest is padding (zeros).
+    num_pairs: int32 ``[n, n]``: number of block pairs device ``d`` computes at hop ``h``.
+    partial: bool ``[n, n, P]``: True where a computed pair is only partly
+      unmasked (the rest are fully visible).
+    block_q, block_kv: block sizes in tokens.
+    layout, ring_size, local_len: what the schedule was built for.
+  """
+  pairs: np.ndarray
+  num_pairs: np.ndarray
+  partial: np.ndarray
+  block_q: int
+  block_kv: int
+  layout: str
+  ring_size: int
+  local_len: int
+
+  @property
+  def active(self) -> np.ndarray:
+    """bool ``[n, n, Q, K]``: block pair (q, kv) computed by device d at hop h."""
+    n = self.ring_size
+    nq, nk = self.local_len // self.block_q, self.local_len // self.block_kv
+    out = np.zeros((n, n, nq, nk), dtype=bool)
+    for d in range(n):
+      for h in range(n):
+        for a, b in self.pairs[d, h, :self.num_pairs[d, h]]:
+          out[d, h, a, b] = True
+    return out
+
+  def work_per_device(self) -> np.ndarray:
+    """``[n]``: block pairs each device computes over the whole ring pass."""
+    return self.num_pairs.sum(axis=1)
+
+  def critical_path(self) -> int:
+    """Block pairs on the critical path: hops are synchronous, so each costs its busiest device."""
+    return int(self.num_pairs.max(axis=0).sum())
+
+
+def _allowed_counts(q_pos, k_pos, nq, nk, is_causal, window) -> np.ndarray:
+  """``[nq, nk]``: number of allowed (query, key) pairs in each block pair.
+
+  Positions within a shard increase monotonically in every layout, so for each
+  query the allowed keys of a block form a range found by binary search; this
+  avoids materialising an ``[L, L]`` mask for long local sequences.
+  """
+  bq, bk = len(q_pos) // nq, len(k_pos) // nk
+  if not is_causal and window is None:
+    return np.full((nq, nk), bq * bk, np.int64)
+  big = np.iinfo(np.int64).max // 4
+  left, right = window if window is not None else (big, big)
+  if is_causal:
+    right = min(right, 0)
+  q = q_pos.astype(np.int64)
+  k_blocks = k_pos.astype(np.int64).reshape(nk, bk)
+  counts = np.empty((nk, len(q)), np.int64)
+  for b in range(nk):
+    counts[b] = (np.searchsorted(k_blocks[b], q + right, side="right") -
+                 np.searchsorted(k_blocks[b], q - left, side="left"))
+  counts = np.maximum(counts, 0)
+  return counts.reshape(nk, nq, bq).sum(-1).T
+
+
+@functools.lru_cache(maxsize=256)
+def schedule(layout: str, ring_size: int, local_len: int, block_q: int, block_kv: int,
+             is_causal: bool = False, local_window_size=None) -> Schedule:
+  """Builds the block schedule of a ring pass (see :class:`Schedule`).
+
+  A block pair is skipped when no (query, key) pair in it is allowed by the
+  causal mask / local window given the layout's global positions. Segment ids
+  are data, not layout, and are handled inside the kernel.
+  """
+  check_local_length(layout, local_len)
+  if local_len % block_q or local_len % block_kv:
+    raise ValueError(
+        f"block_q={block_q} and block_kv={block_kv} must divide the local sequence length "
+        f"{local_len}.")
+  window = normalize_window(local_window_size)
+  n = ring_size
+  nq, nk = local_len // block_q, local_len // block_kv
+  pos = [local_positions(layout, n, local_len, d) for d in range(n)]
+  lists = [[None] * n for _ in range(n)]
+  for d in range(n):
+    for h in range(n):
+      count = _allowed_counts(pos[d], pos[(d - h) % n], nq, nk, is_causal, window)
+      qa, kb = np.nonzero(count > 0)
+      lists[d][h] = (qa, kb, count[qa, kb] < block_q * block_kv)
+  max_pairs = max(1, max(len(lists[d][h][0]) for d in range(n) for h in range(n)))
+  pairs = np.zeros((n, n, max_pairs, 2), np.int32)
+  partial = np.zeros((n, n, max_pairs), bool)
+  num_pairs = np.zeros((n, n), np.int32)
+  for d in range(n):
+    for h in range(n):
+      qa, kb, part = lists[d][h]
+      m = len(qa)
+      pairs[d, h, :m, 0], pairs[d, h, :m, 1] = qa, kb
+      partial[d, h, :m] = part
+      num_pairs[d, h] = m
+  for arr in (pairs, partial, num_pairs):
+    arr.setflags(write=False)
+  return Schedule(pairs=pairs, num_pairs=num_pairs, partial=partial, block_q=block_q,
+                  block_kv=block_kv, layout=layout, ring_size=n, local_len=local_len)
