@@ -12,9 +12,19 @@ Public API:
 from ring_jax.ffn import blockwise_ffn
 from ring_jax.layouts import (LAYOUTS, Schedule, from_layout, layout_positions, local_positions,
                               schedule, to_layout)
+from ring_jax.hop import Carry, HopKernel, HopMasks, HopSpec, XlaHopKernel
 from ring_jax.reference import reference_attention
+from ring_jax.ring import ring_attention
+from ring_jax.sharded import ring_attention_sharded
 
 __all__ = [
+    "Carry",
+    "HopKernel",
+    "HopMasks",
+    "HopSpec",
+    "XlaHopKernel",
+    "ring_attention",
+    "ring_attention_sharded",
     "LAYOUTS",
     "Schedule",
     "blockwise_ffn",

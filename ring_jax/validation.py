@@ -48,7 +48,7 @@ def check_segment_ids(segment_ids, shape) -> None:
   if seg_shape != tuple(shape):
     raise ValueError(
         f"segment_ids must have shape [batch, length] = {tuple(shape)}, got {seg_shape}.")
-  dtype = getattr(segment_ids, "dtype", np.asarray(segment_ids).dtype)
+  dtype = segment_ids.dtype if hasattr(segment_ids, "dtype") else np.asarray(segment_ids).dtype
   if not jnp.issubdtype(dtype, jnp.integer):
     raise TypeError(
         f"segment_ids must be an integer array (int32; 0 = padding), got dtype {dtype}.")

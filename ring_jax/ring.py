@@ -1,0 +1,259 @@
+"""The ring: K/V shards travel around a named mesh axis with ``ppermute``.
+
+Liu, Zaharia & Abbeel, "Ring Attention with Blockwise Transformers for
+Near-Infinite Context" (2023), Alg. 1. Device ``i`` of an ``n``-device ring
+starts with its own K/V shard and, at hop ``h``, holds the shard of device
+``(i - h) mod n``. Each hop folds blockwise attention against that shard into
+a float32 online-softmax carry (:mod:`ring_jax.hop`); the next shard's
+transfer is issued before the hop's compute so XLA can overlap the two.
+
+The backward pass is a hand-written ``custom_vjp`` that goes around the ring
+again: K, V and their float32 gradient accumulators dK, dV travel together,
+each device adding its queries' contribution; after ``n`` transfers every dK/dV
+is back on the device that owns the shard. Nothing per hop is stored, so memory
+is linear in the local length (autodiff through the loop would keep every
+hop's scores).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from ring_jax import layouts
+from ring_jax import validation
+from ring_jax.hop import Carry, HopKernel, HopMasks, HopSpec, XlaHopKernel, finalize, init_carry
+
+DEFAULT_BLOCK = 512
+
+
+@dataclasses.dataclass(frozen=True)
+class _RingConfig:
+  axis_name: object
+  ring_size: int
+  layout: str
+  spec: HopSpec
+  kernel: HopKernel
+
+
+def default_block(layout: str, local_len: int, target: int = DEFAULT_BLOCK) -> int:
+  """Largest divisor of the layout's chunk (local length, or half for zigzag) <= target.
+
+  Blocks that do not straddle the zigzag chunk boundary let the schedule skip
+  whole masked chunks.
+  """
+  chunk = local_len // 2 if layout == "zigzag" else local_len
+  for size in range(min(target, chunk), 0, -1):
+    if chunk % size == 0:
+      return size
+  return 1
+
+
+def ring_attention(query, key, value, *, axis_name, is_causal: bool = False, segment_ids=None,
+                   scale: float | None = None, local_window_size=None,
+                   layout: str = "contiguous", block_q: int | None = None,
+                   block_kv: int | None = None, precision=None,
+                   hop_kernel: HopKernel | None = None):
+  """Exact attention over a sequence sharded along mesh axis ``axis_name``.
+
+  Call inside ``jax.shard_map`` (or any context where ``axis_name`` is bound)
+  on the local shards. The local shards must be in ``layout`` order: shard
+  ``i`` holds the tokens :func:`ring_jax.local_positions` gives for device
+  ``i`` (use :func:`ring_jax.to_layout` on the global array before sharding,
+  or :func:`ring_jax.ring_attention_sharded`, which does it for you).
+
+  Args:
+    query: local ``[B, T, N, H]``.
+    key, value: local ``[B, S, K, H]``; ``N % K == 0``. Only the ``K`` heads
+      travel around the ring (GQA/MQA without repeating K/V).
+    axis_name: mesh axis the sequence is sharded over (the ring).
+    is_causal: causal mask over global positions.
+    segment_ids: local int ``[B, T]``: attention only within equal ids; 0 is
+      padding (pad queries output 0; pad keys are never attended). Travels
+      around the ring with K/V.
+    scale: score scale, default ``1/sqrt(H)``.
+    local_window_size: ``int`` or ``(left, right)`` sliding window over
+      global positions (as in ``jax.nn.dot_product_attention``).
+    layout: ``"contiguous"``, ``"zigzag"`` or ``"striped"`` (see
+      :mod:`ring_jax.layouts`); with a causal mask zigzag and striped balance
+      the work across devices.
+    block_q, block_kv: query / key block sizes of the blockwise computation;
+      must divide the local length. Default: up to 512, dividing the layout's chunk.
+    precision: matmul precision (e.g. ``jax.lax.Precision.HIGHEST`` for
+      float32 on TPU).
+    hop_kernel: per-hop kernel (see :class:`ring_jax.hop.HopKernel`); default
+      the XLA blockwise kernel.
+
+  Returns:
+    local ``[B, T, N, H]`` in ``query.dtype``, equal to dense attention over
+    the global sequence.
+  """
+  cfg = _make_config(query, key, value, axis_name=axis_name, is_causal=is_causal,
+                     segment_ids=segment_ids, scale=scale, local_window_size=local_window_size,
+                     layout=layout, block_q=block_q, block_kv=block_kv, precision=precision,
+                     hop_kernel=hop_kernel)
+  b, t, n, h = query.shape
+  kh = key.shape[2]
+  q = query.reshape(b, t, kh, n // kh, h)
+  if segment_ids is not None:
+    segment_ids = segment_ids.astype(jnp.int32)
+  out = _ring(cfg, q, key, value, segment_ids)
+  return out.reshape(b, t, n, h)
+
+
+def _axis_size(axis_name) -> int:
+  try:
+    return jax.lax.axis_size(axis_name)
+  except NameError as e:
+    raise ValueError(
+        f"axis_name={axis_name!r} is not a mesh axis bound here: call ring_attention inside "
+        "jax.shard_map over a mesh with that axis (or use ring_attention_sharded).") from e
+
+
+def _make_config(query, key, value, *, axis_name, is_causal, segment_ids, scale,
+                 local_window_size, layout, block_q, block_kv, precision,
+                 hop_kernel) -> _RingConfig:
+  layouts.check_layout(layout)
+  window = layouts.normalize_window(local_window_size)
+  validation.check_qkv(query, key, value, is_causal=is_causal or window is not None,
+                       segment_ids=segment_ids)
+  ring_size = _axis_size(axis_name)
+  t, s = query.shape[1], key.shape[1]
+  layouts.check_local_length(layout, t, "local query length")
+  layouts.check_local_length(layout, s, "local key/value length")
+  if layout != "contiguous" and t != s:
+    raise ValueError(f"layout={layout!r} needs equal local query and key lengths, got {t}, {s}.")
+  block_q = default_block(layout, t) if block_q is None else block_q
+  block_kv = default_block(layout, s) if block_kv is None else block_kv
+  validation.check_block("block_q", block_q, t)
+  validation.check_block("block_kv", block_kv, s)
+  if t != s and (is_causal or window is not None):
+    raise ValueError("causal/windowed ring attention needs equal local query and key lengths.")
+  spec = HopSpec(scale=float(query.shape[-1] ** -0.5 if scale is None else scale),
+                 is_causal=bool(is_causal), window=window, block_q=int(block_q),
+                 block_kv=int(block_kv), precision=precision)
+  return _RingConfig(axis_name=axis_name, ring_size=ring_size, layout=layout, spec=spec,
+                     kernel=XlaHopKernel() if hop_kernel is None else hop_kernel)
+
+
+def _schedule_tables(cfg: _RingConfig, t: int, s: int):
+  """The block pairs of this ring pass as constant int32 tables ``[n, n, P, 2]``, ``[n, n]``."""
+  if t == s:
+    sched = layouts.schedule(cfg.layout, cfg.ring_size, t, cfg.spec.block_q, cfg.spec.block_kv,
+                             cfg.spec.is_causal, cfg.spec.window)
+    return jnp.asarray(sched.pairs), jnp.asarray(sched.num_pairs)
+  # Non-causal cross-attention with different lengths: every block pair, every hop.
+  nq, nk = t // cfg.spec.block_q, s // cfg.spec.block_kv
+  grid = jnp.stack(jnp.meshgrid(jnp.arange(nq), jnp.arange(nk), indexing="ij"), -1)
+  pairs = jnp.broadcast_to(grid.reshape(1, 1, nq * nk, 2),
+                           (cfg.ring_size, cfg.ring_size, nq * nk, 2)).astype(jnp.int32)
+  return pairs, jnp.full((cfg.ring_size, cfg.ring_size), nq * nk, jnp.int32)
+
+
+def _varying_axes(x) -> frozenset:
+  """Manual mesh axes ``x`` varies over inside ``shard_map`` (empty outside)."""
+  aval = jax.typeof(x)
+  vma = getattr(aval, "vma", None)  # older spelling
+  if vma is None:
+    mat = getattr(aval, "manual_axis_type", None)
+    vma = getattr(mat, "varying", frozenset())
+  return frozenset(vma or ())
+
+
+def _varying_like(x, ref):
+  """Marks a freshly created ``x`` as varying over the same manual mesh axes as ``ref``.
+
+  Under ``shard_map(check_vma=True)`` loop carries must agree on which mesh
+  axes they vary over; zeros created inside the body vary over none.
+  """
+  missing = tuple(sorted(_varying_axes(ref) - _varying_axes(x), key=str))
+  if not missing:
+    return x
+  return jax.lax.pcast(x, missing, to="varying")
+
+
+def _hop_masks(cfg: _RingConfig, tables, device, hop, q_pos, s, q_seg, kv_seg) -> HopMasks:
+  pairs, num_pairs = tables
+  src = (device - hop) % cfg.ring_size
+  kv_pos = layouts.local_positions(cfg.layout, cfg.ring_size, s, src)
+  return HopMasks(q_positions=q_pos, kv_positions=kv_pos, q_segment_ids=q_seg,
+                  kv_segment_ids=kv_seg, pairs=pairs[device, hop], num_pairs=num_pairs[device, hop])
+
+
+def _rotate(cfg: _RingConfig, *xs):
+  n = cfg.ring_size
+  perm = [(j, (j + 1) % n) for j in range(n)]
+  return tuple(None if x is None else jax.lax.ppermute(x, cfg.axis_name, perm) for x in xs)
+
+
+def _forward(cfg: _RingConfig, q, k, v, seg):
+  """Returns ``(out [B,T,K,G,H], lse [B,T,K,G])``."""
+  n = cfg.ring_size
+  t, s = q.shape[1], k.shape[1]
+  device = jax.lax.axis_index(cfg.axis_name)
+  tables = _schedule_tables(cfg, t, s)
+  q_pos = layouts.local_positions(cfg.layout, n, t, device)
+  carry = jax.tree.map(lambda x: _varying_like(x, q), init_carry(q))
+
+  def hop(h, k, v, kv_seg, carry):
+    masks = _hop_masks(cfg, tables, device, h, q_pos, s, seg, kv_seg)
+    return cfg.kernel.forward(q, k, v, carry, masks, cfg.spec)
+
+  def body(h, state):
+    k, v, kv_seg, carry = state
+    k_next, v_next, seg_next = _rotate(cfg, k, v, kv_seg)
+    return k_next, v_next, seg_next, hop(h, k, v, kv_seg, carry)
+
+  k, v, kv_seg, carry = jax.lax.fori_loop(0, n - 1, body, (k, v, seg, carry))
+  carry = hop(n - 1, k, v, kv_seg, carry)  # last hop: nothing left to send
+  return finalize(carry, q.dtype)
+
+
+def _backward(cfg: _RingConfig, q, k, v, seg, out, lse, do):
+  n = cfg.ring_size
+  t, s = q.shape[1], k.shape[1]
+  device = jax.lax.axis_index(cfg.axis_name)
+  tables = _schedule_tables(cfg, t, s)
+  q_pos = layouts.local_positions(cfg.layout, n, t, device)
+  delta = jnp.sum(do.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
+  dq = _varying_like(jnp.zeros(q.shape, jnp.float32), q)
+  dk = _varying_like(jnp.zeros(k.shape, jnp.float32), k)
+  dv = _varying_like(jnp.zeros(v.shape, jnp.float32), v)
+
+  def hop(h, k, v, kv_seg, dq, dk, dv):
+    masks = _hop_masks(cfg, tables, device, h, q_pos, s, seg, kv_seg)
+    return cfg.kernel.backward(q, k, v, do, lse, delta, masks, cfg.spec, dq, dk, dv)
+
+  def body(h, state):
+    k, v, kv_seg, dq, dk, dv = state
+    k_next, v_next, seg_next = _rotate(cfg, k, v, kv_seg)
+    dq, dk, dv = hop(h, k, v, kv_seg, dq, dk, dv)
+    dk, dv = _rotate(cfg, dk, dv)  # the accumulators follow their K/V shard
+    return k_next, v_next, seg_next, dq, dk, dv
+
+  k, v, kv_seg, dq, dk, dv = jax.lax.fori_loop(0, n - 1, body, (k, v, seg, dq, dk, dv))
+  dq, dk, dv = hop(n - 1, k, v, kv_seg, dq, dk, dv)
+  dk, dv = _rotate(cfg, dk, dv)  # n-th transfer: home to the shard's owner
+  return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _ring(cfg: _RingConfig, q, k, v, seg):
+  return _forward(cfg, q, k, v, seg)[0]
+
+
+def _ring_fwd(cfg: _RingConfig, q, k, v, seg):
+  out, lse = _forward(cfg, q, k, v, seg)
+  return out, (q, k, v, seg, out, lse)
+
+
+def _ring_bwd(cfg: _RingConfig, res, do):
+  q, k, v, seg, out, lse = res
+  dq, dk, dv = _backward(cfg, q, k, v, seg, out, lse, do)
+  return dq, dk, dv, None
+
+
+_ring.defvjp(_ring_fwd, _ring_bwd)

@@ -1,0 +1,126 @@
+"""``ring_attention_sharded``: ring attention on global arrays over a mesh."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+from jax.sharding import PartitionSpec as P
+
+from ring_jax import layouts
+from ring_jax import validation
+from ring_jax.ring import ring_attention
+
+_DEFAULT_AXES = {"batch_axis": "data", "head_axis": "tensor"}
+
+
+def _resolve_axis(mesh, name, arg: str, default: str | None):
+  """Mesh axis to shard over, or None. A default name the mesh lacks means "not sharded"."""
+  if name is None:
+    return None
+  if name in mesh.axis_names:
+    return name
+  if name == default:
+    return None
+  raise ValueError(
+      f"{arg}={name!r} is not an axis of the mesh (axes: {tuple(mesh.axis_names)}); pass one "
+      f"of those or {arg}=None.")
+
+
+def ring_attention_sharded(query, key, value, *, mesh=None, seq_axis: str = "sequence",
+                           batch_axis: str | None = "data", head_axis: str | None = "tensor",
+                           is_causal: bool = False, segment_ids=None, scale: float | None = None,
+                           local_window_size=None, layout: str = "contiguous",
+                           inputs_in_layout: bool = False, block_q: int | None = None,
+                           block_kv: int | None = None, precision=None, hop_kernel=None):
+  """Ring attention on global ``[B, L, N, H]`` arrays: builds the ``shard_map`` for you.
+
+  The sequence axis is sharded over ``seq_axis`` (the ring); the batch over
+  ``batch_axis`` and the heads over ``head_axis`` at the same time (tensor x
+  sequence parallelism). ``batch_axis="data"`` and ``head_axis="tensor"`` are
+  defaults that mean "not sharded" when the mesh has no such axis; any other
+  name must be a mesh axis. Key/value heads are sharded over ``head_axis``
+  too, or replicated when there is a single one (MQA).
+
+  Args:
+    query, key, value, segment_ids, is_causal, scale, local_window_size,
+    block_q, block_kv, precision, hop_kernel: as in
+      :func:`ring_jax.ring_attention`, but global (natural token order unless
+      ``inputs_in_layout``).
+    mesh: a ``jax.sharding.Mesh`` (Auto or Explicit axes) or ``AbstractMesh``;
+      default: the mesh set with ``jax.set_mesh``.
+    layout: sequence layout across the ring.
+    inputs_in_layout: the inputs are already in ``layout`` order (e.g. a model
+      that reorders once per batch with :func:`ring_jax.to_layout`); the output
+      is then left in layout order too. Otherwise inputs are reordered on the
+      way in and the output restored to natural order.
+
+  Returns:
+    ``[B, L, N, H]`` in ``query.dtype``.
+  """
+  if mesh is None:
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh is None or not mesh.axis_names:
+      raise ValueError("no mesh given and none set: pass mesh= or call under jax.set_mesh(mesh).")
+  if seq_axis not in mesh.axis_names:
+    raise ValueError(
+        f"seq_axis={seq_axis!r} is not an axis of the mesh (axes: {tuple(mesh.axis_names)}).")
+  batch_axis = _resolve_axis(mesh, batch_axis, "batch_axis", _DEFAULT_AXES["batch_axis"])
+  head_axis = _resolve_axis(mesh, head_axis, "head_axis", _DEFAULT_AXES["head_axis"])
+  if len({seq_axis, batch_axis, head_axis} - {None}) != len([a for a in (seq_axis, batch_axis,
+                                                                      head_axis) if a]):
+    raise ValueError(f"seq_axis, batch_axis and head_axis must differ, got {seq_axis!r}, "
+                     f"{batch_axis!r}, {head_axis!r}.")
+  layouts.check_layout(layout)
+  validation.check_qkv(query, key, value, is_causal=is_causal or local_window_size is not None,
+                       segment_ids=segment_ids)
+
+  b, length, n, _ = query.shape
+  kv_len, kh = key.shape[1], key.shape[2]
+  ring = mesh.shape[seq_axis]
+  for what, size in (("query", length), ("key/value", kv_len)):
+    if size % ring:
+      raise ValueError(
+          f"{what} length {size} is not divisible by the ring size {seq_axis}={ring}; pad it "
+          f"to a multiple of {ring * (2 if layout == 'zigzag' else 1)}.")
+    layouts.check_local_length(layout, size // ring, f"local {what} length ({size}/{ring})")
+  if batch_axis is not None and b % mesh.shape[batch_axis]:
+    raise ValueError(
+        f"batch {b} is not divisible by {batch_axis}={mesh.shape[batch_axis]}; use a batch that "
+        f"is a multiple of it or batch_axis=None.")
+  kv_head_axis = head_axis
+  if head_axis is not None:
+    tp = mesh.shape[head_axis]
+    if n % tp:
+      raise ValueError(f"query heads {n} are not divisible by {head_axis}={tp}.")
+    if kh % tp:
+      if kh != 1:
+        raise ValueError(
+            f"key/value heads {kh} are not divisible by {head_axis}={tp}; use a number of "
+            "key/value heads divisible by the tensor axis (or a single one, MQA).")
+      kv_head_axis = None  # MQA: every tensor shard needs the one K/V head
+
+  if not inputs_in_layout:
+    reorder = functools.partial(layouts.to_layout, layout=layout, ring_size=ring, axis=1)
+    query, key, value = reorder(query), reorder(key), reorder(value)
+    if segment_ids is not None:
+      segment_ids = reorder(segment_ids)
+
+  kernel = functools.partial(
+      ring_attention, axis_name=seq_axis, is_causal=is_causal, scale=scale,
+      local_window_size=local_window_size, layout=layout, block_q=block_q, block_kv=block_kv,
+      precision=precision, hop_kernel=hop_kernel)
+  q_spec = P(batch_axis, seq_axis, head_axis, None)
+  kv_spec = P(batch_axis, seq_axis, kv_head_axis, None)
+  if segment_ids is None:
+    fn = jax.shard_map(lambda q, k, v: kernel(q, k, v), mesh=mesh,
+                       in_specs=(q_spec, kv_spec, kv_spec), out_specs=q_spec)
+    out = fn(query, key, value)
+  else:
+    fn = jax.shard_map(lambda q, k, v, s: kernel(q, k, v, segment_ids=s), mesh=mesh,
+                       in_specs=(q_spec, kv_spec, kv_spec, P(batch_axis, seq_axis)),
+                       out_specs=q_spec)
+    out = fn(query, key, value, segment_ids.astype("int32"))
+  if not inputs_in_layout:
+    out = layouts.from_layout(out, layout, ring, axis=1)
+  return out
