@@ -1,0 +1,620 @@
+"""LLaMA in Flax NNX with ring attention (sequence parallelism) and blockwise FFN.
+
+Architecture (Touvron et al. 2023; Dubey et al. 2024 for LLaMA-3 RoPE scaling):
+token embedding -> ``num_layers`` x [RMSNorm -> GQA self-attention with RoPE ->
+residual -> RMSNorm -> SwiGLU MLP -> residual] -> RMSNorm -> vocabulary head
+(untied, or tied to the embedding).
+
+Conventions the rest of the project relies on:
+
+* **Layouts.** The caller reorders tokens, positions, segment ids and labels
+  once with :func:`ring_jax.to_layout` and passes ``positions`` explicitly.
+  The model never reorders: RoPE uses the given positions, ring attention gets
+  ``inputs_in_layout=True``, and the dense backend masks with
+  ``q_positions=kv_positions=positions``. Logits come back in the same order.
+* **Sharding.** Parameters carry logical axis names (Variable metadata
+  ``logical_axes``); :mod:`models.sharding` maps them to mesh axes. The mesh is
+  the one set with ``jax.set_mesh`` (none: everything runs unsharded).
+* **Tree mode.** The model holds only ``nnx.Param`` arrays (RoPE tables are
+  computed from positions, nothing is cached), no Variable is shared, and
+  ``__call__`` is pure, so ``nnx.split`` / ``nnx.merge`` around a ``jax.jit``
+  is all a trainer needs.
+* **Stacked layers.** The per-layer parameters are stacked along a leading
+  ``layers`` axis in one :class:`Block`, and the forward pass runs
+  ``jax.lax.scan`` over them (``scan_layers=True``, one compiled layer for any
+  depth) or a Python loop over the same arrays (``scan_layers=False``); the
+  parameter tree is identical either way.
+* **RoPE convention.** ``rotate_half`` (first half / second half of each head),
+  as Hugging Face ``LlamaAttention``: HF q/k weights load without permutation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Callable, Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
+
+import ring_jax
+from models import sharding as shd
+
+ATTENTION_BACKENDS = ("ring", "dense")
+
+DTYPES = {
+    "float32": jnp.float32, "f32": jnp.float32, "fp32": jnp.float32,
+    "bfloat16": jnp.bfloat16, "bf16": jnp.bfloat16,
+    "float16": jnp.float16, "f16": jnp.float16, "fp16": jnp.float16,
+}
+
+_cp = jax.checkpoint_policies
+# remat_policy name -> jax.checkpoint policy; "none" means no jax.checkpoint at all.
+REMAT_POLICIES: dict[str, Callable | None] = {
+    "none": None,
+    # Save nothing: the backward pass recomputes the whole layer from its input.
+    "full": _cp.nothing_saveable,
+    "nothing_saveable": _cp.nothing_saveable,
+    # Save matmul outputs, recompute elementwise ops (norms, RoPE, SwiGLU gating).
+    "dots_saveable": _cp.dots_saveable,
+    "save_dots": _cp.dots_saveable,
+    "dots_with_no_batch_dims_saveable": _cp.dots_with_no_batch_dims_saveable,
+    "save_dots_no_batch": _cp.dots_with_no_batch_dims_saveable,
+    # Save only the named projections (q/k/v, attention output, MLP output) tagged below.
+    "save_qkv_attn_out": _cp.save_only_these_names("query", "key", "value", "attn_out"),
+    "save_attn_mlp_out": _cp.save_only_these_names("attn_out", "mlp_out"),
+}
+
+ROPE_TYPES = ("default", "linear", "llama3")
+
+
+def _freeze(value):
+  """Hashable form of nested dict/list values (so configs can be static jit arguments)."""
+  if isinstance(value, Mapping):
+    return tuple(sorted((k, _freeze(v)) for k, v in value.items()))
+  if isinstance(value, (list, tuple)):
+    return tuple(_freeze(v) for v in value)
+  return value
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaConfig:
+  """Model hyper-parameters; validated on construction (bad values raise ``ValueError``).
+
+  ``head_dim=None`` means ``dim // num_heads`` (see :attr:`resolved_head_dim`).
+  ``rope_scaling`` follows Hugging Face: ``None``, ``{"rope_type": "linear",
+  "factor": f}`` or ``{"rope_type": "llama3", "factor", "low_freq_factor",
+  "high_freq_factor", "original_max_position_embeddings"}`` (``"type"`` is
+  accepted for ``"rope_type"``). ``attention`` is ``"ring"`` or ``"dense"``;
+  ``remat_policy`` a key of :data:`REMAT_POLICIES`; ``dtype`` the compute
+  dtype, ``param_dtype`` the storage dtype (keys of :data:`DTYPES`).
+  """
+  vocab_size: int = 256
+  dim: int = 256
+  num_layers: int = 2
+  num_heads: int = 4
+  num_kv_heads: int = 2
+  head_dim: int | None = None
+  mlp_dim: int = 512
+  rope_theta: float = 10000.0
+  rope_scaling: dict | None = None
+  norm_eps: float = 1e-5
+  tie_embeddings: bool = False
+  attention: str = "ring"
+  layout: str = "contiguous"
+  block_q: int | None = None
+  block_kv: int | None = None
+  ffn_chunk_size: int | None = None
+  remat_policy: str = "none"
+  scan_layers: bool = True
+  dtype: str = "float32"
+  param_dtype: str = "float32"
+  fsdp: bool = False
+  # Std of the normal initialiser of every weight matrix and the embedding (as HF LLaMA).
+  init_std: float = 0.02
+
+  def __post_init__(self):
+    if self.attention not in ATTENTION_BACKENDS:
+      raise ValueError(
+          f"attention must be one of {ATTENTION_BACKENDS}, got {self.attention!r}.")
+    ring_jax.layouts.check_layout(self.layout)
+    for name in ("vocab_size", "dim", "num_layers", "num_heads", "num_kv_heads", "mlp_dim"):
+      value = getattr(self, name)
+      if not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}.")
+    if self.num_heads % self.num_kv_heads:
+      raise ValueError(
+          f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}.")
+    if self.head_dim is None and self.dim % self.num_heads:
+      raise ValueError(
+          f"dim={self.dim} is not divisible by num_heads={self.num_heads}; set head_dim.")
+    if self.resolved_head_dim < 2 or self.resolved_head_dim % 2:
+      raise ValueError(f"head_dim must be even for RoPE, got {self.resolved_head_dim}.")
+    for name in ("block_q", "block_kv", "ffn_chunk_size"):
+      value = getattr(self, name)
+      if value is not None and (not isinstance(value, (int, np.integer)) or value < 1):
+        raise ValueError(f"{name} must be None or a positive int, got {value!r}.")
+    if self.remat_policy not in REMAT_POLICIES:
+      raise ValueError(
+          f"remat_policy must be one of {sorted(REMAT_POLICIES)}, got {self.remat_policy!r}.")
+    for name in ("dtype", "param_dtype"):
+      if getattr(self, name) not in DTYPES:
+        raise ValueError(f"{name} must be one of {sorted(DTYPES)}, got {getattr(self, name)!r}.")
+    if self.rope_theta <= 0:
+      raise ValueError(f"rope_theta must be positive, got {self.rope_theta}.")
+    if self.rope_scaling is not None:
+      # Copy: the config must not alias a dict the caller may mutate later.
+      object.__setattr__(self, "rope_scaling", dict(self.rope_scaling))
+      rope_inv_freq(self)  # validates the scaling dict
+
+  def __hash__(self):
+    # rope_scaling is a dict; hash a frozen view so configs work as static jit arguments.
+    return hash(tuple(_freeze(getattr(self, f.name)) for f in dataclasses.fields(self)))
+
+  @classmethod
+  def from_dict(cls, values: Mapping[str, Any]) -> "LlamaConfig":
+    """Builds a config from a plain dict (e.g. ``ConfigDict.to_dict()``), ignoring unknown keys."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    kwargs = {k: v for k, v in dict(values).items() if k in names}
+    if kwargs.get("rope_scaling") is not None:
+      kwargs["rope_scaling"] = dict(kwargs["rope_scaling"])
+    return cls(**kwargs)
+
+  def to_dict(self) -> dict[str, Any]:
+    return dataclasses.asdict(self)
+
+  @property
+  def resolved_head_dim(self) -> int:
+    return self.head_dim if self.head_dim is not None else self.dim // self.num_heads
+
+  @property
+  def compute_dtype(self):
+    return DTYPES[self.dtype]
+
+  @property
+  def weight_dtype(self):
+    return DTYPES[self.param_dtype]
+
+  def num_params(self, include_embedding: bool = True) -> int:
+    """Parameter count. ``include_embedding=False`` drops the input embedding table only."""
+    d, h, f, v = self.dim, self.resolved_head_dim, self.mlp_dim, self.vocab_size
+    per_layer = d * h * (2 * self.num_heads + 2 * self.num_kv_heads) + 3 * d * f + 2 * d
+    head = 0 if self.tie_embeddings else d * v
+    embedding = d * v if include_embedding or self.tie_embeddings else 0
+    return self.num_layers * per_layer + d + head + embedding
+
+  def flops_per_token(self, seq_len: int) -> float:
+    """Training FLOPs per token (forward + backward), the MFU numerator.
+
+    ``6 * N_matmul + 6 * num_layers * seq_len * num_heads * head_dim`` where
+    ``N_matmul`` counts the weights used in matmuls per token (q/k/v/o and MLP
+    projections of every layer, and the vocabulary head, tied or not; not the
+    embedding gather nor norms): 2 FLOPs per multiply-add forward, x3 for
+    forward + backward. Attention scores and the weighted sum cost
+    ``2 * 2 * seq_len * num_heads * head_dim`` forward per layer and token;
+    the causal mask halves that on average, x3 for training gives the second
+    term (PaLM, Chowdhery et al. 2022, App. B, with causal halving).
+    """
+    d, h, f, v = self.dim, self.resolved_head_dim, self.mlp_dim, self.vocab_size
+    matmul_params = self.num_layers * (d * h * (2 * self.num_heads + 2 * self.num_kv_heads)
+                                       + 3 * d * f) + d * v
+    attention = 6 * self.num_layers * seq_len * self.num_heads * h
+    return float(6 * matmul_params + attention)
+
+
+# ----------------------------------------------------------------------------------------------
+# RoPE
+# ----------------------------------------------------------------------------------------------
+
+
+def rope_inv_freq(cfg: LlamaConfig) -> np.ndarray:
+  """Inverse frequencies ``[head_dim // 2]`` (float32), with optional HF-style scaling.
+
+  ``inv_freq[i] = rope_theta ** (-2i / head_dim)``. ``"linear"`` divides all of
+  them by ``factor``. ``"llama3"`` is HF ``_compute_llama3_parameters``:
+  wavelengths ``2*pi/inv_freq`` longer than ``original_max_position_embeddings
+  / low_freq_factor`` are divided by ``factor``, shorter than ``... /
+  high_freq_factor`` kept, and the band between interpolated with
+  ``smooth = (original_max / wavelen - low_freq_factor) / (high_freq_factor -
+  low_freq_factor)``: ``(1 - smooth) * inv_freq / factor + smooth * inv_freq``.
+  Computed in float64 from float32 base frequencies (as HF's torch float32 ones).
+  """
+  hd = cfg.resolved_head_dim
+  inv_freq = (1.0 / (cfg.rope_theta ** (np.arange(0, hd, 2, dtype=np.int64).astype(np.float32)
+                                        / np.float32(hd)))).astype(np.float32).astype(np.float64)
+  scaling = cfg.rope_scaling
+  if not scaling:
+    return inv_freq.astype(np.float32)
+  rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+  if rope_type not in ROPE_TYPES:
+    raise ValueError(f"rope_scaling type must be one of {ROPE_TYPES}, got {rope_type!r}.")
+  if rope_type == "default":
+    return inv_freq.astype(np.float32)
+  if "factor" not in scaling or not scaling["factor"] > 0:
+    raise ValueError(f"rope_scaling {rope_type!r} needs a positive 'factor', got {scaling}.")
+  factor = float(scaling["factor"])
+  if rope_type == "linear":
+    return (inv_freq / factor).astype(np.float32)
+  missing = {"low_freq_factor", "high_freq_factor", "original_max_position_embeddings"} - set(
+      scaling)
+  if missing:
+    raise ValueError(f"rope_scaling 'llama3' is missing {sorted(missing)}: {scaling}.")
+  low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+  if not high > low:
+    raise ValueError(f"rope_scaling needs high_freq_factor > low_freq_factor, got {scaling}.")
+  old_len = float(scaling["original_max_position_embeddings"])
+  low_freq_wavelen, high_freq_wavelen = old_len / low, old_len / high
+  wavelen = 2 * math.pi / inv_freq
+  scaled = np.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+  smooth = (old_len / wavelen - low) / (high - low)
+  smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+  medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
+  return np.where(medium, smoothed, scaled).astype(np.float32)
+
+
+def rope_tables(positions_BL, inv_freq_K):
+  """``cos, sin`` of shape ``[B, L, 1, head_dim]`` (float32) for :func:`apply_rope`.
+
+  Angle of position ``p`` and frequency ``i`` is ``p * inv_freq[i]``; both
+  halves of the head share the frequencies (``rotate_half`` convention).
+  """
+  angles_BLK = positions_BL.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq_K)
+  angles_BLH = jnp.concatenate([angles_BLK, angles_BLK], axis=-1)
+  return jnp.cos(angles_BLH)[:, :, None, :], jnp.sin(angles_BLH)[:, :, None, :]
+
+
+def apply_rope(x_BLNH, cos_BL1H, sin_BL1H):
+  """``x * cos + rotate_half(x) * sin`` with ``rotate_half(x) = [-x2, x1]`` (halves of H).
+
+  Computed in float32, returned in ``x``'s dtype.
+  """
+  x = x_BLNH.astype(jnp.float32)
+  half = x.shape[-1] // 2
+  rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+  return (x * cos_BL1H + rotated * sin_BL1H).astype(x_BLNH.dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# Modules
+# ----------------------------------------------------------------------------------------------
+
+
+def _param(rngs: nnx.Rngs | None, shape, names, cfg: LlamaConfig, stack: int | None,
+           init: str = "normal") -> nnx.Param:
+  """A Param of ``shape`` (with a leading ``layers`` axis of size ``stack`` if given).
+
+  ``init="normal"``: N(0, cfg.init_std^2) as HF LLaMA; ``"ones"`` for norm scales.
+  """
+  if stack is not None:
+    shape, names = (stack, *shape), ("layers", *names)
+  if init == "ones":
+    value = jnp.ones(shape, cfg.weight_dtype)
+  else:
+    value = (cfg.init_std * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(
+        cfg.weight_dtype)
+  return nnx.Param(value, **{shd.LOGICAL_AXES_KEY: tuple(names)})
+
+
+def _embed_name(cfg: LlamaConfig) -> str:
+  return "embed_fsdp" if cfg.fsdp else "embed"
+
+
+def _weight(param: nnx.Param, cfg: LlamaConfig):
+  """A weight's value in the compute dtype, sharded for compute.
+
+  Under FSDP the ``embed_fsdp`` dimension is gathered here (all-gather just
+  before use; its gradient is reduce-scattered by the transpose); otherwise
+  this is only the dtype cast.
+  """
+  value = param[...].astype(cfg.compute_dtype)
+  names = param.get_metadata()[shd.LOGICAL_AXES_KEY]
+  if value.ndim == len(names) - 1:  # a layer slice inside the scan: drop "layers"
+    names = names[1:]
+  if cfg.fsdp:
+    value = shd.with_logical_constraint(
+        value, tuple("embed" if n == "embed_fsdp" else n for n in names))
+  return value
+
+
+class RMSNorm(nnx.Module):
+  """``x / sqrt(mean(x^2) + eps) * scale`` over the last axis, in float32."""
+
+  def __init__(self, cfg: LlamaConfig, *, stack: int | None = None):
+    self.cfg = cfg
+    self.scale = _param(None, (cfg.dim,), ("norm",), cfg, stack, init="ones")
+
+  def __call__(self, x_BLD):
+    x = x_BLD.astype(jnp.float32)
+    x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.cfg.norm_eps)
+    return (x * self.scale[...].astype(jnp.float32)).astype(self.cfg.compute_dtype)
+
+
+class Attention(nnx.Module):
+  """GQA self-attention: RoPE on q/k, then the configured backend, then the output projection.
+
+  ``wq [D, N, H]``, ``wk, wv [D, K, H]``, ``wo [N, H, D]``; query head ``n``
+  uses key/value head ``n // (N // K)`` (the backends take K heads directly,
+  nothing is repeated).
+  """
+
+  def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs, stack: int | None = None):
+    self.cfg = cfg
+    d, n, k, h = cfg.dim, cfg.num_heads, cfg.num_kv_heads, cfg.resolved_head_dim
+    e = _embed_name(cfg)
+    self.wq = _param(rngs, (d, n, h), (e, "heads", "head_dim"), cfg, stack)
+    self.wk = _param(rngs, (d, k, h), (e, "kv_heads", "head_dim"), cfg, stack)
+    self.wv = _param(rngs, (d, k, h), (e, "kv_heads", "head_dim"), cfg, stack)
+    self.wo = _param(rngs, (n, h, d), ("heads", "head_dim", e), cfg, stack)
+
+  def __call__(self, x_BLD, cos_BL1H, sin_BL1H, positions_BL, segment_ids_BL):
+    cfg = self.cfg
+    cp = checkpoint_name
+    q_BLNH = jnp.einsum("BLD,DNH->BLNH", x_BLD, _weight(self.wq, cfg))
+    k_BLKH = jnp.einsum("BLD,DKH->BLKH", x_BLD, _weight(self.wk, cfg))
+    v_BLKH = jnp.einsum("BLD,DKH->BLKH", x_BLD, _weight(self.wv, cfg))
+    q_BLNH = cp(apply_rope(q_BLNH, cos_BL1H, sin_BL1H), "query")
+    k_BLKH = cp(apply_rope(k_BLKH, cos_BL1H, sin_BL1H), "key")
+    v_BLKH = cp(v_BLKH, "value")
+    q_BLNH = shd.with_logical_constraint(q_BLNH, ("batch", "length", "heads", "head_dim"))
+    k_BLKH = shd.with_logical_constraint(k_BLKH, ("batch", "length", "kv_heads", "head_dim"))
+    v_BLKH = shd.with_logical_constraint(v_BLKH, ("batch", "length", "kv_heads", "head_dim"))
+    o_BLNH = attention(cfg, q_BLNH, k_BLKH, v_BLKH, positions_BL, segment_ids_BL)
+    o_BLNH = cp(o_BLNH, "attn_out")
+    return shd.logical_einsum("BLNH,NHD->BLD", o_BLNH, _weight(self.wo, cfg),
+                              ("batch", "length", "embed"))
+
+
+class MLP(nnx.Module):
+  """SwiGLU: ``(silu(x @ w_gate) * (x @ w_up)) @ w_down`` (Shazeer 2020)."""
+
+  def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs, stack: int | None = None):
+    self.cfg = cfg
+    d, f, e = cfg.dim, cfg.mlp_dim, _embed_name(cfg)
+    self.w_gate = _param(rngs, (d, f), (e, "mlp"), cfg, stack)
+    self.w_up = _param(rngs, (d, f), (e, "mlp"), cfg, stack)
+    self.w_down = _param(rngs, (f, d), ("mlp", e), cfg, stack)
+
+  def __call__(self, x_XD, lead_names=("batch", "length")):
+    """``x_XD``: any leading dims (logical names ``lead_names``), model dim last."""
+    cfg = self.cfg
+    gate_XF = jnp.einsum("...D,DF->...F", x_XD, _weight(self.w_gate, cfg))
+    up_XF = jnp.einsum("...D,DF->...F", x_XD, _weight(self.w_up, cfg))
+    h_XF = jax.nn.silu(gate_XF) * up_XF
+    return shd.logical_einsum("...F,FD->...D", h_XF, _weight(self.w_down, cfg),
+                              (*lead_names, "embed"))
+
+
+def _sequence_shards() -> int:
+  """Size of the mesh axis the length dimension is sharded over (1 without one)."""
+  spec = shd.logical_to_spec(("length",))
+  mesh = shd._context_mesh()
+  if mesh is None or spec[0] is None:
+    return 1
+  axes = (spec[0],) if isinstance(spec[0], str) else spec[0]
+  return int(np.prod([mesh.shape[a] for a in axes]))
+
+
+class Block(nnx.Module):
+  """One pre-norm transformer layer; built with ``stack=L`` it holds all L layers' weights.
+
+  A stacked Block is not called directly: :class:`Llama` scans (or loops) over
+  its layer slices, each merged back into a Block with unstacked arrays.
+  """
+
+  def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs, stack: int | None = None):
+    self.cfg = cfg
+    self.attn_norm = RMSNorm(cfg, stack=stack)
+    self.attn = Attention(cfg, rngs=rngs, stack=stack)
+    self.mlp_norm = RMSNorm(cfg, stack=stack)
+    self.mlp = MLP(cfg, rngs=rngs, stack=stack)
+
+  def __call__(self, x_BLD, cos_BL1H, sin_BL1H, positions_BL, segment_ids_BL):
+    cfg = self.cfg
+    x_BLD = x_BLD + self.attn(self.attn_norm(x_BLD), cos_BL1H, sin_BL1H, positions_BL,
+                              segment_ids_BL)
+    x_BLD = shd.with_logical_constraint(x_BLD, ("batch", "length", "embed"))
+    h_BLD = self.mlp_norm(x_BLD)
+    if cfg.ffn_chunk_size is None:
+      mlp_BLD = self.mlp(h_BLD)
+    else:
+      mlp_BLD = self._blockwise_mlp(h_BLD)
+    mlp_BLD = checkpoint_name(mlp_BLD, "mlp_out")
+    return shd.with_logical_constraint(x_BLD + mlp_BLD, ("batch", "length", "embed"))
+
+  def _blockwise_mlp(self, h_BLD):
+    """The MLP over ``ffn_chunk_size``-token chunks of each device's local sequence (BPT).
+
+    ``[B, L, D]`` is viewed as ``[B, R, L/R, D]`` with ``R`` the sequence
+    shard count, so the chunks scanned by :func:`ring_jax.blockwise_ffn` are
+    local (the ``R`` axis stays sharded, the scanned axis is not).
+    """
+    b, length, d = h_BLD.shape
+    r = _sequence_shards()
+    chunk = self.cfg.ffn_chunk_size
+    if length % r or (length // r) % chunk:
+      raise ValueError(
+          f"ffn_chunk_size={chunk} must divide the local sequence length {length}/{r}.")
+    h_BRLD = h_BLD.reshape(b, r, length // r, d)
+    h_BRLD = shd.with_logical_constraint(h_BRLD, ("batch", "length", None, "embed"))
+    out_BRLD = ring_jax.blockwise_ffn(
+        lambda x: self.mlp(x, lead_names=("batch", "length", None)), h_BRLD, chunk, axis=2)
+    return out_BRLD.reshape(b, length, d)
+
+
+def attention(cfg: LlamaConfig, q_BLNH, k_BLKH, v_BLKH, positions_BL, segment_ids_BL):
+  """Causal GQA attention by ``cfg.attention`` on layout-ordered inputs.
+
+  ``"ring"``: :func:`ring_jax.ring_attention_sharded` over the mesh axis the
+  ``length`` rule names (``sequence``), with ``layout=cfg.layout,
+  inputs_in_layout=True``; batch/heads sharded per the rules as well. Without a
+  context mesh, or when the mesh has no such axis, it falls back to the dense
+  backend (same values; O(L^2) memory), since there is no ring to run on.
+
+  ``"dense"``: :func:`ring_jax.reference_attention` masked by the given
+  positions. On a mesh it runs under ``shard_map`` per (batch, head) shard
+  with the whole sequence gathered: a reference, not a long-context path.
+  """
+  if cfg.attention == "ring":
+    mesh = shd._context_mesh()
+    seq_spec = shd.logical_to_spec(("length",), mesh=mesh)[0] if mesh is not None else None
+    if isinstance(seq_spec, str):
+      batch_axis = _rule_axis("batch", mesh)
+      head_axis = _rule_axis("heads", mesh)
+      n, k = q_BLNH.shape[2], k_BLKH.shape[2]
+      if head_axis is not None and (n % mesh.shape[head_axis] or (
+          k % mesh.shape[head_axis] and k != 1)):
+        head_axis = None  # heads not divisible by the tensor axis: replicate them
+      if batch_axis is not None and q_BLNH.shape[0] % mesh.shape[batch_axis]:
+        batch_axis = None
+      return ring_jax.ring_attention_sharded(
+          q_BLNH, k_BLKH, v_BLKH, seq_axis=seq_spec, batch_axis=batch_axis,
+          head_axis=head_axis, is_causal=True, segment_ids=segment_ids_BL,
+          layout=cfg.layout, inputs_in_layout=True, block_q=cfg.block_q,
+          block_kv=cfg.block_kv)
+    return _dense_attention(q_BLNH, k_BLKH, v_BLKH, positions_BL, segment_ids_BL)
+  if cfg.attention == "dense":
+    return _dense_attention(q_BLNH, k_BLKH, v_BLKH, positions_BL, segment_ids_BL)
+  raise ValueError(f"attention must be one of {ATTENTION_BACKENDS}, got {cfg.attention!r}.")
+
+
+def _rule_axis(name: str, mesh) -> str | None:
+  """The single mesh axis logical ``name`` maps to on ``mesh``, or None."""
+  entry = shd.logical_to_spec((name,), mesh=mesh)[0]
+  if entry is None:
+    return None
+  if not isinstance(entry, str):
+    raise ValueError(f"ring attention shards {name!r} over one mesh axis, the rules give {entry}.")
+  return entry
+
+
+def _dense_attention(q_BLNH, k_BLKH, v_BLKH, positions_BL, segment_ids_BL):
+  """Reference attention, causal over ``positions`` (so layout order is masked correctly)."""
+
+  def local(q, k, v, pos, seg):
+    return ring_jax.reference_attention(q, k, v, is_causal=True, segment_ids=seg,
+                                        q_positions=pos, kv_positions=pos)
+
+  mesh = shd._context_mesh()
+  if mesh is None:
+    return local(q_BLNH, k_BLKH, v_BLKH, positions_BL, segment_ids_BL)
+  # Shard batch and heads only; the sequence axis is gathered (heads shard consistently for
+  # GQA: a block of N/t query heads uses the matching block of K/t key/value heads).
+  q_names = ("batch", None, "heads", None)
+  kv_names = ("batch", None, "kv_heads", None)
+  q_spec = shd.logical_to_spec(q_names, mesh=mesh, shape=q_BLNH.shape)
+  kv_spec = shd.logical_to_spec(kv_names, mesh=mesh, shape=k_BLKH.shape)
+  if q_spec[2] != kv_spec[2]:  # e.g. 1 kv head: replicate heads rather than mismatch groups
+    q_names = kv_names = ("batch", None, None, None)
+    q_spec = kv_spec = shd.logical_to_spec(q_names, mesh=mesh, shape=q_BLNH.shape)
+  row_spec = jax.sharding.PartitionSpec(q_spec[0], None)
+  q = shd.with_logical_constraint(q_BLNH, q_names)
+  k = shd.with_logical_constraint(k_BLKH, kv_names)
+  v = shd.with_logical_constraint(v_BLKH, kv_names)
+  pos = shd.with_logical_constraint(positions_BL, ("batch", None))
+  if segment_ids_BL is None:
+    fn = jax.shard_map(lambda q, k, v, p: local(q, k, v, p, None), mesh=mesh,
+                       in_specs=(q_spec, kv_spec, kv_spec, row_spec), out_specs=q_spec)
+    out = fn(q, k, v, pos)
+  else:
+    seg = shd.with_logical_constraint(segment_ids_BL, ("batch", None))
+    fn = jax.shard_map(local, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec, row_spec, row_spec),
+                       out_specs=q_spec)
+    out = fn(q, k, v, pos, seg)
+  return shd.with_logical_constraint(out, ("batch", "length", "heads", "head_dim"))
+
+
+class Llama(nnx.Module):
+  """The LLaMA decoder. ``__call__(tokens, positions, segment_ids) -> float32 logits``."""
+
+  def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs):
+    self.cfg = cfg
+    e = _embed_name(cfg)
+    self.embed = _param(rngs, (cfg.vocab_size, cfg.dim), ("vocab", e), cfg, None)
+    self.layers = Block(cfg, rngs=rngs, stack=cfg.num_layers)
+    self.final_norm = RMSNorm(cfg)
+    if not cfg.tie_embeddings:
+      self.lm_head = _param(rngs, (cfg.dim, cfg.vocab_size), (e, "vocab"), cfg, None)
+
+  def __call__(self, tokens_BL, positions_BL, segment_ids_BL=None):
+    """Logits ``[B, L, vocab]`` (float32) in the order of the inputs.
+
+    Args:
+      tokens_BL: int token ids, in ``cfg.layout`` order when the ring backend
+        shards the sequence (the caller applies :func:`ring_jax.to_layout`).
+      positions_BL: int positions of those tokens (RoPE angles; the dense
+        backend's causal mask). Per-document positions work with segment ids.
+      segment_ids_BL: optional int ``[B, L]``: tokens attend within equal ids;
+        0 is padding (its attention output is 0; its logits are meaningless).
+    """
+    cfg = self.cfg
+    tokens_BL = shd.with_logical_constraint(tokens_BL, ("batch", "length"))
+    positions_BL = shd.with_logical_constraint(positions_BL.astype(jnp.int32),
+                                               ("batch", "length"))
+    if segment_ids_BL is not None:
+      segment_ids_BL = shd.with_logical_constraint(segment_ids_BL.astype(jnp.int32),
+                                                   ("batch", "length"))
+    x_BLD = shd.logical_take(_weight(self.embed, cfg), tokens_BL, ("batch", "length", "embed"))
+    cos_BL1H, sin_BL1H = rope_tables(positions_BL, rope_inv_freq(cfg))
+
+    graphdef, stacked = nnx.split(self.layers)
+
+    def layer(x_BLD, layer_state):
+      block = nnx.merge(graphdef, layer_state)
+      return block(x_BLD, cos_BL1H, sin_BL1H, positions_BL, segment_ids_BL)
+
+    policy = REMAT_POLICIES[cfg.remat_policy]
+    if cfg.remat_policy != "none":
+      # prevent_cse matters only outside scan (scan already stops CSE across iterations).
+      layer = jax.checkpoint(layer, policy=policy, prevent_cse=not cfg.scan_layers)
+    if cfg.scan_layers:
+      x_BLD, _ = jax.lax.scan(lambda x, s: (layer(x, s), None), x_BLD, stacked)
+    else:
+      for i in range(cfg.num_layers):
+        x_BLD = layer(x_BLD, jax.tree.map(lambda a, i=i: a[i], stacked))
+
+    x_BLD = self.final_norm(x_BLD)
+    if cfg.tie_embeddings:
+      head = _weight(self.embed, cfg)
+      eq = "BLD,VD->BLV"
+    else:
+      head = _weight(self.lm_head, cfg)
+      eq = "BLD,DV->BLV"
+    return shd.logical_einsum(eq, x_BLD, head, ("batch", "length", "vocab"),
+                              preferred_element_type=jnp.float32)
+
+
+# ----------------------------------------------------------------------------------------------
+# Construction helpers
+# ----------------------------------------------------------------------------------------------
+
+
+def param_shardings(model_or_state, mesh, rules: shd.Rules | None = None):
+  """``NamedSharding`` per parameter from the rules table (see :func:`models.sharding.param_shardings`).
+
+  For a :class:`Llama` the result matches ``nnx.split(model, nnx.Param, ...)[1]``
+  (and ``nnx.state(model)``: the model holds only Params); for a State or any
+  pytree of Variables it matches that tree.
+  """
+  return shd.param_shardings(model_or_state, mesh, rules)
+
+
+def create_sharded_model(cfg: LlamaConfig, mesh, seed: int = 0) -> Llama:
+  """A freshly initialised :class:`Llama` whose parameters are created already sharded.
+
+  The initialiser runs under ``jax.jit`` with ``out_shardings`` from the
+  rules table, so each device materialises only its shards (no full host copy).
+  """
+  abstract = nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(seed)))
+  graphdef, abstract_state = nnx.split(abstract)
+  shardings = param_shardings(abstract_state, mesh)
+
+  def init():
+    return nnx.split(Llama(cfg, rngs=nnx.Rngs(seed)))[1]
+
+  init = jax.jit(init, out_shardings=shardings)
+  with jax.set_mesh(mesh):
+    state = init()
+  return nnx.merge(graphdef, state)

@@ -1,0 +1,268 @@
+"""The one table of logical axis -> mesh axis rules, and helpers that apply it.
+
+Every parameter of :mod:`models.llama` records the *logical* names of its
+dimensions (Variable metadata ``logical_axes``, e.g. ``("layers", "embed",
+"heads", "head_dim")``) and every constrained activation names its dimensions
+the same way. :data:`LOGICAL_RULES` maps those names to the mesh axes
+``data``, ``tensor`` and ``sequence``; nothing else in the model mentions a
+mesh axis. (The same idea as ``ShardingRules`` in jax-llm-examples' llama3 and
+``logical_axis_rules`` in Flax/MaxText.)
+
+Mesh axes a rule names but the current mesh lacks are dropped, as are axes
+that do not divide the dimension (e.g. 1 key/value head over ``tensor=2``
+stays replicated), so the same model runs on a 1-device mesh, on a
+``(data, sequence)`` mesh, or with no mesh at all.
+
+Both kinds of mesh axis work: ``AxisType.Explicit`` (the default of
+``jax.make_mesh``), where shardings are part of array types and changes need
+``jax.sharding.reshard``, and ``AxisType.Auto`` (GSPMD), where
+``with_sharding_constraint`` is the hint.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+import jax
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+# A rule maps a logical name to one mesh axis, a tuple of mesh axes, or None (replicated).
+Rules = tuple[tuple[str, str | tuple[str, ...] | None], ...]
+
+MESH_AXES = ("data", "tensor", "sequence")
+
+LOGICAL_RULES: Rules = (
+    # Activations.
+    ("batch", "data"),
+    ("length", "sequence"),
+    ("seq", "sequence"),  # alias of "length"
+    # Weights and activations alike: tensor parallelism (Megatron split of heads and MLP hidden).
+    ("heads", "tensor"),
+    ("kv_heads", "tensor"),
+    ("mlp", "tensor"),
+    ("vocab", "tensor"),
+    # The model dimension stays whole: it is contracted by every matmul.
+    ("embed", None),
+    # The model dimension of weights when LlamaConfig.fsdp is set: sharded over data (ZeRO-3
+    # style) and gathered by the model just before each use.
+    ("embed_fsdp", "data"),
+    ("head_dim", None),
+    ("layers", None),  # the stacked-layer axis scanned over
+    ("norm", None),  # RMSNorm scales: tiny, replicated
+)
+
+#: Metadata key under which parameters store their logical axis names.
+LOGICAL_AXES_KEY = "logical_axes"
+
+
+def logical_rules() -> Rules:
+  """The rules table (a tuple, so it can be a static/hashable argument)."""
+  return LOGICAL_RULES
+
+
+def _context_mesh():
+  """The mesh set with ``jax.set_mesh`` (abstract inside ``jit``), or None when there is none."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh is None or mesh.empty or not mesh.axis_names:
+    return None
+  return mesh
+
+
+def _lookup(name: str, rules: Mapping[str, Any]):
+  if name not in rules:
+    raise ValueError(f"logical axis {name!r} has no rule; known: {sorted(rules)}.")
+  target = rules[name]
+  if target is None:
+    return ()
+  return (target,) if isinstance(target, str) else tuple(target)
+
+
+def logical_to_spec(names: Sequence[str | None], rules: Rules | None = None, *, mesh=None,
+                    shape: Sequence[int] | None = None) -> P:
+  """Maps logical dimension names to a ``PartitionSpec`` over mesh axes.
+
+  Args:
+    names: one logical name (or None: replicated) per dimension.
+    rules: the table, default :data:`LOGICAL_RULES`.
+    mesh: ``Mesh``/``AbstractMesh`` whose axes are kept (others dropped); default
+      the context mesh; with neither, every rule target is kept.
+    shape: if given, a mesh axis is dropped from a dimension it does not divide.
+
+  Each mesh axis is used at most once per spec (first dimension wins), as
+  ``PartitionSpec`` requires.
+  """
+  table = dict(rules if rules is not None else LOGICAL_RULES)
+  if mesh is None:
+    mesh = _context_mesh()
+  if shape is not None and len(shape) != len(names):
+    raise ValueError(f"{len(names)} logical names {tuple(names)} for a {len(shape)}-d shape "
+                     f"{tuple(shape)}.")
+  used: set[str] = set()
+  spec = []
+  for i, name in enumerate(names):
+    axes = () if name is None else _lookup(name, table)
+    kept = []
+    size = 1
+    for axis in axes:
+      if axis in used:
+        continue
+      if mesh is not None:
+        if axis not in mesh.axis_names:
+          continue
+        axis_size = mesh.shape[axis]
+        if shape is not None and shape[i] % (size * axis_size):
+          continue
+        size *= axis_size
+      kept.append(axis)
+      used.add(axis)
+    spec.append(None if not kept else kept[0] if len(kept) == 1 else tuple(kept))
+  return P(*spec)
+
+
+def _all_explicit(mesh, spec: P) -> bool:
+  """True if the spec's mesh axes are Explicit (change with reshard), False if Auto (use wsc)."""
+  axes = [a for entry in spec if entry is not None
+          for a in ((entry,) if isinstance(entry, str) else entry)]
+  types = dict(zip(mesh.axis_names, mesh.axis_types))
+  if axes:
+    return all(types[a] == AxisType.Explicit for a in axes)
+  return all(t == AxisType.Explicit for t in mesh.axis_types)
+
+
+def is_explicit_mesh(mesh=None) -> bool:
+  """Whether every axis of ``mesh`` (default: the context mesh) is ``AxisType.Explicit``."""
+  mesh = _context_mesh() if mesh is None else mesh
+  return mesh is not None and all(t == AxisType.Explicit for t in mesh.axis_types)
+
+
+def with_logical_constraint(x, names: Sequence[str | None], rules: Rules | None = None):
+  """Constrains ``x`` to the sharding its logical ``names`` map to on the context mesh.
+
+  A no-op without a mesh. On Explicit axes this is ``jax.sharding.reshard``
+  (a real layout change), on Auto axes ``jax.lax.with_sharding_constraint``.
+  """
+  mesh = _context_mesh()
+  if mesh is None:
+    return x
+  spec = logical_to_spec(names, rules, mesh=mesh, shape=x.shape)
+  if _all_explicit(mesh, spec):
+    return jax.sharding.reshard(x, spec)
+  return jax.lax.with_sharding_constraint(x, spec)
+
+
+def _einsum_out_shape(equation: str, a_shape, b_shape) -> tuple[int, ...]:
+  """Output shape of a two-operand einsum, from the equation (no tracing: on Explicit meshes
+  tracing the einsum without ``out_sharding`` is exactly what fails)."""
+  inputs, out = equation.replace(" ", "").split("->")
+  sizes: dict[str, int] = {}
+  ellipsis: tuple[int, ...] = ()
+  for term, shape in zip(inputs.split(","), (a_shape, b_shape)):
+    if "..." in term:
+      head, tail = term.split("...")
+      n_ell = len(shape) - len(head) - len(tail)
+      if not ellipsis:
+        ellipsis = tuple(shape[len(head):len(head) + n_ell])
+      term = head + tail
+      shape = tuple(shape[:len(head)]) + tuple(shape[len(head) + n_ell:])
+    sizes.update(zip(term, shape))
+  result: list[int] = []
+  head, _, tail = out.partition("...")
+  result += [sizes[c] for c in head]
+  if "..." in out:
+    result += list(ellipsis)
+  result += [sizes[c] for c in tail]
+  return tuple(result)
+
+
+def logical_einsum(equation: str, a, b, out_names: Sequence[str | None],
+                   rules: Rules | None = None, **kwargs):
+  """``jnp.einsum`` whose output is sharded as ``out_names`` say.
+
+  Needed when the contracted dimension is sharded (e.g. heads over
+  ``tensor`` in the attention output projection): on Explicit axes the output
+  sharding is ambiguous unless given (``out_sharding``), which makes XLA emit
+  the reduce(-scatter); on Auto axes it is a sharding hint after the fact.
+  """
+  import jax.numpy as jnp  # local: keep the module's import surface small
+
+  mesh = _context_mesh()
+  if mesh is None:
+    return jnp.einsum(equation, a, b, **kwargs)
+  out_shape = _einsum_out_shape(equation, a.shape, b.shape)
+  spec = logical_to_spec(out_names, rules, mesh=mesh, shape=out_shape)
+  if is_explicit_mesh(mesh):
+    return jnp.einsum(equation, a, b, out_sharding=spec, **kwargs)
+  return jax.lax.with_sharding_constraint(jnp.einsum(equation, a, b, **kwargs), spec)
+
+
+def logical_take(table, indices, out_names: Sequence[str | None], rules: Rules | None = None):
+  """``table[indices]`` (embedding lookup) with the output sharded as ``out_names`` say.
+
+  On Explicit axes a gather from a sharded table needs its output sharding
+  spelled out (``.at[].get(out_sharding=)``).
+  """
+  import jax.numpy as jnp
+
+  mesh = _context_mesh()
+  if mesh is None:
+    return jnp.take(table, indices, axis=0)
+  out_shape = tuple(indices.shape) + tuple(table.shape[1:])
+  spec = logical_to_spec(out_names, rules, mesh=mesh, shape=out_shape)
+  if is_explicit_mesh(mesh):
+    return table.at[indices].get(out_sharding=spec)
+  return jax.lax.with_sharding_constraint(jnp.take(table, indices, axis=0), spec)
+
+
+def _is_variable(x) -> bool:
+  from flax import nnx  # local: sharding rules are usable without Flax
+
+  return isinstance(x, nnx.Variable)
+
+
+def _leaf_spec(x, mesh, rules) -> P:
+  if _is_variable(x):
+    names = x.get_metadata().get(LOGICAL_AXES_KEY)
+    value = x.get_value()
+    if names is None:
+      return P()
+    return logical_to_spec(names, rules, mesh=mesh, shape=value.shape)
+  return P()
+
+
+def param_specs(tree, mesh, rules: Rules | None = None):
+  """``PartitionSpec`` per array of ``tree`` (a Module, State or pytree of Variables).
+
+  Variables carrying ``logical_axes`` metadata get their rule-table spec;
+  anything else (optimizer step counters, untagged arrays) is replicated. The
+  result has the structure of ``tree``'s state: for a Module, of
+  ``nnx.state(module)`` (equal to ``nnx.split(model, nnx.Param, ...)[1]`` for
+  :class:`models.llama.Llama`, which holds only Params).
+  """
+  from flax import nnx
+
+  if isinstance(tree, nnx.Module):
+    tree = nnx.state(tree)
+
+  def one(x):
+    spec = _leaf_spec(x, mesh, rules)
+    return x.replace(spec) if _is_variable(x) else spec
+
+  return jax.tree.map(one, tree, is_leaf=_is_variable)
+
+
+def param_shardings(tree, mesh, rules: Rules | None = None):
+  """Like :func:`param_specs` but ``NamedSharding(mesh, spec)`` leaves: jit in/out shardings."""
+  specs = param_specs(tree, mesh, rules)
+  return jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
+                      is_leaf=lambda s: isinstance(s, P))
+
+
+def shard_params(tree, mesh, rules: Rules | None = None):
+  """``jax.device_put`` of a Module/State onto ``mesh`` per the rules (returns the same kind)."""
+  from flax import nnx
+
+  if isinstance(tree, nnx.Module):
+    graphdef, state = nnx.split(tree)
+    return nnx.merge(graphdef, jax.device_put(state, param_shardings(state, mesh, rules)))
+  return jax.device_put(tree, param_shardings(tree, mesh, rules))
