@@ -1,0 +1,339 @@
+r"""Train a LLaMA whose attention is a ring over the mesh's ``sequence`` axis.
+
+  python train.py --config configs/tiny.py --workdir /tmp/tiny
+  python train.py --config configs/tiny.py:text --config.data.path=corpus.jsonl
+  python train.py --config configs/tiny.py --config.model.num_layers=4 \
+      --gin_param='optim.lr = 1e-3' --gin_file=overrides.gin
+  python train.py --config configs/llama_1b.py --workdir gs://bucket/run1   # accelerators
+
+Reading order: flags -> process/device setup -> ``train()``: (1) mesh and
+config checks, (2) model and optimizer created sharded, (3) resume from the
+latest checkpoint, (4) data, (5) compile, (6) the loop (log, eval,
+checkpoint). Helpers live in ``training/``.
+
+Re-running the same command with the same ``--workdir`` resumes from the
+latest checkpoint there, including the data iterator position, so the loss
+curve continues exactly as if the run had not stopped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import sys
+import time
+from typing import Any
+
+from absl import app
+from absl import flags
+from absl import logging
+from ml_collections import config_flags
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", os.path.join(_HERE, "configs", "tiny.py"),
+    "ml_collections config file (`path.py` or `path.py:arg`); override fields with "
+    "--config.<field>=<value>.", lock_config=True)
+_WORKDIR = flags.DEFINE_string(
+    "workdir", None, "Checkpoints, metrics.jsonl and TensorBoard events; an existing run here "
+    "is resumed. Default: runs/<config file name>.")
+_GIN_FILE = flags.DEFINE_multi_string(
+    "gin_file", [], "Gin files of `field.path = value` bindings applied onto the config.")
+_GIN_PARAM = flags.DEFINE_multi_string(
+    "gin_param", [], "Gin bindings applied onto the config after --gin_file, e.g. "
+    "'model.num_layers = 4' (top-level fields: 'config.total_steps = 10').")
+_DISTRIBUTED = flags.DEFINE_enum(
+    "distributed", "auto", ["auto", "on", "off"],
+    "jax.distributed.initialize(): 'auto' calls it when a multi-process launch is detected "
+    "(JAX_COORDINATOR_ADDRESS, SLURM with >1 task, Open MPI with >1 rank, GKE multi-host "
+    "TPU); 'on' always calls it (e.g. Cloud TPU pod slices, where JAX reads the TPU metadata "
+    "server); 'off' never.")
+_STOP_AT_STEP = flags.DEFINE_integer(
+    "stop_at_step", None, "Stop (with a checkpoint) after this step although the schedule "
+    "runs to total_steps: simulates preemption; rerun to resume.")
+
+
+# ----------------------------------------------------------------------------
+# Process and device setup (before JAX starts its backends)
+# ----------------------------------------------------------------------------
+
+
+def multiprocess_launch_detected(environ=os.environ) -> str | None:
+  """Names the launcher whose environment asks for several processes, else None.
+
+  These are exactly the cases ``jax.distributed.initialize()`` can complete
+  from the environment alone: JAX reads ``JAX_COORDINATOR_ADDRESS`` itself;
+  ``JAX_NUM_PROCESSES`` / ``JAX_PROCESS_ID`` are read by this script (JAX does
+  not read them) and passed on; SLURM, Open MPI and GKE TPU variables are
+  auto-detected by JAX's cluster plugins.
+  """
+  if environ.get("JAX_COORDINATOR_ADDRESS"):
+    return "JAX_COORDINATOR_ADDRESS"
+  if int(environ.get("SLURM_NTASKS", "1")) > 1 and "SLURM_JOB_ID" in environ:
+    return "SLURM"
+  if int(environ.get("OMPI_COMM_WORLD_SIZE", "1")) > 1 and "OMPI_MCA_orte_hnp_uri" in environ:
+    return "Open MPI"
+  if "," in environ.get("TPU_WORKER_HOSTNAMES", ""):
+    return "multi-host TPU (TPU_WORKER_HOSTNAMES)"
+  return None
+
+
+def initialize_distributed(mode: str) -> None:
+  import jax
+
+  launcher = multiprocess_launch_detected()
+  if mode == "off" or (mode == "auto" and launcher is None):
+    return
+  kwargs = {}
+  if os.environ.get("JAX_NUM_PROCESSES"):
+    kwargs["num_processes"] = int(os.environ["JAX_NUM_PROCESSES"])
+  if os.environ.get("JAX_PROCESS_ID"):
+    kwargs["process_id"] = int(os.environ["JAX_PROCESS_ID"])
+  jax.distributed.initialize(**kwargs)
+  print(f"jax.distributed initialised ({launcher or 'forced'}): process "
+        f"{jax.process_index()}/{jax.process_count()}", flush=True)
+
+
+def simulate_cpu_devices(config) -> None:
+  """Asks the CPU backend for enough devices to build the mesh on a laptop.
+
+  ``jax_num_cpu_devices`` only sizes the *CPU* client: on a GPU/TPU host JAX
+  still uses the accelerators as its default devices, so setting it is
+  harmless there and we need not (and cannot, without starting the backends)
+  find out the platform first. An explicit
+  ``--xla_force_host_platform_device_count`` in ``XLA_FLAGS`` wins.
+  """
+  import jax
+
+  if "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", ""):
+    return
+  sizes = [int(config.mesh.get(a, 1)) for a in config.mesh.keys()]
+  count = math.prod(sizes) if all(s > 0 for s in sizes) else int(config.cpu_devices)
+  try:
+    jax.config.update("jax_num_cpu_devices", count)
+  except RuntimeError:  # Backends already up (e.g. called from a notebook): keep them.
+    print("note: JAX backends already initialised; not changing the CPU device count",
+          flush=True)
+
+
+# ----------------------------------------------------------------------------
+# Training
+# ----------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class TrainResult:
+  """What :func:`train` leaves behind besides the files in the workdir."""
+  history: list[dict[str, float]]  # one row per step run in this call
+  evals: list[dict[str, float]]
+  params: Any  # nnx.State of the final parameters (sharded jax.Arrays)
+  opt_state: Any
+  step: int
+  mesh: Any
+
+
+def train(config, workdir: str, *, stop_at_step: int | None = None) -> TrainResult:
+  """Trains (or resumes) per ``config`` in ``workdir``; see the module docstring."""
+  import jax
+  import numpy as np
+  from flax import nnx
+  from jax.sharding import NamedSharding
+
+  from models import llama
+  from training import checkpoint as ckpt_lib
+  from training import config as cfg_lib
+  from training import data as data_lib
+  from training import metrics as metrics_lib
+  from training import step as step_lib
+
+  log = metrics_lib.log
+
+  # --- 1. Mesh and config checks: fail before anything is compiled -------------------------
+  sizes = cfg_lib.validate_config(config, jax.device_count(), jax.process_count())
+  model_cfg = cfg_lib.llama_config(config)
+  mesh = cfg_lib.make_mesh(config.mesh)
+  ring_size = sizes["sequence"]
+  seq_len, batch_size = config.data.seq_len, config.batch_size
+  log(f"devices: {jax.device_count()} x {jax.devices()[0].device_kind} "
+      f"({jax.process_count()} process(es)); mesh {sizes}; attention={model_cfg.attention} "
+      f"layout={model_cfg.layout} ring={ring_size}")
+
+  with jax.set_mesh(mesh):
+    # --- 2. Model and optimizer, created directly sharded ----------------------------------
+    abstract_model = nnx.eval_shape(lambda: llama.Llama(model_cfg, rngs=nnx.Rngs(config.seed)))
+    graphdef, abstract_params, rest = nnx.split(abstract_model, nnx.Param, ...)
+    param_shardings = llama.param_shardings(abstract_params, mesh)
+    tx = step_lib.make_optimizer(config.optim, config.total_steps)
+    schedule = step_lib.make_schedule(config.optim, config.total_steps)
+    opt_shardings = step_lib.opt_state_shardings(tx, abstract_params, param_shardings, mesh)
+    log(f"model: {model_cfg.num_params() / 1e6:.2f}M params, "
+        f"{model_cfg.flops_per_token(seq_len) / 1e6:.2f} MFLOP/token (train, with attention)")
+
+    # --- 3. Resume from the latest checkpoint in workdir, or initialise -------------------
+    checkpointer = ckpt_lib.Checkpointer(workdir, every=config.checkpoint_every,
+                                         keep=config.keep_checkpoints,
+                                         async_save=config.async_checkpointing)
+    start_step = checkpointer.latest_step()
+    if start_step is not None:
+      abstract_opt = jax.eval_shape(tx.init, abstract_params)
+      params, opt_state, data_state = checkpointer.restore(
+          start_step, ckpt_lib.abstract_like(abstract_params, param_shardings),
+          ckpt_lib.abstract_like(abstract_opt, opt_shardings))
+      log(f"resumed from step {start_step} in {checkpointer.directory}")
+    else:
+      start_step, data_state = 0, None
+      _, params, _ = nnx.split(llama.create_sharded_model(model_cfg, mesh, seed=config.seed),
+                               nnx.Param, ...)
+      opt_state = step_lib.init_opt_state(tx, params, opt_shardings)
+    end_step = config.total_steps if stop_at_step is None else min(stop_at_step,
+                                                                   config.total_steps)
+
+    # --- 4. Data: this process's rows, in the ring's layout, sharded (data, sequence) -----
+    batch_sharding = NamedSharding(mesh, step_lib.BATCH_SPEC)
+    train_iter = data_lib.make_iterator(
+        data_lib.make_dataset(config, batch_sharding, ring_size, split="train"))
+    if data_state is not None:
+      train_iter.set_state(data_state)
+    eval_dataset = data_lib.make_dataset(config, batch_sharding, ring_size, split="eval")
+    train_shape, eval_shape = (batch_size, seq_len), (config.eval_batch_size, seq_len)
+
+    # --- 5. Compile ahead of time (clean step timings; memory report) ----------------------
+    t0 = time.perf_counter()
+    abstract_batch = {k: jax.ShapeDtypeStruct(train_shape, np.float32 if k == "loss_mask"
+                                              else np.int32, sharding=batch_sharding)
+                      for k in data_lib.FIELDS}
+    train_step = step_lib.jit_train_step(
+        graphdef=graphdef, rest=rest, tx=tx, microbatches=config.microbatches, mesh=mesh,
+        param_shardings=param_shardings, opt_shardings=opt_shardings).lower(
+            params, opt_state, abstract_batch).compile()
+    eval_step = step_lib.jit_eval_step(graphdef=graphdef, rest=rest, mesh=mesh,
+                                       param_shardings=param_shardings)
+    memory = train_step.memory_analysis()
+    log(f"compiled train step in {time.perf_counter() - t0:.1f}s"
+        + (f"; per-device temp {memory.temp_size_in_bytes / 2**20:.1f} MiB, arguments "
+           f"{memory.argument_size_in_bytes / 2**20:.1f} MiB" if memory is not None else ""))
+
+    # --- 6. The loop -----------------------------------------------------------------------
+    peak_flops, peak_source = metrics_lib.peak_flops_per_device(config)
+    log(f"MFU counted against {peak_flops:.3g} FLOP/s per device: {peak_source}")
+    throughput = metrics_lib.Throughput(
+        tokens_per_step=batch_size * seq_len,
+        flops_per_token=model_cfg.flops_per_token(seq_len), peak_flops=peak_flops,
+        num_devices=jax.device_count())
+    writer = metrics_lib.MetricWriter(workdir)
+    progress = metrics_lib.Progress(end_step, start_step)
+    history: list[dict[str, float]] = []
+    evals: list[dict[str, float]] = []
+    pending: list[tuple[int, dict]] = []  # device metrics not yet fetched (no per-step sync)
+    last_saved = start_step if start_step else None
+
+    def run_eval(step: int) -> None:
+      result = evaluate(eval_step, params, eval_dataset, config.eval_batches, batch_sharding,
+                        eval_shape)
+      if config.data.kind == "kv_retrieval":
+        result["chance_accuracy"] = data_lib.KVRetrievalTask.from_config(
+            config.data).chance_accuracy
+      evals.append(dict(step=step, **result))
+      writer.write(step, result, prefix="eval/")
+      log(f"eval @ {step}: " + " | ".join(f"{k} {v:.4f}" for k, v in result.items()))
+
+    for step in range(start_step + 1, end_step + 1):
+      batch = data_lib.to_global(next(train_iter), batch_sharding, train_shape)
+      params, opt_state, step_metrics = train_step(params, opt_state, batch)
+      throughput.tick()
+      pending.append((step, step_metrics))
+
+      logged = step % config.log_every == 0 or step == end_step
+      if logged:
+        fetched = [(s, jax.device_get(m)) for s, m in pending]  # Blocks: times are real.
+        pending.clear()
+        rows = [dict(step=s, **{k: float(v) for k, v in m.items()}) for s, m in fetched]
+        history.extend(rows)
+        window = {k: float(np.mean([r[k] for r in rows])) for k in ("loss", "accuracy",
+                                                                    "grad_norm")}
+        window.update(throughput.window(), learning_rate=float(schedule(step - 1)))
+        writer.write(step, window, prefix="train/")
+        progress.log(step, window)
+
+      if step % config.eval_every == 0 or step == config.total_steps:
+        run_eval(step)
+      if checkpointer.save(step, params, opt_state, train_iter.get_state()):
+        last_saved = step
+      if logged:
+        throughput.reset()  # Exclude eval/checkpoint time from the next window.
+
+    # Final checkpoint (also when stopped early), then wait for async writes to land.
+    if end_step > start_step and last_saved != end_step:
+      checkpointer.save(end_step, params, opt_state, train_iter.get_state(), force=True)
+    checkpointer.close()
+    writer.close()
+  return TrainResult(history=history, evals=evals, params=params, opt_state=opt_state,
+                     step=end_step, mesh=mesh)
+
+
+def evaluate(eval_step, params, dataset, num_batches: int, sharding, shape) -> dict[str, float]:
+  """Loss / perplexity / accuracy over the first ``num_batches`` held-out batches.
+
+  For the kv task the loss mask covers only answer tokens, so ``accuracy`` is
+  the retrieval accuracy; for text it is next-byte accuracy.
+  """
+  import jax
+  import numpy as np
+
+  from training import data as data_lib
+
+  iterator = data_lib.make_iterator(dataset, prefetch=0)  # Fresh: same batches every eval.
+  totals = {"loss_sum": 0.0, "tokens": 0.0, "correct": 0.0}
+  for _ in range(num_batches):
+    out = jax.device_get(eval_step(params, data_lib.to_global(next(iterator), sharding, shape)))
+    for k in totals:
+      totals[k] += float(out[k])
+  tokens = max(totals["tokens"], 1.0)
+  loss = totals["loss_sum"] / tokens
+  return dict(loss=loss, perplexity=float(np.exp(min(loss, 50.0))),
+              accuracy=totals["correct"] / tokens)
+
+
+# ----------------------------------------------------------------------------
+# Entry point
+# ----------------------------------------------------------------------------
+
+
+def main(argv) -> None:
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  if not flags.FLAGS["verbosity"].present:
+    logging.set_verbosity(logging.WARNING)  # Orbax logs every save step at INFO.
+  config = _CONFIG.value
+  from training import config as cfg_lib
+
+  # Gin is only another syntax for the same ConfigDict fields (applied after --config.*).
+  config = cfg_lib.apply_gin(config, _GIN_FILE.value, _GIN_PARAM.value)
+  initialize_distributed(_DISTRIBUTED.value)
+  simulate_cpu_devices(config)
+  workdir = _WORKDIR.value or os.path.join(
+      "runs", os.path.splitext(os.path.basename(config_flags.get_config_filename(
+          flags.FLAGS["config"])))[0])
+  import jax
+  if jax.process_index() == 0:
+    os.makedirs(workdir, exist_ok=True)
+    with open(os.path.join(workdir, "config.json"), "w") as f:
+      f.write(config.to_json_best_effort(indent=2))
+  t0 = time.perf_counter()
+  try:
+    result = train(config, workdir, stop_at_step=_STOP_AT_STEP.value)
+  except cfg_lib.ConfigError as e:
+    print(f"config error: {e}", file=sys.stderr, flush=True)
+    sys.exit(2)
+  if jax.process_index() == 0:
+    first = result.history[0]["loss"] if result.history else float("nan")
+    last = result.history[-1]["loss"] if result.history else float("nan")
+    final_eval = result.evals[-1] if result.evals else {}
+    print(f"done: step {result.step}, train loss {first:.4f} -> {last:.4f}, "
+          f"eval {final_eval}, wall {time.perf_counter() - t0:.1f}s", flush=True)
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,277 @@
+"""Config plumbing for train.py: gin overrides, mesh construction, up-front validation.
+
+There is one source of truth for settings: the ``ml_collections.ConfigDict``
+returned by ``configs/<name>.py:get_config(arg)``. Gin files and ``--gin_param``
+bindings are only another *syntax* for overriding fields of that ConfigDict
+(``model.num_layers = 4`` sets ``config.model.num_layers``); nothing is
+registered as a gin configurable and gin holds no settings of its own.
+
+Every check in :func:`validate_config` looks at static numbers only, so a bad
+config fails with a message naming the fix before anything is traced or
+compiled.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any, Iterable, Sequence
+
+import jax
+import ml_collections
+import numpy as np
+
+from ring_jax import layouts
+
+MESH_AXES: tuple[str, ...] = ("data", "sequence", "tensor")
+ATTENTION_BACKENDS: tuple[str, ...] = ("ring", "dense")
+DATA_KINDS: tuple[str, ...] = ("kv_retrieval", "text")
+
+
+class ConfigError(ValueError):
+  """A setting that cannot work; raised before any compilation."""
+
+
+# ----------------------------------------------------------------------------
+# Gin syntax -> ConfigDict overrides
+# ----------------------------------------------------------------------------
+
+
+class _RejectingDelegate:
+  """Gin parser delegate: ``@references`` and ``%macros`` have no ConfigDict meaning."""
+
+  def configurable_reference(self, name, evaluate):
+    raise ConfigError(
+        f"gin reference '@{name}' is not supported: gin bindings here only override "
+        "ConfigDict fields with literal values (e.g. `model.num_layers = 4`).")
+
+  def macro(self, name):
+    raise ConfigError(
+        f"gin macro '%{name}' is not supported: gin bindings here only override ConfigDict "
+        "fields with literal values.")
+
+
+def parse_gin_bindings(text: str, source: str = "<gin_param>") -> list[tuple[str, Any]]:
+  """Parses gin binding syntax into ``(dotted.config.path, value)`` pairs.
+
+  ``model.num_layers = 4`` -> ``("model.num_layers", 4)``;
+  ``optim.lr = 1e-3`` -> ``("optim.lr", 0.001)``. A top-level field is written
+  with the ``config.`` prefix (``config.total_steps = 100``) because a gin
+  binding always needs a ``selector.name`` pair. ``include 'other.gin'`` is
+  followed relative to the including file.
+  """
+  from gin import config_parser  # Imported lazily: only needed when gin is used.
+
+  parser = config_parser.ConfigParser(text, _RejectingDelegate())
+  out: list[tuple[str, Any]] = []
+  for statement in parser:
+    if isinstance(statement, config_parser.BindingStatement):
+      if statement.scope:
+        raise ConfigError(
+            f"{source}: gin scopes ('{statement.scope}/...') are not supported; bind the "
+            "ConfigDict field directly, e.g. `model.num_layers = 4`.")
+      selector = statement.selector
+      if selector == "config":
+        path = statement.arg_name
+      elif selector.startswith("config."):
+        path = f"{selector[len('config.'):]}.{statement.arg_name}"
+      else:
+        path = f"{selector}.{statement.arg_name}"
+      out.append((path, statement.value))
+    elif isinstance(statement, config_parser.IncludeStatement):
+      base = os.path.dirname(source) if os.path.exists(source) else os.getcwd()
+      inc = statement.filename
+      inc = inc if os.path.isabs(inc) else os.path.join(base, inc)
+      with open(inc) as f:
+        out.extend(parse_gin_bindings(f.read(), inc))
+    else:
+      raise ConfigError(
+          f"{source}: unsupported gin statement {type(statement).__name__}; only "
+          "`field.path = value` bindings and `include` are accepted.")
+  return out
+
+
+def apply_overrides(config: ml_collections.ConfigDict,
+                    overrides: Iterable[tuple[str, Any]]) -> ml_collections.ConfigDict:
+  """Sets dotted paths on ``config``; unknown fields and wrong types raise ConfigError."""
+  for path, value in overrides:
+    *parents, leaf = path.split(".")
+    node = config
+    for i, name in enumerate(parents):
+      if name not in node:
+        raise ConfigError(f"gin binding `{path}`: config has no field "
+                          f"'{'.'.join(parents[:i + 1])}'.")
+      node = node[name]
+    if not isinstance(node, ml_collections.ConfigDict) or leaf not in node:
+      raise ConfigError(f"gin binding `{path}`: config has no field '{path}'. Known fields "
+                        f"here: {sorted(node.keys()) if hasattr(node, 'keys') else '-'}.")
+    if isinstance(value, list):
+      value = tuple(value)
+    try:
+      node[leaf] = value
+    except TypeError as e:  # ConfigDict's type safety: an int field cannot take a str.
+      raise ConfigError(f"gin binding `{path} = {value!r}`: {e}") from None
+  return config
+
+
+def apply_gin(config: ml_collections.ConfigDict, gin_files: Sequence[str] = (),
+              gin_params: Sequence[str] = ()) -> ml_collections.ConfigDict:
+  """Applies gin files, then gin parameter strings, onto ``config`` (in that order)."""
+  for path in gin_files:
+    if not os.path.exists(path):
+      raise ConfigError(f"--gin_file {path!r} does not exist.")
+    with open(path) as f:
+      apply_overrides(config, parse_gin_bindings(f.read(), path))
+  for text in gin_params:
+    apply_overrides(config, parse_gin_bindings(text))
+  return config
+
+
+# ----------------------------------------------------------------------------
+# Mesh
+# ----------------------------------------------------------------------------
+
+
+def mesh_shape(mesh_config, num_devices: int) -> dict[str, int]:
+  """Resolves the ``config.mesh`` sizes; one axis may be -1 (= the remaining devices)."""
+  sizes = {axis: int(mesh_config.get(axis, 1)) for axis in MESH_AXES}
+  unknown = set(mesh_config.keys()) - set(MESH_AXES)
+  if unknown:
+    raise ConfigError(f"config.mesh has unknown axes {sorted(unknown)}; axes are {MESH_AXES}.")
+  fill = [a for a, s in sizes.items() if s == -1]
+  if len(fill) > 1:
+    raise ConfigError(f"config.mesh: at most one axis may be -1, got {fill}.")
+  bad = [a for a, s in sizes.items() if s < 1 and s != -1]
+  if bad:
+    raise ConfigError(f"config.mesh sizes must be >= 1 or -1, got {sizes}.")
+  fixed = math.prod(s for s in sizes.values() if s != -1)
+  if fill:
+    if num_devices % fixed:
+      raise ConfigError(
+          f"config.mesh={sizes}: the fixed axes multiply to {fixed}, which does not divide "
+          f"the {num_devices} devices, so '{fill[0]}=-1' cannot fill the rest.")
+    sizes[fill[0]] = num_devices // fixed
+  if math.prod(sizes.values()) != num_devices:
+    raise ConfigError(
+        f"config.mesh={sizes} needs {math.prod(sizes.values())} devices but "
+        f"{num_devices} are available ({jax.default_backend()}). Set one axis to -1 to "
+        "use all devices, or change the sizes.")
+  return sizes
+
+
+def make_mesh(mesh_config, devices=None) -> jax.sharding.Mesh:
+  """A ``(data, sequence, tensor)`` mesh with Auto axis types.
+
+  Auto (not Explicit) axes: the trainer states shardings at the jit boundary
+  and lets XLA propagate inside; the model adds its own constraints.
+  ``jax.make_mesh`` orders devices for the physical topology (ICI rings on
+  TPU), so ring neighbours on ``sequence`` are physical neighbours.
+  """
+  devices = jax.devices() if devices is None else list(devices)
+  sizes = mesh_shape(mesh_config, len(devices))
+  shape = tuple(sizes[a] for a in MESH_AXES)
+  auto = (jax.sharding.AxisType.Auto,) * len(MESH_AXES)
+  if devices == jax.devices():
+    return jax.make_mesh(shape, MESH_AXES, axis_types=auto)
+  return jax.sharding.Mesh(np.asarray(devices).reshape(shape), MESH_AXES, axis_types=auto)
+
+
+# ----------------------------------------------------------------------------
+# Validation
+# ----------------------------------------------------------------------------
+
+
+def validate_config(config: ml_collections.ConfigDict, num_devices: int,
+                    num_processes: int = 1) -> dict[str, int]:
+  """Checks everything knowable without tracing; returns the resolved mesh sizes.
+
+  Raises:
+    ConfigError: naming the offending field(s) and how to fix them.
+  """
+  m, d = config.model, config.data
+  sizes = mesh_shape(config.mesh, num_devices)
+  ring, tensor, data_par = sizes["sequence"], sizes["tensor"], sizes["data"]
+
+  if m.attention not in ATTENTION_BACKENDS:
+    raise ConfigError(
+        f"model.attention={m.attention!r} is unknown; choose one of {ATTENTION_BACKENDS}.")
+  if m.layout not in layouts.LAYOUTS:
+    raise ConfigError(f"model.layout={m.layout!r} is unknown; choose one of {layouts.LAYOUTS}.")
+  if m.num_heads % m.num_kv_heads:
+    raise ConfigError(f"model.num_heads={m.num_heads} must be a multiple of "
+                      f"model.num_kv_heads={m.num_kv_heads} (GQA groups).")
+  for name in ("num_heads", "num_kv_heads"):
+    if m[name] % tensor:
+      raise ConfigError(
+          f"model.{name}={m[name]} is not divisible by the mesh 'tensor' axis ({tensor}); "
+          "heads are sharded over 'tensor'.")
+  if m.mlp_dim % tensor or m.vocab_size % tensor:
+    raise ConfigError(f"model.mlp_dim={m.mlp_dim} and model.vocab_size={m.vocab_size} must be "
+                      f"divisible by the mesh 'tensor' axis ({tensor}).")
+
+  seq_len = d.seq_len
+  multiple = ring * (2 if m.layout == "zigzag" else 1)
+  if seq_len % multiple:
+    raise ConfigError(
+        f"data.seq_len={seq_len} must be divisible by {multiple} for layout={m.layout!r} on a "
+        f"'sequence' axis of {ring} devices"
+        + (" (zigzag holds two chunks per device)" if m.layout == "zigzag" else "") + ".")
+  local_len = seq_len // ring
+  for name in ("block_q", "block_kv"):
+    block = m.get(name)
+    if block is not None and local_len % block:
+      raise ConfigError(f"model.{name}={block} must divide the per-device sequence length "
+                        f"{local_len} (= data.seq_len / sequence).")
+
+  for name in ("batch_size", "eval_batch_size"):
+    batch, micro = config[name], (config.microbatches if name == "batch_size" else 1)
+    if batch % micro:
+      raise ConfigError(f"{name}={batch} is not divisible by microbatches={micro}.")
+    if (batch // micro) % data_par:
+      raise ConfigError(
+          f"{name}={batch} / microbatches={micro} = {batch // micro} rows per microbatch is not "
+          f"divisible by the mesh 'data' axis ({data_par}).")
+    if batch % num_processes:
+      raise ConfigError(f"{name}={batch} is not divisible by the {num_processes} processes.")
+
+  if d.kind not in DATA_KINDS:
+    raise ConfigError(f"data.kind={d.kind!r} is unknown; choose one of {DATA_KINDS}.")
+  if d.kind == "text":
+    if not d.path:
+      raise ConfigError("data.kind='text' needs data.path (a .txt/.jsonl file, a directory or a "
+                        "glob), e.g. --config.data.path=/path/to/corpus.jsonl.")
+    from training import data as data_lib  # Local: data imports grain, config must not.
+    if not data_lib.list_text_files(d.path):
+      raise ConfigError(f"data.path={d.path!r} matches no .txt/.jsonl/.json files.")
+    if m.vocab_size < data_lib.BYTE_VOCAB_SIZE:
+      raise ConfigError(f"the byte tokenizer needs model.vocab_size >= "
+                        f"{data_lib.BYTE_VOCAB_SIZE}, got {m.vocab_size}.")
+  else:
+    from training import data as data_lib
+    need = data_lib.KVRetrievalTask.from_config(d).vocab_size
+    if m.vocab_size < need:
+      raise ConfigError(f"the kv_retrieval task needs model.vocab_size >= {need}, got "
+                        f"{m.vocab_size}.")
+    data_lib.KVRetrievalTask.from_config(d).check()
+
+  for name in ("total_steps", "log_every", "eval_every", "checkpoint_every"):
+    if config[name] < 1:
+      raise ConfigError(f"{name} must be >= 1, got {config[name]}.")
+  if config.optim.warmup_steps > config.total_steps:
+    raise ConfigError(f"optim.warmup_steps={config.optim.warmup_steps} exceeds "
+                      f"total_steps={config.total_steps}.")
+  return sizes
+
+
+def llama_config(config: ml_collections.ConfigDict):
+  """``config.model`` (a ConfigDict) -> the model's frozen ``LlamaConfig``."""
+  from models.llama import LlamaConfig  # Local: keeps this module importable without Flax.
+
+  fields = config.model.to_dict()
+  unknown = set(fields) - {f for f in LlamaConfig.__dataclass_fields__}
+  if unknown:
+    raise ConfigError(f"config.model has fields LlamaConfig does not know: {sorted(unknown)}.")
+  try:
+    return LlamaConfig.from_dict(fields)
+  except ValueError as e:
+    raise ConfigError(f"config.model: {e}") from None

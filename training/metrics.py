@@ -1,0 +1,153 @@
+"""Throughput/MFU accounting and metric sinks (TensorBoard, JSONL, console).
+
+MFU = model FLOPs per second actually achieved / peak FLOPs per second of the
+devices. Model FLOPs come from ``LlamaConfig.flops_per_token(seq_len)``, which
+counts the attention score/value matmuls (causal: half of ``L^2``) as well as
+the dense weights, forward + backward. Peak FLOP/s per device come from
+:data:`PEAK_FLOPS` (dense bf16 tensor-core/MXU peak from vendor data sheets,
+matched by ``device.device_kind``) unless ``config.peak_flops_per_device`` is
+set. A CPU has no meaningful table entry: MFU is then reported against the
+configurable nominal ``config.cpu_peak_flops_per_device`` and labelled as such.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any
+
+import jax
+
+# Dense bf16 peak FLOP/s per device (chip for TPU, GPU for NVIDIA), by substring of
+# `device_kind`. Ordered: the first match wins, so longer names come first.
+PEAK_FLOPS: tuple[tuple[str, float], ...] = (
+    ("TPU v6 lite", 918e12),  # Trillium (v6e)
+    ("TPU v5 lite", 197e12),  # v5e
+    ("TPU v5p", 459e12),
+    ("TPU v5", 459e12),  # v5p reports "TPU v5" on some runtimes
+    ("TPU v4", 275e12),
+    ("TPU v3", 123e12),
+    ("GB200", 2.5e15),
+    ("B200", 2.25e15),
+    ("H200", 989e12),
+    ("H100", 989e12),  # SXM; PCIe parts are lower (756e12): override if that is yours
+    ("A100", 312e12),
+    ("L4", 121e12),
+)
+
+
+def peak_flops_per_device(config, device=None) -> tuple[float, str]:
+  """(peak FLOP/s per device, where the number came from) for MFU."""
+  device = device or jax.devices()[0]
+  if config.get("peak_flops_per_device"):
+    return float(config.peak_flops_per_device), "config.peak_flops_per_device"
+  if device.platform == "cpu":
+    return float(config.cpu_peak_flops_per_device), (
+        "nominal CPU peak (config.cpu_peak_flops_per_device), not a hardware figure")
+  for name, flops in PEAK_FLOPS:
+    if name.lower() in device.device_kind.lower():
+      return flops, f"table entry {name!r} (dense bf16)"
+  raise ValueError(
+      f"no peak FLOP/s known for device kind {device.device_kind!r}; set "
+      "--config.peak_flops_per_device=<dense bf16 FLOP/s per device>.")
+
+
+def format_duration(seconds: float) -> str:
+  seconds = max(0, int(seconds))
+  h, rem = divmod(seconds, 3600)
+  m, s = divmod(rem, 60)
+  return f"{h}h{m:02d}m{s:02d}s" if h else f"{m}m{s:02d}s"
+
+
+class Throughput:
+  """Tokens/s, step time and MFU over the window since the last log.
+
+  The caller blocks on the step's outputs before :meth:`window`, so the wall
+  time includes device execution, not just async dispatch.
+  """
+
+  def __init__(self, *, tokens_per_step: int, flops_per_token: float, peak_flops: float,
+               num_devices: int):
+    self.tokens_per_step = tokens_per_step
+    self.flops_per_token = flops_per_token
+    self.peak_total = peak_flops * num_devices
+    self._t0 = time.perf_counter()
+    self._steps = 0
+
+  def reset(self) -> None:
+    self._t0, self._steps = time.perf_counter(), 0
+
+  def tick(self) -> None:
+    self._steps += 1
+
+  def window(self) -> dict[str, float]:
+    elapsed = time.perf_counter() - self._t0
+    steps = max(self._steps, 1)
+    step_time = elapsed / steps
+    tokens_per_s = self.tokens_per_step / step_time
+    out = dict(step_time_s=step_time, tokens_per_s=tokens_per_s,
+               mfu=tokens_per_s * self.flops_per_token / self.peak_total)
+    self.reset()
+    return out
+
+
+class MetricWriter:
+  """TensorBoard event files + ``metrics.jsonl`` in the workdir; only process 0 writes."""
+
+  def __init__(self, workdir: str, *, enabled: bool | None = None):
+    self.enabled = jax.process_index() == 0 if enabled is None else enabled
+    self._tb = None
+    self._jsonl = None
+    if self.enabled:
+      os.makedirs(workdir, exist_ok=True)
+      from tensorboardX import SummaryWriter  # Lazy: only process 0 needs it.
+      self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
+      # Append: a resumed run continues the same file (rows carry their step).
+      self._jsonl = open(os.path.join(workdir, "metrics.jsonl"), "a")
+
+  def write(self, step: int, metrics: dict[str, Any], prefix: str = "") -> None:
+    if not self.enabled:
+      return
+    scalars = {f"{prefix}{k}": float(v) for k, v in metrics.items()}
+    for name, value in scalars.items():
+      self._tb.add_scalar(name, value, step)
+    self._jsonl.write(json.dumps({"step": step, **scalars}) + "\n")
+    self._jsonl.flush()
+
+  def text(self, tag: str, text: str, step: int = 0) -> None:
+    if self.enabled:
+      self._tb.add_text(tag, text, step)
+
+  def close(self) -> None:
+    if self.enabled:
+      self._tb.close()
+      self._jsonl.close()
+
+
+class Progress:
+  """One console line per log step with ETA (process 0 only)."""
+
+  def __init__(self, total_steps: int, start_step: int, *, enabled: bool | None = None):
+    self.total, self.start = total_steps, start_step
+    self.enabled = jax.process_index() == 0 if enabled is None else enabled
+    self._t0 = time.perf_counter()
+
+  def line(self, step: int, m: dict[str, float]) -> str:
+    done = step - self.start
+    elapsed = time.perf_counter() - self._t0
+    eta = elapsed / max(done, 1) * (self.total - step)
+    return (f"step {step:>6}/{self.total} | loss {m['loss']:.4f} | acc {m['accuracy']:.3f} | "
+            f"lr {m['learning_rate']:.2e} | gnorm {m['grad_norm']:.3f} | "
+            f"{m['tokens_per_s']:,.0f} tok/s | {m['step_time_s'] * 1e3:.0f} ms/step | "
+            f"MFU {100 * m['mfu']:.2f}% | ETA {format_duration(eta)}")
+
+  def log(self, step: int, metrics: dict[str, float]) -> None:
+    if self.enabled:
+      print(self.line(step, metrics), flush=True)
+
+
+def log(message: str) -> None:
+  """Console message from process 0 only."""
+  if jax.process_index() == 0:
+    print(message, flush=True)

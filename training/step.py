@@ -1,0 +1,182 @@
+"""The optimizer, the pure train/eval steps and their jit with explicit shardings.
+
+NNX "tree mode": the model is split once into ``graphdef`` (static structure),
+``params`` (``nnx.Param`` leaves, trained) and ``rest`` (any other state, e.g.
+RoPE tables; read-only here). The jitted step is a pure function
+``(params, opt_state, batch) -> (params, opt_state, metrics)`` that rebuilds
+the module with ``nnx.merge`` inside the trace, so there is no hidden mutable
+state and params/opt_state can be donated.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+BATCH_SPEC = P("data", "sequence")
+
+
+# ----------------------------------------------------------------------------
+# Optimizer
+# ----------------------------------------------------------------------------
+
+
+def make_schedule(optim_config, total_steps: int) -> optax.Schedule:
+  """Linear warmup from 0 to ``lr``, then cosine decay to ``lr * min_lr_ratio``."""
+  return optax.warmup_cosine_decay_schedule(
+      init_value=0.0, peak_value=optim_config.lr, warmup_steps=optim_config.warmup_steps,
+      decay_steps=max(total_steps, optim_config.warmup_steps + 1),
+      end_value=optim_config.lr * optim_config.min_lr_ratio)
+
+
+def _decay_mask(params):
+  """Weight decay on matrices only (not on norm scales or biases), as in LLaMA training."""
+  return jax.tree.map(lambda p: p.ndim >= 2, params)
+
+
+def make_optimizer(optim_config, total_steps: int) -> optax.GradientTransformation:
+  """Global-norm clipping, then AdamW with the warmup + cosine schedule."""
+  return optax.chain(
+      optax.clip_by_global_norm(optim_config.grad_clip),
+      optax.adamw(make_schedule(optim_config, total_steps), b1=optim_config.b1,
+                  b2=optim_config.b2, eps=optim_config.eps,
+                  weight_decay=optim_config.weight_decay, mask=_decay_mask))
+
+
+def opt_state_shardings(tx: optax.GradientTransformation, params, param_shardings, mesh):
+  """Moments share their parameter's sharding; counters and scalars are replicated."""
+  abstract = jax.eval_shape(tx.init, params)
+  replicated = NamedSharding(mesh, P())
+  return optax.tree_utils.tree_map_params(
+      tx, lambda _, sharding: sharding, abstract, param_shardings,
+      transform_non_params=lambda _: replicated)
+
+
+# ----------------------------------------------------------------------------
+# Loss
+# ----------------------------------------------------------------------------
+
+
+def loss_sums(graphdef, params, rest, batch) -> tuple[jax.Array, dict[str, jax.Array]]:
+  """Summed masked next-token NLL over ``batch`` (any token order: it is a sum).
+
+  Returns the sum (what the gradient is taken of) and the token count and
+  number of argmax-correct targets, so microbatches and devices combine exactly
+  before the single division by the total token count.
+  """
+  model = nnx.merge(graphdef, params, rest)
+  logits_BLV = model(batch["tokens"], batch["positions"], batch["segment_ids"])
+  logits_BLV = logits_BLV.astype(jnp.float32)
+  labels_BL, mask_BL = batch["labels"], batch["loss_mask"]
+  nll_BL = -jnp.take_along_axis(jax.nn.log_softmax(logits_BLV, axis=-1), labels_BL[..., None],
+                                axis=-1)[..., 0]
+  correct_BL = (jnp.argmax(logits_BLV, axis=-1) == labels_BL).astype(jnp.float32)
+  loss_sum = jnp.sum(nll_BL * mask_BL)
+  return loss_sum, dict(tokens=jnp.sum(mask_BL), correct=jnp.sum(correct_BL * mask_BL))
+
+
+# ----------------------------------------------------------------------------
+# Steps
+# ----------------------------------------------------------------------------
+
+
+def _split_microbatches(batch, microbatches: int):
+  """``[B, L]`` -> ``[M, B/M, L]`` with microbatch ``m`` = rows ``m::M``.
+
+  Taking strided rows keeps every microbatch spread over all 'data' shards
+  (row ``b = i*M + m``: the ``i`` axis stays contiguous, hence stays sharded),
+  so splitting moves no data between devices.
+  """
+  def split(x_BL):
+    b, length = x_BL.shape
+    x = x_BL.reshape(b // microbatches, microbatches, length).swapaxes(0, 1)
+    return jax.lax.with_sharding_constraint(x, P(None, *BATCH_SPEC))
+  return jax.tree.map(split, batch)
+
+
+def train_step(params, opt_state, batch, *, graphdef, rest, tx: optax.GradientTransformation,
+               microbatches: int = 1):
+  """One optimizer update over ``batch`` (accumulating ``microbatches`` gradients).
+
+  The loss is mean NLL per target token of the whole batch: numerator and
+  denominator are summed over microbatches first, so the update equals the
+  single-batch update regardless of ``microbatches``.
+  """
+  def with_loss(params, mb):
+    loss_sum, aux = loss_sums(graphdef, params, rest, mb)
+    return loss_sum, dict(aux, loss_sum=loss_sum)
+
+  grad_fn = jax.grad(with_loss, has_aux=True)
+
+  def micro(params, mb):
+    grads, aux = grad_fn(params, mb)
+    loss_sum = aux.pop("loss_sum")
+    return grads, loss_sum, aux
+
+  if microbatches == 1:
+    grads, loss_sum, aux = micro(params, batch)
+  else:
+    def body(carry, mb):
+      grads_acc, loss_acc, aux_acc = carry
+      grads, loss_sum, aux = micro(params, mb)
+      return (jax.tree.map(jnp.add, grads_acc, grads), loss_acc + loss_sum,
+              jax.tree.map(jnp.add, aux_acc, aux)), None
+
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    init = (zeros, jnp.zeros((), jnp.float32),
+            dict(tokens=jnp.zeros((), jnp.float32), correct=jnp.zeros((), jnp.float32)))
+    (grads, loss_sum, aux), _ = jax.lax.scan(body, init,
+                                             _split_microbatches(batch, microbatches))
+
+  denom = jnp.maximum(aux["tokens"], 1.0)
+  grads = jax.tree.map(lambda g: g / denom, grads)
+  grad_norm = optax.global_norm(grads)
+  updates, opt_state = tx.update(grads, opt_state, params)
+  params = optax.apply_updates(params, updates)
+  metrics = dict(loss=loss_sum / denom, grad_norm=grad_norm, accuracy=aux["correct"] / denom,
+                 target_tokens=aux["tokens"])
+  return params, opt_state, metrics
+
+
+def eval_step(params, batch, *, graphdef, rest):
+  """Summed loss, token count and correct-argmax count (combined over batches on host)."""
+  loss_sum, aux = loss_sums(graphdef, params, rest, batch)
+  return dict(loss_sum=loss_sum, tokens=aux["tokens"], correct=aux["correct"])
+
+
+def batch_shardings(mesh) -> dict[str, NamedSharding]:
+  sharding = NamedSharding(mesh, BATCH_SPEC)
+  return {k: sharding for k in ("tokens", "positions", "segment_ids", "labels", "loss_mask")}
+
+
+def jit_train_step(*, graphdef, rest, tx, microbatches: int, mesh, param_shardings,
+                   opt_shardings) -> Callable:
+  """``jax.jit`` with explicit in/out shardings; params and opt_state are donated."""
+  replicated = NamedSharding(mesh, P())
+  step = functools.partial(train_step, graphdef=graphdef, rest=rest, tx=tx,
+                           microbatches=microbatches)
+  return jax.jit(
+      step,
+      in_shardings=(param_shardings, opt_shardings, batch_shardings(mesh)),
+      out_shardings=(param_shardings, opt_shardings, replicated),
+      donate_argnames=("params", "opt_state"))
+
+
+def jit_eval_step(*, graphdef, rest, mesh, param_shardings) -> Callable:
+  replicated = NamedSharding(mesh, P())
+  step = functools.partial(eval_step, graphdef=graphdef, rest=rest)
+  return jax.jit(step, in_shardings=(param_shardings, batch_shardings(mesh)),
+                 out_shardings=replicated)
+
+
+def init_opt_state(tx, params, opt_shardings):
+  """Optimizer state created directly with its target shardings (never gathered)."""
+  return jax.jit(tx.init, out_shardings=opt_shardings)(params)
+
