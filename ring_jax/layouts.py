@@ -30,6 +30,7 @@ import dataclasses
 import functools
 from typing import Literal
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -108,7 +109,7 @@ def to_layout(x, layout: str, ring_size: int, axis: int = 1):
   perm = _permutation(layout, ring_size, x.shape[axis])
   if layout == "contiguous":
     return x
-  return jnp.take(x, jnp.asarray(perm), axis=axis)
+  return _gather(x, perm, axis)
 
 
 def from_layout(x, layout: str, ring_size: int, axis: int = 1):
@@ -116,7 +117,20 @@ def from_layout(x, layout: str, ring_size: int, axis: int = 1):
   perm = _permutation(layout, ring_size, x.shape[axis])
   if layout == "contiguous":
     return x
-  return jnp.take(x, jnp.asarray(np.argsort(perm)), axis=axis)
+  return _gather(x, np.argsort(perm).astype(np.int32), axis)
+
+
+def _gather(x, index: np.ndarray, axis: int):
+  """``x`` reordered along ``axis``, keeping its sharding on meshes with Explicit axes."""
+  axis = axis % x.ndim
+  sharding = getattr(jax.typeof(x), "sharding", None) if isinstance(x, jax.Array) else None
+  mesh = getattr(sharding, "mesh", None)
+  types = getattr(mesh, "axis_types", ()) or ()
+  if any(t == jax.sharding.AxisType.Explicit for t in types):
+    # Sharding-in-types refuses to guess the output sharding of a gather.
+    idx = (slice(None),) * axis + (jnp.asarray(index),)
+    return x.at[idx].get(out_sharding=sharding)
+  return jnp.take(x, jnp.asarray(index), axis=axis)
 
 
 def normalize_window(local_window_size) -> tuple[int, int] | None:

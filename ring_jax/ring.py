@@ -163,13 +163,14 @@ def _varying_axes(x) -> frozenset:
   return frozenset(vma or ())
 
 
-def _varying_like(x, ref):
-  """Marks a freshly created ``x`` as varying over the same manual mesh axes as ``ref``.
+def _varying_like(x, *refs):
+  """Marks a freshly created ``x`` as varying over the manual mesh axes of ``refs``.
 
   Under ``shard_map(check_vma=True)`` loop carries must agree on which mesh
   axes they vary over; zeros created inside the body vary over none.
   """
-  missing = tuple(sorted(_varying_axes(ref) - _varying_axes(x), key=str))
+  want = frozenset().union(*(_varying_axes(r) for r in refs))
+  missing = tuple(sorted(want - _varying_axes(x), key=str))
   if not missing:
     return x
   return jax.lax.pcast(x, missing, to="varying")
@@ -220,8 +221,10 @@ def _backward(cfg: _RingConfig, q, k, v, seg, out, lse, do):
   q_pos = layouts.local_positions(cfg.layout, n, t, device)
   delta = jnp.sum(do.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
   dq = _varying_like(jnp.zeros(q.shape, jnp.float32), q)
-  dk = _varying_like(jnp.zeros(k.shape, jnp.float32), k)
-  dv = _varying_like(jnp.zeros(v.shape, jnp.float32), v)
+  # dK/dV pick up the queries' variation (e.g. heads sharded over a tensor axis
+  # while a single MQA K/V head is replicated); summed back out at the end.
+  dk = _varying_like(jnp.zeros(k.shape, jnp.float32), k, q)
+  dv = _varying_like(jnp.zeros(v.shape, jnp.float32), v, q)
 
   def hop(h, k, v, kv_seg, dq, dk, dv):
     masks = _hop_masks(cfg, tables, device, h, q_pos, s, seg, kv_seg)
@@ -237,6 +240,9 @@ def _backward(cfg: _RingConfig, q, k, v, seg, out, lse, do):
   k, v, kv_seg, dq, dk, dv = jax.lax.fori_loop(0, n - 1, body, (k, v, seg, dq, dk, dv))
   dq, dk, dv = hop(n - 1, k, v, kv_seg, dq, dk, dv)
   dk, dv = _rotate(cfg, dk, dv)  # n-th transfer: home to the shard's owner
+  extra = tuple(sorted(_varying_axes(dk) - _varying_axes(k), key=str))
+  if extra:  # K/V replicated over axes the queries are split over: add the parts
+    dk, dv = jax.lax.psum((dk, dv), extra)
   return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 

@@ -27,6 +27,17 @@ def _resolve_axis(mesh, name, arg: str, default: str | None):
       f"of those or {arg}=None.")
 
 
+def _has_explicit_axes(mesh) -> bool:
+  types = getattr(mesh, "axis_types", ()) or ()
+  return any(t == jax.sharding.AxisType.Explicit for t in types)
+
+
+def _reshard(mesh, x, spec):
+  if isinstance(mesh, jax.sharding.Mesh):
+    return jax.reshard(x, jax.sharding.NamedSharding(mesh, spec))
+  return jax.reshard(x, spec)  # abstract mesh: the one set with jax.set_mesh
+
+
 def ring_attention_sharded(query, key, value, *, mesh=None, seq_axis: str = "sequence",
                            batch_axis: str | None = "data", head_axis: str | None = "tensor",
                            is_causal: bool = False, segment_ids=None, scale: float | None = None,
@@ -112,14 +123,21 @@ def ring_attention_sharded(query, key, value, *, mesh=None, seq_axis: str = "seq
       precision=precision, hop_kernel=hop_kernel)
   q_spec = P(batch_axis, seq_axis, head_axis, None)
   kv_spec = P(batch_axis, seq_axis, kv_head_axis, None)
+  seg_spec = P(batch_axis, seq_axis)
+  if _has_explicit_axes(mesh):
+    # Explicit-axis meshes carry shardings in the types; shard_map wants them
+    # to match in_specs exactly, so move the data first.
+    place = functools.partial(_reshard, mesh)
+    query, key, value = place(query, q_spec), place(key, kv_spec), place(value, kv_spec)
+    if segment_ids is not None:
+      segment_ids = place(segment_ids, seg_spec)
   if segment_ids is None:
     fn = jax.shard_map(lambda q, k, v: kernel(q, k, v), mesh=mesh,
                        in_specs=(q_spec, kv_spec, kv_spec), out_specs=q_spec)
     out = fn(query, key, value)
   else:
     fn = jax.shard_map(lambda q, k, v, s: kernel(q, k, v, segment_ids=s), mesh=mesh,
-                       in_specs=(q_spec, kv_spec, kv_spec, P(batch_axis, seq_axis)),
-                       out_specs=q_spec)
+                       in_specs=(q_spec, kv_spec, kv_spec, seg_spec), out_specs=q_spec)
     out = fn(query, key, value, segment_ids.astype("int32"))
   if not inputs_in_layout:
     out = layouts.from_layout(out, layout, ring, axis=1)
