@@ -1,0 +1,705 @@
+"""Side-by-side attention benchmark: ring_jax vs all-gather CP vs dense vs the paper's code.
+
+One run measures, for each sequence length / mask / implementation, the
+forward and forward+backward wall time (median of ``--repeats`` after a
+warm-up) and the per-device compiled temporary memory
+(``jax.jit(f).lower(...).compile().memory_analysis().temp_size_in_bytes``):
+
+  ring-<layout>  ``ring_jax.ring_attention`` on a mesh with ``sequence=--ring``
+  allgather      ``benchmarks.baselines.allgather_attention``: all-gather K/V, local
+                 blockwise attention (MaxText / TransformerEngine default CP)
+  paper          PyPI ``ringattention==0.1.2`` (Liu et al.), ``ringattention_jax``
+                 under ``jax.shard_map(check_vma=False)`` (contiguous layout only)
+  dense          ``jax.nn.dot_product_attention`` on ONE device (full sequence);
+                 rows whose compiled memory exceeds ``--mem-budget-gib`` are marked
+                 ``OOM(est)`` from ``memory_analysis`` and not run.
+
+Every implementation's output and gradients are checked against
+``ring_jax.reference_attention`` in the same run (``--check-length``). Extra
+sections: bf16 error vs a float64 oracle for ring sizes 1/2/4/8, causal work
+per device from ``ring_jax.schedule``, and an optional block-size sweep.
+Results: a printed table, ``<out>/attention_<platform>.json`` and PNG plots.
+
+CPU (8 fake devices, f32):
+  PYTHONPATH=. python benchmarks/attention.py --lengths 2048,4096,8192,16384 --repeats 5
+Quick:
+  PYTHONPATH=. python benchmarks/attention.py --lengths 2048 --repeats 2 --variants ring,paper
+On GPU/TPU the same command uses the real devices and bfloat16.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import json
+import os
+import platform as _platform
+import sys
+import time
+import types
+
+# 8 fake CPU devices unless the caller already chose (harmless on GPU/TPU: only the CPU
+# client is affected).
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                             " --xla_force_host_platform_device_count=8").strip()
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import ring_jax  # noqa: E402
+from ring_jax.ring import default_block  # noqa: E402
+from benchmarks.baselines import allgather_attention  # noqa: E402
+
+AXIS = "sequence"
+MIB = 2 ** 20
+GIB = 2 ** 30
+
+CPU_NOTE = (
+    "CPU caveat: the fake devices are threads sharing this machine's cores, so wall time "
+    "measures the TOTAL work of all devices, not the busiest device. Causal load balancing "
+    "(zigzag/striped vs contiguous) changes the per-device critical path (see the schedule "
+    "table), which only shows up in time on real accelerators; on CPU all layouts do about "
+    "the same total work. Likewise ppermute/all-gather are memcpys here, so communication "
+    "overlap is not measured.")
+
+
+# ----------------------------------------------------------------------------
+# The paper's implementation
+# ----------------------------------------------------------------------------
+
+def import_paper():
+  """Returns ``ringattention.ringattention_jax`` or raises with a reason.
+
+  ringattention 0.1.2's ``__init__`` calls ``jax.lib.xla_bridge.get_backend()``,
+  removed in jax >= 0.9: alias it to ``jax.extend.backend.get_backend`` first.
+  """
+  import jax.extend.backend
+  if not hasattr(jax.lib, "xla_bridge"):
+    jax.lib.xla_bridge = types.SimpleNamespace(get_backend=jax.extend.backend.get_backend)
+  import ringattention
+  return ringattention.ringattention_jax
+
+
+def paper_local(paper_fn, *, is_causal, chunk, dtype):
+  """Local function for shard_map: the paper's positional signature."""
+  kwargs = dict(causal_block_size=1 if is_causal else None, query_chunk_size=chunk,
+                key_chunk_size=chunk, deterministic=True, dropout_rng=None, attn_pdrop=0.0,
+                dtype=dtype, policy=jax.checkpoint_policies.nothing_saveable, precision=None,
+                prevent_cse=True)
+
+  def f(q, k, v):
+    return paper_fn(q, k, v, None, None, None, AXIS, True, kwargs)
+  return f
+
+
+# ----------------------------------------------------------------------------
+# Implementations as functions of global [B, L, N, H] arrays (inputs in layout order)
+# ----------------------------------------------------------------------------
+
+def make_impl(name, *, mesh, is_causal, dtype, block, paper_fn=None):
+  """Returns ``(f(q, k, v) -> out, layout, on_one_device)`` or raises."""
+  spec = P(None, AXIS, None, None)
+  if name.startswith("ring-"):
+    layout = name[5:]
+    local = functools.partial(ring_jax.ring_attention, axis_name=AXIS, is_causal=is_causal,
+                              layout=layout, block_q=block, block_kv=block)
+    return jax.shard_map(local, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec), layout, False
+  if name.startswith("allgather"):
+    layout = name.split("-", 1)[1] if "-" in name else "contiguous"
+    local = functools.partial(allgather_attention, axis_name=AXIS, is_causal=is_causal,
+                              layout=layout, block_q=block, block_kv=block)
+    return (jax.shard_map(local, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec,
+                          check_vma=False), layout, False)
+  if name == "paper":
+    if paper_fn is None:
+      raise RuntimeError("paper code not importable")
+    return (jax.shard_map(lambda q, k, v: paper_local(
+        paper_fn, is_causal=is_causal, chunk=block, dtype=dtype)(q, k, v), mesh=mesh,
+                          in_specs=(spec,) * 3, out_specs=spec, check_vma=False),
+            "contiguous", False)
+  if name == "dense":
+    return (lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=is_causal),
+            "contiguous", True)
+  if name == "reference":
+    return (lambda q, k, v: ring_jax.reference_attention(q, k, v, is_causal=is_causal),
+            "contiguous", True)
+  raise ValueError(f"unknown implementation {name!r}")
+
+
+def fwd_bwd(f):
+  def g(q, k, v, do):
+    out, vjp = jax.vjp(f, q, k, v)
+    return (out,) + tuple(vjp(do))
+  return g
+
+
+def block_for(name, local_len, args_block):
+  """Block size an implementation uses at this local length."""
+  if args_block:
+    return min(args_block, local_len)
+  layout = name[5:] if name.startswith("ring-") else "contiguous"
+  if name.startswith("allgather-"):
+    layout = name.split("-", 1)[1]
+  return default_block(layout, local_len)
+
+
+def inputs(key, b, length, heads, hd, dtype, sharding):
+  ks = jax.random.split(key, 4)
+  xs = [jax.random.normal(k_, (b, length, heads, hd), jnp.float32).astype(dtype) for k_ in ks]
+  return [jax.device_put(x, sharding) for x in xs]
+
+
+def mem_of(compiled):
+  try:
+    ma = compiled.memory_analysis()
+  except Exception:  # noqa: BLE001
+    return {}
+  if ma is None:
+    return {}
+  out = {}
+  for f in ("temp_size_in_bytes", "argument_size_in_bytes", "output_size_in_bytes",
+            "alias_size_in_bytes", "peak_memory_in_bytes"):
+    v = getattr(ma, f, None)
+    if v is not None:
+      out[f] = int(v)
+  return out
+
+
+def timed(compiled, args, repeats):
+  jax.block_until_ready(compiled(*args))  # warm-up
+  ts = []
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    jax.block_until_ready(compiled(*args))
+    ts.append(time.perf_counter() - t0)
+  return ts
+
+
+def mem_available_bytes():
+  try:
+    with open("/proc/meminfo") as fh:
+      for line in fh:
+        if line.startswith("MemAvailable:"):
+          return int(line.split()[1]) * 1024
+  except OSError:
+    pass
+  return None
+
+
+def device_mem_budget(args):
+  if args.mem_budget_gib:
+    return int(args.mem_budget_gib * GIB)
+  dev = jax.devices()[0]
+  try:
+    stats = dev.memory_stats() or {}
+    if "bytes_limit" in stats:
+      return int(0.9 * stats["bytes_limit"])
+  except Exception:  # noqa: BLE001
+    pass
+  avail = mem_available_bytes() or 16 * GIB
+  return int(min(8 * GIB, 0.4 * avail))  # CPU: shared machine, stay well clear
+
+
+# ----------------------------------------------------------------------------
+# Main table
+# ----------------------------------------------------------------------------
+
+def run_case(name, *, mesh, length, is_causal, args, dtype, paper_fn, budget, repeats):
+  ring = mesh.shape[AXIS]
+  local_len = length // ring
+  block = block_for(name, local_len, args.block)
+  f, layout, one_dev = make_impl(name, mesh=mesh, is_causal=is_causal, dtype=dtype,
+                                 block=block, paper_fn=paper_fn)
+  sharding = (jax.sharding.SingleDeviceSharding(jax.devices()[0]) if one_dev else
+              NamedSharding(mesh, P(None, AXIS, None, None)))
+  q, k, v, do = inputs(jax.random.key(length), args.batch, length, args.heads, args.head_dim,
+                       dtype, sharding)
+  row = dict(impl=name, length=length, causal=is_causal, layout=layout,
+             block=None if one_dev else block, devices=1 if one_dev else ring,
+             repeats=repeats)
+  for mode, fn, a in (("fwd", f, (q, k, v)), ("fwdbwd", fwd_bwd(f), (q, k, v, do))):
+    t0 = time.perf_counter()
+    compiled = jax.jit(fn).lower(*a).compile()
+    row[f"{mode}_compile_s"] = round(time.perf_counter() - t0, 2)
+    mem = mem_of(compiled)
+    row[f"{mode}_mem"] = mem
+    need = mem.get("temp_size_in_bytes", 0) + mem.get("argument_size_in_bytes", 0) + \
+        mem.get("output_size_in_bytes", 0)
+    if one_dev and need > budget:
+      row[f"{mode}_status"] = f"OOM(est {need / GIB:.1f} GiB > {budget / GIB:.1f} GiB budget)"
+      row[f"{mode}_times_s"] = []
+      continue
+    try:
+      ts = timed(compiled, a, repeats)
+      row[f"{mode}_times_s"] = [round(t, 5) for t in ts]
+      row[f"{mode}_median_s"] = float(np.median(ts))
+      row[f"{mode}_status"] = "ok"
+    except Exception as e:  # noqa: BLE001  (real OOM on an accelerator, ...)
+      row[f"{mode}_status"] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:160]}"
+      row[f"{mode}_times_s"] = []
+    del compiled
+  return row
+
+
+def check_case(name, *, mesh, length, is_causal, args, dtype, paper_fn):
+  """Max abs error of output and grads against ring_jax.reference_attention (natural order)."""
+  ring = mesh.shape[AXIS]
+  block = block_for(name, length // ring, args.block)
+  f, layout, one_dev = make_impl(name, mesh=mesh, is_causal=is_causal, dtype=dtype,
+                                 block=block, paper_fn=paper_fn)
+  ks = jax.random.split(jax.random.key(7), 4)  # uncommitted: usable on one device or the mesh
+  q, k, v, do = [jax.random.normal(k_, (args.batch, length, args.heads, args.head_dim),
+                                   jnp.float32).astype(dtype) for k_ in ks]
+  ref = lambda q, k, v: ring_jax.reference_attention(q, k, v, is_causal=is_causal)
+  want = jax.jit(fwd_bwd(ref))(q, k, v, do)
+  if one_dev:
+    got = jax.jit(fwd_bwd(f))(q, k, v, do)
+  else:
+    to = lambda x: ring_jax.to_layout(x, layout, ring)
+    back = lambda x: ring_jax.from_layout(x, layout, ring)
+    g = jax.jit(lambda q, k, v, do: [back(x) for x in fwd_bwd(f)(to(q), to(k), to(v), to(do))])
+    got = g(q, k, v, do)
+  errs = {}
+  for nm, x, y in zip(("out", "dq", "dk", "dv"), got, want):
+    x, y = np.asarray(x, np.float32), np.asarray(y, np.float32)
+    errs[nm] = float(np.max(np.abs(x - y)))
+  scale_ = max(float(np.max(np.abs(np.asarray(w, np.float32)))) for w in want)
+  tol = (2e-4 if dtype == jnp.float32 else 5e-2) * max(1.0, scale_)
+  return dict(impl=name, length=length, causal=is_causal, max_abs_err=errs,
+              ok=bool(all(e <= tol for e in errs.values())), tol=tol)
+
+
+# ----------------------------------------------------------------------------
+# bf16 error vs float64 oracle for ring sizes 1/2/4/8
+# ----------------------------------------------------------------------------
+
+def oracle_f64(q, k, v, do, is_causal):
+  """Dense attention and its VJP in float64 numpy. Shapes [B, L, N, H]."""
+  q, k, v, do = (np.asarray(x, np.float64).transpose(0, 2, 1, 3) for x in (q, k, v, do))
+  scale = q.shape[-1] ** -0.5
+  s = (q @ k.transpose(0, 1, 3, 2)) * scale
+  if is_causal:
+    l_ = s.shape[-1]
+    s = np.where(np.tril(np.ones((l_, l_), bool)), s, -np.inf)
+  s -= s.max(-1, keepdims=True)
+  p = np.exp(s)
+  p /= p.sum(-1, keepdims=True)
+  out = p @ v
+  dv = p.transpose(0, 1, 3, 2) @ do
+  dp = do @ v.transpose(0, 1, 3, 2)
+  ds = p * (dp - (do * out).sum(-1, keepdims=True))
+  dq = (ds @ k) * scale
+  dk = (ds.transpose(0, 1, 3, 2) @ q) * scale
+  return [x.transpose(0, 2, 1, 3) for x in (out, dq, dk, dv)]
+
+
+def bf16_error_table(args, paper_fn):
+  length, is_causal = args.err_length, True
+  ks = jax.random.split(jax.random.key(3), 4)
+  xs = [jax.random.normal(k_, (1, length, args.heads, args.head_dim), jnp.float32)
+        .astype(jnp.bfloat16) for k_ in ks]
+  want = oracle_f64(*xs, is_causal)
+  floor = {nm: float(np.linalg.norm(np.asarray(jnp.asarray(w, jnp.bfloat16), np.float64) - w) /
+                     np.linalg.norm(w)) for nm, w in zip(("out", "dq", "dk", "dv"), want)}
+  rows = [dict(impl="bf16 rounding of the f64 result", ring=None, rel_err=floor)]
+  impls = [f"ring-{lay}" for lay in args.layouts] + (["paper"] if paper_fn else [])
+  for ring in args.err_rings:
+    if ring > len(jax.devices()):
+      continue
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:ring]), (AXIS,))
+    for name in impls:
+      try:
+        block = block_for(name, length // ring, args.block)
+        f, layout, _ = make_impl(name, mesh=mesh, is_causal=is_causal, dtype=jnp.bfloat16,
+                                 block=block, paper_fn=paper_fn)
+        to = lambda x: ring_jax.to_layout(x, layout, ring)
+        back = lambda x: ring_jax.from_layout(x, layout, ring)
+        got = jax.jit(lambda *a: [back(x) for x in fwd_bwd(f)(*(to(y) for y in a))])(*xs)
+        rel = {nm: float(np.linalg.norm(np.asarray(x, np.float64) - w) / np.linalg.norm(w))
+               for nm, x, w in zip(("out", "dq", "dk", "dv"), got, want)}
+        mx = {nm: float(np.max(np.abs(np.asarray(x, np.float64) - w)))
+              for nm, x, w in zip(("out", "dq", "dk", "dv"), got, want)}
+        rows.append(dict(impl=name, ring=ring, rel_err=rel, max_abs_err=mx))
+      except Exception as e:  # noqa: BLE001
+        rows.append(dict(impl=name, ring=ring, error=f"{type(e).__name__}: "
+                         f"{str(e).splitlines()[0][:200]}"))
+      print_err_row(rows[-1], flush=True)
+  return dict(length=length, causal=is_causal, heads=args.heads, head_dim=args.head_dim,
+              rows=rows)
+
+
+def print_err_row(r, flush=False):
+  if "error" in r:
+    print(f"  {r['impl']:<14} ring={r['ring']}: {r['error']}", flush=flush)
+    return
+  e = r["rel_err"]
+  ring = "-" if r["ring"] is None else r["ring"]
+  print(f"  {r['impl']:<34} {ring:>4}  " +
+        "  ".join(f"{e[nm]:.2e}" for nm in ("out", "dq", "dk", "dv")), flush=flush)
+
+
+# ----------------------------------------------------------------------------
+# Causal work per device from the schedule
+# ----------------------------------------------------------------------------
+
+def schedule_table(lengths, ring, block):
+  rows = []
+  for length in lengths:
+    t = length // ring
+    for layout in ring_jax.LAYOUTS:
+      b = min(block, t) if block else default_block(layout, t)
+      s = ring_jax.schedule(layout, ring, t, b, b, True)
+      unit = (t * t) / (b * b)  # block pairs in one full (unmasked) hop
+      work = s.work_per_device() / unit
+      rows.append(dict(length=length, layout=layout, block=b,
+                       pairs_per_device=[int(x) for x in s.work_per_device()],
+                       work_per_device_hops=[round(float(x), 3) for x in work],
+                       total_hops=round(float(work.sum()), 3),
+                       critical_path_hops=round(s.critical_path() / unit, 3),
+                       imbalance=round(float(work.max() / work.mean()), 3)))
+  return rows
+
+
+# ----------------------------------------------------------------------------
+# Output
+# ----------------------------------------------------------------------------
+
+def fmt_ms(r, mode):
+  if r.get(f"{mode}_status", "").startswith("ok"):
+    return f"{1e3 * r[f'{mode}_median_s']:.1f}"
+  st = r.get(f"{mode}_status", "-")
+  return "OOM(est)" if st.startswith("OOM") else "FAIL"
+
+
+def fmt_mem(r, mode):
+  m = r.get(f"{mode}_mem", {}).get("temp_size_in_bytes")
+  return "-" if m is None else f"{m / MIB:.1f}"
+
+
+def ratio(a, b, key):
+  if a.get(key) is None or b is None or b.get(key) is None:
+    return "-"
+  return f"{a[key] / b[key]:.2f}"
+
+
+def print_table(rows, out=sys.stdout):
+  hdr = (f"{'L':>6} {'mask':<7} {'impl':<16} {'dev':>3} {'blk':>5} {'fwd ms':>9} "
+         f"{'fwd+bwd ms':>11} {'fwd MiB':>8} {'f+b MiB':>8} {'t/paper':>8} {'t/allg':>7} "
+         f"{'m/paper':>8} {'m/allg':>7}")
+  print(hdr, file=out)
+  print("-" * len(hdr), file=out)
+  for r in rows:
+    grp = [x for x in rows if x["length"] == r["length"] and x["causal"] == r["causal"]]
+    paper = next((x for x in grp if x["impl"] == "paper" and "fwdbwd_median_s" in x), None)
+    allg = next((x for x in grp if x["impl"] == "allgather" and "fwdbwd_median_s" in x), None)
+    mem = lambda x: None if x is None else {"m": x["fwdbwd_mem"].get("temp_size_in_bytes")}
+    print(f"{r['length']:>6} {'causal' if r['causal'] else 'full':<7} {r['impl']:<16} "
+          f"{r['devices']:>3} {str(r['block'] or '-'):>5} {fmt_ms(r, 'fwd'):>9} "
+          f"{fmt_ms(r, 'fwdbwd'):>11} {fmt_mem(r, 'fwd'):>8} {fmt_mem(r, 'fwdbwd'):>8} "
+          f"{ratio(r, paper, 'fwdbwd_median_s'):>8} {ratio(r, allg, 'fwdbwd_median_s'):>7} "
+          f"{ratio(mem(r), mem(paper), 'm'):>8} {ratio(mem(r), mem(allg), 'm'):>7}", file=out)
+
+
+def targets(result):
+  """Checks the published targets; returns lines of text."""
+  rows = result["rows"]
+  lines = []
+  get = lambda impl, length, causal: next(
+      (r for r in rows if r["impl"] == impl and r["length"] == length and r["causal"] == causal),
+      None)
+  lengths = sorted({r["length"] for r in rows})
+  ring_impls = sorted({r["impl"] for r in rows if r["impl"].startswith("ring-")})
+  for causal in sorted({r["causal"] for r in rows}):
+    tag = "causal" if causal else "full"
+    for impl in ring_impls:
+      mems = [(L, get(impl, L, causal)) for L in lengths]
+      mems = [(L, r["fwdbwd_mem"].get("temp_size_in_bytes")) for L, r in mems if r]
+      growth = [(b / a) for (l1, a), (l2, b) in zip(mems, mems[1:]) if l2 == 2 * l1 and a]
+      if growth:
+        ok = max(growth) <= 2.1
+        lines.append(f"[{'MET' if ok else 'MISSED'}] {tag} {impl}: fwd+bwd temp memory growth "
+                     f"per doubling of L = {', '.join(f'{g:.2f}x' for g in growth)} (target <= 2.1x)")
+    top = lengths[-1]
+    for impl in ring_impls:
+      r = get(impl, top, causal)
+      for other in ("paper", "allgather"):
+        o = get(other, top, causal)
+        if r and o:
+          a = r["fwdbwd_mem"].get("temp_size_in_bytes")
+          b = o["fwdbwd_mem"].get("temp_size_in_bytes")
+          if a and b:
+            lines.append(f"[{'MET' if a < b else 'MISSED'}] {tag} L={top} {impl} fwd+bwd memory "
+                         f"{a / MIB:.1f} MiB vs {other} {b / MIB:.1f} MiB ({a / b:.2f}x)")
+    for L in lengths:
+      p = get("paper", L, causal)
+      impls = ["ring-zigzag"] if causal else ring_impls
+      for impl in impls:
+        r = get(impl, L, causal)
+        if r and p and "fwdbwd_median_s" in r and "fwdbwd_median_s" in p:
+          x = r["fwdbwd_median_s"] / p["fwdbwd_median_s"]
+          lim = 0.7 if causal else 1.0
+          lines.append(f"[{'MET' if x <= lim else 'MISSED'}] {tag} L={L} {impl} fwd+bwd time "
+                       f"{x:.2f}x the paper code (target <= {lim})")
+  err = result.get("bf16_error")
+  if err:
+    for impl in sorted({r["impl"] for r in err["rows"] if r.get("ring")}):
+      rs = [r for r in err["rows"] if r["impl"] == impl and "rel_err" in r]
+      if len(rs) >= 2:
+        e = {r["ring"]: max(r["rel_err"].values()) for r in rs}
+        first, last = e[min(e)], e[max(e)]
+        ok = last <= 1.25 * first
+        lines.append(f"[{'MET' if ok else 'MISSED'}] bf16 {impl}: worst relative error over "
+                     f"out/dq/dk/dv by ring size " +
+                     ", ".join(f"{k}: {v:.2e}" for k, v in sorted(e.items())) +
+                     " (target: no growth, <= 1.25x of ring size 1)")
+  return lines
+
+
+def plot(result, path_prefix):
+  try:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+  except Exception as e:  # noqa: BLE001
+    print(f"(no plots: matplotlib unavailable: {e})")
+    return []
+  rows = result["rows"]
+  paths = []
+  for causal in sorted({r["causal"] for r in rows}):
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+    for impl in sorted({r["impl"] for r in rows}):
+      rs = sorted((r for r in rows if r["impl"] == impl and r["causal"] == causal),
+                  key=lambda r: r["length"])
+      for ax, key in ((axes[0], "fwd_median_s"), (axes[1], "fwdbwd_median_s")):
+        pts = [(r["length"], r[key] * 1e3) for r in rs if key in r]
+        if pts:
+          ax.plot(*zip(*pts), marker="o", label=impl)
+      pts = [(r["length"], r["fwdbwd_mem"]["temp_size_in_bytes"] / MIB) for r in rs
+             if "temp_size_in_bytes" in r.get("fwdbwd_mem", {})]
+      if pts:
+        style = "--" if impl in ("dense", "reference") else "-"
+        axes[2].plot(*zip(*pts), style, marker="o", label=impl)
+    titles = ("forward time (ms)", "forward+backward time (ms)",
+              "fwd+bwd compiled temp memory per device (MiB)")
+    for ax, title in zip(axes, titles):
+      ax.set_xscale("log", base=2)
+      ax.set_yscale("log")
+      ax.set_xlabel("sequence length")
+      ax.set_title(title, fontsize=10)
+      ax.grid(True, which="both", alpha=0.3)
+    axes[2].legend(fontsize=8)
+    m = result["meta"]
+    fig.suptitle(f"{'causal' if causal else 'non-causal'} attention, {m['platform']} "
+                 f"{m['dtype']}, B={m['batch']} N={m['heads']} H={m['head_dim']}, "
+                 f"ring={m['ring']} (dense: 1 device; OOM rows have memory but no time)",
+                 fontsize=10)
+    fig.tight_layout()
+    p = f"{path_prefix}_{'causal' if causal else 'full'}.png"
+    fig.savefig(p, dpi=110)
+    plt.close(fig)
+    paths.append(p)
+  return paths
+
+
+# ----------------------------------------------------------------------------
+
+def parse_args(argv=None):
+  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  ints = lambda s: [int(x) for x in s.split(",") if x]
+  strs = lambda s: [x for x in s.split(",") if x]
+  ap.add_argument("--lengths", type=ints, default=[2048, 4096, 8192, 16384])
+  ap.add_argument("--repeats", type=int, default=5)
+  ap.add_argument("--large-repeats", type=int, default=None,
+                  help="repeats for lengths >= --large-from (default: --repeats)")
+  ap.add_argument("--large-from", type=int, default=16384)
+  ap.add_argument("--batch", type=int, default=1)
+  ap.add_argument("--heads", type=int, default=8)
+  ap.add_argument("--head-dim", type=int, default=64)
+  ap.add_argument("--ring", type=int, default=8, help="devices on the sequence axis")
+  ap.add_argument("--dtype", default="auto", help="auto (f32 on CPU, bf16 else), float32, bfloat16")
+  ap.add_argument("--masks", type=strs, default=["causal", "full"])
+  ap.add_argument("--variants", type=strs, default=["ring", "allgather", "dense", "paper"])
+  ap.add_argument("--layouts", type=strs, default=list(ring_jax.LAYOUTS))
+  ap.add_argument("--block", type=int, default=None,
+                  help="block_q = block_kv for ring/all-gather and the paper's chunk size "
+                       "(default: ring_jax's default block per layout)")
+  ap.add_argument("--sections", type=strs, default=["check", "main", "bf16", "schedule"],
+                  help="subset of check,main,bf16,schedule,sweep")
+  ap.add_argument("--check-length", type=int, default=None,
+                  help="length for correctness checks (default: min(lengths), at most 4096)")
+  ap.add_argument("--err-length", type=int, default=2048)
+  ap.add_argument("--err-rings", type=ints, default=[1, 2, 4, 8])
+  ap.add_argument("--sweep-length", type=int, default=8192)
+  ap.add_argument("--sweep-blocks", type=ints, default=[128, 256, 512, 1024])
+  ap.add_argument("--mem-budget-gib", type=float, default=None,
+                  help="single-device memory above which dense rows are marked OOM(est) "
+                       "instead of run (default: 90%% of the accelerator; on CPU "
+                       "min(8, 0.4 x available) GiB)")
+  ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                                "results"))
+  ap.add_argument("--tag", default=None, help="output file stem (default attention_<platform>)")
+  return ap.parse_args(argv)
+
+
+def main(argv=None):
+  args = parse_args(argv)
+  t_start = time.perf_counter()
+  platform = jax.default_backend()
+  if args.dtype == "auto":
+    dtype = jnp.float32 if platform == "cpu" else jnp.bfloat16
+  else:
+    dtype = jnp.dtype(args.dtype).type
+  ring = min(args.ring, len(jax.devices()))
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:ring]), (AXIS,))
+  try:
+    paper_fn = import_paper()
+    paper_note = "ringattention 0.1.2 imported (jax.lib.xla_bridge alias installed)"
+  except Exception as e:  # noqa: BLE001
+    paper_fn = None
+    paper_note = f"paper code SKIPPED: cannot import ringattention: {type(e).__name__}: {e}"
+  print(paper_note, flush=True)
+  names = []
+  for v in args.variants:
+    if v == "ring":
+      names += [f"ring-{lay}" for lay in args.layouts]
+    elif v == "paper" and paper_fn is None:
+      continue
+    else:
+      names.append(v)
+  budget = device_mem_budget(args)
+  masks = [m == "causal" for m in args.masks]
+  meta = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              command="python " + " ".join([os.path.relpath(__file__)] + sys.argv[1:]),
+              jax=jax.__version__, platform=platform, device_kind=jax.devices()[0].device_kind,
+              num_devices=len(jax.devices()), ring=ring, dtype=jnp.dtype(dtype).name,
+              batch=args.batch, heads=args.heads, head_dim=args.head_dim,
+              repeats=args.repeats, large_repeats=args.large_repeats,
+              large_from=args.large_from, block=args.block, paper=paper_note,
+              single_device_budget_gib=round(budget / GIB, 2), host=_platform.node(),
+              cpu_count=os.cpu_count(),
+              note=CPU_NOTE if platform == "cpu" else "")
+  os.makedirs(args.out, exist_ok=True)
+  stem = os.path.join(args.out, args.tag or f"attention_{platform}")
+  result = dict(meta=meta, checks=[], rows=[])
+
+  def save():
+    result["meta"]["elapsed_s"] = round(time.perf_counter() - t_start, 1)
+    with open(stem + ".json", "w") as fh:
+      json.dump(result, fh, indent=1)
+
+  print(f"jax {jax.__version__} on {platform} ({meta['device_kind']}), ring={ring}, "
+        f"{meta['dtype']}, B={args.batch} N={args.heads} H={args.head_dim}", flush=True)
+
+  if "check" in args.sections:
+    cl = args.check_length or min(min(args.lengths), 4096)
+    print(f"\n== correctness vs ring_jax.reference_attention at L={cl} (max abs error) ==",
+          flush=True)
+    for causal in masks:
+      for name in names:
+        try:
+          c = check_case(name, mesh=mesh, length=cl, is_causal=causal, args=args, dtype=dtype,
+                         paper_fn=paper_fn)
+        except Exception as e:  # noqa: BLE001
+          c = dict(impl=name, length=cl, causal=causal, ok=False,
+                   error=f"{type(e).__name__}: {str(e).splitlines()[0][:200]}")
+        result["checks"].append(c)
+        errs = c.get("max_abs_err")
+        print(f"  {'causal' if causal else 'full':<7} {name:<16} "
+              f"{'OK ' if c['ok'] else 'BAD'} " +
+              (" ".join(f"{k}={v:.1e}" for k, v in errs.items()) if errs else c.get("error", "")),
+              flush=True)
+    save()
+
+  if "main" in args.sections:
+    print(f"\n== timing (median of repeats after a warm-up) and compiled temp memory per "
+          f"device ==", flush=True)
+    for length in args.lengths:
+      reps = args.repeats
+      if args.large_repeats is not None and length >= args.large_from:
+        reps = args.large_repeats
+      for causal in masks:
+        for name in names:
+          try:
+            row = run_case(name, mesh=mesh, length=length, is_causal=causal, args=args,
+                           dtype=dtype, paper_fn=paper_fn, budget=budget, repeats=reps)
+          except Exception as e:  # noqa: BLE001
+            row = dict(impl=name, length=length, causal=causal, devices=ring, block=None,
+                       fwd_status=f"failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}",
+                       fwdbwd_status="failed", fwd_mem={}, fwdbwd_mem={})
+          result["rows"].append(row)
+          print(f"  L={length:<6} {'causal' if causal else 'full':<7} {name:<16} "
+                f"fwd {fmt_ms(row, 'fwd'):>9} ms  fwd+bwd {fmt_ms(row, 'fwdbwd'):>9} ms  "
+                f"temp {fmt_mem(row, 'fwd'):>8} / {fmt_mem(row, 'fwdbwd'):>8} MiB  "
+                f"[{row.get('fwd_status')}; {row.get('fwdbwd_status')}] "
+                f"t={time.perf_counter() - t_start:.0f}s", flush=True)
+          save()
+
+  if "sweep" in args.sections:
+    print(f"\n== block-size sweep at L={args.sweep_length}, causal, fwd+bwd ==", flush=True)
+    result["sweep"] = []
+    sweep_args = argparse.Namespace(**vars(args))
+    for blk in args.sweep_blocks:
+      sweep_args.block = blk
+      for name in [n for n in names if n.startswith("ring-") or n == "paper"]:
+        if args.sweep_length // ring % blk or (name == "ring-zigzag" and
+                                               args.sweep_length // ring // 2 % blk):
+          continue
+        try:
+          row = run_case(name, mesh=mesh, length=args.sweep_length, is_causal=True,
+                         args=sweep_args, dtype=dtype, paper_fn=paper_fn, budget=budget,
+                         repeats=max(2, min(args.repeats, 3)))
+        except Exception as e:  # noqa: BLE001
+          row = dict(impl=name, block=blk, error=f"{type(e).__name__}: {e}")
+        result["sweep"].append(row)
+        print(f"  block={blk:<5} {name:<16} fwd {fmt_ms(row, 'fwd'):>9} ms  fwd+bwd "
+              f"{fmt_ms(row, 'fwdbwd'):>9} ms  temp f+b {fmt_mem(row, 'fwdbwd'):>8} MiB",
+              flush=True)
+        save()
+
+  if "bf16" in args.sections:
+    print(f"\n== bf16 relative error (||x - x64|| / ||x64||) vs float64 oracle, causal, "
+          f"L={args.err_length} ==", flush=True)
+    print(f"  {'impl':<34} {'ring':>4}  {'out':>8}  {'dq':>8}  {'dk':>8}  {'dv':>8}")
+    result["bf16_error"] = bf16_error_table(args, paper_fn)
+    print_err_row(result["bf16_error"]["rows"][0])
+    save()
+
+  if "schedule" in args.sections:
+    result["schedule"] = schedule_table(args.lengths, args.ring, args.block)
+    print(f"\n== causal work per device from ring_jax.schedule (ring={args.ring}; units: one "
+          f"full local hop = (L/n)^2 token pairs; the paper code computes the contiguous "
+          f"schedule) ==", flush=True)
+    print(f"  {'L':>6} {'layout':<11} {'block':>5} {'min/dev':>8} {'max/dev':>8} {'total':>7} "
+          f"{'crit.path':>9} {'max/mean':>8}")
+    for r in result["schedule"]:
+      w = r["work_per_device_hops"]
+      print(f"  {r['length']:>6} {r['layout']:<11} {r['block']:>5} {min(w):>8.2f} {max(w):>8.2f} "
+            f"{r['total_hops']:>7.2f} {r['critical_path_hops']:>9.2f} {r['imbalance']:>8.2f}")
+    save()
+
+  if result["rows"]:
+    print("\n== results ==")
+    print_table(result["rows"])
+    if platform == "cpu":
+      print("\n" + CPU_NOTE)
+    if args.large_repeats is not None and any(L >= args.large_from for L in args.lengths):
+      print(f"Note: lengths >= {args.large_from} use {args.large_repeats} repeats "
+            f"(others {args.repeats}) to keep the CPU run short.")
+    result["plots"] = [os.path.relpath(p, args.out) for p in plot(result, stem)]
+  lines = targets(result)
+  if lines:
+    print("\n== targets ==")
+    print("\n".join(lines))
+  result["targets"] = lines
+  save()
+  print(f"\nwrote {stem}.json ({time.perf_counter() - t_start:.0f}s)")
+  return result
+
+
+if __name__ == "__main__":
+  main()
