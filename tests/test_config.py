@@ -1,0 +1,174 @@
+"""Config files, gin overrides onto the ConfigDict, mesh resolution and up-front errors."""
+
+import importlib.util
+import os
+
+import jax
+import ml_collections
+import pytest
+
+from training import config as cfg_lib
+from training.config import ConfigError
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def load_config(name: str, arg=None) -> ml_collections.ConfigDict:
+  spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "configs", f"{name}.py"))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.get_config(arg)
+
+
+def tiny(**overrides) -> ml_collections.ConfigDict:
+  config = load_config("tiny")
+  return cfg_lib.apply_overrides(config, overrides.items())
+
+
+# --- shipped configs -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name,arg", [("tiny", None), ("tiny", "text,micro"),
+                                      ("tiny", "dense,striped"), ("llama_1b", None),
+                                      ("llama_7b", None)])
+def test_shipped_configs_build_a_model_config(name, arg):
+  config = load_config(name, arg)
+  model_cfg = cfg_lib.llama_config(config)
+  assert model_cfg.num_params() > 0
+  assert model_cfg.flops_per_token(config.data.seq_len) > 6 * model_cfg.num_params(False)
+
+
+def test_tiny_validates_on_eight_devices():
+  assert cfg_lib.validate_config(tiny(), num_devices=8) == dict(data=2, sequence=4, tensor=1)
+
+
+@pytest.mark.parametrize("name,devices,expected", [
+    ("llama_1b", 256, dict(data=16, sequence=16, tensor=1)),
+    ("llama_7b", 512, dict(data=8, sequence=16, tensor=4)),
+])
+def test_long_context_configs_fill_the_mesh(name, devices, expected):
+  config = load_config(name)
+  assert cfg_lib.validate_config(config, num_devices=devices) == expected
+
+
+def test_unknown_variant_raises():
+  with pytest.raises(ValueError, match="unknown tiny.py variants"):
+    load_config("tiny", "nope")
+
+
+# --- gin syntax -> the same ConfigDict ------------------------------------------------------
+
+
+def test_gin_params_and_files_override_config_fields(tmp_path):
+  config = tiny()
+  gin_file = tmp_path / "over.gin"
+  gin_file.write_text("model.num_layers = 4\noptim.lr = 1e-4\ninclude 'more.gin'\n")
+  (tmp_path / "more.gin").write_text("data.kv.num_pairs = 5\nconfig.total_steps = 9\n")
+  cfg_lib.apply_gin(config, [str(gin_file)], ["model.layout = 'striped'",
+                                              "model.num_layers = 3"])
+  assert config.model.num_layers == 3  # --gin_param comes after --gin_file
+  assert config.optim.lr == 1e-4 and config.data.kv.num_pairs == 5
+  assert config.total_steps == 9 and config.model.layout == "striped"
+
+
+def test_gin_rejects_unknown_fields_wrong_types_and_references():
+  with pytest.raises(ConfigError, match="no field 'model.num_layerz'"):
+    cfg_lib.apply_gin(tiny(), gin_params=["model.num_layerz = 4"])
+  with pytest.raises(ConfigError, match="no field 'modle'"):
+    cfg_lib.apply_gin(tiny(), gin_params=["modle.num_layers = 4"])
+  with pytest.raises(ConfigError, match="num_layers"):
+    cfg_lib.apply_gin(tiny(), gin_params=["model.num_layers = 'four'"])
+  with pytest.raises(ConfigError, match="reference"):
+    cfg_lib.apply_gin(tiny(), gin_params=["model.num_layers = @foo"])
+  with pytest.raises(ConfigError, match="does not exist"):
+    cfg_lib.apply_gin(tiny(), gin_files=["/nonexistent.gin"])
+
+
+# --- mesh ------------------------------------------------------------------------------------
+
+
+def test_mesh_fill_axis_and_make_mesh():
+  assert cfg_lib.mesh_shape(ml_collections.ConfigDict(dict(data=-1, sequence=4, tensor=1)),
+                            8) == dict(data=2, sequence=4, tensor=1)
+  mesh = cfg_lib.make_mesh(ml_collections.ConfigDict(dict(data=1, sequence=-1, tensor=1)))
+  assert dict(mesh.shape) == dict(data=1, sequence=8, tensor=1)
+  one = cfg_lib.make_mesh(ml_collections.ConfigDict(dict(data=1, sequence=1, tensor=1)),
+                          devices=jax.devices()[:1])
+  assert one.size == 1
+
+
+@pytest.mark.parametrize("mesh,match", [
+    (dict(data=2, sequence=2, tensor=1), "needs 4 devices but 8"),
+    (dict(data=-1, sequence=-1, tensor=1), "at most one axis may be -1"),
+    (dict(data=-1, sequence=3, tensor=1), "does not divide"),
+    (dict(data=2, sequence=4, pipeline=1), "unknown axes"),
+])
+def test_mesh_errors(mesh, match):
+  with pytest.raises(ConfigError, match=match):
+    cfg_lib.validate_config(tiny(**{f"mesh.{k}": v for k, v in mesh.items()
+                                    if k in ("data", "sequence", "tensor")}) if "pipeline"
+                            not in mesh else _with_mesh(mesh), num_devices=8)
+
+
+def _with_mesh(mesh):
+  config = tiny()
+  config.unlock()
+  config.mesh = ml_collections.ConfigDict(mesh)
+  return config
+
+
+# --- everything else that must fail before compiling ---------------------------------------
+
+
+@pytest.mark.parametrize("overrides,match", [
+    ({"model.attention": "flash"}, "model.attention='flash' is unknown"),
+    ({"model.layout": "spiral"}, "model.layout='spiral' is unknown"),
+    ({"mesh.data": 1, "mesh.sequence": 2, "mesh.tensor": 4, "model.num_heads": 6,
+      "model.num_kv_heads": 2}, "num_heads=6 is not divisible by the mesh 'tensor'"),
+    ({"mesh.data": 1, "mesh.sequence": 2, "mesh.tensor": 4, "model.num_kv_heads": 2},
+     "num_kv_heads=2 is not divisible by the mesh 'tensor'"),
+    ({"model.num_heads": 4, "model.num_kv_heads": 3}, "multiple of"),
+    ({"data.seq_len": 260}, "divisible by 8 for layout='zigzag'"),
+    ({"data.seq_len": 258, "model.layout": "striped"}, "divisible by 4 for layout='striped'"),
+    ({"model.block_q": 48}, "block_q=48 must divide"),
+    ({"batch_size": 5}, "not divisible by the mesh 'data' axis"),
+    ({"batch_size": 16, "microbatches": 3}, "not divisible by microbatches=3"),
+    ({"batch_size": 16, "microbatches": 16}, "rows per microbatch is not divisible"),
+    ({"eval_batch_size": 3}, "eval_batch_size=3"),
+    ({"data.kind": "text"}, "needs data.path"),
+    ({"data.kind": "text", "data.path": "/nonexistent/corpus"}, "matches no"),
+    ({"data.kind": "webdataset"}, "data.kind='webdataset' is unknown"),
+    ({"model.vocab_size": 64}, "needs model.vocab_size >= 307"),
+    ({"optim.warmup_steps": 10_000}, "warmup_steps"),
+])
+def test_bad_configs_fail_with_a_clear_message(overrides, match):
+  with pytest.raises(ConfigError, match=match):
+    cfg_lib.validate_config(tiny(**overrides), num_devices=8)
+
+
+def test_single_kv_head_is_replicated_not_an_error():
+  config = tiny(**{"mesh.data": 1, "mesh.sequence": 4, "mesh.tensor": 2,
+                   "model.num_kv_heads": 1})
+  assert cfg_lib.validate_config(config, num_devices=8)["tensor"] == 2
+
+
+def test_text_needs_byte_vocab(tmp_path):
+  (tmp_path / "a.txt").write_text("hello")
+  config = tiny(**{"data.kind": "text", "data.path": str(tmp_path), "model.vocab_size": 200})
+  with pytest.raises(ConfigError, match="byte tokenizer needs model.vocab_size >= 259"):
+    cfg_lib.validate_config(config, num_devices=8)
+  config.model.vocab_size = 264
+  cfg_lib.validate_config(config, num_devices=8)
+
+
+def test_train_rejects_bad_config_before_compiling(tmp_path, monkeypatch):
+  import train as train_script
+  from training import step as step_lib
+
+  def must_not_compile(**_):
+    raise AssertionError("compiled despite a bad config")
+
+  monkeypatch.setattr(step_lib, "jit_train_step", must_not_compile)
+  with pytest.raises(ConfigError, match="needs 6 devices"):
+    train_script.train(tiny(**{"mesh.data": 3, "mesh.sequence": 2}), str(tmp_path))
+  assert not os.path.exists(os.path.join(tmp_path, "checkpoints"))

@@ -1,0 +1,203 @@
+"""Input pipeline: packing, layouts, the synthetic task, iterator state, process slices."""
+
+import json
+import os
+
+import jax
+import ml_collections
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import ring_jax
+from training import data as data_lib
+
+
+def _tiny_config(**data_overrides):
+  import configs.tiny as tiny  # noqa: PLC0415 (configs/ is a plain directory of files)
+
+  config = tiny.get_config()
+  config.data.seq_len = 64
+  config.batch_size = 4
+  for k, v in data_overrides.items():
+    config.data[k] = v
+  return config
+
+
+@pytest.fixture(scope="module")
+def mesh():
+  devices = np.asarray(jax.devices()[:8]).reshape(2, 4, 1)
+  return jax.sharding.Mesh(devices, ("data", "sequence", "tensor"))
+
+
+# --- packing ---------------------------------------------------------------------------------
+
+
+def test_packing_segments_never_cross_documents():
+  docs = ["hello", "a", "the quick brown fox jumps", "", "xyz" * 7, "end"]
+  tokens = [data_lib.byte_tokenize(d) for d in docs if d]
+  packed = data_lib.pack_documents(tokens, seq_len=16)
+  stream = np.concatenate(tokens)
+  doc_of = np.concatenate([np.full(len(t), i) for i, t in enumerate(tokens)])
+  n = len(stream)
+  flat = {k: v.reshape(-1) for k, v in packed.items()}
+  np.testing.assert_array_equal(flat["tokens"][:n], stream)
+  assert (flat["segment_ids"][n:] == 0).all() and (flat["loss_mask"][n:] == 0).all()
+
+  seg = packed["segment_ids"]
+  for r in range(seg.shape[0]):
+    row_docs = doc_of[r * 16:(r + 1) * 16]
+    real = seg[r][:len(row_docs)]
+    # Same segment id <=> same document, within the row.
+    same_seg = real[:, None] == real[None, :]
+    same_doc = row_docs[:, None] == row_docs[None, :]
+    np.testing.assert_array_equal(same_seg, same_doc)
+  # A label is only ever the next token of the same document.
+  for r in range(seg.shape[0]):
+    for t in range(15):
+      if packed["loss_mask"][r, t]:
+        assert seg[r, t] == seg[r, t + 1] != 0
+        assert packed["labels"][r, t] == packed["tokens"][r, t + 1]
+    assert packed["loss_mask"][r, 15] == 0  # Nothing predicts across a row end.
+  # Positions restart at every segment start and count up inside it.
+  pos = packed["positions"]
+  for r in range(seg.shape[0]):
+    for t in range(16):
+      if seg[r, t] == 0:
+        continue
+      expected = 0 if t == 0 or seg[r, t - 1] != seg[r, t] else pos[r, t - 1] + 1
+      assert pos[r, t] == expected
+
+
+def test_byte_tokenizer_roundtrip():
+  text = "ring attention — zigzag ✓"
+  ids = data_lib.byte_tokenize(text)
+  assert ids[0] == data_lib.BOS_ID and ids[-1] == data_lib.EOS_ID
+  assert ids.max() < data_lib.BYTE_VOCAB_SIZE
+  assert data_lib.byte_detokenize(ids) == text
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag", "striped"])
+def test_layout_reorder_matches_ring_jax(layout):
+  rng = np.random.default_rng(0)
+  batch = {k: rng.integers(0, 100, size=(3, 32)).astype(np.int32) for k in data_lib.FIELDS}
+  out = data_lib.to_layout_np(batch, layout, ring_size=4)
+  for k in data_lib.FIELDS:
+    np.testing.assert_array_equal(out[k], np.asarray(ring_jax.to_layout(batch[k], layout, 4)))
+  # Reordering natural positions gives the layout's global positions.
+  natural = {k: np.broadcast_to(np.arange(32, dtype=np.int32), (3, 32)) for k in data_lib.FIELDS}
+  np.testing.assert_array_equal(data_lib.to_layout_np(natural, layout, 4)["positions"][0],
+                                ring_jax.layout_positions(layout, 4, 32))
+
+
+# --- synthetic task --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("pair_format", ["fused", "adjacent"])
+def test_kv_task_answers_are_the_paired_values_and_far_away(pair_format):
+  task = data_lib.KVRetrievalTask(seq_len=64, num_pairs=6, num_queries=4, num_keys=20,
+                                  num_values=10, num_filler=8, pair_format=pair_format)
+  task.check()
+  for index in range(20):
+    ex = task.example(seed=3, index=index)
+    tok, lab, mask = ex["tokens"], ex["labels"], ex["loss_mask"]
+    assert tok.max() < task.vocab_size and tok[0] == data_lib.BOS_ID
+    pairs = task.decode_pairs(tok)
+    assert len(pairs) == task.num_pairs  # distinct keys
+    asked = np.flatnonzero(mask)
+    assert len(asked) == task.num_queries
+    for t in asked:
+      assert task.key_start <= tok[t] < task.value_start
+      assert lab[t] == tok[t + 1] == task.value_start + pairs[int(tok[t]) - task.key_start]
+    # Every query sits in the last quarter and every pair in the first: with a ring of 4
+    # contiguous shards the answer is only reachable across the ring.
+    assert asked.min() >= 48 and task.pair_len * task.num_pairs < 16
+    # Filler never contains keys, values or pairs (no shortcut through the middle).
+    filler = tok[1 + task.pair_len * task.num_pairs:asked.min() - 1]
+    assert ((filler >= task.filler_start) & (filler < task.key_start)).all()
+  a, b = task.example(3, 7), task.example(3, 7)
+  np.testing.assert_array_equal(a["tokens"], b["tokens"])  # pure function of (seed, index)
+  assert not np.array_equal(task.example(3, 7)["tokens"], task.example(4, 7)["tokens"])
+
+
+def test_kv_task_config_errors():
+  from training.config import ConfigError
+
+  with pytest.raises(ConfigError, match="num_queries"):
+    data_lib.KVRetrievalTask(seq_len=64, num_pairs=2, num_queries=3).check()
+  with pytest.raises(ConfigError, match="too short"):
+    data_lib.KVRetrievalTask(seq_len=16, num_pairs=8, num_queries=8).check()
+  with pytest.raises(ConfigError, match="pair_format"):
+    data_lib.KVRetrievalTask(seq_len=64, pair_format="interleaved").check()
+
+
+# --- pipeline --------------------------------------------------------------------------------
+
+
+def test_iterator_state_roundtrip(mesh):
+  config = _tiny_config()
+  sharding = NamedSharding(mesh, P("data", "sequence"))
+  dataset = data_lib.make_dataset(config, sharding, ring_size=4, split="train")
+  it = data_lib.make_iterator(dataset)
+  for _ in range(3):
+    next(it)
+  state = it.get_state()
+  expected = [next(it) for _ in range(2)]
+  resumed = data_lib.make_iterator(dataset)
+  resumed.set_state(json.loads(json.dumps(state)))  # survives JSON (the checkpoint format)
+  for want in expected:
+    got = next(resumed)
+    for k in data_lib.FIELDS:
+      np.testing.assert_array_equal(got[k], want[k])
+
+
+def test_batches_are_layout_ordered_and_sharded(mesh):
+  config = _tiny_config()
+  config.model.layout = "zigzag"
+  sharding = NamedSharding(mesh, P("data", "sequence"))
+  batch = next(data_lib.make_iterator(
+      data_lib.make_dataset(config, sharding, ring_size=4, split="train"), prefetch=0))
+  task = data_lib.KVRetrievalTask.from_config(config.data)
+  natural = task.rows(config.seed, 0, config.batch_size)
+  perm = ring_jax.layout_positions("zigzag", 4, 64)
+  for k in data_lib.FIELDS:
+    np.testing.assert_array_equal(batch[k], natural[k][:, perm])
+  np.testing.assert_array_equal(batch["positions"][0], perm)
+  global_batch = data_lib.to_global(batch, sharding, (4, 64))
+  assert global_batch["tokens"].sharding == sharding
+  # Device (data=0, sequence=3) holds zigzag chunks 3 and 4 of rows 0-1.
+  shard = next(s for s in global_batch["tokens"].addressable_shards
+               if s.device == mesh.devices[0, 3, 0])
+  np.testing.assert_array_equal(np.asarray(shard.data), natural["tokens"][:2][:, perm[48:64]])
+
+
+def test_eval_split_differs_from_train(mesh):
+  config = _tiny_config()
+  sharding = NamedSharding(mesh, P("data", "sequence"))
+  train = data_lib.make_dataset(config, sharding, 4, split="train")[0]
+  held_out = data_lib.make_dataset(config, sharding, 4, split="eval")[0]
+  assert not np.array_equal(train["tokens"], held_out["tokens"])
+
+
+def test_text_pipeline_from_local_jsonl(tmp_path, mesh):
+  docs = [f"document number {i}: " + "lorem ipsum " * (i % 5 + 1) for i in range(40)]
+  path = tmp_path / "corpus.jsonl"
+  path.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+  (tmp_path / "notes.txt").write_text("a plain text file is one document")
+  config = _tiny_config(kind="text", path=str(tmp_path))
+  assert len(data_lib.read_documents(str(tmp_path))) == 41
+  packed = data_lib.PackedText.from_config(config.data)
+  assert packed.train["tokens"].shape[1] == 64 and len(packed.eval["tokens"]) >= 1
+  sharding = NamedSharding(mesh, P("data", "sequence"))
+  batch = data_lib.make_dataset(config, sharding, 4, split="train")[5]
+  assert batch["tokens"].shape == (4, 64)
+  # Layout (contiguous here) keeps each row's tokens, segments and labels consistent.
+  mask = batch["loss_mask"].astype(bool)
+  assert mask.any() and (batch["segment_ids"][mask] > 0).all()
+
+
+def test_process_slices_single_process_covers_everything(mesh):
+  sharding = NamedSharding(mesh, P("data", "sequence"))
+  rows, cols = data_lib.process_slices(sharding, (8, 64))
+  assert (rows.start, rows.stop, cols.start, cols.stop) == (0, 8, 0, 64)

@@ -1,0 +1,308 @@
+"""models.llama: ring vs dense on meshes, RoPE, blockwise FFN, scan, remat, config checks.
+
+Tiny float32 models on the 8 fake CPU devices of conftest.py. The oracle for
+every sharded run is the dense backend on one device in natural token order.
+"""
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import ring_jax
+from models.llama import (REMAT_POLICIES, Llama, LlamaConfig, apply_rope, param_shardings,
+                          rope_inv_freq, rope_tables)
+
+B, L = 2, 16
+TINY = dict(vocab_size=64, dim=32, num_layers=2, num_heads=4, num_kv_heads=2, mlp_dim=64,
+            init_std=0.2, attention="dense")
+
+
+def _cfg(**kw) -> LlamaConfig:
+  return LlamaConfig(**{**TINY, **kw})
+
+
+def _packed_batch():
+  """Tokens, per-document positions, segment ids (several documents per row + padding), weights."""
+  rng = np.random.default_rng(0)
+  tokens = rng.integers(0, TINY["vocab_size"], size=(B, L)).astype(np.int32)
+  docs = [[5, 7, 0], [9, 3, 4]]  # lengths of documents 1, 2, 3; the rest of row 0 is padding
+  segs = np.zeros((B, L), np.int32)
+  pos = np.zeros((B, L), np.int32)
+  for b, lengths in enumerate(docs):
+    start = 0
+    for d, n in enumerate(lengths):
+      segs[b, start:start + n] = d + 1
+      pos[b, start:start + n] = np.arange(n)
+      start += n
+  # Per-token loss weights (0 on padding) make the gradient depend on every logit; the 1/(B*L)
+  # keeps gradients O(1) like a mean loss, so absolute tolerances mean what they say.
+  weights = rng.normal(size=(B, L, TINY["vocab_size"])) * (segs > 0)[..., None] / (B * L)
+  weights = weights.astype(np.float32)
+  return tokens, pos, segs, weights
+
+
+def _loss_and_grads(cfg, params, tokens, pos, segs, weights, mesh=None):
+  """(logits, grads) of sum(logits * weights), jitted pure function on split params (tree mode)."""
+  graphdef = nnx.graphdef(nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0))))
+
+  def loss(p, t, q, s, w):
+    logits = nnx.merge(graphdef, p)(t, q, s)
+    return jnp.sum(logits * w), logits
+
+  fn = jax.jit(jax.value_and_grad(loss, has_aux=True))
+  if mesh is None:
+    (_, logits), grads = fn(params, tokens, pos, segs, weights)
+  else:
+    with jax.set_mesh(mesh):
+      params = jax.device_put(params, param_shardings(params, mesh))
+      (_, logits), grads = fn(params, tokens, pos, segs, weights)
+  return np.asarray(logits), jax.tree.map(np.asarray, grads)
+
+
+def _init_params(cfg):
+  """Params of a fresh model, initialised under one jit (eager init compiles op by op)."""
+
+  def init():
+    graphdef, params, rest = nnx.split(Llama(cfg, rngs=nnx.Rngs(0)), nnx.Param, ...)
+    assert not jax.tree.leaves(rest)  # tree mode: the model holds Params only
+    return params
+
+  return jax.jit(init)()
+
+
+@pytest.fixture(scope="module")
+def baseline():
+  """Dense backend, one device, natural order: params, batch, logits, grads."""
+  cfg = _cfg()
+  params = _init_params(cfg)
+  batch = _packed_batch()
+  logits, grads = _loss_and_grads(cfg, params, *batch)
+  return params, batch, logits, grads
+
+
+def _assert_tree_close(a, b, rtol=1e-5, atol=1e-5):
+  leaves_a, leaves_b = jax.tree.leaves(a), jax.tree.leaves(b)
+  assert len(leaves_a) == len(leaves_b) > 0
+  for x, y in zip(leaves_a, leaves_b):
+    np.testing.assert_allclose(x, y, rtol=rtol, atol=atol)
+
+
+@pytest.mark.parametrize("mesh_shape,layout,axis_types,ffn_chunk", [
+    ((2, 1, 4), "contiguous", "explicit", None),
+    ((2, 1, 4), "zigzag", "explicit", 2),
+    ((1, 2, 4), "zigzag", "explicit", None),
+    ((1, 2, 4), "contiguous", "auto", 2),
+])
+def test_ring_on_mesh_matches_dense(baseline, mesh_shape, layout, axis_types, ffn_chunk):
+  """Sharded ring model == one-device dense model: logits and parameter gradients.
+
+  Inputs (tokens, positions, segment ids, loss weights) are put in layout order
+  once, as the train step does; logits come back in layout order.
+  """
+  params, (tokens, pos, segs, weights), want_logits, want_grads = baseline
+  kw = {} if axis_types == "explicit" else {"axis_types": (jax.sharding.AxisType.Auto,) * 3}
+  mesh = jax.make_mesh(mesh_shape, ("data", "tensor", "sequence"), **kw)
+  ring = mesh.shape["sequence"]
+  cfg = _cfg(attention="ring", layout=layout, block_q=2, block_kv=2, ffn_chunk_size=ffn_chunk)
+  to = lambda x: np.asarray(ring_jax.to_layout(x, layout, ring))
+  logits, grads = _loss_and_grads(cfg, params, to(tokens), to(pos), to(segs), to(weights), mesh)
+  logits = np.asarray(ring_jax.from_layout(logits, layout, ring))
+  real = segs > 0  # padding logits are meaningless (their attention output is 0 by definition)
+  np.testing.assert_allclose(logits[real], want_logits[real], rtol=1e-5, atol=1e-5)
+  _assert_tree_close(grads, want_grads)
+
+
+def test_dense_backend_on_layout_order(baseline):
+  """The dense backend masks by the given positions, so zigzag-ordered inputs give the same result."""
+  params, (tokens, pos, segs, weights), want_logits, want_grads = baseline
+  to = lambda x: np.asarray(ring_jax.to_layout(x, "zigzag", 4))
+  logits, grads = _loss_and_grads(_cfg(layout="zigzag"), params, to(tokens), to(pos), to(segs),
+                                  to(weights))
+  logits = np.asarray(ring_jax.from_layout(logits, "zigzag", 4))
+  real = segs > 0
+  np.testing.assert_allclose(logits[real], want_logits[real], rtol=1e-5, atol=1e-5)
+  _assert_tree_close(grads, want_grads)
+
+
+def test_ring_without_mesh_falls_back_to_dense(baseline):
+  params, batch, want_logits, _ = baseline
+  logits, _ = _loss_and_grads(_cfg(attention="ring"), params, *batch)
+  np.testing.assert_allclose(logits, want_logits, rtol=1e-6, atol=1e-6)
+
+
+def test_unrolled_layers_and_blockwise_ffn_match(baseline):
+  """Python loop over the stacked layers + chunked MLP == scan + plain MLP (same params)."""
+  params, batch, want_logits, want_grads = baseline
+  logits, grads = _loss_and_grads(_cfg(scan_layers=False, ffn_chunk_size=4), params, *batch)
+  np.testing.assert_allclose(logits, want_logits, rtol=1e-5, atol=1e-5)
+  _assert_tree_close(grads, want_grads)
+
+
+@pytest.mark.parametrize("policy,scan", [("full", True), ("save_qkv_attn_out", False)])
+def test_remat_policy_keeps_values(baseline, policy, scan):
+  params, batch, want_logits, want_grads = baseline
+  cfg = _cfg(remat_policy=policy, scan_layers=scan)
+  logits, grads = _loss_and_grads(cfg, params, *batch)
+  np.testing.assert_allclose(logits, want_logits, rtol=1e-6, atol=1e-6)
+  _assert_tree_close(grads, want_grads, rtol=1e-6, atol=1e-6)
+  # The policy is really applied: the traced forward contains a remat (checkpoint) call.
+  model = nnx.merge(nnx.graphdef(nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0)))), params)
+  tokens, pos, segs, _ = batch
+  jaxpr = str(jax.make_jaxpr(lambda t: model(t, pos, segs))(tokens))
+  assert "checkpoint" in jaxpr or "remat" in jaxpr
+
+
+def _graphdef(cfg):
+  return nnx.graphdef(nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0))))
+
+
+def test_bf16_compute(baseline):
+  """bfloat16 compute keeps float32 params and logits, and stays near the float32 result."""
+  params, (tokens, pos, segs, _), want, _ = baseline
+  bf16 = nnx.merge(_graphdef(_cfg(dtype="bfloat16")), params)
+  got = jax.jit(lambda m: m(tokens, pos, segs))(bf16)
+  assert got.dtype == jnp.float32
+  real = segs > 0
+  scale = float(np.abs(want).max())
+  err = np.abs(np.asarray(got)[real] - want[real]).max()
+  assert 0 < err < 0.05 * scale  # bf16 rounding really happened, and stayed small
+  stored = nnx.eval_shape(lambda: Llama(_cfg(param_dtype="bfloat16"), rngs=nnx.Rngs(0)))
+  assert {x.dtype for x in jax.tree.leaves(nnx.state(stored))} == {jnp.dtype(jnp.bfloat16)}
+
+
+def test_tied_embeddings(baseline):
+  params, (tokens, pos, segs, _), _, _ = baseline
+  tied_params = {k: v for k, v in params.items() if k != "lm_head"}
+  model = nnx.merge(_graphdef(_cfg(tie_embeddings=True)), nnx.State(tied_params))
+  assert not hasattr(model, "lm_head")
+
+  def both(m):
+    # With tied weights the head is the embedding transposed: recompute the logits by hand.
+    x = m.embed[...][tokens]
+    graphdef, stacked = nnx.split(m.layers)
+    cos, sin = rope_tables(jnp.asarray(pos), rope_inv_freq(m.cfg))
+    for i in range(m.cfg.num_layers):
+      x = nnx.merge(graphdef, jax.tree.map(lambda a: a[i], stacked))(x, cos, sin, pos, segs)
+    return m(tokens, pos, segs), m.final_norm(x) @ m.embed[...].T
+
+  got, want = jax.jit(both)(model)
+  assert got.shape == (B, L, TINY["vocab_size"])
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------------------------
+# RoPE
+# ----------------------------------------------------------------------------------------------
+
+
+def test_rope_matches_rotation_formula():
+  """Each pair (x_i, x_{i+H/2}) is rotated by angle p * theta^(-2i/H)."""
+  cfg = _cfg(dim=32, num_heads=2, rope_theta=100.0)  # head_dim 16
+  h = cfg.resolved_head_dim
+  rng = np.random.default_rng(1)
+  x = rng.normal(size=(1, 5, 2, h)).astype(np.float32)
+  positions = np.array([[0, 1, 7, 30, 123]])
+  cos, sin = rope_tables(jnp.asarray(positions), rope_inv_freq(cfg))
+  got = np.asarray(apply_rope(jnp.asarray(x), cos, sin))
+  want = np.empty_like(x)
+  for t, p in enumerate(positions[0]):
+    for i in range(h // 2):
+      angle = p * 100.0 ** (-2 * i / h)
+      a, b = x[0, t, :, i], x[0, t, :, i + h // 2]
+      want[0, t, :, i] = a * math.cos(angle) - b * math.sin(angle)
+      want[0, t, :, i + h // 2] = b * math.cos(angle) + a * math.sin(angle)
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+  # Position 0 is the identity; scores depend only on the relative position.
+  np.testing.assert_allclose(got[0, 0], x[0, 0], atol=1e-6)
+  q, k = jnp.asarray(x[:, :1, :1]), jnp.asarray(x[:, 1:2, :1])
+
+  def score(pq, pk):
+    cq, sq = rope_tables(jnp.array([[pq]]), rope_inv_freq(cfg))
+    ck, sk = rope_tables(jnp.array([[pk]]), rope_inv_freq(cfg))
+    return float(jnp.sum(apply_rope(q, cq, sq) * apply_rope(k, ck, sk)))
+
+  assert score(10, 3) == pytest.approx(score(57, 50), rel=1e-4, abs=1e-5)
+
+
+def test_llama3_scaling_matches_reference_formula():
+  """Our inv_freq vs Meta's llama3 ``apply_scaling`` loop (the formula HF reimplements)."""
+  scaling = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                 original_max_position_embeddings=512)
+  cfg = _cfg(dim=128, num_heads=1, rope_theta=500000.0, rope_scaling=scaling)
+  base = 1.0 / (500000.0 ** (np.arange(0, 128, 2) / 128))
+  want = []
+  low_wavelen, high_wavelen = 512 / 1.0, 512 / 4.0
+  for freq in base:
+    wavelen = 2 * math.pi / freq
+    if wavelen < high_wavelen:
+      want.append(freq)
+    elif wavelen > low_wavelen:
+      want.append(freq / 8.0)
+    else:
+      smooth = (512 / wavelen - 1.0) / (4.0 - 1.0)
+      want.append((1 - smooth) * freq / 8.0 + smooth * freq)
+  got = rope_inv_freq(cfg)
+  np.testing.assert_allclose(got, np.array(want), rtol=1e-6)
+  ratio = base / got  # all three bands are exercised
+  assert np.isclose(ratio, 1).any() and np.isclose(ratio, 8).any()
+  assert ((ratio > 1.01) & (ratio < 7.99)).any()
+  linear = rope_inv_freq(_cfg(dim=128, num_heads=1, rope_theta=500000.0,
+                              rope_scaling={"type": "linear", "factor": 4.0}))
+  np.testing.assert_allclose(linear, base / 4.0, rtol=1e-6)
+
+
+# ----------------------------------------------------------------------------------------------
+# Config
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bad,match", [
+    (dict(attention="flash"), "attention"),
+    (dict(layout="spiral"), "layout"),
+    (dict(num_heads=4, num_kv_heads=3), "num_kv_heads"),
+    (dict(dim=30, num_heads=4), "head_dim"),
+    (dict(head_dim=7), "even"),
+    (dict(remat_policy="sometimes"), "remat_policy"),
+    (dict(dtype="float8"), "dtype"),
+    (dict(param_dtype="int8"), "param_dtype"),
+    (dict(ffn_chunk_size=0), "ffn_chunk_size"),
+    (dict(block_q=-1), "block_q"),
+    (dict(rope_scaling={"rope_type": "yarn", "factor": 2.0}), "rope_scaling"),
+    (dict(rope_scaling={"rope_type": "llama3", "factor": 8.0}), "missing"),
+    (dict(num_layers=0), "num_layers"),
+])
+def test_bad_config_raises(bad, match):
+  with pytest.raises(ValueError, match=match):
+    _cfg(**bad)
+
+
+def test_ffn_chunk_must_divide_local_length():
+  tokens, pos, segs, _ = _packed_batch()
+  model = nnx.eval_shape(lambda: Llama(_cfg(ffn_chunk_size=5), rngs=nnx.Rngs(0)))
+  with pytest.raises(ValueError, match="ffn_chunk_size"):
+    model(tokens, pos, segs)
+
+
+def test_config_dict_roundtrip_and_hash():
+  cfg = _cfg(rope_scaling={"rope_type": "linear", "factor": 2.0})
+  again = LlamaConfig.from_dict({**cfg.to_dict(), "learning_rate": 1e-3, "steps": 10})
+  assert again == cfg and hash(again) == hash(cfg)  # hashable despite the rope_scaling dict
+  assert dataclasses.replace(cfg, dim=64).resolved_head_dim == 16
+  assert sorted(REMAT_POLICIES) == sorted(set(REMAT_POLICIES))
+
+
+def test_flops_per_token_formula():
+  cfg = _cfg(tie_embeddings=True)
+  d, f, h, n, k, v, layers = 32, 64, 8, 4, 2, 64, 2
+  per_layer = d * n * h + 2 * d * k * h + n * h * d + 3 * d * f
+  want = 6 * (layers * per_layer + d * v) + 6 * layers * 100 * n * h
+  assert cfg.flops_per_token(100) == want
+  # The parameter count agrees with the model actually built.
+  for c in (cfg, _cfg()):
+    model = nnx.eval_shape(lambda: Llama(c, rngs=nnx.Rngs(0)))
+    assert c.num_params() == sum(x.size for x in jax.tree.leaves(nnx.state(model)))
