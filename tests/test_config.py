@@ -138,7 +138,7 @@ def _with_mesh(mesh):
     ({"data.kind": "text"}, "needs data.path"),
     ({"data.kind": "text", "data.path": "/nonexistent/corpus"}, "matches no"),
     ({"data.kind": "webdataset"}, "data.kind='webdataset' is unknown"),
-    ({"model.vocab_size": 64}, "needs model.vocab_size >= 307"),
+    ({"model.vocab_size": 64}, "needs model.vocab_size >= 67"),
     ({"optim.warmup_steps": 10_000}, "warmup_steps"),
 ])
 def test_bad_configs_fail_with_a_clear_message(overrides, match):

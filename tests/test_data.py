@@ -94,27 +94,26 @@ def test_layout_reorder_matches_ring_jax(layout):
 # --- synthetic task --------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("pair_format", ["fused", "adjacent"])
-def test_kv_task_answers_are_the_paired_values_and_far_away(pair_format):
+def test_kv_task_answers_are_the_paired_values_and_far_away():
   task = data_lib.KVRetrievalTask(seq_len=64, num_pairs=6, num_queries=4, num_keys=20,
-                                  num_values=10, num_filler=8, pair_format=pair_format)
+                                  num_values=10, num_filler=8)
   task.check()
   for index in range(20):
     ex = task.example(seed=3, index=index)
     tok, lab, mask = ex["tokens"], ex["labels"], ex["loss_mask"]
     assert tok.max() < task.vocab_size and tok[0] == data_lib.BOS_ID
-    pairs = task.decode_pairs(tok)
+    pairs = {int(tok[1 + 2 * i]): int(tok[2 + 2 * i]) for i in range(task.num_pairs)}
     assert len(pairs) == task.num_pairs  # distinct keys
     asked = np.flatnonzero(mask)
     assert len(asked) == task.num_queries
     for t in asked:
       assert task.key_start <= tok[t] < task.value_start
-      assert lab[t] == tok[t + 1] == task.value_start + pairs[int(tok[t]) - task.key_start]
+      assert lab[t] == tok[t + 1] == pairs[int(tok[t])]
     # Every query sits in the last quarter and every pair in the first: with a ring of 4
     # contiguous shards the answer is only reachable across the ring.
-    assert asked.min() >= 48 and task.pair_len * task.num_pairs < 16
-    # Filler never contains keys, values or pairs (no shortcut through the middle).
-    filler = tok[1 + task.pair_len * task.num_pairs:asked.min() - 1]
+    assert asked.min() >= 48 and 2 * task.num_pairs < 16
+    # Filler never contains keys or values (no shortcut through the middle).
+    filler = tok[1 + 2 * task.num_pairs:asked.min() - 1]
     assert ((filler >= task.filler_start) & (filler < task.key_start)).all()
   a, b = task.example(3, 7), task.example(3, 7)
   np.testing.assert_array_equal(a["tokens"], b["tokens"])  # pure function of (seed, index)
@@ -128,8 +127,6 @@ def test_kv_task_config_errors():
     data_lib.KVRetrievalTask(seq_len=64, num_pairs=2, num_queries=3).check()
   with pytest.raises(ConfigError, match="too short"):
     data_lib.KVRetrievalTask(seq_len=16, num_pairs=8, num_queries=8).check()
-  with pytest.raises(ConfigError, match="pair_format"):
-    data_lib.KVRetrievalTask(seq_len=64, pair_format="interleaved").check()
 
 
 # --- pipeline --------------------------------------------------------------------------------

@@ -201,10 +201,12 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int,
     raise ConfigError(f"model.num_heads={m.num_heads} must be a multiple of "
                       f"model.num_kv_heads={m.num_kv_heads} (GQA groups).")
   for name in ("num_heads", "num_kv_heads"):
+    if name == "num_kv_heads" and m[name] == 1:
+      continue  # MQA: the single key/value head is replicated over 'tensor'.
     if m[name] % tensor:
       raise ConfigError(
           f"model.{name}={m[name]} is not divisible by the mesh 'tensor' axis ({tensor}); "
-          "heads are sharded over 'tensor'.")
+          "heads are sharded over 'tensor' (a single key/value head is the exception).")
   if m.mlp_dim % tensor or m.vocab_size % tensor:
     raise ConfigError(f"model.mlp_dim={m.mlp_dim} and model.vocab_size={m.vocab_size} must be "
                       f"divisible by the mesh 'tensor' axis ({tensor}).")

@@ -1,0 +1,79 @@
+"""Every field train.py reads, with the tiny CPU defaults; the configs override these.
+
+Kept in one place so ``tiny.py``, ``llama_1b.py`` and ``llama_7b.py`` list only
+what they change, and so every config has the same fields (``--config.x=...``
+and gin bindings can address any of them).
+"""
+
+import ml_collections
+from ml_collections import config_dict
+
+
+def base_config() -> ml_collections.ConfigDict:
+  config = ml_collections.ConfigDict()
+  config.seed = 0
+
+  # Mesh axis sizes; at most one may be -1 (= all remaining devices). The product must
+  # equal the device count. On CPU, train.py simulates prod(mesh) devices, or
+  # `cpu_devices` when an axis is -1.
+  config.mesh = ml_collections.ConfigDict(dict(data=2, sequence=4, tensor=1))
+  config.cpu_devices = 8
+
+  # Fields of models.llama.LlamaConfig, passed through unchanged.
+  config.model = ml_collections.ConfigDict(dict(
+      vocab_size=72,  # the kv task's 67 ids, rounded up to a multiple of 8
+      dim=64,
+      num_layers=2,
+      num_heads=4,
+      num_kv_heads=2,
+      head_dim=config_dict.placeholder(int),  # None: dim // num_heads
+      mlp_dim=128,
+      rope_theta=10_000.0,
+      rope_scaling=config_dict.placeholder(dict),
+      norm_eps=1e-5,
+      tie_embeddings=False,
+      attention="ring",  # or "dense" (the O(L^2) oracle)
+      layout="zigzag",  # "contiguous" | "zigzag" | "striped"
+      block_q=config_dict.placeholder(int),  # None: the ring picks block sizes
+      block_kv=config_dict.placeholder(int),
+      ffn_chunk_size=config_dict.placeholder(int),  # blockwise FFN chunk (tokens)
+      remat_policy="none",
+      scan_layers=True,
+      dtype="float32",
+      param_dtype="float32",
+      fsdp=False,
+      init_std=0.02,
+  ))
+
+  config.data = ml_collections.ConfigDict(dict(
+      kind="kv_retrieval",  # or "text"
+      seq_len=256,
+      # kind="text": a .txt/.jsonl file, a directory or a glob; byte-level tokenizer.
+      path=config_dict.placeholder(str),
+      text_field="text",  # .jsonl: the field holding each document
+      eval_fraction=0.05,  # text: documents held out for eval
+      # kind="kv_retrieval": see training/data.py:KVRetrievalTask.
+      kv=dict(num_pairs=8, num_queries=8, num_keys=32, num_values=16, num_filler=16),
+  ))
+
+  config.batch_size = 16  # global, over the 'data' axis and all processes
+  config.microbatches = 1  # gradient accumulation: microbatches per update
+  config.eval_batch_size = 16
+  config.eval_batches = 4
+
+  config.total_steps = 400
+  config.optim = ml_collections.ConfigDict(dict(
+      lr=3e-3, warmup_steps=40, min_lr_ratio=0.1, weight_decay=0.1, b1=0.9, b2=0.95,
+      eps=1e-8, grad_clip=1.0))
+
+  config.log_every = 20
+  config.eval_every = 100
+  config.checkpoint_every = 200
+  config.keep_checkpoints = 2
+  config.async_checkpointing = True
+
+  # MFU denominator. None: look the device kind up (training/metrics.py). A CPU has
+  # no such figure; MFU is then reported against the nominal value below, and says so.
+  config.peak_flops_per_device = config_dict.placeholder(float)
+  config.cpu_peak_flops_per_device = 25e9  # ~200 GFLOP/s f32 on 2 cores / 8 fake devices
+  return config

@@ -1,0 +1,45 @@
+"""LLaMA-3.2-1B-shaped model at 128K context, for TPU/GPU meshes.
+
+  python train.py --config configs/llama_1b.py --workdir $RUN_DIR
+
+Mesh ``data=-1 x sequence=16``: each 131072-token row is split over a ring
+of 16 devices (8192 tokens each, zigzag), the remaining devices run data
+parallelism with FSDP-sharded weights (e.g. 256 chips -> data=16). Default
+data: the kv-retrieval task at 128K (a passkey-style long-context check that
+needs no files); ``:text`` trains on local files (``--config.data.path``) with
+the byte tokenizer. Peak FLOP/s for MFU come from the device-kind table.
+"""
+
+import ml_collections
+
+from configs import common
+
+
+def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
+  config = common.base_config()
+  config.mesh.update(dict(data=-1, sequence=16, tensor=1))
+  config.model.update(dict(
+      vocab_size=128_256,  # LLaMA-3 vocabulary, so converted HF weights fit
+      dim=2048, num_layers=16, num_heads=32, num_kv_heads=8, head_dim=64, mlp_dim=8192,
+      rope_theta=500_000.0, tie_embeddings=True, layout="zigzag",
+      block_q=1024, block_kv=1024, ffn_chunk_size=4096,
+      remat_policy="save_dots_no_batch", dtype="bfloat16", param_dtype="float32", fsdp=True))
+  config.model.rope_scaling = dict(rope_type="llama3", factor=32.0, low_freq_factor=1.0,
+                                   high_freq_factor=4.0, original_max_position_embeddings=8192)
+  config.data.seq_len = 131_072
+  config.data.kv.update(dict(num_pairs=64, num_queries=32, num_keys=4096, num_values=4096,
+                             num_filler=8192))
+  config.batch_size = 16  # 2M tokens per step
+  config.eval_batch_size = 16
+  config.eval_batches = 2
+  config.total_steps = 10_000
+  config.optim.update(dict(lr=3e-4, warmup_steps=500, min_lr_ratio=0.1, weight_decay=0.1))
+  config.log_every = 10
+  config.eval_every = 500
+  config.checkpoint_every = 500
+  config.keep_checkpoints = 3
+  if arg == "text":
+    config.data.kind = "text"
+  elif arg:
+    raise ValueError(f"unknown llama_1b.py variant {arg!r}; known: 'text'")
+  return config
