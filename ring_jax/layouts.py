@@ -177,10 +177,10 @@ class Schedule:
   ``(d - h) mod n`` (K/V travel ``d -> d+1``).
 
   Attributes:
-    pairs: int32 ``[n, n, P, 2]``: ``pairs[d, h, p] = (q_block, kv_block)`` for
+    pairs: int32 ``[n, n, Q*K, 2]``: ``pairs[d, h, p] = (q_block, kv_block)`` for
       ``p < num_pairs[d, h]``; the rest is padding (zeros).
     num_pairs: int32 ``[n, n]``: number of block pairs device ``d`` computes at hop ``h``.
-    partial: bool ``[n, n, P]``: True where a computed pair is only partly
+    partial: bool ``[n, n, Q*K]``: True where a computed pair is only partly
       unmasked (the rest are fully visible).
     block_q, block_kv: block sizes in tokens.
     layout, ring_size, local_len: what the schedule was built for.
@@ -215,28 +215,54 @@ class Schedule:
     return int(self.num_pairs.max(axis=0).sum())
 
 
-def _allowed_counts(q_pos, k_pos, nq, nk, is_causal, window) -> np.ndarray:
-  """``[nq, nk]``: number of allowed (query, key) pairs in each block pair.
+def block_visibility(q_pos, k_pos, block_q: int, block_kv: int, is_causal: bool, window):
+  """``(any, all)``: bool ``[nq, nk]`` per (query block, key block) pair.
 
-  Positions within a shard increase monotonically in every layout, so for each
-  query the allowed keys of a block form a range found by binary search; this
-  avoids materialising an ``[L, L]`` mask for long local sequences.
+  ``any``: some (query, key) pair in the block pair is allowed by the causal
+  mask / window; ``all``: every pair is. Decided from each block's smallest and
+  largest position: exact for causal masks in every layout and for windows on
+  blocks of consecutive positions (contiguous, zigzag); for striped blocks
+  under a window ``any`` may be True for a pair whose mask is empty, which
+  costs work, never correctness. Works on numpy and on traced jax arrays, so
+  the kernel and :func:`schedule` agree by construction.
   """
-  bq, bk = len(q_pos) // nq, len(k_pos) // nk
-  if not is_causal and window is None:
-    return np.full((nq, nk), bq * bk, np.int64)
-  big = np.iinfo(np.int64).max // 4
-  left, right = window if window is not None else (big, big)
+  xp = np if isinstance(q_pos, np.ndarray) else jnp
+  q = q_pos.reshape(-1, block_q)
+  k = k_pos.reshape(-1, block_kv)
+  d_min = q.min(-1)[:, None] - k.max(-1)[None, :]  # smallest query - key distance
+  d_max = q.max(-1)[:, None] - k.min(-1)[None, :]
+  any_ = xp.ones(d_min.shape, dtype=bool)
+  all_ = xp.ones(d_min.shape, dtype=bool)
   if is_causal:
-    right = min(right, 0)
-  q = q_pos.astype(np.int64)
-  k_blocks = k_pos.astype(np.int64).reshape(nk, bk)
-  counts = np.empty((nk, len(q)), np.int64)
-  for b in range(nk):
-    counts[b] = (np.searchsorted(k_blocks[b], q + right, side="right") -
-                 np.searchsorted(k_blocks[b], q - left, side="left"))
-  counts = np.maximum(counts, 0)
-  return counts.reshape(nk, nq, bq).sum(-1).T
+    any_ &= d_max >= 0
+    all_ &= d_min >= 0
+  if window is not None:
+    left, right = window
+    any_ &= (d_min <= left) & (d_max >= -right)
+    all_ &= (d_max <= left) & (d_min >= -right)
+  return any_, all_
+
+
+def block_pairs(q_pos, k_pos, block_q: int, block_kv: int, is_causal: bool, window):
+  """The visible block pairs as a list: ``(pairs [nq*nk, 2], num_pairs, partial [nq*nk])``.
+
+  ``pairs[:num_pairs]`` are the (query block, key block) pairs to compute, in
+  row-major order; the rest is zero padding. Numpy or traced jax arrays.
+  """
+  any_, all_ = block_visibility(q_pos, k_pos, block_q, block_kv, is_causal, window)
+  nk = any_.shape[1]
+  flat = any_.reshape(-1)
+  if isinstance(flat, np.ndarray):
+    (idx,) = np.nonzero(flat)
+    num = len(idx)
+    idx = np.concatenate([idx, np.zeros(flat.size - num, idx.dtype)])
+  else:
+    (idx,) = jnp.nonzero(flat, size=flat.size, fill_value=0)
+    num = flat.sum(dtype=jnp.int32)
+  xp = np if isinstance(flat, np.ndarray) else jnp
+  pairs = xp.stack([idx // nk, idx % nk], axis=-1).astype(np.int32)
+  partial = ~all_.reshape(-1)[idx]
+  return pairs, num, partial
 
 
 @functools.lru_cache(maxsize=256)
@@ -245,8 +271,10 @@ def schedule(layout: str, ring_size: int, local_len: int, block_q: int, block_kv
   """Builds the block schedule of a ring pass (see :class:`Schedule`).
 
   A block pair is skipped when no (query, key) pair in it is allowed by the
-  causal mask / local window given the layout's global positions. Segment ids
-  are data, not layout, and are handled inside the kernel.
+  causal mask / local window given the layout's global positions (see
+  :func:`block_visibility`). The kernel derives the same pairs on device from
+  the same positions, hop by hop, rather than carrying an ``[n, n, P]`` table.
+  Segment ids are data, not layout: the kernel masks them inside a pair.
   """
   check_local_length(layout, local_len)
   if local_len % block_q or local_len % block_kv:
@@ -257,23 +285,14 @@ def schedule(layout: str, ring_size: int, local_len: int, block_q: int, block_kv
   n = ring_size
   nq, nk = local_len // block_q, local_len // block_kv
   pos = [local_positions(layout, n, local_len, d) for d in range(n)]
-  lists = [[None] * n for _ in range(n)]
-  for d in range(n):
-    for h in range(n):
-      count = _allowed_counts(pos[d], pos[(d - h) % n], nq, nk, is_causal, window)
-      qa, kb = np.nonzero(count > 0)
-      lists[d][h] = (qa, kb, count[qa, kb] < block_q * block_kv)
-  max_pairs = max(1, max(len(lists[d][h][0]) for d in range(n) for h in range(n)))
-  pairs = np.zeros((n, n, max_pairs, 2), np.int32)
-  partial = np.zeros((n, n, max_pairs), bool)
+  pairs = np.zeros((n, n, nq * nk, 2), np.int32)
+  partial = np.zeros((n, n, nq * nk), bool)
   num_pairs = np.zeros((n, n), np.int32)
   for d in range(n):
     for h in range(n):
-      qa, kb, part = lists[d][h]
-      m = len(qa)
-      pairs[d, h, :m, 0], pairs[d, h, :m, 1] = qa, kb
-      partial[d, h, :m] = part
-      num_pairs[d, h] = m
+      p, m, part = block_pairs(pos[d], pos[(d - h) % n], block_q, block_kv, is_causal, window)
+      pairs[d, h], num_pairs[d, h] = p, m
+      partial[d, h, :m] = part[:m]
   for arr in (pairs, partial, num_pairs):
     arr.setflags(write=False)
   return Schedule(pairs=pairs, num_pairs=num_pairs, partial=partial, block_q=block_q,

@@ -139,20 +139,6 @@ def _make_config(query, key, value, *, axis_name, is_causal, segment_ids, scale,
                      kernel=XlaHopKernel() if hop_kernel is None else hop_kernel)
 
 
-def _schedule_tables(cfg: _RingConfig, t: int, s: int):
-  """The block pairs of this ring pass as constant int32 tables ``[n, n, P, 2]``, ``[n, n]``."""
-  if t == s:
-    sched = layouts.schedule(cfg.layout, cfg.ring_size, t, cfg.spec.block_q, cfg.spec.block_kv,
-                             cfg.spec.is_causal, cfg.spec.window)
-    return jnp.asarray(sched.pairs), jnp.asarray(sched.num_pairs)
-  # Non-causal cross-attention with different lengths: every block pair, every hop.
-  nq, nk = t // cfg.spec.block_q, s // cfg.spec.block_kv
-  grid = jnp.stack(jnp.meshgrid(jnp.arange(nq), jnp.arange(nk), indexing="ij"), -1)
-  pairs = jnp.broadcast_to(grid.reshape(1, 1, nq * nk, 2),
-                           (cfg.ring_size, cfg.ring_size, nq * nk, 2)).astype(jnp.int32)
-  return pairs, jnp.full((cfg.ring_size, cfg.ring_size), nq * nk, jnp.int32)
-
-
 def _varying_axes(x) -> frozenset:
   """Manual mesh axes ``x`` varies over inside ``shard_map`` (empty outside)."""
   aval = jax.typeof(x)
@@ -176,12 +162,19 @@ def _varying_like(x, *refs):
   return jax.lax.pcast(x, missing, to="varying")
 
 
-def _hop_masks(cfg: _RingConfig, tables, device, hop, q_pos, s, q_seg, kv_seg) -> HopMasks:
-  pairs, num_pairs = tables
+def _hop_masks(cfg: _RingConfig, device, hop, q_pos, s, q_seg, kv_seg) -> HopMasks:
+  """Positions of the K/V shard held at ``hop`` and the block pairs to compute.
+
+  The pairs are those of :func:`ring_jax.schedule` for this device and hop,
+  derived from the positions on device (a few ``[nq, nk]`` comparisons).
+  """
   src = (device - hop) % cfg.ring_size
   kv_pos = layouts.local_positions(cfg.layout, cfg.ring_size, s, src)
+  spec = cfg.spec
+  pairs, num_pairs, _ = layouts.block_pairs(q_pos, kv_pos, spec.block_q, spec.block_kv,
+                                            spec.is_causal, spec.window)
   return HopMasks(q_positions=q_pos, kv_positions=kv_pos, q_segment_ids=q_seg,
-                  kv_segment_ids=kv_seg, pairs=pairs[device, hop], num_pairs=num_pairs[device, hop])
+                  kv_segment_ids=kv_seg, pairs=pairs, num_pairs=num_pairs)
 
 
 def _rotate(cfg: _RingConfig, *xs):
@@ -195,12 +188,11 @@ def _forward(cfg: _RingConfig, q, k, v, seg):
   n = cfg.ring_size
   t, s = q.shape[1], k.shape[1]
   device = jax.lax.axis_index(cfg.axis_name)
-  tables = _schedule_tables(cfg, t, s)
   q_pos = layouts.local_positions(cfg.layout, n, t, device)
   carry = jax.tree.map(lambda x: _varying_like(x, q), init_carry(q))
 
   def hop(h, k, v, kv_seg, carry):
-    masks = _hop_masks(cfg, tables, device, h, q_pos, s, seg, kv_seg)
+    masks = _hop_masks(cfg, device, h, q_pos, s, seg, kv_seg)
     return cfg.kernel.forward(q, k, v, carry, masks, cfg.spec)
 
   def body(h, state):
@@ -217,7 +209,6 @@ def _backward(cfg: _RingConfig, q, k, v, seg, out, lse, do):
   n = cfg.ring_size
   t, s = q.shape[1], k.shape[1]
   device = jax.lax.axis_index(cfg.axis_name)
-  tables = _schedule_tables(cfg, t, s)
   q_pos = layouts.local_positions(cfg.layout, n, t, device)
   delta = jnp.sum(do.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
   dq = _varying_like(jnp.zeros(q.shape, jnp.float32), q)
@@ -227,7 +218,7 @@ def _backward(cfg: _RingConfig, q, k, v, seg, out, lse, do):
   dv = _varying_like(jnp.zeros(v.shape, jnp.float32), v, q)
 
   def hop(h, k, v, kv_seg, dq, dk, dv):
-    masks = _hop_masks(cfg, tables, device, h, q_pos, s, seg, kv_seg)
+    masks = _hop_masks(cfg, device, h, q_pos, s, seg, kv_seg)
     return cfg.kernel.backward(q, k, v, do, lse, delta, masks, cfg.spec, dq, dk, dv)
 
   def body(h, state):
