@@ -1,0 +1,183 @@
+"""models.sharding: the rules table, constraints, parameter shardings, sharded init, FSDP."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import ring_jax
+from models import sharding as shd
+from models.llama import Llama, LlamaConfig, create_sharded_model, param_shardings
+
+TINY = dict(vocab_size=64, dim=32, num_layers=2, num_heads=4, num_kv_heads=2, mlp_dim=64,
+            init_std=0.2, attention="ring", layout="zigzag", block_q=2, block_kv=2)
+B, L = 2, 16
+AXES = ("data", "tensor", "sequence")
+
+
+def _mesh(shape, names=AXES, auto=False):
+  kw = {"axis_types": (AxisType.Auto,) * len(names)} if auto else {}
+  return jax.make_mesh(shape, names, **kw)
+
+
+def _batch():
+  """Tokens/positions/segment ids in natural order (two documents per row, some padding)."""
+  rng = np.random.default_rng(0)
+  tokens = rng.integers(0, TINY["vocab_size"], size=(B, L)).astype(np.int32)
+  segs = np.array([[1] * 6 + [2] * 7 + [0] * 3, [1] * 11 + [2] * 5], np.int32)
+  pos = np.concatenate([np.arange(6), np.arange(7), np.zeros(3), np.arange(11),
+                        np.arange(5)]).reshape(B, L).astype(np.int32)
+  return tokens, pos, segs
+
+
+def _to_layout(batch, ring):
+  return tuple(np.asarray(ring_jax.to_layout(x, TINY["layout"], ring)) for x in batch)
+
+
+def _random_params(cfg, seed=0):
+  """Host-random params shaped by the model (no threefry compile)."""
+  _, params = nnx.split(nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0))))
+  rng = np.random.default_rng(seed)
+  return jax.tree.map(
+      lambda v: v.replace(jnp.asarray(
+          0.2 * rng.normal(size=v.get_value().shape).astype(np.float32) +
+          (1.0 if v.get_metadata()["logical_axes"][-1] == "norm" else 0.0))),
+      params, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def _graphdef(cfg):
+  return nnx.graphdef(nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0))))
+
+
+@pytest.fixture(scope="module")
+def reference():
+  """Dense attention, no mesh: params, batch and logits every sharded variant must reproduce."""
+  cfg = LlamaConfig(**{**TINY, "attention": "dense"})
+  params = _random_params(cfg)
+  batch = _batch()
+  logits = jax.jit(lambda p, *b: nnx.merge(_graphdef(cfg), p)(*b))(params, *batch)
+  return params, batch, np.asarray(logits)
+
+
+# ----------------------------------------------------------------------------------------------
+# The rules table
+# ----------------------------------------------------------------------------------------------
+
+
+def test_logical_to_spec_maps_and_drops_axes():
+  assert shd.logical_to_spec(("batch", "length", "embed")) == P("data", "sequence", None)
+  assert shd.logical_to_spec(("embed", "heads", "head_dim")) == P(None, "tensor", None)
+  assert shd.logical_to_spec(("embed_fsdp", "mlp")) == P("data", "tensor")
+  assert shd.logical_to_spec(("layers", "norm")) == P(None, None)
+  # Axes the mesh lacks are dropped: the same names work on a (data, sequence) mesh.
+  ds = _mesh((2, 4), ("data", "sequence"))
+  assert shd.logical_to_spec(("batch", "length", "heads"), mesh=ds) == P("data", "sequence", None)
+  full = _mesh((2, 2, 2))
+  # An axis that does not divide the dimension is dropped (1 kv head over tensor=2).
+  assert shd.logical_to_spec(("embed", "kv_heads"), mesh=full, shape=(32, 1)) == P(None, None)
+  # A mesh axis is used once per spec: the first dimension that asks gets it.
+  assert shd.logical_to_spec(("heads", "mlp"), mesh=full) == P("tensor", None)
+  # Custom rules (several mesh axes for one name) work through the same function.
+  rules = shd.LOGICAL_RULES + (("tokens", ("data", "sequence")),)
+  assert shd.logical_to_spec(("tokens",), rules, mesh=full) == P(("data", "sequence"))
+  with pytest.raises(ValueError, match="no rule"):
+    shd.logical_to_spec(("hidden",))
+  with pytest.raises(ValueError, match="logical names"):
+    shd.logical_to_spec(("batch",), shape=(2, 3))
+
+
+@pytest.mark.parametrize("auto", [False, True])
+def test_with_logical_constraint(auto):
+  x = jnp.arange(B * L * 4, dtype=jnp.float32).reshape(B, L, 4)
+  # No mesh: a no-op.
+  assert shd.with_logical_constraint(x, ("batch", "length", "embed")) is x
+  mesh = _mesh((2, 2, 2), auto=auto)
+  with jax.set_mesh(mesh):
+    y = jax.jit(lambda a: shd.with_logical_constraint(a * 2, ("batch", "length", "embed")))(x)
+  assert y.sharding.is_equivalent_to(NamedSharding(mesh, P("data", "sequence", None)), 3)
+  np.testing.assert_array_equal(y, 2 * x)
+
+
+def test_param_shardings_follow_rules():
+  mesh = _mesh((2, 2, 2))
+  for fsdp, embed in ((False, None), (True, "data")):
+    model = nnx.eval_shape(lambda: Llama(LlamaConfig(**TINY, fsdp=fsdp), rngs=nnx.Rngs(0)))
+    sh = param_shardings(model, mesh)
+    assert sh["layers"]["attn"]["wq"].get_value().spec == P(None, embed, "tensor", None)
+    assert sh["layers"]["attn"]["wo"].get_value().spec == P(None, "tensor", None, embed)
+    assert sh["layers"]["mlp"]["w_down"].get_value().spec == P(None, "tensor", embed)
+    assert sh["layers"]["attn_norm"]["scale"].get_value().spec == P(None, None)
+    assert sh["embed"].get_value().spec == P("tensor", embed)
+    assert sh["lm_head"].get_value().spec == P(embed, "tensor")
+    # Same structure as the params the trainer splits off (tree mode).
+    _, params, _ = nnx.split(model, nnx.Param, ...)
+    assert jax.tree.structure(param_shardings(params, mesh)) == jax.tree.structure(sh)
+
+
+# ----------------------------------------------------------------------------------------------
+# Sharded init and sharded execution
+# ----------------------------------------------------------------------------------------------
+
+
+def test_create_sharded_model_places_shards_and_matches_plain_init():
+  cfg = LlamaConfig(**TINY, fsdp=True)
+  mesh = _mesh((2, 2, 2))
+  model = create_sharded_model(cfg, mesh, seed=3)
+  want_shardings = param_shardings(model, mesh)
+  state = nnx.state(model)
+  for var, sharding in zip(jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, nnx.Variable)),
+                           jax.tree.leaves(want_shardings, is_leaf=lambda x: isinstance(
+                               x, nnx.Variable))):
+    assert var.get_value().sharding.spec == sharding.get_value().spec
+  wq = model.layers.attn.wq[...]
+  # Each device holds a quarter of wq (embed over data=2, heads over tensor=2): no full copies.
+  assert {s.data.shape for s in wq.addressable_shards} == {(2, 16, 2, 8)}
+  # Weights ~ N(0, init_std^2), independent across layers and matrices; norm scales 1.
+  wq_np = np.asarray(wq)
+  assert abs(wq_np.std() - cfg.init_std) < 0.02 and abs(wq_np.mean()) < 0.02
+  assert not np.allclose(wq_np[0], wq_np[1])
+  assert not np.allclose(np.asarray(model.layers.attn.wk[...]), wq_np[:, :, :2])
+  norms = np.asarray(model.final_norm.scale[...])
+  np.testing.assert_array_equal(norms, np.ones_like(norms))
+
+
+@pytest.mark.parametrize("mesh_shape,names,auto,fsdp", [
+    ((2, 2, 2), AXES, False, True),  # FSDP + tensor + sequence, Explicit axes
+    ((2, 2, 2), AXES, True, True),  # the same on Auto (GSPMD) axes
+    ((1, 1, 1), AXES, False, False),  # a 1-device mesh: ring of size 1
+    ((2, 4), ("data", "tensor"), False, False),  # no sequence axis: dense fallback
+])
+def test_sharded_forward_matches_reference(reference, mesh_shape, names, auto, fsdp):
+  params, batch, want = reference
+  cfg = LlamaConfig(**TINY, fsdp=fsdp)
+  mesh = _mesh(mesh_shape, names, auto=auto)
+  ring = dict(zip(names, mesh_shape)).get("sequence", 1)
+  with jax.set_mesh(mesh):
+    sharded = jax.device_put(params, param_shardings(params, mesh))
+    got = jax.jit(lambda p, *b: nnx.merge(_graphdef(cfg), p)(*b))(sharded, *_to_layout(batch, ring))
+  got = ring_jax.from_layout(np.asarray(got), TINY["layout"], ring)
+  real = batch[2] > 0
+  np.testing.assert_allclose(np.asarray(got)[real], want[real], rtol=1e-5, atol=1e-5)
+
+
+def test_fsdp_gradients_are_sharded_like_params(reference):
+  """Under FSDP on an Explicit mesh, gradients come back sharded exactly like the params."""
+  params, batch, _ = reference
+  dense_cfg = LlamaConfig(**{**TINY, "attention": "dense"})
+  cfg = LlamaConfig(**TINY, fsdp=True)
+  loss = lambda gd: (lambda p, *b: jnp.mean(nnx.merge(gd, p)(*b) ** 2))
+  want = jax.jit(jax.grad(loss(_graphdef(dense_cfg))))(params, *batch)
+  mesh = _mesh((2, 2, 2))
+  shardings = param_shardings(params, mesh)
+  with jax.set_mesh(mesh):
+    grads = jax.jit(jax.grad(loss(_graphdef(cfg))))(jax.device_put(params, shardings),
+                                                     *_to_layout(batch, 2))
+  is_var = lambda x: isinstance(x, nnx.Variable)
+  for g, s in zip(jax.tree.leaves(grads, is_leaf=is_var), jax.tree.leaves(shardings,
+                                                                          is_leaf=is_var)):
+    assert g.get_value().sharding.spec == s.get_value().spec
+  for g, w in zip(jax.tree.leaves(grads), jax.tree.leaves(want)):
+    np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5)
