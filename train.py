@@ -232,7 +232,8 @@ def train(config, workdir: str, *, stop_at_step: int | None = None) -> TrainResu
     def run_eval(step: int) -> None:
       result = evaluate(eval_step, params, eval_dataset, config.eval_batches, batch_sharding,
                         eval_shape)
-      if config.data.kind == "kv_retrieval":
+      if config.data.kind == "kv_retrieval":  # The loss mask covers exactly the answers.
+        result["retrieval_accuracy"] = result.pop("accuracy")
         result["chance_accuracy"] = data_lib.KVRetrievalTask.from_config(
             config.data).chance_accuracy
       evals.append(dict(step=step, **result))
@@ -331,8 +332,9 @@ def main(argv) -> None:
     first = result.history[0]["loss"] if result.history else float("nan")
     last = result.history[-1]["loss"] if result.history else float("nan")
     final_eval = result.evals[-1] if result.evals else {}
-    print(f"done: step {result.step}, train loss {first:.4f} -> {last:.4f}, "
-          f"eval {final_eval}, wall {time.perf_counter() - t0:.1f}s", flush=True)
+    print(f"done: step {result.step}, train loss {first:.4f} -> {last:.4f}, final eval "
+          + ", ".join(f"{k} {v:.4f}" for k, v in final_eval.items() if k != "step")
+          + f", wall {time.perf_counter() - t0:.1f}s", flush=True)
 
 
 if __name__ == "__main__":

@@ -44,7 +44,7 @@ def one_step(config, mesh):
   with jax.set_mesh(mesh):
     model = llama.create_sharded_model(model_cfg, mesh, seed=config.seed)
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    initial = jax.device_get(params.to_pure_dict())
+    initial = jax.device_get(nnx.to_pure_dict(params))
     p_shard = llama.param_shardings(params, mesh)
     tx = step_lib.make_optimizer(config.optim, config.total_steps)
     o_shard = step_lib.opt_state_shardings(tx, params, p_shard, mesh)
@@ -59,7 +59,7 @@ def one_step(config, mesh):
     # The params stay sharded as the rules say (e.g. nothing silently replicated).
     for leaf, want in zip(jax.tree.leaves(params), jax.tree.leaves(p_shard)):
       assert leaf.sharding.is_equivalent_to(want, leaf.ndim)
-  return initial, jax.device_get(params.to_pure_dict()), jax.device_get(metrics)
+  return initial, jax.device_get(nnx.to_pure_dict(params)), jax.device_get(metrics)
 
 
 def test_sharded_ring_step_equals_unsharded_dense_step():
@@ -83,38 +83,44 @@ def test_sharded_ring_step_equals_unsharded_dense_step():
                params_a, params_b)
 
 
-def test_resume_matches_uninterrupted_run_and_restores_onto_another_mesh(tmp_path):
-  """Stop at step 3 of 6, resume to 6: same losses and params as one 6-step run."""
+def test_resume_matches_uninterrupted_run_even_on_another_mesh(tmp_path):
+  """Stop at step 3 of 6 on data=2 x sequence=4, resume to 6 on data=1 x sequence=8.
+
+  The resumed run must continue the same loss curve (same batches from the
+  restored data iterator, same params/optimizer state) as one uninterrupted
+  6-step run; only float reduction order differs across the two meshes.
+  """
   config = small_config(**{"total_steps": 6, "checkpoint_every": 2})
   full = train_script.train(config, str(tmp_path / "full"))
   first = train_script.train(config, str(tmp_path / "split"), stop_at_step=3)
-  second = train_script.train(config, str(tmp_path / "split"))
+  moved = small_config(**{"total_steps": 6, "checkpoint_every": 2, "mesh.data": 1,
+                          "mesh.sequence": 8})
+  second = train_script.train(moved, str(tmp_path / "split"))
 
+  assert dict(second.mesh.shape) == dict(data=1, sequence=8, tensor=1)
   assert [r["step"] for r in full.history] == list(range(1, 7))
   assert [r["step"] for r in first.history] == [1, 2, 3]
   assert [r["step"] for r in second.history] == [4, 5, 6]
-  resumed_losses = [r["loss"] for r in first.history + second.history]
-  np.testing.assert_allclose(resumed_losses, [r["loss"] for r in full.history], rtol=1e-6)
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7),
-               jax.device_get(second.params.to_pure_dict()),
-               jax.device_get(full.params.to_pure_dict()))
+  np.testing.assert_array_equal([r["loss"] for r in first.history],
+                                [r["loss"] for r in full.history[:3]])
+  np.testing.assert_allclose([r["loss"] for r in second.history],
+                             [r["loss"] for r in full.history[3:]], rtol=1e-5)
+  assert full.history[5]["loss"] != full.history[2]["loss"]  # the curve does move
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6),
+               jax.device_get(nnx.to_pure_dict(second.params)),
+               jax.device_get(nnx.to_pure_dict(full.params)))
+  for leaf in jax.tree.leaves(second.params):  # restored straight onto the new mesh
+    assert leaf.sharding.mesh.shape["sequence"] == 8
   assert full.evals and full.evals[-1]["step"] == 6  # eval at the end of the schedule
-  # Periodic (2, 4) + final (6) saves, last 2 kept; the split run also saved at the stop.
-  ckpt_dir = tmp_path / "full" / "checkpoints"
-  assert sorted(int(p.name) for p in ckpt_dir.iterdir() if p.name.isdigit()) == [4, 6]
+  # Periodic saves (2, 4) and the final one (6), keeping the last 2; the split run also
+  # saved where it stopped (3).
+  steps = lambda run: sorted(int(p.name) for p in (tmp_path / run / "checkpoints").iterdir()
+                             if p.name.isdigit())
+  assert steps("full") == [4, 6] and steps("split") == [4, 6]
   rows = [json.loads(l) for l in (tmp_path / "split" / "metrics.jsonl").read_text().splitlines()]
-  train_steps = [r["step"] for r in rows if "train/loss" in r]
-  assert train_steps == list(range(1, 7))  # the resumed run appended to the same file
+  assert [r["step"] for r in rows if "train/loss" in r] == list(range(1, 7))  # appended
   assert {"train/tokens_per_s", "train/mfu", "train/learning_rate",
           "train/grad_norm", "train/step_time_s"} <= set(rows[0])
-
-  # The checkpoint saved on data=2 x sequence=4 continues on data=1 x sequence=8.
-  moved = small_config(**{"total_steps": 7, "mesh.data": 1, "mesh.sequence": 8})
-  third = train_script.train(moved, str(tmp_path / "full"))
-  assert dict(third.mesh.shape)["sequence"] == 8
-  assert [r["step"] for r in third.history] == [7]
-  # Step 7's batch is the one the data iterator state says comes next.
-  assert np.isfinite(third.history[0]["loss"])
 
 
 def test_distributed_launch_detection():
@@ -139,7 +145,8 @@ def test_train_py_end_to_end(tmp_path):
          "--config", os.path.join(ROOT, "configs", "tiny.py") + ":striped",
          "--workdir", str(workdir), "--config.data.seq_len=64", "--config.model.mlp_dim=64",
          "--config.log_every=2", "--config.eval_every=4", "--config.eval_batches=1",
-         f"--gin_file={gin_file}", "--gin_param=model.num_layers = 1"]
+         f"--gin_file={gin_file}", "--gin_param=model.num_layers = 1",
+         "--gin_param=optim.warmup_steps = 1"]
   proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
   out = proc.stdout
@@ -154,11 +161,11 @@ def test_train_py_end_to_end(tmp_path):
   assert any(f.startswith("events.out.tfevents") for f in os.listdir(workdir / "tensorboard"))
   rows = [json.loads(l) for l in (workdir / "metrics.jsonl").read_text().splitlines()]
   assert [r["step"] for r in rows if "train/loss" in r] == [2, 4]
-  assert any("eval/accuracy" in r for r in rows)
+  assert any("eval/retrieval_accuracy" in r and "eval/chance_accuracy" in r for r in rows)
 
   # A bad config is reported cleanly, before compiling.
   bad = subprocess.run(cmd[:2] + ["--config", cmd[3], "--workdir", str(tmp_path / "bad"),
-                                  "--config.data.seq_len=60"],
+                                  "--config.data.seq_len=62"],
                        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
   assert bad.returncode == 2
-  assert "config error: data.seq_len=60 must be divisible by 4" in bad.stderr
+  assert "config error: data.seq_len=62 must be divisible by 4" in bad.stderr

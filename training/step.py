@@ -137,7 +137,7 @@ def train_step(params, opt_state, batch, *, graphdef, rest, tx: optax.GradientTr
 
   denom = jnp.maximum(aux["tokens"], 1.0)
   grads = jax.tree.map(lambda g: g / denom, grads)
-  grad_norm = optax.global_norm(grads)
+  grad_norm = optax.tree.norm(grads)
   updates, opt_state = tx.update(grads, opt_state, params)
   params = optax.apply_updates(params, updates)
   metrics = dict(loss=loss_sum / denom, grad_norm=grad_norm, accuracy=aux["correct"] / denom,
