@@ -209,7 +209,8 @@ def device_mem_budget(args):
 # Main table
 # ----------------------------------------------------------------------------
 
-def run_case(name, *, mesh, length, is_causal, args, dtype, paper_fn, budget, repeats):
+def prepare_case(name, *, mesh, length, is_causal, args, dtype, paper_fn, budget, timed_run):
+  """Compiles fwd and fwd+bwd; returns ``(row, {mode: (compiled, args)})`` of what will be timed."""
   ring = mesh.shape[AXIS]
   local_len = length // ring
   block = block_for(name, local_len, args.block)
@@ -220,30 +221,67 @@ def run_case(name, *, mesh, length, is_causal, args, dtype, paper_fn, budget, re
   q, k, v, do = inputs(jax.random.key(length), args.batch, length, args.heads, args.head_dim,
                        dtype, sharding)
   row = dict(impl=name, length=length, causal=is_causal, layout=layout,
-             block=None if one_dev else block, devices=1 if one_dev else ring,
-             repeats=repeats)
+             block=None if one_dev else block, devices=1 if one_dev else ring)
+  todo = {}
   for mode, fn, a in (("fwd", f, (q, k, v)), ("fwdbwd", fwd_bwd(f), (q, k, v, do))):
     t0 = time.perf_counter()
     compiled = jax.jit(fn).lower(*a).compile()
     row[f"{mode}_compile_s"] = round(time.perf_counter() - t0, 2)
     mem = mem_of(compiled)
     row[f"{mode}_mem"] = mem
+    row[f"{mode}_times_s"] = []
     need = mem.get("temp_size_in_bytes", 0) + mem.get("argument_size_in_bytes", 0) + \
         mem.get("output_size_in_bytes", 0)
     if one_dev and need > budget:
       row[f"{mode}_status"] = f"OOM(est {need / GIB:.1f} GiB > {budget / GIB:.1f} GiB budget)"
-      row[f"{mode}_times_s"] = []
-      continue
+    elif not timed_run:
+      row[f"{mode}_status"] = "memory only (not timed at this length)"
+    else:
+      row[f"{mode}_status"] = "pending"
+      todo[mode] = (compiled, a)
+  return row, todo
+
+
+def run_group(names, *, mesh, length, is_causal, args, dtype, paper_fn, budget, repeats,
+              warmup, timed_names):
+  """All implementations of one (length, mask): compile all, then time them round-robin.
+
+  Round-robin (rep 1 of every implementation, then rep 2, ...) spreads slow phases of a
+  shared machine over all implementations instead of penalising whichever ran then.
+  """
+  rows, todo = [], []
+  for name in names:
     try:
-      ts = timed(compiled, a, repeats)
-      row[f"{mode}_times_s"] = [round(t, 5) for t in ts]
-      row[f"{mode}_median_s"] = float(np.median(ts))
-      row[f"{mode}_status"] = "ok"
-    except Exception as e:  # noqa: BLE001  (real OOM on an accelerator, ...)
-      row[f"{mode}_status"] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:160]}"
-      row[f"{mode}_times_s"] = []
-    del compiled
-  return row
+      row, t = prepare_case(name, mesh=mesh, length=length, is_causal=is_causal, args=args,
+                            dtype=dtype, paper_fn=paper_fn, budget=budget,
+                            timed_run=name in timed_names)
+    except Exception as e:  # noqa: BLE001
+      row, t = dict(impl=name, length=length, causal=is_causal, devices=mesh.shape[AXIS],
+                    block=None, fwd_mem={}, fwdbwd_mem={}, fwd_times_s=[], fwdbwd_times_s=[],
+                    fwd_status=f"failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}",
+                    fwdbwd_status="failed"), {}
+    rows.append(row)
+    for mode, (c, a) in t.items():
+      todo.append((row, mode, c, a))
+  for it in range(warmup + repeats):
+    for row, mode, c, a in todo:
+      if row[f"{mode}_status"].startswith("failed"):
+        continue
+      try:
+        t0 = time.perf_counter()
+        jax.block_until_ready(c(*a))
+        dt = time.perf_counter() - t0
+        if it >= warmup:
+          row[f"{mode}_times_s"].append(round(dt, 5))
+      except Exception as e:  # noqa: BLE001  (real OOM on an accelerator, ...)
+        row[f"{mode}_status"] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:160]}"
+  for row in rows:
+    row["repeats"], row["warmup"] = repeats, warmup
+    for mode in ("fwd", "fwdbwd"):
+      if row.get(f"{mode}_status") == "pending":
+        row[f"{mode}_median_s"] = float(np.median(row[f"{mode}_times_s"]))
+        row[f"{mode}_status"] = "ok"
+  return rows
 
 
 def check_case(name, *, mesh, length, is_causal, args, dtype, paper_fn):
@@ -373,7 +411,9 @@ def fmt_ms(r, mode):
   if r.get(f"{mode}_status", "").startswith("ok"):
     return f"{1e3 * r[f'{mode}_median_s']:.1f}"
   st = r.get(f"{mode}_status", "-")
-  return "OOM(est)" if st.startswith("OOM") else "FAIL"
+  if st.startswith("OOM"):
+    return "OOM(est)"
+  return "not run" if st.startswith("memory only") else "FAIL"
 
 
 def fmt_mem(r, mode):
@@ -389,18 +429,18 @@ def ratio(a, b, key):
 
 def print_table(rows, out=sys.stdout):
   hdr = (f"{'L':>6} {'mask':<7} {'impl':<16} {'dev':>3} {'blk':>5} {'fwd ms':>9} "
-         f"{'fwd+bwd ms':>11} {'fwd MiB':>8} {'f+b MiB':>8} {'t/paper':>8} {'t/allg':>7} "
+         f"{'fwd+bwd ms':>11} {'reps':>4} {'fwd MiB':>8} {'f+b MiB':>8} {'t/paper':>8} {'t/allg':>7} "
          f"{'m/paper':>8} {'m/allg':>7}")
   print(hdr, file=out)
   print("-" * len(hdr), file=out)
   for r in rows:
     grp = [x for x in rows if x["length"] == r["length"] and x["causal"] == r["causal"]]
-    paper = next((x for x in grp if x["impl"] == "paper" and "fwdbwd_median_s" in x), None)
-    allg = next((x for x in grp if x["impl"] == "allgather" and "fwdbwd_median_s" in x), None)
+    paper = next((x for x in grp if x["impl"] == "paper"), None)
+    allg = next((x for x in grp if x["impl"] == "allgather"), None)
     mem = lambda x: None if x is None else {"m": x["fwdbwd_mem"].get("temp_size_in_bytes")}
     print(f"{r['length']:>6} {'causal' if r['causal'] else 'full':<7} {r['impl']:<16} "
           f"{r['devices']:>3} {str(r['block'] or '-'):>5} {fmt_ms(r, 'fwd'):>9} "
-          f"{fmt_ms(r, 'fwdbwd'):>11} {fmt_mem(r, 'fwd'):>8} {fmt_mem(r, 'fwdbwd'):>8} "
+          f"{fmt_ms(r, 'fwdbwd'):>11} {len(r.get('fwdbwd_times_s', [])):>4} {fmt_mem(r, 'fwd'):>8} {fmt_mem(r, 'fwdbwd'):>8} "
           f"{ratio(r, paper, 'fwdbwd_median_s'):>8} {ratio(r, allg, 'fwdbwd_median_s'):>7} "
           f"{ratio(mem(r), mem(paper), 'm'):>8} {ratio(mem(r), mem(allg), 'm'):>7}", file=out)
 
@@ -517,6 +557,15 @@ def parse_args(argv=None):
   ap.add_argument("--large-repeats", type=int, default=None,
                   help="repeats for lengths >= --large-from (default: --repeats)")
   ap.add_argument("--large-from", type=int, default=16384)
+  ap.add_argument("--repeats-at", default={},
+                  type=lambda s: {int(a): int(b) for a, b in (x.split(":") for x in s.split(","))},
+                  help="per-length repeats overriding the above, e.g. 8192:2,16384:1")
+  ap.add_argument("--large-warmup", type=int, default=1,
+                  help="warm-up runs for lengths >= --large-from (AOT-compiled already)")
+  ap.add_argument("--large-variants", type=strs, default=None,
+                  help="implementations timed at lengths >= --large-from (e.g. "
+                       "ring-zigzag,allgather,paper; 'ring' = all layouts); the others get "
+                       "compiled memory only. Default: all")
   ap.add_argument("--batch", type=int, default=1)
   ap.add_argument("--heads", type=int, default=8)
   ap.add_argument("--head-dim", type=int, default=64)
@@ -543,11 +592,26 @@ def parse_args(argv=None):
   ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)),
                                                 "results"))
   ap.add_argument("--tag", default=None, help="output file stem (default attention_<platform>)")
+  ap.add_argument("--render", default=None,
+                  help="re-print the table/targets and redraw the plots of an existing JSON")
   return ap.parse_args(argv)
+
+
+def render(path):
+  with open(path) as fh:
+    result = json.load(fh)
+  print(f"{result['meta'].get('command')}  ({result['meta'].get('date')})")
+  if result["rows"]:
+    print_table(result["rows"])
+    plot(result, os.path.splitext(path)[0])
+  print("\n".join(targets(result)))
+  return result
 
 
 def main(argv=None):
   args = parse_args(argv)
+  if args.render:
+    return render(args.render)
   t_start = time.perf_counter()
   platform = jax.default_backend()
   if args.dtype == "auto":
@@ -615,30 +679,6 @@ def main(argv=None):
               flush=True)
     save()
 
-  if "main" in args.sections:
-    print(f"\n== timing (median of repeats after a warm-up) and compiled temp memory per "
-          f"device ==", flush=True)
-    for length in args.lengths:
-      reps = args.repeats
-      if args.large_repeats is not None and length >= args.large_from:
-        reps = args.large_repeats
-      for causal in masks:
-        for name in names:
-          try:
-            row = run_case(name, mesh=mesh, length=length, is_causal=causal, args=args,
-                           dtype=dtype, paper_fn=paper_fn, budget=budget, repeats=reps)
-          except Exception as e:  # noqa: BLE001
-            row = dict(impl=name, length=length, causal=causal, devices=ring, block=None,
-                       fwd_status=f"failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}",
-                       fwdbwd_status="failed", fwd_mem={}, fwdbwd_mem={})
-          result["rows"].append(row)
-          print(f"  L={length:<6} {'causal' if causal else 'full':<7} {name:<16} "
-                f"fwd {fmt_ms(row, 'fwd'):>9} ms  fwd+bwd {fmt_ms(row, 'fwdbwd'):>9} ms  "
-                f"temp {fmt_mem(row, 'fwd'):>8} / {fmt_mem(row, 'fwdbwd'):>8} MiB  "
-                f"[{row.get('fwd_status')}; {row.get('fwdbwd_status')}] "
-                f"t={time.perf_counter() - t_start:.0f}s", flush=True)
-          save()
-
   if "sweep" in args.sections:
     print(f"\n== block-size sweep at L={args.sweep_length}, causal, fwd+bwd ==", flush=True)
     result["sweep"] = []
@@ -650,9 +690,10 @@ def main(argv=None):
                                                args.sweep_length // ring // 2 % blk):
           continue
         try:
-          row = run_case(name, mesh=mesh, length=args.sweep_length, is_causal=True,
-                         args=sweep_args, dtype=dtype, paper_fn=paper_fn, budget=budget,
-                         repeats=max(2, min(args.repeats, 3)))
+          row = run_group([name], mesh=mesh, length=args.sweep_length, is_causal=True,
+                          args=sweep_args, dtype=dtype, paper_fn=paper_fn, budget=budget,
+                          repeats=max(1, min(args.repeats, 3)), warmup=1,
+                          timed_names={name})[0]
         except Exception as e:  # noqa: BLE001
           row = dict(impl=name, block=blk, error=f"{type(e).__name__}: {e}")
         result["sweep"].append(row)
@@ -682,14 +723,46 @@ def main(argv=None):
             f"{r['total_hops']:>7.2f} {r['critical_path_hops']:>9.2f} {r['imbalance']:>8.2f}")
     save()
 
+  if "main" in args.sections:
+    print(f"\n== timing (median of repeats after warm-up, implementations timed round-robin) "
+          f"and compiled temp memory per device ==", flush=True)
+    for length in args.lengths:
+      large = args.large_from is not None and length >= args.large_from
+      reps = args.large_repeats if large and args.large_repeats is not None else args.repeats
+      reps = args.repeats_at.get(length, reps)
+      warm = args.large_warmup if large else 1
+      timed_names = set(names)
+      if large and args.large_variants:
+        timed_names = {n for n in names if n in args.large_variants or
+                       (n.startswith("ring-") and "ring" in args.large_variants)}
+      for causal in masks:
+        load0 = os.getloadavg()[0]
+        rows = run_group(names, mesh=mesh, length=length, is_causal=causal, args=args,
+                         dtype=dtype, paper_fn=paper_fn, budget=budget, repeats=reps,
+                         warmup=warm, timed_names=timed_names)
+        for row in rows:
+          row["loadavg_1min"] = [round(load0, 2), round(os.getloadavg()[0], 2)]
+          result["rows"].append(row)
+          print(f"  L={length:<6} {'causal' if causal else 'full':<7} {row['impl']:<16} "
+                f"fwd {fmt_ms(row, 'fwd'):>9} ms  fwd+bwd {fmt_ms(row, 'fwdbwd'):>9} ms  "
+                f"temp {fmt_mem(row, 'fwd'):>8} / {fmt_mem(row, 'fwdbwd'):>8} MiB  "
+                f"[{row.get('fwd_status')}; {row.get('fwdbwd_status')}]", flush=True)
+        print(f"  (t={time.perf_counter() - t_start:.0f}s, load average {load0:.1f} -> "
+              f"{os.getloadavg()[0]:.1f})", flush=True)
+        save()
+
   if result["rows"]:
     print("\n== results ==")
     print_table(result["rows"])
     if platform == "cpu":
       print("\n" + CPU_NOTE)
-    if args.large_repeats is not None and any(L >= args.large_from for L in args.lengths):
-      print(f"Note: lengths >= {args.large_from} use {args.large_repeats} repeats "
-            f"(others {args.repeats}) to keep the CPU run short.")
+    reduced = sorted({(r["length"], r.get("repeats"), r.get("warmup")) for r in result["rows"]
+                      if r.get("repeats") != args.repeats or r.get("warmup") != 1})
+    if reduced:
+      print("Note: reduced repeats to keep the CPU run short: " + ", ".join(
+          f"L={L}: {n} timed run(s) after {w} warm-up" for L, n, w in reduced) +
+            (f"; at L >= {args.large_from} only {','.join(args.large_variants)} are timed "
+             f"(the rest: compiled memory only)" if args.large_variants else ""))
     result["plots"] = [os.path.relpath(p, args.out) for p in plot(result, stem)]
   lines = targets(result)
   if lines:
