@@ -601,6 +601,22 @@ def param_shardings(model_or_state, mesh, rules: shd.Rules | None = None):
   return shd.param_shardings(model_or_state, mesh, rules)
 
 
+def weight_decay_mask(params):
+  """``True`` for weight matrices and embeddings, ``False`` for RMSNorm scales (optax ``mask=``).
+
+  Decided by the ``logical_axes`` metadata, not by ``ndim``: the stacked norm
+  scales are ``[layers, dim]``, 2-D like a matrix. Takes a Module, a State or
+  any pytree of Variables and returns the same structure holding bools.
+  """
+  if isinstance(params, nnx.Module):
+    params = nnx.state(params)
+
+  def one(var):
+    return var.replace(var.get_metadata()[shd.LOGICAL_AXES_KEY][-1] != "norm")
+
+  return jax.tree.map(one, params, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
 def create_sharded_model(cfg: LlamaConfig, mesh, seed: int = 0) -> Llama:
   """A freshly initialised :class:`Llama` whose parameters are created already sharded.
 

@@ -15,7 +15,7 @@ from flax import nnx
 
 import ring_jax
 from models.llama import (REMAT_POLICIES, Llama, LlamaConfig, apply_rope, param_shardings,
-                          rope_inv_freq, rope_tables)
+                          rope_inv_freq, rope_tables, weight_decay_mask)
 
 B, L = 2, 16
 TINY = dict(vocab_size=64, dim=32, num_layers=2, num_heads=4, num_kv_heads=2, mlp_dim=64,
@@ -316,3 +316,14 @@ def test_flops_per_token_formula():
   for c in (cfg, _cfg()):
     model = nnx.eval_shape(lambda: Llama(c, rngs=nnx.Rngs(0)))
     assert c.num_params() == sum(x.size for x in jax.tree.leaves(nnx.state(model)))
+
+
+def test_weight_decay_mask_excludes_norm_scales():
+  model = nnx.eval_shape(lambda: Llama(_cfg(), rngs=nnx.Rngs(0)))
+  mask = weight_decay_mask(nnx.split(model, nnx.Param, ...)[1])
+  flat = {jax.tree_util.keystr(k): v for k, v in jax.tree_util.tree_leaves_with_path(mask)}
+  assert len(flat) == 12
+  # Stacked norm scales are 2-D ([layers, dim]) yet must not be decayed.
+  assert {k for k, v in flat.items() if not v} == {
+      "['final_norm']['scale'].value", "['layers']['attn_norm']['scale'].value",
+      "['layers']['mlp_norm']['scale'].value"}
