@@ -243,13 +243,18 @@ def block_visibility(q_pos, k_pos, block_q: int, block_kv: int, is_causal: bool,
   return any_, all_
 
 
-def block_pairs(q_pos, k_pos, block_q: int, block_kv: int, is_causal: bool, window):
+def block_pairs(q_pos, k_pos, block_q: int, block_kv: int, is_causal: bool, window,
+                also_required=None):
   """The visible block pairs as a list: ``(pairs [nq*nk, 2], num_pairs, partial [nq*nk])``.
 
   ``pairs[:num_pairs]`` are the (query block, key block) pairs to compute, in
-  row-major order; the rest is zero padding. Numpy or traced jax arrays.
+  row-major order; the rest is zero padding. ``also_required`` (bool
+  ``[nq, nk]``) removes further pairs, e.g. blocks sharing no document.
+  Numpy or traced jax arrays.
   """
   any_, all_ = block_visibility(q_pos, k_pos, block_q, block_kv, is_causal, window)
+  if also_required is not None:
+    any_ = any_ & also_required
   nk = any_.shape[1]
   flat = any_.reshape(-1)
   if isinstance(flat, np.ndarray):

@@ -162,17 +162,41 @@ def _varying_like(x, *refs):
   return jax.lax.pcast(x, missing, to="varying")
 
 
+def _blocks_share_a_segment(q_seg, kv_seg, block_q: int, block_kv: int):
+  """bool ``[nq, nk]``: some batch row has a non-padding id in both blocks' id ranges.
+
+  A pair of blocks whose segment-id ranges are disjoint in every row (e.g.
+  different packed documents, or padding) has an empty mask and is skipped.
+  Ranges make this exact for documents stored as consecutive runs of ids and
+  conservative otherwise.
+  """
+  def ranges(seg, block):
+    seg = seg.reshape(seg.shape[0], -1, block)
+    big = jnp.iinfo(jnp.int32).max
+    lo = jnp.min(jnp.where(seg > 0, seg, big), axis=-1)  # padding-only block: lo > hi
+    hi = jnp.max(jnp.where(seg > 0, seg, 0), axis=-1)
+    return lo, hi
+  q_lo, q_hi = ranges(q_seg, block_q)
+  k_lo, k_hi = ranges(kv_seg, block_kv)
+  overlap = (q_lo[:, :, None] <= k_hi[:, None, :]) & (k_lo[:, None, :] <= q_hi[:, :, None])
+  return overlap.any(axis=0)
+
+
 def _hop_masks(cfg: _RingConfig, device, hop, q_pos, s, q_seg, kv_seg) -> HopMasks:
   """Positions of the K/V shard held at ``hop`` and the block pairs to compute.
 
   The pairs are those of :func:`ring_jax.schedule` for this device and hop,
-  derived from the positions on device (a few ``[nq, nk]`` comparisons).
+  derived from the positions on device (a few ``[nq, nk]`` comparisons), less
+  the pairs whose blocks share no segment.
   """
   src = (device - hop) % cfg.ring_size
   kv_pos = layouts.local_positions(cfg.layout, cfg.ring_size, s, src)
   spec = cfg.spec
+  shared_docs = None
+  if q_seg is not None:
+    shared_docs = _blocks_share_a_segment(q_seg, kv_seg, spec.block_q, spec.block_kv)
   pairs, num_pairs, _ = layouts.block_pairs(q_pos, kv_pos, spec.block_q, spec.block_kv,
-                                            spec.is_causal, spec.window)
+                                            spec.is_causal, spec.window, shared_docs)
   return HopMasks(q_positions=q_pos, kv_positions=kv_pos, q_segment_ids=q_seg,
                   kv_segment_ids=kv_seg, pairs=pairs, num_pairs=num_pairs)
 

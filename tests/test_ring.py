@@ -162,3 +162,31 @@ def test_float32_carry_for_float64_disabled_inputs_has_no_nans():
   out = jax.jit(fn)(*(ring_jax.to_layout(x, "striped", 4) for x in (q, k, v)))
   # window (0, 0) + causal: each query sees only itself, so the output is its own value.
   assert_close(ring_jax.from_layout(out, "striped", 4), jnp.repeat(v, 1, axis=2))
+
+
+def test_blocks_of_different_documents_are_skipped():
+  """With packed segments, block pairs that share no document are not computed."""
+  n, length, block = 4, 64, 4
+  mesh = make_mesh((n,), ("sequence",))
+  seg = np.repeat(np.arange(1, 9, dtype=np.int32), 8)[None]  # 8 documents of 8 tokens
+  seg[0, -4:] = 0                                            # and trailing padding
+  seg = jnp.asarray(seg)
+  q, k, v = qkv(4, 1, length, 2, 2, 8)
+  kernel = CountingKernel()
+  fn = shard_mapped_with_segments(mesh, kernel, block)
+  out = jax.jit(fn)(q, k, v, seg)
+  assert_close(out, ring_jax.reference_attention(q, k, v, is_causal=True, segment_ids=seg))
+  computed = sum(num for _, _, _, num in kernel.log)
+  scheduled = ring_jax.schedule("contiguous", n, length // n, block, block, True)
+  # Each 8-token document covers two 4-token blocks: 3 causal pairs per document, none for
+  # the padding block.
+  assert computed == 7 * 3 + 1 < scheduled.num_pairs.sum()
+
+
+def shard_mapped_with_segments(mesh, kernel, block):
+  spec, seg_spec = P(None, "sequence", None, None), P(None, "sequence")
+  return jax.shard_map(
+      lambda q, k, v, s: ring_jax.ring_attention(q, k, v, axis_name="sequence", is_causal=True,
+                                                 segment_ids=s, block_q=block, block_kv=block,
+                                                 hop_kernel=kernel),
+      mesh=mesh, in_specs=(spec, spec, spec, seg_spec), out_specs=spec)
