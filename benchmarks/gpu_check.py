@@ -17,7 +17,7 @@ Sections:
      attention + blockwise FFN + per-layer remat + chunked loss) fits, by
      doubling from 32K: compiled memory (``memory_analysis``) against the
      device's ``bytes_limit``; contexts up to ``GPU_CHECK_RUN_MAX`` (default
-     128K) are also run once to confirm.
+     64K) are also run once to confirm.
   3. Tokens/s and MFU of that train step at 32K.
 
 ``GPU_CHECK_DRY=1`` runs everything at tiny sizes on CPU (CI smoke test).
@@ -48,7 +48,11 @@ import ring_jax  # noqa: E402
 DRY = os.environ.get("GPU_CHECK_DRY", "0") not in ("", "0")
 BUDGET_S = float(os.environ.get("GPU_CHECK_BUDGET_S", "300" if DRY else "450"))
 MAX_LEN = int(os.environ.get("GPU_CHECK_MAX_LEN", 1024 if DRY else 4 * 2 ** 20))
-RUN_MAX = int(os.environ.get("GPU_CHECK_RUN_MAX", 1024 if DRY else 131072))
+RUN_MAX = int(os.environ.get("GPU_CHECK_RUN_MAX", 1024 if DRY else 65536))
+# bf16 on the GPU; the CPU dry run uses float32 (XLA:CPU bf16 matmuls are very slow).
+DTYPE = jnp.float32 if DRY else jnp.bfloat16
+# Section 1 starts no new case after this many seconds, leaving time for sections 2-3.
+ATTN_DEADLINE_S = float(os.environ.get("GPU_CHECK_ATTN_S", 0.5 * BUDGET_S))
 T0 = time.perf_counter()
 GIB = 2 ** 30
 # H200 SXM dense bf16 peak (no sparsity); override with GPU_PEAK_TFLOPS.
@@ -134,8 +138,8 @@ def attention_tflops():
   block = int(os.environ.get("GPU_CHECK_BLOCK", "0")) or None
   mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("sequence",))
   limit = device_limit()
-  dtype = jnp.bfloat16
-  say(f"B={b} N={n} H={h} bf16, ring block={block or 'default'}; "
+  dtype = DTYPE
+  say(f"B={b} N={n} H={h} {jnp.dtype(dtype).name}, ring block={block or 'default'}; "
       f"device limit {gib(limit)}")
   print(f"{'L':>7} {'mask':<7} {'impl':<30} {'fwd ms':>9} {'fwd TF/s':>9} "
         f"{'f+b ms':>9} {'f+b TF/s':>9}  note", flush=True)
@@ -151,7 +155,7 @@ def attention_tflops():
         for mode, fn, a in (("fwd", f, (q, k, v)),
                             ("fb", lambda q, k, v, do, f=f: jax.vjp(f, q, k, v)[1](do),
                              (q, k, v, do))):
-          if left() < 20:
+          if left() < 20 or elapsed() > ATTN_DEADLINE_S:
             cells[mode] = "skipped (time budget)"
             continue
           try:
@@ -225,7 +229,7 @@ def rope(x, pos):
 
 
 def make_loss(cfg, mesh):
-  dt = jnp.bfloat16
+  dt = DTYPE
   n, kv, h = cfg["heads"], cfg["kv_heads"], cfg["head_dim"]
   spec = P(None, "sequence", None, None)
   attn = jax.shard_map(functools.partial(ring_jax.ring_attention, axis_name="sequence",
@@ -291,16 +295,19 @@ def abstract_state(cfg):
 
 
 @section
-def longest_context():
+def longest_context(known_fit=None):
   cfg = llama_config()
   mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("sequence",))
   limit = device_limit()
   say(f"1B-class LLaMA: {num_matmul_params(cfg) / 1e9:.2f}B matmul params, {cfg}; "
-      f"device limit {gib(limit)}; f32 params + Adam, bf16 compute")
+      f"device limit {gib(limit)}; f32 params + Adam, {jnp.dtype(DTYPE).name} compute")
   step = make_train_step(cfg, mesh)
   params_a, opt_a = abstract_state(cfg)
   length = 256 if DRY else 32768
   best = None
+  if known_fit:  # the throughput section already ran a step at this length
+    say(f"L={known_fit:>8}: fits (a train step ran in the throughput section)")
+    best, length = known_fit, 2 * known_fit
   while left() > 30 and length <= MAX_LEN:
     tok = jax.ShapeDtypeStruct((1, length), jnp.int32)
     t = time.perf_counter()
@@ -347,8 +354,9 @@ def throughput():
   opt = (jax.tree.map(jnp.zeros_like, params), jax.tree.map(jnp.zeros_like, params),
          jnp.zeros((), jnp.int32))
   tokens = jax.random.randint(jax.random.key(1), (1, length), 0, cfg["vocab"])
-  params, opt, loss = step(params, opt, tokens, tokens)  # compile + warm-up
-  jax.block_until_ready(loss)
+  for _ in range(2):  # compile + warm-up (the 2nd call sees committed outputs as inputs)
+    params, opt, loss = step(params, opt, tokens, tokens)
+    jax.block_until_ready(loss)
   times = []
   for i in range(2 if DRY else 5):
     if i and left() < 10:
@@ -371,8 +379,8 @@ def main():
   say(f"jax {jax.__version__}, backend {jax.default_backend()}, devices {jax.devices()}, "
       f"dry={DRY}, budget {BUDGET_S:.0f}s")
   attention_tflops()
-  throughput()
-  longest_context()
+  tp = throughput()
+  longest_context(tp["length"] if tp else None)
   say("done")
 
 

@@ -3,7 +3,7 @@
 # Run from the repository root:   bash benchmarks/gpu_check.sh
 # CPU smoke test (tiny sizes):     GPU_CHECK_DRY=1 bash benchmarks/gpu_check.sh
 # Knobs: GPU_CHECK_BUDGET_S (default 450 s of work), GPU_CHECK_RUN_MAX (longest context actually
-# run, default 131072; longer ones are judged from compiled memory only), GPU_CHECK_BLOCK (ring
+# run, default 65536; longer ones are judged from compiled memory only), GPU_CHECK_BLOCK (ring
 # block size), GPU_PEAK_TFLOPS (MFU denominator, default 989 = H200 bf16 dense).
 set -u
 cd "$(dirname "$0")/.."
