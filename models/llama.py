@@ -545,16 +545,19 @@ class Llama(nnx.Module):
       tokens_BL: int token ids, in ``cfg.layout`` order when the ring backend
         shards the sequence (the caller applies :func:`ring_jax.to_layout`).
       positions_BL: int positions of those tokens (RoPE angles; the dense
-        backend's causal mask). Per-document positions work with segment ids.
+        backend's causal mask), ``[B, L]`` or ``[L]`` (shared by all rows).
+        Per-document positions (restarting at 0) work with segment ids.
       segment_ids_BL: optional int ``[B, L]``: tokens attend within equal ids;
         0 is padding (its attention output is 0; its logits are meaningless).
     """
     cfg = self.cfg
-    tokens_BL = shd.with_logical_constraint(tokens_BL, ("batch", "length"))
-    positions_BL = shd.with_logical_constraint(positions_BL.astype(jnp.int32),
-                                               ("batch", "length"))
+    tokens_BL = shd.with_logical_constraint(jnp.asarray(tokens_BL), ("batch", "length"))
+    positions_BL = jnp.asarray(positions_BL, jnp.int32)
+    if positions_BL.ndim == 1:
+      positions_BL = jnp.broadcast_to(positions_BL, tokens_BL.shape)
+    positions_BL = shd.with_logical_constraint(positions_BL, ("batch", "length"))
     if segment_ids_BL is not None:
-      segment_ids_BL = shd.with_logical_constraint(segment_ids_BL.astype(jnp.int32),
+      segment_ids_BL = shd.with_logical_constraint(jnp.asarray(segment_ids_BL, jnp.int32),
                                                    ("batch", "length"))
     x_BLD = shd.logical_take(_weight(self.embed, cfg), tokens_BL, ("batch", "length", "embed"))
     cos_BL1H, sin_BL1H = rope_tables(positions_BL, rope_inv_freq(cfg))

@@ -185,6 +185,15 @@ def test_bf16_compute(baseline):
   assert {x.dtype for x in jax.tree.leaves(nnx.state(stored))} == {jnp.dtype(jnp.bfloat16)}
 
 
+def test_shared_positions_broadcast(baseline):
+  """Positions ``[L]`` mean the same positions for every row (no segment ids: plain causal)."""
+  params, (tokens, _, _, _), _, _ = baseline
+  model = nnx.merge(_graphdef(_cfg()), params)
+  pos_L = np.arange(L, dtype=np.int32)
+  shared, per_row = jax.jit(lambda m: (m(tokens, pos_L), m(tokens, np.tile(pos_L, (B, 1)))))(model)
+  np.testing.assert_array_equal(shared, per_row)
+
+
 def test_tied_embeddings(baseline):
   params, (tokens, pos, segs, _), _, _ = baseline
   tied_params = {k: v for k, v in params.items() if k != "lm_head"}

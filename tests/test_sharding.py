@@ -122,7 +122,7 @@ def test_param_shardings_follow_rules():
 # ----------------------------------------------------------------------------------------------
 
 
-def test_create_sharded_model_places_shards_and_matches_plain_init():
+def test_create_sharded_model_places_shards():
   cfg = LlamaConfig(**TINY, fsdp=True)
   mesh = _mesh((2, 2, 2))
   model = create_sharded_model(cfg, mesh, seed=3)
