@@ -61,7 +61,7 @@ def logical_rules() -> Rules:
   return LOGICAL_RULES
 
 
-def _context_mesh():
+def current_mesh():
   """The mesh set with ``jax.set_mesh`` (abstract inside ``jit``), or None when there is none."""
   mesh = jax.sharding.get_abstract_mesh()
   if mesh is None or mesh.empty or not mesh.axis_names:
@@ -94,7 +94,7 @@ def logical_to_spec(names: Sequence[str | None], rules: Rules | None = None, *, 
   """
   table = dict(rules if rules is not None else LOGICAL_RULES)
   if mesh is None:
-    mesh = _context_mesh()
+    mesh = current_mesh()
   if shape is not None and len(shape) != len(names):
     raise ValueError(f"{len(names)} logical names {tuple(names)} for a {len(shape)}-d shape "
                      f"{tuple(shape)}.")
@@ -132,7 +132,7 @@ def _all_explicit(mesh, spec: P) -> bool:
 
 def is_explicit_mesh(mesh=None) -> bool:
   """Whether every axis of ``mesh`` (default: the context mesh) is ``AxisType.Explicit``."""
-  mesh = _context_mesh() if mesh is None else mesh
+  mesh = current_mesh() if mesh is None else mesh
   return mesh is not None and all(t == AxisType.Explicit for t in mesh.axis_types)
 
 
@@ -142,7 +142,7 @@ def with_logical_constraint(x, names: Sequence[str | None], rules: Rules | None 
   A no-op without a mesh. On Explicit axes this is ``jax.sharding.reshard``
   (a real layout change), on Auto axes ``jax.lax.with_sharding_constraint``.
   """
-  mesh = _context_mesh()
+  mesh = current_mesh()
   if mesh is None:
     return x
   spec = logical_to_spec(names, rules, mesh=mesh, shape=x.shape)
@@ -186,7 +186,7 @@ def logical_einsum(equation: str, a, b, out_names: Sequence[str | None],
   """
   import jax.numpy as jnp  # local: keep the module's import surface small
 
-  mesh = _context_mesh()
+  mesh = current_mesh()
   if mesh is None:
     return jnp.einsum(equation, a, b, **kwargs)
   out_shape = _einsum_out_shape(equation, a.shape, b.shape)
@@ -204,7 +204,7 @@ def logical_take(table, indices, out_names: Sequence[str | None], rules: Rules |
   """
   import jax.numpy as jnp
 
-  mesh = _context_mesh()
+  mesh = current_mesh()
   if mesh is None:
     return jnp.take(table, indices, axis=0)
   out_shape = tuple(indices.shape) + tuple(table.shape[1:])

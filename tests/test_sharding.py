@@ -144,6 +144,27 @@ def test_create_sharded_model_places_shards():
   np.testing.assert_array_equal(norms, np.ones_like(norms))
 
 
+def test_sharded_init_never_materialises_full_weights(auto=False):
+  """Per-device init memory stays near the device's shard, far below the model size.
+
+  (Explicit axes; the Auto-axes path measured the same when written, 32 MiB temp for a 92 MiB
+  model, against 352 MiB before weights were drawn sharded.)
+  """
+  from models.llama import _sharded_init
+
+  cfg = LlamaConfig(vocab_size=8192, dim=512, num_layers=4, num_heads=8, num_kv_heads=4,
+                    mlp_dim=2048, fsdp=True)
+  mesh = _mesh((2, 2, 2), auto=auto)
+  _, init = _sharded_init(cfg, mesh, seed=0)
+  with jax.set_mesh(mesh):
+    memory = init.lower().compile().memory_analysis()
+  model_bytes = 4 * cfg.num_params()
+  # Each device holds 1/4 of every weight (embed over data, heads/mlp/vocab over tensor).
+  assert memory.output_size_in_bytes < 0.3 * model_bytes
+  # Drawing full weights and slicing them would need > model_bytes of temp per device.
+  assert memory.temp_size_in_bytes < 0.5 * model_bytes
+
+
 @pytest.mark.parametrize("mesh_shape,names,auto,fsdp", [
     ((2, 2, 2), AXES, False, True),  # FSDP + tensor + sequence, Explicit axes
     ((2, 2, 2), AXES, True, True),  # the same on Auto (GSPMD) axes
