@@ -117,3 +117,19 @@ def test_config_errors(tmp_path):
     convert_hf.load_hf_checkpoint(path, tie_embeddings=True)
   with pytest.raises(FileNotFoundError):
     convert_hf.read_hf_tensors(str(tmp_path))
+
+
+def test_bfloat16_checkpoint(tmp_path):
+  """A bfloat16 checkpoint (the usual release format) reads without torch, bit-exact."""
+  model, _ = _hf_model(tmp_path, tie=False, rope_scaling=None, shard=False)
+  model = model.to(torch.bfloat16)
+  path = str(tmp_path / "bf16")
+  model.save_pretrained(path, safe_serialization=True)
+  ours = convert_hf.load_hf_checkpoint(path, attention="dense", param_dtype="bfloat16")
+  assert ours.layers.attn.wq[...].dtype == jnp.bfloat16
+  hf_q = model.model.layers[1].self_attn.q_proj.weight.detach().float().numpy()  # [N*H, D]
+  ours_q = np.asarray(ours.layers.attn.wq[...][1].astype(jnp.float32))  # [D, N, H]
+  np.testing.assert_array_equal(ours_q, hf_q.reshape(4, 8, 32).transpose(2, 0, 1))
+  hf_down = model.model.layers[0].mlp.down_proj.weight.detach().float().numpy()  # [D, F]
+  np.testing.assert_array_equal(np.asarray(ours.layers.mlp.w_down[...][0].astype(jnp.float32)),
+                                hf_down.T)
