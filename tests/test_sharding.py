@@ -33,8 +33,8 @@ def _batch():
   return tokens, pos, segs
 
 
-def _to_layout(batch, ring):
-  return tuple(np.asarray(ring_jax.to_layout(x, TINY["layout"], ring)) for x in batch)
+def _to_layout(batch, ring, layout=TINY["layout"]):
+  return tuple(np.asarray(ring_jax.to_layout(x, layout, ring)) for x in batch)
 
 
 def _random_params(cfg, seed=0):
@@ -165,21 +165,22 @@ def test_sharded_init_never_materialises_full_weights():
   assert memory.temp_size_in_bytes < 0.5 * model_bytes
 
 
-@pytest.mark.parametrize("mesh_shape,names,auto,fsdp", [
-    ((2, 2, 2), AXES, False, True),  # FSDP + tensor + sequence, Explicit axes
-    ((2, 2, 2), AXES, True, True),  # the same on Auto (GSPMD) axes
-    ((1, 1, 1), AXES, False, False),  # a 1-device mesh: ring of size 1
-    ((2, 4), ("data", "tensor"), False, False),  # no sequence axis: dense fallback
+@pytest.mark.parametrize("mesh_shape,names,auto,fsdp,layout", [
+    ((2, 2, 2), AXES, False, True, "zigzag"),  # FSDP + tensor + sequence, Explicit axes
+    ((2, 2, 2), AXES, True, True, "striped"),  # the same on Auto (GSPMD) axes
+    ((1, 1, 1), AXES, False, False, "zigzag"),  # a 1-device mesh: ring of size 1
+    ((2, 4), ("data", "tensor"), False, False, "zigzag"),  # no sequence axis: dense fallback
 ])
-def test_sharded_forward_matches_reference(reference, mesh_shape, names, auto, fsdp):
+def test_sharded_forward_matches_reference(reference, mesh_shape, names, auto, fsdp, layout):
   params, batch, want = reference
-  cfg = LlamaConfig(**TINY, fsdp=fsdp)
+  cfg = LlamaConfig(**{**TINY, "layout": layout}, fsdp=fsdp)
   mesh = _mesh(mesh_shape, names, auto=auto)
   ring = dict(zip(names, mesh_shape)).get("sequence", 1)
   with jax.set_mesh(mesh):
     sharded = jax.device_put(params, param_shardings(params, mesh))
-    got = jax.jit(lambda p, *b: nnx.merge(_graphdef(cfg), p)(*b))(sharded, *_to_layout(batch, ring))
-  got = ring_jax.from_layout(np.asarray(got), TINY["layout"], ring)
+    got = jax.jit(lambda p, *b: nnx.merge(_graphdef(cfg), p)(*b))(
+        sharded, *_to_layout(batch, ring, layout))
+  got = ring_jax.from_layout(np.asarray(got), layout, ring)
   real = batch[2] > 0
   np.testing.assert_allclose(np.asarray(got)[real], want[real], rtol=1e-5, atol=1e-5)
 
