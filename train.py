@@ -25,10 +25,22 @@ import sys
 import time
 from typing import Any
 
+import jax
+import numpy as np
 from absl import app
 from absl import flags
 from absl import logging
+from flax import nnx
+from jax.sharding import NamedSharding
 from ml_collections import config_flags
+
+# Importing these starts no JAX backend, so devices can still be configured in main().
+from models import llama
+from training import checkpoint as ckpt_lib
+from training import config as cfg_lib
+from training import data as data_lib
+from training import metrics as metrics_lib
+from training import step as step_lib
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -80,37 +92,47 @@ def multiprocess_launch_detected(environ=os.environ) -> str | None:
   return None
 
 
-def initialize_distributed(mode: str) -> None:
-  import jax
+def initialize_distributed(mode: str) -> int:
+  """Calls ``jax.distributed.initialize()`` if asked/detected; returns the process count.
 
+  Starts no backend (so the CPU device count can still be set afterwards). On a
+  CPU-only multi-process run (``JAX_PLATFORMS=cpu``) cross-process collectives
+  go through gloo.
+  """
   launcher = multiprocess_launch_detected()
   if mode == "off" or (mode == "auto" and launcher is None):
-    return
+    return 1
   kwargs = {}
   if os.environ.get("JAX_NUM_PROCESSES"):
     kwargs["num_processes"] = int(os.environ["JAX_NUM_PROCESSES"])
   if os.environ.get("JAX_PROCESS_ID"):
     kwargs["process_id"] = int(os.environ["JAX_PROCESS_ID"])
+  if os.environ.get("JAX_PLATFORMS", "") == "cpu":
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
   jax.distributed.initialize(**kwargs)
-  print(f"jax.distributed initialised ({launcher or 'forced'}): process "
-        f"{jax.process_index()}/{jax.process_count()}", flush=True)
+  print(f"jax.distributed initialised ({launcher or 'forced by --distributed=on'})",
+        flush=True)
+  for name in ("JAX_NUM_PROCESSES", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE"):
+    if os.environ.get(name):
+      return int(os.environ[name])
+  return 1  # Unknown here (e.g. TPU metadata): only used to size simulated CPU devices.
 
 
-def simulate_cpu_devices(config) -> None:
+def simulate_cpu_devices(config, num_processes: int = 1) -> None:
   """Asks the CPU backend for enough devices to build the mesh on a laptop.
 
   ``jax_num_cpu_devices`` only sizes the *CPU* client: on a GPU/TPU host JAX
   still uses the accelerators as its default devices, so setting it is
   harmless there and we need not (and cannot, without starting the backends)
   find out the platform first. An explicit
-  ``--xla_force_host_platform_device_count`` in ``XLA_FLAGS`` wins.
+  ``--xla_force_host_platform_device_count`` in ``XLA_FLAGS`` wins. With
+  several CPU processes each one simulates its share of the mesh.
   """
-  import jax
-
   if "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", ""):
     return
   sizes = [int(config.mesh.get(a, 1)) for a in config.mesh.keys()]
   count = math.prod(sizes) if all(s > 0 for s in sizes) else int(config.cpu_devices)
+  count = max(1, count // num_processes)
   try:
     jax.config.update("jax_num_cpu_devices", count)
   except RuntimeError:  # Backends already up (e.g. called from a notebook): keep them.
@@ -136,18 +158,6 @@ class TrainResult:
 
 def train(config, workdir: str, *, stop_at_step: int | None = None) -> TrainResult:
   """Trains (or resumes) per ``config`` in ``workdir``; see the module docstring."""
-  import jax
-  import numpy as np
-  from flax import nnx
-  from jax.sharding import NamedSharding
-
-  from models import llama
-  from training import checkpoint as ckpt_lib
-  from training import config as cfg_lib
-  from training import data as data_lib
-  from training import metrics as metrics_lib
-  from training import step as step_lib
-
   log = metrics_lib.log
 
   # --- 1. Mesh and config checks: fail before anything is compiled -------------------------
@@ -280,11 +290,6 @@ def evaluate(eval_step, params, dataset, num_batches: int, sharding, shape) -> d
   For the kv task the loss mask covers only answer tokens, so ``accuracy`` is
   the retrieval accuracy; for text it is next-byte accuracy.
   """
-  import jax
-  import numpy as np
-
-  from training import data as data_lib
-
   iterator = data_lib.make_iterator(dataset, prefetch=0)  # Fresh: same batches every eval.
   totals = {"loss_sum": 0.0, "tokens": 0.0, "correct": 0.0}
   for _ in range(num_batches):
@@ -308,16 +313,13 @@ def main(argv) -> None:
   if not flags.FLAGS["verbosity"].present:
     logging.set_verbosity(logging.WARNING)  # Orbax logs every save step at INFO.
   config = _CONFIG.value
-  from training import config as cfg_lib
-
   # Gin is only another syntax for the same ConfigDict fields (applied after --config.*).
   config = cfg_lib.apply_gin(config, _GIN_FILE.value, _GIN_PARAM.value)
-  initialize_distributed(_DISTRIBUTED.value)
-  simulate_cpu_devices(config)
+  num_processes = initialize_distributed(_DISTRIBUTED.value)
+  simulate_cpu_devices(config, num_processes)
   workdir = _WORKDIR.value or os.path.join(
       "runs", os.path.splitext(os.path.basename(config_flags.get_config_filename(
           flags.FLAGS["config"])))[0])
-  import jax
   if jax.process_index() == 0:
     os.makedirs(workdir, exist_ok=True)
     with open(os.path.join(workdir, "config.json"), "w") as f:

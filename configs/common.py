@@ -47,13 +47,14 @@ def base_config() -> ml_collections.ConfigDict:
 
   config.data = ml_collections.ConfigDict(dict(
       kind="kv_retrieval",  # or "text"
-      seq_len=256,
+      seq_len=128,
       # kind="text": a .txt/.jsonl file, a directory or a glob; byte-level tokenizer.
       path=config_dict.placeholder(str),
       text_field="text",  # .jsonl: the field holding each document
       eval_fraction=0.05,  # text: documents held out for eval
       # kind="kv_retrieval": see training/data.py:KVRetrievalTask.
-      kv=dict(num_pairs=8, num_queries=8, num_keys=32, num_values=16, num_filler=16),
+      kv=dict(num_pairs=8, num_queries=8, num_keys=32, num_values=16, num_filler=16,
+              docs_per_row=2),
   ))
 
   config.batch_size = 16  # global, over the 'data' axis and all processes
@@ -61,7 +62,7 @@ def base_config() -> ml_collections.ConfigDict:
   config.eval_batch_size = 16
   config.eval_batches = 4
 
-  config.total_steps = 400
+  config.total_steps = 600
   config.optim = ml_collections.ConfigDict(dict(
       lr=3e-3, warmup_steps=40, min_lr_ratio=0.1, weight_decay=0.1, b1=0.9, b2=0.95,
       eps=1e-8, grad_clip=1.0))

@@ -19,6 +19,7 @@ def _tiny_config(**data_overrides):
 
   config = tiny.get_config()
   config.data.seq_len = 64
+  config.data.kv.num_pairs = config.data.kv.num_queries = 4
   config.batch_size = 4
   for k, v in data_overrides.items():
     config.data[k] = v
@@ -94,30 +95,52 @@ def test_layout_reorder_matches_ring_jax(layout):
 # --- synthetic task --------------------------------------------------------------------------
 
 
-def test_kv_task_answers_are_the_paired_values_and_far_away():
-  task = data_lib.KVRetrievalTask(seq_len=64, num_pairs=6, num_queries=4, num_keys=20,
-                                  num_values=10, num_filler=8)
+def test_kv_task_answers_are_the_paired_values():
+  task = data_lib.KVRetrievalTask(seq_len=128, num_pairs=6, num_queries=4, num_keys=20,
+                                  num_values=10, num_filler=8, docs_per_row=2)
   task.check()
   for index in range(20):
     ex = task.example(seed=3, index=index)
-    tok, lab, mask = ex["tokens"], ex["labels"], ex["loss_mask"]
-    assert tok.max() < task.vocab_size and tok[0] == data_lib.BOS_ID
-    pairs = {int(tok[1 + 2 * i]): int(tok[2 + 2 * i]) for i in range(task.num_pairs)}
-    assert len(pairs) == task.num_pairs  # distinct keys
-    asked = np.flatnonzero(mask)
-    assert len(asked) == task.num_queries
-    for t in asked:
-      assert task.key_start <= tok[t] < task.value_start
-      assert lab[t] == tok[t + 1] == pairs[int(tok[t])]
-    # Every query sits in the last quarter and every pair in the first: with a ring of 4
-    # contiguous shards the answer is only reachable across the ring.
-    assert asked.min() >= 48 and 2 * task.num_pairs < 16
-    # Filler never contains keys or values (no shortcut through the middle).
-    filler = tok[1 + 2 * task.num_pairs:asked.min() - 1]
-    assert ((filler >= task.filler_start) & (filler < task.key_start)).all()
+    tok, lab, mask, seg = ex["tokens"], ex["labels"], ex["loss_mask"], ex["segment_ids"]
+    assert tok.max() < task.vocab_size
+    np.testing.assert_array_equal(seg, np.repeat([1, 2], 64))
+    np.testing.assert_array_equal(ex["positions"], np.tile(np.arange(64), 2))
+    for doc in range(2):
+      base = 64 * doc
+      assert tok[base] == data_lib.BOS_ID
+      pairs = {int(tok[base + 1 + 2 * i]): int(tok[base + 2 + 2 * i]) for i in range(6)}
+      assert len(pairs) == 6  # distinct keys
+      asked = np.flatnonzero(mask[base:base + 64]) + base
+      assert len(asked) == 4
+      for t in asked:
+        assert task.key_start <= tok[t] < task.value_start
+        assert lab[t] == tok[t + 1] == pairs[int(tok[t])]  # the value paired with this key
+      # Filler never contains keys or values (no shortcut through the middle).
+      filler = tok[base + 13:asked.min() - 1]
+      assert ((filler >= task.filler_start) & (filler < task.key_start)).all()
+    assert lab[63] == 0  # no label across the document boundary
   a, b = task.example(3, 7), task.example(3, 7)
   np.testing.assert_array_equal(a["tokens"], b["tokens"])  # pure function of (seed, index)
   assert not np.array_equal(task.example(3, 7)["tokens"], task.example(4, 7)["tokens"])
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+def test_kv_answers_live_on_another_device_than_their_queries(layout):
+  """The task cannot be solved inside one sequence shard: it needs the ring."""
+  ring, length = 4, 128
+  task = data_lib.KVRetrievalTask(seq_len=length)
+  perm = ring_jax.layout_positions(layout, ring, length)
+  device_of = np.empty(length, int)
+  device_of[perm] = np.arange(length) // (length // ring)  # natural position -> device
+  for index in range(10):
+    ex = task.example(seed=0, index=index)
+    tok = ex["tokens"]
+    for t in np.flatnonzero(ex["loss_mask"]):
+      doc = slice(0, 64) if t < 64 else slice(64, 128)
+      context = np.flatnonzero(tok[doc][:1 + 2 * task.num_pairs] == tok[t])[0] + doc.start
+      source = context + 1  # the value token the answer must be copied from
+      assert tok[source] == ex["labels"][t]
+      assert device_of[source] != device_of[t], (layout, t, source)
 
 
 def test_kv_task_config_errors():
@@ -126,7 +149,9 @@ def test_kv_task_config_errors():
   with pytest.raises(ConfigError, match="num_queries"):
     data_lib.KVRetrievalTask(seq_len=64, num_pairs=2, num_queries=3).check()
   with pytest.raises(ConfigError, match="too short"):
-    data_lib.KVRetrievalTask(seq_len=16, num_pairs=8, num_queries=8).check()
+    data_lib.KVRetrievalTask(seq_len=64, num_pairs=8, num_queries=8).check()
+  with pytest.raises(ConfigError, match="docs_per_row=3"):
+    data_lib.KVRetrievalTask(seq_len=128, docs_per_row=3).check()
 
 
 # --- pipeline --------------------------------------------------------------------------------
@@ -160,7 +185,9 @@ def test_batches_are_layout_ordered_and_sharded(mesh):
   perm = ring_jax.layout_positions("zigzag", 4, 64)
   for k in data_lib.FIELDS:
     np.testing.assert_array_equal(batch[k], natural[k][:, perm])
-  np.testing.assert_array_equal(batch["positions"][0], perm)
+  # Per-document positions (2 documents of 32), reordered like everything else.
+  np.testing.assert_array_equal(batch["positions"][0], perm % 32)
+  np.testing.assert_array_equal(batch["segment_ids"][0], perm // 32 + 1)
   global_batch = data_lib.to_global(batch, sharding, (4, 64))
   assert global_batch["tokens"].sharding == sharding
   # Device (data=0, sequence=3) holds zigzag chunks 3 and 4 of rows 0-1.

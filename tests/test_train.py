@@ -76,7 +76,7 @@ def test_sharded_ring_step_equals_unsharded_dense_step():
   jax.tree.map(np.testing.assert_array_equal, init_a, init_b)  # same start on any mesh
   np.testing.assert_allclose(metrics_a["loss"], metrics_b["loss"], rtol=1e-5)
   np.testing.assert_allclose(metrics_a["grad_norm"], metrics_b["grad_norm"], rtol=1e-4)
-  assert metrics_a["target_tokens"] == metrics_b["target_tokens"] == 8 * 4
+  assert metrics_a["target_tokens"] == metrics_b["target_tokens"] == 8 * 2 * 4  # rows*docs*q
   moved = jax.tree.map(lambda a, b: float(np.abs(a - b).max()), params_b, init_b)
   assert max(jax.tree.leaves(moved)) > 1e-4  # the step did update the params
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=2e-6),
@@ -144,6 +144,7 @@ def test_train_py_end_to_end(tmp_path):
   cmd = [sys.executable, os.path.join(ROOT, "train.py"),
          "--config", os.path.join(ROOT, "configs", "tiny.py") + ":striped",
          "--workdir", str(workdir), "--config.data.seq_len=64", "--config.model.mlp_dim=64",
+         "--config.data.kv.num_pairs=4", "--config.data.kv.num_queries=4",
          "--config.log_every=2", "--config.eval_every=4", "--config.eval_batches=1",
          f"--gin_file={gin_file}", "--gin_param=model.num_layers = 1",
          "--gin_param=optim.warmup_steps = 1"]

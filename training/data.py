@@ -93,21 +93,27 @@ def next_token_targets(tokens: np.ndarray, segment_ids: np.ndarray):
 
 @dataclasses.dataclass(frozen=True)
 class KVRetrievalTask:
-  """Key/value pairs at the start of the sequence, queries for them at the very end.
+  """Key/value pairs at the start of a document, queries for them at its end.
 
-  Natural-order sequence of ``seq_len`` tokens::
+  A row of ``seq_len`` tokens packs ``docs_per_row`` independent documents
+  (segment ids 1, 2, ...; positions restart per document), each::
 
     BOS k1 v1 k2 v2 ... kP vP  f f f ... f  QUERY kq1 vq1 kq2 vq2 ... kqQ vqQ
 
   ``P = num_pairs`` distinct keys with random values, random filler ``f``, then
   ``Q = num_queries`` of the keys again, each followed by its value. The loss
-  (and the accuracy) is only on predicting each ``vq`` at its ``kq``. Filler
-  and values are random, so the only way to beat chance (``1/num_values``) is
-  to attend from the last sequence shard back to the first one, i.e. across
-  the ring. Guessing among the values present in the context (ignoring the
-  key) scores about ``1/num_distinct_values`` (~0.17 for the tiny defaults);
-  beyond that the model must match keys, an induction-head lookup
-  (previous-token head, then a content match).
+  (and the accuracy) is only on predicting each ``vq`` at its ``kq``.
+
+  Why two documents per row: with ring size ``n`` the zigzag layout puts
+  sequence chunks ``d`` and ``2n-1-d`` on device ``d``, so the very start and
+  the very end of a row share device 0. Splitting the row in two puts each
+  document's pairs and its queries on different devices in the zigzag
+  (first doc: devices 0 -> n-1; second: n-1 -> 0) and contiguous (0 -> n/2-1,
+  n/2 -> n-1) layouts, and striped spreads every document over all devices.
+  Filler and values are random, so beating chance (``1/num_values``) needs
+  attention across the ring. Guessing among the values present in the
+  document scores ~``1/num_distinct_values`` (~0.17 with the tiny defaults);
+  beyond that the model must match keys (an induction-head lookup).
   """
   seq_len: int
   num_pairs: int = 8
@@ -115,6 +121,7 @@ class KVRetrievalTask:
   num_keys: int = 32
   num_values: int = 16
   num_filler: int = 16
+  docs_per_row: int = 2
 
   # Token id layout: [PAD, BOS, QUERY, filler..., keys..., values...].
   QUERY_ID = 2
@@ -124,7 +131,7 @@ class KVRetrievalTask:
     kv = data_config.kv
     return cls(seq_len=data_config.seq_len, num_pairs=kv.num_pairs,
                num_queries=kv.num_queries, num_keys=kv.num_keys, num_values=kv.num_values,
-               num_filler=kv.num_filler)
+               num_filler=kv.num_filler, docs_per_row=kv.docs_per_row)
 
   @property
   def filler_start(self) -> int:
@@ -143,6 +150,10 @@ class KVRetrievalTask:
     return self.value_start + self.num_values
 
   @property
+  def doc_len(self) -> int:
+    return self.seq_len // self.docs_per_row
+
+  @property
   def chance_accuracy(self) -> float:
     return 1.0 / self.num_values
 
@@ -150,19 +161,22 @@ class KVRetrievalTask:
     from training.config import ConfigError
     if self.num_pairs > self.num_keys:
       raise ConfigError(f"data.kv.num_pairs={self.num_pairs} exceeds num_keys={self.num_keys} "
-                        "(keys in one sequence are distinct).")
+                        "(keys in one document are distinct).")
     if self.num_queries > self.num_pairs:
       raise ConfigError(f"data.kv.num_queries={self.num_queries} exceeds "
                         f"num_pairs={self.num_pairs}.")
+    if self.docs_per_row < 1 or self.seq_len % self.docs_per_row:
+      raise ConfigError(f"data.kv.docs_per_row={self.docs_per_row} must be >= 1 and divide "
+                        f"data.seq_len={self.seq_len}.")
     used = 1 + 2 * self.num_pairs + 1 + 2 * self.num_queries
-    if used > self.seq_len:
-      raise ConfigError(f"data.seq_len={self.seq_len} is too short for the kv task, which "
-                        f"needs {used} tokens before any filler.")
+    if used > self.doc_len:
+      raise ConfigError(
+          f"documents of data.seq_len / docs_per_row = {self.doc_len} tokens are too short "
+          f"for the kv task, which needs {used} tokens before any filler.")
 
-  def example(self, seed: int, index: int) -> dict[str, np.ndarray]:
-    """Example ``index`` of the stream ``seed`` (natural order, ``[seq_len]`` fields)."""
-    rng = np.random.default_rng([seed, index])
-    p, q, length = self.num_pairs, self.num_queries, self.seq_len
+  def _document(self, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """(tokens, query mask) of one document, natural order."""
+    p, q, length = self.num_pairs, self.num_queries, self.doc_len
     keys = rng.choice(self.num_keys, size=p, replace=False) + self.key_start
     values = rng.integers(0, self.num_values, size=p) + self.value_start
     asked = rng.choice(p, size=q, replace=False)
@@ -172,13 +186,21 @@ class KVRetrievalTask:
     tail = length - 2 * q
     tokens[tail - 1] = self.QUERY_ID
     tokens[tail::2], tokens[tail + 1::2] = keys[asked], values[asked]
-    tokens = tokens.astype(np.int32)
-    labels = np.zeros(length, np.int32)
-    labels[:-1] = tokens[1:]
-    loss_mask = np.zeros(length, np.float32)
-    loss_mask[tail::2] = 1.0  # Positions holding a query key predict its value.
-    return dict(tokens=tokens, positions=np.arange(length, dtype=np.int32),
-                segment_ids=np.ones(length, np.int32), labels=labels, loss_mask=loss_mask)
+    is_query = np.zeros(length, bool)
+    is_query[tail::2] = True  # Positions holding a query key predict its value.
+    return tokens, is_query
+
+  def example(self, seed: int, index: int) -> dict[str, np.ndarray]:
+    """Row ``index`` of the stream ``seed`` (natural order, ``[seq_len]`` fields)."""
+    rng = np.random.default_rng([seed, index])
+    docs = [self._document(rng) for _ in range(self.docs_per_row)]
+    tokens = np.concatenate([t for t, _ in docs]).astype(np.int32)
+    is_query = np.concatenate([m for _, m in docs])
+    segment_ids = np.repeat(np.arange(1, self.docs_per_row + 1, dtype=np.int32), self.doc_len)
+    labels, _ = next_token_targets(tokens[None], segment_ids[None])
+    return dict(tokens=tokens, positions=segment_positions(segment_ids[None])[0],
+                segment_ids=segment_ids, labels=labels[0],
+                loss_mask=is_query.astype(np.float32))
 
   def rows(self, seed: int, first: int, count: int) -> dict[str, np.ndarray]:
     examples = [self.example(seed, first + i) for i in range(count)]
