@@ -35,6 +35,7 @@ import functools
 import json
 import os
 import platform as _platform
+import resource
 import sys
 import time
 import types
@@ -170,6 +171,16 @@ def mem_of(compiled):
   return out
 
 
+def cpu_seconds():
+  """CPU time (user + system, all threads) of this process so far.
+
+  On a shared CPU host wall time depends on what else runs; the CPU time the
+  process burns measures its own work, so it is recorded next to wall time.
+  """
+  r = resource.getrusage(resource.RUSAGE_SELF)
+  return r.ru_utime + r.ru_stime
+
+
 def timed(compiled, args, repeats):
   jax.block_until_ready(compiled(*args))  # warm-up
   ts = []
@@ -268,11 +279,12 @@ def run_group(names, *, mesh, length, is_causal, args, dtype, paper_fn, budget, 
       if row[f"{mode}_status"].startswith("failed"):
         continue
       try:
-        t0 = time.perf_counter()
+        c0, t0 = cpu_seconds(), time.perf_counter()
         jax.block_until_ready(c(*a))
-        dt = time.perf_counter() - t0
+        dt, dc = time.perf_counter() - t0, cpu_seconds() - c0
         if it >= warmup:
           row[f"{mode}_times_s"].append(round(dt, 5))
+          row.setdefault(f"{mode}_cpu_s", []).append(round(dc, 4))
       except Exception as e:  # noqa: BLE001  (real OOM on an accelerator, ...)
         row[f"{mode}_status"] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:160]}"
   for row in rows:
@@ -280,6 +292,7 @@ def run_group(names, *, mesh, length, is_causal, args, dtype, paper_fn, budget, 
     for mode in ("fwd", "fwdbwd"):
       if row.get(f"{mode}_status") == "pending":
         row[f"{mode}_median_s"] = float(np.median(row[f"{mode}_times_s"]))
+        row[f"{mode}_cpu_median_s"] = float(np.median(row[f"{mode}_cpu_s"]))
         row[f"{mode}_status"] = "ok"
   return rows
 
@@ -403,6 +416,38 @@ def schedule_table(lengths, ring, block):
   return rows
 
 
+def memory_scan(names, mesh, lengths, block, is_causal, dtype, args, paper_fn):
+  """Compiled fwd+bwd temp memory per device at a FIXED block size (compile only, no run).
+
+  The main table uses each implementation's default block, which grows with L
+  up to 512; with a fixed block the remaining growth is the part linear in L.
+  """
+  rows = []
+  for length in lengths:
+    sh = NamedSharding(mesh, P(None, AXIS, None, None))
+    x = jax.ShapeDtypeStruct((args.batch, length, args.heads, args.head_dim), dtype, sharding=sh)
+    for name in names:
+      if name in ("dense", "reference"):
+        continue
+      t = length // mesh.shape[AXIS]
+      if t % block or (name.endswith("zigzag") and (t // 2) % block):
+        continue
+      try:
+        f, _, _ = make_impl(name, mesh=mesh, is_causal=is_causal, dtype=dtype, block=block,
+                            paper_fn=paper_fn)
+        m = {mode: mem_of(jax.jit(fn).lower(*a).compile()).get("temp_size_in_bytes")
+             for mode, fn, a in (("fwd", f, (x, x, x)), ("fwdbwd", fwd_bwd(f), (x, x, x, x)))}
+        rows.append(dict(impl=name, length=length, block=block, causal=is_causal,
+                         fwd_temp=m["fwd"], fwdbwd_temp=m["fwdbwd"]))
+      except Exception as e:  # noqa: BLE001
+        rows.append(dict(impl=name, length=length, block=block, error=str(e)[:200]))
+      r = rows[-1]
+      print(f"  L={length:<7} {name:<16} block={block:<5} " +
+            (f"fwd {r['fwd_temp'] / MIB:8.1f} MiB  fwd+bwd {r['fwdbwd_temp'] / MIB:8.1f} MiB"
+             if "error" not in r else r["error"]), flush=True)
+  return rows
+
+
 # ----------------------------------------------------------------------------
 # Output
 # ----------------------------------------------------------------------------
@@ -429,8 +474,8 @@ def ratio(a, b, key):
 
 def print_table(rows, out=sys.stdout):
   hdr = (f"{'L':>6} {'mask':<7} {'impl':<16} {'dev':>3} {'blk':>5} {'fwd ms':>9} "
-         f"{'fwd+bwd ms':>11} {'reps':>4} {'fwd MiB':>8} {'f+b MiB':>8} {'t/paper':>8} {'t/allg':>7} "
-         f"{'m/paper':>8} {'m/allg':>7}")
+         f"{'fwd+bwd ms':>11} {'reps':>4} {'f+b cpu s':>9} {'fwd MiB':>8} {'f+b MiB':>8} "
+         f"{'t/paper':>8} {'c/paper':>8} {'t/allg':>7} {'m/paper':>8} {'m/allg':>7}")
   print(hdr, file=out)
   print("-" * len(hdr), file=out)
   for r in rows:
@@ -438,10 +483,14 @@ def print_table(rows, out=sys.stdout):
     paper = next((x for x in grp if x["impl"] == "paper"), None)
     allg = next((x for x in grp if x["impl"] == "allgather"), None)
     mem = lambda x: None if x is None else {"m": x["fwdbwd_mem"].get("temp_size_in_bytes")}
+    cpu_cell = (f"{r['fwdbwd_cpu_median_s']:.2f}" if "fwdbwd_cpu_median_s" in r else "-")
     print(f"{r['length']:>6} {'causal' if r['causal'] else 'full':<7} {r['impl']:<16} "
           f"{r['devices']:>3} {str(r['block'] or '-'):>5} {fmt_ms(r, 'fwd'):>9} "
-          f"{fmt_ms(r, 'fwdbwd'):>11} {len(r.get('fwdbwd_times_s', [])):>4} {fmt_mem(r, 'fwd'):>8} {fmt_mem(r, 'fwdbwd'):>8} "
-          f"{ratio(r, paper, 'fwdbwd_median_s'):>8} {ratio(r, allg, 'fwdbwd_median_s'):>7} "
+          f"{fmt_ms(r, 'fwdbwd'):>11} {len(r.get('fwdbwd_times_s', [])):>4} "
+          f"{cpu_cell:>9} "
+          f"{fmt_mem(r, 'fwd'):>8} {fmt_mem(r, 'fwdbwd'):>8} "
+          f"{ratio(r, paper, 'fwdbwd_median_s'):>8} {ratio(r, paper, 'fwdbwd_cpu_median_s'):>8} "
+          f"{ratio(r, allg, 'fwdbwd_median_s'):>7} "
           f"{ratio(mem(r), mem(paper), 'm'):>8} {ratio(mem(r), mem(allg), 'm'):>7}", file=out)
 
 
@@ -483,8 +532,23 @@ def targets(result):
         if r and p and "fwdbwd_median_s" in r and "fwdbwd_median_s" in p:
           x = r["fwdbwd_median_s"] / p["fwdbwd_median_s"]
           lim = 0.7 if causal else 1.0
+          cpu = ""
+          if "fwdbwd_cpu_median_s" in r and "fwdbwd_cpu_median_s" in p:
+            cpu = (f"; process CPU time {r['fwdbwd_cpu_median_s'] / p['fwdbwd_cpu_median_s']:.2f}x")
           lines.append(f"[{'MET' if x <= lim else 'MISSED'}] {tag} L={L} {impl} fwd+bwd time "
-                       f"{x:.2f}x the paper code (target <= {lim})")
+                       f"{x:.2f}x the paper code (target <= {lim}){cpu}")
+  by = {}
+  for r in result.get("memscan", []):
+    if "fwdbwd_temp" in r:
+      by.setdefault((r["impl"], r["causal"], r["block"]), []).append((r["length"], r["fwdbwd_temp"]))
+  for (impl, causal, block), pts in sorted(by.items()):
+    pts.sort()
+    g = [b / a for (l1, a), (l2, b) in zip(pts, pts[1:]) if l2 == 2 * l1]
+    if g:
+      lines.append(f"[{'MET' if max(g) <= 2.1 else 'MISSED'}] fixed block {block}, "
+                   f"{'causal' if causal else 'full'} {impl}: fwd+bwd temp memory growth per "
+                   f"doubling {pts[0][0]}..{pts[-1][0]} = {', '.join(f'{x:.2f}x' for x in g)} "
+                   f"(target <= 2.1x; {pts[-1][1] / MIB:.0f} MiB at L={pts[-1][0]})")
   err = result.get("bf16_error")
   if err:
     for impl in sorted({r["impl"] for r in err["rows"] if r.get("ring")}):
@@ -585,6 +649,8 @@ def parse_args(argv=None):
   ap.add_argument("--err-rings", type=ints, default=[1, 2, 4, 8])
   ap.add_argument("--sweep-length", type=int, default=8192)
   ap.add_argument("--sweep-blocks", type=ints, default=[128, 256, 512, 1024])
+  ap.add_argument("--memscan-lengths", type=ints, default=[2048, 4096, 8192, 16384, 32768, 65536])
+  ap.add_argument("--memscan-block", type=int, default=256)
   ap.add_argument("--mem-budget-gib", type=float, default=None,
                   help="single-device memory above which dense rows are marked OOM(est) "
                        "instead of run (default: 90%% of the accelerator; on CPU "
@@ -721,6 +787,15 @@ def main(argv=None):
       w = r["work_per_device_hops"]
       print(f"  {r['length']:>6} {r['layout']:<11} {r['block']:>5} {min(w):>8.2f} {max(w):>8.2f} "
             f"{r['total_hops']:>7.2f} {r['critical_path_hops']:>9.2f} {r['imbalance']:>8.2f}")
+    save()
+
+  if "memscan" in args.sections:
+    print(f"\n== compiled temp memory per device at a fixed block of {args.memscan_block} "
+          f"(compile only) ==", flush=True)
+    result["memscan"] = []
+    for causal in masks:
+      result["memscan"] += memory_scan(names, mesh, args.memscan_lengths, args.memscan_block,
+                                       causal, dtype, args, paper_fn)
     save()
 
   if "main" in args.sections:
