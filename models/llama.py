@@ -31,6 +31,7 @@ Conventions the rest of the project relies on:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any, Callable, Mapping
 
@@ -629,8 +630,13 @@ def weight_decay_mask(params):
   return jax.tree.map(one, params, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
+@functools.lru_cache(maxsize=8)
 def _sharded_init(cfg: LlamaConfig, mesh, seed: int):
-  """``(graphdef, init)``: ``init()`` is a jitted function returning the sharded param State."""
+  """``(graphdef, init)``: ``init()`` is a jitted function returning the sharded param State.
+
+  Cached per (config, mesh, seed): compiling the initialisers costs seconds on CPU, and a
+  caller that first inspects ``init.lower().compile()`` then reuses the executable.
+  """
   abstract = nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(seed)))
   graphdef, abstract_state = nnx.split(abstract)
 
