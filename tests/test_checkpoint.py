@@ -35,12 +35,13 @@ def mesh_of(data, sequence, tensor=1):
                                                           tensor=tensor)))
 
 
-def test_save_on_one_mesh_restore_on_another(tmp_path):
+def test_save_on_one_mesh_restore_on_another_and_keep_last_n(tmp_path):
   tx, params, opt_state, _, _ = make_state(mesh_of(2, 4))
   checkpointer = ckpt_lib.Checkpointer(str(tmp_path), every=5, keep=2, async_save=True)
   data_state = {"next_index": 17}
+  assert not checkpointer.save(1, params, opt_state, data_state)  # off the interval
   assert checkpointer.save(5, params, opt_state, data_state)
-  assert not checkpointer.save(6, params, opt_state, data_state)  # off the interval
+  assert not checkpointer.save(6, params, opt_state, data_state)
   checkpointer.close()
 
   # A different mesh shape (and tensor parallelism): shardings come from the new mesh.
@@ -71,11 +72,9 @@ def test_save_on_one_mesh_restore_on_another(tmp_path):
     assert got.sharding == sharding
   assert jax.tree.structure(got_opt) == jax.tree.structure(opt_state)
 
-
-def test_keeps_last_n(tmp_path):
-  _, params, opt_state, _, _ = make_state(mesh_of(2, 4))
-  checkpointer = ckpt_lib.Checkpointer(str(tmp_path), every=1, keep=2, async_save=False)
+  # Keep-last-N: only the newest `keep` steps survive.
+  keeper = ckpt_lib.Checkpointer(str(tmp_path / "keep"), every=1, keep=2, async_save=False)
   for step in (1, 2, 3):
-    assert checkpointer.save(step, params, opt_state, {"next_index": step})
-  checkpointer.close()
-  assert checkpointer.all_steps() == [2, 3]
+    assert keeper.save(step, params, opt_state, {"next_index": step})
+  keeper.close()
+  assert keeper.all_steps() == [2, 3]

@@ -33,9 +33,14 @@ class Checkpointer:
 
   def __init__(self, workdir: str, *, every: int, keep: int, async_save: bool = True):
     self.directory = os.path.join(os.path.abspath(workdir), "checkpoints")
+    policies = ocp.checkpoint_managers
     options = ocp.CheckpointManagerOptions(
-        max_to_keep=keep, save_interval_steps=every, create=True,
-        enable_async_checkpointing=async_save)
+        max_to_keep=keep, create=True, enable_async_checkpointing=async_save,
+        # Every `every` steps, and when JAX reports a preemption notice (TPU/multi-host).
+        # Unlike Orbax's default, no extra save of a fresh run's first step.
+        save_decision_policy=policies.AnySavePolicy([
+            policies.FixedIntervalPolicy(every),
+            policies.PreemptionCheckpointingPolicy()]))
     self.manager = ocp.CheckpointManager(self.directory, options=options,
                                          item_names=("state", "data"))
 
