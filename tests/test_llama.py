@@ -58,9 +58,15 @@ def _loss_and_grads(cfg, params, tokens, pos, segs, weights, mesh=None):
   if mesh is None:
     (_, logits), grads = fn(params, tokens, pos, segs, weights)
   else:
+    shardings = param_shardings(params, mesh)
     with jax.set_mesh(mesh):
-      params = jax.device_put(params, param_shardings(params, mesh))
-      (_, logits), grads = fn(params, tokens, pos, segs, weights)
+      (_, logits), grads = fn(jax.device_put(params, shardings), tokens, pos, segs, weights)
+    if all(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types):
+      # Explicit axes: gradients come back sharded exactly like their params (FSDP included).
+      is_var = lambda x: isinstance(x, nnx.Variable)
+      for g, sh in zip(jax.tree.leaves(grads, is_leaf=is_var),
+                       jax.tree.leaves(shardings, is_leaf=is_var)):
+        assert g.get_value().sharding.spec == sh.get_value().spec
   return np.asarray(logits), jax.tree.map(np.asarray, grads)
 
 
@@ -101,13 +107,13 @@ def _assert_tree_close(a, b, rtol=1e-5, atol=1e-5):
     np.testing.assert_allclose(x, y, rtol=rtol, atol=atol)
 
 
-@pytest.mark.parametrize("mesh_shape,layout,axis_types,ffn_chunk", [
-    ((2, 1, 4), "contiguous", "explicit", None),
-    ((2, 1, 4), "zigzag", "explicit", 2),
-    ((1, 2, 4), "zigzag", "explicit", None),
-    ((1, 2, 4), "contiguous", "auto", 2),
+@pytest.mark.parametrize("mesh_shape,layout,axis_types,ffn_chunk,fsdp", [
+    ((2, 1, 4), "contiguous", "explicit", None, False),
+    ((2, 1, 4), "zigzag", "explicit", 2, True),
+    ((1, 2, 4), "zigzag", "explicit", None, False),
+    ((1, 2, 4), "contiguous", "auto", 2, False),
 ])
-def test_ring_on_mesh_matches_dense(baseline, mesh_shape, layout, axis_types, ffn_chunk):
+def test_ring_on_mesh_matches_dense(baseline, mesh_shape, layout, axis_types, ffn_chunk, fsdp):
   """Sharded ring model == one-device dense model: logits and parameter gradients.
 
   Inputs (tokens, positions, segment ids, loss weights) are put in layout order
@@ -117,7 +123,8 @@ def test_ring_on_mesh_matches_dense(baseline, mesh_shape, layout, axis_types, ff
   kw = {} if axis_types == "explicit" else {"axis_types": (jax.sharding.AxisType.Auto,) * 3}
   mesh = jax.make_mesh(mesh_shape, ("data", "tensor", "sequence"), **kw)
   ring = mesh.shape["sequence"]
-  cfg = _cfg(attention="ring", layout=layout, block_q=2, block_kv=2, ffn_chunk_size=ffn_chunk)
+  cfg = _cfg(attention="ring", layout=layout, block_q=2, block_kv=2, ffn_chunk_size=ffn_chunk,
+             fsdp=fsdp)
   to = lambda x: np.asarray(ring_jax.to_layout(x, layout, ring))
   logits, grads = _loss_and_grads(cfg, params, to(tokens), to(pos), to(segs), to(weights), mesh)
   logits = np.asarray(ring_jax.from_layout(logits, layout, ring))

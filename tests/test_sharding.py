@@ -173,23 +173,3 @@ def test_sharded_forward_matches_reference(reference, mesh_shape, names, auto, f
   got = ring_jax.from_layout(np.asarray(got), layout, ring)
   real = batch[2] > 0
   np.testing.assert_allclose(np.asarray(got)[real], want[real], rtol=1e-5, atol=1e-5)
-
-
-def test_fsdp_gradients_are_sharded_like_params(reference):
-  """Under FSDP on an Explicit mesh, gradients come back sharded exactly like the params."""
-  params, batch, _ = reference
-  dense_cfg = LlamaConfig(**{**TINY, "attention": "dense"})
-  cfg = LlamaConfig(**TINY, fsdp=True)
-  loss = lambda gd: (lambda p, *b: jnp.mean(nnx.merge(gd, p)(*b) ** 2))
-  want = jax.jit(jax.grad(loss(_graphdef(dense_cfg))))(params, *batch)
-  mesh = _mesh((2, 2, 2))
-  shardings = param_shardings(params, mesh)
-  with jax.set_mesh(mesh):
-    grads = jax.jit(jax.grad(loss(_graphdef(cfg))))(jax.device_put(params, shardings),
-                                                     *_to_layout(batch, 2))
-  is_var = lambda x: isinstance(x, nnx.Variable)
-  for g, s in zip(jax.tree.leaves(grads, is_leaf=is_var), jax.tree.leaves(shardings,
-                                                                          is_leaf=is_var)):
-    assert g.get_value().sharding.spec == s.get_value().spec
-  for g, w in zip(jax.tree.leaves(grads), jax.tree.leaves(want)):
-    np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5)
