@@ -24,6 +24,7 @@ from __future__ import annotations
 from typing import Any, Mapping, Sequence
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -184,8 +185,6 @@ def logical_einsum(equation: str, a, b, out_names: Sequence[str | None],
   sharding is ambiguous unless given (``out_sharding``), which makes XLA emit
   the reduce(-scatter); on Auto axes it is a sharding hint after the fact.
   """
-  import jax.numpy as jnp  # local: keep the module's import surface small
-
   mesh = current_mesh()
   if mesh is None:
     return jnp.einsum(equation, a, b, **kwargs)
@@ -202,8 +201,6 @@ def logical_take(table, indices, out_names: Sequence[str | None], rules: Rules |
   On Explicit axes a gather from a sharded table needs its output sharding
   spelled out (``.at[].get(out_sharding=)``).
   """
-  import jax.numpy as jnp
-
   mesh = current_mesh()
   if mesh is None:
     return jnp.take(table, indices, axis=0)
