@@ -1,10 +1,8 @@
 """Input pipeline: packing, layouts, the synthetic task, iterator state, process slices."""
 
 import json
-import os
 
 import jax
-import ml_collections
 import numpy as np
 import pytest
 from jax.sharding import NamedSharding

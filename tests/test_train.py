@@ -7,7 +7,6 @@ import sys
 
 import jax
 import numpy as np
-import pytest
 from flax import nnx
 from jax.sharding import NamedSharding
 

@@ -29,7 +29,7 @@ import dataclasses
 import glob
 import json
 import os
-from typing import Callable, Iterator
+from typing import Callable
 
 import grain
 import jax
@@ -384,8 +384,3 @@ def to_global(batch: dict[str, np.ndarray], sharding: jax.sharding.Sharding,
   """This process's block -> global ``jax.Array``s sharded ``P('data', 'sequence')``."""
   return {k: jax.make_array_from_process_local_data(sharding, v, global_shape)
           for k, v in batch.items()}
-
-
-def batches(iterator, sharding, global_shape) -> Iterator[dict[str, jax.Array]]:
-  for batch in iterator:
-    yield to_global(batch, sharding, global_shape)
