@@ -115,6 +115,12 @@ def test_param_shardings_follow_rules():
     # Same structure as the params the trainer splits off (tree mode).
     _, params, _ = nnx.split(model, nnx.Param, ...)
     assert jax.tree.structure(param_shardings(params, mesh)) == jax.tree.structure(sh)
+  # shard_params places real arrays (a State, or a whole Module) the same way.
+  cfg = LlamaConfig(**TINY, fsdp=True)
+  placed = shd.shard_params(_random_params(cfg), mesh)
+  assert placed["lm_head"].get_value().sharding.spec == P("data", "tensor")
+  module = shd.shard_params(nnx.merge(_graphdef(cfg), _random_params(cfg)), mesh)
+  assert module.layers.mlp.w_up[...].sharding.spec == P(None, "data", "tensor")
 
 
 # ----------------------------------------------------------------------------------------------
