@@ -62,9 +62,9 @@ def one_step(config, mesh):
 
 
 def test_sharded_ring_step_equals_unsharded_dense_step():
-  """data=2 x sequence=4, ring attention, zigzag, 2 microbatches == 1 device, dense, 1 batch."""
+  """data=2 x sequence=4, ring, zigzag, FSDP, 2 microbatches == 1 device, dense, 1 batch."""
   sharded_cfg = small_config(**{"model.attention": "ring", "model.layout": "zigzag",
-                                "microbatches": 2, "optim.eps": 1e-6})
+                                "model.fsdp": True, "microbatches": 2, "optim.eps": 1e-6})
   dense_cfg = small_config(**{"model.attention": "dense", "mesh.data": 1, "mesh.sequence": 1,
                               "optim.eps": 1e-6})
   sharded_mesh = cfg_lib.make_mesh(sharded_cfg.mesh)
