@@ -4,9 +4,11 @@
 
 Runs on 8 simulated CPU devices (train.py creates them when the backend is
 CPU) as a ``data=2 x sequence=4`` mesh: every attention layer is a ring over 4
-sequence shards in the zigzag layout. The key/value pairs sit in the first
-sequence chunk and the queries in the last, so retrieval accuracy above chance
-(1/16) means information crossed the ring. A few minutes on 2 CPU cores.
+sequence shards in the zigzag layout. Each 128-token row packs two documents
+whose key/value pairs and queries sit on different devices of the ring, so
+retrieval accuracy above chance (1/16) means information crossed the ring.
+Measured on a shared 2-core CPU: ~2.5 min, loss 4.30 -> 1.43, eval retrieval
+accuracy 0.44 after 600 steps (0.39 after 300).
 
 Variants (``--config configs/tiny.py:<arg>[,<arg>...]``):
   text                  byte-level LM on local files: add --config.data.path=...
