@@ -26,7 +26,7 @@
 # [![Open In Colab](https://colab.research.google.com/assets/colab-badge.svg)](https://colab.research.google.com/github/ring-jax/ring_jax/blob/main/notebooks/ring_attention_colab.ipynb)
 #
 # This notebook shows blockwise **ring attention** (sequence / context parallelism) with
-# [`ring_jax`](../README.md):
+# [`ring_jax`](https://github.com/ring-jax/ring_jax/blob/main/README.md):
 #
 # 1. install the project and look at the devices;
 # 2. build a `(data, tensor, sequence)` mesh from whatever devices exist;
@@ -37,9 +37,10 @@
 #
 # **Runtime.** On Colab choose *Runtime -> Change runtime type -> TPU*. Anywhere else
 # (a laptop, CI) the notebook simulates 8 CPU devices and shrinks every size, so it runs top
-# to bottom in a couple of minutes. The guides in [`docs/`](../docs) go further:
-# [using the kernel](../docs/using_the_kernel.md), [training](../docs/training.md),
-# [performance](../docs/performance.md).
+# to bottom in a couple of minutes. The guides in `docs/` go further:
+# [using the kernel](https://github.com/ring-jax/ring_jax/blob/main/docs/using_the_kernel.md),
+# [training](https://github.com/ring-jax/ring_jax/blob/main/docs/training.md),
+# [performance](https://github.com/ring-jax/ring_jax/blob/main/docs/performance.md).
 
 # %% [markdown]
 # ## 1. Install
@@ -115,8 +116,8 @@ for d in devices:
 # devices (8 TPU cores, or 8 simulated CPU devices) we use `data=2, tensor=1, sequence=4`;
 # other device counts get a ring over as many devices as divide 4. On a single-chip runtime
 # (e.g. TPU v5e-1) the ring has size 1: everything runs, but nothing travels; pick a
-# multi-core TPU runtime (v2-8) to see a real ring, or read [docs/training.md](../docs/training.md)
-# for pod slices and multi-GPU hosts.
+# multi-core TPU runtime (v2-8) to see a real ring, or read
+# [docs/training.md](https://github.com/ring-jax/ring_jax/blob/main/docs/training.md) for pod slices and multi-GPU hosts.
 # `jax.make_mesh` orders the devices along the physical interconnect, so ring neighbours
 # are link neighbours on a TPU.
 
@@ -200,8 +201,11 @@ def temp_mib(fn, length, sharding=None):
   return compiled.memory_analysis().temp_size_in_bytes / 2**20
 
 
+# inputs_in_layout=True: measure the attention itself. A model reorders its batch into the
+# layout once, in the input pipeline (see section 7); reordering sharded activations inside
+# every call would gather the whole sequence.
 ring_mem = functools.partial(ring_jax.ring_attention_sharded, mesh=mesh, is_causal=True,
-                             layout="zigzag")
+                             layout="zigzag", inputs_in_layout=True)
 dense_mem = functools.partial(ring_jax.reference_attention, is_causal=True)
 in_sharding = NamedSharding(mesh, P("data", "sequence", "tensor", None))
 rows = []
@@ -368,6 +372,6 @@ assert max(err_y, err_g) < (2e-2 if ON_ACCELERATOR else 1e-4)
 # `ring_jax.ring_attention_sharded(q, k, v, is_causal=True, segment_ids=seg,
 # layout="zigzag", inputs_in_layout=True)` replaces the explicit `shard_map` above with one
 # call (it reads the mesh set with `jax.set_mesh`, shards batch over `data` and heads over
-# `tensor` too). See [docs/using_the_kernel.md](../docs/using_the_kernel.md) for segment ids,
-# GQA/MQA under tensor parallelism, sliding windows and block sizes, and
-# [docs/performance.md](../docs/performance.md) for choosing the ring size and layout.
+# `tensor` too). See [docs/using_the_kernel.md](https://github.com/ring-jax/ring_jax/blob/main/docs/using_the_kernel.md)
+# for segment ids, GQA/MQA under tensor parallelism, sliding windows and block sizes, and
+# [docs/performance.md](https://github.com/ring-jax/ring_jax/blob/main/docs/performance.md) for choosing the ring size and layout.
