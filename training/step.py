@@ -20,6 +20,8 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from models import llama
+
 BATCH_SPEC = P("data", "sequence")
 
 
@@ -36,18 +38,15 @@ def make_schedule(optim_config, total_steps: int) -> optax.Schedule:
       end_value=optim_config.lr * optim_config.min_lr_ratio)
 
 
-def _decay_mask(params):
-  """Weight decay on matrices only (not on norm scales or biases), as in LLaMA training."""
-  return jax.tree.map(lambda p: p.ndim >= 2, params)
-
-
 def make_optimizer(optim_config, total_steps: int) -> optax.GradientTransformation:
   """Global-norm clipping, then AdamW with the warmup + cosine schedule."""
   return optax.chain(
       optax.clip_by_global_norm(optim_config.grad_clip),
       optax.adamw(make_schedule(optim_config, total_steps), b1=optim_config.b1,
                   b2=optim_config.b2, eps=optim_config.eps,
-                  weight_decay=optim_config.weight_decay, mask=_decay_mask))
+                  weight_decay=optim_config.weight_decay,
+                  # Not by ndim: stacked layers make the norm scales [layers, dim].
+                  mask=llama.weight_decay_mask))
 
 
 def opt_state_shardings(tx: optax.GradientTransformation, params, param_shardings, mesh):
