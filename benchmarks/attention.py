@@ -763,9 +763,11 @@ def main(argv=None):
         except Exception as e:  # noqa: BLE001
           row = dict(impl=name, block=blk, error=f"{type(e).__name__}: {e}")
         result["sweep"].append(row)
-        print(f"  block={blk:<5} {name:<16} fwd {fmt_ms(row, 'fwd'):>9} ms  fwd+bwd "
-              f"{fmt_ms(row, 'fwdbwd'):>9} ms  temp f+b {fmt_mem(row, 'fwdbwd'):>8} MiB",
-              flush=True)
+        cpu = lambda m: (f"{row[f'{m}_cpu_median_s']:.2f}" if f"{m}_cpu_median_s" in row
+                         else "-")
+        print(f"  block={blk:<5} {name:<16} fwd {fmt_ms(row, 'fwd'):>9} ms ({cpu('fwd'):>6} "
+              f"cpu s)  fwd+bwd {fmt_ms(row, 'fwdbwd'):>9} ms ({cpu('fwdbwd'):>6} cpu s)  "
+              f"temp f+b {fmt_mem(row, 'fwdbwd'):>8} MiB", flush=True)
         save()
 
   if "bf16" in args.sections:
