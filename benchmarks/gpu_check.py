@@ -85,10 +85,14 @@ def section(fn):
 
 
 def gib(x):
-  return "n/a" if x is None else f"{x / GIB:.1f} GiB"
+  if x is None:
+    return "n/a"
+  return f"{x / GIB:.1f} GiB" if x >= GIB else f"{x / 2 ** 20:.1f} MiB"
 
 
 def device_limit():
+  if os.environ.get("GPU_CHECK_LIMIT_GIB"):  # testing the search logic on CPU
+    return int(float(os.environ["GPU_CHECK_LIMIT_GIB"]) * GIB)
   try:
     stats = jax.devices()[0].memory_stats() or {}
     return int(stats.get("bytes_limit", 0)) or None
@@ -296,6 +300,9 @@ def abstract_state(cfg):
 
 @section
 def longest_context(known_fit=None):
+  """Doubling from 32K over powers of two; after two compiled points, compiled memory
+  (linear in L) is extrapolated to jump to the first power of two predicted not to fit,
+  and the answer is confirmed by compiling it and its neighbour (compiles are the cost)."""
   cfg = llama_config()
   mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("sequence",))
   limit = device_limit()
@@ -303,44 +310,83 @@ def longest_context(known_fit=None):
       f"device limit {gib(limit)}; f32 params + Adam, {jnp.dtype(DTYPE).name} compute")
   step = make_train_step(cfg, mesh)
   params_a, opt_a = abstract_state(cfg)
-  length = 256 if DRY else 32768
-  best = None
-  if known_fit:  # the throughput section already ran a step at this length
-    say(f"L={known_fit:>8}: fits (a train step ran in the throughput section)")
-    best, length = known_fit, 2 * known_fit
-  while left() > 30 and length <= MAX_LEN:
+  seen = {}  # length -> (needed bytes or None, fits)
+
+  def check(length):
+    if length in seen:
+      return seen[length][1]
     tok = jax.ShapeDtypeStruct((1, length), jnp.int32)
     t = time.perf_counter()
     try:
       c = step.lower(params_a, opt_a, tok, tok).compile()
     except Exception as e:  # noqa: BLE001
-      say(f"L={length}: compile failed ({type(e).__name__}: {str(e).splitlines()[0][:120]})")
-      break
+      say(f"L={length:>8}: compile failed ({type(e).__name__}: {str(e).splitlines()[0][:120]})"
+          " -> counted as not fitting")
+      seen[length] = (None, False)
+      return False
     nb = need_bytes(c)
     fits = nb is not None and (limit is None or nb <= limit)
-    say(f"L={length:>8}: compiled needs {gib(nb)} "
-        f"(compile {time.perf_counter() - t:.0f}s) -> {'fits' if fits else 'does NOT fit'}")
-    if not fits:
-      break
-    if length <= RUN_MAX and left() > 60:
+    say(f"L={length:>8}: compiled needs {gib(nb)} (compile {time.perf_counter() - t:.0f}s) "
+        f"-> {'fits' if fits else 'does NOT fit'}")
+    if fits and length <= RUN_MAX and left() > 60:
       try:
         params = init_params(cfg, jax.random.key(0))
-        z = jax.tree.map(jnp.zeros_like, params)
-        opt = (z, jax.tree.map(jnp.zeros_like, params), jnp.zeros((), jnp.int32))
+        opt = (jax.tree.map(jnp.zeros_like, params), jax.tree.map(jnp.zeros_like, params),
+               jnp.zeros((), jnp.int32))
         tokens = jax.random.randint(jax.random.key(1), (1, length), 0, cfg["vocab"])
         t = time.perf_counter()
         params, opt, loss = c(params, opt, tokens, tokens)
-        loss = float(loss)
-        say(f"L={length:>8}: ran one step in {time.perf_counter() - t:.1f}s, loss {loss:.3f}")
+        say(f"L={length:>8}: ran one step in {time.perf_counter() - t:.1f}s, "
+            f"loss {float(loss):.3f}")
         del params, opt
       except Exception as e:  # noqa: BLE001
-        say(f"L={length}: RUN FAILED ({type(e).__name__}: {str(e).splitlines()[0][:120]})")
-        break
+        say(f"L={length:>8}: RUN FAILED ({type(e).__name__}: {str(e).splitlines()[0][:120]})")
+        fits = False
+    seen[length] = (nb, fits)
+    return fits
+
+  start = 256 if DRY else 32768
+  best = None
+  if known_fit:  # the throughput section already ran a step at this length
+    say(f"L={known_fit:>8}: fits (a train step ran in the throughput section)")
+    best, start = known_fit, 2 * known_fit
+  length = start
+  answered = False
+  while left() > 30 and length <= MAX_LEN:
+    if not check(length):
+      answered = True
+      break
     best = length
-    length *= 2
-  if left() <= 30:
-    say("stopped doubling: time budget")
-  say(f"LONGEST CONTEXT THAT FITS (1 GPU, 1B-class, batch 1): {best}")
+    nxt = 2 * length
+    fitted = sorted((L, v[0]) for L, v in seen.items() if v[1] and v[0])
+    if len(fitted) >= 2 and limit:
+      (l1, b1), (l2, b2) = fitted[-2], fitted[-1]
+      slope = (b2 - b1) / (l2 - l1)
+      if slope > 0:
+        pred = l2 + (limit - b2) / slope  # predicted longest length that fits
+        jump = min(2 ** int(math.floor(math.log2(max(pred, 1)))), MAX_LEN)
+        if jump > nxt:
+          say(f"linear fit of compiled memory predicts ~{pred / 1024:.0f}K tokens fit: "
+              f"jumping to {jump}")
+          nxt = jump
+    if nxt > 2 * length:
+      if check(nxt):
+        best, length = nxt, 2 * nxt
+        continue
+      down = nxt // 2  # overshot: halve back down
+      while down > length and left() > 30:
+        if check(down):
+          best = down
+          break
+        down //= 2
+      answered = down <= length or seen.get(down, (0, False))[1]
+      break
+    length = nxt
+  if not answered:
+    say("stopped before finding a length that does not fit (time budget or "
+        "GPU_CHECK_MAX_LEN): the answer is a lower bound")
+  say(f"LONGEST CONTEXT THAT FITS (1 GPU, 1B-class, batch 1, compiled memory"
+      f"{'' if best and best <= RUN_MAX else '; not run'}): {best}")
   return best
 
 
@@ -378,9 +424,12 @@ def throughput():
 def main():
   say(f"jax {jax.__version__}, backend {jax.default_backend()}, devices {jax.devices()}, "
       f"dry={DRY}, budget {BUDGET_S:.0f}s")
-  attention_tflops()
-  tp = throughput()
-  longest_context(tp["length"] if tp else None)
+  sections = os.environ.get("GPU_CHECK_SECTIONS", "attention,throughput,longest").split(",")
+  if "attention" in sections:
+    attention_tflops()
+  tp = throughput() if "throughput" in sections else None
+  if "longest" in sections:
+    longest_context(tp["length"] if tp else None)
   say("done")
 
 
