@@ -230,30 +230,51 @@ def _forward(cfg: _RingConfig, q, k, v, seg):
 
 
 def _backward(cfg: _RingConfig, q, k, v, seg, out, lse, do):
+  """dQ stays home; each shard's float32 dK/dV accumulator follows the shard around the ring.
+
+  Each hop computes its dK/dV contribution into fresh buffers while the
+  accumulator of that shard (updated by the previous device at the previous
+  hop) is still in flight, and only then adds the two. So neither the K/V
+  transfer for the next hop nor the accumulator transfer for this one sits on
+  the critical path in front of the hop's compute.
+  """
   n = cfg.ring_size
   t, s = q.shape[1], k.shape[1]
   device = jax.lax.axis_index(cfg.axis_name)
   q_pos = layouts.local_positions(cfg.layout, n, t, device)
   delta = jnp.sum(do.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
   dq = _varying_like(jnp.zeros(q.shape, jnp.float32), q)
-  # dK/dV pick up the queries' variation (e.g. heads sharded over a tensor axis
-  # while a single MQA K/V head is replicated); summed back out at the end.
-  dk = _varying_like(jnp.zeros(k.shape, jnp.float32), k, q)
-  dv = _varying_like(jnp.zeros(v.shape, jnp.float32), v, q)
 
-  def hop(h, k, v, kv_seg, dq, dk, dv):
+  def zeros_kv():
+    # dK/dV pick up the queries' variation (e.g. heads sharded over a tensor axis
+    # while a single MQA K/V head is replicated); summed back out at the end.
+    return _varying_like(jnp.zeros(k.shape, jnp.float32), k, q)
+
+  def hop(h, k, v, kv_seg, dq):
+    """This hop's dQ (accumulated) and dK/dV contributions (fresh)."""
     masks = _hop_masks(cfg, device, h, q_pos, s, seg, kv_seg)
-    return cfg.kernel.backward(q, k, v, do, lse, delta, masks, cfg.spec, dq, dk, dv)
+    return cfg.kernel.backward(q, k, v, do, lse, delta, masks, cfg.spec, dq, zeros_kv(),
+                               zeros_kv())
+
+  def step(h, k, v, kv_seg, dq, dk_prev, dv_prev):
+    # dk_prev/dv_prev: accumulators of the shard this device held at hop h-1;
+    # the shard held now (from the previous device) arrives with its own.
+    dk_in, dv_in = _rotate(cfg, dk_prev, dv_prev)
+    dq, dk_part, dv_part = hop(h, k, v, kv_seg, dq)
+    return dq, dk_in + dk_part, dv_in + dv_part
 
   def body(h, state):
     k, v, kv_seg, dq, dk, dv = state
     k_next, v_next, seg_next = _rotate(cfg, k, v, kv_seg)
-    dq, dk, dv = hop(h, k, v, kv_seg, dq, dk, dv)
-    dk, dv = _rotate(cfg, dk, dv)  # the accumulators follow their K/V shard
+    dq, dk, dv = step(h, k, v, kv_seg, dq, dk, dv)
     return k_next, v_next, seg_next, dq, dk, dv
 
-  k, v, kv_seg, dq, dk, dv = jax.lax.fori_loop(0, n - 1, body, (k, v, seg, dq, dk, dv))
-  dq, dk, dv = hop(n - 1, k, v, kv_seg, dq, dk, dv)
+  k_next, v_next, seg_next = _rotate(cfg, k, v, seg) if n > 1 else (k, v, seg)
+  dq, dk, dv = hop(0, k, v, seg, dq)  # hop 0: the own shard, nothing to receive
+  if n > 1:
+    state = (k_next, v_next, seg_next, dq, dk, dv)
+    k, v, kv_seg, dq, dk, dv = jax.lax.fori_loop(1, n - 1, body, state)
+    dq, dk, dv = step(n - 1, k, v, kv_seg, dq, dk, dv)  # last hop: no K/V left to send
   dk, dv = _rotate(cfg, dk, dv)  # n-th transfer: home to the shard's owner
   extra = tuple(sorted(_varying_axes(dk) - _varying_axes(k), key=str))
   if extra:  # K/V replicated over axes the queries are split over: add the parts
