@@ -66,9 +66,15 @@ def test_three_axis_mesh_with_window():
   mesh = make_mesh((2, 2, 2), ("data", "tensor", "sequence"))
   q, k, v = qkv(4, 2, 32, 4, 2, 8)
   seg = packed_segments(2, 32, seed=4)
-  for window in (3, (5, 0), (2, 7)):
-    check_against_reference(mesh, q, k, v, is_causal=False, segment_ids=seg, layout="striped",
-                            local_window_size=window, block_q=4, block_kv=4)
+  check_against_reference(mesh, q, k, v, is_causal=False, segment_ids=seg, layout="striped",
+                          local_window_size=(2, 7), block_q=4, block_kv=4)
+
+
+def test_causal_window_zigzag():
+  mesh = make_mesh((4,), ("sequence",))
+  q, k, v = qkv(10, 1, 64, 2, 1, 8)
+  check_against_reference(mesh, q, k, v, is_causal=True, local_window_size=5, layout="zigzag",
+                          block_q=4, block_kv=4)
 
 
 def test_padding_rows_and_long_segment():
