@@ -191,6 +191,20 @@ def timed(compiled, args, repeats):
   return ts
 
 
+def git_state():
+  """Commit of the checkout (and whether ring_jax/ had local edits) for the record."""
+  import subprocess
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  try:
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True,
+                          text=True, timeout=10).stdout.strip()
+    dirty = subprocess.run(["git", "status", "--porcelain", "ring_jax"], cwd=root,
+                           capture_output=True, text=True, timeout=10).stdout.strip()
+    return head + (" (ring_jax/ modified)" if dirty else "")
+  except Exception:  # noqa: BLE001
+    return None
+
+
 def mem_available_bytes():
   try:
     with open("/proc/meminfo") as fh:
@@ -711,7 +725,7 @@ def main(argv=None):
               repeats=args.repeats, large_repeats=args.large_repeats,
               large_from=args.large_from, block=args.block, paper=paper_note,
               single_device_budget_gib=round(budget / GIB, 2), host=_platform.node(),
-              cpu_count=os.cpu_count(),
+              cpu_count=os.cpu_count(), git=git_state(),
               note=CPU_NOTE if platform == "cpu" else "")
   os.makedirs(args.out, exist_ok=True)
   stem = os.path.join(args.out, args.tag or f"attention_{platform}")
