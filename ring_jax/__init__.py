@@ -7,11 +7,13 @@ Public API:
   blockwise_ffn           chunked, rematerialised position-wise feed-forward.
   to_layout / from_layout / layout_positions / schedule
                           contiguous, zigzag and striped layouts.
+  shard_to_layout / shard_from_layout
+                          the same reorder inside shard_map, with collectives.
 """
 
 from ring_jax.ffn import blockwise_ffn
 from ring_jax.layouts import (LAYOUTS, Schedule, from_layout, layout_positions, local_positions,
-                              schedule, to_layout)
+                              schedule, shard_from_layout, shard_to_layout, to_layout)
 from ring_jax.hop import Carry, HopKernel, HopMasks, HopSpec, XlaHopKernel
 from ring_jax.reference import reference_attention
 from ring_jax.ring import ring_attention
@@ -33,6 +35,8 @@ __all__ = [
     "local_positions",
     "reference_attention",
     "schedule",
+    "shard_from_layout",
+    "shard_to_layout",
     "to_layout",
 ]
 

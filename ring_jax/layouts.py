@@ -302,3 +302,76 @@ def schedule(layout: str, ring_size: int, local_len: int, block_q: int, block_kv
     arr.setflags(write=False)
   return Schedule(pairs=pairs, num_pairs=num_pairs, partial=partial, block_q=block_q,
                   block_kv=block_kv, layout=layout, ring_size=n, local_len=local_len)
+
+
+def _zigzag_home(chunk: int, ring_size: int) -> int:
+  """Device that holds natural chunk ``chunk`` (of ``2n``) under the zigzag layout."""
+  return chunk if chunk < ring_size else 2 * ring_size - 1 - chunk
+
+
+def can_reorder_shards(layout: str, ring_size: int, local_len: int) -> bool:
+  """Whether :func:`shard_to_layout` handles this case (striped needs ``n | local_len``)."""
+  if layout == "striped":
+    return local_len % ring_size == 0
+  return layout in LAYOUTS and (layout != "zigzag" or local_len % 2 == 0)
+
+
+def shard_to_layout(x, layout: str, axis_name, axis: int = 1):
+  """Inside ``shard_map``: a contiguous (natural-order) shard -> this device's ``layout`` shard.
+
+  The collective counterpart of :func:`to_layout` for a sequence already
+  sharded over ``axis_name``: zigzag moves the two half-shards with two
+  ``ppermute``s, striped with one ``all_to_all``; memory stays O(local
+  length), whereas reordering the global array gathers it. Striped needs the
+  local length divisible by the ring size (:func:`can_reorder_shards`).
+  """
+  return _reorder_shard(x, layout, axis_name, axis, inverse=False)
+
+
+def shard_from_layout(x, layout: str, axis_name, axis: int = 1):
+  """Inverse of :func:`shard_to_layout`: this device's layout shard -> its contiguous shard."""
+  return _reorder_shard(x, layout, axis_name, axis, inverse=True)
+
+
+def _reorder_shard(x, layout, axis_name, axis, inverse):
+  check_layout(layout)
+  n = jax.lax.axis_size(axis_name)
+  axis = axis % x.ndim
+  local_len = x.shape[axis]
+  if layout == "contiguous" or n == 1:
+    return x
+  if not can_reorder_shards(layout, n, local_len):
+    raise ValueError(
+        f"cannot reorder a local shard of {local_len} tokens into layout={layout!r} over "
+        f"{n} devices: {'striped needs a multiple of the ring size' if layout == 'striped' else 'zigzag needs an even length'}.")
+  if layout == "zigzag":
+    half = local_len // 2
+    even_device = jax.lax.axis_index(axis_name) % 2 == 0
+    first, second = (jax.lax.slice_in_dim(x, 0, half, axis=axis),
+                     jax.lax.slice_in_dim(x, half, local_len, axis=axis))
+    # Natural chunk 2i (first half of shard i) and 2i+1 go to their zigzag homes;
+    # an even device receives its first chunk from the "even" transfer.
+    to_even = [(i, _zigzag_home(2 * i, n)) for i in range(n)]
+    to_odd = [(i, _zigzag_home(2 * i + 1, n)) for i in range(n)]
+    if not inverse:
+      got_even = jax.lax.ppermute(first, axis_name, to_even)
+      got_odd = jax.lax.ppermute(second, axis_name, to_odd)
+      return jnp.concatenate([jnp.where(even_device, got_even, got_odd),
+                              jnp.where(even_device, got_odd, got_even)], axis=axis)
+    even_chunk = jnp.where(even_device, first, second)
+    odd_chunk = jnp.where(even_device, second, first)
+    back_even = jax.lax.ppermute(even_chunk, axis_name, [(d, s) for s, d in to_even])
+    back_odd = jax.lax.ppermute(odd_chunk, axis_name, [(d, s) for s, d in to_odd])
+    return jnp.concatenate([back_even, back_odd], axis=axis)
+  # striped: token j of a contiguous shard goes to device j mod n (shards start at
+  # multiples of n). Tiled all_to_all over a size-n axis of [.., n, L/n^.., ..] blocks.
+  shape = x.shape
+  lead, rest = shape[:axis], shape[axis + 1:]
+  if not inverse:
+    y = x.reshape(lead + (local_len // n, n) + rest)
+    y = jnp.swapaxes(y, axis, axis + 1)                       # [.., residue, j, ..]
+    y = jax.lax.all_to_all(y, axis_name, axis, axis, tiled=True)  # -> [.., source, j, ..]
+    return y.reshape(shape)
+  y = x.reshape(lead + (n, local_len // n) + rest)             # [.., source, j, ..]
+  y = jax.lax.all_to_all(y, axis_name, axis, axis, tiled=True)   # -> [.., residue, j, ..]
+  return jnp.swapaxes(y, axis, axis + 1).reshape(shape)

@@ -111,16 +111,29 @@ def ring_attention_sharded(query, key, value, *, mesh=None, seq_axis: str = "seq
             "key/value heads divisible by the tensor axis (or a single one, MQA).")
       kv_head_axis = None  # MQA: every tensor shard needs the one K/V head
 
-  if not inputs_in_layout:
+  # Natural-order inputs are reordered shard by shard with collectives inside the
+  # shard_map (O(L/n) memory) when the layout allows, else as global arrays.
+  reorder_in_shards = not inputs_in_layout and all(
+      layouts.can_reorder_shards(layout, ring, size // ring) for size in (length, kv_len))
+  if not inputs_in_layout and not reorder_in_shards:
     reorder = functools.partial(layouts.to_layout, layout=layout, ring_size=ring, axis=1)
     query, key, value = reorder(query), reorder(key), reorder(value)
     if segment_ids is not None:
       segment_ids = reorder(segment_ids)
 
-  kernel = functools.partial(
+  attend = functools.partial(
       ring_attention, axis_name=seq_axis, is_causal=is_causal, scale=scale,
       local_window_size=local_window_size, layout=layout, block_q=block_q, block_kv=block_kv,
       precision=precision, hop_kernel=hop_kernel)
+
+  def kernel(q, k, v, segment_ids=None):
+    if not reorder_in_shards:
+      return attend(q, k, v, segment_ids=segment_ids)
+    to = functools.partial(layouts.shard_to_layout, layout=layout, axis_name=seq_axis)
+    if segment_ids is not None:
+      segment_ids = to(segment_ids)
+    out = attend(to(q), to(k), to(v), segment_ids=segment_ids)
+    return layouts.shard_from_layout(out, layout, seq_axis)
   q_spec = P(batch_axis, seq_axis, head_axis, None)
   kv_spec = P(batch_axis, seq_axis, kv_head_axis, None)
   seg_spec = P(batch_axis, seq_axis)
@@ -139,6 +152,6 @@ def ring_attention_sharded(query, key, value, *, mesh=None, seq_axis: str = "seq
     fn = jax.shard_map(lambda q, k, v, s: kernel(q, k, v, segment_ids=s), mesh=mesh,
                        in_specs=(q_spec, kv_spec, kv_spec, seg_spec), out_specs=q_spec)
     out = fn(query, key, value, segment_ids.astype("int32"))
-  if not inputs_in_layout:
+  if not inputs_in_layout and not reorder_in_shards:
     out = layouts.from_layout(out, layout, ring, axis=1)
   return out

@@ -90,3 +90,24 @@ def test_causal_balance():
 def test_non_causal_schedule_is_dense():
   sched = ring_jax.schedule("zigzag", 4, 16, 4, 8)
   assert (sched.num_pairs == 4 * 2).all() and not sched.partial.any()
+
+
+@pytest.mark.parametrize("layout", ring_jax.LAYOUTS)
+@pytest.mark.parametrize("ring_size", [2, 3, 8])
+def test_shard_reorder_matches_global_reorder(layout, ring_size):
+  """shard_to_layout / shard_from_layout inside shard_map == to_layout / from_layout."""
+  import jax
+  from jax.sharding import PartitionSpec as P
+  from attn_utils import make_mesh
+
+  mesh = make_mesh((ring_size,), ("sequence",))
+  length = 2 * ring_size * ring_size
+  x = jnp.arange(2 * length * 3).reshape(2, length, 3)
+  spec = P(None, "sequence")
+  to = jax.shard_map(lambda x: ring_jax.shard_to_layout(x, layout, "sequence"), mesh=mesh,
+                     in_specs=spec, out_specs=spec)
+  back = jax.shard_map(lambda x: ring_jax.shard_from_layout(x, layout, "sequence"), mesh=mesh,
+                       in_specs=spec, out_specs=spec)
+  y = jax.jit(to)(x)
+  np.testing.assert_array_equal(y, ring_jax.to_layout(x, layout, ring_size))
+  np.testing.assert_array_equal(jax.jit(back)(y), x)
