@@ -4,7 +4,10 @@ r"""Train a LLaMA whose attention is a ring over the mesh's ``sequence`` axis.
   python train.py --config configs/tiny.py:text --config.data.path=corpus.jsonl
   python train.py --config configs/tiny.py --config.model.num_layers=4 \
       --gin_param='optim.lr = 1e-3' --gin_file=overrides.gin
-  python train.py --config configs/llama_1b.py --workdir gs://bucket/run1   # accelerators
+  python train.py --config configs/llama_1b.py --workdir /mnt/shared/run1   # accelerators
+
+The workdir is a local or shared-filesystem path (e.g. NFS or a gcsfuse mount on
+multi-host runs); object-store URLs such as gs:// are not supported.
 
 Reading order: flags -> process/device setup -> ``train()``: (1) mesh and
 config checks, (2) model and optimizer created sharded, (3) resume from the
@@ -161,7 +164,7 @@ def train(config, workdir: str, *, stop_at_step: int | None = None) -> TrainResu
   log = metrics_lib.log
 
   # --- 1. Mesh and config checks: fail before anything is compiled -------------------------
-  sizes = cfg_lib.validate_config(config, jax.device_count(), jax.process_count())
+  sizes = cfg_lib.validate_config(config, jax.device_count())
   model_cfg = cfg_lib.llama_config(config)
   mesh = cfg_lib.make_mesh(config.mesh)
   ring_size = sizes["sequence"]

@@ -181,8 +181,7 @@ def make_mesh(mesh_config, devices=None) -> jax.sharding.Mesh:
 # ----------------------------------------------------------------------------
 
 
-def validate_config(config: ml_collections.ConfigDict, num_devices: int,
-                    num_processes: int = 1) -> dict[str, int]:
+def validate_config(config: ml_collections.ConfigDict, num_devices: int) -> dict[str, int]:
   """Checks everything knowable without tracing; returns the resolved mesh sizes.
 
   Raises:
@@ -233,8 +232,8 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int,
       raise ConfigError(
           f"{name}={batch} / microbatches={micro} = {batch // micro} rows per microbatch is not "
           f"divisible by the mesh 'data' axis ({data_par}).")
-    if batch % num_processes:
-      raise ConfigError(f"{name}={batch} is not divisible by the {num_processes} processes.")
+    # No rule per process: each process loads the rectangular (rows x sequence)
+    # block its devices hold (data.process_slices), so hosts may share rows.
 
   if d.kind not in DATA_KINDS:
     raise ConfigError(f"data.kind={d.kind!r} is unknown; choose one of {DATA_KINDS}.")
