@@ -103,7 +103,9 @@ def finalize(carry: Carry, dtype):
 
 
 def _block_mask(masks: HopMasks, spec: HopSpec, a, b):
-  """bool ``[B or 1, 1, 1, bq, bk]`` visibility of block pair (a, b)."""
+  """bool ``[B or 1, 1, 1, bq, bk]`` visibility of block pair (a, b); None if all visible."""
+  if not spec.is_causal and spec.window is None and masks.q_segment_ids is None:
+    return None  # nothing to mask: skip the elementwise work
   bq, bk = spec.block_q, spec.block_kv
   qp = jax.lax.dynamic_slice_in_dim(masks.q_positions, a * bq, bq)
   kp = jax.lax.dynamic_slice_in_dim(masks.kv_positions, b * bk, bk)
@@ -142,7 +144,8 @@ class XlaHopKernel:
       mask = _block_mask(masks, spec, a, b)
       s = jnp.einsum("bqkgh,bskh->bkgqs", q_blk, k_blk, precision=spec.precision,
                      preferred_element_type=jnp.float32) * spec.scale
-      s = jnp.where(mask, s, -jnp.inf)
+      if mask is not None:
+        s = jnp.where(mask, s, -jnp.inf)
       m_old = _slice(c.m, a * bq, bq)                        # [B, bq, K, G]
       m_new = jnp.maximum(m_old, jnp.einsum("bkgq->bqkg", s.max(-1)))
       p_blk = jnp.exp(s - jnp.einsum("bqkg->bkgq", m_new)[..., None])  # masked -> 0
@@ -169,7 +172,9 @@ class XlaHopKernel:
       mask = _block_mask(masks, spec, a, b)
       s = jnp.einsum("bqkgh,bskh->bkgqs", q_blk, k_blk, precision=spec.precision,
                      preferred_element_type=jnp.float32) * spec.scale
-      p_blk = jnp.where(mask, jnp.exp(s - lse_blk), 0.0)      # softmax probabilities
+      p_blk = jnp.exp(s - lse_blk)                             # softmax probabilities
+      if mask is not None:
+        p_blk = jnp.where(mask, p_blk, 0.0)
       dv_blk = jnp.einsum("bkgqs,bqkgh->bskh", p_blk.astype(do.dtype), do_blk,
                           precision=spec.precision, preferred_element_type=jnp.float32)
       dp = jnp.einsum("bqkgh,bskh->bkgqs", do_blk, v_blk, precision=spec.precision,
