@@ -156,6 +156,14 @@ def run_one(backend, args, mesh, peak):
       compile_s = time.perf_counter() - t0
       ma = compiled.memory_analysis()
       temp = getattr(ma, "temp_size_in_bytes", None) if ma is not None else None
+      if temp and jax.default_backend() == "cpu":
+        # CPU "devices" share host RAM: refuse what would not fit (the dense backend at long
+        # L replicates the full [L, L] scores on every device of the sequence axis).
+        need = temp * mesh.devices.size
+        avail = _mem_available()
+        if avail and need > 0.6 * avail:
+          raise MemoryError(f"OOM(est): compiled temp {temp / 2**30:.1f} GiB/device x "
+                            f"{mesh.devices.size} devices > 60% of {avail / 2**30:.1f} GiB free")
       params, opt_state, loss = compiled(params, opt_state, batch)  # warm-up
       jax.block_until_ready(loss)
       ts = []
@@ -175,6 +183,17 @@ def run_one(backend, args, mesh, peak):
               mfu=flops / (n_dev * peak), compile_s=round(compile_s, 1),
               temp_bytes_per_device=temp, loss=float(loss), params=cfg.num_params(),
               config=cfg.to_dict())
+
+
+def _mem_available():
+  try:
+    with open("/proc/meminfo") as fh:
+      for line in fh:
+        if line.startswith("MemAvailable:"):
+          return int(line.split()[1]) * 1024
+  except OSError:
+    return None
+  return None
 
 
 def parse_mesh(s):
