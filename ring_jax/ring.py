@@ -27,7 +27,9 @@ from ring_jax import layouts
 from ring_jax import validation
 from ring_jax.hop import Carry, HopKernel, HopMasks, HopSpec, XlaHopKernel, finalize, init_carry
 
-DEFAULT_BLOCK = 512
+# Bounds the per-pair score temporaries ([B, N, 256, 256] float32) in the unfused XLA kernel;
+# larger blocks measured slower on CPU and cost memory (benchmarks/results).
+DEFAULT_BLOCK = 256
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,7 +83,7 @@ def ring_attention(query, key, value, *, axis_name, is_causal: bool = False, seg
       :mod:`ring_jax.layouts`); with a causal mask zigzag and striped balance
       the work across devices.
     block_q, block_kv: query / key block sizes of the blockwise computation;
-      must divide the local length. Default: up to 512, dividing the layout's chunk.
+      must divide the local length. Default: up to 256, dividing the layout's chunk.
     precision: matmul precision (e.g. ``jax.lax.Precision.HIGHEST`` for
       float32 on TPU).
     hop_kernel: per-hop kernel (see :class:`ring_jax.hop.HopKernel`); default
