@@ -37,6 +37,7 @@ def base_config() -> ml_collections.ConfigDict:
       block_q=config_dict.placeholder(int),  # None: the ring picks block sizes
       block_kv=config_dict.placeholder(int),
       ffn_chunk_size=config_dict.placeholder(int),  # blockwise FFN chunk (tokens)
+      loss_chunk_size=config_dict.placeholder(int),  # output head + NLL chunk (tokens)
       remat_policy="none",
       scan_layers=True,
       dtype="float32",

@@ -23,6 +23,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       dim=2048, num_layers=16, num_heads=32, num_kv_heads=8, head_dim=64, mlp_dim=8192,
       rope_theta=500_000.0, tie_embeddings=True, layout="zigzag",
       block_q=1024, block_kv=1024, ffn_chunk_size=4096,
+      loss_chunk_size=2048,
       remat_policy="save_dots_no_batch", dtype="bfloat16", param_dtype="float32", fsdp=True))
   config.model.rope_scaling = dict(rope_type="llama3", factor=32.0, low_freq_factor=1.0,
                                    high_freq_factor=4.0, original_max_position_embeddings=8192)

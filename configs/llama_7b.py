@@ -21,6 +21,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       vocab_size=32_000, dim=4096, num_layers=32, num_heads=32, num_kv_heads=32,
       head_dim=128, mlp_dim=11008, rope_theta=10_000.0, tie_embeddings=False,
       layout="zigzag", block_q=2048, block_kv=2048, ffn_chunk_size=4096,
+      loss_chunk_size=2048,
       remat_policy="full", dtype="bfloat16", param_dtype="float32", fsdp=True))
   # Position interpolation from LLaMA-2's 4K training length to 256K.
   config.model.rope_scaling = dict(rope_type="linear", factor=64.0)

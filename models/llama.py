@@ -109,6 +109,9 @@ class LlamaConfig:
   block_q: int | None = None
   block_kv: int | None = None
   ffn_chunk_size: int | None = None
+  # Tokens per chunk of the output head inside nll_sums: the [B, L, vocab] logits then exist
+  # one chunk of each device's local sequence at a time (forward and, by remat, backward).
+  loss_chunk_size: int | None = None
   remat_policy: str = "none"
   scan_layers: bool = True
   dtype: str = "float32"
@@ -134,7 +137,7 @@ class LlamaConfig:
           f"dim={self.dim} is not divisible by num_heads={self.num_heads}; set head_dim.")
     if self.resolved_head_dim < 2 or self.resolved_head_dim % 2:
       raise ValueError(f"head_dim must be even for RoPE, got {self.resolved_head_dim}.")
-    for name in ("block_q", "block_kv", "ffn_chunk_size"):
+    for name in ("block_q", "block_kv", "ffn_chunk_size", "loss_chunk_size"):
       value = getattr(self, name)
       if value is not None and (not isinstance(value, (int, np.integer)) or value < 1):
         raise ValueError(f"{name} must be None or a positive int, got {value!r}.")
@@ -551,6 +554,14 @@ class Llama(nnx.Module):
   def __call__(self, tokens_BL, positions_BL, segment_ids_BL=None):
     """Logits ``[B, L, vocab]`` (float32) in the order of the inputs.
 
+    Same arguments as :meth:`hidden`; ``head(hidden(...))``.
+    """
+    return self.head(self.hidden(tokens_BL, positions_BL, segment_ids_BL),
+                     ("batch", "length"))
+
+  def hidden(self, tokens_BL, positions_BL, segment_ids_BL=None):
+    """Final-normed hidden states ``[B, L, dim]`` (compute dtype), before the output head.
+
     Args:
       tokens_BL: int token ids, in ``cfg.layout`` order when the ring backend
         shards the sequence (the caller applies :func:`ring_jax.to_layout`).
@@ -588,15 +599,62 @@ class Llama(nnx.Module):
       for i in range(cfg.num_layers):
         x_BLD = layer(x_BLD, jax.tree.map(lambda a, i=i: a[i], stacked))
 
-    x_BLD = self.final_norm(x_BLD)
+    return self.final_norm(x_BLD)
+
+  def head(self, x_XD, lead_names):
+    """Float32 logits ``[..., vocab]`` of hidden states ``[..., dim]`` named ``lead_names``."""
+    cfg = self.cfg
     if cfg.tie_embeddings:
-      head = _weight(self.embed, cfg)
-      eq = "BLD,VD->BLV"
+      w, eq = _weight(self.embed, cfg), "...D,VD->...V"
     else:
-      head = _weight(self.lm_head, cfg)
-      eq = "BLD,DV->BLV"
-    return shd.logical_einsum(eq, x_BLD, head, ("batch", "length", "vocab"),
+      w, eq = _weight(self.lm_head, cfg), "...D,DV->...V"
+    return shd.logical_einsum(eq, x_XD, w, (*lead_names, "vocab"),
                               preferred_element_type=jnp.float32)
+
+  def nll_sums(self, tokens_BL, positions_BL, segment_ids_BL, labels_BL, mask_BL):
+    """``(sum of masked next-token NLL, count of masked argmax hits)``, both float32 scalars.
+
+    With ``cfg.loss_chunk_size`` the head and log-softmax run over chunks of
+    each device's local sequence under a rematerialised scan (as the
+    blockwise FFN does), so the ``[B, L, vocab]`` float32 logits, and their
+    gradient, exist for one chunk at a time instead of the whole sequence.
+    """
+    x_BLD = self.hidden(tokens_BL, positions_BL, segment_ids_BL)
+    chunk = self.cfg.loss_chunk_size
+
+    def sums(x_XD, labels_X, mask_X, lead_names):
+      logits_XV = self.head(x_XD, lead_names)
+      nll_X = -jnp.take_along_axis(jax.nn.log_softmax(logits_XV, axis=-1),
+                                   labels_X[..., None], axis=-1)[..., 0]
+      correct_X = (jnp.argmax(logits_XV, axis=-1) == labels_X).astype(jnp.float32)
+      mask_X = mask_X.astype(jnp.float32)
+      return jnp.sum(nll_X * mask_X), jnp.sum(correct_X * mask_X)
+
+    if chunk is None:
+      return sums(x_BLD, labels_BL, mask_BL, ("batch", "length"))
+    b, length, d = x_BLD.shape
+    r = _sequence_shards()
+    if length % r or (length // r) % chunk:
+      raise ValueError(
+          f"loss_chunk_size={chunk} must divide the local sequence length {length}/{r}.")
+    c = length // r // chunk
+    # [B, L] -> [C, B, R, chunk]: the R axis stays sharded, the scan walks local chunks.
+    def chunks(x):
+      x = x.reshape(b, r, c, chunk, *x.shape[2:])
+      return jnp.moveaxis(x, 2, 0)
+    names = ("batch", "length", None)
+
+    def body(acc, xs):
+      x_CD, labels_C, mask_C = xs
+      nll, correct = sums(x_CD, labels_C, mask_C, names)
+      return (acc[0] + nll, acc[1] + correct), None
+
+    zero = jnp.zeros((), jnp.float32)
+    (nll, correct), _ = jax.lax.scan(
+        jax.checkpoint(body), (zero, zero),
+        (chunks(x_BLD), chunks(labels_BL), chunks(mask_BL)))
+    return nll, correct
+
 
 
 # ----------------------------------------------------------------------------------------------

@@ -346,3 +346,52 @@ def test_weight_decay_mask_excludes_norm_scales():
   assert {k for k, v in flat.items() if not v} == {
       "['final_norm']['scale'].value", "['layers']['attn_norm']['scale'].value",
       "['layers']['mlp_norm']['scale'].value"}
+
+
+@pytest.mark.parametrize("mesh_shape", [None, (2, 1, 4)])
+def test_chunked_loss_matches_whole_sequence_loss(baseline, mesh_shape):
+  """nll_sums with loss_chunk_size (head + log-softmax per local chunk, remat) == unchunked:
+  values and gradients, unsharded and on a data=2 x sequence=4 ring."""
+  params, (tokens, pos, segs, _), _, _ = baseline
+  rng = np.random.default_rng(3)
+  labels = rng.integers(0, TINY["vocab_size"], size=(B, L)).astype(np.int32)
+  mask = (segs > 0).astype(np.float32)
+  mesh = None
+  if mesh_shape is not None:
+    mesh = jax.make_mesh(mesh_shape, ("data", "tensor", "sequence"),
+                         axis_types=(jax.sharding.AxisType.Auto,) * 3,
+                         devices=jax.devices()[:int(np.prod(mesh_shape))])
+
+  def run(cfg):
+    graphdef = nnx.graphdef(nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0))))
+
+    def loss(p):
+      nll, correct = nnx.merge(graphdef, p).nll_sums(tokens, pos, segs, labels, mask)
+      return nll, correct
+
+    fn = jax.jit(jax.value_and_grad(loss, has_aux=True))
+    if mesh is None:
+      return fn(params)
+    with jax.set_mesh(mesh):
+      return fn(jax.device_put(params, param_shardings(params, mesh)))
+
+  (nll, correct), grads = run(_cfg(attention="ring"))
+  (nll_c, correct_c), grads_c = run(_cfg(attention="ring", loss_chunk_size=2))
+  np.testing.assert_allclose(nll_c, nll, rtol=1e-5)
+  assert float(correct_c) == float(correct)
+  _assert_tree_close(jax.tree.map(np.asarray, grads_c), jax.tree.map(np.asarray, grads))
+  # The unchunked sum is the plain masked NLL of the logits.
+  logits = jax.jit(lambda p: nnx.merge(
+      nnx.graphdef(nnx.eval_shape(lambda: Llama(_cfg(), rngs=nnx.Rngs(0)))), p)(
+          tokens, pos, segs))(params)
+  want = -np.take_along_axis(np.asarray(jax.nn.log_softmax(logits)), labels[..., None],
+                             axis=-1)[..., 0]
+  np.testing.assert_allclose(nll, (want * mask).sum(), rtol=1e-5)
+
+
+def test_loss_chunk_must_divide_local_length(baseline):
+  params, (tokens, pos, segs, _), _, _ = baseline
+  model = nnx.merge(nnx.graphdef(nnx.eval_shape(
+      lambda: Llama(_cfg(loss_chunk_size=5), rngs=nnx.Rngs(0)))), params)
+  with pytest.raises(ValueError, match="loss_chunk_size=5 must divide"):
+    model.nll_sums(tokens, pos, segs, tokens, np.ones((B, L), np.float32))

@@ -218,7 +218,7 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int) -> dict
         f"'sequence' axis of {ring} devices"
         + (" (zigzag holds two chunks per device)" if m.layout == "zigzag" else "") + ".")
   local_len = seq_len // ring
-  for name in ("block_q", "block_kv"):
+  for name in ("block_q", "block_kv", "ffn_chunk_size", "loss_chunk_size"):
     block = m.get(name)
     if block is not None and local_len % block:
       raise ConfigError(f"model.{name}={block} must divide the per-device sequence length "

@@ -71,14 +71,12 @@ def loss_sums(graphdef, params, rest, batch) -> tuple[jax.Array, dict[str, jax.A
   before the single division by the total token count.
   """
   model = nnx.merge(graphdef, params, rest)
-  logits_BLV = model(batch["tokens"], batch["positions"], batch["segment_ids"])
-  logits_BLV = logits_BLV.astype(jnp.float32)
-  labels_BL, mask_BL = batch["labels"], batch["loss_mask"]
-  nll_BL = -jnp.take_along_axis(jax.nn.log_softmax(logits_BLV, axis=-1), labels_BL[..., None],
-                                axis=-1)[..., 0]
-  correct_BL = (jnp.argmax(logits_BLV, axis=-1) == labels_BL).astype(jnp.float32)
-  loss_sum = jnp.sum(nll_BL * mask_BL)
-  return loss_sum, dict(tokens=jnp.sum(mask_BL), correct=jnp.sum(correct_BL * mask_BL))
+  mask_BL = batch["loss_mask"]
+  # The model computes the head + NLL itself, chunk by chunk when
+  # model.loss_chunk_size is set, so whole-sequence logits need never exist.
+  loss_sum, correct = model.nll_sums(batch["tokens"], batch["positions"], batch["segment_ids"],
+                                     batch["labels"], mask_BL)
+  return loss_sum, dict(tokens=jnp.sum(mask_BL.astype(jnp.float32)), correct=correct)
 
 
 # ----------------------------------------------------------------------------
