@@ -25,7 +25,7 @@ import jax.numpy as jnp
 
 from ring_jax import layouts
 from ring_jax import validation
-from ring_jax.hop import Carry, HopKernel, HopMasks, HopSpec, XlaHopKernel, finalize, init_carry
+from ring_jax.hop import HopKernel, HopMasks, HopSpec, XlaHopKernel, finalize, init_carry
 
 # Bounds the per-pair score temporaries ([B, N, 256, 256] float32) in the unfused XLA kernel;
 # larger blocks measured slower on CPU and cost memory (benchmarks/results).
@@ -132,8 +132,6 @@ def _make_config(query, key, value, *, axis_name, is_causal, segment_ids, scale,
   block_kv = default_block(layout, s) if block_kv is None else block_kv
   validation.check_block("block_q", block_q, t)
   validation.check_block("block_kv", block_kv, s)
-  if t != s and (is_causal or window is not None):
-    raise ValueError("causal/windowed ring attention needs equal local query and key lengths.")
   spec = HopSpec(scale=float(query.shape[-1] ** -0.5 if scale is None else scale),
                  is_causal=bool(is_causal), window=window, block_q=int(block_q),
                  block_kv=int(block_kv), precision=precision)

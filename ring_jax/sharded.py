@@ -78,8 +78,8 @@ def ring_attention_sharded(query, key, value, *, mesh=None, seq_axis: str = "seq
         f"seq_axis={seq_axis!r} is not an axis of the mesh (axes: {tuple(mesh.axis_names)}).")
   batch_axis = _resolve_axis(mesh, batch_axis, "batch_axis", _DEFAULT_AXES["batch_axis"])
   head_axis = _resolve_axis(mesh, head_axis, "head_axis", _DEFAULT_AXES["head_axis"])
-  if len({seq_axis, batch_axis, head_axis} - {None}) != len([a for a in (seq_axis, batch_axis,
-                                                                      head_axis) if a]):
+  named = [a for a in (seq_axis, batch_axis, head_axis) if a is not None]
+  if len(set(named)) != len(named):
     raise ValueError(f"seq_axis, batch_axis and head_axis must differ, got {seq_axis!r}, "
                      f"{batch_axis!r}, {head_axis!r}.")
   layouts.check_layout(layout)
