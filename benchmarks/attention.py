@@ -815,8 +815,8 @@ def main(argv=None):
     save()
 
   if "main" in args.sections:
-    print(f"\n== timing (median of repeats after warm-up, implementations timed round-robin) "
-          f"and compiled temp memory per device ==", flush=True)
+    print("\n== timing (median of repeats after warm-up, implementations timed round-robin) "
+          "and compiled temp memory per device ==", flush=True)
     for length in args.lengths:
       large = args.large_from is not None and length >= args.large_from
       reps = args.large_repeats if large and args.large_repeats is not None else args.repeats
