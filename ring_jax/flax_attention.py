@@ -20,10 +20,12 @@ from __future__ import annotations
 
 import math
 
+import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from ring_jax import layouts
-from ring_jax.sharded import ring_attention_sharded
+from ring_jax import sharded
 
 _MASK_FIX = (
     "ring attention never builds the [q_length, kv_length] matrix a dense {what} lives on. "
@@ -42,6 +44,25 @@ def _as_static_bool(value, name: str) -> bool:
     raise ValueError(
         f"{name} must be a Python bool for ring attention, got a traced value; pass a "
         "Python bool (e.g. deterministic=True) to the module.") from e
+
+
+def _like_query_sharding(out, query, mesh):
+  """On a mesh with Explicit axes, ``out`` in the sharding the query came in.
+
+  There the ring's output carries its ``(batch, sequence, heads)`` sharding in
+  its type, and the module's next layer would see a different sharding than
+  with dense attention (e.g. the output projection's weight gradient would
+  contract over two sharded axes and fail to trace). Dense attention keeps
+  the query's sharding; so does the adapter. On Auto meshes XLA propagates
+  shardings and nothing is needed.
+  """
+  ring_mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
+  if not sharded._has_explicit_axes(ring_mesh):
+    return out
+  query_sharding = jax.typeof(query).sharding
+  on_mesh = getattr(getattr(query_sharding, "mesh", None), "axis_names", ())
+  spec = query_sharding.spec if on_mesh else P()
+  return sharded._reshard(ring_mesh, out, spec)
 
 
 def flax_attention_fn(*, mesh=None, is_causal: bool = False, layout: str = "contiguous",
@@ -161,9 +182,10 @@ def flax_attention_fn(*, mesh=None, is_causal: bool = False, layout: str = "cont
       return x.reshape(math.prod(batch_dims), *x.shape[-3:])
     if seg is not None:
       seg = seg.reshape(math.prod(batch_dims), seg.shape[-1])
-    out = ring_attention_sharded(to_4d(query), to_4d(key), to_4d(value),
-                                 is_causal=adapter_causal or bool(is_causal), segment_ids=seg,
-                                 precision=precision, **sharded_kwargs)
-    return out.reshape(*batch_dims, *out.shape[1:]).astype(out_dtype)
+    out = sharded.ring_attention_sharded(to_4d(query), to_4d(key), to_4d(value),
+                                         is_causal=adapter_causal or bool(is_causal),
+                                         segment_ids=seg, precision=precision, **sharded_kwargs)
+    out = out.reshape(*batch_dims, *out.shape[1:]).astype(out_dtype)
+    return _like_query_sharding(out, query, mesh)
 
   return attention_fn
