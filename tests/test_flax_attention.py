@@ -187,7 +187,8 @@ def test_dtype_promotion_and_precision():
   chex.assert_trees_all_close(out.astype(jnp.float32), want.astype(jnp.float32), atol=2e-2,
                               rtol=2e-2)
   # No dtype: the common dtype of the inputs, like flax's promote_dtype.
-  chex.assert_type(jax.jit(ring_jax.flax_attention_fn(mesh=mesh))(q16, k, v), jnp.float32)
+  chex.assert_type(jax.eval_shape(ring_jax.flax_attention_fn(mesh=mesh), q16, k, v),
+                   jnp.float32)
 
 
 # ---------------------------------------------------- linen.MultiHeadDotProductAttention
@@ -320,7 +321,7 @@ def test_signature_mirrors_flax(flax_fn):
 
 
 def test_ring_jax_imports_without_flax():
-  """``import ring_jax`` and the adapter work with Flax unimportable."""
+  """``import ring_jax`` and tracing the adapter work with Flax unimportable."""
   script = textwrap.dedent("""
       import importlib.abc
       import sys
@@ -337,9 +338,8 @@ def test_ring_jax_imports_without_flax():
 
       mesh = jax.make_mesh((4,), ("sequence",))
       q = jax.random.normal(jax.random.key(0), (1, 16, 2, 8))
-      out = jax.jit(ring_jax.flax_attention_fn(mesh=mesh, is_causal=True))(q, q, q)
-      want = ring_jax.reference_attention(q, q, q, is_causal=True)
-      assert float(abs(out - want).max()) < 1e-5
+      out = jax.eval_shape(ring_jax.flax_attention_fn(mesh=mesh, is_causal=True), q, q, q)
+      assert out.shape == q.shape, out
       assert not any(m == "flax" or m.startswith("flax.") for m in sys.modules)
       print("ok")
   """)
