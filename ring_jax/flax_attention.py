@@ -84,7 +84,8 @@ def flax_attention_fn(*, mesh=None, is_causal: bool = False, layout: str = "cont
   Call the module under ``jax.jit``; its activations are then sharded by the
   returned function exactly as :func:`ring_jax.ring_attention_sharded` shards
   them (sequence over ``seq_axis``, batch over ``batch_axis``, heads over
-  ``head_axis``).
+  ``head_axis``). On a mesh with Explicit axes the result comes back in the
+  query's sharding, as dense attention's would.
 
   Args:
     mesh, seq_axis, batch_axis, head_axis, layout, inputs_in_layout, scale,
