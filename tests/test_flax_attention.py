@@ -17,7 +17,6 @@ import chex
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 from flax import nnx
 
