@@ -5,6 +5,7 @@ Public API:
   ring_attention_sharded  on global arrays: builds the shard_map for you.
   reference_attention     dense single-device oracle with the same arguments.
   blockwise_ffn           chunked, rematerialised position-wise feed-forward.
+  flax_attention_fn       ring attention as a Flax attention module's attention_fn=.
   to_layout / from_layout / layout_positions / schedule
                           contiguous, zigzag and striped layouts.
   shard_to_layout / shard_from_layout
@@ -12,6 +13,7 @@ Public API:
 """
 
 from ring_jax.ffn import blockwise_ffn
+from ring_jax.flax_attention import flax_attention_fn
 from ring_jax.layouts import (LAYOUTS, Schedule, from_layout, layout_positions, local_positions,
                               schedule, shard_from_layout, shard_to_layout, to_layout)
 from ring_jax.hop import Carry, HopKernel, HopMasks, HopSpec, XlaHopKernel
@@ -25,6 +27,7 @@ __all__ = [
     "HopMasks",
     "HopSpec",
     "XlaHopKernel",
+    "flax_attention_fn",
     "ring_attention",
     "ring_attention_sharded",
     "LAYOUTS",
