@@ -179,9 +179,9 @@ def allgather_attention_sharded(query, key, value, *, mesh, seq_axis: str = "seq
 def _shard_mapped(mesh, q_spec, kv_spec, row_spec, has_segments: bool, **kwargs):
   """``fn(q, k, v, segment_ids)``: :func:`allgather_attention` under ``shard_map``."""
   if has_segments:
-    return jax.shard_map(functools.partial(allgather_attention, **kwargs), mesh=mesh,
-                         in_specs=(q_spec, kv_spec, kv_spec, row_spec), out_specs=q_spec,
-                         check_vma=False)
+    return jax.shard_map(
+        lambda q, k, v, seg: allgather_attention(q, k, v, segment_ids=seg, **kwargs), mesh=mesh,
+        in_specs=(q_spec, kv_spec, kv_spec, row_spec), out_specs=q_spec, check_vma=False)
 
   def no_segments(q, k, v, segment_ids):
     del segment_ids  # None
