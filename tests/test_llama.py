@@ -364,3 +364,14 @@ def test_loss_chunk_must_divide_local_length(baseline):
   model = nnx.merge(_graphdef(_cfg(loss_chunk_size=5)), params)
   with pytest.raises(ValueError, match="loss_chunk_size=5 must divide"):
     model.nll_sums(tokens, pos, segs, tokens, np.ones((B, L), np.float32))
+
+
+def test_profile_names(baseline):
+  """Blocks run under jax.named_scope, so a profile (HLO op names) reads by block."""
+  params, (tokens, pos, segs, _), _, _ = baseline
+  model = nnx.merge(_graphdef(_cfg()), params)
+  mask = np.ones((B, L), np.float32)
+  text = jax.jit(lambda m: m.nll_sums(tokens, pos, segs, tokens, mask)).lower(model).as_text(
+      debug_info=True)
+  for scope in ("embed/", "layer/attention/dense/", "layer/mlp/", "final_norm/", "loss/head/"):
+    assert scope in text, scope
