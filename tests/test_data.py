@@ -120,12 +120,12 @@ def test_byte_tokenizer_roundtrip():
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag", "striped"])
 def test_layout_reorder_matches_ring_jax(layout):
   rng = np.random.default_rng(0)
-  batch = {k: rng.integers(0, 100, size=(3, 32)).astype(np.int32) for k in data_lib.FIELDS}
+  batch = {k: rng.integers(0, 100, size=(3, 32)).astype(np.int32) for k in batch_lib.FIELDS}
   out = data_lib.to_layout_np(batch, layout, ring_size=4)
-  for k in data_lib.FIELDS:
+  for k in batch_lib.FIELDS:
     np.testing.assert_array_equal(out[k], np.asarray(ring_jax.to_layout(batch[k], layout, 4)))
   # Reordering natural positions gives the layout's global positions.
-  natural = {k: np.broadcast_to(np.arange(32, dtype=np.int32), (3, 32)) for k in data_lib.FIELDS}
+  natural = {k: np.broadcast_to(np.arange(32, dtype=np.int32), (3, 32)) for k in batch_lib.FIELDS}
   np.testing.assert_array_equal(data_lib.to_layout_np(natural, layout, 4)["positions"][0],
                                 ring_jax.layout_positions(layout, 4, 32))
 
@@ -208,7 +208,7 @@ def test_iterator_state_roundtrip(sharding):
   resumed.set_state(json.loads(json.dumps(state)))  # survives JSON (the checkpoint format)
   for want in expected:
     got = next(resumed)
-    for k in data_lib.FIELDS:
+    for k in batch_lib.FIELDS:
       np.testing.assert_array_equal(got[k], want[k])
 
 
@@ -220,7 +220,7 @@ def test_batches_are_layout_ordered_and_sharded(mesh, sharding):
   task = data_lib.KVRetrievalTask.from_config(config.data)
   natural = task.rows(config.seed, 0, config.batch_size)
   perm = ring_jax.layout_positions("zigzag", 4, 64)
-  for k in data_lib.FIELDS:
+  for k in batch_lib.FIELDS:
     np.testing.assert_array_equal(batch[k], natural[k][:, perm])
   # Per-document positions (2 documents of 32), reordered like everything else.
   np.testing.assert_array_equal(batch["positions"][0], perm % 32)
