@@ -7,6 +7,6 @@
   checkpoint  Orbax CheckpointManager: train state + data iterator state, any-mesh restore
   metrics     tokens/s, MFU with attention FLOPs, TensorBoard + JSONL + console
 
-Only ``config`` (ml_collections) and ``data`` (Grain) need more than JAX, Flax and Optax;
+Only ``config`` (ml_collections) and ``data`` (Grain) need more than JAX, Flax, Optax, einops;
 ``batch`` and ``step`` import without them (the benchmarks run them on accelerator images).
 """

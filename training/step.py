@@ -9,7 +9,7 @@ the module with ``nnx.merge`` inside the trace, so there is no hidden mutable
 state and params/opt_state can be donated. The batch is the one
 :mod:`training.batch` defines (fields, dtypes, sharding).
 
-Needs JAX, Flax and Optax only (no ml_collections, no Grain), so the
+Needs JAX, Flax, Optax and einops only (no ml_collections, no Grain), so the
 benchmarks run this exact step on accelerator images without them.
 """
 
