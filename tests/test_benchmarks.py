@@ -99,16 +99,17 @@ def test_allgather_backend_in_the_model_matches_dense():
 
 
 def test_train_throughput_runs_the_shipped_step():
-  """Tiny shapes, one timed step per backend: every backend runs, and all give the same loss
-  (the same model, step and batch; only the attention implementation differs)."""
+  """Tiny shapes, one timed step per backend: both run, and give the same loss (the same
+  model, step and batch; only the attention implementation differs). The dense backend is
+  compared with the all-gather one above, at less cost than a third compile here."""
   from benchmarks import train_throughput
 
   results = train_throughput.main([
       "--seq-len", "64", "--dim", "32", "--mlp-dim", "64", "--num-heads", "4",
       "--num-kv-heads", "2", "--vocab-size", "64", "--num-layers", "1", "--steps", "1",
       "--mesh", "data=2,sequence=4", "--batch", "2", "--peak-tflops", "1",
-      "--attention", "ring,dense,allgather"])
-  assert [r["attention"] for r in results] == ["ring", "dense", "allgather"]
+      "--attention", "ring,allgather"])
+  assert [r["attention"] for r in results] == ["ring", "allgather"]
   for r in results:
     assert "error" not in r, r
     assert r["tokens_per_s"] > 0 and 0 < r["mfu"] < 1
