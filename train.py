@@ -34,11 +34,12 @@ from absl import app
 from absl import flags
 from absl import logging
 from flax import nnx
-from jax.sharding import NamedSharding
 from ml_collections import config_flags
 
 # Importing these starts no JAX backend, so devices can still be configured in main().
 from models import llama
+from models import sharding as shd
+from training import batch as batch_lib
 from training import checkpoint as ckpt_lib
 from training import config as cfg_lib
 from training import data as data_lib
@@ -177,7 +178,7 @@ def train(config, workdir: str, *, stop_at_step: int | None = None) -> TrainResu
     # --- 2. Model and optimizer, created directly sharded ----------------------------------
     abstract_model = nnx.eval_shape(lambda: llama.Llama(model_cfg, rngs=nnx.Rngs(config.seed)))
     graphdef, abstract_params, rest = nnx.split(abstract_model, nnx.Param, ...)
-    param_shardings = llama.param_shardings(abstract_params, mesh)
+    param_shardings = shd.param_shardings(abstract_params, mesh)
     tx = step_lib.make_optimizer(config.optim, config.total_steps)
     schedule = step_lib.make_schedule(config.optim, config.total_steps)
     opt_shardings = step_lib.opt_state_shardings(tx, abstract_params, param_shardings, mesh)
@@ -204,7 +205,7 @@ def train(config, workdir: str, *, stop_at_step: int | None = None) -> TrainResu
                                                                    config.total_steps)
 
     # --- 4. Data: this process's rows, in the ring's layout, sharded (data, sequence) -----
-    batch_sharding = NamedSharding(mesh, step_lib.BATCH_SPEC)
+    batch_sharding = batch_lib.sharding(mesh)
     train_iter = data_lib.make_iterator(
         data_lib.make_dataset(config, batch_sharding, ring_size, split="train"))
     if data_state is not None:
@@ -214,9 +215,7 @@ def train(config, workdir: str, *, stop_at_step: int | None = None) -> TrainResu
 
     # --- 5. Compile ahead of time (clean step timings; memory report) ----------------------
     t0 = time.perf_counter()
-    abstract_batch = {k: jax.ShapeDtypeStruct(train_shape, np.float32 if k == "loss_mask"
-                                              else np.int32, sharding=batch_sharding)
-                      for k in data_lib.FIELDS}
+    abstract_batch = batch_lib.abstract(train_shape, mesh)
     train_step = step_lib.jit_train_step(
         graphdef=graphdef, rest=rest, tx=tx, microbatches=config.microbatches, mesh=mesh,
         param_shardings=param_shardings, opt_shardings=opt_shardings).lower(

@@ -22,7 +22,11 @@ difference to the ring is the communication pattern and what is resident:
 
 Call :func:`allgather_attention` inside ``jax.shard_map`` on local shards in
 ``layout`` order (like :func:`ring_jax.ring_attention`), or
-:func:`allgather_attention_sharded` on global arrays.
+:func:`allgather_attention_sharded` on global arrays. For the LLaMA of
+``models/``, :func:`register_attention_backend` adds :func:`allgather_backend`
+to :data:`models.attention.ATTENTION_BACKENDS` as ``"allgather"``, so
+``LlamaConfig(attention="allgather")`` runs the shipped model and train step
+with this attention (``benchmarks/train_throughput.py`` does).
 """
 
 from __future__ import annotations
@@ -78,59 +82,61 @@ def allgather_pairs(layout: str, ring_size: int, local_len: int, block_q: int, b
   return pairs, num
 
 
-def _masks(cfg: _Config, t: int, device):
+def _masks(cfg: _Config, t: int, device, q_seg, kv_seg_full):
   n = cfg.ring_size
   pairs, num = allgather_pairs(cfg.layout, n, t, cfg.spec.block_q, cfg.spec.block_kv,
                                cfg.spec.is_causal)
   return HopMasks(
       q_positions=layouts.local_positions(cfg.layout, n, t, device),
       kv_positions=jnp.asarray(layouts.layout_positions(cfg.layout, n, t * n), jnp.int32),
-      q_segment_ids=None, kv_segment_ids=None,
+      q_segment_ids=q_seg, kv_segment_ids=kv_seg_full,
       pairs=jnp.asarray(pairs)[device], num_pairs=jnp.asarray(num)[device])
 
 
-def _forward(cfg: _Config, q, k_full, v_full):
+def _forward(cfg: _Config, q, k_full, v_full, q_seg, kv_seg_full):
   device = jax.lax.axis_index(cfg.axis_name)
-  masks = _masks(cfg, q.shape[1], device)
+  masks = _masks(cfg, q.shape[1], device, q_seg, kv_seg_full)
   carry = XlaHopKernel().forward(q, k_full, v_full, init_carry(q), masks, cfg.spec)
   return finalize(carry, q.dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _local_attention(cfg: _Config, q, k_full, v_full):
-  return _forward(cfg, q, k_full, v_full)[0]
+def _local_attention(cfg: _Config, q, k_full, v_full, q_seg, kv_seg_full):
+  return _forward(cfg, q, k_full, v_full, q_seg, kv_seg_full)[0]
 
 
-def _local_fwd(cfg, q, k_full, v_full):
-  out, lse = _forward(cfg, q, k_full, v_full)
-  return out, (q, k_full, v_full, out, lse)
+def _local_fwd(cfg, q, k_full, v_full, q_seg, kv_seg_full):
+  out, lse = _forward(cfg, q, k_full, v_full, q_seg, kv_seg_full)
+  return out, (q, k_full, v_full, q_seg, kv_seg_full, out, lse)
 
 
 def _local_bwd(cfg, res, do):
-  q, k_full, v_full, out, lse = res
+  q, k_full, v_full, q_seg, kv_seg_full, out, lse = res
   device = jax.lax.axis_index(cfg.axis_name)
-  masks = _masks(cfg, q.shape[1], device)
+  masks = _masks(cfg, q.shape[1], device, q_seg, kv_seg_full)
   delta = jnp.sum(do.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
   dq = jnp.zeros(q.shape, jnp.float32)
   dk = jnp.zeros(k_full.shape, jnp.float32)
   dv = jnp.zeros(v_full.shape, jnp.float32)
   dq, dk, dv = XlaHopKernel().backward(q, k_full, v_full, do, lse, delta, masks, cfg.spec,
                                        dq, dk, dv)
-  return dq.astype(q.dtype), dk.astype(k_full.dtype), dv.astype(v_full.dtype)
+  # Segment ids are integers: no cotangent (None).
+  return dq.astype(q.dtype), dk.astype(k_full.dtype), dv.astype(v_full.dtype), None, None
 
 
 _local_attention.defvjp(_local_fwd, _local_bwd)
 
 
 def allgather_attention(query, key, value, *, axis_name, is_causal: bool = False,
-                        layout: str = "contiguous", block_q: int | None = None,
-                        block_kv: int | None = None, scale: float | None = None,
-                        precision=None):
+                        segment_ids=None, layout: str = "contiguous",
+                        block_q: int | None = None, block_kv: int | None = None,
+                        scale: float | None = None, precision=None):
   """All-gather context-parallel attention on local shards (inside ``shard_map``).
 
   Same arguments and result as :func:`ring_jax.ring_attention` (without
-  segment ids / windows). Run the enclosing ``shard_map`` with
-  ``check_vma=False`` (the custom_vjp creates its accumulators from zeros).
+  windows); ``segment_ids`` are the local ``[B, T]`` ids (0 = padding),
+  gathered like K/V. Run the enclosing ``shard_map`` with ``check_vma=False``
+  (the custom_vjp creates its accumulators from zeros).
   """
   n = jax.lax.axis_size(axis_name)
   b, t, nh, h = query.shape
@@ -145,21 +151,81 @@ def allgather_attention(query, key, value, *, axis_name, is_causal: bool = False
   cfg = _Config(axis_name=axis_name, ring_size=n, layout=layout, spec=spec)
   k_full = jax.lax.all_gather(key, axis_name, axis=1, tiled=True)    # [B, L, K, H]
   v_full = jax.lax.all_gather(value, axis_name, axis=1, tiled=True)
+  q_seg = kv_seg_full = None
+  if segment_ids is not None:
+    q_seg = segment_ids.astype(jnp.int32)
+    kv_seg_full = jax.lax.all_gather(q_seg, axis_name, axis=1, tiled=True)  # [B, L]
   q = query.reshape(b, t, kh, nh // kh, h)
-  return _local_attention(cfg, q, k_full, v_full).reshape(b, t, nh, h)
+  return _local_attention(cfg, q, k_full, v_full, q_seg, kv_seg_full).reshape(b, t, nh, h)
 
 
 def allgather_attention_sharded(query, key, value, *, mesh, seq_axis: str = "sequence",
-                                is_causal: bool = False, layout: str = "contiguous",
-                                inputs_in_layout: bool = False, block_q=None, block_kv=None):
+                                is_causal: bool = False, segment_ids=None,
+                                layout: str = "contiguous", inputs_in_layout: bool = False,
+                                block_q=None, block_kv=None):
   """:func:`allgather_attention` on global ``[B, L, N, H]`` arrays sharded over ``seq_axis``."""
   ring = mesh.shape[seq_axis]
   if not inputs_in_layout:
     query, key, value = (layouts.to_layout(x, layout, ring) for x in (query, key, value))
-  spec = P(None, seq_axis, None, None)
-  fn = jax.shard_map(
-      functools.partial(allgather_attention, axis_name=seq_axis, is_causal=is_causal,
-                        layout=layout, block_q=block_q, block_kv=block_kv),
-      mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec, check_vma=False)
-  out = fn(query, key, value)
+    if segment_ids is not None:
+      segment_ids = layouts.to_layout(segment_ids, layout, ring)
+  spec, row = P(None, seq_axis, None, None), P(None, seq_axis)
+  out = _shard_mapped(mesh, spec, spec, row, segment_ids is not None, axis_name=seq_axis,
+                      is_causal=is_causal, layout=layout, block_q=block_q,
+                      block_kv=block_kv)(query, key, value, segment_ids)
   return out if inputs_in_layout else layouts.from_layout(out, layout, ring)
+
+
+def _shard_mapped(mesh, q_spec, kv_spec, row_spec, has_segments: bool, **kwargs):
+  """``fn(q, k, v, segment_ids)``: :func:`allgather_attention` under ``shard_map``."""
+  if has_segments:
+    return jax.shard_map(
+        lambda q, k, v, seg: allgather_attention(q, k, v, segment_ids=seg, **kwargs), mesh=mesh,
+        in_specs=(q_spec, kv_spec, kv_spec, row_spec), out_specs=q_spec, check_vma=False)
+
+  def no_segments(q, k, v, segment_ids):
+    del segment_ids  # None
+    return jax.shard_map(functools.partial(allgather_attention, **kwargs), mesh=mesh,
+                         in_specs=(q_spec, kv_spec, kv_spec), out_specs=q_spec,
+                         check_vma=False)(q, k, v)
+  return no_segments
+
+
+def allgather_backend(cfg, q_BLNH, k_BLKH, v_BLKH, positions_BL, segment_ids_BL):
+  """The all-gather baseline as a :mod:`models.attention` backend (same contract as ``"ring"``).
+
+  Shards the sequence over the mesh axis the ``length`` rule names, batch and
+  heads per the rules, as the ring backend does; without such an axis it
+  falls back to the dense backend, as the ring does. Masks come from the
+  layout's positions and the segment ids (documents are contiguous, so this
+  equals causal masking by per-document ``positions_BL``).
+  """
+  from models import attention as attn_lib  # Local: the kernel above needs no models/.
+  from models import sharding as shd
+
+  mesh = shd.current_mesh()
+  seq_axis = attn_lib.sequence_axis(mesh)
+  if seq_axis is None:
+    return attn_lib.dense(cfg, q_BLNH, k_BLKH, v_BLKH, positions_BL, segment_ids_BL)
+  batch_axis, head_axis = attn_lib.sharded_axes(mesh, q_BLNH, k_BLKH)
+  kv_head_axis = head_axis if head_axis and k_BLKH.shape[2] % mesh.shape[head_axis] == 0 else None
+  q_spec = P(batch_axis, seq_axis, head_axis, None)
+  kv_spec = P(batch_axis, seq_axis, kv_head_axis, None)
+  fn = _shard_mapped(mesh, q_spec, kv_spec, P(batch_axis, seq_axis), segment_ids_BL is not None,
+                     axis_name=seq_axis, is_causal=True, layout=cfg.layout, block_q=cfg.block_q,
+                     block_kv=cfg.block_kv)
+  return fn(q_BLNH, k_BLKH, v_BLKH, segment_ids_BL)
+
+
+ALLGATHER = "allgather"
+
+
+def register_attention_backend() -> str:
+  """Registers :func:`allgather_backend` in :data:`models.attention.ATTENTION_BACKENDS`.
+
+  Idempotent; returns the backend's name, ``"allgather"``.
+  """
+  from models import attention as attn_lib
+
+  attn_lib.register_attention(ALLGATHER, allgather_backend)
+  return ALLGATHER

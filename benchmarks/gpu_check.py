@@ -1,8 +1,12 @@
 """One-GPU check (H200): attention TFLOP/s, longest trainable context, train-step MFU.
 
-Run through ``benchmarks/gpu_check.sh`` (``PYTHONPATH=.``). Needs only jax and
-ring_jax (no flax / ml_collections / grain): the 1B-class LLaMA here is a
-self-contained pure-JAX model. Every section is wrapped in try/except (a
+Run through ``benchmarks/gpu_check.sh`` (``PYTHONPATH=.``). Measures the
+shipped code: the LLaMA of ``models/llama.py`` built with
+``create_sharded_model`` and the jitted train step of ``training/step.py``
+(AdamW + clipping, donated state), the same that ``train.py`` runs. Needs
+jax, flax, optax and einops (the accelerator image has them), not
+ml_collections or grain, which only ``training/config.py`` and
+``training/data.py`` import. Every section is wrapped in try/except (a
 failure is printed and the next section runs) and the whole script keeps to a
 global time budget (``GPU_CHECK_BUDGET_S``, default 450 s): cases that would
 start after the budget are skipped and say so.
@@ -13,8 +17,8 @@ Sections:
      128K, bf16, causal and non-causal, next to
      ``jax.nn.dot_product_attention(implementation="cudnn")`` and ``"xla"``
      (cases whose compiled memory exceeds the GPU are reported, not run).
-  2. Longest context at which a 1B-class LLaMA train step (blockwise ring
-     attention + blockwise FFN + per-layer remat + chunked loss) fits, by
+  2. Longest context at which a 1B-class LLaMA train step (ring attention on a
+     ring of 1 + blockwise FFN + per-layer remat + chunked loss) fits, by
      doubling from 32K: compiled memory (``memory_analysis``) against the
      device's ``bytes_limit``; contexts up to ``GPU_CHECK_RUN_MAX`` (default
      64K) are also run once to confirm.
@@ -24,8 +28,10 @@ Sections:
 
 FLOP conventions: attention forward = 4*B*N*L^2*H (x0.5 causal), backward
 = 2.5x forward (FlashAttention-2 convention; recomputation not counted).
-Train step: 6*params_matmul + 6*layers*L*N*H per token (causal-halved
-attention, PaLM App. B); remat recomputation not counted (MFU, not HFU).
+Train step: ``LlamaConfig.flops_per_token`` (6*params_matmul + 6*layers*L*N*H
+per token, causal-halved attention, PaLM App. B); remat recomputation not
+counted (MFU, not HFU). Peak FLOP/s: ``ring_jax.hardware`` by device kind,
+or ``GPU_PEAK_TFLOPS``.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ import os
 import sys
 import time
 import traceback
+import types
 
 import jax
 import jax.numpy as jnp
@@ -44,6 +51,7 @@ from jax.sharding import PartitionSpec as P
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import ring_jax  # noqa: E402
+from ring_jax import hardware  # noqa: E402
 
 DRY = os.environ.get("GPU_CHECK_DRY", "0") not in ("", "0")
 BUDGET_S = float(os.environ.get("GPU_CHECK_BUDGET_S", "300" if DRY else "450"))
@@ -55,8 +63,17 @@ DTYPE = jnp.float32 if DRY else jnp.bfloat16
 ATTN_DEADLINE_S = float(os.environ.get("GPU_CHECK_ATTN_S", 0.5 * BUDGET_S))
 T0 = time.perf_counter()
 GIB = 2 ** 30
-# H200 SXM dense bf16 peak (no sparsity); override with GPU_PEAK_TFLOPS.
-PEAK_TFLOPS = float(os.environ.get("GPU_PEAK_TFLOPS", "989"))
+
+
+def peak_flops() -> tuple[float | None, str]:
+  """(dense bf16 peak FLOP/s of device 0, source); GPU_PEAK_TFLOPS overrides the table."""
+  if os.environ.get("GPU_PEAK_TFLOPS"):
+    return float(os.environ["GPU_PEAK_TFLOPS"]) * 1e12, "GPU_PEAK_TFLOPS"
+  kind = jax.devices()[0].device_kind
+  spec = hardware.device_spec(kind)
+  if spec is None:
+    return None, f"no peak known for {kind!r} (set GPU_PEAK_TFLOPS)"
+  return spec.peak_bf16_flops, spec.source
 
 
 def elapsed():
@@ -184,118 +201,80 @@ def attention_tflops():
 
 
 # ----------------------------------------------------------------------------
-# 2./3. 1B-class LLaMA train step (pure JAX)
+# 2./3. 1B-class LLaMA train step: models/llama.py + training/step.py
 # ----------------------------------------------------------------------------
 
+# configs/common.py's optimizer without warmup (the schedule does not change the cost).
+OPTIM = types.SimpleNamespace(lr=1e-4, warmup_steps=0, min_lr_ratio=0.1, weight_decay=0.1,
+                              b1=0.9, b2=0.95, eps=1e-8, grad_clip=1.0)
+
+
 def llama_config():
+  from models.llama import LlamaConfig
+
   if DRY:
-    return dict(vocab=512, dim=128, layers=2, heads=4, kv_heads=2, head_dim=32, mlp=256,
-                ffn_chunk=128, loss_chunk=128)
+    return LlamaConfig(vocab_size=512, dim=128, num_layers=2, num_heads=4, num_kv_heads=2,
+                       head_dim=32, mlp_dim=256, rope_theta=500000.0, attention="ring",
+                       ffn_chunk_size=128, loss_chunk_size=128, remat_policy="full",
+                       dtype="float32", param_dtype="float32")
   # LLaMA-3.2-1B shapes with a 32K vocabulary (LLaMA-2 tokenizer size): 1.1B parameters.
-  return dict(vocab=32000, dim=2048, layers=16, heads=32, kv_heads=8, head_dim=64, mlp=8192,
-              ffn_chunk=4096, loss_chunk=4096)
+  return LlamaConfig(vocab_size=32000, dim=2048, num_layers=16, num_heads=32, num_kv_heads=8,
+                     head_dim=64, mlp_dim=8192, rope_theta=500000.0, attention="ring",
+                     ffn_chunk_size=4096, loss_chunk_size=4096, remat_policy="full",
+                     dtype="bfloat16", param_dtype="float32")
 
 
-def init_params(cfg, key):
-  d, f, h = cfg["dim"], cfg["mlp"], cfg["head_dim"]
-  nl, n, kv = cfg["layers"], cfg["heads"], cfg["kv_heads"]
-  ks = iter(jax.random.split(key, 16))
-  w = lambda shape: (0.02 * jax.random.normal(next(ks), shape, jnp.float32))
-  return dict(
-      embed=w((cfg["vocab"], d)), head=w((d, cfg["vocab"])), norm=jnp.ones((d,)),
-      layers=dict(attn_norm=jnp.ones((nl, d)), mlp_norm=jnp.ones((nl, d)),
-                  wq=w((nl, d, n * h)), wk=w((nl, d, kv * h)), wv=w((nl, d, kv * h)),
-                  wo=w((nl, n * h, d)), w1=w((nl, d, f)), w3=w((nl, d, f)), w2=w((nl, f, d))))
+def one_device_mesh():
+  """The trainer's axes on one device: a ring of size 1 on 'sequence'."""
+  from models.sharding import MESH_AXES
+
+  return jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape((1,) * len(MESH_AXES)),
+                           MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_AXES))
 
 
-def num_matmul_params(cfg):
-  d, f, h = cfg["dim"], cfg["mlp"], cfg["head_dim"]
-  per = d * h * (2 * cfg["heads"] + 2 * cfg["kv_heads"]) + 3 * d * f
-  return cfg["layers"] * per + d * cfg["vocab"]
+class TrainStep:
+  """The shipped train step for ``cfg`` on ``mesh`` (batch 1), jitted once for all lengths."""
 
+  def __init__(self, cfg, mesh):
+    from flax import nnx
 
-def train_flops_per_token(cfg, length):
-  return 6 * num_matmul_params(cfg) + 6 * cfg["layers"] * length * cfg["heads"] * cfg["head_dim"]
+    from models import sharding as shd
+    from models.llama import Llama
+    from training import batch as batch_lib
+    from training import step as step_lib
 
+    self.cfg, self.mesh, self.batch_lib = cfg, mesh, batch_lib
+    abstract = nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0)))
+    graphdef, self.abstract_params, rest = nnx.split(abstract, nnx.Param, ...)
+    self.tx = step_lib.make_optimizer(OPTIM, total_steps=100)
+    p_shard = shd.param_shardings(self.abstract_params, mesh)
+    self.opt_shardings = step_lib.opt_state_shardings(self.tx, self.abstract_params, p_shard,
+                                                      mesh)
+    self.abstract_opt = jax.eval_shape(self.tx.init, self.abstract_params)
+    self.step = step_lib.jit_train_step(graphdef=graphdef, rest=rest, tx=self.tx,
+                                        microbatches=1, mesh=mesh, param_shardings=p_shard,
+                                        opt_shardings=self.opt_shardings)
+    self._init_opt = functools.partial(step_lib.init_opt_state, self.tx)
 
-def rms(x, w):
-  x32 = x.astype(jnp.float32)
-  return (x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, -1, keepdims=True) + 1e-5) * w).astype(x.dtype)
+  def compile(self, length):
+    with jax.set_mesh(self.mesh):
+      return self.step.lower(self.abstract_params, self.abstract_opt,
+                             self.batch_lib.abstract((1, length), self.mesh)).compile()
 
+  def state(self):
+    """Fresh sharded params and optimizer state."""
+    from flax import nnx
 
-def rope(x, pos):
-  h = x.shape[-1]
-  inv = 1.0 / (500000.0 ** (np.arange(0, h, 2) / h))
-  ang = pos[..., None].astype(jnp.float32) * inv  # [B, L, H/2]
-  cos, sin = jnp.cos(ang)[:, :, None], jnp.sin(ang)[:, :, None]
-  x1, x2 = jnp.split(x.astype(jnp.float32), 2, -1)
-  return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).astype(x.dtype)
+    from models.llama import create_sharded_model
 
+    with jax.set_mesh(self.mesh):
+      params = nnx.split(create_sharded_model(self.cfg, self.mesh), nnx.Param, ...)[1]
+      return params, self._init_opt(params, self.opt_shardings)
 
-def make_loss(cfg, mesh):
-  dt = DTYPE
-  n, kv, h = cfg["heads"], cfg["kv_heads"], cfg["head_dim"]
-  spec = P(None, "sequence", None, None)
-  attn = jax.shard_map(functools.partial(ring_jax.ring_attention, axis_name="sequence",
-                                         is_causal=True),
-                       mesh=mesh, in_specs=(spec,) * 3, out_specs=spec)
-
-  def layer(x, p, pos):
-    b, length, d = x.shape
-    y = rms(x, p["attn_norm"])
-    q = rope((y @ p["wq"].astype(dt)).reshape(b, length, n, h), pos)
-    k = rope((y @ p["wk"].astype(dt)).reshape(b, length, kv, h), pos)
-    v = (y @ p["wv"].astype(dt)).reshape(b, length, kv, h)
-    x = x + attn(q, k, v).reshape(b, length, n * h) @ p["wo"].astype(dt)
-
-    def mlp(z):
-      z = rms(z, p["mlp_norm"])
-      return (jax.nn.silu(z @ p["w1"].astype(dt)) * (z @ p["w3"].astype(dt))) @ p["w2"].astype(dt)
-    return x + ring_jax.blockwise_ffn(mlp, x, min(cfg["ffn_chunk"], length))
-
-  layer = jax.checkpoint(layer, policy=jax.checkpoint_policies.nothing_saveable)
-
-  def loss_fn(params, tokens, targets):
-    b, length = tokens.shape
-    pos = jnp.broadcast_to(jnp.arange(length), (b, length))
-    x = params["embed"].astype(dt)[tokens]
-    x, _ = jax.lax.scan(lambda x, p: (layer(x, p, pos), None), x, params["layers"])
-    x = rms(x, params["norm"])
-    c = min(cfg["loss_chunk"], length)
-
-    @functools.partial(jax.checkpoint, policy=jax.checkpoint_policies.nothing_saveable)
-    def chunk_loss(xc, tc):  # chunked cross-entropy: never materialises [L, vocab]
-      logits = jnp.dot(xc, params["head"].astype(dt), preferred_element_type=jnp.float32)
-      lse = jax.nn.logsumexp(logits, -1)
-      return jnp.sum(lse - jnp.take_along_axis(logits, tc[..., None], -1)[..., 0])
-
-    xs = x.reshape(b, length // c, c, -1).swapaxes(0, 1)
-    ts = targets.reshape(b, length // c, c).swapaxes(0, 1)
-    total, _ = jax.lax.scan(lambda s, a: (s + chunk_loss(*a), None), 0.0, (xs, ts))
-    return total / (b * length)
-  return loss_fn
-
-
-def make_train_step(cfg, mesh, lr=1e-4):
-  loss_fn = make_loss(cfg, mesh)
-
-  def step(params, opt, tokens, targets):
-    loss, g = jax.value_and_grad(loss_fn)(params, tokens, targets)
-    m, v, t = opt
-    t = t + 1
-    m = jax.tree.map(lambda m_, g_: 0.9 * m_ + 0.1 * g_, m, g)
-    v = jax.tree.map(lambda v_, g_: 0.95 * v_ + 0.05 * g_ * g_, v, g)
-    params = jax.tree.map(
-        lambda p_, m_, v_: p_ - lr * (m_ / (1 - 0.9 ** t)) /
-        (jnp.sqrt(v_ / (1 - 0.95 ** t)) + 1e-8), params, m, v)
-    return params, (m, v, t), loss
-  return jax.jit(step, donate_argnums=(0, 1))
-
-
-def abstract_state(cfg):
-  params = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0)))
-  zeros = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
-  return params, (zeros, zeros, jax.ShapeDtypeStruct((), jnp.int32))
+  def batch(self, length):
+    host = self.batch_lib.random_documents(1, 1, length, self.cfg.vocab_size, self.cfg.layout,
+                                           1)
+    return jax.device_put(host, self.batch_lib.shardings(self.mesh))
 
 
 @section
@@ -304,21 +283,18 @@ def longest_context(known_fit=None):
   (linear in L) is extrapolated to jump to the first power of two predicted not to fit,
   and the answer is confirmed by compiling it and its neighbour (compiles are the cost)."""
   cfg = llama_config()
-  mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("sequence",))
   limit = device_limit()
-  say(f"1B-class LLaMA: {num_matmul_params(cfg) / 1e9:.2f}B matmul params, {cfg}; "
-      f"device limit {gib(limit)}; f32 params + Adam, {jnp.dtype(DTYPE).name} compute")
-  step = make_train_step(cfg, mesh)
-  params_a, opt_a = abstract_state(cfg)
+  say(f"1B-class LLaMA (models/llama.py): {cfg.num_params() / 1e9:.2f}B params, {cfg}; "
+      f"device limit {gib(limit)}; f32 params + AdamW, {cfg.dtype} compute")
+  step = TrainStep(cfg, one_device_mesh())
   seen = {}  # length -> (needed bytes or None, fits)
 
   def check(length):
     if length in seen:
       return seen[length][1]
-    tok = jax.ShapeDtypeStruct((1, length), jnp.int32)
     t = time.perf_counter()
     try:
-      c = step.lower(params_a, opt_a, tok, tok).compile()
+      c = step.compile(length)
     except Exception as e:  # noqa: BLE001
       say(f"L={length:>8}: compile failed ({type(e).__name__}: {str(e).splitlines()[0][:120]})"
           " -> counted as not fitting")
@@ -330,14 +306,12 @@ def longest_context(known_fit=None):
         f"-> {'fits' if fits else 'does NOT fit'}")
     if fits and length <= RUN_MAX and left() > 60:
       try:
-        params = init_params(cfg, jax.random.key(0))
-        opt = (jax.tree.map(jnp.zeros_like, params), jax.tree.map(jnp.zeros_like, params),
-               jnp.zeros((), jnp.int32))
-        tokens = jax.random.randint(jax.random.key(1), (1, length), 0, cfg["vocab"])
+        params, opt = step.state()
+        batch = step.batch(length)
         t = time.perf_counter()
-        params, opt, loss = c(params, opt, tokens, tokens)
+        params, opt, metrics = c(params, opt, batch)
         say(f"L={length:>8}: ran one step in {time.perf_counter() - t:.1f}s, "
-            f"loss {float(loss):.3f}")
+            f"loss {float(metrics['loss']):.3f}")
         del params, opt
       except Exception as e:  # noqa: BLE001
         say(f"L={length:>8}: RUN FAILED ({type(e).__name__}: {str(e).splitlines()[0][:120]})")
@@ -394,31 +368,30 @@ def longest_context(known_fit=None):
 def throughput():
   cfg = llama_config()
   length = 512 if DRY else 32768
-  mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("sequence",))
-  step = make_train_step(cfg, mesh)
-  params = init_params(cfg, jax.random.key(0))
-  opt = (jax.tree.map(jnp.zeros_like, params), jax.tree.map(jnp.zeros_like, params),
-         jnp.zeros((), jnp.int32))
-  tokens = jax.random.randint(jax.random.key(1), (1, length), 0, cfg["vocab"])
-  for _ in range(2):  # compile + warm-up (the 2nd call sees committed outputs as inputs)
-    params, opt, loss = step(params, opt, tokens, tokens)
-    jax.block_until_ready(loss)
+  step = TrainStep(cfg, one_device_mesh())
+  compiled = step.compile(length)
+  params, opt = step.state()
+  batch = step.batch(length)
+  params, opt, metrics = compiled(params, opt, batch)  # warm-up
+  jax.block_until_ready(metrics)
   times = []
   for i in range(2 if DRY else 5):
     if i and left() < 10:
       break
     t = time.perf_counter()
-    params, opt, loss = step(params, opt, tokens, tokens)
-    jax.block_until_ready(loss)
+    params, opt, metrics = compiled(params, opt, batch)
+    jax.block_until_ready(metrics)
     times.append(time.perf_counter() - t)
   dt = float(np.median(times))
   tps = length / dt
-  fl = train_flops_per_token(cfg, length)
-  peak = PEAK_TFLOPS * 1e12
+  fl = cfg.flops_per_token(length)
+  peak, source = peak_flops()
+  mfu = fl * tps / peak if peak else None
   say(f"L={length}: step {dt * 1e3:.0f} ms, {tps:,.0f} tokens/s, "
-      f"{fl * tps / 1e12:.1f} model TFLOP/s, MFU {fl * tps / peak:.1%} "
-      f"(peak {PEAK_TFLOPS:g} TFLOP/s bf16 dense; loss {float(loss):.3f})")
-  return dict(length=length, step_s=dt, tokens_per_s=tps, mfu=fl * tps / peak)
+      f"{fl * tps / 1e12:.1f} model TFLOP/s, MFU "
+      + (f"{mfu:.1%} (peak {peak / 1e12:g} TFLOP/s bf16 dense: {source}" if mfu is not None
+         else f"n/a ({source}") + f"; loss {float(metrics['loss']):.3f})")
+  return dict(length=length, step_s=dt, tokens_per_s=tps, mfu=mfu)
 
 
 def main():

@@ -4,7 +4,8 @@
 # CPU smoke test (tiny sizes):     GPU_CHECK_DRY=1 bash benchmarks/gpu_check.sh
 # Knobs: GPU_CHECK_BUDGET_S (default 450 s of work), GPU_CHECK_RUN_MAX (longest context actually
 # run, default 65536; longer ones are judged from compiled memory only), GPU_CHECK_BLOCK (ring
-# block size), GPU_PEAK_TFLOPS (MFU denominator, default 989 = H200 bf16 dense).
+# block size), GPU_PEAK_TFLOPS (MFU denominator; default: the device kind's dense bf16 peak in
+# ring_jax/hardware.py).
 set -u
 cd "$(dirname "$0")/.."
 export PYTHONPATH="${PYTHONPATH:-}:."

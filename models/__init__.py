@@ -1,13 +1,21 @@
-"""Flax NNX LLaMA on ring_jax: model, sharding rules, Hugging Face import.
+"""Flax NNX LLaMA on ring_jax: model, attention backends, sharding rules, Hugging Face import.
 
 ``models.llama``: :class:`LlamaConfig`, :class:`Llama`, :func:`create_sharded_model`,
-:func:`param_shardings`, :func:`weight_decay_mask`.
-``models.sharding``: the logical-axis rules table.
+:func:`weight_decay_mask`.
+``models.attention``: the registry of attention backends (``ATTENTION_BACKENDS``).
+``models.sharding``: the logical-axis rules table, ``MESH_AXES``, parameter shardings.
 ``models.convert_hf``: local Hugging Face checkpoints -> :class:`Llama`.
+
+The names re-exported here load ``models.llama`` (and so Flax) on first use,
+so ``models.attention`` and ``models.sharding`` import without Flax.
 """
 
-from models.llama import (Llama, LlamaConfig, create_sharded_model, param_shardings,
-                          weight_decay_mask)
+import importlib
 
-__all__ = ["Llama", "LlamaConfig", "create_sharded_model", "param_shardings",
-           "weight_decay_mask"]
+__all__ = ["Llama", "LlamaConfig", "create_sharded_model", "weight_decay_mask"]
+
+
+def __getattr__(name):
+  if name in __all__:
+    return getattr(importlib.import_module("models.llama"), name)
+  raise AttributeError(f"module 'models' has no attribute {name!r}")

@@ -12,6 +12,12 @@ Conventions the rest of the project relies on:
   The model never reorders: RoPE uses the given positions, ring attention gets
   ``inputs_in_layout=True``, and the dense backend masks with
   ``q_positions=kv_positions=positions``. Logits come back in the same order.
+* **Attention backends.** ``cfg.attention`` names an entry of
+  :data:`models.attention.ATTENTION_BACKENDS` (``"ring"``, ``"dense"``, or
+  one registered with :func:`models.attention.register_attention`).
+* **Profiles.** Embedding, each layer and its attention and MLP blocks, the
+  output head and the loss run under ``jax.named_scope`` (``embed``,
+  ``layer/attention/ring``, ``layer/mlp``, ``head``, ``loss``).
 * **Sharding.** Parameters carry logical axis names (Variable metadata
   ``logical_axes``); :mod:`models.sharding` maps them to mesh axes. The mesh is
   the one set with ``jax.set_mesh`` (none: everything runs unsharded).
@@ -38,19 +44,16 @@ from typing import Any, Callable, Mapping
 import jax
 import jax.numpy as jnp
 import numpy as np
+from einops import rearrange
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 import ring_jax
+from models import attention as attn_lib
 from models import sharding as shd
 
-ATTENTION_BACKENDS = ("ring", "dense")
-
-DTYPES = {
-    "float32": jnp.float32, "f32": jnp.float32, "fp32": jnp.float32,
-    "bfloat16": jnp.bfloat16, "bf16": jnp.bfloat16,
-    "float16": jnp.float16, "f16": jnp.float16, "fp16": jnp.float16,
-}
+# dtype name -> jnp dtype, for LlamaConfig.dtype (compute) and .param_dtype (storage).
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 _cp = jax.checkpoint_policies
 # remat_policy name -> jax.checkpoint policy; "none" means no jax.checkpoint at all.
@@ -58,11 +61,9 @@ REMAT_POLICIES: dict[str, Callable | None] = {
     "none": None,
     # Save nothing: the backward pass recomputes the whole layer from its input.
     "full": _cp.nothing_saveable,
-    "nothing_saveable": _cp.nothing_saveable,
     # Save matmul outputs, recompute elementwise ops (norms, RoPE, SwiGLU gating).
-    "dots_saveable": _cp.dots_saveable,
     "save_dots": _cp.dots_saveable,
-    "dots_with_no_batch_dims_saveable": _cp.dots_with_no_batch_dims_saveable,
+    # The same without matmuls that have batch dimensions (the attention scores' einsums).
     "save_dots_no_batch": _cp.dots_with_no_batch_dims_saveable,
     # Save only the named projections (q/k/v, attention output, MLP output) tagged below.
     "save_qkv_attn_out": _cp.save_only_these_names("query", "key", "value", "attn_out"),
@@ -89,7 +90,8 @@ class LlamaConfig:
   ``rope_scaling`` follows Hugging Face: ``None``, ``{"rope_type": "linear",
   "factor": f}`` or ``{"rope_type": "llama3", "factor", "low_freq_factor",
   "high_freq_factor", "original_max_position_embeddings"}`` (``"type"`` is
-  accepted for ``"rope_type"``). ``attention`` is ``"ring"`` or ``"dense"``;
+  accepted for ``"rope_type"``). ``attention`` is a key of
+  :data:`models.attention.ATTENTION_BACKENDS` (``"ring"``, ``"dense"``);
   ``remat_policy`` a key of :data:`REMAT_POLICIES`; ``dtype`` the compute
   dtype, ``param_dtype`` the storage dtype (keys of :data:`DTYPES`).
   """
@@ -121,9 +123,7 @@ class LlamaConfig:
   init_std: float = 0.02
 
   def __post_init__(self):
-    if self.attention not in ATTENTION_BACKENDS:
-      raise ValueError(
-          f"attention must be one of {ATTENTION_BACKENDS}, got {self.attention!r}.")
+    attn_lib.check_backend(self.attention)
     ring_jax.layouts.check_layout(self.layout)
     for name in ("vocab_size", "dim", "num_layers", "num_heads", "num_kv_heads", "mlp_dim"):
       value = getattr(self, name)
@@ -362,6 +362,7 @@ class Attention(nnx.Module):
     self.wv = _param(rngs, (d, k, h), (e, "kv_heads", "head_dim"), cfg, stack)
     self.wo = _param(rngs, (n, h, d), ("heads", "head_dim", e), cfg, stack)
 
+  @jax.named_scope("attention")
   def __call__(self, x_BLD, cos_BL1H, sin_BL1H, positions_BL, segment_ids_BL):
     cfg = self.cfg
     cp = checkpoint_name
@@ -374,7 +375,7 @@ class Attention(nnx.Module):
     q_BLNH = shd.with_logical_constraint(q_BLNH, ("batch", "length", "heads", "head_dim"))
     k_BLKH = shd.with_logical_constraint(k_BLKH, ("batch", "length", "kv_heads", "head_dim"))
     v_BLKH = shd.with_logical_constraint(v_BLKH, ("batch", "length", "kv_heads", "head_dim"))
-    o_BLNH = attention(cfg, q_BLNH, k_BLKH, v_BLKH, positions_BL, segment_ids_BL)
+    o_BLNH = attn_lib.attention(cfg, q_BLNH, k_BLKH, v_BLKH, positions_BL, segment_ids_BL)
     o_BLNH = cp(o_BLNH, "attn_out")
     return shd.logical_einsum("BLNH,NHD->BLD", o_BLNH, _weight(self.wo, cfg),
                               ("batch", "length", "embed"))
@@ -390,6 +391,7 @@ class MLP(nnx.Module):
     self.w_up = _param(rngs, (d, f), (e, "mlp"), cfg, stack)
     self.w_down = _param(rngs, (f, d), ("mlp", e), cfg, stack)
 
+  @jax.named_scope("mlp")
   def __call__(self, x_XD, lead_names=("batch", "length")):
     """``x_XD``: any leading dims (logical names ``lead_names``), model dim last."""
     cfg = self.cfg
@@ -424,6 +426,7 @@ class Block(nnx.Module):
     self.mlp_norm = RMSNorm(cfg, stack=stack)
     self.mlp = MLP(cfg, rngs=rngs, stack=stack)
 
+  @jax.named_scope("layer")
   def __call__(self, x_BLD, cos_BL1H, sin_BL1H, positions_BL, segment_ids_BL):
     cfg = self.cfg
     x_BLD = x_BLD + self.attn(self.attn_norm(x_BLD), cos_BL1H, sin_BL1H, positions_BL,
@@ -444,99 +447,17 @@ class Block(nnx.Module):
     shard count, so the chunks scanned by :func:`ring_jax.blockwise_ffn` are
     local (the ``R`` axis stays sharded, the scanned axis is not).
     """
-    b, length, d = h_BLD.shape
+    length = h_BLD.shape[1]
     r = _sequence_shards()
     chunk = self.cfg.ffn_chunk_size
     if length % r or (length // r) % chunk:
       raise ValueError(
           f"ffn_chunk_size={chunk} must divide the local sequence length {length}/{r}.")
-    h_BRLD = h_BLD.reshape(b, r, length // r, d)
+    h_BRLD = rearrange(h_BLD, "b (r l) d -> b r l d", r=r)
     h_BRLD = shd.with_logical_constraint(h_BRLD, ("batch", "length", None, "embed"))
     out_BRLD = ring_jax.blockwise_ffn(
         lambda x: self.mlp(x, lead_names=("batch", "length", None)), h_BRLD, chunk, axis=2)
-    return out_BRLD.reshape(b, length, d)
-
-
-def attention(cfg: LlamaConfig, q_BLNH, k_BLKH, v_BLKH, positions_BL, segment_ids_BL):
-  """Causal GQA attention by ``cfg.attention`` on layout-ordered inputs.
-
-  ``"ring"``: :func:`ring_jax.ring_attention_sharded` over the mesh axis the
-  ``length`` rule names (``sequence``), with ``layout=cfg.layout,
-  inputs_in_layout=True``; batch/heads sharded per the rules as well. Without a
-  context mesh, or when the mesh has no such axis, it falls back to the dense
-  backend (same values; O(L^2) memory), since there is no ring to run on.
-
-  ``"dense"``: :func:`ring_jax.reference_attention` masked by the given
-  positions. On a mesh it runs under ``shard_map`` per (batch, head) shard
-  with the whole sequence gathered: a reference, not a long-context path.
-  """
-  if cfg.attention == "ring":
-    mesh = shd.current_mesh()
-    seq_spec = shd.logical_to_spec(("length",), mesh=mesh)[0] if mesh is not None else None
-    if isinstance(seq_spec, str):
-      batch_axis = _rule_axis("batch", mesh)
-      head_axis = _rule_axis("heads", mesh)
-      n, k = q_BLNH.shape[2], k_BLKH.shape[2]
-      if head_axis is not None and (n % mesh.shape[head_axis] or (
-          k % mesh.shape[head_axis] and k != 1)):
-        head_axis = None  # heads not divisible by the tensor axis: replicate them
-      if batch_axis is not None and q_BLNH.shape[0] % mesh.shape[batch_axis]:
-        batch_axis = None
-      return ring_jax.ring_attention_sharded(
-          q_BLNH, k_BLKH, v_BLKH, seq_axis=seq_spec, batch_axis=batch_axis,
-          head_axis=head_axis, is_causal=True, segment_ids=segment_ids_BL,
-          layout=cfg.layout, inputs_in_layout=True, block_q=cfg.block_q,
-          block_kv=cfg.block_kv)
-    return _dense_attention(q_BLNH, k_BLKH, v_BLKH, positions_BL, segment_ids_BL)
-  if cfg.attention == "dense":
-    return _dense_attention(q_BLNH, k_BLKH, v_BLKH, positions_BL, segment_ids_BL)
-  raise ValueError(f"attention must be one of {ATTENTION_BACKENDS}, got {cfg.attention!r}.")
-
-
-def _rule_axis(name: str, mesh) -> str | None:
-  """The single mesh axis logical ``name`` maps to on ``mesh``, or None."""
-  entry = shd.logical_to_spec((name,), mesh=mesh)[0]
-  if entry is None:
-    return None
-  if not isinstance(entry, str):
-    raise ValueError(f"ring attention shards {name!r} over one mesh axis, the rules give {entry}.")
-  return entry
-
-
-def _dense_attention(q_BLNH, k_BLKH, v_BLKH, positions_BL, segment_ids_BL):
-  """Reference attention, causal over ``positions`` (so layout order is masked correctly)."""
-
-  def local(q, k, v, pos, seg):
-    return ring_jax.reference_attention(q, k, v, is_causal=True, segment_ids=seg,
-                                        q_positions=pos, kv_positions=pos)
-
-  mesh = shd.current_mesh()
-  if mesh is None:
-    return local(q_BLNH, k_BLKH, v_BLKH, positions_BL, segment_ids_BL)
-  # Shard batch and heads only; the sequence axis is gathered (heads shard consistently for
-  # GQA: a block of N/t query heads uses the matching block of K/t key/value heads).
-  q_names = ("batch", None, "heads", None)
-  kv_names = ("batch", None, "kv_heads", None)
-  q_spec = shd.logical_to_spec(q_names, mesh=mesh, shape=q_BLNH.shape)
-  kv_spec = shd.logical_to_spec(kv_names, mesh=mesh, shape=k_BLKH.shape)
-  if q_spec[2] != kv_spec[2]:  # e.g. 1 kv head: replicate heads rather than mismatch groups
-    q_names = kv_names = ("batch", None, None, None)
-    q_spec = kv_spec = shd.logical_to_spec(q_names, mesh=mesh, shape=q_BLNH.shape)
-  row_spec = jax.sharding.PartitionSpec(q_spec[0], None)
-  q = shd.with_logical_constraint(q_BLNH, q_names)
-  k = shd.with_logical_constraint(k_BLKH, kv_names)
-  v = shd.with_logical_constraint(v_BLKH, kv_names)
-  pos = shd.with_logical_constraint(positions_BL, ("batch", None))
-  if segment_ids_BL is None:
-    fn = jax.shard_map(lambda q, k, v, p: local(q, k, v, p, None), mesh=mesh,
-                       in_specs=(q_spec, kv_spec, kv_spec, row_spec), out_specs=q_spec)
-    out = fn(q, k, v, pos)
-  else:
-    seg = shd.with_logical_constraint(segment_ids_BL, ("batch", None))
-    fn = jax.shard_map(local, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec, row_spec, row_spec),
-                       out_specs=q_spec)
-    out = fn(q, k, v, pos, seg)
-  return shd.with_logical_constraint(out, ("batch", "length", "heads", "head_dim"))
+    return rearrange(out_BRLD, "b r l d -> b (r l) d")
 
 
 class Llama(nnx.Module):
@@ -580,7 +501,9 @@ class Llama(nnx.Module):
     if segment_ids_BL is not None:
       segment_ids_BL = shd.with_logical_constraint(jnp.asarray(segment_ids_BL, jnp.int32),
                                                    ("batch", "length"))
-    x_BLD = shd.logical_take(_weight(self.embed, cfg), tokens_BL, ("batch", "length", "embed"))
+    with jax.named_scope("embed"):
+      x_BLD = shd.logical_take(_weight(self.embed, cfg), tokens_BL,
+                               ("batch", "length", "embed"))
     cos_BL1H, sin_BL1H = rope_tables(positions_BL, rope_inv_freq(cfg))
 
     graphdef, stacked = nnx.split(self.layers)
@@ -599,8 +522,10 @@ class Llama(nnx.Module):
       for i in range(cfg.num_layers):
         x_BLD = layer(x_BLD, jax.tree.map(lambda a, i=i: a[i], stacked))
 
-    return self.final_norm(x_BLD)
+    with jax.named_scope("final_norm"):
+      return self.final_norm(x_BLD)
 
+  @jax.named_scope("head")
   def head(self, x_XD, lead_names):
     """Float32 logits ``[..., vocab]`` of hidden states ``[..., dim]`` named ``lead_names``."""
     cfg = self.cfg
@@ -620,6 +545,10 @@ class Llama(nnx.Module):
     gradient, exist for one chunk at a time instead of the whole sequence.
     """
     x_BLD = self.hidden(tokens_BL, positions_BL, segment_ids_BL)
+    with jax.named_scope("loss"):
+      return self._nll_sums(x_BLD, labels_BL, mask_BL)
+
+  def _nll_sums(self, x_BLD, labels_BL, mask_BL):
     chunk = self.cfg.loss_chunk_size
 
     def sums(x_XD, labels_X, mask_X, lead_names):
@@ -632,16 +561,17 @@ class Llama(nnx.Module):
 
     if chunk is None:
       return sums(x_BLD, labels_BL, mask_BL, ("batch", "length"))
-    b, length, d = x_BLD.shape
+    length = x_BLD.shape[1]
     r = _sequence_shards()
     if length % r or (length // r) % chunk:
       raise ValueError(
           f"loss_chunk_size={chunk} must divide the local sequence length {length}/{r}.")
     c = length // r // chunk
-    # [B, L] -> [C, B, R, chunk]: the R axis stays sharded, the scan walks local chunks.
+
     def chunks(x):
-      x = x.reshape(b, r, c, chunk, *x.shape[2:])
-      return jnp.moveaxis(x, 2, 0)
+      # [B, L, ...] -> [C, B, R, chunk, ...]: R stays sharded, the scan walks local chunks.
+      return rearrange(x, "b (r c k) ... -> c b r k ...", r=r, c=c)
+
     names = ("batch", "length", None)
 
     def body(acc, xs):
@@ -656,20 +586,9 @@ class Llama(nnx.Module):
     return nll, correct
 
 
-
 # ----------------------------------------------------------------------------------------------
 # Construction helpers
 # ----------------------------------------------------------------------------------------------
-
-
-def param_shardings(model_or_state, mesh, rules: shd.Rules | None = None):
-  """``NamedSharding`` per parameter from the rules table (see :func:`models.sharding.param_shardings`).
-
-  For a :class:`Llama` the result matches ``nnx.split(model, nnx.Param, ...)[1]``
-  (and ``nnx.state(model)``: the model holds only Params); for a State or any
-  pytree of Variables it matches that tree.
-  """
-  return shd.param_shardings(model_or_state, mesh, rules)
 
 
 def weight_decay_mask(params):
@@ -701,7 +620,7 @@ def _sharded_init(cfg: LlamaConfig, mesh, seed: int):
   def init():
     return nnx.split(Llama(cfg, rngs=nnx.Rngs(seed)))[1]
 
-  return graphdef, jax.jit(init, out_shardings=param_shardings(abstract_state, mesh))
+  return graphdef, jax.jit(init, out_shardings=shd.param_shardings(abstract_state, mesh))
 
 
 def create_sharded_model(cfg: LlamaConfig, mesh, seed: int = 0) -> Llama:

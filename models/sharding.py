@@ -31,13 +31,15 @@ from jax.sharding import PartitionSpec as P
 # A rule maps a logical name to one mesh axis, a tuple of mesh axes, or None (replicated).
 Rules = tuple[tuple[str, str | tuple[str, ...] | None], ...]
 
-MESH_AXES = ("data", "tensor", "sequence")
+#: The mesh axes the rules name, in the order train.py builds its mesh: ``tensor`` last, so
+#: ``jax.make_mesh`` puts tensor-parallel peers (the most traffic per step) on the nearest
+#: devices, then the ring's ``sequence`` neighbours.
+MESH_AXES: tuple[str, ...] = ("data", "sequence", "tensor")
 
 LOGICAL_RULES: Rules = (
     # Activations.
     ("batch", "data"),
     ("length", "sequence"),
-    ("seq", "sequence"),  # alias of "length"
     # Weights and activations alike: tensor parallelism (Megatron split of heads and MLP hidden).
     ("heads", "tensor"),
     ("kv_heads", "tensor"),
@@ -55,11 +57,6 @@ LOGICAL_RULES: Rules = (
 
 #: Metadata key under which parameters store their logical axis names.
 LOGICAL_AXES_KEY = "logical_axes"
-
-
-def logical_rules() -> Rules:
-  """The rules table (a tuple, so it can be a static/hashable argument)."""
-  return LOGICAL_RULES
 
 
 def current_mesh():

@@ -375,3 +375,29 @@ def _reorder_shard(x, layout, axis_name, axis, inverse):
   y = x.reshape(lead + (n, local_len // n) + rest)             # [.., source, j, ..]
   y = jax.lax.all_to_all(y, axis_name, axis, axis, tiled=True)   # -> [.., residue, j, ..]
   return jnp.swapaxes(y, axis, axis + 1).reshape(shape)
+
+
+def length_multiple(layout: str, ring_size: int) -> int:
+  """What every global sequence length must be a multiple of: the ring size, twice it for zigzag.
+
+  Zigzag cuts the sequence into ``2 * ring_size`` chunks (two per device);
+  contiguous and striped need only an equal share per device.
+  """
+  check_layout(layout)
+  if ring_size < 1:
+    raise ValueError(f"ring_size must be >= 1, got {ring_size}.")
+  return ring_size * (2 if layout == "zigzag" else 1)
+
+
+def check_length(layout: str, ring_size: int, length: int, what: str = "sequence length") -> int:
+  """Raises ValueError naming the fix unless ``layout`` can split ``length`` over the ring.
+
+  Returns the local (per-device) length ``length // ring_size``.
+  """
+  multiple = length_multiple(layout, ring_size)
+  if length < 1 or length % multiple:
+    why = " (zigzag holds two chunks per device)" if layout == "zigzag" else ""
+    raise ValueError(
+        f"{what} {length} does not split over a ring of {ring_size} devices with "
+        f"layout={layout!r}{why}: pad it to a multiple of {multiple}.")
+  return length // ring_size

@@ -1,16 +1,35 @@
-"""Smoke test of the all-gather context-parallel baseline used by benchmarks/attention.py."""
+"""The benchmarks measure shipped code: the all-gather baseline, its model backend, the
+train-throughput script, the GPU check's CPU dry run, the peak-FLOP/s table, and the
+imports the accelerator image (no ml_collections, no grain) needs."""
+import os
+import subprocess
+import sys
+import textwrap
+import types
+
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 import ring_jax
+from benchmarks import baselines
 from benchmarks.baselines import allgather_attention_sharded
+from model_utils import graphdef, make_mesh, packed_batch, random_params
+from models import attention as attn_lib
+from models import sharding as shd
+from models.llama import LlamaConfig
+from ring_jax import hardware
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-@pytest.mark.parametrize("layout,is_causal", [("contiguous", True), ("zigzag", True),
-                                              ("striped", False)])
-def test_allgather_baseline_matches_dense(layout, is_causal):
+@pytest.mark.parametrize("layout,is_causal,segments", [("contiguous", True, False),
+                                                       ("zigzag", True, True),
+                                                       ("striped", False, False)])
+def test_allgather_baseline_matches_dense(layout, is_causal, segments):
   n = 4
   mesh = jax.sharding.Mesh(np.array(jax.devices()[:n]), ("sequence",))
   ks = jax.random.split(jax.random.key(0), 4)
@@ -19,15 +38,169 @@ def test_allgather_baseline_matches_dense(layout, is_causal):
   k = jax.random.normal(ks[1], (b, l, kh, h), jnp.float32)
   v = jax.random.normal(ks[2], (b, l, kh, h), jnp.float32)
   do = jax.random.normal(ks[3], (b, l, nh, h), jnp.float32)
+  # Three documents and trailing padding (segment 0), or none.
+  seg = jnp.asarray(np.repeat([[1, 2, 3, 0]], 16, axis=1), jnp.int32) if segments else None
 
   def loss(f, q, k, v):
     return jnp.sum(f(q, k, v) * do)
 
   ag = lambda q, k, v: allgather_attention_sharded(q, k, v, mesh=mesh, is_causal=is_causal,
-                                                   layout=layout, block_q=4, block_kv=4)
-  ref = lambda q, k, v: ring_jax.reference_attention(q, k, v, is_causal=is_causal)
-  np.testing.assert_allclose(jax.jit(ag)(q, k, v), ref(q, k, v), atol=2e-5, rtol=2e-5)
+                                                   segment_ids=seg, layout=layout, block_q=4,
+                                                   block_kv=4)
+  ref = lambda q, k, v: ring_jax.reference_attention(q, k, v, is_causal=is_causal,
+                                                     segment_ids=seg)
+  chex.assert_trees_all_close(jax.jit(ag)(q, k, v), ref(q, k, v), atol=2e-5, rtol=2e-5)
   g = jax.jit(jax.grad(lambda *a: loss(ag, *a), argnums=(0, 1, 2)))(q, k, v)
   g_ref = jax.grad(lambda *a: loss(ref, *a), argnums=(0, 1, 2))(q, k, v)
-  for x, y in zip(g, g_ref):
-    np.testing.assert_allclose(x, y, atol=1e-4, rtol=1e-4)
+  chex.assert_tree_all_finite(g)
+  chex.assert_trees_all_close(g, g_ref, atol=1e-4, rtol=1e-4)
+
+
+def test_attention_registry():
+  """One table; registering is one entry; a taken name is not silently replaced."""
+  assert {"ring", "dense"} <= set(attn_lib.ATTENTION_BACKENDS)
+  name = baselines.register_attention_backend()
+  assert attn_lib.ATTENTION_BACKENDS[name] is baselines.allgather_backend
+  baselines.register_attention_backend()  # idempotent
+  with pytest.raises(ValueError, match="already registered"):
+    attn_lib.register_attention(name, attn_lib.dense)
+  assert LlamaConfig(attention=name).attention == name
+  with pytest.raises(ValueError, match="register_attention"):
+    LlamaConfig(attention="flash")
+
+
+def test_allgather_backend_in_the_model_matches_dense():
+  """LlamaConfig(attention="allgather") on a data=2 x sequence=4 mesh (zigzag, GQA, packed
+  documents with padding) == the dense backend on one device: logits and gradients."""
+  baselines.register_attention_backend()
+  tiny = dict(vocab_size=64, dim=32, num_layers=1, num_heads=4, num_kv_heads=2, mlp_dim=64,
+              init_std=0.2)
+  dense_cfg = LlamaConfig(**tiny, attention="dense")
+  ag_cfg = LlamaConfig(**tiny, attention="allgather", layout="zigzag", block_q=2, block_kv=2)
+  params = random_params(dense_cfg)
+  tokens, pos, segs = packed_batch(64, ((5, 7), (9, 3, 4)), 16)
+  weights = np.random.default_rng(1).normal(size=(2, 16, 64)).astype(np.float32) / 32
+  weights *= (segs > 0)[..., None]
+
+  def grads(cfg, p, *batch):
+    def loss(p, t, q, s, w):
+      return jnp.sum(nnx.merge(graphdef(cfg), p)(t, q, s) * w)
+    return jax.jit(jax.value_and_grad(loss))(p, *batch)
+
+  want_loss, want = grads(dense_cfg, params, tokens, pos, segs, weights)
+  mesh = make_mesh(data=2, sequence=4)
+  to = lambda x: np.asarray(ring_jax.to_layout(x, "zigzag", 4))
+  with jax.set_mesh(mesh):
+    got_loss, got = grads(ag_cfg, jax.device_put(params, shd.param_shardings(params, mesh)),
+                          to(tokens), to(pos), to(segs), to(weights))
+  np.testing.assert_allclose(got_loss, want_loss, rtol=1e-5, atol=1e-6)
+  chex.assert_trees_all_close(jax.tree.map(np.asarray, got), jax.tree.map(np.asarray, want),
+                              rtol=1e-5, atol=1e-5)
+
+
+def test_train_throughput_runs_the_shipped_step():
+  """Tiny shapes, one timed step per backend: both run, and give the same loss (the same
+  model, step and batch; only the attention implementation differs). The dense backend is
+  compared with the all-gather one above, at less cost than a third compile here."""
+  from benchmarks import train_throughput
+
+  results = train_throughput.main([
+      "--seq-len", "64", "--dim", "32", "--mlp-dim", "64", "--num-heads", "4",
+      "--num-kv-heads", "2", "--vocab-size", "64", "--num-layers", "1", "--steps", "1",
+      "--mesh", "data=2,sequence=4", "--batch", "2", "--peak-tflops", "1",
+      "--attention", "ring,allgather"])
+  assert [r["attention"] for r in results] == ["ring", "allgather"]
+  for r in results:
+    assert "error" not in r, r
+    assert r["tokens_per_s"] > 0 and 0 < r["mfu"] < 1
+  np.testing.assert_allclose([r["loss"] for r in results], results[0]["loss"], rtol=1e-5)
+
+
+def test_gpu_check_dry_run():
+  """`GPU_CHECK_DRY=1 bash benchmarks/gpu_check.sh`: the train-step sections on CPU."""
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env.update(GPU_CHECK_DRY="1", GPU_CHECK_SECTIONS="throughput,longest",
+             GPU_CHECK_MAX_LEN="1024", PATH=os.path.dirname(sys.executable) + ":" + env["PATH"])
+  proc = subprocess.run(["bash", os.path.join(ROOT, "benchmarks", "gpu_check.sh")], env=env,
+                        capture_output=True, text=True, timeout=600)
+  out = proc.stdout + proc.stderr
+  assert proc.returncode == 0, out[-3000:]
+  assert "SECTION FAILED" not in out, out[-3000:]
+  assert "models/llama.py" in out and "tokens/s" in out
+  assert "LONGEST CONTEXT THAT FITS (1 GPU, 1B-class, batch 1, compiled memory): 1024" in out
+
+
+# ----------------------------------------------------------------------------------------------
+# Peak FLOP/s: one table
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind,flops", [
+    ("NVIDIA H200", 989e12), ("NVIDIA H100 80GB HBM3", 989e12), ("NVIDIA H100 PCIe", 756e12),
+    ("NVIDIA A100-SXM4-80GB", 312e12), ("TPU v5 lite", 197e12), ("TPU v5p", 459e12),
+    ("TPU v4", 275e12), ("NVIDIA GB200", 2.5e15), ("NVIDIA B200", 2.25e15),
+])
+def test_peak_flops_table(kind, flops):
+  assert hardware.peak_flops(kind) == flops
+  assert hardware.device_spec(kind).source
+
+
+def test_peak_flops_unknown_and_table_shape():
+  assert hardware.peak_flops("cpu") is None
+  assert hardware.peak_flops("Some Future Chip") is None
+  matches = [d.match.lower() for d in hardware.DEVICES]
+  assert len(set(matches)) == len(matches)
+  # A more specific name never comes after a substring of it (it could never match).
+  for i, m in enumerate(matches):
+    assert not any(earlier in m for earlier in matches[:i]), m
+
+
+def test_trainer_mfu_uses_the_table():
+  from training import metrics
+
+  config = types.SimpleNamespace(get=lambda k: None, cpu_peak_flops_per_device=1.0)
+  h200 = types.SimpleNamespace(platform="gpu", device_kind="NVIDIA H200")
+  flops, source = metrics.peak_flops_per_device(config, h200)
+  assert flops == hardware.peak_flops("NVIDIA H200") and "H200" in source
+  with pytest.raises(ValueError, match="peak_flops_per_device"):
+    metrics.peak_flops_per_device(config, types.SimpleNamespace(platform="gpu",
+                                                                device_kind="Mystery"))
+
+
+# ----------------------------------------------------------------------------------------------
+# The accelerator image has no ml_collections and no grain
+# ----------------------------------------------------------------------------------------------
+
+
+def test_models_and_train_step_import_without_ml_collections_and_grain():
+  """models/*, training/step.py, training/batch.py and the benchmarks import (and build a
+  model) in a fresh interpreter where ml_collections and grain cannot be imported."""
+  code = textwrap.dedent("""
+      import sys
+
+      class Block:
+          BLOCKED = ("ml_collections", "grain")
+
+          def find_spec(self, name, path=None, target=None):
+              if name.split(".")[0] in self.BLOCKED:
+                  raise ImportError(f"{name} is blocked for this test")
+              return None
+
+      sys.meta_path.insert(0, Block())
+      import models, models.attention, models.convert_hf, models.llama, models.sharding
+      import training.batch, training.step
+      import benchmarks.baselines, benchmarks.gpu_check, benchmarks.train_throughput
+      from flax import nnx
+      cfg = models.LlamaConfig(vocab_size=16, dim=8, num_layers=1, num_heads=2,
+                               num_kv_heads=1, mlp_dim=16)
+      nnx.eval_shape(lambda: models.Llama(cfg, rngs=nnx.Rngs(0)))
+      try:
+          import ml_collections
+      except ImportError:
+          print("blocked ok")
+      """)
+  env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
+  proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
+                        text=True, timeout=300)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert "blocked ok" in proc.stdout

@@ -6,6 +6,7 @@ import numpy as np
 from flax import nnx
 
 from models import llama
+from models import sharding as shd
 from training import checkpoint as ckpt_lib
 from training import config as cfg_lib
 from training import step as step_lib
@@ -21,7 +22,7 @@ def make_state(mesh):
   """Sharded params + AdamW state with non-trivial moments, and both shardings."""
   with jax.set_mesh(mesh):
     params = nnx.split(llama.create_sharded_model(MODEL, mesh, seed=1), nnx.Param, ...)[1]
-    p_shard = llama.param_shardings(params, mesh)
+    p_shard = shd.param_shardings(params, mesh)
     tx = step_lib.make_optimizer(OPTIM, total_steps=10)
     o_shard = step_lib.opt_state_shardings(tx, params, p_shard, mesh)
     opt_state = step_lib.init_opt_state(tx, params, o_shard)
@@ -49,7 +50,7 @@ def test_save_on_one_mesh_restore_on_another_and_keep_last_n(tmp_path):
   with jax.set_mesh(new_mesh):
     abstract_params = nnx.split(nnx.eval_shape(lambda: llama.Llama(MODEL, rngs=nnx.Rngs(0))),
                                 nnx.Param, ...)[1]
-    p_shard = llama.param_shardings(abstract_params, new_mesh)
+    p_shard = shd.param_shardings(abstract_params, new_mesh)
     o_shard = step_lib.opt_state_shardings(tx, abstract_params, p_shard, new_mesh)
     abstract_opt = jax.eval_shape(tx.init, abstract_params)
   restorer = ckpt_lib.Checkpointer(str(tmp_path), every=5, keep=2)

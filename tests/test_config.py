@@ -7,6 +7,7 @@ import jax
 import ml_collections
 import pytest
 
+from model_utils import tiny_config
 from training import config as cfg_lib
 from training.config import ConfigError
 
@@ -21,8 +22,7 @@ def load_config(name: str, arg=None) -> ml_collections.ConfigDict:
 
 
 def tiny(**overrides) -> ml_collections.ConfigDict:
-  config = load_config("tiny")
-  return cfg_lib.apply_overrides(config, overrides.items())
+  return tiny_config(**overrides)
 
 
 # --- shipped configs -------------------------------------------------------------------------
@@ -128,8 +128,9 @@ def _with_mesh(mesh):
     ({"mesh.data": 1, "mesh.sequence": 2, "mesh.tensor": 4, "model.num_kv_heads": 2},
      "num_kv_heads=2 is not divisible by the mesh 'tensor'"),
     ({"model.num_heads": 4, "model.num_kv_heads": 3}, "multiple of"),
-    ({"data.seq_len": 260}, "divisible by 8 for layout='zigzag'"),
-    ({"data.seq_len": 258, "model.layout": "striped"}, "divisible by 4 for layout='striped'"),
+    ({"data.seq_len": 260}, r"data\.seq_len=260 .*layout='zigzag'.*multiple of 8"),
+    ({"data.seq_len": 258, "model.layout": "striped"},
+     r"data\.seq_len=258 .*layout='striped'.*multiple of 4"),
     ({"model.block_q": 48}, "block_q=48 must divide"),
     ({"batch_size": 5}, "not divisible by the mesh 'data' axis"),
     ({"batch_size": 16, "microbatches": 3}, "not divisible by microbatches=3"),
@@ -139,11 +140,34 @@ def _with_mesh(mesh):
     ({"data.kind": "text", "data.path": "/nonexistent/corpus"}, "matches no"),
     ({"data.kind": "webdataset"}, "data.kind='webdataset' is unknown"),
     ({"model.vocab_size": 64}, "needs model.vocab_size >= 67"),
+    # The data module's own ValueError, wrapped by validate_config.
+    ({"data.kv.num_queries": 9}, "num_queries=9 exceeds num_pairs=8"),
+    ({"data.kv.docs_per_row": 3}, "docs_per_row=3"),
     ({"optim.warmup_steps": 10_000}, "warmup_steps"),
 ])
 def test_bad_configs_fail_with_a_clear_message(overrides, match):
   with pytest.raises(ConfigError, match=match):
     cfg_lib.validate_config(tiny(**overrides), num_devices=8)
+
+
+def test_one_list_of_mesh_axes_and_attention_backends():
+  """The trainer validates against the model's tables (not copies of them)."""
+  from models import attention as attn_lib
+  from models import sharding as shd
+
+  assert cfg_lib.MESH_AXES is shd.MESH_AXES
+  assert cfg_lib.ATTENTION_BACKENDS is attn_lib.ATTENTION_BACKENDS
+  mesh = cfg_lib.make_mesh(ml_collections.ConfigDict(dict(data=2, sequence=4, tensor=1)))
+  assert mesh.axis_names == shd.MESH_AXES
+
+
+def test_registered_attention_backend_is_a_valid_config(monkeypatch):
+  from models import attention as attn_lib
+
+  monkeypatch.setitem(attn_lib.ATTENTION_BACKENDS, "mine", attn_lib.dense)
+  config = tiny(**{"model.attention": "mine"})
+  assert cfg_lib.validate_config(config, num_devices=8)["sequence"] == 4
+  assert cfg_lib.llama_config(config).attention == "mine"
 
 
 def test_single_kv_head_is_replicated_not_an_error():

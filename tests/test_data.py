@@ -5,29 +5,69 @@ import json
 import jax
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import ring_jax
+from model_utils import tiny_config
+from models import sharding as shd
+from training import batch as batch_lib
 from training import data as data_lib
 
 
 def _tiny_config(**data_overrides):
-  import configs.tiny as tiny  # noqa: PLC0415 (configs/ is a plain directory of files)
-
-  config = tiny.get_config()
-  config.data.seq_len = 64
-  config.data.kv.num_pairs = config.data.kv.num_queries = 4
-  config.batch_size = 4
-  for k, v in data_overrides.items():
-    config.data[k] = v
-  return config
+  return tiny_config(**{"data.seq_len": 64, "data.kv.num_pairs": 4, "data.kv.num_queries": 4,
+                        "batch_size": 4, **{f"data.{k}": v for k, v in data_overrides.items()}})
 
 
 @pytest.fixture(scope="module")
 def mesh():
   devices = np.asarray(jax.devices()[:8]).reshape(2, 4, 1)
-  return jax.sharding.Mesh(devices, ("data", "sequence", "tensor"))
+  return jax.sharding.Mesh(devices, shd.MESH_AXES)
+
+
+@pytest.fixture(scope="module")
+def sharding(mesh):
+  return batch_lib.sharding(mesh)
+
+
+# --- the batch definition --------------------------------------------------------------------
+
+
+def test_batch_spec_comes_from_the_rules(mesh):
+  """Rows over 'data', the sequence over 'sequence': the rules table's ("batch", "length")."""
+  assert batch_lib.spec(mesh) == shd.logical_to_spec(("batch", "length"), mesh=mesh)
+  assert batch_lib.spec(mesh) == P("data", "sequence")
+  # A mesh without a 'sequence' axis (no ring) keeps the sequence whole.
+  data_only = jax.make_mesh((8,), ("data",))
+  assert batch_lib.spec(data_only) == P("data", None)
+  abstract = batch_lib.abstract((4, 64), mesh)
+  assert tuple(abstract) == batch_lib.FIELDS
+  assert {k: v.dtype for k, v in abstract.items()} == batch_lib.DTYPES
+  assert all(v.sharding == batch_lib.sharding(mesh) for v in abstract.values())
+
+
+@pytest.mark.parametrize("kind", ["kv_retrieval", "text"])
+def test_pipelines_produce_the_defined_batch(tmp_path, mesh, kind):
+  (tmp_path / "a.txt").write_text("some text for the byte tokenizer " * 8)
+  config = _tiny_config(**({"kind": "text", "path": str(tmp_path)} if kind == "text" else {}))
+  batch = data_lib.make_dataset(config, batch_lib.sharding(mesh), 4, split="train")[0]
+  assert tuple(batch) == batch_lib.FIELDS
+  assert {k: v.dtype for k, v in batch.items()} == batch_lib.DTYPES
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag", "striped"])
+def test_random_documents_batch(layout):
+  batch = batch_lib.random_documents(0, rows=2, length=32, vocab_size=50, layout=layout,
+                                     ring_size=4)
+  assert {k: v.dtype for k, v in batch.items()} == batch_lib.DTYPES
+  perm = ring_jax.layout_positions(layout, 4, 32)
+  np.testing.assert_array_equal(batch["positions"][0], perm)
+  natural = {k: np.asarray(ring_jax.from_layout(v, layout, 4)) for k, v in batch.items()}
+  # Labels are the next token; the last position has no target.
+  np.testing.assert_array_equal(natural["labels"][:, :-1], natural["tokens"][:, 1:])
+  assert natural["loss_mask"][:, :-1].all() and not natural["loss_mask"][:, -1].any()
+  with pytest.raises(ValueError, match="multiple of 8"):
+    batch_lib.random_documents(0, 2, 36, 50, "zigzag", 4)
 
 
 # --- packing ---------------------------------------------------------------------------------
@@ -80,12 +120,12 @@ def test_byte_tokenizer_roundtrip():
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag", "striped"])
 def test_layout_reorder_matches_ring_jax(layout):
   rng = np.random.default_rng(0)
-  batch = {k: rng.integers(0, 100, size=(3, 32)).astype(np.int32) for k in data_lib.FIELDS}
+  batch = {k: rng.integers(0, 100, size=(3, 32)).astype(np.int32) for k in batch_lib.FIELDS}
   out = data_lib.to_layout_np(batch, layout, ring_size=4)
-  for k in data_lib.FIELDS:
+  for k in batch_lib.FIELDS:
     np.testing.assert_array_equal(out[k], np.asarray(ring_jax.to_layout(batch[k], layout, 4)))
   # Reordering natural positions gives the layout's global positions.
-  natural = {k: np.broadcast_to(np.arange(32, dtype=np.int32), (3, 32)) for k in data_lib.FIELDS}
+  natural = {k: np.broadcast_to(np.arange(32, dtype=np.int32), (3, 32)) for k in batch_lib.FIELDS}
   np.testing.assert_array_equal(data_lib.to_layout_np(natural, layout, 4)["positions"][0],
                                 ring_jax.layout_positions(layout, 4, 32))
 
@@ -141,23 +181,23 @@ def test_kv_answers_live_on_another_device_than_their_queries(layout):
       assert device_of[source] != device_of[t], (layout, t, source)
 
 
-def test_kv_task_config_errors():
+def test_kv_task_errors_are_value_errors():
+  """The data module raises plain ValueError (training.config wraps it into ConfigError)."""
   from training.config import ConfigError
 
-  with pytest.raises(ConfigError, match="num_queries"):
-    data_lib.KVRetrievalTask(seq_len=64, num_pairs=2, num_queries=3).check()
-  with pytest.raises(ConfigError, match="too short"):
-    data_lib.KVRetrievalTask(seq_len=64, num_pairs=8, num_queries=8).check()
-  with pytest.raises(ConfigError, match="docs_per_row=3"):
-    data_lib.KVRetrievalTask(seq_len=128, docs_per_row=3).check()
+  for task, match in ((dict(seq_len=64, num_pairs=2, num_queries=3), "num_queries"),
+                      (dict(seq_len=64, num_pairs=8, num_queries=8), "too short"),
+                      (dict(seq_len=128, docs_per_row=3), "docs_per_row=3")):
+    with pytest.raises(ValueError, match=match) as raised:
+      data_lib.KVRetrievalTask(**task).check()
+    assert not isinstance(raised.value, ConfigError)
 
 
 # --- pipeline --------------------------------------------------------------------------------
 
 
-def test_iterator_state_roundtrip(mesh):
+def test_iterator_state_roundtrip(sharding):
   config = _tiny_config()
-  sharding = NamedSharding(mesh, P("data", "sequence"))
   dataset = data_lib.make_dataset(config, sharding, ring_size=4, split="train")
   it = data_lib.make_iterator(dataset)
   for _ in range(3):
@@ -168,20 +208,19 @@ def test_iterator_state_roundtrip(mesh):
   resumed.set_state(json.loads(json.dumps(state)))  # survives JSON (the checkpoint format)
   for want in expected:
     got = next(resumed)
-    for k in data_lib.FIELDS:
+    for k in batch_lib.FIELDS:
       np.testing.assert_array_equal(got[k], want[k])
 
 
-def test_batches_are_layout_ordered_and_sharded(mesh):
+def test_batches_are_layout_ordered_and_sharded(mesh, sharding):
   config = _tiny_config()
   config.model.layout = "zigzag"
-  sharding = NamedSharding(mesh, P("data", "sequence"))
   batch = next(data_lib.make_iterator(
       data_lib.make_dataset(config, sharding, ring_size=4, split="train"), prefetch=0))
   task = data_lib.KVRetrievalTask.from_config(config.data)
   natural = task.rows(config.seed, 0, config.batch_size)
   perm = ring_jax.layout_positions("zigzag", 4, 64)
-  for k in data_lib.FIELDS:
+  for k in batch_lib.FIELDS:
     np.testing.assert_array_equal(batch[k], natural[k][:, perm])
   # Per-document positions (2 documents of 32), reordered like everything else.
   np.testing.assert_array_equal(batch["positions"][0], perm % 32)
@@ -194,15 +233,14 @@ def test_batches_are_layout_ordered_and_sharded(mesh):
   np.testing.assert_array_equal(np.asarray(shard.data), natural["tokens"][:2][:, perm[48:64]])
 
 
-def test_eval_split_differs_from_train(mesh):
+def test_eval_split_differs_from_train(sharding):
   config = _tiny_config()
-  sharding = NamedSharding(mesh, P("data", "sequence"))
   train = data_lib.make_dataset(config, sharding, 4, split="train")[0]
   held_out = data_lib.make_dataset(config, sharding, 4, split="eval")[0]
   assert not np.array_equal(train["tokens"], held_out["tokens"])
 
 
-def test_text_pipeline_from_local_jsonl(tmp_path, mesh):
+def test_text_pipeline_from_local_jsonl(tmp_path, sharding):
   docs = [f"document number {i}: " + "lorem ipsum " * (i % 5 + 1) for i in range(40)]
   path = tmp_path / "corpus.jsonl"
   path.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
@@ -211,7 +249,6 @@ def test_text_pipeline_from_local_jsonl(tmp_path, mesh):
   assert len(data_lib.read_documents(str(tmp_path))) == 41
   packed = data_lib.PackedText.from_config(config.data)
   assert packed.train["tokens"].shape[1] == 64 and len(packed.eval["tokens"]) >= 1
-  sharding = NamedSharding(mesh, P("data", "sequence"))
   batch = data_lib.make_dataset(config, sharding, 4, split="train")[5]
   assert batch["tokens"].shape == (4, 64)
   # Layout (contiguous here) keeps each row's tokens, segments and labels consistent.
@@ -219,7 +256,6 @@ def test_text_pipeline_from_local_jsonl(tmp_path, mesh):
   assert mask.any() and (batch["segment_ids"][mask] > 0).all()
 
 
-def test_process_slices_single_process_covers_everything(mesh):
-  sharding = NamedSharding(mesh, P("data", "sequence"))
+def test_process_slices_single_process_covers_everything(sharding):
   rows, cols = data_lib.process_slices(sharding, (8, 64))
   assert (rows.start, rows.stop, cols.start, cols.stop) == (0, 8, 0, 64)

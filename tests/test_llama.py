@@ -7,6 +7,7 @@ every sharded run is the dense backend on one device in natural token order.
 import dataclasses
 import math
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -14,8 +15,11 @@ import pytest
 from flax import nnx
 
 import ring_jax
-from models.llama import (REMAT_POLICIES, Llama, LlamaConfig, apply_rope, param_shardings,
-                          rope_inv_freq, rope_tables, weight_decay_mask)
+from model_utils import graphdef as _graphdef
+from model_utils import make_mesh, packed_batch, random_params
+from models import sharding as shd
+from models.llama import (DTYPES, REMAT_POLICIES, Llama, LlamaConfig, apply_rope, rope_inv_freq,
+                          rope_tables, weight_decay_mask)
 
 B, L = 2, 16
 TINY = dict(vocab_size=64, dim=32, num_layers=2, num_heads=4, num_kv_heads=2, mlp_dim=64,
@@ -28,17 +32,9 @@ def _cfg(**kw) -> LlamaConfig:
 
 def _packed_batch():
   """Tokens, per-document positions, segment ids (several documents per row + padding), weights."""
+  # Row 0: documents of 5 and 7 tokens, then 4 padding tokens; row 1: 9 + 3 + 4 tokens.
+  tokens, pos, segs = packed_batch(TINY["vocab_size"], ((5, 7), (9, 3, 4)), L)
   rng = np.random.default_rng(0)
-  tokens = rng.integers(0, TINY["vocab_size"], size=(B, L)).astype(np.int32)
-  docs = [[5, 7, 0], [9, 3, 4]]  # lengths of documents 1, 2, 3; the rest of row 0 is padding
-  segs = np.zeros((B, L), np.int32)
-  pos = np.zeros((B, L), np.int32)
-  for b, lengths in enumerate(docs):
-    start = 0
-    for d, n in enumerate(lengths):
-      segs[b, start:start + n] = d + 1
-      pos[b, start:start + n] = np.arange(n)
-      start += n
   # Per-token loss weights (0 on padding) make the gradient depend on every logit; the 1/(B*L)
   # keeps gradients O(1) like a mean loss, so absolute tolerances mean what they say.
   weights = rng.normal(size=(B, L, TINY["vocab_size"])) * (segs > 0)[..., None] / (B * L)
@@ -48,7 +44,7 @@ def _packed_batch():
 
 def _loss_and_grads(cfg, params, tokens, pos, segs, weights, mesh=None):
   """(logits, grads) of sum(logits * weights), jitted pure function on split params (tree mode)."""
-  graphdef = nnx.graphdef(nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0))))
+  graphdef = _graphdef(cfg)
 
   def loss(p, t, q, s, w):
     logits = nnx.merge(graphdef, p)(t, q, s)
@@ -58,7 +54,7 @@ def _loss_and_grads(cfg, params, tokens, pos, segs, weights, mesh=None):
   if mesh is None:
     (_, logits), grads = fn(params, tokens, pos, segs, weights)
   else:
-    shardings = param_shardings(params, mesh)
+    shardings = shd.param_shardings(params, mesh)
     with jax.set_mesh(mesh):
       (_, logits), grads = fn(jax.device_put(params, shardings), tokens, pos, segs, weights)
     if all(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types):
@@ -70,58 +66,35 @@ def _loss_and_grads(cfg, params, tokens, pos, segs, weights, mesh=None):
   return np.asarray(logits), jax.tree.map(np.asarray, grads)
 
 
-def _init_params(cfg, seed=0):
-  """Random params from numpy, shaped by the model (compiling the threefry initialisers of every
-  weight costs seconds on CPU; test_sharding.py covers the model's own initialiser).
-
-  Norm scales are randomised around 1 too, so a misplaced norm cannot hide.
-  """
-  abstract = nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0)))
-  _, params, rest = nnx.split(abstract, nnx.Param, ...)
-  assert not jax.tree.leaves(rest)  # tree mode: the model holds Params only
-  rng = np.random.default_rng(seed)
-
-  def fill(var):
-    shape = var.get_value().shape
-    noise = rng.normal(size=shape).astype(np.float32)
-    is_norm = var.get_metadata()["logical_axes"][-1] == "norm"
-    return var.replace(jnp.asarray(1.0 + 0.1 * noise if is_norm else cfg.init_std * noise))
-
-  return jax.tree.map(fill, params, is_leaf=lambda x: isinstance(x, nnx.Variable))
-
-
 @pytest.fixture(scope="module")
 def baseline():
   """Dense backend, one device, natural order: params, batch, logits, grads."""
   cfg = _cfg()
-  params = _init_params(cfg)
+  params = random_params(cfg)
   batch = _packed_batch()
   logits, grads = _loss_and_grads(cfg, params, *batch)
   return params, batch, logits, grads
 
 
 def _assert_tree_close(a, b, rtol=1e-5, atol=1e-5):
-  leaves_a, leaves_b = jax.tree.leaves(a), jax.tree.leaves(b)
-  assert len(leaves_a) == len(leaves_b) > 0
-  for x, y in zip(leaves_a, leaves_b):
-    np.testing.assert_allclose(x, y, rtol=rtol, atol=atol)
+  assert jax.tree.leaves(a)  # an empty tree would compare equal to anything empty
+  chex.assert_trees_all_close(a, b, rtol=rtol, atol=atol)
 
 
-@pytest.mark.parametrize("mesh_shape,layout,axis_types,ffn_chunk,fsdp", [
-    ((2, 1, 4), "contiguous", "explicit", None, False),
-    ((2, 1, 4), "zigzag", "explicit", 2, True),
-    ((1, 2, 4), "zigzag", "explicit", None, False),
-    ((1, 2, 4), "contiguous", "auto", 2, False),
+@pytest.mark.parametrize("mesh_sizes,layout,axis_types,ffn_chunk,fsdp", [
+    (dict(data=2, sequence=4), "contiguous", "explicit", None, False),
+    (dict(data=2, sequence=4), "zigzag", "explicit", 2, True),
+    (dict(tensor=2, sequence=4), "zigzag", "explicit", None, False),
+    (dict(tensor=2, sequence=4), "contiguous", "auto", 2, False),
 ])
-def test_ring_on_mesh_matches_dense(baseline, mesh_shape, layout, axis_types, ffn_chunk, fsdp):
+def test_ring_on_mesh_matches_dense(baseline, mesh_sizes, layout, axis_types, ffn_chunk, fsdp):
   """Sharded ring model == one-device dense model: logits and parameter gradients.
 
   Inputs (tokens, positions, segment ids, loss weights) are put in layout order
   once, as the train step does; logits come back in layout order.
   """
   params, (tokens, pos, segs, weights), want_logits, want_grads = baseline
-  kw = {} if axis_types == "explicit" else {"axis_types": (jax.sharding.AxisType.Auto,) * 3}
-  mesh = jax.make_mesh(mesh_shape, ("data", "tensor", "sequence"), **kw)
+  mesh = make_mesh(auto=axis_types == "auto", **mesh_sizes)
   ring = mesh.shape["sequence"]
   cfg = _cfg(attention="ring", layout=layout, block_q=2, block_kv=2, ffn_chunk_size=ffn_chunk,
              fsdp=fsdp)
@@ -175,10 +148,6 @@ def test_remat_policy_is_applied(baseline, policy):
     model = nnx.merge(_graphdef(_cfg(remat_policy=policy, scan_layers=scan)), params)
     jaxpr = str(jax.make_jaxpr(lambda t: model(t, pos, segs))(tokens))
     assert (policy != "none") == ("checkpoint" in jaxpr or "remat" in jaxpr)
-
-
-def _graphdef(cfg):
-  return nnx.graphdef(nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0))))
 
 
 def test_bf16_compute(baseline):
@@ -322,7 +291,14 @@ def test_config_dict_roundtrip_and_hash():
   again = LlamaConfig.from_dict({**cfg.to_dict(), "learning_rate": 1e-3, "steps": 10})
   assert again == cfg and hash(again) == hash(cfg)  # hashable despite the rope_scaling dict
   assert dataclasses.replace(cfg, dim=64).resolved_head_dim == 16
-  assert sorted(REMAT_POLICIES) == sorted(set(REMAT_POLICIES))
+
+
+@pytest.mark.parametrize("table", [REMAT_POLICIES, DTYPES], ids=["REMAT_POLICIES", "DTYPES"])
+def test_name_tables_have_one_name_per_thing(table):
+  """No aliases: two names for the same remat policy or dtype would be two spellings of one
+  config (and two cache entries for one compiled step)."""
+  values = list(table.values())
+  assert len({id(v) for v in values}) == len(values), table
 
 
 def test_flops_per_token_formula():
@@ -348,22 +324,18 @@ def test_weight_decay_mask_excludes_norm_scales():
       "['layers']['mlp_norm']['scale'].value"}
 
 
-@pytest.mark.parametrize("mesh_shape", [None, (2, 1, 4)])
-def test_chunked_loss_matches_whole_sequence_loss(baseline, mesh_shape):
+@pytest.mark.parametrize("mesh_sizes", [None, dict(data=2, sequence=4)])
+def test_chunked_loss_matches_whole_sequence_loss(baseline, mesh_sizes):
   """nll_sums with loss_chunk_size (head + log-softmax per local chunk, remat) == unchunked:
   values and gradients, unsharded and on a data=2 x sequence=4 ring."""
   params, (tokens, pos, segs, _), _, _ = baseline
   rng = np.random.default_rng(3)
   labels = rng.integers(0, TINY["vocab_size"], size=(B, L)).astype(np.int32)
   mask = (segs > 0).astype(np.float32)
-  mesh = None
-  if mesh_shape is not None:
-    mesh = jax.make_mesh(mesh_shape, ("data", "tensor", "sequence"),
-                         axis_types=(jax.sharding.AxisType.Auto,) * 3,
-                         devices=jax.devices()[:int(np.prod(mesh_shape))])
+  mesh = None if mesh_sizes is None else make_mesh(auto=True, **mesh_sizes)
 
   def run(cfg):
-    graphdef = nnx.graphdef(nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0))))
+    graphdef = _graphdef(cfg)
 
     def loss(p):
       nll, correct = nnx.merge(graphdef, p).nll_sums(tokens, pos, segs, labels, mask)
@@ -373,7 +345,7 @@ def test_chunked_loss_matches_whole_sequence_loss(baseline, mesh_shape):
     if mesh is None:
       return fn(params)
     with jax.set_mesh(mesh):
-      return fn(jax.device_put(params, param_shardings(params, mesh)))
+      return fn(jax.device_put(params, shd.param_shardings(params, mesh)))
 
   (nll, correct), grads = run(_cfg(attention="ring"))
   (nll_c, correct_c), grads_c = run(_cfg(attention="ring", loss_chunk_size=2))
@@ -381,9 +353,7 @@ def test_chunked_loss_matches_whole_sequence_loss(baseline, mesh_shape):
   assert float(correct_c) == float(correct)
   _assert_tree_close(jax.tree.map(np.asarray, grads_c), jax.tree.map(np.asarray, grads))
   # The unchunked sum is the plain masked NLL of the logits.
-  logits = jax.jit(lambda p: nnx.merge(
-      nnx.graphdef(nnx.eval_shape(lambda: Llama(_cfg(), rngs=nnx.Rngs(0)))), p)(
-          tokens, pos, segs))(params)
+  logits = jax.jit(lambda p: nnx.merge(_graphdef(_cfg()), p)(tokens, pos, segs))(params)
   want = -np.take_along_axis(np.asarray(jax.nn.log_softmax(logits)), labels[..., None],
                              axis=-1)[..., 0]
   np.testing.assert_allclose(nll, (want * mask).sum(), rtol=1e-5)
@@ -391,7 +361,17 @@ def test_chunked_loss_matches_whole_sequence_loss(baseline, mesh_shape):
 
 def test_loss_chunk_must_divide_local_length(baseline):
   params, (tokens, pos, segs, _), _, _ = baseline
-  model = nnx.merge(nnx.graphdef(nnx.eval_shape(
-      lambda: Llama(_cfg(loss_chunk_size=5), rngs=nnx.Rngs(0)))), params)
+  model = nnx.merge(_graphdef(_cfg(loss_chunk_size=5)), params)
   with pytest.raises(ValueError, match="loss_chunk_size=5 must divide"):
     model.nll_sums(tokens, pos, segs, tokens, np.ones((B, L), np.float32))
+
+
+def test_profile_names(baseline):
+  """Blocks run under jax.named_scope, so a profile (HLO op names) reads by block."""
+  params, (tokens, pos, segs, _), _, _ = baseline
+  model = nnx.merge(_graphdef(_cfg()), params)
+  mask = np.ones((B, L), np.float32)
+  text = jax.jit(lambda m: m.nll_sums(tokens, pos, segs, tokens, mask)).lower(model).as_text(
+      debug_info=True)
+  for scope in ("embed/", "layer/attention/dense/", "layer/mlp/", "final_norm/", "loss/head/"):
+    assert scope in text, scope

@@ -9,47 +9,25 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import ring_jax
+from model_utils import graphdef as _graphdef
+from model_utils import make_mesh, packed_batch
+from model_utils import random_params as _random_params
 from models import sharding as shd
-from models.llama import Llama, LlamaConfig, create_sharded_model, param_shardings
+from models.llama import Llama, LlamaConfig, create_sharded_model
+from models.sharding import param_shardings
 
 TINY = dict(vocab_size=64, dim=32, num_layers=2, num_heads=4, num_kv_heads=2, mlp_dim=64,
             init_std=0.2, attention="ring", layout="zigzag", block_q=2, block_kv=2)
 B, L = 2, 16
-AXES = ("data", "tensor", "sequence")
-
-
-def _mesh(shape, names=AXES, auto=False):
-  kw = {"axis_types": (AxisType.Auto,) * len(names)} if auto else {}
-  return jax.make_mesh(shape, names, **kw)
 
 
 def _batch():
   """Tokens/positions/segment ids in natural order (two documents per row, some padding)."""
-  rng = np.random.default_rng(0)
-  tokens = rng.integers(0, TINY["vocab_size"], size=(B, L)).astype(np.int32)
-  segs = np.array([[1] * 6 + [2] * 7 + [0] * 3, [1] * 11 + [2] * 5], np.int32)
-  pos = np.concatenate([np.arange(6), np.arange(7), np.zeros(3), np.arange(11),
-                        np.arange(5)]).reshape(B, L).astype(np.int32)
-  return tokens, pos, segs
+  return packed_batch(TINY["vocab_size"], ((6, 7), (11, 5)), L)
 
 
 def _to_layout(batch, ring, layout=TINY["layout"]):
   return tuple(np.asarray(ring_jax.to_layout(x, layout, ring)) for x in batch)
-
-
-def _random_params(cfg, seed=0):
-  """Host-random params shaped by the model (no threefry compile)."""
-  _, params = nnx.split(nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0))))
-  rng = np.random.default_rng(seed)
-  return jax.tree.map(
-      lambda v: v.replace(jnp.asarray(
-          0.2 * rng.normal(size=v.get_value().shape).astype(np.float32) +
-          (1.0 if v.get_metadata()["logical_axes"][-1] == "norm" else 0.0))),
-      params, is_leaf=lambda x: isinstance(x, nnx.Variable))
-
-
-def _graphdef(cfg):
-  return nnx.graphdef(nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0))))
 
 
 @pytest.fixture(scope="module")
@@ -67,15 +45,27 @@ def reference():
 # ----------------------------------------------------------------------------------------------
 
 
+def test_mesh_axes_are_the_rules_targets():
+  """MESH_AXES lists exactly the mesh axes the rules table names (one list, one order)."""
+  targets = set()
+  for _, target in shd.LOGICAL_RULES:
+    targets.update((target,) if isinstance(target, str) else (target or ()))
+  assert set(shd.MESH_AXES) == targets
+  assert len(set(shd.MESH_AXES)) == len(shd.MESH_AXES)
+  # Each logical name has one rule (no aliases such as a second name for "length").
+  names = [name for name, _ in shd.LOGICAL_RULES]
+  assert len(set(names)) == len(names)
+
+
 def test_logical_to_spec_maps_and_drops_axes():
   assert shd.logical_to_spec(("batch", "length", "embed")) == P("data", "sequence", None)
   assert shd.logical_to_spec(("embed", "heads", "head_dim")) == P(None, "tensor", None)
   assert shd.logical_to_spec(("embed_fsdp", "mlp")) == P("data", "tensor")
   assert shd.logical_to_spec(("layers", "norm")) == P(None, None)
   # Axes the mesh lacks are dropped: the same names work on a (data, sequence) mesh.
-  ds = _mesh((2, 4), ("data", "sequence"))
+  ds = jax.make_mesh((2, 4), ("data", "sequence"))
   assert shd.logical_to_spec(("batch", "length", "heads"), mesh=ds) == P("data", "sequence", None)
-  full = _mesh((2, 2, 2))
+  full = make_mesh(data=2, sequence=2, tensor=2)
   # An axis that does not divide the dimension is dropped (1 kv head over tensor=2).
   assert shd.logical_to_spec(("embed", "kv_heads"), mesh=full, shape=(32, 1)) == P(None, None)
   # A mesh axis is used once per spec: the first dimension that asks gets it.
@@ -94,7 +84,7 @@ def test_with_logical_constraint(auto):
   x = jnp.arange(B * L * 4, dtype=jnp.float32).reshape(B, L, 4)
   # No mesh: a no-op.
   assert shd.with_logical_constraint(x, ("batch", "length", "embed")) is x
-  mesh = _mesh((2, 2, 2), auto=auto)
+  mesh = make_mesh(auto=auto, data=2, sequence=2, tensor=2)
   with jax.set_mesh(mesh):
     y = jax.jit(lambda a: shd.with_logical_constraint(a * 2, ("batch", "length", "embed")))(x)
   assert y.sharding.is_equivalent_to(NamedSharding(mesh, P("data", "sequence", None)), 3)
@@ -102,7 +92,7 @@ def test_with_logical_constraint(auto):
 
 
 def test_param_shardings_follow_rules():
-  mesh = _mesh((2, 2, 2))
+  mesh = make_mesh(data=2, sequence=2, tensor=2)
   for fsdp, embed in ((False, None), (True, "data")):
     model = nnx.eval_shape(lambda: Llama(LlamaConfig(**TINY, fsdp=fsdp), rngs=nnx.Rngs(0)))
     sh = param_shardings(model, mesh)
@@ -134,7 +124,7 @@ def test_create_sharded_model_places_shards_without_full_copies():
 
   cfg = LlamaConfig(vocab_size=8192, dim=512, num_layers=4, num_heads=8, num_kv_heads=4,
                     mlp_dim=2048, fsdp=True)
-  mesh = _mesh((2, 2, 2))
+  mesh = make_mesh(data=2, sequence=2, tensor=2)
   _, init = _sharded_init(cfg, mesh, 3)  # the jitted initialiser create_sharded_model runs
   with jax.set_mesh(mesh):
     memory = init.lower().compile().memory_analysis()
@@ -162,15 +152,16 @@ def test_create_sharded_model_places_shards_without_full_copies():
 
 
 @pytest.mark.parametrize("mesh_shape,names,auto,fsdp,layout", [
-    ((2, 2, 2), AXES, False, True, "zigzag"),  # FSDP + tensor + sequence, Explicit axes
-    ((2, 2, 2), AXES, True, True, "striped"),  # the same on Auto (GSPMD) axes
-    ((1, 1, 1), AXES, False, False, "zigzag"),  # a 1-device mesh: ring of size 1
+    ((2, 2, 2), shd.MESH_AXES, False, True, "zigzag"),  # FSDP + tensor + sequence, Explicit
+    ((2, 2, 2), shd.MESH_AXES, True, True, "striped"),  # the same on Auto (GSPMD) axes
+    ((1, 1, 1), shd.MESH_AXES, False, False, "zigzag"),  # a 1-device mesh: ring of size 1
     ((2, 4), ("data", "tensor"), False, False, "zigzag"),  # no sequence axis: dense fallback
 ])
 def test_sharded_forward_matches_reference(reference, mesh_shape, names, auto, fsdp, layout):
   params, batch, want = reference
   cfg = LlamaConfig(**{**TINY, "layout": layout}, fsdp=fsdp)
-  mesh = _mesh(mesh_shape, names, auto=auto)
+  kw = {"axis_types": (AxisType.Auto,) * len(names)} if auto else {}
+  mesh = jax.make_mesh(mesh_shape, names, devices=jax.devices()[:int(np.prod(mesh_shape))], **kw)
   ring = dict(zip(names, mesh_shape)).get("sequence", 1)
   with jax.set_mesh(mesh):
     sharded = jax.device_put(params, param_shardings(params, mesh))

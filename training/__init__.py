@@ -1,8 +1,12 @@
-"""Helpers of train.py: config/mesh checks, data, optimizer and steps, checkpoints, metrics.
+"""Helpers of train.py: config/mesh checks, the batch, data, optimizer and steps, checkpoints, metrics.
 
   config      gin-syntax overrides onto the ConfigDict, mesh building, up-front validation
+  batch       the batch's fields, dtypes and sharding (from the rules table), defined once
   data        synthetic kv-retrieval task and packed local text, Grain pipeline, layouts
   step        AdamW + warmup/cosine + clipping, pure train/eval steps, jit with shardings
   checkpoint  Orbax CheckpointManager: train state + data iterator state, any-mesh restore
   metrics     tokens/s, MFU with attention FLOPs, TensorBoard + JSONL + console
+
+Only ``config`` (ml_collections) and ``data`` (Grain) need more than JAX, Flax, Optax, einops;
+``batch`` and ``step`` import without them (the benchmarks run them on accelerator images).
 """

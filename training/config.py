@@ -21,10 +21,10 @@ import jax
 import ml_collections
 import numpy as np
 
+from models.attention import ATTENTION_BACKENDS
+from models.sharding import MESH_AXES
 from ring_jax import layouts
 
-MESH_AXES: tuple[str, ...] = ("data", "sequence", "tensor")
-ATTENTION_BACKENDS: tuple[str, ...] = ("ring", "dense")
 DATA_KINDS: tuple[str, ...] = ("kv_retrieval", "text")
 
 
@@ -192,8 +192,8 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int) -> dict
   ring, tensor, data_par = sizes["sequence"], sizes["tensor"], sizes["data"]
 
   if m.attention not in ATTENTION_BACKENDS:
-    raise ConfigError(
-        f"model.attention={m.attention!r} is unknown; choose one of {ATTENTION_BACKENDS}.")
+    raise ConfigError(f"model.attention={m.attention!r} is unknown; choose one of "
+                      f"{sorted(ATTENTION_BACKENDS)}.")
   if m.layout not in layouts.LAYOUTS:
     raise ConfigError(f"model.layout={m.layout!r} is unknown; choose one of {layouts.LAYOUTS}.")
   if m.num_heads % m.num_kv_heads:
@@ -210,14 +210,11 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int) -> dict
     raise ConfigError(f"model.mlp_dim={m.mlp_dim} and model.vocab_size={m.vocab_size} must be "
                       f"divisible by the mesh 'tensor' axis ({tensor}).")
 
-  seq_len = d.seq_len
-  multiple = ring * (2 if m.layout == "zigzag" else 1)
-  if seq_len % multiple:
-    raise ConfigError(
-        f"data.seq_len={seq_len} must be divisible by {multiple} for layout={m.layout!r} on a "
-        f"'sequence' axis of {ring} devices"
-        + (" (zigzag holds two chunks per device)" if m.layout == "zigzag" else "") + ".")
-  local_len = seq_len // ring
+  try:
+    local_len = layouts.check_length(m.layout, ring, d.seq_len, what="data.seq_len")
+  except ValueError as e:
+    raise ConfigError(f"data.seq_len={d.seq_len} with model.layout={m.layout!r} on the mesh "
+                      f"'sequence' axis ({ring}): {e}") from None
   for name in ("block_q", "block_kv", "ffn_chunk_size", "loss_chunk_size"):
     block = m.get(name)
     if block is not None and local_len % block:
@@ -249,11 +246,14 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int) -> dict
                         f"{data_lib.BYTE_VOCAB_SIZE}, got {m.vocab_size}.")
   else:
     from training import data as data_lib
-    need = data_lib.KVRetrievalTask.from_config(d).vocab_size
-    if m.vocab_size < need:
-      raise ConfigError(f"the kv_retrieval task needs model.vocab_size >= {need}, got "
-                        f"{m.vocab_size}.")
-    data_lib.KVRetrievalTask.from_config(d).check()
+    task = data_lib.KVRetrievalTask.from_config(d)
+    if m.vocab_size < task.vocab_size:
+      raise ConfigError(f"the kv_retrieval task needs model.vocab_size >= {task.vocab_size}, "
+                        f"got {m.vocab_size}.")
+    try:
+      task.check()
+    except ValueError as e:
+      raise ConfigError(str(e)) from None
 
   for name in ("total_steps", "log_every", "eval_every", "checkpoint_every"):
     if config[name] < 1:

@@ -1,13 +1,8 @@
 """Input pipeline: a synthetic long-range retrieval task and packed local text, via Grain.
 
 Everything here is host-side numpy. A batch is a dict of ``[rows, seq_len]``
-arrays::
-
-  tokens       int32    input ids
-  positions    int32    position of each token inside its document (RoPE, causal mask)
-  segment_ids  int32    1, 2, ... per packed document; 0 = padding
-  labels       int32    next token of the same document (0 where there is none)
-  loss_mask    float32  1 where ``labels`` is a real target
+arrays with the fields, dtypes and sharding :mod:`training.batch` defines
+(tokens, positions, segment_ids, labels, loss_mask).
 
 Examples are built in natural order (labels, per-document positions) and the
 whole batch is then reordered ONCE into the ring's sequence layout
@@ -36,6 +31,7 @@ import jax
 import numpy as np
 
 from ring_jax import layouts
+from training.batch import DTYPES, FIELDS
 
 # Byte-level tokenizer: ids 0..2 are special, byte b is id b + 3.
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
@@ -44,9 +40,6 @@ BYTE_VOCAB_SIZE = 256 + BYTE_OFFSET
 
 # Effectively infinite: batch indices are drawn lazily, never materialised.
 _NUM_BATCHES = 2**50
-
-FIELDS = ("tokens", "positions", "segment_ids", "labels", "loss_mask")
-
 
 # ----------------------------------------------------------------------------
 # Layout
@@ -158,19 +151,19 @@ class KVRetrievalTask:
     return 1.0 / self.num_values
 
   def check(self) -> None:
-    from training.config import ConfigError
+    """Raises ValueError (named by config field) if the task cannot be laid out."""
     if self.num_pairs > self.num_keys:
-      raise ConfigError(f"data.kv.num_pairs={self.num_pairs} exceeds num_keys={self.num_keys} "
+      raise ValueError(f"data.kv.num_pairs={self.num_pairs} exceeds num_keys={self.num_keys} "
                         "(keys in one document are distinct).")
     if self.num_queries > self.num_pairs:
-      raise ConfigError(f"data.kv.num_queries={self.num_queries} exceeds "
+      raise ValueError(f"data.kv.num_queries={self.num_queries} exceeds "
                         f"num_pairs={self.num_pairs}.")
     if self.docs_per_row < 1 or self.seq_len % self.docs_per_row:
-      raise ConfigError(f"data.kv.docs_per_row={self.docs_per_row} must be >= 1 and divide "
+      raise ValueError(f"data.kv.docs_per_row={self.docs_per_row} must be >= 1 and divide "
                         f"data.seq_len={self.seq_len}.")
     used = 1 + 2 * self.num_pairs + 1 + 2 * self.num_queries
     if used > self.doc_len:
-      raise ConfigError(
+      raise ValueError(
           f"documents of data.seq_len / docs_per_row = {self.doc_len} tokens are too short "
           f"for the kv task, which needs {used} tokens before any filler.")
 
@@ -204,7 +197,7 @@ class KVRetrievalTask:
 
   def rows(self, seed: int, first: int, count: int) -> dict[str, np.ndarray]:
     examples = [self.example(seed, first + i) for i in range(count)]
-    return {k: np.stack([e[k] for e in examples]) for k in FIELDS}
+    return {k: np.stack([e[k] for e in examples]).astype(DTYPES[k]) for k in FIELDS}
 
 
 # ----------------------------------------------------------------------------
@@ -313,8 +306,8 @@ def process_slices(sharding: jax.sharding.Sharding, global_shape: tuple[int, int
 
   With several processes each one builds and transfers only that block
   (:func:`jax.make_array_from_process_local_data` assembles the global array).
-  Assumes the block is a rectangle, which holds for ``P('data', 'sequence')``
-  on meshes built by ``jax.make_mesh``.
+  Assumes the block is a rectangle, which holds for the batch sharding
+  (:func:`training.batch.sharding`) on meshes built by ``jax.make_mesh``.
   """
   index_map = sharding.addressable_devices_indices_map(global_shape)
   bounds = []
@@ -381,6 +374,6 @@ def make_iterator(dataset: grain.MapDataset, prefetch: int = 2):
 
 def to_global(batch: dict[str, np.ndarray], sharding: jax.sharding.Sharding,
               global_shape: tuple[int, int]) -> dict[str, jax.Array]:
-  """This process's block -> global ``jax.Array``s sharded ``P('data', 'sequence')``."""
+  """This process's block -> global ``jax.Array``s with ``sharding`` (the batch's)."""
   return {k: jax.make_array_from_process_local_data(sharding, v, global_shape)
           for k, v in batch.items()}

@@ -4,8 +4,8 @@ MFU = model FLOPs per second actually achieved / peak FLOPs per second of the
 devices. Model FLOPs come from ``LlamaConfig.flops_per_token(seq_len)``, which
 counts the attention score/value matmuls (causal: half of ``L^2``) as well as
 the dense weights, forward + backward. Peak FLOP/s per device come from
-:data:`PEAK_FLOPS` (dense bf16 tensor-core/MXU peak from vendor data sheets,
-matched by ``device.device_kind``) unless ``config.peak_flops_per_device`` is
+:mod:`ring_jax.hardware` (dense bf16 tensor-core/MXU peak from vendor data
+sheets, matched by ``device.device_kind``) unless ``config.peak_flops_per_device`` is
 set. A CPU has no meaningful table entry: MFU is then reported against the
 configurable nominal ``config.cpu_peak_flops_per_device`` and labelled as such.
 """
@@ -19,22 +19,7 @@ from typing import Any
 
 import jax
 
-# Dense bf16 peak FLOP/s per device (chip for TPU, GPU for NVIDIA), by substring of
-# `device_kind`. Ordered: the first match wins, so longer names come first.
-PEAK_FLOPS: tuple[tuple[str, float], ...] = (
-    ("TPU v6 lite", 918e12),  # Trillium (v6e)
-    ("TPU v5 lite", 197e12),  # v5e
-    ("TPU v5p", 459e12),
-    ("TPU v5", 459e12),  # v5p reports "TPU v5" on some runtimes
-    ("TPU v4", 275e12),
-    ("TPU v3", 123e12),
-    ("GB200", 2.5e15),
-    ("B200", 2.25e15),
-    ("H200", 989e12),
-    ("H100", 989e12),  # SXM; PCIe parts are lower (756e12): override if that is yours
-    ("A100", 312e12),
-    ("L4", 121e12),
-)
+from ring_jax import hardware
 
 
 def peak_flops_per_device(config, device=None) -> tuple[float, str]:
@@ -45,9 +30,9 @@ def peak_flops_per_device(config, device=None) -> tuple[float, str]:
   if device.platform == "cpu":
     return float(config.cpu_peak_flops_per_device), (
         "nominal CPU peak (config.cpu_peak_flops_per_device), not a hardware figure")
-  for name, flops in PEAK_FLOPS:
-    if name.lower() in device.device_kind.lower():
-      return flops, f"table entry {name!r} (dense bf16)"
+  spec = hardware.device_spec(device.device_kind)
+  if spec is not None:
+    return spec.peak_bf16_flops, f"table entry {spec.match!r} (dense bf16; {spec.source})"
   raise ValueError(
       f"no peak FLOP/s known for device kind {device.device_kind!r}; set "
       "--config.peak_flops_per_device=<dense bf16 FLOP/s per device>.")

@@ -1,11 +1,16 @@
 """The optimizer, the pure train/eval steps and their jit with explicit shardings.
 
 NNX "tree mode": the model is split once into ``graphdef`` (static structure),
-``params`` (``nnx.Param`` leaves, trained) and ``rest`` (any other state, e.g.
-RoPE tables; read-only here). The jitted step is a pure function
+``params`` (``nnx.Param`` leaves, trained) and ``rest`` (any other state,
+read-only here; empty for :class:`models.llama.Llama`, which holds only
+Params). The jitted step is a pure function
 ``(params, opt_state, batch) -> (params, opt_state, metrics)`` that rebuilds
 the module with ``nnx.merge`` inside the trace, so there is no hidden mutable
-state and params/opt_state can be donated.
+state and params/opt_state can be donated. The batch is the one
+:mod:`training.batch` defines (fields, dtypes, sharding).
+
+Needs JAX, Flax, Optax and einops only (no ml_collections, no Grain), so the
+benchmarks run this exact step on accelerator images without them.
 """
 
 from __future__ import annotations
@@ -21,8 +26,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from models import llama
-
-BATCH_SPEC = P("data", "sequence")
+from models import sharding as shd
+from training import batch as batch_lib
 
 
 # ----------------------------------------------------------------------------
@@ -94,7 +99,7 @@ def _split_microbatches(batch, microbatches: int):
   def split(x_BL):
     b, length = x_BL.shape
     x = x_BL.reshape(b // microbatches, microbatches, length).swapaxes(0, 1)
-    return jax.lax.with_sharding_constraint(x, P(None, *BATCH_SPEC))
+    return shd.with_logical_constraint(x, (None, *batch_lib.LOGICAL_AXES))
   return jax.tree.map(split, batch)
 
 
@@ -149,8 +154,8 @@ def eval_step(params, batch, *, graphdef, rest):
 
 
 def batch_shardings(mesh) -> dict[str, NamedSharding]:
-  sharding = NamedSharding(mesh, BATCH_SPEC)
-  return {k: sharding for k in ("tokens", "positions", "segment_ids", "labels", "loss_mask")}
+  """Field name -> sharding of the batch argument (see :func:`training.batch.shardings`)."""
+  return batch_lib.shardings(mesh)
 
 
 def jit_train_step(*, graphdef, rest, tx, microbatches: int, mesh, param_shardings,

@@ -1,0 +1,166 @@
+"""The attention backends of the LLaMA: one registry, name -> function.
+
+``LlamaConfig.attention`` (so also ``config.model.attention`` of train.py) is a
+key of :data:`ATTENTION_BACKENDS`; ``training/config.py`` validates against the
+same table. Every backend has the signature::
+
+  backend(cfg, q_BLNH, k_BLKH, v_BLKH, positions_BL, segment_ids_BL) -> o_BLNH
+
+on *layout-ordered* inputs (the caller applied :func:`ring_jax.to_layout`),
+``N`` query heads and ``K`` key/value heads (GQA: query head ``n`` uses
+key/value head ``n // (N // K)``), causal over ``positions_BL``, attending
+only within equal ``segment_ids_BL`` (None: one document per row; 0 is
+padding). ``cfg`` is the :class:`models.llama.LlamaConfig` (``layout``,
+``block_q``, ``block_kv``). The mesh is the context mesh (``jax.set_mesh``),
+or none.
+
+Adding a backend is one entry: ``register_attention("name", fn)`` (the
+benchmarks register the all-gather baseline this way, see
+``benchmarks/baselines.py``). Pure JAX: importing this module needs no Flax.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+
+import ring_jax
+from models import sharding as shd
+
+AttentionBackend = Callable[..., jax.Array]
+
+#: name -> backend function; the one list of what ``LlamaConfig.attention`` may be.
+ATTENTION_BACKENDS: dict[str, AttentionBackend] = {}
+
+
+def register_attention(name: str, backend: AttentionBackend, *, replace: bool = False
+                       ) -> AttentionBackend:
+  """Adds ``backend`` to :data:`ATTENTION_BACKENDS` under ``name``; returns it.
+
+  Registering the same function again is a no-op; another function under a
+  taken name needs ``replace=True`` (so two backends cannot silently swap).
+  """
+  if not isinstance(name, str) or not name:
+    raise ValueError(f"an attention backend needs a non-empty str name, got {name!r}.")
+  current = ATTENTION_BACKENDS.get(name)
+  if current is not None and current is not backend and not replace:
+    raise ValueError(f"attention backend {name!r} is already registered ({current}); pass "
+                     "replace=True to replace it.")
+  ATTENTION_BACKENDS[name] = backend
+  return backend
+
+
+def check_backend(name: Any) -> None:
+  """Raises ValueError naming the registered backends unless ``name`` is one of them."""
+  if name not in ATTENTION_BACKENDS:
+    raise ValueError(f"attention must be one of {sorted(ATTENTION_BACKENDS)}, got {name!r} "
+                     "(register new ones with models.attention.register_attention).")
+
+
+def attention(cfg, q_BLNH, k_BLKH, v_BLKH, positions_BL, segment_ids_BL):
+  """Runs the backend ``cfg.attention`` names (see the module docstring for the contract)."""
+  check_backend(cfg.attention)
+  with jax.named_scope(cfg.attention):
+    return ATTENTION_BACKENDS[cfg.attention](cfg, q_BLNH, k_BLKH, v_BLKH, positions_BL,
+                                             segment_ids_BL)
+
+
+def rule_axis(name: str, mesh) -> str | None:
+  """The single mesh axis logical ``name`` maps to on ``mesh``, or None."""
+  entry = shd.logical_to_spec((name,), mesh=mesh)[0]
+  if entry is None:
+    return None
+  if not isinstance(entry, str):
+    raise ValueError(f"attention shards {name!r} over one mesh axis, the rules give {entry}.")
+  return entry
+
+
+def sharded_axes(mesh, q_BLNH, k_BLKH) -> tuple[str | None, str | None]:
+  """``(batch_axis, head_axis)`` for a sequence-parallel backend on ``mesh``, per the rules.
+
+  An axis that does not divide the batch, or the query and key/value heads
+  (a single key/value head is replicated, MQA), is dropped: that dimension
+  stays whole on every device.
+  """
+  batch_axis = rule_axis("batch", mesh)
+  head_axis = rule_axis("heads", mesh)
+  n, k = q_BLNH.shape[2], k_BLKH.shape[2]
+  if head_axis is not None and (n % mesh.shape[head_axis] or (
+      k % mesh.shape[head_axis] and k != 1)):
+    head_axis = None
+  if batch_axis is not None and q_BLNH.shape[0] % mesh.shape[batch_axis]:
+    batch_axis = None
+  return batch_axis, head_axis
+
+
+def sequence_axis(mesh) -> str | None:
+  """The mesh axis the ``length`` rule shards the sequence over, or None (no mesh, no axis)."""
+  if mesh is None:
+    return None
+  entry = shd.logical_to_spec(("length",), mesh=mesh)[0]
+  return entry if isinstance(entry, str) else None
+
+
+def ring(cfg, q_BLNH, k_BLKH, v_BLKH, positions_BL, segment_ids_BL):
+  """:func:`ring_jax.ring_attention_sharded` over the mesh axis the ``length`` rule names.
+
+  ``layout=cfg.layout, inputs_in_layout=True``; batch and heads sharded per
+  the rules as well. Without a context mesh, or when the mesh has no such
+  axis, it falls back to :func:`dense` (same values; O(L^2) memory), since
+  there is no ring to run on.
+  """
+  mesh = shd.current_mesh()
+  seq_axis = sequence_axis(mesh)
+  if seq_axis is None:
+    return dense(cfg, q_BLNH, k_BLKH, v_BLKH, positions_BL, segment_ids_BL)
+  batch_axis, head_axis = sharded_axes(mesh, q_BLNH, k_BLKH)
+  return ring_jax.ring_attention_sharded(
+      q_BLNH, k_BLKH, v_BLKH, seq_axis=seq_axis, batch_axis=batch_axis, head_axis=head_axis,
+      is_causal=True, segment_ids=segment_ids_BL, layout=cfg.layout, inputs_in_layout=True,
+      block_q=cfg.block_q, block_kv=cfg.block_kv)
+
+
+def dense(cfg, q_BLNH, k_BLKH, v_BLKH, positions_BL, segment_ids_BL):
+  """:func:`ring_jax.reference_attention`, causal over ``positions`` (so any layout order).
+
+  On a mesh it runs under ``shard_map`` per (batch, head) shard with the
+  whole sequence gathered: a reference, not a long-context path.
+  """
+  del cfg  # Masks come from the positions: the layout order needs no special case.
+
+  def local(q, k, v, pos, seg):
+    return ring_jax.reference_attention(q, k, v, is_causal=True, segment_ids=seg,
+                                        q_positions=pos, kv_positions=pos)
+
+  mesh = shd.current_mesh()
+  if mesh is None:
+    return local(q_BLNH, k_BLKH, v_BLKH, positions_BL, segment_ids_BL)
+  # Shard batch and heads only; the sequence axis is gathered (heads shard consistently for
+  # GQA: a block of N/t query heads uses the matching block of K/t key/value heads).
+  q_names = ("batch", None, "heads", None)
+  kv_names = ("batch", None, "kv_heads", None)
+  q_spec = shd.logical_to_spec(q_names, mesh=mesh, shape=q_BLNH.shape)
+  kv_spec = shd.logical_to_spec(kv_names, mesh=mesh, shape=k_BLKH.shape)
+  if q_spec[2] != kv_spec[2]:  # e.g. 1 kv head: replicate heads rather than mismatch groups
+    q_names = kv_names = ("batch", None, None, None)
+    q_spec = kv_spec = shd.logical_to_spec(q_names, mesh=mesh, shape=q_BLNH.shape)
+  row_spec = jax.sharding.PartitionSpec(q_spec[0], None)
+  q = shd.with_logical_constraint(q_BLNH, q_names)
+  k = shd.with_logical_constraint(k_BLKH, kv_names)
+  v = shd.with_logical_constraint(v_BLKH, kv_names)
+  pos = shd.with_logical_constraint(positions_BL, ("batch", None))
+  if segment_ids_BL is None:
+    fn = jax.shard_map(lambda q, k, v, p: local(q, k, v, p, None), mesh=mesh,
+                       in_specs=(q_spec, kv_spec, kv_spec, row_spec), out_specs=q_spec)
+    out = fn(q, k, v, pos)
+  else:
+    seg = shd.with_logical_constraint(segment_ids_BL, ("batch", None))
+    fn = jax.shard_map(local, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec, row_spec, row_spec),
+                       out_specs=q_spec)
+    out = fn(q, k, v, pos, seg)
+  return shd.with_logical_constraint(out, ("batch", "length", "heads", "head_dim"))
+
+
+register_attention("ring", ring)
+register_attention("dense", dense)

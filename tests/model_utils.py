@@ -1,0 +1,83 @@
+"""Helpers shared by the model and trainer tests: meshes, random params, packed batches, configs.
+
+Random params come from numpy, shaped by the model: compiling the threefry
+initialisers of every weight costs seconds on CPU (test_sharding.py covers
+the model's own sharded initialiser).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from models import sharding as shd
+from models.llama import Llama
+
+
+def make_mesh(auto: bool = False, **sizes: int) -> jax.sharding.Mesh:
+  """A mesh over the first devices with the given axis sizes, in ``MESH_AXES`` order.
+
+  ``make_mesh(data=2, sequence=4)`` has the axes ``data, sequence, tensor``
+  (sizes 2, 4, 1). Axes not in ``MESH_AXES`` follow in the order given. Explicit
+  axis types unless ``auto``.
+  """
+  names = [a for a in shd.MESH_AXES] + [a for a in sizes if a not in shd.MESH_AXES]
+  shape = tuple(sizes.get(a, 1) for a in names)
+  kw = {"axis_types": (jax.sharding.AxisType.Auto,) * len(names)} if auto else {}
+  return jax.make_mesh(shape, tuple(names), devices=jax.devices()[:int(np.prod(shape))], **kw)
+
+
+def graphdef(cfg):
+  """The static structure of ``Llama(cfg)`` (no arrays allocated)."""
+  return nnx.graphdef(nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0))))
+
+
+def random_params(cfg, seed: int = 0):
+  """An ``nnx.State`` of Params shaped by ``Llama(cfg)``: weights ``init_std * N(0, 1)``.
+
+  Norm scales are ``1 + 0.1 * N(0, 1)``, not 1, so a misplaced norm cannot hide.
+  """
+  abstract = nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0)))
+  _, params, rest = nnx.split(abstract, nnx.Param, ...)
+  assert not jax.tree.leaves(rest)  # tree mode: the model holds Params only
+  rng = np.random.default_rng(seed)
+
+  def fill(var):
+    noise = rng.normal(size=var.get_value().shape).astype(np.float32)
+    is_norm = var.get_metadata()[shd.LOGICAL_AXES_KEY][-1] == "norm"
+    return var.replace(jnp.asarray(1.0 + 0.1 * noise if is_norm else cfg.init_std * noise))
+
+  return jax.tree.map(fill, params, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def packed_batch(vocab_size: int, doc_lengths=((5, 7), (9, 3, 4)), length: int = 16,
+                 seed: int = 0):
+  """``(tokens, positions, segment_ids)``, ``[rows, length]`` int32, natural order.
+
+  Row ``r`` packs documents of ``doc_lengths[r]`` tokens (segment ids 1, 2,
+  ...; positions restart at 0 per document); the rest of a row is padding
+  (segment 0, position 0).
+  """
+  rows = len(doc_lengths)
+  rng = np.random.default_rng(seed)
+  tokens = rng.integers(0, vocab_size, size=(rows, length)).astype(np.int32)
+  segs = np.zeros((rows, length), np.int32)
+  pos = np.zeros((rows, length), np.int32)
+  for b, lengths in enumerate(doc_lengths):
+    assert sum(lengths) <= length
+    start = 0
+    for d, n in enumerate(lengths):
+      segs[b, start:start + n] = d + 1
+      pos[b, start:start + n] = np.arange(n)
+      start += n
+  return tokens, pos, segs
+
+
+def tiny_config(**overrides):
+  """``configs/tiny.py`` with dotted-path overrides (``{"model.dim": 32}``), as a ConfigDict."""
+  from configs import tiny
+  from training import config as cfg_lib
+
+  return cfg_lib.apply_overrides(tiny.get_config(), overrides.items())
