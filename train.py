@@ -472,6 +472,13 @@ def _fail(status: int, message: str) -> None:
   sys.exit(status)
 
 
+def _drop_orbax_tracebacks(record) -> bool:
+  """Logging filter: keep Orbax's error lines, drop the tracebacks attached to them."""
+  if record.exc_info and f"{os.sep}orbax{os.sep}" in record.pathname:
+    record.exc_info, record.exc_text = None, None
+  return True
+
+
 def _config_path(argv) -> str | None:
   for i, arg in enumerate(argv):
     if arg.startswith("--config="):
@@ -510,6 +517,9 @@ def main(argv) -> None:
                       "--name=value.")
   if not flags.FLAGS["verbosity"].present:
     logging.set_verbosity(logging.WARNING)  # Orbax logs every save step at INFO.
+    # A failed background save makes Orbax log a traceback from each of its threads; the
+    # run reports the failure itself in one line (CheckpointWriteError). -v shows them.
+    logging.get_absl_logger().addFilter(_drop_orbax_tracebacks)
   try:
     config = _CONFIG.value
     # Gin is only another syntax for the same ConfigDict fields (applied after --config.*).

@@ -149,8 +149,9 @@ class Checkpointer:
               state=ocp.args.StandardSave({"params": params, "opt_state": opt_state}),
               data=ocp.args.JsonSave(data_state)),
           force=force)
-    except Exception as e:
-      raise self._write_error(step, e) from e
+    except Exception as e:  # This save failed, or Orbax waited on the previous one and it did.
+      previous_failed = self._writing is not None and self._writing not in self.all_steps()
+      raise self._write_error(self._writing if previous_failed else step, e) from e
     if saved:
       self._writing = step
     return saved
