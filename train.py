@@ -17,6 +17,13 @@ checkpoint). Helpers live in ``training/``.
 Re-running the same command with the same ``--workdir`` resumes from the
 latest checkpoint there, including the data iterator position, so the loss
 curve continues exactly as if the run had not stopped.
+
+Stopping and failing (docs/training.md, "When things go wrong"): SIGTERM or
+SIGINT finishes the current step on every process, saves, and exits 0 with the
+command that resumes; a non-finite loss or gradient norm stops the run with
+exit status 3 and no checkpoint of the diverged state; a checkpoint that cannot
+be written stops it with status 4; a corrupt newest checkpoint is moved aside
+and the one before it restored; config and flag errors are one line, status 2.
 """
 
 from __future__ import annotations
