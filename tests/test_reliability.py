@@ -2,6 +2,7 @@
 checkpoints, a failing disk, bad command lines. Each run uses a tiny config (seconds)."""
 
 import errno
+import json
 import os
 import re
 import signal
@@ -150,3 +151,19 @@ def test_bad_command_lines_give_one_line_and_exit_2(tmp_path, flags, expected):
   assert len(lines) == 1 and lines[0].startswith("config error:"), proc.stderr
   assert expected in lines[0]
   assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_resumed_metrics_keep_one_row_per_step(tmp_path):
+  from training import metrics as metrics_lib
+
+  path = tmp_path / "metrics.jsonl"
+  rows = [{"step": s, "train/loss": 1.0 / s} for s in (1, 2, 3, 4)] + [{"step": 4, "eval/x": 0}]
+  path.write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 5, "trai')  # cut short
+  assert metrics_lib.truncate_jsonl(str(path), 2) == 4
+  assert [json.loads(l) for l in path.read_text().splitlines()] == rows[:2]
+  assert metrics_lib.truncate_jsonl(str(path), 2) == 0  # nothing past step 2 left
+  writer = metrics_lib.MetricWriter(str(tmp_path), resume_step=1, enabled=True)
+  writer.write(2, {"loss": 0.25}, prefix="train/")
+  writer.close()
+  assert [json.loads(l) for l in path.read_text().splitlines()] == [
+      rows[0], {"step": 2, "train/loss": 0.25}]
