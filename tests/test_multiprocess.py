@@ -27,14 +27,14 @@ def test_two_processes_preempted_then_resumed_by_one_match_one_process(tmp_path)
   procs = start_two(workdir)
   try:
     head = tp.wait_for(procs[0], r"step +2/1000")
-    assert "(2 process(es)); mesh {'data': 2, 'sequence': 4, 'tensor': 1}" in head
-    # The notice reaches one process only; JAX's preemption sync point makes both stop.
-    procs[1].send_signal(signal.SIGTERM)
-    results = [tp.finish(p) for p in procs]
-  finally:
+  except AssertionError:
     for p in procs:
-      if p.poll() is None:
-        p.kill()
+      p.kill()
+    raise
+  assert "(2 process(es)); mesh {'data': 2, 'sequence': 4, 'tensor': 1}" in head
+  # The notice reaches one process only; JAX's preemption sync point makes both stop.
+  procs[1].send_signal(signal.SIGTERM)
+  results = tp.finish_all(procs)
   for rc, out in results:
     assert rc == 0, out[-3000:]
   stopped = re.search(r"stopped by SIGTERM \(preemption notice\) after step (\d+)",
@@ -50,8 +50,7 @@ def test_two_processes_preempted_then_resumed_by_one_match_one_process(tmp_path)
   assert resumed.returncode == 0, resumed.stderr[-3000:]
   assert f"resumed from step {k} " in resumed.stdout and "(1 process(es))" in resumed.stdout
   # ... then two processes again (each restores its part of a 1-process checkpoint) ...
-  procs = start_two(workdir, f"--stop_at_step={k + 4}")
-  results = [tp.finish(p) for p in procs]
+  results = tp.finish_all(start_two(workdir, f"--stop_at_step={k + 4}"))
   for rc, out in results:
     assert rc == 0, out[-3000:]
   assert f"resumed from step {k + 2} " in results[0][1]

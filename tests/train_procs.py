@@ -61,8 +61,24 @@ def wait_for(proc: subprocess.Popen, pattern: str, timeout: float = 240) -> str:
 
 
 def finish(proc: subprocess.Popen, timeout: float = 240) -> tuple[int, str]:
-  out, _ = proc.communicate(timeout=timeout)
+  """Waits for ``proc`` (killing it if it overruns); returns (exit status, output)."""
+  try:
+    out, _ = proc.communicate(timeout=timeout)
+  except subprocess.TimeoutExpired:
+    proc.kill()
+    out, _ = proc.communicate()
+    raise AssertionError(f"still running after {timeout}s; output:\n{out[-4000:]}") from None
   return proc.returncode, out
+
+
+def finish_all(procs: list[subprocess.Popen], timeout: float = 240) -> list[tuple[int, str]]:
+  """:func:`finish` for each; none is left running, whatever happens."""
+  try:
+    return [finish(p, timeout) for p in procs]
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
 
 
 def free_port() -> int:
