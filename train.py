@@ -182,8 +182,9 @@ class StopRequest:
   ``multihost_utils.reached_preemption_sync_point(step)``, True on every process
   at the same step (the largest step any process had reached, plus one). A
   SIGINT there is forwarded to ourselves as SIGTERM so it takes the same path.
-  A second signal of the same kind restores the previous handler and re-sends
-  it, so a second Ctrl-C exits at once.
+  A second signal of the same kind (that reaches our handler: SIGINT, or SIGTERM
+  on one process) restores the previous handler and re-sends it, so a second
+  Ctrl-C exits at once.
   """
 
   SIGNALS = (signal.SIGTERM, signal.SIGINT)
