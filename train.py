@@ -17,6 +17,13 @@ checkpoint). Helpers live in ``training/``.
 Re-running the same command with the same ``--workdir`` resumes from the
 latest checkpoint there, including the data iterator position, so the loss
 curve continues exactly as if the run had not stopped.
+
+Stopping and failing (docs/training.md, "When things go wrong"): SIGTERM or
+SIGINT finishes the current step on every process, saves, and exits 0 with the
+command that resumes; a non-finite loss or gradient norm stops the run with
+exit status 3 and no checkpoint of the diverged state; a checkpoint that cannot
+be written stops it with status 4; a corrupt newest checkpoint is moved aside
+and the one before it restored; config and flag errors are one line, status 2.
 """
 
 from __future__ import annotations
@@ -24,7 +31,10 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import shlex
+import signal
 import sys
+import threading
 import time
 from typing import Any
 
@@ -48,10 +58,15 @@ from training import step as step_lib
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 
+_DEFAULT_CONFIG = os.path.join(_HERE, "configs", "tiny.py")
+# No default here: ml_collections would load it (and apply --config.* overrides) while this
+# module is imported, where a typo could only end in a traceback. parse_flags() puts the
+# default on the command line instead.
 _CONFIG = config_flags.DEFINE_config_file(
-    "config", os.path.join(_HERE, "configs", "tiny.py"),
+    "config", None,
     "ml_collections config file (`path.py` or `path.py:arg`); override fields with "
-    "--config.<field>=<value>.", lock_config=True)
+    "--config.<field>=<value>. Default: configs/tiny.py.",
+    lock_config=True)
 _WORKDIR = flags.DEFINE_string(
     "workdir", None, "Checkpoints, metrics.jsonl and TensorBoard events; an existing run here "
     "is resumed. Default: runs/<config file name>.")
@@ -68,7 +83,12 @@ _DISTRIBUTED = flags.DEFINE_enum(
     "server); 'off' never.")
 _STOP_AT_STEP = flags.DEFINE_integer(
     "stop_at_step", None, "Stop (with a checkpoint) after this step although the schedule "
-    "runs to total_steps: simulates preemption; rerun to resume.")
+    "runs to total_steps: simulates preemption; rerun to resume.", lower_bound=1)
+
+# Exit statuses besides 0 (done, or stopped cleanly by a signal / --stop_at_step).
+EXIT_USAGE = 2  # bad flag, config, gin binding, or no checkpoint in the workdir restores
+EXIT_DIVERGED = 3  # non-finite loss or gradient norm
+EXIT_CHECKPOINT_WRITE = 4  # a checkpoint could not be written (disk full, quota, I/O)
 
 
 # ----------------------------------------------------------------------------
@@ -149,6 +169,74 @@ def simulate_cpu_devices(config, num_processes: int = 1) -> None:
 # ----------------------------------------------------------------------------
 
 
+class Diverged(RuntimeError):
+  """A step produced a non-finite loss or gradient norm; the run stops without saving it."""
+
+
+class StopRequest:
+  """SIGTERM / SIGINT -> finish the current step, agree on it, save, exit cleanly.
+
+  One process: our own handler sets a flag that the loop reads after each step.
+  Several processes (``jax.distributed``): JAX's coordination service already
+  listens to SIGTERM (its preemption notifier) and propagates the notice to
+  every process; :meth:`reached` is then
+  ``multihost_utils.reached_preemption_sync_point(step)``, True on every process
+  at the same step (the largest step any process had reached, plus one). A
+  SIGINT there is forwarded to ourselves as SIGTERM so it takes the same path.
+  A second signal of the same kind (that reaches our handler: SIGINT, or SIGTERM
+  on one process) restores the previous handler and re-sends it, so a second
+  Ctrl-C exits at once.
+  """
+
+  SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+  def __init__(self):
+    self.received: str | None = None
+    self._previous: dict[int, Any] = {}
+    self._multi = jax.process_count() > 1
+    self._jax_notice = self._multi and bool(jax.config.jax_enable_preemption_service)
+
+  def install(self) -> "StopRequest":
+    if threading.current_thread() is not threading.main_thread():
+      return self  # signal.signal only works there (e.g. train() called from a worker thread)
+    for sig in self.SIGNALS:
+      if self._jax_notice and sig == signal.SIGTERM:
+        continue  # JAX's C++ handler; replacing it would hide the notice from other processes.
+      self._previous[sig] = signal.signal(sig, self._handle)
+    return self
+
+  def uninstall(self) -> None:
+    for sig, handler in self._previous.items():
+      signal.signal(sig, handler)
+    self._previous.clear()
+
+  def _handle(self, signum, frame) -> None:
+    name = signal.Signals(signum).name
+    if self.received is not None:  # Second signal: give up on the clean stop.
+      signal.signal(signum, self._previous.pop(signum, signal.SIG_DFL))
+      os.kill(os.getpid(), signum)
+      return
+    self.received = name
+    print(f"{name} received: finishing the current step, then saving a checkpoint and "
+          f"exiting (send {name} again to exit at once without saving)", file=sys.stderr,
+          flush=True)
+    if self._jax_notice:
+      os.kill(os.getpid(), signal.SIGTERM)  # Hand it to JAX's preemption notifier.
+
+  def reached(self, step: int) -> bool:
+    """Whether to stop after ``step`` (called once per step, same steps on every process)."""
+    if self._jax_notice:
+      from jax.experimental import multihost_utils
+      if multihost_utils.reached_preemption_sync_point(step):
+        self.received = self.received or "SIGTERM (preemption notice)"
+        return True
+      return False
+    if self._multi:  # Preemption service disabled: agree through a collective each step.
+      from jax.experimental import multihost_utils
+      return bool(np.max(multihost_utils.process_allgather(np.int32(self.received is not None))))
+    return self.received is not None
+
+
 @dataclasses.dataclass
 class TrainResult:
   """What :func:`train` leaves behind besides the files in the workdir."""
@@ -158,11 +246,22 @@ class TrainResult:
   opt_state: Any
   step: int
   mesh: Any
+  stopped_by: str | None = None  # the signal that stopped the run early, if any
+  checkpoint_dir: str | None = None
 
 
 def train(config, workdir: str, *, stop_at_step: int | None = None) -> TrainResult:
-  """Trains (or resumes) per ``config`` in ``workdir``; see the module docstring."""
+  """Trains (or resumes) per ``config`` in ``workdir``; see the module docstring.
+
+  Raises:
+    ConfigError: a setting that cannot work (before anything compiles).
+    NoRestorableCheckpointError: ``workdir`` has checkpoints and none restores.
+    Diverged: a non-finite loss or gradient norm (no checkpoint of it is written).
+    CheckpointWriteError: a checkpoint could not be written (earlier ones intact).
+  """
   log = metrics_lib.log
+  if stop_at_step is not None and stop_at_step < 1:
+    raise cfg_lib.ConfigError(f"stop_at_step must be >= 1, got {stop_at_step}.")
 
   # --- 1. Mesh and config checks: fail before anything is compiled -------------------------
   sizes = cfg_lib.validate_config(config, jax.device_count())
@@ -174,6 +273,17 @@ def train(config, workdir: str, *, stop_at_step: int | None = None) -> TrainResu
       f"({jax.process_count()} process(es)); mesh {sizes}; attention={model_cfg.attention} "
       f"layout={model_cfg.layout} ring={ring_size}")
 
+  # Installed early: a signal during compilation still ends in a clean stop after one step.
+  stop = StopRequest().install()
+  try:
+    return _train(config, workdir, stop_at_step, stop, mesh, model_cfg, ring_size)
+  finally:
+    stop.uninstall()
+
+
+def _train(config, workdir, stop_at_step, stop, mesh, model_cfg, ring_size) -> TrainResult:
+  log = metrics_lib.log
+  seq_len, batch_size = config.data.seq_len, config.batch_size
   with jax.set_mesh(mesh):
     # --- 2. Model and optimizer, created directly sharded ----------------------------------
     abstract_model = nnx.eval_shape(lambda: llama.Llama(model_cfg, rngs=nnx.Rngs(config.seed)))
@@ -185,16 +295,16 @@ def train(config, workdir: str, *, stop_at_step: int | None = None) -> TrainResu
     log(f"model: {model_cfg.num_params() / 1e6:.2f}M params, "
         f"{model_cfg.flops_per_token(seq_len) / 1e6:.2f} MFLOP/token (train, with attention)")
 
-    # --- 3. Resume from the latest checkpoint in workdir, or initialise -------------------
+    # --- 3. Resume from the newest checkpoint in workdir that restores, or initialise -----
     checkpointer = ckpt_lib.Checkpointer(workdir, every=config.checkpoint_every,
                                          keep=config.keep_checkpoints,
                                          async_save=config.async_checkpointing)
-    start_step = checkpointer.latest_step()
-    if start_step is not None:
-      abstract_opt = jax.eval_shape(tx.init, abstract_params)
-      params, opt_state, data_state = checkpointer.restore(
-          start_step, ckpt_lib.abstract_like(abstract_params, param_shardings),
-          ckpt_lib.abstract_like(abstract_opt, opt_shardings))
+    abstract_opt = jax.eval_shape(tx.init, abstract_params)
+    restored = checkpointer.restore_latest(
+        ckpt_lib.abstract_like(abstract_params, param_shardings),
+        ckpt_lib.abstract_like(abstract_opt, opt_shardings), warn=log)
+    if restored is not None:
+      start_step, params, opt_state, data_state = restored
       log(f"resumed from step {start_step} in {checkpointer.directory}")
     else:
       start_step, data_state = 0, None
@@ -234,12 +344,26 @@ def train(config, workdir: str, *, stop_at_step: int | None = None) -> TrainResu
         tokens_per_step=batch_size * seq_len,
         flops_per_token=model_cfg.flops_per_token(seq_len), peak_flops=peak_flops,
         num_devices=jax.device_count())
-    writer = metrics_lib.MetricWriter(workdir)
+    writer = metrics_lib.MetricWriter(workdir, resume_step=start_step)
     progress = metrics_lib.Progress(end_step, start_step)
     history: list[dict[str, float]] = []
     evals: list[dict[str, float]] = []
-    pending: list[tuple[int, dict]] = []  # device metrics not yet fetched (no per-step sync)
+    # Metrics are fetched one step behind (the device keeps one step queued) and checked
+    # for divergence as they arrive; `fetched` holds the rows of the current log window.
+    pending: list[tuple[int, dict]] = []
+    fetched: list[dict[str, float]] = []
     last_saved = start_step if start_step else None
+    last_row: dict[str, float] = {}
+
+    def fetch(upto: int) -> None:
+      """Fetches the metrics of steps <= ``upto``; raises Diverged on a non-finite one."""
+      nonlocal last_row
+      while pending and pending[0][0] <= upto:
+        s, m = pending.pop(0)
+        row = last_row = dict(step=s, **{k: float(v) for k, v in jax.device_get(m).items()})
+        fetched.append(row)
+        if not (math.isfinite(row["loss"]) and math.isfinite(row["grad_norm"])):
+          raise Diverged(divergence_message(config, row, checkpointer, last_saved))
 
     def run_eval(step: int) -> None:
       result = evaluate(eval_step, params, eval_dataset, config.eval_batches, batch_sharding,
@@ -252,38 +376,79 @@ def train(config, workdir: str, *, stop_at_step: int | None = None) -> TrainResu
       writer.write(step, result, prefix="eval/")
       log(f"eval @ {step}: " + " | ".join(f"{k} {v:.4f}" for k, v in result.items()))
 
-    for step in range(start_step + 1, end_step + 1):
-      batch = data_lib.to_global(next(train_iter), batch_sharding, train_shape)
-      params, opt_state, step_metrics = train_step(params, opt_state, batch)
-      throughput.tick()
-      pending.append((step, step_metrics))
+    def save(step: int, force: bool = False) -> None:
+      nonlocal last_saved
+      if force or step % config.checkpoint_every == 0:
+        fetch(step)  # Never save the state of a diverged step.
+      try:
+        if checkpointer.save(step, params, opt_state, train_iter.get_state(), force=force):
+          last_saved = step
+      except ckpt_lib.NonFiniteStateError:  # Finite metrics, non-finite state: still diverged.
+        raise Diverged(divergence_message(config, last_row, checkpointer, last_saved,
+                                          state=True)) from None
 
-      logged = step % config.log_every == 0 or step == end_step
-      if logged:
-        fetched = [(s, jax.device_get(m)) for s, m in pending]  # Blocks: times are real.
-        pending.clear()
-        rows = [dict(step=s, **{k: float(v) for k, v in m.items()}) for s, m in fetched]
-        history.extend(rows)
-        window = {k: float(np.mean([r[k] for r in rows])) for k in ("loss", "accuracy",
-                                                                    "grad_norm")}
-        window.update(throughput.window(), learning_rate=float(schedule(step - 1)))
-        writer.write(step, window, prefix="train/")
-        progress.log(step, window)
+    stopped_by = None
+    step = start_step
+    try:
+      for step in range(start_step + 1, end_step + 1):
+        batch = data_lib.to_global(next(train_iter), batch_sharding, train_shape)
+        params, opt_state, step_metrics = train_step(params, opt_state, batch)
+        throughput.tick()
+        pending.append((step, step_metrics))
+        checkpointer.check_for_errors()  # A failed background save stops the run here.
+        fetch(step - 1)
 
-      if step % config.eval_every == 0 or step == config.total_steps:
-        run_eval(step)
-      if checkpointer.save(step, params, opt_state, train_iter.get_state()):
-        last_saved = step
-      if logged:
-        throughput.reset()  # Exclude eval/checkpoint time from the next window.
+        stopping = stop.reached(step)  # Exactly once per step, on every process.
+        logged = step % config.log_every == 0 or step == end_step or stopping
+        if logged:
+          fetch(step)  # Blocks: times are real.
+          rows, fetched[:] = list(fetched), []
+          history.extend(rows)
+          window = {k: float(np.mean([r[k] for r in rows])) for k in ("loss", "accuracy",
+                                                                      "grad_norm")}
+          window.update(throughput.window(), learning_rate=float(schedule(step - 1)))
+          writer.write(step, window, prefix="train/")
+          progress.log(step, window)
 
-    # Final checkpoint (also when stopped early), then wait for async writes to land.
-    if end_step > start_step and last_saved != end_step:
-      checkpointer.save(end_step, params, opt_state, train_iter.get_state(), force=True)
-    checkpointer.close()
-    writer.close()
+        if stopping:
+          stopped_by = stop.received
+          break
+        if step % config.eval_every == 0 or step == config.total_steps:
+          run_eval(step)
+        save(step)
+        if logged:
+          throughput.reset()  # Exclude eval/checkpoint time from the next window.
+
+      # Final checkpoint (also when stopped early), then wait for async writes to land.
+      fetch(step)
+      if step > start_step and last_saved != step:
+        save(step, force=True)
+      checkpointer.close()
+    except BaseException:
+      try:
+        checkpointer.close()  # Let good in-flight saves land; their errors are secondary.
+      except Exception:
+        pass
+      raise
+    finally:
+      writer.close()
   return TrainResult(history=history, evals=evals, params=params, opt_state=opt_state,
-                     step=end_step, mesh=mesh)
+                     step=step, mesh=mesh, stopped_by=stopped_by,
+                     checkpoint_dir=checkpointer.directory)
+
+
+def divergence_message(config, row, checkpointer, last_saved, state=False) -> str:
+  """What diverged, what was kept, and which settings to change."""
+  what = ("the parameters or optimizer state became non-finite" if state else
+          f"loss {row['loss']:.4g}, grad_norm {row['grad_norm']:.4g}")
+  kept = (f"the newest checkpoint is step {last_saved} in {checkpointer.directory}; rerunning "
+          f"resumes from it" if last_saved else "no checkpoint was written; rerunning starts "
+          "afresh")
+  o = config.optim
+  return (f"training diverged at step {row['step']} ({what}). No checkpoint of a diverged "
+          f"state is written; {kept}. Lower --config.optim.lr (now {o.lr:g}), tighten "
+          f"--config.optim.grad_clip (now {o.grad_clip:g}) or lengthen "
+          f"--config.optim.warmup_steps (now {o.warmup_steps}).")
 
 
 def evaluate(eval_step, params, dataset, num_batches: int, sharding, shape) -> dict[str, float]:
@@ -309,14 +474,66 @@ def evaluate(eval_step, params, dataset, num_batches: int, sharding, shape) -> d
 # ----------------------------------------------------------------------------
 
 
+def _fail(status: int, message: str) -> None:
+  print(message, file=sys.stderr, flush=True)
+  sys.exit(status)
+
+
+def _drop_orbax_tracebacks(record) -> bool:
+  """Logging filter: keep Orbax's error lines, drop the tracebacks attached to them."""
+  if record.exc_info and f"{os.sep}orbax{os.sep}" in record.pathname:
+    record.exc_info, record.exc_text = None, None
+  return True
+
+
+def _config_path(argv) -> str | None:
+  for i, arg in enumerate(argv):
+    if arg.startswith("--config="):
+      return arg.split("=", 1)[1]
+    if arg == "--config" and i + 1 < len(argv):
+      return argv[i + 1]
+  return None
+
+
+def parse_flags(argv: list[str]) -> list[str]:
+  """absl flag parsing that reports a bad flag or config in one line, exit status 2."""
+  argv = list(argv)
+  if _config_path(argv) is None:  # The default, before any --config.* override.
+    argv[1:1] = ["--config", _DEFAULT_CONFIG]
+    sys.argv[:] = argv  # ml_collections reads its overrides from sys.argv.
+  path = _config_path(argv).split(":", 1)[0]
+  if not os.path.isfile(path):
+    _fail(EXIT_USAGE, f"config error: --config file {path!r} does not exist; pass a config "
+                      "file such as configs/tiny.py.")
+  try:
+    return flags.FLAGS(argv)
+  except Exception as e:  # absl flag errors, and whatever the config file or an override raised
+    text = str(e.args[0]) if isinstance(e, KeyError) and e.args else str(e)
+    lines = [l.strip() for l in text.strip().splitlines() if l.strip()]
+    if isinstance(e, KeyError) and lines:  # ConfigDict: "'modell'\nDid you mean ...?"
+      lines[0] = f"the config has no field {lines[0]}."
+    # Tracebacks embedded in the message (ml_collections does that): keep the last line.
+    message = lines[-1] if any(l.startswith("Traceback") for l in lines) else " ".join(lines)
+    _fail(EXIT_USAGE, f"config error: {message} (see --helpfull for the flags; config fields "
+                      "are listed in configs/common.py)")
+
+
 def main(argv) -> None:
   if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    _fail(EXIT_USAGE, f"config error: unexpected arguments {argv[1:]}; flags are written "
+                      "--name=value.")
   if not flags.FLAGS["verbosity"].present:
     logging.set_verbosity(logging.WARNING)  # Orbax logs every save step at INFO.
-  config = _CONFIG.value
-  # Gin is only another syntax for the same ConfigDict fields (applied after --config.*).
-  config = cfg_lib.apply_gin(config, _GIN_FILE.value, _GIN_PARAM.value)
+    # A failed background save makes Orbax log a traceback from each of its threads; the
+    # run reports the failure itself in one line (CheckpointWriteError). -v shows them.
+    logging.get_absl_logger().addFilter(_drop_orbax_tracebacks)
+  try:
+    config = _CONFIG.value
+    # Gin is only another syntax for the same ConfigDict fields (applied after --config.*).
+    config = cfg_lib.apply_gin(config, _GIN_FILE.value, _GIN_PARAM.value)
+  except Exception as e:  # ConfigError, or gin's parser on bad syntax (SyntaxError, ...)
+    prefix = "" if isinstance(e, cfg_lib.ConfigError) else f"gin: {type(e).__name__}: "
+    _fail(EXIT_USAGE, f"config error: {prefix}{' '.join(str(e).split())}")
   num_processes = initialize_distributed(_DISTRIBUTED.value)
   simulate_cpu_devices(config, num_processes)
   workdir = _WORKDIR.value or os.path.join(
@@ -330,16 +547,39 @@ def main(argv) -> None:
   try:
     result = train(config, workdir, stop_at_step=_STOP_AT_STEP.value)
   except cfg_lib.ConfigError as e:
-    print(f"config error: {e}", file=sys.stderr, flush=True)
-    sys.exit(2)
-  if jax.process_index() == 0:
-    first = result.history[0]["loss"] if result.history else float("nan")
-    last = result.history[-1]["loss"] if result.history else float("nan")
-    final_eval = result.evals[-1] if result.evals else {}
-    print(f"done: step {result.step}, train loss {first:.4f} -> {last:.4f}, final eval "
-          + ", ".join(f"{k} {v:.4f}" for k, v in final_eval.items() if k != "step")
-          + f", wall {time.perf_counter() - t0:.1f}s", flush=True)
+    _fail(EXIT_USAGE, f"config error: {e}")
+  except ckpt_lib.NoRestorableCheckpointError as e:
+    _fail(EXIT_USAGE, f"error: {e}")
+  except Diverged as e:
+    _fail(EXIT_DIVERGED, f"error: {e}")
+  except ckpt_lib.CheckpointWriteError as e:
+    _fail(EXIT_CHECKPOINT_WRITE, f"error: {e}")
+  if jax.process_index() != 0:
+    return
+  wall = f"wall {time.perf_counter() - t0:.1f}s"
+  if result.stopped_by is not None:
+    print(f"stopped by {result.stopped_by} after step {result.step}; checkpoint saved in "
+          f"{result.checkpoint_dir}. Resume with: {shlex.join(_resume_command())}",
+          flush=True)
+    return
+  if not result.history:
+    print(f"done: nothing to do, the checkpoint in {result.checkpoint_dir} is already at step "
+          f"{result.step} (total_steps or --stop_at_step); {wall}", flush=True)
+    return
+  final_eval = result.evals[-1] if result.evals else {}
+  print(f"done: step {result.step}, train loss {result.history[0]['loss']:.4f} -> "
+        f"{result.history[-1]['loss']:.4f}"
+        + (", final eval " + ", ".join(f"{k} {v:.4f}" for k, v in final_eval.items()
+                                       if k != "step") if final_eval else "")
+        + f", {wall}", flush=True)
 
+
+def _resume_command() -> list[str]:
+  """This process's command line: running it again resumes."""
+  return ["python", *_ORIGINAL_ARGV]
+
+
+_ORIGINAL_ARGV = list(sys.argv)
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=parse_flags)

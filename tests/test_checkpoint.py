@@ -1,8 +1,11 @@
 """Orbax checkpoints: train state + data state round trip, restore onto another mesh shape."""
 
+import shutil
+
 import jax
 import ml_collections
 import numpy as np
+import pytest
 from flax import nnx
 
 from models import llama
@@ -79,3 +82,128 @@ def test_save_on_one_mesh_restore_on_another_and_keep_last_n(tmp_path):
     assert keeper.save(step, params, opt_state, {"next_index": step})
   keeper.close()
   assert keeper.all_steps() == [2, 3]
+
+
+# --- Reliability: corrupt checkpoints, non-finite state ------------------------------------
+
+
+def targets(tx, mesh):
+  """Abstract (params, opt_state) restore targets with ``mesh``'s shardings."""
+  with jax.set_mesh(mesh):
+    abstract_params = nnx.split(nnx.eval_shape(lambda: llama.Llama(MODEL, rngs=nnx.Rngs(0))),
+                                nnx.Param, ...)[1]
+    p_shard = llama.param_shardings(abstract_params, mesh)
+    o_shard = step_lib.opt_state_shardings(tx, abstract_params, p_shard, mesh)
+    abstract_opt = jax.eval_shape(tx.init, abstract_params)
+  return (ckpt_lib.abstract_like(abstract_params, p_shard),
+          ckpt_lib.abstract_like(abstract_opt, o_shard))
+
+
+def _largest_file(directory):
+  return max((p for p in directory.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+
+
+def _truncate(step_dir):
+  f = _largest_file(step_dir / "state")
+  f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+
+
+def _empty(step_dir):
+  _largest_file(step_dir / "state").write_bytes(b"")
+
+
+def _no_manifest(step_dir):
+  manifests = list(step_dir.rglob("manifest.ocdbt"))
+  assert manifests
+  for m in manifests:
+    m.unlink()
+
+
+def _no_item(name):
+  def corrupt(step_dir):
+    shutil.rmtree(step_dir / name)
+  return corrupt
+
+
+def _bare(step_dir):
+  shutil.rmtree(step_dir)
+  step_dir.mkdir()
+
+
+CORRUPTIONS = {"truncated array file": _truncate, "emptied array file": _empty,
+               "missing manifest": _no_manifest, "missing state/": _no_item("state"),
+               "missing data/": _no_item("data"), "bare numbered directory": _bare}
+
+
+@pytest.fixture(scope="module")
+def saved_state(tmp_path_factory):
+  """State and a workdir with steps 1 and 2 of it (saved once for all tests here)."""
+  mesh = mesh_of(2, 4)
+  tx, params, opt_state, _, _ = make_state(mesh)
+  workdir = tmp_path_factory.mktemp("saved")
+  checkpointer = ckpt_lib.Checkpointer(str(workdir), every=1, keep=5, async_save=False)
+  for step in (1, 2):
+    assert checkpointer.save(step, params, opt_state, {"next_index": step})
+  checkpointer.close()
+  return mesh, tx, params, opt_state, workdir
+
+
+def copy_steps(saved_state, directory):
+  """A copy of the saved workdir at a new path: TensorStore caches what it read or wrote
+  per path within a process, and a restarted run reads from storage."""
+  shutil.copytree(saved_state[-1], directory, dirs_exist_ok=True)
+
+
+@pytest.mark.parametrize("kind", list(CORRUPTIONS))
+def test_corrupt_latest_falls_back_and_is_moved_aside(tmp_path, saved_state, kind):
+  mesh, tx, params, _, _ = saved_state
+  copy_steps(saved_state, tmp_path)
+  CORRUPTIONS[kind](tmp_path / "checkpoints" / "2")
+
+  warnings = []
+  checkpointer = ckpt_lib.Checkpointer(str(tmp_path), every=1, keep=2, async_save=False)
+  step, got_params, _, data = checkpointer.restore_latest(*targets(tx, mesh),
+                                                          warn=warnings.append)
+  assert step == 1 and data == {"next_index": 1}
+  jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
+               got_params, params)
+  # One warning naming the step and why, one saying where it went.
+  assert len(warnings) == 2, warnings
+  assert "checkpoint step 2" in warnings[0] and "(" in warnings[0]
+  moved = list((tmp_path / ckpt_lib.CORRUPT_DIRNAME).iterdir())
+  assert len(moved) == 1 and moved[0].name.startswith("2-") and str(moved[0]) in warnings[1]
+  assert checkpointer.all_steps() == [1]
+
+  # Neither the step listing nor retention ever touches the moved directory again.
+  _, _, p, o, _ = saved_state
+  for s in (2, 3, 4):
+    assert checkpointer.save(s, p, o, {"next_index": s})
+  checkpointer.close()
+  assert checkpointer.all_steps() == [3, 4]
+  assert moved[0].is_dir() and any(moved[0].iterdir()) == (kind != "bare numbered directory")
+
+
+def test_no_restorable_checkpoint_is_an_error_and_moves_nothing(tmp_path, saved_state):
+  mesh, tx, _, _, _ = saved_state
+  copy_steps(saved_state, tmp_path)
+  _empty(tmp_path / "checkpoints" / "2")
+  _no_item("data")(tmp_path / "checkpoints" / "1")
+  checkpointer = ckpt_lib.Checkpointer(str(tmp_path), every=1, keep=2, async_save=False)
+  with pytest.raises(ckpt_lib.NoRestorableCheckpointError, match="step 2: .*step 1: "):
+    checkpointer.restore_latest(*targets(tx, mesh), warn=lambda _: None)
+  checkpointer.close()
+  assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["1", "2"]
+  assert not (tmp_path / ckpt_lib.CORRUPT_DIRNAME).exists()
+
+
+def test_non_finite_state_is_never_saved(tmp_path, saved_state):
+  _, _, params, opt_state, _ = saved_state
+  copy_steps(saved_state, tmp_path)
+  bad = jax.tree.map(lambda x: x * np.nan, params)
+  checkpointer = ckpt_lib.Checkpointer(str(tmp_path), every=1, keep=2, async_save=False)
+  for step in (3, 4):  # Retention would otherwise drop 1 and 2 for these.
+    with pytest.raises(ckpt_lib.NonFiniteStateError, match=f"step {step}"):
+      checkpointer.save(step, bad, opt_state, {"next_index": step})
+  checkpointer.close()
+  assert checkpointer.all_steps() == [1, 2]
+  assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["1", "2"]

@@ -11,15 +11,46 @@ Restoring passes ``jax.ShapeDtypeStruct`` targets carrying the shardings of the
 *current* mesh, so a run saved on ``data=2 x sequence=4`` resumes on
 ``data=1 x sequence=8`` (or any other shape): Orbax reads each device's slice
 of every array straight from storage.
+
+What this module guarantees beyond Orbax:
+
+* No checkpoint with a non-finite parameter or optimizer value is written
+  (:class:`NonFiniteStateError` instead), so retention (``keep``) can never
+  push the last good checkpoints out in favour of diverged ones.
+* A save that fails in the background (disk full, quota, I/O error) surfaces
+  as one :class:`CheckpointWriteError` at the next :meth:`Checkpointer.save`
+  or :meth:`Checkpointer.check_for_errors`; Orbax deletes old steps only after
+  a save has completed, so earlier checkpoints stay intact.
+* :meth:`Checkpointer.restore_latest` falls back to the newest step that
+  restores; the newer, unrestorable ones are moved (never deleted) to
+  ``<workdir>/checkpoints_corrupt/<step>-<UTC time>``, outside the directory
+  Orbax lists and prunes. If no step restores, nothing is moved and
+  :class:`NoRestorableCheckpointError` lists every step and why.
 """
 
 from __future__ import annotations
 
 import os
-from typing import Any
+import time
+from typing import Any, Callable
 
 import jax
+import jax.numpy as jnp
 import orbax.checkpoint as ocp
+
+CORRUPT_DIRNAME = "checkpoints_corrupt"
+
+
+class CheckpointWriteError(RuntimeError):
+  """Writing a checkpoint failed (in the background, for async saves)."""
+
+
+class NonFiniteStateError(ValueError):
+  """The state to save holds NaN or inf: saving it would replace good checkpoints."""
+
+
+class NoRestorableCheckpointError(RuntimeError):
+  """The checkpoint directory holds steps, but none of them restores."""
 
 
 def abstract_like(tree, shardings):
@@ -28,19 +59,46 @@ def abstract_like(tree, shardings):
                       shardings)
 
 
+@jax.jit
+def _all_finite(tree) -> jax.Array:
+  leaves = [x for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
+  return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves])) if leaves else True
+
+
+def all_finite(tree) -> bool:
+  """Whether every floating-point value in ``tree`` is finite (one fused reduction)."""
+  return bool(jax.device_get(_all_finite(tree)))
+
+
+def _one_line(error: BaseException) -> str:
+  """``Type: first line of the message`` (Orbax/TensorStore errors run to many lines)."""
+  lines = [l.strip() for l in str(error).strip().splitlines() if l.strip()]
+  return f"{type(error).__name__}: {lines[0] if lines else '(no message)'}"
+
+
+def _agree(ok: bool) -> bool:
+  """True only if ``ok`` holds on every process (a no-op on a single process)."""
+  if jax.process_count() == 1:
+    return ok
+  from jax.experimental import multihost_utils
+  import numpy as np
+  return bool(np.all(multihost_utils.process_allgather(np.int32(ok))))
+
+
 class Checkpointer:
   """Periodic + final saves into ``<workdir>/checkpoints``, keeping the last ``keep``."""
 
   def __init__(self, workdir: str, *, every: int, keep: int, async_save: bool = True):
-    self.directory = os.path.join(os.path.abspath(workdir), "checkpoints")
-    policies = ocp.checkpoint_managers
+    self.workdir = os.path.abspath(workdir)
+    self.directory = os.path.join(self.workdir, "checkpoints")
+    self.every = every
+    self._writing: int | None = None  # step of the newest save that may still be in flight
+    # Preemption saves are not an Orbax policy here: train.py decides the stop step
+    # (JAX's preemption sync point on several processes, a signal flag on one) and
+    # calls save(force=True), so one code path serves both.
     options = ocp.CheckpointManagerOptions(
         max_to_keep=keep, create=True, enable_async_checkpointing=async_save,
-        # Every `every` steps, and when JAX reports a preemption notice (TPU/multi-host).
-        # Unlike Orbax's default, no extra save of a fresh run's first step.
-        save_decision_policy=policies.AnySavePolicy([
-            policies.FixedIntervalPolicy(every),
-            policies.PreemptionCheckpointingPolicy()]))
+        save_decision_policy=ocp.checkpoint_managers.FixedIntervalPolicy(every))
     self.manager = ocp.CheckpointManager(self.directory, options=options,
                                          item_names=("state", "data"))
 
@@ -48,7 +106,25 @@ class Checkpointer:
     return self.manager.latest_step()
 
   def all_steps(self) -> list[int]:
-    return list(self.manager.all_steps())
+    return sorted(self.manager.all_steps())
+
+  # --- Saving -----------------------------------------------------------------------------
+
+  def check_for_errors(self) -> None:
+    """Raises :class:`CheckpointWriteError` if a background save has failed."""
+    try:
+      self.manager.check_for_errors()
+    except Exception as e:  # Whatever the storage raised (OSError, TensorStore's ValueError).
+      raise self._write_error(self._writing, e) from e
+
+  def _write_error(self, step: int | None, error: BaseException) -> CheckpointWriteError:
+    good = [s for s in self.all_steps() if s != step]
+    intact = (f"earlier checkpoints are intact (newest: step {good[-1]})" if good
+              else "no earlier checkpoint exists")
+    return CheckpointWriteError(
+        f"writing the checkpoint of step {step} to {self.directory} failed: "
+        f"{_one_line(error)}. The run stopped; {intact}. Free space or fix the directory "
+        "(quota, permissions, mount), then rerun the same command to resume.")
 
   def save(self, step: int, params, opt_state, data_state: dict[str, Any], *,
            force: bool = False) -> bool:
@@ -56,13 +132,45 @@ class Checkpointer:
 
     With async saving Orbax copies the arrays to host memory before returning,
     so the train step may donate (overwrite) them right after.
+
+    Raises:
+      CheckpointWriteError: this save, or an earlier background one, failed.
+      NonFiniteStateError: ``params`` or ``opt_state`` hold NaN/inf (nothing is written).
     """
-    return self.manager.save(
-        step,
-        args=ocp.args.Composite(
-            state=ocp.args.StandardSave({"params": params, "opt_state": opt_state}),
-            data=ocp.args.JsonSave(data_state)),
-        force=force)
+    self.check_for_errors()
+    if not force and step % self.every:
+      return False
+    if not all_finite((params, opt_state)):
+      raise NonFiniteStateError(f"the state of step {step} holds NaN or inf; not saving it.")
+    try:
+      saved = self.manager.save(
+          step,
+          args=ocp.args.Composite(
+              state=ocp.args.StandardSave({"params": params, "opt_state": opt_state}),
+              data=ocp.args.JsonSave(data_state)),
+          force=force)
+    except Exception as e:  # This save failed, or Orbax waited on the previous one and it did.
+      previous_failed = self._writing is not None and self._writing not in self.all_steps()
+      raise self._write_error(self._writing if previous_failed else step, e) from e
+    if saved:
+      self._writing = step
+    return saved
+
+  def close(self) -> None:
+    """Waits for pending async saves to land, then releases Orbax's threads.
+
+    Raises:
+      CheckpointWriteError: a pending save failed.
+    """
+    try:
+      self.manager.wait_until_finished()
+      self.manager.check_for_errors()
+    except Exception as e:
+      raise self._write_error(self._writing, e) from e
+    finally:
+      self.manager.close()
+
+  # --- Restoring --------------------------------------------------------------------------
 
   def restore(self, step: int, params_target, opt_state_target):
     """Restores ``step`` into the given abstract targets (their shardings decide placement).
@@ -76,12 +184,62 @@ class Checkpointer:
                                             "opt_state": opt_state_target}),
             data=ocp.args.JsonRestore()))
     state = restored["state"]
+    if restored["data"] is None:
+      raise FileNotFoundError("the data iterator state ('data' item) is missing")
     return state["params"], state["opt_state"], restored["data"]
 
-  def wait(self) -> None:
-    """Blocks until pending async saves are durable."""
-    self.manager.wait_until_finished()
+  def restore_latest(self, params_target, opt_state_target,
+                     warn: Callable[[str], None] = print):
+    """Restores the newest step that restores, or returns None if there are no steps.
 
-  def close(self) -> None:
-    self.manager.wait_until_finished()
-    self.manager.close()
+    A step that fails to restore (truncated or missing files, no ``state`` or
+    ``data`` item, non-finite values) gets one ``warn`` line naming the step
+    and the reason; once an older step restores, the bad newer ones are moved
+    to ``<workdir>/checkpoints_corrupt/`` so Orbax neither lists nor prunes
+    them. On several processes a step counts as restored only if it restored
+    on every process.
+
+    Returns:
+      ``(step, params, opt_state, data_state)`` or None.
+    Raises:
+      NoRestorableCheckpointError: there are steps but none restores (nothing moved).
+    """
+    steps = self.all_steps()
+    failures: list[tuple[int, str]] = []
+    for step in reversed(steps):
+      try:
+        params, opt_state, data_state = self.restore(step, params_target, opt_state_target)
+        reason = None if all_finite((params, opt_state)) else "it holds NaN or inf values"
+      except Exception as e:  # Corruption shows as many error types (OSError, ValueError, ...).
+        reason = _one_line(e)
+      if not _agree(reason is None):
+        reason = reason or "it failed to restore on another process"
+        warn(f"warning: checkpoint step {step} in {self.directory} does not restore "
+             f"({reason}); trying the previous one.")
+        failures.append((step, reason))
+        continue
+      for bad, _ in failures:
+        moved = self._move_aside(bad)
+        warn(f"warning: moved the unrestorable checkpoint step {bad} to {moved} "
+             "(kept for inspection, not deleted).")
+      return step, params, opt_state, data_state
+    if failures:
+      listing = "; ".join(f"step {s}: {r}" for s, r in failures)
+      raise NoRestorableCheckpointError(
+          f"no checkpoint in {self.directory} restores ({listing}). Nothing was moved or "
+          "deleted. If the config changed (model shape), use the original config; otherwise "
+          "start afresh with a new --workdir, or move the checkpoints directory aside.")
+    return None
+
+  def _move_aside(self, step: int) -> str:
+    """Moves step ``step``'s directory out of Orbax's view; returns where it went."""
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    target = os.path.join(self.workdir, CORRUPT_DIRNAME, f"{step}-{stamp}")
+    if jax.process_index() == 0:
+      os.makedirs(os.path.dirname(target), exist_ok=True)
+      os.rename(os.path.join(self.directory, str(step)), target)
+    if jax.process_count() > 1:
+      from jax.experimental import multihost_utils
+      multihost_utils.sync_global_devices(f"ring_jax_move_aside_{step}")
+    self.manager.reload()  # Forget the step: no save or retention may touch it again.
+    return target

@@ -78,18 +78,28 @@ class Throughput:
 
 
 class MetricWriter:
-  """TensorBoard event files + ``metrics.jsonl`` in the workdir; only process 0 writes."""
+  """TensorBoard event files + ``metrics.jsonl`` in the workdir; only process 0 writes.
 
-  def __init__(self, workdir: str, *, enabled: bool | None = None):
+  One curve per workdir: a run resumed from step ``resume_step`` first drops
+  the ``metrics.jsonl`` rows past that step (rows of steps the resumed run
+  does again, written before the stop), and TensorBoard is told to purge its
+  events from ``resume_step + 1`` on (``purge_step``), so neither holds two
+  values for one step. A fresh run (``resume_step=0``) in a workdir with old
+  rows but no checkpoint starts both afresh the same way.
+  """
+
+  def __init__(self, workdir: str, *, resume_step: int = 0, enabled: bool | None = None):
     self.enabled = jax.process_index() == 0 if enabled is None else enabled
     self._tb = None
     self._jsonl = None
     if self.enabled:
       os.makedirs(workdir, exist_ok=True)
+      path = os.path.join(workdir, "metrics.jsonl")
+      dropped = truncate_jsonl(path, resume_step)
       from tensorboardX import SummaryWriter  # Lazy: only process 0 needs it.
-      self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
-      # Append: a resumed run continues the same file (rows carry their step).
-      self._jsonl = open(os.path.join(workdir, "metrics.jsonl"), "a")
+      self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"),
+                               purge_step=resume_step + 1 if dropped else None)
+      self._jsonl = open(path, "a")  # Rows carry their step; a resumed run appends.
 
   def write(self, step: int, metrics: dict[str, Any], prefix: str = "") -> None:
     if not self.enabled:
@@ -100,14 +110,37 @@ class MetricWriter:
     self._jsonl.write(json.dumps({"step": step, **scalars}) + "\n")
     self._jsonl.flush()
 
-  def text(self, tag: str, text: str, step: int = 0) -> None:
-    if self.enabled:
-      self._tb.add_text(tag, text, step)
-
   def close(self) -> None:
     if self.enabled:
       self._tb.close()
       self._jsonl.close()
+
+
+def truncate_jsonl(path: str, last_step: int) -> int:
+  """Drops the rows of ``path`` whose ``step`` is past ``last_step``; returns how many.
+
+  Lines that do not parse (a row cut short by a kill) are dropped too. The
+  file is replaced atomically, so a crash here leaves the old file.
+  """
+  if not os.path.exists(path):
+    return 0
+  with open(path) as f:
+    lines = f.read().splitlines()
+  kept = []
+  for line in lines:
+    try:
+      row = json.loads(line)
+    except json.JSONDecodeError:
+      continue
+    if isinstance(row, dict) and row.get("step", 0) <= last_step:
+      kept.append(line)
+  if len(kept) == len(lines):
+    return 0
+  tmp = path + ".tmp"
+  with open(tmp, "w") as f:
+    f.write("".join(l + "\n" for l in kept))
+  os.replace(tmp, path)
+  return len(lines) - len(kept)
 
 
 class Progress:

@@ -1,0 +1,169 @@
+"""`train.py` under hostile conditions, as real subprocesses: signals, divergence, corrupt
+checkpoints, a failing disk, bad command lines. Each run uses a tiny config (seconds)."""
+
+import errno
+import json
+import os
+import re
+import signal
+
+import numpy as np
+import pytest
+
+import train_procs as tp
+from training import checkpoint as ckpt_lib
+
+
+def test_sigterm_and_sigint_finish_the_step_save_and_exit_0(tmp_path):
+  workdir = tmp_path / "run"
+  flags = ("--config.total_steps=1000", "--config.checkpoint_every=1000")
+  proc = tp.start(workdir, *flags)
+  tp.wait_for(proc, r"step +2/1000")
+  proc.send_signal(signal.SIGTERM)
+  rc, out = tp.finish(proc)
+  assert rc == 0, out[-3000:]
+  stopped = re.search(r"stopped by SIGTERM after step (\d+); checkpoint saved in (\S+)\. "
+                      r"Resume with: (.*)", out)
+  assert stopped, out[-3000:]
+  first = int(stopped.group(1))
+  assert 2 <= first < 1000 and stopped.group(2) == str(workdir / "checkpoints")
+  assert "train.py" in stopped.group(3) and f"--workdir={workdir}" in stopped.group(3)
+  assert tp.checkpoint_steps(workdir) == [first]  # off the interval: saved for the stop
+  assert [r["step"] for r in tp.train_rows(workdir)] == list(range(1, first + 1))
+
+  # The same command resumes; Ctrl-C (SIGINT) stops it the same way.
+  proc = tp.start(workdir, *flags)
+  tp.wait_for(proc, rf"resumed from step {first} ")
+  tp.wait_for(proc, rf"step +{first + 2}/1000")
+  proc.send_signal(signal.SIGINT)
+  rc, out = tp.finish(proc)
+  assert rc == 0 and "Traceback" not in out, out[-3000:]
+  second = int(re.search(r"stopped by SIGINT after step (\d+)", out).group(1))
+  assert second >= first + 2
+  assert tp.checkpoint_steps(workdir) == [first, second]
+  assert [r["step"] for r in tp.train_rows(workdir)] == list(range(1, second + 1))
+
+
+def _empty_largest_array_file(step_dir):
+  files = [p for p in (step_dir / "state").rglob("*") if p.is_file()]
+  max(files, key=lambda p: p.stat().st_size).write_bytes(b"")
+
+
+def test_divergence_stops_without_saving_then_corrupt_latest_falls_back(tmp_path):
+  workdir = tmp_path / "run"
+  flags = ("--config.total_steps=8", "--config.checkpoint_every=2",
+           "--config.keep_checkpoints=2")
+  good = tp.run(workdir, *flags, "--stop_at_step=4")
+  assert good.returncode == 0, good.stderr[-3000:]
+  assert tp.checkpoint_steps(workdir) == [2, 4]
+  reference = {r["step"]: r["train/loss"] for r in tp.train_rows(workdir)}
+
+  # A learning rate that blows up: stops at the first non-finite step, exit 3, one line
+  # naming the step and the fix; no checkpoint of it, and retention keeps 2 and 4.
+  bad = tp.run(workdir, *flags, "--config.optim.lr=1e30")
+  assert bad.returncode == 3, bad.stdout[-2000:] + bad.stderr[-3000:]
+  error = bad.stderr.strip().splitlines()[-1]
+  diverged = re.search(r"training diverged at step (\d+)", error)
+  assert diverged and int(diverged.group(1)) > 4, error
+  assert "--config.optim.lr (now 1e+30)" in error and "step 4" in error
+  assert "Traceback" not in bad.stderr
+  assert tp.checkpoint_steps(workdir) == [2, 4]
+
+  # Corrupt the newest checkpoint: the next run warns once about it, moves it aside,
+  # resumes from 2 and redoes 3..6 on the same curve; metrics.jsonl keeps one row a step.
+  _empty_largest_array_file(workdir / "checkpoints" / "4")
+  resumed = tp.run(workdir, *flags, "--stop_at_step=6")
+  assert resumed.returncode == 0, resumed.stderr[-3000:]
+  warnings = [l for l in resumed.stdout.splitlines() if l.startswith("warning:")]
+  assert len(warnings) == 2 and "checkpoint step 4" in warnings[0], warnings
+  assert "resumed from step 2 " in resumed.stdout
+  moved = list((workdir / ckpt_lib.CORRUPT_DIRNAME).iterdir())
+  assert [p.name.split("-")[0] for p in moved] == ["4"]
+  assert tp.checkpoint_steps(workdir) == [4, 6]
+  rows = tp.train_rows(workdir)
+  assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
+  np.testing.assert_allclose([r["train/loss"] for r in rows[:4]],
+                             [reference[s] for s in (1, 2, 3, 4)], rtol=1e-6)
+  assert all(np.isfinite(r["train/loss"]) for r in rows)
+
+  # Nothing restores: exit 2 with one line listing each step and why; nothing moved.
+  for step in (4, 6):
+    _empty_largest_array_file(workdir / "checkpoints" / str(step))
+  broken = tp.run(workdir, *flags)
+  assert broken.returncode == 2, broken.stderr[-3000:]
+  last = broken.stderr.strip().splitlines()[-1]
+  assert last.startswith("error: no checkpoint in") and "step 6: " in last and "step 4: " in last
+  assert tp.checkpoint_steps(workdir) == [4, 6]
+  assert "Traceback" not in broken.stderr
+
+
+# Test-only: runs train.py with Orbax's background JSON write failing like a full disk at
+# one step. Patches a private Orbax function in this subprocess only; nothing in the
+# shipped code knows about it.
+FAILING_DISK = '''
+import errno, runpy, sys
+from orbax.checkpoint._src.handlers import json_checkpoint_handler as handler
+
+FAIL_STEP = {step!r}
+original = handler.JsonCheckpointHandler._save_fn
+
+async def failing_save_fn(self, item, directory):
+  # directory: <checkpoints>/<step>.orbax-checkpoint-tmp.../data...
+  if directory.parent.name.split(".")[0] == FAIL_STEP:
+    raise OSError(errno.ENOSPC, "No space left on device (injected by the test)")
+  return await original(self, item, directory)
+
+handler.JsonCheckpointHandler._save_fn = failing_save_fn
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+'''
+
+
+def test_failing_background_save_stops_the_run_with_one_error(tmp_path):
+  wrapper = tmp_path / "failing_disk.py"
+  wrapper.write_text(FAILING_DISK.format(step="4"))
+  workdir = tmp_path / "run"
+  proc = tp.run(workdir, "--config.total_steps=40", "--config.checkpoint_every=2",
+                "--config.async_checkpointing=True", wrapper=str(wrapper))
+  assert proc.returncode == 4, proc.stdout[-2000:] + proc.stderr[-3000:]
+  assert "Traceback" not in proc.stderr
+  errors = [l for l in proc.stderr.splitlines() if l.startswith("error:")]
+  assert len(errors) == 1, proc.stderr
+  assert ("writing the checkpoint of step 4" in errors[0]
+          and os.strerror(errno.ENOSPC) in errors[0] and "newest: step 2" in errors[0])
+  # Stopped soon after (the write fails in the background), far from the end.
+  last_step = max(r["step"] for r in tp.train_rows(workdir))
+  assert 4 <= last_step < 12
+  assert tp.checkpoint_steps(workdir) == [2]  # step 2 intact; no step 4 listed
+
+
+@pytest.mark.parametrize("flags, expected", [
+    (("--config", "no_such_config.py"), "does not exist"),
+    (("--config.modell.num_layers=2",), 'Did you mean "model"'),
+    (("--gin_param=modell.num_layers = 2",), "no field 'modell'"),
+    (("--gin_param=model.num_layers = (",), "gin"),
+    (("--stop_at_step=-3",), "--stop_at_step=-3"),
+])
+def test_bad_command_lines_give_one_line_and_exit_2(tmp_path, flags, expected):
+  proc = tp.run(tmp_path / "run", *flags, timeout=120)
+  assert proc.returncode == 2, proc.stderr[-3000:]
+  lines = proc.stderr.strip().splitlines()
+  assert len(lines) == 1 and lines[0].startswith("config error:"), proc.stderr
+  assert expected in lines[0]
+  assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_resumed_metrics_keep_one_row_per_step(tmp_path):
+  from training import metrics as metrics_lib
+
+  path = tmp_path / "metrics.jsonl"
+  rows = [{"step": s, "train/loss": 1.0 / s} for s in (1, 2, 3, 4)] + [{"step": 4, "eval/x": 0}]
+  path.write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 5, "trai')  # cut short
+  assert metrics_lib.truncate_jsonl(str(path), 2) == 4
+  assert [json.loads(l) for l in path.read_text().splitlines()] == rows[:2]
+  assert metrics_lib.truncate_jsonl(str(path), 2) == 0  # nothing past step 2 left
+  writer = metrics_lib.MetricWriter(str(tmp_path), resume_step=1, enabled=True)
+  writer.write(2, {"loss": 0.25}, prefix="train/")
+  writer.close()
+  assert [json.loads(l) for l in path.read_text().splitlines()] == [
+      rows[0], {"step": 2, "train/loss": 0.25}]
