@@ -2,6 +2,7 @@
 
 import functools
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -144,7 +145,8 @@ def test_bfloat16_inputs_keep_dtype_and_accuracy():
   q, k, v = qkv(9, 1, 64, 2, 1, 16)
   out = jax.jit(functools.partial(ring_jax.ring_attention_sharded, mesh=mesh, is_causal=True,
                                   layout="zigzag"))(*(x.astype(jnp.bfloat16) for x in (q, k, v)))
-  assert out.dtype == jnp.bfloat16
+  chex.assert_type(out, jnp.bfloat16)
+  chex.assert_shape(out, q.shape)
   expected = ring_jax.reference_attention(q, k, v, is_causal=True)
   assert_close(out, expected, rtol=2e-2, atol=2e-2, what="bf16 forward")
 
