@@ -13,9 +13,16 @@ Shapes (local to one device; ``N = K * G`` query heads in ``K`` groups of ``G``)
   q      ``[B, T, K, G, H]``   local queries, input dtype
   k, v   ``[B, S, K, H]``      the K/V shard held at this hop, input dtype
   o      ``[B, T, K, G, H]``   float32 un-normalised output accumulator
-  m, l   ``[B, T, K, G]``      float32 running row max / row sum of exp
+  m, l   ``[B, T, K, G]``      float32 running row max (``-inf`` until the row meets a
+                               visible key) / row sum of exp (exactly 0 until then)
   lse    ``[B, T, K, G]``      float32 log-sum-exp of the finished forward
   delta  ``[B, T, K, G]``      float32 ``rowsum(dO * O)`` (FlashAttention-2, Alg. 2)
+
+Kernels keep non-finite inputs visible and read nothing masked: masked scores
+are ``-inf`` (never a finite floor, which huge scales would cross), a row whose
+max is still ``-inf`` subtracts 0 instead of it, no ``l > 0`` style guard turns
+a NaN into 0 (:func:`finalize` treats only ``l == 0`` as an empty row), and
+values at masked pairs never reach an output (``0 * NaN`` is NaN).
 
 References: Dao et al., FlashAttention (2022) Alg. 1 and FlashAttention-2
 (2023) Alg. 1-2 for the per-block update; Liu et al., Ring Attention (2023)
