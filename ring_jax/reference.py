@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
 from ring_jax import scheduling
@@ -59,10 +60,17 @@ def reference_attention(query, key, value, *, is_causal: bool = False, segment_i
   p = jnp.where(mask[:, None, None], jnp.exp(scores - row_max), 0.0)
   denom = p.sum(-1, keepdims=True)
   p = p / jnp.where(denom == 0, 1.0, denom)
-  # p is 0 at masked pairs, but 0 * NaN = NaN: read only V's finite values, and mark the
-  # output elements that see a non-finite one through a visible pair.
-  bad = ~jnp.isfinite(v)
-  out = jnp.einsum("bkgts,bskh->btkgh", p, jnp.where(bad, 0, v))
-  reads_bad = jnp.einsum("bts,bskh->btkh", mask.astype(acc), bad.astype(acc)) > 0
-  out = jnp.where(reads_bad[:, :, :, None, :], jnp.nan, out).reshape(b, t, n, h)
-  return out.astype(query.dtype)
+  def p_at_v():
+    return jnp.einsum("bkgts,bskh->btkgh", p, v)
+
+  def p_at_finite_v():
+    # p is 0 at masked pairs, but 0 * NaN = NaN: read only V's finite values, and mark
+    # the output elements that see a non-finite one through a visible pair.
+    bad = ~jnp.isfinite(v)
+    out = jnp.einsum("bkgts,bskh->btkgh", p, jnp.where(bad, 0, v))
+    reads_bad = jnp.einsum("bts,bskh->btkh", mask.astype(acc), bad.astype(acc)) > 0
+    return jnp.where(reads_bad[:, :, :, None, :], jnp.nan, out)
+
+  # The second matmul only when V holds a non-finite value (the dense model path runs this).
+  out = jax.lax.cond(jnp.isfinite(v).all(), p_at_v, p_at_finite_v)
+  return out.reshape(b, t, n, h).astype(query.dtype)
