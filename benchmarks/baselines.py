@@ -141,7 +141,7 @@ def allgather_attention(query, key, value, *, axis_name, is_causal: bool = False
   n = jax.lax.axis_size(axis_name)
   b, t, nh, h = query.shape
   kh = key.shape[2]
-  layouts.check_local_length(layout, t)
+  layouts.check_length(layout, n, n * t, "query length")
   if key.shape[1] != t:
     raise ValueError("the all-gather baseline needs equal local query and key lengths.")
   block_q = default_block(layout, t) if block_q is None else block_q

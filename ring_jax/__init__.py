@@ -6,16 +6,20 @@ Public API:
   reference_attention     dense single-device oracle with the same arguments.
   blockwise_ffn           chunked, rematerialised position-wise feed-forward.
   flax_attention_fn       ring attention as a Flax attention module's attention_fn=.
-  to_layout / from_layout / layout_positions / schedule
-                          contiguous, zigzag and striped layouts.
+  to_layout / from_layout / layout_positions
+                          contiguous, zigzag and striped layouts (ring_jax.layouts).
   shard_to_layout / shard_from_layout
                           the same reorder inside shard_map, with collectives.
+  schedule / Schedule     the block pairs each device computes at each hop
+                          (ring_jax.scheduling; the module is not called
+                          ``schedule`` so it cannot shadow this function).
 """
 
 from ring_jax.ffn import blockwise_ffn
 from ring_jax.flax_attention import flax_attention_fn
-from ring_jax.layouts import (LAYOUTS, Schedule, from_layout, layout_positions, local_positions,
-                              schedule, shard_from_layout, shard_to_layout, to_layout)
+from ring_jax.layouts import (LAYOUTS, from_layout, layout_positions, local_positions,
+                              shard_from_layout, shard_to_layout, to_layout)
+from ring_jax.scheduling import Schedule, schedule
 from ring_jax.hop import Carry, HopKernel, HopMasks, HopSpec, XlaHopKernel
 from ring_jax.reference import reference_attention
 from ring_jax.ring import ring_attention

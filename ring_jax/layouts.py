@@ -1,4 +1,4 @@
-"""Sequence layouts for ring attention and the block schedule they induce.
+"""Sequence layouts for ring attention: which tokens each device holds, and where they sit.
 
 A *layout* says which global token positions each device of the ring holds.
 With ``n`` devices and global length ``L`` (local length ``L/n``):
@@ -14,27 +14,24 @@ With ``n`` devices and global length ``L`` (local length ``L/n``):
 Arrays are laid out "in layout order": the global array is the concatenation
 of the devices' local shards, so sharding the sequence axis evenly over the
 ring gives each device exactly its tokens. :func:`to_layout` /
-:func:`from_layout` convert between natural order and layout order, and
-:func:`layout_positions` gives each token's global position (for RoPE and
-masks) in layout order.
+:func:`from_layout` convert between natural order and layout order (and
+:func:`shard_to_layout` / :func:`shard_from_layout` do it shard by shard inside
+``shard_map``), and :func:`layout_positions` gives each token's global position
+(for RoPE and masks) in layout order. :func:`check_length` is the one check
+that a length splits over a ring in a layout.
 
-:func:`schedule` returns, as plain numpy data, which query block meets which
-key/value block on which device at which hop. The ring kernel iterates over
-exactly these block pairs, so tests and benchmarks that inspect the schedule
-inspect what is computed.
+The block schedule and the masks these positions induce live in
+:mod:`ring_jax.scheduling`.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-from typing import Literal
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-Layout = Literal["contiguous", "zigzag", "striped"]
 LAYOUTS: tuple[str, ...] = ("contiguous", "zigzag", "striped")
 
 
@@ -43,28 +40,38 @@ def check_layout(layout: str) -> None:
     raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}.")
 
 
-def check_local_length(layout: str, local_len: int, what: str = "local sequence length") -> None:
-  """Raises ValueError if ``layout`` cannot split a shard of ``local_len`` tokens."""
-  check_layout(layout)
-  if local_len < 1:
-    raise ValueError(f"{what} must be positive, got {local_len}.")
-  if layout == "zigzag" and local_len % 2:
-    raise ValueError(
-        f"layout='zigzag' holds two chunks per device, so the {what} must be even; got "
-        f"{local_len}. Pad the sequence to a multiple of 2 * ring_size, or use "
-        "layout='striped' or 'contiguous'.")
+def length_multiple(layout: str, ring_size: int) -> int:
+  """Sequence lengths ``layout`` can split over ``ring_size`` devices are multiples of this.
 
-
-def _check_global(layout: str, ring_size: int, length: int) -> int:
+  ``ring_size`` (one shard per device), or ``2 * ring_size`` for zigzag (two
+  chunks per device).
+  """
   check_layout(layout)
   if ring_size < 1:
     raise ValueError(f"ring_size must be >= 1, got {ring_size}.")
+  return 2 * ring_size if layout == "zigzag" else ring_size
+
+
+def check_length(layout: str, ring_size: int, length: int, what: str = "sequence length") -> int:
+  """Checks that ``layout`` splits ``length`` tokens over ``ring_size`` devices; returns the
+  local length ``length // ring_size``.
+
+  Raises ValueError naming the length to pad to (see :func:`length_multiple`).
+  ``what`` names the length in the message (e.g. ``"query length"``).
+  """
+  multiple = length_multiple(layout, ring_size)
+  if length < 1:
+    raise ValueError(f"{what} must be positive, got {length}.")
   if length % ring_size:
     raise ValueError(
-        f"sequence length {length} is not divisible by the ring size {ring_size}; pad it "
-        f"to a multiple of {ring_size * (2 if layout == 'zigzag' else 1)}.")
+        f"{what} {length} is not divisible by the ring size {ring_size}; pad it to a multiple "
+        f"of {multiple}.")
   local_len = length // ring_size
-  check_local_length(layout, local_len)
+  if length % multiple:
+    raise ValueError(
+        f"layout={layout!r} holds two chunks per device, so the local length ({what} "
+        f"{length} / ring size {ring_size} = {local_len}) must be even; pad the {what} to a "
+        f"multiple of {multiple}, or use layout='striped' or 'contiguous'.")
   return local_len
 
 
@@ -92,7 +99,7 @@ def local_positions(layout: str, ring_size: int, local_len: int, device):
 @functools.lru_cache(maxsize=256)
 def _permutation(layout: str, ring_size: int, length: int) -> np.ndarray:
   """perm[k] = natural position of the token at layout-order index k."""
-  local_len = _check_global(layout, ring_size, length)
+  local_len = check_length(layout, ring_size, length)
   perm = np.concatenate(
       [local_positions(layout, ring_size, local_len, d) for d in range(ring_size)])
   perm.setflags(write=False)
@@ -131,177 +138,6 @@ def _gather(x, index: np.ndarray, axis: int):
     idx = (slice(None),) * axis + (jnp.asarray(index),)
     return x.at[idx].get(out_sharding=sharding)
   return jnp.take(x, jnp.asarray(index), axis=axis)
-
-
-def normalize_window(local_window_size) -> tuple[int, int] | None:
-  """``int w`` -> ``(w, w)``; ``(left, right)`` kept; ``None`` kept.
-
-  Same meaning as ``jax.nn.dot_product_attention``: query at position ``p``
-  may attend keys in ``[p - left, p + right]``.
-  """
-  if local_window_size is None:
-    return None
-  if isinstance(local_window_size, (int, np.integer)):
-    w = (int(local_window_size), int(local_window_size))
-  else:
-    try:
-      left, right = local_window_size
-    except (TypeError, ValueError):
-      raise TypeError(
-          "local_window_size must be an int or a (left, right) pair of ints, got "
-          f"{local_window_size!r}.") from None
-    w = (int(left), int(right))
-  if w[0] < 0 or w[1] < 0:
-    raise ValueError(f"local_window_size entries must be >= 0, got {local_window_size!r}.")
-  return w
-
-
-def position_mask(q_pos, k_pos, is_causal: bool, window):
-  """Boolean ``[..., Tq, Tk]`` mask allowed by causality and the local window."""
-  xp = np if isinstance(q_pos, np.ndarray) else jnp
-  diff = q_pos[..., :, None] - k_pos[..., None, :]  # >0: key is in the past
-  mask = xp.ones(diff.shape, dtype=bool)
-  if is_causal:
-    mask &= diff >= 0
-  if window is not None:
-    left, right = window
-    mask &= (diff <= left) & (diff >= -right)
-  return mask
-
-
-@dataclasses.dataclass(frozen=True)
-class Schedule:
-  """Which (query block, key/value block) pairs each device computes at each hop.
-
-  At hop ``h`` device ``d`` holds the key/value shard that started on device
-  ``(d - h) mod n`` (K/V travel ``d -> d+1``).
-
-  Attributes:
-    pairs: int32 ``[n, n, Q*K, 2]``: ``pairs[d, h, p] = (q_block, kv_block)`` for
-      ``p < num_pairs[d, h]``; the rest is padding (zeros).
-    num_pairs: int32 ``[n, n]``: number of block pairs device ``d`` computes at hop ``h``.
-    partial: bool ``[n, n, Q*K]``: True where a computed pair is only partly
-      unmasked (the rest are fully visible).
-    block_q, block_kv: block sizes in tokens.
-    layout, ring_size, local_len: what the schedule was built for.
-  """
-  pairs: np.ndarray
-  num_pairs: np.ndarray
-  partial: np.ndarray
-  block_q: int
-  block_kv: int
-  layout: str
-  ring_size: int
-  local_len: int
-
-  @property
-  def active(self) -> np.ndarray:
-    """bool ``[n, n, Q, K]``: block pair (q, kv) computed by device d at hop h."""
-    n = self.ring_size
-    nq, nk = self.local_len // self.block_q, self.local_len // self.block_kv
-    out = np.zeros((n, n, nq, nk), dtype=bool)
-    for d in range(n):
-      for h in range(n):
-        for a, b in self.pairs[d, h, :self.num_pairs[d, h]]:
-          out[d, h, a, b] = True
-    return out
-
-  def work_per_device(self) -> np.ndarray:
-    """``[n]``: block pairs each device computes over the whole ring pass."""
-    return self.num_pairs.sum(axis=1)
-
-  def critical_path(self) -> int:
-    """Block pairs on the critical path: hops are synchronous, so each costs its busiest device."""
-    return int(self.num_pairs.max(axis=0).sum())
-
-
-def block_visibility(q_pos, k_pos, block_q: int, block_kv: int, is_causal: bool, window):
-  """``(any, all)``: bool ``[nq, nk]`` per (query block, key block) pair.
-
-  ``any``: some (query, key) pair in the block pair is allowed by the causal
-  mask / window; ``all``: every pair is. Decided from each block's smallest and
-  largest position: exact for causal masks in every layout and for windows on
-  blocks of consecutive positions (contiguous, zigzag); for striped blocks
-  under a window ``any`` may be True for a pair whose mask is empty, which
-  costs work, never correctness. Works on numpy and on traced jax arrays, so
-  the kernel and :func:`schedule` agree by construction.
-  """
-  xp = np if isinstance(q_pos, np.ndarray) else jnp
-  q = q_pos.reshape(-1, block_q)
-  k = k_pos.reshape(-1, block_kv)
-  d_min = q.min(-1)[:, None] - k.max(-1)[None, :]  # smallest query - key distance
-  d_max = q.max(-1)[:, None] - k.min(-1)[None, :]
-  any_ = xp.ones(d_min.shape, dtype=bool)
-  all_ = xp.ones(d_min.shape, dtype=bool)
-  if is_causal:
-    any_ &= d_max >= 0
-    all_ &= d_min >= 0
-  if window is not None:
-    left, right = window
-    any_ &= (d_min <= left) & (d_max >= -right)
-    all_ &= (d_max <= left) & (d_min >= -right)
-  return any_, all_
-
-
-def block_pairs(q_pos, k_pos, block_q: int, block_kv: int, is_causal: bool, window,
-                also_required=None):
-  """The visible block pairs as a list: ``(pairs [nq*nk, 2], num_pairs, partial [nq*nk])``.
-
-  ``pairs[:num_pairs]`` are the (query block, key block) pairs to compute, in
-  row-major order; the rest is zero padding. ``also_required`` (bool
-  ``[nq, nk]``) removes further pairs, e.g. blocks sharing no document.
-  Numpy or traced jax arrays.
-  """
-  any_, all_ = block_visibility(q_pos, k_pos, block_q, block_kv, is_causal, window)
-  if also_required is not None:
-    any_ = any_ & also_required
-  nk = any_.shape[1]
-  flat = any_.reshape(-1)
-  if isinstance(flat, np.ndarray):
-    (idx,) = np.nonzero(flat)
-    num = len(idx)
-    idx = np.concatenate([idx, np.zeros(flat.size - num, idx.dtype)])
-  else:
-    (idx,) = jnp.nonzero(flat, size=flat.size, fill_value=0)
-    num = flat.sum(dtype=jnp.int32)
-  xp = np if isinstance(flat, np.ndarray) else jnp
-  pairs = xp.stack([idx // nk, idx % nk], axis=-1).astype(np.int32)
-  partial = ~all_.reshape(-1)[idx]
-  return pairs, num, partial
-
-
-@functools.lru_cache(maxsize=256)
-def schedule(layout: str, ring_size: int, local_len: int, block_q: int, block_kv: int,
-             is_causal: bool = False, local_window_size=None) -> Schedule:
-  """Builds the block schedule of a ring pass (see :class:`Schedule`).
-
-  A block pair is skipped when no (query, key) pair in it is allowed by the
-  causal mask / local window given the layout's global positions (see
-  :func:`block_visibility`). The kernel derives the same pairs on device from
-  the same positions, hop by hop, rather than carrying an ``[n, n, P]`` table.
-  Segment ids are data, not layout: the kernel masks them inside a pair.
-  """
-  check_local_length(layout, local_len)
-  if local_len % block_q or local_len % block_kv:
-    raise ValueError(
-        f"block_q={block_q} and block_kv={block_kv} must divide the local sequence length "
-        f"{local_len}.")
-  window = normalize_window(local_window_size)
-  n = ring_size
-  nq, nk = local_len // block_q, local_len // block_kv
-  pos = [local_positions(layout, n, local_len, d) for d in range(n)]
-  pairs = np.zeros((n, n, nq * nk, 2), np.int32)
-  partial = np.zeros((n, n, nq * nk), bool)
-  num_pairs = np.zeros((n, n), np.int32)
-  for d in range(n):
-    for h in range(n):
-      p, m, part = block_pairs(pos[d], pos[(d - h) % n], block_q, block_kv, is_causal, window)
-      pairs[d, h], num_pairs[d, h] = p, m
-      partial[d, h, :m] = part[:m]
-  for arr in (pairs, partial, num_pairs):
-    arr.setflags(write=False)
-  return Schedule(pairs=pairs, num_pairs=num_pairs, partial=partial, block_q=block_q,
-                  block_kv=block_kv, layout=layout, ring_size=n, local_len=local_len)
 
 
 def _zigzag_home(chunk: int, ring_size: int) -> int:
@@ -376,28 +212,3 @@ def _reorder_shard(x, layout, axis_name, axis, inverse):
   y = jax.lax.all_to_all(y, axis_name, axis, axis, tiled=True)   # -> [.., residue, j, ..]
   return jnp.swapaxes(y, axis, axis + 1).reshape(shape)
 
-
-def length_multiple(layout: str, ring_size: int) -> int:
-  """What every global sequence length must be a multiple of: the ring size, twice it for zigzag.
-
-  Zigzag cuts the sequence into ``2 * ring_size`` chunks (two per device);
-  contiguous and striped need only an equal share per device.
-  """
-  check_layout(layout)
-  if ring_size < 1:
-    raise ValueError(f"ring_size must be >= 1, got {ring_size}.")
-  return ring_size * (2 if layout == "zigzag" else 1)
-
-
-def check_length(layout: str, ring_size: int, length: int, what: str = "sequence length") -> int:
-  """Raises ValueError naming the fix unless ``layout`` can split ``length`` over the ring.
-
-  Returns the local (per-device) length ``length // ring_size``.
-  """
-  multiple = length_multiple(layout, ring_size)
-  if length < 1 or length % multiple:
-    why = " (zigzag holds two chunks per device)" if layout == "zigzag" else ""
-    raise ValueError(
-        f"{what} {length} does not split over a ring of {ring_size} devices with "
-        f"layout={layout!r}{why}: pad it to a multiple of {multiple}.")
-  return length // ring_size

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
-from ring_jax import layouts
+from ring_jax import scheduling
 from ring_jax import validation
 
 
@@ -17,9 +18,11 @@ def reference_attention(query, key, value, *, is_causal: bool = False, segment_i
     query: ``[B, T, N, H]``.
     key, value: ``[B, S, K, H]`` with ``N % K == 0`` (GQA/MQA share K/V heads).
     is_causal: key position must not exceed query position.
-    segment_ids: int ``[B, T]`` (requires ``T == S``): tokens attend only within
-      equal ids; id 0 is padding (its queries output 0, its keys are never attended).
-    scale: score scale, default ``1/sqrt(H)``.
+    segment_ids: integer ``[B, T]`` (requires ``T == S``): tokens attend only
+      within equal ids; id 0 is padding (its queries output 0, its keys are
+      never attended); any other value, negative included, is a document id.
+    scale: score scale, default ``1/sqrt(H)``; must be finite in the score
+      dtype (float32, or float64 for float64 inputs).
     local_window_size: ``int`` or ``(left, right)``: query at position ``p``
       attends keys in ``[p-left, p+right]`` (as in ``jax.nn.dot_product_attention``).
     q_positions, kv_positions: int ``[T]`` / ``[S]`` or ``[B, T]`` / ``[B, S]``
@@ -28,32 +31,46 @@ def reference_attention(query, key, value, *, is_causal: bool = False, segment_i
 
   Returns:
     ``[B, T, N, H]`` in ``query.dtype``. Rows that attend nothing are 0.
+    Masked (including padding) keys are never read: a non-finite value there
+    changes nothing. A non-finite value in a visible score makes its row
+    non-finite (as dense IEEE arithmetic would), and an output element that
+    reads a non-finite value of ``value`` through a visible pair is NaN.
   """
   validation.check_qkv(query, key, value, is_causal=is_causal or local_window_size is not None,
                        segment_ids=segment_ids)
-  window = layouts.normalize_window(local_window_size)
+  window = scheduling.normalize_window(local_window_size)
   b, t, n, h = query.shape
   s, kh = key.shape[1], key.shape[2]
   g = n // kh
-  if scale is None:
-    scale = h ** -0.5
   acc = jnp.float64 if query.dtype == jnp.float64 else jnp.float32
+  scale = validation.check_scale(scale, h, acc)
   q = query.astype(acc).reshape(b, t, kh, g, h)
   k, v = key.astype(acc), value.astype(acc)
   scores = jnp.einsum("btkgh,bskh->bkgts", q, k) * scale
   qp = jnp.arange(t, dtype=jnp.int32) if q_positions is None else jnp.asarray(q_positions)
   kp = jnp.arange(s, dtype=jnp.int32) if kv_positions is None else jnp.asarray(kv_positions)
-  mask = layouts.position_mask(qp, kp, is_causal, window)
-  mask = jnp.broadcast_to(mask, (b, t, s)) if mask.ndim == 3 else mask[None]
+  mask = scheduling.position_mask(qp, kp, is_causal, window)
+  mask = jnp.broadcast_to(mask, (b, t, s))
   if segment_ids is not None:
-    seg = jnp.asarray(segment_ids)
-    mask = mask & (seg[:, :, None] == seg[:, None, :]) & (seg[:, :, None] != 0)
-  mask = mask[:, None, None]  # [B, 1, 1, T, S]
-  scores = jnp.where(mask, scores, -jnp.inf)
+    mask = mask & scheduling.segment_mask(jnp.asarray(segment_ids), jnp.asarray(segment_ids))
+  scores = jnp.where(mask[:, None, None], scores, -jnp.inf)  # mask [B, 1, 1, T, S]
   row_max = jnp.max(scores, axis=-1, keepdims=True)
-  row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
-  p = jnp.where(mask, jnp.exp(scores - row_max), 0.0)
+  # Only an all -inf row (nothing visible) is shifted by 0 instead; +inf and NaN stay.
+  row_max = jnp.where(row_max == -jnp.inf, 0.0, row_max)
+  p = jnp.where(mask[:, None, None], jnp.exp(scores - row_max), 0.0)
   denom = p.sum(-1, keepdims=True)
-  p = p / jnp.where(denom > 0, denom, 1.0)
-  out = jnp.einsum("bkgts,bskh->btkgh", p, v).reshape(b, t, n, h)
-  return out.astype(query.dtype)
+  p = p / jnp.where(denom == 0, 1.0, denom)
+  def p_at_v():
+    return jnp.einsum("bkgts,bskh->btkgh", p, v)
+
+  def p_at_finite_v():
+    # p is 0 at masked pairs, but 0 * NaN = NaN: read only V's finite values, and mark
+    # the output elements that see a non-finite one through a visible pair.
+    bad = ~jnp.isfinite(v)
+    out = jnp.einsum("bkgts,bskh->btkgh", p, jnp.where(bad, 0, v))
+    reads_bad = jnp.einsum("bts,bskh->btkh", mask.astype(acc), bad.astype(acc)) > 0
+    return jnp.where(reads_bad[:, :, :, None, :], jnp.nan, out)
+
+  # The second matmul only when V holds a non-finite value (the dense model path runs this).
+  out = jax.lax.cond(jnp.isfinite(v).all(), p_at_v, p_at_finite_v)
+  return out.reshape(b, t, n, h).astype(query.dtype)

@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from ring_jax import layouts
+from ring_jax import scheduling
 from ring_jax import validation
 from ring_jax.hop import HopKernel, HopMasks, HopSpec, XlaHopKernel, finalize, init_carry
 
@@ -73,10 +74,12 @@ def ring_attention(query, key, value, *, axis_name, is_causal: bool = False, seg
       travel around the ring (GQA/MQA without repeating K/V).
     axis_name: mesh axis the sequence is sharded over (the ring).
     is_causal: causal mask over global positions.
-    segment_ids: local int ``[B, T]``: attention only within equal ids; 0 is
-      padding (pad queries output 0; pad keys are never attended). Travels
-      around the ring with K/V.
-    scale: score scale, default ``1/sqrt(H)``.
+    segment_ids: local integer ``[B, T]`` (any integer dtype, compared as
+      given): attention only within equal ids; 0 is padding (pad queries
+      output 0; pad keys are never attended); every other value, negative ones
+      included, is a document id. Travels around the ring with K/V.
+    scale: score scale, default ``1/sqrt(H)``; must be finite in float32 (the
+      scores are float32).
     local_window_size: ``int`` or ``(left, right)`` sliding window over
       global positions (as in ``jax.nn.dot_product_attention``).
     layout: ``"contiguous"``, ``"zigzag"`` or ``"striped"`` (see
@@ -91,7 +94,10 @@ def ring_attention(query, key, value, *, axis_name, is_causal: bool = False, seg
 
   Returns:
     local ``[B, T, N, H]`` in ``query.dtype``, equal to dense attention over
-    the global sequence.
+    the global sequence. Rows that attend nothing (padding, or a window and
+    mask that leave no key) are 0. A non-finite value in q, k or v makes the
+    outputs that read it (through a visible query-key pair) non-finite, as in
+    :func:`ring_jax.reference_attention`; everything else stays exact.
   """
   cfg = _make_config(query, key, value, axis_name=axis_name, is_causal=is_causal,
                      segment_ids=segment_ids, scale=scale, local_window_size=local_window_size,
@@ -100,8 +106,6 @@ def ring_attention(query, key, value, *, axis_name, is_causal: bool = False, seg
   b, t, n, h = query.shape
   kh = key.shape[2]
   q = query.reshape(b, t, kh, n // kh, h)
-  if segment_ids is not None:
-    segment_ids = segment_ids.astype(jnp.int32)
   out = _ring(cfg, q, key, value, segment_ids)
   return out.reshape(b, t, n, h)
 
@@ -119,20 +123,21 @@ def _make_config(query, key, value, *, axis_name, is_causal, segment_ids, scale,
                  local_window_size, layout, block_q, block_kv, precision,
                  hop_kernel) -> _RingConfig:
   layouts.check_layout(layout)
-  window = layouts.normalize_window(local_window_size)
+  window = scheduling.normalize_window(local_window_size)
   validation.check_qkv(query, key, value, is_causal=is_causal or window is not None,
                        segment_ids=segment_ids)
+  scale = validation.check_scale(scale, query.shape[-1], "float32")
   ring_size = _axis_size(axis_name)
   t, s = query.shape[1], key.shape[1]
-  layouts.check_local_length(layout, t, "local query length")
-  layouts.check_local_length(layout, s, "local key/value length")
+  layouts.check_length(layout, ring_size, t * ring_size, "query length")
+  layouts.check_length(layout, ring_size, s * ring_size, "key/value length")
   if layout != "contiguous" and t != s:
     raise ValueError(f"layout={layout!r} needs equal local query and key lengths, got {t}, {s}.")
   block_q = default_block(layout, t) if block_q is None else block_q
   block_kv = default_block(layout, s) if block_kv is None else block_kv
   validation.check_block("block_q", block_q, t)
   validation.check_block("block_kv", block_kv, s)
-  spec = HopSpec(scale=float(query.shape[-1] ** -0.5 if scale is None else scale),
+  spec = HopSpec(scale=scale,
                  is_causal=bool(is_causal), window=window, block_q=int(block_q),
                  block_kv=int(block_kv), precision=precision)
   return _RingConfig(axis_name=axis_name, ring_size=ring_size, layout=layout, spec=spec,
@@ -140,13 +145,12 @@ def _make_config(query, key, value, *, axis_name, is_causal, segment_ids, scale,
 
 
 def _varying_axes(x) -> frozenset:
-  """Manual mesh axes ``x`` varies over inside ``shard_map`` (empty outside)."""
-  aval = jax.typeof(x)
-  vma = getattr(aval, "vma", None)  # older spelling
-  if vma is None:
-    mat = getattr(aval, "manual_axis_type", None)
-    vma = getattr(mat, "varying", frozenset())
-  return frozenset(vma or ())
+  """Manual mesh axes ``x`` varies over inside ``shard_map`` (empty outside).
+
+  ``jax.typeof(x).manual_axis_type.varying`` on jax 0.10 through 0.12 (the
+  older ``aval.vma`` spelling is gone on all three).
+  """
+  return frozenset(jax.typeof(x).manual_axis_type.varying)
 
 
 def _varying_like(x, *refs):
@@ -162,26 +166,6 @@ def _varying_like(x, *refs):
   return jax.lax.pcast(x, missing, to="varying")
 
 
-def _blocks_share_a_segment(q_seg, kv_seg, block_q: int, block_kv: int):
-  """bool ``[nq, nk]``: some batch row has a non-padding id in both blocks' id ranges.
-
-  A pair of blocks whose segment-id ranges are disjoint in every row (e.g.
-  different packed documents, or padding) has an empty mask and is skipped.
-  Ranges make this exact for documents stored as consecutive runs of ids and
-  conservative otherwise.
-  """
-  def ranges(seg, block):
-    seg = seg.reshape(seg.shape[0], -1, block)
-    big = jnp.iinfo(jnp.int32).max
-    lo = jnp.min(jnp.where(seg > 0, seg, big), axis=-1)  # padding-only block: lo > hi
-    hi = jnp.max(jnp.where(seg > 0, seg, 0), axis=-1)
-    return lo, hi
-  q_lo, q_hi = ranges(q_seg, block_q)
-  k_lo, k_hi = ranges(kv_seg, block_kv)
-  overlap = (q_lo[:, :, None] <= k_hi[:, None, :]) & (k_lo[:, None, :] <= q_hi[:, :, None])
-  return overlap.any(axis=0)
-
-
 def _hop_masks(cfg: _RingConfig, device, hop, q_pos, s, q_seg, kv_seg) -> HopMasks:
   """Positions of the K/V shard held at ``hop`` and the block pairs to compute.
 
@@ -194,9 +178,9 @@ def _hop_masks(cfg: _RingConfig, device, hop, q_pos, s, q_seg, kv_seg) -> HopMas
   spec = cfg.spec
   shared_docs = None
   if q_seg is not None:
-    shared_docs = _blocks_share_a_segment(q_seg, kv_seg, spec.block_q, spec.block_kv)
-  pairs, num_pairs, _ = layouts.block_pairs(q_pos, kv_pos, spec.block_q, spec.block_kv,
-                                            spec.is_causal, spec.window, shared_docs)
+    shared_docs = scheduling.blocks_share_a_segment(q_seg, kv_seg, spec.block_q, spec.block_kv)
+  pairs, num_pairs, _ = scheduling.block_pairs(q_pos, kv_pos, spec.block_q, spec.block_kv,
+                                               spec.is_causal, spec.window, shared_docs)
   return HopMasks(q_positions=q_pos, kv_positions=kv_pos, q_segment_ids=q_seg,
                   kv_segment_ids=kv_seg, pairs=pairs, num_pairs=num_pairs)
 
@@ -208,24 +192,30 @@ def _rotate(cfg: _RingConfig, *xs):
 
 
 def _forward(cfg: _RingConfig, q, k, v, seg):
-  """Returns ``(out [B,T,K,G,H], lse [B,T,K,G])``."""
+  """Returns ``(out [B,T,K,G,H], lse [B,T,K,G])``.
+
+  Profiles name the parts ``ring_fwd/hop`` (every hop but the last, one loop
+  body), ``ring_fwd/last_hop`` and ``ring_fwd/send_kv`` (the K/V transfer).
+  """
   n = cfg.ring_size
   t, s = q.shape[1], k.shape[1]
   device = jax.lax.axis_index(cfg.axis_name)
   q_pos = layouts.local_positions(cfg.layout, n, t, device)
   carry = jax.tree.map(lambda x: _varying_like(x, q), init_carry(q))
 
-  def hop(h, k, v, kv_seg, carry):
-    masks = _hop_masks(cfg, device, h, q_pos, s, seg, kv_seg)
-    return cfg.kernel.forward(q, k, v, carry, masks, cfg.spec)
+  def hop(name, h, k, v, kv_seg, carry):
+    with jax.named_scope(name):
+      masks = _hop_masks(cfg, device, h, q_pos, s, seg, kv_seg)
+      return cfg.kernel.forward(q, k, v, carry, masks, cfg.spec)
 
   def body(h, state):
     k, v, kv_seg, carry = state
-    k_next, v_next, seg_next = _rotate(cfg, k, v, kv_seg)
-    return k_next, v_next, seg_next, hop(h, k, v, kv_seg, carry)
+    with jax.named_scope("send_kv"):
+      k_next, v_next, seg_next = _rotate(cfg, k, v, kv_seg)
+    return k_next, v_next, seg_next, hop("hop", h, k, v, kv_seg, carry)
 
   k, v, kv_seg, carry = jax.lax.fori_loop(0, n - 1, body, (k, v, seg, carry))
-  carry = hop(n - 1, k, v, kv_seg, carry)  # last hop: nothing left to send
+  carry = hop("last_hop", n - 1, k, v, kv_seg, carry)  # nothing left to send
   return finalize(carry, q.dtype)
 
 
@@ -237,6 +227,10 @@ def _backward(cfg: _RingConfig, q, k, v, seg, out, lse, do):
   hop) is still in flight, and only then adds the two. So neither the K/V
   transfer for the next hop nor the accumulator transfer for this one sits on
   the critical path in front of the hop's compute.
+
+  Profiles name the parts ``ring_bwd/hop_0``, ``ring_bwd/hop`` (the loop
+  body), ``ring_bwd/last_hop``, and the transfers ``ring_bwd/send_kv``,
+  ``ring_bwd/send_dkv`` and ``ring_bwd/dkv_home``.
   """
   n = cfg.ring_size
   t, s = q.shape[1], k.shape[1]
@@ -250,32 +244,39 @@ def _backward(cfg: _RingConfig, q, k, v, seg, out, lse, do):
     # while a single MQA K/V head is replicated); summed back out at the end.
     return _varying_like(jnp.zeros(k.shape, jnp.float32), k, q)
 
-  def hop(h, k, v, kv_seg, dq):
+  def hop(name, h, k, v, kv_seg, dq):
     """This hop's dQ (accumulated) and dK/dV contributions (fresh)."""
-    masks = _hop_masks(cfg, device, h, q_pos, s, seg, kv_seg)
-    return cfg.kernel.backward(q, k, v, do, lse, delta, masks, cfg.spec, dq, zeros_kv(),
-                               zeros_kv())
+    with jax.named_scope(name):
+      masks = _hop_masks(cfg, device, h, q_pos, s, seg, kv_seg)
+      return cfg.kernel.backward(q, k, v, do, lse, delta, masks, cfg.spec, dq, zeros_kv(),
+                                 zeros_kv())
 
-  def step(h, k, v, kv_seg, dq, dk_prev, dv_prev):
+  def send_kv(k, v, kv_seg):
+    with jax.named_scope("send_kv"):
+      return _rotate(cfg, k, v, kv_seg)
+
+  def step(name, h, k, v, kv_seg, dq, dk_prev, dv_prev):
     # dk_prev/dv_prev: accumulators of the shard this device held at hop h-1;
     # the shard held now (from the previous device) arrives with its own.
-    dk_in, dv_in = _rotate(cfg, dk_prev, dv_prev)
-    dq, dk_part, dv_part = hop(h, k, v, kv_seg, dq)
+    with jax.named_scope("send_dkv"):
+      dk_in, dv_in = _rotate(cfg, dk_prev, dv_prev)
+    dq, dk_part, dv_part = hop(name, h, k, v, kv_seg, dq)
     return dq, dk_in + dk_part, dv_in + dv_part
 
   def body(h, state):
     k, v, kv_seg, dq, dk, dv = state
-    k_next, v_next, seg_next = _rotate(cfg, k, v, kv_seg)
-    dq, dk, dv = step(h, k, v, kv_seg, dq, dk, dv)
+    k_next, v_next, seg_next = send_kv(k, v, kv_seg)
+    dq, dk, dv = step("hop", h, k, v, kv_seg, dq, dk, dv)
     return k_next, v_next, seg_next, dq, dk, dv
 
-  k_next, v_next, seg_next = _rotate(cfg, k, v, seg) if n > 1 else (k, v, seg)
-  dq, dk, dv = hop(0, k, v, seg, dq)  # hop 0: the own shard, nothing to receive
+  k_next, v_next, seg_next = send_kv(k, v, seg) if n > 1 else (k, v, seg)
+  dq, dk, dv = hop("hop_0", 0, k, v, seg, dq)  # the own shard, nothing to receive
   if n > 1:
     state = (k_next, v_next, seg_next, dq, dk, dv)
     k, v, kv_seg, dq, dk, dv = jax.lax.fori_loop(1, n - 1, body, state)
-    dq, dk, dv = step(n - 1, k, v, kv_seg, dq, dk, dv)  # last hop: no K/V left to send
-  dk, dv = _rotate(cfg, dk, dv)  # n-th transfer: home to the shard's owner
+    dq, dk, dv = step("last_hop", n - 1, k, v, kv_seg, dq, dk, dv)  # no K/V left to send
+  with jax.named_scope("dkv_home"):
+    dk, dv = _rotate(cfg, dk, dv)  # n-th transfer: home to the shard's owner
   extra = tuple(sorted(_varying_axes(dk) - _varying_axes(k), key=str))
   if extra:  # K/V replicated over axes the queries are split over: add the parts
     dk, dv = jax.lax.psum((dk, dv), extra)
@@ -284,17 +285,20 @@ def _backward(cfg: _RingConfig, q, k, v, seg, out, lse, do):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _ring(cfg: _RingConfig, q, k, v, seg):
-  return _forward(cfg, q, k, v, seg)[0]
+  with jax.named_scope("ring_fwd"):
+    return _forward(cfg, q, k, v, seg)[0]
 
 
 def _ring_fwd(cfg: _RingConfig, q, k, v, seg):
-  out, lse = _forward(cfg, q, k, v, seg)
+  with jax.named_scope("ring_fwd"):
+    out, lse = _forward(cfg, q, k, v, seg)
   return out, (q, k, v, seg, out, lse)
 
 
 def _ring_bwd(cfg: _RingConfig, res, do):
   q, k, v, seg, out, lse = res
-  dq, dk, dv = _backward(cfg, q, k, v, seg, out, lse, do)
+  with jax.named_scope("ring_bwd"):
+    dq, dk, dv = _backward(cfg, q, k, v, seg, out, lse, do)
   return dq, dk, dv, None
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from ring_jax import layouts
@@ -85,16 +86,14 @@ def ring_attention_sharded(query, key, value, *, mesh=None, seq_axis: str = "seq
   layouts.check_layout(layout)
   validation.check_qkv(query, key, value, is_causal=is_causal or local_window_size is not None,
                        segment_ids=segment_ids)
+  if segment_ids is not None:
+    segment_ids = jnp.asarray(segment_ids)  # ids keep their dtype (0 = padding, see scheduling)
 
   b, length, n, _ = query.shape
   kv_len, kh = key.shape[1], key.shape[2]
   ring = mesh.shape[seq_axis]
-  for what, size in (("query", length), ("key/value", kv_len)):
-    if size % ring:
-      raise ValueError(
-          f"{what} length {size} is not divisible by the ring size {seq_axis}={ring}; pad it "
-          f"to a multiple of {ring * (2 if layout == 'zigzag' else 1)}.")
-    layouts.check_local_length(layout, size // ring, f"local {what} length ({size}/{ring})")
+  for what, size in (("query length", length), ("key/value length", kv_len)):
+    layouts.check_length(layout, ring, size, what)
   if batch_axis is not None and b % mesh.shape[batch_axis]:
     raise ValueError(
         f"batch {b} is not divisible by {batch_axis}={mesh.shape[batch_axis]}; use a batch that "
@@ -151,7 +150,7 @@ def ring_attention_sharded(query, key, value, *, mesh=None, seq_axis: str = "seq
   else:
     fn = jax.shard_map(lambda q, k, v, s: kernel(q, k, v, segment_ids=s), mesh=mesh,
                        in_specs=(q_spec, kv_spec, kv_spec, seg_spec), out_specs=q_spec)
-    out = fn(query, key, value, segment_ids.astype("int32"))
+    out = fn(query, key, value, segment_ids)
   if not inputs_in_layout and not reorder_in_shards:
     out = layouts.from_layout(out, layout, ring, axis=1)
   return out

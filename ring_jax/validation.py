@@ -6,6 +6,9 @@ a message naming the fix before anything is compiled or run.
 
 from __future__ import annotations
 
+import math
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -44,6 +47,13 @@ def check_qkv(query, key, value, *, is_causal: bool, segment_ids) -> None:
 
 
 def check_segment_ids(segment_ids, shape) -> None:
+  """Shape ``[B, T]`` and an integer dtype whose values JAX will keep.
+
+  Ids are compared in their own dtype (0 = padding, any other value a
+  document), so unsigned and 64-bit ids are fine as long as JAX holds them:
+  with ``jax_enable_x64`` off, a host (numpy) array of 64-bit ids becomes 32
+  bits on the way in, so its values must fit.
+  """
   seg_shape = tuple(np.shape(segment_ids))
   if seg_shape != tuple(shape):
     raise ValueError(
@@ -51,7 +61,42 @@ def check_segment_ids(segment_ids, shape) -> None:
   dtype = segment_ids.dtype if hasattr(segment_ids, "dtype") else np.asarray(segment_ids).dtype
   if not jnp.issubdtype(dtype, jnp.integer):
     raise TypeError(
-        f"segment_ids must be an integer array (int32; 0 = padding), got dtype {dtype}.")
+        f"segment_ids must be an integer array (e.g. int32; 0 = padding), got dtype {dtype}.")
+  if isinstance(segment_ids, jax.Array):  # traced values too
+    return  # already a JAX value: its dtype is what the kernel compares
+  canonical = jax.dtypes.canonicalize_dtype(dtype)
+  if canonical != dtype:
+    values = np.asarray(segment_ids)
+    info = np.iinfo(canonical)
+    if values.size and (values.min() < info.min or values.max() > info.max):
+      raise ValueError(
+          f"segment_ids hold values outside {canonical} ([{values.min()}, {values.max()}]) "
+          f"while jax_enable_x64 is off, so JAX would wrap them into {canonical} and could "
+          "merge documents or turn one into padding (0). Renumber the documents (ids only "
+          "need to be distinct within a row; 0 = padding) or enable jax_enable_x64.")
+
+
+def check_scale(scale, head_dim: int, score_dtype) -> float:
+  """The score scale as a Python float: ``1/sqrt(head_dim)`` for None; finite in ``score_dtype``.
+
+  Scores are computed in ``score_dtype``; a scale that is NaN, infinite, or
+  overflows it (e.g. ``1e40`` for float32) would give NaN or infinite scores
+  for every row, so it is refused here.
+  """
+  if scale is None:
+    return float(head_dim ** -0.5)
+  try:
+    value = float(scale)
+  except TypeError:
+    raise TypeError(
+        f"scale must be a Python or numpy float (a static value), got {scale!r}.") from None
+  limit = float(jnp.finfo(score_dtype).max)
+  if not math.isfinite(value) or abs(value) > limit:
+    raise ValueError(
+        f"scale={scale!r} is not a finite {jnp.dtype(score_dtype).name} (the dtype of the "
+        f"scores); pass a finite scale with |scale| <= {limit:.3g}, or None for "
+        "1/sqrt(head_dim).")
+  return value
 
 
 def check_block(name: str, block: int, local_len: int) -> None:

@@ -1,5 +1,6 @@
 """Blockwise feed-forward equals the plain one, values and gradients, and saves memory."""
 
+import chex
 import jax
 import jax.numpy as jnp
 import pytest
@@ -28,8 +29,7 @@ def test_matches_plain_ffn(chunk, remat):
   assert_close(f(params, x), swiglu(params, x))
   g = jax.grad(lambda p, x: f(p, x).sum(), argnums=(0, 1))(params, x)
   g_ref = jax.grad(lambda p, x: swiglu(p, x).sum(), argnums=(0, 1))(params, x)
-  for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(g_ref)):
-    assert_close(a, b, 1e-5, 1e-5)
+  chex.assert_trees_all_close(g, g_ref, rtol=1e-5, atol=1e-5)
 
 
 def test_other_axis_and_output_width():

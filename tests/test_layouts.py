@@ -1,6 +1,4 @@
-"""Layouts: reorder/restore, global positions, and the block schedule."""
-
-import itertools
+"""Layouts: reorder/restore, global positions, the one length check."""
 
 import jax.numpy as jnp
 import numpy as np
@@ -39,57 +37,30 @@ def test_layout_errors():
     ring_jax.to_layout(jnp.zeros((1, 10)), "striped", 4)
   with pytest.raises(ValueError, match="must be even"):
     ring_jax.to_layout(jnp.zeros((1, 12)), "zigzag", 4)
-  with pytest.raises(ValueError, match="must divide"):
-    ring_jax.schedule("zigzag", 2, 8, 3, 4, True)
-  with pytest.raises(ValueError, match=">= 0"):
-    layouts.normalize_window((-1, 2))
-  with pytest.raises(TypeError, match="local_window_size"):
-    layouts.normalize_window("wide")
 
 
-@pytest.mark.parametrize("layout", ring_jax.LAYOUTS)
-@pytest.mark.parametrize("window", [None, 3, (6, 0), (1, 4)])
-@pytest.mark.parametrize("is_causal", [False, True])
-def test_schedule_matches_brute_force(layout, window, is_causal):
-  """Block pairs with a visible (query, key) pair are scheduled, and (bar one case) only those.
-
-  The exception, documented in block_visibility: striped blocks under a local
-  window may schedule a pair whose mask is empty (extra work, never a miss).
-  """
-  n, local, bq, bk = 4, 8, 2, 4
-  sched = ring_jax.schedule(layout, n, local, bq, bk, is_causal, window)
-  win = layouts.normalize_window(window)
-  pos = [layouts.local_positions(layout, n, local, d) for d in range(n)]
-  for d, h in itertools.product(range(n), range(n)):
-    mask = layouts.position_mask(pos[d], pos[(d - h) % n], is_causal, win)
-    per_block = mask.reshape(local // bq, bq, local // bk, bk).sum(axis=(1, 3))
-    visible = per_block > 0
-    if window is not None and layout == "striped":
-      assert (sched.active[d, h] | ~visible).all()
-    else:
-      np.testing.assert_array_equal(sched.active[d, h], visible)
-    m = sched.num_pairs[d, h]
-    for (a, b), part in zip(sched.pairs[d, h, :m], sched.partial[d, h, :m]):
-      assert part == (per_block[a, b] < bq * bk)
+@pytest.mark.parametrize("layout,ring_size,multiple", [
+    ("contiguous", 4, 4), ("striped", 3, 3), ("zigzag", 4, 8), ("zigzag", 1, 2)])
+def test_length_multiple_and_check_length(layout, ring_size, multiple):
+  """The one rule: lengths that are multiples of length_multiple split; others name the fix."""
+  assert layouts.length_multiple(layout, ring_size) == multiple
+  for length in (multiple, 3 * multiple):
+    assert layouts.check_length(layout, ring_size, length) == length // ring_size
+  for length in range(1, 3 * multiple):
+    if length % multiple:
+      with pytest.raises(ValueError, match=f"pad .*to a multiple of {multiple}"):
+        layouts.check_length(layout, ring_size, length, "query length")
 
 
-def test_causal_balance():
-  """The figures the README quotes: causal block pairs per device, 8 devices, 4 blocks/chunk."""
-  n, local, block = 8, 32, 4
-  work = {lay: ring_jax.schedule(lay, n, local, block, block, True) for lay in ring_jax.LAYOUTS}
-  contiguous = work["contiguous"].work_per_device()
-  np.testing.assert_array_equal(contiguous, 36 + 64 * np.arange(n))  # c(c+1)/2 + i*c^2, c=8
-  zig = work["zigzag"].work_per_device()
-  assert (zig == zig[0]).all() and zig[0] == 4 * 5 // 2 * 2 + 16 + (n - 1) * 2 * 16
-  assert zig.sum() == contiguous.sum()  # same total work, evenly spread
-  assert work["zigzag"].critical_path() < 0.6 * work["contiguous"].critical_path()
-  striped = work["striped"].work_per_device()
-  assert (striped == striped[0]).all()
-
-
-def test_non_causal_schedule_is_dense():
-  sched = ring_jax.schedule("zigzag", 4, 16, 4, 8)
-  assert (sched.num_pairs == 4 * 2).all() and not sched.partial.any()
+def test_check_length_errors():
+  with pytest.raises(ValueError, match="query length 10 is not divisible by the ring size 4"):
+    layouts.check_length("striped", 4, 10, "query length")
+  with pytest.raises(ValueError, match="must be positive"):
+    layouts.check_length("contiguous", 2, 0)
+  with pytest.raises(ValueError, match="ring_size must be >= 1"):
+    layouts.length_multiple("contiguous", 0)
+  with pytest.raises(ValueError, match="layout must be one of"):
+    layouts.check_length("spiral", 2, 8)
 
 
 @pytest.mark.parametrize("layout", ring_jax.LAYOUTS)

@@ -2,7 +2,9 @@
 
 import dataclasses
 import functools
+import re
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -153,15 +155,52 @@ def test_bf16_error_does_not_grow_with_ring_size():
   assert max(errors[8]) < 3e-2, errors
 
 
-def test_float32_carry_for_float64_disabled_inputs_has_no_nans():
-  """Rows whose keys are all masked by the window and causality give 0, not NaN."""
+def test_self_only_window_with_gqa_returns_own_value():
+  """Window (0, 0): each query sees only its own key, so query head n outputs the value of
+  K/V head n // G (GQA, G = 2), striped across the ring."""
   mesh = make_mesh((4,), ("sequence",))
-  q, k, v = qkv(3, 1, 32, 2, 2, 8)
+  q, k, v = qkv(3, 1, 32, 4, 2, 8)
   fn = shard_mapped(mesh, is_causal=True, local_window_size=(0, 0), layout="striped",
                     block_q=2, block_kv=2)
   out = jax.jit(fn)(*(ring_jax.to_layout(x, "striped", 4) for x in (q, k, v)))
-  # window (0, 0) + causal: each query sees only itself, so the output is its own value.
-  assert_close(ring_jax.from_layout(out, "striped", 4), jnp.repeat(v, 1, axis=2))
+  out = ring_jax.from_layout(out, "striped", 4)
+  chex.assert_shape(out, q.shape)
+  assert_close(out, jnp.repeat(v, 2, axis=2))
+
+
+def test_float64_inputs():
+  """float64 inputs (under x64) run with the float32 carry: float64 out, float32-level error
+  against the float64 oracle, and finite gradients."""
+  mesh = make_mesh((4,), ("sequence",))
+  seg = packed_segments(1, 32, seed=5)
+  with jax.enable_x64(True):
+    q, k, v = (x.astype(jnp.float64) for x in qkv(4, 1, 32, 4, 2, 8))
+    fn = functools.partial(ring_jax.ring_attention_sharded, mesh=mesh, is_causal=True,
+                           segment_ids=seg, layout="zigzag", block_q=4, block_kv=4)
+    out = jax.jit(fn)(q, k, v)
+    dq = jax.jit(jax.grad(lambda q: fn(q, k, v).sum()))(q)
+    want = ring_jax.reference_attention(q, k, v, is_causal=True, segment_ids=seg)
+    dq_want = jax.grad(lambda q: ring_jax.reference_attention(
+        q, k, v, is_causal=True, segment_ids=seg).sum())(q)
+  chex.assert_type([out, dq, want], jnp.float64)
+  assert_close(out, want)
+  assert_close(dq, dq_want, rtol=1e-4, atol=1e-4)
+
+
+def test_hops_are_named_in_profiles():
+  """The ring's hops, transfers and block loops carry jax.named_scope names in the HLO."""
+  mesh = make_mesh((4,), ("sequence",))
+  q, k, v = qkv(0, 1, 32, 2, 2, 8)
+  fn = shard_mapped(mesh, is_causal=True, layout="zigzag", block_q=4, block_kv=4)
+  hlo = jax.jit(jax.grad(lambda q, k, v: fn(q, k, v).sum(), argnums=(0, 1, 2))).lower(
+      q, k, v).as_text(debug_info=True)
+  # Loop bodies carry names relative to their loop (a profile shows the whole path).
+  scopes = {part for loc in re.findall(r'loc\("([^"]*)"', hlo) for part in loc.split("/")}
+  for name in ("ring_fwd", "ring_bwd", "hop", "last_hop", "hop_0", "send_kv", "send_dkv",
+               "dkv_home", "xla_hop_fwd_blocks", "xla_hop_bwd_blocks"):
+    assert name in scopes, name
+  assert re.search(r'"ring_fwd/last_hop/[^"]*xla_hop_fwd_blocks/', hlo)
+  assert re.search(r'"ring_bwd/last_hop/xla_hop_bwd_blocks/', hlo)
 
 
 def test_blocks_of_different_documents_are_skipped():

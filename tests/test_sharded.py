@@ -2,6 +2,7 @@
 
 import functools
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -144,7 +145,8 @@ def test_bfloat16_inputs_keep_dtype_and_accuracy():
   q, k, v = qkv(9, 1, 64, 2, 1, 16)
   out = jax.jit(functools.partial(ring_jax.ring_attention_sharded, mesh=mesh, is_causal=True,
                                   layout="zigzag"))(*(x.astype(jnp.bfloat16) for x in (q, k, v)))
-  assert out.dtype == jnp.bfloat16
+  chex.assert_type(out, jnp.bfloat16)
+  chex.assert_shape(out, q.shape)
   expected = ring_jax.reference_attention(q, k, v, is_causal=True)
   assert_close(out, expected, rtol=2e-2, atol=2e-2, what="bf16 forward")
 
@@ -224,3 +226,186 @@ class TestErrors:
     q, k, v = qkv(0, 2, 16, 2, 2, 8)
     with pytest.raises(ValueError, match="no mesh"):
       ring_jax.ring_attention_sharded(q, k, v)
+
+
+# --- Inputs that once gave silent wrong answers ------------------------------------------------
+
+def ring_fn(mesh, **kw):
+  kw.setdefault("layout", "zigzag")
+  kw.setdefault("block_q", 4)
+  kw.setdefault("block_kv", 4)
+  return jax.jit(functools.partial(ring_jax.ring_attention_sharded, mesh=mesh, **kw))
+
+
+def renumbered(seg):
+  """The same documents as int32 ids 1, 2, ... per row (0 stays padding)."""
+  seg = np.asarray(seg)
+  out = np.zeros(seg.shape, np.int32)
+  for r, row in enumerate(seg):
+    for i, doc in enumerate(x for x in dict.fromkeys(row.tolist()) if x != 0):
+      out[r][row == doc] = i + 1
+  return jnp.asarray(out)
+
+
+def signed_id_rows(length):
+  """Rows of ids the block skip once mistook for padding (anything <= 0 or >= 2**31)."""
+  big, small = np.iinfo(np.int32).max, np.iinfo(np.int32).min
+  half = length // 2
+  rows = np.zeros((4, length), np.int64)
+  rows[0] = -1                                        # one document with a negative id
+  rows[1, :half], rows[1, half:] = 1, -1              # two documents, one negative
+  rows[2, :half], rows[2, half:-3] = big, small       # extreme ids, then padding
+  rows[3, :5], rows[3, 5:20], rows[3, 20:] = -3, 0, 7  # padding between documents
+  return rows
+
+
+@pytest.mark.parametrize("dtype", ["int32", "uint32", "int16"])
+def test_segment_ids_every_nonzero_id_is_a_document(dtype):
+  """0 is padding; negative, huge and unsigned (>= 2**31) ids are documents, compared exactly.
+
+  Checked against the oracle run on the same documents renumbered 1, 2, ... as int32, so
+  the test does not rest on the oracle's handling of odd ids either.
+  """
+  mesh = make_mesh((4,), ("sequence",))
+  length = 32
+  rows = signed_id_rows(length)
+  if dtype == "uint32":
+    rows = np.where(rows < 0, rows + 2**32, rows)     # -1 -> 2**32 - 1, int32 min -> 2**31
+  elif dtype == "int16":
+    rows = np.clip(rows, np.iinfo(np.int16).min, np.iinfo(np.int16).max)
+  seg = jnp.asarray(rows.astype(dtype))
+  q, k, v = qkv(11, 4, length, 2, 1, 8)
+  want = ring_jax.reference_attention(q, k, v, is_causal=True, segment_ids=renumbered(seg))
+  assert_close(ring_jax.reference_attention(q, k, v, is_causal=True, segment_ids=seg), want,
+               what="oracle on raw ids")
+  out = ring_fn(mesh, is_causal=True)(q, k, v, segment_ids=seg)
+  assert_close(out, want, what=f"ring, {dtype} ids")
+  assert np.all(np.asarray(out)[3, 5:20] == 0)          # padding queries output 0
+
+
+def test_64_bit_segment_ids():
+  """With x64 on, ids that differ only above bit 32 stay different documents; with it off, host
+  ids that JAX would wrap are refused."""
+  mesh = make_mesh((4,), ("sequence",))
+  q, k, v = qkv(12, 1, 32, 2, 2, 8)
+  ids = np.full((1, 32), 2**32 + 1, np.int64)
+  ids[0, 10:] = 1                                       # same low 32 bits as the first document
+  with pytest.raises(ValueError, match="outside int32"):
+    ring_jax.ring_attention_sharded(q, k, v, mesh=mesh, segment_ids=ids)
+  want = ring_jax.reference_attention(q, k, v, segment_ids=renumbered(ids))
+  with jax.enable_x64(True):
+    out = ring_fn(mesh)(q, k, v, segment_ids=jnp.asarray(ids))
+  assert_close(out, want)
+
+
+def assert_nonfinite_exactly_where(out, expected_bad, ref, what=""):
+  """``out`` is non-finite exactly where ``expected_bad`` says, and equals ``ref`` elsewhere."""
+  out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
+  np.testing.assert_array_equal(~np.isfinite(out), expected_bad, err_msg=what)
+  np.testing.assert_array_equal(~np.isfinite(ref), expected_bad, err_msg=f"oracle: {what}")
+  assert_close(out[~expected_bad], ref[~expected_bad], what=what)
+
+
+# (tensor, index [batch, position, head, dim], value). Queries have 4 heads on 2 K/V heads, so a
+# bad K/V head 1 reaches query heads 2 and 3; a bad V element only that element's column.
+NON_FINITE_CASES = {
+    "nan key, non-causal": ("k", (0, 13, 1, 2), np.nan, False),
+    "nan key, causal": ("k", (0, 13, 1, 2), np.nan, True),
+    "inf key, causal": ("k", (0, 13, 1, 2), np.inf, True),
+    "nan value, causal": ("v", (0, 13, 1, 2), np.nan, True),
+    "inf value, causal": ("v", (0, 13, 1, 2), -np.inf, True),
+    "nan query, causal": ("q", (0, 13, 3, 2), np.nan, True),
+}
+
+
+@pytest.mark.parametrize("case", NON_FINITE_CASES)
+def test_non_finite_inputs_stay_visible(case):
+  """A NaN/inf in q, k or v makes exactly the outputs that read it non-finite (not 0); every
+  other row, and the other batch element, stays exact."""
+  name, (b, pos, head, dim), bad_value, is_causal = NON_FINITE_CASES[case]
+  mesh = make_mesh((4,), ("sequence",))
+  length = 32
+  q, k, v = qkv(13, 2, length, 4, 2, 8)
+  tensors = {"q": q, "k": k, "v": v}
+  tensors[name] = tensors[name].at[b, pos, head, dim].set(bad_value)
+  q, k, v = tensors["q"], tensors["k"], tensors["v"]
+  out = ring_fn(mesh, is_causal=is_causal)(q, k, v)
+  ref = ring_jax.reference_attention(q, k, v, is_causal=is_causal)
+  bad = np.zeros(out.shape, bool)                        # [B, L, N, H]
+  rows = slice(pos, None) if is_causal else slice(None)  # the queries that see key `pos`
+  if name == "q":
+    bad[b, pos, head] = True                             # only that query row and head
+  elif name == "k" and np.isnan(bad_value):
+    bad[b, rows, 2 * head:2 * head + 2] = True           # whole rows of the heads using it
+  elif name == "k":  # score q.k = +-inf: +inf rows are NaN (inf - inf), -inf rows drop the key
+    q_sign = np.asarray(q)[b, rows, 2 * head:2 * head + 2, dim] * np.sign(bad_value)
+    bad[b, rows, 2 * head:2 * head + 2] = (q_sign > 0)[..., None]
+  else:
+    bad[b, rows, 2 * head:2 * head + 2, dim] = True      # one column of those rows
+  assert_nonfinite_exactly_where(out, bad, ref, case)
+
+
+def test_non_finite_gradients_are_not_laundered():
+  """A NaN key gives NaN gradients to the queries that see it, not zeros; the other batch
+  element's gradients stay exact, and the earlier rows' dq finite."""
+  mesh = make_mesh((4,), ("sequence",))
+  q, k, v = qkv(14, 2, 32, 2, 2, 8)
+  k = k.at[0, 21, 0, 1].set(jnp.nan)  # mid-block: query 20 meets key 21 masked in one pair
+  ring = functools.partial(ring_jax.ring_attention_sharded, mesh=mesh, is_causal=True,
+                           layout="zigzag", block_q=4, block_kv=4)
+  ref = functools.partial(ring_jax.reference_attention, is_causal=True)
+  cot = jax.random.normal(jax.random.key(7), q.shape, jnp.float32)
+  dq, dk, dv = jax.jit(functools.partial(grads, ring))(q, k, v, cot)
+  want = grads(ref, q[1:], k[1:], v[1:], cot[1:])
+  for name, g, w in zip("qkv", (dq, dk, dv), want):
+    assert_close(np.asarray(g)[1:], w, what=f"d{name}, clean batch element")
+  dq = np.asarray(dq)
+  assert np.isnan(dq[0, 21:, 0]).all()       # query head 0 uses K/V head 0 and sees key 21
+  assert np.isfinite(dq[0, :21]).all() and np.isfinite(dq[0, :, 1]).all()
+  assert np.isnan(np.asarray(dk)[0, 21, 0]).all()
+
+
+def test_nan_values_in_padding_are_never_read():
+  """Padding tokens (segment id 0) may hold anything, NaN included: outputs are unchanged."""
+  mesh = make_mesh((4,), ("sequence",))
+  q, k, v = qkv(15, 2, 32, 2, 1, 8)
+  seg = np.ones((2, 32), np.int32)
+  seg[0, 24:] = 0
+  seg = jnp.asarray(seg)
+  k, v = k.at[0, 24:].set(jnp.nan), v.at[0, 24:].set(jnp.inf)
+  for is_causal in (False, True):
+    want = ring_jax.reference_attention(q, k, v, is_causal=is_causal, segment_ids=seg)
+    out = ring_fn(mesh, is_causal=is_causal)(q, k, v, segment_ids=seg)
+    assert_close(out, want, what=f"causal={is_causal}")
+
+
+@pytest.mark.parametrize("scale", [1e30, -1e30, 1e-30])
+def test_extreme_finite_scales_match_the_oracle(scale):
+  """Huge scores are not confused with masked ones (no finite mask floor)."""
+  mesh = make_mesh((4,), ("sequence",))
+  q, k, v = qkv(16, 2, 32, 2, 2, 8)
+  out = ring_fn(mesh, is_causal=True, scale=scale)(q, k, v)
+  want = ring_jax.reference_attention(q, k, v, is_causal=True, scale=scale)
+  assert_close(out, want)
+  assert np.abs(np.asarray(out)).max(axis=-1).min() > 0  # no row zeroed
+
+
+@pytest.mark.parametrize("scale", [np.nan, np.inf, -np.inf, 1e40])
+def test_non_finite_scale_is_refused(scale):
+  mesh = make_mesh((4,), ("sequence",))
+  q, k, v = qkv(0, 1, 16, 2, 2, 8)
+  with pytest.raises(ValueError, match="not a finite float32"):
+    ring_jax.ring_attention_sharded(q, k, v, mesh=mesh, scale=scale)
+  with pytest.raises(ValueError, match="not a finite float32"):
+    ring_jax.reference_attention(q, k, v, scale=scale)
+
+
+@pytest.mark.parametrize("window,match", [(2**40, "2\\*\\*31 - 1"), ((2.5, 1), "integers"),
+                                          ((3, -1), ">= 0")])
+def test_bad_window_is_a_value_error(window, match):
+  mesh = make_mesh((4,), ("sequence",))
+  q, k, v = qkv(0, 1, 16, 2, 2, 8)
+  with pytest.raises(ValueError, match=match):
+    ring_jax.ring_attention_sharded(q, k, v, mesh=mesh, local_window_size=window)
+  with pytest.raises(ValueError, match=match):
+    ring_jax.reference_attention(q, k, v, local_window_size=window)
