@@ -1,0 +1,471 @@
+"""Fused hop kernel for GPUs: our own Pallas kernels (Triton lowering).
+
+One hop of ring attention as three Pallas calls, in the structure of
+``jax.experimental.pallas.ops.gpu.attention`` (FlashAttention-2):
+
+* forward: grid ``(query blocks, batch, query heads)``; each program keeps one
+  query block and its float32 ``(o, m, l)`` in registers and loops
+  (``lax.fori_loop``) over the key/value blocks it can see;
+* dQ: the same grid and loop, with the FINAL ``lse`` and ``delta = rowsum(dO * O)``;
+* dK/dV: grid ``(key/value blocks, batch, kv heads)``; each program keeps one
+  key/value block and loops over the ``G`` query heads of its group and over
+  the query blocks that can see it, so K/V are never repeated for GQA/MQA and
+  dK/dV are reduced over the group inside the kernel.
+
+Semantics are the hop seam's (``SEAM.md`` / :mod:`ring_jax.hop`): separate
+query / key segment ids (0 = padding, others compared by equality), causal and
+``(left, right)`` window visibility from global token positions, query head
+``n`` reads kv head ``n // G``, float32 accumulation, natural-log float32
+``lse``. A row with no visible key in this hop gets ``out_h = 0`` and
+``lse_h = -inf``; the backward takes the ring's final ``out`` and ``lse``
+(``+inf`` for rows that saw no key anywhere, which makes their ``p`` 0).
+
+Which blocks are visited: per block pair, :func:`ring_jax.scheduling.block_visibility`
+(positions) and :func:`ring_jax.scheduling.blocks_share_a_segment` (segment ids)
+say whether it may hold a visible score; each query block loops over the
+``[lo, hi)`` range of key blocks spanning its possible pairs (one contiguous
+range when positions increase within the shard, as in every layout), and each
+key block over the matching range of query blocks. Metadata is two int32
+vectors per direction; element masks are computed inside the kernel from
+positions and segment ids. Nothing of size ``T x S`` exists outside a block.
+
+Non-finite inputs follow :class:`ring_jax.hop.XlaHopKernel`: masked scores are
+``-inf``, rows whose running max is still ``-inf`` subtract 0, and a masked
+pair never carries a NaN/inf of V (forward) or of Q/K/V (backward) into an
+output (the gradient matmuls read the finite part of their right operand; a
+hop whose V holds a non-finite value runs a forward variant that marks exactly
+the rows that see it).
+
+Triton constraints (checked by :meth:`PallasGpuHopKernel.check`): ``block_q``,
+``block_kv`` and the head dim must be powers of two >= 16 (Triton tensors have
+power-of-two sizes and ``tl.dot`` needs every matmul dimension >= 16), head dim
+<= 256, blocks must divide the local lengths, dtype float32/bfloat16/float16.
+With ``precision=None`` a float32 matmul on the GPU runs in TF32 (as XLA's
+default on GPU does); pass ``precision=jax.lax.Precision.HIGHEST`` for IEEE
+float32.
+
+Status: verified in interpret mode on CPU (``interpret=True``, chosen
+automatically on a CPU backend) against a float64 oracle, and the Triton
+lowering (Pallas -> Triton IR) is exercised on CPU by exporting for the
+``cuda`` platform. Compiling the Triton IR to PTX and running it has NOT been
+checked on a GPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import ClassVar
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from ring_jax import scheduling
+
+_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+_MAX_HEAD_DIM = 256
+
+
+def _is_pow2_at_least_16(x: int) -> bool:
+  return x >= 16 and (x & (x - 1)) == 0
+
+
+def _dot(a, b, precision, *, trans_a=False, trans_b=False):
+  """``a @ b`` (optionally transposed operands) accumulated in float32, 2-D only."""
+  dims = (((0 if trans_a else 1,), (1 if trans_b else 0,)), ((), ()))
+  return lax.dot_general(a, b, dims, precision=precision,
+                         preferred_element_type=jnp.float32)
+
+
+def _exp(x, y):
+  """``exp(x - y)``; ``x = -inf`` (masked) and ``y = +inf`` (padding lse) give 0.
+
+  Natural ``exp`` as in the XLA kernel (Triton: libdevice ``__nv_expf``). The
+  base-2 form ``exp2(x * log2(e) - y * log2(e))`` (one FMA + ``ex2``, what
+  FlashAttention's Triton kernels use) measured ~1.3x the XLA kernel's lse
+  error at float32 rounding level in interpret mode, so it is not used until a
+  GPU measurement shows the speed is worth it.
+  """
+  return jnp.exp(x - y)
+
+
+def _finite(x):
+  return jnp.where(jnp.isfinite(x), x, jnp.zeros_like(x))
+
+
+def _visibility(q_pos, kv_pos, q_seg, kv_seg, is_causal, window):
+  """bool ``[bq, bk]`` (None: everything visible), one block pair, inside a kernel."""
+  mask = None
+  if is_causal or window is not None:
+    mask = scheduling.position_mask(q_pos, kv_pos, is_causal, window)
+  if q_seg is not None:
+    seg = scheduling.segment_mask(q_seg, kv_seg)
+    mask = seg if mask is None else mask & seg
+  return mask
+
+
+def _may_mask(masks, spec) -> bool:
+  return spec.is_causal or spec.window is not None or masks.q_segment_ids is not None
+
+
+def block_ranges(masks, spec, num_q_blocks: int, num_kv_blocks: int):
+  """Which blocks each program visits, from per-block-pair visibility.
+
+  Returns int32 ``(q_lo, q_hi)`` ``[nq]``: query block ``a`` visits key blocks
+  ``[q_lo[a], q_hi[a])``; and ``(kv_lo, kv_hi)`` ``[nk]``: key block ``b`` is
+  seen by query blocks ``[kv_lo[b], kv_hi[b])``. Each range spans every pair
+  that may hold a visible score (an empty range is ``[0, 0)``); pairs inside a
+  range that hold none are computed and masked, never missed.
+  """
+  bq, bk = spec.block_q, spec.block_kv
+  any_, _ = scheduling.block_visibility(masks.q_positions, masks.kv_positions, bq, bk,
+                                        spec.is_causal, spec.window)
+  if masks.q_segment_ids is not None:
+    any_ = any_ & scheduling.blocks_share_a_segment(masks.q_segment_ids,
+                                                    masks.kv_segment_ids, bq, bk)
+  any_ = jnp.broadcast_to(any_, (num_q_blocks, num_kv_blocks))
+
+  def span(vis, n):  # vis [rows, n] -> [lo, hi) per row
+    idx = jnp.arange(n, dtype=jnp.int32)
+    lo = jnp.min(jnp.where(vis, idx, n), axis=1)
+    hi = jnp.max(jnp.where(vis, idx + 1, 0), axis=1)
+    lo = jnp.minimum(lo, hi)  # empty row: [0, 0)
+    return lo.astype(jnp.int32), hi.astype(jnp.int32)
+
+  q_lo, q_hi = span(any_, num_kv_blocks)
+  kv_lo, kv_hi = span(any_.T, num_q_blocks)
+  return (q_lo, q_hi), (kv_lo, kv_hi)
+
+
+# ----------------------------------------------------------------------------- kernels
+
+
+def _fwd_kernel(*refs, scale, is_causal, window, block_kv, precision, has_seg, guard_v):
+  """One (query block, batch row, query head): ``out_h`` and natural-log ``lse_h``."""
+  if has_seg:
+    (lo_ref, hi_ref, qpos_ref, kpos_ref, qseg_ref, kseg_ref,
+     q_ref, k_ref, v_ref, o_ref, lse_ref) = refs
+  else:
+    (lo_ref, hi_ref, qpos_ref, kpos_ref, q_ref, k_ref, v_ref, o_ref, lse_ref) = refs
+    qseg_ref = kseg_ref = None
+  q = q_ref[...]                                    # [bq, H] input dtype
+  bq, h = q.shape
+  q_pos = qpos_ref[...]
+  q_seg = qseg_ref[...] if has_seg else None
+  masking = is_causal or window is not None or has_seg
+
+  def body(j, carry):
+    o, m, l = carry
+    start = pl.multiple_of(j * block_kv, block_kv)
+    ks = pl.ds(start, block_kv)
+    k = k_ref[ks, :]
+    v = v_ref[ks, :]
+    s = _dot(q, k, precision, trans_b=True) * scale           # [bq, bk] f32
+    mask = None
+    if masking:
+      mask = _visibility(q_pos, kpos_ref[ks], q_seg,
+                         kseg_ref[ks] if has_seg else None, is_causal, window)
+      s = jnp.where(mask, s, -jnp.inf)
+    m_new = jnp.maximum(m, jnp.max(s, axis=1))
+    # A row that has seen no visible key keeps m = -inf: subtract 0 instead (exp2(-inf) = 0,
+    # not exp2(-inf + inf) = NaN).
+    m_ref = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+    p = _exp(s, m_ref[:, None])
+    alpha = _exp(m, m_ref)
+    l_new = alpha * l + jnp.sum(p, axis=1)
+    if guard_v:
+      # p = 0 at masked pairs, but 0 * NaN is NaN: read the finite part of V and mark
+      # the rows that see a non-finite value through a visible pair.
+      bad = jnp.logical_not(jnp.isfinite(v))
+      pv = _dot(p.astype(v.dtype), jnp.where(bad, jnp.zeros_like(v), v), precision)
+      reads_bad = _dot(mask.astype(jnp.float32), bad.astype(jnp.float32), precision) > 0
+      pv = jnp.where(reads_bad, jnp.nan, pv)
+    else:
+      pv = _dot(p.astype(v.dtype), v, precision)
+    return alpha[:, None] * o + pv, m_new, l_new
+
+  init = (jnp.zeros((bq, h), jnp.float32), jnp.full((bq,), -jnp.inf, jnp.float32),
+          jnp.zeros((bq,), jnp.float32))
+  o, m, l = lax.fori_loop(lo_ref[0], hi_ref[0], body, init)
+  empty = l == 0  # no visible key in this hop (a NaN l is not mistaken for empty)
+  l_safe = jnp.where(empty, 1.0, l)
+  o_ref[...] = jnp.where(empty[:, None], 0.0, o / l_safe[:, None]).astype(o_ref.dtype)
+  lse_ref[...] = jnp.where(empty, -jnp.inf, m + jnp.log(l_safe))
+
+
+def _dq_kernel(*refs, scale, is_causal, window, block_kv, precision, has_seg):
+  """One (query block, batch row, query head): this hop's float32 dQ."""
+  if has_seg:
+    (lo_ref, hi_ref, qpos_ref, kpos_ref, qseg_ref, kseg_ref,
+     q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref) = refs
+  else:
+    (lo_ref, hi_ref, qpos_ref, kpos_ref,
+     q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref) = refs
+    qseg_ref = kseg_ref = None
+  masking = is_causal or window is not None or has_seg
+  fin = _finite if masking else (lambda x: x)
+  q = q_ref[...]
+  do = do_ref[...]
+  bq, h = q.shape
+  lse = lse_ref[...]                                # +inf (padding): p = 0
+  delta = delta_ref[...]
+  q_pos = qpos_ref[...]
+  q_seg = qseg_ref[...] if has_seg else None
+
+  def body(j, dq):
+    start = pl.multiple_of(j * block_kv, block_kv)
+    ks = pl.ds(start, block_kv)
+    k = k_ref[ks, :]
+    v = v_ref[ks, :]
+    s = _dot(q, k, precision, trans_b=True) * scale
+    p = _exp(s, lse[:, None])
+    if masking:
+      mask = _visibility(q_pos, kpos_ref[ks], q_seg,
+                         kseg_ref[ks] if has_seg else None, is_causal, window)
+      p = jnp.where(mask, p, 0.0)
+    dp = _dot(do, fin(v), precision, trans_b=True)
+    ds = (p * (dp - delta[:, None]) * scale).astype(q.dtype)
+    return dq + _dot(ds, fin(k), precision)
+
+  dq = lax.fori_loop(lo_ref[0], hi_ref[0], body, jnp.zeros((bq, h), jnp.float32))
+  dq_ref[...] = dq
+
+
+def _dkv_kernel(*refs, scale, is_causal, window, block_q, groups, precision, has_seg):
+  """One (key block, batch row, kv head): this hop's float32 dK, dV, summed over the group."""
+  if has_seg:
+    (lo_ref, hi_ref, qpos_ref, kpos_ref, qseg_ref, kseg_ref,
+     q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref) = refs
+  else:
+    (lo_ref, hi_ref, qpos_ref, kpos_ref,
+     q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref) = refs
+    qseg_ref = kseg_ref = None
+  masking = is_causal or window is not None or has_seg
+  fin = _finite if masking else (lambda x: x)
+  k = k_ref[...]                                    # [bk, H]
+  v_fin = fin(v_ref[...])
+  bk, h = k.shape
+  kv_pos = kpos_ref[...]
+  kv_seg = kseg_ref[...] if has_seg else None
+  lo, hi = lo_ref[0], hi_ref[0]
+
+  def head(g, carry):
+    def body(i, carry):
+      dk, dv = carry
+      start = pl.multiple_of(i * block_q, block_q)
+      qs = pl.ds(start, block_q)
+      q = q_ref[qs, g, :]                           # [bq, H]
+      do = do_ref[qs, g, :]
+      lse = lse_ref[qs, g]
+      delta = delta_ref[qs, g]
+      s = _dot(q, k, precision, trans_b=True) * scale
+      p = _exp(s, lse[:, None])
+      if masking:
+        mask = _visibility(qpos_ref[qs], kv_pos, qseg_ref[qs] if has_seg else None, kv_seg,
+                           is_causal, window)
+        p = jnp.where(mask, p, 0.0)
+      dv = dv + _dot(p.astype(do.dtype), do, precision, trans_a=True)
+      dp = _dot(do, v_fin, precision, trans_b=True)
+      ds = (p * (dp - delta[:, None]) * scale).astype(q.dtype)
+      dk = dk + _dot(ds, fin(q), precision, trans_a=True)
+      return dk, dv
+
+    return lax.fori_loop(lo, hi, body, carry)
+
+  zeros = jnp.zeros((bk, h), jnp.float32)
+  dk, dv = lax.fori_loop(0, groups, head, (zeros, zeros))
+  dk_ref[...] = dk
+  dv_ref[...] = dv
+
+
+# ----------------------------------------------------------------------------- the kernel
+
+
+@dataclasses.dataclass(frozen=True)
+class PallasGpuHopKernel:
+  """Fused FlashAttention-2 style hop kernel for GPUs (Pallas, Triton lowering).
+
+  Implements the hop-kernel protocol (``check`` / ``forward`` / ``backward``;
+  shapes in :mod:`ring_jax.hop`). ``interpret=None`` runs the kernels in
+  Pallas interpret mode on a CPU backend (slow; for tests) and compiles them
+  with Triton otherwise. ``num_warps`` (default 4 for head dim <= 64, else 8)
+  and ``num_stages`` are Triton tuning knobs. Not run on GPU hardware yet (see
+  the module docstring).
+  """
+
+  name: ClassVar[str] = "pallas_gpu"
+  interpret: bool | None = None
+  num_warps: int | None = None
+  num_stages: int = 2
+
+  # --------------------------------------------------------------------------- checks
+
+  def check(self, q_shape, kv_shape, dtype, spec) -> None:
+    """Raises ``ValueError`` (naming the fix) for shapes Triton cannot take."""
+    if len(q_shape) != 5 or len(kv_shape) != 4:
+      raise ValueError(
+          f"pallas_gpu hop kernel: expected q [B, T, K, G, H] and k/v [B, S, K, H], got "
+          f"q {tuple(q_shape)} and k/v {tuple(kv_shape)}.")
+    b, t, kh, _, h = q_shape
+    bkv, s, kkv, hkv = kv_shape
+    if (b, kh, h) != (bkv, kkv, hkv):
+      raise ValueError(
+          f"pallas_gpu hop kernel: q {tuple(q_shape)} and k/v {tuple(kv_shape)} disagree on "
+          "batch, kv heads or head dim.")
+    if jnp.dtype(dtype) not in [jnp.dtype(d) for d in _DTYPES]:
+      raise ValueError(
+          f"pallas_gpu hop kernel: dtype {jnp.dtype(dtype).name} is not supported (Triton "
+          "matmuls take float32, bfloat16 or float16); cast the inputs or use "
+          "hop_kernel='xla'.")
+    if not _is_pow2_at_least_16(h) or h > _MAX_HEAD_DIM:
+      raise ValueError(
+          f"pallas_gpu hop kernel: head dim {h} must be a power of two in [16, "
+          f"{_MAX_HEAD_DIM}] (Triton tensors have power-of-two sizes and tl.dot needs "
+          "dimensions >= 16); pad the head dim or use hop_kernel='xla'.")
+    for name, block, length, what in (("block_q", spec.block_q, t, "local query length"),
+                                      ("block_kv", spec.block_kv, s, "local key length")):
+      if not _is_pow2_at_least_16(block):
+        raise ValueError(
+            f"pallas_gpu hop kernel: {name}={block} must be a power of two >= 16 (Triton "
+            f"tensor sizes are powers of two, tl.dot needs >= 16); e.g. {name}=64 or 128.")
+      if length % block:
+        raise ValueError(
+            f"pallas_gpu hop kernel: {name}={block} must divide the {what} {length}; pick "
+            f"a power-of-two block that divides {length}, or pad the sequence.")
+
+  # --------------------------------------------------------------------------- helpers
+
+  def _interpret(self) -> bool:
+    if self.interpret is not None:
+      return self.interpret
+    return jax.default_backend() == "cpu"
+
+  def _compiler_params(self, head_dim):
+    num_warps = self.num_warps if self.num_warps is not None else (4 if head_dim <= 64 else 8)
+    return plgpu.CompilerParams(num_warps=num_warps, num_stages=self.num_stages)
+
+  @staticmethod
+  def _mask_operands(masks, has_seg):
+    ops = [masks.q_positions.astype(jnp.int32), masks.kv_positions.astype(jnp.int32)]
+    if has_seg:
+      ops += [masks.q_segment_ids, masks.kv_segment_ids]
+    return ops
+
+  # --------------------------------------------------------------------------- forward
+
+  def forward(self, q, k, v, masks, spec):
+    """Returns ``(out_h [B,T,K,G,H] f32, lse_h [B,T,K,G] f32)`` of this hop."""
+    self.check(q.shape, k.shape, q.dtype, spec)
+    b, t, kh, g, h = q.shape
+    s = k.shape[1]
+    n = kh * g
+    bq, bk = spec.block_q, spec.block_kv
+    nq, nk = t // bq, s // bk
+    has_seg = masks.q_segment_ids is not None
+    (q_lo, q_hi), _ = block_ranges(masks, spec, nq, nk)
+    q_BTNH = q.reshape(b, t, n, h)
+
+    def call(guard_v: bool):
+      kernel = functools.partial(
+          _fwd_kernel, scale=float(spec.scale), is_causal=spec.is_causal, window=spec.window,
+          block_kv=bk, precision=spec.precision, has_seg=has_seg, guard_v=guard_v)
+      in_specs = [pl.BlockSpec((1,), lambda i, bi, ni: (i,)),             # q_lo
+                  pl.BlockSpec((1,), lambda i, bi, ni: (i,)),             # q_hi
+                  pl.BlockSpec((bq,), lambda i, bi, ni: (i,)),            # q positions
+                  pl.BlockSpec((s,), lambda i, bi, ni: (0,))]             # kv positions
+      if has_seg:
+        in_specs += [pl.BlockSpec((None, bq), lambda i, bi, ni: (bi, i)),
+                     pl.BlockSpec((None, s), lambda i, bi, ni: (bi, 0))]
+      in_specs += [
+          pl.BlockSpec((None, bq, None, h), lambda i, bi, ni: (bi, i, ni, 0)),
+          pl.BlockSpec((None, s, None, h), lambda i, bi, ni: (bi, 0, lax.div(ni, g), 0)),
+          pl.BlockSpec((None, s, None, h), lambda i, bi, ni: (bi, 0, lax.div(ni, g), 0)),
+      ]
+      out_specs = [pl.BlockSpec((None, bq, None, h), lambda i, bi, ni: (bi, i, ni, 0)),
+                   pl.BlockSpec((None, bq, None), lambda i, bi, ni: (bi, i, ni))]
+      out_shape = [jax.ShapeDtypeStruct((b, t, n, h), jnp.float32),
+                   jax.ShapeDtypeStruct((b, t, n), jnp.float32)]
+      return pl.pallas_call(
+          kernel, grid=(nq, b, n), in_specs=in_specs, out_specs=out_specs,
+          out_shape=out_shape, compiler_params=self._compiler_params(h),
+          interpret=self._interpret(), name="pallas_gpu_hop_fwd",
+      )(q_lo, q_hi, *self._mask_operands(masks, has_seg), q_BTNH, k, v)
+
+    with jax.named_scope("pallas_gpu_hop_fwd"):
+      if _may_mask(masks, spec):
+        # Only a hop whose V holds a non-finite value pays for the guarded matmul.
+        out, lse = lax.cond(jnp.isfinite(v).all(), lambda: call(False), lambda: call(True))
+      else:
+        out, lse = call(False)
+    return out.reshape(b, t, kh, g, h), lse.reshape(b, t, kh, g)
+
+  # --------------------------------------------------------------------------- backward
+
+  def backward(self, q, k, v, out, lse, do, masks, spec):
+    """Returns this hop's float32 ``(dq [B,T,K,G,H], dk [B,S,K,H], dv [B,S,K,H])``.
+
+    ``out`` / ``lse`` are the ring's FINAL output and log-sum-exp (``lse = +inf``
+    on rows that saw no key); ``delta = rowsum(dO * O)`` is recomputed here.
+    """
+    self.check(q.shape, k.shape, q.dtype, spec)
+    b, t, kh, g, h = q.shape
+    s = k.shape[1]
+    n = kh * g
+    bq, bk = spec.block_q, spec.block_kv
+    nq, nk = t // bq, s // bk
+    has_seg = masks.q_segment_ids is not None
+    (q_lo, q_hi), (kv_lo, kv_hi) = block_ranges(masks, spec, nq, nk)
+    delta = jnp.sum(do.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
+    q_BTNH = q.reshape(b, t, n, h)
+    do_BTNH = do.reshape(b, t, n, h)
+    lse_BTN = lse.astype(jnp.float32).reshape(b, t, n)
+    delta_BTN = delta.reshape(b, t, n)
+    statics = dict(scale=float(spec.scale), is_causal=spec.is_causal, window=spec.window,
+                   precision=spec.precision, has_seg=has_seg)
+    params = self._compiler_params(h)
+    mask_ops = self._mask_operands(masks, has_seg)
+
+    # dQ: grid over (query blocks, batch, query heads), loop over visible kv blocks.
+    dq_specs = [pl.BlockSpec((1,), lambda i, bi, ni: (i,)),
+                pl.BlockSpec((1,), lambda i, bi, ni: (i,)),
+                pl.BlockSpec((bq,), lambda i, bi, ni: (i,)),
+                pl.BlockSpec((s,), lambda i, bi, ni: (0,))]
+    if has_seg:
+      dq_specs += [pl.BlockSpec((None, bq), lambda i, bi, ni: (bi, i)),
+                   pl.BlockSpec((None, s), lambda i, bi, ni: (bi, 0))]
+    q_blk = pl.BlockSpec((None, bq, None, h), lambda i, bi, ni: (bi, i, ni, 0))
+    kv_all = pl.BlockSpec((None, s, None, h), lambda i, bi, ni: (bi, 0, lax.div(ni, g), 0))
+    row_blk = pl.BlockSpec((None, bq, None), lambda i, bi, ni: (bi, i, ni))
+    dq_specs += [q_blk, kv_all, kv_all, q_blk, row_blk, row_blk]
+    with jax.named_scope("pallas_gpu_hop_bwd_dq"):
+      dq = pl.pallas_call(
+          functools.partial(_dq_kernel, block_kv=bk, **statics),
+          grid=(nq, b, n), in_specs=dq_specs, out_specs=q_blk,
+          out_shape=jax.ShapeDtypeStruct((b, t, n, h), jnp.float32),
+          compiler_params=params, interpret=self._interpret(), name="pallas_gpu_hop_bwd_dq",
+      )(q_lo, q_hi, *mask_ops, q_BTNH, k, v, do_BTNH, lse_BTN, delta_BTN)
+
+    # dK/dV: grid over (kv blocks, batch, kv heads), loop over the group's G query heads
+    # and the query blocks that can see this kv block.
+    dkv_specs = [pl.BlockSpec((1,), lambda j, bi, ki: (j,)),
+                 pl.BlockSpec((1,), lambda j, bi, ki: (j,)),
+                 pl.BlockSpec((t,), lambda j, bi, ki: (0,)),
+                 pl.BlockSpec((bk,), lambda j, bi, ki: (j,))]
+    if has_seg:
+      dkv_specs += [pl.BlockSpec((None, t), lambda j, bi, ki: (bi, 0)),
+                    pl.BlockSpec((None, bk), lambda j, bi, ki: (bi, j))]
+    q_grp = pl.BlockSpec((None, t, g, h), lambda j, bi, ki: (bi, 0, ki, 0))
+    kv_blk = pl.BlockSpec((None, bk, None, h), lambda j, bi, ki: (bi, j, ki, 0))
+    row_grp = pl.BlockSpec((None, t, g), lambda j, bi, ki: (bi, 0, ki))
+    dkv_specs += [q_grp, kv_blk, kv_blk, q_grp, row_grp, row_grp]
+    with jax.named_scope("pallas_gpu_hop_bwd_dkv"):
+      dk, dv = pl.pallas_call(
+          functools.partial(_dkv_kernel, block_q=bq, groups=g, **statics),
+          grid=(nk, b, kh), in_specs=dkv_specs, out_specs=[kv_blk, kv_blk],
+          out_shape=[jax.ShapeDtypeStruct((b, s, kh, h), jnp.float32)] * 2,
+          compiler_params=params, interpret=self._interpret(), name="pallas_gpu_hop_bwd_dkv",
+      )(kv_lo, kv_hi, *mask_ops, q_BTNH, k, v, do_BTNH, lse_BTN, delta_BTN)
+    return dq.reshape(b, t, kh, g, h), dk, dv
