@@ -20,7 +20,7 @@ import pytest
 from jax import export
 
 from ring_jax import hop, scheduling
-from ring_jax.kernels.pallas_gpu import PallasGpuHopKernel
+from ring_jax.kernels.pallas_gpu import PallasGpuHopKernel, block_ranges
 
 RTOL = 1e-5
 
@@ -87,6 +87,11 @@ _CASES = {
     "contiguous_noncausal_gqa": dict(
         t=128, s=128, k=2, g=2, h=32, bq=32, bk=64, causal=False, window=None, seg=False,
         qp=np.arange(128, 256), kp=np.arange(0, 128), kp_other=np.arange(128, 256)),
+    # contiguous ring of 2, device 0 at hop 0 (the causal diagonal: blocks below it are fully
+    # visible and run without the element mask), MQA; the other hop's keys are all in the future
+    "contiguous_causal_diagonal_mqa": dict(
+        t=128, s=128, k=1, g=2, h=32, bq=32, bk=32, causal=True, window=None, seg=False,
+        qp=np.arange(0, 128), kp=np.arange(0, 128), kp_other=np.arange(128, 256)),
     # zigzag ring of 2 (chunks of 64), device 1 at hop 0 (its own keys, positions 64..191;
     # the other hop brings 0..63 and 192..255); causal, packed segments with padding
     # (query and key pads), GQA 2x2
@@ -187,6 +192,13 @@ def test_one_hop_matches_float64_oracle(name):
   if name == "zigzag_causal_segments_gqa":
     assert empty.any()  # the padding queries of row 1 see nothing
     assert (dq[empty] == 0).all()
+  if name == "contiguous_causal_diagonal_mqa":  # the unmasked loop ran, in both directions
+    t, s = pb["q"].shape[1], pb["k"].shape[1]
+    for ranges in block_ranges(pb["masks"], pb["spec"], t // pb["spec"].block_q,
+                               s // pb["spec"].block_kv):
+      lo, full_lo, full_hi, hi = np.asarray(ranges).T
+      assert (lo <= full_lo).all() and (full_lo <= full_hi).all() and (full_hi <= hi).all()
+      assert (full_hi > full_lo).any()
 
 
 def _xla_reference(pb):
@@ -303,3 +315,21 @@ def test_lowers_to_triton():
       q, kv, kv, q, sd((b, t, kh, g), jnp.float32), q, *masks).mlir_module()
   assert fwd_hlo.count("__gpu$xla.gpu.triton") == 2  # finite-V and guarded-V variants
   assert bwd_hlo.count("__gpu$xla.gpu.triton") == 2  # dQ and dK/dV
+
+
+@pytest.mark.parametrize("name", list(_CASES))
+def test_block_ranges_cover_exactly_what_is_needed(name):
+  """Every block pair holding a visible score is visited; pairs run unmasked are fully visible."""
+  pb = _problem(name)
+  spec, vis = pb["spec"], np.broadcast_to(pb["vis"], (2,) + pb["vis"].shape[1:])
+  bq, bk = spec.block_q, spec.block_kv
+  nq, nk = vis.shape[1] // bq, vis.shape[2] // bk
+  blocks = vis.reshape(2, nq, bq, nk, bk).transpose(1, 3, 0, 2, 4).reshape(nq, nk, -1)
+  any_, all_ = blocks.any(-1), blocks.all(-1)
+  q_ranges, kv_ranges = (np.asarray(r) for r in block_ranges(pb["masks"], spec, nq, nk))
+  for ranges, a, f in ((q_ranges, any_, all_), (kv_ranges, any_.T, all_.T)):
+    for row, (lo, full_lo, full_hi, hi) in enumerate(ranges):
+      visited = np.zeros(a.shape[1], bool)
+      visited[lo:hi] = True
+      assert not (a[row] & ~visited).any()          # nothing visible is skipped
+      assert f[row, full_lo:full_hi].all()          # unmasked blocks need no mask

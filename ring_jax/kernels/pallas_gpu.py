@@ -22,12 +22,14 @@ query / key segment ids (0 = padding, others compared by equality), causal and
 
 Which blocks are visited: per block pair, :func:`ring_jax.scheduling.block_visibility`
 (positions) and :func:`ring_jax.scheduling.blocks_share_a_segment` (segment ids)
-say whether it may hold a visible score; each query block loops over the
-``[lo, hi)`` range of key blocks spanning its possible pairs (one contiguous
-range when positions increase within the shard, as in every layout), and each
-key block over the matching range of query blocks. Metadata is two int32
-vectors per direction; element masks are computed inside the kernel from
-positions and segment ids. Nothing of size ``T x S`` exists outside a block.
+say whether it may hold a visible score and whether all of it is visible; each
+query block loops over the ``[lo, hi)`` range of key blocks spanning its
+possible pairs (one contiguous range when positions increase within the shard,
+as in every layout), skipping the element mask on the run of fully visible
+blocks inside it; each key block loops over the matching range of query blocks
+(:func:`block_ranges`). Metadata is an int32 ``[blocks, 4]`` array per
+direction; element masks are computed inside the kernel from positions and
+segment ids. Nothing of size ``T x S`` exists outside a block.
 
 Non-finite inputs follow :class:`ring_jax.hop.XlaHopKernel`: masked scores are
 ``-inf``, rows whose running max is still ``-inf`` subtract 0, and a masked
@@ -111,33 +113,67 @@ def _may_mask(masks, spec) -> bool:
   return spec.is_causal or spec.window is not None or masks.q_segment_ids is not None
 
 
+def _segments_uniform(q_seg, kv_seg, block_q: int, block_kv: int):
+  """bool ``[nq, nk]``: in every batch row both blocks hold one and the same document (no pad)."""
+  def single(seg, block):
+    seg = seg.reshape(seg.shape[0], -1, block)
+    first = seg[:, :, 0]
+    return first, (seg == first[..., None]).all(-1) & (first != 0)
+  q_id, q_one = single(q_seg, block_q)
+  k_id, k_one = single(kv_seg, block_kv)
+  same = (q_id[:, :, None] == k_id[:, None, :]) & q_one[:, :, None] & k_one[:, None, :]
+  return same.all(axis=0)
+
+
 def block_ranges(masks, spec, num_q_blocks: int, num_kv_blocks: int):
   """Which blocks each program visits, from per-block-pair visibility.
 
-  Returns int32 ``(q_lo, q_hi)`` ``[nq]``: query block ``a`` visits key blocks
-  ``[q_lo[a], q_hi[a])``; and ``(kv_lo, kv_hi)`` ``[nk]``: key block ``b`` is
-  seen by query blocks ``[kv_lo[b], kv_hi[b])``. Each range spans every pair
-  that may hold a visible score (an empty range is ``[0, 0)``); pairs inside a
-  range that hold none are computed and masked, never missed.
+  Returns int32 ``q_ranges`` ``[nq, 4]`` and ``kv_ranges`` ``[nk, 4]``, rows
+  ``(lo, full_lo, full_hi, hi)`` with ``lo <= full_lo <= full_hi <= hi``: query
+  block ``a`` visits key blocks ``[lo, hi)``, and those in ``[full_lo, full_hi)``
+  are fully visible (no element mask needed); key block ``b`` is visited by the
+  query blocks of ``kv_ranges[b]`` in the same way. ``[lo, hi)`` spans every
+  pair that may hold a visible score (empty: ``[0, 0)``); pairs inside it that
+  hold none are computed and masked, never missed. ``[full_lo, full_hi)`` is
+  the first run of fully visible pairs (for positions increasing within a
+  shard the only one, e.g. the blocks strictly below a causal diagonal).
   """
   bq, bk = spec.block_q, spec.block_kv
-  any_, _ = scheduling.block_visibility(masks.q_positions, masks.kv_positions, bq, bk,
-                                        spec.is_causal, spec.window)
+  any_, all_ = scheduling.block_visibility(masks.q_positions, masks.kv_positions, bq, bk,
+                                           spec.is_causal, spec.window)
   if masks.q_segment_ids is not None:
     any_ = any_ & scheduling.blocks_share_a_segment(masks.q_segment_ids,
                                                     masks.kv_segment_ids, bq, bk)
-  any_ = jnp.broadcast_to(any_, (num_q_blocks, num_kv_blocks))
+    all_ = all_ & _segments_uniform(masks.q_segment_ids, masks.kv_segment_ids, bq, bk)
+  shape = (num_q_blocks, num_kv_blocks)
+  any_, all_ = jnp.broadcast_to(any_, shape), jnp.broadcast_to(all_, shape) & any_
 
-  def span(vis, n):  # vis [rows, n] -> [lo, hi) per row
+  def spans(vis, full, n):  # [rows, n] -> [rows, 4]
     idx = jnp.arange(n, dtype=jnp.int32)
-    lo = jnp.min(jnp.where(vis, idx, n), axis=1)
     hi = jnp.max(jnp.where(vis, idx + 1, 0), axis=1)
-    lo = jnp.minimum(lo, hi)  # empty row: [0, 0)
-    return lo.astype(jnp.int32), hi.astype(jnp.int32)
+    lo = jnp.minimum(jnp.min(jnp.where(vis, idx, n), axis=1), hi)  # empty row: [0, 0)
+    full_lo = jnp.min(jnp.where(full, idx, n), axis=1)
+    # end of the first run of full pairs: the first non-full index after full_lo
+    full_hi = jnp.min(jnp.where(~full & (idx >= full_lo[:, None]), idx, n), axis=1)
+    no_run = full_lo >= n
+    full_lo = jnp.where(no_run, hi, full_lo)
+    full_hi = jnp.where(no_run, hi, jnp.minimum(full_hi, hi))
+    return jnp.stack([lo, full_lo, full_hi, hi], axis=1).astype(jnp.int32)
 
-  q_lo, q_hi = span(any_, num_kv_blocks)
-  kv_lo, kv_hi = span(any_.T, num_q_blocks)
-  return (q_lo, q_hi), (kv_lo, kv_hi)
+  return spans(any_, all_, num_kv_blocks), spans(any_.T, all_.T, num_q_blocks)
+
+
+def _loop(ranges_ref, step, carry, masking: bool):
+  """Runs ``step(j, carry, masked)`` over ``[lo, hi)``, unmasked on ``[full_lo, full_hi)``.
+
+  ``masking=False`` (statically nothing to mask): one unmasked loop over ``[lo, hi)``.
+  """
+  lo, full_lo, full_hi, hi = (ranges_ref[i] for i in range(4))
+  if not masking:
+    return lax.fori_loop(lo, hi, functools.partial(step, masked=False), carry)
+  carry = lax.fori_loop(lo, full_lo, functools.partial(step, masked=True), carry)
+  carry = lax.fori_loop(full_lo, full_hi, functools.partial(step, masked=False), carry)
+  return lax.fori_loop(full_hi, hi, functools.partial(step, masked=True), carry)
 
 
 # ----------------------------------------------------------------------------- kernels
@@ -146,10 +182,10 @@ def block_ranges(masks, spec, num_q_blocks: int, num_kv_blocks: int):
 def _fwd_kernel(*refs, scale, is_causal, window, block_kv, precision, has_seg, guard_v):
   """One (query block, batch row, query head): ``out_h`` and natural-log ``lse_h``."""
   if has_seg:
-    (lo_ref, hi_ref, qpos_ref, kpos_ref, qseg_ref, kseg_ref,
+    (ranges_ref, qpos_ref, kpos_ref, qseg_ref, kseg_ref,
      q_ref, k_ref, v_ref, o_ref, lse_ref) = refs
   else:
-    (lo_ref, hi_ref, qpos_ref, kpos_ref, q_ref, k_ref, v_ref, o_ref, lse_ref) = refs
+    (ranges_ref, qpos_ref, kpos_ref, q_ref, k_ref, v_ref, o_ref, lse_ref) = refs
     qseg_ref = kseg_ref = None
   q = q_ref[...]                                    # [bq, H] input dtype
   bq, h = q.shape
@@ -157,7 +193,7 @@ def _fwd_kernel(*refs, scale, is_causal, window, block_kv, precision, has_seg, g
   q_seg = qseg_ref[...] if has_seg else None
   masking = is_causal or window is not None or has_seg
 
-  def body(j, carry):
+  def body(j, carry, masked):
     o, m, l = carry
     start = pl.multiple_of(j * block_kv, block_kv)
     ks = pl.ds(start, block_kv)
@@ -165,7 +201,7 @@ def _fwd_kernel(*refs, scale, is_causal, window, block_kv, precision, has_seg, g
     v = v_ref[ks, :]
     s = _dot(q, k, precision, trans_b=True) * scale           # [bq, bk] f32
     mask = None
-    if masking:
+    if masking and masked:
       mask = _visibility(q_pos, kpos_ref[ks], q_seg,
                          kseg_ref[ks] if has_seg else None, is_causal, window)
       s = jnp.where(mask, s, -jnp.inf)
@@ -176,7 +212,7 @@ def _fwd_kernel(*refs, scale, is_causal, window, block_kv, precision, has_seg, g
     p = _exp(s, m_ref[:, None])
     alpha = _exp(m, m_ref)
     l_new = alpha * l + jnp.sum(p, axis=1)
-    if guard_v:
+    if guard_v and mask is not None:
       # p = 0 at masked pairs, but 0 * NaN is NaN: read the finite part of V and mark
       # the rows that see a non-finite value through a visible pair.
       bad = jnp.logical_not(jnp.isfinite(v))
@@ -189,7 +225,7 @@ def _fwd_kernel(*refs, scale, is_causal, window, block_kv, precision, has_seg, g
 
   init = (jnp.zeros((bq, h), jnp.float32), jnp.full((bq,), -jnp.inf, jnp.float32),
           jnp.zeros((bq,), jnp.float32))
-  o, m, l = lax.fori_loop(lo_ref[0], hi_ref[0], body, init)
+  o, m, l = _loop(ranges_ref, body, init, masking)
   empty = l == 0  # no visible key in this hop (a NaN l is not mistaken for empty)
   l_safe = jnp.where(empty, 1.0, l)
   o_ref[...] = jnp.where(empty[:, None], 0.0, o / l_safe[:, None]).astype(o_ref.dtype)
@@ -199,14 +235,13 @@ def _fwd_kernel(*refs, scale, is_causal, window, block_kv, precision, has_seg, g
 def _dq_kernel(*refs, scale, is_causal, window, block_kv, precision, has_seg):
   """One (query block, batch row, query head): this hop's float32 dQ."""
   if has_seg:
-    (lo_ref, hi_ref, qpos_ref, kpos_ref, qseg_ref, kseg_ref,
+    (ranges_ref, qpos_ref, kpos_ref, qseg_ref, kseg_ref,
      q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref) = refs
   else:
-    (lo_ref, hi_ref, qpos_ref, kpos_ref,
+    (ranges_ref, qpos_ref, kpos_ref,
      q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref) = refs
     qseg_ref = kseg_ref = None
   masking = is_causal or window is not None or has_seg
-  fin = _finite if masking else (lambda x: x)
   q = q_ref[...]
   do = do_ref[...]
   bq, h = q.shape
@@ -215,14 +250,16 @@ def _dq_kernel(*refs, scale, is_causal, window, block_kv, precision, has_seg):
   q_pos = qpos_ref[...]
   q_seg = qseg_ref[...] if has_seg else None
 
-  def body(j, dq):
+  def body(j, dq, masked):
+    masked = masking and masked
+    fin = _finite if masked else (lambda x: x)  # fully visible: the raw operands are right
     start = pl.multiple_of(j * block_kv, block_kv)
     ks = pl.ds(start, block_kv)
     k = k_ref[ks, :]
     v = v_ref[ks, :]
     s = _dot(q, k, precision, trans_b=True) * scale
     p = _exp(s, lse[:, None])
-    if masking:
+    if masked:
       mask = _visibility(q_pos, kpos_ref[ks], q_seg,
                          kseg_ref[ks] if has_seg else None, is_causal, window)
       p = jnp.where(mask, p, 0.0)
@@ -230,30 +267,31 @@ def _dq_kernel(*refs, scale, is_causal, window, block_kv, precision, has_seg):
     ds = (p * (dp - delta[:, None]) * scale).astype(q.dtype)
     return dq + _dot(ds, fin(k), precision)
 
-  dq = lax.fori_loop(lo_ref[0], hi_ref[0], body, jnp.zeros((bq, h), jnp.float32))
+  dq = _loop(ranges_ref, body, jnp.zeros((bq, h), jnp.float32), masking)
   dq_ref[...] = dq
 
 
 def _dkv_kernel(*refs, scale, is_causal, window, block_q, groups, precision, has_seg):
   """One (key block, batch row, kv head): this hop's float32 dK, dV, summed over the group."""
   if has_seg:
-    (lo_ref, hi_ref, qpos_ref, kpos_ref, qseg_ref, kseg_ref,
+    (ranges_ref, qpos_ref, kpos_ref, qseg_ref, kseg_ref,
      q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref) = refs
   else:
-    (lo_ref, hi_ref, qpos_ref, kpos_ref,
+    (ranges_ref, qpos_ref, kpos_ref,
      q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref) = refs
     qseg_ref = kseg_ref = None
   masking = is_causal or window is not None or has_seg
-  fin = _finite if masking else (lambda x: x)
   k = k_ref[...]                                    # [bk, H]
-  v_fin = fin(v_ref[...])
+  v = v_ref[...]
+  v_fin = _finite(v) if masking else v
   bk, h = k.shape
   kv_pos = kpos_ref[...]
   kv_seg = kseg_ref[...] if has_seg else None
-  lo, hi = lo_ref[0], hi_ref[0]
 
   def head(g, carry):
-    def body(i, carry):
+    def body(i, carry, masked):
+      masked = masking and masked
+      fin = _finite if masked else (lambda x: x)  # fully visible: the raw operands are right
       dk, dv = carry
       start = pl.multiple_of(i * block_q, block_q)
       qs = pl.ds(start, block_q)
@@ -263,17 +301,17 @@ def _dkv_kernel(*refs, scale, is_causal, window, block_q, groups, precision, has
       delta = delta_ref[qs, g]
       s = _dot(q, k, precision, trans_b=True) * scale
       p = _exp(s, lse[:, None])
-      if masking:
+      if masked:
         mask = _visibility(qpos_ref[qs], kv_pos, qseg_ref[qs] if has_seg else None, kv_seg,
                            is_causal, window)
         p = jnp.where(mask, p, 0.0)
       dv = dv + _dot(p.astype(do.dtype), do, precision, trans_a=True)
-      dp = _dot(do, v_fin, precision, trans_b=True)
+      dp = _dot(do, v_fin if masked else v, precision, trans_b=True)
       ds = (p * (dp - delta[:, None]) * scale).astype(q.dtype)
       dk = dk + _dot(ds, fin(q), precision, trans_a=True)
       return dk, dv
 
-    return lax.fori_loop(lo, hi, body, carry)
+    return _loop(ranges_ref, body, carry, masking)
 
   zeros = jnp.zeros((bk, h), jnp.float32)
   dk, dv = lax.fori_loop(0, groups, head, (zeros, zeros))
@@ -365,15 +403,14 @@ class PallasGpuHopKernel:
     bq, bk = spec.block_q, spec.block_kv
     nq, nk = t // bq, s // bk
     has_seg = masks.q_segment_ids is not None
-    (q_lo, q_hi), _ = block_ranges(masks, spec, nq, nk)
+    q_ranges, _ = block_ranges(masks, spec, nq, nk)
     q_BTNH = q.reshape(b, t, n, h)
 
     def call(guard_v: bool):
       kernel = functools.partial(
           _fwd_kernel, scale=float(spec.scale), is_causal=spec.is_causal, window=spec.window,
           block_kv=bk, precision=spec.precision, has_seg=has_seg, guard_v=guard_v)
-      in_specs = [pl.BlockSpec((1,), lambda i, bi, ni: (i,)),             # q_lo
-                  pl.BlockSpec((1,), lambda i, bi, ni: (i,)),             # q_hi
+      in_specs = [pl.BlockSpec((None, 4), lambda i, bi, ni: (i, 0)),      # kv block ranges
                   pl.BlockSpec((bq,), lambda i, bi, ni: (i,)),            # q positions
                   pl.BlockSpec((s,), lambda i, bi, ni: (0,))]             # kv positions
       if has_seg:
@@ -392,7 +429,7 @@ class PallasGpuHopKernel:
           kernel, grid=(nq, b, n), in_specs=in_specs, out_specs=out_specs,
           out_shape=out_shape, compiler_params=self._compiler_params(h),
           interpret=self._interpret(), name="pallas_gpu_hop_fwd",
-      )(q_lo, q_hi, *self._mask_operands(masks, has_seg), q_BTNH, k, v)
+      )(q_ranges, *self._mask_operands(masks, has_seg), q_BTNH, k, v)
 
     with jax.named_scope("pallas_gpu_hop_fwd"):
       if _may_mask(masks, spec):
@@ -417,7 +454,7 @@ class PallasGpuHopKernel:
     bq, bk = spec.block_q, spec.block_kv
     nq, nk = t // bq, s // bk
     has_seg = masks.q_segment_ids is not None
-    (q_lo, q_hi), (kv_lo, kv_hi) = block_ranges(masks, spec, nq, nk)
+    q_ranges, kv_ranges = block_ranges(masks, spec, nq, nk)
     delta = jnp.sum(do.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
     q_BTNH = q.reshape(b, t, n, h)
     do_BTNH = do.reshape(b, t, n, h)
@@ -429,8 +466,7 @@ class PallasGpuHopKernel:
     mask_ops = self._mask_operands(masks, has_seg)
 
     # dQ: grid over (query blocks, batch, query heads), loop over visible kv blocks.
-    dq_specs = [pl.BlockSpec((1,), lambda i, bi, ni: (i,)),
-                pl.BlockSpec((1,), lambda i, bi, ni: (i,)),
+    dq_specs = [pl.BlockSpec((None, 4), lambda i, bi, ni: (i, 0)),
                 pl.BlockSpec((bq,), lambda i, bi, ni: (i,)),
                 pl.BlockSpec((s,), lambda i, bi, ni: (0,))]
     if has_seg:
@@ -446,12 +482,11 @@ class PallasGpuHopKernel:
           grid=(nq, b, n), in_specs=dq_specs, out_specs=q_blk,
           out_shape=jax.ShapeDtypeStruct((b, t, n, h), jnp.float32),
           compiler_params=params, interpret=self._interpret(), name="pallas_gpu_hop_bwd_dq",
-      )(q_lo, q_hi, *mask_ops, q_BTNH, k, v, do_BTNH, lse_BTN, delta_BTN)
+      )(q_ranges, *mask_ops, q_BTNH, k, v, do_BTNH, lse_BTN, delta_BTN)
 
     # dK/dV: grid over (kv blocks, batch, kv heads), loop over the group's G query heads
     # and the query blocks that can see this kv block.
-    dkv_specs = [pl.BlockSpec((1,), lambda j, bi, ki: (j,)),
-                 pl.BlockSpec((1,), lambda j, bi, ki: (j,)),
+    dkv_specs = [pl.BlockSpec((None, 4), lambda j, bi, ki: (j, 0)),
                  pl.BlockSpec((t,), lambda j, bi, ki: (0,)),
                  pl.BlockSpec((bk,), lambda j, bi, ki: (j,))]
     if has_seg:
@@ -467,5 +502,5 @@ class PallasGpuHopKernel:
           grid=(nk, b, kh), in_specs=dkv_specs, out_specs=[kv_blk, kv_blk],
           out_shape=[jax.ShapeDtypeStruct((b, s, kh, h), jnp.float32)] * 2,
           compiler_params=params, interpret=self._interpret(), name="pallas_gpu_hop_bwd_dkv",
-      )(kv_lo, kv_hi, *mask_ops, q_BTNH, k, v, do_BTNH, lse_BTN, delta_BTN)
+      )(kv_ranges, *mask_ops, q_BTNH, k, v, do_BTNH, lse_BTN, delta_BTN)
     return dq.reshape(b, t, kh, g, h), dk, dv
