@@ -288,32 +288,42 @@ def test_check_names_the_fix():
       kernel.check(q_shape, kv_shape, dtype, sp)
 
 
-def test_lowers_to_triton():
-  """Forward (both V variants) and backward lower to Triton kernels for the cuda platform.
+@pytest.mark.parametrize("dtype,causal,window,segments,precision", [
+    (jnp.bfloat16, True, (100, 0), True, None),
+    (jnp.float32, False, None, False, jax.lax.Precision.HIGHEST),
+])
+def test_lowers_to_triton(dtype, causal, window, segments, precision):
+  """Forward and backward lower to Triton kernels for the cuda platform.
 
   This runs the Pallas -> Triton IR lowering on CPU (power-of-two tensor sizes,
-  matmul shapes, indexing); Triton's own compile to PTX and a run need a GPU.
+  matmul shapes, indexing, loops); Triton's own compile to PTX and a run need a
+  GPU and are not checked here.
   """
   b, t, s, kh, g, h = 1, 128, 256, 2, 2, 64
   sd = jax.ShapeDtypeStruct
-  q, kv = sd((b, t, kh, g, h), jnp.bfloat16), sd((b, s, kh, h), jnp.bfloat16)
+  q, kv = sd((b, t, kh, g, h), dtype), sd((b, s, kh, h), dtype)
   i32 = lambda *shape: sd(shape, jnp.int32)
-  spec = hop.HopSpec(scale=0.125, is_causal=True, window=(100, 0), block_q=64, block_kv=64)
+  spec = hop.HopSpec(scale=0.125, is_causal=causal, window=window, block_q=64, block_kv=32,
+                     precision=precision)
   kernel = PallasGpuHopKernel(interpret=False)
+  segs = (i32(b, t), i32(b, s)) if segments else ()
 
-  def fwd(q, k, v, qp, kp, qs, ks):
-    return kernel.forward(q, k, v, Masks(qp, kp, qs, ks), spec)
+  def masks(qp, kp, *seg):
+    return Masks(qp, kp, *(seg if seg else (None, None)))
 
-  def bwd(q, k, v, o, l, do, qp, kp, qs, ks):
-    return kernel.backward(q, k, v, o, l, do, Masks(qp, kp, qs, ks), spec)
+  def fwd(q, k, v, *m):
+    return kernel.forward(q, k, v, masks(*m), spec)
+
+  def bwd(q, k, v, o, l, do, *m):
+    return kernel.backward(q, k, v, o, l, do, masks(*m), spec)
 
   checks = [export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
-  masks = (i32(t), i32(s), i32(b, t), i32(b, s))
   fwd_hlo = export.export(jax.jit(fwd), platforms=["cuda"], disabled_checks=checks)(
-      q, kv, kv, *masks).mlir_module()
+      q, kv, kv, i32(t), i32(s), *segs).mlir_module()
   bwd_hlo = export.export(jax.jit(bwd), platforms=["cuda"], disabled_checks=checks)(
-      q, kv, kv, q, sd((b, t, kh, g), jnp.float32), q, *masks).mlir_module()
-  assert fwd_hlo.count("__gpu$xla.gpu.triton") == 2  # finite-V and guarded-V variants
+      q, kv, kv, q, sd((b, t, kh, g), jnp.float32), q, i32(t), i32(s), *segs).mlir_module()
+  # masked: a finite-V and a guarded-V forward variant; unmasked: one
+  assert fwd_hlo.count("__gpu$xla.gpu.triton") == (2 if causal or segments else 1)
   assert bwd_hlo.count("__gpu$xla.gpu.triton") == 2  # dQ and dK/dV
 
 
