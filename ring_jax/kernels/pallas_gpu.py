@@ -504,3 +504,17 @@ class PallasGpuHopKernel:
           compiler_params=params, interpret=self._interpret(), name="pallas_gpu_hop_bwd_dkv",
       )(kv_ranges, *mask_ops, q_BTNH, k, v, do_BTNH, lse_BTN, delta_BTN)
     return dq.reshape(b, t, kh, g, h), dk, dv
+
+
+def make_kernel(platform: str) -> PallasGpuHopKernel:
+  """The registry's factory: interpret mode on ``"cpu"`` (slow; for tests), Triton on ``"gpu"``.
+
+  Raises ``ValueError`` on other platforms (Triton kernels run on GPUs only).
+  """
+  if platform == "cpu":
+    return PallasGpuHopKernel(interpret=True)
+  if platform in ("gpu", "cuda", "rocm"):
+    return PallasGpuHopKernel(interpret=False)
+  raise ValueError(
+      f"hop_kernel='pallas_gpu' runs on GPUs (Triton) or in interpret mode on CPU, not on "
+      f"{platform!r}; use hop_kernel='pallas_tpu' on TPU, or 'xla' anywhere.")
