@@ -206,8 +206,8 @@ def _fwd_kernel(*refs, scale, is_causal, window, block_kv, precision, has_seg, g
                          kseg_ref[ks] if has_seg else None, is_causal, window)
       s = jnp.where(mask, s, -jnp.inf)
     m_new = jnp.maximum(m, jnp.max(s, axis=1))
-    # A row that has seen no visible key keeps m = -inf: subtract 0 instead (exp2(-inf) = 0,
-    # not exp2(-inf + inf) = NaN).
+    # A row that has seen no visible key keeps m = -inf: subtract 0 instead (exp(-inf) = 0,
+    # not exp(-inf + inf) = NaN).
     m_ref = jnp.where(m_new == -jnp.inf, 0.0, m_new)
     p = _exp(s, m_ref[:, None])
     alpha = _exp(m, m_ref)
