@@ -71,6 +71,30 @@ _DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 _MAX_HEAD_DIM = 256
 
 
+def _varying(*xs) -> frozenset:
+  """Manual mesh axes (inside ``shard_map``) that any of ``xs`` varies over."""
+  return frozenset().union(*(jax.typeof(x).manual_axis_type.varying for x in xs))
+
+
+def _pallas(kernel, *, out_shape, **kwargs):
+  """``pl.pallas_call`` that also works under ``shard_map(check_vma=True)``.
+
+  There every output must say which mesh axes it varies over, and the inputs
+  must agree: inputs are marked varying over the union of their axes and the
+  outputs declared so (outside ``shard_map`` the union is empty).
+  """
+  def call(*args):
+    vary = _varying(*args)
+    args = [x if not (vary - _varying(x)) else
+            lax.pcast(x, tuple(sorted(vary - _varying(x), key=str)), to="varying")
+            for x in args]
+    mat = jax.sharding.ManualAxisType(varying=vary)
+    shapes = jax.tree.map(
+        lambda o: jax.ShapeDtypeStruct(o.shape, o.dtype, manual_axis_type=mat), out_shape)
+    return pl.pallas_call(kernel, out_shape=shapes, **kwargs)(*args)
+  return call
+
+
 def _is_pow2_at_least_16(x: int) -> bool:
   return x >= 16 and (x & (x - 1)) == 0
 
@@ -425,7 +449,7 @@ class PallasGpuHopKernel:
                    pl.BlockSpec((None, bq, None), lambda i, bi, ni: (bi, i, ni))]
       out_shape = [jax.ShapeDtypeStruct((b, t, n, h), jnp.float32),
                    jax.ShapeDtypeStruct((b, t, n), jnp.float32)]
-      return pl.pallas_call(
+      return _pallas(
           kernel, grid=(nq, b, n), in_specs=in_specs, out_specs=out_specs,
           out_shape=out_shape, compiler_params=self._compiler_params(h),
           interpret=self._interpret(), name="pallas_gpu_hop_fwd",
@@ -477,7 +501,7 @@ class PallasGpuHopKernel:
     row_blk = pl.BlockSpec((None, bq, None), lambda i, bi, ni: (bi, i, ni))
     dq_specs += [q_blk, kv_all, kv_all, q_blk, row_blk, row_blk]
     with jax.named_scope("pallas_gpu_hop_bwd_dq"):
-      dq = pl.pallas_call(
+      dq = _pallas(
           functools.partial(_dq_kernel, block_kv=bk, **statics),
           grid=(nq, b, n), in_specs=dq_specs, out_specs=q_blk,
           out_shape=jax.ShapeDtypeStruct((b, t, n, h), jnp.float32),
@@ -497,7 +521,7 @@ class PallasGpuHopKernel:
     row_grp = pl.BlockSpec((None, t, g), lambda j, bi, ki: (bi, 0, ki))
     dkv_specs += [q_grp, kv_blk, kv_blk, q_grp, row_grp, row_grp]
     with jax.named_scope("pallas_gpu_hop_bwd_dkv"):
-      dk, dv = pl.pallas_call(
+      dk, dv = _pallas(
           functools.partial(_dkv_kernel, block_q=bq, groups=g, **statics),
           grid=(nk, b, kh), in_specs=dkv_specs, out_specs=[kv_blk, kv_blk],
           out_shape=[jax.ShapeDtypeStruct((b, s, kh, h), jnp.float32)] * 2,
