@@ -11,8 +11,6 @@ the ``cuda`` platform (Pallas -> Triton IR on CPU); running them on a GPU is
 not checked here.
 """
 
-from typing import NamedTuple
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -23,14 +21,6 @@ from ring_jax import hop, scheduling
 from ring_jax.kernels.pallas_gpu import PallasGpuHopKernel, block_ranges
 
 RTOL = 1e-5
-
-
-class Masks(NamedTuple):
-  """The mask fields of the hop seam the kernel reads."""
-  q_positions: jax.Array
-  kv_positions: jax.Array
-  q_segment_ids: jax.Array | None
-  kv_segment_ids: jax.Array | None
 
 
 def _visible(qp, kp, qs, ks, causal, window):
@@ -59,14 +49,16 @@ def _attend(q, k, v, vis, scale):
   return out, np.einsum("bkgt->btkg", lse)
 
 
-def _oracle_bwd(q, k, v, out, lse, do, vis, scale):
-  """float64 gradient of the hop's keys given the FINAL out/lse (FlashAttention-2 formulas)."""
+def _oracle_bwd(q, k, v, out, lse, do, dlse, vis, scale):
+  """float64 gradient of the hop's keys given the FINAL out/lse and the cotangents of both
+  (FlashAttention-2 formulas; ``d lse / d s = p``)."""
   s = np.einsum("btkgh,bskh->bkgts", q, k) * scale
   vis = np.broadcast_to(vis[:, None, None], s.shape)
   lse_t = np.einsum("btkg->bkgt", lse)[..., None]
   with np.errstate(invalid="ignore"):
     p = np.where(vis, np.exp(s - lse_t), 0.0)  # lse = +inf (padding): p = 0
   delta = np.einsum("btkgh,btkgh->bkgt", do, out)[..., None]
+  delta = delta - np.einsum("btkg->bkgt", dlse)[..., None]
   dp = np.einsum("btkgh,bskh->bkgts", do, v)
   ds = p * (dp - delta) * scale
   dq = np.einsum("bkgts,bskh->btkgh", ds, k)
@@ -133,6 +125,7 @@ def _problem(name, dtype=np.float32, seed=0):
   ko64, _ = rnd(b, len(c["kp_other"]), c["k"], c["h"])
   vo64, _ = rnd(b, len(c["kp_other"]), c["k"], c["h"])
   do64, do = rnd(b, c["t"], c["k"], c["g"], c["h"])
+  dlse = rng.standard_normal((b, c["t"], c["k"], c["g"])).astype(np.float32)
   qp, kp, kpo = (np.asarray(x, np.int32) for x in (c["qp"], c["kp"], c["kp_other"]))
   if c["seg"]:
     qs, ks, kso = (_segments(b, p) for p in (qp, kp, kpo))
@@ -149,9 +142,9 @@ def _problem(name, dtype=np.float32, seed=0):
   lse = np.where(np.isneginf(lse), np.inf, lse)  # the ring's convention for rows that saw nothing
   spec = hop.HopSpec(scale=scale, is_causal=c["causal"], window=c["window"], block_q=c["bq"],
                      block_kv=c["bk"])
-  masks = Masks(jnp.asarray(qp), jnp.asarray(kp), None if qs is None else jnp.asarray(qs),
+  masks = hop.HopMasks(jnp.asarray(qp), jnp.asarray(kp), None if qs is None else jnp.asarray(qs),
                 None if ks is None else jnp.asarray(ks))
-  return dict(q=q, k=k, v=v, do=do, q64=q64, k64=k64, v64=v64, do64=do64, vis=vis,
+  return dict(q=q, k=k, v=v, do=do, dlse=dlse, q64=q64, k64=k64, v64=v64, do64=do64, vis=vis,
               out_h=out_h, lse_h=lse_h, out=out, lse=lse, spec=spec, masks=masks, scale=scale)
 
 
@@ -164,11 +157,12 @@ def _run(kernel, pb, fns=None):
   masks, spec = pb["masks"], pb["spec"]
   if fns is None:
     fns = (jax.jit(lambda q, k, v: kernel.forward(q, k, v, masks, spec)),
-           jax.jit(lambda q, k, v, o, l, do: kernel.backward(q, k, v, o, l, do, masks, spec)))
+           jax.jit(lambda q, k, v, o, l, do, dlse: kernel.backward(q, k, v, o, l, do, dlse, masks,
+                                                                  spec)))
   fwd, bwd = fns
   out_h, lse_h = fwd(pb["q"], pb["k"], pb["v"])
   grads = bwd(pb["q"], pb["k"], pb["v"], jnp.asarray(pb["out"], jnp.float32).astype(pb["q"].dtype),
-              jnp.asarray(pb["lse"], jnp.float32), pb["do"])
+              jnp.asarray(pb["lse"], jnp.float32), pb["do"], jnp.asarray(pb["dlse"]))
   return (np.asarray(out_h), np.asarray(lse_h)), tuple(np.asarray(g) for g in grads), fns
 
 
@@ -184,8 +178,8 @@ def test_one_hop_matches_float64_oracle(name):
   assert (out_h[empty] == 0).all()
   assert np.abs(lse_h[~empty] - pb["lse_h"][~empty]).max() <= RTOL * np.abs(pb["lse_h"][~empty]).max()
   assert _rel_err(out_h, pb["out_h"]) <= RTOL
-  ref = _oracle_bwd(pb["q64"], pb["k64"], pb["v64"], pb["out"], pb["lse"], pb["do64"], pb["vis"],
-                    pb["scale"])
+  ref = _oracle_bwd(pb["q64"], pb["k64"], pb["v64"], pb["out"], pb["lse"], pb["do64"], pb["dlse"],
+                    pb["vis"], pb["scale"])
   for what, got, want in zip(("dq", "dk", "dv"), (dq, dk, dv), ref):
     assert np.isfinite(got).all(), what
     assert _rel_err(got, want) <= RTOL, (what, _rel_err(got, want))
@@ -220,6 +214,7 @@ def _xla_reference(pb):
   lse = jnp.einsum("btkg->bkgt", jnp.asarray(pb["lse"], jnp.float32))[..., None]
   pg = jnp.where(vis, jnp.exp(s - lse), 0.0)
   delta = jnp.einsum("btkgh,btkgh->bkgt", do.astype(jnp.float32), out.astype(jnp.float32))
+  delta = delta - jnp.einsum("btkg->bkgt", jnp.asarray(pb["dlse"]))
   dp = jnp.einsum("btkgh,bskh->bkgts", do, v, **f32)
   ds = (pg * (dp - delta[..., None]) * scale).astype(q.dtype)
   dq = jnp.einsum("bkgts,bskh->btkgh", ds, k, **f32)
@@ -241,7 +236,7 @@ def test_bfloat16_error_within_xla_reference():
   out_bf16 = np.asarray(jnp.asarray(pb["out"], jnp.float32).astype(jnp.bfloat16), np.float64)
   (out_h, lse_h), grads, _ = _run(PallasGpuHopKernel(), pb)
   ref_dq, ref_dk, ref_dv = _oracle_bwd(pb["q64"], pb["k64"], pb["v64"], out_bf16, pb["lse"],
-                                       pb["do64"], pb["vis"], pb["scale"])
+                                       pb["do64"], pb["dlse"], pb["vis"], pb["scale"])
   fin = np.isfinite(pb["lse_h"])
   assert _rel_err(lse_h[fin], pb["lse_h"][fin]) <= RTOL / 10
   xla = _xla_reference(pb)
@@ -309,19 +304,20 @@ def test_lowers_to_triton(dtype, causal, window, segments, precision):
   segs = (i32(b, t), i32(b, s)) if segments else ()
 
   def masks(qp, kp, *seg):
-    return Masks(qp, kp, *(seg if seg else (None, None)))
+    return hop.HopMasks(qp, kp, *(seg if seg else (None, None)))
 
   def fwd(q, k, v, *m):
     return kernel.forward(q, k, v, masks(*m), spec)
 
-  def bwd(q, k, v, o, l, do, *m):
-    return kernel.backward(q, k, v, o, l, do, masks(*m), spec)
+  def bwd(q, k, v, o, l, do, dlse, *m):
+    return kernel.backward(q, k, v, o, l, do, dlse, masks(*m), spec)
 
   checks = [export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
   fwd_hlo = export.export(jax.jit(fwd), platforms=["cuda"], disabled_checks=checks)(
       q, kv, kv, i32(t), i32(s), *segs).mlir_module()
   bwd_hlo = export.export(jax.jit(bwd), platforms=["cuda"], disabled_checks=checks)(
-      q, kv, kv, q, sd((b, t, kh, g), jnp.float32), q, i32(t), i32(s), *segs).mlir_module()
+      q, kv, kv, q, sd((b, t, kh, g), jnp.float32), q, sd((b, t, kh, g), jnp.float32), i32(t),
+      i32(s), *segs).mlir_module()
   # masked: a finite-V and a guarded-V forward variant; unmasked: one
   assert fwd_hlo.count("__gpu$xla.gpu.triton") == (2 if causal or segments else 1)
   assert bwd_hlo.count("__gpu$xla.gpu.triton") == 2  # dQ and dK/dV

@@ -34,8 +34,8 @@ def _lazy(module: str, attr: str) -> Callable[[str], HopKernel]:
 
 HOP_KERNELS: dict[str, Callable[[str], HopKernel]] = {
     "xla": lambda platform: XlaHopKernel(),
-    # Fused kernels add one line each, e.g.
-    # "pallas_gpu": _lazy("ring_jax.kernels.pallas_gpu", "make_kernel"),
+    # Fused kernels add one line each.
+    "pallas_gpu": _lazy("ring_jax.kernels.pallas_gpu", "make_kernel"),
 }
 
 # platform -> kernel name that "auto" picks there; absent platforms get "xla". An entry is

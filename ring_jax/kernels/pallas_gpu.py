@@ -65,15 +65,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from ring_jax import scheduling
+from ring_jax import hop, scheduling
 
 _DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 _MAX_HEAD_DIM = 256
-
-
-def _varying(*xs) -> frozenset:
-  """Manual mesh axes (inside ``shard_map``) that any of ``xs`` varies over."""
-  return frozenset().union(*(jax.typeof(x).manual_axis_type.varying for x in xs))
 
 
 def _pallas(kernel, *, out_shape, **kwargs):
@@ -84,11 +79,9 @@ def _pallas(kernel, *, out_shape, **kwargs):
   outputs declared so (outside ``shard_map`` the union is empty).
   """
   def call(*args):
-    vary = _varying(*args)
-    args = [x if not (vary - _varying(x)) else
-            lax.pcast(x, tuple(sorted(vary - _varying(x), key=str)), to="varying")
-            for x in args]
-    mat = jax.sharding.ManualAxisType(varying=vary)
+    args = [hop.varying_like(x, *args) for x in args]
+    mat = jax.sharding.ManualAxisType(varying=frozenset().union(
+        *(hop._varying_axes(x) for x in args)))
     shapes = jax.tree.map(
         lambda o: jax.ShapeDtypeStruct(o.shape, o.dtype, manual_axis_type=mat), out_shape)
     return pl.pallas_call(kernel, out_shape=shapes, **kwargs)(*args)
@@ -465,11 +458,13 @@ class PallasGpuHopKernel:
 
   # --------------------------------------------------------------------------- backward
 
-  def backward(self, q, k, v, out, lse, do, masks, spec):
+  def backward(self, q, k, v, out, lse, do, dlse, masks, spec):
     """Returns this hop's float32 ``(dq [B,T,K,G,H], dk [B,S,K,H], dv [B,S,K,H])``.
 
     ``out`` / ``lse`` are the ring's FINAL output and log-sum-exp (``lse = +inf``
-    on rows that saw no key); ``delta = rowsum(dO * O)`` is recomputed here.
+    on rows that saw no key); ``dlse`` the lse cotangent or None. ``delta =
+    rowsum(dO * O) - dlse`` (:func:`ring_jax.hop.backward_delta`) is computed
+    here in XLA, one fused elementwise pass, and read by both kernels.
     """
     self.check(q.shape, k.shape, q.dtype, spec)
     b, t, kh, g, h = q.shape
@@ -479,7 +474,7 @@ class PallasGpuHopKernel:
     nq, nk = t // bq, s // bk
     has_seg = masks.q_segment_ids is not None
     q_ranges, kv_ranges = block_ranges(masks, spec, nq, nk)
-    delta = jnp.sum(do.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
+    delta = hop.backward_delta(out, do, dlse)
     q_BTNH = q.reshape(b, t, n, h)
     do_BTNH = do.reshape(b, t, n, h)
     lse_BTN = lse.astype(jnp.float32).reshape(b, t, n)
