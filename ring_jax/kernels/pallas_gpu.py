@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import ClassVar
 
 import jax
@@ -71,21 +72,102 @@ _DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 _MAX_HEAD_DIM = 256
 
 
-def _pallas(kernel, *, out_shape, **kwargs):
-  """``pl.pallas_call`` that also works under ``shard_map(check_vma=True)``.
+def _pallas(kernel, *, out_shape, grid, in_specs, out_specs, interpret, **kwargs):
+  """``pl.pallas_call(kernel, ...)`` that also runs inside ``shard_map(check_vma=True)``.
 
-  There every output must say which mesh axes it varies over, and the inputs
+  There every output must say which mesh axes it varies over and the inputs
   must agree: inputs are marked varying over the union of their axes and the
-  outputs declared so (outside ``shard_map`` the union is empty).
+  outputs declared so (outside ``shard_map`` the union is empty). In interpret
+  mode with varying inputs, Pallas' own interpreter (jax 0.10) fails its
+  manual-axis checks, so :func:`_interpret_grid` runs the same kernel instead.
   """
   def call(*args):
     args = [hop.varying_like(x, *args) for x in args]
-    mat = jax.sharding.ManualAxisType(varying=frozenset().union(
-        *(hop._varying_axes(x) for x in args)))
+    vary = frozenset().union(*(hop._varying_axes(x) for x in args))
+    if interpret and vary:
+      return _interpret_grid(kernel, grid, in_specs, out_specs, out_shape, args)
+    mat = jax.sharding.ManualAxisType(varying=vary)
     shapes = jax.tree.map(
         lambda o: jax.ShapeDtypeStruct(o.shape, o.dtype, manual_axis_type=mat), out_shape)
-    return pl.pallas_call(kernel, out_shape=shapes, **kwargs)(*args)
+    return pl.pallas_call(kernel, out_shape=shapes, grid=grid, in_specs=in_specs,
+                          out_specs=out_specs, interpret=interpret, **kwargs)(*args)
   return call
+
+
+class _BlockRef:
+  """One block as :func:`_interpret_grid` hands it to a kernel: the ref reads and whole-block
+  writes the kernels in this module use (``[...]``, ``pl.ds`` slices, full slices, scalar
+  indices)."""
+
+  def __init__(self, value, dtype=None):
+    self.value = value
+    self.dtype = value.dtype if dtype is None else dtype
+
+  def __getitem__(self, idx):
+    if idx is Ellipsis:
+      return self.value
+    idx = idx if isinstance(idx, tuple) else (idx,)
+    idx = idx + (slice(None),) * (self.value.ndim - len(idx))
+    starts, sizes, keep = [], [], []
+    for dim, ix in zip(self.value.shape, idx):
+      if isinstance(ix, slice):
+        if ix != slice(None):
+          raise NotImplementedError(f"_BlockRef: slice {ix}")
+        starts.append(0), sizes.append(dim), keep.append(dim)
+      elif hasattr(ix, "size") and hasattr(ix, "start") and not hasattr(ix, "shape"):  # pl.ds
+        starts.append(ix.start), sizes.append(ix.size), keep.append(ix.size)
+      else:  # a scalar index drops the dimension
+        starts.append(ix), sizes.append(1)
+    return lax.dynamic_slice(self.value, starts, sizes).reshape(keep)
+
+  def __setitem__(self, idx, value):
+    if idx is not Ellipsis:
+      raise NotImplementedError("_BlockRef: only whole-block writes")
+    self.value = value
+
+
+def _interpret_grid(kernel, grid, in_specs, out_specs, out_shape, args):
+  """Runs ``kernel`` over ``grid`` in plain JAX, reading and writing blocks by the BlockSpecs.
+
+  The interpret path inside ``shard_map(check_vma=True)``: Pallas' interpreter
+  traces the kernel without manual axes and then trips over varying inputs;
+  here the kernel is traced as ordinary JAX code, so varying values are typed
+  as such. Program order is row-major over the grid; every output block is
+  written exactly once (as in the kernels here).
+  """
+  single = not isinstance(out_shape, (list, tuple))
+  out_shape = [out_shape] if single else list(out_shape)
+  out_specs = [out_specs] if single else list(out_specs)
+
+  def window(spec, ids):
+    block_idx = spec.index_map(*ids)
+    starts = [i if b is None else i * b for i, b in zip(block_idx, spec.block_shape)]
+    sizes = [1 if b is None else b for b in spec.block_shape]
+    kept = [b for b in spec.block_shape if b is not None]
+    return starts, sizes, kept
+
+  def body(flat, outs):
+    ids, rest = [], flat
+    for extent in reversed(grid):
+      ids.append(rest % extent)
+      rest = rest // extent
+    ids = ids[::-1]
+    in_refs = []
+    for spec, x in zip(in_specs, args):
+      starts, sizes, kept = window(spec, ids)
+      in_refs.append(_BlockRef(lax.dynamic_slice(x, starts, sizes).reshape(kept)))
+    out_refs = [_BlockRef(None, o.dtype) for o in out_shape]
+    kernel(*in_refs, *out_refs)
+    new = []
+    for spec, out, ref in zip(out_specs, outs, out_refs):
+      starts, sizes, _ = window(spec, ids)
+      new.append(lax.dynamic_update_slice(out, ref.value.astype(out.dtype).reshape(sizes),
+                                          starts))
+    return new
+
+  outs = [hop.varying_like(jnp.zeros(o.shape, o.dtype), *args) for o in out_shape]
+  outs = lax.fori_loop(0, math.prod(grid), body, outs)
+  return outs[0] if single else outs
 
 
 def _is_pow2_at_least_16(x: int) -> bool:
@@ -240,8 +322,11 @@ def _fwd_kernel(*refs, scale, is_causal, window, block_kv, precision, has_seg, g
       pv = _dot(p.astype(v.dtype), v, precision)
     return alpha[:, None] * o + pv, m_new, l_new
 
-  init = (jnp.zeros((bq, h), jnp.float32), jnp.full((bq,), -jnp.inf, jnp.float32),
-          jnp.zeros((bq,), jnp.float32))
+  # (varying_like: a no-op in a Pallas kernel; in _interpret_grid under shard_map the carry
+  # must vary like the data.)
+  init = tuple(hop.varying_like(x, q) for x in (jnp.zeros((bq, h), jnp.float32),
+                                                 jnp.full((bq,), -jnp.inf, jnp.float32),
+                                                 jnp.zeros((bq,), jnp.float32)))
   o, m, l = _loop(ranges_ref, body, init, masking)
   empty = l == 0  # no visible key in this hop (a NaN l is not mistaken for empty)
   l_safe = jnp.where(empty, 1.0, l)
@@ -284,7 +369,7 @@ def _dq_kernel(*refs, scale, is_causal, window, block_kv, precision, has_seg):
     ds = (p * (dp - delta[:, None]) * scale).astype(q.dtype)
     return dq + _dot(ds, fin(k), precision)
 
-  dq = _loop(ranges_ref, body, jnp.zeros((bq, h), jnp.float32), masking)
+  dq = _loop(ranges_ref, body, hop.varying_like(jnp.zeros((bq, h), jnp.float32), q), masking)
   dq_ref[...] = dq
 
 
@@ -330,7 +415,7 @@ def _dkv_kernel(*refs, scale, is_causal, window, block_q, groups, precision, has
 
     return _loop(ranges_ref, body, carry, masking)
 
-  zeros = jnp.zeros((bk, h), jnp.float32)
+  zeros = hop.varying_like(jnp.zeros((bk, h), jnp.float32), k)
   dk, dv = lax.fori_loop(0, groups, head, (zeros, zeros))
   dk_ref[...] = dk
   dv_ref[...] = dv
