@@ -6,7 +6,7 @@ One hop of ring attention as three Pallas calls, in the structure of
 * forward: grid ``(query blocks, batch, query heads)``; each program keeps one
   query block and its float32 ``(o, m, l)`` in registers and loops
   (``lax.fori_loop``) over the key/value blocks it can see;
-* dQ: the same grid and loop, with the FINAL ``lse`` and ``delta = rowsum(dO * O)``;
+* dQ: the same grid and loop, with the FINAL ``lse`` and ``delta = rowsum(dO * O) - dlse``;
 * dK/dV: grid ``(key/value blocks, batch, kv heads)``; each program keeps one
   key/value block and loops over the ``G`` query heads of its group and over
   the query blocks that can see it, so K/V are never repeated for GQA/MQA and
@@ -31,7 +31,7 @@ blocks inside it; each key block loops over the matching range of query blocks
 direction; element masks are computed inside the kernel from positions and
 segment ids. Nothing of size ``T x S`` exists outside a block.
 
-Non-finite inputs follow :class:`ring_jax.hop.XlaHopKernel`: masked scores are
+Non-finite inputs follow :class:`ring_jax.kernels.xla.XlaHopKernel`: masked scores are
 ``-inf``, rows whose running max is still ``-inf`` subtract 0, and a masked
 pair never carries a NaN/inf of V (forward) or of Q/K/V (backward) into an
 output (the gradient matmuls read the finite part of their right operand; a
@@ -46,11 +46,18 @@ With ``precision=None`` a float32 matmul on the GPU runs in TF32 (as XLA's
 default on GPU does); pass ``precision=jax.lax.Precision.HIGHEST`` for IEEE
 float32.
 
-Status: verified in interpret mode on CPU (``interpret=True``, chosen
-automatically on a CPU backend) against a float64 oracle, and the Triton
-lowering (Pallas -> Triton IR) is exercised on CPU by exporting for the
-``cuda`` platform. Compiling the Triton IR to PTX and running it has NOT been
-checked on a GPU.
+Interpret mode (chosen by the registry on a CPU backend; slow, for tests):
+``pl.pallas_call(..., interpret=True)``; inside ``shard_map(check_vma=True)``
+with inputs that vary over a manual axis, Pallas' interpreter (jax 0.10) fails
+its manual-axis type checks, so :func:`_interpret_grid` runs the same kernel
+functions over the grid as plain JAX instead.
+
+Status: verified in interpret mode on CPU against a float64 oracle (one hop:
+``tests/test_pallas_gpu.py``; one hop and rings of 2 and 4:
+``tests/test_hop.py``), and the Triton lowering (Pallas -> Triton IR) is
+exercised on CPU by exporting for the ``cuda`` platform. Compiling the Triton
+IR to PTX and running it has NOT been checked on a GPU: no speed or
+correctness claim on hardware yet.
 """
 
 from __future__ import annotations
