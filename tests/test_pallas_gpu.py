@@ -339,3 +339,27 @@ def test_block_ranges_cover_exactly_what_is_needed(name):
       visited[lo:hi] = True
       assert not (a[row] & ~visited).any()          # nothing visible is skipped
       assert f[row, full_lo:full_hi].all()          # unmasked blocks need no mask
+
+
+def test_interpret_inside_shard_map_matches():
+  """Inside shard_map(check_vma=True) (inputs varying over a mesh axis) interpret mode runs the
+  kernels through _interpret_grid; it gives what pallas_call(interpret=True) gives outside."""
+  pb = _problem("zigzag_causal_segments_gqa", seed=3)
+  kernel = PallasGpuHopKernel()
+  *outside, _ = _run(kernel, pb)
+  m, spec = pb["masks"], pb["spec"]
+  mesh = jax.make_mesh((2,), ("batch",), axis_types=(jax.sharding.AxisType.Auto,),
+                       devices=jax.devices()[:2])
+
+  def both(q, k, v, out, lse, do, dlse, q_seg, kv_seg):
+    masks = hop.HopMasks(m.q_positions, m.kv_positions, q_seg, kv_seg)
+    return (kernel.forward(q, k, v, masks, spec),
+            kernel.backward(q, k, v, out, lse, do, dlse, masks, spec))
+
+  rows = jax.sharding.PartitionSpec("batch")
+  fn = jax.jit(jax.shard_map(both, mesh=mesh, in_specs=(rows,) * 9, out_specs=rows))
+  inside = fn(pb["q"], pb["k"], pb["v"], jnp.asarray(pb["out"], jnp.float32),
+              jnp.asarray(pb["lse"], jnp.float32), pb["do"], jnp.asarray(pb["dlse"]),
+              m.q_segment_ids, m.kv_segment_ids)
+  for a, b in zip(jax.tree.leaves(outside), jax.tree.leaves(inside)):
+    np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-6, atol=1e-6)
