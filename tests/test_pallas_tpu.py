@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from ring_jax.hop import HopSpec
-from ring_jax.kernels.pallas_tpu import PallasTpuHopKernel, block_ranges
+from ring_jax.kernels.pallas_tpu import PallasTpuHopKernel, block_meta
 
 Masks = collections.namedtuple("Masks", "q_positions kv_positions q_segment_ids kv_segment_ids")
 KERNEL = PallasTpuHopKernel(interpret=True)
@@ -99,6 +99,7 @@ CASES = {
     # name: (layout, causal, window, segments, K, G, T, S, H)
     "contig_full_mha": ("contiguous", False, None, False, 2, 1, 256, 256, 64),
     "zigzag_causal_gqa_seg": ("zigzag", True, None, True, 2, 2, 256, 256, 64),
+    "zigzag_causal_mha": ("zigzag", True, None, False, 2, 1, 256, 256, 64),
     "striped_window_mqa": ("striped", True, (200, 0), False, 1, 3, 256, 256, 128),
     "contig_window_seg_t_ne_s": ("contiguous", False, (90, 40), True, 1, 2, 256, 384, 64),
 }
@@ -115,10 +116,11 @@ def _make(name, dtype=np.float32, seed=0):
   do = rng.standard_normal((b, t, kh, g, h))
   qp, kp, kp2 = _positions(layout, t, s)
   if seg:
-    # Packed documents (ids 1, 2, -5) with trailing padding; row 1 has padded keys only
-    # in the middle. Two rows of the second batch element are padding queries.
-    qs = np.stack([np.repeat([1, 2, -5, 0], t // 4), np.repeat([2, 0, -5, 1], t // 4)])
-    ks = np.stack([np.repeat([1, 1, 2, -5, -5, 0], s // 6 + 1)[:s],
+    # Packed documents (ids 1, 2, -5) with padding (0). Row 0 has blocks of one id
+    # (pairs visible everywhere skip the element mask); row 1 mixes ids and padding
+    # inside blocks, and a quarter of its queries are padding.
+    qs = np.stack([np.repeat([1, 2], t // 2), np.repeat([2, 0, -5, 1], t // 4)])
+    ks = np.stack([np.r_[np.full(s // 2, 2), np.full(s // 2 - 10, 1), np.zeros(10, int)],
                    np.repeat([2, 0, 0, -5, 1, 1], s // 6 + 1)[:s]])
     ks2 = ks[:, ::-1].copy()
   else:
@@ -225,25 +227,33 @@ def _xla_reference(c, out, lse):
   return jax.device_get((o, lse_h)), jax.device_get((dq, dk, dv))
 
 
-def test_block_ranges_skip_masked_pairs():
-  """Causal contiguous hop on the diagonal: q block i sees kv blocks [0, i + 1); the
-  dK/dV ranges are the transpose; an all-padding q block sees nothing."""
+def test_block_meta_skips_masked_pairs():
+  """Causal contiguous hop on the diagonal: q block i sees kv blocks [0, i + 1), of which
+  [0, i) need no element mask; the dK/dV ranges are the transpose; an all-padding q
+  block sees nothing; a block of one document id is 'uniform'."""
   t = s = 512
   spec = HopSpec(scale=1.0, is_causal=True, window=None, block_q=128, block_kv=128)
   seg = np.ones((1, t), np.int32)
   seg[0, 384:] = 0
+  seg[0, 200] = 2
   m = Masks(jnp.arange(t), jnp.arange(s), jnp.asarray(seg), jnp.asarray(seg))
-  q_lo, q_hi, kv_lo, kv_hi = jax.device_get(block_ranges(m, spec, 1, t, s))
-  np.testing.assert_array_equal(q_lo, [0, 0, 0, 0])
-  np.testing.assert_array_equal(q_hi, [1, 2, 3, 0])
-  np.testing.assert_array_equal(kv_lo, [0, 1, 2, 0])
-  np.testing.assert_array_equal(kv_hi, [3, 3, 3, 0])
-  # Window (0, 0) on a striped hop with disjoint position sets: nothing is visible.
-  spec_w = HopSpec(scale=1.0, is_causal=False, window=(0, 0), block_q=128, block_kv=128)
-  m_w = Masks(jnp.arange(256) * 2, jnp.arange(256) * 2 + 1, None, None)
-  q_lo, q_hi, _, _ = jax.device_get(block_ranges(m_w, spec_w, 1, 256, 256))
-  # Conservative by blocks (positions interleave), exact where blocks are disjoint.
-  assert np.all(q_hi - q_lo <= 2)
+  meta = jax.device_get(block_meta(m, spec, 1, t, s))
+  np.testing.assert_array_equal(meta.q_lo, [0, 0, 0, 0])
+  np.testing.assert_array_equal(meta.q_hi, [1, 2, 3, 0])
+  np.testing.assert_array_equal(meta.q_full_lo, [0, 0, 0, 0])
+  np.testing.assert_array_equal(meta.q_full_hi, [0, 1, 2, 3])
+  np.testing.assert_array_equal(meta.kv_lo, [0, 1, 2, 0])
+  np.testing.assert_array_equal(meta.kv_hi, [3, 3, 3, 0])
+  np.testing.assert_array_equal(meta.kv_full_lo, [1, 2, 3, 0])
+  np.testing.assert_array_equal(meta.kv_full_hi, [4, 4, 4, 0])
+  np.testing.assert_array_equal(meta.q_uniform, [1, 0, 1, 0])
+  np.testing.assert_array_equal(meta.kv_uniform, [1, 0, 1, 0])
+  # Window (10, 10) on a hop whose key positions are 1000 ahead: nothing is visible.
+  spec_w = HopSpec(scale=1.0, is_causal=False, window=(10, 10), block_q=128, block_kv=128)
+  m_w = Masks(jnp.arange(256), jnp.arange(256) + 1000, None, None)
+  meta = jax.device_get(block_meta(m_w, spec_w, 1, 256, 256))
+  np.testing.assert_array_equal(meta.q_hi - meta.q_lo, [0, 0])
+  np.testing.assert_array_equal(meta.kv_hi - meta.kv_lo, [0, 0])
 
 
 def test_no_t_by_s_arrays():
@@ -298,3 +308,26 @@ def test_wide_segment_ids_keep_equality():
   np.testing.assert_array_equal(cq[:, :, None] == ck[:, None, :],
                                 qs[:, :, None] == ks[:, None, :])
   np.testing.assert_array_equal(cq == 0, qs == 0)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_lowers_for_tpu(dtype):
+  """The real (non-interpret) kernels lower to Mosaic for a TPU target on this CPU
+  machine (jax.export, platforms=["tpu"]): Pallas -> Mosaic lowering errors show up
+  here. Mosaic's own compilation runs only on a TPU (not checked)."""
+  from jax import export
+  kern = PallasTpuHopKernel(interpret=False)
+  b, t, s, kh, g, h = 2, 256, 384, 2, 2, 64
+  q = jax.ShapeDtypeStruct((b, t, kh, g, h), dtype)
+  kv = jax.ShapeDtypeStruct((b, s, kh, h), dtype)
+  lse = jax.ShapeDtypeStruct((b, t, kh, g), jnp.float32)
+  m = Masks(jnp.arange(t), jnp.arange(s), jnp.ones((b, t), jnp.int32),
+            jnp.ones((b, s), jnp.int32))
+  spec = HopSpec(scale=0.125, is_causal=True, window=(100, 3), block_q=128, block_kv=128)
+  fwd = export.export(jax.jit(lambda q, k, v: kern.forward(q, k, v, m, spec)),
+                      platforms=["tpu"])(q, kv, kv)
+  bwd = export.export(
+      jax.jit(lambda q, k, v, o, l, do: kern.backward(q, k, v, o, l, do, m, spec)),
+      platforms=["tpu"])(q, kv, kv, q, lse, q)
+  assert fwd.mlir_module().count("tpu_custom_call") == 1
+  assert bwd.mlir_module().count("tpu_custom_call") == 2

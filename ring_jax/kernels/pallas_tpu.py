@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -91,7 +92,34 @@ def _split_refs(refs, has_seg: bool, n_in: int):
   return qpos, kpos, qseg, kseg, rest[:n_in], rest[n_in:]
 
 
-def _fwd_kernel(lo_ref, hi_ref, *refs, has_seg, scale, causal, window, nq, nk, precision):
+def _pair_flags(meta, r, r_other, step, has_seg):
+  """(run, full) of the current grid step from the scalar-prefetched block metadata.
+
+  ``meta`` = (lo, hi, full_lo, full_hi[, uniform_own, uniform_other]): ``run`` when
+  ``step`` is in this row's range of possibly visible blocks, ``full`` when the pair
+  is visible everywhere (no element mask needed): inside the position-full range and,
+  with segment ids, both blocks hold one and the same document id.
+  """
+  lo, hi, flo, fhi = meta[:4]
+  run = (step >= lo[r]) & (step < hi[r])
+  full = (step >= flo[r]) & (step < fhi[r])
+  if has_seg:
+    own, other = meta[4], meta[5]
+    full = full & (own[r] != 0) & (own[r] == other[r_other])
+  return run, full
+
+
+def _when_run(run, full, may_mask, body):
+  """Runs ``body(masked)`` on visible pairs: unmasked on full pairs, masked on the others."""
+  if not may_mask:
+    pl.when(run)(lambda: body(False))
+    return
+  pl.when(run & full)(lambda: body(False))
+  pl.when(run & jnp.logical_not(full))(lambda: body(True))
+
+
+def _fwd_kernel(*refs, n_meta, has_seg, scale, causal, window, nq, nk, precision):
+  meta, refs = refs[:n_meta], refs[n_meta:]
   qpos, kpos, qseg, kseg, (q_ref, k_ref, v_ref), rest = _split_refs(refs, has_seg, 3)
   o_ref, lse_ref, m_sc, l_sc, acc_sc = rest
   b, i, j = pl.program_id(0), pl.program_id(3), pl.program_id(4)
@@ -103,15 +131,12 @@ def _fwd_kernel(lo_ref, hi_ref, *refs, has_seg, scale, causal, window, nq, nk, p
     l_sc[...] = jnp.zeros(l_sc.shape, jnp.float32)
     acc_sc[...] = jnp.zeros(acc_sc.shape, jnp.float32)
 
-  r = b * nq + i
-
-  @pl.when((j >= lo_ref[r]) & (j < hi_ref[r]))
-  def _run():
+  def body(masked):
     q, k, v = q_ref[...], k_ref[...], v_ref[...]
     s = jax.lax.dot_general(q, k, _TRANS_B, precision=precision,
                             preferred_element_type=jnp.float32) * scale   # [bq, bk]
-    mask = _visible(qpos, kpos, qseg, kseg, causal=causal, window=window, bk=bk)
-    if mask is not None:
+    if masked:
+      mask = _visible(qpos, kpos, qseg, kseg, causal=causal, window=window, bk=bk)
       s = jnp.where(mask, s, -jnp.inf)
     m_prev, l_prev = m_sc[...], l_sc[...]                                 # [bq, 128]
     m_next = jnp.maximum(m_prev, jnp.max(s, axis=1)[:, None])
@@ -126,6 +151,9 @@ def _fwd_kernel(lo_ref, hi_ref, *refs, has_seg, scale, causal, window, nq, nk, p
                      preferred_element_type=jnp.float32)
     acc_sc[...] = _lanes(alpha, h) * acc_sc[...] + pv
 
+  run, full = _pair_flags(meta, b * nq + i, b * nk + j, j, has_seg)
+  _when_run(run, full, causal or window is not None or has_seg, body)
+
   @pl.when(j == nk - 1)
   def _store():
     l = l_sc[...]
@@ -136,8 +164,10 @@ def _fwd_kernel(lo_ref, hi_ref, *refs, has_seg, scale, causal, window, nq, nk, p
 
 
 def _probs_and_ds(q, k, v, do, lse, delta, mask, *, scale, precision, bk):
-  """(p, ds) ``[bq, bk]`` of one block pair: softmax probabilities under the final
-  lse, and ``dS = p * (dO V^T - delta) * scale`` in the input dtype (as the XLA kernel)."""
+  """(p, ds) ``[bq, bk]`` float32 of one block pair: softmax probabilities under the
+  final lse, and ``dS = p * (dO V^T - delta) * scale``. Callers cast ``ds`` to the input
+  dtype for the matmuls (as the XLA kernel), after any transpose: Mosaic transposes
+  32-bit tiles."""
   s = jax.lax.dot_general(q, k, _TRANS_B, precision=precision,
                           preferred_element_type=jnp.float32) * scale
   p = jnp.exp(s - jnp.tile(lse, (1, bk // NUM_LANES)))   # lse = +inf (padding row) -> 0
@@ -145,11 +175,12 @@ def _probs_and_ds(q, k, v, do, lse, delta, mask, *, scale, precision, bk):
     p = jnp.where(mask, p, 0.0)
   dp = jax.lax.dot_general(do, v, _TRANS_B, precision=precision,
                            preferred_element_type=jnp.float32)
-  ds = (p * (dp - jnp.tile(delta, (1, bk // NUM_LANES))) * scale).astype(q.dtype)
+  ds = p * (dp - jnp.tile(delta, (1, bk // NUM_LANES))) * scale
   return p, ds
 
 
-def _dq_kernel(lo_ref, hi_ref, *refs, has_seg, scale, causal, window, nq, nk, precision):
+def _dq_kernel(*refs, n_meta, has_seg, scale, causal, window, nq, nk, precision):
+  meta, refs = refs[:n_meta], refs[n_meta:]
   qpos, kpos, qseg, kseg, ins, rest = _split_refs(refs, has_seg, 6)
   q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = ins
   dq_ref, dq_sc = rest
@@ -160,23 +191,25 @@ def _dq_kernel(lo_ref, hi_ref, *refs, has_seg, scale, causal, window, nq, nk, pr
   def _init():
     dq_sc[...] = jnp.zeros(dq_sc.shape, jnp.float32)
 
-  r = b * nq + i
-
-  @pl.when((j >= lo_ref[r]) & (j < hi_ref[r]))
-  def _run():
+  def body(masked):
     k = k_ref[...]
-    mask = _visible(qpos, kpos, qseg, kseg, causal=causal, window=window, bk=bk)
+    mask = (_visible(qpos, kpos, qseg, kseg, causal=causal, window=window, bk=bk)
+            if masked else None)
     _, ds = _probs_and_ds(q_ref[...], k, v_ref[...], do_ref[...], lse_ref[...],
                           delta_ref[...], mask, scale=scale, precision=precision, bk=bk)
-    dq_sc[...] += jax.lax.dot(ds, k, precision=precision, preferred_element_type=jnp.float32)
+    dq_sc[...] += jax.lax.dot(ds.astype(k.dtype), k, precision=precision,
+                              preferred_element_type=jnp.float32)
+
+  run, full = _pair_flags(meta, b * nq + i, b * nk + j, j, has_seg)
+  _when_run(run, full, causal or window is not None or has_seg, body)
 
   @pl.when(j == nk - 1)
   def _store():
     dq_ref[...] = dq_sc[...]
 
 
-def _dkv_kernel(lo_ref, hi_ref, *refs, has_seg, scale, causal, window, nk, num_g, nq,
-                precision):
+def _dkv_kernel(*refs, n_meta, has_seg, scale, causal, window, nk, num_g, nq, precision):
+  meta, refs = refs[:n_meta], refs[n_meta:]
   qpos, kpos, qseg, kseg, ins, rest = _split_refs(refs, has_seg, 6)
   q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = ins
   dk_ref, dv_ref, dk_sc, dv_sc = rest
@@ -188,17 +221,19 @@ def _dkv_kernel(lo_ref, hi_ref, *refs, has_seg, scale, causal, window, nk, num_g
     dk_sc[...] = jnp.zeros(dk_sc.shape, jnp.float32)
     dv_sc[...] = jnp.zeros(dv_sc.shape, jnp.float32)
 
-  r = b * nk + j
-
-  @pl.when((i >= lo_ref[r]) & (i < hi_ref[r]))
-  def _run():
+  def body(masked):
     q, do = q_ref[...], do_ref[...]
-    mask = _visible(qpos, kpos, qseg, kseg, causal=causal, window=window, bk=bk)
+    mask = (_visible(qpos, kpos, qseg, kseg, causal=causal, window=window, bk=bk)
+            if masked else None)
     p, ds = _probs_and_ds(q, k_ref[...], v_ref[...], do, lse_ref[...], delta_ref[...], mask,
                           scale=scale, precision=precision, bk=bk)
     dv_sc[...] += jax.lax.dot(p.T.astype(do.dtype), do, precision=precision,
                               preferred_element_type=jnp.float32)
-    dk_sc[...] += jax.lax.dot(ds.T, q, precision=precision, preferred_element_type=jnp.float32)
+    dk_sc[...] += jax.lax.dot(ds.T.astype(q.dtype), q, precision=precision,
+                              preferred_element_type=jnp.float32)
+
+  run, full = _pair_flags(meta, b * nk + j, b * nq + i, i, has_seg)
+  _when_run(run, full, causal or window is not None or has_seg, body)
 
   @pl.when((g == num_g - 1) & (i == nq - 1))
   def _store():
@@ -206,14 +241,46 @@ def _dkv_kernel(lo_ref, hi_ref, *refs, has_seg, scale, causal, window, nk, num_g
     dv_ref[...] = dv_sc[...]
 
 
-def block_ranges(masks, spec, batch: int, t: int, s: int):
-  """Per-hop block metadata: ``(q_lo, q_hi, kv_lo, kv_hi)``, int32 ``[B * nq]`` / ``[B * nk]``.
+class BlockMeta(NamedTuple):
+  """Per-hop block metadata (int32, scalar-prefetched into SMEM), rows flattened ``b * n + x``.
 
-  ``[q_lo[b*nq+i], q_hi[...])`` is the range of kv blocks q block ``i`` of batch
-  row ``b`` may see; ``[kv_lo[b*nk+j], kv_hi[...])`` the range of q blocks that may
-  see kv block ``j``. Empty ranges are ``[0, 0)``. Built from a ``[B, nq, nk]``
-  block-visibility table (conservative: a pair inside a range may still be fully
-  masked element-wise, never the reverse).
+  q_lo/q_hi ``[B*nq]``: kv blocks ``[q_lo, q_hi)`` may be visible from q block ``i`` of
+    batch row ``b`` (empty: ``[0, 0)``); q_full_lo/q_full_hi: the sub-range whose pairs
+    are visible everywhere by position (causal/window).
+  kv_lo/kv_hi, kv_full_lo/kv_full_hi ``[B*nk]``: the same over q blocks for kv block ``j``.
+  q_uniform ``[B*nq]`` / kv_uniform ``[B*nk]`` (None without segment ids): the block's
+    document id when every token of the block holds that same non-padding id, else 0.
+  """
+  q_lo: jax.Array
+  q_hi: jax.Array
+  q_full_lo: jax.Array
+  q_full_hi: jax.Array
+  kv_lo: jax.Array
+  kv_hi: jax.Array
+  kv_full_lo: jax.Array
+  kv_full_hi: jax.Array
+  q_uniform: jax.Array | None
+  kv_uniform: jax.Array | None
+
+  def for_q_blocks(self):
+    """Scalar-prefetch operands of the forward and dQ kernels."""
+    extra = () if self.q_uniform is None else (self.q_uniform, self.kv_uniform)
+    return (self.q_lo, self.q_hi, self.q_full_lo, self.q_full_hi, *extra)
+
+  def for_kv_blocks(self):
+    """Scalar-prefetch operands of the dK/dV kernel."""
+    extra = () if self.q_uniform is None else (self.kv_uniform, self.q_uniform)
+    return (self.kv_lo, self.kv_hi, self.kv_full_lo, self.kv_full_hi, *extra)
+
+
+def block_meta(masks, spec, batch: int, t: int, s: int) -> BlockMeta:
+  """Per-hop block metadata from positions and segment ids (see :class:`BlockMeta`).
+
+  Built from ``[B, nq, nk]`` block tables (at most one entry per block pair, never
+  per token pair). Visibility is conservative (a pair inside a range may still be
+  fully masked element by element, never the reverse); fullness is exact. Both
+  ranges are contiguous because positions increase within a shard, so a block's
+  position range is monotone in its index.
   """
   bq, bk = spec.block_q, spec.block_kv
   nq, nk = t // bq, s // bk
@@ -222,16 +289,22 @@ def block_ranges(masks, spec, batch: int, t: int, s: int):
   q_min, q_max = qp.min(1)[:, None], qp.max(1)[:, None]
   k_min, k_max = kp.min(1)[None, :], kp.max(1)[None, :]
   vis = jnp.ones((nq, nk), bool)
+  full = jnp.ones((nq, nk), bool)
   if spec.is_causal:
     vis &= k_min <= q_max
+    full &= k_max <= q_min
   if spec.window is not None:
     left, right = _window(spec)
-    # Differences in int64-free form: k_max - q_min >= -left, k_min - q_max <= right.
+    # In difference form (kv - q), which int32 positions cannot overflow.
     vis &= (k_max - q_min >= -left) & (k_min - q_max <= right)
+    full &= (k_min - q_max >= -left) & (k_max - q_min <= right)
   vis = jnp.broadcast_to(vis[None], (batch, nq, nk))
+  full = jnp.broadcast_to(full[None], (batch, nq, nk))
+  q_uni = kv_uni = None
   if masks.q_segment_ids is not None:
-    vis &= _segment_blocks(*_segment_ids_int32(masks.q_segment_ids, masks.kv_segment_ids),
-                           bq, bk)
+    qs, ks = _segment_ids_int32(masks.q_segment_ids, masks.kv_segment_ids)
+    vis &= _segment_blocks(qs, ks, bq, bk)
+    q_uni, kv_uni = _uniform(qs, bq), _uniform(ks, bk)
 
   def ranges(v):  # v [B, n, m] -> first / one-past-last true index along m, flattened
     m = v.shape[-1]
@@ -241,9 +314,16 @@ def block_ranges(masks, spec, batch: int, t: int, s: int):
     return (jnp.where(any_, lo, 0).astype(jnp.int32).reshape(-1),
             jnp.where(any_, hi, 0).astype(jnp.int32).reshape(-1))
 
-  q_lo, q_hi = ranges(vis)
-  kv_lo, kv_hi = ranges(jnp.swapaxes(vis, 1, 2))
-  return q_lo, q_hi, kv_lo, kv_hi
+  return BlockMeta(*ranges(vis), *ranges(full), *ranges(jnp.swapaxes(vis, 1, 2)),
+                   *ranges(jnp.swapaxes(full, 1, 2)), q_uni, kv_uni)
+
+
+def _uniform(seg, block):
+  """int32 ``[B * n]``: the block's id when all its ids are that one non-zero id, else 0."""
+  seg = seg.reshape(seg.shape[0], -1, block)
+  first = seg[..., 0]
+  same = jnp.all(seg == first[..., None], axis=-1)
+  return jnp.where(same, first, 0).astype(jnp.int32).reshape(-1)
 
 
 def _segment_blocks(q_seg, kv_seg, bq, bk):
@@ -339,7 +419,7 @@ class PallasTpuHopKernel:
 
   @staticmethod
   def _mask_specs(has_seg, bq, bk, qmap, kmap):
-    """BlockSpecs for the mask operands; ``qmap(*grid, lo, hi) -> (b, i)`` etc."""
+    """BlockSpecs for the mask operands; ``qmap(*grid, *meta) -> (b, i)`` etc."""
     specs = [pl.BlockSpec((bq, NUM_LANES), lambda *a: (qmap(*a)[1], 0)),
              pl.BlockSpec((NUM_SUBLANES, bk), lambda *a: (0, kmap(*a)[1]))]
     if has_seg:
@@ -357,40 +437,40 @@ class PallasTpuHopKernel:
     s = k.shape[1]
     bq, bk = spec.block_q, spec.block_kv
     nq, nk = t // bq, s // bk
-    q_lo, q_hi, _, _ = block_ranges(masks, spec, bsz, t, s)
+    meta = block_meta(masks, spec, bsz, t, s).for_q_blocks()
     mask_arrays, has_seg = self._mask_inputs(masks, bsz)
     window = None if spec.window is None else _window(spec)
 
     q_t = jnp.transpose(q, (0, 2, 3, 1, 4))               # [B, K, G, T, H]
     k_t, v_t = jnp.transpose(k, (0, 2, 1, 3)), jnp.transpose(v, (0, 2, 1, 3))  # [B, K, S, H]
 
-    def qmap(b, n, gi, i, j, lo, hi):
+    def qmap(b, n, gi, i, j, *m):
       return b, i
 
-    def kmap(b, n, gi, i, j, lo, hi):
+    def kmap(b, n, gi, i, j, *m):
       r = b * nq + i
-      return b, _clamp(j, lo[r], hi[r])
+      return b, _clamp(j, m[0][r], m[1][r])
 
     in_specs = self._mask_specs(has_seg, bq, bk, qmap, kmap) + [
-        pl.BlockSpec((None, None, None, bq, h), lambda b, n, gi, i, j, lo, hi: (b, n, gi, i, 0)),
+        pl.BlockSpec((None, None, None, bq, h), lambda b, n, gi, i, j, *m: (b, n, gi, i, 0)),
         pl.BlockSpec((None, None, bk, h), lambda *a: (a[0], a[1], kmap(*a)[1], 0)),
         pl.BlockSpec((None, None, bk, h), lambda *a: (a[0], a[1], kmap(*a)[1], 0)),
     ]
     out_specs = [
-        pl.BlockSpec((None, None, None, bq, h), lambda b, n, gi, i, j, lo, hi: (b, n, gi, i, 0)),
+        pl.BlockSpec((None, None, None, bq, h), lambda b, n, gi, i, j, *m: (b, n, gi, i, 0)),
         pl.BlockSpec((None, None, None, bq, NUM_LANES),
-                     lambda b, n, gi, i, j, lo, hi: (b, n, gi, i, 0)),
+                     lambda b, n, gi, i, j, *m: (b, n, gi, i, 0)),
     ]
     out_shape = [jax.ShapeDtypeStruct((bsz, kh, g, t, h), jnp.float32),
                  jax.ShapeDtypeStruct((bsz, kh, g, t, NUM_LANES), jnp.float32)]
-    kernel = functools.partial(_fwd_kernel, has_seg=has_seg, scale=float(spec.scale),
-                               causal=spec.is_causal, window=window, nq=nq, nk=nk,
-                               precision=spec.precision)
+    kernel = functools.partial(_fwd_kernel, n_meta=len(meta), has_seg=has_seg,
+                               scale=float(spec.scale), causal=spec.is_causal, window=window,
+                               nq=nq, nk=nk, precision=spec.precision)
     with jax.named_scope("pallas_tpu_hop_fwd"):
       o_t, lse_t = pl.pallas_call(
           kernel,
           grid_spec=pltpu.PrefetchScalarGridSpec(
-              num_scalar_prefetch=2, grid=(bsz, kh, g, nq, nk), in_specs=in_specs,
+              num_scalar_prefetch=len(meta), grid=(bsz, kh, g, nq, nk), in_specs=in_specs,
               out_specs=out_specs,
               scratch_shapes=[pltpu.VMEM((bq, NUM_LANES), jnp.float32),
                               pltpu.VMEM((bq, NUM_LANES), jnp.float32),
@@ -399,7 +479,7 @@ class PallasTpuHopKernel:
           compiler_params=pltpu.CompilerParams(
               dimension_semantics=("parallel",) * 4 + ("arbitrary",)),
           interpret=self._interpret(),
-      )(q_lo, q_hi, *mask_arrays, q_t, k_t, v_t)
+      )(*meta, *mask_arrays, q_t, k_t, v_t)
     out_h = jnp.transpose(o_t, (0, 3, 1, 2, 4))
     lse_h = jnp.transpose(lse_t[..., 0], (0, 3, 1, 2))
     return out_h, lse_h
@@ -414,7 +494,7 @@ class PallasTpuHopKernel:
     s = k.shape[1]
     bq, bk = spec.block_q, spec.block_kv
     nq, nk = t // bq, s // bk
-    q_lo, q_hi, kv_lo, kv_hi = block_ranges(masks, spec, bsz, t, s)
+    bm = block_meta(masks, spec, bsz, t, s)
     mask_arrays, has_seg = self._mask_inputs(masks, bsz)
     window = None if spec.window is None else _window(spec)
     interpret = self._interpret()
@@ -434,14 +514,14 @@ class PallasTpuHopKernel:
                   window=window, precision=spec.precision)
 
     # dQ: grid (B, K, G, nq, nk), kv blocks sequential.
-    def qmap(b, n, gi, i, j, lo, hi):
+    def qmap(b, n, gi, i, j, *m):
       return b, i
 
-    def kmap(b, n, gi, i, j, lo, hi):
+    def kmap(b, n, gi, i, j, *m):
       r = b * nq + i
-      return b, _clamp(j, lo[r], hi[r])
+      return b, _clamp(j, m[0][r], m[1][r])
 
-    qrow = lambda b, n, gi, i, j, lo, hi: (b, n, gi, i, 0)
+    qrow = lambda b, n, gi, i, j, *m: (b, n, gi, i, 0)
     kvblk = lambda *a: (a[0], a[1], kmap(*a)[1], 0)
     in_specs = self._mask_specs(has_seg, bq, bk, qmap, kmap) + [
         pl.BlockSpec((None, None, None, bq, h), qrow),
@@ -453,28 +533,29 @@ class PallasTpuHopKernel:
     ]
     with jax.named_scope("pallas_tpu_hop_bwd_dq"):
       dq_t = pl.pallas_call(
-          functools.partial(_dq_kernel, nq=nq, nk=nk, **common),
+          functools.partial(_dq_kernel, n_meta=len(bm.for_q_blocks()), nq=nq, nk=nk,
+                            **common),
           grid_spec=pltpu.PrefetchScalarGridSpec(
-              num_scalar_prefetch=2, grid=(bsz, kh, g, nq, nk), in_specs=in_specs,
-              out_specs=pl.BlockSpec((None, None, None, bq, h), qrow),
+              num_scalar_prefetch=len(bm.for_q_blocks()), grid=(bsz, kh, g, nq, nk),
+              in_specs=in_specs, out_specs=pl.BlockSpec((None, None, None, bq, h), qrow),
               scratch_shapes=[pltpu.VMEM((bq, h), jnp.float32)]),
           out_shape=jax.ShapeDtypeStruct((bsz, kh, g, t, h), jnp.float32),
           compiler_params=pltpu.CompilerParams(
               dimension_semantics=("parallel",) * 4 + ("arbitrary",)),
           interpret=interpret,
-      )(q_lo, q_hi, *mask_arrays, q_t, k_t, v_t, do_t, lse_r, delta_r)
+      )(*bm.for_q_blocks(), *mask_arrays, q_t, k_t, v_t, do_t, lse_r, delta_r)
 
     # dK, dV: grid (B, K, nk, G, nq); the G query heads of a kv head and all q blocks
     # are sequential, accumulated in VMEM.
-    def qmap2(b, n, j, gi, i, lo, hi):
+    def qmap2(b, n, j, gi, i, *m):
       r = b * nk + j
-      return b, _clamp(i, lo[r], hi[r])
+      return b, _clamp(i, m[0][r], m[1][r])
 
-    def kmap2(b, n, j, gi, i, lo, hi):
+    def kmap2(b, n, j, gi, i, *m):
       return b, j
 
     qrow2 = lambda *a: (a[0], a[1], a[3], qmap2(*a)[1], 0)
-    kvblk2 = lambda b, n, j, gi, i, lo, hi: (b, n, j, 0)
+    kvblk2 = lambda b, n, j, gi, i, *m: (b, n, j, 0)
     in_specs2 = self._mask_specs(has_seg, bq, bk, qmap2, kmap2) + [
         pl.BlockSpec((None, None, None, bq, h), qrow2),
         pl.BlockSpec((None, None, bk, h), kvblk2),
@@ -485,9 +566,11 @@ class PallasTpuHopKernel:
     ]
     with jax.named_scope("pallas_tpu_hop_bwd_dkv"):
       dk_t, dv_t = pl.pallas_call(
-          functools.partial(_dkv_kernel, nk=nk, num_g=g, nq=nq, **common),
+          functools.partial(_dkv_kernel, n_meta=len(bm.for_kv_blocks()), nk=nk, num_g=g, nq=nq,
+                            **common),
           grid_spec=pltpu.PrefetchScalarGridSpec(
-              num_scalar_prefetch=2, grid=(bsz, kh, nk, g, nq), in_specs=in_specs2,
+              num_scalar_prefetch=len(bm.for_kv_blocks()), grid=(bsz, kh, nk, g, nq),
+              in_specs=in_specs2,
               out_specs=[pl.BlockSpec((None, None, bk, h), kvblk2),
                          pl.BlockSpec((None, None, bk, h), kvblk2)],
               scratch_shapes=[pltpu.VMEM((bk, h), jnp.float32),
@@ -496,7 +579,7 @@ class PallasTpuHopKernel:
           compiler_params=pltpu.CompilerParams(
               dimension_semantics=("parallel",) * 3 + ("arbitrary",) * 2),
           interpret=interpret,
-      )(kv_lo, kv_hi, *mask_arrays, q_t, k_t, v_t, do_t, lse_r, delta_r)
+      )(*bm.for_kv_blocks(), *mask_arrays, q_t, k_t, v_t, do_t, lse_r, delta_r)
 
     dq = jnp.transpose(dq_t, (0, 3, 1, 2, 4))
     dk = jnp.transpose(dk_t, (0, 2, 1, 3))
