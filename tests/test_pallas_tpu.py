@@ -331,3 +331,38 @@ def test_lowers_for_tpu(dtype):
       platforms=["tpu"])(q, kv, kv, q, lse, q)
   assert fwd.mlir_module().count("tpu_custom_call") == 1
   assert bwd.mlir_module().count("tpu_custom_call") == 2
+
+
+def test_non_finite_values_reach_only_rows_that_see_them():
+  """As the XLA kernel: a NaN in V (or K) at a key makes NaN exactly the outputs and
+  gradients of queries that see that key, not those of rows that only share its block
+  pair (masked by segment); an inf in a padding key changes nothing."""
+  c = _make("zigzag_causal_gqa_seg")
+  spec = c["spec"]
+  k, v = c["k"].copy(), c["v"].copy()
+  # Batch row 1, q block 1 holds documents -5 (rows 128..191) and 1 (rows 192..255);
+  # kv block 1 holds keys of both: each bad key is seen by half of the block's rows.
+  v[1, 140, 0, 5] = np.nan
+  k[1, 200, 1, 3] = np.nan
+  k[0, 250, 0, 1] = np.inf            # a padding key (id 0) of batch row 0
+  assert c["ks"][0, 250] == 0
+  vis = _visible(c["qp"], c["kp"], c["qs"], c["ks"], spec.is_causal, spec.window)
+  sees_v, sees_k = vis[1, :, 140], vis[1, :, 200]
+  assert sees_v[128:].any() and (~sees_v[128:]).any()
+  assert sees_k[128:].any() and (~sees_k[128:]).any()
+  m = _masks(c)
+  out_h, lse_h = jax.jit(lambda q, k, v: KERNEL.forward(q, k, v, m, spec))(c["q"], k, v)
+  out_h = np.asarray(out_h)
+  np.testing.assert_array_equal(np.isnan(out_h[1, :, 0, :, 5]), sees_v[:, None].repeat(2, 1))
+  np.testing.assert_array_equal(np.isnan(out_h[1, :, 0]).sum(-1) > 1, False)  # column 5 only
+  np.testing.assert_array_equal(np.isnan(out_h[1, :, 1]).all(-1), sees_k[:, None].repeat(2, 1))
+  assert not np.isnan(out_h[0]).any()
+  # Backward: queries that do not see a bad key keep finite gradients; those that see
+  # the NaN key get NaN gradients (through the scores), not zeros.
+  lse = np.where(np.asarray(lse_h) == -np.inf, np.inf, np.asarray(lse_h))
+  dq, _, _ = jax.jit(lambda q, k, v, o, l, do: KERNEL.backward(q, k, v, o, l, do, m, spec))(
+      c["q"], k, v, np.nan_to_num(out_h), lse, c["do"])
+  dq = np.asarray(dq)
+  assert np.isfinite(dq[1, ~sees_k, 1]).all() and np.isfinite(dq[0]).all()
+  assert np.isnan(dq[1, sees_k, 1]).any(axis=(-1, -2)).all()
+  assert np.isfinite(dq[1, ~sees_v, 0]).all()

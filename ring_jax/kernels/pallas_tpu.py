@@ -82,6 +82,17 @@ def _visible(qpos_ref, kpos_ref, qseg_ref, kseg_ref, *, causal, window, bk):
   return mask
 
 
+def _finite_part(x):
+  """``(x with non-finite entries set to 0, float32 1.0 where x was non-finite)``.
+
+  ``abs(x) < inf`` (false for NaN and +-inf) instead of ``isfinite``, computed in
+  float32: plain compares and selects are what Mosaic lowers on every TPU generation.
+  """
+  x32 = x.astype(jnp.float32)
+  ok = jnp.abs(x32) < jnp.inf
+  return jnp.where(ok, x32, 0.0).astype(x.dtype), jnp.where(ok, 0.0, 1.0)
+
+
 def _split_refs(refs, has_seg: bool, n_in: int):
   """(qpos, kpos, qseg, kseg, rest...) with qseg/kseg None when there are no segment ids."""
   qpos, kpos = refs[0], refs[1]
@@ -118,7 +129,8 @@ def _when_run(run, full, may_mask, body):
   pl.when(run & jnp.logical_not(full))(lambda: body(True))
 
 
-def _fwd_kernel(*refs, n_meta, has_seg, scale, causal, window, nq, nk, precision):
+def _fwd_kernel(*refs, n_meta, has_seg, scale, causal, window, nq, nk, precision,
+                guard_v):
   meta, refs = refs[:n_meta], refs[n_meta:]
   qpos, kpos, qseg, kseg, (q_ref, k_ref, v_ref), rest = _split_refs(refs, has_seg, 3)
   o_ref, lse_ref, m_sc, l_sc, acc_sc = rest
@@ -147,8 +159,18 @@ def _fwd_kernel(*refs, n_meta, has_seg, scale, causal, window, nq, nk, precision
     alpha = jnp.exp(m_prev - m_ref)
     l_sc[...] = alpha * l_prev + jnp.sum(p, axis=1)[:, None]
     m_sc[...] = m_next
-    pv = jax.lax.dot(p.astype(v.dtype), v, precision=precision,
-                     preferred_element_type=jnp.float32)
+    if masked and guard_v:
+      # A masked pair has p = 0, but 0 * NaN is NaN: read the finite part of V and mark
+      # NaN exactly the outputs that see (through a visible pair) a non-finite value.
+      v_fin, v_bad = _finite_part(v)
+      pv = jax.lax.dot(p.astype(v.dtype), v_fin, precision=precision,
+                       preferred_element_type=jnp.float32)
+      reads_bad = jax.lax.dot(mask.astype(jnp.float32), v_bad,
+                              preferred_element_type=jnp.float32) > 0
+      pv = jnp.where(reads_bad, jnp.nan, pv)
+    else:
+      pv = jax.lax.dot(p.astype(v.dtype), v, precision=precision,
+                       preferred_element_type=jnp.float32)
     acc_sc[...] = _lanes(alpha, h) * acc_sc[...] + pv
 
   run, full = _pair_flags(meta, b * nq + i, b * nk + j, j, has_seg)
@@ -173,6 +195,8 @@ def _probs_and_ds(q, k, v, do, lse, delta, mask, *, scale, precision, bk):
   p = jnp.exp(s - jnp.tile(lse, (1, bk // NUM_LANES)))   # lse = +inf (padding row) -> 0
   if mask is not None:
     p = jnp.where(mask, p, 0.0)
+  if mask is not None:  # dO V^T at masked pairs would spread 0 * NaN: finite part of V
+    v = _finite_part(v)[0]
   dp = jax.lax.dot_general(do, v, _TRANS_B, precision=precision,
                            preferred_element_type=jnp.float32)
   ds = p * (dp - jnp.tile(delta, (1, bk // NUM_LANES))) * scale
@@ -192,11 +216,14 @@ def _dq_kernel(*refs, n_meta, has_seg, scale, causal, window, nq, nk, precision)
     dq_sc[...] = jnp.zeros(dq_sc.shape, jnp.float32)
 
   def body(masked):
-    k = k_ref[...]
-    mask = (_visible(qpos, kpos, qseg, kseg, causal=causal, window=window, bk=bk)
-            if masked else None)
-    _, ds = _probs_and_ds(q_ref[...], k, v_ref[...], do_ref[...], lse_ref[...],
-                          delta_ref[...], mask, scale=scale, precision=precision, bk=bk)
+    q, k, v = q_ref[...], k_ref[...], v_ref[...]
+    mask = None
+    if masked:
+      mask = _visible(qpos, kpos, qseg, kseg, causal=causal, window=window, bk=bk)
+    _, ds = _probs_and_ds(q, k, v, do_ref[...], lse_ref[...], delta_ref[...], mask,
+                          scale=scale, precision=precision, bk=bk)
+    if masked:  # as the XLA kernel: dS K reads only the finite part of K at masked pairs
+      k = _finite_part(k)[0]
     dq_sc[...] += jax.lax.dot(ds.astype(k.dtype), k, precision=precision,
                               preferred_element_type=jnp.float32)
 
@@ -223,10 +250,13 @@ def _dkv_kernel(*refs, n_meta, has_seg, scale, causal, window, nk, num_g, nq, pr
 
   def body(masked):
     q, do = q_ref[...], do_ref[...]
-    mask = (_visible(qpos, kpos, qseg, kseg, causal=causal, window=window, bk=bk)
-            if masked else None)
+    mask = None
+    if masked:
+      mask = _visible(qpos, kpos, qseg, kseg, causal=causal, window=window, bk=bk)
     p, ds = _probs_and_ds(q, k_ref[...], v_ref[...], do, lse_ref[...], delta_ref[...], mask,
                           scale=scale, precision=precision, bk=bk)
+    if masked:  # dS^T Q reads only the finite part of Q at masked pairs
+      q = _finite_part(q)[0]
     dv_sc[...] += jax.lax.dot(p.T.astype(do.dtype), do, precision=precision,
                               preferred_element_type=jnp.float32)
     dk_sc[...] += jax.lax.dot(ds.T.astype(q.dtype), q, precision=precision,
@@ -463,11 +493,14 @@ class PallasTpuHopKernel:
     ]
     out_shape = [jax.ShapeDtypeStruct((bsz, kh, g, t, h), jnp.float32),
                  jax.ShapeDtypeStruct((bsz, kh, g, t, NUM_LANES), jnp.float32)]
-    kernel = functools.partial(_fwd_kernel, n_meta=len(meta), has_seg=has_seg,
-                               scale=float(spec.scale), causal=spec.is_causal, window=window,
-                               nq=nq, nk=nk, precision=spec.precision)
-    with jax.named_scope("pallas_tpu_hop_fwd"):
-      o_t, lse_t = pl.pallas_call(
+    may_mask = spec.is_causal or spec.window is not None or has_seg
+
+    def call(guard_v: bool):
+      kernel = functools.partial(_fwd_kernel, n_meta=len(meta), has_seg=has_seg,
+                                 scale=float(spec.scale), causal=spec.is_causal,
+                                 window=window, nq=nq, nk=nk, precision=spec.precision,
+                                 guard_v=guard_v)
+      return pl.pallas_call(
           kernel,
           grid_spec=pltpu.PrefetchScalarGridSpec(
               num_scalar_prefetch=len(meta), grid=(bsz, kh, g, nq, nk), in_specs=in_specs,
@@ -480,6 +513,13 @@ class PallasTpuHopKernel:
               dimension_semantics=("parallel",) * 4 + ("arbitrary",)),
           interpret=self._interpret(),
       )(*meta, *mask_arrays, q_t, k_t, v_t)
+
+    with jax.named_scope("pallas_tpu_hop_fwd"):
+      if not may_mask:  # every computed pair is visible: p @ v may read all of V
+        o_t, lse_t = call(guard_v=False)
+      else:  # only a hop whose V shard holds a non-finite value pays for the guard
+        o_t, lse_t = jax.lax.cond(jnp.isfinite(v).all(), lambda: call(False),
+                                  lambda: call(True))
     out_h = jnp.transpose(o_t, (0, 3, 1, 2, 4))
     lse_h = jnp.transpose(lse_t[..., 0], (0, 3, 1, 2))
     return out_h, lse_h
