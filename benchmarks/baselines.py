@@ -11,10 +11,10 @@ dK/dV for the full sequence on every device and reduce-scatters them back
 The local attention reuses ring_jax's blockwise machinery so that the only
 difference to the ring is the communication pattern and what is resident:
 
-* the block pairs come from :func:`ring_jax.schedule` (the ring's hops,
-  concatenated: device ``d`` meets every K/V shard once), so masked block
+* the gathered K/V is attended shard by shard with the ring's masks (the
+  ring's hops without the transfers, merged in float32), so masked block
   pairs are skipped exactly as in the ring;
-* each block pair is computed by :class:`ring_jax.XlaHopKernel` (online
+* each shard is attended with :class:`ring_jax.XlaHopKernel` (online
   softmax forward, FlashAttention-2 backward, float32 accumulation);
 * a ``custom_vjp`` stores only ``(q, K_full, V_full, out, lse)``: memory is
   linear in the *global* length (the full K/V and its float32 gradients live
@@ -36,12 +36,11 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import PartitionSpec as P
 
-import ring_jax
 from ring_jax import layouts
-from ring_jax.hop import HopMasks, HopSpec, XlaHopKernel, finalize, init_carry
+from ring_jax.hop import HopMasks, HopSpec, empty_result, lse_for_backward, merge
+from ring_jax.kernels import XlaHopKernel
 from ring_jax.ring import default_block
 
 
@@ -53,51 +52,36 @@ class _Config:
   spec: HopSpec
 
 
-@functools.lru_cache(maxsize=64)
-def allgather_pairs(layout: str, ring_size: int, local_len: int, block_q: int, block_kv: int,
-                    is_causal: bool):
-  """Block pairs of local queries x *gathered* K/V, per device.
-
-  Returns numpy ``pairs [n, P, 2]`` (q block, global kv block of the gathered,
-  layout-ordered K/V) and ``num_pairs [n]``; built from the ring's schedule:
-  at hop ``h`` device ``d`` meets the shard of device ``(d - h) mod n``, whose
-  blocks sit at offset ``src * local_len / block_kv`` in the gathered array.
-  """
-  sched = ring_jax.schedule(layout, ring_size, local_len, block_q, block_kv, is_causal)
-  nk = local_len // block_kv
-  per_dev = []
-  for d in range(ring_size):
-    rows = []
-    for h in range(ring_size):
-      src = (d - h) % ring_size
-      pr = np.array(sched.pairs[d, h, :sched.num_pairs[d, h]], np.int32)
-      pr[:, 1] += src * nk
-      rows.append(pr)
-    rows = np.concatenate(rows, 0)
-    per_dev.append(rows[np.lexsort((rows[:, 1], rows[:, 0]))])  # q-block-major order
-  num = np.array([len(r) for r in per_dev], np.int32)
-  pairs = np.zeros((ring_size, max(1, num.max()), 2), np.int32)
-  for d, r in enumerate(per_dev):
-    pairs[d, :len(r)] = r
-  return pairs, num
-
-
-def _masks(cfg: _Config, t: int, device, q_seg, kv_seg_full):
+def _masks(cfg: _Config, t: int, device, src, q_seg, kv_seg_full):
+  """Masks of the local queries against the gathered shard that started on device ``src``."""
   n = cfg.ring_size
-  pairs, num = allgather_pairs(cfg.layout, n, t, cfg.spec.block_q, cfg.spec.block_kv,
-                               cfg.spec.is_causal)
+  kv_seg = None
+  if kv_seg_full is not None:
+    kv_seg = jax.lax.dynamic_slice_in_dim(kv_seg_full, src * t, t, axis=1)
   return HopMasks(
       q_positions=layouts.local_positions(cfg.layout, n, t, device),
-      kv_positions=jnp.asarray(layouts.layout_positions(cfg.layout, n, t * n), jnp.int32),
-      q_segment_ids=q_seg, kv_segment_ids=kv_seg_full,
-      pairs=jnp.asarray(pairs)[device], num_pairs=jnp.asarray(num)[device])
+      kv_positions=layouts.local_positions(cfg.layout, n, t, src),
+      q_segment_ids=q_seg, kv_segment_ids=kv_seg)
+
+
+def _shard(x, src, t):
+  return jax.lax.dynamic_slice_in_dim(x, src * t, t, axis=1)
 
 
 def _forward(cfg: _Config, q, k_full, v_full, q_seg, kv_seg_full):
+  """The gathered K/V, shard by shard (the ring's hops without the transfers), merged in
+  float32: the same block pairs as the ring computes."""
   device = jax.lax.axis_index(cfg.axis_name)
-  masks = _masks(cfg, q.shape[1], device, q_seg, kv_seg_full)
-  carry = XlaHopKernel().forward(q, k_full, v_full, init_carry(q), masks, cfg.spec)
-  return finalize(carry, q.dtype)
+  t = q.shape[1]
+
+  def body(src, acc):
+    masks = _masks(cfg, t, device, src, q_seg, kv_seg_full)
+    out_h, lse_h = XlaHopKernel().forward(q, _shard(k_full, src, t), _shard(v_full, src, t),
+                                          masks, cfg.spec)
+    return merge(*acc, out_h, lse_h)
+
+  out, lse = jax.lax.fori_loop(0, cfg.ring_size, body, empty_result(q))
+  return out.astype(q.dtype), lse
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -113,13 +97,21 @@ def _local_fwd(cfg, q, k_full, v_full, q_seg, kv_seg_full):
 def _local_bwd(cfg, res, do):
   q, k_full, v_full, q_seg, kv_seg_full, out, lse = res
   device = jax.lax.axis_index(cfg.axis_name)
-  masks = _masks(cfg, q.shape[1], device, q_seg, kv_seg_full)
-  delta = jnp.sum(do.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
-  dq = jnp.zeros(q.shape, jnp.float32)
-  dk = jnp.zeros(k_full.shape, jnp.float32)
-  dv = jnp.zeros(v_full.shape, jnp.float32)
-  dq, dk, dv = XlaHopKernel().backward(q, k_full, v_full, do, lse, delta, masks, cfg.spec,
-                                       dq, dk, dv)
+  t = q.shape[1]
+  lse = lse_for_backward(lse)
+
+  def body(src, acc):
+    dq, dk, dv = acc
+    masks = _masks(cfg, t, device, src, q_seg, kv_seg_full)
+    dq_h, dk_h, dv_h = XlaHopKernel().backward(q, _shard(k_full, src, t), _shard(v_full, src, t),
+                                               out, lse, do, None, masks, cfg.spec)
+    dk = jax.lax.dynamic_update_slice_in_dim(dk, dk_h, src * t, axis=1)
+    dv = jax.lax.dynamic_update_slice_in_dim(dv, dv_h, src * t, axis=1)
+    return dq + dq_h, dk, dv
+
+  init = (jnp.zeros(q.shape, jnp.float32), jnp.zeros(k_full.shape, jnp.float32),
+          jnp.zeros(v_full.shape, jnp.float32))
+  dq, dk, dv = jax.lax.fori_loop(0, cfg.ring_size, body, init)
   # Segment ids are integers: no cotangent (None).
   return dq.astype(q.dtype), dk.astype(k_full.dtype), dv.astype(v_full.dtype), None, None
 
