@@ -42,7 +42,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import ring_jax  # noqa: E402
-from ring_jax.hop import HopSpec  # noqa: E402
+from ring_jax.hop import HopMasks, HopSpec  # noqa: E402
 from ring_jax.kernels.pallas_tpu import PallasTpuHopKernel  # noqa: E402
 
 DRY = os.environ.get("TPU_CHECK_DRY", "0") not in ("", "0")
@@ -73,14 +73,10 @@ def bench(fn, args, repeats):
   return float(np.median(ts))
 
 
-class _Masks:
+def _masks(length):
   """Hop masks of a ring of one: positions 0..L-1, no segment ids."""
-
-  def __init__(self, length):
-    self.q_positions = jnp.arange(length, dtype=jnp.int32)
-    self.kv_positions = jnp.arange(length, dtype=jnp.int32)
-    self.q_segment_ids = None
-    self.kv_segment_ids = None
+  pos = jnp.arange(length, dtype=jnp.int32)
+  return HopMasks(pos, pos, None, None)
 
 
 def pallas_impl(length, causal):
@@ -88,7 +84,7 @@ def pallas_impl(length, causal):
   kern = PallasTpuHopKernel()
   spec = HopSpec(scale=H ** -0.5, is_causal=causal, window=None, block_q=BLOCK,
                  block_kv=BLOCK)
-  masks = _Masks(length)
+  masks = _masks(length)
   g = N // K
 
   def fwd(q, k, v):
@@ -100,7 +96,7 @@ def pallas_impl(length, causal):
     lse = jnp.where(lse_h == -jnp.inf, jnp.inf, lse_h)       # the ring's finalize
     q5 = q.reshape(B, length, K, g, H)
     dq, dk, dv = kern.backward(q5, k, v, out.reshape(q5.shape), lse,
-                               do.reshape(q5.shape), masks, spec)
+                               do.reshape(q5.shape), None, masks, spec)
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
   return (lambda q, k, v: fwd(q, k, v)[0]), fwd_bwd

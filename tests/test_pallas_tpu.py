@@ -7,17 +7,15 @@ layouts, causal and not, windows, segment ids with padding, GQA and MQA, T != S.
 
 from __future__ import annotations
 
-import collections
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from ring_jax.hop import HopMasks as Masks
 from ring_jax.hop import HopSpec
 from ring_jax.kernels.pallas_tpu import PallasTpuHopKernel, block_meta
 
-Masks = collections.namedtuple("Masks", "q_positions kv_positions q_segment_ids kv_segment_ids")
 KERNEL = PallasTpuHopKernel(interpret=True)
 
 
@@ -152,7 +150,7 @@ def _oracle(c):
 def _run_kernel(c, out, lse, kernel=KERNEL):
   m, spec = _masks(c), c["spec"]
   fwd = jax.jit(lambda q, k, v: kernel.forward(q, k, v, m, spec))(c["q"], c["k"], c["v"])
-  bwd = jax.jit(lambda q, k, v, o, l, do: kernel.backward(q, k, v, o, l, do, m, spec))(
+  bwd = jax.jit(lambda q, k, v, o, l, do: kernel.backward(q, k, v, o, l, do, None, m, spec))(
       c["q"], c["k"], c["v"], jnp.asarray(out, c["q"].dtype), jnp.asarray(lse, jnp.float32),
       c["do"])
   return jax.device_get(fwd), jax.device_get(bwd)
@@ -275,7 +273,7 @@ def test_no_t_by_s_arrays():
 
   for fn, args in (
       (lambda q, k, v: KERNEL.forward(q, k, v, m, spec), (c["q"], c["k"], c["v"])),
-      (lambda q, k, v, o, l, do: KERNEL.backward(q, k, v, o, l, do, m, spec),
+      (lambda q, k, v, o, l, do: KERNEL.backward(q, k, v, o, l, do, None, m, spec),
        (c["q"], c["k"], c["v"], c["q"], lse, c["do"]))):
     jaxpr = jax.make_jaxpr(fn)(*args).jaxpr
     for shape in shapes(jaxpr):
@@ -327,7 +325,7 @@ def test_lowers_for_tpu(dtype):
   fwd = export.export(jax.jit(lambda q, k, v: kern.forward(q, k, v, m, spec)),
                       platforms=["tpu"])(q, kv, kv)
   bwd = export.export(
-      jax.jit(lambda q, k, v, o, l, do: kern.backward(q, k, v, o, l, do, m, spec)),
+      jax.jit(lambda q, k, v, o, l, do: kern.backward(q, k, v, o, l, do, None, m, spec)),
       platforms=["tpu"])(q, kv, kv, q, lse, q)
   # Forward: the plain and the V-guarded kernel (lax.cond on V being finite).
   assert fwd.mlir_module().count("tpu_custom_call") == 2
@@ -361,7 +359,7 @@ def test_non_finite_values_reach_only_rows_that_see_them():
   # Backward: queries that do not see a bad key keep finite gradients; those that see
   # the NaN key get NaN gradients (through the scores), not zeros.
   lse = np.where(np.asarray(lse_h) == -np.inf, np.inf, np.asarray(lse_h))
-  dq, _, _ = jax.jit(lambda q, k, v, o, l, do: KERNEL.backward(q, k, v, o, l, do, m, spec))(
+  dq, _, _ = jax.jit(lambda q, k, v, o, l, do: KERNEL.backward(q, k, v, o, l, do, None, m, spec))(
       c["q"], k, v, np.nan_to_num(out_h), lse, c["do"])
   dq = np.asarray(dq)
   assert np.isfinite(dq[1, ~sees_k, 1]).all() and np.isfinite(dq[0]).all()

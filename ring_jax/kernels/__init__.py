@@ -34,6 +34,7 @@ def _lazy(module: str, attr: str) -> Callable[[str], HopKernel]:
 
 HOP_KERNELS: dict[str, Callable[[str], HopKernel]] = {
     "xla": lambda platform: XlaHopKernel(),
+    "pallas_tpu": _lazy("ring_jax.kernels.pallas_tpu", "make_kernel"),
     # Fused kernels add one line each, e.g.
     # "pallas_gpu": _lazy("ring_jax.kernels.pallas_gpu", "make_kernel"),
 }

@@ -3,7 +3,7 @@
 ``PallasTpuHopKernel`` implements the hop-kernel seam (SEAM.md / :mod:`ring_jax.hop`):
 
   forward(q, k, v, masks, spec)                 -> (out_h, lse_h)
-  backward(q, k, v, out, lse, do, masks, spec)  -> (dq, dk, dv)
+  backward(q, k, v, out, lse, do, dlse, masks, spec)  -> (dq, dk, dv)
 
 with q ``[B, T, K, G, H]``, k/v ``[B, S, K, H]``; ``out_h`` float32 (rows with no
 visible key in this hop: 0), ``lse_h`` float32 natural-log (those rows: ``-inf``);
@@ -45,6 +45,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
+
+from ring_jax import hop
 
 NUM_LANES = 128
 NUM_SUBLANES = 8
@@ -526,9 +528,10 @@ class PallasTpuHopKernel:
 
   # ---- backward -----------------------------------------------------------------------
 
-  def backward(self, q, k, v, out, lse, do, masks, spec):
+  def backward(self, q, k, v, out, lse, do, dlse, masks, spec):
     """Returns this hop's float32 ``(dq [B,T,K,G,H], dk [B,S,K,H], dv [B,S,K,H])`` given
-    the ring's final ``out`` / ``lse`` (``+inf`` on rows that saw no key anywhere)."""
+    the ring's final ``out`` / ``lse`` (``+inf`` on rows that saw no key anywhere) and
+    the lse cotangent ``dlse`` (or None)."""
     self.check(q.shape, k.shape, q.dtype, spec)
     bsz, t, kh, g, h = q.shape
     s = k.shape[1]
@@ -539,8 +542,8 @@ class PallasTpuHopKernel:
     window = None if spec.window is None else _window(spec)
     interpret = self._interpret()
 
-    # delta = rowsum(dO * O) (FlashAttention-2), in float32, from the final output.
-    delta = jnp.sum(do.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)  # [B,T,K,G]
+    # delta = rowsum(dO * O) - dlse (FlashAttention-2 + the lse cotangent), float32 [B,T,K,G].
+    delta = hop.backward_delta(out, do, dlse)
 
     def rows(x):  # [B, T, K, G] -> lane-broadcast [B, K, G, T, 128]
       x = jnp.transpose(x.astype(jnp.float32), (0, 2, 3, 1))
@@ -549,7 +552,7 @@ class PallasTpuHopKernel:
     q_t = jnp.transpose(q, (0, 2, 3, 1, 4))
     do_t = jnp.transpose(do.astype(q.dtype), (0, 2, 3, 1, 4))
     k_t, v_t = jnp.transpose(k, (0, 2, 1, 3)), jnp.transpose(v, (0, 2, 1, 3))
-    lse_r, delta_r = rows(lse), rows(delta)
+    lse_r, delta_r = rows(hop.lse_for_backward(lse)), rows(delta)  # +inf: p = 0
     common = dict(has_seg=has_seg, scale=float(spec.scale), causal=spec.is_causal,
                   window=window, precision=spec.precision)
 
@@ -646,3 +649,9 @@ def _segment_ids_int32(q_seg, kv_seg):
     rank = jnp.searchsorted(uniq, x.astype(dt)).astype(jnp.int32)
     return jnp.where(x == 0, 0, rank + 1)
   return code(q_seg), code(kv_seg)
+
+
+def make_kernel(platform: str) -> PallasTpuHopKernel:
+  """Registry factory (:data:`ring_jax.kernels.HOP_KERNELS`): the Mosaic kernel on a TPU,
+  Pallas interpret mode on any other platform (slow; for tests)."""
+  return PallasTpuHopKernel(interpret=platform != "tpu")
