@@ -16,7 +16,10 @@ from ring_jax.hop import HopMasks as Masks
 from ring_jax.hop import HopSpec
 from ring_jax.kernels.pallas_tpu import PallasTpuHopKernel, block_meta
 
-KERNEL = PallasTpuHopKernel(interpret=True)
+# specialize=True: the code a TPU runs (unmasked body on pairs visible everywhere, V guard
+# chosen at run time); the conformance suite (tests/test_hop.py) runs the registry's CPU
+# build, which compiles only the masked body.
+KERNEL = PallasTpuHopKernel(interpret=True, specialize=True)
 
 
 # ---- float64 oracle ------------------------------------------------------------------------
@@ -314,7 +317,7 @@ def test_lowers_for_tpu(dtype):
   machine (jax.export, platforms=["tpu"]): Pallas -> Mosaic lowering errors show up
   here. Mosaic's own compilation runs only on a TPU (not checked)."""
   from jax import export
-  kern = PallasTpuHopKernel(interpret=False)
+  kern = PallasTpuHopKernel(interpret=False)  # specialize: as on a TPU
   b, t, s, kh, g, h = 2, 256, 384, 2, 2, 64
   q = jax.ShapeDtypeStruct((b, t, kh, g, h), dtype)
   kv = jax.ShapeDtypeStruct((b, s, kh, h), dtype)

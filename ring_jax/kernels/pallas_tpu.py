@@ -122,16 +122,20 @@ def _pair_flags(meta, r, r_other, step, has_seg):
   return run, full
 
 
-def _when_run(run, full, may_mask, body):
-  """Runs ``body(masked)`` on visible pairs: unmasked on full pairs, masked on the others."""
+def _when_run(run, full, may_mask, specialize, body):
+  """Runs ``body(masked)`` on possibly visible pairs: with ``specialize``, unmasked on
+  pairs visible everywhere and masked on the others; without, masked on all."""
   if not may_mask:
     pl.when(run)(lambda: body(False))
+    return
+  if not specialize:
+    pl.when(run)(lambda: body(True))
     return
   pl.when(run & full)(lambda: body(False))
   pl.when(run & jnp.logical_not(full))(lambda: body(True))
 
 
-def _fwd_kernel(*refs, n_meta, has_seg, scale, causal, window, nq, nk, precision,
+def _fwd_kernel(*refs, n_meta, specialize, has_seg, scale, causal, window, nq, nk, precision,
                 guard_v):
   meta, refs = refs[:n_meta], refs[n_meta:]
   qpos, kpos, qseg, kseg, (q_ref, k_ref, v_ref), rest = _split_refs(refs, has_seg, 3)
@@ -176,7 +180,7 @@ def _fwd_kernel(*refs, n_meta, has_seg, scale, causal, window, nq, nk, precision
     acc_sc[...] = _lanes(alpha, h) * acc_sc[...] + pv
 
   run, full = _pair_flags(meta, b * nq + i, b * nk + j, j, has_seg)
-  _when_run(run, full, causal or window is not None or has_seg, body)
+  _when_run(run, full, causal or window is not None or has_seg, specialize, body)
 
   @pl.when(j == nk - 1)
   def _store():
@@ -205,7 +209,7 @@ def _probs_and_ds(q, k, v, do, lse, delta, mask, *, scale, precision, bk):
   return p, ds
 
 
-def _dq_kernel(*refs, n_meta, has_seg, scale, causal, window, nq, nk, precision):
+def _dq_kernel(*refs, n_meta, specialize, has_seg, scale, causal, window, nq, nk, precision):
   meta, refs = refs[:n_meta], refs[n_meta:]
   qpos, kpos, qseg, kseg, ins, rest = _split_refs(refs, has_seg, 6)
   q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = ins
@@ -230,14 +234,14 @@ def _dq_kernel(*refs, n_meta, has_seg, scale, causal, window, nq, nk, precision)
                               preferred_element_type=jnp.float32)
 
   run, full = _pair_flags(meta, b * nq + i, b * nk + j, j, has_seg)
-  _when_run(run, full, causal or window is not None or has_seg, body)
+  _when_run(run, full, causal or window is not None or has_seg, specialize, body)
 
   @pl.when(j == nk - 1)
   def _store():
     dq_ref[...] = dq_sc[...]
 
 
-def _dkv_kernel(*refs, n_meta, has_seg, scale, causal, window, nk, num_g, nq, precision):
+def _dkv_kernel(*refs, n_meta, specialize, has_seg, scale, causal, window, nk, num_g, nq, precision):
   meta, refs = refs[:n_meta], refs[n_meta:]
   qpos, kpos, qseg, kseg, ins, rest = _split_refs(refs, has_seg, 6)
   q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = ins
@@ -265,7 +269,7 @@ def _dkv_kernel(*refs, n_meta, has_seg, scale, causal, window, nk, num_g, nq, pr
                               preferred_element_type=jnp.float32)
 
   run, full = _pair_flags(meta, b * nk + j, b * nq + i, i, has_seg)
-  _when_run(run, full, causal or window is not None or has_seg, body)
+  _when_run(run, full, causal or window is not None or has_seg, specialize, body)
 
   @pl.when((g == num_g - 1) & (i == nq - 1))
   def _store():
@@ -378,6 +382,22 @@ def _window(spec):
   return min(int(left), _I32_MAX), min(int(right), _I32_MAX)
 
 
+def _same_varying(args):
+  """``(args, mat)``: inside ``shard_map(check_vma=True)`` every operand marked varying over
+  the union of the operands' manual mesh axes, and that ``ManualAxisType`` for the
+  kernel's output shapes (Pallas asks for it there); outside, the args and an empty one."""
+  args = [hop.varying_like(jnp.asarray(a), *args) for a in args]
+  return args, jax.typeof(args[0]).manual_axis_type
+
+
+def _struct(shape, dtype, mat):
+  """``jax.ShapeDtypeStruct`` carrying ``mat`` (how a kernel output varies over mesh axes)."""
+  try:
+    return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=mat)
+  except TypeError:  # a jax whose ShapeDtypeStruct spells it `vma`
+    return jax.ShapeDtypeStruct(shape, dtype, vma=mat.varying)
+
+
 def _clamp(x, lo, hi):
   """x clamped into [lo, hi - 1] (to lo when the range is empty): index maps of skipped
   steps repeat a block that is already resident, so no copy is issued for them."""
@@ -392,8 +412,13 @@ class PallasTpuHopKernel:
     interpret: run the kernels in Pallas interpret mode. ``None`` (default):
       interpret exactly when the default backend is not a TPU, so the kernel
       runs (slowly) on CPU for tests.
+    specialize: compile, besides the masked body, an unmasked one for block pairs
+      visible everywhere, and a forward without the non-finite-V guard chosen at run
+      time when V is finite. Same results, less work per step, about twice the code.
+      ``None`` (default): on a TPU only (interpret mode compiles much faster without).
   """
   interpret: bool | None = None
+  specialize: bool | None = None
   name: str = "pallas_tpu"
 
   # ---- shapes -------------------------------------------------------------------------
@@ -431,6 +456,27 @@ class PallasTpuHopKernel:
     if self.interpret is None:
       return jax.default_backend() != "tpu"
     return bool(self.interpret)
+
+  def _interpret_mode(self, *arrays):
+    """The ``interpret`` argument of ``pallas_call``.
+
+    Off a TPU the kernels run in a Pallas interpreter. Outside ``shard_map`` (or with
+    ``check_vma=False``) that is the generic one (``interpret=True``, fast to run). Inside
+    ``shard_map(check_vma=True)`` the block metadata varies over the mesh axes while grid
+    indices do not, and the generic interpreter rejects their mix (jax 0.10.2: "dynamic_slice
+    requires varying manual axes to match"): there the TPU interpreter
+    (``pltpu.InterpretParams()``, slower) runs the kernels.
+    """
+    if not self._interpret():
+      return False
+    if frozenset().union(*(hop._varying_axes(a) for a in arrays)):
+      return pltpu.InterpretParams()
+    return True
+
+  def _specialize(self) -> bool:
+    if self.specialize is None:
+      return not self._interpret()
+    return bool(self.specialize)
 
   # ---- shared input plumbing ----------------------------------------------------------
 
@@ -472,6 +518,8 @@ class PallasTpuHopKernel:
     meta = block_meta(masks, spec, bsz, t, s).for_q_blocks()
     mask_arrays, has_seg = self._mask_inputs(masks, bsz)
     window = None if spec.window is None else _window(spec)
+    interpret = self._interpret_mode(q, k, v, *mask_arrays)
+    specialize = self._specialize()
 
     q_t = jnp.transpose(q, (0, 2, 3, 1, 4))               # [B, K, G, T, H]
     k_t, v_t = jnp.transpose(k, (0, 2, 1, 3)), jnp.transpose(v, (0, 2, 1, 3))  # [B, K, S, H]
@@ -493,12 +541,14 @@ class PallasTpuHopKernel:
         pl.BlockSpec((None, None, None, bq, NUM_LANES),
                      lambda b, n, gi, i, j, *m: (b, n, gi, i, 0)),
     ]
-    out_shape = [jax.ShapeDtypeStruct((bsz, kh, g, t, h), jnp.float32),
-                 jax.ShapeDtypeStruct((bsz, kh, g, t, NUM_LANES), jnp.float32)]
+    operands, mat = _same_varying([*meta, *mask_arrays, q_t, k_t, v_t])
+    out_shape = [_struct((bsz, kh, g, t, h), jnp.float32, mat),
+                 _struct((bsz, kh, g, t, NUM_LANES), jnp.float32, mat)]
     may_mask = spec.is_causal or spec.window is not None or has_seg
 
     def call(guard_v: bool):
-      kernel = functools.partial(_fwd_kernel, n_meta=len(meta), has_seg=has_seg,
+      kernel = functools.partial(_fwd_kernel, n_meta=len(meta), specialize=specialize,
+                                 has_seg=has_seg,
                                  scale=float(spec.scale), causal=spec.is_causal,
                                  window=window, nq=nq, nk=nk, precision=spec.precision,
                                  guard_v=guard_v)
@@ -513,12 +563,14 @@ class PallasTpuHopKernel:
           out_shape=out_shape,
           compiler_params=pltpu.CompilerParams(
               dimension_semantics=("parallel",) * 4 + ("arbitrary",)),
-          interpret=self._interpret(),
-      )(*meta, *mask_arrays, q_t, k_t, v_t)
+          interpret=interpret,
+      )(*operands)
 
     with jax.named_scope("pallas_tpu_hop_fwd"):
       if not may_mask:  # every computed pair is visible: p @ v may read all of V
         o_t, lse_t = call(guard_v=False)
+      elif not specialize:
+        o_t, lse_t = call(guard_v=True)
       else:  # only a hop whose V shard holds a non-finite value pays for the guard
         o_t, lse_t = jax.lax.cond(jnp.isfinite(v).all(), lambda: call(False),
                                   lambda: call(True))
@@ -540,7 +592,8 @@ class PallasTpuHopKernel:
     bm = block_meta(masks, spec, bsz, t, s)
     mask_arrays, has_seg = self._mask_inputs(masks, bsz)
     window = None if spec.window is None else _window(spec)
-    interpret = self._interpret()
+    interpret = self._interpret_mode(q, k, v, *mask_arrays)
+    specialize = self._specialize()
 
     # delta = rowsum(dO * O) - dlse (FlashAttention-2 + the lse cotangent), float32 [B,T,K,G].
     delta = hop.backward_delta(out, do, dlse)
@@ -553,6 +606,11 @@ class PallasTpuHopKernel:
     do_t = jnp.transpose(do.astype(q.dtype), (0, 2, 3, 1, 4))
     k_t, v_t = jnp.transpose(k, (0, 2, 1, 3)), jnp.transpose(v, (0, 2, 1, 3))
     lse_r, delta_r = rows(hop.lse_for_backward(lse)), rows(delta)  # +inf: p = 0
+    n_q, n_kv = len(bm.for_q_blocks()), len(bm.for_kv_blocks())
+    operands, mat = _same_varying([*bm.for_q_blocks(), *bm.for_kv_blocks(), *mask_arrays,
+                                   q_t, k_t, v_t, do_t, lse_r, delta_r])
+    q_meta, kv_meta = operands[:n_q], operands[n_q:n_q + n_kv]
+    rest = operands[n_q + n_kv:]
     common = dict(has_seg=has_seg, scale=float(spec.scale), causal=spec.is_causal,
                   window=window, precision=spec.precision)
 
@@ -576,17 +634,18 @@ class PallasTpuHopKernel:
     ]
     with jax.named_scope("pallas_tpu_hop_bwd_dq"):
       dq_t = pl.pallas_call(
-          functools.partial(_dq_kernel, n_meta=len(bm.for_q_blocks()), nq=nq, nk=nk,
+          functools.partial(_dq_kernel, n_meta=len(bm.for_q_blocks()), specialize=specialize,
+                            nq=nq, nk=nk,
                             **common),
           grid_spec=pltpu.PrefetchScalarGridSpec(
               num_scalar_prefetch=len(bm.for_q_blocks()), grid=(bsz, kh, g, nq, nk),
               in_specs=in_specs, out_specs=pl.BlockSpec((None, None, None, bq, h), qrow),
               scratch_shapes=[pltpu.VMEM((bq, h), jnp.float32)]),
-          out_shape=jax.ShapeDtypeStruct((bsz, kh, g, t, h), jnp.float32),
+          out_shape=_struct((bsz, kh, g, t, h), jnp.float32, mat),
           compiler_params=pltpu.CompilerParams(
               dimension_semantics=("parallel",) * 4 + ("arbitrary",)),
           interpret=interpret,
-      )(*bm.for_q_blocks(), *mask_arrays, q_t, k_t, v_t, do_t, lse_r, delta_r)
+      )(*q_meta, *rest)
 
     # dK, dV: grid (B, K, nk, G, nq); the G query heads of a kv head and all q blocks
     # are sequential, accumulated in VMEM.
@@ -609,7 +668,9 @@ class PallasTpuHopKernel:
     ]
     with jax.named_scope("pallas_tpu_hop_bwd_dkv"):
       dk_t, dv_t = pl.pallas_call(
-          functools.partial(_dkv_kernel, n_meta=len(bm.for_kv_blocks()), nk=nk, num_g=g, nq=nq,
+          functools.partial(_dkv_kernel, n_meta=len(bm.for_kv_blocks()),
+                            specialize=specialize,
+                            nk=nk, num_g=g, nq=nq,
                             **common),
           grid_spec=pltpu.PrefetchScalarGridSpec(
               num_scalar_prefetch=len(bm.for_kv_blocks()), grid=(bsz, kh, nk, g, nq),
@@ -618,11 +679,11 @@ class PallasTpuHopKernel:
                          pl.BlockSpec((None, None, bk, h), kvblk2)],
               scratch_shapes=[pltpu.VMEM((bk, h), jnp.float32),
                               pltpu.VMEM((bk, h), jnp.float32)]),
-          out_shape=[jax.ShapeDtypeStruct((bsz, kh, s, h), jnp.float32)] * 2,
+          out_shape=[_struct((bsz, kh, s, h), jnp.float32, mat)] * 2,
           compiler_params=pltpu.CompilerParams(
               dimension_semantics=("parallel",) * 3 + ("arbitrary",) * 2),
           interpret=interpret,
-      )(*bm.for_kv_blocks(), *mask_arrays, q_t, k_t, v_t, do_t, lse_r, delta_r)
+      )(*kv_meta, *rest)
 
     dq = jnp.transpose(dq_t, (0, 3, 1, 2, 4))
     dk = jnp.transpose(dk_t, (0, 2, 1, 3))
