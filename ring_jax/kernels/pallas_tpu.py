@@ -171,7 +171,7 @@ def _fwd_kernel(*refs, n_meta, specialize, has_seg, scale, causal, window, nq, n
       v_fin, v_bad = _finite_part(v)
       pv = jax.lax.dot(p.astype(v.dtype), v_fin, precision=precision,
                        preferred_element_type=jnp.float32)
-      reads_bad = jax.lax.dot(mask.astype(jnp.float32), v_bad,
+      reads_bad = jax.lax.dot(jnp.where(mask, 1.0, 0.0), v_bad,
                               preferred_element_type=jnp.float32) > 0
       pv = jnp.where(reads_bad, jnp.nan, pv)
     else:
