@@ -30,7 +30,7 @@ from attn_utils import make_mesh
 from ring_jax.hop import HopMasks, HopSpec, lse_for_backward
 
 # Kernel names run by this suite; fused-kernel helpers append theirs (e.g. "pallas_gpu").
-KERNELS_UNDER_TEST = ["xla", "pallas_gpu"]
+KERNELS_UNDER_TEST = ["xla", "pallas_gpu", "pallas_tpu"]
 
 RTOL = ATOL = 1e-5
 BLOCK = 128

@@ -34,8 +34,9 @@ def _lazy(module: str, attr: str) -> Callable[[str], HopKernel]:
 
 HOP_KERNELS: dict[str, Callable[[str], HopKernel]] = {
     "xla": lambda platform: XlaHopKernel(),
-    # Fused kernels add one line each.
+    # Fused kernels: one line each.
     "pallas_gpu": _lazy("ring_jax.kernels.pallas_gpu", "make_kernel"),
+    "pallas_tpu": _lazy("ring_jax.kernels.pallas_tpu", "make_kernel"),
 }
 
 # platform -> kernel name that "auto" picks there; absent platforms get "xla". An entry is
