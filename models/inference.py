@@ -130,7 +130,8 @@ def check_request(cfg: LlamaConfig, mesh, prompts: Sequence, max_new_tokens: int
   """Checks a generation request; returns the padded prompt length ``P``.
 
   Raises ValueError naming the fix: an empty prompt, a token id outside
-  ``[0, vocab_size)``, a batch not divisible by the mesh's ``data`` axis,
+  ``[0, vocab_size)``, a batch of several prompts not divisible by the mesh's
+  ``data`` axis (a single prompt runs replicated over it),
   a prompt longer than the cache, or ``max_new_tokens`` past it.
   """
   if padding not in PADDING_SIDES:
@@ -152,14 +153,13 @@ def check_request(cfg: LlamaConfig, mesh, prompts: Sequence, max_new_tokens: int
                        f"vocabulary [0, {cfg.vocab_size}); use the tokenizer the model was "
                        "trained with (or a config whose model.vocab_size covers it).")
     lengths.append(len(ids))
-  data = 1 if mesh is None or "data" not in mesh.axis_names else int(mesh.shape["data"])
   batch_axis = attn_lib.rule_axis("batch", mesh) if mesh is not None else None
-  if batch_axis is not None and len(prompts) % int(mesh.shape[batch_axis]):
+  # One prompt runs replicated over the batch axis; a batch must split over it.
+  if batch_axis is not None and len(prompts) > 1 and len(prompts) % int(mesh.shape[batch_axis]):
     raise ValueError(
         f"{len(prompts)} prompts do not split over the mesh '{batch_axis}' axis "
         f"({mesh.shape[batch_axis]}); give a multiple of {mesh.shape[batch_axis]} prompts "
         "(e.g. repeat one) or a config with a smaller 'data' mesh axis.")
-  del data
   multiple = prompt_length_multiple(cfg, mesh)
   padded = -(-max(lengths) // multiple) * multiple
   slots = cache_slots(cfg, mesh, cache_len)
@@ -248,12 +248,19 @@ def sample(logits_BV, key, temperature: float = 0.0, top_p: float = 1.0,
 # ----------------------------------------------------------------------------------------------
 
 
-def _axes(mesh, num_heads: int, num_kv_heads: int):
-  """``(seq_axis, batch_axis, head_axis, kv_head_axis)`` mesh axes (None: not sharded)."""
+def _axes(mesh, batch_size: int, num_heads: int, num_kv_heads: int):
+  """``(seq_axis, batch_axis, head_axis, kv_head_axis)`` mesh axes (None: not sharded).
+
+  As the rules table says, except that an axis not dividing its dimension is
+  dropped (a single prompt runs replicated over ``data``; MQA's one key/value
+  head is replicated over ``tensor``).
+  """
   if mesh is None:
     return None, None, None, None
   seq = attn_lib.sequence_axis(mesh)
   batch = attn_lib.rule_axis("batch", mesh)
+  if batch is not None and batch_size % mesh.shape[batch]:
+    batch = None
   head = attn_lib.rule_axis("heads", mesh)
   if head is not None and (num_heads % mesh.shape[head] or (
       num_kv_heads % mesh.shape[head] and num_kv_heads != 1)):
@@ -300,7 +307,7 @@ def prefill(model: Llama, tokens_BP, positions_BP, segment_ids_BP, last_BP, cach
                             ("batch", "embed"))
   logits_BV = model.head(h_BD, ("batch",))
 
-  seq, batch, _, kv_head = _axes(mesh, cfg.num_heads, cfg.num_kv_heads)
+  seq, batch, _, kv_head = _axes(mesh, b, cfg.num_heads, cfg.num_kv_heads)
   local_pad = cache_len // n - p // n
 
   def pad(kv, pos, seg):  # this device's P/n prompt slots, then empty ones
@@ -335,7 +342,8 @@ def decode_step(model: Llama, cache: KVCache, tokens_B):
   cfg = model.cfg
   mesh = shd.current_mesh()
   n = ring_size(mesh)
-  seq, batch, head, kv_head = _axes(mesh, cfg.num_heads, cfg.num_kv_heads)
+  seq, batch, head, kv_head = _axes(mesh, tokens_B.shape[0], cfg.num_heads,
+                                     cfg.num_kv_heads)
   slots = cache.positions.shape[1]
   t = cache.steps
   slot = (t % n) * (slots // n) + cache.prompt_slots + t // n
@@ -458,8 +466,8 @@ class Generator:
     host = {k: np.ascontiguousarray(v[:, perm]) for k, v in host.items()}
     with self._context():
       if self.mesh is not None:
-        sharding = NamedSharding(self.mesh, shd.logical_to_spec(("batch", "length"),
-                                                                mesh=self.mesh))
+        sharding = NamedSharding(self.mesh, shd.logical_to_spec(
+            ("batch", "length"), mesh=self.mesh, shape=host["tokens"].shape))
         host = jax.device_put(host, sharding)
       return self._prefill(self.params, host, cache_len=self.cache_len)
 
