@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import io
+import json
 import os
 import subprocess
 import sys
 
 import pytest
 
+import evaluate
 import generate
 import train as train_script
 from model_utils import tiny_config
@@ -115,3 +117,50 @@ def test_cli_streams_text_to_stdout_only(trained):
                        capture_output=True, text=True, timeout=300)
   assert bad.returncode == generate.EXIT_USAGE and bad.stdout == ""
   assert "--cache_len" in bad.stderr and "Traceback" not in bad.stderr
+
+
+# ----------------------------------------------------------------------------------------------
+# evaluate.py
+# ----------------------------------------------------------------------------------------------
+
+
+def _check_outputs(workdir, results, tasks, lengths):
+  rows = [json.loads(l) for l in open(os.path.join(workdir, "eval_lengths.jsonl"))]
+  assert rows == results
+  assert sorted((r["task"], r["length"]) for r in rows) == sorted(
+      (t, n) for t in tasks for n in lengths)
+  assert all(0.0 <= r["accuracy"] <= 1.0 and r["answers"] > 0 for r in rows)
+  with open(os.path.join(workdir, "eval_lengths.png"), "rb") as f:
+    assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+  text = evaluate.table(results)
+  assert all(f"| {n} |" in text for n in lengths)
+
+
+def test_evaluate_passkey_text_ring_equals_dense(trained):
+  config, workdir = trained
+  results = evaluate.evaluate(config, workdir, [128, 256], ["passkey"], batch_size=2,
+                              batches=1, log=lambda m: None)
+  _check_outputs(workdir, results, ["passkey"], [128, 256])
+  assert [r["answers"] for r in results] == [10, 10]  # 2 rows x 5 digits
+  dense = text_config(config.data.path, **{"model.attention": "dense"})
+  again = evaluate.evaluate(dense, workdir, [128, 256], ["passkey"], batch_size=2, batches=1,
+                            log=lambda m: None)
+  assert again == results
+
+
+def test_evaluate_kv_task(tmp_path):
+  config = tiny_config(**{"model.dim": 32, "model.mlp_dim": 64, "data.seq_len": 64,
+                          "batch_size": 8, "eval_batch_size": 8, "eval_batches": 1,
+                          "data.kv.num_pairs": 4, "data.kv.num_queries": 4, "total_steps": 2,
+                          "optim.warmup_steps": 0, "eval_every": 1000,
+                          "checkpoint_every": 1000, "async_checkpointing": False})
+  workdir = str(tmp_path / "kv")
+  train_script.train(config, workdir)
+  results = evaluate.evaluate(config, workdir, [64, 128], ["kv", "passkey"], batch_size=2,
+                              batches=1, log=lambda m: None)
+  _check_outputs(workdir, results, ["kv", "passkey"], [64, 128])
+  answers = {(r["task"], r["length"]): r["answers"] for r in results}
+  assert answers[("kv", 64)] == 2 * 2 * 4  # rows x docs_per_row x num_queries
+  assert answers[("passkey", 128)] == 2
+  with pytest.raises(generate.UsageError, match="multiple of 8"):
+    evaluate.evaluate(config, workdir, [60], ["kv"], log=lambda m: None)
