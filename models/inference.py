@@ -43,6 +43,7 @@ last token.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import math
 from typing import Callable, Iterator, NamedTuple, Sequence
@@ -110,6 +111,19 @@ def prompt_length_multiple(cfg: LlamaConfig, mesh) -> int:
     if block is not None:
       multiple = math.lcm(multiple, n * block)
   return multiple
+
+
+def config_for_length(cfg: LlamaConfig, local_len: int) -> LlamaConfig:
+  """``cfg`` for a forward pass of ``local_len`` tokens per device without gradients.
+
+  No remat (nothing is differentiated); the blockwise FFN only when its chunk
+  divides ``local_len`` (a decode step has 1 token); no loss chunking. The
+  parameters are the same, so one checkpoint serves every variant.
+  """
+  chunk = cfg.ffn_chunk_size
+  return dataclasses.replace(
+      cfg, remat_policy="none", loss_chunk_size=None,
+      ffn_chunk_size=chunk if chunk is not None and local_len % chunk == 0 else None)
 
 
 def cache_slots(cfg: LlamaConfig, mesh, cache_len: int) -> int:
@@ -413,6 +427,18 @@ def cache_shardings(cfg: LlamaConfig, mesh, batch: int, cache_len: int) -> KVCac
                    for names, shape in zip(CACHE_AXES, shapes)])
 
 
+def abstract_cache(cfg: LlamaConfig, mesh, batch: int, cache_len: int) -> KVCache:
+  """``ShapeDtypeStruct`` leaves of a :class:`KVCache` (for ``lower``/memory analysis)."""
+  shardings = cache_shardings(cfg, mesh, batch, cache_len)
+  kv = (cfg.num_layers, batch, cache_len, cfg.num_kv_heads, cfg.resolved_head_dim)
+  row, i32 = (batch, cache_len), jnp.int32
+  shapes = KVCache(k=(kv, cfg.compute_dtype), v=(kv, cfg.compute_dtype), positions=(row, i32),
+                   segment_ids=(row, i32), next_position=((batch,), i32),
+                   segment=((batch,), i32), prompt_slots=((), i32), steps=((), i32))
+  return KVCache(*[jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+                   for (shape, dtype), sharding in zip(shapes, shardings)])
+
+
 def cache_bytes_per_device(cfg: LlamaConfig, mesh, batch: int, cache_len: int) -> int:
   """Bytes of keys and values one device holds for a cache of ``cache_len`` slots per row."""
   shard = cache_shardings(cfg, mesh, batch, cache_len).k.shard_shape(
@@ -432,7 +458,6 @@ class Generator:
 
   def __init__(self, cfg: LlamaConfig, params, mesh, cache_len: int):
     self.cfg, self.params, self.mesh = cfg, params, mesh
-    self.graphdef = nnx.graphdef(nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0))))
     self.cache_len = cache_slots(self.cfg, mesh, cache_len)
     self._prefill = jax.jit(self._prefill_fn, static_argnames=("cache_len",))
     self._step = jax.jit(self._step_fn, donate_argnames=("cache",))
@@ -441,13 +466,16 @@ class Generator:
   def _context(self):
     return jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
 
+  def _model(self, params, local_len: int) -> Llama:
+    return nnx.merge(_graphdef(config_for_length(self.cfg, local_len)), params)
+
   def _prefill_fn(self, params, batch, cache_len):
-    model = nnx.merge(self.graphdef, params)
+    model = self._model(params, batch["tokens"].shape[1] // ring_size(self.mesh))
     return prefill(model, batch["tokens"], batch["positions"], batch["segment_ids"],
                    batch["last"], cache_len)
 
   def _step_fn(self, params, cache, tokens_B):
-    return decode_step(nnx.merge(self.graphdef, params), cache, tokens_B)
+    return decode_step(self._model(params, 1), cache, tokens_B)
 
   def check(self, prompts, max_new_tokens: int, padding: str = "right") -> int:
     """:func:`check_request` for this generator (returns the padded prompt length)."""
@@ -489,3 +517,9 @@ class Generator:
       yield np.asarray(jax.device_get(tokens))
       if i + 1 < max_new_tokens:
         logits, cache = self.step(cache, tokens)
+
+
+@functools.lru_cache(maxsize=16)
+def _graphdef(cfg: LlamaConfig):
+  """The static structure of ``Llama(cfg)`` (no arrays allocated)."""
+  return nnx.graphdef(nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0))))

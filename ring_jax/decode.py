@@ -36,23 +36,29 @@ def partial_attention(q_BTNH, k_BSKH, v_BSKH, mask_BTS, scale: float | None = No
 
   GQA: query head ``n`` uses key/value head ``n // (N // K)``. ``o`` is
   normalised over the visible keys (0 where none is visible, with
-  ``lse = -inf``). Scores and softmax in float32.
+  ``lse = -inf``). Scores and softmax in float32; the matmuls take the cache in
+  its own dtype (no float32 copy of it) and accumulate in float32, with the
+  probabilities cast to the values' dtype as in the ring's hop kernel.
   """
   b, t, n, h = q_BTNH.shape
   kh = k_BSKH.shape[2]
   if n % kh:
     raise ValueError(f"query heads {n} are not a multiple of key/value heads {kh}.")
   scale = validation.check_scale(scale, h, jnp.float32)
-  q = q_BTNH.astype(jnp.float32).reshape(b, t, kh, n // kh, h)
-  s_BKGTS = jnp.einsum("btkgh,bskh->bkgts", q, k_BSKH.astype(jnp.float32)) * scale
+  # The cache stays in its dtype: matmuls accumulate in float32 without a float32 copy of
+  # the keys/values (a bf16 product is exact in float32, as in the float32 oracle).
+  q = q_BTNH.astype(k_BSKH.dtype).reshape(b, t, kh, n // kh, h)
+  s_BKGTS = jnp.einsum("btkgh,bskh->bkgts", q, k_BSKH,
+                       preferred_element_type=jnp.float32) * scale
   visible = mask_BTS[:, None, None]
   s_BKGTS = jnp.where(visible, s_BKGTS, -jnp.inf)
   m = jnp.max(s_BKGTS, axis=-1, keepdims=True)
   m_safe = jnp.where(m == -jnp.inf, 0.0, m)
   p = jnp.where(visible, jnp.exp(s_BKGTS - m_safe), 0.0)
   denom = jnp.sum(p, axis=-1, keepdims=True)
-  o = jnp.einsum("bkgts,bskh->btkgh", p / jnp.where(denom == 0, 1.0, denom),
-                 v_BSKH.astype(jnp.float32))
+  # p in the values' dtype, float32 accumulation: as the ring's hop kernel (ring_jax/hop.py).
+  p = (p / jnp.where(denom == 0, 1.0, denom)).astype(v_BSKH.dtype)
+  o = jnp.einsum("bkgts,bskh->btkgh", p, v_BSKH, preferred_element_type=jnp.float32)
   lse = jnp.where(denom[..., 0] == 0, -jnp.inf, m_safe[..., 0] + jnp.log(denom[..., 0]))
   lse_BTN = jnp.moveaxis(lse.reshape(b, n, t), 1, 2)
   return o.reshape(b, t, n, h), lse_BTN

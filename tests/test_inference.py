@@ -174,3 +174,32 @@ def test_bad_requests_fail_before_compiling(prompts, new, match):
                                sequence=2)
   with pytest.raises(ValueError, match=match):
     inference.check_request(cfg, mesh, prompts, new, CACHE_LEN)
+
+
+def test_decode_step_updates_the_cache_in_place():
+  """Compile-time memory: the donated cache aliases the new one, and temp grows by about one
+  layer's share of it (the slice a layer reads), never by a copy of the whole cache."""
+  cfg = _cfg(layout="zigzag", num_layers=4)
+  mesh = model_utils.make_mesh(auto=True, sequence=4, tensor=2)
+  graphdef = inference._graphdef(inference.config_for_length(cfg, 1))
+  values = model_utils.random_params(cfg)
+  params = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                        values, shd.param_shardings(values, mesh))
+
+  def step(params, cache, tokens):
+    return inference.decode_step(nnx.merge(graphdef, params), cache, tokens)
+
+  analyses = {}
+  for length in (1024, 4096):
+    cache = inference.abstract_cache(cfg, mesh, 2, length)
+    with jax.set_mesh(mesh):
+      compiled = jax.jit(step, donate_argnums=1).lower(
+          params, cache, jax.ShapeDtypeStruct((2,), jnp.int32)).compile()
+    analyses[length] = (compiled.memory_analysis(),
+                        inference.cache_bytes_per_device(cfg, mesh, 2, length))
+  for memory, cache_bytes in analyses.values():
+    assert memory.alias_size_in_bytes >= cache_bytes
+  (m0, c0), (m1, c1) = analyses[1024], analyses[4096]
+  # k and v x layers x 2 rows x 1024/4 slots x 2/2 kv heads x head_dim 16 x 4 bytes.
+  assert c1 == 4 * c0 and c0 == 2 * cfg.num_layers * 2 * (1024 // 4) * 1 * 16 * 4
+  assert m1.temp_size_in_bytes - m0.temp_size_in_bytes < 0.5 * (c1 - c0)
