@@ -101,7 +101,9 @@ def run_time(args):
           segment=jax.device_put(jnp.ones((1,), jnp.int32), cs.segment),
           prompt_slots=jnp.int32(length // args.devices - 2), steps=jnp.int32(0))
     gen.cache_len = length
-    compiled = gen._step.lower(params, cache, jnp.zeros((1,), jnp.int32)).compile()
+    with jax.set_mesh(mesh):
+      compiled = inference._step_jit.lower(params, cache, jnp.zeros((1,), jnp.int32),
+                                           cfg=cfg).compile()
     tokens = jnp.zeros((1,), jnp.int32)
     logits, cache = gen.step(cache, tokens)  # compile + warm up
     jax.block_until_ready(logits)

@@ -459,23 +459,14 @@ class Generator:
   def __init__(self, cfg: LlamaConfig, params, mesh, cache_len: int):
     self.cfg, self.params, self.mesh = cfg, params, mesh
     self.cache_len = cache_slots(self.cfg, mesh, cache_len)
-    self._prefill = jax.jit(self._prefill_fn, static_argnames=("cache_len",))
-    self._step = jax.jit(self._step_fn, donate_argnames=("cache",))
-    self._sample = jax.jit(sample, static_argnames=("temperature", "top_p", "vocab_limit"))
+    # Module-level jitted functions with the config static: Generators of the same model
+    # and mesh share compiled executables.
+    self._prefill = functools.partial(_prefill_jit, cfg=cfg)
+    self._step = functools.partial(_step_jit, cfg=cfg)
+    self._sample = _sample_jit
 
   def _context(self):
     return jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
-
-  def _model(self, params, local_len: int) -> Llama:
-    return nnx.merge(_graphdef(config_for_length(self.cfg, local_len)), params)
-
-  def _prefill_fn(self, params, batch, cache_len):
-    model = self._model(params, batch["tokens"].shape[1] // ring_size(self.mesh))
-    return prefill(model, batch["tokens"], batch["positions"], batch["segment_ids"],
-                   batch["last"], cache_len)
-
-  def _step_fn(self, params, cache, tokens_B):
-    return decode_step(self._model(params, 1), cache, tokens_B)
 
   def check(self, prompts, max_new_tokens: int, padding: str = "right") -> int:
     """:func:`check_request` for this generator (returns the padded prompt length)."""
@@ -497,7 +488,8 @@ class Generator:
         sharding = NamedSharding(self.mesh, shd.logical_to_spec(
             ("batch", "length"), mesh=self.mesh, shape=host["tokens"].shape))
         host = jax.device_put(host, sharding)
-      return self._prefill(self.params, host, cache_len=self.cache_len)
+      return self._prefill(self.params, host, ring=ring_size(self.mesh),
+                           cache_len=self.cache_len)
 
   def step(self, cache: KVCache, tokens_B):
     """Feeds ``tokens_B``; ``(logits [B, vocab], cache)`` (the old cache is donated)."""
@@ -523,3 +515,22 @@ class Generator:
 def _graphdef(cfg: LlamaConfig):
   """The static structure of ``Llama(cfg)`` (no arrays allocated)."""
   return nnx.graphdef(nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0))))
+
+
+def _model(cfg: LlamaConfig, params, local_len: int) -> Llama:
+  return nnx.merge(_graphdef(config_for_length(cfg, local_len)), params)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "ring", "cache_len"))
+def _prefill_jit(params, batch, *, cfg, ring, cache_len):
+  model = _model(cfg, params, batch["tokens"].shape[1] // ring)
+  return prefill(model, batch["tokens"], batch["positions"], batch["segment_ids"],
+                 batch["last"], cache_len)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache",))
+def _step_jit(params, cache, tokens_B, *, cfg):
+  return decode_step(_model(cfg, params, 1), cache, tokens_B)
+
+
+_sample_jit = jax.jit(sample, static_argnames=("temperature", "top_p", "vocab_limit"))

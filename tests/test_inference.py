@@ -76,12 +76,14 @@ def oracle(params):
   return _dense_greedy(_cfg(), params, PROMPTS, STEPS)
 
 
-@pytest.mark.parametrize("layout,padding", [("zigzag", "left"), ("contiguous", "right"),
-                                            ("zigzag", "right")])
-def test_greedy_matches_dense_recompute(params, oracle, layout, padding):
-  """sequence=4 x tensor=2, GQA, a batch of different lengths (one row packs 2 documents)."""
+@pytest.mark.parametrize("layout,padding,auto", [("zigzag", "left", True),
+                                                 ("contiguous", "right", True),
+                                                 ("zigzag", "right", False)])
+def test_greedy_matches_dense_recompute(params, oracle, layout, padding, auto):
+  """sequence=4 x tensor=2, GQA, a batch of different lengths (one row packs 2 documents);
+  Auto and Explicit mesh axes."""
   cfg = _cfg(layout=layout)
-  mesh = model_utils.make_mesh(auto=True, sequence=4, tensor=2)
+  mesh = model_utils.make_mesh(auto=auto, sequence=4, tensor=2)
   sharded = shd.shard_params(params, mesh)
   gen = inference.Generator(cfg, sharded, mesh, CACHE_LEN)
   tokens = np.stack(list(gen.generate(PROMPTS, STEPS, padding=padding)), axis=1)
