@@ -32,7 +32,6 @@ import os
 import sys
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from absl import app
 from absl import flags

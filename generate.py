@@ -37,7 +37,6 @@ import sys
 import time
 
 import jax
-import numpy as np
 from absl import app
 from absl import flags
 from absl import logging

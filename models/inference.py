@@ -46,7 +46,7 @@ import contextlib
 import dataclasses
 import functools
 import math
-from typing import Callable, Iterator, NamedTuple, Sequence
+from typing import Iterator, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -55,7 +55,6 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-import ring_jax
 from models import attention as attn_lib
 from models import sharding as shd
 from models.llama import Llama, LlamaConfig, backend_attend

@@ -19,7 +19,7 @@ from flax import nnx
 import ring_jax
 from models import inference
 from models import sharding as shd
-from models.llama import Llama, LlamaConfig
+from models.llama import LlamaConfig
 from ring_jax import decode as decode_lib
 from tests import model_utils
 
