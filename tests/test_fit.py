@@ -83,3 +83,49 @@ def test_seq_len_multiple_matches_the_config_check():
     for bad in (g // 2, g + ring * 2):
       with pytest.raises(cfg_lib.ConfigError):
         cfg_lib.check_seq_len(model, ring, bad)
+
+
+def _tiny_step(policy):
+  import jax
+
+  from configs import tiny
+  from training import aot
+  from training import config as cfg_lib
+  from training import step as step_lib
+
+  config = tiny.get_config()
+  config.model.update(dict(remat_policy=policy, dtype="bfloat16", num_layers=2))
+  mesh = cfg_lib.make_mesh(dict(data=1, sequence=1, tensor=1), jax.devices()[:1])
+  return aot.abstract_train_step(cfg_lib.llama_config(config), mesh,
+                                 step_lib.make_optimizer(config.optim, 10))
+
+
+def test_offload_policy_lowers_to_pinned_host_but_cpu_counts_it_on_device():
+  """What docs/performance.md says the CPU plan cannot show: lowered for GPU, the layer
+  input of "offload_layer_in" is placed in pinned_host; compiled for CPU, the plan is the
+  same as "full" (the offload is dropped)."""
+  import jax
+
+  from training import aot
+  from training import batch as batch_lib
+
+  shape = (1, 256)
+  offload, full = _tiny_step("offload_layer_in"), _tiny_step("full")
+  with jax.set_mesh(offload.mesh):
+    traced = offload.step.trace(offload.abstract_params, offload.abstract_opt_state,
+                                batch_lib.abstract(shape, offload.mesh))
+    gpu_text = traced.lower(lowering_platforms=("cuda",)).as_text()
+  placed = [l for l in gpu_text.splitlines() if "annotate_device_placement" in l
+            and '"pinned_host"' in l]
+  assert placed and all("tensor<1x256x64xbf16>" in l for l in placed), placed[:2]
+  assert aot.per_device_bytes(offload.compile(shape)) == aot.per_device_bytes(full.compile(shape))
+
+
+@pytest.mark.parametrize("devices", [1, 8])
+def test_long_variant_validates(devices):
+  from configs import llama_1b
+  from training import config as cfg_lib
+
+  config = llama_1b.get_config("long")
+  assert cfg_lib.validate_config(config, devices) == dict(data=1, sequence=devices, tensor=1)
+  assert config.model.remat_policy == "offload_layer_in" and config.batch_size == 1
