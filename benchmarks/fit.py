@@ -120,8 +120,7 @@ class Planner:
       raise FitError(f"batch_size={self.rows} / microbatches={micro} must be divisible by the "
                      f"mesh 'data' axis ({sizes['data']}); e.g. --config.batch_size="
                      f"{sizes['data'] * micro}.")
-    mesh_config = {a: s for a, s in sizes.items()}
-    self.mesh = cfg_lib.make_mesh(mesh_config, jax.devices()[:math.prod(sizes.values())])
+    self.mesh = cfg_lib.make_mesh(sizes, jax.devices()[:math.prod(sizes.values())])
     tx = step_lib.make_optimizer(config.optim, config.total_steps)
     self.step = aot.abstract_train_step(self.model_cfg, self.mesh, tx,
                                         microbatches=micro, seed=config.seed)
@@ -256,12 +255,14 @@ def main(argv) -> None:
   if _CONFIG.value is None:
     raise app.UsageError("--config is required, e.g. --config configs/llama_1b.py:long")
   set_up_devices(_DEVICES.value, _XLA_FLAGS.value)
+  from training.config import ConfigError
+
   try:
     result = run(_CONFIG.value, devices=_DEVICES.value, memory_gib=_MEMORY_GIB.value,
                  seq_len=_SEQ_LEN.value, mesh=_MESH.value, start=_START.value,
                  max_len=_MAX_LEN.value, resolution=_RESOLUTION.value)
-  except FitError as e:
-    print(f"error: {e}", file=sys.stderr, flush=True)
+  except (FitError, ConfigError) as e:  # FitError is a setting of this tool, ConfigError one
+    print(f"error: {e}", file=sys.stderr, flush=True)  # of the config: both name the fix
     sys.exit(2)
   line = json.dumps(result, separators=(",", ":"))
   if _OUT.value:
