@@ -217,7 +217,7 @@ def test_models_and_train_step_import_without_ml_collections_and_grain():
 
       sys.meta_path.insert(0, Block())
       import models, models.attention, models.convert_hf, models.llama, models.sharding
-      import training.batch, training.step
+      import training.aot, training.batch, training.step
       import benchmarks.baselines, benchmarks.gpu_check, benchmarks.train_throughput
       from flax import nnx
       cfg = models.LlamaConfig(vocab_size=16, dim=8, num_layers=1, num_heads=2,
