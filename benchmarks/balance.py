@@ -45,9 +45,10 @@ RESULTS = os.path.join(ROOT, "benchmarks", "results")
 #: One-thread XLA:CPU for each worker; one fake device per process.
 WORKER_XLA_FLAGS = ("--xla_force_host_platform_device_count=1 "
                     "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1")
-#: Thread pools of libraries a worker might load (BLAS, OpenMP): one thread each.
+#: Thread pools of libraries a worker might load (BLAS, OpenMP): one thread each. Whatever
+#: threads remain (XLA's own pools) share the one core the process is pinned to.
 ONE_THREAD_ENV = {name: "1" for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS",
-                                         "OPENBLAS_NUM_THREADS", "XNNPACK_NUM_THREADS")}
+                                         "OPENBLAS_NUM_THREADS")}
 IMPLS = ("ring-contiguous", "ring-zigzag", "ring-striped", "paper")
 
 
