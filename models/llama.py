@@ -68,6 +68,11 @@ REMAT_POLICIES: dict[str, Callable | None] = {
     # Save only the named projections (q/k/v, attention output, MLP output) tagged below.
     "save_qkv_attn_out": _cp.save_only_these_names("query", "key", "value", "attn_out"),
     "save_attn_mlp_out": _cp.save_only_these_names("attn_out", "mlp_out"),
+    # "full", with each layer's input (tagged "layer_in") moved to pinned host memory between
+    # the forward and backward passes instead of staying on the device.
+    "offload_layer_in": _cp.save_and_offload_only_these_names(
+        names_which_can_be_saved=[], names_which_can_be_offloaded=["layer_in"],
+        offload_src="device", offload_dst="pinned_host"),
 }
 
 ROPE_TYPES = ("default", "linear", "llama3")
@@ -460,6 +465,8 @@ class Block(nnx.Module):
   def forward(self, x_BLD, cos_BL1H, sin_BL1H, attend):
     """``(output, aux)`` of the layer with attention ``attend`` (see :meth:`Attention.forward`)."""
     cfg = self.cfg
+    # Named so a remat policy can offload the one activation "full" remat keeps per layer.
+    x_BLD = checkpoint_name(x_BLD, "layer_in")
     attn_BLD, aux = self.attn.forward(self.attn_norm(x_BLD), cos_BL1H, sin_BL1H, attend)
     x_BLD = shd.with_logical_constraint(x_BLD + attn_BLD, ("batch", "length", "embed"))
     h_BLD = self.mlp_norm(x_BLD)
