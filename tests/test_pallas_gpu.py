@@ -313,11 +313,16 @@ def test_lowers_to_triton(dtype, causal, window, segments, precision):
     return kernel.backward(q, k, v, o, l, do, dlse, masks(*m), spec)
 
   checks = [export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
-  fwd_hlo = export.export(jax.jit(fwd), platforms=["cuda"], disabled_checks=checks)(
-      q, kv, kv, i32(t), i32(s), *segs).mlir_module()
-  bwd_hlo = export.export(jax.jit(bwd), platforms=["cuda"], disabled_checks=checks)(
-      q, kv, kv, q, sd((b, t, kh, g), jnp.float32), q, sd((b, t, kh, g), jnp.float32), i32(t),
-      i32(s), *segs).mlir_module()
+  # With no GPU attached, jax >= 0.12 takes the target GPU from the abstract mesh's device.
+  target = jax.sharding.AbstractMesh(
+      (1,), ("gpu",), abstract_device=jax.sharding.AbstractDevice(
+          device_kind="NVIDIA H200", num_cores=None, platform="cuda"))
+  with jax.sharding.use_abstract_mesh(target):
+    fwd_hlo = export.export(jax.jit(fwd), platforms=["cuda"], disabled_checks=checks)(
+        q, kv, kv, i32(t), i32(s), *segs).mlir_module()
+    bwd_hlo = export.export(jax.jit(bwd), platforms=["cuda"], disabled_checks=checks)(
+        q, kv, kv, q, sd((b, t, kh, g), jnp.float32), q, sd((b, t, kh, g), jnp.float32),
+        i32(t), i32(s), *segs).mlir_module()
   # masked: a finite-V and a guarded-V forward variant; unmasked: one
   assert fwd_hlo.count("__gpu$xla.gpu.triton") == (2 if causal or segments else 1)
   assert bwd_hlo.count("__gpu$xla.gpu.triton") == 2  # dQ and dK/dV
