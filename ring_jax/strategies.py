@@ -45,6 +45,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from ring_jax import layouts
+from ring_jax import planning
 from ring_jax import scheduling
 from ring_jax import validation
 from ring_jax.hop import HopKernel, HopMasks, HopSpec, XlaHopKernel, finalize, init_carry
@@ -431,12 +432,13 @@ def attention_sharded(query, key, value, *, mesh=None, strategy: str = "auto",
       raise ValueError(f"seq_axis entry {name!r} is not an axis of the mesh (axes: "
                        f"{tuple(mesh.axis_names)}).")
   if strategy == "auto":
-    from ring_jax import plan as plan_lib  # plan imports nothing from here; avoids a cycle
     b, length, n, h = query.shape
-    chosen = plan_lib.plan(
+    chosen = planning.plan(
         batch=b, seq_len=length, heads=n, kv_heads=key.shape[2], head_dim=h,
         dtype=query.dtype, is_causal=is_causal, local_window_size=local_window_size,
-        layout=layout, sequence=tuple(mesh.shape[a] for a in seq_names),
+        layout=layout,
+        sequence=tuple(mesh.shape[a] for a in seq_names) if pair else mesh.shape[seq_axis],
+        strategies=("hybrid",) if pair else ("ring", "all_gather", "ulysses"),
         tensor=mesh.shape[head_axis] if head_axis in mesh.axis_names else 1,
         data=mesh.shape[batch_axis] if batch_axis in mesh.axis_names else 1,
         device=_device_kind(mesh))
