@@ -62,8 +62,10 @@ class Estimate:
     compute_s, comm_s: time of the compute and of the transfers alone.
     exposed_comm_s: transfer time not hidden behind compute.
     time_s: predicted time (compute + exposed transfers).
-    hidden: ring/hybrid: whether the ring's transfer hides behind each hop's compute.
-    min_local_len: ring/hybrid: the local length above which it would (``ℓ*``).
+    hidden: ring/hybrid: whether the ring's transfers hide behind each hop's compute
+      (forward, and backward when included).
+    min_local_len: ring/hybrid: the local length from which they would (``ℓ*``, or
+      with the backward the larger ``ℓ*_bwd``; without a window).
     memory_bytes: predicted peak bytes per device of the call (inputs, outputs,
       residuals, temporaries).
   """
@@ -318,8 +320,14 @@ def plan(*, batch: int, seq_len: int, heads: int, head_dim: int, kv_heads: int |
           tokens, k_heads) * 4 / e / links_ring.p2p  # dK/dV home
       comm += (r - 1) * t_bwd + kv_bytes(tokens, k_heads) * 4 / e / links_ring.p2p
       moved += (r - 1) * kv_bytes(tokens, k_heads) + r * kv_bytes(tokens, k_heads) * 4 / e
+    # docs/performance.md: l* = e/(2c) (K/N) F/W; with the backward (K/V and float32
+    # dK/dV travel, 2.5x the compute) (e+4)/(5c) (K/N) F/W, the larger of the two.
     lstar = e / (2 * c) * (k_heads / q_heads) * flops_s / links_ring.p2p
-    hidden = hop_fwd >= t_fwd * flops_s if r > 1 else True
+    if backward:
+      lstar = max(lstar, (e + 4) / (5 * c) * (k_heads / q_heads) * flops_s / links_ring.p2p)
+    hidden = r == 1 or (window is None and tokens >= lstar) or (
+        window is not None and hop_fwd >= t_fwd * flops_s and (
+            not backward or hop_fwd * bwd >= t_bwd * flops_s))
     mem = (act_bytes(tokens, q_heads, k_heads) + 2 * kv_bytes(tokens, k_heads)
            + b * tokens * q_heads * d * 4 + tile_bytes(q_heads))
     if backward:
