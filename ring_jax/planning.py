@@ -325,9 +325,10 @@ def plan(*, batch: int, seq_len: int, heads: int, head_dim: int, kv_heads: int |
     lstar = e / (2 * c) * (k_heads / q_heads) * flops_s / links_ring.p2p
     if backward:
       lstar = max(lstar, (e + 4) / (5 * c) * (k_heads / q_heads) * flops_s / links_ring.p2p)
-    hidden = r == 1 or (window is None and tokens >= lstar) or (
-        window is not None and hop_fwd >= t_fwd * flops_s and (
-            not backward or hop_fwd * bwd >= t_bwd * flops_s))
+    # Every hop must compute at least as long as its transfer; with a window most hops
+    # compute nothing and only pass K/V on (the ring does not prune hops).
+    hidden = r == 1 or (active == r and hop_fwd >= t_fwd * flops_s and (
+        not backward or hop_fwd * bwd >= t_bwd * flops_s))
     mem = (act_bytes(tokens, q_heads, k_heads) + 2 * kv_bytes(tokens, k_heads)
            + b * tokens * q_heads * d * 4 + tile_bytes(q_heads))
     if backward:

@@ -132,3 +132,17 @@ def test_doc_tables_are_plans_output():
   exec(compile(code.replace("print(", "str("), "performance.md", "exec"), namespace)
   assert namespace["device_table"]().rstrip() == devices.rstrip()
   assert namespace["plan_table"]().rstrip() == predictions.rstrip()
+
+
+def test_window():
+  """A window of one shard's length: the work shrinks to the window's band, but the ring
+  still sends K/V around all n - 1 hops (no hop pruning), so its transfer is exposed, while
+  all-gather and Ulysses only pay their collectives once."""
+  local = 4096
+  kw = dict(GQA, is_causal=True, local_window_size=local)
+  p = ring_jax.plan(seq_len=8 * local, sequence=8, device="TPU v5p", **kw)
+  full = ring_jax.plan(seq_len=8 * local, sequence=8, device="TPU v5p", **GQA)
+  ring = p.estimate("ring")
+  assert ring.flops == pytest.approx(full.estimate("ring").flops * (local + 1) / (8 * local) * 2)
+  assert not ring.hidden and ring.exposed_comm_s > 0.5 * ring.comm_s
+  assert "window (4096, 4096)" in p.setting
