@@ -28,8 +28,7 @@ def check(mesh, q, k, v, *, strategy, seq_axis="sequence", **kw):
 
 
 @pytest.mark.parametrize("strategy,layout,is_causal,segments", [
-    ("all_gather", "contiguous", False, False), ("all_gather", "contiguous", True, True),
-    ("all_gather", "zigzag", True, True), ("ulysses", "contiguous", True, True),
+    ("all_gather", "contiguous", False, True), ("all_gather", "zigzag", True, True), ("ulysses", "contiguous", True, True),
     ("ulysses", "zigzag", False, True)])
 def test_matches_dense(strategy, layout, is_causal, segments):
   """sequence=8; GQA 8 query on 4 (all_gather) or 8 (ulysses: one head per device) K/V heads."""
@@ -150,3 +149,12 @@ def test_argument_errors():
     ring_jax.attention_sharded(q, k, v, mesh=mesh, strategy="ringg")
   with pytest.raises(ValueError, match="not an axis of the mesh"):
     ring_jax.attention_sharded(q, k, v, mesh=mesh, strategy="ulysses", seq_axis="seq")
+
+
+@pytest.mark.parametrize("strategy,heads,kv_heads", [("all_gather", 2, 1), ("ulysses", 3, 3)])
+def test_odd_axis_size(strategy, heads, kv_heads):
+  """Three sequence devices: causal, packed documents with padding."""
+  mesh = make_mesh((3,), ("sequence",))
+  q, k, v = qkv(11, 1, 24, heads, kv_heads, 8)
+  check(mesh, q, k, v, strategy=strategy, is_causal=True,
+        segment_ids=packed_segments(1, 24, seed=11), block_q=2, block_kv=2)
