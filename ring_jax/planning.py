@@ -45,7 +45,9 @@ import numpy as np
 
 from ring_jax import hardware
 
-_CANDIDATES = ("ring", "all_gather", "ulysses", "hybrid")
+#: The sequence-parallel strategies (ring_jax.strategies implements them; "auto" asks plan()).
+STRATEGIES: tuple[str, ...] = ("ring", "all_gather", "ulysses", "hybrid")
+_CANDIDATES = STRATEGIES
 
 
 @dataclasses.dataclass(frozen=True)

@@ -53,7 +53,7 @@ from ring_jax.ring import default_block, ring_attention
 from ring_jax.sharded import ring_attention_sharded
 
 #: The strategies :func:`attention_sharded` accepts; "auto" asks :func:`ring_jax.plan`.
-STRATEGIES: tuple[str, ...] = ("ring", "all_gather", "ulysses", "hybrid")
+STRATEGIES = planning.STRATEGIES
 
 
 # ------------------------------------------------------------------------------------------
@@ -348,8 +348,10 @@ def _hybrid(query, key, value, *, axis_name, reorder: bool, segment_ids, layout,
     return _to_sequence(out, uly_axis)
 
 
+#: strategy name -> its function inside ``shard_map``.
 IN_SHARD_MAP = {"ring": ring_attention, "all_gather": all_gather_attention,
                 "ulysses": ulysses_attention, "hybrid": hybrid_attention}
+assert tuple(IN_SHARD_MAP) == STRATEGIES
 
 
 # ------------------------------------------------------------------------------------------
