@@ -48,7 +48,8 @@ from ring_jax import layouts
 from ring_jax import planning
 from ring_jax import scheduling
 from ring_jax import validation
-from ring_jax.hop import HopKernel, HopMasks, HopSpec, XlaHopKernel, finalize, init_carry
+from ring_jax import hop as hop_lib
+from ring_jax.hop import HopKernel, HopMasks, HopSpec
 from ring_jax.ring import default_block, ring_attention
 from ring_jax.sharded import ring_attention_sharded
 
@@ -80,8 +81,31 @@ def _varying_like(x, *refs):
   return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 
+# The hop-kernel seam this module drives: the per-hop ``(out_h, lse_h)`` protocol (kernels
+# from the ``ring_jax.kernels`` registry compute their own block pairs from the positions)
+# or the earlier carry protocol (``forward`` folds into an online-softmax carry over the
+# pairs listed in HopMasks). One local call is one "hop" against the whole K/V either way.
+_PER_HOP_SEAM = hasattr(hop_lib, "merge")
+
+
+def _kernel(hop_kernel) -> HopKernel:
+  """The hop kernel to run (a name or an instance; None: the default)."""
+  if _PER_HOP_SEAM:
+    from ring_jax import kernels  # pylint: disable=g-import-not-at-top
+    return kernels.get_hop_kernel(hop_kernel)
+  if hop_kernel is None:
+    return hop_lib.XlaHopKernel()
+  if isinstance(hop_kernel, str):
+    raise ValueError(f"hop_kernel={hop_kernel!r}: pass a ring_jax.hop.HopKernel instance.")
+  return hop_kernel
+
+
 def _masks(cfg: _LocalConfig, q_pos, kv_pos, q_seg, kv_seg) -> HopMasks:
-  """The visible block pairs of (queries at ``q_pos``) x (keys at ``kv_pos``)."""
+  """Positions and ids of (queries at ``q_pos``) x (keys at ``kv_pos``); with the carry
+  protocol also the visible block pairs."""
+  if _PER_HOP_SEAM:
+    return HopMasks(q_positions=q_pos, kv_positions=kv_pos, q_segment_ids=q_seg,
+                    kv_segment_ids=kv_seg)
   spec = cfg.spec
   shared = None
   if q_seg is not None:
@@ -104,9 +128,14 @@ def _local_forward(cfg: _LocalConfig, q, k, v, q_pos, kv_pos, q_seg, kv_seg):
   """``(out [B,T,K,G,H], lse [B,T,K,G])``; K/V gathered first when ``cfg.gather_axis``."""
   k, v, kv_seg = _gather(cfg, k, v, kv_seg)
   masks = _masks(cfg, q_pos, kv_pos, q_seg, kv_seg)
-  carry = jax.tree.map(lambda x: _varying_like(x, q, k), init_carry(q))
+  if _PER_HOP_SEAM:
+    if hasattr(cfg.kernel, "check"):
+      cfg.kernel.check(q.shape, k.shape, q.dtype, cfg.spec)
+    out, lse = cfg.kernel.forward(q, k, v, masks, cfg.spec)  # empty rows: (0, -inf)
+    return out.astype(q.dtype), lse
+  carry = jax.tree.map(lambda x: _varying_like(x, q, k), hop_lib.init_carry(q))
   carry = cfg.kernel.forward(q, k, v, carry, masks, cfg.spec)
-  return finalize(carry, q.dtype)
+  return hop_lib.finalize(carry, q.dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -125,11 +154,15 @@ def _local_bwd(cfg, res, do):
   q, k_local, v_local, q_pos, kv_pos, q_seg, kv_seg_local, out, lse = res
   k, v, kv_seg = _gather(cfg, k_local, v_local, kv_seg_local)
   masks = _masks(cfg, q_pos, kv_pos, q_seg, kv_seg)
-  delta = jnp.sum(do.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
-  dq = _varying_like(jnp.zeros(q.shape, jnp.float32), q, k)
-  zeros_kv = lambda: _varying_like(jnp.zeros(k.shape, jnp.float32), k, q)
-  dq, dk, dv = cfg.kernel.backward(q, k, v, do, lse, delta, masks, cfg.spec, dq, zeros_kv(),
-                                   zeros_kv())
+  if _PER_HOP_SEAM:
+    dq, dk, dv = cfg.kernel.backward(q, k, v, out, hop_lib.lse_for_backward(lse), do, None,
+                                     masks, cfg.spec)
+  else:
+    delta = jnp.sum(do.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
+    dq = _varying_like(jnp.zeros(q.shape, jnp.float32), q, k)
+    zeros_kv = lambda: _varying_like(jnp.zeros(k.shape, jnp.float32), k, q)
+    dq, dk, dv = cfg.kernel.backward(q, k, v, do, lse, delta, masks, cfg.spec, dq, zeros_kv(),
+                                     zeros_kv())
   if cfg.gather_axis is not None:
     with jax.named_scope("scatter_dkv"):  # transpose of the all_gather: sum, keep own shard
       dk, dv = (jax.lax.psum_scatter(x, cfg.gather_axis, scatter_dimension=1, tiled=True)
@@ -202,7 +235,7 @@ def all_gather_attention(query, key, value, *, axis_name, is_causal: bool = Fals
   spec = _hop_spec(query, is_causal=is_causal, scale=scale,
                    local_window_size=local_window_size, block_q=block_q, block_kv=block_kv,
                    precision=precision, length=t, layout=layout, local_len=t)
-  cfg = _LocalConfig(spec=spec, kernel=XlaHopKernel() if hop_kernel is None else hop_kernel,
+  cfg = _LocalConfig(spec=spec, kernel=_kernel(hop_kernel),
                      gather_axis=axis_name)
   q_pos = layouts.local_positions(layout, n, t, jax.lax.axis_index(axis_name))
   kv_pos = jnp.asarray(layouts.layout_positions(layout, n, n * t), jnp.int32)
@@ -285,7 +318,7 @@ def ulysses_attention(query, key, value, *, axis_name, is_causal: bool = False,
   spec = _hop_spec(query, is_causal=is_causal, scale=scale,
                    local_window_size=local_window_size, block_q=block_q, block_kv=block_kv,
                    precision=precision, length=u * t, layout=layout, local_len=t)
-  cfg = _LocalConfig(spec=spec, kernel=XlaHopKernel() if hop_kernel is None else hop_kernel)
+  cfg = _LocalConfig(spec=spec, kernel=_kernel(hop_kernel))
   q, k, v, seg = _gather_heads(query, key, value, segment_ids, axis_name)
   pos = jnp.asarray(layouts.layout_positions(layout, u, u * t), jnp.int32)
   nq, nk = q.shape[2], k.shape[2]
