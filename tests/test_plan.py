@@ -1,7 +1,6 @@
 """ring_jax.plan: the cost model's formulas, its choices and reasons, the device table, and
 the predictions docs/performance.md shows."""
 
-import math
 import os
 import re
 

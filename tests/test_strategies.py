@@ -28,8 +28,8 @@ def check(mesh, q, k, v, *, strategy, seq_axis="sequence", **kw):
 
 
 @pytest.mark.parametrize("strategy,layout,is_causal,segments", [
-    ("all_gather", "contiguous", False, True), ("all_gather", "zigzag", True, True), ("ulysses", "contiguous", True, True),
-    ("ulysses", "zigzag", False, True)])
+    ("all_gather", "contiguous", False, True), ("all_gather", "zigzag", True, True),
+    ("ulysses", "contiguous", True, True), ("ulysses", "zigzag", False, True)])
 def test_matches_dense(strategy, layout, is_causal, segments):
   """sequence=8; GQA 8 query on 4 (all_gather) or 8 (ulysses: one head per device) K/V heads."""
   mesh = make_mesh((8,), ("sequence",))
