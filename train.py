@@ -48,7 +48,7 @@ from ml_collections import config_flags
 
 # Importing these starts no JAX backend, so devices can still be configured in main().
 from models import llama
-from models import sharding as shd
+from training import aot
 from training import batch as batch_lib
 from training import checkpoint as ckpt_lib
 from training import config as cfg_lib
@@ -286,12 +286,13 @@ def _train(config, workdir, stop_at_step, stop, mesh, model_cfg, ring_size) -> T
   seq_len, batch_size = config.data.seq_len, config.batch_size
   with jax.set_mesh(mesh):
     # --- 2. Model and optimizer, created directly sharded ----------------------------------
-    abstract_model = nnx.eval_shape(lambda: llama.Llama(model_cfg, rngs=nnx.Rngs(config.seed)))
-    graphdef, abstract_params, rest = nnx.split(abstract_model, nnx.Param, ...)
-    param_shardings = shd.param_shardings(abstract_params, mesh)
     tx = step_lib.make_optimizer(config.optim, config.total_steps)
     schedule = step_lib.make_schedule(config.optim, config.total_steps)
-    opt_shardings = step_lib.opt_state_shardings(tx, abstract_params, param_shardings, mesh)
+    # The same abstract step benchmarks/fit.py compiles to plan context lengths.
+    abstract_step = aot.abstract_train_step(model_cfg, mesh, tx,
+                                            microbatches=config.microbatches, seed=config.seed)
+    graphdef, rest = abstract_step.graphdef, abstract_step.rest
+    param_shardings, opt_shardings = abstract_step.param_shardings, abstract_step.opt_shardings
     log(f"model: {model_cfg.num_params() / 1e6:.2f}M params, "
         f"{model_cfg.flops_per_token(seq_len) / 1e6:.2f} MFLOP/token (train, with attention)")
 
@@ -299,10 +300,8 @@ def _train(config, workdir, stop_at_step, stop, mesh, model_cfg, ring_size) -> T
     checkpointer = ckpt_lib.Checkpointer(workdir, every=config.checkpoint_every,
                                          keep=config.keep_checkpoints,
                                          async_save=config.async_checkpointing)
-    abstract_opt = jax.eval_shape(tx.init, abstract_params)
     restored = checkpointer.restore_latest(
-        ckpt_lib.abstract_like(abstract_params, param_shardings),
-        ckpt_lib.abstract_like(abstract_opt, opt_shardings), warn=log)
+        abstract_step.abstract_params, abstract_step.abstract_opt_state, warn=log)
     if restored is not None:
       start_step, params, opt_state, data_state = restored
       log(f"resumed from step {start_step} in {checkpointer.directory}")
@@ -325,11 +324,7 @@ def _train(config, workdir, stop_at_step, stop, mesh, model_cfg, ring_size) -> T
 
     # --- 5. Compile ahead of time (clean step timings; memory report) ----------------------
     t0 = time.perf_counter()
-    abstract_batch = batch_lib.abstract(train_shape, mesh)
-    train_step = step_lib.jit_train_step(
-        graphdef=graphdef, rest=rest, tx=tx, microbatches=config.microbatches, mesh=mesh,
-        param_shardings=param_shardings, opt_shardings=opt_shardings).lower(
-            params, opt_state, abstract_batch).compile()
+    train_step = abstract_step.compile(train_shape, params, opt_state)
     eval_step = step_lib.jit_eval_step(graphdef=graphdef, rest=rest, mesh=mesh,
                                        param_shardings=param_shardings)
     memory = train_step.memory_analysis()

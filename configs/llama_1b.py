@@ -41,6 +41,14 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.keep_checkpoints = 3
   if arg == "text":
     config.data.kind = "text"
+  elif arg == "long":
+    # One 512K-token row per step with every device on the ring; the backward pass
+    # recomputes each layer from its input, and the layer inputs wait in pinned host memory
+    # (remat_policy "offload_layer_in"; accelerators only, see docs/performance.md).
+    config.mesh.update(dict(data=1, sequence=-1, tensor=1))
+    config.model.remat_policy = "offload_layer_in"
+    config.data.seq_len = 524_288
+    config.batch_size = config.eval_batch_size = 1
   elif arg:
-    raise ValueError(f"unknown llama_1b.py variant {arg!r}; known: 'text'")
+    raise ValueError(f"unknown llama_1b.py variant {arg!r}; known: 'text', 'long'")
   return config

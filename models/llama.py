@@ -68,6 +68,11 @@ REMAT_POLICIES: dict[str, Callable | None] = {
     # Save only the named projections (q/k/v, attention output, MLP output) tagged below.
     "save_qkv_attn_out": _cp.save_only_these_names("query", "key", "value", "attn_out"),
     "save_attn_mlp_out": _cp.save_only_these_names("attn_out", "mlp_out"),
+    # "full", with each layer's input (tagged "layer_in") moved to pinned host memory between
+    # the forward and backward passes instead of staying on the device.
+    "offload_layer_in": _cp.save_and_offload_only_these_names(
+        names_which_can_be_saved=[], names_which_can_be_offloaded=["layer_in"],
+        offload_src="device", offload_dst="pinned_host"),
 }
 
 ROPE_TYPES = ("default", "linear", "llama3")
@@ -362,8 +367,20 @@ class Attention(nnx.Module):
     self.wv = _param(rngs, (d, k, h), (e, "kv_heads", "head_dim"), cfg, stack)
     self.wo = _param(rngs, (n, h, d), ("heads", "head_dim", e), cfg, stack)
 
-  @jax.named_scope("attention")
   def __call__(self, x_BLD, cos_BL1H, sin_BL1H, positions_BL, segment_ids_BL):
+    return self.forward(x_BLD, cos_BL1H, sin_BL1H,
+                        backend_attend(self.cfg, positions_BL, segment_ids_BL))[0]
+
+  @jax.named_scope("attention")
+  def forward(self, x_BLD, cos_BL1H, sin_BL1H, attend):
+    """``(output [B, L, D], aux)``: the projections around ``attend(q, k, v) -> (o, aux)``.
+
+    ``attend`` gets the RoPE'd ``q [B, L, N, H]``, ``k, v [B, L, K, H]`` and
+    returns the attention output ``[B, L, N, H]`` and anything else (``aux``,
+    passed through): the training backend (:func:`backend_attend`), or the
+    KV-cache attention of :mod:`models.inference`, which returns the updated
+    cache as ``aux``.
+    """
     cfg = self.cfg
     cp = checkpoint_name
     q_BLNH = jnp.einsum("BLD,DNH->BLNH", x_BLD, _weight(self.wq, cfg))
@@ -375,10 +392,24 @@ class Attention(nnx.Module):
     q_BLNH = shd.with_logical_constraint(q_BLNH, ("batch", "length", "heads", "head_dim"))
     k_BLKH = shd.with_logical_constraint(k_BLKH, ("batch", "length", "kv_heads", "head_dim"))
     v_BLKH = shd.with_logical_constraint(v_BLKH, ("batch", "length", "kv_heads", "head_dim"))
-    o_BLNH = attn_lib.attention(cfg, q_BLNH, k_BLKH, v_BLKH, positions_BL, segment_ids_BL)
+    o_BLNH, aux = attend(q_BLNH, k_BLKH, v_BLKH)
     o_BLNH = cp(o_BLNH, "attn_out")
     return shd.logical_einsum("BLNH,NHD->BLD", o_BLNH, _weight(self.wo, cfg),
-                              ("batch", "length", "embed"))
+                              ("batch", "length", "embed")), aux
+
+
+def backend_attend(cfg: LlamaConfig, positions_BL, segment_ids_BL, keep_kv: bool = False):
+  """The ``attend`` of :meth:`Attention.forward` that runs the configured backend.
+
+  Its ``aux`` is the layer's ``(k, v)`` with ``keep_kv`` (prefill keeps them
+  as the KV cache), else None (training: nothing extra is carried out of the layer).
+  """
+
+  def attend(q_BLNH, k_BLKH, v_BLKH):
+    o_BLNH = attn_lib.attention(cfg, q_BLNH, k_BLKH, v_BLKH, positions_BL, segment_ids_BL)
+    return o_BLNH, ((k_BLKH, v_BLKH) if keep_kv else None)
+
+  return attend
 
 
 class MLP(nnx.Module):
@@ -426,19 +457,25 @@ class Block(nnx.Module):
     self.mlp_norm = RMSNorm(cfg, stack=stack)
     self.mlp = MLP(cfg, rngs=rngs, stack=stack)
 
-  @jax.named_scope("layer")
   def __call__(self, x_BLD, cos_BL1H, sin_BL1H, positions_BL, segment_ids_BL):
+    return self.forward(x_BLD, cos_BL1H, sin_BL1H,
+                        backend_attend(self.cfg, positions_BL, segment_ids_BL))[0]
+
+  @jax.named_scope("layer")
+  def forward(self, x_BLD, cos_BL1H, sin_BL1H, attend):
+    """``(output, aux)`` of the layer with attention ``attend`` (see :meth:`Attention.forward`)."""
     cfg = self.cfg
-    x_BLD = x_BLD + self.attn(self.attn_norm(x_BLD), cos_BL1H, sin_BL1H, positions_BL,
-                              segment_ids_BL)
-    x_BLD = shd.with_logical_constraint(x_BLD, ("batch", "length", "embed"))
+    # Named so a remat policy can offload the one activation "full" remat keeps per layer.
+    x_BLD = checkpoint_name(x_BLD, "layer_in")
+    attn_BLD, aux = self.attn.forward(self.attn_norm(x_BLD), cos_BL1H, sin_BL1H, attend)
+    x_BLD = shd.with_logical_constraint(x_BLD + attn_BLD, ("batch", "length", "embed"))
     h_BLD = self.mlp_norm(x_BLD)
     if cfg.ffn_chunk_size is None:
       mlp_BLD = self.mlp(h_BLD)
     else:
       mlp_BLD = self._blockwise_mlp(h_BLD)
     mlp_BLD = checkpoint_name(mlp_BLD, "mlp_out")
-    return shd.with_logical_constraint(x_BLD + mlp_BLD, ("batch", "length", "embed"))
+    return shd.with_logical_constraint(x_BLD + mlp_BLD, ("batch", "length", "embed")), aux
 
   def _blockwise_mlp(self, h_BLD):
     """The MLP over ``ffn_chunk_size``-token chunks of each device's local sequence (BPT).
@@ -492,15 +529,28 @@ class Llama(nnx.Module):
       segment_ids_BL: optional int ``[B, L]``: tokens attend within equal ids;
         0 is padding (its attention output is 0; its logits are meaningless).
     """
+    if segment_ids_BL is not None:
+      segment_ids_BL = shd.with_logical_constraint(jnp.asarray(segment_ids_BL, jnp.int32),
+                                                   ("batch", "length"))
+    make_attend = lambda positions_BL, _: backend_attend(self.cfg, positions_BL, segment_ids_BL)
+    return self.forward_layers(tokens_BL, positions_BL, make_attend)[0]
+
+  def forward_layers(self, tokens_BL, positions_BL, make_attend, layer_xs=None):
+    """``(final-normed hidden [B, L, D], aux stacked over layers)`` with a custom attention.
+
+    The forward pass of :meth:`hidden`, but each layer's attention is
+    ``make_attend(positions_BL, x)`` (see :meth:`Attention.forward`), where
+    ``x`` is that layer's slice of ``layer_xs`` (a pytree with a leading
+    ``num_layers`` axis, e.g. a KV cache; None gives None); the attends'
+    ``aux`` come back stacked along a leading layers axis. Inference
+    (:mod:`models.inference`) uses it to collect and update the KV cache.
+    """
     cfg = self.cfg
     tokens_BL = shd.with_logical_constraint(jnp.asarray(tokens_BL), ("batch", "length"))
     positions_BL = jnp.asarray(positions_BL, jnp.int32)
     if positions_BL.ndim == 1:
       positions_BL = jnp.broadcast_to(positions_BL, tokens_BL.shape)
     positions_BL = shd.with_logical_constraint(positions_BL, ("batch", "length"))
-    if segment_ids_BL is not None:
-      segment_ids_BL = shd.with_logical_constraint(jnp.asarray(segment_ids_BL, jnp.int32),
-                                                   ("batch", "length"))
     with jax.named_scope("embed"):
       x_BLD = shd.logical_take(_weight(self.embed, cfg), tokens_BL,
                                ("batch", "length", "embed"))
@@ -508,22 +558,25 @@ class Llama(nnx.Module):
 
     graphdef, stacked = nnx.split(self.layers)
 
-    def layer(x_BLD, layer_state):
+    def layer(x_BLD, layer_state, layer_x):
       block = nnx.merge(graphdef, layer_state)
-      return block(x_BLD, cos_BL1H, sin_BL1H, positions_BL, segment_ids_BL)
+      return block.forward(x_BLD, cos_BL1H, sin_BL1H, make_attend(positions_BL, layer_x))
 
     policy = REMAT_POLICIES[cfg.remat_policy]
     if cfg.remat_policy != "none":
       # prevent_cse matters only outside scan (scan already stops CSE across iterations).
       layer = jax.checkpoint(layer, policy=policy, prevent_cse=not cfg.scan_layers)
     if cfg.scan_layers:
-      x_BLD, _ = jax.lax.scan(lambda x, s: (layer(x, s), None), x_BLD, stacked)
+      x_BLD, aux = jax.lax.scan(lambda x, s: layer(x, *s), x_BLD, (stacked, layer_xs))
     else:
+      auxes = []
       for i in range(cfg.num_layers):
-        x_BLD = layer(x_BLD, jax.tree.map(lambda a, i=i: a[i], stacked))
+        x_BLD, aux = layer(x_BLD, *jax.tree.map(lambda a, i=i: a[i], (stacked, layer_xs)))
+        auxes.append(aux)
+      aux = jax.tree.map(lambda *a: jnp.stack(a), *auxes)
 
     with jax.named_scope("final_norm"):
-      return self.final_norm(x_BLD)
+      return self.final_norm(x_BLD), aux
 
   @jax.named_scope("head")
   def head(self, x_XD, lead_names):

@@ -20,6 +20,10 @@ Public API:
   schedule / Schedule     the block pairs each device computes at each hop
                           (ring_jax.scheduling; the module is not called
                           ``schedule`` so it cannot shadow this function).
+  HopKernel / HopMasks / HopSpec
+                          the per-hop kernel seam (ring_jax.hop).
+  HOP_KERNELS / get_hop_kernel / XlaHopKernel
+                          hop kernels by name (ring_jax.kernels).
 """
 
 from ring_jax.ffn import blockwise_ffn
@@ -27,7 +31,8 @@ from ring_jax.flax_attention import flax_attention_fn
 from ring_jax.layouts import (LAYOUTS, from_layout, layout_positions, local_positions,
                               shard_from_layout, shard_to_layout, to_layout)
 from ring_jax.scheduling import Schedule, schedule
-from ring_jax.hop import Carry, HopKernel, HopMasks, HopSpec, XlaHopKernel
+from ring_jax.hop import HopKernel, HopMasks, HopSpec
+from ring_jax.kernels import HOP_KERNELS, XlaHopKernel, get_hop_kernel
 from ring_jax.reference import reference_attention
 from ring_jax.ring import ring_attention
 from ring_jax.sharded import ring_attention_sharded
@@ -36,6 +41,7 @@ from ring_jax.strategies import (STRATEGIES, all_gather_attention, attention_sha
                                  hybrid_attention, ulysses_attention)
 
 __all__ = [
+    "HOP_KERNELS",
     "Plan",
     "STRATEGIES",
     "all_gather_attention",
@@ -43,12 +49,12 @@ __all__ = [
     "hybrid_attention",
     "plan",
     "ulysses_attention",
-    "Carry",
     "HopKernel",
     "HopMasks",
     "HopSpec",
     "XlaHopKernel",
     "flax_attention_fn",
+    "get_hop_kernel",
     "ring_attention",
     "ring_attention_sharded",
     "LAYOUTS",

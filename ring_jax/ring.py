@@ -23,10 +23,12 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from ring_jax import kernels
 from ring_jax import layouts
 from ring_jax import scheduling
 from ring_jax import validation
-from ring_jax.hop import HopKernel, HopMasks, HopSpec, XlaHopKernel, finalize, init_carry
+from ring_jax.hop import (HopKernel, HopMasks, HopSpec, _varying_axes, empty_result,
+                          lse_for_backward, merge, varying_like)
 
 # Bounds the per-pair score temporaries ([B, N, 256, 256] float32) in the unfused XLA kernel;
 # larger blocks measured slower on CPU and cost memory (benchmarks/results).
@@ -40,6 +42,7 @@ class _RingConfig:
   layout: str
   spec: HopSpec
   kernel: HopKernel
+  return_lse: bool = False
 
 
 def default_block(layout: str, local_len: int, target: int = DEFAULT_BLOCK) -> int:
@@ -59,7 +62,7 @@ def ring_attention(query, key, value, *, axis_name, is_causal: bool = False, seg
                    scale: float | None = None, local_window_size=None,
                    layout: str = "contiguous", block_q: int | None = None,
                    block_kv: int | None = None, precision=None,
-                   hop_kernel: HopKernel | None = None):
+                   hop_kernel: str | HopKernel = "auto", return_lse: bool = False):
   """Exact attention over a sequence sharded along mesh axis ``axis_name``.
 
   Call inside ``jax.shard_map`` (or any context where ``axis_name`` is bound)
@@ -89,25 +92,36 @@ def ring_attention(query, key, value, *, axis_name, is_causal: bool = False, seg
       must divide the local length. Default: up to 256, dividing the layout's chunk.
     precision: matmul precision (e.g. ``jax.lax.Precision.HIGHEST`` for
       float32 on TPU).
-    hop_kernel: per-hop kernel (see :class:`ring_jax.hop.HopKernel`); default
-      the XLA blockwise kernel.
+    hop_kernel: the per-hop kernel: a name from
+      :data:`ring_jax.kernels.HOP_KERNELS` (``"xla"``; fused kernels by their
+      names) or ``"auto"`` (the XLA kernel until a fused kernel's hardware
+      check is recorded, see :mod:`ring_jax.kernels`), or an object
+      implementing :class:`ring_jax.hop.HopKernel`. The platform is
+      ``jax.default_backend()``.
+    return_lse: also return the float32 log-sum-exp of each query row's
+      scaled visible scores, ``[B, T, N]`` (``-inf`` for rows that attend
+      nothing), differentiable like the output: with it, ring attention can
+      be merged exactly with other attention over other keys.
 
   Returns:
     local ``[B, T, N, H]`` in ``query.dtype``, equal to dense attention over
-    the global sequence. Rows that attend nothing (padding, or a window and
-    mask that leave no key) are 0. A non-finite value in q, k or v makes the
-    outputs that read it (through a visible query-key pair) non-finite, as in
+    the global sequence, or ``(out, lse)`` with ``return_lse``. Rows that
+    attend nothing (padding, or a window and mask that leave no key) are 0.
+    A non-finite value in q, k or v makes the outputs that read it (through a
+    visible query-key pair) non-finite, as in
     :func:`ring_jax.reference_attention`; everything else stays exact.
   """
   cfg = _make_config(query, key, value, axis_name=axis_name, is_causal=is_causal,
                      segment_ids=segment_ids, scale=scale, local_window_size=local_window_size,
                      layout=layout, block_q=block_q, block_kv=block_kv, precision=precision,
-                     hop_kernel=hop_kernel)
+                     hop_kernel=hop_kernel, return_lse=return_lse)
   b, t, n, h = query.shape
   kh = key.shape[2]
   q = query.reshape(b, t, kh, n // kh, h)
-  out = _ring(cfg, q, key, value, segment_ids)
-  return out.reshape(b, t, n, h)
+  if not return_lse:
+    return _ring(cfg, q, key, value, segment_ids).reshape(b, t, n, h)
+  out, lse = _ring(cfg, q, key, value, segment_ids)
+  return out.reshape(b, t, n, h), lse.reshape(b, t, n)
 
 
 def _axis_size(axis_name) -> int:
@@ -121,7 +135,7 @@ def _axis_size(axis_name) -> int:
 
 def _make_config(query, key, value, *, axis_name, is_causal, segment_ids, scale,
                  local_window_size, layout, block_q, block_kv, precision,
-                 hop_kernel) -> _RingConfig:
+                 hop_kernel, return_lse=False) -> _RingConfig:
   layouts.check_layout(layout)
   window = scheduling.normalize_window(local_window_size)
   validation.check_qkv(query, key, value, is_causal=is_causal or window is not None,
@@ -140,49 +154,20 @@ def _make_config(query, key, value, *, axis_name, is_causal, segment_ids, scale,
   spec = HopSpec(scale=scale,
                  is_causal=bool(is_causal), window=window, block_q=int(block_q),
                  block_kv=int(block_kv), precision=precision)
+  kernel = kernels.get_hop_kernel(hop_kernel)
+  b, _, n, h = query.shape
+  kh = key.shape[2]
+  kernel.check((b, t, kh, n // kh, h), tuple(key.shape), query.dtype, spec)
   return _RingConfig(axis_name=axis_name, ring_size=ring_size, layout=layout, spec=spec,
-                     kernel=XlaHopKernel() if hop_kernel is None else hop_kernel)
-
-
-def _varying_axes(x) -> frozenset:
-  """Manual mesh axes ``x`` varies over inside ``shard_map`` (empty outside).
-
-  ``jax.typeof(x).manual_axis_type.varying`` on jax 0.10 through 0.12 (the
-  older ``aval.vma`` spelling is gone on all three).
-  """
-  return frozenset(jax.typeof(x).manual_axis_type.varying)
-
-
-def _varying_like(x, *refs):
-  """Marks a freshly created ``x`` as varying over the manual mesh axes of ``refs``.
-
-  Under ``shard_map(check_vma=True)`` loop carries must agree on which mesh
-  axes they vary over; zeros created inside the body vary over none.
-  """
-  want = frozenset().union(*(_varying_axes(r) for r in refs))
-  missing = tuple(sorted(want - _varying_axes(x), key=str))
-  if not missing:
-    return x
-  return jax.lax.pcast(x, missing, to="varying")
+                     kernel=kernel, return_lse=bool(return_lse))
 
 
 def _hop_masks(cfg: _RingConfig, device, hop, q_pos, s, q_seg, kv_seg) -> HopMasks:
-  """Positions of the K/V shard held at ``hop`` and the block pairs to compute.
-
-  The pairs are those of :func:`ring_jax.schedule` for this device and hop,
-  derived from the positions on device (a few ``[nq, nk]`` comparisons), less
-  the pairs whose blocks share no segment.
-  """
+  """Positions of the K/V shard held at ``hop`` (it started on device ``device - hop``)."""
   src = (device - hop) % cfg.ring_size
   kv_pos = layouts.local_positions(cfg.layout, cfg.ring_size, s, src)
-  spec = cfg.spec
-  shared_docs = None
-  if q_seg is not None:
-    shared_docs = scheduling.blocks_share_a_segment(q_seg, kv_seg, spec.block_q, spec.block_kv)
-  pairs, num_pairs, _ = scheduling.block_pairs(q_pos, kv_pos, spec.block_q, spec.block_kv,
-                                               spec.is_causal, spec.window, shared_docs)
   return HopMasks(q_positions=q_pos, kv_positions=kv_pos, q_segment_ids=q_seg,
-                  kv_segment_ids=kv_seg, pairs=pairs, num_pairs=num_pairs)
+                  kv_segment_ids=kv_seg)
 
 
 def _rotate(cfg: _RingConfig, *xs):
@@ -192,41 +177,44 @@ def _rotate(cfg: _RingConfig, *xs):
 
 
 def _forward(cfg: _RingConfig, q, k, v, seg):
-  """Returns ``(out [B,T,K,G,H], lse [B,T,K,G])``.
+  """Returns ``(out [B,T,K,G,H] input dtype, lse [B,T,K,G] f32, -inf where no key was seen)``.
 
-  Profiles name the parts ``ring_fwd/hop`` (every hop but the last, one loop
-  body), ``ring_fwd/last_hop`` and ``ring_fwd/send_kv`` (the K/V transfer).
+  Each hop's ``(out_h, lse_h)`` is merged into a float32 ``(out, lse)`` with
+  :func:`ring_jax.hop.merge`. Profiles name the parts ``ring_fwd/hop`` (every
+  hop but the last, one loop body), ``ring_fwd/last_hop`` and
+  ``ring_fwd/send_kv`` (the K/V transfer).
   """
   n = cfg.ring_size
   t, s = q.shape[1], k.shape[1]
   device = jax.lax.axis_index(cfg.axis_name)
   q_pos = layouts.local_positions(cfg.layout, n, t, device)
-  carry = jax.tree.map(lambda x: _varying_like(x, q), init_carry(q))
+  acc = tuple(varying_like(x, q, k, v) for x in empty_result(q))
 
-  def hop(name, h, k, v, kv_seg, carry):
+  def hop(name, h, k, v, kv_seg, acc):
     with jax.named_scope(name):
       masks = _hop_masks(cfg, device, h, q_pos, s, seg, kv_seg)
-      return cfg.kernel.forward(q, k, v, carry, masks, cfg.spec)
+      out_h, lse_h = cfg.kernel.forward(q, k, v, masks, cfg.spec)
+      return merge(*acc, out_h, lse_h)
 
   def body(h, state):
-    k, v, kv_seg, carry = state
+    k, v, kv_seg, acc = state
     with jax.named_scope("send_kv"):
       k_next, v_next, seg_next = _rotate(cfg, k, v, kv_seg)
-    return k_next, v_next, seg_next, hop("hop", h, k, v, kv_seg, carry)
+    return k_next, v_next, seg_next, hop("hop", h, k, v, kv_seg, acc)
 
-  k, v, kv_seg, carry = jax.lax.fori_loop(0, n - 1, body, (k, v, seg, carry))
-  carry = hop("last_hop", n - 1, k, v, kv_seg, carry)  # nothing left to send
-  return finalize(carry, q.dtype)
+  k, v, kv_seg, acc = jax.lax.fori_loop(0, n - 1, body, (k, v, seg, acc))
+  out, lse = hop("last_hop", n - 1, k, v, kv_seg, acc)  # nothing left to send
+  return out.astype(q.dtype), lse
 
 
-def _backward(cfg: _RingConfig, q, k, v, seg, out, lse, do):
+def _backward(cfg: _RingConfig, q, k, v, seg, out, lse, do, dlse):
   """dQ stays home; each shard's float32 dK/dV accumulator follows the shard around the ring.
 
-  Each hop computes its dK/dV contribution into fresh buffers while the
-  accumulator of that shard (updated by the previous device at the previous
-  hop) is still in flight, and only then adds the two. So neither the K/V
-  transfer for the next hop nor the accumulator transfer for this one sits on
-  the critical path in front of the hop's compute.
+  Each hop computes its dK/dV contribution (fresh buffers from the kernel)
+  while the accumulator of that shard (updated by the previous device at the
+  previous hop) is still in flight, and only then adds the two. So neither the
+  K/V transfer for the next hop nor the accumulator transfer for this one sits
+  on the critical path in front of the hop's compute.
 
   Profiles name the parts ``ring_bwd/hop_0``, ``ring_bwd/hop`` (the loop
   body), ``ring_bwd/last_hop``, and the transfers ``ring_bwd/send_kv``,
@@ -236,20 +224,13 @@ def _backward(cfg: _RingConfig, q, k, v, seg, out, lse, do):
   t, s = q.shape[1], k.shape[1]
   device = jax.lax.axis_index(cfg.axis_name)
   q_pos = layouts.local_positions(cfg.layout, n, t, device)
-  delta = jnp.sum(do.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
-  dq = _varying_like(jnp.zeros(q.shape, jnp.float32), q)
+  lse = lse_for_backward(lse)
 
-  def zeros_kv():
-    # dK/dV pick up the queries' variation (e.g. heads sharded over a tensor axis
-    # while a single MQA K/V head is replicated); summed back out at the end.
-    return _varying_like(jnp.zeros(k.shape, jnp.float32), k, q)
-
-  def hop(name, h, k, v, kv_seg, dq):
-    """This hop's dQ (accumulated) and dK/dV contributions (fresh)."""
+  def hop(name, h, k, v, kv_seg):
+    """This hop's float32 (dq, dk, dv) contributions."""
     with jax.named_scope(name):
       masks = _hop_masks(cfg, device, h, q_pos, s, seg, kv_seg)
-      return cfg.kernel.backward(q, k, v, do, lse, delta, masks, cfg.spec, dq, zeros_kv(),
-                                 zeros_kv())
+      return cfg.kernel.backward(q, k, v, out, lse, do, dlse, masks, cfg.spec)
 
   def send_kv(k, v, kv_seg):
     with jax.named_scope("send_kv"):
@@ -260,8 +241,8 @@ def _backward(cfg: _RingConfig, q, k, v, seg, out, lse, do):
     # the shard held now (from the previous device) arrives with its own.
     with jax.named_scope("send_dkv"):
       dk_in, dv_in = _rotate(cfg, dk_prev, dv_prev)
-    dq, dk_part, dv_part = hop(name, h, k, v, kv_seg, dq)
-    return dq, dk_in + dk_part, dv_in + dv_part
+    dq_h, dk_h, dv_h = hop(name, h, k, v, kv_seg)
+    return dq + dq_h, dk_in + dk_h, dv_in + dv_h
 
   def body(h, state):
     k, v, kv_seg, dq, dk, dv = state
@@ -270,7 +251,7 @@ def _backward(cfg: _RingConfig, q, k, v, seg, out, lse, do):
     return k_next, v_next, seg_next, dq, dk, dv
 
   k_next, v_next, seg_next = send_kv(k, v, seg) if n > 1 else (k, v, seg)
-  dq, dk, dv = hop("hop_0", 0, k, v, seg, dq)  # the own shard, nothing to receive
+  dq, dk, dv = hop("hop_0", 0, k, v, seg)  # the own shard, nothing to receive
   if n > 1:
     state = (k_next, v_next, seg_next, dq, dk, dv)
     k, v, kv_seg, dq, dk, dv = jax.lax.fori_loop(1, n - 1, body, state)
@@ -285,20 +266,23 @@ def _backward(cfg: _RingConfig, q, k, v, seg, out, lse, do):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _ring(cfg: _RingConfig, q, k, v, seg):
+  """``out``, or ``(out, lse)`` when ``cfg.return_lse``."""
   with jax.named_scope("ring_fwd"):
-    return _forward(cfg, q, k, v, seg)[0]
+    out, lse = _forward(cfg, q, k, v, seg)
+  return (out, lse) if cfg.return_lse else out
 
 
 def _ring_fwd(cfg: _RingConfig, q, k, v, seg):
   with jax.named_scope("ring_fwd"):
     out, lse = _forward(cfg, q, k, v, seg)
-  return out, (q, k, v, seg, out, lse)
+  return ((out, lse) if cfg.return_lse else out), (q, k, v, seg, out, lse)
 
 
-def _ring_bwd(cfg: _RingConfig, res, do):
+def _ring_bwd(cfg: _RingConfig, res, cotangent):
   q, k, v, seg, out, lse = res
+  do, dlse = cotangent if cfg.return_lse else (cotangent, None)
   with jax.named_scope("ring_bwd"):
-    dq, dk, dv = _backward(cfg, q, k, v, seg, out, lse, do)
+    dq, dk, dv = _backward(cfg, q, k, v, seg, out, lse, do, dlse)
   return dq, dk, dv, None
 
 

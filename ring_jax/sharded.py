@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from ring_jax import kernels
 from ring_jax import layouts
 from ring_jax import validation
 from ring_jax.ring import ring_attention
@@ -33,6 +34,14 @@ def _has_explicit_axes(mesh) -> bool:
   return any(t == jax.sharding.AxisType.Explicit for t in types)
 
 
+def _platform(mesh) -> str:
+  """Platform of the mesh's devices; the default backend's for an abstract mesh."""
+  devices = getattr(mesh, "devices", None)
+  if devices is not None and getattr(devices, "size", 0):
+    return devices.flat[0].platform
+  return jax.default_backend()
+
+
 def _reshard(mesh, x, spec):
   if isinstance(mesh, jax.sharding.Mesh):
     return jax.reshard(x, jax.sharding.NamedSharding(mesh, spec))
@@ -44,7 +53,8 @@ def ring_attention_sharded(query, key, value, *, mesh=None, seq_axis: str = "seq
                            is_causal: bool = False, segment_ids=None, scale: float | None = None,
                            local_window_size=None, layout: str = "contiguous",
                            inputs_in_layout: bool = False, block_q: int | None = None,
-                           block_kv: int | None = None, precision=None, hop_kernel=None):
+                           block_kv: int | None = None, precision=None, hop_kernel="auto",
+                           return_lse: bool = False):
   """Ring attention on global ``[B, L, N, H]`` arrays: builds the ``shard_map`` for you.
 
   The sequence axis is sharded over ``seq_axis`` (the ring); the batch over
@@ -58,7 +68,8 @@ def ring_attention_sharded(query, key, value, *, mesh=None, seq_axis: str = "seq
     query, key, value, segment_ids, is_causal, scale, local_window_size,
     block_q, block_kv, precision, hop_kernel: as in
       :func:`ring_jax.ring_attention`, but global (natural token order unless
-      ``inputs_in_layout``).
+      ``inputs_in_layout``). A ``hop_kernel`` name is resolved for the
+      platform of the mesh's devices.
     mesh: a ``jax.sharding.Mesh`` (Auto or Explicit axes) or ``AbstractMesh``;
       default: the mesh set with ``jax.set_mesh``.
     layout: sequence layout across the ring.
@@ -66,9 +77,11 @@ def ring_attention_sharded(query, key, value, *, mesh=None, seq_axis: str = "seq
       that reorders once per batch with :func:`ring_jax.to_layout`); the output
       is then left in layout order too. Otherwise inputs are reordered on the
       way in and the output restored to natural order.
+    return_lse: also return the float32 log-sum-exp ``[B, L, N]`` (as
+      :func:`ring_jax.ring_attention`), sharded and ordered like the output.
 
   Returns:
-    ``[B, L, N, H]`` in ``query.dtype``.
+    ``[B, L, N, H]`` in ``query.dtype``, or ``(out, lse)`` with ``return_lse``.
   """
   if mesh is None:
     mesh = jax.sharding.get_abstract_mesh()
@@ -84,6 +97,7 @@ def ring_attention_sharded(query, key, value, *, mesh=None, seq_axis: str = "seq
     raise ValueError(f"seq_axis, batch_axis and head_axis must differ, got {seq_axis!r}, "
                      f"{batch_axis!r}, {head_axis!r}.")
   layouts.check_layout(layout)
+  hop_kernel = kernels.get_hop_kernel(hop_kernel, _platform(mesh))
   validation.check_qkv(query, key, value, is_causal=is_causal or local_window_size is not None,
                        segment_ids=segment_ids)
   if segment_ids is not None:
@@ -123,7 +137,7 @@ def ring_attention_sharded(query, key, value, *, mesh=None, seq_axis: str = "seq
   attend = functools.partial(
       ring_attention, axis_name=seq_axis, is_causal=is_causal, scale=scale,
       local_window_size=local_window_size, layout=layout, block_q=block_q, block_kv=block_kv,
-      precision=precision, hop_kernel=hop_kernel)
+      precision=precision, hop_kernel=hop_kernel, return_lse=return_lse)
 
   def kernel(q, k, v, segment_ids=None):
     if not reorder_in_shards:
@@ -131,9 +145,10 @@ def ring_attention_sharded(query, key, value, *, mesh=None, seq_axis: str = "seq
     to = functools.partial(layouts.shard_to_layout, layout=layout, axis_name=seq_axis)
     if segment_ids is not None:
       segment_ids = to(segment_ids)
-    out = attend(to(q), to(k), to(v), segment_ids=segment_ids)
-    return layouts.shard_from_layout(out, layout, seq_axis)
+    result = attend(to(q), to(k), to(v), segment_ids=segment_ids)
+    return jax.tree.map(lambda x: layouts.shard_from_layout(x, layout, seq_axis), result)
   q_spec = P(batch_axis, seq_axis, head_axis, None)
+  out_spec = (q_spec, P(batch_axis, seq_axis, head_axis)) if return_lse else q_spec
   kv_spec = P(batch_axis, seq_axis, kv_head_axis, None)
   seg_spec = P(batch_axis, seq_axis)
   if _has_explicit_axes(mesh):
@@ -145,12 +160,12 @@ def ring_attention_sharded(query, key, value, *, mesh=None, seq_axis: str = "seq
       segment_ids = place(segment_ids, seg_spec)
   if segment_ids is None:
     fn = jax.shard_map(lambda q, k, v: kernel(q, k, v), mesh=mesh,
-                       in_specs=(q_spec, kv_spec, kv_spec), out_specs=q_spec)
+                       in_specs=(q_spec, kv_spec, kv_spec), out_specs=out_spec)
     out = fn(query, key, value)
   else:
     fn = jax.shard_map(lambda q, k, v, s: kernel(q, k, v, segment_ids=s), mesh=mesh,
-                       in_specs=(q_spec, kv_spec, kv_spec, seg_spec), out_specs=q_spec)
+                       in_specs=(q_spec, kv_spec, kv_spec, seg_spec), out_specs=out_spec)
     out = fn(query, key, value, segment_ids)
   if not inputs_in_layout and not reorder_in_shards:
-    out = layouts.from_layout(out, layout, ring, axis=1)
+    out = jax.tree.map(lambda x: layouts.from_layout(x, layout, ring, axis=1), out)
   return out

@@ -130,6 +130,35 @@ def test_gpu_check_dry_run():
   assert "LONGEST CONTEXT THAT FITS (1 GPU, 1B-class, batch 1, compiled memory): 1024" in out
 
 
+def test_balance_dry_run(tmp_path):
+  """benchmarks/balance.py --dry-run: 2 processes, one device and one core each, gloo
+  collectives; every requested implementation gets a positive time from both processes
+  (the paper's code too when the bench extra is installed), and the JSON matches the table."""
+  import json
+
+  from benchmarks import balance
+
+  try:
+    from benchmarks import attention
+    attention.import_paper()
+    impls = ["ring-contiguous", "ring-zigzag", "paper"]
+  except ImportError:
+    impls = ["ring-contiguous", "ring-zigzag"]
+  result = balance.main(["--dry-run", "--lengths", "128", "--impls", ",".join(impls),
+                         "--out", str(tmp_path), "--timeout", "500"])
+  assert result["processes"] == 2 and result["dry_run"] and result["lengths"] == [128]
+  assert [sorted(a) for a in result["affinity"]] == [[c] for c in result["cores"]]
+  assert [r["impl"] for r in result["rows"]] == impls
+  for r in result["rows"]:
+    assert r["median_s"] > 0 and len(r["per_process_median_s"]) == 2
+    assert r["median_s"] == max(r["per_process_median_s"])  # one repetition: the slowest
+  zigzag, contiguous = result["rows"][1], result["rows"][0]
+  assert zigzag["critical_path_hops"] < contiguous["critical_path_hops"]
+  with open(tmp_path / "balance_cpu.json") as f:
+    assert json.load(f)["rows"] == result["rows"]
+  assert "ring-zigzag" in (tmp_path / "balance_cpu.log").read_text()
+
+
 # ----------------------------------------------------------------------------------------------
 # Peak FLOP/s: one table
 # ----------------------------------------------------------------------------------------------
@@ -188,7 +217,7 @@ def test_models_and_train_step_import_without_ml_collections_and_grain():
 
       sys.meta_path.insert(0, Block())
       import models, models.attention, models.convert_hf, models.llama, models.sharding
-      import training.batch, training.step
+      import training.aot, training.batch, training.step
       import benchmarks.baselines, benchmarks.gpu_check, benchmarks.train_throughput
       from flax import nnx
       cfg = models.LlamaConfig(vocab_size=16, dim=8, num_layers=1, num_heads=2,

@@ -92,7 +92,7 @@ def targets(tx, mesh):
   with jax.set_mesh(mesh):
     abstract_params = nnx.split(nnx.eval_shape(lambda: llama.Llama(MODEL, rngs=nnx.Rngs(0))),
                                 nnx.Param, ...)[1]
-    p_shard = llama.param_shardings(abstract_params, mesh)
+    p_shard = shd.param_shardings(abstract_params, mesh)
     o_shard = step_lib.opt_state_shardings(tx, abstract_params, p_shard, mesh)
     abstract_opt = jax.eval_shape(tx.init, abstract_params)
   return (ckpt_lib.abstract_like(abstract_params, p_shard),

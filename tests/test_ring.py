@@ -13,7 +13,8 @@ from jax.sharding import PartitionSpec as P
 
 import ring_jax
 from attn_utils import assert_close, grads, make_mesh, packed_segments, qkv
-from ring_jax.hop import XlaHopKernel
+from ring_jax import scheduling
+from ring_jax.kernels import XlaHopKernel
 
 
 def shard_mapped(mesh, **kw):
@@ -54,18 +55,25 @@ class CountingKernel(XlaHopKernel):
   """The XLA kernel, reporting how many block pairs each (device, hop) computes."""
   log: list = dataclasses.field(default_factory=list, compare=False, hash=False)
 
-  def _record(self, phase, masks):
+  def _record(self, phase, masks, spec):
+    shared = None
+    if masks.q_segment_ids is not None:
+      shared = scheduling.blocks_share_a_segment(masks.q_segment_ids, masks.kv_segment_ids,
+                                                 spec.block_q, spec.block_kv)
+    _, num, _ = scheduling.block_pairs(masks.q_positions, masks.kv_positions, spec.block_q,
+                                       spec.block_kv, spec.is_causal, spec.window, shared)
+
     def cb(qp, kp, num):
       self.log.append((phase, int(qp[0]), int(kp[0]), int(num)))
-    jax.debug.callback(cb, masks.q_positions, masks.kv_positions, masks.num_pairs)
+    jax.debug.callback(cb, masks.q_positions, masks.kv_positions, num)
 
-  def forward(self, q, k, v, carry, masks, spec):
-    self._record("fwd", masks)
-    return super().forward(q, k, v, carry, masks, spec)
+  def forward(self, q, k, v, masks, spec):
+    self._record("fwd", masks, spec)
+    return super().forward(q, k, v, masks, spec)
 
-  def backward(self, q, k, v, do, lse, delta, masks, spec, dq, dk, dv):
-    self._record("bwd", masks)
-    return super().backward(q, k, v, do, lse, delta, masks, spec, dq, dk, dv)
+  def backward(self, q, k, v, out, lse, do, dlse, masks, spec):
+    self._record("bwd", masks, spec)
+    return super().backward(q, k, v, out, lse, do, dlse, masks, spec)
 
 
 @pytest.mark.parametrize("layout", ring_jax.LAYOUTS)

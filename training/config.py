@@ -181,6 +181,41 @@ def make_mesh(mesh_config, devices=None) -> jax.sharding.Mesh:
 # ----------------------------------------------------------------------------
 
 
+#: Model fields that must divide each device's share of the sequence.
+LOCAL_LENGTH_DIVISORS: tuple[str, ...] = ("block_q", "block_kv", "ffn_chunk_size",
+                                          "loss_chunk_size")
+
+
+def check_seq_len(model_config, ring: int, seq_len: int) -> int:
+  """The sequence-length rule: the layout splits ``seq_len`` over the ring and every
+  :data:`LOCAL_LENGTH_DIVISORS` field divides the local length. Returns the local length.
+
+  ``model_config``: ``config.model`` or a ``LlamaConfig`` (the same fields).
+
+  Raises:
+    ConfigError: naming the field and the fix.
+  """
+  m = model_config
+  try:
+    local_len = layouts.check_length(m.layout, ring, seq_len, what="data.seq_len")
+  except ValueError as e:
+    raise ConfigError(f"data.seq_len={seq_len} with model.layout={m.layout!r} on the mesh "
+                      f"'sequence' axis ({ring}): {e}") from None
+  for name in LOCAL_LENGTH_DIVISORS:
+    block = getattr(m, name, None)
+    if block is not None and local_len % block:
+      raise ConfigError(f"model.{name}={block} must divide the per-device sequence length "
+                        f"{local_len} (= data.seq_len / sequence).")
+  return local_len
+
+
+def seq_len_multiple(model_config, ring: int) -> int:
+  """The smallest step between sequence lengths that pass :func:`check_seq_len`."""
+  m = model_config
+  blocks = [b for b in (getattr(m, name, None) for name in LOCAL_LENGTH_DIVISORS) if b]
+  return math.lcm(layouts.length_multiple(m.layout, ring), ring * math.lcm(1, *blocks))
+
+
 def validate_config(config: ml_collections.ConfigDict, num_devices: int) -> dict[str, int]:
   """Checks everything knowable without tracing; returns the resolved mesh sizes.
 
@@ -210,16 +245,7 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int) -> dict
     raise ConfigError(f"model.mlp_dim={m.mlp_dim} and model.vocab_size={m.vocab_size} must be "
                       f"divisible by the mesh 'tensor' axis ({tensor}).")
 
-  try:
-    local_len = layouts.check_length(m.layout, ring, d.seq_len, what="data.seq_len")
-  except ValueError as e:
-    raise ConfigError(f"data.seq_len={d.seq_len} with model.layout={m.layout!r} on the mesh "
-                      f"'sequence' axis ({ring}): {e}") from None
-  for name in ("block_q", "block_kv", "ffn_chunk_size", "loss_chunk_size"):
-    block = m.get(name)
-    if block is not None and local_len % block:
-      raise ConfigError(f"model.{name}={block} must divide the per-device sequence length "
-                        f"{local_len} (= data.seq_len / sequence).")
+  check_seq_len(m, ring, d.seq_len)
 
   for name in ("batch_size", "eval_batch_size"):
     batch, micro = config[name], (config.microbatches if name == "batch_size" else 1)

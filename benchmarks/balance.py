@@ -1,0 +1,303 @@
+r"""Causal load balance in wall time: one process per device, each on its own core.
+
+  PYTHONPATH=. python benchmarks/balance.py --processes 2 --lengths 4096,8192,16384 --repeats 5
+
+With all fake devices in one process (benchmarks/attention.py) the devices
+share the cores, so time measures the total work and zigzag's shorter
+critical path cannot show. Here each device is its own process: process ``i``
+is pinned to core ``cores[i]`` (``os.sched_setaffinity``, before JAX starts,
+so every thread it makes inherits the mask), XLA:CPU runs single-threaded
+(``--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1`` and
+one-thread BLAS/OpenMP pools), and the processes form one JAX system through
+``jax.distributed`` on localhost with gloo collectives. A ring step then waits
+for the slowest device, as on accelerators.
+
+Measured in the same run, for each length: causal fwd+bwd of
+``ring_jax.ring_attention`` in the contiguous, zigzag and striped layouts and
+of the paper's code (``ringattention==0.1.2``, the optional ``bench`` extra;
+left out with a note when it does not import), built by the helpers of
+``benchmarks/attention.py`` (same shapes, blocks and call). Repetitions run
+round-robin over the implementations after a warm-up; a repetition's time is
+the slowest process's, the reported figure the median over repetitions. The
+table also shows each layout's critical path from ``ring_jax.schedule`` (in
+full local hops), the work the slowest device does.
+
+Writes ``<out>/balance_cpu.json`` and ``.log``. ``--dry-run``: one short
+length, one repetition, no warm-up (a smoke test; the numbers mean nothing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform as _platform
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+RESULTS = os.path.join(ROOT, "benchmarks", "results")
+#: One-thread XLA:CPU for each worker; one fake device per process.
+WORKER_XLA_FLAGS = ("--xla_force_host_platform_device_count=1 "
+                    "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1")
+#: Thread pools of libraries a worker might load (BLAS, OpenMP): one thread each. Whatever
+#: threads remain (XLA's own pools) share the one core the process is pinned to.
+ONE_THREAD_ENV = {name: "1" for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS",
+                                         "OPENBLAS_NUM_THREADS")}
+IMPLS = ("ring-contiguous", "ring-zigzag", "ring-striped", "paper")
+
+
+def ints(s):
+  return [int(x) for x in s.split(",") if x]
+
+
+def strs(s):
+  return [x for x in s.split(",") if x]
+
+
+def parse_args(argv=None):
+  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  ap.add_argument("--processes", type=int, default=2, help="devices = processes = cores used")
+  ap.add_argument("--cores", type=ints, default=None,
+                  help="core of each process (default: the first --processes cores this "
+                       "process may run on)")
+  ap.add_argument("--lengths", type=ints, default=None,
+                  help="default 4096,8192,16384 (--dry-run: 256)")
+  ap.add_argument("--impls", type=strs, default=list(IMPLS))
+  ap.add_argument("--repeats", type=int, default=5)
+  ap.add_argument("--warmup", type=int, default=1)
+  ap.add_argument("--batch", type=int, default=1)
+  ap.add_argument("--heads", type=int, default=8)
+  ap.add_argument("--head-dim", type=int, default=64)
+  ap.add_argument("--block", type=int, default=None,
+                  help="block size of every implementation (default: the ring's default "
+                       "block for its layout, as benchmarks/attention.py)")
+  ap.add_argument("--dry-run", action="store_true",
+                  help="one length (--lengths' first, default 256), 1 repetition, no warm-up")
+  ap.add_argument("--timeout", type=float, default=3600, help="seconds for the whole run")
+  ap.add_argument("--out", default=RESULTS)
+  ap.add_argument("--tag", default="balance_cpu", help="output file stem")
+  # Internal: a worker process.
+  ap.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
+  ap.add_argument("--port", type=int, default=None, help=argparse.SUPPRESS)
+  ap.add_argument("--workdir", default=None, help=argparse.SUPPRESS)
+  args = ap.parse_args(argv)
+  if args.dry_run:
+    args.lengths = (args.lengths or [256])[:1]
+    args.repeats, args.warmup = 1, 0
+  elif args.lengths is None:
+    args.lengths = [4096, 8192, 16384]
+  unknown = set(args.impls) - set(IMPLS)
+  if unknown:
+    ap.error(f"unknown --impls {sorted(unknown)}; known: {IMPLS}")
+  return args
+
+
+# ----------------------------------------------------------------------------
+# Worker: one device, one core
+# ----------------------------------------------------------------------------
+
+def worker(args) -> None:
+  core = args.cores[args.worker]
+  os.sched_setaffinity(0, {core})  # Before JAX starts any thread: they all inherit it.
+  import jax
+
+  jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  jax.distributed.initialize(coordinator_address=f"127.0.0.1:{args.port}",
+                             num_processes=args.processes, process_id=args.worker)
+  import jax.numpy as jnp
+  import numpy as np
+  from jax.experimental import multihost_utils
+  from jax.sharding import NamedSharding, PartitionSpec as P
+
+  from benchmarks import attention as bench  # after XLA_FLAGS: it keeps our device count
+
+  n = jax.device_count()
+  assert n == args.processes and jax.local_device_count() == 1, (n, jax.local_device_count())
+  mesh = jax.sharding.Mesh(np.array(jax.devices()), (bench.AXIS,))
+  sharding = NamedSharding(mesh, P(None, bench.AXIS, None, None))
+  paper_fn, paper_note = None, None
+  if "paper" in args.impls:
+    try:
+      paper_fn = bench.import_paper()
+    except Exception as e:  # noqa: BLE001  (optional extra not installed)
+      paper_note = f"paper code not importable ({type(e).__name__}: {e}); install the bench extra"
+  impls = [name for name in args.impls if name != "paper" or paper_fn is not None]
+
+  def global_array(seed, shape):
+    """The same global array on every process (numpy, seeded), each holding its shard."""
+    x = np.random.default_rng(seed).standard_normal(shape, dtype=np.float32)
+    return jax.make_array_from_callback(shape, sharding, lambda idx: x[idx])
+
+  rows = []
+  for length in args.lengths:
+    shape = (args.batch, length, args.heads, args.head_dim)
+    q, k, v, do = (global_array(length * 4 + i, shape) for i in range(4))
+    cases = []
+    for name in impls:
+      block = bench.block_for(name, length // n, args.block)
+      f, layout, _ = bench.make_impl(name, mesh=mesh, is_causal=True, dtype=jnp.float32,
+                                     block=block, paper_fn=paper_fn)
+      t0 = time.perf_counter()
+      compiled = jax.jit(bench.fwd_bwd(f)).lower(q, k, v, do).compile()
+      cases.append(dict(impl=name, layout=layout, block=block, length=length, compiled=compiled,
+                        compile_s=round(time.perf_counter() - t0, 2), times_s=[], cpu_s=[],
+                        temp_bytes=bench.mem_of(compiled).get("temp_size_in_bytes")))
+    for it in range(args.warmup + args.repeats):
+      for case in cases:  # round-robin: a slow phase of the machine hits every impl alike
+        multihost_utils.sync_global_devices(f"{length}-{it}-{case['impl']}")
+        c0, t0 = bench.cpu_seconds(), time.perf_counter()
+        jax.block_until_ready(case["compiled"](q, k, v, do))
+        dt, dc = time.perf_counter() - t0, bench.cpu_seconds() - c0
+        if it >= args.warmup:
+          case["times_s"].append(round(dt, 5))
+          case["cpu_s"].append(round(dc, 4))
+    rows.extend({k: v for k, v in case.items() if k != "compiled"} for case in cases)
+  out = dict(process=args.worker, core=core, affinity=sorted(os.sched_getaffinity(0)),
+             rows=rows, paper_note=paper_note)
+  with open(os.path.join(args.workdir, f"worker_{args.worker}.json"), "w") as f:
+    json.dump(out, f)
+  jax.distributed.shutdown()
+
+
+# ----------------------------------------------------------------------------
+# Launcher
+# ----------------------------------------------------------------------------
+
+def free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def worker_command(args, i: int, port: int, workdir: str) -> list[str]:
+  cmd = [sys.executable, os.path.abspath(__file__), "--worker", str(i), "--port", str(port),
+         "--workdir", workdir, "--processes", str(args.processes),
+         "--cores", ",".join(map(str, args.cores)), "--lengths", ",".join(map(str, args.lengths)),
+         "--impls", ",".join(args.impls), "--repeats", str(args.repeats),
+         "--warmup", str(args.warmup), "--batch", str(args.batch), "--heads", str(args.heads),
+         "--head-dim", str(args.head_dim)]
+  return cmd + (["--block", str(args.block)] if args.block else [])
+
+
+def launch(args) -> dict:
+  """Starts one worker per device, waits for all, returns the merged result."""
+  allowed = sorted(os.sched_getaffinity(0))
+  if args.cores is None:
+    args.cores = allowed[:args.processes]
+  if len(args.cores) != args.processes or len(set(args.cores)) != args.processes:
+    raise SystemExit(f"--cores={args.cores}: need {args.processes} distinct cores "
+                     f"(this process may use {allowed}); lower --processes or name the cores.")
+  if not set(args.cores) <= set(allowed):
+    raise SystemExit(f"--cores={args.cores} are not all available here ({allowed}).")
+  env = dict(os.environ, XLA_FLAGS=WORKER_XLA_FLAGS, JAX_PLATFORMS="cpu", **ONE_THREAD_ENV)
+  env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH")) if p)
+  port = free_port()
+  with tempfile.TemporaryDirectory(prefix="balance_") as workdir:
+    procs = [subprocess.Popen(worker_command(args, i, port, workdir), env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for i in range(args.processes)]
+    deadline = time.monotonic() + args.timeout
+    outputs = []
+    try:
+      for p in procs:
+        outputs.append(p.communicate(timeout=max(1.0, deadline - time.monotonic()))[0])
+    finally:
+      for p in procs:  # A failed or overrunning worker: stop the ones this run started.
+        if p.poll() is None:
+          p.kill()
+          p.wait()
+    failed = [(i, p.returncode) for i, p in enumerate(procs) if p.returncode]
+    if failed:
+      i, rc = failed[0]
+      raise SystemExit(f"worker {i} exited with status {rc}:\n{outputs[i][-4000:]}")
+    workers = []
+    for i in range(args.processes):
+      with open(os.path.join(workdir, f"worker_{i}.json")) as f:
+        workers.append(json.load(f))
+  return merge(args, workers)
+
+
+def merge(args, workers: list[dict]) -> dict:
+  """One row per (length, impl): per repetition the slowest process's time, then the median."""
+  import numpy as np
+
+  import ring_jax
+  from ring_jax.ring import default_block
+
+  rows = []
+  for j, row in enumerate(workers[0]["rows"]):
+    per_rep = np.max([w["rows"][j]["times_s"] for w in workers], axis=0)
+    n, length = args.processes, row["length"]
+    local = length // n
+    b = row["block"] or default_block(row["layout"], local)
+    sched = ring_jax.schedule(row["layout"], n, local, b, b, True)
+    unit = (local * local) / (b * b)  # block pairs of one full local hop
+    rows.append(dict(
+        impl=row["impl"], layout=row["layout"], length=length, block=row["block"],
+        times_s=[float(t) for t in per_rep], median_s=float(np.median(per_rep)),
+        per_process_median_s=[float(np.median(w["rows"][j]["times_s"])) for w in workers],
+        per_process_cpu_s=[float(np.median(w["rows"][j]["cpu_s"])) for w in workers],
+        temp_bytes=row["temp_bytes"], compile_s=row["compile_s"],
+        critical_path_hops=round(sched.critical_path() / unit, 3),
+        total_hops=round(float(sched.work_per_device().sum()) / unit, 3)))
+  for row in rows:
+    paper = next((r for r in rows if r["impl"] == "paper" and r["length"] == row["length"]), None)
+    row["time_over_paper"] = (round(row["median_s"] / paper["median_s"], 3) if paper else None)
+  import jax
+  return dict(
+      benchmark="balance", processes=args.processes, cores=args.cores,
+      affinity=[w["affinity"] for w in workers], xla_flags=WORKER_XLA_FLAGS,
+      lengths=args.lengths, impls=args.impls, repeats=args.repeats, warmup=args.warmup,
+      batch=args.batch, heads=args.heads, head_dim=args.head_dim, dtype="float32",
+      causal=True, dry_run=args.dry_run, paper_note=workers[0]["paper_note"], rows=rows,
+      jax=jax.__version__, python=_platform.python_version(), machine=_platform.machine(),
+      cpus=os.cpu_count(), load_avg=os.getloadavg(),
+      date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
+
+
+def print_table(result, out=sys.stdout) -> None:
+  print(f"causal fwd+bwd, {result['processes']} processes x 1 device, one core each "
+        f"(cores {result['cores']}), B={result['batch']} heads={result['heads']} "
+        f"head_dim={result['head_dim']} f32; median of {result['repeats']} (slowest process per "
+        f"repetition); load average {', '.join(f'{x:.1f}' for x in result['load_avg'])}",
+        file=out)
+  if result["paper_note"]:
+    print(f"note: {result['paper_note']}", file=out)
+  hdr = (f"{'L':>6} {'impl':<16} {'block':>5} {'fwd+bwd ms':>11} {'per process ms':>18} "
+         f"{'/ paper':>8} {'crit. path hops':>16} {'total hops':>11} {'temp MiB':>9}")
+  print(hdr, file=out)
+  print("-" * len(hdr), file=out)
+  for r in result["rows"]:
+    per = "/".join(f"{1e3 * t:.0f}" for t in r["per_process_median_s"])
+    ratio = "-" if r["time_over_paper"] is None else f"{r['time_over_paper']:.2f}"
+    temp = "-" if r["temp_bytes"] is None else f"{r['temp_bytes'] / 2 ** 20:.1f}"
+    print(f"{r['length']:>6} {r['impl']:<16} {str(r['block']):>5} {1e3 * r['median_s']:>11.1f} "
+          f"{per:>18} {ratio:>8} {r['critical_path_hops']:>16.3f} {r['total_hops']:>11.3f} "
+          f"{temp:>9}", file=out)
+
+
+def main(argv=None) -> dict | None:
+  args = parse_args(argv)
+  if args.worker is not None:
+    worker(args)
+    return None
+  result = launch(args)
+  print_table(result)
+  os.makedirs(args.out, exist_ok=True)
+  stem = os.path.join(args.out, args.tag)
+  with open(stem + ".json", "w") as f:
+    json.dump(result, f, indent=1)
+  with open(stem + ".log", "w") as f:
+    print_table(result, out=f)
+  print(f"wrote {stem}.json and {stem}.log", flush=True)
+  return result
+
+
+if __name__ == "__main__":
+  main()

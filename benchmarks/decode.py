@@ -1,0 +1,188 @@
+r"""Decode-step figures for the README: step time and cache memory vs context length.
+
+  python benchmarks/decode.py time --devices 8 --lengths 1024,4096,16384,65536
+  python benchmarks/decode.py fit --devices 8 --config configs/llama_7b.py --budget_gib 80
+
+``time``: a small model (dim 256, 4 layers, 8 heads, 4 key/value heads) on a
+``sequence=<devices>`` mesh, batch 1: per-device KV cache bytes (from the
+cache's sharding, and the compiled step's argument size) and the median
+wall time of the decode step, with a cache filled to ``length`` tokens.
+
+``fit``: the longest cache (batch 1) whose compiled decode step fits
+``--budget_gib`` per device, by compile-time memory analysis on fake CPU
+devices with abstract inputs (nothing is allocated): the step's peak memory
+is linear in the cache length, so two compiles give the line, and a third
+confirms the answer. Mesh: the config's ``tensor``, the rest on ``sequence``,
+``data=1``; parameters in the config's ``param_dtype``. Compiled with a float32
+cache (XLA:CPU upcasts bfloat16 and would report a float32 copy of a bf16
+cache that accelerators do not make); the bf16-cache length is derived from
+the same fit with half the cache bytes per token.
+
+Results are printed as JSON lines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+
+
+def _setup(devices: int):
+  os.environ.setdefault("JAX_PLATFORMS", "cpu")
+  if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                               f" --xla_force_host_platform_device_count={devices}").strip()
+
+
+def _abstract_step(cfg, mesh, cache_len: int, batch: int = 1):
+  """The decode step lowered with abstract params and cache (donated)."""
+  import jax
+  import jax.numpy as jnp
+  from flax import nnx
+
+  from models import inference, llama
+  from models import sharding as shd
+
+  abstract = nnx.eval_shape(lambda: llama.Llama(cfg, rngs=nnx.Rngs(0)))
+  graphdef, params, _ = nnx.split(abstract, nnx.Param, ...)
+  shardings = shd.param_shardings(params, mesh)
+  params = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                        params, shardings)
+  cache = inference.abstract_cache(cfg, mesh, batch, cache_len)
+  tokens = jax.ShapeDtypeStruct((batch,), jnp.int32)
+
+  step_graphdef = inference._graphdef(inference.config_for_length(cfg, 1))
+
+  def step(params, cache, tokens):
+    return inference.decode_step(nnx.merge(step_graphdef, params), cache, tokens)
+
+  with jax.set_mesh(mesh):
+    return jax.jit(step, donate_argnums=1).lower(params, cache, tokens), cache
+
+
+def _peak(compiled) -> int:
+  m = compiled.memory_analysis()
+  peak = getattr(m, "peak_memory_in_bytes", 0) or 0
+  alias = getattr(m, "alias_size_in_bytes", 0) or 0
+  return max(peak, m.argument_size_in_bytes + m.output_size_in_bytes - alias
+             + m.temp_size_in_bytes)
+
+
+def run_time(args):
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from flax import nnx
+
+  from models import inference, llama
+  from training import config as cfg_lib
+
+  mesh = cfg_lib.make_mesh({"data": 1, "sequence": args.devices, "tensor": 1})
+  cfg = llama.LlamaConfig(vocab_size=256, dim=256, num_layers=4, num_heads=8, num_kv_heads=4,
+                          mlp_dim=512)
+  params = nnx.split(llama.create_sharded_model(cfg, mesh), nnx.Param, ...)[1]
+  gen = inference.Generator(cfg, params, mesh, max(args.lengths))
+  for length in args.lengths:
+    cs = inference.cache_shardings(cfg, mesh, 1, length)
+    kv = (cfg.num_layers, 1, length, cfg.num_kv_heads, cfg.resolved_head_dim)
+    filled = length - 2 * args.devices  # room for the timed steps
+    with jax.set_mesh(mesh):
+      cache = inference.KVCache(
+          k=jax.device_put(jnp.ones(kv, cfg.compute_dtype), cs.k),
+          v=jax.device_put(jnp.ones(kv, cfg.compute_dtype), cs.v),
+          positions=jax.device_put(jnp.arange(length, dtype=jnp.int32)[None], cs.positions),
+          segment_ids=jax.device_put((jnp.arange(length) < filled).astype(jnp.int32)[None],
+                                     cs.segment_ids),
+          next_position=jax.device_put(jnp.full((1,), filled, jnp.int32), cs.next_position),
+          segment=jax.device_put(jnp.ones((1,), jnp.int32), cs.segment),
+          prompt_slots=jnp.int32(length // args.devices - 2), steps=jnp.int32(0))
+    gen.cache_len = length
+    with jax.set_mesh(mesh):
+      compiled = inference._step_jit.lower(params, cache, jnp.zeros((1,), jnp.int32),
+                                           cfg=cfg).compile()
+    tokens = jnp.zeros((1,), jnp.int32)
+    logits, cache = gen.step(cache, tokens)  # compile + warm up
+    jax.block_until_ready(logits)
+    times = []
+    for _ in range(args.steps):
+      t0 = time.perf_counter()
+      logits, cache = gen.step(cache, tokens)
+      jax.block_until_ready(logits)
+      times.append(time.perf_counter() - t0)
+    m = compiled.memory_analysis()
+    print(json.dumps(dict(
+        mode="time", devices=args.devices, length=length,
+        cache_mib_per_device=inference.cache_bytes_per_device(cfg, mesh, 1, length) / 2**20,
+        step_args_mib_per_device=m.argument_size_in_bytes / 2**20,
+        step_temp_mib_per_device=m.temp_size_in_bytes / 2**20,
+        step_ms_median=1e3 * float(np.median(times)))), flush=True)
+
+
+def run_fit(args):
+  import importlib.util
+
+  from models import inference
+  from training import config as cfg_lib
+
+  spec = importlib.util.spec_from_file_location("cfgmod", args.config)
+  mod = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(mod)
+  config = mod.get_config()
+  tensor = int(config.mesh.tensor)
+  mesh = cfg_lib.make_mesh({"data": 1, "sequence": args.devices // tensor, "tensor": tensor})
+  # XLA:CPU computes bfloat16 in float32 and holds a float32 copy of a bf16 cache (measured:
+  # temp = 2x the cache), which no accelerator does; so the fit compiles a float32 model,
+  # where the CPU's memory analysis is faithful, and a bf16 cache is derived from it below.
+  cfg = dataclasses.replace(cfg_lib.llama_config(config), dtype="float32")
+  bf16 = dataclasses.replace(cfg, dtype="bfloat16")
+  n = args.devices // tensor
+  budget = args.budget_gib * 2**30
+  points = []
+  for length in (n * 4096, n * 16384):
+    lowered, _ = _abstract_step(cfg, mesh, length)
+    points.append((length, _peak(lowered.compile())))
+  (l0, p0), (l1, p1) = points
+  slope = (p1 - p0) / (l1 - l0)
+  longest = int((budget - (p0 - slope * l0)) / slope) // (n * 1024) * (n * 1024)
+  step = n * 1024
+  for _ in range(4):  # the line is nearly exact; step down until the compiled step fits
+    lowered, _ = _abstract_step(cfg, mesh, longest)
+    peak = _peak(lowered.compile())
+    if peak <= budget:
+      break
+    longest -= -(-int((peak - budget) / slope) // step) * step
+  print(json.dumps(dict(
+      mode="fit", config=os.path.basename(args.config), devices=args.devices,
+      mesh=dict(data=1, sequence=n, tensor=tensor), param_dtype=cfg.param_dtype,
+      cache_dtype=cfg.dtype, bytes_per_token_per_device=slope,
+      fixed_gib_per_device=(p0 - slope * l0) / 2**30, longest_cache_tokens=longest,
+      peak_gib_at_longest=peak / 2**30, budget_gib=args.budget_gib,
+      cache_gib_at_longest=inference.cache_bytes_per_device(cfg, mesh, 1, longest) / 2**30,
+      # Same fixed memory, the cache at 2 bytes per element instead of 4 (not compiled).
+      longest_bf16_cache_tokens_derived=int(
+          (budget - (p0 - slope * l0)) / (slope - inference.cache_bytes_per_device(
+              cfg, mesh, 1, n) / n + inference.cache_bytes_per_device(bf16, mesh, 1, n) / n))
+      // (n * 1024) * (n * 1024))), flush=True)
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("mode", choices=["time", "fit"])
+  parser.add_argument("--devices", type=int, default=8)
+  parser.add_argument("--lengths", default="1024,4096,16384,65536")
+  parser.add_argument("--steps", type=int, default=10)
+  parser.add_argument("--config", default="configs/llama_7b.py")
+  parser.add_argument("--budget_gib", type=float, default=80.0)
+  args = parser.parse_args()
+  args.lengths = [int(x) for x in args.lengths.split(",")]
+  _setup(args.devices)
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  (run_time if args.mode == "time" else run_fit)(args)
+
+
+if __name__ == "__main__":
+  main()

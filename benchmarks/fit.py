@@ -1,0 +1,275 @@
+r"""How long a context fits: the longest ``seq_len`` whose train step fits in memory.
+
+  python benchmarks/fit.py --config configs/llama_1b.py:long --devices 1 --memory_gib 128
+  python benchmarks/fit.py --config configs/llama_1b.py:long --devices 8 --memory_gib 128
+  python benchmarks/fit.py --config configs/llama_1b.py --devices 8 --mesh data=1,sequence=8 \
+      --seq_len 1048576 --config.model.remat_policy=full --config.batch_size=1
+
+Compiles the real train step (``training/aot.py``: the model, optimizer,
+shardings and ``jit_train_step`` that ``train.py`` compiles) ahead of time
+against abstract inputs (``jax.ShapeDtypeStruct`` with shardings, parameters
+from ``nnx.eval_shape``) on ``--devices`` fake CPU devices, and reads
+``memory_analysis()`` of the compiled program: nothing is allocated and
+nothing runs. Per-device bytes = arguments + outputs + temporaries - outputs
+aliasing donated arguments (``training.aot.per_device_bytes``).
+
+Search: powers of two (times the length granularity the config allows, see
+``training.config.seq_len_multiple``) from ``--start`` up until one does not
+fit (or down until one does), then bisection on that granularity until the
+gap is below ``--resolution`` of the length. ``--seq_len L`` checks one length.
+Prints one table row per compiled length and, as the LAST line, one JSON
+object with ``seq_len``, ``per_device_bytes`` and ``fits`` (and the details).
+
+The mesh is the config's ``config.mesh`` with its ``-1`` axis filling
+``--devices``; ``--mesh data=1,sequence=8`` replaces it. The batch is the
+config's global ``batch_size`` (``--config.batch_size=1`` for one row).
+
+What this can and cannot show (docs/performance.md, "How long a context
+fits"): XLA:CPU's buffer assignment of the same program approximates an
+accelerator's. It emulates bfloat16 arithmetic in float32 and schedules and
+fuses differently, and it ignores memory kinds: activations a remat policy
+offloads to ``pinned_host`` stay in device memory in this analysis, so
+offloading policies are counted as if nothing were offloaded. ``--xla_flags``
+passes extra XLA flags (e.g. to switch off a CPU-only transformation).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+
+from absl import app
+from absl import flags
+from ml_collections import config_flags
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+GIB = 2 ** 30
+MIB = 2 ** 20
+
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", None, "ml_collections config (`path.py` or `path.py:arg`); override fields with "
+    "--config.<field>=<value>, as for train.py.", lock_config=True)
+_DEVICES = flags.DEFINE_integer("devices", 1, "Devices of the mesh (fake CPU devices).",
+                                lower_bound=1)
+_MEMORY_GIB = flags.DEFINE_float("memory_gib", 128.0, "Memory per device, GiB.")
+_SEQ_LEN = flags.DEFINE_integer("seq_len", None, "Check this one length instead of searching.")
+_MESH = flags.DEFINE_string(
+    "mesh", None, "Mesh axis sizes replacing config.mesh, e.g. 'data=1,sequence=8' "
+    "(axes not named are 1; one may be -1).")
+_START = flags.DEFINE_integer("start", 131072, "First length of the power-of-two search "
+                              "(rounded to the length granularity).", lower_bound=1)
+_MAX_LEN = flags.DEFINE_integer("max_len", 2 ** 26, "Longest length the search tries.")
+_RESOLUTION = flags.DEFINE_float(
+    "resolution", 0.125, "Stop bisecting when the gap between the longest fitting and the "
+    "shortest non-fitting length is below this fraction of the former.")
+_XLA_FLAGS = flags.DEFINE_string("xla_flags", "", "Extra XLA flags for the compile.")
+_OUT = flags.DEFINE_string("out", None, "Also write the final JSON object to this file.")
+
+
+class FitError(ValueError):
+  """A setting the planner cannot use; the message names the fix."""
+
+
+def parse_mesh(text: str) -> dict[str, int]:
+  """``'data=1,sequence=8'`` -> ``{'data': 1, 'sequence': 8, 'tensor': 1}``."""
+  from models.sharding import MESH_AXES
+
+  sizes = {a: 1 for a in MESH_AXES}
+  for part in filter(None, text.split(",")):
+    name, _, value = part.partition("=")
+    if name.strip() not in MESH_AXES or not value.strip().lstrip("-").isdigit():
+      raise FitError(f"--mesh={text!r}: write axis=size pairs over {MESH_AXES}, e.g. "
+                     "'data=1,sequence=8'.")
+    sizes[name.strip()] = int(value)
+  return sizes
+
+
+def resolve_mesh(config, devices: int, mesh_text: str | None) -> dict[str, int]:
+  """The mesh sizes for ``devices``: ``--mesh`` or config.mesh; errors name the override."""
+  from training import config as cfg_lib
+
+  mesh_config = parse_mesh(mesh_text) if mesh_text else dict(config.mesh)
+  try:
+    return cfg_lib.mesh_shape(mesh_config, devices)
+  except cfg_lib.ConfigError as e:
+    raise FitError(f"{e} For --devices={devices} pass e.g. --mesh data=1,sequence={devices} "
+                   f"or --config.mesh.sequence={devices} --config.mesh.data=-1.") from None
+
+
+class Planner:
+  """Compiles the config's train step at given lengths and records the memory of each."""
+
+  def __init__(self, config, sizes: dict[str, int], limit_bytes: int):
+    import jax
+
+    from training import aot
+    from training import config as cfg_lib
+    from training import step as step_lib
+
+    self.config, self.sizes, self.limit = config, sizes, limit_bytes
+    self.model_cfg = cfg_lib.llama_config(config)
+    self.ring = sizes["sequence"]
+    self.multiple = cfg_lib.seq_len_multiple(self.model_cfg, self.ring)
+    self.rows = config.batch_size
+    micro = config.microbatches
+    if self.rows % micro or (self.rows // micro) % sizes["data"]:
+      raise FitError(f"batch_size={self.rows} / microbatches={micro} must be divisible by the "
+                     f"mesh 'data' axis ({sizes['data']}); e.g. --config.batch_size="
+                     f"{sizes['data'] * micro}.")
+    self.mesh = cfg_lib.make_mesh(sizes, jax.devices()[:math.prod(sizes.values())])
+    tx = step_lib.make_optimizer(config.optim, config.total_steps)
+    self.step = aot.abstract_train_step(self.model_cfg, self.mesh, tx,
+                                        microbatches=micro, seed=config.seed)
+    self.rows_by_length: dict[int, dict] = {}
+    self.unit = "GiB" if limit_bytes >= GIB else "MiB"  # of the printed table
+
+  def check(self, length: int) -> dict:
+    """Compiles the step at ``length``; returns (and prints) its row of the table."""
+    from training import aot
+    from training import config as cfg_lib
+
+    if length in self.rows_by_length:
+      return self.rows_by_length[length]
+    try:
+      cfg_lib.check_seq_len(self.model_cfg, self.ring, length)
+    except cfg_lib.ConfigError as e:
+      raise FitError(f"{e} Lengths here are multiples of {self.multiple}.") from None
+    t0 = time.perf_counter()
+    compiled = self.step.compile((self.rows, length))
+    ma = compiled.memory_analysis()
+    total = aot.per_device_bytes(compiled)
+    row = dict(seq_len=length, argument_bytes=int(ma.argument_size_in_bytes),
+               temp_bytes=int(ma.temp_size_in_bytes), output_bytes=int(ma.output_size_in_bytes),
+               alias_bytes=int(ma.alias_size_in_bytes),
+               host_temp_bytes=int(getattr(ma, "host_temp_size_in_bytes", 0) or 0),
+               per_device_bytes=total, fits=bool(total <= self.limit),
+               compile_s=round(time.perf_counter() - t0, 1))
+    self.rows_by_length[length] = row
+    print_row(row, self.unit)
+    return row
+
+  def search(self, start: int, max_len: int, resolution: float) -> tuple[dict | None, bool]:
+    """``(row of the longest fitting length or None, whether a non-fitting one bounds it)``."""
+    g = self.multiple
+    length = max(g, start // g * g)
+    best, bad = None, None
+    if self.check(length)["fits"]:
+      best = length
+      while 2 * length <= max_len:
+        length *= 2
+        if not self.check(length)["fits"]:
+          bad = length
+          break
+        best = length
+    else:
+      bad = length
+      while length // 2 >= g and (length // 2) % g == 0:
+        length //= 2
+        if self.check(length)["fits"]:
+          best = length
+          break
+        bad = length
+    if best is not None and bad is not None:
+      while bad - best > max(g, resolution * best):
+        mid = (best + bad) // 2 // g * g
+        if mid <= best:
+          break
+        if self.check(mid)["fits"]:
+          best = mid
+        else:
+          bad = mid
+    return (self.rows_by_length[best] if best is not None else None), bad is not None
+
+
+COLUMNS = (("argument", "argument_bytes"), ("temp", "temp_bytes"), ("output", "output_bytes"),
+           ("aliased", "alias_bytes"), ("per-device", "per_device_bytes"))
+
+
+def header(unit: str) -> str:
+  return (f"{'seq_len':>10} " + " ".join(f"{f'{name} {unit}':>16}" for name, _ in COLUMNS) +
+          f" {'fits':>5} {'compile s':>10}")
+
+
+def print_row(row: dict, unit: str) -> None:
+  scale = GIB if unit == "GiB" else MIB
+  print(f"{row['seq_len']:>10} " + " ".join(f"{row[key] / scale:>16.2f}" for _, key in COLUMNS)
+        + f" {'yes' if row['fits'] else 'no':>5} {row['compile_s']:>10.1f}", flush=True)
+
+
+def run(config, *, devices: int, memory_gib: float, seq_len: int | None = None,
+        mesh: str | None = None, start: int = 131072, max_len: int = 2 ** 26,
+        resolution: float = 0.125) -> dict:
+  """The planner on the current JAX backend; returns the final JSON object as a dict."""
+  import jax
+
+  sizes = resolve_mesh(config, devices, mesh)
+  if len(jax.devices()) < devices:
+    raise FitError(f"--devices={devices} but JAX has {len(jax.devices())} devices; run "
+                   "benchmarks/fit.py as a script (it creates the fake CPU devices).")
+  limit = int(memory_gib * GIB)
+  planner = Planner(config, sizes, limit)
+  m = planner.model_cfg
+  print(f"train step of {m.num_params() / 1e9:.3f}B params (remat_policy={m.remat_policy}, "
+        f"layout={m.layout}, attention={m.attention}, dtype={m.dtype}, param_dtype="
+        f"{m.param_dtype}); mesh {sizes}; batch {planner.rows} rows; lengths in multiples of "
+        f"{planner.multiple}; limit {memory_gib:g} GiB per device; compiled for "
+        f"{jax.devices()[0].platform} ({jax.devices()[0].device_kind})", flush=True)
+  print(header(planner.unit), flush=True)
+  if seq_len is not None:
+    row, bounded = planner.check(seq_len), True
+    result = dict(seq_len=seq_len, per_device_bytes=row["per_device_bytes"], fits=row["fits"])
+  else:
+    row, bounded = planner.search(start, max_len, resolution)
+    if row is None:  # nothing fits: report the shortest length tried
+      row = planner.rows_by_length[min(planner.rows_by_length)]
+    result = dict(seq_len=row["seq_len"], per_device_bytes=row["per_device_bytes"],
+                  fits=row["fits"])
+    if not bounded and row["fits"]:
+      print(f"note: every length up to --max_len={max_len} fits; the answer is a lower bound",
+            flush=True)
+  result.update(memory_bytes=limit, devices=devices, mesh=sizes, batch_rows=planner.rows,
+                remat_policy=m.remat_policy, platform=jax.devices()[0].platform,
+                xla_flags=os.environ.get("XLA_FLAGS", ""), upper_bounded=bounded,
+                checked=sorted(planner.rows_by_length.values(), key=lambda r: r["seq_len"]))
+  return result
+
+
+def set_up_devices(devices: int, extra_xla_flags: str) -> None:
+  """CPU platform with ``devices`` fake devices and the extra XLA flags (before JAX starts)."""
+  import jax
+
+  os.environ["XLA_FLAGS"] = " ".join(
+      f for f in (os.environ.get("XLA_FLAGS", ""), extra_xla_flags) if f).strip()
+  jax.config.update("jax_platforms", "cpu")
+  if "xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:  # else: it wins
+    jax.config.update("jax_num_cpu_devices", devices)
+
+
+def main(argv) -> None:
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments {argv[1:]}")
+  if _CONFIG.value is None:
+    raise app.UsageError("--config is required, e.g. --config configs/llama_1b.py:long")
+  set_up_devices(_DEVICES.value, _XLA_FLAGS.value)
+  from training.config import ConfigError
+
+  try:
+    result = run(_CONFIG.value, devices=_DEVICES.value, memory_gib=_MEMORY_GIB.value,
+                 seq_len=_SEQ_LEN.value, mesh=_MESH.value, start=_START.value,
+                 max_len=_MAX_LEN.value, resolution=_RESOLUTION.value)
+  except (FitError, ConfigError) as e:  # FitError is a setting of this tool, ConfigError one
+    print(f"error: {e}", file=sys.stderr, flush=True)  # of the config: both name the fix
+    sys.exit(2)
+  line = json.dumps(result, separators=(",", ":"))
+  if _OUT.value:
+    with open(_OUT.value, "w") as f:
+      json.dump(result, f, indent=1)
+  print(line, flush=True)
+
+
+if __name__ == "__main__":
+  app.run(main)

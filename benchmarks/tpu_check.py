@@ -1,0 +1,229 @@
+"""One-TPU-chip check of the fused hop kernel: TFLOP/s against splash attention and XLA.
+
+Run through ``benchmarks/tpu_check.sh`` (``PYTHONPATH=.``). On one chip (ring
+size 1), bf16, causal and non-causal, at 8K / 16K / 32K / 64K tokens:
+
+* ``pallas_tpu hop``: :class:`ring_jax.kernels.pallas_tpu.PallasTpuHopKernel`
+  called as the ring calls it with one device: ``forward`` -> ``(out_h,
+  lse_h)``, then (for fwd+bwd) ``backward`` with that final ``out``/``lse``
+  (``lse = +inf`` on empty rows).
+* ``splash``: the splash attention kernel bundled with JAX
+  (``make_splash_mha``, ``CausalMask``/``FullMask``, fused backward), through
+  its own VJP. Queries pre-scaled (splash has no scale argument).
+* ``ring_jax ring=1 [<kernel>]``: ``ring_jax.ring_attention`` on a 1-device
+  mesh with ``hop_kernel="xla"`` and ``"pallas_tpu"`` (rows say "n/a" where this
+  checkout's ``ring_attention`` has no ``hop_kernel`` argument).
+
+At the smallest length it also prints the largest difference between the
+pallas_tpu and splash outputs (a hardware correctness check). A short table is
+printed; all rows go to ``benchmarks/results/tpu_check.json`` (or
+``$TPU_CHECK_OUT``). Every case is guarded (a failure is printed, the next case
+runs) and the run keeps to ``TPU_CHECK_BUDGET_S`` (default 450 s).
+
+``TPU_CHECK_DRY=1``: tiny shapes on CPU, kernels in Pallas interpret mode
+(a smoke test of the script; its timings mean nothing).
+
+FLOPs: forward 4*B*N*L^2*H (x0.5 causal); fwd+bwd 3.5x forward (FlashAttention-2
+convention, recomputation not counted). Target (issue 8): pallas_tpu >= 0.9x splash.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import sys
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import ring_jax  # noqa: E402
+from ring_jax.hop import HopMasks, HopSpec  # noqa: E402
+from ring_jax.kernels.pallas_tpu import PallasTpuHopKernel  # noqa: E402
+
+DRY = os.environ.get("TPU_CHECK_DRY", "0") not in ("", "0")
+BUDGET_S = float(os.environ.get("TPU_CHECK_BUDGET_S", "450"))
+LENGTHS = [int(x) for x in os.environ.get(
+    "TPU_CHECK_LENGTHS", "256" if DRY else "8192,16384,32768,65536").split(",")]
+BLOCK = int(os.environ.get("TPU_CHECK_BLOCK", "128" if DRY else "512"))
+B, N, K, H = (1, 2, 1, 128) if DRY else (1, 16, 8, 128)   # N query heads, K kv heads (GQA)
+DTYPE = jnp.bfloat16
+OUT = os.environ.get("TPU_CHECK_OUT") or os.path.join(
+    os.path.dirname(os.path.abspath(__file__)), "results",
+    "tpu_check_dry.json" if DRY else "tpu_check.json")
+T0 = time.perf_counter()
+
+
+def say(*a):
+  print(f"[{time.perf_counter() - T0:6.1f}s]", *a, flush=True)
+
+
+def bench(fn, args, repeats):
+  """Median seconds of a compiled call (after one warm-up call)."""
+  jax.block_until_ready(fn(*args))
+  ts = []
+  for _ in range(repeats):
+    t = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    ts.append(time.perf_counter() - t)
+  return float(np.median(ts))
+
+
+def _masks(length):
+  """Hop masks of a ring of one: positions 0..L-1, no segment ids."""
+  pos = jnp.arange(length, dtype=jnp.int32)
+  return HopMasks(pos, pos, None, None)
+
+
+def pallas_impl(length, causal):
+  """(fwd, fwd+bwd) on q [B, L, N, H], k/v [B, L, K, H] -> out [B, L, N, H]."""
+  kern = PallasTpuHopKernel()
+  spec = HopSpec(scale=H ** -0.5, is_causal=causal, window=None, block_q=BLOCK,
+                 block_kv=BLOCK)
+  masks = _masks(length)
+  g = N // K
+
+  def fwd(q, k, v):
+    out_h, lse_h = kern.forward(q.reshape(B, length, K, g, H), k, v, masks, spec)
+    return out_h.astype(q.dtype).reshape(q.shape), lse_h
+
+  def fwd_bwd(q, k, v, do):
+    out, lse_h = fwd(q, k, v)
+    lse = jnp.where(lse_h == -jnp.inf, jnp.inf, lse_h)       # the ring's finalize
+    q5 = q.reshape(B, length, K, g, H)
+    dq, dk, dv = kern.backward(q5, k, v, out.reshape(q5.shape), lse,
+                               do.reshape(q5.shape), None, masks, spec)
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+
+  return (lambda q, k, v: fwd(q, k, v)[0]), fwd_bwd
+
+
+def splash_impl(length, causal):
+  from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
+  from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
+  shape = (length, length)
+  head = sm.CausalMask(shape) if causal else sm.FullMask(shape)
+  bs = sk.BlockSizes(block_q=BLOCK, block_kv=BLOCK, block_kv_compute=BLOCK,
+                     block_q_dkv=BLOCK, block_kv_dkv=BLOCK, block_kv_dkv_compute=BLOCK,
+                     use_fused_bwd_kernel=True)
+  kern = sk.make_splash_mha(sm.MultiHeadMask([head] * N), head_shards=1, q_seq_shards=1,
+                            block_sizes=bs, interpret=DRY)
+
+  def fwd(q, k, v):  # [B, L, heads, H] -> splash's [heads, L, H] per batch row
+    t = lambda x: jnp.swapaxes(x, 1, 2)  # noqa: E731
+    o = jax.vmap(kern)(t(q * jnp.asarray(H ** -0.5, q.dtype)), t(k), t(v))
+    return jnp.swapaxes(o, 1, 2)
+
+  def fwd_bwd(q, k, v, do):
+    return jax.vjp(fwd, q, k, v)[1](do)
+
+  return fwd, fwd_bwd
+
+
+def ring_impl(length, causal, hop_kernel):
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("sequence",))
+  spec = jax.P(None, "sequence", None, None)
+  kwargs = dict(axis_name="sequence", is_causal=causal, block_q=BLOCK, block_kv=BLOCK,
+                hop_kernel=hop_kernel)
+  fn = jax.shard_map(functools.partial(ring_jax.ring_attention, **kwargs), mesh=mesh,
+                     in_specs=(spec,) * 3, out_specs=spec)
+
+  def fwd_bwd(q, k, v, do):
+    return jax.vjp(fn, q, k, v)[1](do)
+
+  return fn, fwd_bwd
+
+
+def main():
+  say(f"devices: {jax.devices()}; jax {jax.__version__}; dry={DRY}")
+  say(f"B={B} N={N} K={K} H={H} {jnp.dtype(DTYPE).name}, block {BLOCK}, lengths {LENGTHS}")
+  impls = {
+      "pallas_tpu hop": pallas_impl,
+      "splash": splash_impl,
+      "ring_jax ring=1 [xla]": functools.partial(ring_impl, hop_kernel="xla"),
+      "ring_jax ring=1 [pallas_tpu]": functools.partial(ring_impl, hop_kernel="pallas_tpu"),
+  }
+  rows, checks = [], []
+  header = (f"{'L':>6} {'mask':<6} {'impl':<30} {'fwd ms':>9} {'fwd TF/s':>9} {'f+b ms':>9} "
+            f"{'f+b TF/s':>9}  note")
+  print(header, flush=True)
+  for length in LENGTHS:
+    keys = jax.random.split(jax.random.key(0), 4)
+    q = jax.random.normal(keys[0], (B, length, N, H), DTYPE)
+    k = jax.random.normal(keys[1], (B, length, K, H), DTYPE)
+    v = jax.random.normal(keys[2], (B, length, K, H), DTYPE)
+    do = jax.random.normal(keys[3], (B, length, N, H), DTYPE)
+    for causal in (True, False):
+      fwd_flops = 4 * B * N * length * length * H * (0.5 if causal else 1.0)
+      outs = {}
+      for name, make in impls.items():
+        row = dict(L=length, causal=causal, impl=name, B=B, N=N, K=K, H=H, block=BLOCK)
+        notes = []
+        try:
+          fwd, fwd_bwd = make(length, causal)
+        except Exception as e:  # noqa: BLE001
+          fwd = fwd_bwd = None
+          notes.append(f"n/a: {type(e).__name__}: {str(e).splitlines()[0][:80]}")
+        for mode, fn, args in (("fwd", fwd, (q, k, v)), ("fb", fwd_bwd, (q, k, v, do))):
+          if fn is None:
+            continue
+          if time.perf_counter() - T0 > BUDGET_S:
+            notes.append(f"{mode} skipped (time budget)")
+            continue
+          try:
+            compiled = jax.jit(fn).lower(*args).compile()
+            reps = 1 if DRY else (3 if length >= 32768 else 5)
+            t = bench(compiled, args, reps)
+            flops = fwd_flops * (1.0 if mode == "fwd" else 3.5)
+            row[f"{mode}_ms"], row[f"{mode}_tflops"] = 1e3 * t, flops / t / 1e12
+            if mode == "fwd" and length == LENGTHS[0]:
+              outs[name] = np.asarray(jax.device_get(compiled(*args)), np.float32)
+          except Exception as e:  # noqa: BLE001
+            notes.append(f"{mode}: {type(e).__name__}: {str(e).splitlines()[0][:80]}")
+            if os.environ.get("TPU_CHECK_TRACEBACK"):
+              traceback.print_exc(limit=4)
+        row["note"] = "; ".join(notes)
+        cell = lambda m: (f"{row[m + '_ms']:9.1f} {row[m + '_tflops']:9.2f}"  # noqa: E731
+                          if m + "_ms" in row else f"{'-':>9} {'-':>9}")
+        print(f"{length:>6} {'causal' if causal else 'full':<6} {name:<30} {cell('fwd')} "
+              f"{cell('fb')}  {row['note']}", flush=True)
+        rows.append(row)
+      if "pallas_tpu hop" in outs and "splash" in outs:
+        diff = float(np.abs(outs["pallas_tpu hop"] - outs["splash"]).max())
+        checks.append(dict(L=length, causal=causal, max_abs_diff_pallas_vs_splash=diff))
+        say(f"L={length} {'causal' if causal else 'full'}: max |pallas_tpu - splash| = "
+            f"{diff:.3e} (bf16 outputs)")
+
+  print("\nratios (pallas_tpu hop / splash, fwd+bwd TF/s; target >= 0.9):", flush=True)
+  by = {(r["L"], r["causal"], r["impl"]): r for r in rows}
+  ratios = []
+  for length in LENGTHS:
+    for causal in (True, False):
+      a, b = by.get((length, causal, "pallas_tpu hop")), by.get((length, causal, "splash"))
+      x = by.get((length, causal, "ring_jax ring=1 [xla]"))
+      for mode in ("fwd", "fb"):
+        key = f"{mode}_tflops"
+        if a and b and key in a and key in b:
+          ratio = dict(L=length, causal=causal, mode=mode, vs_splash=a[key] / b[key],
+                       vs_xla_ring=(a[key] / x[key]) if x and key in x else None)
+          ratios.append(ratio)
+          print(f"  L={length:>6} {'causal' if causal else 'full':<6} {mode:<3} "
+                f"x{ratio['vs_splash']:.2f} of splash"
+                + (f", x{ratio['vs_xla_ring']:.2f} of the XLA ring"
+                   if ratio["vs_xla_ring"] else ""), flush=True)
+  os.makedirs(os.path.dirname(OUT), exist_ok=True)
+  with open(OUT, "w") as f:
+    json.dump(dict(device=str(jax.devices()[0].device_kind), backend=jax.default_backend(),
+                   jax=jax.__version__, dry=DRY, date=time.strftime("%Y-%m-%d %H:%M:%S UTC",
+                                                                     time.gmtime()),
+                   rows=rows, ratios=ratios, checks=checks), f, indent=1)
+  say(f"wrote {OUT}")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

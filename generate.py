@@ -1,0 +1,342 @@
+r"""Generate text from a trained checkpoint (or a Hugging Face LLaMA) on the training mesh.
+
+  python generate.py --config configs/tiny.py:text --workdir /tmp/text --prompt "def " \
+      --max_new_tokens 64 --temperature 0.8 --top_p 0.95 --seed 0
+  python generate.py --config configs/tiny.py:text --workdir /tmp/text --prompt_file prompts.txt \
+      --temperature 0            # greedy; one prompt per line, one output line per prompt
+  python generate.py --config configs/tiny.py --hf_dir /path/to/hf_llama --prompt "..." \
+      --tokenizer hf
+
+The model is the config's (``--config`` and ``--config.model.*`` overrides, as
+for train.py), with the newest checkpoint in ``--workdir`` restored onto the
+config's mesh (``data x sequence x tensor``; only the parameters are read), or
+the weights of ``--hf_dir`` (``models/convert_hf.py``). Prompts are prefilled
+with the model's attention (the ring over ``sequence``), the KV cache stays
+sharded over ``sequence`` and decoding merges the devices' partial attention
+exactly (``models/inference.py``, ``docs/inference.md``). With
+``--config.model.attention=dense`` the same weights give the same greedy text.
+
+Only generated text goes to stdout: with one prompt it is streamed as it is
+produced; with several (``--prompt_file``) each prompt's continuation is one
+line, in order, once all are done. Logs go to stderr. Bad input (a prompt
+longer than the cache, ``--max_new_tokens`` past it, a batch that does not
+split over ``data``, a workdir without a checkpoint, token ids outside the
+vocabulary) fails before anything compiles, exit status 2.
+
+Tokenizers (``--tokenizer``): ``bytes`` (training/data.py's byte tokenizer: the
+``:text`` configs), ``ids`` (prompts are whitespace-separated token ids, e.g.
+for the kv task; outputs are ids), ``hf`` (the tokenizer files in
+``--hf_dir``, via transformers, offline).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+import time
+
+import jax
+from absl import app
+from absl import flags
+from absl import logging
+from flax import nnx
+from ml_collections import config_flags
+
+from models import inference
+from models import llama
+from models import sharding as shd
+from training import checkpoint as ckpt_lib
+from training import config as cfg_lib
+from training import data as data_lib
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+EXIT_USAGE = 2
+
+def define_flags() -> dict:
+  """The command-line flags (defined only when run as a script: train.py, imported next to
+  this module by tests, defines --config and --workdir too)."""
+  f = {}
+  f["config"] = config_flags.DEFINE_config_file(
+      "config", os.path.join(_HERE, "configs", "tiny.py"),
+      "ml_collections config (as train.py): model, mesh and the default cache length.",
+      lock_config=True)
+  f["workdir"] = flags.DEFINE_string(
+      "workdir", None, "train.py workdir: its newest checkpoint that restores is loaded.")
+  f["hf_dir"] = flags.DEFINE_string(
+      "hf_dir", None, "A local Hugging Face LLaMA directory to load instead of --workdir "
+      "(config.json + safetensors).")
+  f["prompt"] = flags.DEFINE_string("prompt", None, "One prompt.")
+  f["prompt_file"] = flags.DEFINE_string(
+      "prompt_file", None, "A file with one prompt per line (a batch; its size must split "
+      "over the mesh 'data' axis).")
+  f["max_new_tokens"] = flags.DEFINE_integer("max_new_tokens", 64, "Tokens to generate per "
+                                             "prompt.")
+  f["temperature"] = flags.DEFINE_float("temperature", 0.8, "Sampling temperature; 0 is greedy.")
+  f["top_p"] = flags.DEFINE_float("top_p", 1.0, "Nucleus sampling mass in (0, 1].")
+  f["seed"] = flags.DEFINE_integer("seed", 0, "Sampling seed.")
+  f["cache_len"] = flags.DEFINE_integer(
+      "cache_len", None, "KV cache length in tokens (prompt + generated). Default: the "
+      "config's data.seq_len.")
+  f["padding"] = flags.DEFINE_enum("padding", "left", list(inference.PADDING_SIDES),
+                                   "Side prompts of a batch are padded on (pads are invisible).")
+  f["tokenizer"] = flags.DEFINE_enum("tokenizer", None, ["bytes", "ids", "hf"],
+                                     "Default: hf with --hf_dir, else bytes.")
+  f["stop_at_eos"] = flags.DEFINE_bool("stop_at_eos", True,
+                                       "Stop a row at the tokenizer's EOS.")
+  return f
+
+
+_FLAGS: dict = {}
+
+
+class UsageError(ValueError):
+  """Bad input: reported in one line, exit status 2, before anything compiles."""
+
+
+# ----------------------------------------------------------------------------------------------
+# Tokenizers
+# ----------------------------------------------------------------------------------------------
+
+
+class Tokenizer:
+  """``encode(str) -> list[int]``, ``decode(list[int]) -> str``, ``eos``, ``vocab_limit``."""
+
+  def __init__(self, kind: str, hf_dir: str | None = None):
+    self.kind = kind
+    self.eos, self.vocab_limit, self._hf = None, None, None
+    if kind == "bytes":
+      self.eos, self.vocab_limit = data_lib.EOS_ID, data_lib.BYTE_VOCAB_SIZE
+    elif kind == "hf":
+      if not hf_dir:
+        raise UsageError("--tokenizer=hf needs --hf_dir (the tokenizer files live there).")
+      try:
+        from transformers import AutoTokenizer
+        self._hf = AutoTokenizer.from_pretrained(hf_dir, local_files_only=True)
+      except Exception as e:
+        raise UsageError(f"no Hugging Face tokenizer loads from {hf_dir} ({type(e).__name__}: "
+                         f"{str(e).splitlines()[0] if str(e) else ''}); pass --tokenizer=ids "
+                         "and token ids as prompts.") from None
+      self.eos = self._hf.eos_token_id
+
+  def encode(self, text: str) -> list[int]:
+    if self.kind == "bytes":
+      return data_lib.byte_tokenize(text)[:-1].tolist()  # BOS + bytes, no EOS: continue it
+    if self.kind == "ids":
+      try:
+        return [int(t) for t in text.split()]
+      except ValueError:
+        raise UsageError(f"--tokenizer=ids takes whitespace-separated integers, got "
+                         f"{text!r}.") from None
+    return self._hf(text)["input_ids"]
+
+  def decode(self, ids) -> str:
+    ids = [int(i) for i in ids]
+    if self.kind == "bytes":
+      return data_lib.byte_detokenize(ids)
+    if self.kind == "ids":
+      return "".join(f" {i}" for i in ids)
+    return self._hf.decode(ids)
+
+
+# ----------------------------------------------------------------------------------------------
+# Model loading
+# ----------------------------------------------------------------------------------------------
+
+
+def restore_params(workdir: str, abstract_params, warn=lambda m: print(m, file=sys.stderr)):
+  """``(step, params)`` from the newest checkpoint in ``workdir`` whose parameters restore.
+
+  Only ``params`` is read (not the optimizer state), onto the shardings of
+  ``abstract_params`` (``ShapeDtypeStruct`` leaves). A step that does not
+  restore is skipped with a warning (train.py moves such steps aside when it
+  resumes; generating only reads).
+  """
+  import orbax.checkpoint as ocp
+
+  directory = os.path.join(os.path.abspath(workdir), "checkpoints")
+  if not os.path.isdir(directory):
+    raise UsageError(f"--workdir {workdir} has no checkpoints/ directory; train first "
+                     f"(python train.py --config ... --workdir {workdir}) or pass --hf_dir.")
+  manager = ocp.CheckpointManager(directory, item_names=("state",),
+                                  options=ocp.CheckpointManagerOptions(create=False))
+  try:
+    steps = sorted(manager.all_steps())
+    if not steps:
+      raise UsageError(f"{directory} holds no checkpoint; train first or pass --hf_dir.")
+    failures = []
+    for step in reversed(steps):
+      try:
+        restored = manager.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
+            {"params": abstract_params}, partial_restore=True,
+            restore_args=jax.tree.map(lambda x: ocp.ArrayRestoreArgs(sharding=x.sharding),
+                                      {"params": abstract_params}))))
+        params = restored["state"]["params"]
+        if ckpt_lib.all_finite(params):
+          return step, params
+        reason = "it holds NaN or inf values"
+      except Exception as e:  # corruption shows as many error types
+        reason = ckpt_lib._one_line(e)
+      warn(f"warning: checkpoint step {step} in {directory} does not restore ({reason}); "
+           "trying the previous one.")
+      failures.append(f"step {step}: {reason}")
+    raise UsageError(f"no checkpoint in {directory} restores ({'; '.join(failures)}); if the "
+                     "config changed (model shape), pass the config the run was trained with.")
+  finally:
+    manager.close()
+
+
+def load_model(config, workdir, hf_dir, mesh, log):
+  """``(LlamaConfig, params State sharded on mesh)``."""
+  if hf_dir:
+    from models import convert_hf
+    m = config.model
+    model = convert_hf.load_hf_checkpoint(
+        hf_dir, mesh=mesh, attention=m.attention, layout=m.layout, block_q=m.block_q,
+        block_kv=m.block_kv, dtype=m.dtype, param_dtype=m.param_dtype)
+    log(f"loaded {hf_dir}")
+    return model.cfg, nnx.split(model, nnx.Param, ...)[1]
+  model_cfg = cfg_lib.llama_config(config)
+  abstract = nnx.eval_shape(lambda: llama.Llama(model_cfg, rngs=nnx.Rngs(0)))
+  _, abstract_params, _ = nnx.split(abstract, nnx.Param, ...)
+  target = ckpt_lib.abstract_like(abstract_params, shd.param_shardings(abstract_params, mesh))
+  step, params = restore_params(workdir, target, warn=log)
+  log(f"restored step {step} from {workdir}")
+  return model_cfg, params
+
+
+# ----------------------------------------------------------------------------------------------
+# Main
+# ----------------------------------------------------------------------------------------------
+
+
+def read_prompts(prompt: str | None, prompt_file: str | None) -> list[str]:
+  if (prompt is None) == (prompt_file is None):
+    raise UsageError("pass exactly one of --prompt and --prompt_file.")
+  if prompt is not None:
+    return [prompt]
+  if not os.path.isfile(prompt_file):
+    raise UsageError(f"--prompt_file {prompt_file} does not exist.")
+  with open(prompt_file, encoding="utf-8") as f:
+    prompts = [line.rstrip("\n") for line in f]
+  prompts = [p for p in prompts if p]
+  if not prompts:
+    raise UsageError(f"--prompt_file {prompt_file} holds no non-empty line.")
+  return prompts
+
+
+def simulate_cpu_devices(config) -> None:
+  """Enough CPU devices for the config's mesh (as train.py), unless XLA_FLAGS sets a count."""
+  if "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", ""):
+    return
+  sizes = [int(config.mesh.get(a, 1)) for a in config.mesh.keys()]
+  count = math.prod(sizes) if all(s > 0 for s in sizes) else int(config.cpu_devices)
+  try:
+    jax.config.update("jax_num_cpu_devices", max(1, count))
+  except RuntimeError:
+    pass
+
+
+def run(config, *, workdir=None, hf_dir=None, prompts: list[str], max_new_tokens: int,
+        temperature: float, top_p: float, seed: int, cache_len: int | None = None,
+        padding: str = "left", tokenizer: str | None = None, stop_at_eos: bool = True,
+        out=sys.stdout, log=lambda m: print(m, file=sys.stderr, flush=True)) -> list[str]:
+  """Generates for ``prompts``; writes the text to ``out`` and returns one string per prompt."""
+  if (workdir is None) == (hf_dir is None):
+    raise UsageError("pass --workdir (a train.py run) or --hf_dir (a Hugging Face LLaMA).")
+  if not temperature >= 0:
+    raise UsageError(f"--temperature must be >= 0, got {temperature}.")
+  if not 0 < top_p <= 1:
+    raise UsageError(f"--top_p must be in (0, 1], got {top_p}.")
+  tok = Tokenizer(tokenizer or ("hf" if hf_dir else "bytes"), hf_dir)
+  try:
+    sizes = cfg_lib.mesh_shape(config.mesh, jax.device_count())
+  except cfg_lib.ConfigError as e:
+    raise UsageError(str(e)) from None
+  mesh = cfg_lib.make_mesh(config.mesh)
+  cache_len = cache_len or config.data.seq_len
+  ids = [tok.encode(p) for p in prompts]
+  model_cfg = (cfg_lib.llama_config(config) if hf_dir is None else None)
+  if model_cfg is not None:  # checked before restoring: a mistake costs nothing
+    try:
+      inference.check_request(model_cfg, mesh, ids, max_new_tokens, cache_len, padding)
+    except ValueError as e:
+      raise UsageError(_with_flags(str(e))) from None
+  log(f"mesh {sizes}; {len(prompts)} prompt(s), longest {max(map(len, ids))} tokens; "
+      f"cache {cache_len} tokens")
+  model_cfg, params = load_model(config, workdir, hf_dir, mesh, log)
+  try:
+    inference.check_request(model_cfg, mesh, ids, max_new_tokens, cache_len, padding)
+  except ValueError as e:
+    raise UsageError(_with_flags(str(e))) from None
+  log(f"attention={model_cfg.attention} layout={model_cfg.layout}; KV cache "
+      f"{inference.cache_bytes_per_device(model_cfg, mesh, len(ids), cache_len) / 2**20:.2f} "
+      "MiB per device")
+  gen = inference.Generator(model_cfg, params, mesh, cache_len)
+  vocab_limit = tok.vocab_limit if tok.vocab_limit and tok.vocab_limit < model_cfg.vocab_size else None
+  produced: list[list[int]] = [[] for _ in ids]
+  done = [False] * len(ids)
+  streamed = ""
+  t0 = time.perf_counter()
+  for i, tokens in enumerate(gen.generate(ids, max_new_tokens, temperature=temperature,
+                                          top_p=top_p, seed=seed, padding=padding,
+                                          vocab_limit=vocab_limit)):
+    if i == 0:
+      log(f"prefill + first token: {time.perf_counter() - t0:.2f}s")
+      t0 = time.perf_counter()
+    for b, t in enumerate(tokens.tolist()):
+      if done[b]:
+        continue
+      if stop_at_eos and tok.eos is not None and t == tok.eos:
+        done[b] = True
+        continue
+      produced[b].append(t)
+    if len(ids) == 1:  # stream: print what decodes cleanly so far
+      text = tok.decode(produced[0])
+      if text.endswith("\ufffd"):  # a multi-byte character is still incomplete
+        continue
+      out.write(text[len(streamed):])
+      out.flush()
+      streamed = text
+    if all(done):
+      break
+  steps = max(1, i)
+  log(f"decoded {i + 1} step(s); {(time.perf_counter() - t0) / steps * 1e3:.1f} ms per step")
+  texts = [tok.decode(p) for p in produced]
+  if len(ids) == 1:
+    out.write(texts[0][len(streamed):] + "\n")
+  else:
+    for text in texts:
+      out.write(text.replace("\n", "\\n") + "\n")
+  out.flush()
+  return texts
+
+
+def _with_flags(message: str) -> str:
+  return message.replace("max_new_tokens=", "--max_new_tokens=")
+
+
+def main(argv) -> None:
+  if len(argv) > 1:
+    print(f"error: unexpected arguments {argv[1:]}; flags are written --name=value.",
+          file=sys.stderr)
+    sys.exit(EXIT_USAGE)
+  if not flags.FLAGS["verbosity"].present:
+    logging.set_verbosity(logging.WARNING)
+  v = {name: flag.value for name, flag in _FLAGS.items()}
+  config = v["config"]
+  simulate_cpu_devices(config)
+  try:
+    run(config, workdir=v["workdir"], hf_dir=v["hf_dir"],
+        prompts=read_prompts(v["prompt"], v["prompt_file"]), max_new_tokens=v["max_new_tokens"],
+        temperature=v["temperature"], top_p=v["top_p"], seed=v["seed"],
+        cache_len=v["cache_len"], padding=v["padding"], tokenizer=v["tokenizer"],
+        stop_at_eos=v["stop_at_eos"])
+  except (UsageError, cfg_lib.ConfigError) as e:
+    print(f"error: {e}", file=sys.stderr, flush=True)
+    sys.exit(EXIT_USAGE)
+
+
+if __name__ == "__main__":
+  _FLAGS.update(define_flags())
+  app.run(main)

@@ -1,0 +1,131 @@
+"""benchmarks/fit.py: the context-length planner, on the tiny config (one layer, a ring of 2).
+
+Each case runs the script as a user would (a subprocess: it creates its own fake CPU
+devices) and reads the JSON object on its last line.
+"""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GIB = 2 ** 30
+SMALL = ["--config", os.path.join(ROOT, "configs", "tiny.py"), "--devices", "2",
+         "--mesh", "data=1,sequence=2", "--config.batch_size=2", "--config.model.num_layers=1"]
+
+
+def fit(*args):
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env["PYTHONPATH"] = ROOT
+  proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "fit.py"), *args],
+                        env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
+  return proc, proc.stdout.strip().splitlines()
+
+
+def check_row(row):
+  assert row["per_device_bytes"] == (row["argument_bytes"] + row["output_bytes"]
+                                     + row["temp_bytes"] - row["alias_bytes"])
+  assert row["argument_bytes"] > 0 and row["temp_bytes"] > 0
+
+
+def test_one_length_then_search_finds_it():
+  """--seq_len reports one length; a search with exactly that memory per device answers it
+  (memory grows with length, so the next power of two does not fit)."""
+  proc, lines = fit(*SMALL, "--seq_len", "256", "--memory_gib", "1")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  one = json.loads(lines[-1])
+  assert one["seq_len"] == 256 and one["fits"] is True
+  assert one["mesh"] == {"data": 1, "sequence": 2, "tensor": 1} and one["batch_rows"] == 2
+  (row,) = one["checked"]
+  check_row(row)
+  assert one["per_device_bytes"] == row["per_device_bytes"]
+  assert any(line.split()[:1] == ["256"] for line in lines[:-1])  # the table row
+
+  limit_gib = one["per_device_bytes"] / GIB
+  proc, lines = fit(*SMALL, "--memory_gib", repr(limit_gib), "--start", "256",
+                    "--resolution", "1")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  found = json.loads(lines[-1])
+  assert found["seq_len"] == 256 and found["fits"] is True and found["upper_bounded"] is True
+  assert found["per_device_bytes"] == one["per_device_bytes"]
+  by_length = {r["seq_len"]: r for r in found["checked"]}
+  assert set(by_length) == {256, 512}
+  assert not by_length[512]["fits"]
+  assert by_length[512]["per_device_bytes"] > by_length[256]["per_device_bytes"]
+  for r in found["checked"]:
+    check_row(r)
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--devices", "3"], "--mesh data=1,sequence=3"),
+    (["--devices", "2", "--mesh", "data=1,sequence=2", "--seq_len", "102"],
+     "multiples of"),
+])
+def test_bad_mesh_or_length_names_the_fix(args, message):
+  proc, _ = fit("--config", os.path.join(ROOT, "configs", "tiny.py"), "--memory_gib", "1",
+                *args)
+  assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+  assert message in proc.stderr
+
+
+def test_seq_len_multiple_matches_the_config_check():
+  """Every multiple of seq_len_multiple passes check_seq_len; smaller steps do not."""
+  from configs import llama_1b
+  from training import config as cfg_lib
+
+  model = llama_1b.get_config("long").model
+  for ring in (1, 8):
+    g = cfg_lib.seq_len_multiple(model, ring)
+    for k in (1, 3, 128):
+      assert cfg_lib.check_seq_len(model, ring, k * g) == k * g // ring
+    for bad in (g // 2, g + ring * 2):
+      with pytest.raises(cfg_lib.ConfigError):
+        cfg_lib.check_seq_len(model, ring, bad)
+
+
+def _tiny_step(policy):
+  import jax
+
+  from configs import tiny
+  from training import aot
+  from training import config as cfg_lib
+  from training import step as step_lib
+
+  config = tiny.get_config()
+  config.model.update(dict(remat_policy=policy, dtype="bfloat16", num_layers=2))
+  mesh = cfg_lib.make_mesh(dict(data=1, sequence=1, tensor=1), jax.devices()[:1])
+  return aot.abstract_train_step(cfg_lib.llama_config(config), mesh,
+                                 step_lib.make_optimizer(config.optim, 10))
+
+
+def test_offload_policy_lowers_to_pinned_host_but_cpu_counts_it_on_device():
+  """What docs/performance.md says the CPU plan cannot show: lowered for GPU, the layer
+  input of "offload_layer_in" is placed in pinned_host; compiled for CPU, the plan is the
+  same as "full" (the offload is dropped)."""
+  import jax
+
+  from training import aot
+  from training import batch as batch_lib
+
+  shape = (1, 256)
+  offload, full = _tiny_step("offload_layer_in"), _tiny_step("full")
+  with jax.set_mesh(offload.mesh):
+    traced = offload.step.trace(offload.abstract_params, offload.abstract_opt_state,
+                                batch_lib.abstract(shape, offload.mesh))
+    gpu_text = traced.lower(lowering_platforms=("cuda",)).as_text()
+  placed = [l for l in gpu_text.splitlines() if "annotate_device_placement" in l
+            and '"pinned_host"' in l]
+  assert placed and all("tensor<1x256x64xbf16>" in l for l in placed), placed[:2]
+  assert aot.per_device_bytes(offload.compile(shape)) == aot.per_device_bytes(full.compile(shape))
+
+
+@pytest.mark.parametrize("devices", [1, 8])
+def test_long_variant_validates(devices):
+  from configs import llama_1b
+  from training import config as cfg_lib
+
+  config = llama_1b.get_config("long")
+  assert cfg_lib.validate_config(config, devices) == dict(data=1, sequence=devices, tensor=1)
+  assert config.model.remat_policy == "offload_layer_in" and config.batch_size == 1

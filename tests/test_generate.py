@@ -1,0 +1,187 @@
+"""generate.py end to end: a tiny byte-level train run, then greedy ring == greedy dense."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+import evaluate
+import generate
+import train as train_script
+from model_utils import tiny_config
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TEXT = ("def add(a, b):\n    return a + b\n\n\nclass Point:\n    def __init__(self, x, y):\n"
+        "        self.x = x\n        self.y = y\n") * 40
+
+
+def text_config(path, **overrides):
+  settings = {
+      "data.kind": "text", "data.path": str(path), "model.vocab_size": 264,
+      "model.dim": 32, "model.mlp_dim": 64, "data.seq_len": 64, "batch_size": 8,
+      "eval_batch_size": 8, "eval_batches": 1, "total_steps": 3, "optim.warmup_steps": 0,
+      "log_every": 1, "eval_every": 1000, "checkpoint_every": 1000,
+      "async_checkpointing": False,
+  }
+  settings.update(overrides)
+  return tiny_config(**settings)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+  """(config, workdir) of a 3-step byte-level run on a data=2 x sequence=4 zigzag ring."""
+  tmp = tmp_path_factory.mktemp("gen")
+  corpus = tmp / "corpus"
+  corpus.mkdir()
+  for i in range(4):
+    (corpus / f"doc{i}.txt").write_text(TEXT)
+  config = text_config(corpus)
+  workdir = str(tmp / "run")
+  train_script.train(config, workdir)
+  return config, workdir
+
+
+def _run(config, workdir, prompts, **kw):
+  out, logs = io.StringIO(), []
+  settings = dict(max_new_tokens=12, temperature=0.0, top_p=1.0, seed=0)
+  settings.update(kw)
+  texts = generate.run(config, workdir=workdir, prompts=prompts, out=out, log=logs.append,
+                       **settings)
+  return texts, out.getvalue(), logs
+
+
+def test_greedy_ring_equals_dense_and_batch_equals_single(trained):
+  config, workdir = trained
+  ring_texts, ring_out, logs = _run(config, workdir, ["def add("])
+  assert any("restored step 3" in l for l in logs)
+  assert ring_out == ring_texts[0] + "\n"  # stdout holds the generated text only
+  dense = text_config(config.data.path, **{"model.attention": "dense"})
+  dense_texts, _, _ = _run(dense, workdir, ["def add("])
+  assert ring_texts == dense_texts
+  assert len(ring_texts[0]) > 0
+  # A batch (left padded, two lengths) gives each prompt its single-prompt text.
+  batch_texts, batch_out, _ = _run(config, workdir, ["def add(", "class Point:\n    def"])
+  single_texts, _, _ = _run(config, workdir, ["class Point:\n    def"])
+  assert batch_texts == ring_texts + single_texts
+  assert batch_out.splitlines() == [t.replace("\n", "\\n") for t in batch_texts]
+
+
+def test_sampling_is_seeded(trained):
+  config, workdir = trained
+  a, _, _ = _run(config, workdir, ["def "], temperature=0.8, top_p=0.95, seed=1)
+  b, _, _ = _run(config, workdir, ["def "], temperature=0.8, top_p=0.95, seed=1)
+  assert a == b
+
+
+@pytest.mark.parametrize("prompts,kw,match", [
+    (["x" * 70], {}, "longer than the cache"),
+    (["def"], {"max_new_tokens": 100}, "past the cache"),
+    (["a", "b", "c"], {}, "do not split over the mesh 'data' axis"),
+    (["def"], {"workdir": "EMPTY"}, "no checkpoints/ directory"),
+])
+def test_bad_input_fails_before_compiling(trained, tmp_path, prompts, kw, match):
+  config, workdir = trained
+  if kw.get("workdir") == "EMPTY":
+    kw["workdir"] = str(tmp_path)
+  with pytest.raises(generate.UsageError, match=match):
+    _run(config, kw.pop("workdir", workdir), prompts, **kw)
+
+
+def test_tokens_outside_the_vocabulary(trained):
+  config, workdir = trained
+  kv = tiny_config(**{"model.dim": 32, "model.mlp_dim": 64})  # vocab 72 < the 259 byte ids
+  with pytest.raises(generate.UsageError, match="outside the model's vocabulary"):
+    _run(kv, workdir, ["def"])
+  with pytest.raises(generate.UsageError, match="outside the model's vocabulary"):
+    _run(config, workdir, ["1 2 999"], tokenizer="ids")
+
+
+def test_cli_streams_text_to_stdout_only(trained):
+  config, workdir = trained
+  cmd = [sys.executable, "generate.py", "--config", "configs/tiny.py:text",
+         f"--config.data.path={config.data.path}", "--config.model.dim=32",
+         "--config.model.mlp_dim=64", "--config.data.seq_len=64", f"--workdir={workdir}",
+         "--prompt=def add(", "--max_new_tokens=12", "--temperature=0"]
+  env = dict(os.environ, PYTHONPATH=ROOT)
+  proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 0, proc.stderr
+  texts, _, _ = _run(config, workdir, ["def add("])
+  assert proc.stdout == texts[0] + "\n"
+  assert "restored step 3" in proc.stderr
+  bad = subprocess.run(cmd[:-2] + ["--max_new_tokens=500"], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=300)
+  assert bad.returncode == generate.EXIT_USAGE and bad.stdout == ""
+  assert "--cache_len" in bad.stderr and "Traceback" not in bad.stderr
+
+
+# ----------------------------------------------------------------------------------------------
+# evaluate.py
+# ----------------------------------------------------------------------------------------------
+
+
+def _check_outputs(workdir, results, tasks, lengths):
+  rows = [json.loads(l) for l in open(os.path.join(workdir, "eval_lengths.jsonl"))]
+  assert rows == results
+  assert sorted((r["task"], r["length"]) for r in rows) == sorted(
+      (t, n) for t in tasks for n in lengths)
+  assert all(0.0 <= r["accuracy"] <= 1.0 and r["answers"] > 0 for r in rows)
+  with open(os.path.join(workdir, "eval_lengths.png"), "rb") as f:
+    assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+  text = evaluate.table(results)
+  assert all(f"| {n} |" in text for n in lengths)
+
+
+def test_evaluate_passkey_text_ring_equals_dense(trained):
+  config, workdir = trained
+  results = evaluate.evaluate(config, workdir, [128, 256], ["passkey"], batch_size=2,
+                              batches=1, log=lambda m: None)
+  _check_outputs(workdir, results, ["passkey"], [128, 256])
+  assert [r["answers"] for r in results] == [10, 10]  # 2 rows x 5 digits
+  dense = text_config(config.data.path, **{"model.attention": "dense"})
+  again = evaluate.evaluate(dense, workdir, [128, 256], ["passkey"], batch_size=2, batches=1,
+                            log=lambda m: None)
+  assert again == results
+
+
+def test_evaluate_kv_task(tmp_path):
+  config = tiny_config(**{"model.dim": 32, "model.mlp_dim": 64, "data.seq_len": 64,
+                          "batch_size": 8, "eval_batch_size": 8, "eval_batches": 1,
+                          "data.kv.num_pairs": 4, "data.kv.num_queries": 4, "total_steps": 2,
+                          "optim.warmup_steps": 0, "eval_every": 1000,
+                          "checkpoint_every": 1000, "async_checkpointing": False})
+  workdir = str(tmp_path / "kv")
+  train_script.train(config, workdir)
+  results = evaluate.evaluate(config, workdir, [64, 128], ["kv", "passkey"], batch_size=2,
+                              batches=1, log=lambda m: None)
+  _check_outputs(workdir, results, ["kv", "passkey"], [64, 128])
+  answers = {(r["task"], r["length"]): r["answers"] for r in results}
+  assert answers[("kv", 64)] == 2 * 2 * 4  # rows x docs_per_row x num_queries
+  assert answers[("passkey", 128)] == 2
+  with pytest.raises(generate.UsageError, match="multiple of 8"):
+    evaluate.evaluate(config, workdir, [60], ["kv"], log=lambda m: None)
+
+
+def test_hf_dir_greedy_matches_transformers_generate(tmp_path):
+  """--hf_dir: a random HF LLaMA (GQA) decoded on the ring == transformers' greedy generate."""
+  torch = pytest.importorskip("torch")
+  pytest.importorskip("transformers")
+  from test_convert_hf import _hf_model
+
+  model, path = _hf_model(tmp_path, tie=False, rope_scaling=None, shard=False, seed=1)
+  model.generation_config.eos_token_id = None
+  model.generation_config.pad_token_id = 0
+  prompt = [5, 9, 17, 33, 2, 8, 41]
+  with torch.no_grad():
+    want = model.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False,
+                          attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
+  want = want[0, len(prompt):].tolist()
+  config = tiny_config(**{"data.seq_len": 64})  # mesh data=2 x sequence=4, zigzag
+  texts, _, logs = _run(config, None, [" ".join(map(str, prompt))], hf_dir=path,
+                        tokenizer="ids", max_new_tokens=16)
+  assert [int(t) for t in texts[0].split()] == want
+  assert any(f"loaded {path}" in l for l in logs)

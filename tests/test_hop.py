@@ -1,0 +1,318 @@
+"""Conformance suite for hop kernels: every registered kernel against a float64 numpy oracle.
+
+Each kernel named in ``KERNELS_UNDER_TEST`` runs
+* one hop (the kernel called directly, outside any ring) and
+* full rings of 2 and 4 devices (``ring_attention(..., hop_kernel=name, return_lse=True)``),
+and must match the oracle within 1e-5 relative in float32: forward output and lse, and the
+gradients of a loss that uses both, across contiguous/zigzag/striped, causal and not,
+windows, packed segments with padding (pad rows: output 0, finite gradients), GQA and MQA,
+and T != S (contiguous).
+
+Adding a kernel is one entry in ``KERNELS_UNDER_TEST``: it is built with
+``ring_jax.get_hop_kernel(name, "cpu")``, so a Pallas kernel runs in interpret mode here.
+Shapes are small (local length 256, blocks of 128: a multiple of 128, as TPU kernels need;
+2-4 heads, head dim 32-64) so interpret mode stays affordable.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import ring_jax
+from attn_utils import make_mesh
+from ring_jax.hop import HopMasks, HopSpec, lse_for_backward
+
+# Kernel names run by this suite; fused-kernel helpers append theirs (e.g. "pallas_gpu").
+KERNELS_UNDER_TEST = ["xla", "pallas_gpu", "pallas_tpu"]
+
+RTOL = ATOL = 1e-5
+BLOCK = 128
+
+
+def kernel_for(name):
+  """The kernel instance under test: as the registry builds it for a CPU backend
+  (Pallas kernels in interpret mode)."""
+  return ring_jax.get_hop_kernel(name, "cpu")
+
+
+# --- The float64 numpy oracle ----------------------------------------------------------------
+
+def visibility(q_pos, kv_pos, is_causal, window, q_seg=None, kv_seg=None):
+  """bool ``[B or 1, T, S]``: which (query, key) pairs are visible (hop.py's rule)."""
+  d = np.asarray(q_pos)[:, None].astype(np.int64) - np.asarray(kv_pos)[None, :]
+  vis = np.ones(d.shape, bool)
+  if is_causal:
+    vis &= d >= 0
+  if window is not None:
+    vis &= (d <= window[0]) & (d >= -window[1])
+  vis = vis[None]
+  if q_seg is not None:
+    qs, ks = np.asarray(q_seg)[:, :, None], np.asarray(kv_seg)[:, None, :]
+    vis = vis & (qs == ks) & (qs != 0)
+  return vis
+
+
+def oracle(q, k, v, vis, scale, do, dlse):
+  """float64 attention over visible pairs, and the gradients of
+  ``<out, do> + <lse, dlse>`` (lse terms only where finite).
+
+  ``q`` ``[B, T, N, H]``, ``k``/``v`` ``[B, S, K, H]``, ``vis`` ``[B|1, T, S]``,
+  ``do`` ``[B, T, N, H]``, ``dlse`` ``[B, T, N]``. Returns ``out``, ``lse``
+  (``-inf`` for rows with no visible key; their output is 0), ``dq``, ``dk``, ``dv``.
+  """
+  q, k, v, do, dlse = (np.asarray(x, np.float64) for x in (q, k, v, do, dlse))
+  b, t, n, h = q.shape
+  kh = k.shape[2]
+  g = n // kh
+  kr, vr = np.repeat(k, g, axis=2), np.repeat(v, g, axis=2)  # head n reads K/V head n // g
+  s = np.einsum("btnh,bsnh->bnts", q, kr) * scale
+  vis = np.broadcast_to(vis[:, None], s.shape)
+  s = np.where(vis, s, -np.inf)
+  m = s.max(-1, keepdims=True)
+  m = np.where(np.isfinite(m), m, 0.0)
+  p = np.where(vis, np.exp(s - m), 0.0)
+  l = p.sum(-1, keepdims=True)
+  empty = l == 0
+  pn = p / np.where(empty, 1.0, l)                           # softmax (0 in empty rows)
+  out = np.einsum("bnts,bsnh->btnh", pn, vr)
+  lse = np.where(empty, -np.inf, m + np.log(np.where(empty, 1.0, l)))[..., 0]  # [B, N, T]
+  lse = lse.transpose(0, 2, 1)
+  dlse = np.where(np.isfinite(lse), dlse, 0.0)
+  dv = np.einsum("bnts,btnh->bsnh", pn, do)
+  dp = np.einsum("btnh,bsnh->bnts", do, vr)
+  delta = np.einsum("btnh,btnh->bnt", do, out)[..., None] - dlse.transpose(0, 2, 1)[..., None]
+  ds = pn * (dp - delta) * scale
+  dq = np.einsum("bnts,bsnh->btnh", ds, kr)
+  dk = np.einsum("bnts,btnh->bsnh", ds, q)
+  group = lambda x: x.reshape(b, x.shape[1], kh, g, h).sum(3)
+  return out, lse, dq, group(dk), group(dv)
+
+
+def assert_close(actual, expected, what):
+  actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
+  same_inf = np.isinf(expected) & (actual == expected)
+  assert np.isfinite(actual[~same_inf]).all(), f"{what}: non-finite where the oracle is finite"
+  a, e = actual[~same_inf], expected[~same_inf]
+  err = np.abs(a - e)
+  bound = ATOL + RTOL * np.abs(e)
+  assert (err <= bound).all(), f"{what}: max abs err {err.max():.3g} (max |expected| " \
+                               f"{np.abs(e).max():.3g})"
+
+
+# --- Cases -----------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+  layout: str = "contiguous"
+  is_causal: bool = False
+  window: tuple[int, int] | None = None
+  segments: bool = False          # packed documents with padding (a row of pure padding too)
+  heads: tuple[int, int] = (4, 2)  # query heads, K/V heads
+  head_dim: int = 32
+  local_q: int = 256
+  local_kv: int = 256
+  batch: int = 2
+
+
+CASES = {
+    "contiguous": Case(),
+    "contiguous-causal": Case(is_causal=True),
+    "zigzag-causal": Case(layout="zigzag", is_causal=True),
+    "zigzag": Case(layout="zigzag", heads=(2, 2), head_dim=64),
+    "striped-causal": Case(layout="striped", is_causal=True),
+    "striped": Case(layout="striped", heads=(2, 1)),
+    "window-zigzag": Case(layout="zigzag", is_causal=True, window=(150, 0)),
+    "window-two-sided": Case(window=(40, 300)),
+    "segments-causal-zigzag": Case(layout="zigzag", is_causal=True, segments=True),
+    "segments-striped": Case(layout="striped", segments=True, heads=(2, 2)),
+    "mqa-causal": Case(is_causal=True, heads=(4, 1)),
+    "t-ne-s": Case(local_q=128, heads=(2, 1)),
+}
+
+
+def packed(b, length, rng):
+  """Packed documents of random lengths and trailing padding; row 1 is all padding."""
+  seg = np.zeros((b, length), np.int32)
+  for r in range(b):
+    if r == 1:
+      continue
+    pos, doc, end = 0, 1, length - int(rng.integers(1, length // 8))
+    while pos < end:
+      step = int(rng.integers(8, length // 3))
+      seg[r, pos:min(end, pos + step)] = doc
+      pos, doc = pos + step, doc + 1
+  return seg
+
+
+def inputs(case: Case, length_q, length_kv, seed=0):
+  rng = np.random.default_rng(seed)
+  n, kh = case.heads
+  f = lambda *shape: rng.normal(size=shape).astype(np.float32)
+  q, k, v = (f(case.batch, length_q, n, case.head_dim), f(case.batch, length_kv, kh, case.head_dim),
+             f(case.batch, length_kv, kh, case.head_dim))
+  do, dlse = f(case.batch, length_q, n, case.head_dim), f(case.batch, length_q, n)
+  seg = packed(case.batch, length_q, rng) if case.segments else None
+  return q, k, v, do, dlse, seg
+
+
+# --- One hop, the kernel called directly -----------------------------------------------------
+
+# (q shard, kv shard) of a ring of 4 met at one hop: the diagonal, a shard in the past and
+# (non-causal) one in the future.
+HOP_SHARDS = [(0, 0), (2, 1), (1, 3)]
+
+
+@pytest.mark.parametrize("shards", HOP_SHARDS, ids=lambda s: f"q{s[0]}-kv{s[1]}")
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("kernel_name", KERNELS_UNDER_TEST)
+def test_one_hop(kernel_name, case, shards):
+  """forward -> (out_h, lse_h); backward with that hop's own out/lse -> (dq, dk, dv)."""
+  case = CASES[case]
+  ring, (qd, kd) = 4, shards
+  q, k, v, do, dlse, seg = inputs(case, case.local_q, case.local_kv, seed=qd * 4 + kd)
+  q_pos = np.asarray(ring_jax.local_positions(case.layout, ring, case.local_q, qd))
+  kv_pos = np.asarray(ring_jax.local_positions(case.layout, ring, case.local_kv, kd))
+  kv_seg = None
+  if seg is not None:  # the kv shard's ids: the same documents, shifted, to share some
+    kv_seg = np.roll(seg, (kd - qd) * 37, axis=1)
+  vis = visibility(q_pos, kv_pos, case.is_causal, case.window, seg, kv_seg)
+  scale = case.head_dim ** -0.5
+  out, lse, dq, dk, dv = oracle(q, k, v, vis, scale, do, dlse)
+
+  kernel = kernel_for(kernel_name)
+  b, t, n, h = q.shape
+  kh = k.shape[2]
+  spec = HopSpec(scale=scale, is_causal=case.is_causal, window=case.window, block_q=BLOCK,
+                 block_kv=BLOCK)
+  q5 = q.reshape(b, t, kh, n // kh, h)
+  kernel.check(q5.shape, k.shape, jnp.float32, spec)
+  masks = HopMasks(q_positions=jnp.asarray(q_pos, jnp.int32),
+                   kv_positions=jnp.asarray(kv_pos, jnp.int32),
+                   q_segment_ids=None if seg is None else jnp.asarray(seg),
+                   kv_segment_ids=None if kv_seg is None else jnp.asarray(kv_seg))
+  out_h, lse_h = jax.jit(kernel.forward, static_argnums=4)(q5, k, v, masks, spec)
+  assert out_h.dtype == jnp.float32 and lse_h.dtype == jnp.float32
+  assert_close(out_h.reshape(b, t, n, h), out, "out_h")
+  assert_close(lse_h.reshape(b, t, n), lse, "lse_h")
+
+  out_final = jnp.asarray(out.reshape(q5.shape), jnp.float32)
+  lse_final = lse_for_backward(jnp.asarray(lse.reshape(b, t, kh, n // kh), jnp.float32))
+  dlse5 = jnp.asarray(np.where(np.isfinite(lse), dlse, 0.0).reshape(b, t, kh, n // kh),
+                      jnp.float32)
+  got = jax.jit(kernel.backward, static_argnums=8)(
+      q5, k, v, out_final, lse_final, do.reshape(q5.shape), dlse5, masks, spec)
+  for name, g, w in zip(("dq", "dk", "dv"), got, (dq, dk, dv)):
+    assert g.dtype == jnp.float32, name
+    assert_close(np.asarray(g).reshape(w.shape), w, name)
+
+
+# --- Full rings ------------------------------------------------------------------------------
+
+RING_CASES = [(4, c) for c in CASES] + [(2, "zigzag-causal"), (2, "segments-striped"),
+                                        (2, "t-ne-s")]
+
+
+@pytest.mark.parametrize("ring,case", RING_CASES, ids=[f"ring{r}-{c}" for r, c in RING_CASES])
+@pytest.mark.parametrize("kernel_name", KERNELS_UNDER_TEST)
+def test_ring(kernel_name, ring, case):
+  """ring_attention(hop_kernel=name, return_lse=True) on inputs in layout order."""
+  case = CASES[case]
+  length_q, length_kv = ring * case.local_q, ring * case.local_kv
+  q, k, v, do, dlse, seg = inputs(case, length_q, length_kv, seed=ring)
+  pos_q = ring_jax.layout_positions(case.layout, ring, length_q)
+  pos_kv = ring_jax.layout_positions(case.layout, ring, length_kv)
+  vis = visibility(pos_q, pos_kv, case.is_causal, case.window, seg, seg)
+  scale = case.head_dim ** -0.5
+  out, lse, dq, dk, dv = oracle(q, k, v, vis, scale, do, dlse)
+
+  mesh = make_mesh((ring,), ("sequence",))
+  spec, row = P(None, "sequence"), P(None, "sequence")
+  attend = functools.partial(ring_jax.ring_attention, axis_name="sequence",
+                             is_causal=case.is_causal, local_window_size=case.window,
+                             layout=case.layout, block_q=BLOCK, block_kv=BLOCK,
+                             hop_kernel=kernel_for(kernel_name), return_lse=True)
+  if seg is None:
+    fn = jax.shard_map(lambda q, k, v: attend(q, k, v), mesh=mesh, in_specs=(spec,) * 3,
+                       out_specs=(spec, row))
+    args = (q, k, v)
+  else:
+    fn = jax.shard_map(lambda q, k, v, s: attend(q, k, v, segment_ids=s), mesh=mesh,
+                       in_specs=(spec,) * 3 + (row,), out_specs=(spec, row))
+    args = (q, k, v, jnp.asarray(seg))
+
+  def loss(q, k, v, *rest):
+    o, l = fn(q, k, v, *rest)
+    return jnp.sum(o * do) + jnp.sum(jnp.where(jnp.isfinite(l), l, 0.0) * dlse), (o, l)
+
+  (_, (o, l)), got = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(*args)
+  assert o.dtype == jnp.float32 and l.dtype == jnp.float32 and l.shape == lse.shape
+  assert_close(o, out, "out")
+  assert_close(l, lse, "lse")
+  for name, g, w in zip(("dq", "dk", "dv"), got, (dq, dk, dv)):
+    assert_close(g, w, name)
+  if seg is not None:
+    pad = seg == 0
+    assert (np.asarray(o)[pad] == 0).all() and np.isneginf(np.asarray(l)[pad]).all()
+    assert all(np.isfinite(np.asarray(g)).all() for g in got)
+
+
+# --- The registry ----------------------------------------------------------------------------
+
+def test_registry_names_and_errors():
+  assert "xla" in ring_jax.HOP_KERNELS
+  for platform in ("cpu", "gpu", "tpu"):
+    assert ring_jax.get_hop_kernel("auto", platform).name == "xla"
+  kernel = ring_jax.XlaHopKernel()
+  assert ring_jax.get_hop_kernel(kernel) is kernel
+  with pytest.raises(ValueError, match="'flash'.*'auto', 'xla'"):
+    ring_jax.get_hop_kernel("flash")
+  with pytest.raises(TypeError, match="missing check, forward, backward"):
+    ring_jax.get_hop_kernel(object())
+  mesh = make_mesh((2,), ("sequence",))
+  q = jnp.zeros((1, 8, 2, 8))
+  with pytest.raises(ValueError, match="not a known hop kernel"):
+    ring_jax.ring_attention_sharded(q, q, q, mesh=mesh, hop_kernel="flash")
+
+
+def test_check_runs_at_trace_time():
+  """A kernel's check() refuses shapes before anything runs, with its own message."""
+
+  @dataclasses.dataclass(frozen=True)
+  class Picky(ring_jax.XlaHopKernel):
+    def check(self, q_shape, kv_shape, dtype, spec):
+      if spec.block_q % 128:
+        raise ValueError("Picky needs block_q a multiple of 128")
+
+  mesh = make_mesh((2,), ("sequence",))
+  q = jnp.zeros((1, 64, 2, 8))
+  with pytest.raises(ValueError, match="multiple of 128"):
+    ring_jax.ring_attention_sharded(q, q, q, mesh=mesh, hop_kernel=Picky(), block_q=16)
+
+
+def test_sharded_return_lse_natural_order():
+  """ring_attention_sharded(return_lse=True): lse [B, L, N] in natural order, like out."""
+  case = Case(is_causal=True, heads=(2, 1), local_q=32, local_kv=32)
+  ring = 4
+  q, k, v, do, dlse, _ = inputs(case, 128, 128, seed=3)
+  vis = visibility(np.arange(128), np.arange(128), True, None)
+  out, lse, dq, dk, dv = oracle(q, k, v, vis, case.head_dim ** -0.5, do, dlse)
+  mesh = make_mesh((ring,), ("sequence",))
+  fn = functools.partial(ring_jax.ring_attention_sharded, mesh=mesh, is_causal=True,
+                         layout="zigzag", block_q=8, block_kv=8, return_lse=True)
+
+  def loss(q, k, v):
+    o, l = fn(q, k, v)
+    return jnp.sum(o * do) + jnp.sum(l * dlse), (o, l)
+
+  (_, (o, l)), got = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v)
+  assert_close(o, out, "out")
+  assert_close(l, lse, "lse")
+  for name, g, w in zip(("dq", "dk", "dv"), got, (dq, dk, dv)):
+    assert_close(g, w, name)

@@ -1,0 +1,35 @@
+"""`TPU_CHECK_DRY=1 bash benchmarks/tpu_check.sh`: the TPU check script end to end on CPU
+(tiny shapes, Pallas interpret mode; timings meaningless, the plumbing and JSON checked)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+IMPLS = ["pallas_tpu hop", "splash", "ring_jax ring=1 [xla]", "ring_jax ring=1 [pallas_tpu]"]
+
+
+def test_tpu_check_dry_run(tmp_path):
+  out = tmp_path / "tpu_check.json"
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env.update(TPU_CHECK_DRY="1", TPU_CHECK_OUT=str(out),
+             PATH=os.path.dirname(sys.executable) + ":" + env["PATH"])
+  proc = subprocess.run(["bash", os.path.join(ROOT, "benchmarks", "tpu_check.sh")], env=env,
+                        capture_output=True, text=True, timeout=600)
+  log = proc.stdout + proc.stderr
+  assert proc.returncode == 0, log[-3000:]
+  result = json.loads(out.read_text())
+  assert result["dry"] and result["backend"] == "cpu"
+  rows = {(r["causal"], r["impl"]): r for r in result["rows"]}
+  for causal in (True, False):
+    for impl in IMPLS:
+      row = rows[(causal, impl)]
+      assert row["note"] == "", (impl, row["note"])
+      assert row["fwd_tflops"] > 0 and row["fb_tflops"] > 0
+  # pallas_tpu and splash agree on the forward (bf16 outputs: a few ulps).
+  assert len(result["checks"]) == 2
+  assert all(c["max_abs_diff_pallas_vs_splash"] < 5e-2 for c in result["checks"])
+  assert "x" in log and "of splash" in log
