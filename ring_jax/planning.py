@@ -44,6 +44,7 @@ import math
 import numpy as np
 
 from ring_jax import hardware
+from ring_jax import scheduling
 
 #: The sequence-parallel strategies (ring_jax.strategies implements them; "auto" asks plan()).
 STRATEGIES: tuple[str, ...] = ("ring", "all_gather", "ulysses", "hybrid")
@@ -311,25 +312,30 @@ def plan(*, batch: int, seq_len: int, heads: int, head_dim: int, kv_heads: int |
       reach = min(left, seq_len) + (0 if is_causal else min(right, seq_len))
       active = min(r, 1 + math.ceil(reach / tokens))
       hop_fwd = fwd / active
+    # With a window the contiguous ring runs only the hops that hold visible keys.
+    first, last = scheduling.hop_range(layout, r, max(1, int(tokens)), is_causal, window)
+    runs = last - first + 1
+    sends = runs - 1 + (first < 0)  # one more transfer to start from a later shard
+    active = min(active, runs)
     t_fwd = kv_bytes(tokens, k_heads) / links_ring.p2p
     t_bwd = kv_bytes(tokens, k_heads) * (e + 4) / e / links_ring.p2p
     comp = fwd * (1 + bwd) / flops_s
-    time = _ring_time(hop_fwd / flops_s, active, t_fwd, r)
-    comm = (r - 1) * t_fwd
-    moved = (r - 1) * kv_bytes(tokens, k_heads)
+    time = _ring_time(hop_fwd / flops_s, active, t_fwd, runs) + (first < 0) * t_fwd
+    comm = sends * t_fwd
+    moved = sends * kv_bytes(tokens, k_heads)
     if backward:
-      time += _ring_time(hop_fwd * bwd / flops_s, active, t_bwd, r) + kv_bytes(
+      time += _ring_time(hop_fwd * bwd / flops_s, active, t_bwd, runs) + kv_bytes(
           tokens, k_heads) * 4 / e / links_ring.p2p  # dK/dV home
-      comm += (r - 1) * t_bwd + kv_bytes(tokens, k_heads) * 4 / e / links_ring.p2p
-      moved += (r - 1) * kv_bytes(tokens, k_heads) + r * kv_bytes(tokens, k_heads) * 4 / e
+      comm += sends * t_bwd + kv_bytes(tokens, k_heads) * 4 / e / links_ring.p2p
+      moved += sends * kv_bytes(tokens, k_heads) + runs * kv_bytes(tokens, k_heads) * 4 / e
     # docs/performance.md: l* = e/(2c) (K/N) F/W; with the backward (K/V and float32
     # dK/dV travel, 2.5x the compute) (e+4)/(5c) (K/N) F/W, the larger of the two.
     lstar = e / (2 * c) * (k_heads / q_heads) * flops_s / links_ring.p2p
     if backward:
       lstar = max(lstar, (e + 4) / (5 * c) * (k_heads / q_heads) * flops_s / links_ring.p2p)
-    # Every hop must compute at least as long as its transfer; with a window most hops
-    # compute nothing and only pass K/V on (the ring does not prune hops).
-    hidden = r == 1 or (active == r and hop_fwd >= t_fwd * flops_s and (
+    # Every hop must compute at least as long as its transfer; with a window and a layout
+    # whose hops are not pruned (zigzag, striped) most hops only pass K/V on.
+    hidden = runs == 1 or (active == runs and hop_fwd >= t_fwd * flops_s and (
         not backward or hop_fwd * bwd >= t_bwd * flops_s))
     mem = (act_bytes(tokens, q_heads, k_heads) + 2 * kv_bytes(tokens, k_heads)
            + b * tokens * q_heads * d * 4 + tile_bytes(q_heads))

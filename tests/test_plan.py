@@ -145,3 +145,13 @@ def test_window():
   assert ring.flops == pytest.approx(full.estimate("ring").flops * (local + 1) / (8 * local) * 2)
   assert not ring.hidden and ring.exposed_comm_s > 0.5 * ring.comm_s
   assert "window (4096, 4096)" in p.setting
+
+
+def test_window_prunes_contiguous_ring():
+  """With the contiguous layout the windowed ring runs only the hops holding visible keys
+  (ring_jax.scheduling.hop_range): one K/V transfer for a one-shard causal window."""
+  local = 4096
+  kw = dict(GQA, is_causal=True, local_window_size=local, layout="contiguous")
+  ring = ring_jax.plan(seq_len=8 * local, sequence=8, device="TPU v5p", **kw).estimate("ring")
+  kv = 2 * local * 8 * 128 * 2
+  assert ring.bytes_moved == pytest.approx(kv + kv + 2 * kv * 4 / 2)  # fwd, bwd K/V, dK/dV
