@@ -6,8 +6,8 @@ warm-up) and the per-device compiled temporary memory
 (``jax.jit(f).lower(...).compile().memory_analysis().temp_size_in_bytes``):
 
   ring-<layout>  ``ring_jax.ring_attention`` on a mesh with ``sequence=--ring``
-  allgather      ``benchmarks.baselines.allgather_attention``: all-gather K/V, local
-                 blockwise attention (MaxText / TransformerEngine default CP)
+  allgather      ``ring_jax.all_gather_attention`` (benchmarks.baselines): all-gather
+                 K/V, local blockwise attention (MaxText / TransformerEngine default CP)
   paper          PyPI ``ringattention==0.1.2`` (Liu et al.), ``ringattention_jax``
                  under ``jax.shard_map(check_vma=False)`` (contiguous layout only)
   dense          ``jax.nn.dot_product_attention`` on ONE device (full sequence);

@@ -3,6 +3,13 @@
 Public API:
   ring_attention          inside ``jax.shard_map``, on local sequence shards.
   ring_attention_sharded  on global arrays: builds the shard_map for you.
+  attention_sharded       on global arrays, by any strategy: "ring", "all_gather",
+                          "ulysses", "hybrid" (Ulysses x ring), or "auto" (plan()'s pick).
+  all_gather_attention / ulysses_attention / hybrid_attention
+                          the other strategies inside ``jax.shard_map`` (ring_jax.strategies).
+  plan / Plan             cost model: per-device compute, bytes moved, overlap and memory
+                          of each strategy, and the choice with its reasons
+                          (ring_jax.planning; device figures in ring_jax.hardware).
   reference_attention     dense single-device oracle with the same arguments.
   blockwise_ffn           chunked, rematerialised position-wise feed-forward.
   flax_attention_fn       ring attention as a Flax attention module's attention_fn=.
@@ -29,9 +36,19 @@ from ring_jax.kernels import HOP_KERNELS, XlaHopKernel, get_hop_kernel
 from ring_jax.reference import reference_attention
 from ring_jax.ring import ring_attention
 from ring_jax.sharded import ring_attention_sharded
+from ring_jax.planning import Plan, plan
+from ring_jax.strategies import (STRATEGIES, all_gather_attention, attention_sharded,
+                                 hybrid_attention, ulysses_attention)
 
 __all__ = [
     "HOP_KERNELS",
+    "Plan",
+    "STRATEGIES",
+    "all_gather_attention",
+    "attention_sharded",
+    "hybrid_attention",
+    "plan",
+    "ulysses_attention",
     "HopKernel",
     "HopMasks",
     "HopSpec",

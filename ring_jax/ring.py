@@ -43,6 +43,7 @@ class _RingConfig:
   spec: HopSpec
   kernel: HopKernel
   return_lse: bool = False
+  hops: tuple[int, int] | None = None  # (first, last) hop run; None: the whole ring
 
 
 def default_block(layout: str, local_len: int, target: int = DEFAULT_BLOCK) -> int:
@@ -158,8 +159,10 @@ def _make_config(query, key, value, *, axis_name, is_causal, segment_ids, scale,
   b, _, n, h = query.shape
   kh = key.shape[2]
   kernel.check((b, t, kh, n // kh, h), tuple(key.shape), query.dtype, spec)
+  hops = scheduling.hop_range(layout, ring_size, s, bool(is_causal), window)
   return _RingConfig(axis_name=axis_name, ring_size=ring_size, layout=layout, spec=spec,
-                     kernel=kernel, return_lse=bool(return_lse))
+                     kernel=kernel, return_lse=bool(return_lse),
+                     hops=None if hops == (0, ring_size - 1) else hops)
 
 
 def _hop_masks(cfg: _RingConfig, device, hop, q_pos, s, q_seg, kv_seg) -> HopMasks:
@@ -176,6 +179,72 @@ def _rotate(cfg: _RingConfig, *xs):
   return tuple(None if x is None else jax.lax.ppermute(x, cfg.axis_name, perm) for x in xs)
 
 
+def _shift(cfg: _RingConfig, by: int, *xs):
+  """Every device sends to device ``j + by`` (one ppermute per array; ``by = 0``: none)."""
+  n = cfg.ring_size
+  if by % n == 0:
+    return xs
+  perm = [(j, (j + by) % n) for j in range(n)]
+  return tuple(None if x is None else jax.lax.ppermute(x, cfg.axis_name, perm) for x in xs)
+
+
+def _forward_pruned(cfg: _RingConfig, q, k, v, seg):
+  """The hops ``first..last`` of :func:`ring_jax.scheduling.hop_range` only, unrolled: a
+  window needs a few neighbouring shards, so ``last - first`` transfers (plus one to start
+  at ``first < 0``) instead of ``n - 1``."""
+  first, last = cfg.hops
+  n = cfg.ring_size
+  t, s = q.shape[1], k.shape[1]
+  device = jax.lax.axis_index(cfg.axis_name)
+  q_pos = layouts.local_positions(cfg.layout, n, t, device)
+  acc = tuple(varying_like(x, q, k, v) for x in empty_result(q))
+  with jax.named_scope("send_kv"):
+    k, v, seg_h = _shift(cfg, first, k, v, seg)  # device d now holds shard d - first
+  for h in range(first, last + 1):
+    if h > first:
+      with jax.named_scope("send_kv"):
+        k, v, seg_h = _shift(cfg, 1, k, v, seg_h)
+    with jax.named_scope("hop"):
+      masks = _hop_masks(cfg, device, h, q_pos, s, seg, seg_h)
+      acc = merge(*acc, *cfg.kernel.forward(q, k, v, masks, cfg.spec))
+  out, lse = acc
+  return out.astype(q.dtype), lse
+
+
+def _backward_pruned(cfg: _RingConfig, q, k, v, seg, out, lse, do, dlse):
+  """Backward of :func:`_forward_pruned`: the dK/dV accumulator travels with its shard and
+  goes home (to device ``d - last``) with one ppermute at the end."""
+  first, last = cfg.hops
+  n = cfg.ring_size
+  t, s = q.shape[1], k.shape[1]
+  device = jax.lax.axis_index(cfg.axis_name)
+  q_pos = layouts.local_positions(cfg.layout, n, t, device)
+  lse = lse_for_backward(lse)
+  k0, v0 = k, v
+  with jax.named_scope("send_kv"):
+    k, v, seg_h = _shift(cfg, first, k, v, seg)
+  dq = dk = dv = None
+  for h in range(first, last + 1):
+    if h > first:
+      with jax.named_scope("send_kv"):
+        k, v, seg_h = _shift(cfg, 1, k, v, seg_h)
+      with jax.named_scope("send_dkv"):
+        dk, dv = _shift(cfg, 1, dk, dv)
+    with jax.named_scope("hop"):
+      masks = _hop_masks(cfg, device, h, q_pos, s, seg, seg_h)
+      dq_h, dk_h, dv_h = cfg.kernel.backward(q, k, v, out, lse, do, dlse, masks, cfg.spec)
+    if dq is None:
+      dq, dk, dv = dq_h, dk_h, dv_h
+    else:
+      dq, dk, dv = dq + dq_h, dk + dk_h, dv + dv_h
+  with jax.named_scope("dkv_home"):
+    dk, dv = _shift(cfg, -last, dk, dv)  # the accumulator of shard d - last goes home
+  extra = tuple(sorted(_varying_axes(dk) - _varying_axes(k0), key=str))
+  if extra:
+    dk, dv = jax.lax.psum((dk, dv), extra)
+  return dq.astype(q.dtype), dk.astype(k0.dtype), dv.astype(v0.dtype)
+
+
 def _forward(cfg: _RingConfig, q, k, v, seg):
   """Returns ``(out [B,T,K,G,H] input dtype, lse [B,T,K,G] f32, -inf where no key was seen)``.
 
@@ -184,6 +253,8 @@ def _forward(cfg: _RingConfig, q, k, v, seg):
   hop but the last, one loop body), ``ring_fwd/last_hop`` and
   ``ring_fwd/send_kv`` (the K/V transfer).
   """
+  if cfg.hops is not None:
+    return _forward_pruned(cfg, q, k, v, seg)
   n = cfg.ring_size
   t, s = q.shape[1], k.shape[1]
   device = jax.lax.axis_index(cfg.axis_name)
@@ -220,6 +291,8 @@ def _backward(cfg: _RingConfig, q, k, v, seg, out, lse, do, dlse):
   body), ``ring_bwd/last_hop``, and the transfers ``ring_bwd/send_kv``,
   ``ring_bwd/send_dkv`` and ``ring_bwd/dkv_home``.
   """
+  if cfg.hops is not None:
+    return _backward_pruned(cfg, q, k, v, seg, out, lse, do, dlse)
   n = cfg.ring_size
   t, s = q.shape[1], k.shape[1]
   device = jax.lax.axis_index(cfg.axis_name)

@@ -136,6 +136,9 @@ class Schedule:
       unmasked (the rest are fully visible).
     block_q, block_kv: block sizes in tokens.
     layout, ring_size, local_len: what the schedule was built for.
+    hops: ``(first, last)`` of :func:`hop_range`: the hops the ring runs (with a
+      window and the contiguous layout, fewer than ``n``; hop ``h < 0`` is the
+      shard of device ``d - h``, i.e. ``pairs[d, h % n]``). Hops outside have no pairs.
   """
   pairs: np.ndarray
   num_pairs: np.ndarray
@@ -145,6 +148,7 @@ class Schedule:
   layout: str
   ring_size: int
   local_len: int
+  hops: tuple[int, int]
 
   @property
   def active(self) -> np.ndarray:
@@ -222,6 +226,29 @@ def block_pairs(q_pos, k_pos, block_q: int, block_kv: int, is_causal: bool, wind
   return pairs, num, partial
 
 
+def hop_range(layout: str, ring_size: int, local_len: int, is_causal: bool,
+              window) -> tuple[int, int]:
+  """``(first, last)``: the hops ``h`` (shard of device ``d - h`` on device ``d``) the ring runs.
+
+  ``(0, n - 1)`` (the whole ring) unless a local window confines every query's
+  keys to nearby shards: with the ``contiguous`` layout a window ``(left,
+  right)`` reaches ``a = ceil(left / local_len)`` shards back and ``b =
+  ceil(right / local_len)`` forward (0 when causal), so only hops ``-b .. a``
+  hold visible keys; when ``a + b + 1 < n`` the ring runs just those
+  (``h < 0``: a shard from a later device). Zigzag and striped shards hold
+  far-apart positions, so they always run the whole ring.
+  """
+  n = ring_size
+  if window is None or layout != "contiguous" or n == 1:
+    return 0, n - 1
+  left, right = window
+  a = -(-left // local_len)
+  b = 0 if is_causal else -(-right // local_len)
+  if a + b + 1 >= n:
+    return 0, n - 1
+  return -b, a
+
+
 @functools.lru_cache(maxsize=256)
 def schedule(layout: str, ring_size: int, local_len: int, block_q: int, block_kv: int,
              is_causal: bool = False, local_window_size=None) -> Schedule:
@@ -253,5 +280,7 @@ def schedule(layout: str, ring_size: int, local_len: int, block_q: int, block_kv
       partial[d, h, :m] = part[:m]
   for arr in (pairs, partial, num_pairs):
     arr.setflags(write=False)
+  hops = hop_range(layout, n, local_len, is_causal, window)
   return Schedule(pairs=pairs, num_pairs=num_pairs, partial=partial, block_q=block_q,
-                  block_kv=block_kv, layout=layout, ring_size=n, local_len=local_len)
+                  block_kv=block_kv, layout=layout, ring_size=n, local_len=local_len,
+                  hops=hops)

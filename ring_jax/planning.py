@@ -1,0 +1,505 @@
+"""A cost model for sequence-parallel attention: which strategy, and why.
+
+:func:`plan` predicts, per device, the FLOPs, the bytes each strategy moves,
+the time those take on the device's compute and links, whether the ring's
+transfers hide behind its compute, and the memory an attention call needs;
+it then picks the fastest strategy that fits in memory. It is a first-order
+(roofline) model with nominal hardware figures from :mod:`ring_jax.hardware`:
+good for choosing between strategies and for seeing where the crossover
+lies, not for predicting milliseconds. ``docs/performance.md`` derives it.
+
+Per device (after ``data``/``tensor`` sharding), with ``n`` sequence devices,
+local length ``ℓ = L/n``, ``N``/``K`` query/key-value heads, head dim ``d``,
+``e`` bytes per element, ``c`` the fraction of (query, key) pairs computed on
+the busiest device (1 without a mask; ½ causal with a balanced layout, ``1 -
+1/(2n)`` causal contiguous; window width / L with a window):
+
+* compute: forward ``4·B·ℓ·L·N·d·c`` FLOPs, backward 2.5x that (FlashAttention-2).
+* ring: ``n-1`` hops, each moving ``2·B·ℓ·K·d·e`` bytes over one link while a
+  hop's compute runs; hidden iff ``ℓ >= ℓ* = e/(2c)·(K/N)·F/W``. The backward
+  moves K/V again and the float32 dK/dV (``(e+4)/e`` times the bytes).
+* all_gather: gathers ``(n-1)·2·B·ℓ·K·d·e`` bytes before computing (exposed);
+  the backward gathers again and reduce-scatters float32 dK/dV. Holds the
+  whole K/V (and its float32 gradients in the backward).
+* ulysses: two ``all_to_all`` of ``(u-1)/u`` of the local q, k, v and out
+  (K/V heads repeated up to ``u`` when fewer), exposed; attention over the
+  whole sequence for ``N/u`` heads.
+* hybrid ``(r, u)``: Ulysses over ``u`` then a ring of ``r`` on shards of
+  ``L/r`` tokens with ``N/u`` heads.
+
+Links: on a TPU torus a mesh axis is a ring of neighbours: ``ppermute`` uses
+one link in one direction, ``all_gather``/``psum_scatter`` a bidirectional
+ring (2 links), ``all_to_all`` is bisection-bound (2 links, and ``n/4`` hops
+on average beyond 4 devices). Through an NVSwitch every transfer gets the
+GPU's whole NVLink bandwidth. An axis whose devices (times the devices of the
+axes inside it: ``tensor``, and for the hybrid's ring its Ulysses axis) span
+more than one fast domain (TPU pod, 8-GPU node) uses the network bandwidth.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+from ring_jax import hardware
+from ring_jax import scheduling
+
+#: The sequence-parallel strategies (ring_jax.strategies implements them; "auto" asks plan()).
+STRATEGIES: tuple[str, ...] = ("ring", "all_gather", "ulysses", "hybrid")
+_CANDIDATES = STRATEGIES
+
+
+@dataclasses.dataclass(frozen=True)
+class Estimate:
+  """The prediction for one strategy (per device, fwd+bwd unless ``backward=False``).
+
+  Attributes:
+    strategy: ``"ring"``, ``"all_gather"``, ``"ulysses"`` or ``"hybrid"``.
+    split: for the hybrid, ``(ring_size, ulysses_size)``; else ``(n,)``.
+    feasible: whether it can run on these shapes (heads divisible, lengths...).
+    why_not: the reason when it cannot (or does not fit in memory).
+    flops: FLOPs on the busiest device.
+    bytes_moved: bytes sent by one device over the call.
+    compute_s, comm_s: time of the compute and of the transfers alone.
+    exposed_comm_s: transfer time not hidden behind compute.
+    time_s: predicted time (compute + exposed transfers).
+    hidden: ring/hybrid: whether the ring's transfers hide behind each hop's compute
+      (forward, and backward when included).
+    min_local_len: ring/hybrid: the local length from which they would (``ℓ*``, or
+      with the backward the larger ``ℓ*_bwd``; without a window).
+    memory_bytes: predicted peak bytes per device of the call (inputs, outputs,
+      residuals, temporaries).
+  """
+  strategy: str
+  split: tuple[int, ...]
+  feasible: bool
+  why_not: str | None
+  flops: float
+  bytes_moved: float
+  compute_s: float
+  comm_s: float
+  exposed_comm_s: float
+  time_s: float
+  hidden: bool | None
+  min_local_len: float | None
+  memory_bytes: float
+
+  @property
+  def name(self) -> str:
+    if self.strategy == "hybrid":
+      return f"hybrid{self.split[0]}x{self.split[1]}"
+    return self.strategy
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """What :func:`plan` returns: the choice, the reasons, every strategy's estimate."""
+  strategy: str
+  split: tuple[int, ...]
+  reasons: tuple[str, ...]
+  estimates: tuple[Estimate, ...]
+  device: str
+  setting: str
+
+  def estimate(self, name: str) -> Estimate:
+    """The estimate of strategy ``name`` (the hybrid's as ``"hybrid<r>x<u>"`` or the best one)."""
+    for e in self.estimates:
+      if e.name == name:
+        return e
+    found = [e for e in self.estimates if e.strategy == name]
+    if not found:
+      raise KeyError(f"no estimate for {name!r}; have {[e.name for e in self.estimates]}")
+    return min(found, key=lambda e: e.time_s)
+
+  def table(self) -> str:
+    """A fixed-width table of the estimates, then the choice and its reasons."""
+    head = (f"{'strategy':12s} {'TFLOP':>8s} {'GB moved':>9s} {'compute':>9s} {'comm':>9s} "
+            f"{'exposed':>9s} {'time':>9s} {'hidden':>6s} {'l*':>7s} {'mem GiB':>8s}  note")
+    rows = [self.setting, head]
+    for e in self.estimates:
+      hidden = "-" if e.hidden is None else ("yes" if e.hidden else "no")
+      lstar = "-" if e.min_local_len is None else f"{e.min_local_len:,.0f}"
+      note = "" if e.feasible and e.why_not is None else f"[{e.why_not}]"
+      if e.flops == 0 and not e.feasible:
+        rows.append(f"{e.name:12s} {'-':>8s} {'-':>9s} {'-':>9s} {'-':>9s} {'-':>9s} "
+                    f"{'-':>9s} {'-':>6s} {'-':>7s} {'-':>8s}  {note}")
+        continue
+      rows.append(
+          f"{e.name:12s} {e.flops / 1e12:8.1f} {e.bytes_moved / 1e9:9.2f} "
+          f"{_ms(e.compute_s):>9s} {_ms(e.comm_s):>9s} {_ms(e.exposed_comm_s):>9s} "
+          f"{_ms(e.time_s):>9s} {hidden:>6s} {lstar:>7s} {e.memory_bytes / 2**30:8.2f}  {note}")
+    chosen = self.estimate(self.strategy if self.strategy != "hybrid" else
+                           f"hybrid{self.split[0]}x{self.split[1]}")
+    rows.append(f"-> {chosen.name}: " + "; ".join(self.reasons))
+    return "\n".join(rows)
+
+  def __repr__(self) -> str:
+    return self.table()
+
+  __str__ = __repr__
+
+
+def _ms(seconds: float) -> str:
+  return f"{seconds * 1e3:.2f}ms"
+
+
+def _dtype_bytes(dtype) -> int:
+  if isinstance(dtype, (int, np.integer)):
+    return int(dtype)
+  if "bfloat16" in str(dtype):
+    return 2
+  return int(np.dtype(dtype).itemsize)
+
+
+def _window_pair(local_window_size):
+  if local_window_size is None:
+    return None
+  if isinstance(local_window_size, (int, np.integer)):
+    return int(local_window_size), int(local_window_size)
+  left, right = local_window_size
+  return int(left), int(right)
+
+
+def _coverage(seq_len, n, is_causal, window, layout) -> float:
+  """Fraction of the busiest device's (query, key) pairs that are computed."""
+  if window is not None:
+    left, right = window
+    width = min(left, seq_len) + (0 if is_causal else min(right, seq_len)) + 1
+    return min(1.0, width / seq_len)
+  if not is_causal:
+    return 1.0
+  if layout == "contiguous" and n > 1:
+    return 1.0 - 1.0 / (2 * n)  # the last device: all keys but half its own shard
+  return 0.5
+
+
+@dataclasses.dataclass(frozen=True)
+class _Links:
+  p2p: float       # one ppermute to a neighbour
+  gather: float    # all_gather / psum_scatter, per device
+  a2a: float       # all_to_all, per device, before the n/4 factor on a torus
+  torus: bool
+
+
+def _links(spec: hardware.DeviceSpec, span: int, link_bandwidth, network_bandwidth) -> _Links:
+  """Bandwidths a collective over an axis of devices gets, from the device's figures."""
+  fast = spec.fast_domain or 1
+  if span > fast:
+    w = network_bandwidth or spec.network_bandwidth
+    if w is None:
+      raise ValueError(
+          f"{span} devices exceed one fast domain of {spec.label} ({fast} devices) and the "
+          "table has no network bandwidth for it: pass network_bandwidth= (bytes/s per device, "
+          "one direction).")
+    return _Links(p2p=w, gather=w, a2a=w, torus=False)
+  w = link_bandwidth or spec.link_bandwidth
+  if w is None or spec.topology is None:
+    raise ValueError(f"no link bandwidth known for {spec.label}: pass link_bandwidth= "
+                     "(bytes/s, one link, one direction).")
+  if spec.topology == "torus":
+    return _Links(p2p=w, gather=2 * w, a2a=2 * w, torus=True)
+  total = w * (spec.links or 1)
+  return _Links(p2p=total, gather=total, a2a=total, torus=False)
+
+
+def _a2a_time(nbytes_local, u, links: _Links) -> float:
+  """Time of an all_to_all of a device's ``nbytes_local`` over ``u`` devices."""
+  if u <= 1:
+    return 0.0
+  sent = nbytes_local * (u - 1) / u
+  hops = max(1.0, u / 4) if links.torus else 1.0  # torus: bisection-bound beyond 4
+  return sent * hops / links.a2a
+
+
+def _ring_time(hop_compute, hops_active, hop_transfer, n):
+  """Synchronous hops: hop 0 computes only; hops 1..n-1 take max(compute, transfer)."""
+  total = 0.0
+  for h in range(n):
+    comp = hop_compute if h < hops_active else 0.0
+    total += comp if h == 0 else max(comp, hop_transfer)
+  return total
+
+
+def plan(*, batch: int, seq_len: int, heads: int, head_dim: int, kv_heads: int | None = None,
+         dtype="bfloat16", is_causal: bool = True, local_window_size=None,
+         layout: str = "zigzag", sequence=8, tensor: int = 1, data: int = 1,
+         device: str | None = None, peak_flops: float | None = None,
+         link_bandwidth: float | None = None, network_bandwidth: float | None = None,
+         memory_bytes: float | None = None, backward: bool = True, block: int = 512,
+         strategies=None) -> Plan:
+  """Predicts each sequence-parallel strategy's cost per device and picks one.
+
+  Args:
+    batch, seq_len, heads, head_dim, kv_heads: global shapes (``kv_heads``
+      defaults to ``heads``).
+    dtype: of q/k/v (a numpy/JAX dtype, its name, or bytes per element).
+    is_causal, local_window_size, layout: the mask and the sequence layout.
+    sequence: devices the sequence is split over: an int ``n`` (ring,
+      all_gather, ulysses over one axis of ``n``, and the hybrid for every
+      split ``r x u = n`` with ``u > 1``), or a pair ``(r, u)``: two mesh axes,
+      as ``attention_sharded(seq_axis=(ring_axis, ulysses_axis))`` takes them
+      (only the hybrid runs on that).
+    tensor, data: sizes of the head and batch axes (they divide heads / batch).
+    device: a device kind (``jax.Device.device_kind`` or a name of
+      :mod:`ring_jax.hardware`, e.g. ``"TPU v5p"``, ``"H200"``, ``"cpu"``).
+    peak_flops, link_bandwidth, network_bandwidth, memory_bytes: override (or
+      supply, without ``device``) the device's figures: FLOP/s, one link one
+      direction (bytes/s), network per device one direction, memory per device.
+    backward: include the backward pass (training) or not (inference).
+    block: the hop kernel's block size (the score tiles' memory).
+    strategies: restrict the candidates (default all of ``ring``,
+      ``all_gather``, ``ulysses``, ``hybrid``).
+
+  Returns:
+    a :class:`Plan`: ``strategy`` (and ``split`` for the hybrid), the reasons,
+    and every candidate's :class:`Estimate`; ``print(plan)`` shows a table.
+  """
+  spec = _device(device, peak_flops, link_bandwidth)
+  flops_s = float(peak_flops or spec.peak_bf16_flops)
+  budget = float(memory_bytes or spec.memory_bytes or math.inf)
+  kv_heads = heads if kv_heads is None else kv_heads
+  e = _dtype_bytes(dtype)
+  window = _window_pair(local_window_size)
+  wanted = tuple(_CANDIDATES if strategies is None else strategies)
+  for s in wanted:
+    if s not in _CANDIDATES:
+      raise ValueError(f"strategies must be among {_CANDIDATES}, got {s!r}.")
+  if isinstance(sequence, (tuple, list)):
+    if len(sequence) != 2:
+      raise ValueError(f"sequence must be an int or a pair (ring, ulysses), got {sequence!r}.")
+    splits = [tuple(int(x) for x in sequence)]
+    n = splits[0][0] * splits[0][1]
+    single = ()
+  else:
+    n = int(sequence)
+    splits = [(n // u, u) for u in range(2, n) if n % u == 0]
+    single = tuple(s for s in ("ring", "all_gather", "ulysses") if s in wanted)
+  if "hybrid" not in wanted:
+    splits = []
+  if batch % data:
+    raise ValueError(f"batch {batch} is not divisible by data={data}.")
+  b = batch // data
+  if heads % tensor:
+    raise ValueError(f"heads {heads} are not divisible by tensor={tensor}.")
+  nh = heads // tensor
+  kh = kv_heads // tensor if kv_heads % tensor == 0 else 1  # MQA: replicated
+  d = head_dim
+  bwd = 2.5 if backward else 0.0
+
+  def kv_bytes(tokens, k):
+    return 2 * b * tokens * k * d * e
+
+  def act_bytes(tokens, q_heads, k_heads):
+    """q, k, v, out (and with backward: dout, dq, dk, dv) in the input dtype."""
+    per = b * tokens * d * e * (2 * q_heads + 2 * k_heads)
+    return per * (2 if backward else 1)
+
+  def tile_bytes(q_heads):
+    return 3 * b * q_heads * block * block * 4
+
+  estimates = []
+
+  def ring_like(r, tokens, q_heads, k_heads, links_ring):
+    """A ring of ``r`` over shards of ``tokens`` with ``q_heads``/``k_heads`` per device."""
+    c = _coverage(seq_len, r, is_causal, window, layout)
+    fwd = 4 * b * tokens * seq_len * q_heads * d * c
+    hop_fwd = fwd / r
+    active = r
+    if window is not None:
+      left, right = window
+      reach = min(left, seq_len) + (0 if is_causal else min(right, seq_len))
+      active = min(r, 1 + math.ceil(reach / tokens))
+      hop_fwd = fwd / active
+    # With a window the contiguous ring runs only the hops that hold visible keys.
+    first, last = scheduling.hop_range(layout, r, max(1, int(tokens)), is_causal, window)
+    runs = last - first + 1
+    sends = runs - 1 + (first < 0)  # one more transfer to start from a later shard
+    active = min(active, runs)
+    t_fwd = kv_bytes(tokens, k_heads) / links_ring.p2p
+    t_bwd = kv_bytes(tokens, k_heads) * (e + 4) / e / links_ring.p2p
+    comp = fwd * (1 + bwd) / flops_s
+    time = _ring_time(hop_fwd / flops_s, active, t_fwd, runs) + (first < 0) * t_fwd
+    comm = sends * t_fwd
+    moved = sends * kv_bytes(tokens, k_heads)
+    if backward:
+      time += _ring_time(hop_fwd * bwd / flops_s, active, t_bwd, runs) + kv_bytes(
+          tokens, k_heads) * 4 / e / links_ring.p2p  # dK/dV home
+      comm += sends * t_bwd + kv_bytes(tokens, k_heads) * 4 / e / links_ring.p2p
+      moved += sends * kv_bytes(tokens, k_heads) + runs * kv_bytes(tokens, k_heads) * 4 / e
+    # docs/performance.md: l* = e/(2c) (K/N) F/W; with the backward (K/V and float32
+    # dK/dV travel, 2.5x the compute) (e+4)/(5c) (K/N) F/W, the larger of the two.
+    lstar = e / (2 * c) * (k_heads / q_heads) * flops_s / links_ring.p2p
+    if backward:
+      lstar = max(lstar, (e + 4) / (5 * c) * (k_heads / q_heads) * flops_s / links_ring.p2p)
+    # Every hop must compute at least as long as its transfer; with a window and a layout
+    # whose hops are not pruned (zigzag, striped) most hops only pass K/V on.
+    hidden = runs == 1 or (active == runs and hop_fwd >= t_fwd * flops_s and (
+        not backward or hop_fwd * bwd >= t_bwd * flops_s))
+    mem = (act_bytes(tokens, q_heads, k_heads) + 2 * kv_bytes(tokens, k_heads)
+           + b * tokens * q_heads * d * 4 + tile_bytes(q_heads))
+    if backward:
+      mem += b * tokens * q_heads * d * 4 + 4 * kv_bytes(tokens, k_heads) * 4 / e
+    return dict(flops=fwd * (1 + bwd), bytes_moved=moved, compute_s=comp, comm_s=comm,
+                time_s=time, hidden=hidden, min_local_len=lstar, memory_bytes=mem)
+
+  local = seq_len / n
+  for strategy in single:
+    why = _length_problem(strategy, seq_len, n, layout)
+    if strategy == "ulysses":
+      why = why or _heads_problem(nh, kh, n)
+    if why:
+      estimates.append(_infeasible(strategy, (n,), why))
+      continue
+    links = _links(spec, n * tensor, link_bandwidth, network_bandwidth)
+    if strategy == "ring":
+      r = ring_like(n, local, nh, kh, links)
+    elif strategy == "all_gather":
+      c = _coverage(seq_len, n, is_causal, window, layout)
+      fwd = 4 * b * local * seq_len * nh * d * c
+      gather = (n - 1) * kv_bytes(local, kh)
+      comm = gather / links.gather
+      moved = gather
+      if backward:
+        comm += (gather + gather * 4 / e) / links.gather
+        moved += gather + gather * 4 / e
+      comp = fwd * (1 + bwd) / flops_s
+      mem = (act_bytes(local, nh, kh) + kv_bytes(seq_len, kh) + b * local * nh * d * 4
+             + tile_bytes(nh))
+      if backward:
+        mem += kv_bytes(seq_len, kh) * 4 / e + b * local * nh * d * 4
+      r = dict(flops=fwd * (1 + bwd), bytes_moved=moved, compute_s=comp, comm_s=comm,
+               time_s=comp + comm, hidden=None, min_local_len=None, memory_bytes=mem)
+    else:  # ulysses
+      u = n
+      kr = max(kh, u)
+      c = _coverage(seq_len, 1, is_causal, window, "zigzag")  # whole sequence: balanced
+      fwd = 4 * b * seq_len * seq_len * (nh / u) * d * c
+      exchange = b * local * d * e * (2 * nh + 2 * kr)  # q, k, v in; out back
+      comm = 2 * _a2a_time(exchange, u, links) if backward else _a2a_time(exchange, u, links)
+      moved = exchange * (u - 1) / u * (2 if backward else 1)
+      comp = fwd * (1 + bwd) / flops_s
+      mem = (act_bytes(local, nh, kr) + act_bytes(seq_len, nh / u, kr / u)
+             + b * seq_len * (nh / u) * d * 4 + tile_bytes(nh / u))
+      if backward:
+        mem += b * seq_len * d * 4 * (nh + 2 * kr) / u
+      r = dict(flops=fwd * (1 + bwd), bytes_moved=moved, compute_s=comp, comm_s=comm,
+               time_s=comp + comm, hidden=None, min_local_len=None, memory_bytes=mem)
+    estimates.append(_estimate(strategy, (n,), r))
+
+  for rr, u in splits:
+    why = _length_problem("hybrid", seq_len, rr, layout, u) or _heads_problem(nh, kh, u)
+    if why:
+      estimates.append(_infeasible("hybrid", (rr, u), why))
+      continue
+    inner = _links(spec, u * tensor, link_bandwidth, network_bandwidth)
+    outer = _links(spec, rr * u * tensor, link_bandwidth, network_bandwidth)
+    kr = max(kh, u)
+    res = ring_like(rr, seq_len / rr, nh / u, kr / u, outer)
+    exchange = b * local * d * e * (2 * nh + 2 * kr)
+    a2a = _a2a_time(exchange, u, inner) * (2 if backward else 1)
+    res["comm_s"] += a2a
+    res["time_s"] += a2a
+    res["bytes_moved"] += exchange * (u - 1) / u * (2 if backward else 1)
+    res["memory_bytes"] += act_bytes(local, nh, kr)
+    estimates.append(_estimate("hybrid", (rr, u), res))
+
+  estimates = [_fit(e_, budget) for e_ in estimates]
+  setting = (f"{spec.label}: B={batch} L={seq_len:,} N={heads} K={kv_heads} d={head_dim} "
+             f"{_dtype_name(dtype)}, {_mask_name(is_causal, window)}, layout={layout}, "
+             f"sequence={sequence} tensor={tensor} data={data}, "
+             f"{'fwd+bwd' if backward else 'fwd'}; per device:")
+  return _choose(estimates, spec, setting)
+
+
+def _device(device, peak_flops, link_bandwidth) -> hardware.DeviceSpec:
+  if device is None:
+    if peak_flops is None or link_bandwidth is None:
+      raise ValueError("pass device= (a device kind, e.g. 'TPU v5p' or 'H200') or both "
+                       "peak_flops= and link_bandwidth=.")
+    return hardware.DeviceSpec("custom", float(peak_flops), "given", name="custom",
+                               link_bandwidth=link_bandwidth, links=1, topology="switch",
+                               fast_domain=1 << 30)
+  spec = hardware.lookup(device)
+  if spec is None:
+    names = sorted({s.label for s in hardware.DEVICES} | {hardware.CPU.label})
+    raise ValueError(f"unknown device {device!r}; known: {names}; or pass peak_flops= and "
+                     "link_bandwidth= with device=None.")
+  return spec
+
+
+def _length_problem(strategy, seq_len, n, layout, u=1) -> str | None:
+  multiple = (2 * n if layout == "zigzag" else n) * u
+  if strategy == "ulysses":
+    multiple = n
+  if seq_len % multiple:
+    return f"length {seq_len} not a multiple of {multiple}"
+  return None
+
+
+def _heads_problem(nh, kh, u) -> str | None:
+  if nh % u:
+    return f"{nh} query heads per device not divisible by {u}"
+  if kh % u and u % kh:
+    return f"{kh} K/V heads per device neither divisible by nor dividing {u}"
+  return None
+
+
+def _infeasible(strategy, split, why) -> Estimate:
+  return Estimate(strategy=strategy, split=split, feasible=False, why_not=why, flops=0.0,
+                  bytes_moved=0.0, compute_s=0.0, comm_s=0.0, exposed_comm_s=0.0,
+                  time_s=math.inf, hidden=None, min_local_len=None, memory_bytes=0.0)
+
+
+def _estimate(strategy, split, r) -> Estimate:
+  return Estimate(strategy=strategy, split=split, feasible=True, why_not=None,
+                  flops=r["flops"], bytes_moved=r["bytes_moved"], compute_s=r["compute_s"],
+                  comm_s=r["comm_s"], exposed_comm_s=max(0.0, r["time_s"] - r["compute_s"]),
+                  time_s=r["time_s"], hidden=r["hidden"], min_local_len=r["min_local_len"],
+                  memory_bytes=r["memory_bytes"])
+
+
+def _fit(est: Estimate, budget: float) -> Estimate:
+  if est.feasible and est.memory_bytes > budget:
+    return dataclasses.replace(
+        est, feasible=False,
+        why_not=f"needs {est.memory_bytes / 2**30:.1f} GiB > {budget / 2**30:.1f} GiB")
+  return est
+
+
+def _choose(estimates, spec, setting) -> Plan:
+  ok = [e for e in estimates if e.feasible]
+  if not ok:
+    raise ValueError("no strategy can run this: " + "; ".join(
+        f"{e.name}: {e.why_not}" for e in estimates))
+  order = {s: i for i, s in enumerate(_CANDIDATES)}
+  best = min(ok, key=lambda e: (round(e.time_s, 12), order[e.strategy]))
+  reasons = [f"fastest predicted ({best.time_s * 1e3:.2f} ms per device, "
+             f"{best.exposed_comm_s * 1e3:.2f} ms of it exposed transfer)"]
+  if best.hidden is not None:
+    reasons.append("the ring's transfer hides behind compute" if best.hidden else
+                   f"the ring's transfer is exposed (local length below l* = "
+                   f"{best.min_local_len:,.0f})")
+  others = sorted((e for e in ok if e is not best), key=lambda e: e.time_s)
+  if others:
+    nxt = others[0]
+    reasons.append(f"next: {nxt.name} at {nxt.time_s * 1e3:.2f} ms")
+  dropped = [e for e in estimates if not e.feasible]
+  if dropped:
+    reasons.append("ruled out: " + ", ".join(f"{e.name} ({e.why_not})" for e in dropped))
+  return Plan(strategy=best.strategy, split=best.split, reasons=tuple(reasons),
+              estimates=tuple(estimates), device=spec.label, setting=setting)
+
+
+def _dtype_name(dtype) -> str:
+  if isinstance(dtype, (int, np.integer)):
+    return f"{int(dtype)}-byte"
+  if "bfloat16" in str(dtype):
+    return "bfloat16"
+  return np.dtype(dtype).name
+
+
+def _mask_name(is_causal, window) -> str:
+  parts = (["causal"] if is_causal else []) + ([f"window {window}"] if window else [])
+  return " + ".join(parts) or "no mask"

@@ -1,0 +1,157 @@
+"""ring_jax.plan: the cost model's formulas, its choices and reasons, the device table, and
+the predictions docs/performance.md shows."""
+
+import os
+import re
+
+import numpy as np
+import pytest
+
+import ring_jax
+from ring_jax import hardware
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GQA = dict(batch=1, heads=32, kv_heads=8, head_dim=128, dtype="bfloat16", is_causal=True,
+           layout="zigzag")
+
+
+def test_ring_threshold_is_the_documented_one():
+  """l* = b/(2c) (K/N) F/W forward, (b+4)/(5c) (K/N) F/W with the backward
+  (docs/performance.md), and 'hidden' flips exactly there."""
+  spec = hardware.lookup("H200")
+  w = spec.link_bandwidth * spec.links
+  fwd = 2 / (2 * 0.5) * (8 / 32) * spec.peak_bf16_flops / w
+  bwd = (2 + 4) / (5 * 0.5) * (8 / 32) * spec.peak_bf16_flops / w
+  for backward, want in ((False, fwd), (True, bwd)):
+    plan = lambda local: ring_jax.plan(seq_len=8 * local, sequence=8, device="H200",
+                                       backward=backward, **GQA).estimate("ring")
+    assert plan(2048).min_local_len == pytest.approx(want)
+    below, above = plan(int(want) - 16), plan(int(want) + 16)
+    assert not below.hidden and above.hidden
+    # Hidden: only the dK/dV going home after the last hop is exposed.
+    home = 2 * (int(want) + 16) * 8 * 128 * 4 / w if backward else 0.0
+    assert above.exposed_comm_s == pytest.approx(home, rel=1e-6, abs=1e-12)
+    assert below.exposed_comm_s > home + 1e-7
+
+
+def test_flops_and_balance():
+  """Every strategy does the same causal work with a balanced layout; a contiguous causal
+  ring's busiest device does 1 - 1/(2n) of the full square, as ring_jax.schedule counts."""
+  p = ring_jax.plan(seq_len=65536, sequence=8, device="TPU v5p", **GQA)
+  flops = {e.name: e.flops for e in p.estimates if e.feasible}
+  assert len(set(np.round(list(flops.values()), -3))) == 1, flops
+  full = 4 * 65536 / 8 * 65536 * 32 * 128 * 3.5  # fwd + bwd (2.5x), no mask
+  assert flops["ring"] == pytest.approx(full / 2)
+  contiguous = ring_jax.plan(seq_len=65536, sequence=8, device="TPU v5p",
+                             **dict(GQA, layout="contiguous")).estimate("ring")
+  s = ring_jax.schedule("contiguous", 8, 64, 2, 2, is_causal=True)
+  scheduled = s.critical_path() * 2 * 2 / (64 * 8 * 64)
+  assert contiguous.flops / full == pytest.approx(scheduled, rel=0.02)
+
+
+def test_memory_and_bytes():
+  """all_gather holds the whole K/V: its memory grows with L at a fixed local length; the
+  ring's does not. Ulysses moves (u-1)/u of q, k, v, out (both ways with the backward)."""
+  def mem(strategy, n):
+    p = ring_jax.plan(seq_len=4096 * n, sequence=n, device="TPU v5p", **GQA)
+    return p.estimate(strategy).memory_bytes
+  assert mem("ring", 32) == pytest.approx(mem("ring", 8))
+  # The whole K/V (bf16) and its float32 gradients: 2 B L K d (2 + 4) bytes.
+  whole = lambda n: 2 * (4096 * n) * 8 * 128 * (2 + 4)
+  assert mem("all_gather", 32) - mem("all_gather", 8) == pytest.approx(whole(32) - whole(8))
+  est = ring_jax.plan(seq_len=8192, sequence=8, device="H200", **GQA).estimate("ulysses")
+  local = 1024 * 128 * 2 * (2 * 32 + 2 * 8)
+  assert est.bytes_moved == pytest.approx(2 * local * 7 / 8)
+
+
+def test_choice_reasons_and_constraints():
+  # 64 H200s span 8 NVLink nodes: the ring's hops cross the network and stay exposed; the
+  # hybrid keeps its all_to_all inside a node.
+  p = ring_jax.plan(seq_len=131072, sequence=64, device="H200", **GQA)
+  assert p.strategy == "hybrid" and p.split == (8, 8)
+  assert not p.estimate("ring").hidden
+  assert not p.estimate("ulysses").feasible
+  assert "not divisible by 64" in p.estimate("ulysses").why_not
+  text = repr(p)
+  assert "-> hybrid8x8: fastest predicted" in text and "ruled out: ulysses" in text
+  # One node, long context: the ring hides its transfer and wins.
+  p = ring_jax.plan(seq_len=1 << 20, sequence=8, device="NVIDIA H200", **GQA)
+  assert p.strategy == "ring" and "hides behind compute" in " ".join(p.reasons)
+  # A pair is a two-axis mesh: only the hybrid runs on it.
+  p = ring_jax.plan(seq_len=65536, sequence=(2, 4), device="TPU v5p", **GQA)
+  assert [e.name for e in p.estimates] == ["hybrid2x4"]
+
+
+def test_memory_budget_and_explicit_figures():
+  small = ring_jax.plan(seq_len=1 << 20, sequence=8, device="TPU v5e", **GQA)
+  assert not small.estimate("all_gather").feasible
+  assert "GiB >" in small.estimate("all_gather").why_not
+  with pytest.raises(ValueError, match="no strategy can run"):
+    ring_jax.plan(seq_len=1 << 20, sequence=8, device="TPU v5e", memory_bytes=1e6, **GQA)
+  custom = ring_jax.plan(seq_len=65536, sequence=8, peak_flops=1e15, link_bandwidth=1e11,
+                         **GQA)
+  # fwd+bwd threshold (2 + 4) / (5 c) (K/N) F/W with c = 1/2, K/N = 1/4
+  assert custom.estimate("ring").min_local_len == pytest.approx(6 / 2.5 * 0.25 * 1e15 / 1e11)
+  with pytest.raises(ValueError, match="unknown device"):
+    ring_jax.plan(seq_len=65536, sequence=8, device="Abacus", **GQA)
+  with pytest.raises(ValueError, match="pass device="):
+    ring_jax.plan(seq_len=65536, sequence=8, **GQA)
+
+
+@pytest.mark.parametrize("name", ["TPU v4", "TPU v5e", "TPU v5p", "TPU v6e", "A100", "H100",
+                                  "H200", "cpu"])
+def test_device_table(name):
+  spec = hardware.lookup(name)
+  assert spec is not None and spec.source
+  for field in ("peak_bf16_flops", "memory_bytes", "hbm_bandwidth", "link_bandwidth", "links",
+                "topology", "fast_domain"):
+    assert getattr(spec, field), (name, field)
+  # Runtime device_kind strings find the same entries.
+  kinds = {"TPU v5e": "TPU v5 lite", "TPU v6e": "TPU v6 lite", "H200": "NVIDIA H200",
+           "A100": "NVIDIA A100-SXM4-80GB"}
+  if name in kinds:
+    assert hardware.lookup(kinds[name]) is spec
+  assert hardware.peak_flops("cpu") is None  # the CPU entry stays out of the MFU table
+
+
+def _block_after(text, start, lang):
+  m = re.compile(r"^```" + lang + r"\n(.*?)^```", re.S | re.M).search(text, start)
+  return m.group(1), m.end()
+
+
+def test_doc_tables_are_plans_output():
+  """docs/performance.md's device table and predictions are what its code prints now."""
+  with open(os.path.join(ROOT, "docs", "performance.md")) as f:
+    doc = f.read()
+  start = doc.index("<!-- plan-tables -->")
+  code, end = _block_after(doc, start, "python")
+  devices, end = _block_after(doc, end, "text")
+  predictions, _ = _block_after(doc, end, "text")
+  namespace = {}
+  exec(compile(code.replace("print(", "str("), "performance.md", "exec"), namespace)
+  assert namespace["device_table"]().rstrip() == devices.rstrip()
+  assert namespace["plan_table"]().rstrip() == predictions.rstrip()
+
+
+def test_window():
+  """A window of one shard's length: the work shrinks to the window's band, but the ring
+  still sends K/V around all n - 1 hops (no hop pruning), so its transfer is exposed, while
+  all-gather and Ulysses only pay their collectives once."""
+  local = 4096
+  kw = dict(GQA, is_causal=True, local_window_size=local)
+  p = ring_jax.plan(seq_len=8 * local, sequence=8, device="TPU v5p", **kw)
+  full = ring_jax.plan(seq_len=8 * local, sequence=8, device="TPU v5p", **GQA)
+  ring = p.estimate("ring")
+  assert ring.flops == pytest.approx(full.estimate("ring").flops * (local + 1) / (8 * local) * 2)
+  assert not ring.hidden and ring.exposed_comm_s > 0.5 * ring.comm_s
+  assert "window (4096, 4096)" in p.setting
+
+
+def test_window_prunes_contiguous_ring():
+  """With the contiguous layout the windowed ring runs only the hops holding visible keys
+  (ring_jax.scheduling.hop_range): one K/V transfer for a one-shard causal window."""
+  local = 4096
+  kw = dict(GQA, is_causal=True, local_window_size=local, layout="contiguous")
+  ring = ring_jax.plan(seq_len=8 * local, sequence=8, device="TPU v5p", **kw).estimate("ring")
+  kv = 2 * local * 8 * 128 * 2
+  assert ring.bytes_moved == pytest.approx(kv + kv + 2 * kv * 4 / 2)  # fwd, bwd K/V, dK/dV
