@@ -138,6 +138,23 @@ def _masked_pv(p_blk, v_blk, mask, precision):
   return jnp.where(reads_bad[:, :, None], jnp.nan, pv)
 
 
+def _scores(q_blk, k_blk, scale, precision):
+  """float32 scaled scores ``[B, K, G, bq, bk]``.
+
+  For 32/64-bit inputs the scale goes into the query block before the matmul: with
+  ``dot * scale`` the compiler may contract ``dot * scale - max`` (in ``exp(s - max)``)
+  into a fused multiply-add, computing the difference from the unrounded product while
+  ``max`` came from the rounded one; with a huge scale (``1e30``) that ulp is
+  ``exp(1e23) = inf``. Scaling a 16-bit query would add a rounding in its own dtype, so
+  those multiply after the float32 matmul.
+  """
+  if jnp.dtype(q_blk.dtype).itemsize >= 4:
+    return jnp.einsum("bkgqh,bksh->bkgqs", q_blk * jnp.asarray(scale, q_blk.dtype), k_blk,
+                      precision=precision, preferred_element_type=jnp.float32)
+  return jnp.einsum("bkgqh,bksh->bkgqs", q_blk, k_blk, precision=precision,
+                    preferred_element_type=jnp.float32) * scale
+
+
 def _q_blocks(x, block):
   """``[B, T, K, G]`` -> block-major ``[nq, B, K, G, bq]`` (row statistics; small)."""
   b, t, k, g = x.shape
@@ -219,8 +236,7 @@ class XlaHopKernel:
         o, m, l = c
         k_blk = _kv_block(k, bb, bk)                           # [B, K, bk, H]
         v_blk = _kv_block(v, bb, bk)
-        s = jnp.einsum("bkgqh,bksh->bkgqs", q_blk, k_blk, precision=prec,
-                       preferred_element_type=jnp.float32) * scale
+        s = _scores(q_blk, k_blk, scale, prec)
         mask = _pair_mask(masks, spec, a, bb) if masked else None
         if mask is not None:
           s = jnp.where(mask, s, -jnp.inf)
@@ -291,8 +307,7 @@ class XlaHopKernel:
       _, dk_blk, dv_blk = c
       row = lambda x: jax.lax.dynamic_index_in_dim(x, a, keepdims=False)
       q_blk, do_blk = _q_block(q, a, bq), _q_block(do, a, bq)  # [B, K, G, bq, H]
-      s = jnp.einsum("bkgqh,bksh->bkgqs", q_blk, k_blk, precision=prec,
-                     preferred_element_type=jnp.float32) * scale
+      s = _scores(q_blk, k_blk, scale, prec)
       p = jnp.exp(s - row(lseB)[..., None])                    # softmax probabilities
       if masked:
         p = jnp.where(_pair_mask(masks, spec, a, bb), p, 0.0)
