@@ -118,7 +118,7 @@ def ring(cfg, q_BLNH, k_BLKH, v_BLKH, positions_BL, segment_ids_BL):
   return ring_jax.ring_attention_sharded(
       q_BLNH, k_BLKH, v_BLKH, seq_axis=seq_axis, batch_axis=batch_axis, head_axis=head_axis,
       is_causal=True, segment_ids=segment_ids_BL, layout=cfg.layout, inputs_in_layout=True,
-      block_q=cfg.block_q, block_kv=cfg.block_kv)
+      block_q=cfg.block_q, block_kv=cfg.block_kv, hop_kernel=cfg.hop_kernel)
 
 
 def dense(cfg, q_BLNH, k_BLKH, v_BLKH, positions_BL, segment_ids_BL):

@@ -97,6 +97,8 @@ class LlamaConfig:
   "high_freq_factor", "original_max_position_embeddings"}`` (``"type"`` is
   accepted for ``"rope_type"``). ``attention`` is a key of
   :data:`models.attention.ATTENTION_BACKENDS` (``"ring"``, ``"dense"``);
+  ``hop_kernel`` names the ring's per-hop kernel (a key of
+  :data:`ring_jax.kernels.HOP_KERNELS`, or ``"auto"``: see :mod:`ring_jax.kernels`);
   ``remat_policy`` a key of :data:`REMAT_POLICIES`; ``dtype`` the compute
   dtype, ``param_dtype`` the storage dtype (keys of :data:`DTYPES`).
   """
@@ -115,6 +117,7 @@ class LlamaConfig:
   layout: str = "contiguous"
   block_q: int | None = None
   block_kv: int | None = None
+  hop_kernel: str = "auto"
   ffn_chunk_size: int | None = None
   # Tokens per chunk of the output head inside nll_sums: the [B, L, vocab] logits then exist
   # one chunk of each device's local sequence at a time (forward and, by remat, backward).
@@ -130,6 +133,7 @@ class LlamaConfig:
   def __post_init__(self):
     attn_lib.check_backend(self.attention)
     ring_jax.layouts.check_layout(self.layout)
+    ring_jax.kernels.check_name(self.hop_kernel)
     for name in ("vocab_size", "dim", "num_layers", "num_heads", "num_kv_heads", "mlp_dim"):
       value = getattr(self, name)
       if not isinstance(value, (int, np.integer)) or value < 1:

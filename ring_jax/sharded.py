@@ -36,10 +36,9 @@ def _has_explicit_axes(mesh) -> bool:
 
 def _platform(mesh) -> str:
   """Platform of the mesh's devices; the default backend's for an abstract mesh."""
-  devices = getattr(mesh, "devices", None)
-  if devices is not None and getattr(devices, "size", 0):
-    return devices.flat[0].platform
-  return jax.default_backend()
+  if isinstance(mesh, jax.sharding.Mesh) and mesh.devices.size:
+    return mesh.devices.flat[0].platform
+  return jax.default_backend()  # an AbstractMesh has no devices
 
 
 def _reshard(mesh, x, spec):

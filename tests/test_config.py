@@ -123,6 +123,7 @@ def _with_mesh(mesh):
 @pytest.mark.parametrize("overrides,match", [
     ({"model.attention": "flash"}, "model.attention='flash' is unknown"),
     ({"model.layout": "spiral"}, "model.layout='spiral' is unknown"),
+    ({"model.hop_kernel": "flash"}, r"model.hop_kernel='flash' is unknown.*'auto', 'xla'"),
     ({"mesh.data": 1, "mesh.sequence": 2, "mesh.tensor": 4, "model.num_heads": 6,
       "model.num_kv_heads": 2}, "num_heads=6 is not divisible by the mesh 'tensor'"),
     ({"mesh.data": 1, "mesh.sequence": 2, "mesh.tensor": 4, "model.num_kv_heads": 2},

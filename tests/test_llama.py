@@ -106,6 +106,21 @@ def test_ring_on_mesh_matches_dense(baseline, mesh_sizes, layout, axis_types, ff
   _assert_tree_close(grads, want_grads)
 
 
+def test_ring_hop_kernel_by_name(baseline):
+  """LlamaConfig.hop_kernel reaches the ring: "xla" by name matches the dense model; an
+  unknown name fails at construction, listing the known ones."""
+  params, (tokens, pos, segs, weights), want_logits, _ = baseline
+  mesh = make_mesh(auto=True, sequence=4)
+  cfg = _cfg(attention="ring", layout="zigzag", block_q=2, block_kv=2, hop_kernel="xla")
+  to = lambda x: np.asarray(ring_jax.to_layout(x, "zigzag", 4))
+  logits, _ = _loss_and_grads(cfg, params, to(tokens), to(pos), to(segs), to(weights), mesh)
+  logits = np.asarray(ring_jax.from_layout(logits, "zigzag", 4))
+  real = segs > 0
+  np.testing.assert_allclose(logits[real], want_logits[real], rtol=1e-5, atol=1e-5)
+  with pytest.raises(ValueError, match="hop_kernel='flash'.*'auto', 'xla'"):
+    _cfg(hop_kernel="flash")
+
+
 def test_dense_backend_on_layout_order(baseline):
   """The dense backend masks by the given positions, so zigzag-ordered inputs give the same result."""
   params, (tokens, pos, segs, _), want_logits, _ = baseline

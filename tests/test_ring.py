@@ -13,7 +13,6 @@ from jax.sharding import PartitionSpec as P
 
 import ring_jax
 from attn_utils import assert_close, grads, make_mesh, packed_segments, qkv
-from ring_jax import scheduling
 from ring_jax.kernels import XlaHopKernel
 
 
@@ -56,12 +55,8 @@ class CountingKernel(XlaHopKernel):
   log: list = dataclasses.field(default_factory=list, compare=False, hash=False)
 
   def _record(self, phase, masks, spec):
-    shared = None
-    if masks.q_segment_ids is not None:
-      shared = scheduling.blocks_share_a_segment(masks.q_segment_ids, masks.kv_segment_ids,
-                                                 spec.block_q, spec.block_kv)
-    _, num, _ = scheduling.block_pairs(masks.q_positions, masks.kv_positions, spec.block_q,
-                                       spec.block_kv, spec.is_causal, spec.window, shared)
+    # The pairs the kernel's loops visit (its own plan, from positions and segment ids).
+    num = self.block_plan(masks, spec).computed().sum(dtype=jnp.int32)
 
     def cb(qp, kp, num):
       self.log.append((phase, int(qp[0]), int(kp[0]), int(num)))

@@ -23,7 +23,7 @@ import numpy as np
 
 from models.attention import ATTENTION_BACKENDS
 from models.sharding import MESH_AXES
-from ring_jax import layouts
+from ring_jax import kernels, layouts
 
 DATA_KINDS: tuple[str, ...] = ("kv_retrieval", "text")
 
@@ -229,6 +229,10 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int) -> dict
   if m.attention not in ATTENTION_BACKENDS:
     raise ConfigError(f"model.attention={m.attention!r} is unknown; choose one of "
                       f"{sorted(ATTENTION_BACKENDS)}.")
+  hop_kernel = m.get("hop_kernel", "auto")
+  if hop_kernel not in kernels.kernel_names():
+    raise ConfigError(f"model.hop_kernel={hop_kernel!r} is unknown; choose one of "
+                      f"{kernels.kernel_names()}.")
   if m.layout not in layouts.LAYOUTS:
     raise ConfigError(f"model.layout={m.layout!r} is unknown; choose one of {layouts.LAYOUTS}.")
   if m.num_heads % m.num_kv_heads:
