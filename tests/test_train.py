@@ -77,7 +77,10 @@ def test_sharded_ring_step_equals_unsharded_dense_step():
   assert metrics_a["target_tokens"] == metrics_b["target_tokens"] == 8 * 2 * 4  # rows*docs*q
   moved = jax.tree.map(lambda a, b: float(np.abs(a - b).max()), params_b, init_b)
   assert max(jax.tree.leaves(moved)) > 1e-4  # the step did update the params
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=2e-6),
+  # Adam's first update is ~lr * g / (|g| + eps): entries whose gradient is near zero move by
+  # an amount that depends on summation order (seen: 3.8e-6 on jax 0.12), so atol is set a
+  # decade below the smallest movement the check above requires, not at float32 rounding.
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5),
                params_a, params_b)
 
 
