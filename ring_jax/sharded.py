@@ -47,6 +47,32 @@ def _reshard(mesh, x, spec):
   return jax.reshard(x, spec)  # abstract mesh: the one set with jax.set_mesh
 
 
+
+def check_batch_and_heads(mesh, batch_axis, head_axis, batch: int, heads: int,
+                          kv_heads: int) -> str | None:
+  """Checks that the batch splits over ``batch_axis`` and the heads over ``head_axis``.
+
+  Returns the mesh axis the K/V heads are sharded over: ``head_axis``, or None for MQA (a
+  single K/V head that every tensor shard needs). Raises ValueError naming the fix.
+  """
+  if batch_axis is not None and batch % mesh.shape[batch_axis]:
+    raise ValueError(
+        f"batch {batch} is not divisible by {batch_axis}={mesh.shape[batch_axis]}; use a batch "
+        f"that is a multiple of it or batch_axis=None.")
+  if head_axis is None:
+    return None
+  tp = mesh.shape[head_axis]
+  if heads % tp:
+    raise ValueError(f"query heads {heads} are not divisible by {head_axis}={tp}.")
+  if kv_heads % tp:
+    if kv_heads != 1:
+      raise ValueError(
+          f"key/value heads {kv_heads} are not divisible by {head_axis}={tp}; use a number of "
+          "key/value heads divisible by the tensor axis (or a single one, MQA).")
+    return None
+  return head_axis
+
+
 def ring_attention_sharded(query, key, value, *, mesh=None, seq_axis: str = "sequence",
                            batch_axis: str | None = "data", head_axis: str | None = "tensor",
                            is_causal: bool = False, segment_ids=None, scale: float | None = None,
@@ -107,21 +133,7 @@ def ring_attention_sharded(query, key, value, *, mesh=None, seq_axis: str = "seq
   ring = mesh.shape[seq_axis]
   for what, size in (("query length", length), ("key/value length", kv_len)):
     layouts.check_length(layout, ring, size, what)
-  if batch_axis is not None and b % mesh.shape[batch_axis]:
-    raise ValueError(
-        f"batch {b} is not divisible by {batch_axis}={mesh.shape[batch_axis]}; use a batch that "
-        f"is a multiple of it or batch_axis=None.")
-  kv_head_axis = head_axis
-  if head_axis is not None:
-    tp = mesh.shape[head_axis]
-    if n % tp:
-      raise ValueError(f"query heads {n} are not divisible by {head_axis}={tp}.")
-    if kh % tp:
-      if kh != 1:
-        raise ValueError(
-            f"key/value heads {kh} are not divisible by {head_axis}={tp}; use a number of "
-            "key/value heads divisible by the tensor axis (or a single one, MQA).")
-      kv_head_axis = None  # MQA: every tensor shard needs the one K/V head
+  kv_head_axis = check_batch_and_heads(mesh, batch_axis, head_axis, b, n, kh)
 
   # Natural-order inputs are reordered shard by shard with collectives inside the
   # shard_map (O(L/n) memory) when the layout allows, else as global arrays.

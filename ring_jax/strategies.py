@@ -51,6 +51,7 @@ from ring_jax import validation
 from ring_jax import hop as hop_lib
 from ring_jax.hop import HopKernel, HopMasks, HopSpec
 from ring_jax.ring import default_block, ring_attention
+from ring_jax import sharded
 from ring_jax.sharded import ring_attention_sharded
 
 #: The strategies :func:`attention_sharded` accepts; "auto" asks :func:`ring_jax.plan`.
@@ -510,20 +511,7 @@ def attention_sharded(query, key, value, *, mesh=None, strategy: str = "auto",
   seq_size = 1
   for a in seq_names:
     seq_size *= mesh.shape[a]
-  if batch_axis is not None and b % mesh.shape[batch_axis]:
-    raise ValueError(f"batch {b} is not divisible by {batch_axis}={mesh.shape[batch_axis]}; use "
-                     "a batch that is a multiple of it or batch_axis=None.")
-  kv_head_axis = head_axis
-  if head_axis is not None:
-    tp = mesh.shape[head_axis]
-    if n % tp:
-      raise ValueError(f"query heads {n} are not divisible by {head_axis}={tp}.")
-    if kh % tp:
-      if kh != 1:
-        raise ValueError(
-            f"key/value heads {kh} are not divisible by {head_axis}={tp}; use a number of "
-            "key/value heads divisible by the tensor axis (or a single one, MQA).")
-      kv_head_axis = None  # MQA: every tensor shard needs the one K/V head
+  kv_head_axis = sharded.check_batch_and_heads(mesh, batch_axis, head_axis, b, n, kh)
 
   local_layout = layout
   reorder_global = reorder_in_shards = False
