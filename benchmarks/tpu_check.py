@@ -42,7 +42,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import ring_jax  # noqa: E402
-from ring_jax.hop import HopMasks, HopSpec  # noqa: E402
+from ring_jax.hop import HopMasks, HopSpec, zero_grads  # noqa: E402
 from ring_jax.kernels.pallas_tpu import PallasTpuHopKernel  # noqa: E402
 
 DRY = os.environ.get("TPU_CHECK_DRY", "0") not in ("", "0")
@@ -96,7 +96,8 @@ def pallas_impl(length, causal):
     lse = jnp.where(lse_h == -jnp.inf, jnp.inf, lse_h)       # the ring's finalize
     q5 = q.reshape(B, length, K, g, H)
     dq, dk, dv = kern.backward(q5, k, v, out.reshape(q5.shape), lse,
-                               do.reshape(q5.shape), None, masks, spec)
+                               do.reshape(q5.shape), None, masks, spec,
+                               *zero_grads(q5, k, v))
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
   return (lambda q, k, v: fwd(q, k, v)[0]), fwd_bwd

@@ -5,7 +5,9 @@ local queries against the key/value shard held at that hop. A kernel returns
 the hop's *own* normalised attention output and its log-sum-exp; the ring
 merges hops in float32 with :func:`merge` (the ring-flash-attention pattern).
 The backward pass hands every hop the FINAL output and lse of the whole ring
-and gets back that hop's float32 gradient contributions. Kernels live in
+and float32 gradient accumulators; the kernel adds that hop's gradients to
+them (in place where it can: the XLA kernel starts its loop carries from
+them, so no per-hop gradient buffer exists beside the accumulators). Kernels live in
 :mod:`ring_jax.kernels` (``"xla"``, and fused Pallas kernels), chosen by name
 with ``ring_attention(..., hop_kernel=...)``; any object implementing
 :class:`HopKernel` plugs in the same way.
@@ -23,8 +25,9 @@ Shapes (local to one device; ``N = K * G`` query heads in ``K`` groups of
                                so that the backward's ``p = exp(s - lse)`` is 0 there
   do      ``[B, T, K, G, H]``  output cotangent (input dtype)
   dlse    ``[B, T, K, G]``     float32 cotangent of the final lse, or None (lse not an output)
-  dq      ``[B, T, K, G, H]``  float32, this hop's contribution
-  dk, dv  ``[B, S, K, H]``     float32, this hop's contribution to the shard held at this hop
+  dq      ``[B, T, K, G, H]``  float32 accumulator in, accumulator + this hop's dQ out
+  dk, dv  ``[B, S, K, H]``     float32 accumulators of the shard held at this hop, in; plus
+                               this hop's dK/dV, out (zeros in: the contribution alone)
 
 The backward is FlashAttention-2's (Alg. 2) with the global ``out``/``lse``:
 ``P = exp(s - lse)`` at visible pairs, ``dP = dO V^T``,
@@ -107,10 +110,12 @@ class HopKernel(Protocol):
   def forward(self, q, k, v, masks: HopMasks, spec: HopSpec) -> tuple[jax.Array, jax.Array]:
     """This hop's ``(out_h [B,T,K,G,H] f32, lse_h [B,T,K,G] f32)``."""
 
-  def backward(self, q, k, v, out, lse, do, dlse, masks: HopMasks,
-               spec: HopSpec) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """This hop's float32 ``(dq [B,T,K,G,H], dk [B,S,K,H], dv [B,S,K,H])`` given the
-    final ``out`` and ``lse`` of the ring (``dlse`` may be None)."""
+  def backward(self, q, k, v, out, lse, do, dlse, masks: HopMasks, spec: HopSpec,
+               dq, dk, dv) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The float32 accumulators ``(dq [B,T,K,G,H], dk [B,S,K,H], dv [B,S,K,H])`` plus
+    this hop's gradients, given the final ``out`` and ``lse`` of the ring (``dlse``
+    may be None). The caller does not read the accumulators passed in afterwards, so
+    a kernel may update them in place (XLA buffer reuse, ``input_output_aliases``)."""
 
 
 def empty_result(q):
@@ -118,6 +123,12 @@ def empty_result(q):
   b, t, k, g, h = q.shape
   return (jnp.zeros((b, t, k, g, h), jnp.float32),
           jnp.full((b, t, k, g), -jnp.inf, jnp.float32))
+
+
+def zero_grads(q, k, v):
+  """float32 zero gradient accumulators ``(dq, dk, dv)`` shaped like ``q``, ``k``, ``v``
+  (varying over the manual mesh axes of all three), for :meth:`HopKernel.backward`."""
+  return tuple(varying_like(jnp.zeros(x.shape, jnp.float32), q, k, v) for x in (q, k, v))
 
 
 def merge(out, lse, out_h, lse_h):

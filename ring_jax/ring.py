@@ -44,6 +44,7 @@ class _RingConfig:
   kernel: HopKernel
   return_lse: bool = False
   hops: tuple[int, int] | None = None  # (first, last) hop run; None: the whole ring
+  overlap_dkv: bool = False
 
 
 def default_block(layout: str, local_len: int, target: int = DEFAULT_BLOCK) -> int:
@@ -63,7 +64,8 @@ def ring_attention(query, key, value, *, axis_name, is_causal: bool = False, seg
                    scale: float | None = None, local_window_size=None,
                    layout: str = "contiguous", block_q: int | None = None,
                    block_kv: int | None = None, precision=None,
-                   hop_kernel: str | HopKernel = "auto", return_lse: bool = False):
+                   hop_kernel: str | HopKernel = "auto", return_lse: bool = False,
+                   overlap_dkv: bool = False):
   """Exact attention over a sequence sharded along mesh axis ``axis_name``.
 
   Call inside ``jax.shard_map`` (or any context where ``axis_name`` is bound)
@@ -103,6 +105,14 @@ def ring_attention(query, key, value, *, axis_name, is_causal: bool = False, seg
       scaled visible scores, ``[B, T, N]`` (``-inf`` for rows that attend
       nothing), differentiable like the output: with it, ring attention can
       be merged exactly with other attention over other keys.
+    overlap_dkv: backward only. ``False`` (default): each hop adds its dK/dV
+      into the float32 accumulator that arrives with the K/V shard, in place
+      (as the paper's code does): leanest, but the hop waits for that
+      accumulator's transfer. ``True``: each hop computes dK/dV into fresh
+      float32 buffers and adds the arriving accumulator afterwards, so the
+      transfer overlaps the hop's compute, for two more K/V-sized float32
+      buffers per device (worth it where a hop's compute is short next to
+      the transfer: small local lengths on fast chips).
 
   Returns:
     local ``[B, T, N, H]`` in ``query.dtype``, equal to dense attention over
@@ -115,7 +125,7 @@ def ring_attention(query, key, value, *, axis_name, is_causal: bool = False, seg
   cfg = _make_config(query, key, value, axis_name=axis_name, is_causal=is_causal,
                      segment_ids=segment_ids, scale=scale, local_window_size=local_window_size,
                      layout=layout, block_q=block_q, block_kv=block_kv, precision=precision,
-                     hop_kernel=hop_kernel, return_lse=return_lse)
+                     hop_kernel=hop_kernel, return_lse=return_lse, overlap_dkv=overlap_dkv)
   b, t, n, h = query.shape
   kh = key.shape[2]
   q = query.reshape(b, t, kh, n // kh, h)
@@ -136,7 +146,7 @@ def _axis_size(axis_name) -> int:
 
 def _make_config(query, key, value, *, axis_name, is_causal, segment_ids, scale,
                  local_window_size, layout, block_q, block_kv, precision,
-                 hop_kernel, return_lse=False) -> _RingConfig:
+                 hop_kernel, return_lse=False, overlap_dkv=False) -> _RingConfig:
   layouts.check_layout(layout)
   window = scheduling.normalize_window(local_window_size)
   validation.check_qkv(query, key, value, is_causal=is_causal or window is not None,
@@ -162,7 +172,8 @@ def _make_config(query, key, value, *, axis_name, is_causal, segment_ids, scale,
   hops = scheduling.hop_range(layout, ring_size, s, bool(is_causal), window)
   return _RingConfig(axis_name=axis_name, ring_size=ring_size, layout=layout, spec=spec,
                      kernel=kernel, return_lse=bool(return_lse),
-                     hops=None if hops == (0, ring_size - 1) else hops)
+                     hops=None if hops == (0, ring_size - 1) else hops,
+                     overlap_dkv=bool(overlap_dkv))
 
 
 def _hop_masks(cfg: _RingConfig, device, hop, q_pos, s, q_seg, kv_seg) -> HopMasks:
@@ -221,9 +232,10 @@ def _backward_pruned(cfg: _RingConfig, q, k, v, seg, out, lse, do, dlse):
   q_pos = layouts.local_positions(cfg.layout, n, t, device)
   lse = lse_for_backward(lse)
   k0, v0 = k, v
+  zeros = lambda x: varying_like(jnp.zeros(x.shape, jnp.float32), q, k, v)
   with jax.named_scope("send_kv"):
     k, v, seg_h = _shift(cfg, first, k, v, seg)
-  dq = dk = dv = None
+  dq, dk, dv = zeros(q), zeros(k), zeros(v)
   for h in range(first, last + 1):
     if h > first:
       with jax.named_scope("send_kv"):
@@ -232,11 +244,13 @@ def _backward_pruned(cfg: _RingConfig, q, k, v, seg, out, lse, do, dlse):
         dk, dv = _shift(cfg, 1, dk, dv)
     with jax.named_scope("hop"):
       masks = _hop_masks(cfg, device, h, q_pos, s, seg, seg_h)
-      dq_h, dk_h, dv_h = cfg.kernel.backward(q, k, v, out, lse, do, dlse, masks, cfg.spec)
-    if dq is None:
-      dq, dk, dv = dq_h, dk_h, dv_h
-    else:
-      dq, dk, dv = dq + dq_h, dk + dk_h, dv + dv_h
+      if cfg.overlap_dkv:
+        dq, dk_h, dv_h = cfg.kernel.backward(q, k, v, out, lse, do, dlse, masks, cfg.spec,
+                                             dq, zeros(k), zeros(v))
+        dk, dv = dk + dk_h, dv + dv_h
+      else:
+        dq, dk, dv = cfg.kernel.backward(q, k, v, out, lse, do, dlse, masks, cfg.spec,
+                                         dq, dk, dv)
   with jax.named_scope("dkv_home"):
     dk, dv = _shift(cfg, -last, dk, dv)  # the accumulator of shard d - last goes home
   extra = tuple(sorted(_varying_axes(dk) - _varying_axes(k0), key=str))
@@ -281,11 +295,15 @@ def _forward(cfg: _RingConfig, q, k, v, seg):
 def _backward(cfg: _RingConfig, q, k, v, seg, out, lse, do, dlse):
   """dQ stays home; each shard's float32 dK/dV accumulator follows the shard around the ring.
 
-  Each hop computes its dK/dV contribution (fresh buffers from the kernel)
-  while the accumulator of that shard (updated by the previous device at the
-  previous hop) is still in flight, and only then adds the two. So neither the
-  K/V transfer for the next hop nor the accumulator transfer for this one sits
-  on the critical path in front of the hop's compute.
+  The kernel adds every hop's dQ into one float32 accumulator in place. By
+  default it adds the hop's dK/dV in place too, into the accumulator of the
+  shard held now, which arrives from the previous device (updated there at
+  the previous hop): two K/V-sized float32 buffers fewer than fresh
+  per-hop buffers, but the hop waits for that transfer. With
+  ``cfg.overlap_dkv`` the hop computes dK/dV into fresh buffers while the
+  accumulator is still in flight and adds the two afterwards, so neither the
+  K/V transfer for the next hop nor the accumulator transfer sits on the
+  critical path in front of the hop's compute.
 
   Profiles name the parts ``ring_bwd/hop_0``, ``ring_bwd/hop`` (the loop
   body), ``ring_bwd/last_hop``, and the transfers ``ring_bwd/send_kv``,
@@ -299,11 +317,14 @@ def _backward(cfg: _RingConfig, q, k, v, seg, out, lse, do, dlse):
   q_pos = layouts.local_positions(cfg.layout, n, t, device)
   lse = lse_for_backward(lse)
 
-  def hop(name, h, k, v, kv_seg):
-    """This hop's float32 (dq, dk, dv) contributions."""
+  def zeros(x):
+    return varying_like(jnp.zeros(x.shape, jnp.float32), q, k, v)
+
+  def hop(name, h, k, v, kv_seg, dq, dk, dv):
+    """Adds this hop's gradients to the float32 accumulators ``dq``, ``dk``, ``dv``."""
     with jax.named_scope(name):
       masks = _hop_masks(cfg, device, h, q_pos, s, seg, kv_seg)
-      return cfg.kernel.backward(q, k, v, out, lse, do, dlse, masks, cfg.spec)
+      return cfg.kernel.backward(q, k, v, out, lse, do, dlse, masks, cfg.spec, dq, dk, dv)
 
   def send_kv(k, v, kv_seg):
     with jax.named_scope("send_kv"):
@@ -314,8 +335,10 @@ def _backward(cfg: _RingConfig, q, k, v, seg, out, lse, do, dlse):
     # the shard held now (from the previous device) arrives with its own.
     with jax.named_scope("send_dkv"):
       dk_in, dv_in = _rotate(cfg, dk_prev, dv_prev)
-    dq_h, dk_h, dv_h = hop(name, h, k, v, kv_seg)
-    return dq + dq_h, dk_in + dk_h, dv_in + dv_h
+    if cfg.overlap_dkv:
+      dq, dk_h, dv_h = hop(name, h, k, v, kv_seg, dq, zeros(k), zeros(v))
+      return dq, dk_in + dk_h, dv_in + dv_h
+    return hop(name, h, k, v, kv_seg, dq, dk_in, dv_in)
 
   def body(h, state):
     k, v, kv_seg, dq, dk, dv = state
@@ -324,7 +347,7 @@ def _backward(cfg: _RingConfig, q, k, v, seg, out, lse, do, dlse):
     return k_next, v_next, seg_next, dq, dk, dv
 
   k_next, v_next, seg_next = send_kv(k, v, seg) if n > 1 else (k, v, seg)
-  dq, dk, dv = hop("hop_0", 0, k, v, seg)  # the own shard, nothing to receive
+  dq, dk, dv = hop("hop_0", 0, k, v, seg, zeros(q), zeros(k), zeros(v))  # own shard
   if n > 1:
     state = (k_next, v_next, seg_next, dq, dk, dv)
     k, v, kv_seg, dq, dk, dv = jax.lax.fori_loop(1, n - 1, body, state)

@@ -79,7 +79,7 @@ def ring_attention_sharded(query, key, value, *, mesh=None, seq_axis: str = "seq
                            local_window_size=None, layout: str = "contiguous",
                            inputs_in_layout: bool = False, block_q: int | None = None,
                            block_kv: int | None = None, precision=None, hop_kernel="auto",
-                           return_lse: bool = False):
+                           return_lse: bool = False, overlap_dkv: bool = False):
   """Ring attention on global ``[B, L, N, H]`` arrays: builds the ``shard_map`` for you.
 
   The sequence axis is sharded over ``seq_axis`` (the ring); the batch over
@@ -91,7 +91,7 @@ def ring_attention_sharded(query, key, value, *, mesh=None, seq_axis: str = "seq
 
   Args:
     query, key, value, segment_ids, is_causal, scale, local_window_size,
-    block_q, block_kv, precision, hop_kernel: as in
+    block_q, block_kv, precision, hop_kernel, overlap_dkv: as in
       :func:`ring_jax.ring_attention`, but global (natural token order unless
       ``inputs_in_layout``). A ``hop_kernel`` name is resolved for the
       platform of the mesh's devices.
@@ -148,7 +148,8 @@ def ring_attention_sharded(query, key, value, *, mesh=None, seq_axis: str = "seq
   attend = functools.partial(
       ring_attention, axis_name=seq_axis, is_causal=is_causal, scale=scale,
       local_window_size=local_window_size, layout=layout, block_q=block_q, block_kv=block_kv,
-      precision=precision, hop_kernel=hop_kernel, return_lse=return_lse)
+      precision=precision, hop_kernel=hop_kernel, return_lse=return_lse,
+      overlap_dkv=overlap_dkv)
 
   def kernel(q, k, v, segment_ids=None):
     if not reorder_in_shards:

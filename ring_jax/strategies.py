@@ -44,6 +44,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from ring_jax import kernels
 from ring_jax import layouts
 from ring_jax import planning
 from ring_jax import scheduling
@@ -74,47 +75,16 @@ def _varying_axes(x) -> frozenset:
   return frozenset(jax.typeof(x).manual_axis_type.varying)
 
 
-def _varying_like(x, *refs):
-  """``x`` marked varying over the manual axes of ``refs`` (zeros created in a body vary
-  over none; ``check_vma`` wants loop carries and custom_vjp outputs to agree)."""
-  want = frozenset().union(*(_varying_axes(r) for r in refs))
-  missing = tuple(sorted(want - _varying_axes(x), key=str))
-  return jax.lax.pcast(x, missing, to="varying") if missing else x
-
-
-# The hop-kernel seam this module drives: the per-hop ``(out_h, lse_h)`` protocol (kernels
-# from the ``ring_jax.kernels`` registry compute their own block pairs from the positions)
-# or the earlier carry protocol (``forward`` folds into an online-softmax carry over the
-# pairs listed in HopMasks). One local call is one "hop" against the whole K/V either way.
-_PER_HOP_SEAM = hasattr(hop_lib, "merge")
-
-
 def _kernel(hop_kernel) -> HopKernel:
-  """The hop kernel to run (a name or an instance; None: the default)."""
-  if _PER_HOP_SEAM:
-    from ring_jax import kernels  # pylint: disable=g-import-not-at-top
-    return kernels.get_hop_kernel(hop_kernel)
-  if hop_kernel is None:
-    return hop_lib.XlaHopKernel()
-  if isinstance(hop_kernel, str):
-    raise ValueError(f"hop_kernel={hop_kernel!r}: pass a ring_jax.hop.HopKernel instance.")
-  return hop_kernel
+  """The hop kernel to run (a name from the registry or an instance; None: the default)."""
+  return kernels.get_hop_kernel("auto" if hop_kernel is None else hop_kernel)
 
 
 def _masks(cfg: _LocalConfig, q_pos, kv_pos, q_seg, kv_seg) -> HopMasks:
-  """Positions and ids of (queries at ``q_pos``) x (keys at ``kv_pos``); with the carry
-  protocol also the visible block pairs."""
-  if _PER_HOP_SEAM:
-    return HopMasks(q_positions=q_pos, kv_positions=kv_pos, q_segment_ids=q_seg,
-                    kv_segment_ids=kv_seg)
-  spec = cfg.spec
-  shared = None
-  if q_seg is not None:
-    shared = scheduling.blocks_share_a_segment(q_seg, kv_seg, spec.block_q, spec.block_kv)
-  pairs, num, _ = scheduling.block_pairs(q_pos, kv_pos, spec.block_q, spec.block_kv,
-                                         spec.is_causal, spec.window, shared)
+  """Positions and ids of (queries at ``q_pos``) x (keys at ``kv_pos``)."""
+  del cfg
   return HopMasks(q_positions=q_pos, kv_positions=kv_pos, q_segment_ids=q_seg,
-                  kv_segment_ids=kv_seg, pairs=pairs, num_pairs=num)
+                  kv_segment_ids=kv_seg)
 
 
 def _gather(cfg: _LocalConfig, k, v, kv_seg):
@@ -129,14 +99,9 @@ def _local_forward(cfg: _LocalConfig, q, k, v, q_pos, kv_pos, q_seg, kv_seg):
   """``(out [B,T,K,G,H], lse [B,T,K,G])``; K/V gathered first when ``cfg.gather_axis``."""
   k, v, kv_seg = _gather(cfg, k, v, kv_seg)
   masks = _masks(cfg, q_pos, kv_pos, q_seg, kv_seg)
-  if _PER_HOP_SEAM:
-    if hasattr(cfg.kernel, "check"):
-      cfg.kernel.check(q.shape, k.shape, q.dtype, cfg.spec)
-    out, lse = cfg.kernel.forward(q, k, v, masks, cfg.spec)  # empty rows: (0, -inf)
-    return out.astype(q.dtype), lse
-  carry = jax.tree.map(lambda x: _varying_like(x, q, k), hop_lib.init_carry(q))
-  carry = cfg.kernel.forward(q, k, v, carry, masks, cfg.spec)
-  return hop_lib.finalize(carry, q.dtype)
+  cfg.kernel.check(q.shape, k.shape, q.dtype, cfg.spec)
+  out, lse = cfg.kernel.forward(q, k, v, masks, cfg.spec)  # empty rows: (0, -inf)
+  return out.astype(q.dtype), lse
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -155,15 +120,8 @@ def _local_bwd(cfg, res, do):
   q, k_local, v_local, q_pos, kv_pos, q_seg, kv_seg_local, out, lse = res
   k, v, kv_seg = _gather(cfg, k_local, v_local, kv_seg_local)
   masks = _masks(cfg, q_pos, kv_pos, q_seg, kv_seg)
-  if _PER_HOP_SEAM:
-    dq, dk, dv = cfg.kernel.backward(q, k, v, out, hop_lib.lse_for_backward(lse), do, None,
-                                     masks, cfg.spec)
-  else:
-    delta = jnp.sum(do.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
-    dq = _varying_like(jnp.zeros(q.shape, jnp.float32), q, k)
-    zeros_kv = lambda: _varying_like(jnp.zeros(k.shape, jnp.float32), k, q)
-    dq, dk, dv = cfg.kernel.backward(q, k, v, do, lse, delta, masks, cfg.spec, dq, zeros_kv(),
-                                     zeros_kv())
+  dq, dk, dv = cfg.kernel.backward(q, k, v, out, hop_lib.lse_for_backward(lse), do, None,
+                                   masks, cfg.spec, *hop_lib.zero_grads(q, k, v))
   if cfg.gather_axis is not None:
     with jax.named_scope("scatter_dkv"):  # transpose of the all_gather: sum, keep own shard
       dk, dv = (jax.lax.psum_scatter(x, cfg.gather_axis, scatter_dimension=1, tiled=True)

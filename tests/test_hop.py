@@ -131,7 +131,8 @@ CASES = {
     "striped": Case(layout="striped", heads=(2, 1)),
     "window-zigzag": Case(layout="zigzag", is_causal=True, window=(150, 0)),
     "window-two-sided": Case(window=(40, 300)),
-    "segments-causal-zigzag": Case(layout="zigzag", is_causal=True, segments=True),
+    "segments-causal-zigzag": Case(layout="zigzag", is_causal=True, segments=True,
+                                   heads=(2, 1)),
     "segments-striped": Case(layout="striped", segments=True, heads=(2, 2)),
     "mqa-causal": Case(is_causal=True, heads=(4, 1)),
     "t-ne-s": Case(local_q=128, heads=(2, 1)),
@@ -181,7 +182,8 @@ ONE_HOP_PARAMS = [
 
 @pytest.mark.parametrize("kernel_name,case,shards", ONE_HOP_PARAMS)
 def test_one_hop(kernel_name, case, shards):
-  """forward -> (out_h, lse_h); backward with that hop's own out/lse -> (dq, dk, dv)."""
+  """forward -> (out_h, lse_h); backward with that hop's own out/lse adds (dq, dk, dv) to
+  the accumulators passed in."""
   case = CASES[case]
   ring, (qd, kd) = 4, shards
   q, k, v, do, dlse, seg = inputs(case, case.local_q, case.local_kv, seed=qd * 4 + kd)
@@ -214,11 +216,15 @@ def test_one_hop(kernel_name, case, shards):
   lse_final = lse_for_backward(jnp.asarray(lse.reshape(b, t, kh, n // kh), jnp.float32))
   dlse5 = jnp.asarray(np.where(np.isfinite(lse), dlse, 0.0).reshape(b, t, kh, n // kh),
                       jnp.float32)
+  rng = np.random.default_rng(qd * 4 + kd)
+  accs = [rng.standard_normal(x.shape).astype(np.float32) for x in (q5, k, v)]
   got = jax.jit(kernel.backward, static_argnums=8)(
-      q5, k, v, out_final, lse_final, do.reshape(q5.shape), dlse5, masks, spec)
-  for name, g, w in zip(("dq", "dk", "dv"), got, (dq, dk, dv)):
+      q5, k, v, out_final, lse_final, do.reshape(q5.shape), dlse5, masks, spec,
+      *map(jnp.asarray, accs))
+  for name, g, w, acc in zip(("dq", "dk", "dv"), got, (dq, dk, dv), accs):
     assert g.dtype == jnp.float32, name
-    assert_close(np.asarray(g).reshape(w.shape), w, name)
+    # g - acc: the accumulator (magnitude ~1) adds at most an ulp of itself.
+    assert_close(np.asarray(g).reshape(w.shape) - acc.reshape(w.shape), w, name)
 
 
 # --- Full rings ------------------------------------------------------------------------------

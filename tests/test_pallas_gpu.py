@@ -158,7 +158,7 @@ def _run(kernel, pb, fns=None):
   if fns is None:
     fns = (jax.jit(lambda q, k, v: kernel.forward(q, k, v, masks, spec)),
            jax.jit(lambda q, k, v, o, l, do, dlse: kernel.backward(q, k, v, o, l, do, dlse, masks,
-                                                                  spec)))
+                                                                  spec, *hop.zero_grads(q, k, v))))
   fwd, bwd = fns
   out_h, lse_h = fwd(pb["q"], pb["k"], pb["v"])
   grads = bwd(pb["q"], pb["k"], pb["v"], jnp.asarray(pb["out"], jnp.float32).astype(pb["q"].dtype),
@@ -310,7 +310,7 @@ def test_lowers_to_triton(dtype, causal, window, segments, precision):
     return kernel.forward(q, k, v, masks(*m), spec)
 
   def bwd(q, k, v, o, l, do, dlse, *m):
-    return kernel.backward(q, k, v, o, l, do, dlse, masks(*m), spec)
+    return kernel.backward(q, k, v, o, l, do, dlse, masks(*m), spec, *hop.zero_grads(q, k, v))
 
   checks = [export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
   # With no GPU attached, jax >= 0.12 takes the target GPU from the abstract mesh's device.
@@ -359,7 +359,7 @@ def test_interpret_inside_shard_map_matches():
   def both(q, k, v, out, lse, do, dlse, q_seg, kv_seg):
     masks = hop.HopMasks(m.q_positions, m.kv_positions, q_seg, kv_seg)
     return (kernel.forward(q, k, v, masks, spec),
-            kernel.backward(q, k, v, out, lse, do, dlse, masks, spec))
+            kernel.backward(q, k, v, out, lse, do, dlse, masks, spec, *hop.zero_grads(q, k, v)))
 
   rows = jax.sharding.PartitionSpec("batch")
   fn = jax.jit(jax.shard_map(both, mesh=mesh, in_specs=(rows,) * 9, out_specs=rows))

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from ring_jax.hop import HopMasks as Masks
-from ring_jax.hop import HopSpec
+from ring_jax.hop import HopSpec, zero_grads
 from ring_jax.kernels.pallas_tpu import PallasTpuHopKernel, block_meta
 
 # specialize=True: the code a TPU runs (unmasked body on pairs visible everywhere, V guard
@@ -153,7 +153,7 @@ def _oracle(c):
 def _run_kernel(c, out, lse, kernel=KERNEL):
   m, spec = _masks(c), c["spec"]
   fwd = jax.jit(lambda q, k, v: kernel.forward(q, k, v, m, spec))(c["q"], c["k"], c["v"])
-  bwd = jax.jit(lambda q, k, v, o, l, do: kernel.backward(q, k, v, o, l, do, None, m, spec))(
+  bwd = jax.jit(lambda q, k, v, o, l, do: kernel.backward(q, k, v, o, l, do, None, m, spec, *zero_grads(q, k, v)))(
       c["q"], c["k"], c["v"], jnp.asarray(out, c["q"].dtype), jnp.asarray(lse, jnp.float32),
       c["do"])
   return jax.device_get(fwd), jax.device_get(bwd)
@@ -276,7 +276,7 @@ def test_no_t_by_s_arrays():
 
   for fn, args in (
       (lambda q, k, v: KERNEL.forward(q, k, v, m, spec), (c["q"], c["k"], c["v"])),
-      (lambda q, k, v, o, l, do: KERNEL.backward(q, k, v, o, l, do, None, m, spec),
+      (lambda q, k, v, o, l, do: KERNEL.backward(q, k, v, o, l, do, None, m, spec, *zero_grads(q, k, v)),
        (c["q"], c["k"], c["v"], c["q"], lse, c["do"]))):
     jaxpr = jax.make_jaxpr(fn)(*args).jaxpr
     for shape in shapes(jaxpr):
@@ -328,7 +328,7 @@ def test_lowers_for_tpu(dtype):
   fwd = export.export(jax.jit(lambda q, k, v: kern.forward(q, k, v, m, spec)),
                       platforms=["tpu"])(q, kv, kv)
   bwd = export.export(
-      jax.jit(lambda q, k, v, o, l, do: kern.backward(q, k, v, o, l, do, None, m, spec)),
+      jax.jit(lambda q, k, v, o, l, do: kern.backward(q, k, v, o, l, do, None, m, spec, *zero_grads(q, k, v))),
       platforms=["tpu"])(q, kv, kv, q, lse, q)
   # Forward: the plain and the V-guarded kernel (lax.cond on V being finite).
   assert fwd.mlir_module().count("tpu_custom_call") == 2
@@ -362,7 +362,7 @@ def test_non_finite_values_reach_only_rows_that_see_them():
   # Backward: queries that do not see a bad key keep finite gradients; those that see
   # the NaN key get NaN gradients (through the scores), not zeros.
   lse = np.where(np.asarray(lse_h) == -np.inf, np.inf, np.asarray(lse_h))
-  dq, _, _ = jax.jit(lambda q, k, v, o, l, do: KERNEL.backward(q, k, v, o, l, do, None, m, spec))(
+  dq, _, _ = jax.jit(lambda q, k, v, o, l, do: KERNEL.backward(q, k, v, o, l, do, None, m, spec, *zero_grads(q, k, v)))(
       c["q"], k, v, np.nan_to_num(out_h), lse, c["do"])
   dq = np.asarray(dq)
   assert np.isfinite(dq[1, ~sees_k, 1]).all() and np.isfinite(dq[0]).all()

@@ -550,8 +550,9 @@ class PallasGpuHopKernel:
 
   # --------------------------------------------------------------------------- backward
 
-  def backward(self, q, k, v, out, lse, do, dlse, masks, spec):
-    """Returns this hop's float32 ``(dq [B,T,K,G,H], dk [B,S,K,H], dv [B,S,K,H])``.
+  def backward(self, q, k, v, out, lse, do, dlse, masks, spec, dq_acc, dk_acc, dv_acc):
+    """Returns the float32 accumulators plus this hop's ``(dq [B,T,K,G,H], dk [B,S,K,H],
+    dv [B,S,K,H])``.
 
     ``out`` / ``lse`` are the ring's FINAL output and log-sum-exp (``lse = +inf``
     on rows that saw no key); ``dlse`` the lse cotangent or None. ``delta =
@@ -614,7 +615,9 @@ class PallasGpuHopKernel:
           out_shape=[jax.ShapeDtypeStruct((b, s, kh, h), jnp.float32)] * 2,
           compiler_params=params, interpret=self._interpret(), name="pallas_gpu_hop_bwd_dkv",
       )(kv_ranges, *mask_ops, q_BTNH, k, v, do_BTNH, lse_BTN, delta_BTN)
-    return dq.reshape(b, t, kh, g, h), dk, dv
+    # Fresh per-hop buffers added to the accumulators here (XLA fuses the adds); the
+    # kernels could alias them instead (input_output_aliases) to save one buffer each.
+    return dq_acc + dq.reshape(b, t, kh, g, h), dk_acc + dk, dv_acc + dv
 
 
 def make_kernel(platform: str) -> PallasGpuHopKernel:

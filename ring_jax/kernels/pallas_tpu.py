@@ -3,12 +3,12 @@
 ``PallasTpuHopKernel`` implements the hop-kernel seam (SEAM.md / :mod:`ring_jax.hop`):
 
   forward(q, k, v, masks, spec)                 -> (out_h, lse_h)
-  backward(q, k, v, out, lse, do, dlse, masks, spec)  -> (dq, dk, dv)
+  backward(q, k, v, out, lse, do, dlse, masks, spec, dq, dk, dv)  -> (dq, dk, dv) + this hop
 
 with q ``[B, T, K, G, H]``, k/v ``[B, S, K, H]``; ``out_h`` float32 (rows with no
 visible key in this hop: 0), ``lse_h`` float32 natural-log (those rows: ``-inf``);
 the backward takes the ring's FINAL ``out``/``lse`` (``lse = +inf`` on rows that
-saw no key anywhere) and returns float32 gradients of this hop.
+saw no key anywhere) and float32 accumulators, and returns them plus this hop's gradients.
 
 Structure (as jax's ``pallas/ops/tpu/flash_attention.py``, plus what ring
 attention needs):
@@ -580,9 +580,9 @@ class PallasTpuHopKernel:
 
   # ---- backward -----------------------------------------------------------------------
 
-  def backward(self, q, k, v, out, lse, do, dlse, masks, spec):
-    """Returns this hop's float32 ``(dq [B,T,K,G,H], dk [B,S,K,H], dv [B,S,K,H])`` given
-    the ring's final ``out`` / ``lse`` (``+inf`` on rows that saw no key anywhere) and
+  def backward(self, q, k, v, out, lse, do, dlse, masks, spec, dq_acc, dk_acc, dv_acc):
+    """Returns the float32 accumulators plus this hop's ``(dq [B,T,K,G,H], dk [B,S,K,H],
+    dv [B,S,K,H])`` given the ring's final ``out`` / ``lse`` (``+inf`` on rows that saw no key anywhere) and
     the lse cotangent ``dlse`` (or None)."""
     self.check(q.shape, k.shape, q.dtype, spec)
     bsz, t, kh, g, h = q.shape
@@ -688,7 +688,9 @@ class PallasTpuHopKernel:
     dq = jnp.transpose(dq_t, (0, 3, 1, 2, 4))
     dk = jnp.transpose(dk_t, (0, 2, 1, 3))
     dv = jnp.transpose(dv_t, (0, 2, 1, 3))
-    return dq, dk, dv
+    # Fresh per-hop buffers added to the accumulators here (XLA fuses the adds); the
+    # kernels could alias them instead (input_output_aliases) to save one buffer each.
+    return dq_acc + dq, dk_acc + dk, dv_acc + dv
 
 
 def _segment_ids_int32(q_seg, kv_seg):

@@ -284,7 +284,7 @@ class XlaHopKernel:
     return jax.lax.cond(jnp.isfinite(v).all(), lambda: fold(guard_v=False),
                         lambda: fold(guard_v=True))
 
-  def backward(self, q, k, v, out, lse, do, dlse, masks: HopMasks, spec: HopSpec):
+  def backward(self, q, k, v, out, lse, do, dlse, masks: HopMasks, spec: HopSpec, dq, dk, dv):
     bq, bk, prec, scale = spec.block_q, spec.block_kv, spec.precision, spec.scale
     plan = block_plan(masks, spec)
     may_mask = _may_mask(masks, spec)
@@ -326,7 +326,6 @@ class XlaHopKernel:
       dq, dk, dv = acc
       k_blk, v_blk = _kv_block(k, bb, bk), _kv_block(v, bb, bk)
       kv_blks = (k_blk, finite(k_blk), finite(v_blk))
-      zeros = varying_like(jnp.zeros(k_blk.shape, jnp.float32), q, k, v)
       dq_zeros = varying_like(jnp.zeros((b, kh, g, bq, h), jnp.float32), q, k, v)
 
       def pair(a, c):
@@ -340,9 +339,9 @@ class XlaHopKernel:
         return _put_q_block(dq, _q_block(dq, a, bq) + dq_blk, a, bq), dk_blk, dv_blk
 
       dq, dk_blk, dv_blk = jax.lax.fori_loop(plan.kv_lo[bb], plan.kv_hi[bb], pair,
-                                             (dq, zeros, zeros))
+                                             (dq, _kv_block(dk, bb, bk), _kv_block(dv, bb, bk)))
       return dq, _put_kv_block(dk, dk_blk, bb, bk), _put_kv_block(dv, dv_blk, bb, bk)
 
-    init = tuple(varying_like(jnp.zeros(x.shape, jnp.float32), q, k, v) for x in (q, k, v))
+    init = tuple(varying_like(x.astype(jnp.float32), q, k, v) for x in (dq, dk, dv))
     with jax.named_scope("xla_hop_bwd_blocks"):
       return jax.lax.fori_loop(0, nk, kv_block, init)
