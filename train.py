@@ -268,7 +268,6 @@ def train(config, workdir: str, *, stop_at_step: int | None = None) -> TrainResu
   model_cfg = cfg_lib.llama_config(config)
   mesh = cfg_lib.make_mesh(config.mesh)
   ring_size = sizes["sequence"]
-  seq_len, batch_size = config.data.seq_len, config.batch_size
   log(f"devices: {jax.device_count()} x {jax.devices()[0].device_kind} "
       f"({jax.process_count()} process(es)); mesh {sizes}; attention={model_cfg.attention} "
       f"layout={model_cfg.layout} ring={ring_size}")

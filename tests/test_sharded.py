@@ -42,8 +42,8 @@ def test_matches_dense(layout, is_causal, with_segments):
 
 
 @pytest.mark.parametrize("ring_size,layout", [
-    (1, "contiguous"), (2, "zigzag"), (3, "contiguous"), (3, "zigzag"), (3, "striped"),
-    (8, "zigzag"), (8, "striped"), (8, "contiguous")])
+    (1, "contiguous"), (2, "zigzag"), (3, "zigzag"), (3, "striped"), (8, "zigzag"),
+    (8, "striped")])
 def test_ring_sizes(ring_size, layout):
   """Causal + packed segments across ring sizes, odd ones included."""
   mesh = make_mesh((ring_size,), ("sequence",))
@@ -54,8 +54,7 @@ def test_ring_sizes(ring_size, layout):
                           block_q=2, block_kv=3)
 
 
-@pytest.mark.parametrize("kv_heads", [1, 2, 4])
-@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+@pytest.mark.parametrize("kv_heads,layout", [(1, "zigzag"), (2, "contiguous"), (4, "zigzag")])
 def test_tensor_and_sequence_parallel(kv_heads, layout):
   """Heads sharded over tensor=2 while the sequence rings over 4: MHA, GQA, MQA."""
   mesh = make_mesh((2, 4), ("tensor", "sequence"))
