@@ -13,10 +13,14 @@ start after the budget are skipped and say so.
 
 Sections:
   1. Per-device blockwise attention (ring_jax.ring_attention on a 1-device
-     mesh, i.e. ring size 1) forward and forward+backward TFLOP/s at 8K / 32K /
-     128K, bf16, causal and non-causal, next to
+     mesh, i.e. ring size 1) with the XLA hop kernel and the fused
+     ``pallas_gpu`` one, forward and forward+backward TFLOP/s at 8K / 32K /
+     64K, bf16, causal and non-causal, next to
      ``jax.nn.dot_product_attention(implementation="cudnn")`` and ``"xla"``
-     (cases whose compiled memory exceeds the GPU are reported, not run).
+     (cases whose compiled memory exceeds the GPU are reported, not run);
+     pallas_gpu's ratios to cuDNN and to the XLA kernel, and its output's
+     distance from cuDNN's. Writes ``benchmarks/results/gpu_check_h200.json``
+     (``GPU_CHECK_OUT``).
   2. Longest context at which a 1B-class LLaMA train step (ring attention on a
      ring of 1 + blockwise FFN + per-layer remat + chunked loss) fits, by
      doubling from 32K: compiled memory (``memory_analysis``) against the
@@ -37,6 +41,7 @@ or ``GPU_PEAK_TFLOPS``.
 from __future__ import annotations
 
 import functools
+import json
 import math
 import os
 import sys
@@ -139,13 +144,23 @@ def bench(compiled, args, repeats):
 # 1. attention TFLOP/s
 # ----------------------------------------------------------------------------
 
+RING_XLA = "ring_jax ring=1 [xla]"
+RING_PALLAS = "ring_jax ring=1 [pallas_gpu]"
+CUDNN = "dot_product_attention[cudnn]"
+OUT = os.environ.get("GPU_CHECK_OUT", os.path.join(
+    os.path.dirname(os.path.abspath(__file__)), "results",
+    "gpu_check_dry.json" if DRY else "gpu_check_h200.json"))
+
+
 def attn_impls(mesh, causal, block):
+  """name -> f(q, k, v): the ring on a ring of one with each hop kernel, and jax's own."""
   spec = P(None, "sequence", None, None)
-  ring = jax.shard_map(
-      functools.partial(ring_jax.ring_attention, axis_name="sequence", is_causal=causal,
-                        block_q=block, block_kv=block),
-      mesh=mesh, in_specs=(spec,) * 3, out_specs=spec)
-  out = {"ring_jax blockwise (ring=1)": ring}
+  out = {}
+  for name, kernel in ((RING_XLA, "xla"), (RING_PALLAS, "pallas_gpu")):
+    out[name] = jax.shard_map(
+        functools.partial(ring_jax.ring_attention, axis_name="sequence", is_causal=causal,
+                          block_q=block, block_kv=block, hop_kernel=kernel),
+        mesh=mesh, in_specs=(spec,) * 3, out_specs=spec)
   for impl in ("cudnn", "xla"):
     out[f"dot_product_attention[{impl}]"] = functools.partial(
         jax.nn.dot_product_attention, is_causal=causal, implementation=impl)
@@ -154,22 +169,26 @@ def attn_impls(mesh, causal, block):
 
 @section
 def attention_tflops():
-  lengths = [512, 1024] if DRY else [8192, 32768, 131072]
-  b, n, h = (1, 4, 64) if DRY else (1, 16, 128)
-  block = int(os.environ.get("GPU_CHECK_BLOCK", "0")) or None
+  """Section 1: TFLOP/s of each implementation; the fused hop kernel's ratios to cuDNN (target
+  >= 0.9x at 32K causal bf16) and to the XLA hop kernel (target >= 3x); max |difference| of
+  the outputs from cuDNN's (the XLA kernel's where cuDNN cannot run). JSON to ``OUT``."""
+  lengths = [128] if DRY else [8192, 32768, 65536]
+  b, n, h = (1, 2, 64) if DRY else (1, 16, 128)
+  block = int(os.environ.get("GPU_CHECK_BLOCK", "0")) or (64 if DRY else None)
   mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("sequence",))
   limit = device_limit()
   dtype = DTYPE
   say(f"B={b} N={n} H={h} {jnp.dtype(dtype).name}, ring block={block or 'default'}; "
-      f"device limit {gib(limit)}")
+      f"device limit {gib(limit)}" + ("; pallas_gpu in interpret mode (CPU)" if DRY else ""))
   print(f"{'L':>7} {'mask':<7} {'impl':<30} {'fwd ms':>9} {'fwd TF/s':>9} "
         f"{'f+b ms':>9} {'f+b TF/s':>9}  note", flush=True)
-  results = []
+  results, checks = [], []
   for length in lengths:
     ks = jax.random.split(jax.random.key(0), 4)
     q, k, v, do = (jax.random.normal(x, (b, length, n, h), dtype) for x in ks)
     for causal in (True, False):
       fwd_flops = 4 * b * n * length * length * h * (0.5 if causal else 1.0)
+      outs = {}
       for name, f in attn_impls(mesh, causal, block).items():
         row = dict(L=length, causal=causal, impl=name)
         cells = {}
@@ -185,18 +204,50 @@ def attention_tflops():
             if limit and nb and nb > limit:
               cells[mode] = f"OOM (compiled needs {nb / GIB:.0f} GiB)"
               continue
-            reps = 2 if length >= 131072 else 5
+            reps = 1 if DRY else 5
             t = bench(c, a, reps)
             fl = fwd_flops * (1 if mode == "fwd" else 3.5)
             row[mode] = (t, fl / t / 1e12)
+            if mode == "fwd":
+              outs[name] = np.asarray(jax.device_get(c(*a)), np.float32)
           except Exception as e:  # noqa: BLE001
             cells[mode] = f"{type(e).__name__}: {str(e).splitlines()[0][:90]}"
         cell = lambda m: (f"{1e3 * row[m][0]:9.1f} {row[m][1]:9.1f}" if m in row
                           else f"{'-':>9} {'-':>9}")
+        row["note"] = "; ".join(f"{k_}: {v_}" for k_, v_ in cells.items())
         print(f"{length:>7} {'causal' if causal else 'full':<7} {name:<30} {cell('fwd')} "
-              f"{cell('fb')}  {'; '.join(f'{k_}: {v_}' for k_, v_ in cells.items())}",
-              flush=True)
+              f"{cell('fb')}  {row['note']}", flush=True)
         results.append(row)
+      ref = CUDNN if CUDNN in outs else RING_XLA
+      if RING_PALLAS in outs and ref in outs:
+        diff = float(np.abs(outs[RING_PALLAS] - outs[ref]).max())
+        checks.append(dict(L=length, causal=causal, against=ref, max_abs_diff=diff))
+        say(f"L={length} {'causal' if causal else 'full'}: max |pallas_gpu - {ref}| = "
+            f"{diff:.3e} ({jnp.dtype(dtype).name} outputs)")
+
+  print("\nratios of fwd+bwd TF/s (targets at 32K causal: pallas_gpu >= 0.9x cuDNN, >= 3x the "
+        "XLA hop kernel):", flush=True)
+  by = {(r["L"], r["causal"], r["impl"]): r for r in results}
+  ratios = []
+  for length in lengths:
+    for causal in (True, False):
+      a = by.get((length, causal, RING_PALLAS), {})
+      for other in (CUDNN, RING_XLA):
+        o = by.get((length, causal, other), {})
+        if "fb" in a and "fb" in o:
+          x = a["fb"][1] / o["fb"][1]
+          ratios.append(dict(L=length, causal=causal, vs=other, fwdbwd_ratio=x))
+          print(f"  L={length:>6} {'causal' if causal else 'full':<6} pallas_gpu / {other}: "
+                f"x{x:.2f}", flush=True)
+  os.makedirs(os.path.dirname(OUT), exist_ok=True)
+  with open(OUT, "w") as fh:
+    json.dump(dict(device=str(jax.devices()[0].device_kind), backend=jax.default_backend(),
+                   jax=jax.__version__, dry=DRY,
+                   date=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+                   shape=dict(B=b, N=n, H=h, dtype=jnp.dtype(dtype).name, block=block),
+                   rows=[{k_: (list(v_) if isinstance(v_, tuple) else v_) for k_, v_ in r.items()}
+                         for r in results], ratios=ratios, checks=checks), fh, indent=1)
+  say(f"wrote {OUT}")
   return results
 
 

@@ -2,6 +2,7 @@
 # One-GPU check (single NVIDIA H200, jax 0.11 + CUDA, Python 3.12). Finishes in < 8 minutes.
 # Run from the repository root:   bash benchmarks/gpu_check.sh
 # CPU smoke test (tiny sizes):     GPU_CHECK_DRY=1 bash benchmarks/gpu_check.sh
+# Writes the attention table to benchmarks/results/gpu_check_h200.json (GPU_CHECK_OUT).
 # Knobs: GPU_CHECK_BUDGET_S (default 450 s of work), GPU_CHECK_RUN_MAX (longest context actually
 # run, default 65536; longer ones are judged from compiled memory only), GPU_CHECK_BLOCK (ring
 # block size), GPU_PEAK_TFLOPS (MFU denominator; default: the device kind's dense bf16 peak in

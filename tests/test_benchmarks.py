@@ -116,11 +116,15 @@ def test_train_throughput_runs_the_shipped_step():
   np.testing.assert_allclose([r["loss"] for r in results], results[0]["loss"], rtol=1e-5)
 
 
-def test_gpu_check_dry_run():
-  """`GPU_CHECK_DRY=1 bash benchmarks/gpu_check.sh`: the train-step sections on CPU."""
+def test_gpu_check_dry_run(tmp_path):
+  """`GPU_CHECK_DRY=1 bash benchmarks/gpu_check.sh`: every section on CPU at tiny sizes (the
+  fused pallas_gpu hop kernel in interpret mode; cuDNN cannot run there and says so)."""
+  import json
+
+  out_json = tmp_path / "gpu_check.json"
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-  env.update(GPU_CHECK_DRY="1", GPU_CHECK_SECTIONS="throughput,longest",
-             GPU_CHECK_MAX_LEN="1024", PATH=os.path.dirname(sys.executable) + ":" + env["PATH"])
+  env.update(GPU_CHECK_DRY="1", GPU_CHECK_MAX_LEN="1024", GPU_CHECK_OUT=str(out_json),
+             PATH=os.path.dirname(sys.executable) + ":" + env["PATH"])
   proc = subprocess.run(["bash", os.path.join(ROOT, "benchmarks", "gpu_check.sh")], env=env,
                         capture_output=True, text=True, timeout=600)
   out = proc.stdout + proc.stderr
@@ -128,6 +132,15 @@ def test_gpu_check_dry_run():
   assert "SECTION FAILED" not in out, out[-3000:]
   assert "models/llama.py" in out and "tokens/s" in out
   assert "LONGEST CONTEXT THAT FITS (1 GPU, 1B-class, batch 1, compiled memory): 1024" in out
+  result = json.loads(out_json.read_text())
+  timed = {(r["impl"], r["causal"]) for r in result["rows"] if "fb" in r}
+  for causal in (True, False):
+    assert ("ring_jax ring=1 [pallas_gpu]", causal) in timed
+    assert ("ring_jax ring=1 [xla]", causal) in timed
+  assert {r["vs"] for r in result["ratios"]} == {"ring_jax ring=1 [xla]"}  # no cuDNN on CPU
+  assert len(result["checks"]) == 2
+  for c in result["checks"]:  # float32 in the dry run: the two kernels agree closely
+    assert c["max_abs_diff"] < 1e-5, c
 
 
 def test_balance_dry_run(tmp_path):
