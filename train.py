@@ -299,91 +299,93 @@ def _train(config, workdir, stop_at_step, stop, mesh, model_cfg, ring_size) -> T
     checkpointer = ckpt_lib.Checkpointer(workdir, every=config.checkpoint_every,
                                          keep=config.keep_checkpoints,
                                          async_save=config.async_checkpointing)
-    restored = checkpointer.restore_latest(
-        abstract_step.abstract_params, abstract_step.abstract_opt_state, warn=log)
-    if restored is not None:
-      start_step, params, opt_state, data_state = restored
-      log(f"resumed from step {start_step} in {checkpointer.directory}")
-    else:
-      start_step, data_state = 0, None
-      _, params, _ = nnx.split(llama.create_sharded_model(model_cfg, mesh, seed=config.seed),
-                               nnx.Param, ...)
-      opt_state = step_lib.init_opt_state(tx, params, opt_shardings)
-    end_step = config.total_steps if stop_at_step is None else min(stop_at_step,
-                                                                   config.total_steps)
-
-    # --- 4. Data: this process's rows, in the ring's layout, sharded (data, sequence) -----
-    batch_sharding = batch_lib.sharding(mesh)
-    train_iter = data_lib.make_iterator(
-        data_lib.make_dataset(config, batch_sharding, ring_size, split="train"))
-    if data_state is not None:
-      train_iter.set_state(data_state)
-    eval_dataset = data_lib.make_dataset(config, batch_sharding, ring_size, split="eval")
-    train_shape, eval_shape = (batch_size, seq_len), (config.eval_batch_size, seq_len)
-
-    # --- 5. Compile ahead of time (clean step timings; memory report) ----------------------
-    t0 = time.perf_counter()
-    train_step = abstract_step.compile(train_shape, params, opt_state)
-    eval_step = step_lib.jit_eval_step(graphdef=graphdef, rest=rest, mesh=mesh,
-                                       param_shardings=param_shardings)
-    memory = train_step.memory_analysis()
-    log(f"compiled train step in {time.perf_counter() - t0:.1f}s"
-        + (f"; per-device temp {memory.temp_size_in_bytes / 2**20:.1f} MiB, arguments "
-           f"{memory.argument_size_in_bytes / 2**20:.1f} MiB" if memory is not None else ""))
-
-    # --- 6. The loop -----------------------------------------------------------------------
-    peak_flops, peak_source = metrics_lib.peak_flops_per_device(config)
-    log(f"MFU counted against {peak_flops:.3g} FLOP/s per device: {peak_source}")
-    throughput = metrics_lib.Throughput(
-        tokens_per_step=batch_size * seq_len,
-        flops_per_token=model_cfg.flops_per_token(seq_len), peak_flops=peak_flops,
-        num_devices=jax.device_count())
-    writer = metrics_lib.MetricWriter(workdir, resume_step=start_step)
-    progress = metrics_lib.Progress(end_step, start_step)
-    history: list[dict[str, float]] = []
-    evals: list[dict[str, float]] = []
-    # Metrics are fetched one step behind (the device keeps one step queued) and checked
-    # for divergence as they arrive; `fetched` holds the rows of the current log window.
-    pending: list[tuple[int, dict]] = []
-    fetched: list[dict[str, float]] = []
-    last_saved = start_step if start_step else None
-    last_row: dict[str, float] = {}
-
-    def fetch(upto: int) -> None:
-      """Fetches the metrics of steps <= ``upto``; raises Diverged on a non-finite one."""
-      nonlocal last_row
-      while pending and pending[0][0] <= upto:
-        s, m = pending.pop(0)
-        row = last_row = dict(step=s, **{k: float(v) for k, v in jax.device_get(m).items()})
-        fetched.append(row)
-        if not (math.isfinite(row["loss"]) and math.isfinite(row["grad_norm"])):
-          raise Diverged(divergence_message(config, row, checkpointer, last_saved))
-
-    def run_eval(step: int) -> None:
-      result = evaluate(eval_step, params, eval_dataset, config.eval_batches, batch_sharding,
-                        eval_shape)
-      if config.data.kind == "kv_retrieval":  # The loss mask covers exactly the answers.
-        result["retrieval_accuracy"] = result.pop("accuracy")
-        result["chance_accuracy"] = data_lib.KVRetrievalTask.from_config(
-            config.data).chance_accuracy
-      evals.append(dict(step=step, **result))
-      writer.write(step, result, prefix="eval/")
-      log(f"eval @ {step}: " + " | ".join(f"{k} {v:.4f}" for k, v in result.items()))
-
-    def save(step: int, force: bool = False) -> None:
-      nonlocal last_saved
-      if force or step % config.checkpoint_every == 0:
-        fetch(step)  # Never save the state of a diverged step.
-      try:
-        if checkpointer.save(step, params, opt_state, train_iter.get_state(), force=force):
-          last_saved = step
-      except ckpt_lib.NonFiniteStateError:  # Finite metrics, non-finite state: still diverged.
-        raise Diverged(divergence_message(config, last_row, checkpointer, last_saved,
-                                          state=True)) from None
-
-    stopped_by = None
-    step = start_step
+    # Orbax runs background threads from here on: every exit path closes the checkpointer.
+    writer = None
     try:
+      restored = checkpointer.restore_latest(
+          abstract_step.abstract_params, abstract_step.abstract_opt_state, warn=log)
+      if restored is not None:
+        start_step, params, opt_state, data_state = restored
+        log(f"resumed from step {start_step} in {checkpointer.directory}")
+      else:
+        start_step, data_state = 0, None
+        _, params, _ = nnx.split(llama.create_sharded_model(model_cfg, mesh, seed=config.seed),
+                                 nnx.Param, ...)
+        opt_state = step_lib.init_opt_state(tx, params, opt_shardings)
+      end_step = config.total_steps if stop_at_step is None else min(stop_at_step,
+                                                                     config.total_steps)
+
+      # --- 4. Data: this process's rows, in the ring's layout, sharded (data, sequence) -----
+      batch_sharding = batch_lib.sharding(mesh)
+      train_iter = data_lib.make_iterator(
+          data_lib.make_dataset(config, batch_sharding, ring_size, split="train"))
+      if data_state is not None:
+        train_iter.set_state(data_state)
+      eval_dataset = data_lib.make_dataset(config, batch_sharding, ring_size, split="eval")
+      train_shape, eval_shape = (batch_size, seq_len), (config.eval_batch_size, seq_len)
+
+      # --- 5. Compile ahead of time (clean step timings; memory report) ----------------------
+      t0 = time.perf_counter()
+      train_step = abstract_step.compile(train_shape, params, opt_state)
+      eval_step = step_lib.jit_eval_step(graphdef=graphdef, rest=rest, mesh=mesh,
+                                         param_shardings=param_shardings)
+      memory = train_step.memory_analysis()
+      log(f"compiled train step in {time.perf_counter() - t0:.1f}s"
+          + (f"; per-device temp {memory.temp_size_in_bytes / 2**20:.1f} MiB, arguments "
+             f"{memory.argument_size_in_bytes / 2**20:.1f} MiB" if memory is not None else ""))
+
+      # --- 6. The loop -----------------------------------------------------------------------
+      peak_flops, peak_source = metrics_lib.peak_flops_per_device(config)
+      log(f"MFU counted against {peak_flops:.3g} FLOP/s per device: {peak_source}")
+      throughput = metrics_lib.Throughput(
+          tokens_per_step=batch_size * seq_len,
+          flops_per_token=model_cfg.flops_per_token(seq_len), peak_flops=peak_flops,
+          num_devices=jax.device_count())
+      writer = metrics_lib.MetricWriter(workdir, resume_step=start_step)
+      progress = metrics_lib.Progress(end_step, start_step)
+      history: list[dict[str, float]] = []
+      evals: list[dict[str, float]] = []
+      # Metrics are fetched one step behind (the device keeps one step queued) and checked
+      # for divergence as they arrive; `fetched` holds the rows of the current log window.
+      pending: list[tuple[int, dict]] = []
+      fetched: list[dict[str, float]] = []
+      last_saved = start_step if start_step else None
+      last_row: dict[str, float] = {}
+
+      def fetch(upto: int) -> None:
+        """Fetches the metrics of steps <= ``upto``; raises Diverged on a non-finite one."""
+        nonlocal last_row
+        while pending and pending[0][0] <= upto:
+          s, m = pending.pop(0)
+          row = last_row = dict(step=s, **{k: float(v) for k, v in jax.device_get(m).items()})
+          fetched.append(row)
+          if not (math.isfinite(row["loss"]) and math.isfinite(row["grad_norm"])):
+            raise Diverged(divergence_message(config, row, checkpointer, last_saved))
+
+      def run_eval(step: int) -> None:
+        result = evaluate(eval_step, params, eval_dataset, config.eval_batches, batch_sharding,
+                          eval_shape)
+        if config.data.kind == "kv_retrieval":  # The loss mask covers exactly the answers.
+          result["retrieval_accuracy"] = result.pop("accuracy")
+          result["chance_accuracy"] = data_lib.KVRetrievalTask.from_config(
+              config.data).chance_accuracy
+        evals.append(dict(step=step, **result))
+        writer.write(step, result, prefix="eval/")
+        log(f"eval @ {step}: " + " | ".join(f"{k} {v:.4f}" for k, v in result.items()))
+
+      def save(step: int, force: bool = False) -> None:
+        nonlocal last_saved
+        if force or step % config.checkpoint_every == 0:
+          fetch(step)  # Never save the state of a diverged step.
+        try:
+          if checkpointer.save(step, params, opt_state, train_iter.get_state(), force=force):
+            last_saved = step
+        except ckpt_lib.NonFiniteStateError:  # Finite metrics, non-finite state: still diverged.
+          raise Diverged(divergence_message(config, last_row, checkpointer, last_saved,
+                                            state=True)) from None
+
+      stopped_by = None
+      step = start_step
       for step in range(start_step + 1, end_step + 1):
         batch = data_lib.to_global(next(train_iter), batch_sharding, train_shape)
         params, opt_state, step_metrics = train_step(params, opt_state, batch)
@@ -425,7 +427,8 @@ def _train(config, workdir, stop_at_step, stop, mesh, model_cfg, ring_size) -> T
         pass
       raise
     finally:
-      writer.close()
+      if writer is not None:
+        writer.close()
   return TrainResult(history=history, evals=evals, params=params, opt_state=opt_state,
                      step=step, mesh=mesh, stopped_by=stopped_by,
                      checkpoint_dir=checkpointer.directory)
