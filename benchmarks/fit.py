@@ -11,7 +11,10 @@ against abstract inputs (``jax.ShapeDtypeStruct`` with shardings, parameters
 from ``nnx.eval_shape``) on ``--devices`` fake CPU devices, and reads
 ``memory_analysis()`` of the compiled program: nothing is allocated and
 nothing runs. Per-device bytes = arguments + outputs + temporaries - outputs
-aliasing donated arguments (``training.aot.per_device_bytes``).
+aliasing donated arguments (``training.aot.per_device_bytes``) - the saved
+activations a remat policy offloads to host memory ("to host", from the step
+lowered for a GPU: ``AbstractTrainStep.offloaded_bytes``; only for policies
+named ``offload_*``), which XLA:CPU keeps on the device.
 
 Search: powers of two (times the length granularity the config allows, see
 ``training.config.seq_len_multiple``) from ``--start`` up until one does not
@@ -28,9 +31,13 @@ What this can and cannot show (docs/performance.md, "How long a context
 fits"): XLA:CPU's buffer assignment of the same program approximates an
 accelerator's. It emulates bfloat16 arithmetic in float32 and schedules and
 fuses differently, and it ignores memory kinds: activations a remat policy
-offloads to ``pinned_host`` stay in device memory in this analysis, so
-offloading policies are counted as if nothing were offloaded. ``--xla_flags``
-passes extra XLA flags (e.g. to switch off a CPU-only transformation).
+offloads to ``pinned_host`` stay in device memory in XLA:CPU's plan. The
+planner subtracts them ("to host" column: the placements the step has when
+lowered for a GPU, one stacked residual per layer), so for offloading
+policies the figure is the compiled CPU plan minus what an accelerator holds
+in host memory, which assumes the rest of the plan does not change when the
+offload happens. ``--xla_flags`` passes extra XLA flags (e.g. to switch off a
+CPU-only transformation).
 """
 
 from __future__ import annotations
@@ -142,11 +149,18 @@ class Planner:
     compiled = self.step.compile((self.rows, length))
     ma = compiled.memory_analysis()
     total = aot.per_device_bytes(compiled)
+    offloaded = 0
+    if "offload" in self.model_cfg.remat_policy and jax_platform() == "cpu":
+      m = self.model_cfg
+      offloaded = self.step.offloaded_bytes((self.rows, length),
+                                            layers=m.num_layers if m.scan_layers else 1)
+    device = total - offloaded
     row = dict(seq_len=length, argument_bytes=int(ma.argument_size_in_bytes),
                temp_bytes=int(ma.temp_size_in_bytes), output_bytes=int(ma.output_size_in_bytes),
                alias_bytes=int(ma.alias_size_in_bytes),
                host_temp_bytes=int(getattr(ma, "host_temp_size_in_bytes", 0) or 0),
-               per_device_bytes=total, fits=bool(total <= self.limit),
+               compiled_per_device_bytes=total, offloaded_bytes=offloaded,
+               per_device_bytes=device, fits=bool(device <= self.limit),
                compile_s=round(time.perf_counter() - t0, 1))
     self.rows_by_length[length] = row
     print_row(row, self.unit)
@@ -186,7 +200,13 @@ class Planner:
 
 
 COLUMNS = (("argument", "argument_bytes"), ("temp", "temp_bytes"), ("output", "output_bytes"),
-           ("aliased", "alias_bytes"), ("per-device", "per_device_bytes"))
+           ("aliased", "alias_bytes"), ("to host", "offloaded_bytes"),
+           ("per-device", "per_device_bytes"))
+
+
+def jax_platform() -> str:
+  import jax
+  return jax.devices()[0].platform
 
 
 def header(unit: str) -> str:

@@ -101,9 +101,9 @@ def _tiny_step(policy):
 
 
 def test_offload_policy_lowers_to_pinned_host_but_cpu_counts_it_on_device():
-  """What docs/performance.md says the CPU plan cannot show: lowered for GPU, the layer
-  input of "offload_layer_in" is placed in pinned_host; compiled for CPU, the plan is the
-  same as "full" (the offload is dropped)."""
+  """Lowered for GPU, the layer input of "offload_layer_in" is placed in pinned_host;
+  compiled for CPU, the plan is the same as "full" (the offload is dropped), so the
+  planner subtracts the placed bytes (``AbstractTrainStep.offloaded_bytes``)."""
   import jax
 
   from training import aot
@@ -119,6 +119,9 @@ def test_offload_policy_lowers_to_pinned_host_but_cpu_counts_it_on_device():
             and '"pinned_host"' in l]
   assert placed and all("tensor<1x256x64xbf16>" in l for l in placed), placed[:2]
   assert aot.per_device_bytes(offload.compile(shape)) == aot.per_device_bytes(full.compile(shape))
+  # What the planner subtracts for it: one bf16 [1, 256, 64] layer input per layer (2 layers).
+  assert offload.offloaded_bytes(shape, layers=2) == 2 * 256 * 64 * 2
+  assert full.offloaded_bytes(shape, layers=2) == 0
 
 
 @pytest.mark.parametrize("devices", [1, 8])

@@ -14,6 +14,8 @@ Needs JAX, Flax, Optax and einops only (no ml_collections, no Grain), like
 from __future__ import annotations
 
 import dataclasses
+import math
+import re
 from typing import Any, Callable
 
 import jax
@@ -54,6 +56,38 @@ class AbstractTrainStep:
   def compile(self, batch_shape: tuple[int, int], params=None, opt_state=None):
     """The compiled step for ``batch_shape`` (``memory_analysis()`` is per device)."""
     return self.lower(batch_shape, params, opt_state).compile()
+
+  def offloaded_bytes(self, batch_shape: tuple[int, int], layers: int,
+                      platform: str = "cuda") -> int:
+    """Per-device bytes of saved activations the remat policy places in host memory.
+
+    Read from the step lowered for an accelerator ``platform`` (no device
+    needed): XLA:CPU has no host memory space and keeps them on the device,
+    so ``memory_analysis()`` on CPU counts them there. Each
+    ``annotate_device_placement`` to ``pinned_host`` is one offloaded
+    residual of one layer; the layer scan stacks it ``layers`` times (pass 1
+    when the layers are unrolled: each then appears on its own). Residuals
+    are ``[batch, length, ...]`` activations, so the global size is divided by
+    the devices the batch's ``(batch, length)`` axes are sharded over.
+    """
+    with jax.set_mesh(self.mesh):
+      text = self.step.trace(self.abstract_params, self.abstract_opt_state,
+                             batch_lib.abstract(batch_shape, self.mesh)).lower(
+                                 lowering_platforms=(platform,)).as_text()
+    total = 0
+    for line in text.splitlines():
+      if "annotate_device_placement" in line and '"pinned_host"' in line:
+        shape, dtype = _PLACED.search(line).groups()
+        total += math.prod(int(d) for d in shape.split("x")) * _DTYPE_BYTES[dtype]
+    spec = batch_lib.spec(self.mesh)
+    shards = math.prod(self.mesh.shape[a] for part in spec if part is not None
+                       for a in ((part,) if isinstance(part, str) else part))
+    return total * layers // shards
+
+
+# The result type of a placement annotation: "-> tensor<1x256x64xbf16>".
+_PLACED = re.compile(r"->\s*tensor<((?:\d+x)*\d+)x([a-z]+\d*)>")
+_DTYPE_BYTES = {"bf16": 2, "f16": 2, "f32": 4, "f64": 8, "i32": 4, "i8": 1}
 
 
 def _with_shardings(tree, shardings):
