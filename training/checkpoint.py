@@ -26,6 +26,9 @@ What this module guarantees beyond Orbax:
   ``<workdir>/checkpoints_corrupt/<step>-<UTC time>``, outside the directory
   Orbax lists and prunes. If no step restores, nothing is moved and
   :class:`NoRestorableCheckpointError` lists every step and why.
+* :meth:`Checkpointer.restore_latest_params` (a ``read_only`` checkpointer:
+  generate.py, evaluate.py) reads only the parameters of the newest step that
+  restores, skipping bad steps with a warning and moving nothing.
 """
 
 from __future__ import annotations
@@ -53,10 +56,8 @@ class NoRestorableCheckpointError(RuntimeError):
   """The checkpoint directory holds steps, but none of them restores."""
 
 
-def abstract_like(tree, shardings):
-  """``ShapeDtypeStruct`` leaves with the given target shardings (what restore fills)."""
-  return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree,
-                      shardings)
+class NoCheckpointError(FileNotFoundError):
+  """A read-only checkpointer found no checkpoint to read (no directory, or no step)."""
 
 
 @jax.jit
@@ -86,19 +87,33 @@ def _agree(ok: bool) -> bool:
 
 
 class Checkpointer:
-  """Periodic + final saves into ``<workdir>/checkpoints``, keeping the last ``keep``."""
+  """Periodic + final saves into ``<workdir>/checkpoints``, keeping the last ``keep``.
 
-  def __init__(self, workdir: str, *, every: int, keep: int, async_save: bool = True):
+  ``read_only=True`` opens an existing run for reading (no saves, nothing moved or
+  created; ``every``/``keep`` unused) and raises :class:`NoCheckpointError` if
+  ``<workdir>/checkpoints`` does not exist.
+  """
+
+  def __init__(self, workdir: str, *, every: int = 1, keep: int = 1, async_save: bool = True,
+               read_only: bool = False):
     self.workdir = os.path.abspath(workdir)
     self.directory = os.path.join(self.workdir, "checkpoints")
     self.every = every
+    self.read_only = read_only
     self._writing: int | None = None  # step of the newest save that may still be in flight
-    # Preemption saves are not an Orbax policy here: train.py decides the stop step
-    # (JAX's preemption sync point on several processes, a signal flag on one) and
-    # calls save(force=True), so one code path serves both.
-    options = ocp.CheckpointManagerOptions(
-        max_to_keep=keep, create=True, enable_async_checkpointing=async_save,
-        save_decision_policy=ocp.checkpoint_managers.FixedIntervalPolicy(every))
+    # The newest step this run saved or resumed from (what a diverged run falls back to).
+    self.last_saved: int | None = None
+    if read_only:
+      if not os.path.isdir(self.directory):
+        raise NoCheckpointError(f"{workdir} has no checkpoints/ directory")
+      options = ocp.CheckpointManagerOptions(create=False, read_only=True)
+    else:
+      # Preemption saves are not an Orbax policy here: train.py decides the stop step
+      # (JAX's preemption sync point on several processes, a signal flag on one) and
+      # calls save(force=True), so one code path serves both.
+      options = ocp.CheckpointManagerOptions(
+          max_to_keep=keep, create=True, enable_async_checkpointing=async_save,
+          save_decision_policy=ocp.checkpoint_managers.FixedIntervalPolicy(every))
     self.manager = ocp.CheckpointManager(self.directory, options=options,
                                          item_names=("state", "data"))
 
@@ -137,6 +152,9 @@ class Checkpointer:
       CheckpointWriteError: this save, or an earlier background one, failed.
       NonFiniteStateError: ``params`` or ``opt_state`` hold NaN/inf (nothing is written).
     """
+    if self.read_only:
+      raise ValueError(f"{self.directory} was opened read_only; open a Checkpointer without "
+                       "read_only=True to save.")
     self.check_for_errors()
     if not force and step % self.every:
       return False
@@ -153,7 +171,7 @@ class Checkpointer:
       previous_failed = self._writing is not None and self._writing not in self.all_steps()
       raise self._write_error(self._writing if previous_failed else step, e) from e
     if saved:
-      self._writing = step
+      self._writing = self.last_saved = step
     return saved
 
   def close(self) -> None:
@@ -222,6 +240,7 @@ class Checkpointer:
         moved = self._move_aside(bad)
         warn(f"warning: moved the unrestorable checkpoint step {bad} to {moved} "
              "(kept for inspection, not deleted).")
+      self.last_saved = step
       return step, params, opt_state, data_state
     if failures:
       listing = "; ".join(f"step {s}: {r}" for s, r in failures)
@@ -230,6 +249,46 @@ class Checkpointer:
           "deleted. If the config changed (model shape), use the original config; otherwise "
           "start afresh with a new --workdir, or move the checkpoints directory aside.")
     return None
+
+  def restore_params(self, step: int, params_target):
+    """The parameters of ``step`` only (not the optimizer or data state), placed per
+    the shardings of ``params_target`` (``ShapeDtypeStruct`` leaves)."""
+    target = {"params": params_target}
+    restored = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
+        target, partial_restore=True,
+        restore_args=jax.tree.map(lambda x: ocp.ArrayRestoreArgs(sharding=x.sharding),
+                                  target))))
+    return restored["state"]["params"]
+
+  def restore_latest_params(self, params_target, warn: Callable[[str], None] = print):
+    """``(step, params)`` of the newest step whose parameters restore (and are finite).
+
+    For reading a run (generate.py, evaluate.py): a step that does not restore
+    gets one ``warn`` line and the previous one is tried; nothing is moved
+    (train.py moves such steps aside when it resumes).
+
+    Raises:
+      NoCheckpointError: the directory holds no step.
+      NoRestorableCheckpointError: there are steps but none restores.
+    """
+    steps = self.all_steps()
+    if not steps:
+      raise NoCheckpointError(f"{self.directory} holds no checkpoint")
+    failures = []
+    for step in reversed(steps):
+      try:
+        params = self.restore_params(step, params_target)
+        if all_finite(params):
+          return step, params
+        reason = "it holds NaN or inf values"
+      except Exception as e:  # Corruption shows as many error types.
+        reason = _one_line(e)
+      warn(f"warning: checkpoint step {step} in {self.directory} does not restore ({reason}); "
+           "trying the previous one.")
+      failures.append(f"step {step}: {reason}")
+    raise NoRestorableCheckpointError(
+        f"no checkpoint in {self.directory} restores ({'; '.join(failures)}); if the config "
+        "changed (model shape), pass the config the run was trained with.")
 
   def _move_aside(self, step: int) -> str:
     """Moves step ``step``'s directory out of Orbax's view; returns where it went."""
