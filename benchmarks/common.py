@@ -79,19 +79,19 @@ def median(times: Sequence[float]) -> float:
 # ----------------------------------------------------------------------------
 
 MEMORY_FIELDS = ("temp_size_in_bytes", "argument_size_in_bytes", "output_size_in_bytes",
-                 "alias_size_in_bytes", "peak_memory_in_bytes", "host_temp_size_in_bytes")
+                 "alias_size_in_bytes", "peak_memory_in_bytes")
 
 
-def compiled_memory(compiled) -> dict[str, int]:
-  """The fields of ``compiled.memory_analysis()`` (bytes per device) the backend reports;
-  ``{}`` when it reports none."""
+def compiled_memory(compiled, fields: Sequence[str] = MEMORY_FIELDS) -> dict[str, int]:
+  """``fields`` of ``compiled.memory_analysis()`` (bytes per device) that the backend
+  reports; ``{}`` when it reports none."""
   try:
     ma = compiled.memory_analysis()
   except Exception:  # noqa: BLE001  (some backends raise instead of returning None)
     return {}
   if ma is None:
     return {}
-  return {f: int(getattr(ma, f)) for f in MEMORY_FIELDS if getattr(ma, f, None) is not None}
+  return {f: int(getattr(ma, f)) for f in fields if getattr(ma, f, None) is not None}
 
 
 def per_device_bytes(memory) -> int | None:

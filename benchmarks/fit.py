@@ -139,7 +139,7 @@ class Planner:
       raise FitError(f"{e} Lengths here are multiples of {self.multiple}.") from None
     t0 = time.perf_counter()
     compiled = self.step.compile((self.rows, length))
-    ma = common.compiled_memory(compiled)
+    ma = common.compiled_memory(compiled, common.MEMORY_FIELDS + ("host_temp_size_in_bytes",))
     total = common.per_device_bytes(ma)
     offloaded = 0
     if "offload" in self.model_cfg.remat_policy and jax_platform() == "cpu":
