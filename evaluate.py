@@ -41,11 +41,11 @@ from jax.sharding import NamedSharding
 from ml_collections import config_flags
 
 from models import lengths as lengths_lib
-from models import llama
 from models import sharding as shd
 from training import config as cfg_lib
 from training import data as data_lib
 from training import loading
+from training import step as step_lib
 from training.config import EXIT_USAGE, UsageError
 
 TASKS = ("kv", "passkey")
@@ -160,7 +160,7 @@ def evaluate(config, workdir: str, lengths, tasks=TASKS, *, batch_size: int | No
     raise UsageError(f"--batch_size={rows} is not divisible by the mesh 'data' axis "
                               f"({data}).")
   model_cfg, params = loading.load_model(config, mesh, workdir=workdir, log=log)
-  graphdef = nnx.graphdef(nnx.eval_shape(lambda: llama.Llama(model_cfg, rngs=nnx.Rngs(0))))
+  graphdef, _, _ = step_lib.abstract_model(model_cfg, mesh)
   ring = mesh.shape["sequence"]
 
   @jax.jit

@@ -273,14 +273,7 @@ def _train(config, workdir, stop_at_step, stop, mesh, model_cfg, ring_size) -> T
     writer = None
     profile = metrics_lib.Profile(cfg_lib.profile_steps(config), os.path.join(workdir, "profile"))
     try:
-      restored = checkpointer.restore_latest(
-          train_step.abstract_params, train_step.abstract_opt_state, warn=log)
-      if restored is not None:
-        start_step, params, opt_state, data_state = restored
-        log(f"resumed from step {start_step} in {checkpointer.directory}")
-      else:
-        start_step, data_state = 0, None
-        params, opt_state = train_step.init_state()
+      start_step, params, opt_state, data_state = resume_or_init(checkpointer, train_step)
       end_step = config.total_steps if stop_at_step is None else min(stop_at_step,
                                                                      config.total_steps)
 
@@ -364,6 +357,17 @@ def _train(config, workdir, stop_at_step, stop, mesh, model_cfg, ring_size) -> T
   return TrainResult(history=step_metrics.history, evals=evals, params=params,
                      opt_state=opt_state, step=step, mesh=mesh, stopped_by=stopped_by,
                      checkpoint_dir=checkpointer.directory)
+
+
+def resume_or_init(checkpointer, train_step):
+  """``(step, params, opt_state, data_state)`` of the newest checkpoint that restores (onto
+  the step's shardings), else step 0 with a freshly initialised state and no data state."""
+  restored = checkpointer.restore_latest(train_step.abstract_params,
+                                         train_step.abstract_opt_state, warn=metrics_lib.log)
+  if restored is None:
+    return (0, *train_step.init_state(), None)
+  metrics_lib.log(f"resumed from step {restored[0]} in {checkpointer.directory}")
+  return restored
 
 
 def save(config, checkpointer, step_metrics, step: int, params, opt_state, train_iter, *,
