@@ -35,7 +35,6 @@ import jax
 import numpy as np
 from absl import app
 from absl import flags
-from absl import logging
 from flax import nnx
 from jax.sharding import NamedSharding
 from ml_collections import config_flags
@@ -265,14 +264,8 @@ def define_flags() -> dict:
 
 
 def main(argv) -> None:
-  if len(argv) > 1:
-    print(f"error: unexpected arguments {argv[1:]}", file=sys.stderr)
-    sys.exit(EXIT_USAGE)
-  if not flags.FLAGS["verbosity"].present:
-    logging.set_verbosity(logging.WARNING)
-  v = {k: f.value for k, f in _FLAGS.items()}
+  v = cfg_lib.start_script(argv, _FLAGS)
   config = v["config"]
-  cfg_lib.simulate_cpu_devices(config)
   try:
     if not v["workdir"]:
       raise UsageError("pass --workdir (a train.py run directory).")

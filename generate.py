@@ -38,7 +38,6 @@ import time
 import jax
 from absl import app
 from absl import flags
-from absl import logging
 from ml_collections import config_flags
 
 from models import inference
@@ -231,17 +230,9 @@ def _with_flags(message: str) -> str:
 
 
 def main(argv) -> None:
-  if len(argv) > 1:
-    print(f"error: unexpected arguments {argv[1:]}; flags are written --name=value.",
-          file=sys.stderr)
-    sys.exit(EXIT_USAGE)
-  if not flags.FLAGS["verbosity"].present:
-    logging.set_verbosity(logging.WARNING)
-  v = {name: flag.value for name, flag in _FLAGS.items()}
-  config = v["config"]
-  cfg_lib.simulate_cpu_devices(config)
+  v = cfg_lib.start_script(argv, _FLAGS)
   try:
-    run(config, workdir=v["workdir"], hf_dir=v["hf_dir"],
+    run(v["config"], workdir=v["workdir"], hf_dir=v["hf_dir"],
         prompts=read_prompts(v["prompt"], v["prompt_file"]), max_new_tokens=v["max_new_tokens"],
         temperature=v["temperature"], top_p=v["top_p"], seed=v["seed"],
         cache_len=v["cache_len"], padding=v["padding"], tokenizer=v["tokenizer"],

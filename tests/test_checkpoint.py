@@ -56,9 +56,9 @@ def test_save_on_one_mesh_restore_on_another_and_keep_last_n(tmp_path):
   restorer.close()
   # Read only, the parameters alone (what generate.py and evaluate.py restore).
   reader = ckpt_lib.Checkpointer(str(tmp_path), read_only=True)
-  step, only_params = reader.restore_latest_params(target.abstract_params)
+  step, only_params, no_opt, no_data = reader.restore_latest(target.abstract_params)
   reader.close()
-  assert step == 5
+  assert step == 5 and no_opt is None and no_data is None
   jax.tree.map(np.testing.assert_array_equal, only_params, got_params)
   with pytest.raises(ckpt_lib.NoCheckpointError, match="no checkpoints/ directory"):
     ckpt_lib.Checkpointer(str(tmp_path / "elsewhere"), read_only=True)
@@ -181,6 +181,26 @@ def test_corrupt_latest_falls_back_and_is_moved_aside(tmp_path, saved_state, kin
   checkpointer.close()
   assert checkpointer.all_steps() == [3, 4]
   assert moved[0].is_dir() and any(moved[0].iterdir()) == (kind != "bare numbered directory")
+
+
+def test_read_only_params_restore_skips_a_corrupt_step_and_moves_nothing(tmp_path, saved_state):
+  """generate.py/evaluate.py's restore: the parameters of the newest step that restores."""
+  mesh, tx, params, _, _ = saved_state
+  copy_steps(saved_state, tmp_path)
+  _truncate(tmp_path / "checkpoints" / "2")
+  warnings = []
+  reader = ckpt_lib.Checkpointer(str(tmp_path), read_only=True)
+  step, got_params, opt_state, data = reader.restore_latest(targets(tx, mesh)[0],
+                                                            warn=warnings.append)
+  reader.close()
+  assert (step, opt_state, data) == (1, None, None)
+  jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
+               got_params, params)
+  assert len(warnings) == 1 and "checkpoint step 2" in warnings[0]
+  assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["1", "2"]
+  assert not (tmp_path / ckpt_lib.CORRUPT_DIRNAME).exists()
+  with pytest.raises(ValueError, match="read_only"):
+    reader.save(3, params, saved_state[3], {})
 
 
 def test_no_restorable_checkpoint_is_an_error_and_moves_nothing(tmp_path, saved_state):

@@ -26,9 +26,9 @@ What this module guarantees beyond Orbax:
   ``<workdir>/checkpoints_corrupt/<step>-<UTC time>``, outside the directory
   Orbax lists and prunes. If no step restores, nothing is moved and
   :class:`NoRestorableCheckpointError` lists every step and why.
-* :meth:`Checkpointer.restore_latest_params` (a ``read_only`` checkpointer:
-  generate.py, evaluate.py) reads only the parameters of the newest step that
-  restores, skipping bad steps with a warning and moving nothing.
+* The same :meth:`Checkpointer.restore_latest` on a ``read_only``
+  checkpointer with no optimizer target (generate.py, evaluate.py) reads only
+  the parameters of the newest step that restores, moving nothing.
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ class NoRestorableCheckpointError(RuntimeError):
 
 
 class NoCheckpointError(FileNotFoundError):
-  """A read-only checkpointer found no checkpoint to read (no directory, or no step)."""
+  """A read-only checkpointer was opened on a workdir without a checkpoints/ directory."""
 
 
 @jax.jit
@@ -206,16 +206,20 @@ class Checkpointer:
       raise FileNotFoundError("the data iterator state ('data' item) is missing")
     return state["params"], state["opt_state"], restored["data"]
 
-  def restore_latest(self, params_target, opt_state_target,
+  def restore_latest(self, params_target, opt_state_target=None,
                      warn: Callable[[str], None] = print):
     """Restores the newest step that restores, or returns None if there are no steps.
 
-    A step that fails to restore (truncated or missing files, no ``state`` or
-    ``data`` item, non-finite values) gets one ``warn`` line naming the step
-    and the reason; once an older step restores, the bad newer ones are moved
-    to ``<workdir>/checkpoints_corrupt/`` so Orbax neither lists nor prunes
-    them. On several processes a step counts as restored only if it restored
-    on every process.
+    The one restore of a run: train.py resumes with it (params, optimizer and
+    data state); generate.py and evaluate.py read the parameters alone with
+    ``opt_state_target=None`` (then ``opt_state`` and ``data_state`` come back
+    None). A step that fails to restore (truncated or missing files, no
+    ``state`` or ``data`` item, non-finite values) gets one ``warn`` line
+    naming the step and the reason, and the previous one is tried; once an
+    older step restores, the bad newer ones are moved to
+    ``<workdir>/checkpoints_corrupt/`` so Orbax neither lists nor prunes them
+    (not by a ``read_only`` checkpointer, which moves nothing). On several
+    processes a step counts as restored only if it restored on every process.
 
     Returns:
       ``(step, params, opt_state, data_state)`` or None.
@@ -226,7 +230,10 @@ class Checkpointer:
     failures: list[tuple[int, str]] = []
     for step in reversed(steps):
       try:
-        params, opt_state, data_state = self.restore(step, params_target, opt_state_target)
+        if opt_state_target is None:
+          params, opt_state, data_state = self.restore_params(step, params_target), None, None
+        else:
+          params, opt_state, data_state = self.restore(step, params_target, opt_state_target)
         reason = None if all_finite((params, opt_state)) else "it holds NaN or inf values"
       except Exception as e:  # Corruption shows as many error types (OSError, ValueError, ...).
         reason = _one_line(e)
@@ -236,7 +243,7 @@ class Checkpointer:
              f"({reason}); trying the previous one.")
         failures.append((step, reason))
         continue
-      for bad, _ in failures:
+      for bad, _ in failures if not self.read_only else ():
         moved = self._move_aside(bad)
         warn(f"warning: moved the unrestorable checkpoint step {bad} to {moved} "
              "(kept for inspection, not deleted).")
@@ -246,8 +253,9 @@ class Checkpointer:
       listing = "; ".join(f"step {s}: {r}" for s, r in failures)
       raise NoRestorableCheckpointError(
           f"no checkpoint in {self.directory} restores ({listing}). Nothing was moved or "
-          "deleted. If the config changed (model shape), use the original config; otherwise "
-          "start afresh with a new --workdir, or move the checkpoints directory aside.")
+          "deleted. If the config changed (model shape), use the original config"
+          + ("." if self.read_only else "; otherwise start afresh with a new --workdir, or "
+             "move the checkpoints directory aside."))
     return None
 
   def restore_params(self, step: int, params_target):
@@ -259,36 +267,6 @@ class Checkpointer:
         restore_args=jax.tree.map(lambda x: ocp.ArrayRestoreArgs(sharding=x.sharding),
                                   target))))
     return restored["state"]["params"]
-
-  def restore_latest_params(self, params_target, warn: Callable[[str], None] = print):
-    """``(step, params)`` of the newest step whose parameters restore (and are finite).
-
-    For reading a run (generate.py, evaluate.py): a step that does not restore
-    gets one ``warn`` line and the previous one is tried; nothing is moved
-    (train.py moves such steps aside when it resumes).
-
-    Raises:
-      NoCheckpointError: the directory holds no step.
-      NoRestorableCheckpointError: there are steps but none restores.
-    """
-    steps = self.all_steps()
-    if not steps:
-      raise NoCheckpointError(f"{self.directory} holds no checkpoint")
-    failures = []
-    for step in reversed(steps):
-      try:
-        params = self.restore_params(step, params_target)
-        if all_finite(params):
-          return step, params
-        reason = "it holds NaN or inf values"
-      except Exception as e:  # Corruption shows as many error types.
-        reason = _one_line(e)
-      warn(f"warning: checkpoint step {step} in {self.directory} does not restore ({reason}); "
-           "trying the previous one.")
-      failures.append(f"step {step}: {reason}")
-    raise NoRestorableCheckpointError(
-        f"no checkpoint in {self.directory} restores ({'; '.join(failures)}); if the config "
-        "changed (model shape), pass the config the run was trained with.")
 
   def _move_aside(self, step: int) -> str:
     """Moves step ``step``'s directory out of Orbax's view; returns where it went."""

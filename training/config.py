@@ -211,6 +211,24 @@ def simulate_cpu_devices(config, num_processes: int = 1) -> None:
           file=sys.stderr, flush=True)
 
 
+def start_script(argv: Sequence[str], script_flags: dict) -> dict:
+  """The start of generate.py's and evaluate.py's ``main``: no stray arguments (else one
+  line, exit :data:`EXIT_USAGE`), Orbax's INFO logs off unless ``-v``, and enough CPU
+  devices for ``--config``'s mesh. Returns ``{flag name: value}`` of ``script_flags``."""
+  from absl import flags
+  from absl import logging
+
+  if len(argv) > 1:
+    print(f"error: unexpected arguments {list(argv[1:])}; flags are written --name=value.",
+          file=sys.stderr)
+    sys.exit(EXIT_USAGE)
+  if not flags.FLAGS["verbosity"].present:
+    logging.set_verbosity(logging.WARNING)
+  values = {name: flag.value for name, flag in script_flags.items()}
+  simulate_cpu_devices(values["config"])
+  return values
+
+
 # ----------------------------------------------------------------------------
 # Validation
 # ----------------------------------------------------------------------------

@@ -1,8 +1,8 @@
 """The trained model of a run, for the scripts that read one (generate.py, evaluate.py).
 
 :func:`load_model` restores the parameters of the newest checkpoint in a
-train.py workdir that restores (:meth:`training.checkpoint.Checkpointer.restore_latest_params`,
-read only: nothing is moved) onto the shardings of the given mesh, or converts
+train.py workdir that restores (:meth:`training.checkpoint.Checkpointer.restore_latest`
+without an optimizer target, read only: nothing is moved) onto the shardings of the given mesh, or converts
 a local Hugging Face LLaMA directory (:mod:`models.convert_hf`). Errors are
 :class:`training.config.UsageError` lines naming the fix.
 """
@@ -31,14 +31,16 @@ def restore_params(model_cfg, mesh, workdir: str, warn: Callable[[str], None] = 
         f"--workdir {workdir} has no checkpoints/ directory; train first (python train.py "
         f"--config ... --workdir {workdir}) or pass --hf_dir.") from None
   try:
-    return checkpointer.restore_latest_params(target, warn=warn)
-  except ckpt_lib.NoCheckpointError:
-    raise cfg_lib.UsageError(f"{checkpointer.directory} holds no checkpoint; train first or "
-                             "pass --hf_dir.") from None
+    restored = checkpointer.restore_latest(target, warn=warn)
   except ckpt_lib.NoRestorableCheckpointError as e:
     raise cfg_lib.UsageError(str(e)) from None
   finally:
     checkpointer.close()
+  if restored is None:
+    raise cfg_lib.UsageError(f"{checkpointer.directory} holds no checkpoint; train first or "
+                             "pass --hf_dir.")
+  step, params, _, _ = restored
+  return step, params
 
 
 def load_model(config, mesh, *, workdir: str | None = None, hf_dir: str | None = None,
