@@ -20,8 +20,11 @@ model's attention: the ring over the mesh's ``sequence`` axis, rows over
 
 Prints a table (length x task) to stdout, and writes ``eval_lengths.jsonl``
 (one row per length and task) and ``eval_lengths.png`` (accuracy vs length,
-with chance level) to the workdir. A length must split over the ring in the
-model's layout (e.g. a multiple of 8 for zigzag on 4 devices).
+with chance level) to the workdir. Every length must pass the model's length
+rule (``models/lengths.py``: it splits over the ring in the model's layout, e.g.
+a multiple of 8 for zigzag on 4 devices, and the ring blocks, FFN chunk and loss
+chunk divide each device's share), checked before anything loads: a bad one is
+one error line, exit status 2.
 """
 
 from __future__ import annotations
