@@ -26,6 +26,7 @@ from jax.sharding import PartitionSpec as P
 
 from ring_jax import layouts
 from ring_jax import sharded
+from ring_jax.strategies import global_arrays
 
 _MASK_FIX = (
     "ring attention never builds the [q_length, kv_length] matrix a dense {what} lives on. "
@@ -57,12 +58,12 @@ def _like_query_sharding(out, query, mesh):
   shardings and nothing is needed.
   """
   ring_mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
-  if not sharded._has_explicit_axes(ring_mesh):
+  if not global_arrays.has_explicit_axes(ring_mesh):
     return out
   query_sharding = jax.typeof(query).sharding
   on_mesh = getattr(getattr(query_sharding, "mesh", None), "axis_names", ())
   spec = query_sharding.spec if on_mesh else P()
-  return sharded._reshard(ring_mesh, out, spec)
+  return global_arrays.place(ring_mesh, out, spec)
 
 
 def flax_attention_fn(*, mesh=None, is_causal: bool = False, layout: str = "contiguous",
@@ -70,7 +71,7 @@ def flax_attention_fn(*, mesh=None, is_causal: bool = False, layout: str = "cont
                       head_axis: str | None = "tensor", segment_ids=None,
                       scale: float | None = None, local_window_size=None,
                       inputs_in_layout: bool = False, block_q: int | None = None,
-                      block_kv: int | None = None, hop_kernel=None):
+                      block_kv: int | None = None, hop_kernel="auto"):
   """An ``attention_fn`` for Flax attention modules that runs ring attention.
 
   Usage::

@@ -12,6 +12,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ring_jax import layouts
+
 
 def check_qkv(query, key, value, *, is_causal: bool, segment_ids) -> None:
   """Shapes ``[B,T,N,H]``, ``[B,S,K,H]``, ``[B,S,K,H]``; same float dtype; ``N % K == 0``."""
@@ -99,7 +101,37 @@ def check_scale(scale, head_dim: int, score_dtype) -> float:
   return value
 
 
+def check_split(layout: str, ring_size: int, length: int, *, ulysses: int = 1,
+                what: str = "sequence length") -> int:
+  """The length rule of every strategy: returns the ring's local length ``length // ring_size``.
+
+  ``length`` tokens must split over a ring of ``ring_size`` devices in
+  ``layout`` (:func:`ring_jax.layouts.check_length`: one shard per device, two
+  equal chunks of it for zigzag), and, for the hybrid, each ring shard further
+  over the ``ulysses`` devices of its Ulysses axis. Block sizes must then divide
+  the length they tile (:func:`check_block`). Raises ValueError naming the
+  length to pad to; :func:`split_problem` returns that message instead.
+  """
+  local_len = layouts.check_length(layout, ring_size, length, what)
+  if local_len % ulysses:
+    multiple = math.lcm(layouts.length_multiple(layout, ring_size), ring_size * ulysses)
+    raise ValueError(
+        f"{what} {length}: each ring shard of {local_len} tokens must split over the "
+        f"{ulysses} devices of the Ulysses axis; pad it to a multiple of {multiple}.")
+  return local_len
+
+
+def split_problem(layout: str, ring_size: int, length: int, *, ulysses: int = 1) -> str | None:
+  """Why :func:`check_split` refuses ``length`` (its message), or None when it splits."""
+  try:
+    check_split(layout, ring_size, length, ulysses=ulysses)
+  except ValueError as e:
+    return str(e)
+  return None
+
+
 def check_block(name: str, block: int, local_len: int) -> None:
+  """``block`` is a positive int dividing ``local_len``, the length its blocks tile."""
   if not isinstance(block, (int, np.integer)) or block < 1:
     raise ValueError(f"{name} must be a positive int, got {block!r}.")
   if local_len % block:
