@@ -47,11 +47,7 @@ def ring_attention_sharded(query, key, value, *, mesh=None, seq_axis: str = "seq
   Returns:
     ``[B, L, N, H]`` in ``query.dtype``, or ``(out, lse)`` with ``return_lse``.
   """
-  options = AttentionOptions(is_causal=is_causal, scale=scale,
-                             local_window_size=local_window_size, layout=layout,
-                             block_q=block_q, block_kv=block_kv, precision=precision,
-                             hop_kernel=hop_kernel, return_lse=return_lse,
-                             overlap_dkv=overlap_dkv)
+  options = AttentionOptions.from_keywords(locals())
   return global_arrays.run(ring_strategy.STRATEGY, query, key, value, segment_ids, mesh=mesh,
                            seq_axis=seq_axis, batch_axis=batch_axis, head_axis=head_axis,
                            inputs_in_layout=inputs_in_layout, options=options)

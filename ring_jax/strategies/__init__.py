@@ -80,10 +80,7 @@ def attention_sharded(query, key, value, *, mesh=None, strategy: str = "auto",
   Returns:
     ``[B, L, N, H]`` in ``query.dtype`` (in layout order iff ``inputs_in_layout``).
   """
-  options = AttentionOptions(is_causal=is_causal, scale=scale,
-                             local_window_size=local_window_size, layout=layout,
-                             block_q=block_q, block_kv=block_kv, precision=precision,
-                             hop_kernel=hop_kernel)
+  options = AttentionOptions.from_keywords(locals())
   mesh = global_arrays.current_mesh(mesh)
   if strategy == "auto":
     strategy = _planned(mesh, global_arrays.seq_axes(mesh, seq_axis), batch_axis, head_axis,

@@ -17,7 +17,7 @@ from ring_jax import layouts
 from ring_jax import validation
 from ring_jax.hop import HopKernel
 from ring_jax.strategies import global_arrays
-from ring_jax.strategies.local import LocalConfig, axis_size, local_attention
+from ring_jax.strategies.local import LocalConfig, check_self_attention, local_attention
 from ring_jax.strategies.options import AttentionOptions
 
 
@@ -38,22 +38,15 @@ def all_gather_attention(query, key, value, *, axis_name, is_causal: bool = Fals
   arrays are kept between the passes. ``block_q``/``block_kv`` must divide
   the local length.
   """
-  options = AttentionOptions(is_causal=is_causal, scale=scale,
-                             local_window_size=local_window_size, layout=layout,
-                             block_q=block_q, block_kv=block_kv, precision=precision,
-                             hop_kernel=hop_kernel)
+  options = AttentionOptions.from_keywords(locals())
   return _local(query, key, value, segment_ids, axis_name=axis_name, options=options)
 
 
 def _local(query, key, value, segment_ids, *, axis_name, options: AttentionOptions):
-  validation.check_qkv(query, key, value, is_causal=options.masked, segment_ids=segment_ids)
-  n = axis_size(axis_name, "all_gather_attention")
+  n = check_self_attention(query, key, value, segment_ids, axis_name, options,
+                           "all_gather_attention")
   b, t, nh, h = query.shape
   kh = key.shape[2]
-  if key.shape[1] != t:
-    raise ValueError(f"all_gather_attention needs equal local query and key lengths, got {t}, "
-                     f"{key.shape[1]}; use strategy='ring' for cross-attention over a sequence "
-                     "axis.")
   layout = options.layout
   validation.check_split(layout, n, n * t, what="query length")
   cfg = LocalConfig(spec=options.hop_spec(h, local_len=t, block_length=t),

@@ -90,7 +90,7 @@ class Placement:
 
   @property
   def axis_name(self):
-    """What the strategy inside ``shard_map`` takes as ``axis_name``."""
+    """What the strategy inside ``shard_map`` takes as ``axis_name`` (and the specs hold)."""
     return self.seq if len(self.seq) > 1 else self.seq[0]
 
   def per_device(self, heads: int, kv_heads: int) -> tuple[int, int]:
@@ -263,8 +263,7 @@ def _in_layout(local, q, k, v, seg, *, layout, axis_name):
 
 def _shard_map(local, where: Placement, query, key, value, segment_ids, return_lse: bool):
   """``local(q, k, v, seg)`` under ``jax.shard_map`` with the placement's specs."""
-  seq = where.seq if len(where.seq) > 1 else where.seq[0]
-  batch, heads, kv_heads = where.axes
+  seq, (batch, heads, kv_heads) = where.axis_name, where.axes
   q_spec = P(batch, seq, heads, None)
   kv_spec = P(batch, seq, kv_heads, None)
   seg_spec = P(batch, seq)

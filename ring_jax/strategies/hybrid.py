@@ -40,10 +40,7 @@ def hybrid_attention(query, key, value, *, axis_name, is_causal: bool = False,
   ``block_q`` / ``block_kv`` must divide the ring's local length ``u*T``. Other
   arguments as in :func:`ring_jax.ring_attention`.
   """
-  options = AttentionOptions(is_causal=is_causal, scale=scale,
-                             local_window_size=local_window_size, layout=layout,
-                             block_q=block_q, block_kv=block_kv, precision=precision,
-                             hop_kernel=hop_kernel)
+  options = AttentionOptions.from_keywords(locals())
   return _local(query, key, value, segment_ids, axis_name=axis_name, options=options)
 
 

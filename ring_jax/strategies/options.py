@@ -31,6 +31,11 @@ class AttentionOptions:
   return_lse: bool = False
   overlap_dkv: bool = False
 
+  @classmethod
+  def from_keywords(cls, keywords: dict) -> "AttentionOptions":
+    """The options among ``keywords`` (an entry point's ``locals()``); the rest ignored."""
+    return cls(**{f.name: keywords[f.name] for f in dataclasses.fields(cls) if f.name in keywords})
+
   def __post_init__(self):
     layouts.check_layout(self.layout)
     if isinstance(self.local_window_size, list):  # hashable, as the other fields
@@ -59,4 +64,5 @@ class AttentionOptions:
     block_kv = default_block(self.layout, local_len) if self.block_kv is None else self.block_kv
     validation.check_block("block_q", block_q, block_length)
     validation.check_block("block_kv", block_kv, block_length)
-    return HopSpec(scale=scale, is_causal=bool(self.is_causal), window=window, block_q=int(block_q), block_kv=int(block_kv), precision=self.precision)
+    return HopSpec(scale=scale, is_causal=bool(self.is_causal), window=window,
+                   block_q=int(block_q), block_kv=int(block_kv), precision=self.precision)
