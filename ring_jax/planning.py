@@ -480,10 +480,11 @@ def _device(device, peak_flops, link_bandwidth) -> hardware.DeviceSpec:
 
 
 def _heads_problem(nh, kh, u) -> str | None:
-  if nh % u:
-    return f"{nh} query heads per device not divisible by {u}"
-  if kh % u and u % kh:
-    return f"{kh} K/V heads per device neither divisible by nor dividing {u}"
+  """Why Ulysses over ``u`` devices cannot split these heads (:func:`validation.ulysses_repeat`)."""
+  try:
+    validation.ulysses_repeat(nh, kh, u)
+  except ValueError as e:
+    return str(e)
   return None
 
 

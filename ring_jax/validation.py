@@ -130,6 +130,31 @@ def split_problem(layout: str, ring_size: int, length: int, *, ulysses: int = 1)
   return None
 
 
+def ulysses_repeat(nh: int, kh: int, u: int, axis_name=None) -> int:
+  """How often Ulysses repeats each key/value head before its all_to_all (1: not at all).
+
+  ``nh``/``kh``: query / key-value heads on each device; ``u``: the size of
+  the Ulysses axis ``axis_name``. The query heads must split over it; the
+  key/value heads must too, or divide it (then they are repeated up to ``u``,
+  as USP does). Raises ValueError naming the fix.
+  """
+  axis = "the Ulysses axis" if axis_name is None else f"axis {axis_name!r}"
+  if nh % u:
+    raise ValueError(
+        f"ulysses needs the query heads on each device ({nh}) divisible by the size of {axis} "
+        f"({u}), and {nh} is not divisible by {u}; use a head count that is a multiple of {u}, "
+        "a smaller Ulysses axis (strategy='hybrid' with the rest of the sequence on a ring "
+        "axis), or strategy='ring'/'all_gather'.")
+  if kh % u == 0:
+    return 1
+  if u % kh == 0:
+    return u // kh  # USP: replicate the K/V heads up to one per device
+  raise ValueError(
+      f"ulysses needs the key/value heads on each device ({kh}) divisible by the size of "
+      f"{axis} ({u}), or dividing it (then they are repeated); use a number of key/value "
+      "heads that is a multiple or a divisor of it, or strategy='ring'/'all_gather'.")
+
+
 def check_block(name: str, block: int, local_len: int) -> None:
   """``block`` is a positive int dividing ``local_len``, the length its blocks tile."""
   if not isinstance(block, (int, np.integer)) or block < 1:

@@ -19,7 +19,7 @@ from ring_jax.ring import ring_attention
 from ring_jax.strategies import global_arrays
 from ring_jax.strategies.local import axis_size
 from ring_jax.strategies.options import AttentionOptions
-from ring_jax.strategies.ulysses import gather_heads, to_sequence, ulysses_heads
+from ring_jax.strategies.ulysses import gather_heads, to_sequence
 
 
 def hybrid_attention(query, key, value, *, axis_name, is_causal: bool = False,
@@ -74,7 +74,7 @@ def _local(query, key, value, segment_ids, *, axis_name, options: AttentionOptio
 def _check(where: global_arrays.Placement, length, kv_len, heads, kv_heads, options):
   del kv_len  # equal lengths are the wrapper's check
   (r, u), uly_axis = where.seq_sizes, where.seq[1]
-  ulysses_heads(heads, kv_heads, u, uly_axis)
+  validation.ulysses_repeat(heads, kv_heads, u, uly_axis)
   validation.check_split(options.layout, r, length, ulysses=u,
                          what="sequence length (over the ring axis)")
 

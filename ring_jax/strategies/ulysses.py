@@ -23,28 +23,6 @@ from ring_jax.strategies.local import LocalConfig, check_self_attention, local_a
 from ring_jax.strategies.options import AttentionOptions
 
 
-def ulysses_heads(nh: int, kh: int, u: int, axis_name) -> int:
-  """How often each key/value head is repeated before the all_to_all (1: not at all).
-
-  ``nh``/``kh``: query / key-value heads on each device; ``u``: the size of
-  the Ulysses axis ``axis_name``. Raises ValueError naming the fix.
-  """
-  if nh % u:
-    raise ValueError(
-        f"ulysses needs the query heads on each device ({nh}) divisible by the size of axis "
-        f"{axis_name!r} ({u}); use a head count that is a multiple of {u}, a smaller Ulysses "
-        "axis (strategy='hybrid' with the rest of the sequence on a ring axis), or "
-        "strategy='ring'/'all_gather'.")
-  if kh % u == 0:
-    return 1
-  if u % kh == 0:
-    return u // kh  # USP: replicate the K/V heads up to one per device
-  raise ValueError(
-      f"ulysses needs the key/value heads on each device ({kh}) divisible by the size of axis "
-      f"{axis_name!r} ({u}), or dividing it (then they are replicated); use a number of "
-      "key/value heads that is a multiple or a divisor of it, or strategy='ring'/'all_gather'.")
-
-
 def to_sequence(x, axis_name):
   """``[B, u*T, N/u, H]`` head-sharded -> ``[B, T, N, H]`` sequence-sharded (all_to_all)."""
   with jax.named_scope("ulysses_to_sequence"):
@@ -54,7 +32,7 @@ def to_sequence(x, axis_name):
 def gather_heads(query, key, value, segment_ids, axis_name):
   """The Ulysses exchange: local sequence / all heads -> whole (group) sequence / N/u heads."""
   u = jax.lax.axis_size(axis_name)
-  repeat = ulysses_heads(query.shape[2], key.shape[2], u, axis_name)
+  repeat = validation.ulysses_repeat(query.shape[2], key.shape[2], u, axis_name)
   if repeat > 1:
     key, value = (jnp.repeat(x, repeat, axis=2) for x in (key, value))
   with jax.named_scope("ulysses_to_heads"):
@@ -106,7 +84,7 @@ def _local(query, key, value, segment_ids, *, axis_name, options: AttentionOptio
 
 def _check(where: global_arrays.Placement, length, kv_len, heads, kv_heads, options):
   del kv_len  # equal lengths are the wrapper's check
-  ulysses_heads(heads, kv_heads, where.seq_sizes[0], where.seq[0])
+  validation.ulysses_repeat(heads, kv_heads, where.seq_sizes[0], where.seq[0])
   validation.check_split(options.layout, where.seq_sizes[0], length)
 
 
