@@ -82,9 +82,7 @@ def _kernel(hop_kernel) -> HopKernel:
 
 def _masks(cfg: _LocalConfig, q_pos, kv_pos, q_seg, kv_seg) -> HopMasks:
   """Positions and ids of (queries at ``q_pos``) x (keys at ``kv_pos``)."""
-  del cfg
-  return HopMasks(q_positions=q_pos, kv_positions=kv_pos, q_segment_ids=q_seg,
-                  kv_segment_ids=kv_seg)
+  return HopMasks.build(cfg.spec, q_pos, kv_pos, q_seg, kv_seg)
 
 
 def _gather(cfg: _LocalConfig, k, v, kv_seg):
@@ -120,8 +118,9 @@ def _local_bwd(cfg, res, do):
   q, k_local, v_local, q_pos, kv_pos, q_seg, kv_seg_local, out, lse = res
   k, v, kv_seg = _gather(cfg, k_local, v_local, kv_seg_local)
   masks = _masks(cfg, q_pos, kv_pos, q_seg, kv_seg)
-  dq, dk, dv = cfg.kernel.backward(q, k, v, out, hop_lib.lse_for_backward(lse), do, None,
-                                   masks, cfg.spec, *hop_lib.zero_grads(q, k, v))
+  dq, dk, dv = cfg.kernel.backward(q, k, v, masks, cfg.spec,
+                                   hop_lib.HopResiduals(out, hop_lib.lse_for_backward(lse), do),
+                                   hop_lib.zero_grads(q, k, v))
   if cfg.gather_axis is not None:
     with jax.named_scope("scatter_dkv"):  # transpose of the all_gather: sum, keep own shard
       dk, dv = (jax.lax.psum_scatter(x, cfg.gather_axis, scatter_dimension=1, tiled=True)

@@ -1,6 +1,5 @@
 """ring_attention inside a user's shard_map: work skipping, memory, numerics."""
 
-import dataclasses
 import functools
 import re
 
@@ -13,7 +12,7 @@ from jax.sharding import PartitionSpec as P
 
 import ring_jax
 from attn_utils import assert_close, grads, make_mesh, packed_segments, qkv
-from ring_jax.kernels import XlaHopKernel
+from ring_jax.kernels import xla as xla_kernel
 
 
 def shard_mapped(mesh, **kw):
@@ -49,53 +48,45 @@ def test_unbound_axis_name_is_a_value_error():
     fn(q, k, v)
 
 
-@dataclasses.dataclass(frozen=True)
-class CountingKernel(XlaHopKernel):
-  """The XLA kernel, reporting how many block pairs each (device, hop) computes."""
-  log: list = dataclasses.field(default_factory=list, compare=False, hash=False)
-
-  def _record(self, phase, masks, spec):
-    # The pairs the kernel's loops visit (its own plan, from positions and segment ids).
-    num = self.block_plan(masks, spec).computed().sum(dtype=jnp.int32)
-
-    def cb(qp, kp, num):
-      self.log.append((phase, int(qp[0]), int(kp[0]), int(num)))
-    jax.debug.callback(cb, masks.q_positions, masks.kv_positions, num)
-
-  def forward(self, q, k, v, masks, spec):
-    self._record("fwd", masks, spec)
-    return super().forward(q, k, v, masks, spec)
-
-  def backward(self, q, k, v, out, lse, do, dlse, masks, spec, dq, dk, dv):
-    self._record("bwd", masks, spec)
-    return super().backward(q, k, v, out, lse, do, dlse, masks, spec, dq, dk, dv)
+def _pairs_by_hop(log, layout, n, local_len):
+  """``{(phase, device, hop): sorted block pairs}`` from the XLA kernel's ``record_pairs`` log:
+  the pairs its loops really computed (the first query / key position name device and shard)."""
+  first_pos = [int(ring_jax.local_positions(layout, n, local_len, d)[0]) for d in range(n)]
+  device_of = {p: d for d, p in enumerate(first_pos)}
+  got = {}
+  for phase, qp, kp, a, b in log:
+    d, src = device_of[qp], device_of[kp]
+    got.setdefault((phase, d, (d - src) % n), []).append((a, b))
+  return {key: sorted(pairs) for key, pairs in got.items()}
 
 
 @pytest.mark.parametrize("layout", ring_jax.LAYOUTS)
 def test_computed_work_follows_the_schedule(layout):
-  """Forward and backward compute exactly the scheduled block pairs; masked ones are skipped.
+  """The forward's and the backward's block loops compute exactly the scheduled block pairs
+  (their real trips, counted by a callback in the loop bodies); masked ones are skipped.
 
   With zigzag/striped every device does the same causal work; contiguous
   leaves device 0 idle after hop 0.
   """
   n, length, block = 4, 64, 4
   mesh = make_mesh((n,), ("sequence",))
-  kernel = CountingKernel()
   q, k, v = qkv(1, 1, length, 2, 2, 8)
-  fn = shard_mapped(mesh, is_causal=True, layout=layout, block_q=block, block_kv=block,
-                    hop_kernel=kernel)
+  fn = shard_mapped(mesh, is_causal=True, layout=layout, block_q=block, block_kv=block)
   to = functools.partial(ring_jax.to_layout, layout=layout, ring_size=n)
-  jax.block_until_ready(jax.jit(functools.partial(grads, fn))(
-      to(q), to(k), to(v), jnp.ones_like(q)))
+  with xla_kernel.record_pairs() as log:
+    jax.block_until_ready(jax.jit(functools.partial(grads, fn))(
+        to(q), to(k), to(v), jnp.ones_like(q)))
+    jax.effects_barrier()
   sched = ring_jax.schedule(layout, n, length // n, block, block, True)
-  first_pos = [int(ring_jax.local_positions(layout, n, length // n, d)[0]) for d in range(n)]
-  device_of = {p: d for d, p in enumerate(first_pos)}
+  got = _pairs_by_hop(log, layout, n, length // n)
   for phase in ("fwd", "bwd"):
     work = np.zeros((n, n), int)
-    for ph, qp, kp, num in kernel.log:
-      if ph == phase:
-        d, src = device_of[qp], device_of[kp]
-        work[d, (d - src) % n] += num
+    for d in range(n):
+      for h in range(n):
+        pairs = got.get((phase, d, h), [])
+        work[d, h] = len(pairs)
+        want = sorted(map(tuple, sched.pairs[d, h, :sched.num_pairs[d, h]].tolist()))
+        assert pairs == want, (phase, d, h)
     np.testing.assert_array_equal(work, sched.num_pairs, err_msg=phase)
   full = (length // n // block) ** 2
   per_device = sched.work_per_device()
@@ -106,6 +97,17 @@ def test_computed_work_follows_the_schedule(layout):
   else:
     assert per_device.max() == per_device.min()
     assert (sched.num_pairs.max(0) == sched.num_pairs.min(0)).all()  # balanced at every hop
+
+
+def test_pair_recording_is_off_by_default():
+  """Outside record_pairs() the kernel's loops hold no callback (zero cost)."""
+  mesh = make_mesh((2,), ("sequence",))
+  q, k, v = qkv(1, 1, 16, 2, 2, 8)
+  hlo = lambda: jax.jit(shard_mapped(mesh, is_causal=True, block_q=4, block_kv=4)).lower(  # noqa: E731
+      q, k, v).as_text()
+  assert "callback" not in hlo()
+  with xla_kernel.record_pairs():
+    assert "callback" in hlo()
 
 
 def _fwd_bwd_temp_bytes(n, local_len, heads=4, head_dim=64, is_causal=True, **kw):
@@ -214,23 +216,23 @@ def test_blocks_of_different_documents_are_skipped():
   seg[0, -4:] = 0                                            # and trailing padding
   seg = jnp.asarray(seg)
   q, k, v = qkv(4, 1, length, 2, 2, 8)
-  kernel = CountingKernel()
-  fn = shard_mapped_with_segments(mesh, kernel, block)
-  out = jax.jit(fn)(q, k, v, seg)
+  fn = shard_mapped_with_segments(mesh, block)
+  with xla_kernel.record_pairs() as log:
+    out = jax.jit(fn)(q, k, v, seg)
+    jax.effects_barrier()
   assert_close(out, ring_jax.reference_attention(q, k, v, is_causal=True, segment_ids=seg))
-  computed = sum(num for _, _, _, num in kernel.log)
+  computed = len(log)
   scheduled = ring_jax.schedule("contiguous", n, length // n, block, block, True)
   # Each 8-token document covers two 4-token blocks: 3 causal pairs per document, none for
   # the padding block.
   assert computed == 7 * 3 + 1 < scheduled.num_pairs.sum()
 
 
-def shard_mapped_with_segments(mesh, kernel, block):
+def shard_mapped_with_segments(mesh, block):
   spec, seg_spec = P(None, "sequence", None, None), P(None, "sequence")
   return jax.shard_map(
       lambda q, k, v, s: ring_jax.ring_attention(q, k, v, axis_name="sequence", is_causal=True,
-                                                 segment_ids=s, block_q=block, block_kv=block,
-                                                 hop_kernel=kernel),
+                                                 segment_ids=s, block_q=block, block_kv=block),
       mesh=mesh, in_specs=(spec, spec, spec, seg_spec), out_specs=spec)
 
 
