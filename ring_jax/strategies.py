@@ -24,7 +24,7 @@ axis; they differ in what travels and what is resident on a device:
 
 All local attention reuses the ring's blockwise machinery (a
 :class:`ring_jax.HopKernel`, the XLA one by default, with the block pairs of
-:func:`ring_jax.scheduling.block_pairs` computed from global token positions),
+:class:`ring_jax.scheduling.BlockTable` computed from global token positions),
 so causal / window / document skipping, layouts and GQA behave the same in
 every strategy. :func:`attention_sharded` runs any of them (or the one
 :func:`ring_jax.plan` picks) on global arrays.
