@@ -5,6 +5,7 @@ import re
 
 import chex
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -264,3 +265,30 @@ def test_in_place_dkv_accumulation_needs_less_memory():
                                   block_kv=64, overlap_dkv=o) for o in (False, True)}
   kv_f32 = b * (length // 4) * heads * hd * 4
   assert temps[True] - temps[False] >= 1.5 * kv_f32, temps
+
+
+def test_non_finite_v_is_checked_once_per_shard_not_per_hop():
+  """The kernels' non-finite-V guard reads a flag computed once where the shard is born (one
+  pass over the local V and one all_gather per forward), not a pass over V at every hop."""
+  mesh = make_mesh((4,), ("sequence",))
+  q, k, v = qkv(0, 1, 64, 2, 2, 8)
+  fn = shard_mapped(mesh, is_causal=True, layout="zigzag", block_q=4, block_kv=4)
+  local_v = (1, 16, 2, 8)
+
+  def eqns(jaxpr):
+    for eqn in jaxpr.eqns:
+      yield eqn
+      for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+        yield from eqns(sub)
+
+  found = list(eqns(jax.make_jaxpr(fn)(q, k, v).jaxpr))
+  whole_v = [e for e in found if e.primitive.name == "is_finite"
+             and tuple(e.invars[0].aval.shape) == local_v]
+  assert len(whole_v) == 1
+  assert sum(e.primitive.name == "all_gather" for e in found) == 1
+  v_nan = v.at[0, 3, 0, 0].set(jnp.nan)  # the guard still works: NaN exactly where it is seen
+  to = functools.partial(ring_jax.to_layout, layout="zigzag", ring_size=4)
+  out = ring_jax.from_layout(jax.jit(fn)(to(q), to(k), to(v_nan)), "zigzag", 4)
+  ref = ring_jax.reference_attention(q, k, v_nan, is_causal=True)
+  assert np.isnan(np.asarray(ref)).any() and not np.isnan(np.asarray(ref)).all()
+  np.testing.assert_array_equal(np.isnan(np.asarray(out)), np.isnan(np.asarray(ref)))
