@@ -5,7 +5,10 @@ Near-Infinite Context" (2023), Alg. 1. Device ``i`` of an ``n``-device ring
 starts with its own K/V shard and, at hop ``h``, holds the shard of device
 ``(i - h) mod n``. Each hop folds blockwise attention against that shard into
 a float32 online-softmax carry (:mod:`ring_jax.hop`); the next shard's
-transfer is issued before the hop's compute so XLA can overlap the two.
+transfer is issued before the hop's compute so XLA can overlap the two. Only
+the hops ``first..last`` of :func:`ring_jax.scheduling.hop_range` run (a
+local window on the contiguous layout needs a few neighbouring shards; the
+whole ring is ``0..n-1``), both passes in one loop (:func:`_over_hops`).
 
 The backward pass is a hand-written ``custom_vjp`` that goes around the ring
 again: K, V and their float32 gradient accumulators dK, dV travel together,
