@@ -33,18 +33,17 @@ class LocalConfig:
 
 def _kernel_forward(cfg: LocalConfig, q, k, v, q_pos, kv_pos, q_seg, kv_seg):
   """``(out_h, lse_h)`` of the queries at ``q_pos`` against the keys at ``kv_pos``."""
-  masks = HopMasks(q_positions=q_pos, kv_positions=kv_pos, q_segment_ids=q_seg,
-                   kv_segment_ids=kv_seg)
+  masks = HopMasks.build(cfg.spec, q_pos, kv_pos, q_seg, kv_seg)
   cfg.kernel.check(q.shape, k.shape, q.dtype, cfg.spec)
   return cfg.kernel.forward(q, k, v, masks, cfg.spec)  # empty rows: (0, -inf)
 
 
 def _kernel_backward(cfg: LocalConfig, q, k, v, q_pos, kv_pos, q_seg, kv_seg, out, lse, do):
   """float32 ``(dq, dk, dv)`` of one whole-K/V call, from zero accumulators."""
-  masks = HopMasks(q_positions=q_pos, kv_positions=kv_pos, q_segment_ids=q_seg,
-                   kv_segment_ids=kv_seg)
-  return cfg.kernel.backward(q, k, v, out, hop_lib.lse_for_backward(lse), do, None, masks,
-                             cfg.spec, *hop_lib.zero_grads(q, k, v))
+  masks = HopMasks.build(cfg.spec, q_pos, kv_pos, q_seg, kv_seg)
+  res = hop_lib.HopResiduals(out, hop_lib.lse_for_backward(lse), do)
+  dq, dk, dv = cfg.kernel.backward(q, k, v, masks, cfg.spec, res, hop_lib.zero_grads(q, k, v))
+  return dq, dk, dv
 
 
 # -------------------------------------------------------------------------------------------
