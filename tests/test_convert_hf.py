@@ -116,7 +116,7 @@ def test_config_errors(tmp_path):
   with pytest.raises(ValueError, match="not used"):
     convert_hf.load_hf_checkpoint(path, tie_embeddings=True)
   with pytest.raises(FileNotFoundError):
-    convert_hf.read_hf_tensors(str(tmp_path))
+    convert_hf.HFCheckpoint(str(tmp_path))
 
 
 def test_bfloat16_checkpoint(tmp_path):
