@@ -144,8 +144,10 @@ class Tokenizer:
 # ----------------------------------------------------------------------------------------------
 
 
-def restore_params(workdir: str, abstract_params, warn=lambda m: print(m, file=sys.stderr)):
-  """``(step, params)`` from the newest checkpoint in ``workdir`` whose parameters restore.
+def restore_params(workdir: str, abstract_params, warn=lambda m: print(m, file=sys.stderr),
+                   step: int | None = None):
+  """``(step, params)`` from the newest checkpoint in ``workdir`` whose parameters restore
+  (or from checkpoint ``step``, if given).
 
   Only ``params`` is read (not the optimizer state), onto the shardings of
   ``abstract_params`` (``ShapeDtypeStruct`` leaves). A step that does not
@@ -164,6 +166,10 @@ def restore_params(workdir: str, abstract_params, warn=lambda m: print(m, file=s
     steps = sorted(manager.all_steps())
     if not steps:
       raise UsageError(f"{directory} holds no checkpoint; train first or pass --hf_dir.")
+    if step is not None:
+      if step not in steps:
+        raise UsageError(f"{directory} has no checkpoint of step {step} (steps: {steps}).")
+      steps = [step]
     failures = []
     for step in reversed(steps):
       try:

@@ -264,6 +264,7 @@ def train(config, workdir: str, *, stop_at_step: int | None = None) -> TrainResu
     raise cfg_lib.ConfigError(f"stop_at_step must be >= 1, got {stop_at_step}.")
 
   # --- 1. Mesh and config checks: fail before anything is compiled -------------------------
+  config = cfg_lib.resolve_hf_init(config, log=log)  # model fields from init.hf_dir
   sizes = cfg_lib.validate_config(config, jax.device_count())
   model_cfg = cfg_lib.llama_config(config)
   mesh = cfg_lib.make_mesh(config.mesh)
@@ -309,8 +310,7 @@ def _train(config, workdir, stop_at_step, stop, mesh, model_cfg, ring_size) -> T
         log(f"resumed from step {start_step} in {checkpointer.directory}")
       else:
         start_step, data_state = 0, None
-        _, params, _ = nnx.split(llama.create_sharded_model(model_cfg, mesh, seed=config.seed),
-                                 nnx.Param, ...)
+        params = init_params(config, model_cfg, mesh, param_shardings)
         opt_state = step_lib.init_opt_state(tx, params, opt_shardings)
       end_step = config.total_steps if stop_at_step is None else min(stop_at_step,
                                                                      config.total_steps)
@@ -434,6 +434,19 @@ def _train(config, workdir, stop_at_step, stop, mesh, model_cfg, ring_size) -> T
                      checkpoint_dir=checkpointer.directory)
 
 
+def init_params(config, model_cfg, mesh, param_shardings):
+  """The parameters of a fresh run, sharded: ``config.init.hf_dir``'s weights, or random ones."""
+  hf_dir = cfg_lib.hf_init_dir(config)
+  if not hf_dir:
+    return nnx.split(llama.create_sharded_model(model_cfg, mesh, seed=config.seed),
+                     nnx.Param, ...)[1]
+  from models import convert_hf
+  t0 = time.perf_counter()
+  params = convert_hf.load_hf_params(hf_dir, model_cfg, shardings=param_shardings)
+  metrics_lib.log(f"initialised from {hf_dir} in {time.perf_counter() - t0:.1f}s")
+  return params
+
+
 def divergence_message(config, row, checkpointer, last_saved, state=False) -> str:
   """What diverged, what was kept, and which settings to change."""
   what = ("the parameters or optimizer state became non-finite" if state else
@@ -549,6 +562,8 @@ def main(argv) -> None:
     config = _CONFIG.value
     # Gin is only another syntax for the same ConfigDict fields (applied after --config.*).
     config = cfg_lib.apply_gin(config, _GIN_FILE.value, _GIN_PARAM.value)
+    # Before the config is saved: the workdir's config.json then names the model's real shape.
+    config = cfg_lib.resolve_hf_init(config)
   except Exception as e:  # ConfigError, or gin's parser on bad syntax (SyntaxError, ...)
     prefix = "" if isinstance(e, cfg_lib.ConfigError) else f"gin: {type(e).__name__}: "
     _fail(EXIT_USAGE, f"config error: {prefix}{' '.join(str(e).split())}")

@@ -18,13 +18,18 @@ LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
 
 
-def _hf_model(tmp_path, *, tie: bool, rope_scaling, shard: bool, seed: int = 0):
-  """A small random LlamaForCausalLM with GQA (4 query heads, 2 kv heads), saved as safetensors."""
+def _hf_model(tmp_path, *, tie: bool, rope_scaling, shard: bool, seed: int = 0, name="hf",
+              **config):
+  """A small random LlamaForCausalLM with GQA (4 query heads, 2 kv heads), saved as safetensors.
+
+  ``config``: LlamaConfig fields replacing the defaults (e.g. ``hidden_size=64``).
+  """
   torch.manual_seed(seed)
   kwargs = dict(vocab_size=96, hidden_size=32, intermediate_size=72, num_hidden_layers=2,
                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
                 rms_norm_eps=1e-5, tie_word_embeddings=tie, initializer_range=0.3,
                 rope_theta=500.0)
+  kwargs.update(config)
   if rope_scaling is not None:
     kwargs["rope_scaling"] = dict(rope_scaling)
   config = transformers.LlamaConfig(**kwargs)
@@ -34,7 +39,7 @@ def _hf_model(tmp_path, *, tie: bool, rope_scaling, shard: bool, seed: int = 0):
     for name, p in model.named_parameters():
       if "norm" in name:
         p.add_(0.3 * torch.randn_like(p))
-  out = tmp_path / "hf"
+  out = tmp_path / name
   model.save_pretrained(out, safe_serialization=True, max_shard_size="20KB" if shard else "1GB")
   return model, str(out)
 
@@ -133,3 +138,43 @@ def test_bfloat16_checkpoint(tmp_path):
   hf_down = model.model.layers[0].mlp.down_proj.weight.detach().float().numpy()  # [D, F]
   np.testing.assert_array_equal(np.asarray(ours.layers.mlp.w_down[...][0].astype(jnp.float32)),
                                 hf_down.T)
+
+
+@pytest.mark.parametrize("kv_heads,tie,rope_scaling,shard", [
+    (2, False, None, True),  # GQA, sharded safetensors (index + several files)
+    (4, True, None, False),  # tied embeddings, as many kv heads as query heads
+    (2, False, LLAMA3_ROPE, False),  # LLaMA-3 RoPE scaling, positions past the original max
+])
+def test_ring_on_mesh_matches_hugging_face(tmp_path, kv_heads, tie, rope_scaling, shard):
+  """load_hf_params straight into a (data=2, sequence=4) mesh's shardings; ring attention in
+  the zigzag layout (as train.py runs it): logits equal transformers' (float32)."""
+  from flax import nnx
+
+  import ring_jax
+  from models import sharding as shd
+  from models.llama import Llama
+  from training import config as cfg_lib
+
+  model, path = _hf_model(tmp_path, tie=tie, rope_scaling=rope_scaling, shard=shard,
+                          vocab_size=256, hidden_size=64, intermediate_size=128,
+                          num_key_value_heads=kv_heads, initializer_range=0.1)
+  mesh = cfg_lib.make_mesh(dict(data=2, sequence=4, tensor=1))
+  cfg = convert_hf.load_hf_config(path, attention="ring", layout="zigzag", block_q=4,
+                                  block_kv=4)
+  params = convert_hf.load_hf_params(path, cfg, mesh=mesh)
+  want = shd.param_shardings(params, mesh)
+  for got, expected in zip(jax.tree.leaves(params), jax.tree.leaves(want)):
+    assert got.sharding == expected
+  graphdef = nnx.graphdef(nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0))))
+
+  rng = np.random.default_rng(1)
+  tokens_BL = rng.integers(0, cfg.vocab_size, size=(2, 64))
+  positions_BL = np.broadcast_to(np.arange(64), tokens_BL.shape)
+  to = lambda x: np.asarray(ring_jax.to_layout(x, "zigzag", 4))
+  with jax.set_mesh(mesh):
+    logits = jax.jit(lambda p, t, q: nnx.merge(graphdef, p)(t, q))(params, to(tokens_BL),
+                                                                    to(positions_BL))
+  got = np.asarray(ring_jax.from_layout(np.asarray(logits), "zigzag", 4))
+  expected = _hf_logits(model, tokens_BL)
+  assert np.abs(expected).max() > 1.0
+  np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4)
