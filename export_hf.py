@@ -198,11 +198,19 @@ def export(workdir: str, out: str, step: int | None = None,
 # Main
 # ----------------------------------------------------------------------------------------------
 
-_WORKDIR = flags.DEFINE_string("workdir", None, "The train.py run to export.")
-_OUT = flags.DEFINE_string("out", None, "The Hugging Face directory to write (new or empty).")
-_STEP = flags.DEFINE_integer("step", None, "Checkpoint step; default: the newest that restores.")
-_MAX_SHARD_SIZE = flags.DEFINE_string(
-    "max_shard_size", "5GB", "Shard the safetensors above this size (as save_pretrained).")
+def define_flags() -> dict:
+  """The command-line flags (defined on demand: importing this module defines none)."""
+  return dict(
+      workdir=flags.DEFINE_string("workdir", None, "The train.py run to export."),
+      out=flags.DEFINE_string("out", None, "The Hugging Face directory to write (new or empty)."),
+      step=flags.DEFINE_integer("step", None,
+                                "Checkpoint step; default: the newest that restores."),
+      max_shard_size=flags.DEFINE_string(
+          "max_shard_size", "5GB", "Shard the safetensors above this size (as save_pretrained)."),
+  )
+
+
+_FLAGS: dict = {}
 
 
 def main(argv) -> None:
@@ -210,14 +218,16 @@ def main(argv) -> None:
     print(f"error: unexpected arguments {argv[1:]}; flags are written --name=value.",
           file=sys.stderr)
     sys.exit(EXIT_USAGE)
+  v = {name: flag.value for name, flag in _FLAGS.items()}
   try:
-    if not _WORKDIR.value or not _OUT.value:
+    if not v["workdir"] or not v["out"]:
       raise UsageError("pass --workdir (a train.py run) and --out (the directory to write).")
-    export(_WORKDIR.value, _OUT.value, _STEP.value, parse_size(_MAX_SHARD_SIZE.value))
+    export(v["workdir"], v["out"], v["step"], parse_size(v["max_shard_size"]))
   except (UsageError, cfg_lib.ConfigError) as e:
     print(f"error: {e}", file=sys.stderr)
     sys.exit(EXIT_USAGE)
 
 
 if __name__ == "__main__":
+  _FLAGS.update(define_flags())
   app.run(main)

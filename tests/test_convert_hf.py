@@ -8,8 +8,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
+# The parity tests need the reference implementation; see README "Hugging Face parity tests".
+HF_TEST = ("pip install torch --index-url https://download.pytorch.org/whl/cpu && "
+           "pip install -e '.[dev,hf-test]'")
+torch = pytest.importorskip("torch", reason=HF_TEST)
+transformers = pytest.importorskip("transformers", reason=HF_TEST)
 
 from models import convert_hf  # noqa: E402
 from models.llama import LlamaConfig, rope_inv_freq  # noqa: E402

@@ -157,9 +157,10 @@ def test_parse_size():
 
 @pytest.fixture(scope="module")
 def hf():
-  torch = pytest.importorskip("torch")
-  transformers = pytest.importorskip("transformers")
-  return torch, transformers
+  reason = ("pip install torch --index-url https://download.pytorch.org/whl/cpu && "
+            "pip install -e '.[dev,hf-test]'")
+  return pytest.importorskip("torch", reason=reason), pytest.importorskip("transformers",
+                                                                          reason=reason)
 
 
 @pytest.mark.parametrize("tie,rope,shard,dtype", [
