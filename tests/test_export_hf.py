@@ -1,6 +1,7 @@
 """init.hf_dir -> train.py -> export_hf.py: config resolution, bitwise round trips, and the
 exported directory loading in transformers with logits equal to ours."""
 
+import io
 import json
 import os
 import subprocess
@@ -271,3 +272,22 @@ def test_finetune_export_loads_in_transformers(tmp_path, hf):
     theirs = reloaded(torch.tensor(tokens_BL, dtype=torch.long)).logits.numpy()
   assert np.abs(theirs).max() > 1.0
   np.testing.assert_allclose(ours, theirs, rtol=1e-4, atol=1e-4)
+
+  # generate.py on the workdir with the fine-tuning config (model shape from init.hf_dir):
+  # greedy ring decoding == transformers' greedy generate on the export, token for token.
+  import generate
+
+  reloaded.generation_config.eos_token_id = None
+  reloaded.generation_config.pad_token_id = 0
+  prompt = [5, 9, 17, 33, 2, 8, 41]
+  with torch.no_grad():
+    want = reloaded.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False,
+                             attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
+  gen_config = finetune.get_config()
+  gen_config.init.hf_dir = path
+  gen_config.model.rope_theta = 20000.0
+  gen_config.data.seq_len = 64
+  texts = generate.run(gen_config, workdir=str(workdir), prompts=[" ".join(map(str, prompt))],
+                       max_new_tokens=12, temperature=0.0, top_p=1.0, seed=0, tokenizer="ids",
+                       out=io.StringIO(), log=lambda m: None)
+  assert [int(t) for t in texts[0].split()] == want[0, len(prompt):].tolist()
