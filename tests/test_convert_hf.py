@@ -52,6 +52,34 @@ def _hf_logits(model, tokens_BL):
     return model(torch.tensor(np.asarray(tokens_BL), dtype=torch.long)).logits.numpy()
 
 
+def _hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
+  """transformers' greedy ``generate`` continuation of one prompt (no EOS stop)."""
+  model.generation_config.eos_token_id = None
+  model.generation_config.pad_token_id = 0
+  with torch.no_grad():
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False,
+                         attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
+  return out[0, len(prompt):].tolist()
+
+
+def _ring_logits(params, cfg, mesh, tokens_BL):
+  """Our float32 logits of ``tokens_BL`` (natural order): the model of ``cfg`` on ``mesh``,
+  inputs put in ``cfg.layout`` over the mesh's ``sequence`` axis as the train step does."""
+  from flax import nnx
+
+  import ring_jax
+  from models.llama import Llama
+
+  graphdef = nnx.graphdef(nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0))))
+  ring = mesh.shape["sequence"]
+  positions_BL = np.broadcast_to(np.arange(tokens_BL.shape[1]), tokens_BL.shape)
+  to = lambda x: np.asarray(ring_jax.to_layout(x, cfg.layout, ring))
+  with jax.set_mesh(mesh):
+    logits = jax.jit(lambda p, t, q: nnx.merge(graphdef, p)(t, q))(params, to(tokens_BL),
+                                                                    to(positions_BL))
+  return np.asarray(ring_jax.from_layout(np.asarray(logits), cfg.layout, ring))
+
+
 @pytest.mark.parametrize("tie,rope_scaling,shard", [
     (False, LLAMA3_ROPE, True),
     (True, None, False),
@@ -151,11 +179,7 @@ def test_bfloat16_checkpoint(tmp_path):
 def test_ring_on_mesh_matches_hugging_face(tmp_path, kv_heads, tie, rope_scaling, shard):
   """load_hf_params straight into a (data=2, sequence=4) mesh's shardings; ring attention in
   the zigzag layout (as train.py runs it): logits equal transformers' (float32)."""
-  from flax import nnx
-
-  import ring_jax
   from models import sharding as shd
-  from models.llama import Llama
   from training import config as cfg_lib
 
   model, path = _hf_model(tmp_path, tie=tie, rope_scaling=rope_scaling, shard=shard,
@@ -168,16 +192,8 @@ def test_ring_on_mesh_matches_hugging_face(tmp_path, kv_heads, tie, rope_scaling
   want = shd.param_shardings(params, mesh)
   for got, expected in zip(jax.tree.leaves(params), jax.tree.leaves(want)):
     assert got.sharding == expected
-  graphdef = nnx.graphdef(nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0))))
-
-  rng = np.random.default_rng(1)
-  tokens_BL = rng.integers(0, cfg.vocab_size, size=(2, 64))
-  positions_BL = np.broadcast_to(np.arange(64), tokens_BL.shape)
-  to = lambda x: np.asarray(ring_jax.to_layout(x, "zigzag", 4))
-  with jax.set_mesh(mesh):
-    logits = jax.jit(lambda p, t, q: nnx.merge(graphdef, p)(t, q))(params, to(tokens_BL),
-                                                                    to(positions_BL))
-  got = np.asarray(ring_jax.from_layout(np.asarray(logits), "zigzag", 4))
+  tokens_BL = np.random.default_rng(1).integers(0, cfg.vocab_size, size=(2, 64))
+  got = _ring_logits(params, cfg, mesh, tokens_BL)
   expected = _hf_logits(model, tokens_BL)
   assert np.abs(expected).max() > 1.0
   np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4)
