@@ -46,11 +46,7 @@ from training import config as cfg_lib
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json",
                    "special_tokens_map.json", "generation_config.json")
 
-EXIT_USAGE = 2
-
-
-class UsageError(ValueError):
-  """A bad flag or workdir, reported in one line with exit status 2."""
+UsageError = cfg_lib.UsageError  # a bad flag or workdir: one line, exit status EXIT_USAGE
 
 
 def parse_size(text: str | int) -> int:
@@ -85,17 +81,31 @@ def read_run_config(workdir: str) -> ml_collections.ConfigDict:
 
 
 def restore_params(workdir: str, model_cfg: llama.LlamaConfig, step: int | None):
-  """``(step, params State)`` of the run, on this host's first CPU device (the one restore call)."""
-  from generate import UsageError as GenerateUsageError, restore_params as restore
-
+  """``(step, params State)`` of the run on this host's first CPU device: checkpoint ``step``,
+  or the newest that restores (a read-only Checkpointer: nothing is moved)."""
   abstract = nnx.eval_shape(lambda: llama.Llama(model_cfg, rngs=nnx.Rngs(0)))
   _, abstract_params, _ = nnx.split(abstract, nnx.Param, ...)
   host = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
   target = ckpt_lib.abstract_like(abstract_params, jax.tree.map(lambda _: host, abstract_params))
   try:
-    return restore(workdir, target, warn=lambda m: print(m, file=sys.stderr), step=step)
-  except GenerateUsageError as e:
+    checkpointer = ckpt_lib.Checkpointer(workdir, read_only=True)
+  except ckpt_lib.NoCheckpointError as e:
+    raise UsageError(f"{e}; pass the --workdir of a train.py run.") from None
+  try:
+    steps = checkpointer.all_steps()
+    if step is not None:
+      if step not in steps:
+        raise UsageError(f"{checkpointer.directory} has no checkpoint of step {step} "
+                         f"(steps: {steps}).")
+      return step, checkpointer.restore_params(step, target)
+    restored = checkpointer.restore_latest(target, warn=lambda m: print(m, file=sys.stderr))
+  except ckpt_lib.NoRestorableCheckpointError as e:
     raise UsageError(str(e)) from None
+  finally:
+    checkpointer.close()
+  if restored is None:
+    raise UsageError(f"{checkpointer.directory} holds no checkpoint; train first.")
+  return restored[0], restored[1]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -217,7 +227,7 @@ def main(argv) -> None:
   if len(argv) > 1:
     print(f"error: unexpected arguments {argv[1:]}; flags are written --name=value.",
           file=sys.stderr)
-    sys.exit(EXIT_USAGE)
+    sys.exit(cfg_lib.EXIT_USAGE)
   v = {name: flag.value for name, flag in _FLAGS.items()}
   try:
     if not v["workdir"] or not v["out"]:
@@ -225,7 +235,7 @@ def main(argv) -> None:
     export(v["workdir"], v["out"], v["step"], parse_size(v["max_shard_size"]))
   except (UsageError, cfg_lib.ConfigError) as e:
     print(f"error: {e}", file=sys.stderr)
-    sys.exit(EXIT_USAGE)
+    sys.exit(cfg_lib.EXIT_USAGE)
 
 
 if __name__ == "__main__":
