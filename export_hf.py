@@ -35,12 +35,13 @@ import jax
 import ml_collections
 import numpy as np
 from absl import app, flags
-from flax import nnx
 
 from models import convert_hf
 from models import llama
+from models.sharding import MESH_AXES
 from training import checkpoint as ckpt_lib
 from training import config as cfg_lib
+from training import step as step_lib
 
 #: Copied from the run's ``init.hf_dir`` when present.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json",
@@ -83,10 +84,9 @@ def read_run_config(workdir: str) -> ml_collections.ConfigDict:
 def restore_params(workdir: str, model_cfg: llama.LlamaConfig, step: int | None):
   """``(step, params State)`` of the run on this host's first CPU device: checkpoint ``step``,
   or the newest that restores (a read-only Checkpointer: nothing is moved)."""
-  abstract = nnx.eval_shape(lambda: llama.Llama(model_cfg, rngs=nnx.Rngs(0)))
-  _, abstract_params, _ = nnx.split(abstract, nnx.Param, ...)
-  host = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
-  target = ckpt_lib.abstract_like(abstract_params, jax.tree.map(lambda _: host, abstract_params))
+  host = jax.sharding.Mesh(np.asarray(jax.devices("cpu")[:1]).reshape((1,) * len(MESH_AXES)),
+                           MESH_AXES)
+  _, target, _ = step_lib.abstract_model(model_cfg, host)
   try:
     checkpointer = ckpt_lib.Checkpointer(workdir, read_only=True)
   except ckpt_lib.NoCheckpointError as e:
