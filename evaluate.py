@@ -154,6 +154,7 @@ def evaluate(config, workdir: str, lengths, tasks=TASKS, *, batch_size: int | No
     raise UsageError("the kv task needs a kv_retrieval model (its token ids); with a "
                               "text model pass --tasks passkey.")
   mesh = cfg_lib.make_mesh(config.mesh)
+  config = cfg_lib.resolve_hf_init(config)  # e.g. configs/finetune.py: init.hf_dir's shape
   model_cfg = cfg_lib.llama_config(config)
   check_lengths(model_cfg, mesh, lengths)
   rows = batch_size or config.eval_batch_size

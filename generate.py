@@ -162,6 +162,7 @@ def run(config, *, workdir=None, hf_dir=None, prompts: list[str], max_new_tokens
   if not 0 < top_p <= 1:
     raise UsageError(f"--top_p must be in (0, 1], got {top_p}.")
   tok = Tokenizer(tokenizer or ("hf" if hf_dir else "bytes"), hf_dir)
+  config = cfg_lib.resolve_hf_init(config)  # e.g. configs/finetune.py: init.hf_dir's shape
   try:
     sizes = cfg_lib.mesh_shape(config.mesh, jax.device_count())
   except cfg_lib.ConfigError as e:

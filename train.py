@@ -236,6 +236,7 @@ def train(config, workdir: str, *, stop_at_step: int | None = None) -> TrainResu
     raise cfg_lib.ConfigError(f"stop_at_step must be >= 1, got {stop_at_step}.")
 
   # --- 1. Mesh and config checks: fail before anything is compiled -------------------------
+  config = cfg_lib.resolve_hf_init(config, log=log)  # model fields from init.hf_dir
   sizes = cfg_lib.validate_config(config, jax.device_count())
   model_cfg = cfg_lib.llama_config(config)
   mesh = cfg_lib.make_mesh(config.mesh)
@@ -273,7 +274,8 @@ def _train(config, workdir, stop_at_step, stop, mesh, model_cfg, ring_size) -> T
     writer = None
     profile = metrics_lib.Profile(cfg_lib.profile_steps(config), os.path.join(workdir, "profile"))
     try:
-      start_step, params, opt_state, data_state = resume_or_init(checkpointer, train_step)
+      start_step, params, opt_state, data_state = resume_or_init(
+          checkpointer, train_step, cfg_lib.hf_init_dir(config))
       end_step = config.total_steps if stop_at_step is None else min(stop_at_step,
                                                                      config.total_steps)
 
@@ -359,15 +361,25 @@ def _train(config, workdir, stop_at_step, stop, mesh, model_cfg, ring_size) -> T
                      checkpoint_dir=checkpointer.directory)
 
 
-def resume_or_init(checkpointer, train_step):
+def resume_or_init(checkpointer, train_step, hf_dir: str = ""):
   """``(step, params, opt_state, data_state)`` of the newest checkpoint that restores (onto
-  the step's shardings), else step 0 with a freshly initialised state and no data state."""
+  the step's shardings), else step 0 with a fresh state and no data state: the weights of
+  ``hf_dir`` (``config.init.hf_dir``) if given, else initialised from the step's seed."""
   restored = checkpointer.restore_latest(train_step.abstract_params,
                                          train_step.abstract_opt_state, warn=metrics_lib.log)
-  if restored is None:
+  if restored is not None:
+    metrics_lib.log(f"resumed from step {restored[0]} in {checkpointer.directory}")
+    return restored
+  if not hf_dir:
     return (0, *train_step.init_state(), None)
-  metrics_lib.log(f"resumed from step {restored[0]} in {checkpointer.directory}")
-  return restored
+  from models import convert_hf
+  t0 = time.perf_counter()
+  with jax.set_mesh(train_step.mesh):
+    params = convert_hf.load_hf_params(hf_dir, train_step.model_cfg,
+                                       shardings=train_step.param_shardings)
+    opt_state = step_lib.init_opt_state(train_step.tx, params, train_step.opt_shardings)
+  metrics_lib.log(f"initialised from {hf_dir} in {time.perf_counter() - t0:.1f}s")
+  return 0, params, opt_state, None
 
 
 def save(config, checkpointer, step_metrics, step: int, params, opt_state, train_iter, *,
@@ -507,6 +519,8 @@ def main(argv) -> None:
     config = _CONFIG.value
     # Gin is only another syntax for the same ConfigDict fields (applied after --config.*).
     config = cfg_lib.apply_gin(config, _GIN_FILE.value, _GIN_PARAM.value)
+    # Before the config is saved: the workdir's config.json then names the model's real shape.
+    config = cfg_lib.resolve_hf_init(config)
   except Exception as e:  # ConfigError, or gin's parser on bad syntax (SyntaxError, ...)
     prefix = "" if isinstance(e, cfg_lib.ConfigError) else f"gin: {type(e).__name__}: "
     _fail(EXIT_USAGE, f"config error: {prefix}{' '.join(str(e).split())}")

@@ -8,8 +8,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
+# The parity tests need the reference implementation; see README "Hugging Face parity tests".
+HF_TEST = ("pip install torch --index-url https://download.pytorch.org/whl/cpu && "
+           "pip install -e '.[dev,hf-test]'")
+torch = pytest.importorskip("torch", reason=HF_TEST)
+transformers = pytest.importorskip("transformers", reason=HF_TEST)
 
 from models import convert_hf  # noqa: E402
 from models.llama import LlamaConfig, rope_inv_freq  # noqa: E402
@@ -18,13 +21,18 @@ LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
 
 
-def _hf_model(tmp_path, *, tie: bool, rope_scaling, shard: bool, seed: int = 0):
-  """A small random LlamaForCausalLM with GQA (4 query heads, 2 kv heads), saved as safetensors."""
+def _hf_model(tmp_path, *, tie: bool, rope_scaling, shard: bool, seed: int = 0, name="hf",
+              **config):
+  """A small random LlamaForCausalLM with GQA (4 query heads, 2 kv heads), saved as safetensors.
+
+  ``config``: LlamaConfig fields replacing the defaults (e.g. ``hidden_size=64``).
+  """
   torch.manual_seed(seed)
   kwargs = dict(vocab_size=96, hidden_size=32, intermediate_size=72, num_hidden_layers=2,
                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
                 rms_norm_eps=1e-5, tie_word_embeddings=tie, initializer_range=0.3,
                 rope_theta=500.0)
+  kwargs.update(config)
   if rope_scaling is not None:
     kwargs["rope_scaling"] = dict(rope_scaling)
   config = transformers.LlamaConfig(**kwargs)
@@ -34,7 +42,7 @@ def _hf_model(tmp_path, *, tie: bool, rope_scaling, shard: bool, seed: int = 0):
     for name, p in model.named_parameters():
       if "norm" in name:
         p.add_(0.3 * torch.randn_like(p))
-  out = tmp_path / "hf"
+  out = tmp_path / name
   model.save_pretrained(out, safe_serialization=True, max_shard_size="20KB" if shard else "1GB")
   return model, str(out)
 
@@ -42,6 +50,34 @@ def _hf_model(tmp_path, *, tie: bool, rope_scaling, shard: bool, seed: int = 0):
 def _hf_logits(model, tokens_BL):
   with torch.no_grad():
     return model(torch.tensor(np.asarray(tokens_BL), dtype=torch.long)).logits.numpy()
+
+
+def _hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
+  """transformers' greedy ``generate`` continuation of one prompt (no EOS stop)."""
+  model.generation_config.eos_token_id = None
+  model.generation_config.pad_token_id = 0
+  with torch.no_grad():
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False,
+                         attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
+  return out[0, len(prompt):].tolist()
+
+
+def _ring_logits(params, cfg, mesh, tokens_BL):
+  """Our float32 logits of ``tokens_BL`` (natural order): the model of ``cfg`` on ``mesh``,
+  inputs put in ``cfg.layout`` over the mesh's ``sequence`` axis as the train step does."""
+  from flax import nnx
+
+  import ring_jax
+  from models.llama import Llama
+
+  graphdef = nnx.graphdef(nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0))))
+  ring = mesh.shape["sequence"]
+  positions_BL = np.broadcast_to(np.arange(tokens_BL.shape[1]), tokens_BL.shape)
+  to = lambda x: np.asarray(ring_jax.to_layout(x, cfg.layout, ring))
+  with jax.set_mesh(mesh):
+    logits = jax.jit(lambda p, t, q: nnx.merge(graphdef, p)(t, q))(params, to(tokens_BL),
+                                                                    to(positions_BL))
+  return np.asarray(ring_jax.from_layout(np.asarray(logits), cfg.layout, ring))
 
 
 @pytest.mark.parametrize("tie,rope_scaling,shard", [
@@ -116,7 +152,7 @@ def test_config_errors(tmp_path):
   with pytest.raises(ValueError, match="not used"):
     convert_hf.load_hf_checkpoint(path, tie_embeddings=True)
   with pytest.raises(FileNotFoundError):
-    convert_hf.read_hf_tensors(str(tmp_path))
+    convert_hf.HFCheckpoint(str(tmp_path))
 
 
 def test_bfloat16_checkpoint(tmp_path):
@@ -133,3 +169,31 @@ def test_bfloat16_checkpoint(tmp_path):
   hf_down = model.model.layers[0].mlp.down_proj.weight.detach().float().numpy()  # [D, F]
   np.testing.assert_array_equal(np.asarray(ours.layers.mlp.w_down[...][0].astype(jnp.float32)),
                                 hf_down.T)
+
+
+@pytest.mark.parametrize("kv_heads,tie,rope_scaling,shard", [
+    (2, False, None, True),  # GQA, sharded safetensors (index + several files)
+    (4, True, None, False),  # tied embeddings, as many kv heads as query heads
+    (2, False, LLAMA3_ROPE, False),  # LLaMA-3 RoPE scaling, positions past the original max
+])
+def test_ring_on_mesh_matches_hugging_face(tmp_path, kv_heads, tie, rope_scaling, shard):
+  """load_hf_params straight into a (data=2, sequence=4) mesh's shardings; ring attention in
+  the zigzag layout (as train.py runs it): logits equal transformers' (float32)."""
+  from models import sharding as shd
+  from training import config as cfg_lib
+
+  model, path = _hf_model(tmp_path, tie=tie, rope_scaling=rope_scaling, shard=shard,
+                          vocab_size=256, hidden_size=64, intermediate_size=128,
+                          num_key_value_heads=kv_heads, initializer_range=0.1)
+  mesh = cfg_lib.make_mesh(dict(data=2, sequence=4, tensor=1))
+  cfg = convert_hf.load_hf_config(path, attention="ring", layout="zigzag", block_q=4,
+                                  block_kv=4)
+  params = convert_hf.load_hf_params(path, cfg, mesh=mesh)
+  want = shd.param_shardings(params, mesh)
+  for got, expected in zip(jax.tree.leaves(params), jax.tree.leaves(want)):
+    assert got.sharding == expected
+  tokens_BL = np.random.default_rng(1).integers(0, cfg.vocab_size, size=(2, 64))
+  got = _ring_logits(params, cfg, mesh, tokens_BL)
+  expected = _hf_logits(model, tokens_BL)
+  assert np.abs(expected).max() > 1.0
+  np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4)

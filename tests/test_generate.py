@@ -196,16 +196,11 @@ def test_hf_dir_greedy_matches_transformers_generate(tmp_path):
   """--hf_dir: a random HF LLaMA (GQA) decoded on the ring == transformers' greedy generate."""
   torch = pytest.importorskip("torch")
   pytest.importorskip("transformers")
-  from test_convert_hf import _hf_model
+  from test_convert_hf import _hf_greedy, _hf_model
 
   model, path = _hf_model(tmp_path, tie=False, rope_scaling=None, shard=False, seed=1)
-  model.generation_config.eos_token_id = None
-  model.generation_config.pad_token_id = 0
   prompt = [5, 9, 17, 33, 2, 8, 41]
-  with torch.no_grad():
-    want = model.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False,
-                          attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
-  want = want[0, len(prompt):].tolist()
+  want = _hf_greedy(model, prompt, 16)
   config = tiny_config(**{"data.seq_len": 64})  # mesh data=2 x sequence=4, zigzag
   texts, _, logs = _run(config, None, [" ".join(map(str, prompt))], hf_dir=path,
                         tokenizer="ids", max_new_tokens=16)

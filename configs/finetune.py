@@ -1,0 +1,52 @@
+"""Fine-tune a local Hugging Face LLaMA with ring attention (e.g. to a longer context).
+
+  python train.py --config configs/finetune.py --config.init.hf_dir=/path/to/hf_llama \\
+      --config.data.path=/path/to/corpus.jsonl --workdir /tmp/ft
+  python export_hf.py --workdir /tmp/ft --out /tmp/ft_hf
+
+Every field of ``configs/common.py`` is here (``--config.mesh.*``,
+``--config.data.seq_len``, ``--config.batch_size``, ``--config.optim.*`` work
+as in the other configs). The model's shape and RoPE come from
+``init.hf_dir/config.json``: the fields of
+:data:`models.convert_hf.HF_FIELDS` (vocab_size, dim, num_layers, num_heads,
+num_kv_heads, head_dim, mlp_dim, rope_theta, rope_scaling, norm_eps,
+tie_embeddings) are None here, which means "take config.json's value".
+Setting one is an override: ``--config.model.rope_theta=5e6`` trains with that
+RoPE base (context extension), and export_hf.py writes it into the exported
+config.json. The shape fields must equal config.json's (the weights fix them),
+else the run stops with a config error before anything compiles. To turn a
+checkpoint's RoPE scaling off, set ``model.rope_scaling = {"rope_type":
+"default"}`` (None means "keep config.json's"). Fields HF does not know
+(attention, layout, block sizes, remat_policy, dtype, param_dtype, ...) are
+the usual ones of common.py.
+"""
+
+import ml_collections
+from ml_collections import config_dict
+
+from configs import common
+
+# The types of models.convert_hf.HF_FIELDS (kept here: configs import no model code).
+_HF_FIELD_TYPES = dict(vocab_size=int, dim=int, num_layers=int, num_heads=int, num_kv_heads=int,
+                       head_dim=int, mlp_dim=int, rope_theta=float, rope_scaling=dict,
+                       norm_eps=float, tie_embeddings=bool)
+
+
+def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
+  if arg:
+    raise ValueError(f"configs/finetune.py takes no argument, got {arg!r}.")
+  config = common.base_config()
+  for name, kind in _HF_FIELD_TYPES.items():
+    config.model[name] = config_dict.placeholder(kind)
+  config.data.kind = "text"  # needs --config.data.path
+  config.data.seq_len = 512
+  config.batch_size = config.eval_batch_size = 8
+  # Fine-tuning rates: a pretrained model diverges at from-scratch learning rates.
+  config.total_steps = 200
+  config.optim.lr = 2e-5
+  config.optim.warmup_steps = 20
+  config.optim.weight_decay = 0.0
+  config.log_every = 10
+  config.eval_every = 50
+  config.checkpoint_every = 100
+  return config

@@ -1,0 +1,278 @@
+"""init.hf_dir -> train.py -> export_hf.py: config resolution, bitwise round trips, and the
+exported directory loading in transformers with logits equal to ours."""
+
+import io
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import ml_dtypes
+import numpy as np
+import pytest
+from safetensors import safe_open
+
+import export_hf
+from configs import common, finetune, tiny
+from model_utils import random_params
+from models import convert_hf
+from models import sharding as shd
+from models.llama import LlamaConfig
+from training import config as cfg_lib
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MESH = dict(data=2, sequence=4, tensor=1)
+TINY = dict(vocab_size=256, dim=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+            mlp_dim=128)  # head_dim explicit: config.json states it
+
+
+def _tensors(path: str) -> dict[str, np.ndarray]:
+  """Every tensor of an HF directory, read whole."""
+  ckpt = convert_hf.HFCheckpoint(path)
+  return {name: ckpt.read(name) for name in ckpt.names()}
+
+
+def _assert_bitwise_equal(got: dict, want: dict):
+  assert sorted(got) == sorted(want)
+  for name in want:
+    assert got[name].dtype == want[name].dtype and got[name].shape == want[name].shape, name
+    assert got[name].tobytes() == want[name].tobytes(), name
+
+
+def _ours_dir(tmp_path, cfg: LlamaConfig, max_shard_bytes=10**9, seed=0) -> str:
+  """A HF directory written from random params of ``cfg`` (no torch needed)."""
+  params = random_params(cfg, seed=seed)
+  if cfg.param_dtype != "float32":
+    params = jax.tree.map(lambda x: x.astype(cfg.weight_dtype), params)
+  out = str(tmp_path / "ours")
+  export_hf.write_hf_dir(params, cfg, out, max_shard_bytes=max_shard_bytes)
+  return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Without torch: config resolution and our own round trip
+# ----------------------------------------------------------------------------------------------
+
+
+def test_finetune_config_has_every_common_field():
+  base, ft = common.base_config(), finetune.get_config()
+  flat = lambda c: set(c.to_dict()) | {f"{k}.{j}" for k, v in c.to_dict().items()
+                                       if isinstance(v, dict) for j in v}
+  assert flat(base) <= flat(ft)
+  assert ft.init.hf_dir == "" and tiny.get_config().init.hf_dir == ""
+  # The fields left None are exactly the ones config.json determines.
+  assert set(finetune._HF_FIELD_TYPES) == set(convert_hf.HF_FIELDS)
+  assert all(ft.model[name] is None for name in convert_hf.HF_FIELDS)
+
+
+def test_resolve_hf_init(tmp_path):
+  cfg = LlamaConfig(**TINY, rope_theta=500.0, tie_embeddings=True,
+                    rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
+                                      high_freq_factor=4.0, original_max_position_embeddings=16))
+  path = _ours_dir(tmp_path, cfg)
+  config = finetune.get_config()
+  config.init.hf_dir = path
+  config.model.rope_theta = 1e6  # set by the user: an override
+  logs = []
+  resolved = cfg_lib.resolve_hf_init(config, log=logs.append)
+  assert config.model.dim is None  # a copy: the input is untouched
+  model_cfg = cfg_lib.llama_config(resolved)
+  for name in convert_hf.HF_SHAPE_FIELDS + ("rope_scaling", "norm_eps"):
+    assert getattr(model_cfg, name) == getattr(cfg, name), name
+  assert model_cfg.rope_theta == 1e6
+  assert logs == [f"model.rope_theta=1000000.0 overrides 500.0 of {path}/config.json"]
+  # Idempotent: the saved (resolved) config resolves to itself.
+  assert cfg_lib.resolve_hf_init(resolved).to_dict() == resolved.to_dict()
+
+  # Shape fields are fixed by the weights; another config's values there are an error.
+  wrong = tiny.get_config()
+  wrong.init.hf_dir = path
+  with pytest.raises(cfg_lib.ConfigError, match=r"model.vocab_size=72 contradicts .*finetune"):
+    cfg_lib.resolve_hf_init(wrong)
+  missing = finetune.get_config()
+  missing.init.hf_dir = str(tmp_path / "nope")
+  with pytest.raises(cfg_lib.ConfigError, match="is not a directory"):
+    cfg_lib.resolve_hf_init(missing)
+  os.makedirs(tmp_path / "empty")
+  (tmp_path / "empty" / "config.json").write_text("{}")
+  missing.init.hf_dir = str(tmp_path / "empty")
+  with pytest.raises(cfg_lib.ConfigError, match="neither model.safetensors"):
+    cfg_lib.resolve_hf_init(missing)
+
+
+@pytest.mark.parametrize("param_dtype,tie,max_shard_bytes", [
+    ("float32", False, 40_000),  # sharded: several files + index
+    ("bfloat16", True, 10**9),
+])
+def test_our_export_imports_back_exactly(tmp_path, param_dtype, tie, max_shard_bytes):
+  """write_hf_dir -> load_hf_params on a (data=2, sequence=4) mesh: the same bits, placed by
+  the rules table; re-exporting gives the same files' tensors."""
+  cfg = LlamaConfig(**TINY, tie_embeddings=tie, param_dtype=param_dtype)
+  path = _ours_dir(tmp_path, cfg, max_shard_bytes)
+  files = os.listdir(path)
+  assert (convert_hf.INDEX_FILE in files) == (max_shard_bytes < 10**9)
+  with open(os.path.join(path, "config.json")) as f:
+    assert json.load(f)["torch_dtype"] == param_dtype
+  assert convert_hf.load_hf_config(path, param_dtype=param_dtype) == cfg
+  mesh = cfg_lib.make_mesh(MESH)
+  params = convert_hf.load_hf_params(path, cfg, mesh=mesh)
+  for got, want in zip(jax.tree.leaves(params), jax.tree.leaves(
+      shd.param_shardings(params, mesh))):
+    assert got.sharding == want
+  expected = jax.tree.map(lambda x: x.astype(cfg.weight_dtype), random_params(cfg))
+  for got, want in zip(jax.tree.leaves(params), jax.tree.leaves(expected)):
+    assert got.dtype == want.dtype
+    assert np.asarray(got).tobytes() == np.asarray(want).tobytes()
+  again = str(tmp_path / "again")
+  export_hf.write_hf_dir(params, cfg, again, max_shard_bytes=max_shard_bytes)
+  _assert_bitwise_equal(_tensors(again), _tensors(path))
+
+
+def test_safetensors_reads_bfloat16_slices_without_torch(tmp_path):
+  """The fact HFCheckpoint relies on: safe_open(framework="numpy").get_slice gives bfloat16."""
+  from safetensors.numpy import save_file
+
+  x = np.arange(24, dtype=np.float32).reshape(4, 6).astype(ml_dtypes.bfloat16)
+  save_file({"x": x}, str(tmp_path / "x.safetensors"))
+  with safe_open(str(tmp_path / "x.safetensors"), framework="numpy") as f:
+    part = f.get_slice("x")[1:3, 2:5]
+  assert part.dtype == ml_dtypes.bfloat16
+  np.testing.assert_array_equal(part.astype(np.float32), x[1:3, 2:5].astype(np.float32))
+
+
+def test_parse_size():
+  assert export_hf.parse_size("5GB") == 5 * 10**9
+  assert export_hf.parse_size("20KiB") == 20 * 2**10
+  assert export_hf.parse_size("1000") == 1000
+  with pytest.raises(export_hf.UsageError, match="max_shard_size"):
+    export_hf.parse_size("lots")
+
+
+# ----------------------------------------------------------------------------------------------
+# With transformers
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def hf():
+  reason = ("pip install torch --index-url https://download.pytorch.org/whl/cpu && "
+            "pip install -e '.[dev,hf-test]'")
+  return pytest.importorskip("torch", reason=reason), pytest.importorskip("transformers",
+                                                                          reason=reason)
+
+
+@pytest.mark.parametrize("tie,rope,shard,dtype", [
+    (False, None, True, "float32"),  # GQA, sharded source files
+    (True, None, False, "float32"),  # tied embeddings
+    (False, "llama3", False, "bfloat16"),  # the usual release format, LLaMA-3 RoPE scaling
+])
+def test_import_export_reproduces_the_original_tensors(tmp_path, hf, tie, rope, shard, dtype):
+  """transformers save_pretrained -> load_hf_params (8-device mesh) -> write_hf_dir: every
+  tensor bitwise equal to the original file's, config loads in transformers with the same
+  shape and RoPE, the tokenizer/generation files are copied."""
+  torch, transformers = hf
+  from test_convert_hf import LLAMA3_ROPE, _hf_model
+
+  model, path = _hf_model(tmp_path, tie=tie, rope_scaling=LLAMA3_ROPE if rope else None,
+                          shard=shard, vocab_size=256, hidden_size=64, intermediate_size=128)
+  if dtype == "bfloat16":
+    model = model.to(torch.bfloat16)
+    path = str(tmp_path / "bf16")
+    model.save_pretrained(path, safe_serialization=True)
+  (tmp_path / "tokenizer_config.json").write_text('{"model_max_length": 64}')
+  os.replace(tmp_path / "tokenizer_config.json", os.path.join(path, "tokenizer_config.json"))
+  cfg = convert_hf.load_hf_config(path, param_dtype=dtype)
+  params = convert_hf.load_hf_params(path, cfg, mesh=cfg_lib.make_mesh(MESH))
+  out = str(tmp_path / "export")
+  written = export_hf.write_hf_dir(params, cfg, out, hf_dir=path,
+                                   max_shard_bytes=40_000 if shard else 5 * 10**9)
+  assert "tokenizer_config.json" in written and "generation_config.json" in written
+  assert (convert_hf.INDEX_FILE in written) == shard
+  _assert_bitwise_equal(_tensors(out), _tensors(path))
+  original = transformers.AutoConfig.from_pretrained(path)
+  exported = transformers.AutoConfig.from_pretrained(out)
+  for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+              "num_attention_heads", "num_key_value_heads", "tie_word_embeddings",
+              "rms_norm_eps", "max_position_embeddings"):
+    assert getattr(exported, key) == getattr(original, key), key
+  rope_of = lambda c: (getattr(c, "rope_parameters", None) or
+                       dict(getattr(c, "rope_scaling", None) or {},
+                            rope_theta=c.rope_theta))
+  assert rope_of(exported) == rope_of(original)
+  dtype_of = lambda c: str(getattr(c, "dtype", None) or c.torch_dtype)  # transformers 5 / 4
+  assert dtype_of(exported) == dtype_of(original) and dtype_of(exported).endswith(dtype)
+
+
+def test_finetune_export_loads_in_transformers(tmp_path, hf):
+  """A random HF LLaMA -> train.py (configs/finetune.py, ring attention on data=2 x
+  sequence=4, 3 steps, a rope_theta override) -> export_hf.py -> transformers: logits equal
+  ours (float32, rtol 1e-4), the weights moved, and the trained rope_theta was exported."""
+  torch, transformers = hf
+  from test_convert_hf import _hf_greedy, _hf_model, _ring_logits
+
+  model, path = _hf_model(tmp_path, tie=False, rope_scaling=None, shard=False,
+                          vocab_size=256, hidden_size=64, intermediate_size=128,
+                          initializer_range=0.1)
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # train.py makes devices
+  env["JAX_PLATFORMS"] = "cpu"
+  workdir = tmp_path / "run"
+  cmd = [sys.executable, os.path.join(ROOT, "train.py"),
+         "--config", os.path.join(ROOT, "configs", "finetune.py"), "--workdir", str(workdir),
+         f"--config.init.hf_dir={path}", "--config.model.rope_theta=20000.0",
+         "--config.data.kind=kv_retrieval", "--config.data.seq_len=64",
+         "--config.data.kv.num_pairs=4", "--config.data.kv.num_queries=4",
+         "--config.batch_size=4", "--config.eval_batch_size=4", "--config.eval_batches=1",
+         "--config.total_steps=3", "--config.optim.warmup_steps=1", "--config.optim.lr=1e-2",
+         "--config.log_every=1", "--config.eval_every=3", "--config.async_checkpointing=False"]
+  proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+  assert f"initialised from {path}" in proc.stdout and "ring=4" in proc.stdout
+  assert "model.rope_theta=20000.0 overrides 500.0" in proc.stdout
+  saved = json.loads((workdir / "config.json").read_text())
+  assert saved["model"]["dim"] == 64 and saved["model"]["rope_theta"] == 20000.0
+
+  out = tmp_path / "exported"
+  proc = subprocess.run([sys.executable, os.path.join(ROOT, "export_hf.py"),
+                         f"--workdir={workdir}", f"--out={out}"], cwd=tmp_path, env=env,
+                        capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+  assert "exported step 3" in proc.stdout
+  assert json.loads((out / "config.json").read_text())["rope_theta"] == 20000.0
+  with pytest.raises(export_hf.UsageError, match="not empty"):  # never overwrites
+    export_hf.export(str(workdir), str(out))
+  with pytest.raises(export_hf.UsageError, match="no checkpoint of step 2"):
+    export_hf.export(str(workdir), str(tmp_path / "other"), step=2)
+
+  # Ours: the trained checkpoint, ring attention on the training mesh.
+  config = export_hf.read_run_config(str(workdir))
+  model_cfg = cfg_lib.llama_config(config)
+  assert (model_cfg.attention, model_cfg.layout) == ("ring", "zigzag")
+  step, params = export_hf.restore_params(str(workdir), model_cfg, None)
+  assert step == 3
+  before = _tensors(path)["model.layers.0.mlp.up_proj.weight"]
+  assert not np.array_equal(_tensors(str(out))["model.layers.0.mlp.up_proj.weight"], before)
+  mesh = cfg_lib.make_mesh(MESH)
+  tokens_BL = np.random.default_rng(2).integers(0, model_cfg.vocab_size, size=(2, 64))
+  ours = _ring_logits(shd.shard_params(params, mesh), model_cfg, mesh, tokens_BL)
+
+  reloaded = transformers.AutoModelForCausalLM.from_pretrained(str(out)).eval()
+  assert reloaded.dtype == torch.float32
+  with torch.no_grad():
+    theirs = reloaded(torch.tensor(tokens_BL, dtype=torch.long)).logits.numpy()
+  assert np.abs(theirs).max() > 1.0
+  np.testing.assert_allclose(ours, theirs, rtol=1e-4, atol=1e-4)
+
+  # generate.py on the workdir with the fine-tuning config (model shape from init.hf_dir):
+  # greedy ring decoding == transformers' greedy generate on the export, token for token.
+  import generate
+
+  prompt = [5, 9, 17, 33, 2, 8, 41]
+  gen_config = finetune.get_config()
+  gen_config.init.hf_dir = path
+  gen_config.model.rope_theta = 20000.0
+  gen_config.data.seq_len = 64
+  texts = generate.run(gen_config, workdir=str(workdir), prompts=[" ".join(map(str, prompt))],
+                       max_new_tokens=12, temperature=0.0, top_p=1.0, seed=0, tokenizer="ids",
+                       out=io.StringIO(), log=lambda m: None)
+  assert [int(t) for t in texts[0].split()] == _hf_greedy(reloaded, prompt, 12)
