@@ -1,6 +1,6 @@
 """The streamed text pipeline: host memory and time to the first batch vs corpus size, tokens/s.
 
-Writes its own JSONL corpus (random words, documents of 20..2000 words, files of at most
+Writes its own JSONL corpus (made-up words, documents of 20..2000 words, files of at most
 ``--file-mb``) at each ``--sizes-mb``, then, in a fresh process per (size, tokenizer) so
 the peak RSS is that run's alone, builds ``training.data.make_dataset`` exactly as
 ``train.py`` does (configs/tiny.py:text, the data=2 x sequence=4 mesh on 8 fake CPU
@@ -38,10 +38,6 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-WORDS = ("ring attention passes key value blocks around devices while each one holds a chunk "
-         "of the sequence and computes blockwise softmax statistics the zigzag layout balances "
-         "causal work across hops packing documents into rows keeps segment ids so nothing "
-         "attends across a boundary").split()
 
 
 def write_corpus(directory: str, size_mb: int, file_mb: int, seed: int = 0) -> list[str]:
@@ -50,12 +46,18 @@ def write_corpus(directory: str, size_mb: int, file_mb: int, seed: int = 0) -> l
 
   os.makedirs(directory, exist_ok=True)
   rng = np.random.default_rng(seed)
-  words = np.asarray(WORDS)
+  # 8000 made-up words of 2..9 letters drawn with Zipf-like frequencies (p ~ 1/rank), so
+  # a BPE tokenizer has a realistic amount of merging to do.
+  letters = np.asarray(list("abcdefghijklmnopqrstuvwxyz"))
+  words = np.asarray(["".join(rng.choice(letters, int(rng.integers(2, 10))))
+                      for _ in range(8000)])
+  p = 1.0 / np.arange(1, len(words) + 1)
+  p /= p.sum()
   # One block of distinct documents, written again with a running document number.
   block = []
   for _ in range(400):
     n = int(rng.integers(20, 2000))
-    block.append(" ".join(words[rng.integers(0, len(words), n)]))
+    block.append(" ".join(words[rng.choice(len(words), n, p=p)]))
   target, written, paths, doc = size_mb << 20, 0, [], 0
   while written < target:
     path = os.path.join(directory, f"part{len(paths):04d}.jsonl")
@@ -63,10 +65,10 @@ def write_corpus(directory: str, size_mb: int, file_mb: int, seed: int = 0) -> l
     with open(path, "w") as f:
       file_bytes = 0
       while file_bytes < (file_mb << 20) and written + file_bytes < target:
-        chunk = "".join(json.dumps({"id": doc + i, "text": t}) + "\n" for i, t in enumerate(block))
-        doc += len(block)
-        f.write(chunk)
-        file_bytes += len(chunk)
+        line = json.dumps({"id": doc, "text": block[doc % len(block)]}) + "\n"
+        doc += 1
+        f.write(line)
+        file_bytes += len(line)
     written += file_bytes
   return paths
 

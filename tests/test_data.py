@@ -365,6 +365,7 @@ def test_the_reader_streams_instead_of_reading_the_file(tmp_path, monkeypatch):
 
   monkeypatch.setattr(sources, "READ_BUFFER_BYTES", 1 << 16)
   monkeypatch.setattr(sources, "TXT_PIECE_BYTES", 1 << 16)
+  monkeypatch.setattr(sources, "ENCODE_BATCH_BYTES", 1 << 16)
   line = json.dumps({"text": "y" * 1000}) + "\n"
   path = tmp_path / "big.jsonl"
   path.write_text(line * 13_000)  # ~13 MB
@@ -521,3 +522,21 @@ def test_processes_sharing_rows_share_a_data_shard(monkeypatch):
     monkeypatch.setattr(jax, "process_index", lambda p=p: p)
     got.append(data_lib.data_shard(Sharding(), (4, 64)))
   assert got == [(0, 2), (0, 2), (1, 2), (1, 2)]
+
+
+def test_data_pipeline_benchmark_runs_small(tmp_path):
+  """benchmarks/data_pipeline.py end to end at 1 and 2 MiB (the recorded run: 100 MB, 1 GB)."""
+  from benchmarks import data_pipeline
+
+  out = tmp_path / "result.json"
+  results = data_pipeline.main(["--sizes-mb", "1,2", "--file-mb", "1", "--seq-len", "256",
+                                "--batches", "2", "--bpe-vocab", "300", "--dir",
+                                str(tmp_path / "corpus"), "--out", str(out)])
+  assert json.loads(out.read_text()) == results
+  runs = {(r["corpus_mb"], r["tokenizer"]): r for r in results["runs"]}
+  assert set(runs) == {(1, "byte"), (2, "byte"), (1, "bpe"), (2, "bpe")}
+  assert runs[(2, "bpe")]["files"] == 2 and runs[(1, "bpe")]["vocab_size"] == 300
+  for r in runs.values():
+    assert r["batch_shape"] == [8, 256] and r["tokens_per_s"] > 0 and r["first_batch_s"] > 0
+    assert r["peak_rss_mib"] >= r["rss_before_mib"] > 0
+  assert not (tmp_path / "corpus" / "corpus_2mb").exists()  # the corpus is deleted after

@@ -138,3 +138,27 @@ def test_text_pipeline_with_a_bpe_tokenizer(tmp_path):
   got = [tok.decode(doc["tokens"]) for doc in documents]
   assert got == CORPUS[:4]  # the fifth is the held-out tail
   assert all(doc["tokens"][0] == tok.bos_id for doc in documents)
+
+
+def test_a_document_that_tokenises_to_nothing_is_counted_and_resumes_exactly(tmp_path):
+  """SentencePiece without BOS/EOS turns whitespace into no ids: an empty document."""
+  from training import sources
+
+  d = _train_sentencepiece(tmp_path / "sp", config=dict(add_bos_token=False,
+                                                        add_eos_token=False))
+  tok = load_tokenizer(str(d))
+  assert len(tok.encode_document("   ")) == 0
+  path = tmp_path / "c.jsonl"
+  path.write_text("".join(json.dumps({"text": t}) + "\n" for t in ["ring one", "   ",
+                                                                  "ring two"]))
+  ds = sources.DocumentDataset([sources.Span(str(path), 0, path.stat().st_size)], tok)
+  it = iter(ds)
+  assert tok.decode(next(it)["tokens"]) == "ring one"
+  state = json.loads(json.dumps(it.get_state()))
+  assert state["bad_records"] == {"counts": {"empty": 1}, "first": {"empty": [f"{path}:2"]}}
+  want = [tok.decode(next(it)["tokens"]) for _ in range(3)]
+  assert want == ["ring two", "ring one", "ring two"]  # (and the next epoch)
+  resumed = iter(ds)
+  resumed.set_state(state)
+  assert [tok.decode(next(resumed)["tokens"]) for _ in range(3)] == want
+  assert resumed.get_state()["bad_records"]["counts"] == {"empty": 2}  # seen again in epoch 1

@@ -25,6 +25,8 @@ when ``strict``. Blank lines of a ``.jsonl`` file are formatting, not records.
 
 from __future__ import annotations
 
+import collections
+import copy
 import dataclasses
 import glob
 import json
@@ -45,6 +47,9 @@ READ_BUFFER_BYTES = 1 << 20  # file read buffer of the line readers
 TXT_PIECE_BYTES = 1 << 20  # a .txt document is tokenised in pieces of about this size
 PARQUET_BATCH_ROWS = 1024  # rows decoded at a time from a parquet row group
 ARRAY_RECORD_BATCH = 64  # records fetched at a time from an ArrayRecord file
+# Read ahead and tokenised in one (native, multithreaded) call: this many pieces, or fewer
+# once their text reaches ENCODE_BATCH_BYTES (memory stays bounded by the batch, not the file).
+ENCODE_BATCH, ENCODE_BATCH_BYTES = 32, 1 << 20
 FIRST_LOCATIONS = 3  # locations kept (and printed) per kind of bad record
 
 BAD_KINDS = {
@@ -133,7 +138,7 @@ class BadRecords:
     self.counts: dict[str, int] = dict(counts or {})
     self.first: dict[str, list[str]] = {k: list(v) for k, v in (first or {}).items()}
 
-  def add(self, kind: str, location: str, detail: str = "") -> None:
+  def add(self, kind: str, location: str, detail: str = "", *, quiet: bool = False) -> None:
     what = BAD_KINDS[kind] + (f" ({detail})" if detail else "")
     if self.strict:
       raise DataError(f"{location}: {what}. data.strict=True stops at the first bad record; "
@@ -142,7 +147,7 @@ class BadRecords:
     n = self.counts[kind] = self.counts.get(kind, 0) + 1
     if len(self.first.setdefault(kind, [])) < FIRST_LOCATIONS:
       self.first[kind].append(location)
-    if n & (n - 1) == 0 and (n.bit_length() - 1) % 3 == 0:  # at 1, 8, 64, 512, ...
+    if not quiet and n & (n - 1) == 0 and (n.bit_length() - 1) % 3 == 0:  # 1, 8, 64, ...
       logging.warning("data: skipped %d record(s) with %s so far (first at %s)", n,
                       BAD_KINDS[kind], ", ".join(self.first[kind]))
 
@@ -157,7 +162,7 @@ class BadRecords:
 
 
 # ----------------------------------------------------------------------------
-# Readers: (text, is_first_piece, is_last_piece) of one span, from a unit offset
+# Readers: (text, is_first_piece, is_last_piece, location()) of one span, from an offset
 # ----------------------------------------------------------------------------
 
 
@@ -226,7 +231,7 @@ def _read_lines(cur: _Cursor, bad: BadRecords, field: str) -> Iterator[tuple[str
       if not text:
         bad.add("empty", cur.line_location(here))
         continue
-      yield text, True, True
+      yield text, True, True, lambda here=here: cur.line_location(here)
 
 
 def _read_txt(cur: _Cursor, bad: BadRecords) -> Iterator[tuple[str, bool, bool]]:
@@ -255,13 +260,14 @@ def _read_txt(cur: _Cursor, bad: BadRecords) -> Iterator[tuple[str, bool, bool]]
           bad.add("undecodable", cur.line_location(here), str(e))
       last = eof or cur.offset >= cur.span.stop
       text = "".join(lines)
+      where = lambda line=cur.line: cur.line_location(line - 1)
       if text:
         emitted = True
-        yield text, first, last
+        yield text, first, last, where
         first = False
       elif last and emitted and not first:
         # The previous piece ended exactly at the end: its EOS is still owed.
-        yield "", False, True
+        yield "", False, True, where
       if last:
         if not emitted:
           bad.add("empty", cur.line_location(0))
@@ -310,7 +316,7 @@ def _read_parquet(cur: _Cursor, bad: BadRecords, field: str):
           if not value:
             bad.add("empty", where(row))
             continue
-          yield value, True, True
+          yield value, True, True, lambda row=row: where(row)
         batch_start += len(values)
         if batch_start >= hi:
           break
@@ -343,7 +349,7 @@ def _read_array_record(cur: _Cursor, bad: BadRecords, field: str):
       if not text:
         bad.add("empty", where(i))
         continue
-      yield text, True, True
+      yield text, True, True, lambda i=i: where(i)
 
 
 def read_span(cur: _Cursor, bad: BadRecords, field: str):
@@ -396,11 +402,18 @@ class DocumentDataset(grain.IterDataset):
 
 
 class DocumentIterator(grain.DatasetIterator):
+  """Reads pieces ``ENCODE_BATCH`` at a time, tokenises them in one batch call, yields one by one.
+
+  Every buffered document keeps the reader state from just before it was read, so
+  ``get_state()`` is exact however far the reader has run ahead.
+  """
 
   def __init__(self, ds: DocumentDataset):
     super().__init__()
     self._ds = ds
     self.bad = BadRecords(ds.strict)
+    self._buffer: collections.deque = collections.deque()  # (state before it, tokens)
+    self._error: DataError | None = None
     self._set(epoch=0, span=0, offset=None, line=0, docs=0, epoch_docs=0)
 
   def _set(self, *, epoch, span, offset, line, docs, epoch_docs):
@@ -411,12 +424,13 @@ class DocumentIterator(grain.DatasetIterator):
       s = self._spans[self._span]
       self._cursor = _Cursor(s, s.start if offset is None else offset, line)
 
-  def __next__(self) -> dict[str, Any]:
+  def _read_piece(self):
+    """(state before it, (text, first, last, location)) of the next piece; StopIteration."""
     while True:
       if self._cursor is None:  # End of this epoch's spans.
         if not self._ds.repeat:
           raise StopIteration
-        if self._epoch_docs == 0:  # Repeating an empty epoch would never return.
+        if self._epoch_docs <= 0:  # Repeating an empty epoch would never return.
           raise DataError(
               f"data shard {self._ds.shard_index} of {self._ds.shard_count} holds no usable "
               f"document in {len(self._spans)} span(s) of {len(self._ds.spans)} "
@@ -426,32 +440,76 @@ class DocumentIterator(grain.DatasetIterator):
         continue
       if self._reader is None:
         self._reader = read_span(self._cursor, self.bad, self._ds.text_field)
+      before = self._reader_state()
       piece = next(self._reader, None)
       if piece is None:
         self._set(epoch=self._epoch, span=self._span + 1, offset=None, line=0, docs=self._docs,
                   epoch_docs=self._epoch_docs)
         continue
-      text, first, last = piece
-      tokens = self._ds.tokenizer.encode_document(text, bos=first, eos=last)
-      if not len(tokens):  # e.g. only whitespace, with a tokenizer that adds no BOS/EOS
-        if first:
-          self.bad.add("empty", self._location())
-        continue  # (else a continuation piece that adds nothing)
       self._docs += 1
       self._epoch_docs += 1
-      return {"tokens": tokens}
+      return before, piece
 
-  def _location(self) -> str:
-    return f"{self._cursor.span.path} before unit {self._cursor.offset}"
+  def _fill(self) -> None:
+    if self._error is not None:
+      raise self._error
+    entries, size = [], 0
+    try:
+      while len(entries) < ENCODE_BATCH and size < ENCODE_BATCH_BYTES:
+        entries.append(self._read_piece())
+        size += len(entries[-1][1][0])
+    except StopIteration:
+      if not entries:
+        raise
+    except DataError as e:  # strict: first hand out the documents read before the bad one
+      if not entries:
+        raise
+      self._error = e
+    tokens = self._ds.tokenizer.encode_documents([p[:3] for _, p in entries])
+    for i, ((before, (_, first, _, where)), ids) in enumerate(zip(entries, tokens)):
+      if len(ids):
+        self._buffer.append((before, ids))
+      else:  # e.g. only whitespace, with a tokenizer that adds no BOS/EOS: not a document
+        self._uncount(before["epoch"], first, where(), [b for b, _ in entries[i + 1:]])
 
-  def get_state(self) -> dict[str, Any]:
+  def _uncount(self, epoch: int, first: bool, location: str, later: list[dict]) -> None:
+    """A piece read but empty once tokenised: out of the counts, here and in ``later`` states.
+
+    A first piece is an empty document (a bad record); a later one (the rest of a
+    ``.txt`` document) only adds nothing.
+    """
+    self._docs -= 1
+    self._epoch_docs -= self._epoch == epoch
+    if first:
+      self.bad.add("empty", location)
+    for state in later:
+      state["docs"] -= 1
+      state["epoch_docs"] -= state["epoch"] == epoch
+      if first:
+        bad = BadRecords(False, **state["bad_records"])
+        bad.add("empty", location, quiet=True)
+        state["bad_records"] = bad.state()
+
+  def __next__(self) -> dict[str, Any]:
+    while not self._buffer:
+      self._fill()
+    return {"tokens": self._buffer.popleft()[1]}
+
+  def _reader_state(self) -> dict[str, Any]:
     cur = self._cursor
     return dict(epoch=self._epoch, span=self._span, offset=cur.offset if cur else 0,
                 line=cur.line if cur else 0, docs=self._docs, epoch_docs=self._epoch_docs,
                 bad_records=self.bad.state())
 
+  def get_state(self) -> dict[str, Any]:
+    if self._buffer:
+      return copy.deepcopy(self._buffer[0][0])
+    return self._reader_state()
+
   def set_state(self, state: dict[str, Any]) -> None:
     bad = state.get("bad_records", {})
     self.bad = BadRecords(self._ds.strict, bad.get("counts"), bad.get("first"))
+    self._buffer.clear()
+    self._error = None
     self._set(epoch=state["epoch"], span=state["span"], offset=state["offset"],
               line=state["line"], docs=state["docs"], epoch_docs=state["epoch_docs"])

@@ -88,7 +88,25 @@ class Tokenizer:
     ``bos=False`` / ``eos=False`` leave them out for a piece that does not start / end
     its document (a ``.txt`` file read in several pieces).
     """
-    ids = self.encode(text)
+    return self._wrap(self.encode(text), bos, eos)
+
+  def encode_documents(self, pieces: list[tuple[str, bool, bool]]) -> list[np.ndarray]:
+    """:meth:`encode_document` of each ``(text, bos, eos)``, in one native batch call.
+
+    ``tokenizers``' ``encode_batch`` and SentencePiece's list ``encode`` tokenise on
+    their own native threads.
+    """
+    texts = [text for text, _, _ in pieces]
+    if self.kind == "tokenizers":
+      ids = [e.ids for e in self._impl.encode_batch(texts, add_special_tokens=False)]
+    elif self.kind == "sentencepiece":
+      ids = self._impl.encode(texts)
+    else:
+      ids = [self.encode(t) for t in texts]
+    return [self._wrap(np.asarray(i, np.int32), bos, eos)
+            for i, (_, bos, eos) in zip(ids, pieces)]
+
+  def _wrap(self, ids: np.ndarray, bos: bool, eos: bool) -> np.ndarray:
     head = [self.bos_id] if bos and self.add_bos else []
     tail = [self.eos_id] if eos and self.add_eos else []
     if head or tail:
