@@ -166,16 +166,19 @@ class BadRecords:
 # ----------------------------------------------------------------------------
 
 
-def _newlines_before(path: str, offset: int) -> int:
-  """Number of lines starting before byte ``offset`` (only computed to report a location)."""
-  count = 0
+def _lines_before(path: str, offset: int) -> int:
+  """Lines before the first one a range starting at byte ``offset`` owns (for locations only)."""
+  count, left = 0, offset
   with open(path, "rb") as f:
-    while offset > 0:
-      chunk = f.read(min(READ_BUFFER_BYTES, offset))
+    while left > 0:
+      chunk = f.read(min(READ_BUFFER_BYTES, left))
       if not chunk:
         break
       count += chunk.count(b"\n")
-      offset -= len(chunk)
+      left -= len(chunk)
+    if offset > 0:
+      f.seek(offset - 1)
+      count += f.read(1) != b"\n"  # Mid-line: the partial line belongs to the range before.
   return count
 
 
@@ -188,7 +191,7 @@ class _Cursor:
 
   def line_location(self, line: int) -> str:
     if self._line_base is None:  # Lazily: a scan of the bytes before the span, once.
-      self._line_base = _newlines_before(self.span.path, self.span.start)
+      self._line_base = _lines_before(self.span.path, self.span.start)
     return f"{self.span.path}:{self._line_base + line + 1}"
 
 
