@@ -205,7 +205,30 @@ def _open_at_line(span: Span, offset: int):
   return f, offset
 
 
-def _read_lines(cur: _Cursor, bad: BadRecords, field: str) -> Iterator[tuple[str, bool, bool]]:
+def _json_text(raw: bytes, field: str, bad: BadRecords, where) -> str | None:
+  """The ``field`` text of one JSON record, or None after counting why it is bad.
+
+  ``where()`` gives the record's location (only computed for a bad one).
+  """
+  try:
+    record = json.loads(raw.decode("utf-8"))
+  except UnicodeDecodeError as e:
+    bad.add("undecodable", where(), str(e))
+    return None
+  except json.JSONDecodeError as e:
+    bad.add("invalid_json", where(), str(e))
+    return None
+  text = record.get(field) if isinstance(record, dict) else None
+  if not isinstance(text, str):
+    bad.add("missing_field", where(), f"data.text_field={field!r}")
+    return None
+  if not text:
+    bad.add("empty", where())
+    return None
+  return text
+
+
+def _read_lines(cur: _Cursor, bad: BadRecords, field: str) -> Iterator[tuple]:
   f, cur.offset = _open_at_line(cur.span, cur.offset)
   with f:
     while cur.offset < cur.span.stop:
@@ -217,27 +240,13 @@ def _read_lines(cur: _Cursor, bad: BadRecords, field: str) -> Iterator[tuple[str
       cur.line += 1
       if not raw.strip():
         continue
-      try:
-        line = raw.decode("utf-8")
-      except UnicodeDecodeError as e:
-        bad.add("undecodable", cur.line_location(here), str(e))
-        continue
-      try:
-        record = json.loads(line)
-      except json.JSONDecodeError as e:
-        bad.add("invalid_json", cur.line_location(here), str(e))
-        continue
-      text = record.get(field) if isinstance(record, dict) else None
-      if not isinstance(text, str):
-        bad.add("missing_field", cur.line_location(here), f"data.text_field={field!r}")
-        continue
-      if not text:
-        bad.add("empty", cur.line_location(here))
-        continue
-      yield text, True, True, lambda here=here: cur.line_location(here)
+      where = lambda here=here: cur.line_location(here)
+      text = _json_text(raw, field, bad, where)
+      if text is not None:
+        yield text, True, True, where
 
 
-def _read_txt(cur: _Cursor, bad: BadRecords) -> Iterator[tuple[str, bool, bool]]:
+def _read_txt(cur: _Cursor, bad: BadRecords) -> Iterator[tuple]:
   first = cur.offset == cur.span.start  # Else resumed mid-document.
   emitted = not first
   f, cur.offset = _open_at_line(cur.span, cur.offset)
@@ -335,24 +344,10 @@ def _read_array_record(cur: _Cursor, bad: BadRecords, field: str):
     indices = list(range(cur.offset, min(cur.offset + ARRAY_RECORD_BATCH, cur.span.stop)))
     for i, raw in zip(indices, source.__getitems__(indices)):
       cur.offset = i + 1
-      try:
-        line = bytes(raw).decode("utf-8")
-      except UnicodeDecodeError as e:
-        bad.add("undecodable", where(i), str(e))
-        continue
-      try:
-        record = json.loads(line)
-      except json.JSONDecodeError as e:
-        bad.add("invalid_json", where(i), str(e))
-        continue
-      text = record.get(field) if isinstance(record, dict) else None
-      if not isinstance(text, str):
-        bad.add("missing_field", where(i), f"data.text_field={field!r}")
-        continue
-      if not text:
-        bad.add("empty", where(i))
-        continue
-      yield text, True, True, lambda i=i: where(i)
+      location = lambda i=i: where(i)
+      text = _json_text(bytes(raw), field, bad, location)
+      if text is not None:
+        yield text, True, True, location
 
 
 def read_span(cur: _Cursor, bad: BadRecords, field: str):
