@@ -447,7 +447,8 @@ def test_strict_stops_at_the_first_bad_record(tmp_path):
 def test_a_shard_without_documents_is_an_error(tmp_path):
   path = tmp_path / "c.jsonl"
   path.write_text('{"text": ""}\n{"x": 1}\n')
-  with pytest.raises(data_lib.DataError, match=r"holds no usable document.*1 with an empty document.*c.jsonl:1"):
+  with pytest.raises(data_lib.DataError,
+                     match=r"holds no usable document.*1 with an empty document.*c.jsonl:1"):
     next(iter(_stream(_whole(path))))
 
 

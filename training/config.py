@@ -290,7 +290,8 @@ def check_text_data(d: ml_collections.ConfigDict, m: ml_collections.ConfigDict) 
   """The ``data.*`` fields of ``data.kind='text'``: files, tokenizer, vocabulary, split."""
   if not d.path:
     raise ConfigError("data.kind='text' needs data.path (a .jsonl/.txt/.parquet/.arrayrecord "
-                      "file, a directory or a glob), e.g. --config.data.path=/path/to/corpus.jsonl.")
+                      "file, a directory or a glob), e.g. "
+                      "--config.data.path=/path/to/corpus.jsonl.")
   from training import data as data_lib  # Local: data imports grain, config must not.
   if not data_lib.list_data_files(d.path):
     raise ConfigError(f"data.path={d.path!r} matches no "

@@ -18,6 +18,12 @@ one record at a time). A ``.txt`` file is one document, read in pieces of about
 ``TXT_PIECE_BYTES`` cut at line ends; a ``.txt`` range that starts mid-file (a shard's or
 the eval split's) is its own document.
 
+Grain's own pieces are used where they fit: ``grain.IterDataset`` / ``DatasetIterator``
+(the checkpointable stream), ``grain.sources.ArrayRecordDataSource`` (ArrayRecord reads).
+Parquet is read with ``pyarrow`` row-group batches directly, because Grain's
+``ParquetIterDataset`` reads whole files (no row ranges to shard one file) and has no
+per-row error reporting.
+
 Bad records are counted by kind with their first locations (``file:line`` for line files,
 ``file:row N`` / ``file:record N`` otherwise) and skipped, or raise :class:`DataError`
 when ``strict``. Blank lines of a ``.jsonl`` file are formatting, not records.
