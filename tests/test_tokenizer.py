@@ -162,3 +162,27 @@ def test_a_document_that_tokenises_to_nothing_is_counted_and_resumes_exactly(tmp
   resumed.set_state(state)
   assert [tok.decode(next(resumed)["tokens"]) for _ in range(3)] == want
   assert resumed.get_state()["bad_records"]["counts"] == {"empty": 2}  # seen again in epoch 1
+
+
+def test_train_on_text_with_a_bpe_tokenizer(tmp_path):
+  """train.py's loop on a (data=2, sequence=4) ring with the BPE tokenizer; the spec is in the
+  saved config, so the run's tokenizer loads back from it."""
+  import math
+
+  import train as train_script
+
+  d = _train_bpe(tmp_path / "bpe", template=True)
+  corpus = tmp_path / "corpus.jsonl"
+  corpus.write_text("".join(json.dumps({"text": t}) + "\n" for t in CORPUS))
+  config = tiny_config(**{
+      "data.kind": "text", "data.path": str(corpus), "data.tokenizer": str(d),
+      "model.vocab_size": 304, "model.dim": 32, "model.mlp_dim": 64, "data.seq_len": 64,
+      "batch_size": 8, "eval_batch_size": 8, "eval_batches": 1, "total_steps": 3,
+      "optim.warmup_steps": 0, "log_every": 1, "eval_every": 1000, "checkpoint_every": 1000,
+      "async_checkpointing": False})
+  result = train_script.train(config, str(tmp_path / "run"))
+  assert len(result.history) == 3 and all(math.isfinite(r["loss"]) for r in result.history)
+  rows = [json.loads(l) for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+  assert [r["train/data/bad_records"] for r in rows if "train/loss" in r] == [0, 0, 0]
+  saved = json.loads(config.to_json_best_effort())
+  assert load_tokenizer(saved["data"]["tokenizer"]).vocab_size == 300
