@@ -546,3 +546,22 @@ def test_data_pipeline_benchmark_runs_small(tmp_path):
     assert r["batch_shape"] == [8, 256] and r["tokens_per_s"] > 0 and r["first_batch_s"] > 0
     assert r["peak_rss_mib"] >= r["rss_before_mib"] > 0
   assert not (tmp_path / "corpus" / "corpus_2mb").exists()  # the corpus is deleted after
+
+
+@pytest.mark.parametrize("overrides, match", [
+    ({"data.eval_fraction": 0.0}, r"data.eval_fraction=0.0 must be in \(0, 1\)"),
+    ({"data.tokenizer": "/nonexistent/tokenizer.json"}, "neither 'byte' nor an existing"),
+    ({"data.path": "/nonexistent/*.parquet"}, "matches no .jsonl/.json/.txt/.parquet"),
+])
+def test_text_data_config_errors(tmp_path, overrides, match):
+  from training.config import ConfigError, validate_config
+
+  _write_jsonl(tmp_path / "c.jsonl", DOCS)
+  config = _tiny_config(kind="text", path=str(tmp_path / "c.jsonl"))
+  config.model.vocab_size = 264
+  validate_config(config, num_devices=8)
+  for k, v in overrides.items():
+    section, name = k.split(".")
+    config[section][name] = v
+  with pytest.raises(ConfigError, match=match):
+    validate_config(config, num_devices=8)

@@ -299,8 +299,6 @@ def check_text_data(d: ml_collections.ConfigDict, m: ml_collections.ConfigDict) 
   if not 0 < d.eval_fraction < 1:
     raise ConfigError(f"data.eval_fraction={d.eval_fraction} must be in (0, 1): the eval "
                       "split is the last files (or a single file's tail).")
-  if not isinstance(d.strict, bool):
-    raise ConfigError(f"data.strict={d.strict!r} must be True or False.")
   try:
     tokenizer = data_lib.load_tokenizer(d.tokenizer)
   except ImportError as e:
