@@ -20,8 +20,11 @@ model's attention: the ring over the mesh's ``sequence`` axis, rows over
 
 Prints a table (length x task) to stdout, and writes ``eval_lengths.jsonl``
 (one row per length and task) and ``eval_lengths.png`` (accuracy vs length,
-with chance level) to the workdir. A length must split over the ring in the
-model's layout (e.g. a multiple of 8 for zigzag on 4 devices).
+with chance level) to the workdir. Every length must pass the model's length
+rule (``models/lengths.py``: it splits over the ring in the model's layout, e.g.
+a multiple of 8 for zigzag on 4 devices, and the ring blocks, FFN chunk and loss
+chunk divide each device's share), checked before anything loads: a bad one is
+one error line, exit status 2.
 """
 
 from __future__ import annotations
@@ -35,17 +38,17 @@ import jax
 import numpy as np
 from absl import app
 from absl import flags
-from absl import logging
 from flax import nnx
 from jax.sharding import NamedSharding
 from ml_collections import config_flags
 
-import generate
-from models import llama
+from models import lengths as lengths_lib
 from models import sharding as shd
-from ring_jax import layouts
 from training import config as cfg_lib
 from training import data as data_lib
+from training import loading
+from training import step as step_lib
+from training.config import EXIT_USAGE, UsageError
 
 TASKS = ("kv", "passkey")
 FILLER_TEXT = ("The grass is green. The sky is blue. The sun is yellow. Here we go. "
@@ -130,17 +133,14 @@ def make_rows(config, task: str, length: int, rows: int, seed: int):
 
 
 def check_lengths(model_cfg, mesh, lengths) -> None:
+  """The model's length rule (:mod:`models.lengths`: layout, ring blocks, FFN and loss
+  chunks) for every length, before anything loads or compiles."""
   ring = mesh.shape["sequence"] if "sequence" in mesh.axis_names else 1
   for length in lengths:
     try:
-      local = layouts.check_length(model_cfg.layout, ring, length, what="length")
+      lengths_lib.check_length(model_cfg, ring, length, what="length")
     except ValueError as e:
-      raise generate.UsageError(f"--lengths: {e}") from None
-    for name in ("block_q", "block_kv"):
-      block = getattr(model_cfg, name)
-      if block is not None and local % block:
-        raise generate.UsageError(f"--lengths: {length} / ring {ring} = {local} tokens per "
-                                  f"device is not a multiple of model.{name}={block}.")
+      raise UsageError(f"--lengths: {e}") from None
 
 
 def evaluate(config, workdir: str, lengths, tasks=TASKS, *, batch_size: int | None = None,
@@ -149,9 +149,9 @@ def evaluate(config, workdir: str, lengths, tasks=TASKS, *, batch_size: int | No
   """Accuracy rows ``{task, length, accuracy, answers, chance}``; also written to the workdir."""
   for task in tasks:
     if task not in TASKS:
-      raise generate.UsageError(f"--tasks: unknown task {task!r}; choose from {TASKS}.")
+      raise UsageError(f"--tasks: unknown task {task!r}; choose from {TASKS}.")
   if config.data.kind != "kv_retrieval" and "kv" in tasks:
-    raise generate.UsageError("the kv task needs a kv_retrieval model (its token ids); with a "
+    raise UsageError("the kv task needs a kv_retrieval model (its token ids); with a "
                               "text model pass --tasks passkey.")
   mesh = cfg_lib.make_mesh(config.mesh)
   model_cfg = cfg_lib.llama_config(config)
@@ -159,10 +159,10 @@ def evaluate(config, workdir: str, lengths, tasks=TASKS, *, batch_size: int | No
   rows = batch_size or config.eval_batch_size
   data = mesh.shape["data"]
   if rows % data:
-    raise generate.UsageError(f"--batch_size={rows} is not divisible by the mesh 'data' axis "
+    raise UsageError(f"--batch_size={rows} is not divisible by the mesh 'data' axis "
                               f"({data}).")
-  model_cfg, params = generate.load_model(config, workdir, None, mesh, log)
-  graphdef = nnx.graphdef(nnx.eval_shape(lambda: llama.Llama(model_cfg, rngs=nnx.Rngs(0))))
+  model_cfg, params = loading.load_model(config, mesh, workdir=workdir, log=log)
+  graphdef, _, _ = step_lib.abstract_model(model_cfg, mesh)
   ring = mesh.shape["sequence"]
 
   @jax.jit
@@ -238,9 +238,9 @@ def parse_lengths(text: str) -> list[int]:
   try:
     lengths = [int(x) for x in text.split(",") if x.strip()]
   except ValueError:
-    raise generate.UsageError(f"--lengths takes comma-separated ints, got {text!r}.") from None
+    raise UsageError(f"--lengths takes comma-separated ints, got {text!r}.") from None
   if not lengths or min(lengths) < 1:
-    raise generate.UsageError(f"--lengths needs positive lengths, got {text!r}.")
+    raise UsageError(f"--lengths needs positive lengths, got {text!r}.")
   return lengths
 
 
@@ -267,24 +267,18 @@ def define_flags() -> dict:
 
 
 def main(argv) -> None:
-  if len(argv) > 1:
-    print(f"error: unexpected arguments {argv[1:]}", file=sys.stderr)
-    sys.exit(generate.EXIT_USAGE)
-  if not flags.FLAGS["verbosity"].present:
-    logging.set_verbosity(logging.WARNING)
-  v = {k: f.value for k, f in _FLAGS.items()}
+  v = cfg_lib.start_script(argv, _FLAGS)
   config = v["config"]
-  generate.simulate_cpu_devices(config)
   try:
     if not v["workdir"]:
-      raise generate.UsageError("pass --workdir (a train.py run directory).")
+      raise UsageError("pass --workdir (a train.py run directory).")
     tasks = (v["tasks"].split(",") if v["tasks"] else
              list(TASKS) if config.data.kind == "kv_retrieval" else ["passkey"])
     results = evaluate(config, v["workdir"], parse_lengths(v["lengths"]), tasks,
                        batch_size=v["batch_size"], batches=v["batches"], seed=v["seed"])
-  except (generate.UsageError, cfg_lib.ConfigError, ValueError) as e:
+  except (UsageError, cfg_lib.ConfigError, ValueError) as e:
     print(f"error: {e}", file=sys.stderr, flush=True)
-    sys.exit(generate.EXIT_USAGE)
+    sys.exit(EXIT_USAGE)
   print(table(results))
   print(f"wrote {os.path.join(v['workdir'], 'eval_lengths.jsonl')} and eval_lengths.png",
         file=sys.stderr)

@@ -31,7 +31,6 @@ for the kv task; outputs are ids), ``hf`` (the tokenizer files in
 
 from __future__ import annotations
 
-import math
 import os
 import sys
 import time
@@ -39,19 +38,15 @@ import time
 import jax
 from absl import app
 from absl import flags
-from absl import logging
-from flax import nnx
 from ml_collections import config_flags
 
 from models import inference
-from models import llama
-from models import sharding as shd
-from training import checkpoint as ckpt_lib
 from training import config as cfg_lib
 from training import data as data_lib
+from training import loading
+from training.config import EXIT_USAGE, UsageError
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
-EXIT_USAGE = 2
 
 def define_flags() -> dict:
   """The command-line flags (defined only when run as a script: train.py, imported next to
@@ -88,10 +83,6 @@ def define_flags() -> dict:
 
 
 _FLAGS: dict = {}
-
-
-class UsageError(ValueError):
-  """Bad input: reported in one line, exit status 2, before anything compiles."""
 
 
 # ----------------------------------------------------------------------------------------------
@@ -140,72 +131,6 @@ class Tokenizer:
 
 
 # ----------------------------------------------------------------------------------------------
-# Model loading
-# ----------------------------------------------------------------------------------------------
-
-
-def restore_params(workdir: str, abstract_params, warn=lambda m: print(m, file=sys.stderr)):
-  """``(step, params)`` from the newest checkpoint in ``workdir`` whose parameters restore.
-
-  Only ``params`` is read (not the optimizer state), onto the shardings of
-  ``abstract_params`` (``ShapeDtypeStruct`` leaves). A step that does not
-  restore is skipped with a warning (train.py moves such steps aside when it
-  resumes; generating only reads).
-  """
-  import orbax.checkpoint as ocp
-
-  directory = os.path.join(os.path.abspath(workdir), "checkpoints")
-  if not os.path.isdir(directory):
-    raise UsageError(f"--workdir {workdir} has no checkpoints/ directory; train first "
-                     f"(python train.py --config ... --workdir {workdir}) or pass --hf_dir.")
-  manager = ocp.CheckpointManager(directory, item_names=("state",),
-                                  options=ocp.CheckpointManagerOptions(create=False))
-  try:
-    steps = sorted(manager.all_steps())
-    if not steps:
-      raise UsageError(f"{directory} holds no checkpoint; train first or pass --hf_dir.")
-    failures = []
-    for step in reversed(steps):
-      try:
-        restored = manager.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
-            {"params": abstract_params}, partial_restore=True,
-            restore_args=jax.tree.map(lambda x: ocp.ArrayRestoreArgs(sharding=x.sharding),
-                                      {"params": abstract_params}))))
-        params = restored["state"]["params"]
-        if ckpt_lib.all_finite(params):
-          return step, params
-        reason = "it holds NaN or inf values"
-      except Exception as e:  # corruption shows as many error types
-        reason = ckpt_lib._one_line(e)
-      warn(f"warning: checkpoint step {step} in {directory} does not restore ({reason}); "
-           "trying the previous one.")
-      failures.append(f"step {step}: {reason}")
-    raise UsageError(f"no checkpoint in {directory} restores ({'; '.join(failures)}); if the "
-                     "config changed (model shape), pass the config the run was trained with.")
-  finally:
-    manager.close()
-
-
-def load_model(config, workdir, hf_dir, mesh, log):
-  """``(LlamaConfig, params State sharded on mesh)``."""
-  if hf_dir:
-    from models import convert_hf
-    m = config.model
-    model = convert_hf.load_hf_checkpoint(
-        hf_dir, mesh=mesh, attention=m.attention, layout=m.layout, block_q=m.block_q,
-        block_kv=m.block_kv, dtype=m.dtype, param_dtype=m.param_dtype)
-    log(f"loaded {hf_dir}")
-    return model.cfg, nnx.split(model, nnx.Param, ...)[1]
-  model_cfg = cfg_lib.llama_config(config)
-  abstract = nnx.eval_shape(lambda: llama.Llama(model_cfg, rngs=nnx.Rngs(0)))
-  _, abstract_params, _ = nnx.split(abstract, nnx.Param, ...)
-  target = ckpt_lib.abstract_like(abstract_params, shd.param_shardings(abstract_params, mesh))
-  step, params = restore_params(workdir, target, warn=log)
-  log(f"restored step {step} from {workdir}")
-  return model_cfg, params
-
-
-# ----------------------------------------------------------------------------------------------
 # Main
 # ----------------------------------------------------------------------------------------------
 
@@ -223,18 +148,6 @@ def read_prompts(prompt: str | None, prompt_file: str | None) -> list[str]:
   if not prompts:
     raise UsageError(f"--prompt_file {prompt_file} holds no non-empty line.")
   return prompts
-
-
-def simulate_cpu_devices(config) -> None:
-  """Enough CPU devices for the config's mesh (as train.py), unless XLA_FLAGS sets a count."""
-  if "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", ""):
-    return
-  sizes = [int(config.mesh.get(a, 1)) for a in config.mesh.keys()]
-  count = math.prod(sizes) if all(s > 0 for s in sizes) else int(config.cpu_devices)
-  try:
-    jax.config.update("jax_num_cpu_devices", max(1, count))
-  except RuntimeError:
-    pass
 
 
 def run(config, *, workdir=None, hf_dir=None, prompts: list[str], max_new_tokens: int,
@@ -264,7 +177,7 @@ def run(config, *, workdir=None, hf_dir=None, prompts: list[str], max_new_tokens
       raise UsageError(_with_flags(str(e))) from None
   log(f"mesh {sizes}; {len(prompts)} prompt(s), longest {max(map(len, ids))} tokens; "
       f"cache {cache_len} tokens")
-  model_cfg, params = load_model(config, workdir, hf_dir, mesh, log)
+  model_cfg, params = loading.load_model(config, mesh, workdir=workdir, hf_dir=hf_dir, log=log)
   try:
     inference.check_request(model_cfg, mesh, ids, max_new_tokens, cache_len, padding)
   except ValueError as e:
@@ -317,17 +230,9 @@ def _with_flags(message: str) -> str:
 
 
 def main(argv) -> None:
-  if len(argv) > 1:
-    print(f"error: unexpected arguments {argv[1:]}; flags are written --name=value.",
-          file=sys.stderr)
-    sys.exit(EXIT_USAGE)
-  if not flags.FLAGS["verbosity"].present:
-    logging.set_verbosity(logging.WARNING)
-  v = {name: flag.value for name, flag in _FLAGS.items()}
-  config = v["config"]
-  simulate_cpu_devices(config)
+  v = cfg_lib.start_script(argv, _FLAGS)
   try:
-    run(config, workdir=v["workdir"], hf_dir=v["hf_dir"],
+    run(v["config"], workdir=v["workdir"], hf_dir=v["hf_dir"],
         prompts=read_prompts(v["prompt"], v["prompt_file"]), max_new_tokens=v["max_new_tokens"],
         temperature=v["temperature"], top_p=v["top_p"], seed=v["seed"],
         cache_len=v["cache_len"], padding=v["padding"], tokenizer=v["tokenizer"],

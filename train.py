@@ -10,9 +10,11 @@ The workdir is a local or shared-filesystem path (e.g. NFS or a gcsfuse mount on
 multi-host runs); object-store URLs such as gs:// are not supported.
 
 Reading order: flags -> process/device setup -> ``train()``: (1) mesh and
-config checks, (2) model and optimizer created sharded, (3) resume from the
-latest checkpoint, (4) data, (5) compile, (6) the loop (log, eval,
-checkpoint). Helpers live in ``training/``.
+config checks, (2) the train step (``training.step.build_train_step``), (3)
+resume from the latest checkpoint or initialise sharded, (4) data, (5)
+compile, (6) the loop (step, log, eval, checkpoint; ``training.metrics``
+fetches metrics one step behind and checks them for divergence, and traces
+``config.profile_steps``). Helpers live in ``training/``.
 
 Re-running the same command with the same ``--workdir`` resumes from the
 latest checkpoint there, including the data iterator position, so the loss
@@ -29,7 +31,6 @@ and the one before it restored; config and flag errors are one line, status 2.
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import shlex
 import signal
@@ -43,12 +44,9 @@ import numpy as np
 from absl import app
 from absl import flags
 from absl import logging
-from flax import nnx
 from ml_collections import config_flags
 
 # Importing these starts no JAX backend, so devices can still be configured in main().
-from models import llama
-from training import aot
 from training import batch as batch_lib
 from training import checkpoint as ckpt_lib
 from training import config as cfg_lib
@@ -86,7 +84,7 @@ _STOP_AT_STEP = flags.DEFINE_integer(
     "runs to total_steps: simulates preemption; rerun to resume.", lower_bound=1)
 
 # Exit statuses besides 0 (done, or stopped cleanly by a signal / --stop_at_step).
-EXIT_USAGE = 2  # bad flag/config/gin binding, data error, or no checkpoint in the workdir restores
+EXIT_USAGE = cfg_lib.EXIT_USAGE  # bad flag, config, gin binding, data, or no checkpoint restores
 EXIT_DIVERGED = 3  # non-finite loss or gradient norm
 EXIT_CHECKPOINT_WRITE = 4  # a checkpoint could not be written (disk full, quota, I/O)
 
@@ -142,35 +140,9 @@ def initialize_distributed(mode: str) -> int:
   return 1  # Unknown here (e.g. TPU metadata): only used to size simulated CPU devices.
 
 
-def simulate_cpu_devices(config, num_processes: int = 1) -> None:
-  """Asks the CPU backend for enough devices to build the mesh on a laptop.
-
-  ``jax_num_cpu_devices`` only sizes the *CPU* client: on a GPU/TPU host JAX
-  still uses the accelerators as its default devices, so setting it is
-  harmless there and we need not (and cannot, without starting the backends)
-  find out the platform first. An explicit
-  ``--xla_force_host_platform_device_count`` in ``XLA_FLAGS`` wins. With
-  several CPU processes each one simulates its share of the mesh.
-  """
-  if "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", ""):
-    return
-  sizes = [int(config.mesh.get(a, 1)) for a in config.mesh.keys()]
-  count = math.prod(sizes) if all(s > 0 for s in sizes) else int(config.cpu_devices)
-  count = max(1, count // num_processes)
-  try:
-    jax.config.update("jax_num_cpu_devices", count)
-  except RuntimeError:  # Backends already up (e.g. called from a notebook): keep them.
-    print("note: JAX backends already initialised; not changing the CPU device count",
-          flush=True)
-
-
 # ----------------------------------------------------------------------------
 # Training
 # ----------------------------------------------------------------------------
-
-
-class Diverged(RuntimeError):
-  """A step produced a non-finite loss or gradient norm; the run stops without saving it."""
 
 
 class StopRequest:
@@ -256,7 +228,7 @@ def train(config, workdir: str, *, stop_at_step: int | None = None) -> TrainResu
   Raises:
     ConfigError: a setting that cannot work (before anything compiles).
     NoRestorableCheckpointError: ``workdir`` has checkpoints and none restores.
-    Diverged: a non-finite loss or gradient norm (no checkpoint of it is written).
+    metrics.Diverged: a non-finite loss or gradient norm (no checkpoint of it is written).
     CheckpointWriteError: a checkpoint could not be written (earlier ones intact).
   """
   log = metrics_lib.log
@@ -284,14 +256,12 @@ def _train(config, workdir, stop_at_step, stop, mesh, model_cfg, ring_size) -> T
   log = metrics_lib.log
   seq_len, batch_size = config.data.seq_len, config.batch_size
   with jax.set_mesh(mesh):
-    # --- 2. Model and optimizer, created directly sharded ----------------------------------
+    # --- 2. Model and optimizer: the step and its state's shapes and shardings -------------
     tx = step_lib.make_optimizer(config.optim, config.total_steps)
     schedule = step_lib.make_schedule(config.optim, config.total_steps)
-    # The same abstract step benchmarks/fit.py compiles to plan context lengths.
-    abstract_step = aot.abstract_train_step(model_cfg, mesh, tx,
-                                            microbatches=config.microbatches, seed=config.seed)
-    graphdef, rest = abstract_step.graphdef, abstract_step.rest
-    param_shardings, opt_shardings = abstract_step.param_shardings, abstract_step.opt_shardings
+    # Built from abstract values, as benchmarks/fit.py builds it to plan context lengths.
+    train_step = step_lib.build_train_step(model_cfg, mesh, tx, microbatches=config.microbatches,
+                                           seed=config.seed)
     log(f"model: {model_cfg.num_params() / 1e6:.2f}M params, "
         f"{model_cfg.flops_per_token(seq_len) / 1e6:.2f} MFLOP/token (train, with attention)")
 
@@ -301,17 +271,9 @@ def _train(config, workdir, stop_at_step, stop, mesh, model_cfg, ring_size) -> T
                                          async_save=config.async_checkpointing)
     # Orbax runs background threads from here on: every exit path closes the checkpointer.
     writer = None
+    profile = metrics_lib.Profile(cfg_lib.profile_steps(config), os.path.join(workdir, "profile"))
     try:
-      restored = checkpointer.restore_latest(
-          abstract_step.abstract_params, abstract_step.abstract_opt_state, warn=log)
-      if restored is not None:
-        start_step, params, opt_state, data_state = restored
-        log(f"resumed from step {start_step} in {checkpointer.directory}")
-      else:
-        start_step, data_state = 0, None
-        _, params, _ = nnx.split(llama.create_sharded_model(model_cfg, mesh, seed=config.seed),
-                                 nnx.Param, ...)
-        opt_state = step_lib.init_opt_state(tx, params, opt_shardings)
+      start_step, params, opt_state, data_state = resume_or_init(checkpointer, train_step)
       end_step = config.total_steps if stop_at_step is None else min(stop_at_step,
                                                                      config.total_steps)
 
@@ -326,15 +288,14 @@ def _train(config, workdir, stop_at_step, stop, mesh, model_cfg, ring_size) -> T
 
       # --- 5. Compile ahead of time (clean step timings; memory report) ----------------------
       t0 = time.perf_counter()
-      train_step = abstract_step.compile(train_shape, params, opt_state)
-      eval_step = step_lib.jit_eval_step(graphdef=graphdef, rest=rest, mesh=mesh,
-                                         param_shardings=param_shardings)
-      memory = train_step.memory_analysis()
+      compiled_step = train_step.compile(train_shape, params, opt_state)
+      eval_step = train_step.eval_step()
+      memory = compiled_step.memory_analysis()
       log(f"compiled train step in {time.perf_counter() - t0:.1f}s"
           + (f"; per-device temp {memory.temp_size_in_bytes / 2**20:.1f} MiB, arguments "
              f"{memory.argument_size_in_bytes / 2**20:.1f} MiB" if memory is not None else ""))
 
-      # --- 6. The loop -----------------------------------------------------------------------
+      # --- 6. The loop: step, log, eval, checkpoint -------------------------------------------
       peak_flops, peak_source = metrics_lib.peak_flops_per_device(config)
       log(f"MFU counted against {peak_flops:.3g} FLOP/s per device: {peak_source}")
       throughput = metrics_lib.Throughput(
@@ -343,83 +304,46 @@ def _train(config, workdir, stop_at_step, stop, mesh, model_cfg, ring_size) -> T
           num_devices=jax.device_count())
       writer = metrics_lib.MetricWriter(workdir, resume_step=start_step)
       progress = metrics_lib.Progress(end_step, start_step)
-      history: list[dict[str, float]] = []
+      step_metrics = metrics_lib.StepMetrics(
+          explain=lambda row: divergence_message(config, row, checkpointer))
       evals: list[dict[str, float]] = []
-      # Metrics are fetched one step behind (the device keeps one step queued) and checked
-      # for divergence as they arrive; `fetched` holds the rows of the current log window.
-      pending: list[tuple[int, dict]] = []
-      fetched: list[dict[str, float]] = []
-      last_saved = start_step if start_step else None
-      last_row: dict[str, float] = {}
-
-      def fetch(upto: int) -> None:
-        """Fetches the metrics of steps <= ``upto``; raises Diverged on a non-finite one."""
-        nonlocal last_row
-        while pending and pending[0][0] <= upto:
-          s, m = pending.pop(0)
-          row = last_row = dict(step=s, **{k: float(v) for k, v in jax.device_get(m).items()})
-          fetched.append(row)
-          if not (math.isfinite(row["loss"]) and math.isfinite(row["grad_norm"])):
-            raise Diverged(divergence_message(config, row, checkpointer, last_saved))
-
-      def run_eval(step: int) -> None:
-        result = evaluate(eval_step, params, eval_dataset, config.eval_batches, batch_sharding,
-                          eval_shape)
-        if config.data.kind == "kv_retrieval":  # The loss mask covers exactly the answers.
-          result["retrieval_accuracy"] = result.pop("accuracy")
-          result["chance_accuracy"] = data_lib.KVRetrievalTask.from_config(
-              config.data).chance_accuracy
-        evals.append(dict(step=step, **result))
-        writer.write(step, result, prefix="eval/")
-        log(f"eval @ {step}: " + " | ".join(f"{k} {v:.4f}" for k, v in result.items()))
-
-      def save(step: int, force: bool = False) -> None:
-        nonlocal last_saved
-        if force or step % config.checkpoint_every == 0:
-          fetch(step)  # Never save the state of a diverged step.
-        try:
-          if checkpointer.save(step, params, opt_state, train_iter.get_state(), force=force):
-            last_saved = step
-        except ckpt_lib.NonFiniteStateError:  # Finite metrics, non-finite state: still diverged.
-          raise Diverged(divergence_message(config, last_row, checkpointer, last_saved,
-                                            state=True)) from None
-
       stopped_by = None
       step = start_step
       for step in range(start_step + 1, end_step + 1):
-        batch = data_lib.to_global(next(train_iter), batch_sharding, train_shape)
-        params, opt_state, step_metrics = train_step(params, opt_state, batch)
+        with profile.step(step) as outputs:
+          batch = data_lib.to_global(next(train_iter), batch_sharding, train_shape)
+          params, opt_state, metrics = compiled_step(params, opt_state, batch)
+          outputs.append(metrics)
         throughput.tick()
-        pending.append((step, step_metrics))
+        step_metrics.add(step, metrics)
         checkpointer.check_for_errors()  # A failed background save stops the run here.
-        fetch(step - 1)
+        step_metrics.fetch(step - 1)  # One step behind: the device keeps a step queued.
 
         stopping = stop.reached(step)  # Exactly once per step, on every process.
         logged = step % config.log_every == 0 or step == end_step or stopping
         if logged:
-          fetch(step)  # Blocks: times are real.
-          rows, fetched[:] = list(fetched), []
-          history.extend(rows)
-          window = {k: float(np.mean([r[k] for r in rows])) for k in ("loss", "accuracy",
-                                                                      "grad_norm")}
+          window = step_metrics.window(step)  # Blocks on this step: times are real.
           window.update(throughput.window(), learning_rate=float(schedule(step - 1)))
           window.update(data_lib.bad_record_counts(train_iter.get_state()))  # text: skipped
           writer.write(step, window, prefix="train/")
           progress.log(step, window)
-
         if stopping:
           stopped_by = stop.received
           break
+
         if step % config.eval_every == 0 or step == config.total_steps:
-          run_eval(step)
-        save(step)
+          result = evaluate(eval_step, params, eval_dataset, config, batch_sharding, eval_shape)
+          evals.append(dict(step=step, **result))
+          writer.write(step, result, prefix="eval/")
+          log(f"eval @ {step}: " + " | ".join(f"{k} {v:.4f}" for k, v in result.items()))
+        save(config, checkpointer, step_metrics, step, params, opt_state, train_iter)
         if logged:
           throughput.reset()  # Exclude eval/checkpoint time from the next window.
 
       # Final checkpoint (also when stopped early), then wait for async writes to land.
-      fetch(step)
-      if step > start_step and last_saved != step:
-        save(step, force=True)
+      step_metrics.fetch(step)
+      if step > start_step and checkpointer.last_saved != step:
+        save(config, checkpointer, step_metrics, step, params, opt_state, train_iter, force=True)
       checkpointer.close()
     except BaseException:
       try:
@@ -428,17 +352,46 @@ def _train(config, workdir, stop_at_step, stop, mesh, model_cfg, ring_size) -> T
         pass
       raise
     finally:
+      profile.close()
       if writer is not None:
         writer.close()
-  return TrainResult(history=history, evals=evals, params=params, opt_state=opt_state,
-                     step=step, mesh=mesh, stopped_by=stopped_by,
+  return TrainResult(history=step_metrics.history, evals=evals, params=params,
+                     opt_state=opt_state, step=step, mesh=mesh, stopped_by=stopped_by,
                      checkpoint_dir=checkpointer.directory)
 
 
-def divergence_message(config, row, checkpointer, last_saved, state=False) -> str:
+def resume_or_init(checkpointer, train_step):
+  """``(step, params, opt_state, data_state)`` of the newest checkpoint that restores (onto
+  the step's shardings), else step 0 with a freshly initialised state and no data state."""
+  restored = checkpointer.restore_latest(train_step.abstract_params,
+                                         train_step.abstract_opt_state, warn=metrics_lib.log)
+  if restored is None:
+    return (0, *train_step.init_state(), None)
+  metrics_lib.log(f"resumed from step {restored[0]} in {checkpointer.directory}")
+  return restored
+
+
+def save(config, checkpointer, step_metrics, step: int, params, opt_state, train_iter, *,
+         force: bool = False) -> None:
+  """Checkpoints ``step`` if it is on the interval (or ``force``), never a diverged state.
+
+  Raises:
+    Diverged: the step's metrics, or the state itself, are non-finite (nothing written).
+  """
+  if force or step % config.checkpoint_every == 0:
+    step_metrics.fetch(step)  # Never save the state of a diverged step.
+  try:
+    checkpointer.save(step, params, opt_state, train_iter.get_state(), force=force)
+  except ckpt_lib.NonFiniteStateError:  # Finite metrics, non-finite state: still diverged.
+    raise metrics_lib.Diverged(divergence_message(config, step_metrics.last_row, checkpointer,
+                                                  state=True)) from None
+
+
+def divergence_message(config, row, checkpointer, state=False) -> str:
   """What diverged, what was kept, and which settings to change."""
   what = ("the parameters or optimizer state became non-finite" if state else
           f"loss {row['loss']:.4g}, grad_norm {row['grad_norm']:.4g}")
+  last_saved = checkpointer.last_saved
   kept = (f"the newest checkpoint is step {last_saved} in {checkpointer.directory}; rerunning "
           f"resumes from it" if last_saved else "no checkpoint was written; rerunning starts "
           "afresh")
@@ -449,22 +402,27 @@ def divergence_message(config, row, checkpointer, last_saved, state=False) -> st
           f"--config.optim.warmup_steps (now {o.warmup_steps}).")
 
 
-def evaluate(eval_step, params, dataset, num_batches: int, sharding, shape) -> dict[str, float]:
-  """Loss / perplexity / accuracy over the first ``num_batches`` held-out batches.
+def evaluate(eval_step, params, dataset, config, sharding, shape) -> dict[str, float]:
+  """Loss / perplexity / accuracy over the first ``config.eval_batches`` held-out batches.
 
-  For the kv task the loss mask covers only answer tokens, so ``accuracy`` is
-  the retrieval accuracy; for text it is next-byte accuracy.
+  For the kv task the loss mask covers only answer tokens, so the accuracy is
+  the retrieval accuracy (``retrieval_accuracy``, next to ``chance_accuracy``);
+  for text it is next-byte ``accuracy``.
   """
   iterator = data_lib.make_iterator(dataset, prefetch=0)  # Fresh: same batches every eval.
   totals = {"loss_sum": 0.0, "tokens": 0.0, "correct": 0.0}
-  for _ in range(num_batches):
+  for _ in range(config.eval_batches):
     out = jax.device_get(eval_step(params, data_lib.to_global(next(iterator), sharding, shape)))
     for k in totals:
       totals[k] += float(out[k])
   tokens = max(totals["tokens"], 1.0)
   loss = totals["loss_sum"] / tokens
-  return dict(loss=loss, perplexity=float(np.exp(min(loss, 50.0))),
-              accuracy=totals["correct"] / tokens)
+  result = dict(loss=loss, perplexity=float(np.exp(min(loss, 50.0))),
+                accuracy=totals["correct"] / tokens)
+  if config.data.kind == "kv_retrieval":  # The loss mask covers exactly the answers.
+    result["retrieval_accuracy"] = result.pop("accuracy")
+    result["chance_accuracy"] = data_lib.KVRetrievalTask.from_config(config.data).chance_accuracy
+  return result
 
 
 # ----------------------------------------------------------------------------
@@ -554,7 +512,7 @@ def main(argv) -> None:
     prefix = "" if isinstance(e, cfg_lib.ConfigError) else f"gin: {type(e).__name__}: "
     _fail(EXIT_USAGE, f"config error: {prefix}{' '.join(str(e).split())}")
   num_processes = initialize_distributed(_DISTRIBUTED.value)
-  simulate_cpu_devices(config, num_processes)
+  cfg_lib.simulate_cpu_devices(config, num_processes)
   workdir = _WORKDIR.value or os.path.join(
       "runs", os.path.splitext(os.path.basename(config_flags.get_config_filename(
           flags.FLAGS["config"])))[0])
@@ -571,7 +529,7 @@ def main(argv) -> None:
     _fail(EXIT_USAGE, f"error: {e}")
   except data_lib.DataError as e:  # a bad record with data.strict=True, or an empty shard
     _fail(EXIT_USAGE, f"data error: {e}")
-  except Diverged as e:
+  except metrics_lib.Diverged as e:
     _fail(EXIT_DIVERGED, f"error: {e}")
   except ckpt_lib.CheckpointWriteError as e:
     _fail(EXIT_CHECKPOINT_WRITE, f"error: {e}")

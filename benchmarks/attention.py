@@ -35,7 +35,6 @@ import functools
 import json
 import os
 import platform as _platform
-import resource
 import sys
 import time
 import types
@@ -54,11 +53,11 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import ring_jax  # noqa: E402
 from ring_jax.ring import default_block  # noqa: E402
+from benchmarks import common  # noqa: E402
 from benchmarks.baselines import allgather_attention  # noqa: E402
+from benchmarks.common import GIB, MIB  # noqa: E402
 
 AXIS = "sequence"
-MIB = 2 ** 20
-GIB = 2 ** 30
 
 CPU_NOTE = (
     "CPU caveat: the fake devices are threads sharing this machine's cores, so wall time "
@@ -162,42 +161,6 @@ def inputs(key, b, length, heads, hd, dtype, sharding):
   return [jax.device_put(x, sharding) for x in xs]
 
 
-def mem_of(compiled):
-  try:
-    ma = compiled.memory_analysis()
-  except Exception:  # noqa: BLE001
-    return {}
-  if ma is None:
-    return {}
-  out = {}
-  for f in ("temp_size_in_bytes", "argument_size_in_bytes", "output_size_in_bytes",
-            "alias_size_in_bytes", "peak_memory_in_bytes"):
-    v = getattr(ma, f, None)
-    if v is not None:
-      out[f] = int(v)
-  return out
-
-
-def cpu_seconds():
-  """CPU time (user + system, all threads) of this process so far.
-
-  On a shared CPU host wall time depends on what else runs; the CPU time the
-  process burns measures its own work, so it is recorded next to wall time.
-  """
-  r = resource.getrusage(resource.RUSAGE_SELF)
-  return r.ru_utime + r.ru_stime
-
-
-def timed(compiled, args, repeats):
-  jax.block_until_ready(compiled(*args))  # warm-up
-  ts = []
-  for _ in range(repeats):
-    t0 = time.perf_counter()
-    jax.block_until_ready(compiled(*args))
-    ts.append(time.perf_counter() - t0)
-  return ts
-
-
 def git_state():
   """Commit of the checkout (and whether ring_jax/ had local edits) for the record."""
   import subprocess
@@ -212,28 +175,13 @@ def git_state():
     return None
 
 
-def mem_available_bytes():
-  try:
-    with open("/proc/meminfo") as fh:
-      for line in fh:
-        if line.startswith("MemAvailable:"):
-          return int(line.split()[1]) * 1024
-  except OSError:
-    pass
-  return None
-
-
 def device_mem_budget(args):
   if args.mem_budget_gib:
     return int(args.mem_budget_gib * GIB)
-  dev = jax.devices()[0]
-  try:
-    stats = dev.memory_stats() or {}
-    if "bytes_limit" in stats:
-      return int(0.9 * stats["bytes_limit"])
-  except Exception:  # noqa: BLE001
-    pass
-  avail = mem_available_bytes() or 16 * GIB
+  limit = common.device_bytes_limit()
+  if limit:
+    return int(0.9 * limit)
+  avail = common.host_memory_available() or 16 * GIB
   return int(min(8 * GIB, 0.4 * avail))  # CPU: shared machine, stay well clear
 
 
@@ -259,7 +207,7 @@ def prepare_case(name, *, mesh, length, is_causal, args, dtype, paper_fn, budget
     t0 = time.perf_counter()
     compiled = jax.jit(fn).lower(*a).compile()
     row[f"{mode}_compile_s"] = round(time.perf_counter() - t0, 2)
-    mem = mem_of(compiled)
+    mem = common.compiled_memory(compiled)
     row[f"{mode}_mem"] = mem
     row[f"{mode}_times_s"] = []
     need = mem.get("temp_size_in_bytes", 0) + mem.get("argument_size_in_bytes", 0) + \
@@ -332,9 +280,7 @@ def run_group(names, *, mesh, length, is_causal, args, dtype, paper_fn, budget, 
       if row[f"{mode}_status"].startswith("failed"):
         continue
       try:
-        c0, t0 = cpu_seconds(), time.perf_counter()
-        jax.block_until_ready(c(*a))
-        dt, dc = time.perf_counter() - t0, cpu_seconds() - c0
+        dt, dc, _ = common.timed_call(c, *a)
         if it >= warmup:
           row[f"{mode}_times_s"].append(round(dt, 5))
           row.setdefault(f"{mode}_cpu_s", []).append(round(dc, 4))
@@ -497,7 +443,8 @@ def memory_scan(names, mesh, lengths, block, is_causal, dtype, args, paper_fn):
       try:
         f, _, _ = make_impl(name, mesh=mesh, is_causal=is_causal, dtype=dtype, block=block,
                             paper_fn=paper_fn)
-        m = {mode: mem_of(jax.jit(fn).lower(*a).compile()).get("temp_size_in_bytes")
+        m = {mode: common.compiled_memory(jax.jit(fn).lower(*a).compile()).get(
+                 "temp_size_in_bytes")
              for mode, fn, a in (("fwd", f, (x, x, x)), ("fwdbwd", fwd_bwd(f), (x, x, x, x)))}
         rows.append(dict(impl=name, length=length, block=block, causal=is_causal,
                          fwd_temp=m["fwd"], fwdbwd_temp=m["fwdbwd"]))

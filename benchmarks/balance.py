@@ -116,6 +116,7 @@ def worker(args) -> None:
   from jax.sharding import NamedSharding, PartitionSpec as P
 
   from benchmarks import attention as bench  # after XLA_FLAGS: it keeps our device count
+  from benchmarks import common
 
   n = jax.device_count()
   assert n == args.processes and jax.local_device_count() == 1, (n, jax.local_device_count())
@@ -147,13 +148,11 @@ def worker(args) -> None:
       compiled = jax.jit(bench.fwd_bwd(f)).lower(q, k, v, do).compile()
       cases.append(dict(impl=name, layout=layout, block=block, length=length, compiled=compiled,
                         compile_s=round(time.perf_counter() - t0, 2), times_s=[], cpu_s=[],
-                        temp_bytes=bench.mem_of(compiled).get("temp_size_in_bytes")))
+                        temp_bytes=common.compiled_memory(compiled).get("temp_size_in_bytes")))
     for it in range(args.warmup + args.repeats):
       for case in cases:  # round-robin: a slow phase of the machine hits every impl alike
         multihost_utils.sync_global_devices(f"{length}-{it}-{case['impl']}")
-        c0, t0 = bench.cpu_seconds(), time.perf_counter()
-        jax.block_until_ready(case["compiled"](q, k, v, do))
-        dt, dc = time.perf_counter() - t0, bench.cpu_seconds() - c0
+        dt, dc, _ = common.timed_call(case["compiled"], q, k, v, do)
         if it >= args.warmup:
           case["times_s"].append(round(dt, 5))
           case["cpu_s"].append(round(dc, 4))

@@ -22,15 +22,14 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from jax.sharding import AxisType, PartitionSpec as P  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import ring_jax  # noqa: E402
+from benchmarks import common  # noqa: E402
 
 
 def mesh_of(n, names=("sequence",), shape=None):
-  shape = shape or (n,)
-  return jax.make_mesh(shape, names, axis_types=(AxisType.Auto,) * len(shape),
-                       devices=jax.devices()[:int(np.prod(shape))])
+  return common.make_mesh(shape or (n,), names)
 
 
 def segments(b, length, rng):
@@ -99,7 +98,7 @@ def memory_table():
                        mesh=mesh, in_specs=(spec,) * 3, out_specs=spec)
     shape = jax.ShapeDtypeStruct((1, n * local, 4, 64), jnp.float32)
     grad = jax.jit(jax.grad(lambda q, k, v: fn(q, k, v).sum(), argnums=(0, 1, 2)))
-    temp = grad.lower(shape, shape, shape).compile().memory_analysis().temp_size_in_bytes
+    temp = common.compiled_memory(grad.lower(shape, shape, shape).compile())["temp_size_in_bytes"]
     ratio = f"{temp / prev:7.2f}" if prev else f"{'':7s}"
     print(f"{local:10d} {n * local:11d} {temp / 2**20:9.2f} {ratio} {local * local * 4 / 2**20:24.1f}")
     prev = temp

@@ -28,7 +28,6 @@ import dataclasses
 import json
 import os
 import sys
-import time
 
 
 def _setup(devices: int):
@@ -65,19 +64,20 @@ def _abstract_step(cfg, mesh, cache_len: int, batch: int = 1):
 
 
 def _peak(compiled) -> int:
-  m = compiled.memory_analysis()
-  peak = getattr(m, "peak_memory_in_bytes", 0) or 0
-  alias = getattr(m, "alias_size_in_bytes", 0) or 0
-  return max(peak, m.argument_size_in_bytes + m.output_size_in_bytes - alias
-             + m.temp_size_in_bytes)
+  """Bytes one device holds: XLA's peak where it reports one, at least args + outputs +
+  temporaries - aliased outputs (:func:`benchmarks.common.per_device_bytes`)."""
+  from benchmarks import common
+
+  memory = common.compiled_memory(compiled)
+  return max(memory.get("peak_memory_in_bytes", 0), common.per_device_bytes(memory))
 
 
 def run_time(args):
   import jax
   import jax.numpy as jnp
-  import numpy as np
   from flax import nnx
 
+  from benchmarks import common
   from models import inference, llama
   from training import config as cfg_lib
 
@@ -105,21 +105,20 @@ def run_time(args):
       compiled = inference._step_jit.lower(params, cache, jnp.zeros((1,), jnp.int32),
                                            cfg=cfg).compile()
     tokens = jnp.zeros((1,), jnp.int32)
-    logits, cache = gen.step(cache, tokens)  # compile + warm up
-    jax.block_until_ready(logits)
-    times = []
-    for _ in range(args.steps):
-      t0 = time.perf_counter()
-      logits, cache = gen.step(cache, tokens)
-      jax.block_until_ready(logits)
-      times.append(time.perf_counter() - t0)
-    m = compiled.memory_analysis()
+    state = dict(cache=cache)
+
+    def one_step():
+      logits, state["cache"] = gen.step(state["cache"], tokens)
+      return logits
+
+    times = common.time_calls(one_step, repeats=args.steps)  # after a compile + warm-up call
+    m = common.compiled_memory(compiled)
     print(json.dumps(dict(
         mode="time", devices=args.devices, length=length,
         cache_mib_per_device=inference.cache_bytes_per_device(cfg, mesh, 1, length) / 2**20,
-        step_args_mib_per_device=m.argument_size_in_bytes / 2**20,
-        step_temp_mib_per_device=m.temp_size_in_bytes / 2**20,
-        step_ms_median=1e3 * float(np.median(times)))), flush=True)
+        step_args_mib_per_device=m["argument_size_in_bytes"] / 2**20,
+        step_temp_mib_per_device=m["temp_size_in_bytes"] / 2**20,
+        step_ms_median=1e3 * common.median(times))), flush=True)
 
 
 def run_fit(args):

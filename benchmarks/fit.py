@@ -5,19 +5,19 @@ r"""How long a context fits: the longest ``seq_len`` whose train step fits in me
   python benchmarks/fit.py --config configs/llama_1b.py --devices 8 --mesh data=1,sequence=8 \
       --seq_len 1048576 --config.model.remat_policy=full --config.batch_size=1
 
-Compiles the real train step (``training/aot.py``: the model, optimizer,
-shardings and ``jit_train_step`` that ``train.py`` compiles) ahead of time
+Compiles the real train step (``training.step.build_train_step``: the model,
+optimizer, shardings and ``jit_train_step`` that ``train.py`` compiles) ahead of time
 against abstract inputs (``jax.ShapeDtypeStruct`` with shardings, parameters
 from ``nnx.eval_shape``) on ``--devices`` fake CPU devices, and reads
 ``memory_analysis()`` of the compiled program: nothing is allocated and
 nothing runs. Per-device bytes = arguments + outputs + temporaries - outputs
-aliasing donated arguments (``training.aot.per_device_bytes``) - the saved
+aliasing donated arguments (``benchmarks.common.per_device_bytes``) - the saved
 activations a remat policy offloads to host memory ("to host", from the step
-lowered for a GPU: ``AbstractTrainStep.offloaded_bytes``; only for policies
+lowered for a GPU: ``TrainStep.offloaded_bytes``; only for policies
 named ``offload_*``), which XLA:CPU keeps on the device.
 
 Search: powers of two (times the length granularity the config allows, see
-``training.config.seq_len_multiple``) from ``--start`` up until one does not
+``models.lengths.length_multiple``) from ``--start`` up until one does not
 fit (or down until one does), then bisection on that granularity until the
 gap is below ``--resolution`` of the length. ``--seq_len L`` checks one length.
 Prints one table row per compiled length and, as the LAST line, one JSON
@@ -53,9 +53,8 @@ from absl import flags
 from ml_collections import config_flags
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-GIB = 2 ** 30
-MIB = 2 ** 20
+from benchmarks import common  # noqa: E402  (imports JAX but starts no backend)
+from benchmarks.common import GIB, MIB  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "ml_collections config (`path.py` or `path.py:arg`); override fields with "
@@ -83,16 +82,10 @@ class FitError(ValueError):
 
 def parse_mesh(text: str) -> dict[str, int]:
   """``'data=1,sequence=8'`` -> ``{'data': 1, 'sequence': 8, 'tensor': 1}``."""
-  from models.sharding import MESH_AXES
-
-  sizes = {a: 1 for a in MESH_AXES}
-  for part in filter(None, text.split(",")):
-    name, _, value = part.partition("=")
-    if name.strip() not in MESH_AXES or not value.strip().lstrip("-").isdigit():
-      raise FitError(f"--mesh={text!r}: write axis=size pairs over {MESH_AXES}, e.g. "
-                     "'data=1,sequence=8'.")
-    sizes[name.strip()] = int(value)
-  return sizes
+  try:
+    return common.parse_mesh(text)
+  except ValueError as e:
+    raise FitError(f"--{e}") from None
 
 
 def resolve_mesh(config, devices: int, mesh_text: str | None) -> dict[str, int]:
@@ -113,14 +106,14 @@ class Planner:
   def __init__(self, config, sizes: dict[str, int], limit_bytes: int):
     import jax
 
-    from training import aot
+    from models import lengths
     from training import config as cfg_lib
     from training import step as step_lib
 
     self.config, self.sizes, self.limit = config, sizes, limit_bytes
     self.model_cfg = cfg_lib.llama_config(config)
     self.ring = sizes["sequence"]
-    self.multiple = cfg_lib.seq_len_multiple(self.model_cfg, self.ring)
+    self.multiple = lengths.length_multiple(self.model_cfg, self.ring)
     self.rows = config.batch_size
     micro = config.microbatches
     if self.rows % micro or (self.rows // micro) % sizes["data"]:
@@ -129,14 +122,13 @@ class Planner:
                      f"{sizes['data'] * micro}.")
     self.mesh = cfg_lib.make_mesh(sizes, jax.devices()[:math.prod(sizes.values())])
     tx = step_lib.make_optimizer(config.optim, config.total_steps)
-    self.step = aot.abstract_train_step(self.model_cfg, self.mesh, tx,
-                                        microbatches=micro, seed=config.seed)
+    self.step = step_lib.build_train_step(self.model_cfg, self.mesh, tx, microbatches=micro,
+                                          seed=config.seed)
     self.rows_by_length: dict[int, dict] = {}
     self.unit = "GiB" if limit_bytes >= GIB else "MiB"  # of the printed table
 
   def check(self, length: int) -> dict:
     """Compiles the step at ``length``; returns (and prints) its row of the table."""
-    from training import aot
     from training import config as cfg_lib
 
     if length in self.rows_by_length:
@@ -147,18 +139,18 @@ class Planner:
       raise FitError(f"{e} Lengths here are multiples of {self.multiple}.") from None
     t0 = time.perf_counter()
     compiled = self.step.compile((self.rows, length))
-    ma = compiled.memory_analysis()
-    total = aot.per_device_bytes(compiled)
+    ma = common.compiled_memory(compiled, common.MEMORY_FIELDS + ("host_temp_size_in_bytes",))
+    total = common.per_device_bytes(ma)
     offloaded = 0
     if "offload" in self.model_cfg.remat_policy and jax_platform() == "cpu":
       m = self.model_cfg
       offloaded = self.step.offloaded_bytes((self.rows, length),
                                             layers=m.num_layers if m.scan_layers else 1)
     device = total - offloaded
-    row = dict(seq_len=length, argument_bytes=int(ma.argument_size_in_bytes),
-               temp_bytes=int(ma.temp_size_in_bytes), output_bytes=int(ma.output_size_in_bytes),
-               alias_bytes=int(ma.alias_size_in_bytes),
-               host_temp_bytes=int(getattr(ma, "host_temp_size_in_bytes", 0) or 0),
+    row = dict(seq_len=length, argument_bytes=ma["argument_size_in_bytes"],
+               temp_bytes=ma["temp_size_in_bytes"], output_bytes=ma["output_size_in_bytes"],
+               alias_bytes=ma["alias_size_in_bytes"],
+               host_temp_bytes=ma.get("host_temp_size_in_bytes", 0),
                compiled_per_device_bytes=total, offloaded_bytes=offloaded,
                per_device_bytes=device, fits=bool(device <= self.limit),
                compile_s=round(time.perf_counter() - t0, 1))

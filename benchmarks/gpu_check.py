@@ -1,12 +1,13 @@
 """One-GPU check (H200): attention TFLOP/s, longest trainable context, train-step MFU.
 
 Run through ``benchmarks/gpu_check.sh`` (``PYTHONPATH=.``). Measures the
-shipped code: the LLaMA of ``models/llama.py`` built with
-``create_sharded_model`` and the jitted train step of ``training/step.py``
-(AdamW + clipping, donated state), the same that ``train.py`` runs. Needs
-jax, flax, optax and einops (the accelerator image has them), not
-ml_collections or grain, which only ``training/config.py`` and
-``training/data.py`` import. Every section is wrapped in try/except (a
+shipped code and config: the model of ``configs/llama_1b.py:long`` (the
+LLaMA-3.2-1B shape at long context: offload_layer_in remat, blockwise FFN,
+chunked loss; ``llama_1b.model_fields("long")``) on one device, with the
+train step and state of ``training.step.build_train_step`` (AdamW +
+clipping, donated state), the same that ``train.py`` runs. Needs jax, flax,
+optax and einops (the accelerator image has them), not ml_collections or
+grain, which only ``training/config.py`` and ``training/data.py`` import. Every section is wrapped in try/except (a
 failure is printed and the next section runs) and the whole script keeps to a
 global time budget (``GPU_CHECK_BUDGET_S``, default 450 s): cases that would
 start after the budget are skipped and say so.
@@ -21,9 +22,8 @@ Sections:
      pallas_gpu's ratios to cuDNN and to the XLA kernel, and its output's
      distance from cuDNN's. Writes ``benchmarks/results/gpu_check_h200.json``
      (``GPU_CHECK_OUT``).
-  2. Longest context at which a 1B-class LLaMA train step (ring attention on a
-     ring of 1 + blockwise FFN + per-layer remat + chunked loss) fits, by
-     doubling from 32K: compiled memory (``memory_analysis``) against the
+  2. Longest context at which that train step (ring attention on a ring of 1)
+     fits, by doubling from 32K: compiled memory (``memory_analysis``) against the
      device's ``bytes_limit``; contexts up to ``GPU_CHECK_RUN_MAX`` (default
      64K) are also run once to confirm.
   3. Tokens/s and MFU of that train step at 32K.
@@ -40,6 +40,7 @@ or ``GPU_PEAK_TFLOPS``.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import math
@@ -47,7 +48,6 @@ import os
 import sys
 import time
 import traceback
-import types
 
 import jax
 import jax.numpy as jnp
@@ -56,6 +56,7 @@ from jax.sharding import PartitionSpec as P
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import ring_jax  # noqa: E402
+from benchmarks import common  # noqa: E402
 from ring_jax import hardware  # noqa: E402
 
 DRY = os.environ.get("GPU_CHECK_DRY", "0") not in ("", "0")
@@ -115,29 +116,12 @@ def gib(x):
 def device_limit():
   if os.environ.get("GPU_CHECK_LIMIT_GIB"):  # testing the search logic on CPU
     return int(float(os.environ["GPU_CHECK_LIMIT_GIB"]) * GIB)
-  try:
-    stats = jax.devices()[0].memory_stats() or {}
-    return int(stats.get("bytes_limit", 0)) or None
-  except Exception:  # noqa: BLE001
-    return None
-
-
-def need_bytes(compiled):
-  ma = compiled.memory_analysis()
-  if ma is None:
-    return None
-  return (ma.temp_size_in_bytes + ma.argument_size_in_bytes + ma.output_size_in_bytes -
-          getattr(ma, "alias_size_in_bytes", 0))
+  return common.device_bytes_limit()
 
 
 def bench(compiled, args, repeats):
-  jax.block_until_ready(compiled(*args))
-  ts = []
-  for _ in range(repeats):
-    t = time.perf_counter()
-    jax.block_until_ready(compiled(*args))
-    ts.append(time.perf_counter() - t)
-  return float(np.median(ts))
+  """Median seconds of ``compiled(*args)`` (after one warm-up call)."""
+  return common.median(common.time_calls(compiled, args, repeats))
 
 
 # ----------------------------------------------------------------------------
@@ -175,7 +159,7 @@ def attention_tflops():
   lengths = [128] if DRY else [8192, 32768, 65536]
   b, n, h = (1, 2, 64) if DRY else (1, 16, 128)
   block = int(os.environ.get("GPU_CHECK_BLOCK", "0")) or (64 if DRY else None)
-  mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("sequence",))
+  mesh = common.make_mesh((1,), ("sequence",))
   limit = device_limit()
   dtype = DTYPE
   say(f"B={b} N={n} H={h} {jnp.dtype(dtype).name}, ring block={block or 'default'}; "
@@ -200,7 +184,7 @@ def attention_tflops():
             continue
           try:
             c = jax.jit(fn).lower(*a).compile()
-            nb = need_bytes(c)
+            nb = common.per_device_bytes(c)
             if limit and nb and nb > limit:
               cells[mode] = f"OOM (compiled needs {nb / GIB:.0f} GiB)"
               continue
@@ -255,72 +239,42 @@ def attention_tflops():
 # 2./3. 1B-class LLaMA train step: models/llama.py + training/step.py
 # ----------------------------------------------------------------------------
 
-# configs/common.py's optimizer without warmup (the schedule does not change the cost).
-OPTIM = types.SimpleNamespace(lr=1e-4, warmup_steps=0, min_lr_ratio=0.1, weight_decay=0.1,
-                              b1=0.9, b2=0.95, eps=1e-8, grad_clip=1.0)
+# The variant of configs/llama_1b.py measured here.
+VARIANT = "long"
 
 
 def llama_config():
+  """``configs/llama_1b.py:long``'s model; in the dry run the same at tiny sizes, float32."""
+  from configs import llama_1b
   from models.llama import LlamaConfig
 
+  cfg = LlamaConfig.from_dict(llama_1b.model_fields(VARIANT))
   if DRY:
-    return LlamaConfig(vocab_size=512, dim=128, num_layers=2, num_heads=4, num_kv_heads=2,
-                       head_dim=32, mlp_dim=256, rope_theta=500000.0, attention="ring",
-                       ffn_chunk_size=128, loss_chunk_size=128, remat_policy="full",
-                       dtype="float32", param_dtype="float32")
-  # LLaMA-3.2-1B shapes with a 32K vocabulary (LLaMA-2 tokenizer size): 1.1B parameters.
-  return LlamaConfig(vocab_size=32000, dim=2048, num_layers=16, num_heads=32, num_kv_heads=8,
-                     head_dim=64, mlp_dim=8192, rope_theta=500000.0, attention="ring",
-                     ffn_chunk_size=4096, loss_chunk_size=4096, remat_policy="full",
-                     dtype="bfloat16", param_dtype="float32")
-
-
-def one_device_mesh():
-  """The trainer's axes on one device: a ring of size 1 on 'sequence'."""
-  from models.sharding import MESH_AXES
-
-  return jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape((1,) * len(MESH_AXES)),
-                           MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_AXES))
+    return dataclasses.replace(cfg, vocab_size=512, dim=128, num_layers=2, num_heads=4,
+                               num_kv_heads=2, head_dim=32, mlp_dim=256, block_q=None,
+                               block_kv=None, ffn_chunk_size=128, loss_chunk_size=128,
+                               dtype="float32")
+  return cfg
 
 
 class TrainStep:
-  """The shipped train step for ``cfg`` on ``mesh`` (batch 1), jitted once for all lengths."""
+  """The shipped train step for ``cfg`` on one device (batch 1), built once for all lengths."""
 
-  def __init__(self, cfg, mesh):
-    from flax import nnx
-
-    from models import sharding as shd
-    from models.llama import Llama
+  def __init__(self, cfg):
     from training import batch as batch_lib
     from training import step as step_lib
 
-    self.cfg, self.mesh, self.batch_lib = cfg, mesh, batch_lib
-    abstract = nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0)))
-    graphdef, self.abstract_params, rest = nnx.split(abstract, nnx.Param, ...)
-    self.tx = step_lib.make_optimizer(OPTIM, total_steps=100)
-    p_shard = shd.param_shardings(self.abstract_params, mesh)
-    self.opt_shardings = step_lib.opt_state_shardings(self.tx, self.abstract_params, p_shard,
-                                                      mesh)
-    self.abstract_opt = jax.eval_shape(self.tx.init, self.abstract_params)
-    self.step = step_lib.jit_train_step(graphdef=graphdef, rest=rest, tx=self.tx,
-                                        microbatches=1, mesh=mesh, param_shardings=p_shard,
-                                        opt_shardings=self.opt_shardings)
-    self._init_opt = functools.partial(step_lib.init_opt_state, self.tx)
+    self.cfg, self.batch_lib = cfg, batch_lib
+    self.mesh = common.make_mesh({})  # the trainer's axes, all of size 1: a ring of one
+    tx = step_lib.make_optimizer(common.OPTIM, total_steps=100)
+    self.built = step_lib.build_train_step(cfg, self.mesh, tx)
 
   def compile(self, length):
-    with jax.set_mesh(self.mesh):
-      return self.step.lower(self.abstract_params, self.abstract_opt,
-                             self.batch_lib.abstract((1, length), self.mesh)).compile()
+    return self.built.compile((1, length))
 
   def state(self):
     """Fresh sharded params and optimizer state."""
-    from flax import nnx
-
-    from models.llama import create_sharded_model
-
-    with jax.set_mesh(self.mesh):
-      params = nnx.split(create_sharded_model(self.cfg, self.mesh), nnx.Param, ...)[1]
-      return params, self._init_opt(params, self.opt_shardings)
+    return self.built.init_state()
 
   def batch(self, length):
     host = self.batch_lib.random_documents(1, 1, length, self.cfg.vocab_size, self.cfg.layout,
@@ -335,9 +289,10 @@ def longest_context(known_fit=None):
   and the answer is confirmed by compiling it and its neighbour (compiles are the cost)."""
   cfg = llama_config()
   limit = device_limit()
-  say(f"1B-class LLaMA (models/llama.py): {cfg.num_params() / 1e9:.2f}B params, {cfg}; "
-      f"device limit {gib(limit)}; f32 params + AdamW, {cfg.dtype} compute")
-  step = TrainStep(cfg, one_device_mesh())
+  say(f"1B-class LLaMA (models/llama.py, configs/llama_1b.py:{VARIANT}"
+      f"{'; tiny sizes in the dry run' if DRY else ''}): {cfg.num_params() / 1e9:.2f}B params, "
+      f"{cfg}; device limit {gib(limit)}; f32 params + AdamW, {cfg.dtype} compute")
+  step = TrainStep(cfg)
   seen = {}  # length -> (needed bytes or None, fits)
 
   def check(length):
@@ -351,7 +306,7 @@ def longest_context(known_fit=None):
           " -> counted as not fitting")
       seen[length] = (None, False)
       return False
-    nb = need_bytes(c)
+    nb = common.per_device_bytes(c)
     fits = nb is not None and (limit is None or nb <= limit)
     say(f"L={length:>8}: compiled needs {gib(nb)} (compile {time.perf_counter() - t:.0f}s) "
         f"-> {'fits' if fits else 'does NOT fit'}")
@@ -419,21 +374,20 @@ def longest_context(known_fit=None):
 def throughput():
   cfg = llama_config()
   length = 512 if DRY else 32768
-  step = TrainStep(cfg, one_device_mesh())
+  step = TrainStep(cfg)
   compiled = step.compile(length)
   params, opt = step.state()
   batch = step.batch(length)
-  params, opt, metrics = compiled(params, opt, batch)  # warm-up
-  jax.block_until_ready(metrics)
-  times = []
-  for i in range(2 if DRY else 5):
-    if i and left() < 10:
-      break
-    t = time.perf_counter()
-    params, opt, metrics = compiled(params, opt, batch)
-    jax.block_until_ready(metrics)
-    times.append(time.perf_counter() - t)
-  dt = float(np.median(times))
+  state = {}
+
+  def one_step():
+    nonlocal params, opt
+    params, opt, state["metrics"] = compiled(params, opt, batch)
+    return state["metrics"]
+
+  times = common.time_calls(one_step, repeats=2 if DRY else 5)
+  metrics = state["metrics"]
+  dt = common.median(times)
   tps = length / dt
   fl = cfg.flops_per_token(length)
   peak, source = peak_flops()

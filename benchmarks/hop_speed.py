@@ -4,7 +4,7 @@ Runs ``ring_attention`` fwd+bwd on a ring of ``--ring`` fake CPU devices with th
 current :class:`ring_jax.XlaHopKernel` and with a baseline kernel loaded from a git
 revision of ``ring_jax/kernels/xla.py`` (default: the pair-list kernel of the "SEAM:"
 commit), alternating the two ``--repeats`` times and reporting the best process CPU time
-of each (``time.process_time``: on a shared machine CPU time is steadier than wall time;
+of each (process CPU time, ``benchmarks.common.timed_call``: on a shared machine CPU time is steadier than wall time;
 all fake devices share this process's threads). Also prints the per-device fwd+bwd temp
 memory from ``memory_analysis()``. This is the short check; ``benchmarks/attention.py``
 has the full comparison with the paper's code.
@@ -23,7 +23,6 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 
 
 def _load_baseline(rev: str):
@@ -77,10 +76,12 @@ def main(argv=None):
   import jax
   import jax.numpy as jnp
   import numpy as np
-  from jax.sharding import AxisType, PartitionSpec as P
+  from jax.sharding import PartitionSpec as P
   import ring_jax
+  from benchmarks import common
+  from benchmarks.common import MIB
 
-  mesh = jax.make_mesh((args.ring,), ("sequence",), axis_types=(AxisType.Auto,))
+  mesh = common.make_mesh((args.ring,), ("sequence",))
   kernels = {"new": ring_jax.XlaHopKernel(), "old": _load_baseline(args.baseline_rev)}
   spec = P(None, "sequence")
 
@@ -107,9 +108,7 @@ def main(argv=None):
     best = {kn: float("inf") for kn in fns}
     for _ in range(args.repeats):
       for kn, f in fns.items():
-        t0 = time.process_time()
-        jax.block_until_ready(f(q, k, v))
-        best[kn] = min(best[kn], time.process_time() - t0)
+        best[kn] = min(best[kn], common.timed_call(f, q, k, v)[1])  # process CPU seconds
     print(f"{name:14s} L={args.length} ring={args.ring}: new {best['new']:.3f}s  "
           f"old {best['old']:.3f}s  new/old {best['new'] / best['old']:.3f}", flush=True)
     if args.memory_length:
@@ -122,7 +121,7 @@ def main(argv=None):
                                              hop_kernel=kern),
                            mesh=mesh, in_specs=(spec,) * 3, out_specs=spec)
         g = jax.jit(jax.grad(lambda q, k, v: jnp.sum(fn(q, k, v)), argnums=(0, 1, 2)))
-        mem[kn] = g.lower(st, st, st).compile().memory_analysis().temp_size_in_bytes / 2**20
+        mem[kn] = common.compiled_memory(g.lower(st, st, st).compile())["temp_size_in_bytes"] / MIB
       print(f"{'':14s} fwd+bwd temp per device at L={args.memory_length}, "
             f"{args.heads} heads: new {mem['new']:.1f} MiB  old {mem['old']:.1f} MiB",
             flush=True)

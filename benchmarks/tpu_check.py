@@ -42,6 +42,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import ring_jax  # noqa: E402
+from benchmarks import common  # noqa: E402
 from ring_jax.hop import HopMasks, HopSpec, zero_grads  # noqa: E402
 from ring_jax.kernels.pallas_tpu import PallasTpuHopKernel  # noqa: E402
 
@@ -64,13 +65,7 @@ def say(*a):
 
 def bench(fn, args, repeats):
   """Median seconds of a compiled call (after one warm-up call)."""
-  jax.block_until_ready(fn(*args))
-  ts = []
-  for _ in range(repeats):
-    t = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    ts.append(time.perf_counter() - t)
-  return float(np.median(ts))
+  return common.median(common.time_calls(fn, args, repeats))
 
 
 def _masks(length):

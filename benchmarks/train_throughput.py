@@ -1,8 +1,8 @@
 """Tokens/s and MFU of the shipped LLaMA train step: ring vs dense vs all-gather attention.
 
-Runs exactly what ``train.py`` runs: ``models.llama`` built with
-``create_sharded_model`` on a ``(data, sequence, tensor)`` mesh and the
-jitted train step of ``training/step.py`` (AdamW + clipping, params and
+Runs exactly what ``train.py`` runs: the train step and state of
+``training.step.build_train_step`` (the model of ``models.llama`` created
+sharded on a ``(data, sequence, tensor)`` mesh, AdamW + clipping, params and
 optimizer state donated, batch per ``training/batch.py``), on random tokens
 in the model's layout order. The attention backend is chosen by name from
 ``models.attention.ATTENTION_BACKENDS``:
@@ -32,7 +32,6 @@ import json
 import os
 import sys
 import time
-import types
 
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
@@ -44,6 +43,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks import baselines  # noqa: E402
+from benchmarks import common  # noqa: E402
 from ring_jax import hardware  # noqa: E402
 
 PRESETS = {
@@ -54,23 +54,13 @@ PRESETS = {
     "1b": dict(vocab_size=32000, dim=2048, num_layers=16, num_heads=32, num_kv_heads=8,
                mlp_dim=8192),
 }
-# The optimizer settings of configs/common.py, without warmup (every timed step does a full
-# AdamW update; the schedule does not change the cost).
-OPTIM = types.SimpleNamespace(lr=3e-4, warmup_steps=0, min_lr_ratio=0.1, weight_decay=0.1,
-                              b1=0.9, b2=0.95, eps=1e-8, grad_clip=1.0)
 
 
 def cpu_peak_per_device(n_devices: int) -> float:
   """Measured f32 matmul FLOP/s of this host / devices (the CPU 'peak')."""
   n = 1024
   a = jnp.ones((n, n), jnp.float32)
-  f = jax.jit(lambda a: a @ a)
-  f(a).block_until_ready()
-  ts = []
-  for _ in range(5):
-    t = time.perf_counter()
-    f(a).block_until_ready()
-    ts.append(time.perf_counter() - t)
+  ts = common.time_calls(jax.jit(lambda a: a @ a), (a,), repeats=5)
   return 2 * n ** 3 / min(ts) / n_devices
 
 
@@ -100,92 +90,53 @@ def model_config(args, backend):
 
 
 def run_one(backend, args, mesh, peak):
-  from flax import nnx
-
-  from models import sharding as shd
-  from models.llama import create_sharded_model
   from training import batch as batch_lib
   from training import step as step_lib
 
   cfg = model_config(args, backend)
   b, length = args.batch, args.seq_len
+  tx = step_lib.make_optimizer(common.OPTIM, total_steps=args.steps + 1)
+  train_step = step_lib.build_train_step(cfg, mesh, tx)
+  state = dict(zip(("params", "opt_state"), train_step.init_state()))
+  host = batch_lib.random_documents(0, b, length, cfg.vocab_size, cfg.layout,
+                                    mesh.shape["sequence"])
+  batch = jax.device_put(host, batch_lib.shardings(mesh))
+  t0 = time.perf_counter()
+  compiled = train_step.compile((b, length), state["params"], state["opt_state"])
+  compile_s = time.perf_counter() - t0
+  temp = common.compiled_memory(compiled).get("temp_size_in_bytes")
+  if temp and jax.default_backend() == "cpu":
+    # CPU "devices" share host RAM: refuse what would not fit (the dense backend at long
+    # L replicates the full [L, L] scores on every device of the sequence axis).
+    need = temp * mesh.devices.size
+    avail = common.host_memory_available()
+    if avail and need > 0.6 * avail:
+      raise MemoryError(f"OOM(est): compiled temp {temp / 2**30:.1f} GiB/device x "
+                        f"{mesh.devices.size} devices > 60% of {avail / 2**30:.1f} GiB free")
+
+  def one_step():
+    state["params"], state["opt_state"], state["metrics"] = compiled(
+        state["params"], state["opt_state"], batch)
+    return state["metrics"]
+
   with jax.set_mesh(mesh):
-    model = create_sharded_model(cfg, mesh, seed=0)
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    del model
-    param_shardings = shd.param_shardings(params, mesh)
-    tx = step_lib.make_optimizer(OPTIM, total_steps=args.steps + 1)
-    opt_shardings = step_lib.opt_state_shardings(tx, params, param_shardings, mesh)
-    opt_state = step_lib.init_opt_state(tx, params, opt_shardings)
-    host = batch_lib.random_documents(0, b, length, cfg.vocab_size, cfg.layout,
-                                      mesh.shape["sequence"])
-    batch = jax.device_put(host, batch_lib.shardings(mesh))
-    jstep = step_lib.jit_train_step(graphdef=graphdef, rest=rest, tx=tx, microbatches=1,
-                                    mesh=mesh, param_shardings=param_shardings,
-                                    opt_shardings=opt_shardings)
-    t0 = time.perf_counter()
-    compiled = jstep.lower(params, opt_state, batch).compile()
-    compile_s = time.perf_counter() - t0
-    ma = compiled.memory_analysis()
-    temp = getattr(ma, "temp_size_in_bytes", None) if ma is not None else None
-    if temp and jax.default_backend() == "cpu":
-      # CPU "devices" share host RAM: refuse what would not fit (the dense backend at long
-      # L replicates the full [L, L] scores on every device of the sequence axis).
-      need = temp * mesh.devices.size
-      avail = _mem_available()
-      if avail and need > 0.6 * avail:
-        raise MemoryError(f"OOM(est): compiled temp {temp / 2**30:.1f} GiB/device x "
-                          f"{mesh.devices.size} devices > 60% of {avail / 2**30:.1f} GiB free")
-    params, opt_state, metrics = compiled(params, opt_state, batch)  # warm-up
-    jax.block_until_ready(metrics)
-    ts = []
-    for _ in range(args.steps):
-      t = time.perf_counter()
-      params, opt_state, metrics = compiled(params, opt_state, batch)
-      jax.block_until_ready(metrics)
-      ts.append(time.perf_counter() - t)
-  dt = float(np.median(ts))
+    ts = common.time_calls(one_step, repeats=args.steps)
+  dt = common.median(ts)
   tps = b * length / dt
   flops = cfg.flops_per_token(length) * tps
   n_dev = mesh.devices.size
   return dict(attention=backend, seq_len=length, batch=b, step_s=dt, step_times_s=ts,
               tokens_per_s=tps, model_tflops_per_s=flops / 1e12,
               mfu=flops / (n_dev * peak), compile_s=round(compile_s, 1),
-              temp_bytes_per_device=temp, loss=float(metrics["loss"]),
+              temp_bytes_per_device=temp, loss=float(state["metrics"]["loss"]),
               params=cfg.num_params(), config=cfg.to_dict())
 
 
-def _mem_available():
+def parse_mesh(text):
   try:
-    with open("/proc/meminfo") as fh:
-      for line in fh:
-        if line.startswith("MemAvailable:"):
-          return int(line.split()[1]) * 1024
-  except OSError:
-    return None
-  return None
-
-
-def parse_mesh(s):
-  from models.sharding import MESH_AXES
-
-  out = dict.fromkeys(MESH_AXES, 1)
-  for part in s.split(","):
-    k, v = part.split("=")
-    if k.strip() not in out:
-      raise argparse.ArgumentTypeError(f"unknown mesh axis {k.strip()!r}; axes are {MESH_AXES}")
-    out[k.strip()] = int(v)
-  return out
-
-
-def make_mesh(shape):
-  """The trainer's mesh: axes ``MESH_AXES``, Auto axis types (as training/config.make_mesh)."""
-  from models.sharding import MESH_AXES
-
-  n = int(np.prod(list(shape.values())))
-  devs = np.array(jax.devices()[:n]).reshape([shape[a] for a in MESH_AXES])
-  return jax.sharding.Mesh(devs, MESH_AXES,
-                           axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_AXES))
+    return common.parse_mesh(text)
+  except ValueError as e:
+    raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def main(argv=None):
@@ -211,7 +162,7 @@ def main(argv=None):
     args.dtype = "float32" if jax.default_backend() == "cpu" else "bfloat16"
   shape = args.mesh
   n = int(np.prod(list(shape.values())))
-  mesh = make_mesh(shape)
+  mesh = common.make_mesh(shape)
   baselines.register_attention_backend()  # "allgather" joins the model's backend registry
   peak, peak_src = peak_per_device(args, n)
   print(f"jax {jax.__version__} {jax.default_backend()} mesh {shape}; peak/device "

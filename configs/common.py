@@ -80,6 +80,9 @@ def base_config() -> ml_collections.ConfigDict:
   config.checkpoint_every = 200
   config.keep_checkpoints = 2
   config.async_checkpointing = True
+  # "START:STOP": a jax.profiler trace of steps START to STOP-1 in <workdir>/profile
+  # (docs/training.md, "Profiling"). None or "": off.
+  config.profile_steps = config_dict.placeholder(str)
 
   # MFU denominator. None: look the device kind up (training/metrics.py). A CPU has
   # no such figure; MFU is then reported against the nominal value below, and says so.

@@ -8,25 +8,48 @@ parallelism with FSDP-sharded weights (e.g. 256 chips -> data=16). Default
 data: the kv-retrieval task at 128K (a passkey-style long-context check that
 needs no files); ``:text`` trains on local files (``--config.data.path``) with
 the byte tokenizer. Peak FLOP/s for MFU come from the device-kind table.
+
+:func:`model_fields` gives the model of a variant as a plain dict, for code
+without ml_collections (``benchmarks/gpu_check.py`` measures the ``long``
+variant on one GPU with it; a test checks it equals ``get_config``'s model).
 """
 
-import ml_collections
+from __future__ import annotations
 
-from configs import common
+VARIANTS = ("text", "long")
+
+# The model fields this config sets (the others keep configs/common.py's defaults, which
+# equal models.llama.LlamaConfig's).
+MODEL = dict(
+    vocab_size=128_256,  # LLaMA-3 vocabulary, so converted HF weights fit
+    dim=2048, num_layers=16, num_heads=32, num_kv_heads=8, head_dim=64, mlp_dim=8192,
+    rope_theta=500_000.0, tie_embeddings=True, layout="zigzag",
+    block_q=1024, block_kv=1024, ffn_chunk_size=4096,
+    loss_chunk_size=2048,
+    remat_policy="save_dots_no_batch", dtype="bfloat16", param_dtype="float32", fsdp=True,
+    rope_scaling=dict(rope_type="llama3", factor=32.0, low_freq_factor=1.0,
+                      high_freq_factor=4.0, original_max_position_embeddings=8192))
+# "long": the backward pass recomputes each layer from its input, and the layer inputs wait
+# in pinned host memory (accelerators only, see docs/performance.md).
+LONG_MODEL = dict(remat_policy="offload_layer_in")
 
 
-def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
+def model_fields(arg: str | None = None) -> dict:
+  """The model fields of variant ``arg`` (plain data; no ml_collections needed)."""
+  if arg and arg not in VARIANTS:
+    raise ValueError(f"unknown llama_1b.py variant {arg!r}; known: 'text', 'long'")
+  return {**MODEL, **(LONG_MODEL if arg == "long" else {})}
+
+
+def get_config(arg: str | None = None):
+  """The ``ml_collections.ConfigDict`` of variant ``arg`` (None, 'text' or 'long')."""
+  from configs import common  # ml_collections: imported here, so model_fields() needs none
+
+  fields = model_fields(arg)
   config = common.base_config()
   config.mesh.update(dict(data=-1, sequence=16, tensor=1))
-  config.model.update(dict(
-      vocab_size=128_256,  # LLaMA-3 vocabulary, so converted HF weights fit
-      dim=2048, num_layers=16, num_heads=32, num_kv_heads=8, head_dim=64, mlp_dim=8192,
-      rope_theta=500_000.0, tie_embeddings=True, layout="zigzag",
-      block_q=1024, block_kv=1024, ffn_chunk_size=4096,
-      loss_chunk_size=2048,
-      remat_policy="save_dots_no_batch", dtype="bfloat16", param_dtype="float32", fsdp=True))
-  config.model.rope_scaling = dict(rope_type="llama3", factor=32.0, low_freq_factor=1.0,
-                                   high_freq_factor=4.0, original_max_position_embeddings=8192)
+  config.model.update({k: v for k, v in fields.items() if k != "rope_scaling"})
+  config.model.rope_scaling = dict(fields["rope_scaling"])
   config.data.seq_len = 131_072
   config.data.kv.update(dict(num_pairs=64, num_queries=32, num_keys=4096, num_values=4096,
                              num_filler=8192))
@@ -42,13 +65,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   if arg == "text":
     config.data.kind = "text"
   elif arg == "long":
-    # One 512K-token row per step with every device on the ring; the backward pass
-    # recomputes each layer from its input, and the layer inputs wait in pinned host memory
-    # (remat_policy "offload_layer_in"; accelerators only, see docs/performance.md).
+    # One 512K-token row per step with every device on the ring (model: LONG_MODEL).
     config.mesh.update(dict(data=1, sequence=-1, tensor=1))
-    config.model.remat_policy = "offload_layer_in"
     config.data.seq_len = 524_288
     config.batch_size = config.eval_batch_size = 1
-  elif arg:
-    raise ValueError(f"unknown llama_1b.py variant {arg!r}; known: 'text', 'long'")
   return config

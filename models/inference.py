@@ -56,6 +56,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from models import attention as attn_lib
+from models import lengths
 from models import sharding as shd
 from models.llama import Llama, LlamaConfig, backend_attend
 from ring_jax import decode as decode_lib
@@ -103,13 +104,11 @@ def ring_size(mesh) -> int:
 
 
 def prompt_length_multiple(cfg: LlamaConfig, mesh) -> int:
-  """Padded prompt lengths are multiples of this: the layout's, times the ring's block sizes."""
-  n = ring_size(mesh)
-  multiple = layouts.length_multiple(cfg.layout, n)
-  for block in (cfg.block_q, cfg.block_kv):
-    if block is not None:
-      multiple = math.lcm(multiple, n * block)
-  return multiple
+  """Padded prompt lengths are multiples of this: the length rule (:mod:`models.lengths`)
+  of the prefill's config, which drops the FFN and loss chunks where they do not divide
+  (:func:`config_for_length`), so only the layout and the ring's blocks constrain it."""
+  forward = dataclasses.replace(cfg, ffn_chunk_size=None, loss_chunk_size=None)
+  return lengths.length_multiple(forward, ring_size(mesh))
 
 
 def config_for_length(cfg: LlamaConfig, local_len: int) -> LlamaConfig:

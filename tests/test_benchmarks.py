@@ -214,6 +214,20 @@ def test_trainer_mfu_uses_the_table():
 # ----------------------------------------------------------------------------------------------
 
 
+def test_gpu_check_measures_the_shipped_long_config():
+  """gpu_check.py's model is configs/llama_1b.py:long's (read without ml_collections)."""
+  from benchmarks import gpu_check
+  from configs import llama_1b
+  from models.llama import LlamaConfig
+  from training import config as cfg_lib
+
+  for arg in (None, "text", "long"):
+    assert (LlamaConfig.from_dict(llama_1b.model_fields(arg))
+            == cfg_lib.llama_config(llama_1b.get_config(arg)))
+  if not gpu_check.DRY:
+    assert gpu_check.llama_config() == cfg_lib.llama_config(llama_1b.get_config("long"))
+
+
 def test_models_and_train_step_import_without_ml_collections_and_grain():
   """models/*, training/step.py, training/batch.py and the benchmarks import (and build a
   model) in a fresh interpreter where ml_collections and grain cannot be imported."""
@@ -230,9 +244,11 @@ def test_models_and_train_step_import_without_ml_collections_and_grain():
 
       sys.meta_path.insert(0, Block())
       import models, models.attention, models.convert_hf, models.llama, models.sharding
-      import training.aot, training.batch, training.step
-      import benchmarks.baselines, benchmarks.gpu_check, benchmarks.train_throughput
+      import models.lengths, training.batch, training.step
+      import benchmarks.baselines, benchmarks.common, benchmarks.gpu_check
+      import benchmarks.train_throughput
       from flax import nnx
+      benchmarks.gpu_check.llama_config()  # reads configs/llama_1b.py without ml_collections
       cfg = models.LlamaConfig(vocab_size=16, dim=8, num_layers=1, num_heads=2,
                                num_kv_heads=1, mlp_dim=16)
       nnx.eval_shape(lambda: models.Llama(cfg, rngs=nnx.Rngs(0)))

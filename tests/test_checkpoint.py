@@ -6,10 +6,8 @@ import jax
 import ml_collections
 import numpy as np
 import pytest
-from flax import nnx
 
 from models import llama
-from models import sharding as shd
 from training import checkpoint as ckpt_lib
 from training import config as cfg_lib
 from training import step as step_lib
@@ -23,12 +21,11 @@ OPTIM = ml_collections.ConfigDict(dict(lr=1e-3, warmup_steps=1, min_lr_ratio=0.1
 
 def make_state(mesh):
   """Sharded params + AdamW state with non-trivial moments, and both shardings."""
+  tx = step_lib.make_optimizer(OPTIM, total_steps=10)
+  built = step_lib.build_train_step(MODEL, mesh, tx, seed=1)
+  p_shard, o_shard = built.param_shardings, built.opt_shardings
+  params, opt_state = built.init_state()
   with jax.set_mesh(mesh):
-    params = nnx.split(llama.create_sharded_model(MODEL, mesh, seed=1), nnx.Param, ...)[1]
-    p_shard = shd.param_shardings(params, mesh)
-    tx = step_lib.make_optimizer(OPTIM, total_steps=10)
-    o_shard = step_lib.opt_state_shardings(tx, params, p_shard, mesh)
-    opt_state = step_lib.init_opt_state(tx, params, o_shard)
     grads = jax.tree.map(lambda p: 0.01 * p + 0.001, params)
     _, opt_state = jax.jit(tx.update, out_shardings=(None, o_shard))(grads, opt_state, params)
   return tx, params, opt_state, p_shard, o_shard
@@ -50,18 +47,21 @@ def test_save_on_one_mesh_restore_on_another_and_keep_last_n(tmp_path):
 
   # A different mesh shape (and tensor parallelism): shardings come from the new mesh.
   new_mesh = mesh_of(1, 4, 2)
-  with jax.set_mesh(new_mesh):
-    abstract_params = nnx.split(nnx.eval_shape(lambda: llama.Llama(MODEL, rngs=nnx.Rngs(0))),
-                                nnx.Param, ...)[1]
-    p_shard = shd.param_shardings(abstract_params, new_mesh)
-    o_shard = step_lib.opt_state_shardings(tx, abstract_params, p_shard, new_mesh)
-    abstract_opt = jax.eval_shape(tx.init, abstract_params)
+  target = step_lib.build_train_step(MODEL, new_mesh, tx)
+  p_shard, o_shard = target.param_shardings, target.opt_shardings
   restorer = ckpt_lib.Checkpointer(str(tmp_path), every=5, keep=2)
   assert restorer.latest_step() == 5
-  got_params, got_opt, got_data = restorer.restore(
-      5, ckpt_lib.abstract_like(abstract_params, p_shard),
-      ckpt_lib.abstract_like(abstract_opt, o_shard))
+  got_params, got_opt, got_data = restorer.restore(5, target.abstract_params,
+                                                   target.abstract_opt_state)
   restorer.close()
+  # Read only, the parameters alone (what generate.py and evaluate.py restore).
+  reader = ckpt_lib.Checkpointer(str(tmp_path), read_only=True)
+  step, only_params, no_opt, no_data = reader.restore_latest(target.abstract_params)
+  reader.close()
+  assert step == 5 and no_opt is None and no_data is None
+  jax.tree.map(np.testing.assert_array_equal, only_params, got_params)
+  with pytest.raises(ckpt_lib.NoCheckpointError, match="no checkpoints/ directory"):
+    ckpt_lib.Checkpointer(str(tmp_path / "elsewhere"), read_only=True)
 
   assert got_data == data_state
   for want, got, sharding in zip(jax.tree.leaves(params), jax.tree.leaves(got_params),
@@ -89,14 +89,8 @@ def test_save_on_one_mesh_restore_on_another_and_keep_last_n(tmp_path):
 
 def targets(tx, mesh):
   """Abstract (params, opt_state) restore targets with ``mesh``'s shardings."""
-  with jax.set_mesh(mesh):
-    abstract_params = nnx.split(nnx.eval_shape(lambda: llama.Llama(MODEL, rngs=nnx.Rngs(0))),
-                                nnx.Param, ...)[1]
-    p_shard = shd.param_shardings(abstract_params, mesh)
-    o_shard = step_lib.opt_state_shardings(tx, abstract_params, p_shard, mesh)
-    abstract_opt = jax.eval_shape(tx.init, abstract_params)
-  return (ckpt_lib.abstract_like(abstract_params, p_shard),
-          ckpt_lib.abstract_like(abstract_opt, o_shard))
+  built = step_lib.build_train_step(MODEL, mesh, tx)
+  return built.abstract_params, built.abstract_opt_state
 
 
 def _largest_file(directory):
@@ -187,6 +181,26 @@ def test_corrupt_latest_falls_back_and_is_moved_aside(tmp_path, saved_state, kin
   checkpointer.close()
   assert checkpointer.all_steps() == [3, 4]
   assert moved[0].is_dir() and any(moved[0].iterdir()) == (kind != "bare numbered directory")
+
+
+def test_read_only_params_restore_skips_a_corrupt_step_and_moves_nothing(tmp_path, saved_state):
+  """generate.py/evaluate.py's restore: the parameters of the newest step that restores."""
+  mesh, tx, params, _, _ = saved_state
+  copy_steps(saved_state, tmp_path)
+  _truncate(tmp_path / "checkpoints" / "2")
+  warnings = []
+  reader = ckpt_lib.Checkpointer(str(tmp_path), read_only=True)
+  step, got_params, opt_state, data = reader.restore_latest(targets(tx, mesh)[0],
+                                                            warn=warnings.append)
+  reader.close()
+  assert (step, opt_state, data) == (1, None, None)
+  jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
+               got_params, params)
+  assert len(warnings) == 1 and "checkpoint step 2" in warnings[0]
+  assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["1", "2"]
+  assert not (tmp_path / ckpt_lib.CORRUPT_DIRNAME).exists()
+  with pytest.raises(ValueError, match="read_only"):
+    reader.save(3, params, saved_state[3], {})
 
 
 def test_no_restorable_checkpoint_is_an_error_and_moves_nothing(tmp_path, saved_state):

@@ -197,3 +197,20 @@ def test_train_rejects_bad_config_before_compiling(tmp_path, monkeypatch):
   with pytest.raises(ConfigError, match="needs 6 devices"):
     train_script.train(tiny(**{"mesh.data": 3, "mesh.sequence": 2}), str(tmp_path))
   assert not os.path.exists(os.path.join(tmp_path, "checkpoints"))
+
+
+@pytest.mark.parametrize("text,want", [(None, None), ("", None), ("10:13", range(10, 13)),
+                                       ("1:2", range(1, 2))])
+def test_profile_steps(text, want):
+  """--config.profile_steps=START:STOP profiles steps START..STOP-1; unset or empty: off."""
+  assert cfg_lib.profile_steps(tiny(**{"profile_steps": text})) == want
+
+
+@pytest.mark.parametrize("text,match", [
+    ("10", "must be 'START:STOP'"), ("a:b", "must be 'START:STOP'"),
+    ("5:5", "1 <= START < STOP"), ("0:3", "1 <= START < STOP"),
+    ("700:710", "starts after total_steps=600"),
+])
+def test_bad_profile_steps_is_a_config_error(text, match):
+  with pytest.raises(ConfigError, match=match):
+    cfg_lib.validate_config(tiny(**{"profile_steps": text}), num_devices=8)

@@ -70,14 +70,15 @@ def test_bad_mesh_or_length_names_the_fix(args, message):
   assert message in proc.stderr
 
 
-def test_seq_len_multiple_matches_the_config_check():
-  """Every multiple of seq_len_multiple passes check_seq_len; smaller steps do not."""
+def test_length_multiple_matches_the_config_check():
+  """Every multiple of length_multiple passes check_seq_len; smaller steps do not."""
   from configs import llama_1b
+  from models import lengths
   from training import config as cfg_lib
 
   model = llama_1b.get_config("long").model
   for ring in (1, 8):
-    g = cfg_lib.seq_len_multiple(model, ring)
+    g = lengths.length_multiple(model, ring)
     for k in (1, 3, 128):
       assert cfg_lib.check_seq_len(model, ring, k * g) == k * g // ring
     for bad in (g // 2, g + ring * 2):
@@ -89,24 +90,23 @@ def _tiny_step(policy):
   import jax
 
   from configs import tiny
-  from training import aot
   from training import config as cfg_lib
   from training import step as step_lib
 
   config = tiny.get_config()
   config.model.update(dict(remat_policy=policy, dtype="bfloat16", num_layers=2))
   mesh = cfg_lib.make_mesh(dict(data=1, sequence=1, tensor=1), jax.devices()[:1])
-  return aot.abstract_train_step(cfg_lib.llama_config(config), mesh,
-                                 step_lib.make_optimizer(config.optim, 10))
+  return step_lib.build_train_step(cfg_lib.llama_config(config), mesh,
+                                   step_lib.make_optimizer(config.optim, 10))
 
 
 def test_offload_policy_lowers_to_pinned_host_but_cpu_counts_it_on_device():
   """Lowered for GPU, the layer input of "offload_layer_in" is placed in pinned_host;
   compiled for CPU, the plan is the same as "full" (the offload is dropped), so the
-  planner subtracts the placed bytes (``AbstractTrainStep.offloaded_bytes``)."""
+  planner subtracts the placed bytes (``TrainStep.offloaded_bytes``)."""
   import jax
 
-  from training import aot
+  from benchmarks import common
   from training import batch as batch_lib
 
   shape = (1, 256)
@@ -118,7 +118,8 @@ def test_offload_policy_lowers_to_pinned_host_but_cpu_counts_it_on_device():
   placed = [l for l in gpu_text.splitlines() if "annotate_device_placement" in l
             and '"pinned_host"' in l]
   assert placed and all("tensor<1x256x64xbf16>" in l for l in placed), placed[:2]
-  assert aot.per_device_bytes(offload.compile(shape)) == aot.per_device_bytes(full.compile(shape))
+  assert (common.per_device_bytes(offload.compile(shape))
+          == common.per_device_bytes(full.compile(shape)))
   # What the planner subtracts for it: one bf16 [1, 256, 64] layer input per layer (2 layers).
   assert offload.offloaded_bytes(shape, layers=2) == 2 * 256 * 64 * 2
   assert full.offloaded_bytes(shape, layers=2) == 0

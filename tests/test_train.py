@@ -12,7 +12,6 @@ from flax import nnx
 import train as train_script
 from model_utils import tiny_config
 from models import llama
-from models import sharding as shd
 from training import batch as batch_lib
 from training import config as cfg_lib
 from training import data as data_lib
@@ -39,24 +38,19 @@ def one_step(config, mesh):
   """Initial params and params after one train step on ``mesh``, plus the step's metrics."""
   model_cfg = cfg_lib.llama_config(config)
   ring = mesh.shape["sequence"]
+  tx = step_lib.make_optimizer(config.optim, config.total_steps)
+  train_step = step_lib.build_train_step(model_cfg, mesh, tx, microbatches=config.microbatches,
+                                         seed=config.seed)
+  params, opt_state = train_step.init_state()
+  initial = jax.device_get(nnx.to_pure_dict(params))
   with jax.set_mesh(mesh):
-    model = llama.create_sharded_model(model_cfg, mesh, seed=config.seed)
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    initial = jax.device_get(nnx.to_pure_dict(params))
-    p_shard = shd.param_shardings(params, mesh)
-    tx = step_lib.make_optimizer(config.optim, config.total_steps)
-    o_shard = step_lib.opt_state_shardings(tx, params, p_shard, mesh)
-    opt_state = step_lib.init_opt_state(tx, params, o_shard)
     sharding = batch_lib.sharding(mesh)
     local = data_lib.make_dataset(config, sharding, ring, split="train")[0]
     batch = data_lib.to_global(local, sharding, (config.batch_size, config.data.seq_len))
-    step = step_lib.jit_train_step(graphdef=graphdef, rest=rest, tx=tx,
-                                   microbatches=config.microbatches, mesh=mesh,
-                                   param_shardings=p_shard, opt_shardings=o_shard)
-    params, opt_state, metrics = step(params, opt_state, batch)
-    # The params stay sharded as the rules say (e.g. nothing silently replicated).
-    for leaf, want in zip(jax.tree.leaves(params), jax.tree.leaves(p_shard)):
-      assert leaf.sharding.is_equivalent_to(want, leaf.ndim)
+    params, opt_state, metrics = train_step.step(params, opt_state, batch)
+  # The params stay sharded as the rules say (e.g. nothing silently replicated).
+  for leaf, want in zip(jax.tree.leaves(params), jax.tree.leaves(train_step.param_shardings)):
+    assert leaf.sharding.is_equivalent_to(want, leaf.ndim)
   return initial, jax.device_get(nnx.to_pure_dict(params)), jax.device_get(metrics)
 
 
@@ -147,6 +141,7 @@ def test_train_py_end_to_end(tmp_path):
          "--workdir", str(workdir), "--config.data.seq_len=64", "--config.model.mlp_dim=64",
          "--config.data.kv.num_pairs=4", "--config.data.kv.num_queries=4",
          "--config.log_every=2", "--config.eval_every=4", "--config.eval_batches=1",
+         "--config.profile_steps=2:4",
          f"--gin_file={gin_file}", "--gin_param=model.num_layers = 1",
          "--gin_param=optim.warmup_steps = 1"]
   proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
@@ -164,6 +159,10 @@ def test_train_py_end_to_end(tmp_path):
   rows = [json.loads(l) for l in (workdir / "metrics.jsonl").read_text().splitlines()]
   assert [r["step"] for r in rows if "train/loss" in r] == [2, 4]
   assert any("eval/retrieval_accuracy" in r and "eval/chance_accuracy" in r for r in rows)
+  # --config.profile_steps=2:4: a jax.profiler trace of steps 2 and 3, for TensorBoard/XProf.
+  assert f"profiling steps 2 to 3 into {workdir / 'profile'}" in out
+  traces = list((workdir / "profile").glob("plugins/profile/*/*.xplane.pb"))
+  assert len(traces) == 1 and traces[0].stat().st_size > 0, traces
 
   # A bad config is reported cleanly, before compiling.
   bad = subprocess.run(cmd[:2] + ["--config", cmd[3], "--workdir", str(tmp_path / "bad"),

@@ -1,13 +1,16 @@
 """Helpers of train.py: config/mesh checks, the batch, data, optimizer and steps, checkpoints, metrics.
 
-  config      gin-syntax overrides onto the ConfigDict, mesh building, up-front validation
+  config      gin-syntax overrides onto the ConfigDict, mesh building (and simulated CPU
+              devices), up-front validation, profile_steps, the scripts' usage errors
   batch       the batch's fields, dtypes and sharding (from the rules table), defined once
   data        synthetic kv-retrieval task and packed local text, Grain pipeline, layouts
-  step        AdamW + warmup/cosine + clipping, pure train/eval steps, jit with shardings
-  aot         the jitted train step from abstract values (ahead-of-time compile, memory plan)
+  step        AdamW + warmup/cosine + clipping, pure train/eval steps, jit with shardings, and
+              build_train_step: the one builder of the train step and its (abstract) state
   checkpoint  Orbax CheckpointManager: train state + data iterator state, any-mesh restore
-  metrics     tokens/s, MFU with attention FLOPs, TensorBoard + JSONL + console
+  loading     a run's trained model (or a Hugging Face one) for generate.py and evaluate.py
+  metrics     tokens/s, MFU with attention FLOPs, the one-step-behind step metrics and
+              divergence check, TensorBoard + JSONL + console, profiling
 
 Only ``config`` (ml_collections) and ``data`` (Grain) need more than JAX, Flax, Optax, einops;
-``batch``, ``step`` and ``aot`` import without them (the benchmarks run them on accelerator images).
+``batch`` and ``step`` import without them (the benchmarks run them on accelerator images).
 """

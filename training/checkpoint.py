@@ -26,6 +26,9 @@ What this module guarantees beyond Orbax:
   ``<workdir>/checkpoints_corrupt/<step>-<UTC time>``, outside the directory
   Orbax lists and prunes. If no step restores, nothing is moved and
   :class:`NoRestorableCheckpointError` lists every step and why.
+* The same :meth:`Checkpointer.restore_latest` on a ``read_only``
+  checkpointer with no optimizer target (generate.py, evaluate.py) reads only
+  the parameters of the newest step that restores, moving nothing.
 """
 
 from __future__ import annotations
@@ -53,10 +56,8 @@ class NoRestorableCheckpointError(RuntimeError):
   """The checkpoint directory holds steps, but none of them restores."""
 
 
-def abstract_like(tree, shardings):
-  """``ShapeDtypeStruct`` leaves with the given target shardings (what restore fills)."""
-  return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree,
-                      shardings)
+class NoCheckpointError(FileNotFoundError):
+  """A read-only checkpointer was opened on a workdir without a checkpoints/ directory."""
 
 
 @jax.jit
@@ -86,19 +87,33 @@ def _agree(ok: bool) -> bool:
 
 
 class Checkpointer:
-  """Periodic + final saves into ``<workdir>/checkpoints``, keeping the last ``keep``."""
+  """Periodic + final saves into ``<workdir>/checkpoints``, keeping the last ``keep``.
 
-  def __init__(self, workdir: str, *, every: int, keep: int, async_save: bool = True):
+  ``read_only=True`` opens an existing run for reading (no saves, nothing moved or
+  created; ``every``/``keep`` unused) and raises :class:`NoCheckpointError` if
+  ``<workdir>/checkpoints`` does not exist.
+  """
+
+  def __init__(self, workdir: str, *, every: int = 1, keep: int = 1, async_save: bool = True,
+               read_only: bool = False):
     self.workdir = os.path.abspath(workdir)
     self.directory = os.path.join(self.workdir, "checkpoints")
     self.every = every
+    self.read_only = read_only
     self._writing: int | None = None  # step of the newest save that may still be in flight
-    # Preemption saves are not an Orbax policy here: train.py decides the stop step
-    # (JAX's preemption sync point on several processes, a signal flag on one) and
-    # calls save(force=True), so one code path serves both.
-    options = ocp.CheckpointManagerOptions(
-        max_to_keep=keep, create=True, enable_async_checkpointing=async_save,
-        save_decision_policy=ocp.checkpoint_managers.FixedIntervalPolicy(every))
+    # The newest step this run saved or resumed from (what a diverged run falls back to).
+    self.last_saved: int | None = None
+    if read_only:
+      if not os.path.isdir(self.directory):
+        raise NoCheckpointError(f"{workdir} has no checkpoints/ directory")
+      options = ocp.CheckpointManagerOptions(create=False, read_only=True)
+    else:
+      # Preemption saves are not an Orbax policy here: train.py decides the stop step
+      # (JAX's preemption sync point on several processes, a signal flag on one) and
+      # calls save(force=True), so one code path serves both.
+      options = ocp.CheckpointManagerOptions(
+          max_to_keep=keep, create=True, enable_async_checkpointing=async_save,
+          save_decision_policy=ocp.checkpoint_managers.FixedIntervalPolicy(every))
     self.manager = ocp.CheckpointManager(self.directory, options=options,
                                          item_names=("state", "data"))
 
@@ -137,6 +152,9 @@ class Checkpointer:
       CheckpointWriteError: this save, or an earlier background one, failed.
       NonFiniteStateError: ``params`` or ``opt_state`` hold NaN/inf (nothing is written).
     """
+    if self.read_only:
+      raise ValueError(f"{self.directory} was opened read_only; open a Checkpointer without "
+                       "read_only=True to save.")
     self.check_for_errors()
     if not force and step % self.every:
       return False
@@ -153,7 +171,7 @@ class Checkpointer:
       previous_failed = self._writing is not None and self._writing not in self.all_steps()
       raise self._write_error(self._writing if previous_failed else step, e) from e
     if saved:
-      self._writing = step
+      self._writing = self.last_saved = step
     return saved
 
   def close(self) -> None:
@@ -188,16 +206,20 @@ class Checkpointer:
       raise FileNotFoundError("the data iterator state ('data' item) is missing")
     return state["params"], state["opt_state"], restored["data"]
 
-  def restore_latest(self, params_target, opt_state_target,
+  def restore_latest(self, params_target, opt_state_target=None,
                      warn: Callable[[str], None] = print):
     """Restores the newest step that restores, or returns None if there are no steps.
 
-    A step that fails to restore (truncated or missing files, no ``state`` or
-    ``data`` item, non-finite values) gets one ``warn`` line naming the step
-    and the reason; once an older step restores, the bad newer ones are moved
-    to ``<workdir>/checkpoints_corrupt/`` so Orbax neither lists nor prunes
-    them. On several processes a step counts as restored only if it restored
-    on every process.
+    The one restore of a run: train.py resumes with it (params, optimizer and
+    data state); generate.py and evaluate.py read the parameters alone with
+    ``opt_state_target=None`` (then ``opt_state`` and ``data_state`` come back
+    None). A step that fails to restore (truncated or missing files, no
+    ``state`` or ``data`` item, non-finite values) gets one ``warn`` line
+    naming the step and the reason, and the previous one is tried; once an
+    older step restores, the bad newer ones are moved to
+    ``<workdir>/checkpoints_corrupt/`` so Orbax neither lists nor prunes them
+    (not by a ``read_only`` checkpointer, which moves nothing). On several
+    processes a step counts as restored only if it restored on every process.
 
     Returns:
       ``(step, params, opt_state, data_state)`` or None.
@@ -208,7 +230,10 @@ class Checkpointer:
     failures: list[tuple[int, str]] = []
     for step in reversed(steps):
       try:
-        params, opt_state, data_state = self.restore(step, params_target, opt_state_target)
+        if opt_state_target is None:
+          params, opt_state, data_state = self.restore_params(step, params_target), None, None
+        else:
+          params, opt_state, data_state = self.restore(step, params_target, opt_state_target)
         reason = None if all_finite((params, opt_state)) else "it holds NaN or inf values"
       except Exception as e:  # Corruption shows as many error types (OSError, ValueError, ...).
         reason = _one_line(e)
@@ -218,18 +243,30 @@ class Checkpointer:
              f"({reason}); trying the previous one.")
         failures.append((step, reason))
         continue
-      for bad, _ in failures:
+      for bad, _ in failures if not self.read_only else ():
         moved = self._move_aside(bad)
         warn(f"warning: moved the unrestorable checkpoint step {bad} to {moved} "
              "(kept for inspection, not deleted).")
+      self.last_saved = step
       return step, params, opt_state, data_state
     if failures:
       listing = "; ".join(f"step {s}: {r}" for s, r in failures)
       raise NoRestorableCheckpointError(
           f"no checkpoint in {self.directory} restores ({listing}). Nothing was moved or "
-          "deleted. If the config changed (model shape), use the original config; otherwise "
-          "start afresh with a new --workdir, or move the checkpoints directory aside.")
+          "deleted. If the config changed (model shape), use the original config"
+          + ("." if self.read_only else "; otherwise start afresh with a new --workdir, or "
+             "move the checkpoints directory aside."))
     return None
+
+  def restore_params(self, step: int, params_target):
+    """The parameters of ``step`` only (not the optimizer or data state), placed per
+    the shardings of ``params_target`` (``ShapeDtypeStruct`` leaves)."""
+    target = {"params": params_target}
+    restored = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
+        target, partial_restore=True,
+        restore_args=jax.tree.map(lambda x: ocp.ArrayRestoreArgs(sharding=x.sharding),
+                                  target))))
+    return restored["state"]["params"]
 
   def _move_aside(self, step: int) -> str:
     """Moves step ``step``'s directory out of Orbax's view; returns where it went."""

@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 from typing import Any, Iterable, Sequence
 
 import jax
 import ml_collections
 import numpy as np
 
+from models import lengths
 from models.attention import ATTENTION_BACKENDS
 from models.sharding import MESH_AXES
 from ring_jax import kernels, layouts
@@ -28,8 +30,18 @@ from ring_jax import kernels, layouts
 DATA_KINDS: tuple[str, ...] = ("kv_retrieval", "text")
 
 
+#: Exit status of train.py, generate.py and evaluate.py for a bad flag, config or input.
+EXIT_USAGE = 2
+
+
 class ConfigError(ValueError):
   """A setting that cannot work; raised before any compilation."""
+
+
+class UsageError(ValueError):
+  """Bad command-line input to a script (a prompt, a length, a workdir without a
+  checkpoint): reported in one line, exit status :data:`EXIT_USAGE`, before anything
+  compiles."""
 
 
 # ----------------------------------------------------------------------------
@@ -176,44 +188,89 @@ def make_mesh(mesh_config, devices=None) -> jax.sharding.Mesh:
   return jax.sharding.Mesh(np.asarray(devices).reshape(shape), MESH_AXES, axis_types=auto)
 
 
+def simulate_cpu_devices(config, num_processes: int = 1) -> None:
+  """Asks the CPU backend for enough devices to build ``config.mesh`` on a laptop.
+
+  ``jax_num_cpu_devices`` only sizes the *CPU* client: on a GPU/TPU host JAX
+  still uses the accelerators as its default devices, so setting it is
+  harmless there and we need not (and cannot, without starting the backends)
+  find out the platform first. An explicit
+  ``--xla_force_host_platform_device_count`` in ``XLA_FLAGS`` wins. With
+  several CPU processes each one simulates its share of the mesh; with an axis
+  of -1, ``config.cpu_devices`` in all.
+  """
+  if "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", ""):
+    return
+  sizes = [int(config.mesh.get(a, 1)) for a in config.mesh.keys()]
+  count = math.prod(sizes) if all(s > 0 for s in sizes) else int(config.cpu_devices)
+  count = max(1, count // num_processes)
+  try:
+    jax.config.update("jax_num_cpu_devices", count)
+  except RuntimeError:  # Backends already up (e.g. called from a notebook): keep them.
+    print("note: JAX backends already initialised; not changing the CPU device count",
+          file=sys.stderr, flush=True)
+
+
+def start_script(argv: Sequence[str], script_flags: dict) -> dict:
+  """The start of generate.py's and evaluate.py's ``main``: no stray arguments (else one
+  line, exit :data:`EXIT_USAGE`), Orbax's INFO logs off unless ``-v``, and enough CPU
+  devices for ``--config``'s mesh. Returns ``{flag name: value}`` of ``script_flags``."""
+  from absl import flags
+  from absl import logging
+
+  if len(argv) > 1:
+    print(f"error: unexpected arguments {list(argv[1:])}; flags are written --name=value.",
+          file=sys.stderr)
+    sys.exit(EXIT_USAGE)
+  if not flags.FLAGS["verbosity"].present:
+    logging.set_verbosity(logging.WARNING)
+  values = {name: flag.value for name, flag in script_flags.items()}
+  simulate_cpu_devices(values["config"])
+  return values
+
+
 # ----------------------------------------------------------------------------
 # Validation
 # ----------------------------------------------------------------------------
 
 
-#: Model fields that must divide each device's share of the sequence.
-LOCAL_LENGTH_DIVISORS: tuple[str, ...] = ("block_q", "block_kv", "ffn_chunk_size",
-                                          "loss_chunk_size")
-
-
 def check_seq_len(model_config, ring: int, seq_len: int) -> int:
-  """The sequence-length rule: the layout splits ``seq_len`` over the ring and every
-  :data:`LOCAL_LENGTH_DIVISORS` field divides the local length. Returns the local length.
+  """:func:`models.lengths.check_length` for ``data.seq_len``; returns the local length.
 
   ``model_config``: ``config.model`` or a ``LlamaConfig`` (the same fields).
 
   Raises:
     ConfigError: naming the field and the fix.
   """
-  m = model_config
   try:
-    local_len = layouts.check_length(m.layout, ring, seq_len, what="data.seq_len")
+    return lengths.check_length(model_config, ring, seq_len, what="data.seq_len")
   except ValueError as e:
-    raise ConfigError(f"data.seq_len={seq_len} with model.layout={m.layout!r} on the mesh "
-                      f"'sequence' axis ({ring}): {e}") from None
-  for name in LOCAL_LENGTH_DIVISORS:
-    block = getattr(m, name, None)
-    if block is not None and local_len % block:
-      raise ConfigError(f"model.{name}={block} must divide the per-device sequence length "
-                        f"{local_len} (= data.seq_len / sequence).")
-  return local_len
+    raise ConfigError(f"data.seq_len={seq_len} with model.layout={model_config.layout!r} on the "
+                      f"mesh 'sequence' axis ({ring}): {e}") from None
 
 
-def seq_len_multiple(model_config, ring: int) -> int:
-  """The smallest step between sequence lengths that pass :func:`check_seq_len`."""
-  m = model_config
-  blocks = [b for b in (getattr(m, name, None) for name in LOCAL_LENGTH_DIVISORS) if b]
-  return math.lcm(layouts.length_multiple(m.layout, ring), ring * math.lcm(1, *blocks))
+def profile_steps(config: ml_collections.ConfigDict) -> range | None:
+  """``config.profile_steps`` (``"START:STOP"``: steps START to STOP-1) as a ``range``;
+  None when unset or empty (no profile).
+
+  Raises:
+    ConfigError: not two integers ``1 <= START < STOP``, or no step of it runs.
+  """
+  text = config.get("profile_steps")
+  if not text:
+    return None
+  start, sep, stop = str(text).partition(":")
+  try:
+    steps = range(int(start), int(stop)) if sep else None
+  except ValueError:
+    steps = None
+  if steps is None or not 1 <= steps.start < steps.stop:
+    raise ConfigError(f"profile_steps={text!r} must be 'START:STOP' with 1 <= START < STOP "
+                      "(profiles steps START to STOP-1), e.g. --config.profile_steps=10:13.")
+  if steps.start > config.total_steps:
+    raise ConfigError(f"profile_steps={text!r} starts after total_steps={config.total_steps}; "
+                      "no step of it would run.")
+  return steps
 
 
 def validate_config(config: ml_collections.ConfigDict, num_devices: int) -> dict[str, int]:
@@ -280,6 +337,7 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int) -> dict
   for name in ("total_steps", "log_every", "eval_every", "checkpoint_every"):
     if config[name] < 1:
       raise ConfigError(f"{name} must be >= 1, got {config[name]}.")
+  profile_steps(config)
   if config.optim.warmup_steps > config.total_steps:
     raise ConfigError(f"optim.warmup_steps={config.optim.warmup_steps} exceeds "
                       f"total_steps={config.total_steps}.")

@@ -8,16 +8,23 @@ the dense weights, forward + backward. Peak FLOP/s per device come from
 sheets, matched by ``device.device_kind``) unless ``config.peak_flops_per_device`` is
 set. A CPU has no meaningful table entry: MFU is then reported against the
 configurable nominal ``config.cpu_peak_flops_per_device`` and labelled as such.
+
+Also the train loop's per-step bookkeeping: :class:`StepMetrics` (metrics
+fetched one step behind, the divergence check) and :class:`Profile` (a
+``jax.profiler`` trace of ``config.profile_steps``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import math
 import os
 import time
-from typing import Any
+from typing import Any, Callable
 
 import jax
+import numpy as np
 
 from ring_jax import hardware
 
@@ -169,3 +176,102 @@ def log(message: str) -> None:
   """Console message from process 0 only."""
   if jax.process_index() == 0:
     print(message, flush=True)
+
+
+# ----------------------------------------------------------------------------
+# Step metrics: fetched one step behind, checked for divergence as they arrive
+# ----------------------------------------------------------------------------
+
+
+class Diverged(RuntimeError):
+  """A step produced a non-finite loss or gradient norm; the run stops without saving it."""
+
+
+class StepMetrics:
+  """The train step's metrics, fetched one step behind and checked as they arrive.
+
+  Fetching a step's metrics waits for that step; fetching the previous step's
+  (``fetch(step - 1)`` right after dispatching ``step``) keeps one step queued
+  on the device, so the host never stalls it. Every fetched row is checked:
+  a non-finite ``loss`` or ``grad_norm`` raises :class:`Diverged` with the
+  message ``explain(row)`` (what diverged, what was kept, what to change).
+
+  ``history`` holds every fetched row of this run; :meth:`window` returns the
+  means since the previous window (one log line) and starts the next.
+  """
+
+  WINDOW_KEYS = ("loss", "accuracy", "grad_norm")
+
+  def __init__(self, explain: Callable[[dict[str, float]], str]):
+    self._explain = explain
+    self._pending: list[tuple[int, Any]] = []  # (step, metrics still on the device)
+    self._window: list[dict[str, float]] = []
+    self.history: list[dict[str, float]] = []
+    self.last_row: dict[str, float] = {}
+
+  def add(self, step: int, metrics) -> None:
+    """Queues the (on-device, not yet fetched) metrics of ``step``."""
+    self._pending.append((step, metrics))
+
+  def fetch(self, upto: int) -> None:
+    """Fetches the metrics of the queued steps ``<= upto``; raises Diverged on a bad one."""
+    while self._pending and self._pending[0][0] <= upto:
+      step, metrics = self._pending.pop(0)
+      row = dict(step=step, **{k: float(v) for k, v in jax.device_get(metrics).items()})
+      self.last_row = row
+      self._window.append(row)
+      self.history.append(row)
+      if not (math.isfinite(row["loss"]) and math.isfinite(row["grad_norm"])):
+        raise Diverged(self._explain(row))
+
+  def window(self, step: int) -> dict[str, float]:
+    """Means of :data:`WINDOW_KEYS` over the steps since the last window, up to ``step``
+    (fetched first: this blocks until ``step`` is done, so window times are real)."""
+    self.fetch(step)
+    rows, self._window = self._window, []
+    return {k: float(np.mean([r[k] for r in rows])) for k in self.WINDOW_KEYS}
+
+
+# ----------------------------------------------------------------------------
+# Profiling
+# ----------------------------------------------------------------------------
+
+
+class Profile:
+  """A ``jax.profiler`` trace of the train steps in ``steps`` (a ``range``; None: off).
+
+  The loop calls :meth:`step` around each step (a ``StepTraceAnnotation("train",
+  step_num=step)``, so the trace viewer and XProf's step-time view group the
+  work by step): the trace starts before the range's first step and stops
+  after its last one, once that step's outputs are ready (the device work of
+  the last step is in the trace, not only its dispatch). It is written to
+  ``logdir`` as ``plugins/profile/<time>/<host>.xplane.pb``:
+  ``tensorboard --logdir <logdir>`` (profile tab) or XProf opens it. A run
+  that stops inside the range still writes what it traced (:meth:`close`).
+  """
+
+  def __init__(self, steps: range | None, logdir: str):
+    self.steps, self.logdir = steps, logdir
+    self._tracing = False
+
+  @contextlib.contextmanager
+  def step(self, step: int):
+    """Context of one train step; yields a list the caller appends the step's outputs to."""
+    traced = self.steps is not None and step in self.steps
+    if traced and not self._tracing:
+      jax.profiler.start_trace(self.logdir)
+      self._tracing = True
+      log(f"profiling steps {self.steps.start} to {self.steps.stop - 1} into {self.logdir}")
+    outputs: list = []
+    with jax.profiler.StepTraceAnnotation("train", step_num=step):
+      yield outputs
+    if traced and step == self.steps.stop - 1:
+      jax.block_until_ready(outputs)
+      self.close()
+
+  def close(self) -> None:
+    """Stops a trace still running (the loop ended inside the range) and writes it."""
+    if self._tracing:
+      self._tracing = False
+      jax.profiler.stop_trace()
+      log(f"wrote the profile to {self.logdir} (tensorboard --logdir {self.logdir})")

@@ -1,4 +1,5 @@
-"""The optimizer, the pure train/eval steps and their jit with explicit shardings.
+"""The optimizer, the pure train/eval steps, their jit with explicit shardings, and
+:func:`build_train_step`, the one place a train step and its state are assembled.
 
 NNX "tree mode": the model is split once into ``graphdef`` (static structure),
 ``params`` (``nnx.Param`` leaves, trained) and ``rest`` (any other state,
@@ -9,14 +10,25 @@ the module with ``nnx.merge`` inside the trace, so there is no hidden mutable
 state and params/opt_state can be donated. The batch is the one
 :mod:`training.batch` defines (fields, dtypes, sharding).
 
+:func:`build_train_step` gathers what :func:`jit_train_step` needs (graphdef,
+parameter and optimizer-state shapes and shardings) from ``nnx.eval_shape`` and
+``jax.eval_shape``, so building it allocates nothing. ``train.py`` compiles it
+against the real state (:meth:`TrainStep.init_state` or a restored checkpoint);
+``benchmarks/fit.py`` compiles it against ``jax.ShapeDtypeStruct`` inputs at many
+sequence lengths to read ``memory_analysis()`` without running it; the
+benchmarks and tests run it on :meth:`TrainStep.init_state`.
+
 Needs JAX, Flax, Optax and einops only (no ml_collections, no Grain), so the
 benchmarks run this exact step on accelerator images without them.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-from typing import Callable
+import math
+import re
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -182,3 +194,122 @@ def init_opt_state(tx, params, opt_shardings):
   """Optimizer state created directly with its target shardings (never gathered)."""
   return jax.jit(tx.init, out_shardings=opt_shardings)(params)
 
+
+
+# ----------------------------------------------------------------------------
+# The one train-step builder
+# ----------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainStep:
+  """The jitted train step of one model config on one mesh, plus its abstract state.
+
+  ``abstract_params`` / ``abstract_opt_state`` are pytrees of
+  ``jax.ShapeDtypeStruct`` carrying their target shardings (what
+  :meth:`lower` compiles against, and what a checkpoint restores into);
+  ``step`` is :func:`jit_train_step` (params and optimizer state donated).
+  """
+  model_cfg: llama.LlamaConfig
+  mesh: jax.sharding.Mesh
+  graphdef: Any
+  rest: Any
+  tx: optax.GradientTransformation
+  abstract_params: Any
+  param_shardings: Any
+  abstract_opt_state: Any
+  opt_shardings: Any
+  step: Callable
+  seed: int = 0
+
+  def init_state(self):
+    """``(params, opt_state)``: the model initialised from ``seed`` and AdamW's state,
+    each created directly with its target sharding (nothing is gathered)."""
+    with jax.set_mesh(self.mesh):
+      model = llama.create_sharded_model(self.model_cfg, self.mesh, seed=self.seed)
+      _, params, _ = nnx.split(model, nnx.Param, ...)
+      return params, init_opt_state(self.tx, params, self.opt_shardings)
+
+  def eval_step(self) -> Callable:
+    """The jitted eval step of the same model (:func:`jit_eval_step`)."""
+    return jit_eval_step(graphdef=self.graphdef, rest=self.rest, mesh=self.mesh,
+                         param_shardings=self.param_shardings)
+
+  def lower(self, batch_shape: tuple[int, int], params=None, opt_state=None):
+    """``step.lower`` for a ``[rows, seq_len]`` batch; state defaults to the abstract one."""
+    params = self.abstract_params if params is None else params
+    opt_state = self.abstract_opt_state if opt_state is None else opt_state
+    with jax.set_mesh(self.mesh):
+      return self.step.lower(params, opt_state, batch_lib.abstract(batch_shape, self.mesh))
+
+  def compile(self, batch_shape: tuple[int, int], params=None, opt_state=None):
+    """The compiled step for ``batch_shape`` (``memory_analysis()`` is per device)."""
+    return self.lower(batch_shape, params, opt_state).compile()
+
+  def offloaded_bytes(self, batch_shape: tuple[int, int], layers: int,
+                      platform: str = "cuda") -> int:
+    """Per-device bytes of saved activations the remat policy places in host memory.
+
+    Read from the step lowered for an accelerator ``platform`` (no device
+    needed): XLA:CPU has no host memory space and keeps them on the device,
+    so ``memory_analysis()`` on CPU counts them there. Each
+    ``annotate_device_placement`` to ``pinned_host`` is one offloaded
+    residual of one layer; the layer scan stacks it ``layers`` times (pass 1
+    when the layers are unrolled: each then appears on its own). Residuals
+    are ``[batch, length, ...]`` activations, so the global size is divided by
+    the devices the batch's ``(batch, length)`` axes are sharded over.
+    """
+    with jax.set_mesh(self.mesh):
+      text = self.step.trace(self.abstract_params, self.abstract_opt_state,
+                             batch_lib.abstract(batch_shape, self.mesh)).lower(
+                                 lowering_platforms=(platform,)).as_text()
+    total = 0
+    for line in text.splitlines():
+      if "annotate_device_placement" in line and '"pinned_host"' in line:
+        shape, dtype = _PLACED.search(line).groups()
+        total += math.prod(int(d) for d in shape.split("x")) * _DTYPE_BYTES[dtype]
+    spec = batch_lib.spec(self.mesh)
+    shards = math.prod(self.mesh.shape[a] for part in spec if part is not None
+                       for a in ((part,) if isinstance(part, str) else part))
+    return total * layers // shards
+
+
+# The result type of a placement annotation: "-> tensor<1x256x64xbf16>".
+_PLACED = re.compile(r"->\s*tensor<((?:\d+x)*\d+)x([a-z]+\d*)>")
+_DTYPE_BYTES = {"bf16": 2, "f16": 2, "f32": 4, "f64": 8, "i32": 4, "i8": 1}
+
+
+def build_train_step(model_cfg: llama.LlamaConfig, mesh, tx: optax.GradientTransformation,
+                     *, microbatches: int = 1, seed: int = 0) -> TrainStep:
+  """The train step of ``model_cfg`` on ``mesh`` with optimizer ``tx``, built from
+  abstract values only (see the module docstring); :meth:`TrainStep.init_state`
+  makes the concrete state, seeded by ``seed``."""
+  graphdef, params, rest = abstract_model(model_cfg, mesh, seed=seed)
+  param_shardings = jax.tree.map(lambda x: x.sharding, params)
+  with jax.set_mesh(mesh):
+    opt_shardings = opt_state_shardings(tx, params, param_shardings, mesh)
+    opt_state = jax.eval_shape(tx.init, params)
+  step = jit_train_step(graphdef=graphdef, rest=rest, tx=tx, microbatches=microbatches,
+                        mesh=mesh, param_shardings=param_shardings, opt_shardings=opt_shardings)
+  return TrainStep(
+      model_cfg=model_cfg, mesh=mesh, graphdef=graphdef, rest=rest, tx=tx,
+      abstract_params=params, param_shardings=param_shardings,
+      abstract_opt_state=abstract_like(opt_state, opt_shardings), opt_shardings=opt_shardings,
+      step=step, seed=seed)
+
+
+def abstract_model(model_cfg: llama.LlamaConfig, mesh, *, seed: int = 0):
+  """``(graphdef, params, rest)`` of ``model_cfg`` without allocating: ``params`` are
+  ``ShapeDtypeStruct`` leaves carrying their shardings on ``mesh`` (the rules table of
+  :mod:`models.sharding`), what a train step compiles against and a checkpoint restores."""
+  with jax.set_mesh(mesh):
+    model = nnx.eval_shape(lambda: llama.Llama(model_cfg, rngs=nnx.Rngs(seed)))
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    return graphdef, abstract_like(params, shd.param_shardings(params, mesh)), rest
+
+
+def abstract_like(tree, shardings):
+  """``ShapeDtypeStruct`` leaves of ``tree`` with the matching shardings attached (what
+  :meth:`TrainStep.lower` compiles against and a checkpoint restore fills)."""
+  return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                      tree, shardings)

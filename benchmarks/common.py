@@ -1,0 +1,172 @@
+"""What every benchmark measures the same way: call times, compiled memory, meshes.
+
+* Timing: :func:`time_calls` (wall seconds of repeated calls after a warm-up,
+  each waited for with ``jax.block_until_ready``) and :func:`timed_call` (one
+  call: wall and process CPU seconds, for interleaved timings on a shared
+  host, where CPU time is steadier than wall time).
+* Compiled memory: :func:`compiled_memory` (the fields of
+  ``compiled.memory_analysis()``, per device) and :func:`per_device_bytes`
+  (arguments + outputs + temporaries - outputs aliasing donated arguments:
+  what one device holds while the program runs).
+* Meshes: :func:`parse_mesh` (``"data=1,sequence=8"``) and :func:`make_mesh`
+  (Auto axes over the first devices, the trainer's axis names by default).
+
+Needs only JAX and NumPy (the model's axis names come from
+``models.sharding``, which imports without Flax), so every benchmark, on
+every accelerator image, uses it.
+"""
+
+from __future__ import annotations
+
+import math
+import resource
+import time
+import types
+from typing import Any, Callable, Sequence
+
+import jax
+import numpy as np
+
+GIB = 2 ** 30
+MIB = 2 ** 20
+
+# configs/common.py's optimizer without warmup, for the benchmarks that time the train step
+# (every timed step does a full AdamW update; the schedule does not change the cost).
+OPTIM = types.SimpleNamespace(lr=3e-4, warmup_steps=0, min_lr_ratio=0.1, weight_decay=0.1,
+                              b1=0.9, b2=0.95, eps=1e-8, grad_clip=1.0)
+
+
+# ----------------------------------------------------------------------------
+# Timing
+# ----------------------------------------------------------------------------
+
+
+def cpu_seconds() -> float:
+  """CPU time (user + system, all threads) of this process so far.
+
+  On a shared CPU host wall time depends on what else runs; the CPU time the
+  process burns measures its own work, so it is recorded next to wall time.
+  """
+  r = resource.getrusage(resource.RUSAGE_SELF)
+  return r.ru_utime + r.ru_stime
+
+
+def timed_call(fn: Callable, *args) -> tuple[float, float, Any]:
+  """``(wall seconds, process CPU seconds, result)`` of ``fn(*args)``, waited for."""
+  c0, t0 = cpu_seconds(), time.perf_counter()
+  out = jax.block_until_ready(fn(*args))
+  return time.perf_counter() - t0, cpu_seconds() - c0, out
+
+
+def time_calls(fn: Callable, args: Sequence = (), repeats: int = 5, *,
+               warmup: int = 1) -> list[float]:
+  """Wall seconds of each of ``repeats`` calls ``fn(*args)`` after ``warmup`` untimed ones.
+
+  A call that returns new state (a train step) is timed with ``fn`` closing
+  over that state, e.g. ``lambda: state.update(step(state))``.
+  """
+  for _ in range(warmup):
+    jax.block_until_ready(fn(*args))
+  return [timed_call(fn, *args)[0] for _ in range(repeats)]
+
+
+def median(times: Sequence[float]) -> float:
+  return float(np.median(times))
+
+
+# ----------------------------------------------------------------------------
+# Compiled memory
+# ----------------------------------------------------------------------------
+
+MEMORY_FIELDS = ("temp_size_in_bytes", "argument_size_in_bytes", "output_size_in_bytes",
+                 "alias_size_in_bytes", "peak_memory_in_bytes")
+
+
+def compiled_memory(compiled, fields: Sequence[str] = MEMORY_FIELDS) -> dict[str, int]:
+  """``fields`` of ``compiled.memory_analysis()`` (bytes per device) that the backend
+  reports; ``{}`` when it reports none."""
+  try:
+    ma = compiled.memory_analysis()
+  except Exception:  # noqa: BLE001  (some backends raise instead of returning None)
+    return {}
+  if ma is None:
+    return {}
+  return {f: int(getattr(ma, f)) for f in fields if getattr(ma, f, None) is not None}
+
+
+def per_device_bytes(memory) -> int | None:
+  """Bytes one device holds while the program runs: arguments + outputs + temporaries,
+  minus outputs that alias (donated) arguments. ``memory``: a compiled program or
+  :func:`compiled_memory`'s dict; None when the backend reports no analysis."""
+  if not isinstance(memory, dict):
+    memory = compiled_memory(memory)
+  if not memory:
+    return None
+  return (memory["argument_size_in_bytes"] + memory["output_size_in_bytes"]
+          + memory["temp_size_in_bytes"] - memory.get("alias_size_in_bytes", 0))
+
+
+def host_memory_available() -> int | None:
+  """``MemAvailable`` of ``/proc/meminfo`` in bytes (None where there is none)."""
+  try:
+    with open("/proc/meminfo") as fh:
+      for line in fh:
+        if line.startswith("MemAvailable:"):
+          return int(line.split()[1]) * 1024
+  except OSError:
+    pass
+  return None
+
+
+def device_bytes_limit(device=None) -> int | None:
+  """The memory XLA may use on ``device`` (``memory_stats()['bytes_limit']``), else None."""
+  try:
+    stats = (device or jax.devices()[0]).memory_stats() or {}
+    return int(stats.get("bytes_limit", 0)) or None
+  except Exception:  # noqa: BLE001  (CPU: no stats)
+    return None
+
+
+# ----------------------------------------------------------------------------
+# Meshes
+# ----------------------------------------------------------------------------
+
+
+def parse_mesh(text: str, axes: Sequence[str] | None = None) -> dict[str, int]:
+  """``'data=1,sequence=8'`` -> ``{'data': 1, 'sequence': 8, 'tensor': 1}`` (axes not
+  named are 1; ``axes``: the trainer's ``models.sharding.MESH_AXES`` by default).
+
+  Raises:
+    ValueError: an unknown axis or a size that is not an integer, naming the format.
+  """
+  axes = _trainer_axes() if axes is None else tuple(axes)
+  sizes = dict.fromkeys(axes, 1)
+  for part in filter(None, text.split(",")):
+    name, _, value = part.partition("=")
+    if name.strip() not in axes or not value.strip().lstrip("-").isdigit():
+      raise ValueError(f"mesh {text!r}: write axis=size pairs over {axes}, e.g. "
+                       "'data=1,sequence=8'.")
+    sizes[name.strip()] = int(value)
+  return sizes
+
+
+def make_mesh(sizes: dict[str, int] | Sequence[int], axes: Sequence[str] | None = None,
+              devices=None) -> jax.sharding.Mesh:
+  """A mesh with Auto axis types over the first ``prod(sizes)`` of ``devices``.
+
+  ``sizes``: ``{axis: size}`` (axes in the trainer's order, as
+  ``training.config.make_mesh`` builds them) or a shape for ``axes``.
+  """
+  if isinstance(sizes, dict):
+    axes = _trainer_axes() if axes is None else tuple(axes)
+    shape = tuple(int(sizes.get(a, 1)) for a in axes)
+  else:
+    shape, axes = tuple(sizes), tuple(axes or ("sequence",))
+  devices = list(jax.devices() if devices is None else devices)[:math.prod(shape)]
+  return jax.sharding.Mesh(np.asarray(devices).reshape(shape), axes,
+                           axis_types=(jax.sharding.AxisType.Auto,) * len(axes))
+
+
+def _trainer_axes() -> tuple[str, ...]:
+  from models.sharding import MESH_AXES  # imports without Flax
+  return tuple(MESH_AXES)
