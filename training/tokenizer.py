@@ -238,7 +238,8 @@ def _load(spec: str) -> Tokenizer:
 def load_tokenizer(spec: str | None) -> Tokenizer:
   """The tokenizer ``config.data.tokenizer`` names: "byte", a file, or a model directory.
 
-  Raises ValueError naming the fix for a path that holds no tokenizer.
+  Loaded once per spec and process (cached: the trainer, its validation and its eval
+  share one). Raises ValueError naming the fix for a path that holds no tokenizer.
   """
   if not spec:
     raise ValueError("data.tokenizer is empty; use 'byte', a tokenizer.json, a SentencePiece "
