@@ -84,7 +84,7 @@ _STOP_AT_STEP = flags.DEFINE_integer(
     "runs to total_steps: simulates preemption; rerun to resume.", lower_bound=1)
 
 # Exit statuses besides 0 (done, or stopped cleanly by a signal / --stop_at_step).
-EXIT_USAGE = cfg_lib.EXIT_USAGE  # bad flag, config, gin binding, or no checkpoint restores
+EXIT_USAGE = cfg_lib.EXIT_USAGE  # bad flag, config, gin binding, data, or no checkpoint restores
 EXIT_DIVERGED = 3  # non-finite loss or gradient norm
 EXIT_CHECKPOINT_WRITE = 4  # a checkpoint could not be written (disk full, quota, I/O)
 
@@ -326,6 +326,7 @@ def _train(config, workdir, stop_at_step, stop, mesh, model_cfg, ring_size) -> T
         if logged:
           window = step_metrics.window(step)  # Blocks on this step: times are real.
           window.update(throughput.window(), learning_rate=float(schedule(step - 1)))
+          window.update(data_lib.bad_record_counts(train_iter.get_state()))  # text: skipped
           writer.write(step, window, prefix="train/")
           progress.log(step, window)
         if stopping:
@@ -540,6 +541,8 @@ def main(argv) -> None:
     _fail(EXIT_USAGE, f"config error: {e}")
   except ckpt_lib.NoRestorableCheckpointError as e:
     _fail(EXIT_USAGE, f"error: {e}")
+  except data_lib.DataError as e:  # a bad record with data.strict=True, or an empty shard
+    _fail(EXIT_USAGE, f"data error: {e}")
   except metrics_lib.Diverged as e:
     _fail(EXIT_DIVERGED, f"error: {e}")
   except ckpt_lib.CheckpointWriteError as e:

@@ -57,10 +57,15 @@ def base_config() -> ml_collections.ConfigDict:
   config.data = ml_collections.ConfigDict(dict(
       kind="kv_retrieval",  # or "text"
       seq_len=128,
-      # kind="text": a .txt/.jsonl file, a directory or a glob; byte-level tokenizer.
+      # kind="text": a .jsonl/.json/.txt/.parquet/.arrayrecord file, a directory or a glob,
+      # streamed (training/sources.py); each process reads only its data shard.
       path=config_dict.placeholder(str),
-      text_field="text",  # .jsonl: the field holding each document
-      eval_fraction=0.05,  # text: documents held out for eval
+      text_field="text",  # .jsonl / parquet column / ArrayRecord JSON: the document's field
+      eval_fraction=0.05,  # text: the last files (or a single file's tail) held out for eval
+      # "byte", a tokenizer.json, a SentencePiece .model, or a directory holding one (a
+      # Hugging Face model dir); training/tokenizer.py:load_tokenizer.
+      tokenizer="byte",
+      strict=False,  # text: stop at the first bad record instead of counting and skipping it
       # kind="kv_retrieval": see training/data.py:KVRetrievalTask.
       kv=dict(num_pairs=8, num_queries=8, num_keys=32, num_values=16, num_filler=16,
               docs_per_row=2),

@@ -12,6 +12,7 @@ from model_utils import tiny_config
 from models import sharding as shd
 from training import batch as batch_lib
 from training import data as data_lib
+from training import sources
 
 
 def _tiny_config(**data_overrides):
@@ -50,7 +51,8 @@ def test_batch_spec_comes_from_the_rules(mesh):
 def test_pipelines_produce_the_defined_batch(tmp_path, mesh, kind):
   (tmp_path / "a.txt").write_text("some text for the byte tokenizer " * 8)
   config = _tiny_config(**({"kind": "text", "path": str(tmp_path)} if kind == "text" else {}))
-  batch = data_lib.make_dataset(config, batch_lib.sharding(mesh), 4, split="train")[0]
+  batch = next(data_lib.make_iterator(
+      data_lib.make_dataset(config, batch_lib.sharding(mesh), 4, split="train"), prefetch=0))
   assert tuple(batch) == batch_lib.FIELDS
   assert {k: v.dtype for k, v in batch.items()} == batch_lib.DTYPES
 
@@ -246,10 +248,14 @@ def test_text_pipeline_from_local_jsonl(tmp_path, sharding):
   path.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
   (tmp_path / "notes.txt").write_text("a plain text file is one document")
   config = _tiny_config(kind="text", path=str(tmp_path))
-  assert len(data_lib.read_documents(str(tmp_path))) == 41
-  packed = data_lib.PackedText.from_config(config.data)
-  assert packed.train["tokens"].shape[1] == 64 and len(packed.eval["tokens"]) >= 1
-  batch = data_lib.make_dataset(config, sharding, 4, split="train")[5]
+  assert data_lib.list_data_files(str(tmp_path)) == [str(path), str(tmp_path / "notes.txt")]
+  # Two files: the last one is held out; an epoch of each split reads each document once.
+  split = {s: [data_lib.byte_detokenize(d["tokens"]) for d in _epoch(
+      data_lib.text_documents(config, s))] for s in ("train", "eval")}
+  assert sorted(split["train"]) == sorted(docs)
+  assert split["eval"] == ["a plain text file is one document"]
+  it = data_lib.make_iterator(data_lib.make_dataset(config, sharding, 4, split="train"))
+  batch = [next(it) for _ in range(6)][5]
   assert batch["tokens"].shape == (4, 64)
   # Layout (contiguous here) keeps each row's tokens, segments and labels consistent.
   mask = batch["loss_mask"].astype(bool)
@@ -259,3 +265,303 @@ def test_text_pipeline_from_local_jsonl(tmp_path, sharding):
 def test_process_slices_single_process_covers_everything(sharding):
   rows, cols = data_lib.process_slices(sharding, (8, 64))
   assert (rows.start, rows.stop, cols.start, cols.stop) == (0, 8, 0, 64)
+
+
+# --- streamed text sources --------------------------------------------------------------------
+
+
+def _epoch(documents):
+  """One epoch of a document stream (no repeat), as a list."""
+  documents.repeat = False
+  return list(documents)
+
+
+def _texts(documents) -> list[str]:
+  return [data_lib.byte_detokenize(d["tokens"]) for d in _epoch(documents)]
+
+
+def _stream(spans, shard_index=0, shard_count=1, **kw):
+  return sources.DocumentDataset(spans, data_lib.load_tokenizer("byte"), shard_index=shard_index,
+                                 shard_count=shard_count, **kw)
+
+
+def _whole(path):
+  return [sources.Span(str(path), 0, sources.num_units(str(path)))]
+
+
+def _write_jsonl(path, texts):
+  path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+
+
+def _write_parquet(path, texts, row_group_size=7):
+  import pyarrow as pa
+  import pyarrow.parquet as pq
+  pq.write_table(pa.table({"text": texts}), str(path), row_group_size=row_group_size)
+
+
+def _write_array_record(path, texts):
+  from array_record.python import array_record_module
+  writer = array_record_module.ArrayRecordWriter(str(path), "group_size:4")
+  for t in texts:
+    writer.write(json.dumps({"text": t}).encode())
+  writer.close()
+
+
+DOCS = [f"doc {i:03d} " + "x" * (i % 13) for i in range(101)]
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "parquet", "arrayrecord"])
+def test_two_processes_partition_the_records_of_one_file(tmp_path, fmt):
+  """One file, two shards: each reads its own record range; none twice, none missed."""
+  path = tmp_path / f"c.{fmt}"
+  {"jsonl": _write_jsonl, "parquet": _write_parquet, "arrayrecord": _write_array_record}[fmt](
+      path, DOCS)
+  shards = [_texts(_stream(_whole(path), i, 2, shuffle=True)) for i in range(2)]
+  assert not set(shards[0]) & set(shards[1])
+  assert sorted(shards[0] + shards[1]) == DOCS
+  assert abs(len(shards[0]) - len(shards[1])) <= 15  # Halves (of bytes / rows), not all-or-none.
+  # The train and eval splits of a single file partition it too (its tail is held out).
+  split = {s: _texts(_stream(sources.split_spans([str(path)], 0.1, s))) for s in ("train",
+                                                                                   "eval")}
+  assert sorted(split["train"] + split["eval"]) == DOCS and 5 <= len(split["eval"]) <= 15
+
+
+def test_two_processes_partition_the_files(tmp_path):
+  """More files than shards: whole files round robin (reshuffled per epoch, the same on all)."""
+  files = []
+  for f in range(5):
+    files.append(tmp_path / f"part{f}.jsonl")
+    _write_jsonl(files[-1], DOCS[f::5])
+  spans = [s for f in files for s in _whole(f)]
+  for epoch in range(2):
+    per_shard = []
+    for i in range(2):
+      ds = _stream(spans, i, 2, shuffle=True, seed=3)
+      assert len(ds.epoch_spans(epoch)) in (2, 3)  # whole files
+      it = iter(ds)
+      it.set_state(dict(epoch=epoch, span=0, offset=None, line=0, docs=0, epoch_docs=0))
+      ds.repeat = False
+      per_shard.append([data_lib.byte_detokenize(d["tokens"]) for d in it])
+    assert not set(per_shard[0]) & set(per_shard[1])
+    assert sorted(per_shard[0] + per_shard[1]) == DOCS
+  assert [s.path for s in ds.epoch_spans(0)] != [s.path for s in ds.epoch_spans(1)] or (
+      [s.path for s in _stream(spans, 0, 2, shuffle=True, seed=3).epoch_spans(0)]
+      != [s.path for s in _stream(spans, 0, 2, shuffle=True, seed=3).epoch_spans(2)])
+
+
+def test_byte_ranges_cut_mid_line_give_each_line_to_one_reader(tmp_path):
+  path = tmp_path / "c.jsonl"
+  _write_jsonl(path, DOCS)
+  size = sources.num_units(str(path))
+  for cut in (1, 17, 18, 19, size // 2, size - 1):  # anywhere, including right after a newline
+    head = _texts(_stream([sources.Span(str(path), 0, cut)]))
+    tail = _texts(_stream([sources.Span(str(path), cut, size)]))
+    assert head + tail == DOCS, cut
+
+
+def test_the_reader_streams_instead_of_reading_the_file(tmp_path, monkeypatch):
+  """A file 200x the read buffer: the first documents come with memory of a few buffers."""
+  import tracemalloc
+
+  monkeypatch.setattr(sources, "READ_BUFFER_BYTES", 1 << 16)
+  monkeypatch.setattr(sources, "TXT_PIECE_BYTES", 1 << 16)
+  monkeypatch.setattr(sources, "ENCODE_BATCH_BYTES", 1 << 16)
+  line = json.dumps({"text": "y" * 1000}) + "\n"
+  path = tmp_path / "big.jsonl"
+  path.write_text(line * 13_000)  # ~13 MB
+  text_path = tmp_path / "big.txt"
+  text_path.write_text(("z" * 99 + "\n") * 130_000)  # ~13 MB, one document
+  for p, want in ((path, "y" * 1000), (text_path, None)):
+    it = iter(_stream(_whole(p)))
+    tracemalloc.start()
+    try:
+      for _ in range(20):  # (not kept: a .txt piece is 64K int32 ids)
+        got = data_lib.byte_detokenize(next(it)["tokens"])
+        assert got == want if want else set(got) == {"z", "\n"}
+      _, peak = tracemalloc.get_traced_memory()
+    finally:
+      tracemalloc.stop()
+    assert peak < 2 << 20, (p, peak)  # < 2 MiB of a 13 MB file
+  # The .txt document came in pieces: BOS on the first only, EOS on the last only.
+  pieces = [d["tokens"] for d in _epoch(_stream(_whole(text_path)))]
+  assert len(pieces) > 190
+  assert pieces[0][0] == data_lib.BOS_ID and pieces[0][-1] != data_lib.EOS_ID
+  assert pieces[-1][-1] == data_lib.EOS_ID and pieces[-1][0] != data_lib.BOS_ID
+  assert "".join(data_lib.byte_detokenize(p) for p in pieces) == text_path.read_text()
+
+
+def _bad_corpus(tmp_path):
+  lines = [json.dumps({"text": "good one"}), json.dumps({"text": "good two"}), "{not json",
+           json.dumps({"text": "good three"}), json.dumps({"body": "no text field"}),
+           json.dumps({"text": "good four"}), None, json.dumps({"text": ""}),
+           json.dumps({"text": 7})]
+  path = tmp_path / "c.jsonl"
+  with open(path, "wb") as f:
+    for l in lines:
+      f.write(b'{"text": "\xff\xfe bad bytes"}\n' if l is None else l.encode() + b"\n")
+  return path
+
+
+def test_bad_records_are_counted_with_file_and_line(tmp_path, caplog):
+  path = _bad_corpus(tmp_path)
+  it = iter(_stream(_whole(path)))
+  with caplog.at_level("WARNING"):
+    texts = [data_lib.byte_detokenize(next(it)["tokens"]) for _ in range(4)]
+    assert texts == ["good one", "good two", "good three", "good four"]
+    next(it)  # the next epoch's first document: every bad line has been seen
+  counts = it.get_state()["bad_records"]
+  assert counts["counts"] == {"invalid_json": 1, "missing_field": 2, "undecodable": 1,
+                              "empty": 1}
+  assert counts["first"] == {"invalid_json": [f"{path}:3"],
+                             "missing_field": [f"{path}:5", f"{path}:9"],
+                             "undecodable": [f"{path}:7"], "empty": [f"{path}:8"]}
+  warned = "\n".join(r.getMessage() for r in caplog.records)
+  for what in ("1 record(s) with invalid JSON so far (first at", "no string text field",
+               "not UTF-8", "empty document"):
+    assert what in warned
+  assert f"{path}:3" in warned
+  assert data_lib.bad_record_counts(it.get_state()) == {
+      "data/bad_records": 5, "data/bad_empty": 1, "data/bad_invalid_json": 1,
+      "data/bad_missing_field": 2, "data/bad_undecodable": 1}
+  # A reader of a range starting anywhere (mid-line or not) still names the absolute line.
+  size = sources.num_units(str(path))
+  everywhere = {loc for locs in counts["first"].values() for loc in locs}
+  for start in range(1, size, 7):
+    second = iter(_stream([sources.Span(str(path), start, size)]))
+    try:
+      next(second)
+    except data_lib.DataError:  # (a range holding no good document)
+      continue
+    seen = {loc for locs in second.get_state()["bad_records"]["first"].values() for loc in locs}
+    assert seen <= everywhere, (start, seen)
+
+
+def test_strict_stops_at_the_first_bad_record(tmp_path):
+  path = _bad_corpus(tmp_path)
+  it = iter(_stream(_whole(path), strict=True))
+  next(it), next(it)
+  with pytest.raises(data_lib.DataError, match=rf"{path}:3: invalid JSON .*data.strict=True"):
+    next(it)
+
+
+def test_a_shard_without_documents_is_an_error(tmp_path):
+  path = tmp_path / "c.jsonl"
+  path.write_text('{"text": ""}\n{"x": 1}\n')
+  with pytest.raises(data_lib.DataError,
+                     match=r"holds no usable document.*1 with an empty document.*c.jsonl:1"):
+    next(iter(_stream(_whole(path))))
+
+
+def test_packed_stream_never_attends_or_predicts_across_documents(tmp_path):
+  """Rows of the stream: segment = document within a row, labels stop at document ends."""
+  _write_jsonl(tmp_path / "c.jsonl", DOCS)
+  docs = _epoch(_stream(_whole(tmp_path / "c.jsonl")))
+  rows = list(data_lib.pack_stream(_stream(_whole(tmp_path / "c.jsonl"), repeat=False), 32))
+  batch = data_lib.finish_rows({k: np.stack([r[k] for r in rows]) for k in rows[0]})
+  doc_of = np.concatenate([np.full(len(d["tokens"]), i) for i, d in enumerate(docs)])
+  stream = np.concatenate([d["tokens"] for d in docs])
+  n = len(stream)
+  np.testing.assert_array_equal(batch["tokens"].reshape(-1)[:n], stream)
+  seg = batch["segment_ids"]
+  flat_doc = np.full(seg.size, -1)
+  flat_doc[:n] = doc_of
+  row_doc = flat_doc.reshape(seg.shape)
+  for r in range(len(seg)):
+    real = row_doc[r] >= 0
+    # The attention mask (same nonzero segment) is exactly "same document".
+    np.testing.assert_array_equal((seg[r][:, None] == seg[r][None, :])[real][:, real],
+                                  (row_doc[r][:, None] == row_doc[r][None, :])[real][:, real])
+    ends = np.flatnonzero(real[:-1] & (row_doc[r][1:] != row_doc[r][:-1]))
+    assert not batch["loss_mask"][r, ends].any()  # a document's last token predicts nothing
+    assert (batch["labels"][r, ends] == 0).all()
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_text_resume_continues_exactly(tmp_path, sharding, prefetch):
+  """N batches, save the state (JSON), restore into a fresh pipeline: the same next batches.
+
+  The corpus is small, so the batches after the restore cross an epoch boundary.
+  """
+  _write_jsonl(tmp_path / "a.jsonl", DOCS[:60])
+  _write_parquet(tmp_path / "b.parquet", DOCS[60:])
+  config = _tiny_config(kind="text", path=str(tmp_path))
+  config.model.layout = "zigzag"
+  dataset = data_lib.make_dataset(config, sharding, 4, split="train")
+  for n in (3, 11):
+    it = data_lib.make_iterator(dataset, prefetch=prefetch)
+    for _ in range(n):
+      next(it)
+    state = json.loads(json.dumps(it.get_state()))
+    expected = [next(it) for _ in range(12)]
+    resumed = data_lib.make_iterator(data_lib.make_dataset(config, sharding, 4, split="train"),
+                                     prefetch=prefetch)
+    resumed.set_state(state)
+    for want in expected:
+      got = next(resumed)
+      for k in batch_lib.FIELDS:
+        np.testing.assert_array_equal(got[k], want[k])
+  assert _find(it.get_state(), "epoch") >= 2  # (the restored stream crossed epochs)
+
+
+def _find(state, key):
+  if isinstance(state, dict):
+    if key in state:
+      return state[key]
+    return next((v for v in map(lambda s: _find(s, key), state.values()) if v is not None), None)
+  return None
+
+
+def test_processes_sharing_rows_share_a_data_shard(monkeypatch):
+  """Processes holding different columns of the same rows must read the same documents."""
+
+  class Device:
+    def __init__(self, process_index):
+      self.process_index = process_index
+
+  class Sharding:  # 4 processes: (0, 1) hold rows 0-1, (2, 3) rows 2-3; columns split
+    def devices_indices_map(self, shape):
+      return {Device(p): (slice(2 * (p // 2), 2 * (p // 2) + 2), slice(32 * (p % 2), None))
+              for p in range(4)}
+
+  got = []
+  for p in range(4):
+    monkeypatch.setattr(jax, "process_index", lambda p=p: p)
+    got.append(data_lib.data_shard(Sharding(), (4, 64)))
+  assert got == [(0, 2), (0, 2), (1, 2), (1, 2)]
+
+
+def test_data_pipeline_benchmark_runs_small(tmp_path):
+  """benchmarks/data_pipeline.py end to end at 1 and 2 MiB (the recorded run: 100 MB, 1 GB)."""
+  from benchmarks import data_pipeline
+
+  out = tmp_path / "result.json"
+  results = data_pipeline.main(["--sizes-mb", "1,2", "--file-mb", "1", "--seq-len", "256",
+                                "--batches", "2", "--bpe-vocab", "300", "--dir",
+                                str(tmp_path / "corpus"), "--out", str(out)])
+  assert json.loads(out.read_text()) == results
+  runs = {(r["corpus_mb"], r["tokenizer"]): r for r in results["runs"]}
+  assert set(runs) == {(1, "byte"), (2, "byte"), (1, "bpe"), (2, "bpe")}
+  assert runs[(2, "bpe")]["files"] == 2 and runs[(1, "bpe")]["vocab_size"] == 300
+  for r in runs.values():
+    assert r["batch_shape"] == [8, 256] and r["tokens_per_s"] > 0 and r["first_batch_s"] > 0
+    assert r["peak_rss_mib"] >= r["rss_before_mib"] > 0
+  assert not (tmp_path / "corpus" / "corpus_2mb").exists()  # the corpus is deleted after
+
+
+@pytest.mark.parametrize("overrides, match", [
+    ({"data.eval_fraction": 0.0}, r"data.eval_fraction=0.0 must be in \(0, 1\)"),
+    ({"data.tokenizer": "/nonexistent/tokenizer.json"}, "neither 'byte' nor an existing"),
+    ({"data.path": "/nonexistent/*.parquet"}, "matches no .jsonl/.json/.txt/.parquet"),
+])
+def test_text_data_config_errors(tmp_path, overrides, match):
+  from training.config import ConfigError, validate_config
+
+  _write_jsonl(tmp_path / "c.jsonl", DOCS)
+  config = _tiny_config(kind="text", path=str(tmp_path / "c.jsonl"))
+  config.model.vocab_size = 264
+  validate_config(config, num_devices=8)
+  for k, v in overrides.items():
+    section, name = k.split(".")
+    config[section][name] = v
+  with pytest.raises(ConfigError, match=match):
+    validate_config(config, num_devices=8)

@@ -321,15 +321,7 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int) -> dict
   if d.kind not in DATA_KINDS:
     raise ConfigError(f"data.kind={d.kind!r} is unknown; choose one of {DATA_KINDS}.")
   if d.kind == "text":
-    if not d.path:
-      raise ConfigError("data.kind='text' needs data.path (a .txt/.jsonl file, a directory or a "
-                        "glob), e.g. --config.data.path=/path/to/corpus.jsonl.")
-    from training import data as data_lib  # Local: data imports grain, config must not.
-    if not data_lib.list_text_files(d.path):
-      raise ConfigError(f"data.path={d.path!r} matches no .txt/.jsonl/.json files.")
-    if m.vocab_size < data_lib.BYTE_VOCAB_SIZE:
-      raise ConfigError(f"the byte tokenizer needs model.vocab_size >= "
-                        f"{data_lib.BYTE_VOCAB_SIZE}, got {m.vocab_size}.")
+    check_text_data(d, m)
   else:
     from training import data as data_lib
     task = data_lib.KVRetrievalTask.from_config(d)
@@ -414,6 +406,32 @@ def resolve_hf_init(config: ml_collections.ConfigDict, log=None) -> ml_collectio
     elif current != value and log is not None:
       log(f"model.{name}={current!r} overrides {value!r} of {hf_dir}/config.json")
   return config
+
+
+def check_text_data(d: ml_collections.ConfigDict, m: ml_collections.ConfigDict) -> None:
+  """The ``data.*`` fields of ``data.kind='text'``: files, tokenizer, vocabulary, split."""
+  if not d.path:
+    raise ConfigError("data.kind='text' needs data.path (a .jsonl/.txt/.parquet/.arrayrecord "
+                      "file, a directory or a glob), e.g. "
+                      "--config.data.path=/path/to/corpus.jsonl.")
+  from training import data as data_lib  # Local: data imports grain, config must not.
+  if not data_lib.list_data_files(d.path):
+    raise ConfigError(f"data.path={d.path!r} matches no "
+                      f"{'/'.join(data_lib.sources.DATA_EXTS)} files.")
+  if not 0 < d.eval_fraction < 1:
+    raise ConfigError(f"data.eval_fraction={d.eval_fraction} must be in (0, 1): the eval "
+                      "split is the last files (or a single file's tail).")
+  try:
+    tokenizer = data_lib.load_tokenizer(d.tokenizer)
+  except ImportError as e:
+    raise ConfigError(f"data.tokenizer={d.tokenizer!r} needs the `hf` extra "
+                      f"(pip install -e '.[hf]'): {e}") from None
+  except Exception as e:  # ValueError naming the fix, or the package's own parse error.
+    raise ConfigError(f"data.tokenizer={d.tokenizer!r} does not load: {e}") from None
+  if tokenizer.vocab_size > m.vocab_size:
+    raise ConfigError(f"the {tokenizer.name} tokenizer needs model.vocab_size >= "
+                      f"{tokenizer.vocab_size}, got {m.vocab_size}: raise "
+                      "--config.model.vocab_size (the embedding must cover every token id).")
 
 
 def llama_config(config: ml_collections.ConfigDict):

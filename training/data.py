@@ -1,4 +1,4 @@
-"""Input pipeline: a synthetic long-range retrieval task and packed local text, via Grain.
+"""Input pipeline: a synthetic long-range retrieval task and streamed local text, via Grain.
 
 Everything here is host-side numpy. A batch is a dict of ``[rows, seq_len]``
 arrays with the fields, dtypes and sharding :mod:`training.batch` defines
@@ -11,32 +11,36 @@ the sequence axis evenly over the mesh's ``sequence`` axis hands every device
 exactly the tokens the ring kernel expects. The loss is a masked sum, so it is
 computed in layout order without undoing the permutation.
 
-The pipeline is a ``grain.MapDataset`` indexed by *batch number*: batch ``k``
-is a pure function of ``(seed, k)``, so the iterator state is a single
-integer (``get_state()/set_state()``), a resumed run sees exactly the batches
-an uninterrupted one would, and every process can build just the rows its
-devices hold (multi-host) from the same index.
+Two pipelines, both checkpointable (``get_state()/set_state()``, JSON-able):
+
+* ``kv_retrieval``: a ``grain.MapDataset`` indexed by *batch number*: batch ``k``
+  is a pure function of ``(seed, k)``, so the iterator state is a single
+  integer, and every process builds just the rows its devices hold.
+* ``text``: a ``grain.IterDataset`` stream (:mod:`training.sources`): this data
+  shard's files/records are read as a stream, tokenised
+  (:mod:`training.tokenizer`), packed by concat-and-split (Grain's
+  ``ConcatThenSplitIterDataset``) into rows with segment ids and per-document
+  positions, batched and reordered. Its state is the source's position (epoch,
+  span, byte/row/record offset) plus the packer's remainder, so a resume seeks
+  to where it stopped and continues exactly.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import glob
-import json
-import os
-from typing import Callable
+import weakref
+from typing import Any, Callable
 
 import grain
 import jax
 import numpy as np
 
 from ring_jax import layouts
+from training import sources
 from training.batch import DTYPES, FIELDS
-
-# Byte-level tokenizer: ids 0..2 are special, byte b is id b + 3.
-PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
-BYTE_OFFSET = 3
-BYTE_VOCAB_SIZE = 256 + BYTE_OFFSET
+from training.sources import DataError, list_data_files  # noqa: F401 (the pipeline's API)
+from training.tokenizer import (BOS_ID, BYTE_OFFSET, BYTE_VOCAB_SIZE, EOS_ID,  # noqa: F401
+                                PAD_ID, byte_detokenize, byte_tokenize, load_tokenizer)
 
 # Effectively infinite: batch indices are drawn lazily, never materialised.
 _NUM_BATCHES = 2**50
@@ -201,99 +205,108 @@ class KVRetrievalTask:
 
 
 # ----------------------------------------------------------------------------
-# (b) Local text files, byte tokenizer, packed rows with segment ids
+# (b) Local text files, streamed, tokenised and packed with segment ids
 # ----------------------------------------------------------------------------
 
 
-def list_text_files(path: str) -> list[str]:
-  """``path`` may be a file, a directory (searched recursively) or a glob."""
-  exts = (".txt", ".jsonl", ".json")
-  if os.path.isfile(path):
-    return [path]
-  if os.path.isdir(path):
-    found = glob.glob(os.path.join(path, "**", "*"), recursive=True)
-  else:
-    found = glob.glob(path, recursive=True)
-  return sorted(f for f in found if os.path.isfile(f) and f.endswith(exts))
+def _fix_json_state(state):
+  """Undoes a JSON round trip of Grain's concat-then-split state (tuples became lists).
+
+  Its "no remainder" sentinel is the tuple ``(-1, -1)``, compared with ``!=``: the list
+  ``[-1, -1]`` a JSON checkpoint gives back would read as a remainder.
+  """
+  if isinstance(state, dict):
+    return {k: ({f: tuple(v) for f, v in sl.items()} if k == "remainder_slices" else
+                _fix_json_state(sl)) for k, sl in state.items()}
+  if isinstance(state, list):
+    return [_fix_json_state(v) for v in state]
+  return state
 
 
-def read_documents(path: str, text_field: str = "text") -> list[str]:
-  """A ``.txt`` file is one document; each line of a ``.jsonl`` file is one (``text_field``)."""
-  docs = []
-  for name in list_text_files(path):
-    with open(name, encoding="utf-8") as f:
-      if name.endswith(".txt"):
-        docs.append(f.read())
-        continue
-      for lineno, line in enumerate(f, 1):
-        if not line.strip():
-          continue
-        record = json.loads(line)
-        if text_field not in record:
-          raise KeyError(f"{name}:{lineno} has no field {text_field!r} (data.text_field).")
-        docs.append(record[text_field])
-  return [d for d in docs if d]
+def finish_rows(packed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+  """Concat-then-split output ``[rows, L]`` -> the batch fields, natural order.
+
+  Labels and the loss mask stop at every segment end (:func:`next_token_targets`),
+  so a document's last token is never asked to predict the next document's first.
+  """
+  tokens, segment_ids = packed["tokens"], packed["tokens_segment_ids"]
+  labels, loss_mask = next_token_targets(tokens, segment_ids)
+  positions = np.where(segment_ids > 0, packed["tokens_positions"], 0)
+  out = dict(tokens=tokens, positions=positions, segment_ids=segment_ids, labels=labels,
+             loss_mask=loss_mask)
+  return {k: np.asarray(out[k], DTYPES[k]) for k in FIELDS}
 
 
-def byte_tokenize(text: str) -> np.ndarray:
-  """UTF-8 bytes shifted past the special ids, wrapped in BOS ... EOS."""
-  ids = np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int32) + BYTE_OFFSET
-  return np.concatenate([[BOS_ID], ids, [EOS_ID]]).astype(np.int32)
+def pack_stream(documents: grain.IterDataset, seq_len: int) -> grain.IterDataset:
+  """Documents (``{"tokens": int32[n]}``) -> rows of ``seq_len`` by concat-and-split.
 
-
-def byte_detokenize(ids) -> str:
-  ids = np.asarray(ids)
-  ids = ids[ids >= BYTE_OFFSET] - BYTE_OFFSET
-  return bytes(ids.astype(np.uint8).tolist()).decode("utf-8", errors="replace")
+  Documents are laid end to end; one that does not fit the rest of a row continues
+  in the next row as a new segment (attention never crosses a row anyway). Segment
+  ids restart at 1 in every row and positions at 0 at every segment start; the tail
+  of a row is padding (segment 0, masked) only when the stream ends.
+  """
+  return grain.experimental.ConcatThenSplitIterDataset(documents,
+                                                       length_struct={"tokens": seq_len})
 
 
 def pack_documents(docs_tokens: list[np.ndarray], seq_len: int) -> dict[str, np.ndarray]:
-  """Greedy stream packing into ``[rows, seq_len]`` with segment ids, natural order.
+  """:func:`pack_stream` + :func:`finish_rows` over a list: ``[rows, seq_len]`` fields."""
+  docs = grain.MapDataset.source([{"tokens": np.asarray(t, np.int32)} for t in docs_tokens])
+  rows = list(pack_stream(docs.to_iter_dataset(), seq_len))
+  if not rows:
+    rows = [dict(tokens=np.zeros(seq_len, np.int32), tokens_segment_ids=np.zeros(seq_len, np.int32),
+                 tokens_positions=np.zeros(seq_len, np.int32))]
+  return finish_rows({k: np.stack([r[k] for r in rows]) for k in rows[0]})
 
-  Documents are laid end to end; one that does not fit the rest of a row
-  continues in the next row as a new segment (attention never crosses a row
-  anyway). Segment ids restart at 1 in every row; the tail of the last row is
-  padding (segment 0, masked). Positions restart at 0 at every segment start,
-  and labels/loss mask stop at every segment end.
+
+def data_shard(sharding: jax.sharding.Sharding, global_shape: tuple[int, int]) -> tuple[int, int]:
+  """(index, count) of this process's data shard: processes holding the same rows share one.
+
+  Processes whose devices hold different columns of the same rows (the sequence axis
+  spans hosts) must build identical rows, so they read the same shard; every distinct
+  row block is its own shard. One process per row block: ``(process_index, process_count)``.
   """
-  stream = np.concatenate(docs_tokens) if docs_tokens else np.zeros(0, np.int32)
-  doc_of_token = np.concatenate(
-      [np.full(len(t), i, np.int64) for i, t in enumerate(docs_tokens)]) if docs_tokens else (
-          np.zeros(0, np.int64))
-  rows = max(1, -(-len(stream) // seq_len))
-  tokens = np.full(rows * seq_len, PAD_ID, np.int32)
-  doc = np.full(rows * seq_len, -1, np.int64)
-  tokens[:len(stream)], doc[:len(stream)] = stream, doc_of_token
-  tokens, doc = tokens.reshape(rows, seq_len), doc.reshape(rows, seq_len)
-  # Segment ids: count document changes along each row, 1-based; padding -> 0.
-  change = np.ones_like(doc, dtype=bool)
-  change[:, 1:] = doc[:, 1:] != doc[:, :-1]
-  segment_ids = np.where(doc >= 0, np.cumsum(change, axis=1), 0).astype(np.int32)
-  labels, loss_mask = next_token_targets(tokens, segment_ids)
-  positions = np.where(segment_ids > 0, segment_positions(segment_ids), 0).astype(np.int32)
-  return dict(tokens=tokens, positions=positions, segment_ids=segment_ids, labels=labels,
-              loss_mask=loss_mask)
+  blocks: dict[int, tuple[int, int]] = {}
+  for device, idx in sharding.devices_indices_map(global_shape).items():
+    start, stop, _ = idx[0].indices(global_shape[0])
+    lo, hi = blocks.get(device.process_index, (start, stop))
+    blocks[device.process_index] = (min(lo, start), max(hi, stop))
+  distinct = sorted(set(blocks.values()))
+  return distinct.index(blocks[jax.process_index()]), len(distinct)
 
 
-@dataclasses.dataclass
-class PackedText:
-  """Packed train and held-out rows from local files (all in host memory)."""
-  train: dict[str, np.ndarray]
-  eval: dict[str, np.ndarray]
+def text_documents(config, split: str, shard_index: int = 0,
+                   shard_count: int = 1) -> sources.DocumentDataset:
+  """The tokenised document stream of ``split`` for one data shard (train: reshuffled by epoch)."""
+  d = config.data
+  files = list_data_files(d.path)
+  if not files:
+    raise ValueError(f"data.path={d.path!r} matches no {'/'.join(sources.DATA_EXTS)} files.")
+  return sources.DocumentDataset(
+      sources.split_spans(files, d.eval_fraction, split), load_tokenizer(d.tokenizer),
+      text_field=d.text_field, shard_index=shard_index, shard_count=shard_count,
+      shuffle=split == "train", seed=config.seed, strict=d.strict)
 
-  @classmethod
-  def from_config(cls, data_config) -> "PackedText":
-    docs = read_documents(data_config.path, data_config.text_field)
-    if not docs:
-      raise ValueError(f"data.path={data_config.path!r} holds no non-empty documents.")
-    if len(docs) == 1:  # One document: hold out its tail rather than nothing.
-      cut = int(len(docs[0]) * (1 - data_config.eval_fraction))
-      train_docs, eval_docs = [docs[0][:cut]], [docs[0][cut:]]
-    else:
-      num_eval = max(1, int(round(len(docs) * data_config.eval_fraction)))
-      train_docs, eval_docs = docs[:-num_eval], docs[-num_eval:]
-    pack = lambda ds: pack_documents([byte_tokenize(d) for d in ds], data_config.seq_len)
-    return cls(train=pack(train_docs), eval=pack(eval_docs))
+
+def bad_record_counts(state: dict[str, Any]) -> dict[str, int]:
+  """Bad records skipped so far, read from a text iterator's ``get_state()``.
+
+  ``{"data/bad_records": total, "data/bad_<kind>": count, ...}``; empty for the kv task.
+  """
+  def find(node):
+    if isinstance(node, dict):
+      if isinstance(node.get("bad_records"), dict):
+        return node["bad_records"].get("counts", {})
+      for v in node.values():
+        if (found := find(v)) is not None:
+          return found
+    return None
+
+  counts = find(state)
+  if counts is None:
+    return {}
+  return {"data/bad_records": sum(counts.values()),
+          **{f"data/bad_{k}": n for k, n in sorted(counts.items())}}
 
 
 # ----------------------------------------------------------------------------
@@ -339,11 +352,13 @@ class BatchSource:
 
 
 def make_dataset(config, sharding: jax.sharding.Sharding, ring_size: int, *,
-                 split: str) -> grain.MapDataset:
-  """The ``grain.MapDataset`` of batches for ``split`` in {'train', 'eval'}.
+                 split: str) -> grain.MapDataset | grain.IterDataset:
+  """The Grain dataset of this process's batches for ``split`` in {'train', 'eval'}.
 
-  Eval streams use a different seed (synthetic) or the held-out documents
-  (text), and always restart at batch 0 so every eval sees the same data.
+  kv task: a ``MapDataset`` (random access by batch number); text: an ``IterDataset``
+  stream of this process's data shard (:func:`data_shard`). Eval streams use a
+  different seed (synthetic) or the held-out files/records (text), and always restart
+  at the first batch so every eval sees the same data.
   """
   d = config.data
   batch = config.batch_size if split == "train" else config.eval_batch_size
@@ -352,24 +367,56 @@ def make_dataset(config, sharding: jax.sharding.Sharding, ring_size: int, *,
   if d.kind == "kv_retrieval":
     task = KVRetrievalTask.from_config(d)
     make_rows = lambda first, count: task.rows(seed, first, count)
-  elif d.kind == "text":
-    packed = getattr(PackedText.from_config(d), split)
-    # Shuffled, reshuffled every epoch, endless; examples are rows of `packed`.
-    order = grain.MapDataset.range(len(packed["tokens"])).shuffle(seed=seed).repeat()
-
-    def make_rows(first, count):
-      idx = np.asarray([order[first + i] for i in range(count)])
-      return {k: v[idx] for k, v in packed.items()}
-  else:
+    source = BatchSource(make_rows, batch, config.model.layout, ring_size, rows, cols)
+    return grain.MapDataset.source(source)
+  if d.kind != "text":
     raise ValueError(f"unknown data.kind {d.kind!r}")
-  source = BatchSource(make_rows, batch, config.model.layout, ring_size, rows, cols)
-  return grain.MapDataset.source(source)
+  shard_index, shard_count = data_shard(sharding, (batch, d.seq_len))
+  documents = text_documents(config, split, shard_index, shard_count)
+  layout = config.model.layout
+
+  def finish(packed):
+    natural = finish_rows(packed)
+    return {k: v[:, cols] for k, v in to_layout_np(natural, layout, ring_size).items()}
+
+  return (pack_stream(documents, d.seq_len)
+          .batch(rows.stop - rows.start, drop_remainder=True).map(finish))
 
 
-def make_iterator(dataset: grain.MapDataset, prefetch: int = 2):
-  """Checkpointable iterator (``get_state()`` / ``set_state()``) with background prefetch."""
-  options = grain.ReadOptions(num_threads=1 if prefetch else 0, prefetch_buffer_size=prefetch)
-  return iter(dataset.to_iter_dataset(options))
+class StreamIterator:
+  """A Grain iterator whose ``set_state`` also takes the state back from a JSON checkpoint."""
+
+  def __init__(self, iterator):
+    self._it = iterator
+    if hasattr(iterator, "close"):  # Stop a prefetch thread before interpreter teardown.
+      weakref.finalize(self, iterator.close)
+
+  def __iter__(self):
+    return self
+
+  def __next__(self) -> dict[str, np.ndarray]:
+    return next(self._it)
+
+  def get_state(self) -> dict[str, Any]:
+    return self._it.get_state()
+
+  def set_state(self, state: dict[str, Any]) -> None:
+    self._it.set_state(_fix_json_state(state))
+
+
+def make_iterator(dataset: grain.MapDataset | grain.IterDataset, prefetch: int = 2):
+  """Checkpointable iterator (``get_state()`` / ``set_state()``) with background prefetch.
+
+  Text streams read, tokenise and pack in one background thread ``prefetch`` batches
+  ahead of the trainer (benchmarks/data_pipeline.py measures it against the step).
+  """
+  if isinstance(dataset, grain.MapDataset):
+    options = grain.ReadOptions(num_threads=1 if prefetch else 0, prefetch_buffer_size=prefetch)
+    return iter(dataset.to_iter_dataset(options))
+  if prefetch:
+    dataset = grain.experimental.ThreadPrefetchIterDataset(dataset,
+                                                           prefetch_buffer_size=prefetch)
+  return StreamIterator(iter(dataset))
 
 
 def to_global(batch: dict[str, np.ndarray], sharding: jax.sharding.Sharding,

@@ -1,0 +1,519 @@
+"""Streamed document sources: ``.jsonl``/``.json``, ``.txt``, ``.parquet`` and ArrayRecord files.
+
+A corpus is a list of files (a file, a directory searched recursively, or a glob). Each
+file is measured in *units* without reading it: bytes for ``.jsonl``/``.txt``, rows for
+``.parquet`` (from its footer), records for ArrayRecord (from its index). The pipeline
+works on :class:`Span`\\ s, half-open unit ranges of one file:
+
+* splits: with several files the last ``max(1, round(eval_fraction * files))`` files are
+  held out for eval; a single file holds out its last ``eval_fraction`` of units.
+* shards (processes): with at least as many spans as shards, span ``i`` of the (per epoch
+  reshuffled) list goes to shard ``i % shards``; with fewer, every span is cut into
+  ``shards`` equal unit ranges and shard ``s`` reads range ``s`` of each.
+
+A byte range owns every line that *starts* inside it (a line starts at byte 0 or right
+after a newline), so ranges cut anywhere still give every line to exactly one reader;
+a reader seeks to its range and never reads the rest of the file (one read buffer plus
+one record at a time). A ``.txt`` file is one document, read in pieces of about
+``TXT_PIECE_BYTES`` cut at line ends; a ``.txt`` range that starts mid-file (a shard's or
+the eval split's) is its own document.
+
+Grain's own pieces are used where they fit: ``grain.IterDataset`` / ``DatasetIterator``
+(the checkpointable stream), ``grain.sources.ArrayRecordDataSource`` (ArrayRecord reads).
+Parquet is read with ``pyarrow`` row-group batches directly, because Grain's
+``ParquetIterDataset`` reads whole files (no row ranges to shard one file) and has no
+per-row error reporting.
+
+Bad records are counted by kind with their first locations (``file:line`` for line files,
+``file:row N`` / ``file:record N`` otherwise) and skipped, or raise :class:`DataError`
+when ``strict``. Blank lines of a ``.jsonl`` file are formatting, not records.
+"""
+
+from __future__ import annotations
+
+import collections
+import copy
+import dataclasses
+import glob
+import json
+import os
+from typing import Any, Iterator
+
+import grain
+import numpy as np
+from absl import logging
+
+LINE_EXTS = (".jsonl", ".json")
+TEXT_EXTS = (".txt",)
+PARQUET_EXTS = (".parquet",)
+ARRAY_RECORD_EXTS = (".arrayrecord", ".array_record")
+DATA_EXTS = LINE_EXTS + TEXT_EXTS + PARQUET_EXTS + ARRAY_RECORD_EXTS
+
+READ_BUFFER_BYTES = 1 << 20  # file read buffer of the line readers
+TXT_PIECE_BYTES = 1 << 20  # a .txt document is tokenised in pieces of about this size
+PARQUET_BATCH_ROWS = 1024  # rows decoded at a time from a parquet row group
+ARRAY_RECORD_BATCH = 64  # records fetched at a time from an ArrayRecord file
+# Read ahead and tokenised in one (native, multithreaded) call: this many pieces, or fewer
+# once their text reaches ENCODE_BATCH_BYTES (memory stays bounded by the batch, not the file).
+ENCODE_BATCH, ENCODE_BATCH_BYTES = 32, 1 << 20
+FIRST_LOCATIONS = 3  # locations kept (and printed) per kind of bad record
+
+BAD_KINDS = {
+    "invalid_json": "invalid JSON",
+    "missing_field": "no string text field",
+    "undecodable": "bytes that are not UTF-8",
+    "empty": "an empty document",
+}
+
+
+class DataError(ValueError):
+  """A bad record with ``data.strict=True`` (or a shard with no usable document)."""
+
+
+def file_kind(path: str) -> str:
+  for kind, exts in (("lines", LINE_EXTS), ("txt", TEXT_EXTS), ("parquet", PARQUET_EXTS),
+                     ("array_record", ARRAY_RECORD_EXTS)):
+    if path.endswith(exts):
+      return kind
+  raise ValueError(f"{path}: unknown data file type; known: {DATA_EXTS}")
+
+
+def list_data_files(path: str) -> list[str]:
+  """``path`` may be a file, a directory (searched recursively) or a glob; sorted."""
+  if os.path.isfile(path):
+    return [path]
+  if os.path.isdir(path):
+    found = glob.glob(os.path.join(path, "**", "*"), recursive=True)
+  else:
+    found = glob.glob(os.path.expanduser(path), recursive=True)
+  return sorted(f for f in found if os.path.isfile(f) and f.endswith(DATA_EXTS))
+
+
+def num_units(path: str) -> int:
+  """Size of ``path`` in its units (bytes, parquet rows, ArrayRecord records), unread."""
+  kind = file_kind(path)
+  if kind in ("lines", "txt"):
+    return os.path.getsize(path)
+  if kind == "parquet":
+    import pyarrow.parquet as pq
+    return pq.ParquetFile(path).metadata.num_rows
+  return len(grain.sources.ArrayRecordDataSource([path]))
+
+
+@dataclasses.dataclass(frozen=True)
+class Span:
+  """Units ``[start, stop)`` of ``path``."""
+  path: str
+  start: int
+  stop: int
+
+  def part(self, index: int, count: int) -> "Span":
+    """The ``index``-th of ``count`` equal unit ranges of this span."""
+    size = self.stop - self.start
+    return Span(self.path, self.start + size * index // count,
+                self.start + size * (index + 1) // count)
+
+
+def split_spans(files: list[str], eval_fraction: float, split: str) -> list[Span]:
+  """The spans of ``split`` ('train' | 'eval'); train and eval never share a unit."""
+  if not files:
+    raise ValueError("no data files")
+  if len(files) > 1:
+    num_eval = min(len(files) - 1, max(1, int(round(len(files) * eval_fraction))))
+    chosen = files[:-num_eval] if split == "train" else files[-num_eval:]
+    return [Span(f, 0, num_units(f)) for f in chosen]
+  size = num_units(files[0])
+  cut = min(max(int(size * (1 - eval_fraction)), 1), max(size - 1, 0))
+  return [Span(files[0], 0, cut) if split == "train" else Span(files[0], cut, size)]
+
+
+def shard_spans(spans: list[Span], index: int, count: int) -> list[Span]:
+  """Shard ``index`` of ``count``: whole spans round robin, or a part of every span."""
+  if not 0 <= index < count:
+    raise ValueError(f"shard index {index} is not in [0, {count})")
+  if len(spans) >= count:
+    return spans[index::count]
+  return [s.part(index, count) for s in spans]
+
+
+class BadRecords:
+  """Counts of skipped records per kind, with the first locations of each."""
+
+  def __init__(self, strict: bool, counts=None, first=None):
+    self.strict = strict
+    self.counts: dict[str, int] = dict(counts or {})
+    self.first: dict[str, list[str]] = {k: list(v) for k, v in (first or {}).items()}
+
+  def add(self, kind: str, location: str, detail: str = "", *, quiet: bool = False) -> None:
+    what = BAD_KINDS[kind] + (f" ({detail})" if detail else "")
+    if self.strict:
+      raise DataError(f"{location}: {what}. data.strict=True stops at the first bad record; "
+                      "fix or remove it, or set --config.data.strict=False to count and skip "
+                      "bad records.")
+    n = self.counts[kind] = self.counts.get(kind, 0) + 1
+    if len(self.first.setdefault(kind, [])) < FIRST_LOCATIONS:
+      self.first[kind].append(location)
+    if not quiet and n & (n - 1) == 0 and (n.bit_length() - 1) % 3 == 0:  # 1, 8, 64, ...
+      logging.warning("data: skipped %d record(s) with %s so far (first at %s)", n,
+                      BAD_KINDS[kind], ", ".join(self.first[kind]))
+
+  def summary(self) -> str:
+    if not self.counts:
+      return "no bad records"
+    return "; ".join(f"{n} with {BAD_KINDS[k]} (first at {', '.join(self.first[k])})"
+                     for k, n in sorted(self.counts.items()))
+
+  def state(self) -> dict:
+    return dict(counts=dict(self.counts), first={k: list(v) for k, v in self.first.items()})
+
+
+# ----------------------------------------------------------------------------
+# Readers: (text, is_first_piece, is_last_piece, location()) of one span, from an offset
+# ----------------------------------------------------------------------------
+
+
+def _lines_before(path: str, offset: int) -> int:
+  """Lines before the first one a range starting at byte ``offset`` owns (for locations only)."""
+  count, left = 0, offset
+  with open(path, "rb") as f:
+    while left > 0:
+      chunk = f.read(min(READ_BUFFER_BYTES, left))
+      if not chunk:
+        break
+      count += chunk.count(b"\n")
+      left -= len(chunk)
+    if offset > 0:
+      f.seek(offset - 1)
+      count += f.read(1) != b"\n"  # Mid-line: the partial line belongs to the range before.
+  return count
+
+
+class _Cursor:
+  """Where a reader stands: unit offset, and lines read since the span start."""
+
+  def __init__(self, span: Span, offset: int, line: int):
+    self.span, self.offset, self.line = span, offset, line
+    self._line_base = 0 if span.start == 0 else None
+
+  def line_location(self, line: int) -> str:
+    if self._line_base is None:  # Lazily: a scan of the bytes before the span, once.
+      self._line_base = _lines_before(self.span.path, self.span.start)
+    return f"{self.span.path}:{self._line_base + line + 1}"
+
+
+def _open_at_line(span: Span, offset: int):
+  """File positioned at the first line starting at or after ``offset``; (file, position)."""
+  f = open(span.path, "rb", buffering=READ_BUFFER_BYTES)
+  if offset > 0:
+    f.seek(offset - 1)
+    if f.read(1) != b"\n":  # Mid-line: that line belongs to the range before.
+      offset += len(f.readline())
+  return f, offset
+
+
+def _json_text(raw: bytes, field: str, bad: BadRecords, where) -> str | None:
+  """The ``field`` text of one JSON record, or None after counting why it is bad.
+
+  ``where()`` gives the record's location (only computed for a bad one).
+  """
+  try:
+    record = json.loads(raw.decode("utf-8"))
+  except UnicodeDecodeError as e:
+    bad.add("undecodable", where(), str(e))
+    return None
+  except json.JSONDecodeError as e:
+    bad.add("invalid_json", where(), str(e))
+    return None
+  text = record.get(field) if isinstance(record, dict) else None
+  if not isinstance(text, str):
+    bad.add("missing_field", where(), f"data.text_field={field!r}")
+    return None
+  if not text:
+    bad.add("empty", where())
+    return None
+  return text
+
+
+def _read_lines(cur: _Cursor, bad: BadRecords, field: str) -> Iterator[tuple]:
+  f, cur.offset = _open_at_line(cur.span, cur.offset)
+  with f:
+    while cur.offset < cur.span.stop:
+      raw = f.readline()
+      if not raw:
+        break
+      here = cur.line
+      cur.offset += len(raw)
+      cur.line += 1
+      if not raw.strip():
+        continue
+      where = lambda here=here: cur.line_location(here)
+      text = _json_text(raw, field, bad, where)
+      if text is not None:
+        yield text, True, True, where
+
+
+def _read_txt(cur: _Cursor, bad: BadRecords) -> Iterator[tuple]:
+  first = cur.offset == cur.span.start  # Else resumed mid-document.
+  emitted = not first
+  f, cur.offset = _open_at_line(cur.span, cur.offset)
+  with f:
+    eof = False
+    while True:
+      lines, size = [], 0
+      while size < TXT_PIECE_BYTES and not eof:
+        if cur.offset >= cur.span.stop:
+          eof = True
+          break
+        raw = f.readline()
+        if not raw:
+          eof = True
+          break
+        here = cur.line
+        cur.offset += len(raw)
+        cur.line += 1
+        size += len(raw)
+        try:
+          lines.append(raw.decode("utf-8"))
+        except UnicodeDecodeError as e:
+          bad.add("undecodable", cur.line_location(here), str(e))
+      last = eof or cur.offset >= cur.span.stop
+      text = "".join(lines)
+      where = lambda line=cur.line: cur.line_location(line - 1)
+      if text:
+        emitted = True
+        yield text, first, last, where
+        first = False
+      elif last and emitted and not first:
+        # The previous piece ended exactly at the end: its EOS is still owed.
+        yield "", False, True, where
+      if last:
+        if not emitted:
+          bad.add("empty", cur.line_location(0))
+        return
+
+
+def _read_parquet(cur: _Cursor, bad: BadRecords, field: str):
+  import pyarrow as pa
+  import pyarrow.parquet as pq
+
+  pf = pq.ParquetFile(cur.span.path)
+  where = lambda row: f"{cur.span.path}:row {row}"
+  if field not in pf.schema_arrow.names:
+    for row in range(cur.offset, cur.span.stop):  # Each row is a record without the field.
+      cur.offset = row + 1
+      bad.add("missing_field", where(row), f"data.text_field={field!r}; columns "
+              f"{pf.schema_arrow.names}")
+    return
+  is_binary = pa.types.is_binary(pf.schema_arrow.field(field).type) or pa.types.is_large_binary(
+      pf.schema_arrow.field(field).type)
+  first_row = 0
+  for group in range(pf.metadata.num_row_groups):
+    rows = pf.metadata.row_group(group).num_rows
+    lo, hi = max(cur.offset, first_row), min(cur.span.stop, first_row + rows)
+    if lo < hi:
+      batch_start = first_row
+      for batch in pf.iter_batches(batch_size=PARQUET_BATCH_ROWS, row_groups=[group],
+                                   columns=[field]):
+        values = batch.column(0).to_pylist()
+        for i, value in enumerate(values):
+          row = batch_start + i
+          if row < cur.offset:
+            continue
+          if row >= cur.span.stop:
+            return
+          cur.offset = row + 1
+          if is_binary and isinstance(value, bytes):
+            try:
+              value = value.decode("utf-8")
+            except UnicodeDecodeError as e:
+              bad.add("undecodable", where(row), str(e))
+              continue
+          if not isinstance(value, str):
+            bad.add("missing_field", where(row), f"data.text_field={field!r} is {value!r:.40}")
+            continue
+          if not value:
+            bad.add("empty", where(row))
+            continue
+          yield value, True, True, lambda row=row: where(row)
+        batch_start += len(values)
+        if batch_start >= hi:
+          break
+    first_row += rows
+    if first_row >= cur.span.stop:
+      return
+
+
+def _read_array_record(cur: _Cursor, bad: BadRecords, field: str):
+  source = grain.sources.ArrayRecordDataSource([cur.span.path])
+  where = lambda i: f"{cur.span.path}:record {i}"
+  while cur.offset < cur.span.stop:
+    indices = list(range(cur.offset, min(cur.offset + ARRAY_RECORD_BATCH, cur.span.stop)))
+    for i, raw in zip(indices, source.__getitems__(indices)):
+      cur.offset = i + 1
+      location = lambda i=i: where(i)
+      text = _json_text(bytes(raw), field, bad, location)
+      if text is not None:
+        yield text, True, True, location
+
+
+def read_span(cur: _Cursor, bad: BadRecords, field: str):
+  kind = file_kind(cur.span.path)
+  if kind == "lines":
+    return _read_lines(cur, bad, field)
+  if kind == "txt":
+    return _read_txt(cur, bad)
+  if kind == "parquet":
+    return _read_parquet(cur, bad, field)
+  return _read_array_record(cur, bad, field)
+
+
+# ----------------------------------------------------------------------------
+# Grain dataset: tokenised documents of one shard, endless, checkpointable
+# ----------------------------------------------------------------------------
+
+
+class DocumentDataset(grain.IterDataset):
+  """Tokenised documents (``{"tokens": int32[n]}``) of shard ``shard_index`` of ``shard_count``.
+
+  Epoch ``e`` reads this shard's spans of ``spans`` in order (reshuffled with
+  ``(seed, e)`` when ``shuffle``; the same order on every process, so the shards of an
+  epoch partition the corpus), and repeats forever when ``repeat``. The iterator's
+  state (``get_state()``) is a small JSON-able dict: epoch, span, unit offset, and the
+  bad-record counts, so a restore seeks straight to where it left off.
+  """
+
+  def __init__(self, spans: list[Span], tokenizer, *, text_field: str = "text",
+               shard_index: int = 0, shard_count: int = 1, shuffle: bool = False, seed: int = 0,
+               repeat: bool = True, strict: bool = False):
+    super().__init__()
+    self.spans, self.tokenizer, self.text_field = list(spans), tokenizer, text_field
+    self.shard_index, self.shard_count = shard_index, shard_count
+    self.shuffle, self.seed, self.repeat, self.strict = shuffle, seed, repeat, strict
+    shard_spans(self.spans, shard_index, shard_count)  # Validates the shard index.
+
+  def epoch_spans(self, epoch: int) -> list[Span]:
+    spans = self.spans
+    if self.shuffle:
+      order = np.random.default_rng([self.seed, epoch]).permutation(len(spans))
+      spans = [spans[i] for i in order]
+    return shard_spans(spans, self.shard_index, self.shard_count)
+
+  def __iter__(self) -> "DocumentIterator":
+    return DocumentIterator(self)
+
+  def __str__(self) -> str:
+    return f"DocumentDataset({len(self.spans)} spans, shard {self.shard_index}/{self.shard_count})"
+
+
+class DocumentIterator(grain.DatasetIterator):
+  """Reads pieces ``ENCODE_BATCH`` at a time, tokenises them in one batch call, yields one by one.
+
+  Every buffered document keeps the reader state from just before it was read, so
+  ``get_state()`` is exact however far the reader has run ahead.
+  """
+
+  def __init__(self, ds: DocumentDataset):
+    super().__init__()
+    self._ds = ds
+    self.bad = BadRecords(ds.strict)
+    self._buffer: collections.deque = collections.deque()  # (state before it, tokens)
+    self._error: DataError | None = None
+    self._set(epoch=0, span=0, offset=None, line=0, docs=0, epoch_docs=0)
+
+  def _set(self, *, epoch, span, offset, line, docs, epoch_docs):
+    self._epoch, self._span, self._docs, self._epoch_docs = epoch, span, docs, epoch_docs
+    self._spans = self._ds.epoch_spans(epoch)
+    self._cursor = self._reader = None
+    if self._span < len(self._spans):
+      s = self._spans[self._span]
+      self._cursor = _Cursor(s, s.start if offset is None else offset, line)
+
+  def _read_piece(self):
+    """(state before it, (text, first, last, location)) of the next piece; StopIteration."""
+    while True:
+      if self._cursor is None:  # End of this epoch's spans.
+        if not self._ds.repeat:
+          raise StopIteration
+        if self._epoch_docs <= 0:  # Repeating an empty epoch would never return.
+          raise DataError(
+              f"data shard {self._ds.shard_index} of {self._ds.shard_count} holds no usable "
+              f"document in {len(self._spans)} span(s) of {len(self._ds.spans)} "
+              f"({self.bad.summary()}); add data or use fewer processes per data shard.")
+        self._set(epoch=self._epoch + 1, span=0, offset=None, line=0, docs=self._docs,
+                  epoch_docs=0)
+        continue
+      if self._reader is None:
+        self._reader = read_span(self._cursor, self.bad, self._ds.text_field)
+      before = self._reader_state()
+      piece = next(self._reader, None)
+      if piece is None:
+        self._set(epoch=self._epoch, span=self._span + 1, offset=None, line=0, docs=self._docs,
+                  epoch_docs=self._epoch_docs)
+        continue
+      self._docs += 1
+      self._epoch_docs += 1
+      return before, piece
+
+  def _fill(self) -> None:
+    if self._error is not None:
+      raise self._error
+    entries, size = [], 0
+    try:
+      while len(entries) < ENCODE_BATCH and size < ENCODE_BATCH_BYTES:
+        entries.append(self._read_piece())
+        size += len(entries[-1][1][0])
+    except StopIteration:
+      if not entries:
+        raise
+    except DataError as e:  # strict: first hand out the documents read before the bad one
+      if not entries:
+        raise
+      self._error = e
+    tokens = self._ds.tokenizer.encode_documents([p[:3] for _, p in entries])
+    for i, ((before, (_, first, _, where)), ids) in enumerate(zip(entries, tokens)):
+      if len(ids):
+        self._buffer.append((before, ids))
+      else:  # e.g. only whitespace, with a tokenizer that adds no BOS/EOS: not a document
+        self._uncount(before["epoch"], first, where(), [b for b, _ in entries[i + 1:]])
+
+  def _uncount(self, epoch: int, first: bool, location: str, later: list[dict]) -> None:
+    """A piece read but empty once tokenised: out of the counts, here and in ``later`` states.
+
+    A first piece is an empty document (a bad record); a later one (the rest of a
+    ``.txt`` document) only adds nothing.
+    """
+    self._docs -= 1
+    self._epoch_docs -= self._epoch == epoch
+    if first:
+      self.bad.add("empty", location)
+    for state in later:
+      state["docs"] -= 1
+      state["epoch_docs"] -= state["epoch"] == epoch
+      if first:
+        bad = BadRecords(False, **state["bad_records"])
+        bad.add("empty", location, quiet=True)
+        state["bad_records"] = bad.state()
+
+  def __next__(self) -> dict[str, Any]:
+    while not self._buffer:
+      self._fill()
+    return {"tokens": self._buffer.popleft()[1]}
+
+  def _reader_state(self) -> dict[str, Any]:
+    cur = self._cursor
+    return dict(epoch=self._epoch, span=self._span, offset=cur.offset if cur else 0,
+                line=cur.line if cur else 0, docs=self._docs, epoch_docs=self._epoch_docs,
+                bad_records=self.bad.state())
+
+  def get_state(self) -> dict[str, Any]:
+    if self._buffer:
+      return copy.deepcopy(self._buffer[0][0])
+    return self._reader_state()
+
+  def set_state(self, state: dict[str, Any]) -> None:
+    bad = state.get("bad_records", {})
+    self.bad = BadRecords(self._ds.strict, bad.get("counts"), bad.get("first"))
+    self._buffer.clear()
+    self._error = None
+    self._set(epoch=state["epoch"], span=state["span"], offset=state["offset"],
+              line=state["line"], docs=state["docs"], epoch_docs=state["epoch_docs"])
