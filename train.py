@@ -547,6 +547,7 @@ def main(argv) -> None:
     # peer"): let the watchdog name it and exit 75 rather than print a traceback.
     distributed_lib.wait_for_verdict()
     raise
+  distributed_lib.finish()  # A clean end: the other processes stop expecting this one.
   if jax.process_index() != 0:
     return
   wall = f"wall {time.perf_counter() - t0:.1f}s"

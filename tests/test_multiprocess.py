@@ -75,7 +75,7 @@ def test_two_processes_preempted_then_resumed_by_one_match_one_process(tmp_path)
 # Small, so the survivor's verdict comes in seconds; JAX's own heartbeat (its C++ abort,
 # the backstop) is 4x this. Steps are ~1 s here: a checkpoint every 2 steps is often in
 # flight when the kill lands (the test passes either way; both cases are in docs).
-HEARTBEAT_S = 5
+HEARTBEAT_S = 8
 KILL_FLAGS = ("--config.total_steps=14", "--config.checkpoint_every=2",
               f"--config.distributed.heartbeat_timeout_s={HEARTBEAT_S}")
 

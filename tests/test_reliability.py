@@ -259,7 +259,7 @@ def test_peer_watchdog_names_the_silent_process_and_every_survivor_exits_75(caps
 def test_peer_watchdog_ignores_a_process_that_exited_cleanly():
   client, exits = FakeCoordinationClient(), []
   peer = _watchdog(client, 1, 2, exits)
-  peer.stop()  # what atexit does on a clean exit: done, no more beats
+  peer.stop(done=True)  # distributed.finish() on a clean end: done, no more beats
   coordinator = _watchdog(client, 0, 2, exits, timeout_s=0.5).start()
   assert not coordinator.wait_for_verdict(2.0)
   coordinator.stop()

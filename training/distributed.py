@@ -66,6 +66,10 @@ def initialize(distributed_config, **kwargs) -> None:
       "initialization_timeout": int(distributed_config.initialization_timeout_s),
   }
   kwargs.update({k: v for k, v in timeouts.items() if k in accepted})
+  if "heartbeat_timeout_seconds" not in accepted:  # JAX's default (100 s) may then fire first.
+    print("warning: this JAX's jax.distributed.initialize takes no heartbeat_timeout_seconds; "
+          "a process that dies may end the others with JAX's abort instead of status 75",
+          file=sys.stderr, flush=True)
   jax.distributed.initialize(**kwargs)
 
 
@@ -73,9 +77,11 @@ def start_watchdog(distributed_config, checkpoint_dir: str, resume_command: str,
                    steps: Callable[[str], list[int]]) -> "PeerWatchdog | None":
   """Starts the :class:`PeerWatchdog` of a multi-process run (None on one process).
 
-  ``steps(checkpoint_dir)`` lists the complete checkpoint steps for the line. The
-  watchdog stops (marking this process done) at interpreter exit, before JAX's own
-  shutdown; :func:`note_step` and :func:`wait_for_verdict` reach it from the loop.
+  ``steps(checkpoint_dir)`` lists the complete checkpoint steps for the line.
+  :func:`finish` after a clean end tells the others not to expect this process any more;
+  otherwise the watchdog just stops beating at interpreter exit (before JAX's shutdown),
+  so a process that exits with an error is reported by the others like one that died.
+  :func:`note_step` and :func:`wait_for_verdict` reach it from the loop.
   """
   global _ACTIVE
   from jax._src import distributed as jax_distributed
@@ -95,6 +101,12 @@ def start_watchdog(distributed_config, checkpoint_dir: str, resume_command: str,
 
 
 _ACTIVE: "PeerWatchdog | None" = None
+
+
+def finish() -> None:
+  """A clean end of this process (all its steps done): the others stop expecting its beats."""
+  if _ACTIVE is not None:
+    _ACTIVE.stop(done=True)
 
 
 def note_step(step: int) -> None:
@@ -144,11 +156,13 @@ class PeerWatchdog:
   def note_step(self, step: int) -> None:
     self.step = step
 
-  def stop(self) -> None:
-    """A clean exit: marks this process done (watchers stop expecting its counter)."""
+  def stop(self, done: bool = False) -> None:
+    """Stops beating; ``done``: a clean end, so the watchers stop expecting this process."""
     if self._stop.is_set():
       return
     self._stop.set()
+    if not done:
+      return
     try:
       self._client.key_value_set(f"{_PREFIX}/done/{self.process_id}", "1", allow_overwrite=True)
     except Exception:  # The coordination service is gone: nobody is watching any more.
