@@ -90,6 +90,14 @@ def base_config() -> ml_collections.ConfigDict:
   # (docs/training.md, "Profiling"). None or "": off.
   config.profile_steps = config_dict.placeholder(str)
 
+  # Multi-process runs (docs/training.md, "When a process dies"): a process whose liveness
+  # counter stops for heartbeat_timeout_s is declared lost, and every survivor exits with
+  # status 75 and one line saying how to resume (JAX's own heartbeat timeout, its C++
+  # backstop, is set to 4x this). initialization_timeout_s: how long
+  # jax.distributed.initialize waits for all processes to connect.
+  config.distributed = ml_collections.ConfigDict(dict(
+      heartbeat_timeout_s=60, initialization_timeout_s=300))
+
   # MFU denominator. None: look the device kind up (training/metrics.py). A CPU has
   # no such figure; MFU is then reported against the nominal value below, and says so.
   config.peak_flops_per_device = config_dict.placeholder(float)

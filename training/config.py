@@ -274,6 +274,20 @@ def profile_steps(config: ml_collections.ConfigDict) -> range | None:
   return steps
 
 
+def validate_distributed(config: ml_collections.ConfigDict) -> None:
+  """Checks ``config.distributed`` (read before ``jax.distributed.initialize``).
+
+  Raises:
+    ConfigError: a timeout that is not a whole number of seconds in range.
+  """
+  dist = config.distributed
+  for name, low in (("heartbeat_timeout_s", 2), ("initialization_timeout_s", 1)):
+    value = dist[name]
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+      raise ConfigError(f"distributed.{name}={value!r} must be a whole number of seconds "
+                        f">= {low}; e.g. --config.distributed.{name}=60.")
+
+
 def validate_config(config: ml_collections.ConfigDict, num_devices: int) -> dict[str, int]:
   """Checks everything knowable without tracing; returns the resolved mesh sizes.
 
@@ -306,6 +320,7 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int) -> dict
                       f"divisible by the mesh 'tensor' axis ({tensor}).")
 
   check_seq_len(m, ring, d.seq_len)
+  validate_distributed(config)
 
   for name in ("batch_size", "eval_batch_size"):
     batch, micro = config[name], (config.microbatches if name == "batch_size" else 1)
