@@ -367,6 +367,9 @@ def resolve_hf_init(config: ml_collections.ConfigDict, log=None) -> ml_collectio
     (:data:`models.convert_hf.HF_SHAPE_FIELDS`), which the weights fix: a
     different value there is a ConfigError.
 
+  ``data.tokenizer`` None (``configs/finetune.py``'s default) becomes ``init.hf_dir``:
+  the tokenizer files of the Hugging Face directory.
+
   Idempotent (a resolved config resolves to itself), so train.py can resolve
   before saving the run's config and again inside :func:`train.train`.
   Without ``init.hf_dir`` the config is returned unchanged.
@@ -394,6 +397,8 @@ def resolve_hf_init(config: ml_collections.ConfigDict, log=None) -> ml_collectio
     what = f"config.json lacks {e}" if isinstance(e, KeyError) else str(e)
     raise ConfigError(f"init.hf_dir={hf_dir!r}: {what}") from None
   config = config.copy_and_resolve_references()
+  if config.data.get("tokenizer") is None:
+    config.data.tokenizer = hf_dir
   for name, value in fields.items():
     current = config.model.get(name)
     if current is None:
