@@ -206,3 +206,34 @@ def test_hf_dir_greedy_matches_transformers_generate(tmp_path):
                         tokenizer="ids", max_new_tokens=16)
   assert [int(t) for t in texts[0].split()] == want
   assert any(f"loaded {path}" in l for l in logs)
+
+
+@pytest.mark.parametrize("kind", ["byte", "bpe"])
+def test_text_passkey_rows_are_tokenizer_text(tmp_path, kind):
+  """The passkey row is text encoded with the model's tokenizer: exactly ``length`` tokens,
+  BOS first, the needle inside, the loss mask on the key's tokens (labels = the key)."""
+  from training.tokenizer import load_tokenizer
+  if kind == "bpe":
+    pytest.importorskip("tokenizers")
+    from scripts import make_tiny_hf
+    spec = make_tiny_hf.write_tokenizer(str(tmp_path / "tok"), make_tiny_hf.corpus_texts(400),
+                                        vocab_size=320)
+  else:
+    spec = "byte"
+  tok = load_tokenizer(spec)
+  for length in (128, 256):
+    rows = evaluate.text_passkey_rows(tok, length, rows=3, seed=1)
+    assert rows["tokens"].shape == (3, length)
+    for r in range(3):
+      tokens, mask = rows["tokens"][r], rows["loss_mask"][r] > 0
+      assert tokens[0] == tok.bos_id
+      key = tok.decode(rows["labels"][r][mask])
+      assert len(key) == 5 and key.isdigit()
+      text = tok.decode(tokens)
+      assert f"The pass key is {key}. Remember it." in text
+      assert text.endswith(f"What is the pass key? The pass key is {key}")
+      assert mask.sum() == len(tok.encode(key))
+  chance = evaluate.text_passkey_chance(tok)
+  assert chance == pytest.approx(0.1) if kind == "byte" else 0 < chance <= 0.1
+  with pytest.raises(ValueError, match="too short"):
+    evaluate.text_passkey_rows(tok, 16, rows=1, seed=0)

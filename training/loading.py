@@ -64,9 +64,36 @@ def load_model(config, mesh, *, workdir: str | None = None, hf_dir: str | None =
     log(f"loaded {hf_dir}")
     return model.cfg, nnx.split(model, nnx.Param, ...)[1]
   model_cfg = cfg_lib.llama_config(config)
+  warn_model_differences(config, workdir, log)
   step, params = restore_params(model_cfg, mesh, workdir, warn=log)
   log(f"restored step {step} from {workdir}")
   return model_cfg, params
+
+
+# Model fields a script may change at inference without changing what the weights compute.
+_INFERENCE_FIELDS = ("attention", "layout", "block_q", "block_kv", "hop_kernel", "ffn_chunk_size",
+                     "loss_chunk_size", "remat_policy", "scan_layers", "dtype", "fsdp")
+
+
+def saved_run_config(workdir: str) -> dict:
+  """The config train.py saved in ``workdir`` (``config.json``), or {} without one."""
+  try:
+    with open(os.path.join(workdir, "config.json"), encoding="utf-8") as f:
+      saved = json.load(f)
+  except (OSError, ValueError):
+    return {}
+  return saved if isinstance(saved, dict) else {}
+
+
+def warn_model_differences(config, workdir: str, log: Callable[[str], None] = _stderr) -> None:
+  """One warning per ``config.model`` field (RoPE, norm eps, ...) that differs from the one
+  the run in ``workdir`` trained with: the weights then compute something else."""
+  saved = saved_run_config(workdir).get("model") or {}
+  for name, value in config.model.to_dict().items():
+    if name in _INFERENCE_FIELDS or name not in saved or saved[name] == value:
+      continue
+    log(f"warning: model.{name}={value!r} differs from the run's {saved[name]!r} "
+        f"({os.path.join(workdir, 'config.json')}); pass --config.model.{name}=... to match it")
 
 
 def run_tokenizer_spec(config, *, workdir: str | None = None, hf_dir: str | None = None,
@@ -82,17 +109,12 @@ def run_tokenizer_spec(config, *, workdir: str | None = None, hf_dir: str | None
   if hf_dir:
     return hf_dir
   spec = config.data.get("tokenizer")
-  saved_path = os.path.join(workdir, "config.json") if workdir else ""
-  if saved_path and os.path.isfile(saved_path):
-    try:
-      with open(saved_path, encoding="utf-8") as f:
-        saved = (json.load(f).get("data") or {}).get("tokenizer")
-    except (OSError, ValueError, AttributeError):
-      saved = None
-    if saved:
-      if spec and saved != spec:
-        log(f"tokenizer: {saved} (the run's {saved_path}), not --config's {spec}")
-      spec = saved
+  saved = (saved_run_config(workdir).get("data") or {}).get("tokenizer") if workdir else None
+  if saved:
+    if spec and saved != spec:
+      log(f"tokenizer: {saved} (the run's {os.path.join(workdir, 'config.json')}), not "
+          f"--config's {spec}")
+    spec = saved
   if not spec:
     raise cfg_lib.UsageError(
         "no tokenizer: config.data.tokenizer is unset (configs/finetune.py takes it from "
