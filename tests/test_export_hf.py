@@ -84,6 +84,15 @@ def test_resolve_hf_init(tmp_path):
   assert logs == [f"model.rope_theta=1000000.0 overrides 500.0 of {path}/config.json"]
   # Idempotent: the saved (resolved) config resolves to itself.
   assert cfg_lib.resolve_hf_init(resolved).to_dict() == resolved.to_dict()
+  # data.tokenizer: None in finetune.py -> init.hf_dir's tokenizer; a value stays; unset
+  # without init.hf_dir is a config error naming the fix.
+  assert config.data.tokenizer is None and resolved.data.tokenizer == path
+  config.data.tokenizer = "byte"
+  assert cfg_lib.resolve_hf_init(config).data.tokenizer == "byte"
+  no_hf = finetune.get_config()
+  no_hf.data.path = path + "/config.json"
+  with pytest.raises(cfg_lib.ConfigError, match="data.tokenizer is unset.*init.hf_dir=DIR"):
+    cfg_lib.check_text_data(no_hf.data, no_hf.model)
 
   # Shape fields are fixed by the weights; another config's values there are an error.
   wrong = tiny.get_config()

@@ -237,3 +237,29 @@ def test_text_passkey_rows_are_tokenizer_text(tmp_path, kind):
   assert chance == pytest.approx(0.1) if kind == "byte" else 0 < chance <= 0.1
   with pytest.raises(ValueError, match="too short"):
     evaluate.text_passkey_rows(tok, 16, rows=1, seed=0)
+
+
+def test_run_tokenizer_and_model_come_from_the_saved_config(tmp_path):
+  """loading.py: a workdir's saved data.tokenizer wins over --config's; --hf_dir names its own;
+  none at all is a UsageError naming the fix; a model field differing from the run's warns."""
+  from configs import finetune
+  from training import loading
+  from training.config import UsageError as Usage
+  config = finetune.get_config()
+  workdir = tmp_path / "run"
+  workdir.mkdir()
+  with pytest.raises(Usage, match="init.hf_dir"):  # finetune.py without init.hf_dir
+    loading.run_tokenizer_spec(config, workdir=str(workdir))
+  saved = json.loads(config.to_json_best_effort())
+  saved["data"]["tokenizer"] = "/models/llama"
+  saved["model"].update(rope_theta=20000.0, attention="ring")
+  (workdir / "config.json").write_text(json.dumps(saved))
+  logs = []
+  assert loading.run_tokenizer_spec(config, workdir=str(workdir), log=logs.append) == \
+      "/models/llama"
+  assert loading.run_tokenizer_spec(config, hf_dir="/other") == "/other"
+  config.model.rope_theta = 500.0
+  config.model.attention = "dense"  # an inference choice: no warning
+  loading.warn_model_differences(config, str(workdir), log=logs.append)
+  assert logs == [f"warning: model.rope_theta=500.0 differs from the run's 20000.0 "
+                  f"({workdir}/config.json); pass --config.model.rope_theta=... to match it"]

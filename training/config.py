@@ -426,6 +426,10 @@ def check_text_data(d: ml_collections.ConfigDict, m: ml_collections.ConfigDict) 
   if not 0 < d.eval_fraction < 1:
     raise ConfigError(f"data.eval_fraction={d.eval_fraction} must be in (0, 1): the eval "
                       "split is the last files (or a single file's tail).")
+  if d.tokenizer is None:
+    raise ConfigError("data.tokenizer is unset (configs/finetune.py takes the tokenizer of "
+                      "init.hf_dir): pass --config.init.hf_dir=DIR or --config.data.tokenizer="
+                      "(a tokenizer.json, a SentencePiece .model, a directory, or 'byte').")
   try:
     tokenizer = data_lib.load_tokenizer(d.tokenizer)
   except ImportError as e:
