@@ -138,8 +138,11 @@ def prompt_tokenizer(config, kind: str | None, *, workdir=None, hf_dir=None,
     return PromptTokenizer(data_lib.load_tokenizer("byte"))
   if kind == "hf" and not hf_dir:
     raise UsageError("--tokenizer=hf needs --hf_dir (the tokenizer files live there).")
-  return PromptTokenizer(loading.load_run_tokenizer(config, workdir=workdir, hf_dir=hf_dir,
-                                                    log=log))
+  try:
+    return PromptTokenizer(loading.load_run_tokenizer(config, workdir=workdir, hf_dir=hf_dir,
+                                                      log=log))
+  except UsageError as e:
+    raise UsageError(f"{e} (or pass --tokenizer=ids and token ids as prompts)") from None
 
 
 # ----------------------------------------------------------------------------------------------
