@@ -382,6 +382,9 @@ def resolve_hf_init(config: ml_collections.ConfigDict, log=None) -> ml_collectio
     (:data:`models.convert_hf.HF_SHAPE_FIELDS`), which the weights fix: a
     different value there is a ConfigError.
 
+  ``data.tokenizer`` None (``configs/finetune.py``'s default) becomes ``init.hf_dir``:
+  the tokenizer files of the Hugging Face directory.
+
   Idempotent (a resolved config resolves to itself), so train.py can resolve
   before saving the run's config and again inside :func:`train.train`.
   Without ``init.hf_dir`` the config is returned unchanged.
@@ -409,6 +412,8 @@ def resolve_hf_init(config: ml_collections.ConfigDict, log=None) -> ml_collectio
     what = f"config.json lacks {e}" if isinstance(e, KeyError) else str(e)
     raise ConfigError(f"init.hf_dir={hf_dir!r}: {what}") from None
   config = config.copy_and_resolve_references()
+  if config.data.get("tokenizer") is None:
+    config.data.tokenizer = hf_dir
   for name, value in fields.items():
     current = config.model.get(name)
     if current is None:
@@ -436,6 +441,10 @@ def check_text_data(d: ml_collections.ConfigDict, m: ml_collections.ConfigDict) 
   if not 0 < d.eval_fraction < 1:
     raise ConfigError(f"data.eval_fraction={d.eval_fraction} must be in (0, 1): the eval "
                       "split is the last files (or a single file's tail).")
+  if d.tokenizer is None:
+    raise ConfigError("data.tokenizer is unset (configs/finetune.py takes the tokenizer of "
+                      "init.hf_dir): pass --config.init.hf_dir=DIR or --config.data.tokenizer="
+                      "(a tokenizer.json, a SentencePiece .model, a directory, or 'byte').")
   try:
     tokenizer = data_lib.load_tokenizer(d.tokenizer)
   except ImportError as e:
