@@ -7,6 +7,7 @@ import sys
 
 import jax
 import numpy as np
+import pytest
 from flax import nnx
 
 import train as train_script
@@ -194,3 +195,41 @@ def test_weight_decay_skips_stacked_norm_scales():
   for path, u in jax.tree.leaves_with_path(updates):
     name = jax.tree_util.keystr(path)
     assert bool(jnp.all(u == 0)) == ("norm" in name), name
+
+
+def _losses(config, steps: int = 3):
+  """Losses of ``steps`` train steps of ``config`` on its mesh (same seed and batches)."""
+  mesh = cfg_lib.make_mesh(config.mesh)
+  model_cfg = cfg_lib.llama_config(config)
+  model_cfg, _ = cfg_lib.resolve_attention(config, model_cfg, mesh)
+  tx = step_lib.make_optimizer(config.optim, config.total_steps)
+  train_step = step_lib.build_train_step(model_cfg, mesh, tx, seed=config.seed)
+  params, opt_state = train_step.init_state()
+  sharding = batch_lib.sharding(mesh)
+  shape = (config.batch_size, config.data.seq_len)
+  dataset = data_lib.make_dataset(config, sharding, mesh.shape["sequence"], split="train")
+  losses = []
+  with jax.set_mesh(mesh):
+    for i in range(steps):
+      batch = data_lib.to_global(dataset[i], sharding, shape)
+      params, opt_state, metrics = train_step.step(params, opt_state, batch)
+      losses.append(float(metrics["loss"]))
+  return np.asarray(losses)
+
+
+@pytest.fixture(scope="module")
+def ring_losses():
+  return _losses(small_config(**STRATEGY_MESH, **{"model.attention": "ring"}))
+
+
+# 8 devices with every axis > 1: Ulysses over sequence (2 of the 2 query heads per tensor
+# shard), the hybrid's ring over sequence and Ulysses over tensor (its default hybrid_axes).
+STRATEGY_MESH = {"mesh.data": 2, "mesh.sequence": 2, "mesh.tensor": 2}
+
+
+@pytest.mark.parametrize("attention", ["all_gather", "ulysses", "hybrid", "auto", "dense"])
+def test_every_strategy_follows_the_ring_loss_curve(ring_losses, attention):
+  """model.attention=<strategy>: the same 3-step loss curve as the ring (float32)."""
+  losses = _losses(small_config(**STRATEGY_MESH, **{"model.attention": attention}))
+  assert ring_losses[0] != ring_losses[-1]  # the curve moves
+  np.testing.assert_allclose(losses, ring_losses, rtol=1e-5)
