@@ -42,10 +42,15 @@ CPU-only transformation).
 
 from __future__ import annotations
 
+import collections
+import glob
 import json
 import math
 import os
+import re
+import shutil
 import sys
+import tempfile
 import time
 
 from absl import app
@@ -74,6 +79,10 @@ _RESOLUTION = flags.DEFINE_float(
     "shortest non-fitting length is below this fraction of the former.")
 _XLA_FLAGS = flags.DEFINE_string("xla_flags", "", "Extra XLA flags for the compile.")
 _OUT = flags.DEFINE_string("out", None, "Also write the final JSON object to this file.")
+_COLLECTIVES = flags.DEFINE_bool(
+    "collectives", False, "Also count each compiled step's collectives in its partitioned HLO "
+    "(count_collectives: all-gather, reduce-scatter, all-reduce, all-to-all, "
+    "collective-permute) into the rows.")
 
 
 class FitError(ValueError):
@@ -100,10 +109,89 @@ def resolve_mesh(config, devices: int, mesh_text: str | None) -> dict[str, int]:
                    f"or --config.mesh.sequence={devices} --config.mesh.data=-1.") from None
 
 
+# ----------------------------------------------------------------------------
+# Collectives of a compiled program
+# ----------------------------------------------------------------------------
+
+COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
+# "%name = shape op(operands), attributes"; a tuple shape has spaces, so it is matched whole.
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=\s*(\([^=]*?\)|\S+)\s+"
+                          r"([\w\-]+)\((.*?)\)")
+_ARRAY = re.compile(r"\b([a-z]+\d*)\[([\d,]*)\]")
+_ITEM_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "f32": 4, "s32": 4,
+               "u32": 4, "f64": 8, "s64": 8, "u64": 8}
+
+
+def compile_partitioned(lowered):
+  """``(compiled, hlo)``: ``lowered.compile()`` and the HLO text the SPMD partitioner
+  produced for it (dumped during that one compile), the program :func:`count_collectives`
+  reads."""
+  directory = tempfile.mkdtemp(prefix="fit_hlo_")
+  try:
+    compiled = lowered.compile(compiler_options={
+        "xla_dump_to": directory, "xla_dump_hlo_pass_re": "spmd-partitioning"})
+    found = sorted(glob.glob(os.path.join(directory, "*after_spmd-partitioning*.txt")))
+    if not found:
+      raise RuntimeError(f"XLA wrote no partitioned HLO into {directory}")
+    with open(found[-1]) as f:
+      return compiled, f.read()
+  finally:
+    shutil.rmtree(directory, ignore_errors=True)
+
+
+def count_collectives(hlo: str) -> dict[str, dict[str, int]]:
+  """``{kind: {"count", "bytes"}}`` of the collectives in HLO text, per device.
+
+  Read from the SPMD partitioner's output (:func:`compile_partitioned`): the
+  partitioner writes a reduce-scatter as an ``all-reduce`` whose result each
+  device only slices with ``dynamic-slice`` (its shard), possibly after adding it to
+  other such partial sums (the backward pass of q, k and v sums three);
+  XLA:GPU/TPU rewrite that into ``reduce-scatter`` ops (``ReduceScatterCreator``),
+  XLA:CPU keeps the all-reduce, so CPU's compiled text would show all-reduces
+  only. Such an all-reduce counts here as a reduce-scatter. ``bytes`` is the
+  size of each result (a reduce-scatter's: the full buffer reduced). A loop
+  body (the layer scan) is counted once, not once per iteration.
+  """
+  ops, users = {}, collections.defaultdict(list)
+  for line in hlo.splitlines():
+    m = _INSTRUCTION.match(line)
+    if m:
+      name, shape, op, operands = m.groups()
+      ops[name] = (shape, op)
+      for operand in re.findall(r"%([\w.\-]+)", operands):
+        users[operand].append(name)
+  out = {kind: {"count": 0, "bytes": 0} for kind in COLLECTIVES}
+  for name, (shape, op) in ops.items():
+    kind = op.removesuffix("-start")
+    if kind not in COLLECTIVES:
+      continue
+    if kind == "all-reduce" and _only_sliced(name, ops, users):
+      kind = "reduce-scatter"
+    out[kind]["count"] += 1
+    out[kind]["bytes"] += sum(_ITEM_BYTES.get(t, 4) * math.prod(int(d) for d in dims.split(",")
+                                                                if d)
+                              for t, dims in _ARRAY.findall(shape))
+  return out
+
+
+# Ops a partial sum may pass through on its way to the slice that makes it a reduce-scatter.
+_PASS_THROUGH = ("add", "copy", "bitcast", "reshape", "convert")
+
+
+def _only_sliced(name: str, ops, users, depth: int = 0) -> bool:
+  """Whether every use of ``name`` ends, through :data:`_PASS_THROUGH` ops, in a slice."""
+  found = users.get(name, ())
+  if not found or depth > 8:
+    return False
+  return all(ops[u][1] == "dynamic-slice" or (
+      ops[u][1] in _PASS_THROUGH and _only_sliced(u, ops, users, depth + 1)) for u in found)
+
+
 class Planner:
   """Compiles the config's train step at given lengths and records the memory of each."""
 
-  def __init__(self, config, sizes: dict[str, int], limit_bytes: int):
+  def __init__(self, config, sizes: dict[str, int], limit_bytes: int,
+               collectives: bool = False):
     import jax
 
     from models import lengths
@@ -111,8 +199,12 @@ class Planner:
     from training import step as step_lib
 
     self.config, self.sizes, self.limit = config, sizes, limit_bytes
-    self.model_cfg = cfg_lib.llama_config(config)
+    self.collectives = collectives
     self.ring = sizes["sequence"]
+    self.mesh = cfg_lib.make_mesh(sizes, jax.devices()[:math.prod(sizes.values())])
+    # attention="auto" stays: its backend asks ring_jax.plan at each compiled length, what
+    # train.py would decide at startup for that data.seq_len.
+    self.model_cfg = cfg_lib.llama_config(config)
     self.multiple = lengths.length_multiple(self.model_cfg, self.ring)
     self.rows = config.batch_size
     micro = config.microbatches
@@ -120,7 +212,6 @@ class Planner:
       raise FitError(f"batch_size={self.rows} / microbatches={micro} must be divisible by the "
                      f"mesh 'data' axis ({sizes['data']}); e.g. --config.batch_size="
                      f"{sizes['data'] * micro}.")
-    self.mesh = cfg_lib.make_mesh(sizes, jax.devices()[:math.prod(sizes.values())])
     tx = step_lib.make_optimizer(config.optim, config.total_steps)
     self.step = step_lib.build_train_step(self.model_cfg, self.mesh, tx, microbatches=micro,
                                           seed=config.seed)
@@ -138,7 +229,12 @@ class Planner:
     except cfg_lib.ConfigError as e:
       raise FitError(f"{e} Lengths here are multiples of {self.multiple}.") from None
     t0 = time.perf_counter()
-    compiled = self.step.compile((self.rows, length))
+    counts = None
+    if self.collectives:
+      compiled, hlo = compile_partitioned(self.step.lower((self.rows, length)))
+      counts = count_collectives(hlo)
+    else:
+      compiled = self.step.compile((self.rows, length))
     ma = common.compiled_memory(compiled, common.MEMORY_FIELDS + ("host_temp_size_in_bytes",))
     total = common.per_device_bytes(ma)
     offloaded = 0
@@ -154,6 +250,8 @@ class Planner:
                compiled_per_device_bytes=total, offloaded_bytes=offloaded,
                per_device_bytes=device, fits=bool(device <= self.limit),
                compile_s=round(time.perf_counter() - t0, 1))
+    if counts is not None:
+      row["collectives"] = counts
     self.rows_by_length[length] = row
     print_row(row, self.unit)
     return row
@@ -214,7 +312,7 @@ def print_row(row: dict, unit: str) -> None:
 
 def run(config, *, devices: int, memory_gib: float, seq_len: int | None = None,
         mesh: str | None = None, start: int = 131072, max_len: int = 2 ** 26,
-        resolution: float = 0.125) -> dict:
+        resolution: float = 0.125, collectives: bool = False) -> dict:
   """The planner on the current JAX backend; returns the final JSON object as a dict."""
   import jax
 
@@ -223,10 +321,11 @@ def run(config, *, devices: int, memory_gib: float, seq_len: int | None = None,
     raise FitError(f"--devices={devices} but JAX has {len(jax.devices())} devices; run "
                    "benchmarks/fit.py as a script (it creates the fake CPU devices).")
   limit = int(memory_gib * GIB)
-  planner = Planner(config, sizes, limit)
+  planner = Planner(config, sizes, limit, collectives=collectives)
   m = planner.model_cfg
   print(f"train step of {m.num_params() / 1e9:.3f}B params (remat_policy={m.remat_policy}, "
-        f"layout={m.layout}, attention={m.attention}, dtype={m.dtype}, param_dtype="
+        f"layout={m.layout}, attention={m.attention}, tensor_sequence_parallel="
+        f"{m.tensor_sequence_parallel}, dtype={m.dtype}, param_dtype="
         f"{m.param_dtype}); mesh {sizes}; batch {planner.rows} rows; lengths in multiples of "
         f"{planner.multiple}; limit {memory_gib:g} GiB per device; compiled for "
         f"{jax.devices()[0].platform} ({jax.devices()[0].device_kind})", flush=True)
@@ -272,7 +371,8 @@ def main(argv) -> None:
   try:
     result = run(_CONFIG.value, devices=_DEVICES.value, memory_gib=_MEMORY_GIB.value,
                  seq_len=_SEQ_LEN.value, mesh=_MESH.value, start=_START.value,
-                 max_len=_MAX_LEN.value, resolution=_RESOLUTION.value)
+                 max_len=_MAX_LEN.value, resolution=_RESOLUTION.value,
+                 collectives=_COLLECTIVES.value)
   except (FitError, ConfigError) as e:  # FitError is a setting of this tool, ConfigError one
     print(f"error: {e}", file=sys.stderr, flush=True)  # of the config: both name the fix
     sys.exit(2)

@@ -460,8 +460,11 @@ class MLP(nnx.Module):
     if out_lead_names is None:
       out_lead_names = tuple("residual_length" if n == "length" else n for n in lead_names)
     x_XD = shd.with_logical_constraint(x_XD, (*lead_names, "embed"))
-    gate_XF = jnp.einsum("...D,DF->...F", x_XD, _weight(self.w_gate, cfg))
-    up_XF = jnp.einsum("...D,DF->...F", x_XD, _weight(self.w_up, cfg))
+    # Named like the attention's q/k/v: the hidden stays split over "mlp" in the backward
+    # pass too (left free, GSPMD split it over the tokens there and gathered the weights).
+    hidden = lambda h: shd.with_logical_constraint(h, (*lead_names, "mlp"))
+    gate_XF = hidden(jnp.einsum("...D,DF->...F", x_XD, _weight(self.w_gate, cfg)))
+    up_XF = hidden(jnp.einsum("...D,DF->...F", x_XD, _weight(self.w_up, cfg)))
     h_XF = jax.nn.silu(gate_XF) * up_XF
     return shd.logical_einsum("...F,FD->...D", h_XF, _weight(self.w_down, cfg),
                               (*out_lead_names, "embed"))
@@ -604,8 +607,10 @@ class Llama(nnx.Module):
       positions_BL = jnp.broadcast_to(positions_BL, tokens_BL.shape)
     positions_BL = shd.with_logical_constraint(positions_BL, ("batch", "length"))
     with jax.named_scope("embed"):
-      x_BLD = shd.logical_take(_weight(self.embed, cfg), tokens_BL,
-                               ("batch", "residual_length", "embed"))
+      # Vocabulary-parallel lookup (partial sums over the tensor peers), reduce-scattered into
+      # the residual stream's split (looked up straight into it, GSPMD gathered the table).
+      x_BLD = shd.logical_take(_weight(self.embed, cfg), tokens_BL, ("batch", "length", "embed"))
+      x_BLD = shd.with_logical_constraint(x_BLD, ("batch", "residual_length", "embed"))
     cos_BL1H, sin_BL1H = rope_tables(positions_BL, rope_inv_freq(cfg))
 
     graphdef, stacked = nnx.split(self.layers)
