@@ -146,9 +146,10 @@ def plan_attention(cfg, mesh, batch: int, seq_len: int):
   if seq_axis is None:
     return None
   batch_axis, head_axis = _axes_for_shapes(mesh, batch, cfg.num_heads, cfg.num_kv_heads)
-  devices = getattr(mesh, "devices", None)
-  device = (devices.flat[0].device_kind if devices is not None and getattr(devices, "size", 0)
-            else jax.devices()[0].device_kind)
+  try:
+    device = mesh.devices.flat[0].device_kind
+  except (AttributeError, ValueError, IndexError):  # an AbstractMesh (inside jit): no devices
+    device = jax.devices()[0].device_kind
   return ring_jax.plan(
       batch=batch, seq_len=seq_len, heads=cfg.num_heads, kv_heads=cfg.num_kv_heads,
       head_dim=cfg.resolved_head_dim, dtype=cfg.dtype, is_causal=True, layout=cfg.layout,

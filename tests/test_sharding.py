@@ -242,7 +242,7 @@ def test_tensor_sequence_parallel_trades_all_reduce_for_reduce_scatter_and_all_g
   off, they are all-reduced. The ring (collective-permute over sequence) is unchanged."""
   import optax
 
-  from benchmarks import fit
+  from benchmarks import common as bench
   from training import step as step_lib
 
   mesh = make_mesh(auto=True, data=1, sequence=2, tensor=4)
@@ -250,8 +250,8 @@ def test_tensor_sequence_parallel_trades_all_reduce_for_reduce_scatter_and_all_g
   for tsp in (False, None):
     cfg = LlamaConfig(**{**TINY, "num_kv_heads": 4}, tensor_sequence_parallel=tsp)
     step = step_lib.build_train_step(cfg, mesh, optax.sgd(1e-2))
-    compiled, hlo = fit.compile_partitioned(step.lower((B, 64)))
-    counts[tsp] = fit.count_collectives(hlo)
+    compiled, hlo = bench.compile_partitioned(step.lower((B, 64)))
+    counts[tsp] = bench.count_collectives(hlo)
     temp[tsp] = compiled.memory_analysis().temp_size_in_bytes
   off, on = counts[False], counts[None]
   assert off["reduce-scatter"]["count"] == 0
