@@ -190,8 +190,10 @@ def _sharded_strategy(strategy: str) -> AttentionBackend:
     seq = seq_axis
     if name == "hybrid":
       seq = hybrid_seq_axes(cfg, mesh)
-      if head_axis in seq:  # the Ulysses axis splits the heads itself
-        head_axis = None
+      # The Ulysses axis splits the heads itself; a batch axis used for the sequence is
+      # not also a batch split.
+      head_axis = None if head_axis in seq else head_axis
+      batch_axis = None if batch_axis in seq else batch_axis
     return ring_jax.attention_sharded(
         q_BLNH, k_BLKH, v_BLKH, mesh=mesh, strategy=name, seq_axis=seq,
         batch_axis=batch_axis, head_axis=head_axis, is_causal=True, segment_ids=segment_ids_BL,

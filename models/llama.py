@@ -13,14 +13,19 @@ Conventions the rest of the project relies on:
   ``inputs_in_layout=True``, and the dense backend masks with
   ``q_positions=kv_positions=positions``. Logits come back in the same order.
 * **Attention backends.** ``cfg.attention`` names an entry of
-  :data:`models.attention.ATTENTION_BACKENDS` (``"ring"``, ``"dense"``, or
-  one registered with :func:`models.attention.register_attention`).
+  :data:`models.attention.ATTENTION_BACKENDS` (``"ring"``, ``"all_gather"``,
+  ``"ulysses"``, ``"hybrid"``, ``"auto"``, ``"dense"``, or one registered with
+  :func:`models.attention.register_attention`).
 * **Profiles.** Embedding, each layer and its attention and MLP blocks, the
   output head and the loss run under ``jax.named_scope`` (``embed``,
   ``layer/attention/ring``, ``layer/mlp``, ``head``, ``loss``).
 * **Sharding.** Parameters carry logical axis names (Variable metadata
   ``logical_axes``); :mod:`models.sharding` maps them to mesh axes. The mesh is
-  the one set with ``jax.set_mesh`` (none: everything runs unsharded).
+  the one set with ``jax.set_mesh`` (none: everything runs unsharded). The
+  residual stream's tokens are named ``residual_length``, those the projections
+  and attention see ``length``: the rules table (``cfg.logical_rules``, under
+  which the entry points trace) decides whether tensor peers split the former
+  (``tensor_sequence_parallel``).
 * **Tree mode.** The model holds only ``nnx.Param`` arrays (RoPE tables are
   computed from positions, nothing is cached), no Variable is shared, and
   ``__call__`` is pure, so ``nnx.split`` / ``nnx.merge`` around a ``jax.jit``
@@ -96,7 +101,9 @@ class LlamaConfig:
   "factor": f}`` or ``{"rope_type": "llama3", "factor", "low_freq_factor",
   "high_freq_factor", "original_max_position_embeddings"}`` (``"type"`` is
   accepted for ``"rope_type"``). ``attention`` is a key of
-  :data:`models.attention.ATTENTION_BACKENDS` (``"ring"``, ``"dense"``);
+  :data:`models.attention.ATTENTION_BACKENDS` (``"ring"``, ``"all_gather"``,
+  ``"ulysses"``, ``"hybrid"`` over ``hybrid_axes``, ``"auto"``, ``"dense"``);
+  ``tensor_sequence_parallel`` picks the rules table (:func:`models.sharding.rules`);
   ``hop_kernel`` names the ring's per-hop kernel (a key of
   :data:`ring_jax.kernels.HOP_KERNELS`, or ``"auto"``: see :mod:`ring_jax.kernels`);
   ``remat_policy`` a key of :data:`REMAT_POLICIES`; ``dtype`` the compute

@@ -5,7 +5,9 @@ dimensions (Variable metadata ``logical_axes``, e.g. ``("layers", "embed",
 "heads", "head_dim")``) and every constrained activation names its dimensions
 the same way. :data:`LOGICAL_RULES` maps those names to the mesh axes
 ``data``, ``tensor`` and ``sequence``; nothing else in the model mentions a
-mesh axis. (The same idea as ``ShardingRules`` in jax-llm-examples' llama3 and
+mesh axis. :func:`rules` gives the table of a model's settings (tensor sequence
+parallelism on or off: the ``residual_length`` rule), and :func:`use_rules`
+makes it the table the helpers here use while a model traces. (The same idea as ``ShardingRules`` in jax-llm-examples' llama3 and
 ``logical_axis_rules`` in Flax/MaxText.)
 
 Mesh axes a rule names but the current mesh lacks are dropped, as are axes

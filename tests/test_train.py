@@ -233,3 +233,44 @@ def test_every_strategy_follows_the_ring_loss_curve(ring_losses, attention):
   losses = _losses(small_config(**STRATEGY_MESH, **{"model.attention": attention}))
   assert ring_losses[0] != ring_losses[-1]  # the curve moves
   np.testing.assert_allclose(losses, ring_losses, rtol=1e-5)
+
+
+def test_tensor_sequence_parallel_keeps_the_loss_curve():
+  """model.tensor_sequence_parallel off == on (the default with tensor > 1): the train step's
+  3-step losses on data=1 x sequence=2 x tensor=4, with the blockwise FFN and chunked loss."""
+  overrides = {"mesh.data": 1, "mesh.sequence": 2, "mesh.tensor": 4, "model.num_kv_heads": 4,
+               "model.ffn_chunk_size": 4, "model.loss_chunk_size": 8}
+  on = _losses(small_config(**overrides))
+  off = _losses(small_config(**overrides, **{"model.tensor_sequence_parallel": False}))
+  assert on[0] != on[-1]
+  np.testing.assert_allclose(on, off, rtol=1e-5)
+
+
+def test_auto_attention_is_decided_once_and_says_why():
+  """model.attention="auto": ring_jax.plan's pick for the run's shapes, with its reasons, in
+  the line train.py prints at startup; any other strategy is left as it is."""
+  config = small_config(**{"model.attention": "auto"})
+  mesh = cfg_lib.make_mesh(config.mesh)
+  resolved, line = cfg_lib.resolve_attention(config, cfg_lib.llama_config(config), mesh)
+  assert resolved.attention in ("ring", "all_gather", "ulysses")
+  assert line.startswith(f"attention=auto -> {resolved.attention} (ring_jax.plan): ")
+  assert len(line) > len("attention=auto -> ring (ring_jax.plan): ") + 10  # the reasons
+  ring = small_config()
+  model_cfg = cfg_lib.llama_config(ring)
+  assert cfg_lib.resolve_attention(ring, model_cfg, mesh) == (model_cfg, None)
+
+
+@pytest.mark.parametrize("overrides,match", [
+    ({"model.attention": "ulysses", "model.num_heads": 4, "model.num_kv_heads": 2,
+      "mesh.sequence": 8, "mesh.data": 1}, "ulysses.*query heads per tensor shard"),
+    ({"model.attention": "hybrid", "model.hybrid_axes": ("data", "tensor")},
+     r"hybrid_axes=\('data', 'tensor'\) must be \('sequence'"),
+    ({"model.attention": "hybrid", "model.hybrid_axes": ("sequence", "data"),
+      "model.num_heads": 6, "model.num_kv_heads": 6, "mesh.data": 4, "mesh.sequence": 2},
+     "hybrid.*Ulysses over 'data' \\(4\\) needs 6 query heads"),
+    ({"mesh.data": 1, "mesh.sequence": 2, "mesh.tensor": 4, "model.num_kv_heads": 4,
+      "model.ffn_chunk_size": 16}, "ffn_chunk_size=16 must divide the residual"),
+])
+def test_mesh_dependent_model_fields_fail_before_compiling(overrides, match):
+  with pytest.raises(cfg_lib.ConfigError, match=match):
+    cfg_lib.validate_config(small_config(**overrides), num_devices=8)

@@ -24,6 +24,7 @@ import numpy as np
 
 from models import attention as attn_lib
 from models import lengths
+from models.attention import ATTENTION_BACKENDS
 from models.sharding import MESH_AXES
 from ring_jax import kernels, layouts
 
@@ -336,9 +337,9 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int) -> dict
   sizes = mesh_shape(config.mesh, num_devices)
   ring, tensor, data_par = sizes["sequence"], sizes["tensor"], sizes["data"]
 
-  if m.attention not in attn_lib.ATTENTION_BACKENDS:
+  if m.attention not in ATTENTION_BACKENDS:
     raise ConfigError(f"model.attention={m.attention!r} is unknown; choose one of "
-                      f"{sorted(attn_lib.ATTENTION_BACKENDS)}.")
+                      f"{sorted(ATTENTION_BACKENDS)}.")
   hop_kernel = m.get("hop_kernel", "auto")
   if hop_kernel not in kernels.kernel_names():
     raise ConfigError(f"model.hop_kernel={hop_kernel!r} is unknown; choose one of "
