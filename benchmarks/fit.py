@@ -4,6 +4,8 @@ r"""How long a context fits: the longest ``seq_len`` whose train step fits in me
   python benchmarks/fit.py --config configs/llama_1b.py:long --devices 8 --memory_gib 128
   python benchmarks/fit.py --config configs/llama_1b.py --devices 8 --mesh data=1,sequence=8 \
       --seq_len 1048576 --config.model.remat_policy=full --config.batch_size=1
+  python benchmarks/fit.py --config configs/llama_7b.py --devices 8 \
+      --mesh data=1,sequence=2,tensor=4 --config.batch_size=1 --seq_len 65536 --collectives
 
 Compiles the real train step (``training.step.build_train_step``: the model,
 optimizer, shardings and ``jit_train_step`` that ``train.py`` compiles) ahead of time
@@ -36,7 +38,9 @@ planner subtracts them ("to host" column: the placements the step has when
 lowered for a GPU, one stacked residual per layer), so for offloading
 policies the figure is the compiled CPU plan minus what an accelerator holds
 in host memory, which assumes the rest of the plan does not change when the
-offload happens. ``--xla_flags`` passes extra XLA flags (e.g. to switch off a
+offload happens. ``--collectives`` adds each row's collectives (count and bytes per
+kind, :func:`benchmarks.common.count_collectives`) read from the HLO the SPMD
+partitioner wrote during the same compile. ``--xla_flags`` passes extra XLA flags (e.g. to switch off a
 CPU-only transformation).
 """
 

@@ -246,15 +246,19 @@ def test_tensor_sequence_parallel_keeps_the_loss_curve():
   np.testing.assert_allclose(on, off, rtol=1e-5)
 
 
-def test_auto_attention_is_decided_once_and_says_why():
+def test_auto_attention_is_decided_once_and_says_why(tmp_path, capsys):
   """model.attention="auto": ring_jax.plan's pick for the run's shapes, with its reasons, in
-  the line train.py prints at startup; any other strategy is left as it is."""
-  config = small_config(**{"model.attention": "auto"})
+  the line train.py prints at startup (and runs); any other strategy is left as it is."""
+  config = small_config(**{"model.attention": "auto", "total_steps": 1})
   mesh = cfg_lib.make_mesh(config.mesh)
   resolved, line = cfg_lib.resolve_attention(config, cfg_lib.llama_config(config), mesh)
   assert resolved.attention in ("ring", "all_gather", "ulysses")
   assert line.startswith(f"attention=auto -> {resolved.attention} (ring_jax.plan): ")
   assert len(line) > len("attention=auto -> ring (ring_jax.plan): ") + 10  # the reasons
+  capsys.readouterr()
+  train_script.train(config, str(tmp_path))
+  startup = capsys.readouterr().out.splitlines()
+  assert f"attention={resolved.attention} " in startup[0] and startup[1] == line
   ring = small_config()
   model_cfg = cfg_lib.llama_config(ring)
   assert cfg_lib.resolve_attention(ring, model_cfg, mesh) == (model_cfg, None)
