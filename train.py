@@ -246,10 +246,13 @@ def train(config, workdir: str, *, stop_at_step: int | None = None) -> TrainResu
   sizes = cfg_lib.validate_config(config, jax.device_count())
   model_cfg = cfg_lib.llama_config(config)
   mesh = cfg_lib.make_mesh(config.mesh)
+  model_cfg, attention_line = cfg_lib.resolve_attention(config, model_cfg, mesh)
   ring_size = sizes["sequence"]
   log(f"devices: {jax.device_count()} x {jax.devices()[0].device_kind} "
       f"({jax.process_count()} process(es)); mesh {sizes}; attention={model_cfg.attention} "
       f"layout={model_cfg.layout} ring={ring_size}")
+  if attention_line:
+    log(attention_line)
 
   # Installed early: a signal during compilation still ends in a clean stop after one step.
   stop = StopRequest().install()

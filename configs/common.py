@@ -32,7 +32,11 @@ def base_config() -> ml_collections.ConfigDict:
       rope_scaling=config_dict.placeholder(dict),
       norm_eps=1e-5,
       tie_embeddings=False,
-      attention="ring",  # or "dense" (the O(L^2) oracle)
+      # Sequence-parallel strategy (models/attention.py): "ring", "all_gather", "ulysses",
+      # "hybrid" (ring over hybrid_axes[0] x Ulysses over hybrid_axes[1]), "auto"
+      # (ring_jax.plan's pick, decided and printed at startup), or "dense" (the O(L^2) oracle).
+      attention="ring",
+      hybrid_axes=("sequence", "tensor"),
       layout="zigzag",  # "contiguous" | "zigzag" | "striped"
       block_q=config_dict.placeholder(int),  # None: the ring picks block sizes
       block_kv=config_dict.placeholder(int),
@@ -45,6 +49,9 @@ def base_config() -> ml_collections.ConfigDict:
       dtype="float32",
       param_dtype="float32",
       fsdp=False,
+      # Megatron-style sequence parallelism on 'tensor' (docs/performance.md): the residual
+      # stream split over sequence x tensor. None: on when mesh.tensor > 1; False: off.
+      tensor_sequence_parallel=config_dict.placeholder(bool),
       init_std=0.02,
   ))
 

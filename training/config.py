@@ -22,6 +22,7 @@ import jax
 import ml_collections
 import numpy as np
 
+from models import attention as attn_lib
 from models import lengths
 from models.attention import ATTENTION_BACKENDS
 from models.sharding import MESH_AXES
@@ -250,6 +251,59 @@ def check_seq_len(model_config, ring: int, seq_len: int) -> int:
                       f"mesh 'sequence' axis ({ring}): {e}") from None
 
 
+def check_model_parallelism(model_config, sizes: dict[str, int], seq_len: int) -> None:
+  """The ``config.model`` fields that depend on the mesh beyond the heads: the attention
+  strategy's head and axis rules, and tensor sequence parallelism's local length.
+
+  Raises:
+    ConfigError: naming the field and the fix.
+  """
+  m, ring, tensor = model_config, sizes["sequence"], sizes["tensor"]
+  heads_here = m.num_heads // tensor
+  kv_here = m.num_kv_heads // tensor if m.num_kv_heads % tensor == 0 else m.num_kv_heads
+  if m.attention == "ulysses" and ring > 1 and (
+      heads_here % ring or (kv_here % ring and ring % kv_here)):
+    raise ConfigError(
+        f"model.attention='ulysses' over the mesh 'sequence' axis ({ring}) needs the query heads "
+        f"per tensor shard ({heads_here}) divisible by it and the key/value heads ({kv_here}) "
+        "a multiple or a divisor of it; use model.attention='ring' or 'hybrid', or other sizes.")
+  if m.attention == "hybrid":
+    axes = tuple(m.get("hybrid_axes", ("sequence", "tensor")))
+    if len(axes) != 2 or axes[0] != "sequence" or axes[1] not in sizes or axes[1] == axes[0]:
+      raise ConfigError(
+          f"model.hybrid_axes={axes} must be ('sequence', <another mesh axis>): the ring runs "
+          f"over 'sequence', Ulysses over the second (mesh axes: {tuple(sizes)}).")
+    u = sizes[axes[1]]
+    heads, kv = (m.num_heads, m.num_kv_heads) if axes[1] == "tensor" else (heads_here, kv_here)
+    if heads % u or (kv % u and u % kv):
+      raise ConfigError(
+          f"model.attention='hybrid' with Ulysses over '{axes[1]}' ({u}) needs {heads} query "
+          f"heads divisible by it and {kv} key/value heads a multiple or a divisor of it.")
+  tsp = m.get("tensor_sequence_parallel", None)
+  if tsp is not False and tensor > 1 and m.get("ffn_chunk_size") and seq_len % (ring * tensor) == 0:
+    local = seq_len // (ring * tensor)
+    if local % m.ffn_chunk_size:
+      raise ConfigError(
+          f"model.ffn_chunk_size={m.ffn_chunk_size} must divide the residual stream's local "
+          f"length {local} (data.seq_len {seq_len} / sequence {ring} / tensor {tensor}: tensor "
+          "sequence parallelism splits it over both); use a divisor of it, or "
+          "model.tensor_sequence_parallel=False.")
+
+
+def resolve_attention(config: ml_collections.ConfigDict, model_cfg, mesh):
+  """``(model_cfg, line)``: ``model.attention="auto"`` decided once for the run's shapes
+  (:func:`models.attention.resolve_attention`: ``ring_jax.plan`` for a microbatch of
+  ``batch_size / microbatches`` rows of ``data.seq_len`` tokens on ``mesh``) and the startup
+  line saying what it chose and why; any other strategy: unchanged, ``line=None``."""
+  rows = config.batch_size // config.microbatches
+  resolved, chosen = attn_lib.resolve_attention(model_cfg, mesh, rows, config.data.seq_len)
+  if resolved is model_cfg:
+    return model_cfg, None
+  why = ("no sequence axis (falls back to dense)" if chosen is None
+         else "; ".join(chosen.reasons))
+  return resolved, f"attention=auto -> {resolved.attention} (ring_jax.plan): {why}"
+
+
 def profile_steps(config: ml_collections.ConfigDict) -> range | None:
   """``config.profile_steps`` (``"START:STOP"``: steps START to STOP-1) as a ``range``;
   None when unset or empty (no profile).
@@ -321,6 +375,7 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int) -> dict
 
   check_seq_len(m, ring, d.seq_len)
   validate_distributed(config)
+  check_model_parallelism(m, sizes, d.seq_len)
 
   for name in ("batch_size", "eval_batch_size"):
     batch, micro = config[name], (config.microbatches if name == "batch_size" else 1)
