@@ -615,22 +615,23 @@ class Llama(nnx.Module):
     cfg = self.cfg
     batch = x_BLD.shape[0]
     data = pipeline_lib.rule_shards("batch")
-    micro = cfg.pipeline_microbatches
-    if micro is None:
-      micro = pipeline_lib.default_microbatches(batch, stages, data)
-    pipeline_lib.check_microbatches(batch, micro, data)
-    names = dict(x=("batch", "length", "embed"), positions=("batch", "length"),
-                 segment_ids=None if segment_ids_BL is None else ("batch", "length"))
-    rows = dict(x=x_BLD, positions=positions_BL, segment_ids=segment_ids_BL)
+    micro = pipeline_lib.resolve_microbatches(cfg.pipeline_microbatches, batch, stages, data)
+    # What travels from stage to stage with each microbatch (per-row inputs of the layers).
+    rows = dict(x=x_BLD, positions=positions_BL)
+    names = dict(x=("batch", "length", "embed"), positions=("batch", "length"))
+    if segment_ids_BL is not None:
+      rows["segment_ids"], names["segment_ids"] = segment_ids_BL, ("batch", "length")
     inputs = jax.tree.map(
         lambda a, n: shd.with_logical_constraint(
             pipeline_lib.split_microbatches(a, micro), (None, *n)), rows, names)
-    inputs = {k: v for k, v in inputs.items() if v is not None}
-    names = {k: v for k, v in names.items() if v is not None}
 
     def stage(stage_state, carry):
-      x_BLD, _ = layer_stack(carry["x"], stage_state, None, carry["positions"],
-                             carry.get("segment_ids"))
+      x_BLD, aux = layer_stack(carry["x"], stage_state, None, carry["positions"],
+                               carry.get("segment_ids"))
+      if jax.tree.leaves(aux):
+        raise ValueError("attention outputs carried out of the layers (e.g. a prefill's KV "
+                         f"cache) are not supported on a mesh with pipeline={stages}; use "
+                         "a mesh with pipeline=1.")
       return dict(carry, x=x_BLD)
 
     stage_params = pipeline_lib.to_stages(stacked, stages)

@@ -77,6 +77,14 @@ def default_microbatches(batch: int, stages: int, data: int = 1) -> int:
   return 1
 
 
+def resolve_microbatches(configured: int | None, batch: int, stages: int, data: int = 1) -> int:
+  """``configured`` (``LlamaConfig.pipeline_microbatches``) or, when None, the default;
+  checked against ``batch`` rows over ``data`` shards (:func:`check_microbatches`)."""
+  micro = default_microbatches(batch, stages, data) if configured is None else configured
+  check_microbatches(batch, micro, data)
+  return micro
+
+
 def check_microbatches(batch: int, microbatches: int, data: int = 1) -> None:
   """ValueError naming the fix unless ``microbatches`` splits ``batch`` over ``data``."""
   if microbatches < 1 or batch % microbatches:

@@ -21,7 +21,7 @@ def _tiny_config(**data_overrides):
 
 @pytest.fixture(scope="module")
 def mesh():
-  devices = np.asarray(jax.devices()[:8]).reshape(2, 4, 1)
+  devices = np.asarray(jax.devices()[:8]).reshape(2, 1, 4, 1)
   return jax.sharding.Mesh(devices, shd.MESH_AXES)
 
 

@@ -1,10 +1,16 @@
 """The pipeline axis: GPipe over `pipeline` == the one-device step (loss and every gradient)."""
 
+import json
+import os
+import subprocess
+import sys
+
 import jax
 import numpy as np
 import pytest
 from flax import nnx
 
+import train as train_script
 from model_utils import tiny_config
 from models import pipeline as pipeline_lib
 from training import batch as batch_lib
@@ -13,17 +19,26 @@ from training import data as data_lib
 from training import step as step_lib
 
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# The train.py runs: 4 steps, a checkpoint every 2.
+RUN = {"total_steps": 4, "log_every": 1, "eval_every": 1000, "checkpoint_every": 2,
+       "async_checkpointing": False}
+
+
+# tiny.py with 4 layers (so 4 stages divide them), small enough to compile in seconds, on
+# one device unless a test sets mesh sizes.
+SMALL = {
+    "model.dim": 32, "model.mlp_dim": 64, "model.num_heads": 4, "model.num_kv_heads": 2,
+    "model.num_layers": 4, "data.seq_len": 64, "batch_size": 8, "eval_batch_size": 8,
+    "eval_batches": 1, "data.kv.num_pairs": 4, "data.kv.num_queries": 4,
+    "optim.warmup_steps": 0, "optim.lr": 1e-3, "optim.eps": 1e-6,
+    "mesh.data": 1, "mesh.sequence": 1,
+}
+
+
 def small_config(**overrides):
-  """tiny.py with 4 layers (so 4 stages divide them), small enough to compile in seconds."""
-  settings = {
-      "model.dim": 32, "model.mlp_dim": 64, "model.num_heads": 4, "model.num_kv_heads": 2,
-      "model.num_layers": 4, "data.seq_len": 64, "batch_size": 8, "eval_batch_size": 8,
-      "eval_batches": 1, "data.kv.num_pairs": 4, "data.kv.num_queries": 4,
-      "optim.warmup_steps": 0, "optim.lr": 1e-3, "optim.eps": 1e-6,
-      "mesh.data": 1, "mesh.sequence": 1,
-  }
-  settings.update(overrides)
-  return tiny_config(**settings)
+  return tiny_config(**{**SMALL, **overrides})
 
 
 def loss_and_grads(config):
@@ -83,3 +98,80 @@ def test_bubble_fraction_and_default_microbatches():
   assert pipeline_lib.default_microbatches(8, 2, data=4) == 2  # rows must split over data
   assert pipeline_lib.default_microbatches(6, 2) == 3
   assert pipeline_lib.default_microbatches(1, 4) == 1
+
+
+@pytest.mark.parametrize("overrides,match", [
+    ({"mesh.pipeline": 4, "mesh.sequence": 2, "model.num_layers": 6},
+     r"mesh.pipeline=4 stages do not divide model.num_layers=6; choose mesh.pipeline from "
+     r"\[1, 2, 3, 6\]"),
+    ({"mesh.pipeline": 2, "mesh.sequence": 4, "model.pipeline_microbatches": 3},
+     "batch_size=8 on mesh.pipeline=2: pipeline_microbatches=3 must be >= 1 and divide the "
+     "batch of 8 rows"),
+    ({"mesh.pipeline": 2, "mesh.data": 4, "model.pipeline_microbatches": 4},
+     "2 rows per pipeline microbatch do not divide over the mesh 'data' axis \\(4\\)"),
+    ({"mesh.pipeline": 2, "mesh.sequence": 4, "eval_batch_size": 6,
+      "model.pipeline_microbatches": 4}, "eval_batch_size=6 on mesh.pipeline=2"),
+    ({"model.pipeline_microbatches": 0}, "model.pipeline_microbatches=0 must be >= 1"),
+])
+def test_config_validation_names_the_pipeline_problem(overrides, match):
+  with pytest.raises(cfg_lib.ConfigError, match=match):
+    cfg_lib.validate_config(small_config(**overrides), num_devices=8)
+
+
+def test_pipeline_alone_runs_with_default_microbatches():
+  """--config.mesh.pipeline=2 alone: validates, with 2 x 2 microbatches of the 8 rows."""
+  config = small_config(**{"mesh.pipeline": 2})
+  sizes = cfg_lib.validate_config(config, num_devices=2)
+  assert sizes == dict(data=1, pipeline=2, sequence=1, tensor=1)
+  assert pipeline_lib.resolve_microbatches(None, config.batch_size, 2) == 4
+
+
+def train_py(workdir, **overrides):
+  """``python train.py --config configs/tiny.py`` with SMALL's fields (and RUN's) as
+  ``--config.*`` flags; returns (stdout, losses by step from metrics.jsonl)."""
+  flat = {**SMALL, **RUN, **overrides}
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # train.py makes devices
+  env["JAX_PLATFORMS"] = "cpu"
+  cmd = [sys.executable, os.path.join(ROOT, "train.py"), "--config",
+         os.path.join(ROOT, "configs", "tiny.py"), "--workdir", str(workdir),
+         *(f"--config.{k}={v}" for k, v in flat.items())]
+  proc = subprocess.run(cmd, cwd=workdir.parent, env=env, capture_output=True, text=True,
+                        timeout=600)
+  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+  rows = [json.loads(l) for l in (workdir / "metrics.jsonl").read_text().splitlines()]
+  return proc.stdout, [r["train/loss"] for r in rows if "train/loss" in r]
+
+
+@pytest.fixture(scope="module")
+def one_device_losses(tmp_path_factory):
+  """train.py on one device (data=1, no pipeline): the reference loss curve."""
+  out, losses = train_py(tmp_path_factory.mktemp("one") / "run")
+  assert "mesh {'data': 1, 'pipeline': 1, 'sequence': 1, 'tensor': 1}" in out
+  assert len(losses) == RUN["total_steps"] and losses[-1] != losses[0]
+  return losses
+
+
+def test_train_py_on_pipeline_tensor_sequence_mesh(tmp_path, one_device_losses):
+  """`python train.py --config.mesh.pipeline=2 ...sequence=2 ...tensor=2`: the same losses."""
+  out, losses = train_py(tmp_path / "run", **{"mesh.pipeline": 2, "mesh.sequence": 2,
+                                                "mesh.tensor": 2})
+  assert "mesh {'data': 1, 'pipeline': 2, 'sequence': 2, 'tensor': 2}" in out
+  assert ("pipeline: 2 stages x 2 layers, GPipe over 4 microbatches, bubble fraction 0.200"
+          in out)
+  np.testing.assert_allclose(losses, one_device_losses, rtol=1e-5)
+
+
+def test_train_resumes_across_pipeline_sizes(tmp_path, one_device_losses):
+  """Steps 1-2 on pipeline=2 x data=2 x sequence=2, then 3-4 resumed from its checkpoint on
+  pipeline=4 x sequence=2: the checkpoint's [layers, ...] arrays restore into the new stage
+  shardings, and both halves follow the one-device loss curve."""
+  first_cfg = small_config(**RUN, **{"mesh.pipeline": 2, "mesh.data": 2, "mesh.sequence": 2})
+  first = train_script.train(first_cfg, str(tmp_path), stop_at_step=2)
+  second_cfg = small_config(**RUN, **{"mesh.pipeline": 4, "mesh.sequence": 2})
+  second = train_script.train(second_cfg, str(tmp_path))
+  assert [r["step"] for r in first.history] == [1, 2]
+  assert [r["step"] for r in second.history] == [3, 4]
+  for leaf in jax.tree.leaves(second.params.layers):  # stage blocks of 1 layer per device
+    assert leaf.sharding.spec[0] == "pipeline" and leaf.sharding.mesh.shape["pipeline"] == 4
+  np.testing.assert_allclose([r["loss"] for r in first.history + second.history],
+                             one_device_losses, rtol=1e-5)

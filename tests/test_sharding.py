@@ -152,9 +152,9 @@ def test_create_sharded_model_places_shards_without_full_copies():
 
 
 @pytest.mark.parametrize("mesh_shape,names,auto,fsdp,layout", [
-    ((2, 2, 2), shd.MESH_AXES, False, True, "zigzag"),  # FSDP + tensor + sequence, Explicit
-    ((2, 2, 2), shd.MESH_AXES, True, True, "striped"),  # the same on Auto (GSPMD) axes
-    ((1, 1, 1), shd.MESH_AXES, False, False, "zigzag"),  # a 1-device mesh: ring of size 1
+    ((2, 1, 2, 2), shd.MESH_AXES, False, True, "zigzag"),  # FSDP + tensor + sequence, Explicit
+    ((2, 1, 2, 2), shd.MESH_AXES, True, True, "striped"),  # the same on Auto (GSPMD) axes
+    ((1, 1, 1, 1), shd.MESH_AXES, False, False, "zigzag"),  # a 1-device mesh: ring of size 1
     ((2, 4), ("data", "tensor"), False, False, "zigzag"),  # no sequence axis: dense fallback
 ])
 def test_sharded_forward_matches_reference(reference, mesh_shape, names, auto, fsdp, layout):

@@ -298,10 +298,8 @@ def check_pipeline(config: ml_collections.ConfigDict, sizes: dict[str, int]) -> 
                       f"{m.num_layers}; choose mesh.pipeline from {divisors}.")
   for name, rows in (("batch_size", config.batch_size // config.microbatches),
                      ("eval_batch_size", config.eval_batch_size)):
-    chosen = micro if micro is not None else pipeline_lib.default_microbatches(
-        rows, stages, data_par)
     try:
-      pipeline_lib.check_microbatches(rows, chosen, data_par)
+      pipeline_lib.resolve_microbatches(micro, rows, stages, data_par)
     except ValueError as e:
       raise ConfigError(f"{name}={config[name]} on mesh.pipeline={stages}: {e} Set "
                         "model.pipeline_microbatches to a divisor of the rows, or change "
