@@ -114,8 +114,9 @@ def test_bubble_fraction_and_default_microbatches():
     ({"model.pipeline_microbatches": 0}, "model.pipeline_microbatches=0 must be >= 1"),
 ])
 def test_config_validation_names_the_pipeline_problem(overrides, match):
+  config = small_config(**overrides)
   with pytest.raises(cfg_lib.ConfigError, match=match):
-    cfg_lib.validate_config(small_config(**overrides), num_devices=8)
+    cfg_lib.validate_config(config, num_devices=int(np.prod(list(config.mesh.values()))))
 
 
 def test_pipeline_alone_runs_with_default_microbatches():
