@@ -599,7 +599,8 @@ class Llama(nnx.Module):
 
     stages = pipeline_lib.num_stages()
     if stages == 1:
-      x_BLD, aux = layer_stack(x_BLD, stacked, layer_xs, positions_BL, segment_ids_BL)
+      x_BLD, aux = layer_stack(x_BLD, pipeline_lib.unstaged(stacked), layer_xs, positions_BL,
+                               segment_ids_BL)
     else:
       if layer_xs is not None:
         raise ValueError("per-layer inputs (e.g. a KV cache for decoding) are not supported on "

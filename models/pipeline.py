@@ -132,6 +132,26 @@ def to_stages(stacked, stages: int):
   return jax.tree.map(one, stacked, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
+def unstaged(stacked):
+  """``stacked`` with its ``layers`` dimension replicated, for a plain scan over the layers.
+
+  On ``Explicit`` mesh axes a scan's ``xs`` must be replicated along the scanned
+  dimension, and the ``layers`` rule names ``pipeline`` even where it has one
+  device; resharding over a size-1 axis moves nothing. Auto axes need nothing.
+  """
+  from flax import nnx
+
+  mesh = shd.current_mesh()
+  if mesh is None or not shd.is_explicit_mesh(mesh):
+    return stacked
+
+  def one(var):
+    names = var.get_metadata()[shd.LOGICAL_AXES_KEY]
+    return var.replace(shd.with_logical_constraint(var.get_value(), (None, *names[1:])))
+
+  return jax.tree.map(one, stacked, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
 def gpipe(stage_fn: Callable, stage_params, inputs, names, *, stages: int):
   """Runs ``inputs`` (pytree, leading microbatch axis ``M``) through ``S`` stages, GPipe order.
 

@@ -229,7 +229,7 @@ def test_batches_are_layout_ordered_and_sharded(mesh, sharding):
   assert global_batch["tokens"].sharding == sharding
   # Device (data=0, sequence=3) holds zigzag chunks 3 and 4 of rows 0-1.
   shard = next(s for s in global_batch["tokens"].addressable_shards
-               if s.device == mesh.devices[0, 3, 0])
+               if s.device == mesh.devices[0, 0, 3, 0])
   np.testing.assert_array_equal(np.asarray(shard.data), natural["tokens"][:2][:, perm[48:64]])
 
 
