@@ -23,6 +23,7 @@ import os
 import subprocess
 import sys
 import tempfile
+from typing import ClassVar
 
 
 def _load_baseline(rev: str):
@@ -36,17 +37,20 @@ def _load_baseline(rev: str):
   sys.modules["baseline_xla"] = mod  # dataclasses look their module up there
   spec.loader.exec_module(mod)
   kernel = mod.XlaHopKernel()
-  if len(inspect.signature(kernel.backward).parameters) == 9:  # before the accumulators
-    return _Accumulating(kernel)
+  params = len(inspect.signature(kernel.backward).parameters)
+  if params in (9, 12):  # residuals (and accumulators) as separate positional arrays
+    return _OldProtocol(kernel, accumulates=params == 12)
   return kernel
 
 
 @dataclasses.dataclass(frozen=True)
-class _Accumulating:
-  """An older kernel whose backward returns the hop's gradients alone (no accumulators in),
-  adapted to today's protocol by adding them to the accumulators."""
+class _OldProtocol:
+  """A kernel of an older revision adapted to today's protocol: its backward took the
+  residuals ``out, lse, do, dlse`` (and, later, the accumulators ``dq, dk, dv``) as separate
+  positional arrays; before the accumulators it returned the hop's gradients alone."""
   inner: object
-  name: str = "baseline"
+  accumulates: bool
+  name: ClassVar[str] = "baseline"
 
   def check(self, *a):
     return self.inner.check(*a)
@@ -54,9 +58,12 @@ class _Accumulating:
   def forward(self, *a):
     return self.inner.forward(*a)
 
-  def backward(self, q, k, v, out, lse, do, dlse, masks, spec, dq, dk, dv):
-    gq, gk, gv = self.inner.backward(q, k, v, out, lse, do, dlse, masks, spec)
-    return dq + gq, dk + gk, dv + gv
+  def backward(self, q, k, v, masks, spec, res, acc):
+    from ring_jax.hop import HopGrads
+    if self.accumulates:
+      return HopGrads(*self.inner.backward(q, k, v, *res, masks, spec, *acc))
+    gq, gk, gv = self.inner.backward(q, k, v, *res, masks, spec)
+    return HopGrads(acc.dq + gq, acc.dk + gk, acc.dv + gv)
 
 
 def main(argv=None):

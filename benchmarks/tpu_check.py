@@ -43,7 +43,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import ring_jax  # noqa: E402
 from benchmarks import common  # noqa: E402
-from ring_jax.hop import HopMasks, HopSpec, zero_grads  # noqa: E402
+from ring_jax.hop import HopMasks, HopResiduals, HopSpec, zero_grads  # noqa: E402
 from ring_jax.kernels.pallas_tpu import PallasTpuHopKernel  # noqa: E402
 
 DRY = os.environ.get("TPU_CHECK_DRY", "0") not in ("", "0")
@@ -68,10 +68,10 @@ def bench(fn, args, repeats):
   return common.median(common.time_calls(fn, args, repeats))
 
 
-def _masks(length):
+def _masks(length, spec):
   """Hop masks of a ring of one: positions 0..L-1, no segment ids."""
   pos = jnp.arange(length, dtype=jnp.int32)
-  return HopMasks(pos, pos, None, None)
+  return HopMasks.build(spec, pos, pos)
 
 
 def pallas_impl(length, causal):
@@ -79,7 +79,7 @@ def pallas_impl(length, causal):
   kern = PallasTpuHopKernel()
   spec = HopSpec(scale=H ** -0.5, is_causal=causal, window=None, block_q=BLOCK,
                  block_kv=BLOCK)
-  masks = _masks(length)
+  masks = _masks(length, spec)
   g = N // K
 
   def fwd(q, k, v):
@@ -90,9 +90,9 @@ def pallas_impl(length, causal):
     out, lse_h = fwd(q, k, v)
     lse = jnp.where(lse_h == -jnp.inf, jnp.inf, lse_h)       # the ring's finalize
     q5 = q.reshape(B, length, K, g, H)
-    dq, dk, dv = kern.backward(q5, k, v, out.reshape(q5.shape), lse,
-                               do.reshape(q5.shape), None, masks, spec,
-                               *zero_grads(q5, k, v))
+    dq, dk, dv = kern.backward(q5, k, v, masks, spec,
+                               HopResiduals(out.reshape(q5.shape), lse, do.reshape(q5.shape)),
+                               zero_grads(q5, k, v))
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
   return (lambda q, k, v: fwd(q, k, v)[0]), fwd_bwd

@@ -79,19 +79,14 @@ def rule_axis(name: str, mesh) -> str | None:
 def sharded_axes(mesh, q_BLNH, k_BLKH) -> tuple[str | None, str | None]:
   """``(batch_axis, head_axis)`` for a sequence-parallel backend on ``mesh``, per the rules.
 
-  An axis that does not divide the batch, or the query and key/value heads
-  (a single key/value head is replicated, MQA), is dropped: that dimension
-  stays whole on every device.
+  :func:`ring_jax.attention_axes` with ``drop=True``: an axis that does not
+  divide the batch, or the query and key/value heads (a single key/value head
+  is replicated, MQA), is dropped: that dimension stays whole on every device.
   """
-  batch_axis = rule_axis("batch", mesh)
-  head_axis = rule_axis("heads", mesh)
-  n, k = q_BLNH.shape[2], k_BLKH.shape[2]
-  if head_axis is not None and (n % mesh.shape[head_axis] or (
-      k % mesh.shape[head_axis] and k != 1)):
-    head_axis = None
-  if batch_axis is not None and q_BLNH.shape[0] % mesh.shape[batch_axis]:
-    batch_axis = None
-  return batch_axis, head_axis
+  axes = ring_jax.attention_axes(
+      mesh.shape, batch=q_BLNH.shape[0], heads=q_BLNH.shape[2], kv_heads=k_BLKH.shape[2],
+      batch_axis=rule_axis("batch", mesh), head_axis=rule_axis("heads", mesh), drop=True)
+  return axes.batch, axes.heads
 
 
 def sequence_axis(mesh) -> str | None:

@@ -59,6 +59,7 @@ from models import attention as attn_lib
 from models import lengths
 from models import sharding as shd
 from models.llama import Llama, LlamaConfig, backend_attend
+import ring_jax
 from ring_jax import decode as decode_lib
 from ring_jax import layouts
 
@@ -265,20 +266,15 @@ def _axes(mesh, batch_size: int, num_heads: int, num_kv_heads: int):
 
   As the rules table says, except that an axis not dividing its dimension is
   dropped (a single prompt runs replicated over ``data``; MQA's one key/value
-  head is replicated over ``tensor``).
+  head is replicated over ``tensor``): :func:`ring_jax.attention_axes`.
   """
   if mesh is None:
     return None, None, None, None
-  seq = attn_lib.sequence_axis(mesh)
-  batch = attn_lib.rule_axis("batch", mesh)
-  if batch is not None and batch_size % mesh.shape[batch]:
-    batch = None
-  head = attn_lib.rule_axis("heads", mesh)
-  if head is not None and (num_heads % mesh.shape[head] or (
-      num_kv_heads % mesh.shape[head] and num_kv_heads != 1)):
-    head = None
-  kv_head = head if head is not None and num_kv_heads % mesh.shape[head] == 0 else None
-  return seq, batch, head, kv_head
+  axes = ring_jax.attention_axes(
+      mesh.shape, batch=batch_size, heads=num_heads, kv_heads=num_kv_heads,
+      batch_axis=attn_lib.rule_axis("batch", mesh), head_axis=attn_lib.rule_axis("heads", mesh),
+      drop=True)
+  return attn_lib.sequence_axis(mesh), axes.batch, axes.heads, axes.kv_heads
 
 
 def _map(fn, mesh, in_specs, out_specs):

@@ -70,7 +70,7 @@ if ROOT is None:  # Colab (or any fresh machine): clone and install.
   subprocess.run([sys.executable, "-m", "pip", "install", "-q", "-e", f"{ROOT}[train]",
                   "matplotlib"], check=True)
   if glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*"):  # a TPU VM runtime
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "jax[tpu]>=0.10,<0.12"],
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "jax[tpu]>=0.10,<0.13"],
                    check=True)
 os.chdir(ROOT)
 if ROOT not in sys.path:  # models/, training/, train.py and configs/ run from the checkout

@@ -6,7 +6,11 @@ Public API:
   attention_sharded       on global arrays, by any strategy: "ring", "all_gather",
                           "ulysses", "hybrid" (Ulysses x ring), or "auto" (plan()'s pick).
   all_gather_attention / ulysses_attention / hybrid_attention
-                          the other strategies inside ``jax.shard_map`` (ring_jax.strategies).
+                          the other strategies inside ``jax.shard_map`` (ring_jax.strategies:
+                          one module per strategy, one wrapper for global arrays).
+  attention_axes / AttentionAxes
+                          the mesh axes attention shards batch, heads and key/value heads
+                          over (a single key/value head, MQA, is replicated).
   plan / Plan             cost model: per-device compute, bytes moved, overlap and memory
                           of each strategy, and the choice with its reasons
                           (ring_jax.planning; device figures in ring_jax.hardware).
@@ -37,14 +41,17 @@ from ring_jax.reference import reference_attention
 from ring_jax.ring import ring_attention
 from ring_jax.sharded import ring_attention_sharded
 from ring_jax.planning import Plan, plan
-from ring_jax.strategies import (STRATEGIES, all_gather_attention, attention_sharded,
-                                 hybrid_attention, ulysses_attention)
+from ring_jax.strategies import (STRATEGIES, AttentionAxes, all_gather_attention,
+                                 attention_axes, attention_sharded, hybrid_attention,
+                                 ulysses_attention)
 
 __all__ = [
     "HOP_KERNELS",
     "Plan",
     "STRATEGIES",
+    "AttentionAxes",
     "all_gather_attention",
+    "attention_axes",
     "attention_sharded",
     "hybrid_attention",
     "plan",

@@ -26,6 +26,7 @@ from jax.sharding import PartitionSpec as P
 
 from ring_jax import layouts
 from ring_jax import sharded
+from ring_jax.strategies import global_arrays
 
 _MASK_FIX = (
     "ring attention never builds the [q_length, kv_length] matrix a dense {what} lives on. "
@@ -57,12 +58,12 @@ def _like_query_sharding(out, query, mesh):
   shardings and nothing is needed.
   """
   ring_mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
-  if not sharded._has_explicit_axes(ring_mesh):
+  if not global_arrays.has_explicit_axes(ring_mesh):
     return out
   query_sharding = jax.typeof(query).sharding
   on_mesh = getattr(getattr(query_sharding, "mesh", None), "axis_names", ())
   spec = query_sharding.spec if on_mesh else P()
-  return sharded._reshard(ring_mesh, out, spec)
+  return global_arrays.place(ring_mesh, out, spec)
 
 
 def flax_attention_fn(*, mesh=None, is_causal: bool = False, layout: str = "contiguous",
@@ -70,7 +71,7 @@ def flax_attention_fn(*, mesh=None, is_causal: bool = False, layout: str = "cont
                       head_axis: str | None = "tensor", segment_ids=None,
                       scale: float | None = None, local_window_size=None,
                       inputs_in_layout: bool = False, block_q: int | None = None,
-                      block_kv: int | None = None, hop_kernel=None):
+                      block_kv: int | None = None, hop_kernel="auto"):
   """An ``attention_fn`` for Flax attention modules that runs ring attention.
 
   Usage::
@@ -132,61 +133,68 @@ def flax_attention_fn(*, mesh=None, is_causal: bool = False, layout: str = "cont
     """Flax ``dot_product_attention`` computed by ring attention (see ``flax_attention_fn``)."""
     del broadcast_dropout, dropout_rng  # only meaningful with dropout, which is refused
     del force_fp32_for_softmax  # the ring's softmax statistics are always float32
-    if mask is not None:
-      raise ValueError(f"flax_attention_fn got a mask: {_MASK_FIX.format(what='mask')}")
-    if bias is not None:
-      raise ValueError(f"flax_attention_fn got a bias: {_MASK_FIX.format(what='bias')}")
-    if float(dropout_rate) > 0.0 and not _as_static_bool(deterministic, "deterministic"):
-      raise ValueError(
-          f"flax_attention_fn got attention dropout (dropout_rate={dropout_rate}, "
-          "deterministic=False): ring attention never materialises the attention weights "
-          "dropout acts on. Build the module with dropout_rate=0.0, or call it with "
-          "deterministic=True (e.g. for evaluation).")
-    if module is not None:
-      raise ValueError(
-          "flax_attention_fn got module= (the module was called with sow_weights=True): ring "
-          "attention never materialises the attention weights to sow. Call the module with "
-          "sow_weights=False.")
-    if (einsum_dot_general is not None or qk_attn_weights_einsum is not None
-        or attn_weights_value_einsum is not None):
-      raise ValueError(
-          "flax_attention_fn got a custom einsum / dot_general (e.g. AQT quantisation of the "
-          "attention matmuls); ring attention runs its own kernel (hop_kernel=). Leave "
-          "einsum_dot_general, qk_attn_weights_einsum_cls and attn_weights_value_einsum_cls "
-          "unset on the module.")
-
+    _refuse_what_the_ring_cannot_do(
+        mask=mask, bias=bias, dropout_rate=dropout_rate, deterministic=deterministic,
+        module=module, einsums=(einsum_dot_general, qk_attn_weights_einsum,
+                                attn_weights_value_einsum))
     if promote_dtype is not None:  # nnx's hook: promote_dtype((q, k, v), dtype=dtype)
       query, key, value = promote_dtype((query, key, value), dtype=dtype)
     else:
       dtype = jnp.result_type(query, key, value) if dtype is None else dtype
       query, key, value = (jnp.asarray(x, dtype) for x in (query, key, value))
-    out_dtype = query.dtype
-
-    for name, x in (("query", query), ("key", key), ("value", value)):
-      if x.ndim < 3:
-        raise ValueError(
-            f"{name} must be [batch..., length, heads, head_dim], got shape {x.shape}.")
-    batch_dims = query.shape[:-3]
-    if key.shape[:-3] != batch_dims or value.shape[:-3] != batch_dims:
-      raise ValueError(
-          f"query, key and value must share their batch dimensions, got {query.shape}, "
-          f"{key.shape}, {value.shape}.")
-    seg = segment_ids
-    if seg is not None and tuple(seg.shape) != (*batch_dims, query.shape[-3]):
-      raise ValueError(
-          f"segment_ids must have shape [batch..., length] = {(*batch_dims, query.shape[-3])} "
-          f"to match the query {query.shape}, got {tuple(seg.shape)}; build the attention_fn "
-          "from this batch's segment ids.")
-
-    # The ring wants exactly one batch dimension: flatten several, add one if there are none.
-    def to_4d(x):
-      return x.reshape(math.prod(batch_dims), *x.shape[-3:])
-    if seg is not None:
-      seg = seg.reshape(math.prod(batch_dims), seg.shape[-1])
-    out = sharded.ring_attention_sharded(to_4d(query), to_4d(key), to_4d(value),
-                                         is_causal=adapter_causal or bool(is_causal),
+    batch_dims, (q, k, v, seg) = _one_batch_dim(query, key, value, segment_ids)
+    out = sharded.ring_attention_sharded(q, k, v, is_causal=adapter_causal or bool(is_causal),
                                          segment_ids=seg, precision=precision, **sharded_kwargs)
-    out = out.reshape(*batch_dims, *out.shape[1:]).astype(out_dtype)
+    out = out.reshape(*batch_dims, *out.shape[1:]).astype(query.dtype)
     return _like_query_sharding(out, query, mesh)
 
   return attention_fn
+
+
+def _refuse_what_the_ring_cannot_do(*, mask, bias, dropout_rate, deterministic, module,
+                                    einsums) -> None:
+  """ValueError naming the fix for what Flax's attention_fn may pass and the ring lacks."""
+  if mask is not None:
+    raise ValueError(f"flax_attention_fn got a mask: {_MASK_FIX.format(what='mask')}")
+  if bias is not None:
+    raise ValueError(f"flax_attention_fn got a bias: {_MASK_FIX.format(what='bias')}")
+  if float(dropout_rate) > 0.0 and not _as_static_bool(deterministic, "deterministic"):
+    raise ValueError(
+        f"flax_attention_fn got attention dropout (dropout_rate={dropout_rate}, "
+        "deterministic=False): ring attention never materialises the attention weights "
+        "dropout acts on. Build the module with dropout_rate=0.0, or call it with "
+        "deterministic=True (e.g. for evaluation).")
+  if module is not None:
+    raise ValueError(
+        "flax_attention_fn got module= (the module was called with sow_weights=True): ring "
+        "attention never materialises the attention weights to sow. Call the module with "
+        "sow_weights=False.")
+  if any(e is not None for e in einsums):
+    raise ValueError(
+        "flax_attention_fn got a custom einsum / dot_general (e.g. AQT quantisation of the "
+        "attention matmuls); ring attention runs its own kernel (hop_kernel=). Leave "
+        "einsum_dot_general, qk_attn_weights_einsum_cls and attn_weights_value_einsum_cls "
+        "unset on the module.")
+
+
+def _one_batch_dim(query, key, value, segment_ids):
+  """``(batch_dims, (q, k, v, segment_ids))`` with the leading batch dimensions of
+  ``[batch..., length, heads, head_dim]`` flattened into one (or one added): the ring's shape."""
+  for name, x in (("query", query), ("key", key), ("value", value)):
+    if x.ndim < 3:
+      raise ValueError(
+          f"{name} must be [batch..., length, heads, head_dim], got shape {x.shape}.")
+  batch_dims = query.shape[:-3]
+  if key.shape[:-3] != batch_dims or value.shape[:-3] != batch_dims:
+    raise ValueError(
+        f"query, key and value must share their batch dimensions, got {query.shape}, "
+        f"{key.shape}, {value.shape}.")
+  if segment_ids is not None and tuple(segment_ids.shape) != (*batch_dims, query.shape[-3]):
+    raise ValueError(
+        f"segment_ids must have shape [batch..., length] = {(*batch_dims, query.shape[-3])} "
+        f"to match the query {query.shape}, got {tuple(segment_ids.shape)}; build the "
+        "attention_fn from this batch's segment ids.")
+  rows = math.prod(batch_dims)
+  flat = [x.reshape(rows, *x.shape[-3:]) for x in (query, key, value)]
+  seg = None if segment_ids is None else segment_ids.reshape(rows, segment_ids.shape[-1])
+  return batch_dims, (*flat, seg)

@@ -144,9 +144,9 @@ CPU = DeviceSpec(
     "cpu", 25e9, name="CPU (fake device)", memory_bytes=4 * GIB, hbm_bandwidth=2.5 * GB,
     link_bandwidth=2.5 * GB, links=1, topology="host", fast_domain=1 << 30,
     network_bandwidth=2.5 * GB,
-    source="nominal: ~200 GFLOP/s f32 matmul and ~20 GB/s memory copy on the 2-core CI "
-    "machine (shared/JAX-NOTES.md) split over 8 fake devices; configs/common.py's "
-    "cpu_peak_flops_per_device")
+    source="nominal: ~200 GFLOP/s f32 matmul and ~20 GB/s memory copy, measured on this "
+    "project's 2-core CI machine, split over 8 fake devices (configs/common.py's "
+    "cpu_peak_flops_per_device)")
 
 
 def device_spec(device_kind: str) -> DeviceSpec | None:

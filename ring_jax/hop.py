@@ -20,11 +20,13 @@ Shapes (local to one device; ``N = K * G`` query heads in ``K`` groups of
   out_h   ``[B, T, K, G, H]``  float32, this hop's normalised output (0 in rows with no visible key)
   lse_h   ``[B, T, K, G]``     float32 natural-log log-sum-exp of this hop's visible scaled
                                scores (``-inf`` in rows with no visible key)
+  (backward, :class:`HopResiduals`)
   out     ``[B, T, K, G, H]``  the final output of the whole ring (input dtype)
   lse     ``[B, T, K, G]``     float32 final lse; ``+inf`` in rows that saw no key anywhere,
                                so that the backward's ``p = exp(s - lse)`` is 0 there
   do      ``[B, T, K, G, H]``  output cotangent (input dtype)
   dlse    ``[B, T, K, G]``     float32 cotangent of the final lse, or None (lse not an output)
+  (backward, :class:`HopGrads` in and out)
   dq      ``[B, T, K, G, H]``  float32 accumulator in, accumulator + this hop's dQ out
   dk, dv  ``[B, S, K, H]``     float32 accumulators of the shard held at this hop, in; plus
                                this hop's dK/dV, out (zeros in: the contribution alone)
@@ -42,16 +44,23 @@ or key, negative ids are documents), and ``kv_pos[j] <= q_pos[i]`` when
 causal, and ``q_pos[i] - left <= kv_pos[j] <= q_pos[i] + right`` with a
 window ``(left, right)``. In every layout positions increase within a shard,
 so a query's causal/window-visible keys form one contiguous index range;
-kernels may rely on that for speed, never for correctness. Per-hop metadata
-is at most per block pair (never a ``[T, S]`` array).
+kernels may rely on that for speed, never for correctness. Which block pairs
+to compute, and which of them need the elementwise mask, is decided once per
+hop, in :func:`ring_jax.scheduling.block_table` (``HopMasks.blocks``); kernels
+loop over that table (:func:`fold_blocks`) and compute the element mask of a
+pair from positions and ids. Per-hop metadata is at most per block (never a
+``[T, S]`` array).
 
 Non-finite inputs stay visible and nothing masked is read: masked scores are
 ``-inf`` (never a finite floor, which huge scales would cross), a row whose
 max is still ``-inf`` subtracts 0 instead, no ``l > 0`` style guard turns a
 NaN into 0 (only ``l == 0`` means "no visible key"), and values at masked
 pairs never reach an output (``0 * NaN`` is NaN, so products with V, K or Q
-at masked pairs read their finite part). A NaN in a hop's ``out_h``/``lse_h``
-survives :func:`merge`.
+at masked pairs read their finite part). In the forward that costs one more
+matmul per masked pair, so kernels run that guarded variant only on hops whose
+V shard holds a non-finite value (``lax.cond`` on ``HopMasks.v_finite``, which
+the ring computes once per shard where V is born and indexes per hop: no pass
+over V per hop). A NaN in a hop's ``out_h``/``lse_h`` survives :func:`merge`.
 
 References: Dao et al., FlashAttention (2022) Alg. 1 and FlashAttention-2
 (2023) Alg. 1-2; Liu et al., Ring Attention (2023) Alg. 1; Zhu,
@@ -61,24 +70,73 @@ ring-flash-attention (2024) for the per-hop (out, lse) merge.
 from __future__ import annotations
 
 import dataclasses
-from typing import NamedTuple, Protocol, runtime_checkable
+import functools
+from typing import ClassVar, NamedTuple, Protocol, runtime_checkable
 
 import jax
 import jax.numpy as jnp
 
+from ring_jax import scheduling
+
 
 class HopMasks(NamedTuple):
-  """What decides which scores of this hop are visible (computed by the ring per hop).
+  """What decides which scores of this hop are visible (built by the ring once per hop,
+  with :meth:`build`).
 
   q_positions / kv_positions: int32 ``[T]`` / ``[S]`` global token positions
     (increasing within a shard in every layout).
   q_segment_ids / kv_segment_ids: integer ``[B, T]`` / ``[B, S]`` or None (0 =
     padding, any other value a document; see :func:`ring_jax.scheduling.segment_mask`).
+  blocks: the hop's :class:`ring_jax.scheduling.BlockTable`: which block pairs to
+    compute and which need the elementwise mask. Kernels loop over it and decide
+    nothing else about blocks.
+  v_finite: bool scalar or None: whether this hop's V shard is all finite,
+    computed once where the shard is born and carried with it (the ring does), so a
+    kernel picks its non-finite-V guard without a pass over V; None: the kernel
+    checks V itself (:func:`v_is_finite`).
   """
   q_positions: jax.Array
   kv_positions: jax.Array
-  q_segment_ids: jax.Array | None
-  kv_segment_ids: jax.Array | None
+  q_segment_ids: jax.Array | None = None
+  kv_segment_ids: jax.Array | None = None
+  blocks: scheduling.BlockTable | None = None
+  v_finite: jax.Array | None = None
+
+  @classmethod
+  def build(cls, spec: "HopSpec", q_positions, kv_positions, q_segment_ids=None,
+            kv_segment_ids=None, v_finite=None) -> "HopMasks":
+    """Masks with their block table (:func:`ring_jax.scheduling.block_table`) for ``spec``."""
+    blocks = scheduling.block_table(q_positions, kv_positions, q_segment_ids, kv_segment_ids,
+                                    spec.block_q, spec.block_kv, spec.is_causal, spec.window)
+    return cls(q_positions, kv_positions, q_segment_ids, kv_segment_ids, blocks, v_finite)
+
+  def table(self) -> scheduling.BlockTable:
+    """``blocks``, or a ``ValueError`` naming the fix when the masks were built without it."""
+    if self.blocks is None:
+      raise ValueError("HopMasks.blocks is None: build hop masks with "
+                       "ring_jax.HopMasks.build(spec, q_positions, kv_positions, ...).")
+    return self.blocks
+
+
+class HopResiduals(NamedTuple):
+  """What the backward of a hop reads besides q, k, v (from the whole ring's forward).
+
+  out: ``[B, T, K, G, H]`` final output (input dtype); lse: float32 ``[B, T, K, G]``
+  final lse with ``+inf`` in rows that saw no key (:func:`lse_for_backward`);
+  do: output cotangent ``[B, T, K, G, H]``; dlse: float32 ``[B, T, K, G]`` lse
+  cotangent or None.
+  """
+  out: jax.Array
+  lse: jax.Array
+  do: jax.Array
+  dlse: jax.Array | None = None
+
+
+class HopGrads(NamedTuple):
+  """float32 gradient accumulators: dq ``[B, T, K, G, H]``, dk / dv ``[B, S, K, H]``."""
+  dq: jax.Array
+  dk: jax.Array
+  dv: jax.Array
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,25 +155,49 @@ class HopKernel(Protocol):
   """Interface of a per-hop attention kernel (shapes in the module docstring).
 
   Instances must be hashable (the ring's ``custom_vjp`` keeps them as static
-  configuration): frozen dataclasses are.
+  configuration): frozen dataclasses are. ``name`` is a class attribute
+  (``ClassVar``): the kernel's key in :data:`ring_jax.kernels.HOP_KERNELS`.
   """
 
-  name: str
+  name: ClassVar[str]
 
   def check(self, q_shape, kv_shape, dtype, spec: HopSpec) -> None:
     """Raises ``ValueError`` (saying what to change) if this kernel cannot run these
     shapes (``q_shape`` ``[B, T, K, G, H]``, ``kv_shape`` ``[B, S, K, H]``), input dtype
-    and spec. Called by the ring at trace time, before anything is computed."""
+    and spec. Called by the ring once at trace time, before anything is computed;
+    ``forward``/``backward`` do not check again."""
 
   def forward(self, q, k, v, masks: HopMasks, spec: HopSpec) -> tuple[jax.Array, jax.Array]:
     """This hop's ``(out_h [B,T,K,G,H] f32, lse_h [B,T,K,G] f32)``."""
 
-  def backward(self, q, k, v, out, lse, do, dlse, masks: HopMasks, spec: HopSpec,
-               dq, dk, dv) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """The float32 accumulators ``(dq [B,T,K,G,H], dk [B,S,K,H], dv [B,S,K,H])`` plus
-    this hop's gradients, given the final ``out`` and ``lse`` of the ring (``dlse``
-    may be None). The caller does not read the accumulators passed in afterwards, so
-    a kernel may update them in place (XLA buffer reuse, ``input_output_aliases``)."""
+  def backward(self, q, k, v, masks: HopMasks, spec: HopSpec, res: HopResiduals,
+               acc: HopGrads) -> HopGrads:
+    """The float32 accumulators ``acc`` plus this hop's gradients, given the final
+    ``out`` and ``lse`` of the ring in ``res``. The caller does not read ``acc``
+    afterwards, so a kernel may update it in place (XLA buffer reuse,
+    ``input_output_aliases``)."""
+
+
+def v_is_finite(masks: HopMasks, v):
+  """bool scalar: this hop's V holds no NaN/inf (``masks.v_finite``, else one pass over ``v``)."""
+  return jnp.isfinite(v).all() if masks.v_finite is None else masks.v_finite
+
+
+def fold_blocks(row, step, carry, may_mask: bool = True):
+  """Folds ``step(j, carry, masked)`` over the blocks ``lo <= j < hi`` of one range row.
+
+  ``row`` = ``(lo, full_lo, full_hi, hi)`` of a :class:`ring_jax.scheduling.BlockTable`
+  (scalars, or an array/ref of 4): ``masked=False`` on ``[full_lo, full_hi)``
+  (visible everywhere), ``True`` on the rest, so each body is compiled with its
+  masking known statically. ``may_mask=False`` (the table's ``may_mask``:
+  nothing can be masked): one unmasked loop over ``[lo, hi)``.
+  """
+  lo, full_lo, full_hi, hi = (row[i] for i in range(4))
+  if not may_mask:
+    return jax.lax.fori_loop(lo, hi, functools.partial(step, masked=False), carry)
+  carry = jax.lax.fori_loop(lo, full_lo, functools.partial(step, masked=True), carry)
+  carry = jax.lax.fori_loop(full_lo, full_hi, functools.partial(step, masked=False), carry)
+  return jax.lax.fori_loop(full_hi, hi, functools.partial(step, masked=True), carry)
 
 
 def empty_result(q):
@@ -125,10 +207,10 @@ def empty_result(q):
           jnp.full((b, t, k, g), -jnp.inf, jnp.float32))
 
 
-def zero_grads(q, k, v):
-  """float32 zero gradient accumulators ``(dq, dk, dv)`` shaped like ``q``, ``k``, ``v``
-  (varying over the manual mesh axes of all three), for :meth:`HopKernel.backward`."""
-  return tuple(varying_like(jnp.zeros(x.shape, jnp.float32), q, k, v) for x in (q, k, v))
+def zero_grads(q, k, v) -> HopGrads:
+  """float32 zero gradient accumulators shaped like ``q``, ``k``, ``v`` (varying over the
+  manual mesh axes of all three), for :meth:`HopKernel.backward`."""
+  return HopGrads(*(varying_like(jnp.zeros(x.shape, jnp.float32), q, k, v) for x in (q, k, v)))
 
 
 def merge(out, lse, out_h, lse_h):

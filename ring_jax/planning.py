@@ -45,10 +45,11 @@ import numpy as np
 
 from ring_jax import hardware
 from ring_jax import scheduling
+from ring_jax import validation
+from ring_jax.ring import default_block
 
 #: The sequence-parallel strategies (ring_jax.strategies implements them; "auto" asks plan()).
 STRATEGIES: tuple[str, ...] = ("ring", "all_gather", "ulysses", "hybrid")
-_CANDIDATES = STRATEGIES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -222,12 +223,175 @@ def _ring_time(hop_compute, hops_active, hop_transfer, n):
   return total
 
 
+@dataclasses.dataclass(frozen=True)
+class _Setting:
+  """One :func:`plan` call, per device after ``data``/``tensor`` sharding: what every
+  strategy's cost function reads."""
+  spec: hardware.DeviceSpec
+  flops_s: float            # peak FLOP/s
+  link_bandwidth: float | None
+  network_bandwidth: float | None
+  tensor: int
+  b: int                    # batch per device
+  nh: int                   # query heads per device
+  kh: int                   # key/value heads per device (MQA: the one, replicated)
+  d: int
+  e: int                    # bytes per element
+  seq_len: int
+  is_causal: bool
+  window: tuple[int, int] | None
+  layout: str
+  backward: bool
+  block: int | None         # None: the ring's default for each strategy's local length
+
+  @property
+  def bwd(self) -> float:
+    return 2.5 if self.backward else 0.0  # backward FLOPs / forward (FlashAttention-2)
+
+  def kv_bytes(self, tokens, k_heads) -> float:
+    return 2 * self.b * tokens * k_heads * self.d * self.e
+
+  def act_bytes(self, tokens, q_heads, k_heads) -> float:
+    """q, k, v, out (and with backward: dout, dq, dk, dv) in the input dtype."""
+    per = self.b * tokens * self.d * self.e * (2 * q_heads + 2 * k_heads)
+    return per * (2 if self.backward else 1)
+
+  def tile_bytes(self, q_heads, local_len) -> float:
+    """The hop kernel's float32 score tiles, for blocks of the ring's default size."""
+    block = self.block or default_block(self.layout, max(1, int(local_len)))
+    return 3 * self.b * q_heads * block * block * 4
+
+  def links(self, span: int) -> _Links:
+    return _links(self.spec, span, self.link_bandwidth, self.network_bandwidth)
+
+
+def _ring_like(s: _Setting, r, tokens, q_heads, k_heads, links_ring) -> dict:
+  """A ring of ``r`` over shards of ``tokens`` with ``q_heads``/``k_heads`` per device."""
+  c = _coverage(s.seq_len, r, s.is_causal, s.window, s.layout)
+  fwd = 4 * s.b * tokens * s.seq_len * q_heads * s.d * c
+  hop_fwd = fwd / r
+  active = r
+  if s.window is not None:
+    left, right = s.window
+    reach = min(left, s.seq_len) + (0 if s.is_causal else min(right, s.seq_len))
+    active = min(r, 1 + math.ceil(reach / tokens))
+    hop_fwd = fwd / active
+  # With a window the contiguous ring runs only the hops that hold visible keys.
+  first, last = scheduling.hop_range(s.layout, r, max(1, int(tokens)), s.is_causal, s.window)
+  runs = last - first + 1
+  sends = runs - 1 + (first < 0)  # one more transfer to start from a later shard
+  active = min(active, runs)
+  kv = s.kv_bytes(tokens, k_heads)
+  t_fwd = kv / links_ring.p2p
+  t_bwd = kv * (s.e + 4) / s.e / links_ring.p2p
+  time = _ring_time(hop_fwd / s.flops_s, active, t_fwd, runs) + (first < 0) * t_fwd
+  comm = sends * t_fwd
+  moved = sends * kv
+  if s.backward:
+    home = kv * 4 / s.e / links_ring.p2p  # dK/dV home
+    time += _ring_time(hop_fwd * s.bwd / s.flops_s, active, t_bwd, runs) + home
+    comm += sends * t_bwd + home
+    moved += sends * kv + runs * kv * 4 / s.e
+  # docs/performance.md: l* = e/(2c) (K/N) F/W; with the backward (K/V and float32
+  # dK/dV travel, 2.5x the compute) (e+4)/(5c) (K/N) F/W, the larger of the two.
+  lstar = s.e / (2 * c) * (k_heads / q_heads) * s.flops_s / links_ring.p2p
+  if s.backward:
+    lstar = max(lstar, (s.e + 4) / (5 * c) * (k_heads / q_heads) * s.flops_s / links_ring.p2p)
+  # Every hop must compute at least as long as its transfer; with a window and a layout
+  # whose hops are not pruned (zigzag, striped) most hops only pass K/V on.
+  hidden = runs == 1 or (active == runs and hop_fwd >= t_fwd * s.flops_s and (
+      not s.backward or hop_fwd * s.bwd >= t_bwd * s.flops_s))
+  mem = (s.act_bytes(tokens, q_heads, k_heads) + 2 * kv + s.b * tokens * q_heads * s.d * 4
+         + s.tile_bytes(q_heads, tokens))
+  if s.backward:
+    mem += s.b * tokens * q_heads * s.d * 4 + 4 * kv * 4 / s.e
+  return dict(flops=fwd * (1 + s.bwd), bytes_moved=moved, compute_s=fwd * (1 + s.bwd) / s.flops_s,
+              comm_s=comm, time_s=time, hidden=hidden, min_local_len=lstar, memory_bytes=mem)
+
+
+def _ring_cost(s: _Setting, n: int) -> dict:
+  """The ring over ``n`` devices: ``n`` synchronous hops of ``max(compute, transfer)``."""
+  return _ring_like(s, n, s.seq_len / n, s.nh, s.kh, s.links(n * s.tensor))
+
+
+def _all_gather_cost(s: _Setting, n: int) -> dict:
+  """Gather the whole K/V (exposed), attend; the backward gathers again and reduce-scatters
+  the float32 dK/dV. Holds the whole K/V (and its float32 gradients)."""
+  local = s.seq_len / n
+  links = s.links(n * s.tensor)
+  c = _coverage(s.seq_len, n, s.is_causal, s.window, s.layout)
+  fwd = 4 * s.b * local * s.seq_len * s.nh * s.d * c
+  gather = (n - 1) * s.kv_bytes(local, s.kh)
+  comm, moved = gather / links.gather, gather
+  if s.backward:
+    comm += (gather + gather * 4 / s.e) / links.gather
+    moved += gather + gather * 4 / s.e
+  comp = fwd * (1 + s.bwd) / s.flops_s
+  mem = (s.act_bytes(local, s.nh, s.kh) + s.kv_bytes(s.seq_len, s.kh)
+         + s.b * local * s.nh * s.d * 4 + s.tile_bytes(s.nh, local))
+  if s.backward:
+    mem += s.kv_bytes(s.seq_len, s.kh) * 4 / s.e + s.b * local * s.nh * s.d * 4
+  return dict(flops=fwd * (1 + s.bwd), bytes_moved=moved, compute_s=comp, comm_s=comm,
+              time_s=comp + comm, hidden=None, min_local_len=None, memory_bytes=mem)
+
+
+def _ulysses_cost(s: _Setting, u: int) -> dict:
+  """Two all_to_alls (exposed) around attention over the whole sequence for ``N/u`` heads."""
+  local = s.seq_len / u
+  links = s.links(u * s.tensor)
+  kr = max(s.kh, u)
+  c = _coverage(s.seq_len, 1, s.is_causal, s.window, "zigzag")  # whole sequence: balanced
+  fwd = 4 * s.b * s.seq_len * s.seq_len * (s.nh / u) * s.d * c
+  exchange = s.b * local * s.d * s.e * (2 * s.nh + 2 * kr)  # q, k, v in; out back
+  ways = 2 if s.backward else 1
+  comm = ways * _a2a_time(exchange, u, links)
+  comp = fwd * (1 + s.bwd) / s.flops_s
+  mem = (s.act_bytes(local, s.nh, kr) + s.act_bytes(s.seq_len, s.nh / u, kr / u)
+         + s.b * s.seq_len * (s.nh / u) * s.d * 4 + s.tile_bytes(s.nh / u, local))
+  if s.backward:
+    mem += s.b * s.seq_len * s.d * 4 * (s.nh + 2 * kr) / u
+  return dict(flops=fwd * (1 + s.bwd), bytes_moved=exchange * (u - 1) / u * ways,
+              compute_s=comp, comm_s=comm, time_s=comp + comm, hidden=None,
+              min_local_len=None, memory_bytes=mem)
+
+
+def _hybrid_cost(s: _Setting, r: int, u: int) -> dict:
+  """Ulysses over ``u`` (inside), then a ring of ``r`` on shards of ``L/r`` tokens and
+  ``N/u`` heads (its axis spans the Ulysses axis's devices too)."""
+  kr = max(s.kh, u)
+  res = _ring_like(s, r, s.seq_len / r, s.nh / u, kr / u, s.links(r * u * s.tensor))
+  local = s.seq_len / (r * u)
+  exchange = s.b * local * s.d * s.e * (2 * s.nh + 2 * kr)
+  ways = 2 if s.backward else 1
+  a2a = _a2a_time(exchange, u, s.links(u * s.tensor)) * ways
+  res["comm_s"] += a2a
+  res["time_s"] += a2a
+  res["bytes_moved"] += exchange * (u - 1) / u * ways
+  res["memory_bytes"] += s.act_bytes(local, s.nh, kr)
+  return res
+
+
+#: strategy -> (its cost function, why it cannot run or None); both take (setting, *split).
+_COSTS = {
+    "ring": (_ring_cost, lambda s, n: validation.split_problem(s.layout, n, s.seq_len)),
+    "all_gather": (_all_gather_cost,
+                   lambda s, n: validation.split_problem(s.layout, n, s.seq_len)),
+    # Natural-order inputs run Ulysses in natural order (attention_sharded): no layout rule.
+    "ulysses": (_ulysses_cost, lambda s, u: (
+        validation.split_problem("contiguous", u, s.seq_len) or _heads_problem(s.nh, s.kh, u))),
+    "hybrid": (_hybrid_cost, lambda s, r, u: (
+        validation.split_problem(s.layout, r, s.seq_len, ulysses=u)
+        or _heads_problem(s.nh, s.kh, u))),
+}
+assert tuple(_COSTS) == STRATEGIES
+
+
 def plan(*, batch: int, seq_len: int, heads: int, head_dim: int, kv_heads: int | None = None,
          dtype="bfloat16", is_causal: bool = True, local_window_size=None,
          layout: str = "zigzag", sequence=8, tensor: int = 1, data: int = 1,
          device: str | None = None, peak_flops: float | None = None,
          link_bandwidth: float | None = None, network_bandwidth: float | None = None,
-         memory_bytes: float | None = None, backward: bool = True, block: int = 512,
+         memory_bytes: float | None = None, backward: bool = True, block: int | None = None,
          strategies=None) -> Plan:
   """Predicts each sequence-parallel strategy's cost per device and picks one.
 
@@ -248,7 +412,9 @@ def plan(*, batch: int, seq_len: int, heads: int, head_dim: int, kv_heads: int |
       supply, without ``device``) the device's figures: FLOP/s, one link one
       direction (bytes/s), network per device one direction, memory per device.
     backward: include the backward pass (training) or not (inference).
-    block: the hop kernel's block size (the score tiles' memory).
+    block: the hop kernel's block size (the score tiles' memory); default the
+      one the strategies run with, :func:`ring_jax.ring.default_block` of each
+      one's local length (at most ``ring_jax.ring.DEFAULT_BLOCK``).
     strategies: restrict the candidates (default all of ``ring``,
       ``all_gather``, ``ulysses``, ``hybrid``).
 
@@ -256,156 +422,40 @@ def plan(*, batch: int, seq_len: int, heads: int, head_dim: int, kv_heads: int |
     a :class:`Plan`: ``strategy`` (and ``split`` for the hybrid), the reasons,
     and every candidate's :class:`Estimate`; ``print(plan)`` shows a table.
   """
-  spec = _device(device, peak_flops, link_bandwidth)
-  flops_s = float(peak_flops or spec.peak_bf16_flops)
-  budget = float(memory_bytes or spec.memory_bytes or math.inf)
-  kv_heads = heads if kv_heads is None else kv_heads
-  e = _dtype_bytes(dtype)
-  window = _window_pair(local_window_size)
-  wanted = tuple(_CANDIDATES if strategies is None else strategies)
-  for s in wanted:
-    if s not in _CANDIDATES:
-      raise ValueError(f"strategies must be among {_CANDIDATES}, got {s!r}.")
+  wanted = tuple(STRATEGIES if strategies is None else strategies)
+  for name in wanted:
+    if name not in STRATEGIES:
+      raise ValueError(f"strategies must be among {STRATEGIES}, got {name!r}.")
   if isinstance(sequence, (tuple, list)):
     if len(sequence) != 2:
       raise ValueError(f"sequence must be an int or a pair (ring, ulysses), got {sequence!r}.")
-    splits = [tuple(int(x) for x in sequence)]
-    n = splits[0][0] * splits[0][1]
-    single = ()
+    candidates = [("hybrid", tuple(int(x) for x in sequence))]
   else:
     n = int(sequence)
-    splits = [(n // u, u) for u in range(2, n) if n % u == 0]
-    single = tuple(s for s in ("ring", "all_gather", "ulysses") if s in wanted)
-  if "hybrid" not in wanted:
-    splits = []
+    candidates = [(name, (n,)) for name in ("ring", "all_gather", "ulysses")]
+    candidates += [("hybrid", (n // u, u)) for u in range(2, n) if n % u == 0]
   if batch % data:
     raise ValueError(f"batch {batch} is not divisible by data={data}.")
-  b = batch // data
   if heads % tensor:
     raise ValueError(f"heads {heads} are not divisible by tensor={tensor}.")
-  nh = heads // tensor
-  kh = kv_heads // tensor if kv_heads % tensor == 0 else 1  # MQA: replicated
-  d = head_dim
-  bwd = 2.5 if backward else 0.0
-
-  def kv_bytes(tokens, k):
-    return 2 * b * tokens * k * d * e
-
-  def act_bytes(tokens, q_heads, k_heads):
-    """q, k, v, out (and with backward: dout, dq, dk, dv) in the input dtype."""
-    per = b * tokens * d * e * (2 * q_heads + 2 * k_heads)
-    return per * (2 if backward else 1)
-
-  def tile_bytes(q_heads):
-    return 3 * b * q_heads * block * block * 4
-
+  kv_heads = heads if kv_heads is None else kv_heads
+  spec = _device(device, peak_flops, link_bandwidth)
+  window = _window_pair(local_window_size)
+  s = _Setting(spec=spec, flops_s=float(peak_flops or spec.peak_bf16_flops),
+               link_bandwidth=link_bandwidth, network_bandwidth=network_bandwidth,
+               tensor=tensor, b=batch // data, nh=heads // tensor,
+               kh=kv_heads // tensor if kv_heads % tensor == 0 else 1,  # MQA: replicated
+               d=head_dim, e=_dtype_bytes(dtype), seq_len=seq_len, is_causal=is_causal,
+               window=window, layout=layout, backward=backward, block=block)
+  budget = float(memory_bytes or spec.memory_bytes or math.inf)
   estimates = []
-
-  def ring_like(r, tokens, q_heads, k_heads, links_ring):
-    """A ring of ``r`` over shards of ``tokens`` with ``q_heads``/``k_heads`` per device."""
-    c = _coverage(seq_len, r, is_causal, window, layout)
-    fwd = 4 * b * tokens * seq_len * q_heads * d * c
-    hop_fwd = fwd / r
-    active = r
-    if window is not None:
-      left, right = window
-      reach = min(left, seq_len) + (0 if is_causal else min(right, seq_len))
-      active = min(r, 1 + math.ceil(reach / tokens))
-      hop_fwd = fwd / active
-    # With a window the contiguous ring runs only the hops that hold visible keys.
-    first, last = scheduling.hop_range(layout, r, max(1, int(tokens)), is_causal, window)
-    runs = last - first + 1
-    sends = runs - 1 + (first < 0)  # one more transfer to start from a later shard
-    active = min(active, runs)
-    t_fwd = kv_bytes(tokens, k_heads) / links_ring.p2p
-    t_bwd = kv_bytes(tokens, k_heads) * (e + 4) / e / links_ring.p2p
-    comp = fwd * (1 + bwd) / flops_s
-    time = _ring_time(hop_fwd / flops_s, active, t_fwd, runs) + (first < 0) * t_fwd
-    comm = sends * t_fwd
-    moved = sends * kv_bytes(tokens, k_heads)
-    if backward:
-      time += _ring_time(hop_fwd * bwd / flops_s, active, t_bwd, runs) + kv_bytes(
-          tokens, k_heads) * 4 / e / links_ring.p2p  # dK/dV home
-      comm += sends * t_bwd + kv_bytes(tokens, k_heads) * 4 / e / links_ring.p2p
-      moved += sends * kv_bytes(tokens, k_heads) + runs * kv_bytes(tokens, k_heads) * 4 / e
-    # docs/performance.md: l* = e/(2c) (K/N) F/W; with the backward (K/V and float32
-    # dK/dV travel, 2.5x the compute) (e+4)/(5c) (K/N) F/W, the larger of the two.
-    lstar = e / (2 * c) * (k_heads / q_heads) * flops_s / links_ring.p2p
-    if backward:
-      lstar = max(lstar, (e + 4) / (5 * c) * (k_heads / q_heads) * flops_s / links_ring.p2p)
-    # Every hop must compute at least as long as its transfer; with a window and a layout
-    # whose hops are not pruned (zigzag, striped) most hops only pass K/V on.
-    hidden = runs == 1 or (active == runs and hop_fwd >= t_fwd * flops_s and (
-        not backward or hop_fwd * bwd >= t_bwd * flops_s))
-    mem = (act_bytes(tokens, q_heads, k_heads) + 2 * kv_bytes(tokens, k_heads)
-           + b * tokens * q_heads * d * 4 + tile_bytes(q_heads))
-    if backward:
-      mem += b * tokens * q_heads * d * 4 + 4 * kv_bytes(tokens, k_heads) * 4 / e
-    return dict(flops=fwd * (1 + bwd), bytes_moved=moved, compute_s=comp, comm_s=comm,
-                time_s=time, hidden=hidden, min_local_len=lstar, memory_bytes=mem)
-
-  local = seq_len / n
-  for strategy in single:
-    why = _length_problem(strategy, seq_len, n, layout)
-    if strategy == "ulysses":
-      why = why or _heads_problem(nh, kh, n)
-    if why:
-      estimates.append(_infeasible(strategy, (n,), why))
+  for name, split in candidates:
+    if name not in wanted:
       continue
-    links = _links(spec, n * tensor, link_bandwidth, network_bandwidth)
-    if strategy == "ring":
-      r = ring_like(n, local, nh, kh, links)
-    elif strategy == "all_gather":
-      c = _coverage(seq_len, n, is_causal, window, layout)
-      fwd = 4 * b * local * seq_len * nh * d * c
-      gather = (n - 1) * kv_bytes(local, kh)
-      comm = gather / links.gather
-      moved = gather
-      if backward:
-        comm += (gather + gather * 4 / e) / links.gather
-        moved += gather + gather * 4 / e
-      comp = fwd * (1 + bwd) / flops_s
-      mem = (act_bytes(local, nh, kh) + kv_bytes(seq_len, kh) + b * local * nh * d * 4
-             + tile_bytes(nh))
-      if backward:
-        mem += kv_bytes(seq_len, kh) * 4 / e + b * local * nh * d * 4
-      r = dict(flops=fwd * (1 + bwd), bytes_moved=moved, compute_s=comp, comm_s=comm,
-               time_s=comp + comm, hidden=None, min_local_len=None, memory_bytes=mem)
-    else:  # ulysses
-      u = n
-      kr = max(kh, u)
-      c = _coverage(seq_len, 1, is_causal, window, "zigzag")  # whole sequence: balanced
-      fwd = 4 * b * seq_len * seq_len * (nh / u) * d * c
-      exchange = b * local * d * e * (2 * nh + 2 * kr)  # q, k, v in; out back
-      comm = 2 * _a2a_time(exchange, u, links) if backward else _a2a_time(exchange, u, links)
-      moved = exchange * (u - 1) / u * (2 if backward else 1)
-      comp = fwd * (1 + bwd) / flops_s
-      mem = (act_bytes(local, nh, kr) + act_bytes(seq_len, nh / u, kr / u)
-             + b * seq_len * (nh / u) * d * 4 + tile_bytes(nh / u))
-      if backward:
-        mem += b * seq_len * d * 4 * (nh + 2 * kr) / u
-      r = dict(flops=fwd * (1 + bwd), bytes_moved=moved, compute_s=comp, comm_s=comm,
-               time_s=comp + comm, hidden=None, min_local_len=None, memory_bytes=mem)
-    estimates.append(_estimate(strategy, (n,), r))
-
-  for rr, u in splits:
-    why = _length_problem("hybrid", seq_len, rr, layout, u) or _heads_problem(nh, kh, u)
-    if why:
-      estimates.append(_infeasible("hybrid", (rr, u), why))
-      continue
-    inner = _links(spec, u * tensor, link_bandwidth, network_bandwidth)
-    outer = _links(spec, rr * u * tensor, link_bandwidth, network_bandwidth)
-    kr = max(kh, u)
-    res = ring_like(rr, seq_len / rr, nh / u, kr / u, outer)
-    exchange = b * local * d * e * (2 * nh + 2 * kr)
-    a2a = _a2a_time(exchange, u, inner) * (2 if backward else 1)
-    res["comm_s"] += a2a
-    res["time_s"] += a2a
-    res["bytes_moved"] += exchange * (u - 1) / u * (2 if backward else 1)
-    res["memory_bytes"] += act_bytes(local, nh, kr)
-    estimates.append(_estimate("hybrid", (rr, u), res))
-
-  estimates = [_fit(e_, budget) for e_ in estimates]
+    cost, problem = _COSTS[name]
+    why = problem(s, *split)
+    estimates.append(_infeasible(name, split, why) if why else
+                     _fit(_estimate(name, split, cost(s, *split)), budget))
   setting = (f"{spec.label}: B={batch} L={seq_len:,} N={heads} K={kv_heads} d={head_dim} "
              f"{_dtype_name(dtype)}, {_mask_name(is_causal, window)}, layout={layout}, "
              f"sequence={sequence} tensor={tensor} data={data}, "
@@ -429,20 +479,12 @@ def _device(device, peak_flops, link_bandwidth) -> hardware.DeviceSpec:
   return spec
 
 
-def _length_problem(strategy, seq_len, n, layout, u=1) -> str | None:
-  multiple = (2 * n if layout == "zigzag" else n) * u
-  if strategy == "ulysses":
-    multiple = n
-  if seq_len % multiple:
-    return f"length {seq_len} not a multiple of {multiple}"
-  return None
-
-
 def _heads_problem(nh, kh, u) -> str | None:
-  if nh % u:
-    return f"{nh} query heads per device not divisible by {u}"
-  if kh % u and u % kh:
-    return f"{kh} K/V heads per device neither divisible by nor dividing {u}"
+  """Why Ulysses over ``u`` devices cannot split these heads (:func:`validation.ulysses_repeat`)."""
+  try:
+    validation.ulysses_repeat(nh, kh, u)
+  except ValueError as e:
+    return str(e)
   return None
 
 
@@ -473,7 +515,7 @@ def _choose(estimates, spec, setting) -> Plan:
   if not ok:
     raise ValueError("no strategy can run this: " + "; ".join(
         f"{e.name}: {e.why_not}" for e in estimates))
-  order = {s: i for i, s in enumerate(_CANDIDATES)}
+  order = {s: i for i, s in enumerate(STRATEGIES)}
   best = min(ok, key=lambda e: (round(e.time_s, 12), order[e.strategy]))
   reasons = [f"fastest predicted ({best.time_s * 1e3:.2f} ms per device, "
              f"{best.exposed_comm_s * 1e3:.2f} ms of it exposed transfer)"]

@@ -5,7 +5,10 @@ Near-Infinite Context" (2023), Alg. 1. Device ``i`` of an ``n``-device ring
 starts with its own K/V shard and, at hop ``h``, holds the shard of device
 ``(i - h) mod n``. Each hop folds blockwise attention against that shard into
 a float32 online-softmax carry (:mod:`ring_jax.hop`); the next shard's
-transfer is issued before the hop's compute so XLA can overlap the two.
+transfer is issued before the hop's compute so XLA can overlap the two. Only
+the hops ``first..last`` of :func:`ring_jax.scheduling.hop_range` run (a
+local window on the contiguous layout needs a few neighbouring shards; the
+whole ring is ``0..n-1``), both passes in one loop (:func:`_over_hops`).
 
 The backward pass is a hand-written ``custom_vjp`` that goes around the ring
 again: K, V and their float32 gradient accumulators dK, dV travel together,
@@ -27,8 +30,8 @@ from ring_jax import kernels
 from ring_jax import layouts
 from ring_jax import scheduling
 from ring_jax import validation
-from ring_jax.hop import (HopKernel, HopMasks, HopSpec, _varying_axes, empty_result,
-                          lse_for_backward, merge, varying_like)
+from ring_jax.hop import (HopGrads, HopKernel, HopMasks, HopResiduals, HopSpec, _varying_axes,
+                          empty_result, lse_for_backward, merge, varying_like)
 
 # Bounds the per-pair score temporaries ([B, N, 256, 256] float32) in the unfused XLA kernel;
 # larger blocks measured slower on CPU and cost memory (benchmarks/results).
@@ -43,7 +46,7 @@ class _RingConfig:
   spec: HopSpec
   kernel: HopKernel
   return_lse: bool = False
-  hops: tuple[int, int] | None = None  # (first, last) hop run; None: the whole ring
+  hops: tuple[int, int] = (0, 0)  # (first, last) hops run (scheduling.hop_range)
   overlap_dkv: bool = False
 
 
@@ -172,22 +175,25 @@ def _make_config(query, key, value, *, axis_name, is_causal, segment_ids, scale,
   hops = scheduling.hop_range(layout, ring_size, s, bool(is_causal), window)
   return _RingConfig(axis_name=axis_name, ring_size=ring_size, layout=layout, spec=spec,
                      kernel=kernel, return_lse=bool(return_lse),
-                     hops=None if hops == (0, ring_size - 1) else hops,
+                     hops=hops,
                      overlap_dkv=bool(overlap_dkv))
 
 
-def _hop_masks(cfg: _RingConfig, device, hop, q_pos, s, q_seg, kv_seg) -> HopMasks:
-  """Positions of the K/V shard held at ``hop`` (it started on device ``device - hop``)."""
+def _hop_masks(cfg: _RingConfig, device, hop, q_pos, s, q_seg, kv_seg,
+               v_finite=None) -> HopMasks:
+  """Masks and block table of the K/V shard held at ``hop`` (it started on device
+  ``device - hop``); ``v_finite``: the per-device flags of :func:`_v_finite`, or None."""
   src = (device - hop) % cfg.ring_size
   kv_pos = layouts.local_positions(cfg.layout, cfg.ring_size, s, src)
-  return HopMasks(q_positions=q_pos, kv_positions=kv_pos, q_segment_ids=q_seg,
-                  kv_segment_ids=kv_seg)
+  return HopMasks.build(cfg.spec, q_pos, kv_pos, q_seg, kv_seg,
+                        v_finite=None if v_finite is None else v_finite[src])
 
 
-def _rotate(cfg: _RingConfig, *xs):
-  n = cfg.ring_size
-  perm = [(j, (j + 1) % n) for j in range(n)]
-  return tuple(None if x is None else jax.lax.ppermute(x, cfg.axis_name, perm) for x in xs)
+def _v_finite(cfg: _RingConfig, v):
+  """bool ``[n]``: device ``i``'s V shard holds no NaN/inf. One pass over the local V and one
+  gather of ``n`` flags per forward, instead of a pass over V at every hop (the kernels'
+  non-finite-V guard reads the flag of the shard they hold)."""
+  return jax.lax.all_gather(jnp.isfinite(v).all(), cfg.axis_name)
 
 
 def _shift(cfg: _RingConfig, by: int, *xs):
@@ -199,96 +205,58 @@ def _shift(cfg: _RingConfig, by: int, *xs):
   return tuple(None if x is None else jax.lax.ppermute(x, cfg.axis_name, perm) for x in xs)
 
 
-def _forward_pruned(cfg: _RingConfig, q, k, v, seg):
-  """The hops ``first..last`` of :func:`ring_jax.scheduling.hop_range` only, unrolled: a
-  window needs a few neighbouring shards, so ``last - first`` transfers (plus one to start
-  at ``first < 0``) instead of ``n - 1``."""
-  first, last = cfg.hops
-  n = cfg.ring_size
-  t, s = q.shape[1], k.shape[1]
-  device = jax.lax.axis_index(cfg.axis_name)
-  q_pos = layouts.local_positions(cfg.layout, n, t, device)
-  acc = tuple(varying_like(x, q, k, v) for x in empty_result(q))
-  with jax.named_scope("send_kv"):
-    k, v, seg_h = _shift(cfg, first, k, v, seg)  # device d now holds shard d - first
-  for h in range(first, last + 1):
-    if h > first:
-      with jax.named_scope("send_kv"):
-        k, v, seg_h = _shift(cfg, 1, k, v, seg_h)
-    with jax.named_scope("hop"):
-      masks = _hop_masks(cfg, device, h, q_pos, s, seg, seg_h)
-      acc = merge(*acc, *cfg.kernel.forward(q, k, v, masks, cfg.spec))
-  out, lse = acc
-  return out.astype(q.dtype), lse
+def _over_hops(cfg: _RingConfig, step, state, *, peel_first: bool):
+  """Runs ``step(h, state, name=, first=, last=)`` for the hops ``first..last`` the ring runs.
 
-
-def _backward_pruned(cfg: _RingConfig, q, k, v, seg, out, lse, do, dlse):
-  """Backward of :func:`_forward_pruned`: the dK/dV accumulator travels with its shard and
-  goes home (to device ``d - last``) with one ppermute at the end."""
+  The whole ring is ``(0, n - 1)``; a window on the contiguous layout runs fewer
+  (:func:`ring_jax.scheduling.hop_range`). ``last`` (nothing left to send) is
+  peeled off the loop, and with ``peel_first`` the first hop too (``first=True``:
+  nothing has arrived yet); the hops between run in one ``fori_loop`` (inline when
+  there is one), named ``hop``. Profiles name the peeled ones ``hop_0`` and ``last_hop``.
+  """
   first, last = cfg.hops
-  n = cfg.ring_size
-  t, s = q.shape[1], k.shape[1]
-  device = jax.lax.axis_index(cfg.axis_name)
-  q_pos = layouts.local_positions(cfg.layout, n, t, device)
-  lse = lse_for_backward(lse)
-  k0, v0 = k, v
-  zeros = lambda x: varying_like(jnp.zeros(x.shape, jnp.float32), q, k, v)
-  with jax.named_scope("send_kv"):
-    k, v, seg_h = _shift(cfg, first, k, v, seg)
-  dq, dk, dv = zeros(q), zeros(k), zeros(v)
-  for h in range(first, last + 1):
-    if h > first:
-      with jax.named_scope("send_kv"):
-        k, v, seg_h = _shift(cfg, 1, k, v, seg_h)
-      with jax.named_scope("send_dkv"):
-        dk, dv = _shift(cfg, 1, dk, dv)
-    with jax.named_scope("hop"):
-      masks = _hop_masks(cfg, device, h, q_pos, s, seg, seg_h)
-      if cfg.overlap_dkv:
-        dq, dk_h, dv_h = cfg.kernel.backward(q, k, v, out, lse, do, dlse, masks, cfg.spec,
-                                             dq, zeros(k), zeros(v))
-        dk, dv = dk + dk_h, dv + dv_h
-      else:
-        dq, dk, dv = cfg.kernel.backward(q, k, v, out, lse, do, dlse, masks, cfg.spec,
-                                         dq, dk, dv)
-  with jax.named_scope("dkv_home"):
-    dk, dv = _shift(cfg, -last, dk, dv)  # the accumulator of shard d - last goes home
-  extra = tuple(sorted(_varying_axes(dk) - _varying_axes(k0), key=str))
-  if extra:
-    dk, dv = jax.lax.psum((dk, dv), extra)
-  return dq.astype(q.dtype), dk.astype(k0.dtype), dv.astype(v0.dtype)
+  start = first
+  if peel_first and first < last:
+    state = step(first, state, name="hop_0", first=True, last=False)
+    start += 1
+  body = lambda h, state: step(h, state, name="hop", first=False, last=False)  # noqa: E731
+  if last - start == 1:
+    state = body(start, state)
+  elif last - start > 1:
+    state = jax.lax.fori_loop(start, last, body, state)
+  return step(last, state, name="last_hop", first=peel_first and first == last, last=True)
 
 
 def _forward(cfg: _RingConfig, q, k, v, seg):
   """Returns ``(out [B,T,K,G,H] input dtype, lse [B,T,K,G] f32, -inf where no key was seen)``.
 
   Each hop's ``(out_h, lse_h)`` is merged into a float32 ``(out, lse)`` with
-  :func:`ring_jax.hop.merge`. Profiles name the parts ``ring_fwd/hop`` (every
-  hop but the last, one loop body), ``ring_fwd/last_hop`` and
-  ``ring_fwd/send_kv`` (the K/V transfer).
+  :func:`ring_jax.hop.merge`; the next shard's transfer is issued before the
+  hop's compute. Profiles name the parts ``ring_fwd/hop`` (the loop body),
+  ``ring_fwd/last_hop`` and ``ring_fwd/send_kv`` (the K/V transfer).
   """
-  if cfg.hops is not None:
-    return _forward_pruned(cfg, q, k, v, seg)
-  n = cfg.ring_size
-  t, s = q.shape[1], k.shape[1]
+  first = cfg.hops[0]
   device = jax.lax.axis_index(cfg.axis_name)
-  q_pos = layouts.local_positions(cfg.layout, n, t, device)
+  s = k.shape[1]
+  q_pos = layouts.local_positions(cfg.layout, cfg.ring_size, q.shape[1], device)
+  v_finite = _v_finite(cfg, v)
   acc = tuple(varying_like(x, q, k, v) for x in empty_result(q))
+  with jax.named_scope("send_kv"):
+    k, v, kv_seg = _shift(cfg, first, k, v, seg)  # device d now holds shard d - first
 
-  def hop(name, h, k, v, kv_seg, acc):
-    with jax.named_scope(name):
-      masks = _hop_masks(cfg, device, h, q_pos, s, seg, kv_seg)
-      out_h, lse_h = cfg.kernel.forward(q, k, v, masks, cfg.spec)
-      return merge(*acc, out_h, lse_h)
-
-  def body(h, state):
+  def step(h, state, *, name, first, last):
+    del first
     k, v, kv_seg, acc = state
-    with jax.named_scope("send_kv"):
-      k_next, v_next, seg_next = _rotate(cfg, k, v, kv_seg)
-    return k_next, v_next, seg_next, hop("hop", h, k, v, kv_seg, acc)
+    nxt = (k, v, kv_seg)
+    if not last:
+      with jax.named_scope("send_kv"):
+        nxt = _shift(cfg, 1, k, v, kv_seg)
+    with jax.named_scope(name):
+      masks = _hop_masks(cfg, device, h, q_pos, s, seg, kv_seg, v_finite)
+      acc = merge(*acc, *cfg.kernel.forward(q, k, v, masks, cfg.spec))
+    return (*nxt, acc)
 
-  k, v, kv_seg, acc = jax.lax.fori_loop(0, n - 1, body, (k, v, seg, acc))
-  out, lse = hop("last_hop", n - 1, k, v, kv_seg, acc)  # nothing left to send
+  *_, (out, lse) = _over_hops(cfg, step, (k, v, kv_seg, acc), peel_first=False)
   return out.astype(q.dtype), lse
 
 
@@ -303,61 +271,54 @@ def _backward(cfg: _RingConfig, q, k, v, seg, out, lse, do, dlse):
   ``cfg.overlap_dkv`` the hop computes dK/dV into fresh buffers while the
   accumulator is still in flight and adds the two afterwards, so neither the
   K/V transfer for the next hop nor the accumulator transfer sits on the
-  critical path in front of the hop's compute.
+  critical path in front of the hop's compute. After the last hop each
+  accumulator goes home to its shard's owner (one transfer).
 
   Profiles name the parts ``ring_bwd/hop_0``, ``ring_bwd/hop`` (the loop
   body), ``ring_bwd/last_hop``, and the transfers ``ring_bwd/send_kv``,
   ``ring_bwd/send_dkv`` and ``ring_bwd/dkv_home``.
   """
-  if cfg.hops is not None:
-    return _backward_pruned(cfg, q, k, v, seg, out, lse, do, dlse)
-  n = cfg.ring_size
-  t, s = q.shape[1], k.shape[1]
+  first, last = cfg.hops
   device = jax.lax.axis_index(cfg.axis_name)
-  q_pos = layouts.local_positions(cfg.layout, n, t, device)
-  lse = lse_for_backward(lse)
+  s = k.shape[1]
+  q_pos = layouts.local_positions(cfg.layout, cfg.ring_size, q.shape[1], device)
+  res = HopResiduals(out=out, lse=lse_for_backward(lse), do=do, dlse=dlse)
+  k_own, v_own = k, v
 
   def zeros(x):
     return varying_like(jnp.zeros(x.shape, jnp.float32), q, k, v)
 
-  def hop(name, h, k, v, kv_seg, dq, dk, dv):
-    """Adds this hop's gradients to the float32 accumulators ``dq``, ``dk``, ``dv``."""
+  with jax.named_scope("send_kv"):
+    k, v, kv_seg = _shift(cfg, first, k, v, seg)
+
+  def step(h, state, *, name, first, last):
+    # dk/dv: at the first hop the zero accumulators of the shard held now; later the
+    # accumulators of the shard this device held at hop h-1, which travel on.
+    k, v, kv_seg, dq, dk, dv = state
+    nxt = (k, v, kv_seg)
+    if not last:
+      with jax.named_scope("send_kv"):
+        nxt = _shift(cfg, 1, k, v, kv_seg)
+    if not first:  # the shard held now arrives with its own accumulators
+      with jax.named_scope("send_dkv"):
+        dk, dv = _shift(cfg, 1, dk, dv)
     with jax.named_scope(name):
       masks = _hop_masks(cfg, device, h, q_pos, s, seg, kv_seg)
-      return cfg.kernel.backward(q, k, v, out, lse, do, dlse, masks, cfg.spec, dq, dk, dv)
+      if cfg.overlap_dkv and not first:
+        g = cfg.kernel.backward(q, k, v, masks, cfg.spec, res, HopGrads(dq, zeros(k), zeros(v)))
+        dq, dk, dv = g.dq, dk + g.dk, dv + g.dv
+      else:
+        dq, dk, dv = cfg.kernel.backward(q, k, v, masks, cfg.spec, res, HopGrads(dq, dk, dv))
+    return (*nxt, dq, dk, dv)
 
-  def send_kv(k, v, kv_seg):
-    with jax.named_scope("send_kv"):
-      return _rotate(cfg, k, v, kv_seg)
-
-  def step(name, h, k, v, kv_seg, dq, dk_prev, dv_prev):
-    # dk_prev/dv_prev: accumulators of the shard this device held at hop h-1;
-    # the shard held now (from the previous device) arrives with its own.
-    with jax.named_scope("send_dkv"):
-      dk_in, dv_in = _rotate(cfg, dk_prev, dv_prev)
-    if cfg.overlap_dkv:
-      dq, dk_h, dv_h = hop(name, h, k, v, kv_seg, dq, zeros(k), zeros(v))
-      return dq, dk_in + dk_h, dv_in + dv_h
-    return hop(name, h, k, v, kv_seg, dq, dk_in, dv_in)
-
-  def body(h, state):
-    k, v, kv_seg, dq, dk, dv = state
-    k_next, v_next, seg_next = send_kv(k, v, kv_seg)
-    dq, dk, dv = step("hop", h, k, v, kv_seg, dq, dk, dv)
-    return k_next, v_next, seg_next, dq, dk, dv
-
-  k_next, v_next, seg_next = send_kv(k, v, seg) if n > 1 else (k, v, seg)
-  dq, dk, dv = hop("hop_0", 0, k, v, seg, zeros(q), zeros(k), zeros(v))  # own shard
-  if n > 1:
-    state = (k_next, v_next, seg_next, dq, dk, dv)
-    k, v, kv_seg, dq, dk, dv = jax.lax.fori_loop(1, n - 1, body, state)
-    dq, dk, dv = step("last_hop", n - 1, k, v, kv_seg, dq, dk, dv)  # no K/V left to send
+  *_, dq, dk, dv = _over_hops(cfg, step, (k, v, kv_seg, zeros(q), zeros(k), zeros(v)),
+                              peel_first=True)
   with jax.named_scope("dkv_home"):
-    dk, dv = _rotate(cfg, dk, dv)  # n-th transfer: home to the shard's owner
-  extra = tuple(sorted(_varying_axes(dk) - _varying_axes(k), key=str))
+    dk, dv = _shift(cfg, -last, dk, dv)  # the accumulator of shard d - last goes home
+  extra = tuple(sorted(_varying_axes(dk) - _varying_axes(k_own), key=str))
   if extra:  # K/V replicated over axes the queries are split over: add the parts
     dk, dv = jax.lax.psum((dk, dv), extra)
-  return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+  return dq.astype(q.dtype), dk.astype(k_own.dtype), dv.astype(v_own.dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))

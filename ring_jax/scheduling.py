@@ -4,10 +4,14 @@ Positions come from :mod:`ring_jax.layouts`; this module decides, from those
 positions, the causal / local-window mask and the segment-id mask, and which
 (query block, key/value block) pairs hold any visible score.
 
-:func:`schedule` returns, as plain numpy data, which query block meets which
-key/value block on which device at which hop. The ring kernel derives the same
-pairs on device with the same functions (:func:`block_pairs`), so tests and
-benchmarks that inspect the schedule inspect what is computed.
+:class:`BlockTable` (built by :func:`block_table`, once per hop, from
+positions and segment ids) is the one description of which (query block,
+key block) pairs a hop computes and which of them need the elementwise mask:
+the ring hands it to every hop kernel in :class:`ring_jax.hop.HopMasks`, and
+:func:`schedule` lists its pairs as plain numpy data (which query block meets
+which key/value block on which device at which hop), so tests and benchmarks
+that inspect the schedule inspect what is computed (``tests/test_ring.py``
+counts the XLA kernel's loop trips against it).
 
 Segment ids: ``0`` is padding (a padding query attends nothing and outputs 0;
 a padding key is never attended); every other value, negative ones included,
@@ -24,6 +28,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 
+from typing import NamedTuple
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -95,6 +102,41 @@ def segment_mask(q_seg, kv_seg):
   return (q == kv_seg[..., None, :]) & (q != 0)
 
 
+class BlockSegments(NamedTuple):
+  """Per-block summary of segment ids ``[B, n]`` (numpy or jax), from :func:`block_segments`.
+
+  lo / hi: smallest / largest non-padding id of the block (a padding-only block has
+    ``lo > hi``); uniform: the block's id when every token holds that one non-padding id,
+    else 0. Two blocks share no document when their ``[lo, hi]`` ranges are disjoint, and
+    every (query, key) pair of them is in one document when both are uniform with equal ids.
+  """
+  lo: object
+  hi: object
+  uniform: object
+
+
+def block_segments(seg, block: int) -> BlockSegments:
+  """The :class:`BlockSegments` of integer ids ``seg`` ``[B, L]`` in blocks of ``block``.
+
+  Ids keep their dtype (0 = padding; see the module docstring).
+  """
+  xp = np if isinstance(seg, np.ndarray) else jnp
+  info = np.iinfo(seg.dtype)
+  biggest, smallest = (xp.asarray(x, seg.dtype) for x in (info.max, info.min))
+  seg = seg.reshape(seg.shape[0], -1, block)
+  real = seg != 0
+  first = seg[..., 0]
+  same = (seg == first[..., None]).all(-1) & (first != 0)
+  return BlockSegments(lo=xp.min(xp.where(real, seg, biggest), axis=-1),
+                       hi=xp.max(xp.where(real, seg, smallest), axis=-1),
+                       uniform=xp.where(same, first, xp.zeros_like(first)))
+
+
+def _share_a_segment(q: BlockSegments, k: BlockSegments):
+  """bool ``[B, nq, nk]``: the blocks' ranges of non-padding ids overlap (see :func:`blocks_share_a_segment`)."""
+  return (q.lo[:, :, None] <= k.hi[:, None, :]) & (k.lo[:, None, :] <= q.hi[:, :, None])
+
+
 def blocks_share_a_segment(q_seg, kv_seg, block_q: int, block_kv: int):
   """bool ``[nq, nk]``: in some batch row, the two blocks' document-id ranges overlap.
 
@@ -105,20 +147,8 @@ def blocks_share_a_segment(q_seg, kv_seg, block_q: int, block_kv: int):
   documents stored as consecutive runs of ids and conservative (extra work,
   never a miss) otherwise.
   """
-  info = jnp.iinfo(q_seg.dtype)
-  biggest, smallest = (jnp.asarray(x, q_seg.dtype) for x in (info.max, info.min))
-
-  def ranges(seg, block):
-    seg = seg.reshape(seg.shape[0], -1, block)
-    real = seg != 0
-    lo = jnp.min(jnp.where(real, seg, biggest), axis=-1)  # padding-only block: lo > hi
-    hi = jnp.max(jnp.where(real, seg, smallest), axis=-1)
-    return lo, hi
-
-  q_lo, q_hi = ranges(q_seg, block_q)
-  k_lo, k_hi = ranges(kv_seg, block_kv)
-  overlap = (q_lo[:, :, None] <= k_hi[:, None, :]) & (k_lo[:, None, :] <= q_hi[:, :, None])
-  return overlap.any(axis=0)
+  return _share_a_segment(block_segments(q_seg, block_q),
+                          block_segments(kv_seg, block_kv)).any(axis=0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -199,31 +229,110 @@ def block_visibility(q_pos, k_pos, block_q: int, block_kv: int, is_causal: bool,
   return any_, all_
 
 
-def block_pairs(q_pos, k_pos, block_q: int, block_kv: int, is_causal: bool, window,
-                also_required=None):
-  """The visible block pairs as a list: ``(pairs [nq*nk, 2], num_pairs, partial [nq*nk])``.
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["q_ranges", "kv_ranges"],
+                   meta_fields=["may_mask"])
+@dataclasses.dataclass(frozen=True)
+class BlockTable:
+  """Which block pairs one hop computes, and which of them need the elementwise mask.
 
-  ``pairs[:num_pairs]`` are the (query block, key block) pairs to compute, in
-  row-major order; the rest is zero padding. ``also_required`` (bool
-  ``[nq, nk]``) removes further pairs, e.g. blocks sharing no document.
-  Numpy or traced jax arrays.
+  The one description of a hop's block sparsity: :func:`block_table` builds it
+  from positions and segment ids, every hop kernel loops over it, and
+  :func:`schedule` lists its pairs. Rows ``(lo, full_lo, full_hi, hi)`` with
+  ``lo <= full_lo <= full_hi <= hi``:
+
+  q_ranges: int32 ``[R, nq, 4]``: query block ``a`` (batch row ``r``) meets the
+    key blocks ``lo <= b < hi`` (empty: ``[0, 0)``); those in ``[full_lo, full_hi)``
+    are visible everywhere (no elementwise mask), the others may be partly masked.
+  kv_ranges: int32 ``[R, nk, 4]``: the same for key block ``b`` over query blocks
+    (the backward's dK/dV loop).
+  may_mask: static bool: some score of the hop can be masked at all (causal, window
+    or segment ids); False: every pair is computed unmasked.
+
+  ``R`` is the batch size with segment ids (documents differ per row) and 1
+  without (broadcast over rows). ``[lo, hi)`` spans every pair that may hold a
+  visible score; a pair inside it that holds none is computed and masked, never
+  missed. ``[full_lo, full_hi)`` is the first run of pairs visible everywhere
+  (for positions increasing within a shard, as in every layout, the only run).
   """
-  any_, all_ = block_visibility(q_pos, k_pos, block_q, block_kv, is_causal, window)
-  if also_required is not None:
-    any_ = any_ & also_required
-  nk = any_.shape[1]
-  flat = any_.reshape(-1)
-  if isinstance(flat, np.ndarray):
-    (idx,) = np.nonzero(flat)
-    num = len(idx)
-    idx = np.concatenate([idx, np.zeros(flat.size - num, idx.dtype)])
-  else:
-    (idx,) = jnp.nonzero(flat, size=flat.size, fill_value=0)
-    num = flat.sum(dtype=jnp.int32)
-  xp = np if isinstance(flat, np.ndarray) else jnp
-  pairs = xp.stack([idx // nk, idx % nk], axis=-1).astype(np.int32)
-  partial = ~all_.reshape(-1)[idx]
-  return pairs, num, partial
+  q_ranges: object
+  kv_ranges: object
+  may_mask: bool
+
+
+def _spans(vis, full):
+  """``[R, rows, n]`` bool (possibly visible, visible everywhere) -> int32 ``[R, rows, 4]``."""
+  xp = np if isinstance(vis, np.ndarray) else jnp
+  n = vis.shape[-1]
+  idx = xp.arange(n, dtype=np.int32)
+  hi = xp.max(xp.where(vis, idx + 1, 0), axis=-1)
+  lo = xp.minimum(xp.min(xp.where(vis, idx, n), axis=-1), hi)  # empty row: [0, 0)
+  full_lo = xp.min(xp.where(full, idx, n), axis=-1)
+  # end of the first run of full pairs: the first non-full index after full_lo
+  full_hi = xp.min(xp.where(~full & (idx >= full_lo[..., None]), idx, n), axis=-1)
+  no_run = full_lo >= n
+  full_lo = xp.where(no_run, hi, full_lo)
+  full_hi = xp.where(no_run, hi, xp.minimum(full_hi, hi))
+  return xp.stack([lo, full_lo, full_hi, hi], axis=-1).astype(np.int32)
+
+
+def block_table(q_pos, kv_pos, q_seg, kv_seg, block_q: int, block_kv: int, is_causal: bool,
+                window) -> BlockTable:
+  """The :class:`BlockTable` of one hop (numpy, or traced jax arrays inside a kernel's caller).
+
+  ``q_pos`` ``[T]`` / ``kv_pos`` ``[S]`` positions; ``q_seg`` ``[B, T]`` /
+  ``kv_seg`` ``[B, S]`` ids or None. A pair may hold a visible score when the
+  positions allow one (:func:`block_visibility`) and, with ids, the blocks'
+  document ranges overlap in that row (:class:`BlockSegments`); it is visible
+  everywhere when the positions make it so and both blocks are one and the
+  same document (no padding).
+  """
+  any_, all_ = block_visibility(q_pos, kv_pos, block_q, block_kv, is_causal, window)
+  any_, all_ = any_[None], all_[None]
+  if q_seg is not None:
+    qs, ks = block_segments(q_seg, block_q), block_segments(kv_seg, block_kv)
+    any_ = any_ & _share_a_segment(qs, ks)
+    uq, uk = qs.uniform[:, :, None], ks.uniform[:, None, :]
+    all_ = all_ & (uq != 0) & (uq == uk)
+  all_ = all_ & any_
+  return BlockTable(q_ranges=_spans(any_, all_),
+                    kv_ranges=_spans(any_.swapaxes(1, 2), all_.swapaxes(1, 2)),
+                    may_mask=bool(is_causal or window is not None or q_seg is not None))
+
+
+def merge_rows(ranges):
+  """``[R, n, 4]`` -> ``[n, 4]``: one range row per block for kernels that compute every
+  batch row of a block together.
+
+  ``[lo, hi)`` spans the rows' non-empty ranges; ``[full_lo, full_hi)`` is the
+  part visible everywhere in every row (empty, at ``hi``, when there is none).
+  Pairs inside the span that no row's range holds can be skipped
+  (:func:`rows_cover`).
+  """
+  xp = np if isinstance(ranges, np.ndarray) else jnp
+  lo, full_lo, full_hi, hi = (ranges[..., i] for i in range(4))
+  some = lo < hi
+  hi_m = xp.max(xp.where(some, hi, 0), axis=0)
+  lo_m = xp.minimum(xp.min(xp.where(some, lo, _MAX_WINDOW), axis=0), hi_m)
+  flo, fhi = xp.max(full_lo, axis=0), xp.min(full_hi, axis=0)
+  run = (flo < fhi) & some.all(axis=0)
+  flo, fhi = xp.where(run, flo, hi_m), xp.where(run, fhi, hi_m)
+  return xp.stack([lo_m, flo, fhi, hi_m], axis=-1).astype(np.int32)
+
+
+def rows_cover(ranges, i, j):
+  """bool: block ``j`` lies in the range of block ``i`` in some batch row (``ranges`` ``[R, n, 4]``)."""
+  return ((ranges[:, i, 0] <= j) & (j < ranges[:, i, 3])).any()
+
+
+def table_pairs(table: BlockTable):
+  """numpy ``(pairs [P, 2], partial [P])``: the (query block, key block) pairs of a one-row
+  table in row-major order, and whether each may be partly masked (outside the full run)."""
+  pairs, partial = [], []
+  for a, (lo, full_lo, full_hi, hi) in enumerate(np.asarray(table.q_ranges[0])):
+    for b in range(lo, hi):
+      pairs.append((a, b))
+      partial.append(table.may_mask and not full_lo <= b < full_hi)
+  return np.asarray(pairs, np.int32).reshape(-1, 2), np.asarray(partial, bool)
 
 
 def hop_range(layout: str, ring_size: int, local_len: int, is_causal: bool,
@@ -256,9 +365,10 @@ def schedule(layout: str, ring_size: int, local_len: int, block_q: int, block_kv
 
   A block pair is skipped when no (query, key) pair in it is allowed by the
   causal mask / local window given the layout's global positions (see
-  :func:`block_visibility`). The kernel derives the same pairs on device from
-  the same positions, hop by hop, rather than carrying an ``[n, n, P]`` table.
-  Segment ids are data, not layout: the kernel masks them inside a pair.
+  :func:`block_visibility`): these are the pairs of each hop's :func:`block_table`,
+  which the ring builds on device from the same positions, hop by hop, rather
+  than carrying an ``[n, n, P]`` table. Segment ids are data, not layout: with
+  them a hop's table skips further pairs (blocks sharing no document).
   """
   layouts.check_length(layout, ring_size, ring_size * local_len,
                        f"sequence length ({ring_size} x local length {local_len})")
@@ -275,9 +385,11 @@ def schedule(layout: str, ring_size: int, local_len: int, block_q: int, block_kv
   num_pairs = np.zeros((n, n), np.int32)
   for d in range(n):
     for h in range(n):
-      p, m, part = block_pairs(pos[d], pos[(d - h) % n], block_q, block_kv, is_causal, window)
-      pairs[d, h], num_pairs[d, h] = p, m
-      partial[d, h, :m] = part[:m]
+      table = block_table(pos[d], pos[(d - h) % n], None, None, block_q, block_kv, is_causal,
+                          window)
+      p, part = table_pairs(table)
+      m = num_pairs[d, h] = len(p)
+      pairs[d, h, :m], partial[d, h, :m] = p, part
   for arr in (pairs, partial, num_pairs):
     arr.setflags(write=False)
   hops = hop_range(layout, n, local_len, is_causal, window)

@@ -12,6 +12,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ring_jax import layouts
+
 
 def check_qkv(query, key, value, *, is_causal: bool, segment_ids) -> None:
   """Shapes ``[B,T,N,H]``, ``[B,S,K,H]``, ``[B,S,K,H]``; same float dtype; ``N % K == 0``."""
@@ -99,7 +101,62 @@ def check_scale(scale, head_dim: int, score_dtype) -> float:
   return value
 
 
+def check_split(layout: str, ring_size: int, length: int, *, ulysses: int = 1,
+                what: str = "sequence length") -> int:
+  """The length rule of every strategy: returns the ring's local length ``length // ring_size``.
+
+  ``length`` tokens must split over a ring of ``ring_size`` devices in
+  ``layout`` (:func:`ring_jax.layouts.check_length`: one shard per device, two
+  equal chunks of it for zigzag), and, for the hybrid, each ring shard further
+  over the ``ulysses`` devices of its Ulysses axis. Block sizes must then divide
+  the length they tile (:func:`check_block`). Raises ValueError naming the
+  length to pad to; :func:`split_problem` returns that message instead.
+  """
+  local_len = layouts.check_length(layout, ring_size, length, what)
+  if local_len % ulysses:
+    multiple = math.lcm(layouts.length_multiple(layout, ring_size), ring_size * ulysses)
+    raise ValueError(
+        f"{what} {length}: each ring shard of {local_len} tokens must split over the "
+        f"{ulysses} devices of the Ulysses axis; pad it to a multiple of {multiple}.")
+  return local_len
+
+
+def split_problem(layout: str, ring_size: int, length: int, *, ulysses: int = 1) -> str | None:
+  """Why :func:`check_split` refuses ``length`` (its message), or None when it splits."""
+  try:
+    check_split(layout, ring_size, length, ulysses=ulysses)
+  except ValueError as e:
+    return str(e)
+  return None
+
+
+def ulysses_repeat(nh: int, kh: int, u: int, axis_name=None) -> int:
+  """How often Ulysses repeats each key/value head before its all_to_all (1: not at all).
+
+  ``nh``/``kh``: query / key-value heads on each device; ``u``: the size of
+  the Ulysses axis ``axis_name``. The query heads must split over it; the
+  key/value heads must too, or divide it (then they are repeated up to ``u``,
+  as USP does). Raises ValueError naming the fix.
+  """
+  axis = "the Ulysses axis" if axis_name is None else f"axis {axis_name!r}"
+  if nh % u:
+    raise ValueError(
+        f"ulysses needs the query heads on each device ({nh}) divisible by the size of {axis} "
+        f"({u}), and {nh} is not divisible by {u}; use a head count that is a multiple of {u}, "
+        "a smaller Ulysses axis (strategy='hybrid' with the rest of the sequence on a ring "
+        "axis), or strategy='ring'/'all_gather'.")
+  if kh % u == 0:
+    return 1
+  if u % kh == 0:
+    return u // kh  # USP: replicate the K/V heads up to one per device
+  raise ValueError(
+      f"ulysses needs the key/value heads on each device ({kh}) divisible by the size of "
+      f"{axis} ({u}), or dividing it (then they are repeated); use a number of key/value "
+      "heads that is a multiple or a divisor of it, or strategy='ring'/'all_gather'.")
+
+
 def check_block(name: str, block: int, local_len: int) -> None:
+  """``block`` is a positive int dividing ``local_len``, the length its blocks tile."""
   if not isinstance(block, (int, np.integer)) or block < 1:
     raise ValueError(f"{name} must be a positive int, got {block!r}.")
   if local_len % block:

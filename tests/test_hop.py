@@ -28,7 +28,7 @@ from jax.sharding import PartitionSpec as P
 
 import ring_jax
 from attn_utils import make_mesh
-from ring_jax.hop import HopMasks, HopSpec, lse_for_backward
+from ring_jax.hop import HopGrads, HopMasks, HopResiduals, HopSpec, lse_for_backward
 
 # Kernel names run by this suite; fused-kernel helpers append theirs (e.g. "pallas_gpu").
 KERNELS_UNDER_TEST = ["xla", "pallas_gpu", "pallas_tpu"]
@@ -203,10 +203,9 @@ def test_one_hop(kernel_name, case, shards):
                  block_kv=BLOCK)
   q5 = q.reshape(b, t, kh, n // kh, h)
   kernel.check(q5.shape, k.shape, jnp.float32, spec)
-  masks = HopMasks(q_positions=jnp.asarray(q_pos, jnp.int32),
-                   kv_positions=jnp.asarray(kv_pos, jnp.int32),
-                   q_segment_ids=None if seg is None else jnp.asarray(seg),
-                   kv_segment_ids=None if kv_seg is None else jnp.asarray(kv_seg))
+  masks = HopMasks.build(spec, jnp.asarray(q_pos, jnp.int32), jnp.asarray(kv_pos, jnp.int32),
+                         None if seg is None else jnp.asarray(seg),
+                         None if kv_seg is None else jnp.asarray(kv_seg))
   out_h, lse_h = jax.jit(kernel.forward, static_argnums=4)(q5, k, v, masks, spec)
   assert out_h.dtype == jnp.float32 and lse_h.dtype == jnp.float32
   assert_close(out_h.reshape(b, t, n, h), out, "out_h")
@@ -218,9 +217,10 @@ def test_one_hop(kernel_name, case, shards):
                       jnp.float32)
   rng = np.random.default_rng(qd * 4 + kd)
   accs = [rng.standard_normal(x.shape).astype(np.float32) for x in (q5, k, v)]
-  got = jax.jit(kernel.backward, static_argnums=8)(
-      q5, k, v, out_final, lse_final, do.reshape(q5.shape), dlse5, masks, spec,
-      *map(jnp.asarray, accs))
+  got = jax.jit(kernel.backward, static_argnums=4)(
+      q5, k, v, masks, spec, HopResiduals(out_final, lse_final, do.reshape(q5.shape), dlse5),
+      HopGrads(*map(jnp.asarray, accs)))
+  assert isinstance(got, HopGrads)
   for name, g, w, acc in zip(("dq", "dk", "dv"), got, (dq, dk, dv), accs):
     assert g.dtype == jnp.float32, name
     # g - acc: the accumulator (magnitude ~1) adds at most an ulp of itself.
@@ -334,6 +334,8 @@ def test_bfloat16_ring_of_4_error_within_xla(kernel_name):
 
 def test_registry_names_and_errors():
   assert "xla" in ring_jax.HOP_KERNELS
+  for name in ring_jax.HOP_KERNELS:  # one rule: a kernel's name is its registry key
+    assert type(kernel_for(name)).name == kernel_for(name).name == name
   for platform in ("cpu", "gpu", "tpu"):
     assert ring_jax.get_hop_kernel("auto", platform).name == "xla"
   kernel = ring_jax.XlaHopKernel()
@@ -361,6 +363,25 @@ def test_check_runs_at_trace_time():
   q = jnp.zeros((1, 64, 2, 8))
   with pytest.raises(ValueError, match="multiple of 128"):
     ring_jax.ring_attention_sharded(q, q, q, mesh=mesh, hop_kernel=Picky(), block_q=16)
+
+
+def test_check_runs_once_per_ring_not_per_hop():
+  """The ring checks its kernel once at trace time; the hops (forward and backward, four
+  of each) do not check again."""
+  calls = []
+
+  @dataclasses.dataclass(frozen=True)
+  class Counted(ring_jax.XlaHopKernel):
+    def check(self, *args):
+      calls.append(args)
+      return super().check(*args)
+
+  mesh = make_mesh((4,), ("sequence",))
+  q = jnp.ones((1, 64, 2, 8))
+  fn = functools.partial(ring_jax.ring_attention_sharded, mesh=mesh, hop_kernel=Counted(),
+                         is_causal=True, block_q=8, block_kv=8)
+  jax.make_jaxpr(jax.grad(lambda q: fn(q, q, q).sum()))(q)
+  assert len(calls) == 1
 
 
 def test_sharded_return_lse_natural_order():

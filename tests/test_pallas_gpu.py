@@ -18,7 +18,7 @@ import pytest
 from jax import export
 
 from ring_jax import hop, scheduling
-from ring_jax.kernels.pallas_gpu import PallasGpuHopKernel, block_ranges
+from ring_jax.kernels.pallas_gpu import PallasGpuHopKernel
 
 RTOL = 1e-5
 
@@ -142,8 +142,9 @@ def _problem(name, dtype=np.float32, seed=0):
   lse = np.where(np.isneginf(lse), np.inf, lse)  # the ring's convention for rows that saw nothing
   spec = hop.HopSpec(scale=scale, is_causal=c["causal"], window=c["window"], block_q=c["bq"],
                      block_kv=c["bk"])
-  masks = hop.HopMasks(jnp.asarray(qp), jnp.asarray(kp), None if qs is None else jnp.asarray(qs),
-                None if ks is None else jnp.asarray(ks))
+  masks = hop.HopMasks.build(spec, jnp.asarray(qp), jnp.asarray(kp),
+                             None if qs is None else jnp.asarray(qs),
+                             None if ks is None else jnp.asarray(ks))
   return dict(q=q, k=k, v=v, do=do, dlse=dlse, q64=q64, k64=k64, v64=v64, do64=do64, vis=vis,
               out_h=out_h, lse_h=lse_h, out=out, lse=lse, spec=spec, masks=masks, scale=scale)
 
@@ -157,8 +158,8 @@ def _run(kernel, pb, fns=None):
   masks, spec = pb["masks"], pb["spec"]
   if fns is None:
     fns = (jax.jit(lambda q, k, v: kernel.forward(q, k, v, masks, spec)),
-           jax.jit(lambda q, k, v, o, l, do, dlse: kernel.backward(q, k, v, o, l, do, dlse, masks,
-                                                                  spec, *hop.zero_grads(q, k, v))))
+           jax.jit(lambda q, k, v, o, l, do, dlse: kernel.backward(
+               q, k, v, masks, spec, hop.HopResiduals(o, l, do, dlse), hop.zero_grads(q, k, v))))
   fwd, bwd = fns
   out_h, lse_h = fwd(pb["q"], pb["k"], pb["v"])
   grads = bwd(pb["q"], pb["k"], pb["v"], jnp.asarray(pb["out"], jnp.float32).astype(pb["q"].dtype),
@@ -187,10 +188,9 @@ def test_one_hop_matches_float64_oracle(name):
     assert empty.any()  # the padding queries of row 1 see nothing
     assert (dq[empty] == 0).all()
   if name == "contiguous_causal_diagonal_mqa":  # the unmasked loop ran, in both directions
-    t, s = pb["q"].shape[1], pb["k"].shape[1]
-    for ranges in block_ranges(pb["masks"], pb["spec"], t // pb["spec"].block_q,
-                               s // pb["spec"].block_kv):
-      lo, full_lo, full_hi, hi = np.asarray(ranges).T
+    blocks = pb["masks"].blocks
+    for ranges in (blocks.q_ranges, blocks.kv_ranges):
+      lo, full_lo, full_hi, hi = np.asarray(ranges).reshape(-1, 4).T
       assert (lo <= full_lo).all() and (full_lo <= full_hi).all() and (full_hi <= hi).all()
       assert (full_hi > full_lo).any()
 
@@ -304,13 +304,14 @@ def test_lowers_to_triton(dtype, causal, window, segments, precision):
   segs = (i32(b, t), i32(b, s)) if segments else ()
 
   def masks(qp, kp, *seg):
-    return hop.HopMasks(qp, kp, *(seg if seg else (None, None)))
+    return hop.HopMasks.build(spec, qp, kp, *(seg if seg else (None, None)))
 
   def fwd(q, k, v, *m):
     return kernel.forward(q, k, v, masks(*m), spec)
 
   def bwd(q, k, v, o, l, do, dlse, *m):
-    return kernel.backward(q, k, v, o, l, do, dlse, masks(*m), spec, *hop.zero_grads(q, k, v))
+    return kernel.backward(q, k, v, masks(*m), spec, hop.HopResiduals(o, l, do, dlse),
+                           hop.zero_grads(q, k, v))
 
   checks = [export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
   # With no GPU attached, jax >= 0.12 takes the target GPU from the abstract mesh's device.
@@ -329,21 +330,25 @@ def test_lowers_to_triton(dtype, causal, window, segments, precision):
 
 
 @pytest.mark.parametrize("name", list(_CASES))
-def test_block_ranges_cover_exactly_what_is_needed(name):
-  """Every block pair holding a visible score is visited; pairs run unmasked are fully visible."""
+def test_block_table_covers_exactly_what_is_needed(name):
+  """Every block pair holding a visible score (in its batch row) is in the hop's block table;
+  pairs run unmasked are fully visible."""
   pb = _problem(name)
   spec, vis = pb["spec"], np.broadcast_to(pb["vis"], (2,) + pb["vis"].shape[1:])
   bq, bk = spec.block_q, spec.block_kv
   nq, nk = vis.shape[1] // bq, vis.shape[2] // bk
-  blocks = vis.reshape(2, nq, bq, nk, bk).transpose(1, 3, 0, 2, 4).reshape(nq, nk, -1)
+  blocks = vis.reshape(2, nq, bq, nk, bk).transpose(0, 1, 3, 2, 4).reshape(2, nq, nk, -1)
   any_, all_ = blocks.any(-1), blocks.all(-1)
-  q_ranges, kv_ranges = (np.asarray(r) for r in block_ranges(pb["masks"], spec, nq, nk))
-  for ranges, a, f in ((q_ranges, any_, all_), (kv_ranges, any_.T, all_.T)):
-    for row, (lo, full_lo, full_hi, hi) in enumerate(ranges):
-      visited = np.zeros(a.shape[1], bool)
-      visited[lo:hi] = True
-      assert not (a[row] & ~visited).any()          # nothing visible is skipped
-      assert f[row, full_lo:full_hi].all()          # unmasked blocks need no mask
+  table = pb["masks"].blocks
+  for ranges, a, f in ((table.q_ranges, any_, all_),
+                       (table.kv_ranges, any_.swapaxes(1, 2), all_.swapaxes(1, 2))):
+    ranges = np.broadcast_to(np.asarray(ranges), (2,) + ranges.shape[1:])
+    for r in range(2):
+      for row, (lo, full_lo, full_hi, hi) in enumerate(ranges[r]):
+        visited = np.zeros(a.shape[-1], bool)
+        visited[lo:hi] = True
+        assert not (a[r, row] & ~visited).any()       # nothing visible is skipped
+        assert f[r, row, full_lo:full_hi].all()       # unmasked blocks need no mask
 
 
 def test_interpret_inside_shard_map_matches():
@@ -357,9 +362,10 @@ def test_interpret_inside_shard_map_matches():
                        devices=jax.devices()[:2])
 
   def both(q, k, v, out, lse, do, dlse, q_seg, kv_seg):
-    masks = hop.HopMasks(m.q_positions, m.kv_positions, q_seg, kv_seg)
+    masks = hop.HopMasks.build(spec, m.q_positions, m.kv_positions, q_seg, kv_seg)
     return (kernel.forward(q, k, v, masks, spec),
-            kernel.backward(q, k, v, out, lse, do, dlse, masks, spec, *hop.zero_grads(q, k, v)))
+            kernel.backward(q, k, v, masks, spec, hop.HopResiduals(out, lse, do, dlse),
+                            hop.zero_grads(q, k, v)))
 
   rows = jax.sharding.PartitionSpec("batch")
   fn = jax.jit(jax.shard_map(both, mesh=mesh, in_specs=(rows,) * 9, out_specs=rows))

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from ring_jax.hop import HopMasks as Masks
-from ring_jax.hop import HopSpec, zero_grads
-from ring_jax.kernels.pallas_tpu import PallasTpuHopKernel, block_meta
+from ring_jax.hop import HopResiduals, HopSpec, zero_grads
+from ring_jax.kernels.pallas_tpu import PallasTpuHopKernel
 
 # specialize=True: the code a TPU runs (unmasked body on pairs visible everywhere, V guard
 # chosen at run time); the conformance suite (tests/test_hop.py) runs the registry's CPU
@@ -134,8 +134,8 @@ def _make(name, dtype=np.float32, seed=0):
 
 def _masks(c, second=False):
   to = lambda x: None if x is None else jnp.asarray(x, jnp.int32)  # noqa: E731
-  return Masks(to(c["qp"]), to(c["kp2"] if second else c["kp"]), to(c["qs"]),
-               to(c["ks2"] if second else c["ks"]))
+  return Masks.build(c["spec"], to(c["qp"]), to(c["kp2"] if second else c["kp"]),
+                     to(c["qs"]), to(c["ks2"] if second else c["ks"]))
 
 
 def _oracle(c):
@@ -153,7 +153,8 @@ def _oracle(c):
 def _run_kernel(c, out, lse, kernel=KERNEL):
   m, spec = _masks(c), c["spec"]
   fwd = jax.jit(lambda q, k, v: kernel.forward(q, k, v, m, spec))(c["q"], c["k"], c["v"])
-  bwd = jax.jit(lambda q, k, v, o, l, do: kernel.backward(q, k, v, o, l, do, None, m, spec, *zero_grads(q, k, v)))(
+  bwd = jax.jit(lambda q, k, v, o, l, do: kernel.backward(q, k, v, m, spec, HopResiduals(o, l, do),
+                                                     zero_grads(q, k, v)))(
       c["q"], c["k"], c["v"], jnp.asarray(out, c["q"].dtype), jnp.asarray(lse, jnp.float32),
       c["do"])
   return jax.device_get(fwd), jax.device_get(bwd)
@@ -228,35 +229,6 @@ def _xla_reference(c, out, lse):
   return jax.device_get((o, lse_h)), jax.device_get((dq, dk, dv))
 
 
-def test_block_meta_skips_masked_pairs():
-  """Causal contiguous hop on the diagonal: q block i sees kv blocks [0, i + 1), of which
-  [0, i) need no element mask; the dK/dV ranges are the transpose; an all-padding q
-  block sees nothing; a block of one document id is 'uniform'."""
-  t = s = 512
-  spec = HopSpec(scale=1.0, is_causal=True, window=None, block_q=128, block_kv=128)
-  seg = np.ones((1, t), np.int32)
-  seg[0, 384:] = 0
-  seg[0, 200] = 2
-  m = Masks(jnp.arange(t), jnp.arange(s), jnp.asarray(seg), jnp.asarray(seg))
-  meta = jax.device_get(block_meta(m, spec, 1, t, s))
-  np.testing.assert_array_equal(meta.q_lo, [0, 0, 0, 0])
-  np.testing.assert_array_equal(meta.q_hi, [1, 2, 3, 0])
-  np.testing.assert_array_equal(meta.q_full_lo, [0, 0, 0, 0])
-  np.testing.assert_array_equal(meta.q_full_hi, [0, 1, 2, 3])
-  np.testing.assert_array_equal(meta.kv_lo, [0, 1, 2, 0])
-  np.testing.assert_array_equal(meta.kv_hi, [3, 3, 3, 0])
-  np.testing.assert_array_equal(meta.kv_full_lo, [1, 2, 3, 0])
-  np.testing.assert_array_equal(meta.kv_full_hi, [4, 4, 4, 0])
-  np.testing.assert_array_equal(meta.q_uniform, [1, 0, 1, 0])
-  np.testing.assert_array_equal(meta.kv_uniform, [1, 0, 1, 0])
-  # Window (10, 10) on a hop whose key positions are 1000 ahead: nothing is visible.
-  spec_w = HopSpec(scale=1.0, is_causal=False, window=(10, 10), block_q=128, block_kv=128)
-  m_w = Masks(jnp.arange(256), jnp.arange(256) + 1000, None, None)
-  meta = jax.device_get(block_meta(m_w, spec_w, 1, 256, 256))
-  np.testing.assert_array_equal(meta.q_hi - meta.q_lo, [0, 0])
-  np.testing.assert_array_equal(meta.kv_hi - meta.kv_lo, [0, 0])
-
-
 def test_no_t_by_s_arrays():
   """Memory stays linear: no intermediate of the jitted forward or backward has both a
   T-sized and an S-sized axis (no [T, S] or [heads, T, S] mask or score array)."""
@@ -276,7 +248,8 @@ def test_no_t_by_s_arrays():
 
   for fn, args in (
       (lambda q, k, v: KERNEL.forward(q, k, v, m, spec), (c["q"], c["k"], c["v"])),
-      (lambda q, k, v, o, l, do: KERNEL.backward(q, k, v, o, l, do, None, m, spec, *zero_grads(q, k, v)),
+      (lambda q, k, v, o, l, do: KERNEL.backward(q, k, v, m, spec, HopResiduals(o, l, do),
+                                                     zero_grads(q, k, v)),
        (c["q"], c["k"], c["v"], c["q"], lse, c["do"]))):
     jaxpr = jax.make_jaxpr(fn)(*args).jaxpr
     for shape in shapes(jaxpr):
@@ -322,13 +295,14 @@ def test_lowers_for_tpu(dtype):
   q = jax.ShapeDtypeStruct((b, t, kh, g, h), dtype)
   kv = jax.ShapeDtypeStruct((b, s, kh, h), dtype)
   lse = jax.ShapeDtypeStruct((b, t, kh, g), jnp.float32)
-  m = Masks(jnp.arange(t), jnp.arange(s), jnp.ones((b, t), jnp.int32),
-            jnp.ones((b, s), jnp.int32))
   spec = HopSpec(scale=0.125, is_causal=True, window=(100, 3), block_q=128, block_kv=128)
+  m = Masks.build(spec, jnp.arange(t), jnp.arange(s), jnp.ones((b, t), jnp.int32),
+                  jnp.ones((b, s), jnp.int32))
   fwd = export.export(jax.jit(lambda q, k, v: kern.forward(q, k, v, m, spec)),
                       platforms=["tpu"])(q, kv, kv)
   bwd = export.export(
-      jax.jit(lambda q, k, v, o, l, do: kern.backward(q, k, v, o, l, do, None, m, spec, *zero_grads(q, k, v))),
+      jax.jit(lambda q, k, v, o, l, do: kern.backward(q, k, v, m, spec, HopResiduals(o, l, do),
+                                                     zero_grads(q, k, v))),
       platforms=["tpu"])(q, kv, kv, q, lse, q)
   # Forward: the plain and the V-guarded kernel (lax.cond on V being finite).
   assert fwd.mlir_module().count("tpu_custom_call") == 2
@@ -362,7 +336,8 @@ def test_non_finite_values_reach_only_rows_that_see_them():
   # Backward: queries that do not see a bad key keep finite gradients; those that see
   # the NaN key get NaN gradients (through the scores), not zeros.
   lse = np.where(np.asarray(lse_h) == -np.inf, np.inf, np.asarray(lse_h))
-  dq, _, _ = jax.jit(lambda q, k, v, o, l, do: KERNEL.backward(q, k, v, o, l, do, None, m, spec, *zero_grads(q, k, v)))(
+  dq, _, _ = jax.jit(lambda q, k, v, o, l, do: KERNEL.backward(q, k, v, m, spec, HopResiduals(o, l, do),
+                                                     zero_grads(q, k, v)))(
       c["q"], k, v, np.nan_to_num(out_h), lse, c["do"])
   dq = np.asarray(dq)
   assert np.isfinite(dq[1, ~sees_k, 1]).all() and np.isfinite(dq[0]).all()

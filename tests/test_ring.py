@@ -1,11 +1,11 @@
 """ring_attention inside a user's shard_map: work skipping, memory, numerics."""
 
-import dataclasses
 import functools
 import re
 
 import chex
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -13,7 +13,7 @@ from jax.sharding import PartitionSpec as P
 
 import ring_jax
 from attn_utils import assert_close, grads, make_mesh, packed_segments, qkv
-from ring_jax.kernels import XlaHopKernel
+from ring_jax.kernels import xla as xla_kernel
 
 
 def shard_mapped(mesh, **kw):
@@ -49,53 +49,45 @@ def test_unbound_axis_name_is_a_value_error():
     fn(q, k, v)
 
 
-@dataclasses.dataclass(frozen=True)
-class CountingKernel(XlaHopKernel):
-  """The XLA kernel, reporting how many block pairs each (device, hop) computes."""
-  log: list = dataclasses.field(default_factory=list, compare=False, hash=False)
-
-  def _record(self, phase, masks, spec):
-    # The pairs the kernel's loops visit (its own plan, from positions and segment ids).
-    num = self.block_plan(masks, spec).computed().sum(dtype=jnp.int32)
-
-    def cb(qp, kp, num):
-      self.log.append((phase, int(qp[0]), int(kp[0]), int(num)))
-    jax.debug.callback(cb, masks.q_positions, masks.kv_positions, num)
-
-  def forward(self, q, k, v, masks, spec):
-    self._record("fwd", masks, spec)
-    return super().forward(q, k, v, masks, spec)
-
-  def backward(self, q, k, v, out, lse, do, dlse, masks, spec, dq, dk, dv):
-    self._record("bwd", masks, spec)
-    return super().backward(q, k, v, out, lse, do, dlse, masks, spec, dq, dk, dv)
+def _pairs_by_hop(log, layout, n, local_len):
+  """``{(phase, device, hop): sorted block pairs}`` from the XLA kernel's ``record_pairs`` log:
+  the pairs its loops really computed (the first query / key position name device and shard)."""
+  first_pos = [int(ring_jax.local_positions(layout, n, local_len, d)[0]) for d in range(n)]
+  device_of = {p: d for d, p in enumerate(first_pos)}
+  got = {}
+  for phase, qp, kp, a, b in log:
+    d, src = device_of[qp], device_of[kp]
+    got.setdefault((phase, d, (d - src) % n), []).append((a, b))
+  return {key: sorted(pairs) for key, pairs in got.items()}
 
 
 @pytest.mark.parametrize("layout", ring_jax.LAYOUTS)
 def test_computed_work_follows_the_schedule(layout):
-  """Forward and backward compute exactly the scheduled block pairs; masked ones are skipped.
+  """The forward's and the backward's block loops compute exactly the scheduled block pairs
+  (their real trips, counted by a callback in the loop bodies); masked ones are skipped.
 
   With zigzag/striped every device does the same causal work; contiguous
   leaves device 0 idle after hop 0.
   """
   n, length, block = 4, 64, 4
   mesh = make_mesh((n,), ("sequence",))
-  kernel = CountingKernel()
   q, k, v = qkv(1, 1, length, 2, 2, 8)
-  fn = shard_mapped(mesh, is_causal=True, layout=layout, block_q=block, block_kv=block,
-                    hop_kernel=kernel)
+  fn = shard_mapped(mesh, is_causal=True, layout=layout, block_q=block, block_kv=block)
   to = functools.partial(ring_jax.to_layout, layout=layout, ring_size=n)
-  jax.block_until_ready(jax.jit(functools.partial(grads, fn))(
-      to(q), to(k), to(v), jnp.ones_like(q)))
+  with xla_kernel.record_pairs() as log:
+    jax.block_until_ready(jax.jit(functools.partial(grads, fn))(
+        to(q), to(k), to(v), jnp.ones_like(q)))
+    jax.effects_barrier()
   sched = ring_jax.schedule(layout, n, length // n, block, block, True)
-  first_pos = [int(ring_jax.local_positions(layout, n, length // n, d)[0]) for d in range(n)]
-  device_of = {p: d for d, p in enumerate(first_pos)}
+  got = _pairs_by_hop(log, layout, n, length // n)
   for phase in ("fwd", "bwd"):
     work = np.zeros((n, n), int)
-    for ph, qp, kp, num in kernel.log:
-      if ph == phase:
-        d, src = device_of[qp], device_of[kp]
-        work[d, (d - src) % n] += num
+    for d in range(n):
+      for h in range(n):
+        pairs = got.get((phase, d, h), [])
+        work[d, h] = len(pairs)
+        want = sorted(map(tuple, sched.pairs[d, h, :sched.num_pairs[d, h]].tolist()))
+        assert pairs == want, (phase, d, h)
     np.testing.assert_array_equal(work, sched.num_pairs, err_msg=phase)
   full = (length // n // block) ** 2
   per_device = sched.work_per_device()
@@ -106,6 +98,17 @@ def test_computed_work_follows_the_schedule(layout):
   else:
     assert per_device.max() == per_device.min()
     assert (sched.num_pairs.max(0) == sched.num_pairs.min(0)).all()  # balanced at every hop
+
+
+def test_pair_recording_is_off_by_default():
+  """Outside record_pairs() the kernel's loops hold no callback (zero cost)."""
+  mesh = make_mesh((2,), ("sequence",))
+  q, k, v = qkv(1, 1, 16, 2, 2, 8)
+  hlo = lambda: jax.jit(shard_mapped(mesh, is_causal=True, block_q=4, block_kv=4)).lower(  # noqa: E731
+      q, k, v).as_text()
+  assert "callback" not in hlo()
+  with xla_kernel.record_pairs():
+    assert "callback" in hlo()
 
 
 def _fwd_bwd_temp_bytes(n, local_len, heads=4, head_dim=64, is_causal=True, **kw):
@@ -214,23 +217,23 @@ def test_blocks_of_different_documents_are_skipped():
   seg[0, -4:] = 0                                            # and trailing padding
   seg = jnp.asarray(seg)
   q, k, v = qkv(4, 1, length, 2, 2, 8)
-  kernel = CountingKernel()
-  fn = shard_mapped_with_segments(mesh, kernel, block)
-  out = jax.jit(fn)(q, k, v, seg)
+  fn = shard_mapped_with_segments(mesh, block)
+  with xla_kernel.record_pairs() as log:
+    out = jax.jit(fn)(q, k, v, seg)
+    jax.effects_barrier()
   assert_close(out, ring_jax.reference_attention(q, k, v, is_causal=True, segment_ids=seg))
-  computed = sum(num for _, _, _, num in kernel.log)
+  computed = len(log)
   scheduled = ring_jax.schedule("contiguous", n, length // n, block, block, True)
   # Each 8-token document covers two 4-token blocks: 3 causal pairs per document, none for
   # the padding block.
   assert computed == 7 * 3 + 1 < scheduled.num_pairs.sum()
 
 
-def shard_mapped_with_segments(mesh, kernel, block):
+def shard_mapped_with_segments(mesh, block):
   spec, seg_spec = P(None, "sequence", None, None), P(None, "sequence")
   return jax.shard_map(
       lambda q, k, v, s: ring_jax.ring_attention(q, k, v, axis_name="sequence", is_causal=True,
-                                                 segment_ids=s, block_q=block, block_kv=block,
-                                                 hop_kernel=kernel),
+                                                 segment_ids=s, block_q=block, block_kv=block),
       mesh=mesh, in_specs=(spec, spec, spec, seg_spec), out_specs=spec)
 
 
@@ -262,3 +265,30 @@ def test_in_place_dkv_accumulation_needs_less_memory():
                                   block_kv=64, overlap_dkv=o) for o in (False, True)}
   kv_f32 = b * (length // 4) * heads * hd * 4
   assert temps[True] - temps[False] >= 1.5 * kv_f32, temps
+
+
+def test_non_finite_v_is_checked_once_per_shard_not_per_hop():
+  """The kernels' non-finite-V guard reads a flag computed once where the shard is born (one
+  pass over the local V and one all_gather per forward), not a pass over V at every hop."""
+  mesh = make_mesh((4,), ("sequence",))
+  q, k, v = qkv(0, 1, 64, 2, 2, 8)
+  fn = shard_mapped(mesh, is_causal=True, layout="zigzag", block_q=4, block_kv=4)
+  local_v = (1, 16, 2, 8)
+
+  def eqns(jaxpr):
+    for eqn in jaxpr.eqns:
+      yield eqn
+      for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+        yield from eqns(sub)
+
+  found = list(eqns(jax.make_jaxpr(fn)(q, k, v).jaxpr))
+  whole_v = [e for e in found if e.primitive.name == "is_finite"
+             and tuple(e.invars[0].aval.shape) == local_v]
+  assert len(whole_v) == 1
+  assert sum(e.primitive.name == "all_gather" for e in found) == 1
+  v_nan = v.at[0, 3, 0, 0].set(jnp.nan)  # the guard still works: NaN exactly where it is seen
+  to = functools.partial(ring_jax.to_layout, layout="zigzag", ring_size=4)
+  out = ring_jax.from_layout(jax.jit(fn)(to(q), to(k), to(v_nan)), "zigzag", 4)
+  ref = ring_jax.reference_attention(q, k, v_nan, is_causal=True)
+  assert np.isnan(np.asarray(ref)).any() and not np.isnan(np.asarray(ref)).all()
+  np.testing.assert_array_equal(np.isnan(np.asarray(out)), np.isnan(np.asarray(ref)))

@@ -131,3 +131,46 @@ def test_block_skip_agrees_with_segment_mask(dtype):
     assert (skip_ok | ~visible).all(), (ids, skip_ok, visible)
     if trial % 2:
       np.testing.assert_array_equal(skip_ok, visible)
+
+
+def test_block_table_ranges():
+  """Causal contiguous hop on the diagonal with packed ids: query block i meets key blocks
+  [0, i + 1); pairs visible everywhere (below the diagonal, one document on both sides)
+  form the unmasked run; the key-block ranges are the transpose; an all-padding block
+  meets nothing, and a window far from the keys leaves every range empty."""
+  seg = np.ones((1, 512), np.int32)
+  seg[0, 384:] = 0    # block 3: padding
+  seg[0, 200] = 2     # block 1: two documents
+  table = scheduling.block_table(np.arange(512), np.arange(512), seg, seg, 128, 128,
+                                 is_causal=True, window=None)
+  assert table.may_mask
+  np.testing.assert_array_equal(table.q_ranges[0], [[0, 1, 1, 1], [0, 2, 2, 2],
+                                                    [0, 0, 1, 3], [0, 0, 0, 0]])
+  np.testing.assert_array_equal(table.kv_ranges[0], [[0, 2, 3, 3], [1, 3, 3, 3],
+                                                     [2, 3, 3, 3], [0, 0, 0, 0]])
+  # The same on traced arrays (the ring builds tables on device).
+  traced = scheduling.block_table(jnp.arange(512), jnp.arange(512), jnp.asarray(seg),
+                                  jnp.asarray(seg), 128, 128, is_causal=True, window=None)
+  np.testing.assert_array_equal(traced.q_ranges, table.q_ranges)
+  np.testing.assert_array_equal(traced.kv_ranges, table.kv_ranges)
+  far = scheduling.block_table(np.arange(256), np.arange(256) + 1000, None, None, 128, 128,
+                               is_causal=False, window=(10, 10))
+  assert far.q_ranges.shape == (1, 2, 4) and not far.q_ranges.any()
+  assert not far.kv_ranges.any()
+  dense = scheduling.block_table(np.arange(256), np.arange(256), None, None, 128, 128,
+                                 is_causal=False, window=None)
+  assert not dense.may_mask
+  np.testing.assert_array_equal(dense.q_ranges[0], [[0, 0, 2, 2]] * 2)
+
+
+def test_merged_rows_of_a_block_table():
+  """merge_rows spans every row's range and keeps unmasked only what every row sees fully;
+  rows_cover says which row ranges hold a pair."""
+  seg = np.array([[1] * 8 + [2] * 8, [0] * 16], np.int32)  # row 1: all padding
+  table = scheduling.block_table(np.arange(16), np.arange(16), seg, seg, 4, 4,
+                                 is_causal=True, window=None)
+  merged = scheduling.merge_rows(table.q_ranges)
+  np.testing.assert_array_equal(merged, [[0, 1, 1, 1], [0, 2, 2, 2], [2, 3, 3, 3],
+                                         [2, 4, 4, 4]])  # row 1 needs the mask everywhere
+  assert scheduling.rows_cover(table.q_ranges, 3, 2)
+  assert not scheduling.rows_cover(table.q_ranges, 3, 1)

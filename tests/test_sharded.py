@@ -209,11 +209,11 @@ class TestErrors:
 
   def test_batch_and_heads_vs_mesh(self):
     q, k, v = qkv(0, 3, 16, 2, 2, 8)
-    with pytest.raises(ValueError, match="batch 3 is not divisible"):
+    with pytest.raises(ValueError, match="batch=3 is not divisible"):
       self.call(q, k, v)
     mesh = make_mesh((2, 4), ("tensor", "sequence"))
     q, k, v = qkv(0, 1, 16, 6, 3, 8)
-    with pytest.raises(ValueError, match="key/value heads 3 are not divisible"):
+    with pytest.raises(ValueError, match="key/value heads=3 is not divisible"):
       self.call(q, k, v, mesh=mesh)
 
   def test_causal_needs_equal_lengths(self):

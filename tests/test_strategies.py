@@ -158,3 +158,39 @@ def test_odd_axis_size(strategy, heads, kv_heads):
   q, k, v = qkv(11, 1, 24, heads, kv_heads, 8)
   check(mesh, q, k, v, strategy=strategy, is_causal=True,
         segment_ids=packed_segments(1, 24, seed=11), block_q=2, block_kv=2)
+
+
+def test_attention_axes():
+  """One rule for the batch / head axes: heads and K/V heads over the head axis, a single K/V
+  head (MQA) replicated; an axis that does not divide raises, or with drop=True is dropped."""
+  sizes = {"data": 2, "tensor": 4}
+  axes = functools.partial(ring_jax.attention_axes, sizes, batch=4, heads=8,
+                           batch_axis="data", head_axis="tensor")
+  assert axes(kv_heads=4) == ring_jax.AttentionAxes("data", "tensor", "tensor")
+  assert axes(kv_heads=1) == ring_jax.AttentionAxes("data", "tensor", None)
+  with pytest.raises(ValueError, match="key/value heads=2 is not divisible by the mesh 'tensor'"):
+    axes(kv_heads=2)
+  assert axes(kv_heads=2, drop=True) == ring_jax.AttentionAxes("data", None, None)
+  assert axes(kv_heads=4, batch=3, drop=True) == ring_jax.AttentionAxes(None, "tensor", "tensor")
+  with pytest.raises(ValueError, match="model.num_heads=6 is not divisible"):
+    axes(kv_heads=1, heads=6, names=("batch", "model.num_heads", "model.num_kv_heads"))
+
+
+def test_plan_and_hybrid_share_the_length_rule():
+  """plan() calls a hybrid length feasible exactly when the strategy runs it: 12 tokens over a
+  zigzag ring of 2 (local 6, even) and Ulysses 2 (3 each) run; 10 (local 5) do not."""
+  mesh = make_mesh((2, 2), ("ring", "ulysses"))
+  kw = dict(batch=1, heads=2, kv_heads=2, head_dim=8, is_causal=True, layout="zigzag",
+            sequence=(2, 2), device="cpu")
+  assert ring_jax.plan(seq_len=12, **kw).estimate("hybrid").feasible
+  q, k, v = qkv(12, 1, 12, 2, 2, 8)
+  run = functools.partial(ring_jax.attention_sharded, mesh=mesh, strategy="hybrid",
+                          seq_axis=("ring", "ulysses"), is_causal=True, layout="zigzag",
+                          block_q=1, block_kv=1)
+  assert_close(jax.jit(run)(q, k, v), ring_jax.reference_attention(q, k, v, is_causal=True),
+               what="hybrid at 12 tokens")
+  with pytest.raises(ValueError, match="no strategy can run"):
+    ring_jax.plan(seq_len=10, **kw)
+  q, k, v = qkv(13, 1, 10, 2, 2, 8)
+  with pytest.raises(ValueError, match="must be even"):
+    run(q, k, v)

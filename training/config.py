@@ -27,6 +27,7 @@ from models import pipeline as pipeline_lib
 from models.attention import ATTENTION_BACKENDS
 from models.sharding import MESH_AXES
 from ring_jax import kernels, layouts
+from ring_jax.strategies import attention_axes
 
 DATA_KINDS: tuple[str, ...] = ("kv_retrieval", "text")
 
@@ -328,13 +329,11 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int) -> dict
   if m.num_heads % m.num_kv_heads:
     raise ConfigError(f"model.num_heads={m.num_heads} must be a multiple of "
                       f"model.num_kv_heads={m.num_kv_heads} (GQA groups).")
-  for name in ("num_heads", "num_kv_heads"):
-    if name == "num_kv_heads" and m[name] == 1:
-      continue  # MQA: the single key/value head is replicated over 'tensor'.
-    if m[name] % tensor:
-      raise ConfigError(
-          f"model.{name}={m[name]} is not divisible by the mesh 'tensor' axis ({tensor}); "
-          "heads are sharded over 'tensor' (a single key/value head is the exception).")
+  try:  # heads are sharded over 'tensor' (a single key/value head, MQA, is replicated)
+    attention_axes(sizes, batch=1, heads=m.num_heads, kv_heads=m.num_kv_heads, batch_axis=None,
+                   head_axis="tensor", names=("batch", "model.num_heads", "model.num_kv_heads"))
+  except ValueError as e:
+    raise ConfigError(str(e)) from None
   if m.mlp_dim % tensor or m.vocab_size % tensor:
     raise ConfigError(f"model.mlp_dim={m.mlp_dim} and model.vocab_size={m.vocab_size} must be "
                       f"divisible by the mesh 'tensor' axis ({tensor}).")

@@ -9,7 +9,7 @@ are imported only when their name is chosen (:func:`_lazy`), so importing
 
 Names: ``"xla"`` (:class:`ring_jax.kernels.xla.XlaHopKernel`, every
 platform). Fused kernels register here under their own names and are opt-in
-by name. ``"auto"`` resolves through :data:`AUTO`; it means ``"xla"`` on every
+by name. A kernel class's ``name`` (a ``ClassVar``) is its key here. ``"auto"`` resolves through :data:`AUTO`; it means ``"xla"`` on every
 platform until a fused kernel's hardware check (date, device, jax version) is
 recorded in the README, and only then gains an entry for that platform.
 """

@@ -12,7 +12,7 @@ One hop of ring attention as three Pallas calls, in the structure of
   the query blocks that can see it, so K/V are never repeated for GQA/MQA and
   dK/dV are reduced over the group inside the kernel.
 
-Semantics are the hop seam's (``SEAM.md`` / :mod:`ring_jax.hop`): separate
+Semantics are the hop seam's (:mod:`ring_jax.hop`): separate
 query / key segment ids (0 = padding, others compared by equality), causal and
 ``(left, right)`` window visibility from global token positions, query head
 ``n`` reads kv head ``n // G``, float32 accumulation, natural-log float32
@@ -20,23 +20,21 @@ query / key segment ids (0 = padding, others compared by equality), causal and
 ``lse_h = -inf``; the backward takes the ring's final ``out`` and ``lse``
 (``+inf`` for rows that saw no key anywhere, which makes their ``p`` 0).
 
-Which blocks are visited: per block pair, :func:`ring_jax.scheduling.block_visibility`
-(positions) and :func:`ring_jax.scheduling.blocks_share_a_segment` (segment ids)
-say whether it may hold a visible score and whether all of it is visible; each
-query block loops over the ``[lo, hi)`` range of key blocks spanning its
-possible pairs (one contiguous range when positions increase within the shard,
-as in every layout), skipping the element mask on the run of fully visible
-blocks inside it; each key block loops over the matching range of query blocks
-(:func:`block_ranges`). Metadata is an int32 ``[blocks, 4]`` array per
-direction; element masks are computed inside the kernel from positions and
-segment ids. Nothing of size ``T x S`` exists outside a block.
+Which blocks are visited: the hop's :class:`ring_jax.scheduling.BlockTable`
+(``masks.blocks``, built once per hop by the ring): each query-block program
+loops (:func:`ring_jax.hop.fold_blocks`) over its batch row's ``[lo, hi)``
+range of key blocks, without the element mask on the fully visible run inside
+it, and each key-block program over the matching range of query blocks. The
+table's int32 ``[B, blocks, 4]`` rows are the only metadata; element masks are
+computed inside the kernel from positions and segment ids. Nothing of size
+``T x S`` exists outside a block.
 
 Non-finite inputs follow :class:`ring_jax.kernels.xla.XlaHopKernel`: masked scores are
 ``-inf``, rows whose running max is still ``-inf`` subtract 0, and a masked
 pair never carries a NaN/inf of V (forward) or of Q/K/V (backward) into an
 output (the gradient matmuls read the finite part of their right operand; a
-hop whose V holds a non-finite value runs a forward variant that marks exactly
-the rows that see it).
+hop whose V holds a non-finite value, by ``masks.v_finite``, runs a forward
+variant that marks exactly the rows that see it).
 
 Triton constraints (checked by :meth:`PallasGpuHopKernel.check`): ``block_q``,
 ``block_kv`` and the head dim must be powers of two >= 16 (Triton tensors have
@@ -215,77 +213,17 @@ def _visibility(q_pos, kv_pos, q_seg, kv_seg, is_causal, window):
   return mask
 
 
-def _may_mask(masks, spec) -> bool:
-  return spec.is_causal or spec.window is not None or masks.q_segment_ids is not None
-
-
-def _segments_uniform(q_seg, kv_seg, block_q: int, block_kv: int):
-  """bool ``[nq, nk]``: in every batch row both blocks hold one and the same document (no pad)."""
-  def single(seg, block):
-    seg = seg.reshape(seg.shape[0], -1, block)
-    first = seg[:, :, 0]
-    return first, (seg == first[..., None]).all(-1) & (first != 0)
-  q_id, q_one = single(q_seg, block_q)
-  k_id, k_one = single(kv_seg, block_kv)
-  same = (q_id[:, :, None] == k_id[:, None, :]) & q_one[:, :, None] & k_one[:, None, :]
-  return same.all(axis=0)
-
-
-def block_ranges(masks, spec, num_q_blocks: int, num_kv_blocks: int):
-  """Which blocks each program visits, from per-block-pair visibility.
-
-  Returns int32 ``q_ranges`` ``[nq, 4]`` and ``kv_ranges`` ``[nk, 4]``, rows
-  ``(lo, full_lo, full_hi, hi)`` with ``lo <= full_lo <= full_hi <= hi``: query
-  block ``a`` visits key blocks ``[lo, hi)``, and those in ``[full_lo, full_hi)``
-  are fully visible (no element mask needed); key block ``b`` is visited by the
-  query blocks of ``kv_ranges[b]`` in the same way. ``[lo, hi)`` spans every
-  pair that may hold a visible score (empty: ``[0, 0)``); pairs inside it that
-  hold none are computed and masked, never missed. ``[full_lo, full_hi)`` is
-  the first run of fully visible pairs (for positions increasing within a
-  shard the only one, e.g. the blocks strictly below a causal diagonal).
-  """
-  bq, bk = spec.block_q, spec.block_kv
-  any_, all_ = scheduling.block_visibility(masks.q_positions, masks.kv_positions, bq, bk,
-                                           spec.is_causal, spec.window)
-  if masks.q_segment_ids is not None:
-    any_ = any_ & scheduling.blocks_share_a_segment(masks.q_segment_ids,
-                                                    masks.kv_segment_ids, bq, bk)
-    all_ = all_ & _segments_uniform(masks.q_segment_ids, masks.kv_segment_ids, bq, bk)
-  shape = (num_q_blocks, num_kv_blocks)
-  any_, all_ = jnp.broadcast_to(any_, shape), jnp.broadcast_to(all_, shape) & any_
-
-  def spans(vis, full, n):  # [rows, n] -> [rows, 4]
-    idx = jnp.arange(n, dtype=jnp.int32)
-    hi = jnp.max(jnp.where(vis, idx + 1, 0), axis=1)
-    lo = jnp.minimum(jnp.min(jnp.where(vis, idx, n), axis=1), hi)  # empty row: [0, 0)
-    full_lo = jnp.min(jnp.where(full, idx, n), axis=1)
-    # end of the first run of full pairs: the first non-full index after full_lo
-    full_hi = jnp.min(jnp.where(~full & (idx >= full_lo[:, None]), idx, n), axis=1)
-    no_run = full_lo >= n
-    full_lo = jnp.where(no_run, hi, full_lo)
-    full_hi = jnp.where(no_run, hi, jnp.minimum(full_hi, hi))
-    return jnp.stack([lo, full_lo, full_hi, hi], axis=1).astype(jnp.int32)
-
-  return spans(any_, all_, num_kv_blocks), spans(any_.T, all_.T, num_q_blocks)
-
-
-def _loop(ranges_ref, step, carry, masking: bool):
-  """Runs ``step(j, carry, masked)`` over ``[lo, hi)``, unmasked on ``[full_lo, full_hi)``.
-
-  ``masking=False`` (statically nothing to mask): one unmasked loop over ``[lo, hi)``.
-  """
-  lo, full_lo, full_hi, hi = (ranges_ref[i] for i in range(4))
-  if not masking:
-    return lax.fori_loop(lo, hi, functools.partial(step, masked=False), carry)
-  carry = lax.fori_loop(lo, full_lo, functools.partial(step, masked=True), carry)
-  carry = lax.fori_loop(full_lo, full_hi, functools.partial(step, masked=False), carry)
-  return lax.fori_loop(full_hi, hi, functools.partial(step, masked=True), carry)
+def _per_row(ranges, batch: int):
+  """A :class:`~ring_jax.scheduling.BlockTable`'s ``[R, n, 4]`` ranges for every batch row
+  ``[B, n, 4]`` (each program runs one row)."""
+  return jnp.broadcast_to(ranges, (batch, *ranges.shape[1:]))
 
 
 # ----------------------------------------------------------------------------- kernels
 
 
-def _fwd_kernel(*refs, scale, is_causal, window, block_kv, precision, has_seg, guard_v):
+def _fwd_kernel(*refs, scale, is_causal, window, block_kv, precision, has_seg, may_mask,
+                guard_v):
   """One (query block, batch row, query head): ``out_h`` and natural-log ``lse_h``."""
   if has_seg:
     (ranges_ref, qpos_ref, kpos_ref, qseg_ref, kseg_ref,
@@ -297,7 +235,6 @@ def _fwd_kernel(*refs, scale, is_causal, window, block_kv, precision, has_seg, g
   bq, h = q.shape
   q_pos = qpos_ref[...]
   q_seg = qseg_ref[...] if has_seg else None
-  masking = is_causal or window is not None or has_seg
 
   def body(j, carry, masked):
     o, m, l = carry
@@ -307,7 +244,7 @@ def _fwd_kernel(*refs, scale, is_causal, window, block_kv, precision, has_seg, g
     v = v_ref[ks, :]
     s = _dot(q, k, precision, trans_b=True) * scale           # [bq, bk] f32
     mask = None
-    if masking and masked:
+    if masked:
       mask = _visibility(q_pos, kpos_ref[ks], q_seg,
                          kseg_ref[ks] if has_seg else None, is_causal, window)
       s = jnp.where(mask, s, -jnp.inf)
@@ -334,14 +271,14 @@ def _fwd_kernel(*refs, scale, is_causal, window, block_kv, precision, has_seg, g
   init = tuple(hop.varying_like(x, q) for x in (jnp.zeros((bq, h), jnp.float32),
                                                  jnp.full((bq,), -jnp.inf, jnp.float32),
                                                  jnp.zeros((bq,), jnp.float32)))
-  o, m, l = _loop(ranges_ref, body, init, masking)
+  o, m, l = hop.fold_blocks(ranges_ref, body, init, may_mask)
   empty = l == 0  # no visible key in this hop (a NaN l is not mistaken for empty)
   l_safe = jnp.where(empty, 1.0, l)
   o_ref[...] = jnp.where(empty[:, None], 0.0, o / l_safe[:, None]).astype(o_ref.dtype)
   lse_ref[...] = jnp.where(empty, -jnp.inf, m + jnp.log(l_safe))
 
 
-def _dq_kernel(*refs, scale, is_causal, window, block_kv, precision, has_seg):
+def _dq_kernel(*refs, scale, is_causal, window, block_kv, precision, has_seg, may_mask):
   """One (query block, batch row, query head): this hop's float32 dQ."""
   if has_seg:
     (ranges_ref, qpos_ref, kpos_ref, qseg_ref, kseg_ref,
@@ -350,7 +287,6 @@ def _dq_kernel(*refs, scale, is_causal, window, block_kv, precision, has_seg):
     (ranges_ref, qpos_ref, kpos_ref,
      q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref) = refs
     qseg_ref = kseg_ref = None
-  masking = is_causal or window is not None or has_seg
   q = q_ref[...]
   do = do_ref[...]
   bq, h = q.shape
@@ -360,7 +296,6 @@ def _dq_kernel(*refs, scale, is_causal, window, block_kv, precision, has_seg):
   q_seg = qseg_ref[...] if has_seg else None
 
   def body(j, dq, masked):
-    masked = masking and masked
     fin = _finite if masked else (lambda x: x)  # fully visible: the raw operands are right
     start = pl.multiple_of(j * block_kv, block_kv)
     ks = pl.ds(start, block_kv)
@@ -376,11 +311,13 @@ def _dq_kernel(*refs, scale, is_causal, window, block_kv, precision, has_seg):
     ds = (p * (dp - delta[:, None]) * scale).astype(q.dtype)
     return dq + _dot(ds, fin(k), precision)
 
-  dq = _loop(ranges_ref, body, hop.varying_like(jnp.zeros((bq, h), jnp.float32), q), masking)
+  dq = hop.fold_blocks(ranges_ref, body, hop.varying_like(jnp.zeros((bq, h), jnp.float32), q),
+                       may_mask)
   dq_ref[...] = dq
 
 
-def _dkv_kernel(*refs, scale, is_causal, window, block_q, groups, precision, has_seg):
+def _dkv_kernel(*refs, scale, is_causal, window, block_q, groups, precision, has_seg,
+                may_mask):
   """One (key block, batch row, kv head): this hop's float32 dK, dV, summed over the group."""
   if has_seg:
     (ranges_ref, qpos_ref, kpos_ref, qseg_ref, kseg_ref,
@@ -389,17 +326,15 @@ def _dkv_kernel(*refs, scale, is_causal, window, block_q, groups, precision, has
     (ranges_ref, qpos_ref, kpos_ref,
      q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref) = refs
     qseg_ref = kseg_ref = None
-  masking = is_causal or window is not None or has_seg
   k = k_ref[...]                                    # [bk, H]
   v = v_ref[...]
-  v_fin = _finite(v) if masking else v
+  v_fin = _finite(v) if may_mask else v
   bk, h = k.shape
   kv_pos = kpos_ref[...]
   kv_seg = kseg_ref[...] if has_seg else None
 
   def head(g, carry):
     def body(i, carry, masked):
-      masked = masking and masked
       fin = _finite if masked else (lambda x: x)  # fully visible: the raw operands are right
       dk, dv = carry
       start = pl.multiple_of(i * block_q, block_q)
@@ -420,7 +355,7 @@ def _dkv_kernel(*refs, scale, is_causal, window, block_q, groups, precision, has
       dk = dk + _dot(ds, fin(q), precision, trans_a=True)
       return dk, dv
 
-    return _loop(ranges_ref, body, carry, masking)
+    return hop.fold_blocks(ranges_ref, body, carry, may_mask)
 
   zeros = hop.varying_like(jnp.zeros((bk, h), jnp.float32), k)
   dk, dv = lax.fori_loop(0, groups, head, (zeros, zeros))
@@ -505,21 +440,22 @@ class PallasGpuHopKernel:
 
   def forward(self, q, k, v, masks, spec):
     """Returns ``(out_h [B,T,K,G,H] f32, lse_h [B,T,K,G] f32)`` of this hop."""
-    self.check(q.shape, k.shape, q.dtype, spec)
     b, t, kh, g, h = q.shape
     s = k.shape[1]
     n = kh * g
-    bq, bk = spec.block_q, spec.block_kv
-    nq, nk = t // bq, s // bk
+    bq = spec.block_q
+    nq = t // bq
     has_seg = masks.q_segment_ids is not None
-    q_ranges, _ = block_ranges(masks, spec, nq, nk)
+    table = masks.table()
+    q_ranges = _per_row(table.q_ranges, b)
     q_BTNH = q.reshape(b, t, n, h)
 
     def call(guard_v: bool):
       kernel = functools.partial(
           _fwd_kernel, scale=float(spec.scale), is_causal=spec.is_causal, window=spec.window,
-          block_kv=bk, precision=spec.precision, has_seg=has_seg, guard_v=guard_v)
-      in_specs = [pl.BlockSpec((None, 4), lambda i, bi, ni: (i, 0)),      # kv block ranges
+          block_kv=spec.block_kv, precision=spec.precision, has_seg=has_seg,
+          may_mask=table.may_mask, guard_v=guard_v)
+      in_specs = [pl.BlockSpec((None, None, 4), lambda i, bi, ni: (bi, i, 0)),  # kv block ranges
                   pl.BlockSpec((bq,), lambda i, bi, ni: (i,)),            # q positions
                   pl.BlockSpec((s,), lambda i, bi, ni: (0,))]             # kv positions
       if has_seg:
@@ -541,44 +477,45 @@ class PallasGpuHopKernel:
       )(q_ranges, *self._mask_operands(masks, has_seg), q_BTNH, k, v)
 
     with jax.named_scope("pallas_gpu_hop_fwd"):
-      if _may_mask(masks, spec):
+      if table.may_mask:
         # Only a hop whose V holds a non-finite value pays for the guarded matmul.
-        out, lse = lax.cond(jnp.isfinite(v).all(), lambda: call(False), lambda: call(True))
+        out, lse = lax.cond(hop.v_is_finite(masks, v), lambda: call(False), lambda: call(True))
       else:
         out, lse = call(False)
     return out.reshape(b, t, kh, g, h), lse.reshape(b, t, kh, g)
 
   # --------------------------------------------------------------------------- backward
 
-  def backward(self, q, k, v, out, lse, do, dlse, masks, spec, dq_acc, dk_acc, dv_acc):
-    """Returns the float32 accumulators plus this hop's ``(dq [B,T,K,G,H], dk [B,S,K,H],
-    dv [B,S,K,H])``.
+  def backward(self, q, k, v, masks, spec, res: hop.HopResiduals,
+               acc: hop.HopGrads) -> hop.HopGrads:
+    """Returns the float32 accumulators ``acc`` plus this hop's ``(dq [B,T,K,G,H],
+    dk [B,S,K,H], dv [B,S,K,H])``.
 
-    ``out`` / ``lse`` are the ring's FINAL output and log-sum-exp (``lse = +inf``
-    on rows that saw no key); ``dlse`` the lse cotangent or None. ``delta =
-    rowsum(dO * O) - dlse`` (:func:`ring_jax.hop.backward_delta`) is computed
-    here in XLA, one fused elementwise pass, and read by both kernels.
+    ``res.out`` / ``res.lse`` are the ring's FINAL output and log-sum-exp
+    (``lse = +inf`` on rows that saw no key); ``res.dlse`` the lse cotangent or
+    None. ``delta = rowsum(dO * O) - dlse`` (:func:`ring_jax.hop.backward_delta`)
+    is computed here in XLA, one fused elementwise pass, and read by both kernels.
     """
-    self.check(q.shape, k.shape, q.dtype, spec)
     b, t, kh, g, h = q.shape
     s = k.shape[1]
     n = kh * g
     bq, bk = spec.block_q, spec.block_kv
     nq, nk = t // bq, s // bk
     has_seg = masks.q_segment_ids is not None
-    q_ranges, kv_ranges = block_ranges(masks, spec, nq, nk)
-    delta = hop.backward_delta(out, do, dlse)
+    table = masks.table()
+    q_ranges, kv_ranges = _per_row(table.q_ranges, b), _per_row(table.kv_ranges, b)
+    delta = hop.backward_delta(res.out, res.do, res.dlse)
     q_BTNH = q.reshape(b, t, n, h)
-    do_BTNH = do.reshape(b, t, n, h)
-    lse_BTN = lse.astype(jnp.float32).reshape(b, t, n)
+    do_BTNH = res.do.reshape(b, t, n, h)
+    lse_BTN = res.lse.astype(jnp.float32).reshape(b, t, n)
     delta_BTN = delta.reshape(b, t, n)
     statics = dict(scale=float(spec.scale), is_causal=spec.is_causal, window=spec.window,
-                   precision=spec.precision, has_seg=has_seg)
+                   precision=spec.precision, has_seg=has_seg, may_mask=table.may_mask)
     params = self._compiler_params(h)
     mask_ops = self._mask_operands(masks, has_seg)
 
     # dQ: grid over (query blocks, batch, query heads), loop over visible kv blocks.
-    dq_specs = [pl.BlockSpec((None, 4), lambda i, bi, ni: (i, 0)),
+    dq_specs = [pl.BlockSpec((None, None, 4), lambda i, bi, ni: (bi, i, 0)),
                 pl.BlockSpec((bq,), lambda i, bi, ni: (i,)),
                 pl.BlockSpec((s,), lambda i, bi, ni: (0,))]
     if has_seg:
@@ -598,7 +535,7 @@ class PallasGpuHopKernel:
 
     # dK/dV: grid over (kv blocks, batch, kv heads), loop over the group's G query heads
     # and the query blocks that can see this kv block.
-    dkv_specs = [pl.BlockSpec((None, 4), lambda j, bi, ki: (j, 0)),
+    dkv_specs = [pl.BlockSpec((None, None, 4), lambda j, bi, ki: (bi, j, 0)),
                  pl.BlockSpec((t,), lambda j, bi, ki: (0,)),
                  pl.BlockSpec((bk,), lambda j, bi, ki: (j,))]
     if has_seg:
@@ -617,7 +554,7 @@ class PallasGpuHopKernel:
       )(kv_ranges, *mask_ops, q_BTNH, k, v, do_BTNH, lse_BTN, delta_BTN)
     # Fresh per-hop buffers added to the accumulators here (XLA fuses the adds); the
     # kernels could alias them instead (input_output_aliases) to save one buffer each.
-    return dq_acc + dq.reshape(b, t, kh, g, h), dk_acc + dk, dv_acc + dv
+    return hop.HopGrads(acc.dq + dq.reshape(b, t, kh, g, h), acc.dk + dk, acc.dv + dv)
 
 
 def make_kernel(platform: str) -> PallasGpuHopKernel:

@@ -1,9 +1,9 @@
 """Fused per-hop attention kernel for TPU: Mosaic Pallas, forward and backward.
 
-``PallasTpuHopKernel`` implements the hop-kernel seam (SEAM.md / :mod:`ring_jax.hop`):
+``PallasTpuHopKernel`` implements the hop-kernel seam (:mod:`ring_jax.hop`):
 
-  forward(q, k, v, masks, spec)                 -> (out_h, lse_h)
-  backward(q, k, v, out, lse, do, dlse, masks, spec, dq, dk, dv)  -> (dq, dk, dv) + this hop
+  forward(q, k, v, masks, spec)                -> (out_h, lse_h)
+  backward(q, k, v, masks, spec, res, acc)     -> acc + this hop's (dq, dk, dv)
 
 with q ``[B, T, K, G, H]``, k/v ``[B, S, K, H]``; ``out_h`` float32 (rows with no
 visible key in this hop: 0), ``lse_h`` float32 natural-log (those rows: ``-inf``);
@@ -23,13 +23,12 @@ attention needs):
   kernel: ``q_pos`` ``[T, 128]`` / ``kv_pos`` ``[8, S]`` (lane/sublane
   broadcasts, the layout splash and flash attention use for segment ids).
   Nothing of size ``T x S`` exists.
-* Block skipping: per hop, a ``[B, nq, nk]`` block-visibility table (positions'
-  block ranges, document-id ranges, all-padding blocks) is reduced to one
-  contiguous range of kv blocks per (batch row, q block) and of q blocks per
-  (batch row, kv block). The ranges are scalar-prefetched (SMEM); grid steps
-  outside them do no work, and their index maps repeat a block already in VMEM
-  so no DMA is issued for them. In every layout positions increase within a
-  shard, so causal/window visibility of a q block is one contiguous kv range.
+* Block skipping: the hop's :class:`ring_jax.scheduling.BlockTable`
+  (``masks.blocks``, built once per hop by the ring) gives one range of kv
+  blocks per (batch row, q block) and of q blocks per (batch row, kv block),
+  with its fully visible run. The ranges are scalar-prefetched (SMEM, one flat
+  int32 array per direction); grid steps outside them do no work, and their
+  index maps repeat a block already in VMEM so no DMA is issued for them.
 
 On a non-TPU backend the kernels run in Pallas interpret mode (slow; for tests).
 """
@@ -38,7 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import NamedTuple
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -105,21 +104,15 @@ def _split_refs(refs, has_seg: bool, n_in: int):
   return qpos, kpos, qseg, kseg, rest[:n_in], rest[n_in:]
 
 
-def _pair_flags(meta, r, r_other, step, has_seg):
-  """(run, full) of the current grid step from the scalar-prefetched block metadata.
+def _pair_flags(ranges, r, step):
+  """(run, full) of the current grid step from the scalar-prefetched block table.
 
-  ``meta`` = (lo, hi, full_lo, full_hi[, uniform_own, uniform_other]): ``run`` when
-  ``step`` is in this row's range of possibly visible blocks, ``full`` when the pair
-  is visible everywhere (no element mask needed): inside the position-full range and,
-  with segment ids, both blocks hold one and the same document id.
+  ``ranges``: a :class:`ring_jax.scheduling.BlockTable` direction flattened to int32
+  ``[rows * 4]`` (row ``r`` = ``(lo, full_lo, full_hi, hi)``): ``run`` when ``step`` is
+  in the row's range, ``full`` when in its fully visible run (no element mask needed).
   """
-  lo, hi, flo, fhi = meta[:4]
-  run = (step >= lo[r]) & (step < hi[r])
-  full = (step >= flo[r]) & (step < fhi[r])
-  if has_seg:
-    own, other = meta[4], meta[5]
-    full = full & (own[r] != 0) & (own[r] == other[r_other])
-  return run, full
+  lo, flo, fhi, hi = (ranges[4 * r + c] for c in range(4))
+  return (step >= lo) & (step < hi), (step >= flo) & (step < fhi)
 
 
 def _when_run(run, full, may_mask, specialize, body):
@@ -135,9 +128,8 @@ def _when_run(run, full, may_mask, specialize, body):
   pl.when(run & jnp.logical_not(full))(lambda: body(True))
 
 
-def _fwd_kernel(*refs, n_meta, specialize, has_seg, scale, causal, window, nq, nk, precision,
-                guard_v):
-  meta, refs = refs[:n_meta], refs[n_meta:]
+def _fwd_kernel(ranges, *refs, may_mask, specialize, has_seg, scale, causal, window, nq, nk,
+                precision, guard_v):
   qpos, kpos, qseg, kseg, (q_ref, k_ref, v_ref), rest = _split_refs(refs, has_seg, 3)
   o_ref, lse_ref, m_sc, l_sc, acc_sc = rest
   b, i, j = pl.program_id(0), pl.program_id(3), pl.program_id(4)
@@ -179,8 +171,8 @@ def _fwd_kernel(*refs, n_meta, specialize, has_seg, scale, causal, window, nq, n
                        preferred_element_type=jnp.float32)
     acc_sc[...] = _lanes(alpha, h) * acc_sc[...] + pv
 
-  run, full = _pair_flags(meta, b * nq + i, b * nk + j, j, has_seg)
-  _when_run(run, full, causal or window is not None or has_seg, specialize, body)
+  run, full = _pair_flags(ranges, b * nq + i, j)
+  _when_run(run, full, may_mask, specialize, body)
 
   @pl.when(j == nk - 1)
   def _store():
@@ -209,8 +201,8 @@ def _probs_and_ds(q, k, v, do, lse, delta, mask, *, scale, precision, bk):
   return p, ds
 
 
-def _dq_kernel(*refs, n_meta, specialize, has_seg, scale, causal, window, nq, nk, precision):
-  meta, refs = refs[:n_meta], refs[n_meta:]
+def _dq_kernel(ranges, *refs, may_mask, specialize, has_seg, scale, causal, window, nq, nk,
+               precision):
   qpos, kpos, qseg, kseg, ins, rest = _split_refs(refs, has_seg, 6)
   q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = ins
   dq_ref, dq_sc = rest
@@ -233,16 +225,16 @@ def _dq_kernel(*refs, n_meta, specialize, has_seg, scale, causal, window, nq, nk
     dq_sc[...] += jax.lax.dot(ds.astype(k.dtype), k, precision=precision,
                               preferred_element_type=jnp.float32)
 
-  run, full = _pair_flags(meta, b * nq + i, b * nk + j, j, has_seg)
-  _when_run(run, full, causal or window is not None or has_seg, specialize, body)
+  run, full = _pair_flags(ranges, b * nq + i, j)
+  _when_run(run, full, may_mask, specialize, body)
 
   @pl.when(j == nk - 1)
   def _store():
     dq_ref[...] = dq_sc[...]
 
 
-def _dkv_kernel(*refs, n_meta, specialize, has_seg, scale, causal, window, nk, num_g, nq, precision):
-  meta, refs = refs[:n_meta], refs[n_meta:]
+def _dkv_kernel(ranges, *refs, may_mask, specialize, has_seg, scale, causal, window, nk, num_g,
+                nq, precision):
   qpos, kpos, qseg, kseg, ins, rest = _split_refs(refs, has_seg, 6)
   q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = ins
   dk_ref, dv_ref, dk_sc, dv_sc = rest
@@ -268,8 +260,8 @@ def _dkv_kernel(*refs, n_meta, specialize, has_seg, scale, causal, window, nk, n
     dk_sc[...] += jax.lax.dot(ds.T.astype(q.dtype), q, precision=precision,
                               preferred_element_type=jnp.float32)
 
-  run, full = _pair_flags(meta, b * nk + j, b * nq + i, i, has_seg)
-  _when_run(run, full, causal or window is not None or has_seg, specialize, body)
+  run, full = _pair_flags(ranges, b * nk + j, i)
+  _when_run(run, full, may_mask, specialize, body)
 
   @pl.when((g == num_g - 1) & (i == nq - 1))
   def _store():
@@ -277,104 +269,10 @@ def _dkv_kernel(*refs, n_meta, specialize, has_seg, scale, causal, window, nk, n
     dv_ref[...] = dv_sc[...]
 
 
-class BlockMeta(NamedTuple):
-  """Per-hop block metadata (int32, scalar-prefetched into SMEM), rows flattened ``b * n + x``.
-
-  q_lo/q_hi ``[B*nq]``: kv blocks ``[q_lo, q_hi)`` may be visible from q block ``i`` of
-    batch row ``b`` (empty: ``[0, 0)``); q_full_lo/q_full_hi: the sub-range whose pairs
-    are visible everywhere by position (causal/window).
-  kv_lo/kv_hi, kv_full_lo/kv_full_hi ``[B*nk]``: the same over q blocks for kv block ``j``.
-  q_uniform ``[B*nq]`` / kv_uniform ``[B*nk]`` (None without segment ids): the block's
-    document id when every token of the block holds that same non-padding id, else 0.
-  """
-  q_lo: jax.Array
-  q_hi: jax.Array
-  q_full_lo: jax.Array
-  q_full_hi: jax.Array
-  kv_lo: jax.Array
-  kv_hi: jax.Array
-  kv_full_lo: jax.Array
-  kv_full_hi: jax.Array
-  q_uniform: jax.Array | None
-  kv_uniform: jax.Array | None
-
-  def for_q_blocks(self):
-    """Scalar-prefetch operands of the forward and dQ kernels."""
-    extra = () if self.q_uniform is None else (self.q_uniform, self.kv_uniform)
-    return (self.q_lo, self.q_hi, self.q_full_lo, self.q_full_hi, *extra)
-
-  def for_kv_blocks(self):
-    """Scalar-prefetch operands of the dK/dV kernel."""
-    extra = () if self.q_uniform is None else (self.kv_uniform, self.q_uniform)
-    return (self.kv_lo, self.kv_hi, self.kv_full_lo, self.kv_full_hi, *extra)
-
-
-def block_meta(masks, spec, batch: int, t: int, s: int) -> BlockMeta:
-  """Per-hop block metadata from positions and segment ids (see :class:`BlockMeta`).
-
-  Built from ``[B, nq, nk]`` block tables (at most one entry per block pair, never
-  per token pair). Visibility is conservative (a pair inside a range may still be
-  fully masked element by element, never the reverse); fullness is exact. Both
-  ranges are contiguous because positions increase within a shard, so a block's
-  position range is monotone in its index.
-  """
-  bq, bk = spec.block_q, spec.block_kv
-  nq, nk = t // bq, s // bk
-  qp = masks.q_positions.astype(jnp.int32).reshape(nq, bq)
-  kp = masks.kv_positions.astype(jnp.int32).reshape(nk, bk)
-  q_min, q_max = qp.min(1)[:, None], qp.max(1)[:, None]
-  k_min, k_max = kp.min(1)[None, :], kp.max(1)[None, :]
-  vis = jnp.ones((nq, nk), bool)
-  full = jnp.ones((nq, nk), bool)
-  if spec.is_causal:
-    vis &= k_min <= q_max
-    full &= k_max <= q_min
-  if spec.window is not None:
-    left, right = _window(spec)
-    # In difference form (kv - q), which int32 positions cannot overflow.
-    vis &= (k_max - q_min >= -left) & (k_min - q_max <= right)
-    full &= (k_min - q_max >= -left) & (k_max - q_min <= right)
-  vis = jnp.broadcast_to(vis[None], (batch, nq, nk))
-  full = jnp.broadcast_to(full[None], (batch, nq, nk))
-  q_uni = kv_uni = None
-  if masks.q_segment_ids is not None:
-    qs, ks = _segment_ids_int32(masks.q_segment_ids, masks.kv_segment_ids)
-    vis &= _segment_blocks(qs, ks, bq, bk)
-    q_uni, kv_uni = _uniform(qs, bq), _uniform(ks, bk)
-
-  def ranges(v):  # v [B, n, m] -> first / one-past-last true index along m, flattened
-    m = v.shape[-1]
-    any_ = v.any(-1)
-    lo = jnp.argmax(v, axis=-1)
-    hi = m - jnp.argmax(v[..., ::-1], axis=-1)
-    return (jnp.where(any_, lo, 0).astype(jnp.int32).reshape(-1),
-            jnp.where(any_, hi, 0).astype(jnp.int32).reshape(-1))
-
-  return BlockMeta(*ranges(vis), *ranges(full), *ranges(jnp.swapaxes(vis, 1, 2)),
-                   *ranges(jnp.swapaxes(full, 1, 2)), q_uni, kv_uni)
-
-
-def _uniform(seg, block):
-  """int32 ``[B * n]``: the block's id when all its ids are that one non-zero id, else 0."""
-  seg = seg.reshape(seg.shape[0], -1, block)
-  first = seg[..., 0]
-  same = jnp.all(seg == first[..., None], axis=-1)
-  return jnp.where(same, first, 0).astype(jnp.int32).reshape(-1)
-
-
-def _segment_blocks(q_seg, kv_seg, bq, bk):
-  """bool ``[B, nq, nk]``: the blocks' ranges of non-padding document ids overlap."""
-  info = jnp.iinfo(q_seg.dtype)
-  big, small = jnp.asarray(info.max, q_seg.dtype), jnp.asarray(info.min, q_seg.dtype)
-
-  def ranges(seg, block):
-    seg = seg.reshape(seg.shape[0], -1, block)
-    real = seg != 0
-    return (jnp.min(jnp.where(real, seg, big), -1), jnp.max(jnp.where(real, seg, small), -1))
-
-  q_lo, q_hi = ranges(q_seg, bq)
-  k_lo, k_hi = ranges(kv_seg, bk)
-  return (q_lo[:, :, None] <= k_hi[:, None, :]) & (k_lo[:, None, :] <= q_hi[:, :, None])
+def _flat_ranges(ranges, batch: int):
+  """A :class:`~ring_jax.scheduling.BlockTable` direction ``[R, n, 4]`` as the int32
+  ``[B * n * 4]`` scalar-prefetch operand (row ``b * n + x``; SMEM holds 1-D arrays best)."""
+  return jnp.broadcast_to(ranges, (batch, *ranges.shape[1:])).reshape(-1).astype(jnp.int32)
 
 
 def _window(spec):
@@ -417,9 +315,9 @@ class PallasTpuHopKernel:
       time when V is finite. Same results, less work per step, about twice the code.
       ``None`` (default): on a TPU only (interpret mode compiles much faster without).
   """
+  name: ClassVar[str] = "pallas_tpu"
   interpret: bool | None = None
   specialize: bool | None = None
-  name: str = "pallas_tpu"
 
   # ---- shapes -------------------------------------------------------------------------
 
@@ -510,12 +408,12 @@ class PallasTpuHopKernel:
 
   def forward(self, q, k, v, masks, spec):
     """Returns ``(out_h [B,T,K,G,H] f32, lse_h [B,T,K,G] f32)`` of this hop."""
-    self.check(q.shape, k.shape, q.dtype, spec)
     bsz, t, kh, g, h = q.shape
     s = k.shape[1]
     bq, bk = spec.block_q, spec.block_kv
     nq, nk = t // bq, s // bk
-    meta = block_meta(masks, spec, bsz, t, s).for_q_blocks()
+    table = masks.table()
+    may_mask = table.may_mask
     mask_arrays, has_seg = self._mask_inputs(masks, bsz)
     window = None if spec.window is None else _window(spec)
     interpret = self._interpret_mode(q, k, v, *mask_arrays)
@@ -527,9 +425,9 @@ class PallasTpuHopKernel:
     def qmap(b, n, gi, i, j, *m):
       return b, i
 
-    def kmap(b, n, gi, i, j, *m):
+    def kmap(b, n, gi, i, j, ranges):
       r = b * nq + i
-      return b, _clamp(j, m[0][r], m[1][r])
+      return b, _clamp(j, ranges[4 * r], ranges[4 * r + 3])
 
     in_specs = self._mask_specs(has_seg, bq, bk, qmap, kmap) + [
         pl.BlockSpec((None, None, None, bq, h), lambda b, n, gi, i, j, *m: (b, n, gi, i, 0)),
@@ -541,13 +439,13 @@ class PallasTpuHopKernel:
         pl.BlockSpec((None, None, None, bq, NUM_LANES),
                      lambda b, n, gi, i, j, *m: (b, n, gi, i, 0)),
     ]
-    operands, mat = _same_varying([*meta, *mask_arrays, q_t, k_t, v_t])
+    operands, mat = _same_varying([_flat_ranges(table.q_ranges, bsz), *mask_arrays, q_t, k_t,
+                                   v_t])
     out_shape = [_struct((bsz, kh, g, t, h), jnp.float32, mat),
                  _struct((bsz, kh, g, t, NUM_LANES), jnp.float32, mat)]
-    may_mask = spec.is_causal or spec.window is not None or has_seg
 
     def call(guard_v: bool):
-      kernel = functools.partial(_fwd_kernel, n_meta=len(meta), specialize=specialize,
+      kernel = functools.partial(_fwd_kernel, may_mask=may_mask, specialize=specialize,
                                  has_seg=has_seg,
                                  scale=float(spec.scale), causal=spec.is_causal,
                                  window=window, nq=nq, nk=nk, precision=spec.precision,
@@ -555,7 +453,7 @@ class PallasTpuHopKernel:
       return pl.pallas_call(
           kernel,
           grid_spec=pltpu.PrefetchScalarGridSpec(
-              num_scalar_prefetch=len(meta), grid=(bsz, kh, g, nq, nk), in_specs=in_specs,
+              num_scalar_prefetch=1, grid=(bsz, kh, g, nq, nk), in_specs=in_specs,
               out_specs=out_specs,
               scratch_shapes=[pltpu.VMEM((bq, NUM_LANES), jnp.float32),
                               pltpu.VMEM((bq, NUM_LANES), jnp.float32),
@@ -572,7 +470,7 @@ class PallasTpuHopKernel:
       elif not specialize:
         o_t, lse_t = call(guard_v=True)
       else:  # only a hop whose V shard holds a non-finite value pays for the guard
-        o_t, lse_t = jax.lax.cond(jnp.isfinite(v).all(), lambda: call(False),
+        o_t, lse_t = jax.lax.cond(hop.v_is_finite(masks, v), lambda: call(False),
                                   lambda: call(True))
     out_h = jnp.transpose(o_t, (0, 3, 1, 2, 4))
     lse_h = jnp.transpose(lse_t[..., 0], (0, 3, 1, 2))
@@ -580,16 +478,18 @@ class PallasTpuHopKernel:
 
   # ---- backward -----------------------------------------------------------------------
 
-  def backward(self, q, k, v, out, lse, do, dlse, masks, spec, dq_acc, dk_acc, dv_acc):
-    """Returns the float32 accumulators plus this hop's ``(dq [B,T,K,G,H], dk [B,S,K,H],
-    dv [B,S,K,H])`` given the ring's final ``out`` / ``lse`` (``+inf`` on rows that saw no key anywhere) and
-    the lse cotangent ``dlse`` (or None)."""
-    self.check(q.shape, k.shape, q.dtype, spec)
+  def backward(self, q, k, v, masks, spec, res: hop.HopResiduals,
+               acc: hop.HopGrads) -> hop.HopGrads:
+    """Returns the float32 accumulators ``acc`` plus this hop's ``(dq [B,T,K,G,H],
+    dk [B,S,K,H], dv [B,S,K,H])`` given the ring's final ``res.out`` / ``res.lse``
+    (``+inf`` on rows that saw no key anywhere) and the lse cotangent ``res.dlse``
+    (or None)."""
     bsz, t, kh, g, h = q.shape
     s = k.shape[1]
     bq, bk = spec.block_q, spec.block_kv
     nq, nk = t // bq, s // bk
-    bm = block_meta(masks, spec, bsz, t, s)
+    table = masks.table()
+    out, lse, do, dlse = res
     mask_arrays, has_seg = self._mask_inputs(masks, bsz)
     window = None if spec.window is None else _window(spec)
     interpret = self._interpret_mode(q, k, v, *mask_arrays)
@@ -606,21 +506,21 @@ class PallasTpuHopKernel:
     do_t = jnp.transpose(do.astype(q.dtype), (0, 2, 3, 1, 4))
     k_t, v_t = jnp.transpose(k, (0, 2, 1, 3)), jnp.transpose(v, (0, 2, 1, 3))
     lse_r, delta_r = rows(hop.lse_for_backward(lse)), rows(delta)  # +inf: p = 0
-    n_q, n_kv = len(bm.for_q_blocks()), len(bm.for_kv_blocks())
-    operands, mat = _same_varying([*bm.for_q_blocks(), *bm.for_kv_blocks(), *mask_arrays,
+    operands, mat = _same_varying([_flat_ranges(table.q_ranges, bsz),
+                                   _flat_ranges(table.kv_ranges, bsz), *mask_arrays,
                                    q_t, k_t, v_t, do_t, lse_r, delta_r])
-    q_meta, kv_meta = operands[:n_q], operands[n_q:n_q + n_kv]
-    rest = operands[n_q + n_kv:]
-    common = dict(has_seg=has_seg, scale=float(spec.scale), causal=spec.is_causal,
-                  window=window, precision=spec.precision)
+    q_meta, kv_meta, *rest = operands
+    common = dict(may_mask=table.may_mask, specialize=specialize, has_seg=has_seg,
+                  scale=float(spec.scale), causal=spec.is_causal, window=window,
+                  precision=spec.precision)
 
     # dQ: grid (B, K, G, nq, nk), kv blocks sequential.
     def qmap(b, n, gi, i, j, *m):
       return b, i
 
-    def kmap(b, n, gi, i, j, *m):
+    def kmap(b, n, gi, i, j, ranges):
       r = b * nq + i
-      return b, _clamp(j, m[0][r], m[1][r])
+      return b, _clamp(j, ranges[4 * r], ranges[4 * r + 3])
 
     qrow = lambda b, n, gi, i, j, *m: (b, n, gi, i, 0)
     kvblk = lambda *a: (a[0], a[1], kmap(*a)[1], 0)
@@ -634,24 +534,22 @@ class PallasTpuHopKernel:
     ]
     with jax.named_scope("pallas_tpu_hop_bwd_dq"):
       dq_t = pl.pallas_call(
-          functools.partial(_dq_kernel, n_meta=len(bm.for_q_blocks()), specialize=specialize,
-                            nq=nq, nk=nk,
-                            **common),
+          functools.partial(_dq_kernel, nq=nq, nk=nk, **common),
           grid_spec=pltpu.PrefetchScalarGridSpec(
-              num_scalar_prefetch=len(bm.for_q_blocks()), grid=(bsz, kh, g, nq, nk),
+              num_scalar_prefetch=1, grid=(bsz, kh, g, nq, nk),
               in_specs=in_specs, out_specs=pl.BlockSpec((None, None, None, bq, h), qrow),
               scratch_shapes=[pltpu.VMEM((bq, h), jnp.float32)]),
           out_shape=_struct((bsz, kh, g, t, h), jnp.float32, mat),
           compiler_params=pltpu.CompilerParams(
               dimension_semantics=("parallel",) * 4 + ("arbitrary",)),
           interpret=interpret,
-      )(*q_meta, *rest)
+      )(q_meta, *rest)
 
     # dK, dV: grid (B, K, nk, G, nq); the G query heads of a kv head and all q blocks
     # are sequential, accumulated in VMEM.
-    def qmap2(b, n, j, gi, i, *m):
+    def qmap2(b, n, j, gi, i, ranges):
       r = b * nk + j
-      return b, _clamp(i, m[0][r], m[1][r])
+      return b, _clamp(i, ranges[4 * r], ranges[4 * r + 3])
 
     def kmap2(b, n, j, gi, i, *m):
       return b, j
@@ -668,12 +566,9 @@ class PallasTpuHopKernel:
     ]
     with jax.named_scope("pallas_tpu_hop_bwd_dkv"):
       dk_t, dv_t = pl.pallas_call(
-          functools.partial(_dkv_kernel, n_meta=len(bm.for_kv_blocks()),
-                            specialize=specialize,
-                            nk=nk, num_g=g, nq=nq,
-                            **common),
+          functools.partial(_dkv_kernel, nk=nk, num_g=g, nq=nq, **common),
           grid_spec=pltpu.PrefetchScalarGridSpec(
-              num_scalar_prefetch=len(bm.for_kv_blocks()), grid=(bsz, kh, nk, g, nq),
+              num_scalar_prefetch=1, grid=(bsz, kh, nk, g, nq),
               in_specs=in_specs2,
               out_specs=[pl.BlockSpec((None, None, bk, h), kvblk2),
                          pl.BlockSpec((None, None, bk, h), kvblk2)],
@@ -683,14 +578,14 @@ class PallasTpuHopKernel:
           compiler_params=pltpu.CompilerParams(
               dimension_semantics=("parallel",) * 3 + ("arbitrary",) * 2),
           interpret=interpret,
-      )(*kv_meta, *rest)
+      )(kv_meta, *rest)
 
     dq = jnp.transpose(dq_t, (0, 3, 1, 2, 4))
     dk = jnp.transpose(dk_t, (0, 2, 1, 3))
     dv = jnp.transpose(dv_t, (0, 2, 1, 3))
     # Fresh per-hop buffers added to the accumulators here (XLA fuses the adds); the
     # kernels could alias them instead (input_output_aliases) to save one buffer each.
-    return dq_acc + dq, dk_acc + dk, dv_acc + dv
+    return hop.HopGrads(acc.dq + dq, acc.dk + dk, acc.dv + dv)
 
 
 def _segment_ids_int32(q_seg, kv_seg):

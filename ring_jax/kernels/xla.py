@@ -2,108 +2,73 @@
 
 See :mod:`ring_jax.hop` for the protocol, shapes and non-finite rules.
 
-Loop structure (FlashAttention-2, Dao 2023, Alg. 1-2):
+Loop structure (FlashAttention-2, Dao 2023, Alg. 1-2), over the hop's
+:class:`ring_jax.scheduling.BlockTable` (``masks.blocks``):
 
-* forward: an outer loop over query blocks (``lax.map``) whose body keeps the
-  block's own ``(o, m, l)`` online-softmax state, and an inner loop over the
-  key blocks ``[lo, hi)`` that query block can see;
-* backward: an outer loop over key/value blocks (``lax.scan``) keeping that
-  block's ``dK``/``dV`` locally, and an inner loop over the query blocks
-  ``[lo, hi)`` that see it, adding to ``dQ`` block by block.
+* forward: an outer ``fori_loop`` over query blocks whose body keeps the
+  block's own ``(o, m, l)`` online-softmax state, and inner ``fori_loop`` loops
+  over the key blocks ``[lo, hi)`` that query block meets
+  (:func:`ring_jax.hop.fold_blocks`);
+* backward: an outer ``fori_loop`` over key/value blocks keeping that block's
+  ``dK``/``dV`` locally, and inner loops over the query blocks ``[lo, hi)``
+  that meet it, adding to ``dQ`` block by block.
 
-Positions increase within a shard in every layout, so the causal/window
-visible key blocks of a query block form one range. Pairs inside the range
-are computed with the elementwise mask only when some score in them can be
-masked (diagonal / window-edge / segment-boundary pairs), and with segment
-ids a pair whose blocks share no document is skipped. Correctness does not
-rest on monotone positions: a range is first to last visible block, and any
-pair inside it that is not fully visible is masked.
+Pairs in the table's fully visible run are computed without the elementwise
+mask; the others with it. The batch rows of a block are computed together, so
+with segment ids (one range per row) the rows' ranges are merged
+(:func:`ring_jax.scheduling.merge_rows`) and a masked pair that no row's range
+holds (blocks sharing no document in any row) is skipped.
 
 Blocks are sliced from the operands in place and rearranged per block to
 ``[B, K, G, bq, H]`` / ``[B, K, bk, H]``, so every block matmul is a plain
 batched matmul over ``(B, K)``; outputs are written back block by block
 (no full-size rearranged copies, which would cost memory).
+
+Test hook: inside ``with record_pairs() as log:`` the loops of functions traced
+there report every block pair they compute (``tests/test_ring.py`` checks them
+against :func:`ring_jax.schedule`); outside it they hold no callback.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from typing import NamedTuple
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
 
 from ring_jax import scheduling
-from ring_jax.hop import HopMasks, HopSpec, backward_delta, varying_like
+from ring_jax.hop import (HopGrads, HopMasks, HopResiduals, HopSpec, backward_delta,
+                          fold_blocks, v_is_finite, varying_like)
 
 
-class BlockPlan(NamedTuple):
-  """Which block pairs the kernel computes at one hop, and how.
-
-  lo, hi: int32 ``[nq]``: query block ``a`` meets key blocks ``lo[a] <= b < hi[a]``
-    (``lo == hi``: none).
-  kv_lo, kv_hi: int32 ``[nk]``: the same ranges seen from the key blocks (backward).
-  visible: bool ``[nq, nk]``: some score of the pair is visible.
-  masked: bool ``[nq, nk]``: some score of the pair may be masked (elementwise mask needed).
-  skip_invisible: static bool: pairs inside a range that are not ``visible`` are skipped
-    (with segment ids; without them every pair in a range is visible when positions
-    increase within the shard).
-  """
-  lo: jax.Array
-  hi: jax.Array
-  kv_lo: jax.Array
-  kv_hi: jax.Array
-  visible: jax.Array
-  masked: jax.Array
-  skip_invisible: bool
-
-  def computed(self):
-    """bool ``[nq, nk]``: the pairs the kernel's loops compute."""
-    nq, nk = self.visible.shape
-    b = jnp.arange(nk)[None, :]
-    in_range = (self.lo[:, None] <= b) & (b < self.hi[:, None])
-    return in_range & self.visible if self.skip_invisible else in_range
+_PAIR_LOG: list | None = None  # set by record_pairs(); read at trace time
 
 
-def _ranges(visible):
-  """First and one-past-last True along the last axis (``0, 0`` for an all-False row)."""
-  n = visible.shape[-1]
-  idx = jnp.arange(n, dtype=jnp.int32)
-  any_ = visible.any(-1)
-  lo = jnp.where(any_, jnp.min(jnp.where(visible, idx, n), axis=-1), 0).astype(jnp.int32)
-  hi = jnp.where(any_, jnp.max(jnp.where(visible, idx, -1), axis=-1) + 1, 0).astype(jnp.int32)
-  return lo, hi
+@contextlib.contextmanager
+def record_pairs():
+  """Test hook: ``with record_pairs() as log:`` makes the kernel's loops, in functions traced
+  inside the block, append ``(phase, q_pos0, kv_pos0, a, b)`` to ``log`` for every block pair
+  ``(a, b)`` they compute when they run (``phase`` ``"fwd"``/``"bwd"``; the first query and
+  key positions of the hop identify device and shard). Call ``jax.effects_barrier()`` before
+  reading ``log``. Outside the block nothing is recorded and the loops hold no callback."""
+  global _PAIR_LOG
+  previous, _PAIR_LOG = _PAIR_LOG, []
+  try:
+    yield _PAIR_LOG
+  finally:
+    _PAIR_LOG = previous
 
 
-def _uniform_segments(seg, block):
-  """bool ``[B, n]`` per block: all ids equal and nonzero; and the id ``[B, n]``."""
-  seg = seg.reshape(seg.shape[0], -1, block)
-  first = seg[..., 0]
-  return (seg == first[..., None]).all(-1) & (first != 0), first
+def _record(phase: str, masks: HopMasks, a, b) -> None:
+  log = _PAIR_LOG
+  if log is None:
+    return
 
-
-def block_plan(masks: HopMasks, spec: HopSpec) -> BlockPlan:
-  """The :class:`BlockPlan` of a hop, from positions and segment ids (per block pair)."""
-  bq, bk = spec.block_q, spec.block_kv
-  visible, full = scheduling.block_visibility(masks.q_positions, masks.kv_positions, bq, bk,
-                                              spec.is_causal, spec.window)
-  skip = masks.q_segment_ids is not None
-  if skip:
-    visible = visible & scheduling.blocks_share_a_segment(
-        masks.q_segment_ids, masks.kv_segment_ids, bq, bk)
-    q_uni, q_id = _uniform_segments(masks.q_segment_ids, bq)
-    k_uni, k_id = _uniform_segments(masks.kv_segment_ids, bk)
-    same_doc = q_uni[:, :, None] & k_uni[:, None, :] & (q_id[:, :, None] == k_id[:, None, :])
-    full = full & same_doc.all(0)  # one document on both sides in every batch row
-  lo, hi = _ranges(visible)
-  kv_lo, kv_hi = _ranges(visible.T)
-  return BlockPlan(lo=lo, hi=hi, kv_lo=kv_lo, kv_hi=kv_hi, visible=visible, masked=~full,
-                   skip_invisible=skip)
-
-
-def _may_mask(masks: HopMasks, spec: HopSpec) -> bool:
-  """Whether some computed score can be masked (statically); if not, every pair is visible."""
-  return spec.is_causal or spec.window is not None or masks.q_segment_ids is not None
+  def append(qp, kp, a, b):
+    log.append((phase, int(qp), int(kp), int(a), int(b)))
+  jax.debug.callback(append, masks.q_positions[0], masks.kv_positions[0], a, b)
 
 
 def _pair_mask(masks: HopMasks, spec: HopSpec, a, b):
@@ -117,6 +82,14 @@ def _pair_mask(masks: HopMasks, spec: HopSpec, a, b):
     ks = jax.lax.dynamic_slice_in_dim(masks.kv_segment_ids, b * bk, bk, axis=1)
     mask = mask & scheduling.segment_mask(qs, ks)
   return mask[:, None, None]
+
+
+def _unless_uncovered(skip: bool, ranges, i, j, compute, carry):
+  """``compute(carry)``; with ``skip`` (batch rows with their own ranges, merged), ``carry``
+  unchanged when no row's range of block ``i`` holds block ``j`` (``ranges`` ``[R, n, 4]``)."""
+  if not skip:
+    return compute(carry)
+  return jax.lax.cond(scheduling.rows_cover(ranges, i, j), compute, lambda c: c, carry)
 
 
 def _masked_pv(p_blk, v_blk, mask, precision):
@@ -181,26 +154,6 @@ def _put_kv_block(x, blk, b, block):
   return jax.lax.dynamic_update_slice_in_dim(x, blk.swapaxes(1, 2), b * block, axis=1)
 
 
-def _pair_step(plan: BlockPlan, qa, kb, masked_fn, full_fn, carry, may_mask: bool):
-  """One block pair: ``masked_fn`` when it may hold a masked score, else ``full_fn`` (no
-  elementwise mask); with ``plan.skip_invisible``, a pair sharing no document returns
-  ``carry`` unchanged."""
-  if not may_mask:
-    return full_fn(qa, kb, carry)
-  branches = [lambda c: masked_fn(qa, kb, c), lambda c: full_fn(qa, kb, c)]
-  index = jnp.where(plan.masked[qa, kb], 0, 1)
-  if plan.skip_invisible:
-    branches.append(lambda c: c)
-    index = jnp.where(plan.visible[qa, kb], index, 2)
-  return jax.lax.switch(index, branches, carry)
-
-
-def _pair_loop(plan: BlockPlan, a, lo, hi, masked_fn, full_fn, carry, may_mask: bool):
-  """``carry`` (block-sized) folded over the key blocks ``[lo, hi)`` of query block ``a``."""
-  return jax.lax.fori_loop(
-      lo, hi, lambda j, c: _pair_step(plan, a, j, masked_fn, full_fn, c, may_mask), carry)
-
-
 @dataclasses.dataclass(frozen=True)
 class XlaHopKernel:
   """Blockwise hop kernel in plain XLA (see the module docstring for the loop structure).
@@ -212,7 +165,7 @@ class XlaHopKernel:
   ``xla_hop_fwd_blocks`` / ``xla_hop_bwd_blocks``.
   """
 
-  name: str = dataclasses.field(default="xla", init=False)
+  name: ClassVar[str] = "xla"
 
   def check(self, q_shape, kv_shape, dtype, spec: HopSpec) -> None:
     del dtype
@@ -222,17 +175,16 @@ class XlaHopKernel:
         raise ValueError(
             f"{what}={block} does not divide the local length {length}; pick a divisor.")
 
-  block_plan = staticmethod(block_plan)
-
   def forward(self, q, k, v, masks: HopMasks, spec: HopSpec):
     bq, bk, prec, scale = spec.block_q, spec.block_kv, spec.precision, spec.scale
-    plan = block_plan(masks, spec)
-    may_mask = _may_mask(masks, spec)
+    table = masks.table()  # rows with their own ranges (skip): merged, skip what none holds
+    q_ranges, skip = scheduling.merge_rows(table.q_ranges), table.q_ranges.shape[0] > 1
     b, t, kh, g, h = q.shape
     nq = t // bq
 
     def fold(guard_v: bool):
       def update(q_blk, a, bb, c, masked: bool):
+        _record("fwd", masks, a, bb)
         o, m, l = c
         k_blk = _kv_block(k, bb, bk)                           # [B, K, bk, H]
         v_blk = _kv_block(v, bb, bk)
@@ -261,12 +213,14 @@ class XlaHopKernel:
             jnp.zeros((b, kh, g, bq, h), jnp.float32),
             jnp.full((b, kh, g, bq), -jnp.inf, jnp.float32),
             jnp.zeros((b, kh, g, bq), jnp.float32)))
-        masked_fn = lambda a, bb, c: update(q_blk, a, bb, c, masked=True)
-        # The guarded product needs the mask on every pair (it decides what V is read).
-        full_fn = masked_fn if guard_v else (
-            lambda a, bb, c: update(q_blk, a, bb, c, masked=False))
-        o, m, l = _pair_loop(plan, a, plan.lo[a], plan.hi[a], masked_fn, full_fn, init,
-                             may_mask)
+
+        def step(j, c, masked):
+          # The guarded product needs the mask on every pair (it decides what V is read).
+          masked = masked or guard_v
+          return _unless_uncovered(skip and masked, table.q_ranges, a, j,
+                                   lambda c: update(q_blk, a, j, c, masked), c)
+
+        o, m, l = fold_blocks(q_ranges[a], step, init, table.may_mask)
         empty = l == 0  # only an exact 0 means "no visible key"; NaN passes through
         l_safe = jnp.where(empty, 1.0, l)
         out = jnp.where(empty[..., None], 0.0, o / l_safe[..., None])
@@ -278,31 +232,32 @@ class XlaHopKernel:
       with jax.named_scope("xla_hop_fwd_blocks"):
         return jax.lax.fori_loop(0, nq, q_block, init)
 
-    if not may_mask:
+    if not table.may_mask:
       return fold(guard_v=False)  # every pair is visible: p @ v may read all of V
     # Only a hop whose V shard holds a non-finite value pays for the guarded matmul.
-    return jax.lax.cond(jnp.isfinite(v).all(), lambda: fold(guard_v=False),
+    return jax.lax.cond(v_is_finite(masks, v), lambda: fold(guard_v=False),
                         lambda: fold(guard_v=True))
 
-  def backward(self, q, k, v, out, lse, do, dlse, masks: HopMasks, spec: HopSpec, dq, dk, dv):
+  def backward(self, q, k, v, masks: HopMasks, spec: HopSpec, res: HopResiduals,
+               acc: HopGrads) -> HopGrads:
     bq, bk, prec, scale = spec.block_q, spec.block_kv, spec.precision, spec.scale
-    plan = block_plan(masks, spec)
-    may_mask = _may_mask(masks, spec)
-    # The gradient matmuls (dP = dO V^T, dQ = dS K, dK = dS^T Q) read their right-hand
-    # operand at masked pairs too, where 0 * NaN would spread a non-finite value into
-    # rows that do not see it; they read the finite part instead (per block: no copies).
-    # Rows and keys that do see a non-finite value still get non-finite gradients: it
-    # reaches them through the scores (computed from the raw q, k) or through
-    # delta = rowsum(dO * O), which is non-finite where the output is. Without masks
-    # every pair is visible and the raw operands are right.
-    finite = (lambda x: jnp.where(jnp.isfinite(x), x, 0)) if may_mask else (lambda x: x)
-    delta = backward_delta(out, do, dlse)
-    lseB, deltaB = _q_blocks(lse, bq), _q_blocks(delta, bq)    # [nq, B, K, G, bq] (small)
+    table = masks.table()
+    kv_ranges, skip = scheduling.merge_rows(table.kv_ranges), table.kv_ranges.shape[0] > 1
+    # The gradient matmuls (dP = dO V^T, dQ = dS K, dK = dS^T Q) read their right operand
+    # at masked pairs too (0 * NaN = NaN), so they read its finite part, per block. Who
+    # sees a non-finite value still gets non-finite gradients: through the scores (raw
+    # q, k) or delta = rowsum(dO * O). Without masks the raw operands are right.
+    finite = ((lambda x: jnp.where(jnp.isfinite(x), x, 0)) if table.may_mask
+              else (lambda x: x))
+    do = res.do
+    delta = backward_delta(res.out, do, res.dlse)
+    lseB, deltaB = _q_blocks(res.lse, bq), _q_blocks(delta, bq)  # [nq, B, K, G, bq] (small)
     nk = k.shape[1] // bk
     b, t, kh, g, h = q.shape
 
     def update(kv_blks, a, bb, c, masked: bool):
       """``(dq_blk, dk_blk, dv_blk)``: this pair's dQ block and the updated dK/dV blocks."""
+      _record("bwd", masks, a, bb)
       k_blk, kf_blk, vf_blk = kv_blks                          # [B, K, bk, H]
       _, dk_blk, dv_blk = c
       row = lambda x: jax.lax.dynamic_index_in_dim(x, a, keepdims=False)
@@ -328,20 +283,20 @@ class XlaHopKernel:
       kv_blks = (k_blk, finite(k_blk), finite(v_blk))
       dq_zeros = varying_like(jnp.zeros((b, kh, g, bq, h), jnp.float32), q, k, v)
 
-      def pair(a, c):
-        # Only block-sized values pass through the per-pair branches (a branch operand
-        # is copied; the full dQ is updated outside them, in place).
+      def pair(a, c, masked):
+        # Only block-sized values pass through the skip's branches (a branch operand is
+        # copied; the full dQ is updated outside them, in place).
         dq, dk_blk, dv_blk = c
-        dq_blk, dk_blk, dv_blk = _pair_step(
-            plan, a, bb, lambda a, bb, c: update(kv_blks, a, bb, c, masked=True),
-            lambda a, bb, c: update(kv_blks, a, bb, c, masked=False),
-            (dq_zeros, dk_blk, dv_blk), may_mask)
+        dq_blk, dk_blk, dv_blk = _unless_uncovered(
+            skip and masked, table.kv_ranges, bb, a,
+            lambda c: update(kv_blks, a, bb, c, masked), (dq_zeros, dk_blk, dv_blk))
         return _put_q_block(dq, _q_block(dq, a, bq) + dq_blk, a, bq), dk_blk, dv_blk
 
-      dq, dk_blk, dv_blk = jax.lax.fori_loop(plan.kv_lo[bb], plan.kv_hi[bb], pair,
-                                             (dq, _kv_block(dk, bb, bk), _kv_block(dv, bb, bk)))
+      dq, dk_blk, dv_blk = fold_blocks(kv_ranges[bb], pair,
+                                       (dq, _kv_block(dk, bb, bk), _kv_block(dv, bb, bk)),
+                                       table.may_mask)
       return dq, _put_kv_block(dk, dk_blk, bb, bk), _put_kv_block(dv, dv_blk, bb, bk)
 
-    init = tuple(varying_like(x.astype(jnp.float32), q, k, v) for x in (dq, dk, dv))
+    init = tuple(varying_like(x.astype(jnp.float32), q, k, v) for x in acc)
     with jax.named_scope("xla_hop_bwd_blocks"):
-      return jax.lax.fori_loop(0, nk, kv_block, init)
+      return HopGrads(*jax.lax.fori_loop(0, nk, kv_block, init))

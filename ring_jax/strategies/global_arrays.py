@@ -1,0 +1,280 @@
+"""One wrapper that runs any strategy on global ``[B, L, N, H]`` arrays over a mesh.
+
+It owns what every strategy needs around its ``shard_map``: the mesh (given or
+set with ``jax.set_mesh``), the mesh axes of the sequence, batch and heads
+(:func:`attention_axes`, also what ``models/`` and ``training/`` use), the
+checks on global shapes, the reorder into the layout and back (shard by shard
+with collectives when the layout allows, else on the global arrays), and
+placing the inputs on a mesh with Explicit axes. A strategy supplies its
+function inside ``shard_map`` and its own checks (:class:`Strategy`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from ring_jax import kernels
+from ring_jax import layouts
+from ring_jax import validation
+from ring_jax.strategies.options import AttentionOptions
+
+#: Default axis names: a mesh without them leaves that dimension unsharded.
+DEFAULT_AXES = {"batch_axis": "data", "head_axis": "tensor"}
+
+
+class AttentionAxes(NamedTuple):
+  """Mesh axes attention shards the batch, the query heads and the key/value heads over."""
+  batch: str | None
+  heads: str | None
+  kv_heads: str | None
+
+
+def attention_axes(axis_sizes, *, batch: int, heads: int, kv_heads: int,
+                   batch_axis: str | None, head_axis: str | None, drop: bool = False,
+                   names: tuple[str, str, str] | None = None) -> AttentionAxes:
+  """Which mesh axes attention uses for the batch and the (query, key/value) heads.
+
+  The batch goes over ``batch_axis``, the query and key/value heads over
+  ``head_axis``, except a single key/value head (MQA), which every head shard
+  needs: it is replicated (``kv_heads=None``). An axis that does not divide its
+  dimension raises ValueError naming the fix, or with ``drop=True`` is
+  dropped (that dimension stays whole on every device).
+
+  Args:
+    axis_sizes: mesh axis name -> size (``mesh.shape``, or a config's sizes).
+    batch, heads, kv_heads: the global batch and head counts.
+    batch_axis, head_axis: the axes to shard over, or None.
+    drop: drop axes that do not divide instead of raising.
+    names: how the message names batch, heads and kv_heads (e.g. config fields);
+      default the arguments of :func:`ring_jax.ring_attention_sharded`.
+  """
+  hint = lambda arg: "" if names else f", or {arg}=None"
+  batch_name, heads_name, kv_name = names or ("batch", "query heads", "key/value heads")
+
+  def split(dim, value, axis, fix):
+    if axis is None or value % axis_sizes[axis] == 0:
+      return axis
+    if drop:
+      return None
+    raise ValueError(f"{dim}={value} is not divisible by the mesh {axis!r} axis "
+                     f"({axis_sizes[axis]}); {fix}.")
+
+  batch_axis = split(batch_name, batch, batch_axis,
+                     f"use a multiple of {axis_sizes.get(batch_axis)}{hint('batch_axis')}")
+  head_axis = split(heads_name, heads, head_axis,
+                    f"use a multiple of {axis_sizes.get(head_axis)}{hint('head_axis')}")
+  if head_axis is None or (kv_heads == 1 and axis_sizes[head_axis] > 1):
+    return AttentionAxes(batch_axis, head_axis, None)  # MQA: the one K/V head everywhere
+  kv_axis = split(kv_name, kv_heads, head_axis,
+                  f"use a multiple of {axis_sizes[head_axis]} or a single key/value head "
+                  f"(MQA, replicated over {head_axis!r}){hint('head_axis')}")
+  return AttentionAxes(batch_axis, kv_axis and head_axis, kv_axis)
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+  """Where a call's arrays live: the mesh, the sequence axes and the batch/head axes."""
+  mesh: object
+  seq: tuple[str, ...]      # one axis, or the hybrid's (ring_axis, ulysses_axis)
+  axes: AttentionAxes
+
+  @property
+  def seq_sizes(self) -> tuple[int, ...]:
+    return tuple(self.mesh.shape[a] for a in self.seq)
+
+  @property
+  def axis_name(self):
+    """What the strategy inside ``shard_map`` takes as ``axis_name`` (and the specs hold)."""
+    return self.seq if len(self.seq) > 1 else self.seq[0]
+
+  def per_device(self, heads: int, kv_heads: int) -> tuple[int, int]:
+    """Query and key/value heads on one device after the head axis."""
+    size = lambda axis: self.mesh.shape[axis] if axis else 1
+    return heads // size(self.axes.heads), kv_heads // size(self.axes.kv_heads)
+
+
+@dataclasses.dataclass(frozen=True)
+class Strategy:
+  """What one strategy adds to the wrapper.
+
+  Attributes:
+    name: its name in :data:`ring_jax.STRATEGIES`.
+    local: ``local(q, k, v, segment_ids, *, axis_name, options)`` on the local shards
+      inside ``shard_map`` (inputs in ``options.layout`` order); with
+      ``reorders_itself``, also ``natural=`` (inputs in natural order: it reorders them).
+    check: ``check(placement, q_len, kv_len, heads, kv_heads, options)`` on global
+      lengths and per-device heads; raises ValueError naming the fix.
+    two_axes: ``seq_axis`` is a pair ``(ring_axis, ulysses_axis)``.
+    cross_attention: query and key/value lengths may differ.
+    whole_sequence: every device attends over the whole sequence, so natural-order
+      inputs stay in natural order (run as ``"contiguous"``, never reordered).
+    reorders_itself: natural-order shards are reordered inside ``local``.
+  """
+  name: str
+  local: Callable
+  check: Callable
+  two_axes: bool = False
+  cross_attention: bool = False
+  whole_sequence: bool = False
+  reorders_itself: bool = False
+
+
+def current_mesh(mesh):
+  """``mesh``, or the one set with ``jax.set_mesh``."""
+  if mesh is None:
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh is None or not mesh.axis_names:
+      raise ValueError("no mesh given and none set: pass mesh= or call under jax.set_mesh(mesh).")
+  return mesh
+
+
+def seq_axes(mesh, seq_axis) -> tuple[str, ...]:
+  """``seq_axis`` as a tuple of mesh axes: one axis or a pair (ring_axis, ulysses_axis)."""
+  names = tuple(seq_axis) if isinstance(seq_axis, (tuple, list)) else (seq_axis,)
+  if len(names) not in (1, 2):
+    raise ValueError(f"seq_axis must be one mesh axis or a pair (ring_axis, ulysses_axis), "
+                     f"got {seq_axis!r}.")
+  for name in names:
+    if name not in mesh.axis_names:
+      raise ValueError(f"seq_axis={seq_axis!r}: {name!r} is not an axis of the mesh (axes: "
+                       f"{tuple(mesh.axis_names)}).")
+  return names
+
+
+def resolve_axis(mesh, name, arg: str) -> str | None:
+  """Mesh axis to shard over, or None. A default name the mesh lacks means "not sharded"."""
+  if name is None:
+    return None
+  if name in mesh.axis_names:
+    return name
+  if name == DEFAULT_AXES[arg]:
+    return None
+  raise ValueError(
+      f"{arg}={name!r} is not an axis of the mesh (axes: {tuple(mesh.axis_names)}); pass one "
+      f"of those or {arg}=None.")
+
+
+def has_explicit_axes(mesh) -> bool:
+  types = getattr(mesh, "axis_types", ()) or ()
+  return any(t == jax.sharding.AxisType.Explicit for t in types)
+
+
+def place(mesh, x, spec):
+  """On a mesh with Explicit axes, ``x`` resharded to ``spec`` (shard_map wants them equal)."""
+  if not has_explicit_axes(mesh):
+    return x
+  if isinstance(mesh, jax.sharding.Mesh):
+    return jax.reshard(x, jax.sharding.NamedSharding(mesh, spec))
+  return jax.reshard(x, spec)  # abstract mesh: the one set with jax.set_mesh
+
+
+def platform(mesh) -> str:
+  """Platform of the mesh's devices; the default backend's for an abstract mesh."""
+  if isinstance(mesh, jax.sharding.Mesh) and mesh.devices.size:
+    return mesh.devices.flat[0].platform
+  return jax.default_backend()  # an AbstractMesh has no devices
+
+
+def device_kind(mesh) -> str:
+  """``device_kind`` of the mesh's devices (of the default devices for an abstract mesh)."""
+  if isinstance(mesh, jax.sharding.Mesh) and mesh.devices.size:
+    return mesh.devices.flat[0].device_kind
+  return jax.devices()[0].device_kind
+
+
+def placement(mesh, seq_axis, batch_axis, head_axis, *, batch: int, heads: int,
+              kv_heads: int) -> Placement:
+  """Resolves and checks the axes of a call on ``mesh`` (ValueError naming the fix)."""
+  seq = seq_axes(mesh, seq_axis)
+  batch_axis = resolve_axis(mesh, batch_axis, "batch_axis")
+  head_axis = resolve_axis(mesh, head_axis, "head_axis")
+  named = [a for a in (*seq, batch_axis, head_axis) if a is not None]
+  if len(set(named)) != len(named):
+    raise ValueError(f"seq_axis, batch_axis and head_axis must name different mesh axes, got "
+                     f"{seq_axis!r}, {batch_axis!r}, {head_axis!r}.")
+  axes = attention_axes(mesh.shape, batch=batch, heads=heads, kv_heads=kv_heads,
+                        batch_axis=batch_axis, head_axis=head_axis)
+  return Placement(mesh=mesh, seq=seq, axes=axes)
+
+
+def run(strategy: Strategy, query, key, value, segment_ids, *, mesh, seq_axis, batch_axis,
+        head_axis, inputs_in_layout: bool, options: AttentionOptions):
+  """``strategy`` on global arrays: checks, reorders, places, runs its ``shard_map``.
+
+  Inputs and output are in natural token order unless ``inputs_in_layout``
+  (then in ``options.layout`` order for a ring of the first sequence axis's
+  size). With ``options.return_lse`` the result is ``(out, lse)``.
+  """
+  mesh = current_mesh(mesh)
+  if (len(seq_axes(mesh, seq_axis)) == 2) != strategy.two_axes:
+    raise ValueError(
+        "strategy='hybrid' needs seq_axis=(ring_axis, ulysses_axis), a pair of mesh axes; the "
+        f"other strategies take a single axis (got strategy={strategy.name!r}, "
+        f"seq_axis={seq_axis!r}).")
+  validation.check_qkv(query, key, value, is_causal=options.masked, segment_ids=segment_ids)
+  b, length, n, _ = query.shape
+  kv_len, kh = key.shape[1], key.shape[2]
+  where = placement(mesh, seq_axis, batch_axis, head_axis, batch=b, heads=n, kv_heads=kh)
+  if kv_len != length and not strategy.cross_attention:
+    raise ValueError(f"strategy={strategy.name!r} needs equal query and key/value lengths, got "
+                     f"{length}, {kv_len}; use strategy='ring'.")
+  options = dataclasses.replace(
+      options, hop_kernel=kernels.get_hop_kernel(options.hop_kernel, platform(mesh)))
+  natural = not inputs_in_layout
+  if natural and strategy.whole_sequence:
+    options, natural = dataclasses.replace(options, layout="contiguous"), False
+  strategy.check(where, length, kv_len, *where.per_device(n, kh), options)
+  if segment_ids is not None:
+    segment_ids = jnp.asarray(segment_ids)  # ids keep their dtype (0 = padding, see scheduling)
+
+  # Natural-order inputs are reordered shard by shard with collectives inside the shard_map
+  # (O(L/n) memory) when the layout allows, else as global arrays.
+  layout, ring = options.layout, where.seq_sizes[0]
+  in_shards = natural and all(layouts.can_reorder_shards(layout, ring, size // ring)
+                              for size in (length, kv_len))
+  if natural and not in_shards:
+    reorder = functools.partial(layouts.to_layout, layout=layout, ring_size=ring, axis=1)
+    query, key, value = reorder(query), reorder(key), reorder(value)
+    segment_ids = None if segment_ids is None else reorder(segment_ids)
+
+  local = functools.partial(strategy.local, axis_name=where.axis_name, options=options)
+  if strategy.reorders_itself:
+    local = functools.partial(local, natural=in_shards)
+  elif in_shards:
+    local = functools.partial(_in_layout, local, layout=layout, axis_name=where.seq[0])
+  out = _shard_map(local, where, query, key, value, segment_ids, options.return_lse)
+  if natural and not in_shards:
+    out = jax.tree.map(lambda x: layouts.from_layout(x, layout, ring, axis=1), out)
+  return out
+
+
+def _in_layout(local, q, k, v, seg, *, layout, axis_name):
+  """``local`` on natural-order shards: reordered into ``layout`` and back with collectives."""
+  to = functools.partial(layouts.shard_to_layout, layout=layout, axis_name=axis_name)
+  result = local(to(q), to(k), to(v), None if seg is None else to(seg))
+  return jax.tree.map(lambda x: layouts.shard_from_layout(x, layout, axis_name), result)
+
+
+def _shard_map(local, where: Placement, query, key, value, segment_ids, return_lse: bool):
+  """``local(q, k, v, seg)`` under ``jax.shard_map`` with the placement's specs."""
+  seq, (batch, heads, kv_heads) = where.axis_name, where.axes
+  q_spec = P(batch, seq, heads, None)
+  kv_spec = P(batch, seq, kv_heads, None)
+  seg_spec = P(batch, seq)
+  out_spec = (q_spec, P(batch, seq, heads)) if return_lse else q_spec
+  put = functools.partial(place, where.mesh)
+  args = [put(query, q_spec), put(key, kv_spec), put(value, kv_spec)]
+  specs = [q_spec, kv_spec, kv_spec]
+  if segment_ids is None:
+    fn = lambda q, k, v: local(q, k, v, None)
+  else:
+    fn = local
+    args.append(put(segment_ids, seg_spec))
+    specs.append(seg_spec)
+  return jax.shard_map(fn, mesh=where.mesh, in_specs=tuple(specs), out_specs=out_spec)(*args)

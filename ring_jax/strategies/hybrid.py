@@ -1,0 +1,83 @@
+"""The hybrid (USP): Ulysses inside the inner axis, the ring across the outer one.
+
+Fang & Zhao, "USP" (2024). ``axis_name=(ring_axis, ulysses_axis)``: the
+Ulysses ``all_to_all`` over the inner axis gathers the sequence of the ring
+position's shard for ``N/u`` heads, :func:`ring_jax.ring_attention` runs over
+the ring axis on it, and a second ``all_to_all`` restores the sequence shards.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+
+from ring_jax import layouts
+from ring_jax import validation
+from ring_jax.hop import HopKernel
+from ring_jax.ring import ring_attention
+from ring_jax.strategies import global_arrays
+from ring_jax.strategies.local import axis_size
+from ring_jax.strategies.options import AttentionOptions
+from ring_jax.strategies.ulysses import gather_heads, to_sequence
+
+
+def hybrid_attention(query, key, value, *, axis_name, is_causal: bool = False,
+                     segment_ids=None, scale: float | None = None, local_window_size=None,
+                     layout: str = "contiguous", block_q: int | None = None,
+                     block_kv: int | None = None, precision=None,
+                     hop_kernel: str | HopKernel = "auto"):
+  """Ulysses inside ``ulysses_axis``, the ring across ``ring_axis`` (USP), inside shard_map.
+
+  ``axis_name=(ring_axis, ulysses_axis)``; the sequence is sharded over both
+  (``P(..., (ring_axis, ulysses_axis), ...)``: device ``(i, j)`` holds piece
+  ``j`` of ring position ``i``'s shard). The inputs are in ``layout`` order for
+  a ring of size ``r = size(ring_axis)`` (:func:`ring_jax.to_layout` with
+  ``ring_size=r``). An ``all_to_all`` over ``ulysses_axis`` gathers ring
+  position ``i``'s shard for ``N/u`` heads, :func:`ring_jax.ring_attention`
+  runs over ``ring_axis`` on it, and a second ``all_to_all`` restores the
+  sequence shards. Head rules as in :func:`ring_jax.ulysses_attention`;
+  ``block_q`` / ``block_kv`` must divide the ring's local length ``u*T``. Other
+  arguments as in :func:`ring_jax.ring_attention`.
+  """
+  options = AttentionOptions.from_keywords(locals())
+  return _local(query, key, value, segment_ids, axis_name=axis_name, options=options)
+
+
+def _split_pair(axis_name):
+  if not (isinstance(axis_name, (tuple, list)) and len(axis_name) == 2):
+    raise ValueError(
+        f"hybrid attention needs axis_name=(ring_axis, ulysses_axis), a pair of mesh axes, got "
+        f"{axis_name!r}.")
+  return tuple(axis_name)
+
+
+def _local(query, key, value, segment_ids, *, axis_name, options: AttentionOptions,
+           natural: bool = False):
+  """``natural``: the shards are in natural order; the ring's shards are reordered into
+  the layout (and back) with collectives over the ring axis after the Ulysses exchange."""
+  ring_axis, uly_axis = _split_pair(axis_name)
+  validation.check_qkv(query, key, value, is_causal=options.masked, segment_ids=segment_ids)
+  axis_size(ring_axis, "hybrid_attention")
+  axis_size(uly_axis, "hybrid_attention")
+  q, k, v, seg = gather_heads(query, key, value, segment_ids, uly_axis)
+  if natural:
+    to = functools.partial(layouts.shard_to_layout, layout=options.layout, axis_name=ring_axis)
+    q, k, v = to(q), to(k), to(v)
+    seg = None if seg is None else to(seg)
+  out = ring_attention(q, k, v, axis_name=ring_axis, segment_ids=seg, **options.ring_kwargs())
+  if natural:
+    out = layouts.shard_from_layout(out, options.layout, ring_axis)
+  return to_sequence(out, uly_axis)
+
+
+def _check(where: global_arrays.Placement, length, kv_len, heads, kv_heads, options):
+  del kv_len  # equal lengths are the wrapper's check
+  (r, u), uly_axis = where.seq_sizes, where.seq[1]
+  validation.ulysses_repeat(heads, kv_heads, u, uly_axis)
+  validation.check_split(options.layout, r, length, ulysses=u,
+                         what="sequence length (over the ring axis)")
+
+
+STRATEGY = global_arrays.Strategy(name="hybrid", local=_local, check=_check, two_axes=True,
+                                  reorders_itself=True)

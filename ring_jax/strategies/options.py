@@ -1,0 +1,68 @@
+"""``AttentionOptions``: the attention keywords every strategy takes, built once per call."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from ring_jax import layouts
+from ring_jax import scheduling
+from ring_jax import validation
+from ring_jax.hop import HopKernel, HopSpec
+from ring_jax.ring import default_block
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionOptions:
+  """What to compute, shared by every strategy (inside ``shard_map`` and on global arrays).
+
+  The fields are the public keywords of :func:`ring_jax.ring_attention` (see
+  its docstring); the public entry points build one from their keywords and
+  pass it on. ``return_lse`` and ``overlap_dkv`` are the ring's only.
+  """
+  is_causal: bool = False
+  scale: float | None = None
+  local_window_size: Any = None
+  layout: str = "contiguous"
+  block_q: int | None = None
+  block_kv: int | None = None
+  precision: Any = None
+  hop_kernel: str | HopKernel = "auto"
+  return_lse: bool = False
+  overlap_dkv: bool = False
+
+  @classmethod
+  def from_keywords(cls, keywords: dict) -> "AttentionOptions":
+    """The options among ``keywords`` (an entry point's ``locals()``); the rest ignored."""
+    return cls(**{f.name: keywords[f.name] for f in dataclasses.fields(cls) if f.name in keywords})
+
+  def __post_init__(self):
+    layouts.check_layout(self.layout)
+    if isinstance(self.local_window_size, list):  # hashable, as the other fields
+      object.__setattr__(self, "local_window_size", tuple(self.local_window_size))
+
+  @property
+  def masked(self) -> bool:
+    """Whether a causal mask or a window relates query and key positions (self-attention)."""
+    return bool(self.is_causal) or self.local_window_size is not None
+
+  def ring_kwargs(self) -> dict:
+    """The keywords of :func:`ring_jax.ring_attention` (its public API) for these options."""
+    return dict(is_causal=self.is_causal, scale=self.scale,
+                local_window_size=self.local_window_size, layout=self.layout,
+                block_q=self.block_q, block_kv=self.block_kv, precision=self.precision,
+                hop_kernel=self.hop_kernel, return_lse=self.return_lse,
+                overlap_dkv=self.overlap_dkv)
+
+  def hop_spec(self, head_dim: int, local_len: int, block_length: int) -> HopSpec:
+    """The hop kernel's static spec; default blocks divide the layout's chunk of
+    ``local_len`` (so they never straddle two chunks of the sequence) and every block
+    must divide ``block_length``, the length the blocks tile."""
+    window = scheduling.normalize_window(self.local_window_size)
+    scale = validation.check_scale(self.scale, head_dim, "float32")
+    block_q = default_block(self.layout, local_len) if self.block_q is None else self.block_q
+    block_kv = default_block(self.layout, local_len) if self.block_kv is None else self.block_kv
+    validation.check_block("block_q", block_q, block_length)
+    validation.check_block("block_kv", block_kv, block_length)
+    return HopSpec(scale=scale, is_causal=bool(self.is_causal), window=window,
+                   block_q=int(block_q), block_kv=int(block_kv), precision=self.precision)
