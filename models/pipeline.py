@@ -200,5 +200,12 @@ def gpipe(stage_fn: Callable, stage_params, inputs, names, *, stages: int):
   run = jax.shard_map(body, mesh=mesh, in_specs=(spec, spec), out_specs=spec,
                       axis_names={axis}, check_vma=False)
   outs = run(stage_params, jax.tree.map(per_stage, inputs, names))
-  # Only the last stage's copy holds the results.
-  return jax.tree.map(lambda x: x[stages - 1], outs)
+
+  def last_stage(x, n):
+    # Only the last stage's copy holds the results (Explicit axes: say where they go).
+    if shd.is_explicit_mesh(mesh):  # no slicing of a sharded dim there: a masked sum
+      last = (jnp.arange(stages) == stages - 1).reshape((stages,) + (1,) * (x.ndim - 1))
+      return jnp.sum(jnp.where(last, x, jnp.zeros((), x.dtype)), axis=0, dtype=x.dtype)
+    return x[stages - 1]
+
+  return jax.tree.map(last_stage, outs, names)

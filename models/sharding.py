@@ -135,13 +135,17 @@ def _all_explicit(mesh, spec: P) -> bool:
   types = dict(zip(mesh.axis_names, mesh.axis_types))
   if axes:
     return all(types[a] == AxisType.Explicit for a in axes)
-  return all(t == AxisType.Explicit for t in mesh.axis_types)
+  return is_explicit_mesh(mesh)
 
 
 def is_explicit_mesh(mesh=None) -> bool:
-  """Whether every axis of ``mesh`` (default: the context mesh) is ``AxisType.Explicit``."""
+  """Whether every axis of ``mesh`` (default: the context mesh) is ``AxisType.Explicit``;
+  axes made ``Manual`` by an enclosing ``shard_map`` (the pipeline's) do not count."""
   mesh = current_mesh() if mesh is None else mesh
-  return mesh is not None and all(t == AxisType.Explicit for t in mesh.axis_types)
+  if mesh is None:
+    return False
+  types = [t for t in mesh.axis_types if t != AxisType.Manual]
+  return bool(types) and all(t == AxisType.Explicit for t in types)
 
 
 def with_logical_constraint(x, names: Sequence[str | None], rules: Rules | None = None):

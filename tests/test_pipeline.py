@@ -11,8 +11,12 @@ import pytest
 from flax import nnx
 
 import train as train_script
+import model_utils
 from model_utils import tiny_config
+import ring_jax
+from models import llama
 from models import pipeline as pipeline_lib
+from models import sharding as shd
 from training import batch as batch_lib
 from training import config as cfg_lib
 from training import data as data_lib
@@ -88,6 +92,43 @@ def test_pipeline_step_equals_one_device_step(mesh, one_device):
   # float32 rounding noise of a sum (near-zero gradients), whose relative error is unbounded.
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6 * scale),
                grads, want_grads)
+
+
+@pytest.mark.parametrize("auto", [False, True], ids=["explicit", "auto"])
+def test_pipelined_model_equals_one_device_on_both_axis_types(auto):
+  """The model alone (no trainer) on pipeline=2 x sequence=2 x tensor=2, Explicit and Auto
+  axes: logits and the gradient of a weighted sum of them equal the one-device model's."""
+  import jax.numpy as jnp
+
+  cfg = llama.LlamaConfig(vocab_size=64, dim=32, num_layers=4, num_heads=4, num_kv_heads=2,
+                          mlp_dim=64, layout="zigzag", pipeline_microbatches=2)
+  params = model_utils.random_params(cfg)
+  tokens, pos, segs = model_utils.packed_batch(
+      cfg.vocab_size, ((5, 7), (9, 3, 4), (16,), (8, 8)), 16)
+  perm = ring_jax.layout_positions("zigzag", 2, 16)
+  tokens, pos, segs = tokens[:, perm], pos[:, perm], segs[:, perm]
+  weights = np.random.default_rng(0).normal(size=(4, 16, cfg.vocab_size)).astype(np.float32)
+  weights *= (segs > 0)[..., None]
+  graphdef = model_utils.graphdef(cfg)
+
+  def loss(p, t, q, s, w):
+    logits = nnx.merge(graphdef, p)(t, q, s)
+    return jnp.sum(logits * w), logits
+
+  fn = jax.jit(jax.value_and_grad(loss, has_aux=True))
+  (_, want), want_grads = fn(params, tokens, pos, segs, weights)
+  mesh = model_utils.make_mesh(auto=auto, pipeline=2, sequence=2, tensor=2)
+  with jax.set_mesh(mesh):
+    (_, got), grads = fn(shd.shard_params(params, mesh), tokens, pos, segs, weights)
+  real = segs > 0
+  np.testing.assert_allclose(np.asarray(got)[real], np.asarray(want)[real], rtol=1e-5,
+                             atol=1e-6)
+  want_grads = jax.device_get(nnx.to_pure_dict(want_grads))
+  # atol: float32 summation-order noise of the O(B L vocab)-term sums with N(0, 1) weights,
+  # relative to the largest gradient (the weights do not average the terms down).
+  scale = max(float(np.abs(g).max()) for g in jax.tree.leaves(want_grads))
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * scale),
+               jax.device_get(nnx.to_pure_dict(grads)), want_grads)
 
 
 def test_bubble_fraction_and_default_microbatches():
