@@ -72,15 +72,22 @@ def one_device():
   return loss_and_grads(small_config())
 
 
-@pytest.mark.parametrize("mesh", [
-    dict(pipeline=2),
-    dict(pipeline=2, sequence=2, tensor=2),
-    dict(pipeline=2, data=2, sequence=2),
-    dict(pipeline=4, sequence=2),
-], ids=lambda m: "x".join(f"{k}{v}" for k, v in m.items()))
-def test_pipeline_step_equals_one_device_step(mesh, one_device):
-  """Loss, every gradient (float32, rtol 1e-5) and the step's metrics on a pipeline mesh."""
-  config = small_config(**{f"mesh.{k}": v for k, v in mesh.items()})
+# FSDP, full remat, the blockwise FFN and the chunked loss inside the stages (same math).
+COMPOSED = {"model.fsdp": True, "model.remat_policy": "full", "model.ffn_chunk_size": 8,
+            "model.loss_chunk_size": 8}
+
+
+@pytest.mark.parametrize("mesh,model", [
+    (dict(pipeline=2), {}),
+    (dict(pipeline=2, sequence=2, tensor=2), {}),
+    (dict(pipeline=2, data=2, sequence=2), {}),
+    (dict(pipeline=4, sequence=2), {}),
+    (dict(pipeline=2, data=2, sequence=2), COMPOSED),
+], ids=["p2", "p2xs2xt2", "p2xd2xs2", "p4xs2", "p2xd2xs2-fsdp-remat-chunks"])
+def test_pipeline_step_equals_one_device_step(mesh, model, one_device):
+  """Loss, every gradient (float32, rtol 1e-5) and the step's metrics on a pipeline mesh
+  (against the one-device step without FSDP, remat or chunking)."""
+  config = small_config(**{f"mesh.{k}": v for k, v in mesh.items()}, **model)
   metrics, loss_sum, grads = loss_and_grads(config)
   want_metrics, want_loss_sum, want_grads = one_device
   np.testing.assert_allclose(loss_sum, want_loss_sum, rtol=1e-5)
