@@ -13,7 +13,11 @@ output goes to the next stage with one ``ppermute`` (stage ``S-1`` emits
 microbatch ``t - (S-1)``). ``M + S - 1`` iterations run in all (GPipe, Huang et
 al. 2019, fig. 2); the backward pass is the autodiff transpose of the loop (the
 reverse schedule, the ``ppermute`` the other way). Each stage idles for
-``S - 1`` of the ``M + S - 1`` iterations: :func:`bubble_fraction`.
+``S - 1`` of the ``M + S - 1`` iterations: :func:`bubble_fraction`. (Here a
+stage in the bubble computes on a copy of a real microbatch whose result is
+dropped, so the bubble costs its compute and its saved activations; the
+embedding, output head and loss run outside the schedule, replicated over
+``pipeline``.)
 
 Why a ``shard_map`` and not MaxText's stage-``vmap``: on jax 0.10 a ``vmap``
 over a ``shard_map(check_vma=True)`` (ring attention, the dense backend)
@@ -27,7 +31,7 @@ explicit ``ppermute``) the nested ring ``shard_map`` differentiates correctly.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+from typing import Callable
 
 import jax
 import jax.numpy as jnp

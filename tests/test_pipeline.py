@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-import train as train_script
 import model_utils
-from model_utils import tiny_config
 import ring_jax
+import train as train_script
+from model_utils import tiny_config
 from models import llama
 from models import pipeline as pipeline_lib
 from models import sharding as shd
