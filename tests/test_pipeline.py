@@ -224,3 +224,11 @@ def test_train_resumes_across_pipeline_sizes(tmp_path, one_device_losses):
     assert leaf.sharding.spec[0] == "pipeline" and leaf.sharding.mesh.shape["pipeline"] == 4
   np.testing.assert_allclose([r["loss"] for r in first.history + second.history],
                              one_device_losses, rtol=1e-5)
+
+
+def test_llama_7b_on_all_four_axes_validates():
+  from configs import llama_7b
+
+  config = llama_7b.get_config("4d")
+  assert cfg_lib.validate_config(config, 256) == dict(data=2, pipeline=4, sequence=8, tensor=4)
+  assert config.model.num_layers // 4 == 8 and config.model.pipeline_microbatches == 8
