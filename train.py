@@ -50,6 +50,7 @@ from absl import logging
 from ml_collections import config_flags
 
 # Importing these starts no JAX backend, so devices can still be configured in main().
+from models import pipeline as pipeline_lib
 from training import batch as batch_lib
 from training import checkpoint as ckpt_lib
 from training import config as cfg_lib
@@ -253,6 +254,13 @@ def train(config, workdir: str, *, stop_at_step: int | None = None) -> TrainResu
       f"layout={model_cfg.layout} ring={ring_size}")
   if attention_line:
     log(attention_line)
+  if sizes["pipeline"] > 1:
+    micro = pipeline_lib.resolve_microbatches(
+        model_cfg.pipeline_microbatches, config.batch_size // config.microbatches,
+        sizes["pipeline"], sizes["data"])
+    log(f"pipeline: {sizes['pipeline']} stages x {model_cfg.num_layers // sizes['pipeline']} "
+        f"layers, GPipe over {micro} microbatches, bubble fraction "
+        f"{pipeline_lib.bubble_fraction(sizes['pipeline'], micro):.3f}")
 
   # Installed early: a signal during compilation still ends in a clean stop after one step.
   stop = StopRequest().install()

@@ -26,7 +26,8 @@ Prints one table row per compiled length and, as the LAST line, one JSON
 object with ``seq_len``, ``per_device_bytes`` and ``fits`` (and the details).
 
 The mesh is the config's ``config.mesh`` with its ``-1`` axis filling
-``--devices``; ``--mesh data=1,sequence=8`` replaces it. The batch is the
+``--devices``; ``--mesh data=1,sequence=8`` replaces it (axes ``data``,
+``pipeline``, ``sequence``, ``tensor``; e.g. ``--mesh pipeline=2,sequence=4``). The batch is the
 config's global ``batch_size`` (``--config.batch_size=1`` for one row).
 
 What this can and cannot show (docs/performance.md, "How long a context
@@ -133,6 +134,10 @@ class Planner:
       raise FitError(f"batch_size={self.rows} / microbatches={micro} must be divisible by the "
                      f"mesh 'data' axis ({sizes['data']}); e.g. --config.batch_size="
                      f"{sizes['data'] * micro}.")
+    try:
+      cfg_lib.check_pipeline(config, sizes)
+    except cfg_lib.ConfigError as e:
+      raise FitError(str(e)) from None
     tx = step_lib.make_optimizer(config.optim, config.total_steps)
     self.step = step_lib.build_train_step(self.model_cfg, self.mesh, tx, microbatches=micro,
                                           seed=config.seed)

@@ -15,8 +15,9 @@ def base_config() -> ml_collections.ConfigDict:
 
   # Mesh axis sizes; at most one may be -1 (= all remaining devices). The product must
   # equal the device count. On CPU, train.py simulates prod(mesh) devices, or
-  # `cpu_devices` when an axis is -1.
-  config.mesh = ml_collections.ConfigDict(dict(data=2, sequence=4, tensor=1))
+  # `cpu_devices` when an axis is -1. pipeline > 1 splits the layers into that many stages
+  # (GPipe over model.pipeline_microbatches; README "Choosing the mesh").
+  config.mesh = ml_collections.ConfigDict(dict(data=2, pipeline=1, sequence=4, tensor=1))
   config.cpu_devices = 8
 
   # Fields of models.llama.LlamaConfig, passed through unchanged.
@@ -52,6 +53,9 @@ def base_config() -> ml_collections.ConfigDict:
       # Megatron-style sequence parallelism on 'tensor' (docs/performance.md): the residual
       # stream split over sequence x tensor. None: on when mesh.tensor > 1; False: off.
       tensor_sequence_parallel=config_dict.placeholder(bool),
+      # Pipeline microbatches per (gradient-accumulation) batch when mesh.pipeline > 1;
+      # None: 2 x pipeline when the batch allows (models/pipeline.py:default_microbatches).
+      pipeline_microbatches=config_dict.placeholder(int),
       init_std=0.02,
   ))
 

@@ -9,6 +9,13 @@ tensor > 1: the residual stream holds 4096 tokens per device), FSDP over the res
 chips -> data=8). Full rematerialisation per layer keeps activation memory at one layer's
 worth.
 ``:text`` trains on local files (``--config.data.path``).
+
+``:4d`` uses all four mesh axes: ``data=-1 x pipeline=4 x sequence=8 x tensor=4``
+(e.g. 256 chips -> data=2): 4 GPipe stages of 8 layers, 16 rows in 8 pipeline
+microbatches (bubble (4-1)/(8+4-1) = 0.27), a ring of 8 (32768 tokens per
+device). Tensor peers on the fastest links, then the ring, then the pipeline
+stages (one activation per microbatch and stage boundary), data outermost
+(README, "Choosing the mesh").
 """
 
 import ml_collections
@@ -42,6 +49,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.keep_checkpoints = 3
   if arg == "text":
     config.data.kind = "text"
+  elif arg == "4d":
+    config.mesh.update(dict(data=-1, pipeline=4, sequence=8, tensor=4))
+    config.model.pipeline_microbatches = 8
+    config.batch_size = config.eval_batch_size = 16  # 4M tokens per step
   elif arg:
-    raise ValueError(f"unknown llama_7b.py variant {arg!r}; known: 'text'")
+    raise ValueError(f"unknown llama_7b.py variant {arg!r}; known: 'text', '4d'")
   return config

@@ -4,10 +4,11 @@
 :func:`weight_decay_mask`.
 ``models.attention``: the registry of attention backends (``ATTENTION_BACKENDS``).
 ``models.sharding``: the logical-axis rules table, ``MESH_AXES``, parameter shardings.
+``models.pipeline``: the GPipe schedule of the layers over the ``pipeline`` mesh axis.
 ``models.convert_hf``: local Hugging Face checkpoints -> :class:`Llama`.
 
 The names re-exported here load ``models.llama`` (and so Flax) on first use,
-so ``models.attention`` and ``models.sharding`` import without Flax.
+so ``models.attention``, ``models.sharding`` and ``models.pipeline`` import without Flax.
 """
 
 import importlib

@@ -309,7 +309,7 @@ def prefill(model: Llama, tokens_BP, positions_BP, segment_ids_BP, last_BP, cach
     raise ValueError(f"cache_len={cache_len} must be a multiple of {n} and >= {p}.")
   segment_ids_BP = shd.with_logical_constraint(jnp.asarray(segment_ids_BP, jnp.int32),
                                                ("batch", "length"))
-  make_attend = lambda pos, _: backend_attend(cfg, pos, segment_ids_BP, keep_kv=True)
+  make_attend = lambda pos, _seg, _: backend_attend(cfg, pos, segment_ids_BP, keep_kv=True)
   h_BPD, (k_LBPKH, v_LBPKH) = model.forward_layers(tokens_BP, positions_BP, make_attend)
   h_BD = shd.logical_einsum("BPD,BP->BD", h_BPD, last_BP.astype(h_BPD.dtype),
                             ("batch", "embed"))
@@ -368,7 +368,7 @@ def decode_step(model: Llama, cache: KVCache, tokens_B):
   attend_cache = _map(kernel, mesh, (q_spec, new_spec, new_spec, kv_spec, kv_spec, row_spec,
                                      row_spec, one_spec, one_spec), q_spec)
 
-  def make_attend(_, layer_cache):
+  def make_attend(_, _seg, layer_cache):
     k_cache, v_cache = layer_cache
 
     def attend(q, k_new, v_new):

@@ -55,6 +55,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 import ring_jax
 from models import attention as attn_lib
+from models import pipeline as pipeline_lib
 from models import sharding as shd
 
 # dtype name -> jnp dtype, for LlamaConfig.dtype (compute) and .param_dtype (storage).
@@ -141,6 +142,9 @@ class LlamaConfig:
   # The strategy "hybrid"'s two mesh axes (ring_axis, ulysses_axis): the ring over the first,
   # Ulysses all-to-alls over the second (heads are then not split over it inside attention).
   hybrid_axes: tuple[str, str] = ("sequence", "tensor")
+  # Microbatches the pipeline splits each (gradient-accumulation) batch into on a mesh with
+  # pipeline > 1; None: models.pipeline.default_microbatches (2 x stages when the batch allows).
+  pipeline_microbatches: int | None = None
   # Std of the normal initialiser of every weight matrix and the embedding (as HF LLaMA).
   init_std: float = 0.02
 
@@ -160,7 +164,8 @@ class LlamaConfig:
           f"dim={self.dim} is not divisible by num_heads={self.num_heads}; set head_dim.")
     if self.resolved_head_dim < 2 or self.resolved_head_dim % 2:
       raise ValueError(f"head_dim must be even for RoPE, got {self.resolved_head_dim}.")
-    for name in ("block_q", "block_kv", "ffn_chunk_size", "loss_chunk_size"):
+    for name in ("block_q", "block_kv", "ffn_chunk_size", "loss_chunk_size",
+                 "pipeline_microbatches"):
       value = getattr(self, name)
       if value is not None and (not isinstance(value, (int, np.integer)) or value < 1):
         raise ValueError(f"{name} must be None or a positive int, got {value!r}.")
@@ -593,19 +598,28 @@ class Llama(nnx.Module):
     if segment_ids_BL is not None:
       segment_ids_BL = shd.with_logical_constraint(jnp.asarray(segment_ids_BL, jnp.int32),
                                                    ("batch", "length"))
-    make_attend = lambda positions_BL, _: backend_attend(self.cfg, positions_BL, segment_ids_BL)
-    return self.forward_layers(tokens_BL, positions_BL, make_attend)[0]
+    make_attend = lambda positions_BL, segment_ids_BL, _: backend_attend(
+        self.cfg, positions_BL, segment_ids_BL)
+    return self.forward_layers(tokens_BL, positions_BL, make_attend,
+                               segment_ids_BL=segment_ids_BL)[0]
 
   @_under_rules
-  def forward_layers(self, tokens_BL, positions_BL, make_attend, layer_xs=None):
+  def forward_layers(self, tokens_BL, positions_BL, make_attend, layer_xs=None,
+                     segment_ids_BL=None):
     """``(final-normed hidden [B, L, D], aux stacked over layers)`` with a custom attention.
 
     The forward pass of :meth:`hidden`, but each layer's attention is
-    ``make_attend(positions_BL, x)`` (see :meth:`Attention.forward`), where
-    ``x`` is that layer's slice of ``layer_xs`` (a pytree with a leading
-    ``num_layers`` axis, e.g. a KV cache; None gives None); the attends'
-    ``aux`` come back stacked along a leading layers axis. Inference
-    (:mod:`models.inference`) uses it to collect and update the KV cache.
+    ``make_attend(positions_BL, segment_ids_BL, x)`` (see
+    :meth:`Attention.forward`) for the rows the layer runs on, where ``x`` is
+    that layer's slice of ``layer_xs`` (a pytree with a leading ``num_layers``
+    axis, e.g. a KV cache; None gives None); the attends' ``aux`` come back
+    stacked along a leading layers axis. Inference (:mod:`models.inference`)
+    uses it to collect and update the KV cache.
+
+    On a mesh with a ``pipeline`` axis of ``S > 1`` devices the layers run as
+    ``S`` pipeline stages over ``cfg.pipeline_microbatches`` microbatches
+    (:mod:`models.pipeline`, GPipe); ``layer_xs`` must then be None and the
+    ``aux`` is None.
     """
     cfg = self.cfg
     tokens_BL = shd.with_logical_constraint(jnp.asarray(tokens_BL), ("batch", "length"))
@@ -618,29 +632,74 @@ class Llama(nnx.Module):
       # the residual stream's split (looked up straight into it, GSPMD gathered the table).
       x_BLD = shd.logical_take(_weight(self.embed, cfg), tokens_BL, ("batch", "length", "embed"))
       x_BLD = shd.with_logical_constraint(x_BLD, ("batch", "residual_length", "embed"))
-    cos_BL1H, sin_BL1H = rope_tables(positions_BL, rope_inv_freq(cfg))
+    inv_freq_K = rope_inv_freq(cfg)
 
     graphdef, stacked = nnx.split(self.layers)
 
-    def layer(x_BLD, layer_state, layer_x):
+    def layer(x_BLD, layer_state, layer_x, rows):
+      cos_BL1H, sin_BL1H, positions_BL, segment_ids_BL = rows
       block = nnx.merge(graphdef, layer_state)
-      return block.forward(x_BLD, cos_BL1H, sin_BL1H, make_attend(positions_BL, layer_x))
+      return block.forward(x_BLD, cos_BL1H, sin_BL1H,
+                           make_attend(positions_BL, segment_ids_BL, layer_x))
 
     policy = REMAT_POLICIES[cfg.remat_policy]
     if cfg.remat_policy != "none":
       # prevent_cse matters only outside scan (scan already stops CSE across iterations).
       layer = jax.checkpoint(layer, policy=policy, prevent_cse=not cfg.scan_layers)
-    if cfg.scan_layers:
-      x_BLD, aux = jax.lax.scan(lambda x, s: layer(x, *s), x_BLD, (stacked, layer_xs))
-    else:
+
+    def layer_stack(x_BLD, stacked, layer_xs, positions_BL, segment_ids_BL):
+      rows = (*rope_tables(positions_BL, inv_freq_K), positions_BL, segment_ids_BL)
+      if cfg.scan_layers:
+        return jax.lax.scan(lambda x, s: layer(x, *s, rows), x_BLD, (stacked, layer_xs))
       auxes = []
-      for i in range(cfg.num_layers):
-        x_BLD, aux = layer(x_BLD, *jax.tree.map(lambda a, i=i: a[i], (stacked, layer_xs)))
+      for i in range(jax.tree.leaves(stacked)[0].shape[0]):
+        x_BLD, aux = layer(x_BLD, *jax.tree.map(lambda a, i=i: a[i], (stacked, layer_xs)), rows)
         auxes.append(aux)
-      aux = jax.tree.map(lambda *a: jnp.stack(a), *auxes)
+      return x_BLD, jax.tree.map(lambda *a: jnp.stack(a), *auxes)
+
+    stages = pipeline_lib.num_stages()
+    if stages == 1:
+      x_BLD, aux = layer_stack(x_BLD, pipeline_lib.unstaged(stacked), layer_xs, positions_BL,
+                               segment_ids_BL)
+    else:
+      if layer_xs is not None:
+        raise ValueError("per-layer inputs (e.g. a KV cache for decoding) are not supported on "
+                         f"a mesh with pipeline={stages}; use a mesh with pipeline=1.")
+      x_BLD, aux = self._pipelined(layer_stack, stacked, x_BLD, positions_BL,
+                                   segment_ids_BL, stages), None
 
     with jax.named_scope("final_norm"):
       return self.final_norm(x_BLD), aux
+
+  def _pipelined(self, layer_stack, stacked, x_BLD, positions_BL, segment_ids_BL, stages):
+    """The layer stack as ``stages`` pipeline stages over microbatches (models/pipeline.py)."""
+    cfg = self.cfg
+    batch = x_BLD.shape[0]
+    data = pipeline_lib.rule_shards("batch")
+    micro = pipeline_lib.resolve_microbatches(cfg.pipeline_microbatches, batch, stages, data)
+    # What travels from stage to stage with each microbatch (per-row inputs of the layers).
+    rows = dict(x=x_BLD, positions=positions_BL)
+    names = dict(x=("batch", "residual_length", "embed"), positions=("batch", "length"))
+    if segment_ids_BL is not None:
+      rows["segment_ids"], names["segment_ids"] = segment_ids_BL, ("batch", "length")
+    inputs = jax.tree.map(
+        lambda a, n: shd.with_logical_constraint(
+            pipeline_lib.split_microbatches(a, micro), (None, *n)), rows, names)
+
+    def stage(stage_state, carry):
+      x_BLD, aux = layer_stack(carry["x"], stage_state, None, carry["positions"],
+                               carry.get("segment_ids"))
+      if jax.tree.leaves(aux):
+        raise ValueError("attention outputs carried out of the layers (e.g. a prefill's KV "
+                         f"cache) are not supported on a mesh with pipeline={stages}; use "
+                         "a mesh with pipeline=1.")
+      return dict(carry, x=x_BLD)
+
+    stage_params = pipeline_lib.to_stages(stacked, stages)
+    with jax.named_scope("pipeline"):
+      out = pipeline_lib.gpipe(stage, stage_params, inputs, names, stages=stages)
+    return shd.with_logical_constraint(pipeline_lib.merge_microbatches(out["x"]),
+                                       ("batch", "residual_length", "embed"))
 
   @_under_rules
   @jax.named_scope("head")

@@ -4,10 +4,11 @@ Every parameter of :mod:`models.llama` records the *logical* names of its
 dimensions (Variable metadata ``logical_axes``, e.g. ``("layers", "embed",
 "heads", "head_dim")``) and every constrained activation names its dimensions
 the same way. :data:`LOGICAL_RULES` maps those names to the mesh axes
-``data``, ``tensor`` and ``sequence``; nothing else in the model mentions a
+``data``, ``pipeline``, ``sequence`` and ``tensor``; nothing else in the model mentions a
 mesh axis. :func:`rules` gives the table of a model's settings (tensor sequence
 parallelism on or off: the ``residual_length`` rule), and :func:`use_rules`
-makes it the table the helpers here use while a model traces. (The same idea as ``ShardingRules`` in jax-llm-examples' llama3 and
+makes it the table the helpers here use while a model traces. (The same idea as
+``ShardingRules`` in jax-llm-examples' llama3 and
 ``logical_axis_rules`` in Flax/MaxText.)
 
 Mesh axes a rule names but the current mesh lacks are dropped, as are axes
@@ -37,8 +38,9 @@ Rules = tuple[tuple[str, str | tuple[str, ...] | None], ...]
 
 #: The mesh axes the rules name, in the order train.py builds its mesh: ``tensor`` last, so
 #: ``jax.make_mesh`` puts tensor-parallel peers (the most traffic per step) on the nearest
-#: devices, then the ring's ``sequence`` neighbours.
-MESH_AXES: tuple[str, ...] = ("data", "sequence", "tensor")
+#: devices, then the ring's ``sequence`` neighbours; ``pipeline`` (one activation per
+#: microbatch and stage boundary) and ``data`` (one gradient reduction per step) go outermost.
+MESH_AXES: tuple[str, ...] = ("data", "pipeline", "sequence", "tensor")
 
 LOGICAL_RULES: Rules = (
     # Activations.
@@ -64,7 +66,11 @@ LOGICAL_RULES: Rules = (
     # style) and gathered by the model just before each use.
     ("embed_fsdp", "data"),
     ("head_dim", None),
-    ("layers", None),  # the stacked-layer axis scanned over
+    # The stacked-layer axis: contiguous blocks of layers per 'pipeline' device, so stage s
+    # holds layers [s L/S, (s+1) L/S) and the stage view [stages, L/S] (models/pipeline.py)
+    # is a reshape that moves nothing; with pipeline=1 (or no such axis) it is replicated.
+    ("layers", "pipeline"),
+    ("stages", "pipeline"),  # the stage axis of that view (and of the activations in flight)
     ("norm", None),  # RMSNorm scales: tiny, replicated
 )
 
@@ -143,7 +149,9 @@ def logical_to_spec(names: Sequence[str | None], rules: Rules | None = None, *, 
     shape: if given, a mesh axis is dropped from a dimension it does not divide.
 
   Each mesh axis is used at most once per spec (first dimension wins), as
-  ``PartitionSpec`` requires.
+  ``PartitionSpec`` requires. Axes that are ``Manual`` on ``mesh`` (inside a
+  ``shard_map`` over them, e.g. the pipeline schedule's) are dropped: there each
+  device already holds its own block.
   """
   table = dict(rules if rules is not None else active_rules())
   if mesh is None:
@@ -152,6 +160,9 @@ def logical_to_spec(names: Sequence[str | None], rules: Rules | None = None, *, 
     raise ValueError(f"{len(names)} logical names {tuple(names)} for a {len(shape)}-d shape "
                      f"{tuple(shape)}.")
   used: set[str] = set()
+  manual = set() if mesh is None else {
+      a for a, t in zip(mesh.axis_names, getattr(mesh, "axis_types", ()) or ())
+      if t == AxisType.Manual}
   spec = []
   for i, name in enumerate(names):
     axes = () if name is None else _lookup(name, table)
@@ -161,7 +172,7 @@ def logical_to_spec(names: Sequence[str | None], rules: Rules | None = None, *, 
       if axis in used:
         continue
       if mesh is not None:
-        if axis not in mesh.axis_names:
+        if axis not in mesh.axis_names or axis in manual:
           continue
         axis_size = mesh.shape[axis]
         if shape is not None and shape[i] % (size * axis_size):
@@ -180,13 +191,17 @@ def _all_explicit(mesh, spec: P) -> bool:
   types = dict(zip(mesh.axis_names, mesh.axis_types))
   if axes:
     return all(types[a] == AxisType.Explicit for a in axes)
-  return all(t == AxisType.Explicit for t in mesh.axis_types)
+  return is_explicit_mesh(mesh)
 
 
 def is_explicit_mesh(mesh=None) -> bool:
-  """Whether every axis of ``mesh`` (default: the context mesh) is ``AxisType.Explicit``."""
+  """Whether every axis of ``mesh`` (default: the context mesh) is ``AxisType.Explicit``;
+  axes made ``Manual`` by an enclosing ``shard_map`` (the pipeline's) do not count."""
   mesh = current_mesh() if mesh is None else mesh
-  return mesh is not None and all(t == AxisType.Explicit for t in mesh.axis_types)
+  if mesh is None:
+    return False
+  types = [t for t in mesh.axis_types if t != AxisType.Manual]
+  return bool(types) and all(t == AxisType.Explicit for t in types)
 
 
 def with_logical_constraint(x, names: Sequence[str | None], rules: Rules | None = None):

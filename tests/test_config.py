@@ -39,12 +39,13 @@ def test_shipped_configs_build_a_model_config(name, arg):
 
 
 def test_tiny_validates_on_eight_devices():
-  assert cfg_lib.validate_config(tiny(), num_devices=8) == dict(data=2, sequence=4, tensor=1)
+  assert cfg_lib.validate_config(tiny(), num_devices=8) == dict(data=2, pipeline=1, sequence=4,
+                                                                  tensor=1)
 
 
 @pytest.mark.parametrize("name,devices,expected", [
-    ("llama_1b", 256, dict(data=16, sequence=16, tensor=1)),
-    ("llama_7b", 512, dict(data=8, sequence=16, tensor=4)),
+    ("llama_1b", 256, dict(data=16, pipeline=1, sequence=16, tensor=1)),
+    ("llama_7b", 512, dict(data=8, pipeline=1, sequence=16, tensor=4)),
 ])
 def test_long_context_configs_fill_the_mesh(name, devices, expected):
   config = load_config(name)
@@ -89,9 +90,9 @@ def test_gin_rejects_unknown_fields_wrong_types_and_references():
 
 def test_mesh_fill_axis_and_make_mesh():
   assert cfg_lib.mesh_shape(ml_collections.ConfigDict(dict(data=-1, sequence=4, tensor=1)),
-                            8) == dict(data=2, sequence=4, tensor=1)
+                            8) == dict(data=2, pipeline=1, sequence=4, tensor=1)
   mesh = cfg_lib.make_mesh(ml_collections.ConfigDict(dict(data=1, sequence=-1, tensor=1)))
-  assert dict(mesh.shape) == dict(data=1, sequence=8, tensor=1)
+  assert dict(mesh.shape) == dict(data=1, pipeline=1, sequence=8, tensor=1)
   one = cfg_lib.make_mesh(ml_collections.ConfigDict(dict(data=1, sequence=1, tensor=1)),
                           devices=jax.devices()[:1])
   assert one.size == 1
@@ -101,12 +102,12 @@ def test_mesh_fill_axis_and_make_mesh():
     (dict(data=2, sequence=2, tensor=1), "needs 4 devices but 8"),
     (dict(data=-1, sequence=-1, tensor=1), "at most one axis may be -1"),
     (dict(data=-1, sequence=3, tensor=1), "does not divide"),
-    (dict(data=2, sequence=4, pipeline=1), "unknown axes"),
+    (dict(data=2, sequence=4, expert=1), "unknown axes"),
 ])
 def test_mesh_errors(mesh, match):
   with pytest.raises(ConfigError, match=match):
     cfg_lib.validate_config(tiny(**{f"mesh.{k}": v for k, v in mesh.items()
-                                    if k in ("data", "sequence", "tensor")}) if "pipeline"
+                                    if k in cfg_lib.MESH_AXES}) if "expert"
                             not in mesh else _with_mesh(mesh), num_devices=8)
 
 

@@ -24,6 +24,19 @@ def fit(*args):
   return proc, proc.stdout.strip().splitlines()
 
 
+def test_mesh_with_a_pipeline_axis():
+  """--mesh pipeline=2,sequence=2: the pipelined step compiles; bad stage counts are named."""
+  args = [a for a in SMALL if a not in ("--config.model.num_layers=1",)]
+  args[args.index("--devices") + 1], args[args.index("--mesh") + 1] = "4", "pipeline=2,sequence=2"
+  proc, lines = fit(*args, "--config.model.num_layers=2", "--seq_len", "256")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  one = json.loads(lines[-1])
+  assert one["mesh"] == {"data": 1, "pipeline": 2, "sequence": 2, "tensor": 1}
+  check_row(one["checked"][0])
+  bad, _ = fit(*args, "--config.model.num_layers=3", "--seq_len", "256")
+  assert bad.returncode != 0 and "mesh.pipeline=2 stages do not divide" in bad.stderr
+
+
 def check_row(row):
   assert row["per_device_bytes"] == (row["argument_bytes"] + row["output_bytes"]
                                      + row["temp_bytes"] - row["alias_bytes"])
@@ -37,7 +50,8 @@ def test_one_length_then_search_finds_it():
   assert proc.returncode == 0, proc.stderr[-3000:]
   one = json.loads(lines[-1])
   assert one["seq_len"] == 256 and one["fits"] is True
-  assert one["mesh"] == {"data": 1, "sequence": 2, "tensor": 1} and one["batch_rows"] == 2
+  assert one["mesh"] == {"data": 1, "pipeline": 1, "sequence": 2, "tensor": 1}
+  assert one["batch_rows"] == 2
   (row,) = one["checked"]
   check_row(row)
   assert one["per_device_bytes"] == row["per_device_bytes"]
@@ -131,7 +145,8 @@ def test_long_variant_validates(devices):
   from training import config as cfg_lib
 
   config = llama_1b.get_config("long")
-  assert cfg_lib.validate_config(config, devices) == dict(data=1, sequence=devices, tensor=1)
+  assert cfg_lib.validate_config(config, devices) == dict(data=1, pipeline=1, sequence=devices,
+                                                          tensor=1)
   assert config.model.remat_policy == "offload_layer_in" and config.batch_size == 1
 
 

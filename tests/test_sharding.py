@@ -63,10 +63,12 @@ def test_logical_to_spec_maps_and_drops_axes():
   assert shd.logical_to_spec(("batch", "length", "embed")) == P("data", "sequence", None)
   assert shd.logical_to_spec(("embed", "heads", "head_dim")) == P(None, "tensor", None)
   assert shd.logical_to_spec(("embed_fsdp", "mlp")) == P("data", "tensor")
-  assert shd.logical_to_spec(("layers", "norm")) == P(None, None)
+  # Stacked layers in contiguous blocks over the pipeline stages (replicated without them).
+  assert shd.logical_to_spec(("layers", "norm")) == P("pipeline", None)
   # Axes the mesh lacks are dropped: the same names work on a (data, sequence) mesh.
   ds = jax.make_mesh((2, 4), ("data", "sequence"))
   assert shd.logical_to_spec(("batch", "length", "heads"), mesh=ds) == P("data", "sequence", None)
+  assert shd.logical_to_spec(("layers", "norm"), mesh=ds) == P(None, None)
   full = make_mesh(data=2, sequence=2, tensor=2)
   # An axis that does not divide the dimension is dropped (1 kv head over tensor=2).
   assert shd.logical_to_spec(("embed", "kv_heads"), mesh=full, shape=(32, 1)) == P(None, None)
@@ -98,10 +100,12 @@ def test_param_shardings_follow_rules():
   for fsdp, embed in ((False, None), (True, "data")):
     model = nnx.eval_shape(lambda: Llama(LlamaConfig(**TINY, fsdp=fsdp), rngs=nnx.Rngs(0)))
     sh = param_shardings(model, mesh)
-    assert sh["layers"]["attn"]["wq"].get_value().spec == P(None, embed, "tensor", None)
-    assert sh["layers"]["attn"]["wo"].get_value().spec == P(None, "tensor", None, embed)
-    assert sh["layers"]["mlp"]["w_down"].get_value().spec == P(None, "tensor", embed)
-    assert sh["layers"]["attn_norm"]["scale"].get_value().spec == P(None, None)
+    # The stacked-layer axis is named for the pipeline stages (one here: nothing moves).
+    layers = "pipeline"
+    assert sh["layers"]["attn"]["wq"].get_value().spec == P(layers, embed, "tensor", None)
+    assert sh["layers"]["attn"]["wo"].get_value().spec == P(layers, "tensor", None, embed)
+    assert sh["layers"]["mlp"]["w_down"].get_value().spec == P(layers, "tensor", embed)
+    assert sh["layers"]["attn_norm"]["scale"].get_value().spec == P(layers, None)
     assert sh["embed"].get_value().spec == P("tensor", embed)
     assert sh["lm_head"].get_value().spec == P(embed, "tensor")
     # Same structure as the params the trainer splits off (tree mode).
@@ -112,7 +116,7 @@ def test_param_shardings_follow_rules():
   placed = shd.shard_params(_random_params(cfg), mesh)
   assert placed["lm_head"].get_value().sharding.spec == P("data", "tensor")
   module = shd.shard_params(nnx.merge(_graphdef(cfg), _random_params(cfg)), mesh)
-  assert module.layers.mlp.w_up[...].sharding.spec == P(None, "data", "tensor")
+  assert module.layers.mlp.w_up[...].sharding.spec == P("pipeline", "data", "tensor")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -154,9 +158,9 @@ def test_create_sharded_model_places_shards_without_full_copies():
 
 
 @pytest.mark.parametrize("mesh_shape,names,auto,fsdp,layout", [
-    ((2, 2, 2), shd.MESH_AXES, False, True, "zigzag"),  # FSDP + tensor + sequence, Explicit
-    ((2, 2, 2), shd.MESH_AXES, True, True, "striped"),  # the same on Auto (GSPMD) axes
-    ((1, 1, 1), shd.MESH_AXES, False, False, "zigzag"),  # a 1-device mesh: ring of size 1
+    ((2, 1, 2, 2), shd.MESH_AXES, False, True, "zigzag"),  # FSDP + tensor + sequence, Explicit
+    ((2, 1, 2, 2), shd.MESH_AXES, True, True, "striped"),  # the same on Auto (GSPMD) axes
+    ((1, 1, 1, 1), shd.MESH_AXES, False, False, "zigzag"),  # a 1-device mesh: ring of size 1
     ((2, 4), ("data", "tensor"), False, False, "zigzag"),  # no sequence axis: dense fallback
 ])
 def test_sharded_forward_matches_reference(reference, mesh_shape, names, auto, fsdp, layout):

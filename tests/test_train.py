@@ -93,7 +93,7 @@ def test_resume_matches_uninterrupted_run_even_on_another_mesh(tmp_path):
                           "mesh.sequence": 8})
   second = train_script.train(moved, str(tmp_path / "split"))
 
-  assert dict(second.mesh.shape) == dict(data=1, sequence=8, tensor=1)
+  assert dict(second.mesh.shape) == dict(data=1, pipeline=1, sequence=8, tensor=1)
   assert [r["step"] for r in full.history] == list(range(1, 7))
   assert [r["step"] for r in first.history] == [1, 2, 3]
   assert [r["step"] for r in second.history] == [4, 5, 6]
@@ -148,7 +148,8 @@ def test_train_py_end_to_end(tmp_path):
   proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
   out = proc.stdout
-  assert "mesh {'data': 2, 'sequence': 4, 'tensor': 1}" in out and "layout=striped" in out
+  assert "mesh {'data': 2, 'pipeline': 1, 'sequence': 4, 'tensor': 1}" in out
+  assert "layout=striped" in out
   assert "step      4/4" in out and "ETA" in out and "MFU" in out
   assert "nominal CPU peak" in out  # honest about the MFU denominator on CPU
   assert "done: step 4" in out

@@ -24,6 +24,7 @@ import numpy as np
 
 from models import attention as attn_lib
 from models import lengths
+from models import pipeline as pipeline_lib
 from models.attention import ATTENTION_BACKENDS
 from models.sharding import MESH_AXES
 from ring_jax import kernels, layouts
@@ -174,7 +175,7 @@ def mesh_shape(mesh_config, num_devices: int) -> dict[str, int]:
 
 
 def make_mesh(mesh_config, devices=None) -> jax.sharding.Mesh:
-  """A ``(data, sequence, tensor)`` mesh with Auto axis types.
+  """A ``(data, pipeline, sequence, tensor)`` mesh (:data:`MESH_AXES`) with Auto axis types.
 
   Auto (not Explicit) axes: the trainer states shardings at the jit boundary
   and lets XLA propagate inside; the model adds its own constraints.
@@ -342,6 +343,38 @@ def validate_distributed(config: ml_collections.ConfigDict) -> None:
                         f">= {low}; e.g. --config.distributed.{name}=60.")
 
 
+def check_pipeline(config: ml_collections.ConfigDict, sizes: dict[str, int]) -> None:
+  """The ``pipeline`` axis must divide the layers, and its microbatches the rows.
+
+  Rows per pipeline microbatch: ``batch_size / microbatches /
+  model.pipeline_microbatches`` (the default number: :func:`models.pipeline.
+  default_microbatches`), which must divide over the ``data`` axis; the eval
+  step pipelines ``eval_batch_size`` rows the same way.
+
+  Raises:
+    ConfigError: naming the field and the fix.
+  """
+  m, stages, data_par = config.model, sizes["pipeline"], sizes["data"]
+  micro = m.get("pipeline_microbatches")
+  if micro is not None and micro < 1:
+    raise ConfigError(f"model.pipeline_microbatches={micro} must be >= 1 (or None: the "
+                      "default, 2 x mesh.pipeline when the batch allows).")
+  if stages == 1:
+    return
+  if m.num_layers % stages:
+    divisors = [d for d in range(1, m.num_layers + 1) if m.num_layers % d == 0]
+    raise ConfigError(f"mesh.pipeline={stages} stages do not divide model.num_layers="
+                      f"{m.num_layers}; choose mesh.pipeline from {divisors}.")
+  for name, rows in (("batch_size", config.batch_size // config.microbatches),
+                     ("eval_batch_size", config.eval_batch_size)):
+    try:
+      pipeline_lib.resolve_microbatches(micro, rows, stages, data_par)
+    except ValueError as e:
+      raise ConfigError(f"{name}={config[name]} on mesh.pipeline={stages}: {e} Set "
+                        "model.pipeline_microbatches to a divisor of the rows, or change "
+                        f"{name}.") from None
+
+
 def validate_config(config: ml_collections.ConfigDict, num_devices: int) -> dict[str, int]:
   """Checks everything knowable without tracing; returns the resolved mesh sizes.
 
@@ -387,6 +420,7 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int) -> dict
           f"divisible by the mesh 'data' axis ({data_par}).")
     # No rule per process: each process loads the rectangular (rows x sequence)
     # block its devices hold (data.process_slices), so hosts may share rows.
+  check_pipeline(config, sizes)
 
   if d.kind not in DATA_KINDS:
     raise ConfigError(f"data.kind={d.kind!r} is unknown; choose one of {DATA_KINDS}.")
