@@ -3,27 +3,22 @@ its second stage and resumed, which must equal the uninterrupted run."""
 
 import json
 
+import jax
 import numpy as np
 import pytest
+from flax import nnx
 
 import train as train_script
-from model_utils import tiny_config
+from test_train import small_config as train_small_config
 from training import config as cfg_lib
 from training import stages as stages_lib
 
 
 def small_config(**overrides):
-  """configs/tiny.py trimmed so each compile takes seconds (kv task, float32)."""
-  settings = {
-      "model.dim": 32, "model.mlp_dim": 64, "model.num_layers": 1,
-      "batch_size": 4, "eval_batch_size": 4, "eval_batches": 1,
-      "data.kv.num_pairs": 4, "data.kv.num_queries": 4,
-      "optim.warmup_steps": 0, "optim.lr": 1e-3,
-      "log_every": 1, "eval_every": 1000, "checkpoint_every": 1000,
-      "async_checkpointing": False,
-  }
+  """test_train.py's trimmed tiny config, one layer, 4 rows a batch (compiles in seconds)."""
+  settings = {"model.num_layers": 1, "batch_size": 4, "eval_batch_size": 4}
   settings.update(overrides)
-  return tiny_config(**settings)
+  return train_small_config(**settings)
 
 
 def with_stages(stages, **overrides):
@@ -110,8 +105,6 @@ def test_two_stage_run_stopped_mid_stage_2_and_resumed_equals_uninterrupted(tmp_
   assert [r["step"] for r in second.history] == [5, 6]
   losses = [r["loss"] for r in full.history]
   np.testing.assert_array_equal([r["loss"] for r in first.history + second.history], losses)
-  import jax
-  from flax import nnx
   jax.tree.map(np.testing.assert_array_equal, jax.device_get(nnx.to_pure_dict(second.params)),
                jax.device_get(nnx.to_pure_dict(full.params)))
   # Each stage's end is evaluated and checkpointed (the next stage starts from it).
