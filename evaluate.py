@@ -3,6 +3,9 @@ r"""Retrieval accuracy vs context length for a trained checkpoint.
   python evaluate.py --config configs/tiny.py --workdir /tmp/tiny --lengths 512,1024,2048,4096
   python evaluate.py --config configs/tiny.py:text --config.data.path=... --workdir /tmp/text \
       --lengths 512,1024 --tasks passkey
+  python evaluate.py --config configs/finetune.py --config.init.hf_dir=DIR --workdir /tmp/ft \
+      --lengths 1024,2048 --tasks passkey        # a fine-tuned run, its tokenizer
+  python evaluate.py --hf_dir DIR --lengths 1024,2048 --tasks passkey   # an HF model as is
 
 Two tasks, each at every length (one full forward pass per batch, with the
 model's attention: the ring over the mesh's ``sequence`` axis, rows over
@@ -13,10 +16,12 @@ model's attention: the ring over the mesh's ``sequence`` axis, rows over
   value. Needs the kv task's vocabulary (``data.kind='kv_retrieval'`` configs).
 * ``passkey``: one needle in filler at a random depth, asked for at the end of
   the row. For kv-task models the needle is a key/value pair among filler
-  tokens, followed by ``QUERY key`` (predict the value); for byte-level text
-  models it is ``The pass key is 48213.`` in repeated filler sentences,
-  followed by ``What is the pass key? The pass key is 48213`` (accuracy over
-  the five digits, each predicted from the text before it).
+  tokens, followed by ``QUERY key`` (predict the value); for text models it
+  is ``The pass key is 48213.`` in repeated filler sentences, followed by
+  ``What is the pass key? The pass key is 48213``, built as text and encoded
+  with the model's tokenizer (the run's ``data.tokenizer``, or ``--hf_dir``'s),
+  lengths in its tokens (accuracy over the key's tokens, each predicted from
+  the text before it).
 
 Prints a table (length x task) to stdout, and writes ``eval_lengths.jsonl``
 (one row per length and task) and ``eval_lengths.png`` (accuracy vs length,
@@ -89,34 +94,52 @@ def kv_passkey_rows(config, length: int, rows: int, seed: int) -> dict[str, np.n
   return out
 
 
-def text_passkey_rows(length: int, rows: int, seed: int) -> dict[str, np.ndarray]:
-  """Byte-level: a 5-digit pass key in filler text, asked for at the end (mask: the digits)."""
+def text_passkey_rows(tokenizer, length: int, rows: int, seed: int) -> dict[str, np.ndarray]:
+  """A 5-digit pass key in filler text, asked for at the end (loss mask: the key's tokens).
+
+  Built as text and encoded with the model's ``tokenizer``
+  (:class:`training.tokenizer.Tokenizer`), lengths counted in its tokens: ``[BOS]``,
+  filler, the needle ``The pass key is 48213. Remember it. ...`` at a random token
+  depth, more filler, ``What is the pass key? The pass key is `` and the key. The
+  pieces are encoded separately, so a BPE merge never spans two of them; the filler is
+  whole repetitions of :data:`FILLER_TEXT`'s tokens, cut to the row's budget. With the
+  byte tokenizer this is the byte text exactly.
+  """
   rng = np.random.default_rng([seed, length])
   out = {k: np.zeros((rows, length), v) for k, v in data_lib.DTYPES.items()}
+  bos = [tokenizer.bos_id] if tokenizer.add_bos and tokenizer.bos_id is not None else []
+  filler_ids = tokenizer.encode(FILLER_TEXT)
   for r in range(rows):
     key = "".join(str(d) for d in rng.integers(0, 10, 5))
-    needle = f"The pass key is {key}. Remember it. {key} is the pass key. "
-    question = f"What is the pass key? The pass key is {key}"
-    budget = length - 1 - len(needle) - len(question)  # bytes of filler (BOS first)
+    needle = tokenizer.encode(f"The pass key is {key}. Remember it. {key} is the pass key. ")
+    question = tokenizer.encode("What is the pass key? The pass key is ")
+    answer = tokenizer.encode(key)
+    budget = length - len(bos) - len(needle) - len(question) - len(answer)  # filler tokens
     if budget < 0:
-      raise ValueError(f"length {length} is too short for the passkey text; use >= "
-                       f"{length - budget}.")
-    filler = (FILLER_TEXT * (budget // len(FILLER_TEXT) + 1))[:budget]
+      raise ValueError(f"length {length} is too short for the passkey text ({length - budget} "
+                       f"{tokenizer.name} tokens); use a longer length.")
+    filler = np.tile(filler_ids, budget // max(len(filler_ids), 1) + 1)[:budget]
     cut = int(rng.integers(0, budget + 1))
-    text = filler[:cut] + needle + filler[cut:] + question
-    tokens = data_lib.byte_tokenize(text)[:-1]  # BOS + bytes
+    tokens = np.concatenate([np.asarray(bos, np.int32), filler[:cut], needle, filler[cut:],
+                             question, answer]).astype(np.int32)
     assert len(tokens) == length
     out["tokens"][r] = tokens
     out["positions"][r] = np.arange(length)
     out["segment_ids"][r] = 1
     out["labels"][r, :-1] = tokens[1:]
-    out["loss_mask"][r, length - 6:length - 1] = 1.0  # predicting each of the 5 digits
+    out["loss_mask"][r, length - 1 - len(answer):length - 1] = 1.0  # predicting the key
   return out
 
 
-def make_rows(config, task: str, length: int, rows: int, seed: int):
-  """``(batch, chance accuracy)`` of ``task`` at ``length``."""
-  if config.data.kind == "kv_retrieval":
+def text_passkey_chance(tokenizer) -> float:
+  """Per-token accuracy of guessing a uniform 5-digit key (0.1 when each digit is a token)."""
+  return 0.1 ** (5 / len(tokenizer.encode("48213")))
+
+
+def make_rows(config, task: str, length: int, rows: int, seed: int, tokenizer=None):
+  """``(batch, chance accuracy)`` of ``task`` at ``length``; ``tokenizer``: a text model's
+  (None: the kv task's token ids)."""
+  if tokenizer is None:
     chance = 1.0 / config.data.kv.num_values
     if task == "kv":
       return kv_rows(config, length, rows, seed), chance
@@ -124,7 +147,7 @@ def make_rows(config, task: str, length: int, rows: int, seed: int):
   if task == "kv":
     raise ValueError("the kv task needs a kv_retrieval model (its token ids); with a text "
                      "model use --tasks passkey.")
-  return text_passkey_rows(length, rows, seed), 0.1
+  return text_passkey_rows(tokenizer, length, rows, seed), text_passkey_chance(tokenizer)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -143,26 +166,37 @@ def check_lengths(model_cfg, mesh, lengths) -> None:
       raise UsageError(f"--lengths: {e}") from None
 
 
-def evaluate(config, workdir: str, lengths, tasks=TASKS, *, batch_size: int | None = None,
-             batches: int = 2, seed: int = 0, log=lambda m: print(m, file=sys.stderr,
-                                                                    flush=True)):
-  """Accuracy rows ``{task, length, accuracy, answers, chance}``; also written to the workdir."""
+def evaluate(config, workdir: str | None, lengths, tasks=TASKS, *, hf_dir: str | None = None,
+             batch_size: int | None = None, batches: int = 2, seed: int = 0,
+             log=lambda m: print(m, file=sys.stderr, flush=True)):
+  """Accuracy rows ``{task, length, accuracy, answers, chance}``; also written to the workdir.
+
+  The model is the newest checkpoint of ``workdir`` or, with ``hf_dir``, that Hugging
+  Face directory's (a text model; outputs go to ``workdir`` if given). Text models
+  use their own tokenizer (:func:`training.loading.load_run_tokenizer`).
+  """
+  if (workdir is None) and (hf_dir is None):
+    raise UsageError("pass --workdir (a train.py run) or --hf_dir (a Hugging Face LLaMA).")
   for task in tasks:
     if task not in TASKS:
       raise UsageError(f"--tasks: unknown task {task!r}; choose from {TASKS}.")
-  if config.data.kind != "kv_retrieval" and "kv" in tasks:
+  text = bool(hf_dir) or config.data.kind != "kv_retrieval"
+  if text and "kv" in tasks:
     raise UsageError("the kv task needs a kv_retrieval model (its token ids); with a "
                               "text model pass --tasks passkey.")
   mesh = cfg_lib.make_mesh(config.mesh)
   config = cfg_lib.resolve_hf_init(config)  # e.g. configs/finetune.py: init.hf_dir's shape
-  model_cfg = cfg_lib.llama_config(config)
-  check_lengths(model_cfg, mesh, lengths)
+  if not hf_dir:  # checked before anything loads; an HF model is checked once loaded
+    check_lengths(cfg_lib.llama_config(config), mesh, lengths)
+  tokenizer = (loading.load_run_tokenizer(config, workdir=workdir, hf_dir=hf_dir, log=log)
+               if text else None)
   rows = batch_size or config.eval_batch_size
   data = mesh.shape["data"]
   if rows % data:
     raise UsageError(f"--batch_size={rows} is not divisible by the mesh 'data' axis "
                               f"({data}).")
-  model_cfg, params = loading.load_model(config, mesh, workdir=workdir, log=log)
+  model_cfg, params = loading.load_model(config, mesh, workdir=workdir, hf_dir=hf_dir, log=log)
+  check_lengths(model_cfg, mesh, lengths)
   graphdef, _, _ = step_lib.abstract_model(model_cfg, mesh)
   ring = mesh.shape["sequence"]
 
@@ -182,7 +216,7 @@ def evaluate(config, workdir: str, lengths, tasks=TASKS, *, batch_size: int | No
         correct = answers = 0.0
         chance = None
         for k in range(batches):
-          batch, chance = make_rows(config, task, length, rows, seed * 1000 + k)
+          batch, chance = make_rows(config, task, length, rows, seed * 1000 + k, tokenizer)
           batch = data_lib.to_layout_np(batch, model_cfg.layout, ring)
           answers += float(batch["loss_mask"].sum())
           correct += float(hits(params, jax.device_put(batch, sharding)))
@@ -191,7 +225,8 @@ def evaluate(config, workdir: str, lengths, tasks=TASKS, *, batch_size: int | No
         results.append(row)
         log(f"{task:8s} L={length:6d}: accuracy {row['accuracy']:.3f} over {int(answers)} "
             "answers")
-  write_outputs(results, workdir)
+  if workdir:
+    write_outputs(results, workdir)
   return results
 
 
@@ -257,6 +292,9 @@ def define_flags() -> dict:
           lock_config=True),
       workdir=flags.DEFINE_string("workdir", None, "train.py workdir (newest checkpoint); "
                                   "outputs are written here."),
+      hf_dir=flags.DEFINE_string("hf_dir", None, "A local Hugging Face LLaMA directory to "
+                                 "evaluate instead of --workdir's checkpoint (its tokenizer "
+                                 "too); outputs go to --workdir if given."),
       lengths=flags.DEFINE_string("lengths", "512,1024,2048,4096", "Comma-separated lengths."),
       tasks=flags.DEFINE_string("tasks", None, "Comma-separated subset of kv,passkey; default "
                                 "both for kv models, passkey for text models."),
@@ -271,18 +309,19 @@ def main(argv) -> None:
   v = cfg_lib.start_script(argv, _FLAGS)
   config = v["config"]
   try:
-    if not v["workdir"]:
-      raise UsageError("pass --workdir (a train.py run directory).")
     tasks = (v["tasks"].split(",") if v["tasks"] else
-             list(TASKS) if config.data.kind == "kv_retrieval" else ["passkey"])
+             list(TASKS) if config.data.kind == "kv_retrieval" and not v["hf_dir"]
+             else ["passkey"])
     results = evaluate(config, v["workdir"], parse_lengths(v["lengths"]), tasks,
-                       batch_size=v["batch_size"], batches=v["batches"], seed=v["seed"])
+                       hf_dir=v["hf_dir"], batch_size=v["batch_size"], batches=v["batches"],
+                       seed=v["seed"])
   except (UsageError, cfg_lib.ConfigError, ValueError) as e:
     print(f"error: {e}", file=sys.stderr, flush=True)
     sys.exit(EXIT_USAGE)
   print(table(results))
-  print(f"wrote {os.path.join(v['workdir'], 'eval_lengths.jsonl')} and eval_lengths.png",
-        file=sys.stderr)
+  if v["workdir"]:
+    print(f"wrote {os.path.join(v['workdir'], 'eval_lengths.jsonl')} and eval_lengths.png",
+          file=sys.stderr)
 
 
 if __name__ == "__main__":

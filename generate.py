@@ -4,8 +4,9 @@ r"""Generate text from a trained checkpoint (or a Hugging Face LLaMA) on the tra
       --max_new_tokens 64 --temperature 0.8 --top_p 0.95 --seed 0
   python generate.py --config configs/tiny.py:text --workdir /tmp/text --prompt_file prompts.txt \
       --temperature 0            # greedy; one prompt per line, one output line per prompt
-  python generate.py --config configs/tiny.py --hf_dir /path/to/hf_llama --prompt "..." \
-      --tokenizer hf
+  python generate.py --config configs/tiny.py --hf_dir /path/to/hf_llama --prompt "..."
+  python generate.py --config configs/finetune.py --config.init.hf_dir=/path/to/hf_llama \
+      --workdir /tmp/ft --prompt "..." --temperature 0 --max_new_tokens 32
 
 The model is the config's (``--config`` and ``--config.model.*`` overrides, as
 for train.py), with the newest checkpoint in ``--workdir`` restored onto the
@@ -23,10 +24,14 @@ longer than the cache, ``--max_new_tokens`` past it, a batch that does not
 split over ``data``, a workdir without a checkpoint, token ids outside the
 vocabulary) fails before anything compiles, exit status 2.
 
-Tokenizers (``--tokenizer``): ``bytes`` (training/data.py's byte tokenizer: the
-``:text`` configs), ``ids`` (prompts are whitespace-separated token ids, e.g.
-for the kv task; outputs are ids), ``hf`` (the tokenizer files in
-``--hf_dir``, via transformers, offline).
+Tokenizer: by default the model's own, through
+:func:`training.tokenizer.load_tokenizer` (local files only): with ``--hf_dir``
+the tokenizer in that directory; with ``--workdir`` the ``data.tokenizer`` the
+run trained with (its saved ``config.json``; ``"byte"`` for the ``:text``
+configs, the ``init.hf_dir`` tokenizer for ``configs/finetune.py``).
+``--tokenizer=ids``: prompts are whitespace-separated token ids (e.g. for the kv
+task) and outputs are ids; ``bytes`` forces the byte tokenizer; ``hf`` the
+``--hf_dir`` one.
 """
 
 from __future__ import annotations
@@ -75,8 +80,10 @@ def define_flags() -> dict:
       "config's data.seq_len.")
   f["padding"] = flags.DEFINE_enum("padding", "left", list(inference.PADDING_SIDES),
                                    "Side prompts of a batch are padded on (pads are invisible).")
-  f["tokenizer"] = flags.DEFINE_enum("tokenizer", None, ["bytes", "ids", "hf"],
-                                     "Default: hf with --hf_dir, else bytes.")
+  f["tokenizer"] = flags.DEFINE_enum(
+      "tokenizer", None, ["bytes", "ids", "hf"],
+      "Default: the model's own: --hf_dir's tokenizer, or the run's data.tokenizer (its "
+      "saved config.json). ids: prompts and outputs are token ids.")
   f["stop_at_eos"] = flags.DEFINE_bool("stop_at_eos", True,
                                        "Stop a row at the tokenizer's EOS.")
   return f
@@ -90,44 +97,52 @@ _FLAGS: dict = {}
 # ----------------------------------------------------------------------------------------------
 
 
-class Tokenizer:
-  """``encode(str) -> list[int]``, ``decode(list[int]) -> str``, ``eos``, ``vocab_limit``."""
+class PromptTokenizer:
+  """``encode(str) -> list[int]``, ``decode(list[int]) -> str``, ``eos``, ``vocab_limit``.
 
-  def __init__(self, kind: str, hf_dir: str | None = None):
-    self.kind = kind
-    self.eos, self.vocab_limit, self._hf = None, None, None
-    if kind == "bytes":
-      self.eos, self.vocab_limit = data_lib.EOS_ID, data_lib.BYTE_VOCAB_SIZE
-    elif kind == "hf":
-      if not hf_dir:
-        raise UsageError("--tokenizer=hf needs --hf_dir (the tokenizer files live there).")
-      try:
-        from transformers import AutoTokenizer
-        self._hf = AutoTokenizer.from_pretrained(hf_dir, local_files_only=True)
-      except Exception as e:
-        raise UsageError(f"no Hugging Face tokenizer loads from {hf_dir} ({type(e).__name__}: "
-                         f"{str(e).splitlines()[0] if str(e) else ''}); pass --tokenizer=ids "
-                         "and token ids as prompts.") from None
-      self.eos = self._hf.eos_token_id
+  ``kind="ids"``: prompts are whitespace-separated token ids and outputs are ids;
+  otherwise a :class:`training.tokenizer.Tokenizer` (``tok``) encodes a prompt
+  as the start of a document (BOS as the tokenizer adds it, no EOS: continue it).
+  """
+
+  def __init__(self, tok=None):
+    self.kind = "ids" if tok is None else tok.kind
+    self._tok = tok
+    self.eos = None if tok is None else tok.eos_id
+    self.vocab_limit = None if tok is None else tok.vocab_size
 
   def encode(self, text: str) -> list[int]:
-    if self.kind == "bytes":
-      return data_lib.byte_tokenize(text)[:-1].tolist()  # BOS + bytes, no EOS: continue it
-    if self.kind == "ids":
+    if self._tok is None:
       try:
         return [int(t) for t in text.split()]
       except ValueError:
         raise UsageError(f"--tokenizer=ids takes whitespace-separated integers, got "
                          f"{text!r}.") from None
-    return self._hf(text)["input_ids"]
+    return self._tok.encode_document(text, bos=True, eos=False).tolist()
 
   def decode(self, ids) -> str:
     ids = [int(i) for i in ids]
-    if self.kind == "bytes":
-      return data_lib.byte_detokenize(ids)
-    if self.kind == "ids":
+    if self._tok is None:
       return "".join(f" {i}" for i in ids)
-    return self._hf.decode(ids)
+    return self._tok.decode(ids)
+
+
+def prompt_tokenizer(config, kind: str | None, *, workdir=None, hf_dir=None,
+                     log=lambda m: None) -> PromptTokenizer:
+  """``--tokenizer``: None, the model's own (:func:`training.loading.run_tokenizer_spec`:
+  ``--hf_dir``'s, or the one the run in ``--workdir`` trained with); ``ids``; ``bytes``;
+  ``hf`` (``--hf_dir``'s, the default with it)."""
+  if kind == "ids":
+    return PromptTokenizer()
+  if kind == "bytes":
+    return PromptTokenizer(data_lib.load_tokenizer("byte"))
+  if kind == "hf" and not hf_dir:
+    raise UsageError("--tokenizer=hf needs --hf_dir (the tokenizer files live there).")
+  try:
+    return PromptTokenizer(loading.load_run_tokenizer(config, workdir=workdir, hf_dir=hf_dir,
+                                                      log=log))
+  except UsageError as e:
+    raise UsageError(f"{e} (or pass --tokenizer=ids and token ids as prompts)") from None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -161,8 +176,8 @@ def run(config, *, workdir=None, hf_dir=None, prompts: list[str], max_new_tokens
     raise UsageError(f"--temperature must be >= 0, got {temperature}.")
   if not 0 < top_p <= 1:
     raise UsageError(f"--top_p must be in (0, 1], got {top_p}.")
-  tok = Tokenizer(tokenizer or ("hf" if hf_dir else "bytes"), hf_dir)
   config = cfg_lib.resolve_hf_init(config)  # e.g. configs/finetune.py: init.hf_dir's shape
+  tok = prompt_tokenizer(config, tokenizer, workdir=workdir, hf_dir=hf_dir, log=log)
   try:
     sizes = cfg_lib.mesh_shape(config.mesh, jax.device_count())
   except cfg_lib.ConfigError as e:

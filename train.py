@@ -25,7 +25,10 @@ SIGINT finishes the current step on every process, saves, and exits 0 with the
 command that resumes; a non-finite loss or gradient norm stops the run with
 exit status 3 and no checkpoint of the diverged state; a checkpoint that cannot
 be written stops it with status 4; a corrupt newest checkpoint is moved aside
-and the one before it restored; config and flag errors are one line, status 2.
+and the one before it restored; config and flag errors are one line, status 2;
+on a multi-process run, a process that dies makes every survivor exit with
+status 75 and one line naming it and the command that resumes
+(``training.distributed``; docs/training.md, "When a process dies").
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ from training import batch as batch_lib
 from training import checkpoint as ckpt_lib
 from training import config as cfg_lib
 from training import data as data_lib
+from training import distributed as distributed_lib
 from training import metrics as metrics_lib
 from training import stages as stages_lib
 from training import step as step_lib
@@ -88,6 +92,7 @@ _STOP_AT_STEP = flags.DEFINE_integer(
 EXIT_USAGE = cfg_lib.EXIT_USAGE  # bad flag, config, gin binding, data, or no checkpoint restores
 EXIT_DIVERGED = 3  # non-finite loss or gradient norm
 EXIT_CHECKPOINT_WRITE = 4  # a checkpoint could not be written (disk full, quota, I/O)
+EXIT_PEER_LOST = distributed_lib.EXIT_PEER_LOST  # 75: another process of the run died
 
 
 # ----------------------------------------------------------------------------
@@ -115,12 +120,13 @@ def multiprocess_launch_detected(environ=os.environ) -> str | None:
   return None
 
 
-def initialize_distributed(mode: str) -> int:
+def initialize_distributed(mode: str, distributed_config) -> int:
   """Calls ``jax.distributed.initialize()`` if asked/detected; returns the process count.
 
   Starts no backend (so the CPU device count can still be set afterwards). On a
   CPU-only multi-process run (``JAX_PLATFORMS=cpu``) cross-process collectives
-  go through gloo.
+  go through gloo. ``distributed_config`` (``config.distributed``) sets the
+  heartbeat and start-up timeouts.
   """
   launcher = multiprocess_launch_detected()
   if mode == "off" or (mode == "auto" and launcher is None):
@@ -132,7 +138,7 @@ def initialize_distributed(mode: str) -> int:
     kwargs["process_id"] = int(os.environ["JAX_PROCESS_ID"])
   if os.environ.get("JAX_PLATFORMS", "") == "cpu":
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-  jax.distributed.initialize(**kwargs)
+  distributed_lib.initialize(distributed_config, **kwargs)
   print(f"jax.distributed initialised ({launcher or 'forced by --distributed=on'})",
         flush=True)
   for name in ("JAX_NUM_PROCESSES", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE"):
@@ -242,10 +248,13 @@ def train(config, workdir: str, *, stop_at_step: int | None = None) -> TrainResu
   sizes = cfg_lib.validate_config(config, jax.device_count())  # and each stage's
   mesh = cfg_lib.make_mesh(config.mesh)
   ring_size = sizes["sequence"]
-  model_cfg = cfg_lib.llama_config(config)
+  first = stages_lib.plan(config)[0].config  # attention="auto" is decided per stage's shapes
+  model_cfg, attention_line = cfg_lib.resolve_attention(first, cfg_lib.llama_config(first), mesh)
   log(f"devices: {jax.device_count()} x {jax.devices()[0].device_kind} "
       f"({jax.process_count()} process(es)); mesh {sizes}; attention={model_cfg.attention} "
       f"layout={model_cfg.layout} ring={ring_size}")
+  if attention_line:
+    log(attention_line)
 
   # Installed early: a signal during compilation still ends in a clean stop after one step.
   stop = StopRequest().install()
@@ -271,7 +280,9 @@ def build_stage(stage: stages_lib.Stage, mesh) -> StageSetup:
   schedule spans the stage's steps. Abstract only; parameter shapes are the same in
   every stage, so any stage's step restores a checkpoint of any other."""
   c = stage.config
-  model_cfg = cfg_lib.llama_config(c)
+  model_cfg, attention_line = cfg_lib.resolve_attention(c, cfg_lib.llama_config(c), mesh)
+  if attention_line and stage.index > 0:  # train() logs the first stage's
+    metrics_lib.log(attention_line)
   tx = step_lib.make_optimizer(c.optim, stage.steps)
   train_step = step_lib.build_train_step(model_cfg, mesh, tx, microbatches=c.microbatches,
                                          seed=c.seed)
@@ -354,6 +365,7 @@ def _train(config, workdir, stop_at_step, stop, mesh, ring_size) -> TrainResult:
             num_devices=jax.device_count())
         stage_end = min(stage.end, end_step)
         for step in range(step + 1, stage_end + 1):
+          distributed_lib.note_step(step)  # For the line if a peer process dies.
           with profile.step(step) as outputs:
             batch = data_lib.to_global(next(train_iter), batch_sharding, setup.train_shape)
             params, opt_state, metrics = compiled_step(params, opt_state, batch)
@@ -570,14 +582,18 @@ def main(argv) -> None:
     # Before the config is saved: the workdir's config.json then names the model's real shape.
     config = cfg_lib.resolve_hf_init(config)
     config = stages_lib.resolve(config)  # config.stages explicit; top level = the last stage
+    cfg_lib.validate_distributed(config)  # Needed before the processes connect.
   except Exception as e:  # ConfigError, or gin's parser on bad syntax (SyntaxError, ...)
     prefix = "" if isinstance(e, cfg_lib.ConfigError) else f"gin: {type(e).__name__}: "
     _fail(EXIT_USAGE, f"config error: {prefix}{' '.join(str(e).split())}")
-  num_processes = initialize_distributed(_DISTRIBUTED.value)
+  num_processes = initialize_distributed(_DISTRIBUTED.value, config.distributed)
   cfg_lib.simulate_cpu_devices(config, num_processes)
   workdir = _WORKDIR.value or os.path.join(
       "runs", os.path.splitext(os.path.basename(config_flags.get_config_filename(
           flags.FLAGS["config"])))[0])
+  distributed_lib.start_watchdog(  # A no-op on one process.
+      config.distributed, ckpt_lib.checkpoint_directory(workdir),
+      shlex.join(_resume_command()), steps=ckpt_lib.complete_steps)
   if jax.process_index() == 0:
     os.makedirs(workdir, exist_ok=True)
     with open(os.path.join(workdir, "config.json"), "w") as f:
@@ -594,7 +610,14 @@ def main(argv) -> None:
   except metrics_lib.Diverged as e:
     _fail(EXIT_DIVERGED, f"error: {e}")
   except ckpt_lib.CheckpointWriteError as e:
+    distributed_lib.wait_for_verdict()  # A dead peer can fail a save: report that instead.
     _fail(EXIT_CHECKPOINT_WRITE, f"error: {e}")
+  except Exception:
+    # On several processes a dead peer surfaces here first (gloo: "Connection closed by
+    # peer"): let the watchdog name it and exit 75 rather than print a traceback.
+    distributed_lib.wait_for_verdict()
+    raise
+  distributed_lib.finish()  # A clean end: the other processes stop expecting this one.
   if jax.process_index() != 0:
     return
   wall = f"wall {time.perf_counter() - t0:.1f}s"

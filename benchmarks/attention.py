@@ -6,7 +6,7 @@ warm-up) and the per-device compiled temporary memory
 (``jax.jit(f).lower(...).compile().memory_analysis().temp_size_in_bytes``):
 
   ring-<layout>  ``ring_jax.ring_attention`` on a mesh with ``sequence=--ring``
-  allgather      ``ring_jax.all_gather_attention`` (benchmarks.baselines): all-gather
+  allgather      ``ring_jax.all_gather_attention`` (the library's strategy): all-gather
                  K/V, local blockwise attention (MaxText / TransformerEngine default CP)
   paper          PyPI ``ringattention==0.1.2`` (Liu et al.), ``ringattention_jax``
                  under ``jax.shard_map(check_vma=False)`` (contiguous layout only)
@@ -54,7 +54,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import ring_jax  # noqa: E402
 from ring_jax.ring import default_block  # noqa: E402
 from benchmarks import common  # noqa: E402
-from benchmarks.baselines import allgather_attention  # noqa: E402
 from benchmarks.common import GIB, MIB  # noqa: E402
 
 AXIS = "sequence"
@@ -118,7 +117,7 @@ def make_impl(name, *, mesh, is_causal, dtype, block, paper_fn=None):
     return jax.shard_map(local, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec), layout, False
   if name.startswith("allgather"):
     layout = name.split("-", 1)[1] if "-" in name else "contiguous"
-    local = functools.partial(allgather_attention, axis_name=AXIS, is_causal=is_causal,
+    local = functools.partial(ring_jax.all_gather_attention, axis_name=AXIS, is_causal=is_causal,
                               layout=layout, block_q=block, block_kv=block)
     return (jax.shard_map(local, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec,
                           check_vma=False), layout, False)

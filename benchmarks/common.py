@@ -8,6 +8,8 @@
   ``compiled.memory_analysis()``, per device) and :func:`per_device_bytes`
   (arguments + outputs + temporaries - outputs aliasing donated arguments:
   what one device holds while the program runs).
+* Collectives: :func:`compile_partitioned` (a compile that also returns the SPMD
+  partitioner's HLO) and :func:`count_collectives` (count and bytes per kind).
 * Meshes: :func:`parse_mesh` (``"data=1,sequence=8"``) and :func:`make_mesh`
   (Auto axes over the first devices, the trainer's axis names by default).
 
@@ -18,8 +20,14 @@ every accelerator image, uses it.
 
 from __future__ import annotations
 
+import collections
+import glob
 import math
+import os
+import re
 import resource
+import shutil
+import tempfile
 import time
 import types
 from typing import Any, Callable, Sequence
@@ -170,3 +178,81 @@ def make_mesh(sizes: dict[str, int] | Sequence[int], axes: Sequence[str] | None 
 def _trainer_axes() -> tuple[str, ...]:
   from models.sharding import MESH_AXES  # imports without Flax
   return tuple(MESH_AXES)
+
+
+# ----------------------------------------------------------------------------
+# Collectives of a compiled program
+# ----------------------------------------------------------------------------
+
+COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
+# "%name = shape op(operands), attributes"; a tuple shape has spaces, so it is matched whole.
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=\s*(\([^=]*?\)|\S+)\s+"
+                          r"([\w\-]+)\((.*?)\)")
+_ARRAY = re.compile(r"\b([a-z]+\d*)\[([\d,]*)\]")
+_ITEM_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "f32": 4, "s32": 4,
+               "u32": 4, "f64": 8, "s64": 8, "u64": 8}
+
+
+def compile_partitioned(lowered):
+  """``(compiled, hlo)``: ``lowered.compile()`` and the HLO text the SPMD partitioner
+  produced for it (dumped during that one compile), the program :func:`count_collectives`
+  reads."""
+  directory = tempfile.mkdtemp(prefix="fit_hlo_")
+  try:
+    compiled = lowered.compile(compiler_options={
+        "xla_dump_to": directory, "xla_dump_hlo_pass_re": "spmd-partitioning"})
+    found = sorted(glob.glob(os.path.join(directory, "*after_spmd-partitioning*.txt")))
+    if not found:
+      raise RuntimeError(f"XLA wrote no partitioned HLO into {directory}")
+    with open(found[-1]) as f:
+      return compiled, f.read()
+  finally:
+    shutil.rmtree(directory, ignore_errors=True)
+
+
+def count_collectives(hlo: str) -> dict[str, dict[str, int]]:
+  """``{kind: {"count", "bytes"}}`` of the collectives in HLO text, per device.
+
+  Read from the SPMD partitioner's output (:func:`compile_partitioned`): the
+  partitioner writes a reduce-scatter as an ``all-reduce`` whose result each
+  device only slices with ``dynamic-slice`` (its shard), possibly after adding it to
+  other such partial sums (the backward pass of q, k and v sums three);
+  XLA:GPU/TPU rewrite that into ``reduce-scatter`` ops (``ReduceScatterCreator``),
+  XLA:CPU keeps the all-reduce, so CPU's compiled text would show all-reduces
+  only. Such an all-reduce counts here as a reduce-scatter. ``bytes`` is the
+  size of each result (a reduce-scatter's: the full buffer reduced). A loop
+  body (the layer scan) is counted once, not once per iteration.
+  """
+  ops, users = {}, collections.defaultdict(list)
+  for line in hlo.splitlines():
+    m = _INSTRUCTION.match(line)
+    if m:
+      name, shape, op, operands = m.groups()
+      ops[name] = (shape, op)
+      for operand in re.findall(r"%([\w.\-]+)", operands):
+        users[operand].append(name)
+  out = {kind: {"count": 0, "bytes": 0} for kind in COLLECTIVES}
+  for name, (shape, op) in ops.items():
+    kind = op.removesuffix("-start")
+    if kind not in COLLECTIVES:
+      continue
+    if kind == "all-reduce" and _only_sliced(name, ops, users):
+      kind = "reduce-scatter"
+    out[kind]["count"] += 1
+    out[kind]["bytes"] += sum(_ITEM_BYTES.get(t, 4) * math.prod(int(d) for d in dims.split(",")
+                                                                if d)
+                              for t, dims in _ARRAY.findall(shape))
+  return out
+
+
+# Ops a partial sum may pass through on its way to the slice that makes it a reduce-scatter.
+_PASS_THROUGH = ("add", "copy", "bitcast", "reshape", "convert")
+
+
+def _only_sliced(name: str, ops, users, depth: int = 0) -> bool:
+  """Whether every use of ``name`` ends, through :data:`_PASS_THROUGH` ops, in a slice."""
+  found = users.get(name, ())
+  if not found or depth > 8:
+    return False
+  return all(ops[u][1] == "dynamic-slice" or (
+      ops[u][1] in _PASS_THROUGH and _only_sliced(u, ops, users, depth + 1)) for u in found)

@@ -4,6 +4,8 @@ r"""How long a context fits: the longest ``seq_len`` whose train step fits in me
   python benchmarks/fit.py --config configs/llama_1b.py:long --devices 8 --memory_gib 128
   python benchmarks/fit.py --config configs/llama_1b.py --devices 8 --mesh data=1,sequence=8 \
       --seq_len 1048576 --config.model.remat_policy=full --config.batch_size=1
+  python benchmarks/fit.py --config configs/llama_7b.py --devices 8 \
+      --mesh data=1,sequence=2,tensor=4 --config.batch_size=1 --seq_len 65536 --collectives
 
 Compiles the real train step (``training.step.build_train_step``: the model,
 optimizer, shardings and ``jit_train_step`` that ``train.py`` compiles) ahead of time
@@ -36,7 +38,9 @@ planner subtracts them ("to host" column: the placements the step has when
 lowered for a GPU, one stacked residual per layer), so for offloading
 policies the figure is the compiled CPU plan minus what an accelerator holds
 in host memory, which assumes the rest of the plan does not change when the
-offload happens. ``--xla_flags`` passes extra XLA flags (e.g. to switch off a
+offload happens. ``--collectives`` adds each row's collectives (count and bytes per
+kind, :func:`benchmarks.common.count_collectives`) read from the HLO the SPMD
+partitioner wrote during the same compile. ``--xla_flags`` passes extra XLA flags (e.g. to switch off a
 CPU-only transformation).
 """
 
@@ -74,6 +78,10 @@ _RESOLUTION = flags.DEFINE_float(
     "shortest non-fitting length is below this fraction of the former.")
 _XLA_FLAGS = flags.DEFINE_string("xla_flags", "", "Extra XLA flags for the compile.")
 _OUT = flags.DEFINE_string("out", None, "Also write the final JSON object to this file.")
+_COLLECTIVES = flags.DEFINE_bool(
+    "collectives", False, "Also count each compiled step's collectives in its partitioned HLO "
+    "(benchmarks.common.count_collectives: all-gather, reduce-scatter, all-reduce, all-to-all, "
+    "collective-permute) into the rows.")
 
 
 class FitError(ValueError):
@@ -103,7 +111,8 @@ def resolve_mesh(config, devices: int, mesh_text: str | None) -> dict[str, int]:
 class Planner:
   """Compiles the config's train step at given lengths and records the memory of each."""
 
-  def __init__(self, config, sizes: dict[str, int], limit_bytes: int):
+  def __init__(self, config, sizes: dict[str, int], limit_bytes: int,
+               collectives: bool = False):
     import jax
 
     from models import lengths
@@ -111,8 +120,12 @@ class Planner:
     from training import step as step_lib
 
     self.config, self.sizes, self.limit = config, sizes, limit_bytes
-    self.model_cfg = cfg_lib.llama_config(config)
+    self.collectives = collectives
     self.ring = sizes["sequence"]
+    self.mesh = cfg_lib.make_mesh(sizes, jax.devices()[:math.prod(sizes.values())])
+    # attention="auto" stays: its backend asks ring_jax.plan at each compiled length, what
+    # train.py would decide at startup for that data.seq_len.
+    self.model_cfg = cfg_lib.llama_config(config)
     self.multiple = lengths.length_multiple(self.model_cfg, self.ring)
     self.rows = config.batch_size
     micro = config.microbatches
@@ -120,7 +133,6 @@ class Planner:
       raise FitError(f"batch_size={self.rows} / microbatches={micro} must be divisible by the "
                      f"mesh 'data' axis ({sizes['data']}); e.g. --config.batch_size="
                      f"{sizes['data'] * micro}.")
-    self.mesh = cfg_lib.make_mesh(sizes, jax.devices()[:math.prod(sizes.values())])
     tx = step_lib.make_optimizer(config.optim, config.total_steps)
     self.step = step_lib.build_train_step(self.model_cfg, self.mesh, tx, microbatches=micro,
                                           seed=config.seed)
@@ -138,7 +150,12 @@ class Planner:
     except cfg_lib.ConfigError as e:
       raise FitError(f"{e} Lengths here are multiples of {self.multiple}.") from None
     t0 = time.perf_counter()
-    compiled = self.step.compile((self.rows, length))
+    counts = None
+    if self.collectives:
+      compiled, hlo = common.compile_partitioned(self.step.lower((self.rows, length)))
+      counts = common.count_collectives(hlo)
+    else:
+      compiled = self.step.compile((self.rows, length))
     ma = common.compiled_memory(compiled, common.MEMORY_FIELDS + ("host_temp_size_in_bytes",))
     total = common.per_device_bytes(ma)
     offloaded = 0
@@ -154,6 +171,8 @@ class Planner:
                compiled_per_device_bytes=total, offloaded_bytes=offloaded,
                per_device_bytes=device, fits=bool(device <= self.limit),
                compile_s=round(time.perf_counter() - t0, 1))
+    if counts is not None:
+      row["collectives"] = counts
     self.rows_by_length[length] = row
     print_row(row, self.unit)
     return row
@@ -214,7 +233,7 @@ def print_row(row: dict, unit: str) -> None:
 
 def run(config, *, devices: int, memory_gib: float, seq_len: int | None = None,
         mesh: str | None = None, start: int = 131072, max_len: int = 2 ** 26,
-        resolution: float = 0.125) -> dict:
+        resolution: float = 0.125, collectives: bool = False) -> dict:
   """The planner on the current JAX backend; returns the final JSON object as a dict."""
   import jax
 
@@ -223,10 +242,11 @@ def run(config, *, devices: int, memory_gib: float, seq_len: int | None = None,
     raise FitError(f"--devices={devices} but JAX has {len(jax.devices())} devices; run "
                    "benchmarks/fit.py as a script (it creates the fake CPU devices).")
   limit = int(memory_gib * GIB)
-  planner = Planner(config, sizes, limit)
+  planner = Planner(config, sizes, limit, collectives=collectives)
   m = planner.model_cfg
   print(f"train step of {m.num_params() / 1e9:.3f}B params (remat_policy={m.remat_policy}, "
-        f"layout={m.layout}, attention={m.attention}, dtype={m.dtype}, param_dtype="
+        f"layout={m.layout}, attention={m.attention}, tensor_sequence_parallel="
+        f"{m.tensor_sequence_parallel}, dtype={m.dtype}, param_dtype="
         f"{m.param_dtype}); mesh {sizes}; batch {planner.rows} rows; lengths in multiples of "
         f"{planner.multiple}; limit {memory_gib:g} GiB per device; compiled for "
         f"{jax.devices()[0].platform} ({jax.devices()[0].device_kind})", flush=True)
@@ -272,7 +292,8 @@ def main(argv) -> None:
   try:
     result = run(_CONFIG.value, devices=_DEVICES.value, memory_gib=_MEMORY_GIB.value,
                  seq_len=_SEQ_LEN.value, mesh=_MESH.value, start=_START.value,
-                 max_len=_MAX_LEN.value, resolution=_RESOLUTION.value)
+                 max_len=_MAX_LEN.value, resolution=_RESOLUTION.value,
+                 collectives=_COLLECTIVES.value)
   except (FitError, ConfigError) as e:  # FitError is a setting of this tool, ConfigError one
     print(f"error: {e}", file=sys.stderr, flush=True)  # of the config: both name the fix
     sys.exit(2)

@@ -1,4 +1,4 @@
-"""Tokens/s and MFU of the shipped LLaMA train step: ring vs dense vs all-gather attention.
+"""Tokens/s and MFU of the shipped LLaMA train step, per attention backend (strategy).
 
 Runs exactly what ``train.py`` runs: the train step and state of
 ``training.step.build_train_step`` (the model of ``models.llama`` created
@@ -7,12 +7,12 @@ optimizer state donated, batch per ``training/batch.py``), on random tokens
 in the model's layout order. The attention backend is chosen by name from
 ``models.attention.ATTENTION_BACKENDS``:
 
-  ring       ring_jax.ring_attention_sharded
-  dense      full-sequence reference attention per (batch, head) shard
-             (O(L^2) memory)
-  allgather  ``benchmarks.baselines.allgather_backend`` (all-gather K/V over
-             ``sequence``, local blockwise attention), registered here with
-             ``benchmarks.baselines.register_attention_backend()``
+  ring        ring_jax.attention_sharded(strategy="ring")
+  all_gather  the same with strategy="all_gather" (all-gather K/V over
+              ``sequence``, local blockwise attention: the MaxText /
+              TransformerEngine default); likewise ulysses, hybrid, auto
+  dense       full-sequence reference attention per (batch, head) shard
+              (O(L^2) memory)
 
 MFU = ``cfg.flops_per_token(L) * tokens/s / (devices * peak)``; remat
 recomputation is not counted. ``--peak-tflops`` is per device (default: the
@@ -22,7 +22,7 @@ so CPU "MFU" is relative to what this host can do, not a hardware spec).
 
 CPU example (8 fake devices, tiny model):
   PYTHONPATH=. python benchmarks/train_throughput.py --preset tiny --seq-len 2048 \\
-      --mesh data=1,sequence=8,tensor=1 --attention ring,dense,allgather
+      --mesh data=1,sequence=8,tensor=1 --attention ring,dense,all_gather
 """
 
 from __future__ import annotations
@@ -42,7 +42,6 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks import baselines  # noqa: E402
 from benchmarks import common  # noqa: E402
 from ring_jax import hardware  # noqa: E402
 
@@ -147,7 +146,7 @@ def main(argv=None):
   ap.add_argument("--seq-len", type=int, default=2048)
   ap.add_argument("--batch", type=int, default=1)
   ap.add_argument("--mesh", type=parse_mesh, default=parse_mesh("data=1,sequence=8,tensor=1"))
-  ap.add_argument("--attention", default="ring,dense,allgather")
+  ap.add_argument("--attention", default="ring,dense,all_gather")
   ap.add_argument("--layout", default="zigzag")
   ap.add_argument("--remat", default="full")
   ap.add_argument("--ffn-chunk", type=int, default=None)
@@ -163,7 +162,6 @@ def main(argv=None):
   shape = args.mesh
   n = int(np.prod(list(shape.values())))
   mesh = common.make_mesh(shape)
-  baselines.register_attention_backend()  # "allgather" joins the model's backend registry
   peak, peak_src = peak_per_device(args, n)
   print(f"jax {jax.__version__} {jax.default_backend()} mesh {shape}; peak/device "
         f"{peak / 1e12:.3g} TFLOP/s ({peak_src}); preset {args.preset}, L={args.seq_len}, "

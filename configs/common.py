@@ -32,7 +32,11 @@ def base_config() -> ml_collections.ConfigDict:
       rope_scaling=config_dict.placeholder(dict),
       norm_eps=1e-5,
       tie_embeddings=False,
-      attention="ring",  # or "dense" (the O(L^2) oracle)
+      # Sequence-parallel strategy (models/attention.py): "ring", "all_gather", "ulysses",
+      # "hybrid" (ring over hybrid_axes[0] x Ulysses over hybrid_axes[1]), "auto"
+      # (ring_jax.plan's pick, decided and printed at startup), or "dense" (the O(L^2) oracle).
+      attention="ring",
+      hybrid_axes=("sequence", "tensor"),
       layout="zigzag",  # "contiguous" | "zigzag" | "striped"
       block_q=config_dict.placeholder(int),  # None: the ring picks block sizes
       block_kv=config_dict.placeholder(int),
@@ -45,6 +49,9 @@ def base_config() -> ml_collections.ConfigDict:
       dtype="float32",
       param_dtype="float32",
       fsdp=False,
+      # Megatron-style sequence parallelism on 'tensor' (docs/performance.md): the residual
+      # stream split over sequence x tensor. None: on when mesh.tensor > 1; False: off.
+      tensor_sequence_parallel=config_dict.placeholder(bool),
       init_std=0.02,
   ))
 
@@ -95,6 +102,14 @@ def base_config() -> ml_collections.ConfigDict:
   # "START:STOP": a jax.profiler trace of steps START to STOP-1 in <workdir>/profile
   # (docs/training.md, "Profiling"). None or "": off.
   config.profile_steps = config_dict.placeholder(str)
+
+  # Multi-process runs (docs/training.md, "When a process dies"): a process whose liveness
+  # counter stops for heartbeat_timeout_s is declared lost, and every survivor exits with
+  # status 75 and one line saying how to resume (JAX's own heartbeat timeout, its C++
+  # backstop, is set to 4x this). initialization_timeout_s: how long
+  # jax.distributed.initialize waits for all processes to connect.
+  config.distributed = ml_collections.ConfigDict(dict(
+      heartbeat_timeout_s=60, initialization_timeout_s=300))
 
   # MFU denominator. None: look the device kind up (training/metrics.py). A CPU has
   # no such figure; MFU is then reported against the nominal value below, and says so.

@@ -19,6 +19,10 @@ checkpoint's RoPE scaling off, set ``model.rope_scaling = {"rope_type":
 "default"}`` (None means "keep config.json's"). Fields HF does not know
 (attention, layout, block sizes, remat_policy, dtype, param_dtype, ...) are
 the usual ones of common.py.
+
+``data.tokenizer`` defaults to the tokenizer in ``init.hf_dir`` (its
+tokenizer.json or tokenizer.model); generate.py and evaluate.py use the same one
+for the run's workdir.
 """
 
 import ml_collections
@@ -39,6 +43,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   for name, kind in _HF_FIELD_TYPES.items():
     config.model[name] = config_dict.placeholder(kind)
   config.data.kind = "text"  # needs --config.data.path
+  # None: the tokenizer in init.hf_dir (training/config.py:resolve_hf_init fills it in, so
+  # --config.init.hf_dir=DIR alone sets it and the run's saved config.json names the file);
+  # --config.data.tokenizer=... (a file, a directory or "byte") overrides it.
+  config.data.tokenizer = config_dict.placeholder(str)
   config.data.seq_len = 512
   config.batch_size = config.eval_batch_size = 8
   # Fine-tuning rates: a pretrained model diverges at from-scratch learning rates.

@@ -4,8 +4,10 @@
 
 Mesh ``data=-1 x sequence=16 x tensor=4``: a 262144-token row is split over a
 ring of 16 (16384 tokens per device, zigzag), heads and MLP over 4-way tensor
-parallelism, FSDP over the rest (e.g. 512 chips -> data=8). Full
-rematerialisation per layer keeps activation memory at one layer's worth.
+parallelism with its sequence parallelism (``model.tensor_sequence_parallel``, on for
+tensor > 1: the residual stream holds 4096 tokens per device), FSDP over the rest (e.g. 512
+chips -> data=8). Full rematerialisation per layer keeps activation memory at one layer's
+worth.
 ``:text`` trains on local files (``--config.data.path``).
 """
 
@@ -21,7 +23,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       vocab_size=32_000, dim=4096, num_layers=32, num_heads=32, num_kv_heads=32,
       head_dim=128, mlp_dim=11008, rope_theta=10_000.0, tie_embeddings=False,
       layout="zigzag", block_q=2048, block_kv=2048, ffn_chunk_size=4096,
-      loss_chunk_size=2048,
+      loss_chunk_size=2048,  # ffn_chunk_size=4096: the residual's 262144 / (16 * 4) tokens
+      tensor_sequence_parallel=None,  # None: on (tensor=4); False: the residual replicated
       remat_policy="full", dtype="bfloat16", param_dtype="float32", fsdp=True))
   # Position interpolation from LLaMA-2's 4K training length to 256K.
   config.model.rope_scaling = dict(rope_type="linear", factor=64.0)

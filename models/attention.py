@@ -14,13 +14,17 @@ padding). ``cfg`` is the :class:`models.llama.LlamaConfig` (``layout``,
 ``block_q``, ``block_kv``). The mesh is the context mesh (``jax.set_mesh``),
 or none.
 
-Adding a backend is one entry: ``register_attention("name", fn)`` (the
-benchmarks register the all-gather baseline this way, see
-``benchmarks/baselines.py``). Pure JAX: importing this module needs no Flax.
+The registered backends: ``"ring"``, ``"all_gather"``, ``"ulysses"``,
+``"hybrid"`` and ``"auto"``, each :func:`ring_jax.attention_sharded` with that
+``strategy`` (the hybrid's two mesh axes are ``cfg.hybrid_axes``; ``"auto"``
+is :func:`ring_jax.plan`'s pick, decided by :func:`plan_attention`), and
+``"dense"``, the single-device reference. Adding a backend is one entry:
+``register_attention("name", fn)``. Pure JAX: importing this module needs no Flax.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable
 
 import jax
@@ -97,23 +101,109 @@ def sequence_axis(mesh) -> str | None:
   return entry if isinstance(entry, str) else None
 
 
-def ring(cfg, q_BLNH, k_BLKH, v_BLKH, positions_BL, segment_ids_BL):
-  """:func:`ring_jax.ring_attention_sharded` over the mesh axis the ``length`` rule names.
+#: The sequence-parallel strategies of :func:`ring_jax.attention_sharded`, each a backend
+#: under its own name ("auto": :func:`ring_jax.plan`'s pick, see :func:`plan_attention`).
+STRATEGY_BACKENDS: tuple[str, ...] = ("ring", "all_gather", "ulysses", "hybrid", "auto")
 
-  ``layout=cfg.layout, inputs_in_layout=True``; batch and heads sharded per
-  the rules as well. Without a context mesh, or when the mesh has no such
-  axis, it falls back to :func:`dense` (same values; O(L^2) memory), since
-  there is no ring to run on.
+#: What "auto" chooses among: the strategies that run on the one ``length`` axis.
+AUTO_CANDIDATES: tuple[str, ...] = ("ring", "all_gather", "ulysses")
+
+
+def hybrid_seq_axes(cfg, mesh) -> tuple[str, str]:
+  """``cfg.hybrid_axes`` = ``(ring_axis, ulysses_axis)``, checked against ``mesh``.
+
+  The ring axis must be the one the ``length`` rule names (the data arrive in
+  ``cfg.layout`` order for a ring of its size); the Ulysses axis is any other
+  axis of the mesh (default ``tensor``: heads are then split by the Ulysses
+  all-to-all instead of over ``tensor`` inside attention).
   """
-  mesh = shd.current_mesh()
+  ring_axis, uly_axis = cfg.hybrid_axes
+  seq_axis = sequence_axis(mesh)
+  if ring_axis != seq_axis:
+    raise ValueError(f"hybrid_axes={cfg.hybrid_axes}: the ring axis must be the axis the "
+                     f"sequence is sharded over ({seq_axis!r}); e.g. hybrid_axes=({seq_axis!r}, "
+                     "'tensor').")
+  if uly_axis not in mesh.axis_names:
+    raise ValueError(f"hybrid_axes={cfg.hybrid_axes}: {uly_axis!r} is not an axis of the mesh "
+                     f"{tuple(mesh.axis_names)}.")
+  return ring_axis, uly_axis
+
+
+def plan_attention(cfg, mesh, batch: int, seq_len: int):
+  """:func:`ring_jax.plan` for ``cfg``'s attention on ``mesh``: a :class:`ring_jax.Plan`
+  over :data:`AUTO_CANDIDATES` (``.strategy``, ``.reasons``), or None when ``mesh`` has no
+  sequence axis (then every strategy falls back to :func:`dense`).
+
+  The one place "auto" is decided: train.py calls it once at startup (and prints
+  the choice), the ``"auto"`` backend calls it with the same numbers when traced.
+  """
   seq_axis = sequence_axis(mesh)
   if seq_axis is None:
-    return dense(cfg, q_BLNH, k_BLKH, v_BLKH, positions_BL, segment_ids_BL)
-  batch_axis, head_axis = sharded_axes(mesh, q_BLNH, k_BLKH)
-  return ring_jax.ring_attention_sharded(
-      q_BLNH, k_BLKH, v_BLKH, seq_axis=seq_axis, batch_axis=batch_axis, head_axis=head_axis,
-      is_causal=True, segment_ids=segment_ids_BL, layout=cfg.layout, inputs_in_layout=True,
-      block_q=cfg.block_q, block_kv=cfg.block_kv, hop_kernel=cfg.hop_kernel)
+    return None
+  batch_axis, head_axis = _axes_for_shapes(mesh, batch, cfg.num_heads, cfg.num_kv_heads)
+  try:
+    device = mesh.devices.flat[0].device_kind
+  except (AttributeError, ValueError, IndexError):  # an AbstractMesh (inside jit): no devices
+    device = jax.devices()[0].device_kind
+  return ring_jax.plan(
+      batch=batch, seq_len=seq_len, heads=cfg.num_heads, kv_heads=cfg.num_kv_heads,
+      head_dim=cfg.resolved_head_dim, dtype=cfg.dtype, is_causal=True, layout=cfg.layout,
+      sequence=mesh.shape[seq_axis], strategies=AUTO_CANDIDATES,
+      tensor=mesh.shape[head_axis] if head_axis else 1,
+      data=mesh.shape[batch_axis] if batch_axis else 1, device=device)
+
+
+def resolve_attention(cfg, mesh, batch: int, seq_len: int):
+  """``(cfg, plan)``: ``cfg`` with ``attention="auto"`` replaced by the strategy
+  :func:`plan_attention` picks (``plan`` says why), so it is decided once; any other
+  ``cfg`` comes back unchanged with ``plan=None``."""
+  if cfg.attention != "auto":
+    return cfg, None
+  chosen = plan_attention(cfg, mesh, batch, seq_len)
+  strategy = "ring" if chosen is None else chosen.strategy
+  return dataclasses.replace(cfg, attention=strategy), chosen
+
+
+def _axes_for_shapes(mesh, batch: int, heads: int, kv_heads: int):
+  shape = jax.ShapeDtypeStruct
+  return sharded_axes(mesh, shape((batch, 1, heads, 1), "float32"),
+                      shape((batch, 1, kv_heads, 1), "float32"))
+
+
+def _sharded_strategy(strategy: str) -> AttentionBackend:
+  """The backend running ``ring_jax.attention_sharded(..., strategy=strategy)``."""
+
+  def backend(cfg, q_BLNH, k_BLKH, v_BLKH, positions_BL, segment_ids_BL):
+    mesh = shd.current_mesh()
+    seq_axis = sequence_axis(mesh)
+    if seq_axis is None:  # no ring to run on: the same values, densely
+      return dense(cfg, q_BLNH, k_BLKH, v_BLKH, positions_BL, segment_ids_BL)
+    name = strategy
+    if name == "auto":
+      name = plan_attention(cfg, mesh, q_BLNH.shape[0], q_BLNH.shape[1]).strategy
+    batch_axis, head_axis = sharded_axes(mesh, q_BLNH, k_BLKH)
+    seq = seq_axis
+    if name == "hybrid":
+      seq = hybrid_seq_axes(cfg, mesh)
+      # The Ulysses axis splits the heads itself; a batch axis used for the sequence is
+      # not also a batch split.
+      head_axis = None if head_axis in seq else head_axis
+      batch_axis = None if batch_axis in seq else batch_axis
+    return ring_jax.attention_sharded(
+        q_BLNH, k_BLKH, v_BLKH, mesh=mesh, strategy=name, seq_axis=seq,
+        batch_axis=batch_axis, head_axis=head_axis, is_causal=True, segment_ids=segment_ids_BL,
+        layout=cfg.layout, inputs_in_layout=True, block_q=cfg.block_q, block_kv=cfg.block_kv,
+        hop_kernel=cfg.hop_kernel)
+
+  backend.__name__ = strategy
+  backend.__qualname__ = strategy
+  backend.__doc__ = (
+      f":func:`ring_jax.attention_sharded` with ``strategy={strategy!r}`` over the mesh axis "
+      "the ``length`` rule names (``hybrid``: ``cfg.hybrid_axes``), ``layout=cfg.layout, "
+      "inputs_in_layout=True``, batch and heads sharded per the rules. Without a context "
+      "mesh, or when the mesh has no such axis, it falls back to :func:`dense` (same values; "
+      "O(L^2) memory), since there is no sequence axis to run on.")
+  return backend
 
 
 def dense(cfg, q_BLNH, k_BLKH, v_BLKH, positions_BL, segment_ids_BL):
@@ -157,5 +247,6 @@ def dense(cfg, q_BLNH, k_BLKH, v_BLKH, positions_BL, segment_ids_BL):
   return shd.with_logical_constraint(out, ("batch", "length", "heads", "head_dim"))
 
 
-register_attention("ring", ring)
+for _strategy in STRATEGY_BACKENDS:
+  register_attention(_strategy, _sharded_strategy(_strategy))
 register_attention("dense", dense)

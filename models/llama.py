@@ -13,14 +13,19 @@ Conventions the rest of the project relies on:
   ``inputs_in_layout=True``, and the dense backend masks with
   ``q_positions=kv_positions=positions``. Logits come back in the same order.
 * **Attention backends.** ``cfg.attention`` names an entry of
-  :data:`models.attention.ATTENTION_BACKENDS` (``"ring"``, ``"dense"``, or
-  one registered with :func:`models.attention.register_attention`).
+  :data:`models.attention.ATTENTION_BACKENDS` (``"ring"``, ``"all_gather"``,
+  ``"ulysses"``, ``"hybrid"``, ``"auto"``, ``"dense"``, or one registered with
+  :func:`models.attention.register_attention`).
 * **Profiles.** Embedding, each layer and its attention and MLP blocks, the
   output head and the loss run under ``jax.named_scope`` (``embed``,
   ``layer/attention/ring``, ``layer/mlp``, ``head``, ``loss``).
 * **Sharding.** Parameters carry logical axis names (Variable metadata
   ``logical_axes``); :mod:`models.sharding` maps them to mesh axes. The mesh is
-  the one set with ``jax.set_mesh`` (none: everything runs unsharded).
+  the one set with ``jax.set_mesh`` (none: everything runs unsharded). The
+  residual stream's tokens are named ``residual_length``, those the projections
+  and attention see ``length``: the rules table (``cfg.logical_rules``, under
+  which the entry points trace) decides whether tensor peers split the former
+  (``tensor_sequence_parallel``).
 * **Tree mode.** The model holds only ``nnx.Param`` arrays (RoPE tables are
   computed from positions, nothing is cached), no Variable is shared, and
   ``__call__`` is pure, so ``nnx.split`` / ``nnx.merge`` around a ``jax.jit``
@@ -96,7 +101,9 @@ class LlamaConfig:
   "factor": f}`` or ``{"rope_type": "llama3", "factor", "low_freq_factor",
   "high_freq_factor", "original_max_position_embeddings"}`` (``"type"`` is
   accepted for ``"rope_type"``). ``attention`` is a key of
-  :data:`models.attention.ATTENTION_BACKENDS` (``"ring"``, ``"dense"``);
+  :data:`models.attention.ATTENTION_BACKENDS` (``"ring"``, ``"all_gather"``,
+  ``"ulysses"``, ``"hybrid"`` over ``hybrid_axes``, ``"auto"``, ``"dense"``);
+  ``tensor_sequence_parallel`` picks the rules table (:func:`models.sharding.rules`);
   ``hop_kernel`` names the ring's per-hop kernel (a key of
   :data:`ring_jax.kernels.HOP_KERNELS`, or ``"auto"``: see :mod:`ring_jax.kernels`);
   ``remat_policy`` a key of :data:`REMAT_POLICIES`; ``dtype`` the compute
@@ -127,6 +134,13 @@ class LlamaConfig:
   dtype: str = "float32"
   param_dtype: str = "float32"
   fsdp: bool = False
+  # Megatron-style sequence parallelism on the tensor axis (models.sharding.rules): the
+  # residual stream, norms and embedding output split their tokens over (sequence, tensor).
+  # None: on whenever the mesh has tensor > 1; False: off (residual replicated over tensor).
+  tensor_sequence_parallel: bool | None = None
+  # The strategy "hybrid"'s two mesh axes (ring_axis, ulysses_axis): the ring over the first,
+  # Ulysses all-to-alls over the second (heads are then not split over it inside attention).
+  hybrid_axes: tuple[str, str] = ("sequence", "tensor")
   # Std of the normal initialiser of every weight matrix and the embedding (as HF LLaMA).
   init_std: float = 0.02
 
@@ -158,6 +172,13 @@ class LlamaConfig:
         raise ValueError(f"{name} must be one of {sorted(DTYPES)}, got {getattr(self, name)!r}.")
     if self.rope_theta <= 0:
       raise ValueError(f"rope_theta must be positive, got {self.rope_theta}.")
+    shd.rules(self.tensor_sequence_parallel)  # validates the switch
+    axes = self.hybrid_axes
+    if (not isinstance(axes, (tuple, list)) or len(axes) != 2 or len(set(axes)) != 2
+        or not all(isinstance(a, str) for a in axes)):
+      raise ValueError(f"hybrid_axes must be two different mesh axis names (ring_axis, "
+                       f"ulysses_axis), e.g. ('sequence', 'tensor'), got {axes!r}.")
+    object.__setattr__(self, "hybrid_axes", tuple(axes))
     if self.rope_scaling is not None:
       # Copy: the config must not alias a dict the caller may mutate later.
       object.__setattr__(self, "rope_scaling", dict(self.rope_scaling))
@@ -182,6 +203,12 @@ class LlamaConfig:
   @property
   def resolved_head_dim(self) -> int:
     return self.head_dim if self.head_dim is not None else self.dim // self.num_heads
+
+  @property
+  def logical_rules(self) -> shd.Rules:
+    """The rules table of this model (:func:`models.sharding.rules`); :class:`Llama`'s entry
+    points trace under it (:func:`models.sharding.use_rules`)."""
+    return shd.rules(self.tensor_sequence_parallel)
 
   @property
   def compute_dtype(self):
@@ -387,6 +414,9 @@ class Attention(nnx.Module):
     """
     cfg = self.cfg
     cp = checkpoint_name
+    # Column-parallel projections read every token of the ring shard: gathered over the tensor
+    # peers when the residual stream is split over them (a no-op otherwise).
+    x_BLD = shd.with_logical_constraint(x_BLD, ("batch", "length", "embed"))
     q_BLNH = jnp.einsum("BLD,DNH->BLNH", x_BLD, _weight(self.wq, cfg))
     k_BLKH = jnp.einsum("BLD,DKH->BLKH", x_BLD, _weight(self.wk, cfg))
     v_BLKH = jnp.einsum("BLD,DKH->BLKH", x_BLD, _weight(self.wv, cfg))
@@ -398,8 +428,9 @@ class Attention(nnx.Module):
     v_BLKH = shd.with_logical_constraint(v_BLKH, ("batch", "length", "kv_heads", "head_dim"))
     o_BLNH, aux = attend(q_BLNH, k_BLKH, v_BLKH)
     o_BLNH = cp(o_BLNH, "attn_out")
+    # Row-parallel: the partial sums over heads are reduce-scattered into the residual's split.
     return shd.logical_einsum("BLNH,NHD->BLD", o_BLNH, _weight(self.wo, cfg),
-                              ("batch", "length", "embed")), aux
+                              ("batch", "residual_length", "embed")), aux
 
 
 def backend_attend(cfg: LlamaConfig, positions_BL, segment_ids_BL, keep_kv: bool = False):
@@ -427,19 +458,28 @@ class MLP(nnx.Module):
     self.w_down = _param(rngs, (f, d), ("mlp", e), cfg, stack)
 
   @jax.named_scope("mlp")
-  def __call__(self, x_XD, lead_names=("batch", "length")):
-    """``x_XD``: any leading dims (logical names ``lead_names``), model dim last."""
+  def __call__(self, x_XD, lead_names=("batch", "length"), out_lead_names=None):
+    """``x_XD``: any leading dims, model dim last. The input is gathered to ``lead_names``
+    (column-parallel ``w_gate``/``w_up``), the output of the row-parallel ``w_down`` is
+    sharded as ``out_lead_names`` (default: ``lead_names`` with ``length`` ->
+    ``residual_length``, the residual stream's split)."""
     cfg = self.cfg
-    gate_XF = jnp.einsum("...D,DF->...F", x_XD, _weight(self.w_gate, cfg))
-    up_XF = jnp.einsum("...D,DF->...F", x_XD, _weight(self.w_up, cfg))
+    if out_lead_names is None:
+      out_lead_names = tuple("residual_length" if n == "length" else n for n in lead_names)
+    x_XD = shd.with_logical_constraint(x_XD, (*lead_names, "embed"))
+    # Named like the attention's q/k/v: the hidden stays split over "mlp" in the backward
+    # pass too (left free, GSPMD split it over the tokens there and gathered the weights).
+    hidden = lambda h: shd.with_logical_constraint(h, (*lead_names, "mlp"))
+    gate_XF = hidden(jnp.einsum("...D,DF->...F", x_XD, _weight(self.w_gate, cfg)))
+    up_XF = hidden(jnp.einsum("...D,DF->...F", x_XD, _weight(self.w_up, cfg)))
     h_XF = jax.nn.silu(gate_XF) * up_XF
     return shd.logical_einsum("...F,FD->...D", h_XF, _weight(self.w_down, cfg),
-                              (*lead_names, "embed"))
+                              (*out_lead_names, "embed"))
 
 
-def _sequence_shards() -> int:
-  """Size of the mesh axis the length dimension is sharded over (1 without one)."""
-  spec = shd.logical_to_spec(("length",))
+def _sequence_shards(name: str = "length") -> int:
+  """Devices the logical sequence dimension ``name`` is split over (1 without a mesh)."""
+  spec = shd.logical_to_spec((name,))
   mesh = shd.current_mesh()
   if mesh is None or spec[0] is None:
     return 1
@@ -472,33 +512,48 @@ class Block(nnx.Module):
     # Named so a remat policy can offload the one activation "full" remat keeps per layer.
     x_BLD = checkpoint_name(x_BLD, "layer_in")
     attn_BLD, aux = self.attn.forward(self.attn_norm(x_BLD), cos_BL1H, sin_BL1H, attend)
-    x_BLD = shd.with_logical_constraint(x_BLD + attn_BLD, ("batch", "length", "embed"))
+    x_BLD = shd.with_logical_constraint(x_BLD + attn_BLD, ("batch", "residual_length", "embed"))
     h_BLD = self.mlp_norm(x_BLD)
     if cfg.ffn_chunk_size is None:
       mlp_BLD = self.mlp(h_BLD)
     else:
       mlp_BLD = self._blockwise_mlp(h_BLD)
     mlp_BLD = checkpoint_name(mlp_BLD, "mlp_out")
-    return shd.with_logical_constraint(x_BLD + mlp_BLD, ("batch", "length", "embed")), aux
+    return shd.with_logical_constraint(x_BLD + mlp_BLD,
+                                       ("batch", "residual_length", "embed")), aux
 
   def _blockwise_mlp(self, h_BLD):
     """The MLP over ``ffn_chunk_size``-token chunks of each device's local sequence (BPT).
 
-    ``[B, L, D]`` is viewed as ``[B, R, L/R, D]`` with ``R`` the sequence
-    shard count, so the chunks scanned by :func:`ring_jax.blockwise_ffn` are
-    local (the ``R`` axis stays sharded, the scanned axis is not).
+    ``[B, L, D]`` is viewed as ``[B, R, L/R, D]`` with ``R`` the residual
+    stream's shard count (``sequence``, times ``tensor`` with tensor sequence
+    parallelism), so the chunks scanned by :func:`ring_jax.blockwise_ffn` are
+    local (the ``R`` axis stays sharded, the scanned axis is not); each chunk is
+    gathered over ``tensor`` for the MLP and its output reduce-scattered back.
     """
     length = h_BLD.shape[1]
-    r = _sequence_shards()
+    r = _sequence_shards("residual_length")
     chunk = self.cfg.ffn_chunk_size
     if length % r or (length // r) % chunk:
       raise ValueError(
           f"ffn_chunk_size={chunk} must divide the local sequence length {length}/{r}.")
     h_BRLD = rearrange(h_BLD, "b (r l) d -> b r l d", r=r)
-    h_BRLD = shd.with_logical_constraint(h_BRLD, ("batch", "length", None, "embed"))
+    h_BRLD = shd.with_logical_constraint(h_BRLD, ("batch", "residual_length", None, "embed"))
     out_BRLD = ring_jax.blockwise_ffn(
         lambda x: self.mlp(x, lead_names=("batch", "length", None)), h_BRLD, chunk, axis=2)
     return rearrange(out_BRLD, "b r l d -> b (r l) d")
+
+
+def _under_rules(method):
+  """Traces ``method`` under the model's rules table (``cfg.logical_rules``): the layers only
+  name their activations, the table (e.g. ``tensor_sequence_parallel``) decides the split."""
+
+  @functools.wraps(method)
+  def wrapped(self, *args, **kwargs):
+    with shd.use_rules(self.cfg.logical_rules):
+      return method(self, *args, **kwargs)
+
+  return wrapped
 
 
 class Llama(nnx.Module):
@@ -513,6 +568,7 @@ class Llama(nnx.Module):
     if not cfg.tie_embeddings:
       self.lm_head = _param(rngs, (cfg.dim, cfg.vocab_size), (e, "vocab"), cfg, None)
 
+  @_under_rules
   def __call__(self, tokens_BL, positions_BL, segment_ids_BL=None):
     """Logits ``[B, L, vocab]`` (float32) in the order of the inputs.
 
@@ -521,6 +577,7 @@ class Llama(nnx.Module):
     return self.head(self.hidden(tokens_BL, positions_BL, segment_ids_BL),
                      ("batch", "length"))
 
+  @_under_rules
   def hidden(self, tokens_BL, positions_BL, segment_ids_BL=None):
     """Final-normed hidden states ``[B, L, dim]`` (compute dtype), before the output head.
 
@@ -539,6 +596,7 @@ class Llama(nnx.Module):
     make_attend = lambda positions_BL, _: backend_attend(self.cfg, positions_BL, segment_ids_BL)
     return self.forward_layers(tokens_BL, positions_BL, make_attend)[0]
 
+  @_under_rules
   def forward_layers(self, tokens_BL, positions_BL, make_attend, layer_xs=None):
     """``(final-normed hidden [B, L, D], aux stacked over layers)`` with a custom attention.
 
@@ -556,8 +614,10 @@ class Llama(nnx.Module):
       positions_BL = jnp.broadcast_to(positions_BL, tokens_BL.shape)
     positions_BL = shd.with_logical_constraint(positions_BL, ("batch", "length"))
     with jax.named_scope("embed"):
-      x_BLD = shd.logical_take(_weight(self.embed, cfg), tokens_BL,
-                               ("batch", "length", "embed"))
+      # Vocabulary-parallel lookup (partial sums over the tensor peers), reduce-scattered into
+      # the residual stream's split (looked up straight into it, GSPMD gathered the table).
+      x_BLD = shd.logical_take(_weight(self.embed, cfg), tokens_BL, ("batch", "length", "embed"))
+      x_BLD = shd.with_logical_constraint(x_BLD, ("batch", "residual_length", "embed"))
     cos_BL1H, sin_BL1H = rope_tables(positions_BL, rope_inv_freq(cfg))
 
     graphdef, stacked = nnx.split(self.layers)
@@ -582,10 +642,13 @@ class Llama(nnx.Module):
     with jax.named_scope("final_norm"):
       return self.final_norm(x_BLD), aux
 
+  @_under_rules
   @jax.named_scope("head")
   def head(self, x_XD, lead_names):
     """Float32 logits ``[..., vocab]`` of hidden states ``[..., dim]`` named ``lead_names``."""
     cfg = self.cfg
+    # Column-parallel over the vocabulary: the tokens are gathered over tensor first.
+    x_XD = shd.with_logical_constraint(x_XD, (*lead_names, "embed"))
     if cfg.tie_embeddings:
       w, eq = _weight(self.embed, cfg), "...D,VD->...V"
     else:
@@ -593,6 +656,7 @@ class Llama(nnx.Module):
     return shd.logical_einsum(eq, x_XD, w, (*lead_names, "vocab"),
                               preferred_element_type=jnp.float32)
 
+  @_under_rules
   def nll_sums(self, tokens_BL, positions_BL, segment_ids_BL, labels_BL, mask_BL):
     """``(sum of masked next-token NLL, count of masked argmax hits)``, both float32 scalars.
 
@@ -607,6 +671,8 @@ class Llama(nnx.Module):
 
   def _nll_sums(self, x_BLD, labels_BL, mask_BL):
     chunk = self.cfg.loss_chunk_size
+    # The head is column-parallel over the vocabulary: gather the tokens over tensor once.
+    x_BLD = shd.with_logical_constraint(x_BLD, ("batch", "length", "embed"))
 
     def sums(x_XD, labels_X, mask_X, lead_names):
       logits_XV = self.head(x_XD, lead_names)

@@ -5,7 +5,9 @@ dimensions (Variable metadata ``logical_axes``, e.g. ``("layers", "embed",
 "heads", "head_dim")``) and every constrained activation names its dimensions
 the same way. :data:`LOGICAL_RULES` maps those names to the mesh axes
 ``data``, ``tensor`` and ``sequence``; nothing else in the model mentions a
-mesh axis. (The same idea as ``ShardingRules`` in jax-llm-examples' llama3 and
+mesh axis. :func:`rules` gives the table of a model's settings (tensor sequence
+parallelism on or off: the ``residual_length`` rule), and :func:`use_rules`
+makes it the table the helpers here use while a model traces. (The same idea as ``ShardingRules`` in jax-llm-examples' llama3 and
 ``logical_axis_rules`` in Flax/MaxText.)
 
 Mesh axes a rule names but the current mesh lacks are dropped, as are axes
@@ -21,7 +23,9 @@ Both kinds of mesh axis work: ``AxisType.Explicit`` (the default of
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+import contextlib
+import contextvars
+from typing import Any, Iterator, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -39,7 +43,16 @@ MESH_AXES: tuple[str, ...] = ("data", "sequence", "tensor")
 LOGICAL_RULES: Rules = (
     # Activations.
     ("batch", "data"),
+    # The sequence where tokens meet (attention, and the q/k/v and MLP activations between the
+    # column- and row-parallel projections): split over the ring.
     ("length", "sequence"),
+    # The sequence of the residual stream between those regions (embedding output, norms,
+    # residual adds, final norm): Megatron-style sequence parallelism also splits it over the
+    # tensor peers (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
+    # Transformer Models", Sec. 4.2.2), so each device holds L / (sequence * tensor) tokens;
+    # gathered over tensor before the column-parallel projections, reduce-scattered after the
+    # row-parallel ones. rules(tensor_sequence_parallel=False) maps it to "sequence" alone.
+    ("residual_length", ("sequence", "tensor")),
     # Weights and activations alike: tensor parallelism (Megatron split of heads and MLP hidden).
     ("heads", "tensor"),
     ("kv_heads", "tensor"),
@@ -57,6 +70,47 @@ LOGICAL_RULES: Rules = (
 
 #: Metadata key under which parameters store their logical axis names.
 LOGICAL_AXES_KEY = "logical_axes"
+
+
+def rules(tensor_sequence_parallel: bool | None = None) -> Rules:
+  """The rules table of a model whose ``LlamaConfig.tensor_sequence_parallel`` is given.
+
+  None or True: :data:`LOGICAL_RULES` (``residual_length`` over ``(sequence,
+  tensor)``; on a mesh whose ``tensor`` axis is 1 or missing that is
+  ``sequence`` alone, so "on when tensor > 1" needs no case of its own).
+  False: ``residual_length`` over ``sequence`` only: the residual stream is
+  replicated on the tensor peers and the row-parallel outputs are all-reduced.
+  """
+  if tensor_sequence_parallel is None or tensor_sequence_parallel is True:
+    return LOGICAL_RULES
+  if tensor_sequence_parallel is not False:
+    raise ValueError(f"tensor_sequence_parallel must be None (auto), True or False, got "
+                     f"{tensor_sequence_parallel!r}.")
+  return tuple((name, "sequence" if name == "residual_length" else target)
+               for name, target in LOGICAL_RULES)
+
+
+# The table in force where a call passes no rules= (None: LOGICAL_RULES); set by use_rules.
+_ACTIVE_RULES: contextvars.ContextVar[Rules | None] = contextvars.ContextVar(
+    "ring_jax_logical_rules", default=None)
+
+
+@contextlib.contextmanager
+def use_rules(table: Rules) -> Iterator[Rules]:
+  """Makes ``table`` the rules of every helper here called without ``rules=`` (while tracing
+  inside the ``with``), as Flax's ``logical_axis_rules`` context does: a model sets its
+  table once at its entry points, and its layers only name their dimensions."""
+  token = _ACTIVE_RULES.set(tuple(table))
+  try:
+    yield table
+  finally:
+    _ACTIVE_RULES.reset(token)
+
+
+def active_rules() -> Rules:
+  """The table :func:`use_rules` set, or :data:`LOGICAL_RULES` outside any."""
+  table = _ACTIVE_RULES.get()
+  return LOGICAL_RULES if table is None else table
 
 
 def current_mesh():
@@ -82,7 +136,8 @@ def logical_to_spec(names: Sequence[str | None], rules: Rules | None = None, *, 
 
   Args:
     names: one logical name (or None: replicated) per dimension.
-    rules: the table, default :data:`LOGICAL_RULES`.
+    rules: the table, default :func:`active_rules` (:data:`LOGICAL_RULES` unless a
+      :func:`use_rules` context is active).
     mesh: ``Mesh``/``AbstractMesh`` whose axes are kept (others dropped); default
       the context mesh; with neither, every rule target is kept.
     shape: if given, a mesh axis is dropped from a dimension it does not divide.
@@ -90,7 +145,7 @@ def logical_to_spec(names: Sequence[str | None], rules: Rules | None = None, *, 
   Each mesh axis is used at most once per spec (first dimension wins), as
   ``PartitionSpec`` requires.
   """
-  table = dict(rules if rules is not None else LOGICAL_RULES)
+  table = dict(rules if rules is not None else active_rules())
   if mesh is None:
     mesh = current_mesh()
   if shape is not None and len(shape) != len(names):

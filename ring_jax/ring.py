@@ -138,15 +138,6 @@ def ring_attention(query, key, value, *, axis_name, is_causal: bool = False, seg
   return out.reshape(b, t, n, h), lse.reshape(b, t, n)
 
 
-def _axis_size(axis_name) -> int:
-  try:
-    return jax.lax.axis_size(axis_name)
-  except NameError as e:
-    raise ValueError(
-        f"axis_name={axis_name!r} is not a mesh axis bound here: call ring_attention inside "
-        "jax.shard_map over a mesh with that axis (or use ring_attention_sharded).") from e
-
-
 def _make_config(query, key, value, *, axis_name, is_causal, segment_ids, scale,
                  local_window_size, layout, block_q, block_kv, precision,
                  hop_kernel, return_lse=False, overlap_dkv=False) -> _RingConfig:
@@ -155,7 +146,7 @@ def _make_config(query, key, value, *, axis_name, is_causal, segment_ids, scale,
   validation.check_qkv(query, key, value, is_causal=is_causal or window is not None,
                        segment_ids=segment_ids)
   scale = validation.check_scale(scale, query.shape[-1], "float32")
-  ring_size = _axis_size(axis_name)
+  ring_size = validation.axis_size(axis_name, "ring_attention", "ring_attention_sharded")
   t, s = query.shape[1], key.shape[1]
   layouts.check_length(layout, ring_size, t * ring_size, "query length")
   layouts.check_length(layout, ring_size, s * ring_size, "key/value length")

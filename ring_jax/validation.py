@@ -163,3 +163,14 @@ def check_block(name: str, block: int, local_len: int) -> None:
     raise ValueError(
         f"{name}={block} does not divide the local sequence length {local_len}; pick a "
         f"divisor of {local_len} (or leave {name}=None to choose one).")
+
+
+def axis_size(axis_name, who: str, sharded: str = "ring_jax.attention_sharded") -> int:
+  """Size of the bound mesh axis ``axis_name`` (inside ``jax.shard_map``); a ValueError
+  naming the fix (call ``who`` inside shard_map, or use ``sharded`` on global arrays)."""
+  try:
+    return jax.lax.axis_size(axis_name)
+  except NameError as e:
+    raise ValueError(
+        f"axis_name={axis_name!r} is not a mesh axis bound here: call {who} inside "
+        f"jax.shard_map over a mesh with that axis (or use {sharded}).") from e

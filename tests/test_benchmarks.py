@@ -1,6 +1,7 @@
-"""The benchmarks measure shipped code: the all-gather baseline, its model backend, the
-train-throughput script, the GPU check's CPU dry run, the peak-FLOP/s table, and the
-imports the accelerator image (no ml_collections, no grain) needs."""
+"""The benchmarks measure shipped code: the all-gather strategy they compare with and its
+model backend (the registry's), the train-throughput script, the GPU check's CPU dry run,
+the peak-FLOP/s table, and the imports the accelerator image (no ml_collections, no grain)
+needs."""
 import os
 import subprocess
 import sys
@@ -15,8 +16,6 @@ import pytest
 from flax import nnx
 
 import ring_jax
-from benchmarks import baselines
-from benchmarks.baselines import allgather_attention_sharded
 from model_utils import graphdef, make_mesh, packed_batch, random_params
 from models import attention as attn_lib
 from models import sharding as shd
@@ -44,7 +43,9 @@ def test_allgather_baseline_matches_dense(layout, is_causal, segments):
   def loss(f, q, k, v):
     return jnp.sum(f(q, k, v) * do)
 
-  ag = lambda q, k, v: allgather_attention_sharded(q, k, v, mesh=mesh, is_causal=is_causal,
+  ag = lambda q, k, v: ring_jax.attention_sharded(q, k, v, mesh=mesh, strategy="all_gather",
+                                                   batch_axis=None, head_axis=None,
+                                                   is_causal=is_causal,
                                                    segment_ids=seg, layout=layout, block_q=4,
                                                    block_kv=4)
   ref = lambda q, k, v: ring_jax.reference_attention(q, k, v, is_causal=is_causal,
@@ -58,10 +59,11 @@ def test_allgather_baseline_matches_dense(layout, is_causal, segments):
 
 def test_attention_registry():
   """One table; registering is one entry; a taken name is not silently replaced."""
-  assert {"ring", "dense"} <= set(attn_lib.ATTENTION_BACKENDS)
-  name = baselines.register_attention_backend()
-  assert attn_lib.ATTENTION_BACKENDS[name] is baselines.allgather_backend
-  baselines.register_attention_backend()  # idempotent
+  assert set(attn_lib.ATTENTION_BACKENDS) >= {"ring", "all_gather", "ulysses", "hybrid", "auto",
+                                              "dense"}
+  name = "all_gather"
+  backend = attn_lib.ATTENTION_BACKENDS[name]
+  attn_lib.register_attention(name, backend)  # the same function again: a no-op
   with pytest.raises(ValueError, match="already registered"):
     attn_lib.register_attention(name, attn_lib.dense)
   assert LlamaConfig(attention=name).attention == name
@@ -70,13 +72,12 @@ def test_attention_registry():
 
 
 def test_allgather_backend_in_the_model_matches_dense():
-  """LlamaConfig(attention="allgather") on a data=2 x sequence=4 mesh (zigzag, GQA, packed
+  """LlamaConfig(attention="all_gather") on a data=2 x sequence=4 mesh (zigzag, GQA, packed
   documents with padding) == the dense backend on one device: logits and gradients."""
-  baselines.register_attention_backend()
   tiny = dict(vocab_size=64, dim=32, num_layers=1, num_heads=4, num_kv_heads=2, mlp_dim=64,
               init_std=0.2)
   dense_cfg = LlamaConfig(**tiny, attention="dense")
-  ag_cfg = LlamaConfig(**tiny, attention="allgather", layout="zigzag", block_q=2, block_kv=2)
+  ag_cfg = LlamaConfig(**tiny, attention="all_gather", layout="zigzag", block_q=2, block_kv=2)
   params = random_params(dense_cfg)
   tokens, pos, segs = packed_batch(64, ((5, 7), (9, 3, 4)), 16)
   weights = np.random.default_rng(1).normal(size=(2, 16, 64)).astype(np.float32) / 32
@@ -108,8 +109,8 @@ def test_train_throughput_runs_the_shipped_step():
       "--seq-len", "64", "--dim", "32", "--mlp-dim", "64", "--num-heads", "4",
       "--num-kv-heads", "2", "--vocab-size", "64", "--num-layers", "1", "--steps", "1",
       "--mesh", "data=2,sequence=4", "--batch", "2", "--peak-tflops", "1",
-      "--attention", "ring,allgather"])
-  assert [r["attention"] for r in results] == ["ring", "allgather"]
+      "--attention", "ring,all_gather"])
+  assert [r["attention"] for r in results] == ["ring", "all_gather"]
   for r in results:
     assert "error" not in r, r
     assert r["tokens_per_s"] > 0 and 0 < r["mfu"] < 1
@@ -245,7 +246,7 @@ def test_models_and_train_step_import_without_ml_collections_and_grain():
       sys.meta_path.insert(0, Block())
       import models, models.attention, models.convert_hf, models.llama, models.sharding
       import models.lengths, training.batch, training.step
-      import benchmarks.baselines, benchmarks.common, benchmarks.gpu_check
+      import benchmarks.common, benchmarks.gpu_check
       import benchmarks.train_throughput
       from flax import nnx
       benchmarks.gpu_check.llama_config()  # reads configs/llama_1b.py without ml_collections

@@ -1,9 +1,9 @@
 """init.hf_dir -> train.py -> export_hf.py: config resolution, bitwise round trips, and the
 exported directory loading in transformers with logits equal to ours."""
 
-import io
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -84,6 +84,15 @@ def test_resolve_hf_init(tmp_path):
   assert logs == [f"model.rope_theta=1000000.0 overrides 500.0 of {path}/config.json"]
   # Idempotent: the saved (resolved) config resolves to itself.
   assert cfg_lib.resolve_hf_init(resolved).to_dict() == resolved.to_dict()
+  # data.tokenizer: None in finetune.py -> init.hf_dir's tokenizer; a value stays; unset
+  # without init.hf_dir is a config error naming the fix.
+  assert config.data.tokenizer is None and resolved.data.tokenizer == path
+  config.data.tokenizer = "byte"
+  assert cfg_lib.resolve_hf_init(config).data.tokenizer == "byte"
+  no_hf = finetune.get_config()
+  no_hf.data.path = path + "/config.json"
+  with pytest.raises(cfg_lib.ConfigError, match="data.tokenizer is unset.*init.hf_dir=DIR"):
+    cfg_lib.check_text_data(no_hf.data, no_hf.model)
 
   # Shape fields are fixed by the weights; another config's values there are an error.
   wrong = tiny.get_config()
@@ -205,23 +214,31 @@ def test_import_export_reproduces_the_original_tensors(tmp_path, hf, tie, rope, 
 
 
 def test_finetune_export_loads_in_transformers(tmp_path, hf):
-  """A random HF LLaMA -> train.py (configs/finetune.py, ring attention on data=2 x
-  sequence=4, 3 steps, a rope_theta override) -> export_hf.py -> transformers: logits equal
-  ours (float32, rtol 1e-4), the weights moved, and the trained rope_theta was exported."""
+  """A random HF LLaMA + a BPE tokenizer (``tokenizers``, trained on the test corpus, in the
+  same directory) -> train.py (configs/finetune.py: a JSONL corpus tokenised by init.hf_dir's
+  tokenizer, ring attention on data=2 x sequence=4, 3 steps, a rope_theta override) ->
+  export_hf.py -> transformers: logits equal ours (float32, rtol 1e-4), the weights moved,
+  the trained rope_theta was exported, and generate.py (the CLI, the run's tokenizer) greedy
+  equals transformers' greedy generate on the export, token for token."""
   torch, transformers = hf
+  pytest.importorskip("tokenizers")
   from test_convert_hf import _hf_greedy, _hf_model, _ring_logits
+  from scripts import make_tiny_hf
+  from training.tokenizer import load_tokenizer
 
   model, path = _hf_model(tmp_path, tie=False, rope_scaling=None, shard=False,
-                          vocab_size=256, hidden_size=64, intermediate_size=128,
+                          vocab_size=320, hidden_size=64, intermediate_size=128,
                           initializer_range=0.1)
+  texts = make_tiny_hf.corpus_texts(400)
+  make_tiny_hf.write_tokenizer(path, texts, vocab_size=320)
+  corpus = make_tiny_hf.write_corpus(str(tmp_path / "corpus.jsonl"), texts)
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # train.py makes devices
   env["JAX_PLATFORMS"] = "cpu"
   workdir = tmp_path / "run"
   cmd = [sys.executable, os.path.join(ROOT, "train.py"),
          "--config", os.path.join(ROOT, "configs", "finetune.py"), "--workdir", str(workdir),
          f"--config.init.hf_dir={path}", "--config.model.rope_theta=20000.0",
-         "--config.data.kind=kv_retrieval", "--config.data.seq_len=64",
-         "--config.data.kv.num_pairs=4", "--config.data.kv.num_queries=4",
+         f"--config.data.path={corpus}", "--config.data.seq_len=64",
          "--config.batch_size=4", "--config.eval_batch_size=4", "--config.eval_batches=1",
          "--config.total_steps=3", "--config.optim.warmup_steps=1", "--config.optim.lr=1e-2",
          "--config.log_every=1", "--config.eval_every=3", "--config.async_checkpointing=False"]
@@ -231,6 +248,7 @@ def test_finetune_export_loads_in_transformers(tmp_path, hf):
   assert "model.rope_theta=20000.0 overrides 500.0" in proc.stdout
   saved = json.loads((workdir / "config.json").read_text())
   assert saved["model"]["dim"] == 64 and saved["model"]["rope_theta"] == 20000.0
+  assert saved["data"]["kind"] == "text" and saved["data"]["tokenizer"] == path
 
   out = tmp_path / "exported"
   proc = subprocess.run([sys.executable, os.path.join(ROOT, "export_hf.py"),
@@ -263,16 +281,77 @@ def test_finetune_export_loads_in_transformers(tmp_path, hf):
   assert np.abs(theirs).max() > 1.0
   np.testing.assert_allclose(ours, theirs, rtol=1e-4, atol=1e-4)
 
-  # generate.py on the workdir with the fine-tuning config (model shape from init.hf_dir):
-  # greedy ring decoding == transformers' greedy generate on the export, token for token.
-  import generate
+  # generate.py, the issue's command: the workdir with the fine-tuning config (model shape and
+  # tokenizer from init.hf_dir, the run's rope_theta override repeated), greedy ring decoding
+  # == transformers' greedy generate on the export, token for token.
+  tok = load_tokenizer(path)
+  prompt_text = "The ring passes"
+  prompt = tok.encode_document(prompt_text, bos=True, eos=False).tolist()
+  assert prompt[0] == tok.bos_id and len(prompt) > 2
+  want = _hf_greedy(reloaded, prompt, 12)
+  proc = subprocess.run([sys.executable, os.path.join(ROOT, "generate.py"),
+                         "--config", os.path.join(ROOT, "configs", "finetune.py"),
+                         f"--config.init.hf_dir={path}", "--config.model.rope_theta=20000.0",
+                         "--config.data.seq_len=64", "--workdir", str(workdir),
+                         "--prompt", prompt_text, "--temperature", "0", "--max_new_tokens", "12",
+                         "--nostop_at_eos"],
+                        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+  assert proc.stdout[:-1] == tok.decode(want), (proc.stdout, want)
 
-  prompt = [5, 9, 17, 33, 2, 8, 41]
-  gen_config = finetune.get_config()
-  gen_config.init.hf_dir = path
-  gen_config.model.rope_theta = 20000.0
-  gen_config.data.seq_len = 64
-  texts = generate.run(gen_config, workdir=str(workdir), prompts=[" ".join(map(str, prompt))],
-                       max_new_tokens=12, temperature=0.0, top_p=1.0, seed=0, tokenizer="ids",
-                       out=io.StringIO(), log=lambda m: None)
-  assert [int(t) for t in texts[0].split()] == _hf_greedy(reloaded, prompt, 12)
+
+# ----------------------------------------------------------------------------------------------
+# The README's "fine-tune a Hugging Face model" block, run as written (fewer steps)
+# ----------------------------------------------------------------------------------------------
+
+# Appended to the block's train.py command: later --config.* flags win, so the test is fast.
+_FAST = ["--config.total_steps=2", "--config.optim.warmup_steps=1", "--config.data.seq_len=64",
+         "--config.batch_size=4", "--config.eval_batch_size=4", "--config.eval_batches=1",
+         "--config.async_checkpointing=False"]
+
+
+def readme_finetune_commands() -> list[list[str]]:
+  """The ``python ...`` commands of the README's bash block that runs make_tiny_hf.py."""
+  import shlex
+  text = open(os.path.join(ROOT, "README.md")).read()
+  blocks = re.findall(r"```bash\n(.*?)```", text, re.S)
+  block = next(b for b in blocks if "make_tiny_hf.py" in b)
+  lines = [line for line in block.replace("\\\n", " ").splitlines()
+           if line.strip() and not line.lstrip().startswith("#")]
+  commands = []
+  for line in lines:
+    for part in line.split("&&"):
+      argv = shlex.split(part)
+      if argv and argv[0] == "python":
+        commands.append(argv)
+  return commands
+
+
+def test_readme_finetune_block_runs(tmp_path):
+  """make_tiny_hf.py -> train.py (configs/finetune.py, the BPE tokenizer from init.hf_dir)
+  -> export_hf.py -> generate.py, as the README writes them (paths moved into tmp_path)."""
+  pytest.importorskip("tokenizers")
+  commands = readme_finetune_commands()
+  assert [c[1] for c in commands] == ["scripts/make_tiny_hf.py", "train.py", "export_hf.py",
+                                      "generate.py"]
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env["JAX_PLATFORMS"] = "cpu"
+  outputs = []
+  for argv in commands:
+    argv = [sys.executable] + [a.replace("/tmp/", f"{tmp_path}/") for a in argv[1:]]
+    if argv[1] == "train.py":
+      argv += _FAST
+    proc = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, " ".join(argv) + "\n" + proc.stdout[-3000:] + proc.stderr[-3000:]
+    outputs.append(proc)
+  saved = json.loads((tmp_path / "tiny_ft" / "config.json").read_text())
+  assert saved["data"]["tokenizer"] == str(tmp_path / "tiny_hf")  # recorded in the run
+  assert {"tokenizer.json", "tokenizer_config.json", "model.safetensors"} <= set(
+      os.listdir(tmp_path / "tiny_ft_hf"))
+  from training.tokenizer import load_tokenizer
+  tok = load_tokenizer(str(tmp_path / "tiny_hf"))
+  text = outputs[-1].stdout.rstrip("\n")
+  assert text, outputs[-1].stderr[-2000:]
+  # The continuation is BPE text: it re-encodes into ids of that tokenizer's vocabulary.
+  assert tok.kind == "tokenizers" and len(tok.encode(text)) >= 1

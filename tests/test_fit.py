@@ -133,3 +133,25 @@ def test_long_variant_validates(devices):
   config = llama_1b.get_config("long")
   assert cfg_lib.validate_config(config, devices) == dict(data=1, sequence=devices, tensor=1)
   assert config.model.remat_policy == "offload_layer_in" and config.batch_size == 1
+
+
+@pytest.mark.parametrize("attention", ["ring", "all_gather", "ulysses", "hybrid", "auto",
+                                       "dense"])
+def test_every_strategy_compiles(attention):
+  """model.attention=<strategy> compiles on data=1 x sequence=2 x tensor=2 (the hybrid: ring
+  over sequence x Ulysses over tensor); --collectives counts the step's collectives: the ring
+  and the hybrid pass K/V with collective-permute, Ulysses exchanges with all-to-all."""
+  proc, lines = fit("--config", os.path.join(ROOT, "configs", "tiny.py"), "--devices", "4",
+                    "--mesh", "data=1,sequence=2,tensor=2", "--config.batch_size=2",
+                    "--config.model.num_layers=1", f"--config.model.attention={attention}",
+                    "--seq_len", "128", "--memory_gib", "1", "--collectives")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  result = json.loads(lines[-1])
+  (row,) = result["checked"]
+  check_row(row)
+  counts = {kind: c["count"] for kind, c in row["collectives"].items()}
+  assert counts["reduce-scatter"] > 0  # tensor sequence parallelism is on (tensor=2)
+  if attention in ("ring", "hybrid"):
+    assert counts["collective-permute"] > 0
+  if attention in ("ulysses", "hybrid"):
+    assert counts["all-to-all"] > 0

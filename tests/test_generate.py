@@ -206,3 +206,60 @@ def test_hf_dir_greedy_matches_transformers_generate(tmp_path):
                         tokenizer="ids", max_new_tokens=16)
   assert [int(t) for t in texts[0].split()] == want
   assert any(f"loaded {path}" in l for l in logs)
+
+
+@pytest.mark.parametrize("kind", ["byte", "bpe"])
+def test_text_passkey_rows_are_tokenizer_text(tmp_path, kind):
+  """The passkey row is text encoded with the model's tokenizer: exactly ``length`` tokens,
+  BOS first, the needle inside, the loss mask on the key's tokens (labels = the key)."""
+  from training.tokenizer import load_tokenizer
+  if kind == "bpe":
+    pytest.importorskip("tokenizers")
+    from scripts import make_tiny_hf
+    spec = make_tiny_hf.write_tokenizer(str(tmp_path / "tok"), make_tiny_hf.corpus_texts(400),
+                                        vocab_size=320)
+  else:
+    spec = "byte"
+  tok = load_tokenizer(spec)
+  for length in (128, 256):
+    rows = evaluate.text_passkey_rows(tok, length, rows=3, seed=1)
+    assert rows["tokens"].shape == (3, length)
+    for r in range(3):
+      tokens, mask = rows["tokens"][r], rows["loss_mask"][r] > 0
+      assert tokens[0] == tok.bos_id
+      key = tok.decode(rows["labels"][r][mask])
+      assert len(key) == 5 and key.isdigit()
+      text = tok.decode(tokens)
+      assert f"The pass key is {key}. Remember it." in text
+      assert text.endswith(f"What is the pass key? The pass key is {key}")
+      assert mask.sum() == len(tok.encode(key))
+  chance = evaluate.text_passkey_chance(tok)
+  assert chance == pytest.approx(0.1) if kind == "byte" else 0 < chance <= 0.1
+  with pytest.raises(ValueError, match="too short"):
+    evaluate.text_passkey_rows(tok, 16, rows=1, seed=0)
+
+
+def test_run_tokenizer_and_model_come_from_the_saved_config(tmp_path):
+  """loading.py: a workdir's saved data.tokenizer wins over --config's; --hf_dir names its own;
+  none at all is a UsageError naming the fix; a model field differing from the run's warns."""
+  from configs import finetune
+  from training import loading
+  from training.config import UsageError as Usage
+  config = finetune.get_config()
+  workdir = tmp_path / "run"
+  workdir.mkdir()
+  with pytest.raises(Usage, match="init.hf_dir"):  # finetune.py without init.hf_dir
+    loading.run_tokenizer_spec(config, workdir=str(workdir))
+  saved = json.loads(config.to_json_best_effort())
+  saved["data"]["tokenizer"] = "/models/llama"
+  saved["model"].update(rope_theta=20000.0, attention="ring")
+  (workdir / "config.json").write_text(json.dumps(saved))
+  logs = []
+  assert loading.run_tokenizer_spec(config, workdir=str(workdir), log=logs.append) == \
+      "/models/llama"
+  assert loading.run_tokenizer_spec(config, hf_dir="/other") == "/other"
+  config.model.rope_theta = 500.0
+  config.model.attention = "dense"  # an inference choice: no warning
+  loading.warn_model_differences(config, str(workdir), log=logs.append)
+  assert logs == [f"warning: model.rope_theta=500.0 differs from the run's 20000.0 "
+                  f"({workdir}/config.json); pass --config.model.rope_theta=... to match it"]

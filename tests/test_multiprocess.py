@@ -1,13 +1,17 @@
 """`train.py` as two processes over `jax.distributed` on localhost (gloo, 4 CPU devices each).
 
-One scenario, to stay within a couple of minutes on 2 cores: a 2-process run is stopped
-by a SIGTERM to one of its processes (both must finish the same step, save and exit 0),
+Two scenarios, each within a few minutes on 2 cores: a 2-process run is stopped by a
+SIGTERM to one of its processes (both must finish the same step, save and exit 0),
 resumed by a 1-process run on the same 8-device mesh for two steps, then by a 2-process
-run for two more; the whole loss curve must equal an uninterrupted 1-process run's.
+run for two more; the whole loss curve must equal an uninterrupted 1-process run's. And a
+2-process run one of whose processes is killed (``kill -9``): the survivor exits 75 with
+one line, within a bounded time; both restarted resume from the last complete checkpoint.
 """
 
+import os
 import re
 import signal
+import time
 
 import numpy as np
 
@@ -16,10 +20,12 @@ import train_procs as tp
 FLAGS = ("--config.total_steps=1000", "--config.checkpoint_every=1000")
 
 
-def start_two(workdir, *flags):
+def start_two(workdir, *flags, base_flags=FLAGS, stderr_dir=None):
   port = tp.free_port()
-  return [tp.start(workdir, *FLAGS, *flags, JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
-                   JAX_NUM_PROCESSES="2", JAX_PROCESS_ID=str(i)) for i in range(2)]
+  return [tp.start(workdir, *base_flags, *flags, JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
+                   JAX_NUM_PROCESSES="2", JAX_PROCESS_ID=str(i),
+                   stderr_path=stderr_dir and os.path.join(stderr_dir, f"stderr_{i}.txt"))
+          for i in range(2)]
 
 
 def test_two_processes_preempted_then_resumed_by_one_match_one_process(tmp_path):
@@ -64,3 +70,56 @@ def test_two_processes_preempted_then_resumed_by_one_match_one_process(tmp_path)
   for key in ("train/loss", "train/grad_norm"):
     np.testing.assert_allclose([r[key] for r in rows], [r[key] for r in want], rtol=1e-5)
   assert rows[-1]["train/loss"] < rows[0]["train/loss"]  # it trained
+
+
+# Small, so the survivor's verdict comes in seconds; JAX's own heartbeat (its C++ abort,
+# the backstop) is 4x this. Steps are ~1 s here: a checkpoint every 2 steps is often in
+# flight when the kill lands (the test passes either way; both cases are in docs).
+HEARTBEAT_S = 8
+KILL_FLAGS = ("--config.total_steps=14", "--config.checkpoint_every=2",
+              f"--config.distributed.heartbeat_timeout_s={HEARTBEAT_S}")
+
+
+def test_a_killed_process_ends_the_survivor_with_75_and_one_line_then_both_resume(tmp_path):
+  workdir = tmp_path / "run"
+  procs = start_two(workdir, base_flags=KILL_FLAGS, stderr_dir=tmp_path)
+  try:
+    tp.wait_for(procs[0], r"step +5/14")
+    procs[1].kill()  # SIGKILL: no handler, no flush, no goodbye to the coordinator.
+    killed_at = time.monotonic()
+    rc, out = tp.finish(procs[0], timeout=120)
+    survivor_s = time.monotonic() - killed_at
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+      p.wait(timeout=60)
+  stderr = (tmp_path / "stderr_0.txt").read_text()
+  print(f"survivor exited {rc} {survivor_s:.1f}s after the kill")  # shown with -s
+  assert rc == 75, stderr[-3000:]
+  # Bounded: the verdict is due heartbeat_timeout_s (+ one poll) after the last beat.
+  assert survivor_s < 2 * HEARTBEAT_S + 20, survivor_s
+  for noise in ("Fatal Python error", "Check failure", "Traceback"):
+    assert noise not in stderr, stderr[-3000:]
+  errors = [l for l in stderr.splitlines() if l.startswith("error:")]
+  assert len(errors) == 1, stderr[-3000:]
+  line = re.fullmatch(
+      rf"error: process 1 of 2 stopped responding \(no heartbeat for {HEARTBEAT_S} s\) at "
+      r"step (\d+); the last complete checkpoint is step (\d+) in (\S+); restart all 2 "
+      r"processes with the same command to resume: (.*)", errors[0])
+  assert line, errors[0]
+  lost_step, kept = int(line.group(1)), int(line.group(2))
+  assert 5 <= lost_step < 14 and line.group(3) == str(workdir / "checkpoints")
+  assert "train.py" in line.group(4) and f"--workdir={workdir}" in line.group(4)
+  # Only complete steps are listed (a save cut short is at most a tmp directory).
+  assert 2 <= kept == max(tp.checkpoint_steps(workdir)) <= lost_step
+
+  # The same command on both processes resumes from it and finishes the schedule.
+  results = tp.finish_all(start_two(workdir, base_flags=KILL_FLAGS))
+  for rc, out in results:
+    assert rc == 0, out[-3000:]
+  assert f"resumed from step {kept} " in results[0][1], results[0][1][-3000:]
+  assert "done: step 14" in results[0][1]
+  leftovers = [n for n in os.listdir(workdir / "checkpoints") if "tmp" in n]
+  assert leftovers == [], leftovers  # the interrupted save's tmp directory is gone
+  assert [r["step"] for r in tp.train_rows(workdir)] == list(range(1, 15))

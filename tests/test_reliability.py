@@ -5,7 +5,9 @@ import errno
 import json
 import os
 import re
+import shutil
 import signal
+import time
 
 import numpy as np
 import pytest
@@ -143,6 +145,7 @@ def test_failing_background_save_stops_the_run_with_one_error(tmp_path):
     (("--gin_param=modell.num_layers = 2",), "no field 'modell'"),
     (("--gin_param=model.num_layers = (",), "gin"),
     (("--stop_at_step=-3",), "--stop_at_step=-3"),
+    (("--config.distributed.heartbeat_timeout_s=0",), "distributed.heartbeat_timeout_s=0"),
 ])
 def test_bad_command_lines_give_one_line_and_exit_2(tmp_path, flags, expected):
   proc = tp.run(tmp_path / "run", *flags, timeout=120)
@@ -167,3 +170,106 @@ def test_resumed_metrics_keep_one_row_per_step(tmp_path):
   writer.close()
   assert [json.loads(l) for l in path.read_text().splitlines()] == [
       rows[0], {"step": 2, "train/loss": 0.25}]
+
+
+def test_a_save_cut_short_leaves_no_step_and_its_tmp_directory_is_removed(tmp_path):
+  """What a process killed mid-save leaves (Orbax renames ``<step>.orbax-checkpoint-tmp``
+  to ``<step>`` only once every process has written): never listed nor restored, and
+  deleted by the next run's Checkpointer."""
+  import jax
+  import jax.numpy as jnp
+
+  params, opt_state = {"w": jnp.arange(4.0)}, {"m": jnp.ones(4)}
+  checkpointer = ckpt_lib.Checkpointer(str(tmp_path), every=1, async_save=False)
+  assert checkpointer.save(1, params, opt_state, {"next_index": 1})
+  checkpointer.close()
+  directory = ckpt_lib.checkpoint_directory(str(tmp_path))
+  half = os.path.join(directory, "2.orbax-checkpoint-tmp")  # step 2's save, cut short
+  shutil.copytree(os.path.join(directory, "1"), half)
+  for name in ("data", "_CHECKPOINT_METADATA"):
+    target = os.path.join(half, name)
+    if os.path.isdir(target):
+      shutil.rmtree(target)
+    elif os.path.exists(target):
+      os.remove(target)
+  assert ckpt_lib.complete_steps(directory) == [1]
+  assert ckpt_lib.complete_steps(str(tmp_path / "nowhere")) == []
+
+  sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  abstract = lambda tree: jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), tree)
+  resumed = ckpt_lib.Checkpointer(str(tmp_path), every=1, async_save=False)
+  step, got, _, data = resumed.restore_latest(abstract(params), abstract(opt_state),
+                                              warn=pytest.fail)
+  resumed.close()
+  assert (step, data) == (1, {"next_index": 1})
+  np.testing.assert_array_equal(np.asarray(got["w"]), np.arange(4.0))
+  assert sorted(os.listdir(directory)) == ["1"]  # the tmp directory is gone
+
+
+class FakeCoordinationClient:
+  """The key-value calls of JAX's coordination client that PeerWatchdog uses, in memory."""
+
+  def __init__(self):
+    self.store: dict[str, str] = {}
+
+  def key_value_set(self, key, value, allow_overwrite=False):
+    if key in self.store and not allow_overwrite:
+      raise RuntimeError(f"ALREADY_EXISTS: {key}")
+    self.store[key] = value
+
+  def key_value_dir_get(self, prefix):
+    return [(k, v) for k, v in sorted(self.store.items()) if k.startswith(prefix)]
+
+
+def _watchdog(client, process_id, num_processes, exits, timeout_s=1.0):
+  from training import distributed as dist_lib
+
+  def describe(lost, step):
+    return dist_lib.lost_peer_message(lost, num_processes, timeout_s, step, [4, 6],
+                                      "/w/checkpoints", "python train.py --workdir=/w")
+
+  return dist_lib.PeerWatchdog(timeout_s, describe, client=client, process_id=process_id,
+                               num_processes=num_processes, exit=exits.append)
+
+
+def test_peer_watchdog_names_the_silent_process_and_every_survivor_exits_75(capsys):
+  from training import distributed as dist_lib
+
+  client, exits = FakeCoordinationClient(), []
+  # Three processes: 2 was killed (it never beats); 1 is alive and hears the verdict.
+  coordinator = _watchdog(client, 0, 3, exits)
+  survivor = _watchdog(client, 1, 3, exits)
+  coordinator.note_step(7)
+  survivor.note_step(7)
+  coordinator.start()
+  survivor.start()
+  assert coordinator.wait_for_verdict(10.0)
+  deadline = time.monotonic() + 10
+  while len(exits) < 2 and time.monotonic() < deadline:
+    time.sleep(0.05)
+  assert exits == [dist_lib.EXIT_PEER_LOST] * 2 == [75, 75]
+  lines = capsys.readouterr().err.strip().splitlines()
+  want = ("error: process 2 of 3 stopped responding (no heartbeat for 1 s) at step 7; the "
+          "last complete checkpoint is step 6 in /w/checkpoints; restart all 3 processes "
+          "with the same command to resume: python train.py --workdir=/w")
+  assert lines == [want, want]
+
+
+def test_peer_watchdog_ignores_a_process_that_exited_cleanly():
+  client, exits = FakeCoordinationClient(), []
+  peer = _watchdog(client, 1, 2, exits)
+  peer.stop(done=True)  # distributed.finish() on a clean end: done, no more beats
+  coordinator = _watchdog(client, 0, 2, exits, timeout_s=0.5).start()
+  assert not coordinator.wait_for_verdict(2.0)
+  coordinator.stop()
+  assert exits == []
+
+
+def test_lost_peer_message_before_the_first_step_and_without_checkpoints():
+  from training import distributed as dist_lib
+
+  assert dist_lib.lost_peer_message(1, 2, 60, None, [], "/w/checkpoints", "python t.py") == (
+      "error: process 1 of 2 stopped responding (no heartbeat for 60 s) before the first "
+      "step; no complete checkpoint is in /w/checkpoints (a rerun starts afresh); restart "
+      "all 2 processes with the same command to resume: python t.py")

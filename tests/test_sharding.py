@@ -1,5 +1,7 @@
 """models.sharding: the rules table, constraints, parameter shardings, sharded init, FSDP."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -170,3 +172,94 @@ def test_sharded_forward_matches_reference(reference, mesh_shape, names, auto, f
   got = ring_jax.from_layout(np.asarray(got), layout, ring)
   real = batch[2] > 0
   np.testing.assert_allclose(np.asarray(got)[real], want[real], rtol=1e-5, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------------------------
+# Tensor sequence parallelism (the residual_length rule)
+# ----------------------------------------------------------------------------------------------
+
+
+def test_tensor_sequence_parallel_is_one_rule():
+  """The switch changes one entry of the table: residual_length over (sequence, tensor) or
+  sequence alone; a mesh without tensor > 1 reduces "on" to "off" by itself."""
+  on, off = shd.rules(None), shd.rules(False)
+  assert shd.rules(True) == on == shd.LOGICAL_RULES
+  assert [r for r in on if r not in off] == [("residual_length", ("sequence", "tensor"))]
+  full = make_mesh(data=1, sequence=2, tensor=4)
+  names = ("batch", "residual_length", "embed")
+  assert shd.logical_to_spec(names, on, mesh=full) == P("data", ("sequence", "tensor"), None)
+  assert shd.logical_to_spec(names, off, mesh=full) == P("data", "sequence", None)
+  ds = make_mesh(data=2, sequence=4)
+  on_ds, off_ds = (NamedSharding(ds, shd.logical_to_spec(names, r, mesh=ds)) for r in (on, off))
+  assert on_ds.is_equivalent_to(off_ds, 3)  # tensor=1: the same placement
+  with shd.use_rules(off):
+    assert shd.active_rules() == off
+    assert shd.logical_to_spec(names, mesh=full) == P("data", "sequence", None)
+  assert shd.active_rules() == shd.LOGICAL_RULES
+  with pytest.raises(ValueError, match="tensor_sequence_parallel"):
+    shd.rules("yes")
+
+
+def _weighted_loss_and_grads(cfg, params, batch, weights, mesh):
+  graphdef = _graphdef(cfg)
+
+  def loss(p, t, q, s):
+    return jnp.sum(nnx.merge(graphdef, p)(t, q, s) * weights)
+
+  with jax.set_mesh(mesh):
+    sharded = jax.device_put(params, param_shardings(params, mesh))
+    value, grads = jax.jit(jax.value_and_grad(loss))(sharded, *batch)
+  return float(value), jax.tree.map(np.asarray, grads)
+
+
+@pytest.mark.parametrize("sizes,auto,ffn_chunk", [
+    (dict(data=1, sequence=2, tensor=4), True, 2),  # GSPMD; blockwise FFN on L/(s t) chunks
+    (dict(sequence=4, tensor=2), False, None),  # Explicit axes: reshard / out_sharding
+])
+def test_tensor_sequence_parallel_keeps_loss_and_gradients(sizes, auto, ffn_chunk):
+  """tensor_sequence_parallel off == on (float32): the loss and every parameter gradient."""
+  mesh = make_mesh(auto=auto, **sizes)
+  ring = mesh.shape["sequence"]
+  base = LlamaConfig(**{**TINY, "num_kv_heads": 4}, ffn_chunk_size=ffn_chunk)
+  params = _random_params(base)
+  batch = _to_layout(_batch(), ring)
+  weights = np.random.default_rng(1).normal(size=(B, L, TINY["vocab_size"])).astype(np.float32)
+  weights *= (batch[2] > 0)[..., None] / (B * L)
+  got = {}
+  for tsp in (False, None):
+    cfg = dataclasses.replace(base, tensor_sequence_parallel=tsp)
+    got[tsp] = _weighted_loss_and_grads(cfg, params, batch, weights, mesh)
+  np.testing.assert_allclose(got[None][0], got[False][0], rtol=1e-5)
+  assert jax.tree.leaves(got[None][1])
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
+               got[None][1], got[False][1])
+
+
+def test_tensor_sequence_parallel_trades_all_reduce_for_reduce_scatter_and_all_gather():
+  """The train step's partitioned HLO (data=1 x sequence=2 x tensor=4): with the switch on,
+  the layer's row-parallel outputs (and the input gradients of the column-parallel ones)
+  are reduce-scattered into L/(s t) tokens and gathered back before the next projection;
+  off, they are all-reduced. The ring (collective-permute over sequence) is unchanged."""
+  import optax
+
+  from benchmarks import common as bench
+  from training import step as step_lib
+
+  mesh = make_mesh(auto=True, data=1, sequence=2, tensor=4)
+  counts, temp = {}, {}
+  for tsp in (False, None):
+    cfg = LlamaConfig(**{**TINY, "num_kv_heads": 4}, tensor_sequence_parallel=tsp)
+    step = step_lib.build_train_step(cfg, mesh, optax.sgd(1e-2))
+    compiled, hlo = bench.compile_partitioned(step.lower((B, 64)))
+    counts[tsp] = bench.count_collectives(hlo)
+    temp[tsp] = compiled.memory_analysis().temp_size_in_bytes
+  off, on = counts[False], counts[None]
+  assert off["reduce-scatter"]["count"] == 0
+  # Per layer (scanned: counted once): forward o and down projections, backward the input
+  # gradients of q/k/v and gate/up; and the embedding.
+  assert on["reduce-scatter"]["count"] >= 5
+  assert on["all-gather"]["count"] >= off["all-gather"]["count"] + 4
+  assert on["all-reduce"]["bytes"] < off["all-reduce"]["bytes"] / 2
+  assert on["all-to-all"]["count"] == off["all-to-all"]["count"] == 0  # no stray reshards
+  assert on["collective-permute"] == off["collective-permute"]
+  assert temp[None] < temp[False]

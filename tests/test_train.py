@@ -7,6 +7,7 @@ import sys
 
 import jax
 import numpy as np
+import pytest
 from flax import nnx
 
 import train as train_script
@@ -194,3 +195,86 @@ def test_weight_decay_skips_stacked_norm_scales():
   for path, u in jax.tree.leaves_with_path(updates):
     name = jax.tree_util.keystr(path)
     assert bool(jnp.all(u == 0)) == ("norm" in name), name
+
+
+def _losses(config, steps: int = 3):
+  """Losses of ``steps`` train steps of ``config`` on its mesh (same seed and batches)."""
+  mesh = cfg_lib.make_mesh(config.mesh)
+  model_cfg = cfg_lib.llama_config(config)
+  model_cfg, _ = cfg_lib.resolve_attention(config, model_cfg, mesh)
+  tx = step_lib.make_optimizer(config.optim, config.total_steps)
+  train_step = step_lib.build_train_step(model_cfg, mesh, tx, seed=config.seed)
+  params, opt_state = train_step.init_state()
+  sharding = batch_lib.sharding(mesh)
+  shape = (config.batch_size, config.data.seq_len)
+  dataset = data_lib.make_dataset(config, sharding, mesh.shape["sequence"], split="train")
+  losses = []
+  with jax.set_mesh(mesh):
+    for i in range(steps):
+      batch = data_lib.to_global(dataset[i], sharding, shape)
+      params, opt_state, metrics = train_step.step(params, opt_state, batch)
+      losses.append(float(metrics["loss"]))
+  return np.asarray(losses)
+
+
+@pytest.fixture(scope="module")
+def ring_losses():
+  return _losses(small_config(**STRATEGY_MESH, **{"model.attention": "ring"}))
+
+
+# 8 devices with every axis > 1: Ulysses over sequence (2 of the 2 query heads per tensor
+# shard), the hybrid's ring over sequence and Ulysses over tensor (its default hybrid_axes).
+STRATEGY_MESH = {"mesh.data": 2, "mesh.sequence": 2, "mesh.tensor": 2}
+
+
+@pytest.mark.parametrize("attention", ["all_gather", "ulysses", "hybrid", "auto", "dense"])
+def test_every_strategy_follows_the_ring_loss_curve(ring_losses, attention):
+  """model.attention=<strategy>: the same 3-step loss curve as the ring (float32)."""
+  losses = _losses(small_config(**STRATEGY_MESH, **{"model.attention": attention}))
+  assert ring_losses[0] != ring_losses[-1]  # the curve moves
+  np.testing.assert_allclose(losses, ring_losses, rtol=1e-5)
+
+
+def test_tensor_sequence_parallel_keeps_the_loss_curve():
+  """model.tensor_sequence_parallel off == on (the default with tensor > 1): the train step's
+  3-step losses on data=1 x sequence=2 x tensor=4, with the blockwise FFN and chunked loss."""
+  overrides = {"mesh.data": 1, "mesh.sequence": 2, "mesh.tensor": 4, "model.num_kv_heads": 4,
+               "model.ffn_chunk_size": 4, "model.loss_chunk_size": 8}
+  on = _losses(small_config(**overrides))
+  off = _losses(small_config(**overrides, **{"model.tensor_sequence_parallel": False}))
+  assert on[0] != on[-1]
+  np.testing.assert_allclose(on, off, rtol=1e-5)
+
+
+def test_auto_attention_is_decided_once_and_says_why(tmp_path, capsys):
+  """model.attention="auto": ring_jax.plan's pick for the run's shapes, with its reasons, in
+  the line train.py prints at startup (and runs); any other strategy is left as it is."""
+  config = small_config(**{"model.attention": "auto", "total_steps": 1})
+  mesh = cfg_lib.make_mesh(config.mesh)
+  resolved, line = cfg_lib.resolve_attention(config, cfg_lib.llama_config(config), mesh)
+  assert resolved.attention in ("ring", "all_gather", "ulysses")
+  assert line.startswith(f"attention=auto -> {resolved.attention} (ring_jax.plan): ")
+  assert len(line) > len("attention=auto -> ring (ring_jax.plan): ") + 10  # the reasons
+  capsys.readouterr()
+  train_script.train(config, str(tmp_path))
+  startup = capsys.readouterr().out.splitlines()
+  assert f"attention={resolved.attention} " in startup[0] and startup[1] == line
+  ring = small_config()
+  model_cfg = cfg_lib.llama_config(ring)
+  assert cfg_lib.resolve_attention(ring, model_cfg, mesh) == (model_cfg, None)
+
+
+@pytest.mark.parametrize("overrides,match", [
+    ({"model.attention": "ulysses", "model.num_heads": 4, "model.num_kv_heads": 2,
+      "mesh.sequence": 8, "mesh.data": 1}, "ulysses.*query heads per tensor shard"),
+    ({"model.attention": "hybrid", "model.hybrid_axes": ("data", "tensor")},
+     r"hybrid_axes=\('data', 'tensor'\) must be \('sequence'"),
+    ({"model.attention": "hybrid", "model.hybrid_axes": ("sequence", "data"),
+      "model.num_heads": 6, "model.num_kv_heads": 6, "mesh.data": 4, "mesh.sequence": 2},
+     "hybrid.*Ulysses over 'data' \\(4\\) needs 6 query heads"),
+    ({"mesh.data": 1, "mesh.sequence": 2, "mesh.tensor": 4, "model.num_kv_heads": 4,
+      "model.ffn_chunk_size": 16}, "ffn_chunk_size=16 must divide the residual"),
+])
+def test_mesh_dependent_model_fields_fail_before_compiling(overrides, match):
+  with pytest.raises(cfg_lib.ConfigError, match=match):
+    cfg_lib.validate_config(small_config(**overrides), num_devices=8)

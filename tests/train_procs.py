@@ -40,10 +40,16 @@ def run(workdir, *flags: str, wrapper: str | None = None, timeout: float = 300,
                         env=env(**env_extra), capture_output=True, text=True, timeout=timeout)
 
 
-def start(workdir, *flags: str, **env_extra: str) -> subprocess.Popen:
-  """A background run; stdout and stderr merged, read line by line with wait_for."""
-  return subprocess.Popen(command(workdir, *flags), cwd=ROOT, env=env(**env_extra),
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+def start(workdir, *flags: str, stderr_path=None, **env_extra: str) -> subprocess.Popen:
+  """A background run; stdout (and stderr, unless ``stderr_path`` names a file to write it
+  to) read line by line with wait_for."""
+  stderr = subprocess.STDOUT if stderr_path is None else open(stderr_path, "w")
+  try:
+    return subprocess.Popen(command(workdir, *flags), cwd=ROOT, env=env(**env_extra),
+                            stdout=subprocess.PIPE, stderr=stderr, text=True)
+  finally:
+    if stderr_path is not None:
+      stderr.close()  # The child holds its own copy.
 
 
 def wait_for(proc: subprocess.Popen, pattern: str, timeout: float = 240) -> str:

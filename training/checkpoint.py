@@ -26,6 +26,11 @@ What this module guarantees beyond Orbax:
   ``<workdir>/checkpoints_corrupt/<step>-<UTC time>``, outside the directory
   Orbax lists and prunes. If no step restores, nothing is moved and
   :class:`NoRestorableCheckpointError` lists every step and why.
+* A step is listed (and restored) only once it is complete: Orbax writes each
+  step into ``<step>.orbax-checkpoint-tmp-*`` and renames it to ``<step>`` after
+  every process has written its part, so a process killed mid-save leaves only
+  a temporary directory, which the next writing :class:`Checkpointer` deletes
+  (``cleanup_tmp_directories``); :func:`complete_steps` lists the complete ones.
 * The same :meth:`Checkpointer.restore_latest` on a ``read_only``
   checkpointer with no optimizer target (generate.py, evaluate.py) reads only
   the parameters of the newest step that restores, moving nothing.
@@ -86,6 +91,19 @@ def _agree(ok: bool) -> bool:
   return bool(np.all(multihost_utils.process_allgather(np.int32(ok))))
 
 
+def checkpoint_directory(workdir: str) -> str:
+  """Where a run in ``workdir`` keeps its checkpoint steps."""
+  return os.path.join(os.path.abspath(workdir), "checkpoints")
+
+
+def complete_steps(directory: str) -> list[int]:
+  """The complete (finalized) checkpoint steps in ``directory``, oldest first; [] if it does
+  not exist. Reads only the directory listing: safe from any thread, with no Orbax manager."""
+  if not os.path.isdir(directory):
+    return []
+  return sorted(ocp.path.step.checkpoint_steps(directory))
+
+
 class Checkpointer:
   """Periodic + final saves into ``<workdir>/checkpoints``, keeping the last ``keep``.
 
@@ -97,7 +115,7 @@ class Checkpointer:
   def __init__(self, workdir: str, *, every: int = 1, keep: int = 1, async_save: bool = True,
                read_only: bool = False):
     self.workdir = os.path.abspath(workdir)
-    self.directory = os.path.join(self.workdir, "checkpoints")
+    self.directory = checkpoint_directory(self.workdir)
     self.every = every
     self.read_only = read_only
     self._writing: int | None = None  # step of the newest save that may still be in flight
@@ -113,6 +131,7 @@ class Checkpointer:
       # calls save(force=True), so one code path serves both.
       options = ocp.CheckpointManagerOptions(
           max_to_keep=keep, create=True, enable_async_checkpointing=async_save,
+          cleanup_tmp_directories=True,  # what a process killed mid-save left behind
           save_decision_policy=ocp.checkpoint_managers.FixedIntervalPolicy(every))
     self.manager = ocp.CheckpointManager(self.directory, options=options,
                                          item_names=("state", "data"))

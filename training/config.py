@@ -22,6 +22,7 @@ import jax
 import ml_collections
 import numpy as np
 
+from models import attention as attn_lib
 from models import lengths
 from models.attention import ATTENTION_BACKENDS
 from models.sharding import MESH_AXES
@@ -250,6 +251,59 @@ def check_seq_len(model_config, ring: int, seq_len: int) -> int:
                       f"mesh 'sequence' axis ({ring}): {e}") from None
 
 
+def check_model_parallelism(model_config, sizes: dict[str, int], seq_len: int) -> None:
+  """The ``config.model`` fields that depend on the mesh beyond the heads: the attention
+  strategy's head and axis rules, and tensor sequence parallelism's local length.
+
+  Raises:
+    ConfigError: naming the field and the fix.
+  """
+  m, ring, tensor = model_config, sizes["sequence"], sizes["tensor"]
+  heads_here = m.num_heads // tensor
+  kv_here = m.num_kv_heads // tensor if m.num_kv_heads % tensor == 0 else m.num_kv_heads
+  if m.attention == "ulysses" and ring > 1 and (
+      heads_here % ring or (kv_here % ring and ring % kv_here)):
+    raise ConfigError(
+        f"model.attention='ulysses' over the mesh 'sequence' axis ({ring}) needs the query heads "
+        f"per tensor shard ({heads_here}) divisible by it and the key/value heads ({kv_here}) "
+        "a multiple or a divisor of it; use model.attention='ring' or 'hybrid', or other sizes.")
+  if m.attention == "hybrid":
+    axes = tuple(m.get("hybrid_axes", ("sequence", "tensor")))
+    if len(axes) != 2 or axes[0] != "sequence" or axes[1] not in sizes or axes[1] == axes[0]:
+      raise ConfigError(
+          f"model.hybrid_axes={axes} must be ('sequence', <another mesh axis>): the ring runs "
+          f"over 'sequence', Ulysses over the second (mesh axes: {tuple(sizes)}).")
+    u = sizes[axes[1]]
+    heads, kv = (m.num_heads, m.num_kv_heads) if axes[1] == "tensor" else (heads_here, kv_here)
+    if heads % u or (kv % u and u % kv):
+      raise ConfigError(
+          f"model.attention='hybrid' with Ulysses over '{axes[1]}' ({u}) needs {heads} query "
+          f"heads divisible by it and {kv} key/value heads a multiple or a divisor of it.")
+  tsp = m.get("tensor_sequence_parallel", None)
+  if tsp is not False and tensor > 1 and m.get("ffn_chunk_size") and seq_len % (ring * tensor) == 0:
+    local = seq_len // (ring * tensor)
+    if local % m.ffn_chunk_size:
+      raise ConfigError(
+          f"model.ffn_chunk_size={m.ffn_chunk_size} must divide the residual stream's local "
+          f"length {local} (data.seq_len {seq_len} / sequence {ring} / tensor {tensor}: tensor "
+          "sequence parallelism splits it over both); use a divisor of it, or "
+          "model.tensor_sequence_parallel=False.")
+
+
+def resolve_attention(config: ml_collections.ConfigDict, model_cfg, mesh):
+  """``(model_cfg, line)``: ``model.attention="auto"`` decided once for the run's shapes
+  (:func:`models.attention.resolve_attention`: ``ring_jax.plan`` for a microbatch of
+  ``batch_size / microbatches`` rows of ``data.seq_len`` tokens on ``mesh``) and the startup
+  line saying what it chose and why; any other strategy: unchanged, ``line=None``."""
+  rows = config.batch_size // config.microbatches
+  resolved, chosen = attn_lib.resolve_attention(model_cfg, mesh, rows, config.data.seq_len)
+  if resolved is model_cfg:
+    return model_cfg, None
+  why = ("no sequence axis (falls back to dense)" if chosen is None
+         else "; ".join(chosen.reasons))
+  return resolved, f"attention=auto -> {resolved.attention} (ring_jax.plan): {why}"
+
+
 def profile_steps(config: ml_collections.ConfigDict) -> range | None:
   """``config.profile_steps`` (``"START:STOP"``: steps START to STOP-1) as a ``range``;
   None when unset or empty (no profile).
@@ -272,6 +326,20 @@ def profile_steps(config: ml_collections.ConfigDict) -> range | None:
     raise ConfigError(f"profile_steps={text!r} starts after total_steps={config.total_steps}; "
                       "no step of it would run.")
   return steps
+
+
+def validate_distributed(config: ml_collections.ConfigDict) -> None:
+  """Checks ``config.distributed`` (read before ``jax.distributed.initialize``).
+
+  Raises:
+    ConfigError: a timeout that is not a whole number of seconds in range.
+  """
+  dist = config.distributed
+  for name, low in (("heartbeat_timeout_s", 2), ("initialization_timeout_s", 1)):
+    value = dist[name]
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+      raise ConfigError(f"distributed.{name}={value!r} must be a whole number of seconds "
+                        f">= {low}; e.g. --config.distributed.{name}=60.")
 
 
 def validate_config(config: ml_collections.ConfigDict, num_devices: int) -> dict[str, int]:
@@ -307,6 +375,8 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int) -> dict
                       f"divisible by the mesh 'tensor' axis ({tensor}).")
 
   check_seq_len(m, ring, d.seq_len)
+  validate_distributed(config)
+  check_model_parallelism(m, sizes, d.seq_len)
 
   for name in ("batch_size", "eval_batch_size"):
     batch, micro = config[name], (config.microbatches if name == "batch_size" else 1)
@@ -395,6 +465,9 @@ def resolve_hf_init(config: ml_collections.ConfigDict, log=None) -> ml_collectio
     (:data:`models.convert_hf.HF_SHAPE_FIELDS`), which the weights fix: a
     different value there is a ConfigError.
 
+  ``data.tokenizer`` None (``configs/finetune.py``'s default) becomes ``init.hf_dir``:
+  the tokenizer files of the Hugging Face directory.
+
   Idempotent (a resolved config resolves to itself), so train.py can resolve
   before saving the run's config and again inside :func:`train.train`.
   Without ``init.hf_dir`` the config is returned unchanged.
@@ -422,6 +495,8 @@ def resolve_hf_init(config: ml_collections.ConfigDict, log=None) -> ml_collectio
     what = f"config.json lacks {e}" if isinstance(e, KeyError) else str(e)
     raise ConfigError(f"init.hf_dir={hf_dir!r}: {what}") from None
   config = config.copy_and_resolve_references()
+  if config.data.get("tokenizer") is None:
+    config.data.tokenizer = hf_dir
   for name, value in fields.items():
     current = config.model.get(name)
     if current is None:
@@ -449,6 +524,10 @@ def check_text_data(d: ml_collections.ConfigDict, m: ml_collections.ConfigDict) 
   if not 0 < d.eval_fraction < 1:
     raise ConfigError(f"data.eval_fraction={d.eval_fraction} must be in (0, 1): the eval "
                       "split is the last files (or a single file's tail).")
+  if d.tokenizer is None:
+    raise ConfigError("data.tokenizer is unset (configs/finetune.py takes the tokenizer of "
+                      "init.hf_dir): pass --config.init.hf_dir=DIR or --config.data.tokenizer="
+                      "(a tokenizer.json, a SentencePiece .model, a directory, or 'byte').")
   try:
     tokenizer = data_lib.load_tokenizer(d.tokenizer)
   except ImportError as e:

@@ -3,12 +3,15 @@
 :func:`load_model` restores the parameters of the newest checkpoint in a
 train.py workdir that restores (:meth:`training.checkpoint.Checkpointer.restore_latest`
 without an optimizer target, read only: nothing is moved) onto the shardings of the given mesh, or converts
-a local Hugging Face LLaMA directory (:mod:`models.convert_hf`). Errors are
+a local Hugging Face LLaMA directory (:mod:`models.convert_hf`);
+:func:`load_run_tokenizer` loads the tokenizer that goes with it. Errors are
 :class:`training.config.UsageError` lines naming the fix.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import sys
 from typing import Callable
 
@@ -61,6 +64,76 @@ def load_model(config, mesh, *, workdir: str | None = None, hf_dir: str | None =
     log(f"loaded {hf_dir}")
     return model.cfg, nnx.split(model, nnx.Param, ...)[1]
   model_cfg = cfg_lib.llama_config(config)
+  warn_model_differences(config, workdir, log)
   step, params = restore_params(model_cfg, mesh, workdir, warn=log)
   log(f"restored step {step} from {workdir}")
   return model_cfg, params
+
+
+# Model fields a script may change at inference without changing what the weights compute.
+_INFERENCE_FIELDS = ("attention", "layout", "block_q", "block_kv", "hop_kernel", "ffn_chunk_size",
+                     "loss_chunk_size", "remat_policy", "scan_layers", "dtype", "fsdp")
+
+
+def saved_run_config(workdir: str) -> dict:
+  """The config train.py saved in ``workdir`` (``config.json``), or {} without one."""
+  try:
+    with open(os.path.join(workdir, "config.json"), encoding="utf-8") as f:
+      saved = json.load(f)
+  except (OSError, ValueError):
+    return {}
+  return saved if isinstance(saved, dict) else {}
+
+
+def warn_model_differences(config, workdir: str, log: Callable[[str], None] = _stderr) -> None:
+  """One warning per ``config.model`` field (RoPE, norm eps, ...) that differs from the one
+  the run in ``workdir`` trained with: the weights then compute something else."""
+  saved = saved_run_config(workdir).get("model") or {}
+  for name, value in config.model.to_dict().items():
+    if name in _INFERENCE_FIELDS or name not in saved or saved[name] == value:
+      continue
+    log(f"warning: model.{name}={value!r} differs from the run's {saved[name]!r} "
+        f"({os.path.join(workdir, 'config.json')}); pass --config.model.{name}=... to match it")
+
+
+def run_tokenizer_spec(config, *, workdir: str | None = None, hf_dir: str | None = None,
+                       log: Callable[[str], None] = _stderr) -> str:
+  """The ``data.tokenizer`` spec of the model :func:`load_model` loads.
+
+  ``hf_dir``: that directory's tokenizer. ``workdir``: the tokenizer the run
+  trained with, as its saved ``config.json`` records it (train.py writes the
+  resolved config, so configs/finetune.py's default names ``init.hf_dir``);
+  without one (a run older than the field), ``config.data.tokenizer``
+  (``config`` resolved by :func:`training.config.resolve_hf_init`).
+  """
+  if hf_dir:
+    return hf_dir
+  spec = config.data.get("tokenizer")
+  saved = (saved_run_config(workdir).get("data") or {}).get("tokenizer") if workdir else None
+  if saved:
+    if spec and saved != spec:
+      log(f"tokenizer: {saved} (the run's {os.path.join(workdir, 'config.json')}), not "
+          f"--config's {spec}")
+    spec = saved
+  if not spec:
+    raise cfg_lib.UsageError(
+        "no tokenizer: config.data.tokenizer is unset (configs/finetune.py takes it from "
+        "init.hf_dir); pass --config.init.hf_dir=DIR or --config.data.tokenizer=...")
+  return spec
+
+
+def load_run_tokenizer(config, *, workdir: str | None = None, hf_dir: str | None = None,
+                       log: Callable[[str], None] = _stderr):
+  """The :class:`training.tokenizer.Tokenizer` of :func:`run_tokenizer_spec`.
+
+  Raises UsageError naming the fix when it does not load.
+  """
+  from training import tokenizer as tok_lib
+  spec = run_tokenizer_spec(config, workdir=workdir, hf_dir=hf_dir, log=log)
+  try:
+    return tok_lib.load_tokenizer(spec)
+  except ImportError as e:
+    raise cfg_lib.UsageError(f"tokenizer {spec!r} needs the `hf` extra "
+                             f"(pip install -e '.[hf]'): {e}") from None
+  except Exception as e:  # ValueError naming the fix, or the package's own parse error.
+    raise cfg_lib.UsageError(f"tokenizer {spec!r} does not load: {e}") from None

@@ -17,7 +17,6 @@ from ring_jax import validation
 from ring_jax.hop import HopKernel
 from ring_jax.ring import ring_attention
 from ring_jax.strategies import global_arrays
-from ring_jax.strategies.local import axis_size
 from ring_jax.strategies.options import AttentionOptions
 from ring_jax.strategies.ulysses import gather_heads, to_sequence
 
@@ -58,8 +57,8 @@ def _local(query, key, value, segment_ids, *, axis_name, options: AttentionOptio
   the layout (and back) with collectives over the ring axis after the Ulysses exchange."""
   ring_axis, uly_axis = _split_pair(axis_name)
   validation.check_qkv(query, key, value, is_causal=options.masked, segment_ids=segment_ids)
-  axis_size(ring_axis, "hybrid_attention")
-  axis_size(uly_axis, "hybrid_attention")
+  validation.axis_size(ring_axis, "hybrid_attention")
+  validation.axis_size(uly_axis, "hybrid_attention")
   q, k, v, seg = gather_heads(query, key, value, segment_ids, uly_axis)
   if natural:
     to = functools.partial(layouts.shard_to_layout, layout=options.layout, axis_name=ring_axis)

@@ -96,20 +96,10 @@ def _bwd(cfg, res, do):
 local_attention.defvjp(_fwd, _bwd)
 
 
-def axis_size(axis_name, who: str) -> int:
-  """Size of the bound mesh axis ``axis_name``; a ValueError naming the fix when unbound."""
-  try:
-    return jax.lax.axis_size(axis_name)
-  except NameError as e:
-    raise ValueError(
-        f"axis_name={axis_name!r} is not a mesh axis bound here: call {who} inside "
-        "jax.shard_map over a mesh with that axis (or use ring_jax.attention_sharded).") from e
-
-
 def check_self_attention(query, key, value, segment_ids, axis_name, options, who: str) -> int:
   """The checks of a whole-sequence strategy's local shards; returns the axis size."""
   validation.check_qkv(query, key, value, is_causal=options.masked, segment_ids=segment_ids)
-  size = axis_size(axis_name, who)
+  size = validation.axis_size(axis_name, who)
   if key.shape[1] != query.shape[1]:
     raise ValueError(f"{who} needs equal local query and key lengths, got {query.shape[1]}, "
                      f"{key.shape[1]}; use strategy='ring' for cross-attention over a sequence "

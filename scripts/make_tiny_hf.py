@@ -1,0 +1,120 @@
+r"""Writes a tiny random Hugging Face LLaMA, its BPE tokenizer and a small JSONL corpus.
+
+  python scripts/make_tiny_hf.py --out /tmp/tiny_hf --corpus /tmp/tiny_corpus.jsonl
+
+For trying the fine-tuning path (README, "fine-tune a Hugging Face model") on a
+CPU with nothing downloaded: ``--out`` gets ``config.json``,
+``model.safetensors`` (random weights written by :func:`export_hf.write_hf_dir`,
+no torch needed), ``tokenizer.json`` (a byte-level BPE trained with the
+``tokenizers`` package on the corpus) and ``tokenizer_config.json`` naming its
+BOS/EOS (``<s>`` / ``</s>``, BOS added to every document, EOS too). ``--corpus``
+gets one JSON object ``{"text": ...}`` per line. The vocabulary is exactly
+``--vocab_size`` ids, so the model's embedding covers the tokenizer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _ROOT not in sys.path:  # run as `python scripts/make_tiny_hf.py` from anywhere
+  sys.path.insert(0, _ROOT)
+
+SPECIALS = ("<unk>", "<s>", "</s>")
+TOKENIZER_CONFIG = dict(bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+                        add_bos_token=True, add_eos_token=True, model_max_length=4096)
+_SUBJECTS = ("The ring", "Each device", "A block of keys", "The zigzag layout", "Attention",
+             "The sequence axis", "A packed row", "The model")
+_VERBS = ("passes", "holds", "computes", "balances", "sends", "receives", "masks", "merges")
+_OBJECTS = ("key and value blocks", "one chunk of the sequence", "the causal work",
+            "partial softmax sums", "the next device's queries", "segment ids",
+            "blockwise attention", "a longer context")
+
+
+def corpus_texts(num_docs: int = 400, seed: int = 0) -> list[str]:
+  """Small synthetic English documents (a few sentences each), deterministic in ``seed``."""
+  import random
+  rng = random.Random(seed)
+  docs = []
+  for _ in range(num_docs):
+    sentences = [f"{rng.choice(_SUBJECTS)} {rng.choice(_VERBS)} {rng.choice(_OBJECTS)}."
+                 for _ in range(rng.randint(2, 6))]
+    docs.append(" ".join(sentences))
+  return docs
+
+
+def write_corpus(path: str, texts: list[str]) -> str:
+  """``texts`` as JSONL (``{"text": ...}`` per line) at ``path``."""
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  with open(path, "w", encoding="utf-8") as f:
+    for text in texts:
+      f.write(json.dumps({"text": text}) + "\n")
+  return path
+
+
+def write_tokenizer(directory: str, texts: list[str], vocab_size: int) -> str:
+  """A byte-level BPE of exactly ``vocab_size`` ids trained on ``texts``, saved in
+  ``directory`` as ``tokenizer.json`` + ``tokenizer_config.json`` (BOS/EOS as
+  :data:`TOKENIZER_CONFIG`); returns the directory."""
+  from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+  alphabet = pre_tokenizers.ByteLevel.alphabet()
+  if vocab_size < len(alphabet) + len(SPECIALS):
+    raise ValueError(f"vocab_size={vocab_size} is below the byte alphabet + specials "
+                     f"({len(alphabet) + len(SPECIALS)}).")
+  tok = Tokenizer(models.BPE(unk_token="<unk>"))
+  tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+  tok.decoder = decoders.ByteLevel()
+  tok.train_from_iterator(texts, trainers.BpeTrainer(
+      vocab_size=vocab_size, special_tokens=list(SPECIALS), initial_alphabet=alphabet,
+      show_progress=False))
+  got = tok.get_vocab_size(with_added_tokens=True)
+  if got != vocab_size:  # the corpus has too few merges to fill the vocabulary
+    raise ValueError(f"the corpus yields a {got}-id BPE, not {vocab_size}; pass more text or a "
+                     "smaller vocab_size.")
+  os.makedirs(directory, exist_ok=True)
+  tok.save(os.path.join(directory, "tokenizer.json"))
+  with open(os.path.join(directory, "tokenizer_config.json"), "w") as f:
+    json.dump(TOKENIZER_CONFIG, f, indent=2)
+  return directory
+
+
+def write_model(directory: str, *, vocab_size: int, dim: int = 64, num_layers: int = 2,
+                num_heads: int = 4, num_kv_heads: int = 2, mlp_dim: int = 128,
+                seed: int = 0) -> list[str]:
+  """A random LLaMA (``models.llama``, init_std 0.1) written as a Hugging Face directory by
+  :func:`export_hf.write_hf_dir`: config.json + model.safetensors, float32."""
+  from flax import nnx
+
+  import export_hf
+  from models.llama import Llama, LlamaConfig
+
+  cfg = LlamaConfig(vocab_size=vocab_size, dim=dim, num_layers=num_layers, num_heads=num_heads,
+                    num_kv_heads=num_kv_heads, mlp_dim=mlp_dim, init_std=0.1,
+                    attention="dense")
+  params = nnx.split(Llama(cfg, rngs=nnx.Rngs(seed)), nnx.Param, ...)[1]
+  return export_hf.write_hf_dir(params, cfg, directory, max_position_embeddings=4096)
+
+
+def main(argv=None) -> None:
+  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  p.add_argument("--out", default="/tmp/tiny_hf", help="the Hugging Face directory to write")
+  p.add_argument("--corpus", default="/tmp/tiny_corpus.jsonl", help="the JSONL corpus to write")
+  p.add_argument("--vocab_size", type=int, default=320)
+  p.add_argument("--docs", type=int, default=400)
+  args = p.parse_args(argv)
+  if os.path.isdir(args.out) and os.listdir(args.out):
+    sys.exit(f"error: --out {args.out} exists and is not empty; pass a new directory.")
+  texts = corpus_texts(args.docs)
+  write_corpus(args.corpus, texts)
+  write_tokenizer(args.out, texts, args.vocab_size)
+  write_model(args.out, vocab_size=args.vocab_size)
+  print(f"wrote {args.out} (random LLaMA, {args.vocab_size}-id BPE) and {args.corpus} "
+        f"({len(texts)} documents)")
+
+
+if __name__ == "__main__":
+  main()
