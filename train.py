@@ -57,6 +57,7 @@ from training import config as cfg_lib
 from training import data as data_lib
 from training import distributed as distributed_lib
 from training import metrics as metrics_lib
+from training import stages as stages_lib
 from training import step as step_lib
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
@@ -244,11 +245,12 @@ def train(config, workdir: str, *, stop_at_step: int | None = None) -> TrainResu
 
   # --- 1. Mesh and config checks: fail before anything is compiled -------------------------
   config = cfg_lib.resolve_hf_init(config, log=log)  # model fields from init.hf_dir
-  sizes = cfg_lib.validate_config(config, jax.device_count())
-  model_cfg = cfg_lib.llama_config(config)
+  config = stages_lib.resolve(config)  # explicit stages; total_steps = their sum
+  sizes = cfg_lib.validate_config(config, jax.device_count())  # and each stage's
   mesh = cfg_lib.make_mesh(config.mesh)
-  model_cfg, attention_line = cfg_lib.resolve_attention(config, model_cfg, mesh)
   ring_size = sizes["sequence"]
+  first = stages_lib.plan(config)[0].config  # attention="auto" is decided per stage's shapes
+  model_cfg, attention_line = cfg_lib.resolve_attention(first, cfg_lib.llama_config(first), mesh)
   log(f"devices: {jax.device_count()} x {jax.devices()[0].device_kind} "
       f"({jax.process_count()} process(es)); mesh {sizes}; attention={model_cfg.attention} "
       f"layout={model_cfg.layout} ring={ring_size}")
@@ -265,23 +267,49 @@ def train(config, workdir: str, *, stop_at_step: int | None = None) -> TrainResu
   # Installed early: a signal during compilation still ends in a clean stop after one step.
   stop = StopRequest().install()
   try:
-    return _train(config, workdir, stop_at_step, stop, mesh, model_cfg, ring_size)
+    return _train(config, workdir, stop_at_step, stop, mesh, ring_size)
   finally:
     stop.uninstall()
 
 
-def _train(config, workdir, stop_at_step, stop, mesh, model_cfg, ring_size) -> TrainResult:
+@dataclasses.dataclass
+class StageSetup:
+  """What one stage (training/stages.py) builds: its step, schedule and batch shapes."""
+  stage: stages_lib.Stage
+  model_cfg: Any
+  train_step: step_lib.TrainStep
+  schedule: Any  # learning rate at the stage's update count (0 at its first step)
+  train_shape: tuple[int, int]
+  eval_shape: tuple[int, int]
+
+
+def build_stage(stage: stages_lib.Stage, mesh) -> StageSetup:
+  """The train step of ``stage``: its model (RoPE) and an optimizer whose warmup + cosine
+  schedule spans the stage's steps. Abstract only; parameter shapes are the same in
+  every stage, so any stage's step restores a checkpoint of any other."""
+  c = stage.config
+  model_cfg, attention_line = cfg_lib.resolve_attention(c, cfg_lib.llama_config(c), mesh)
+  if attention_line and stage.index > 0:  # train() logs the first stage's
+    metrics_lib.log(attention_line)
+  tx = step_lib.make_optimizer(c.optim, stage.steps)
+  train_step = step_lib.build_train_step(model_cfg, mesh, tx, microbatches=c.microbatches,
+                                         seed=c.seed)
+  return StageSetup(stage=stage, model_cfg=model_cfg, train_step=train_step,
+                    schedule=step_lib.make_schedule(c.optim, stage.steps),
+                    train_shape=(c.batch_size, c.data.seq_len),
+                    eval_shape=(c.eval_batch_size, c.data.seq_len))
+
+
+def _train(config, workdir, stop_at_step, stop, mesh, ring_size) -> TrainResult:
   log = metrics_lib.log
-  seq_len, batch_size = config.data.seq_len, config.batch_size
+  stages = stages_lib.plan(config)  # one stage unless config.stages is set
   with jax.set_mesh(mesh):
     # --- 2. Model and optimizer: the step and its state's shapes and shardings -------------
-    tx = step_lib.make_optimizer(config.optim, config.total_steps)
-    schedule = step_lib.make_schedule(config.optim, config.total_steps)
     # Built from abstract values, as benchmarks/fit.py builds it to plan context lengths.
-    train_step = step_lib.build_train_step(model_cfg, mesh, tx, microbatches=config.microbatches,
-                                           seed=config.seed)
-    log(f"model: {model_cfg.num_params() / 1e6:.2f}M params, "
-        f"{model_cfg.flops_per_token(seq_len) / 1e6:.2f} MFLOP/token (train, with attention)")
+    setup = build_stage(stages[0], mesh)
+    log(f"model: {setup.model_cfg.num_params() / 1e6:.2f}M params, "
+        f"{setup.model_cfg.flops_per_token(config.data.seq_len) / 1e6:.2f} MFLOP/token at "
+        f"{config.data.seq_len} tokens (train, with attention)")
 
     # --- 3. Resume from the newest checkpoint in workdir that restores, or initialise -----
     checkpointer = ckpt_lib.Checkpointer(workdir, every=config.checkpoint_every,
@@ -292,78 +320,99 @@ def _train(config, workdir, stop_at_step, stop, mesh, model_cfg, ring_size) -> T
     profile = metrics_lib.Profile(cfg_lib.profile_steps(config), os.path.join(workdir, "profile"))
     try:
       start_step, params, opt_state, data_state = resume_or_init(
-          checkpointer, train_step, cfg_lib.hf_init_dir(config))
+          checkpointer, setup.train_step, cfg_lib.hf_init_dir(config))
       end_step = config.total_steps if stop_at_step is None else min(stop_at_step,
                                                                      config.total_steps)
-
-      # --- 4. Data: this process's rows, in the ring's layout, sharded (data, sequence) -----
-      batch_sharding = batch_lib.sharding(mesh)
-      train_iter = data_lib.make_iterator(
-          data_lib.make_dataset(config, batch_sharding, ring_size, split="train"))
-      if data_state is not None:
-        train_iter.set_state(data_state)
-      eval_dataset = data_lib.make_dataset(config, batch_sharding, ring_size, split="eval")
-      train_shape, eval_shape = (batch_size, seq_len), (config.eval_batch_size, seq_len)
-
-      # --- 5. Compile ahead of time (clean step timings; memory report) ----------------------
-      t0 = time.perf_counter()
-      compiled_step = train_step.compile(train_shape, params, opt_state)
-      eval_step = train_step.eval_step()
-      memory = compiled_step.memory_analysis()
-      log(f"compiled train step in {time.perf_counter() - t0:.1f}s"
-          + (f"; per-device temp {memory.temp_size_in_bytes / 2**20:.1f} MiB, arguments "
-             f"{memory.argument_size_in_bytes / 2**20:.1f} MiB" if memory is not None else ""))
-
-      # --- 6. The loop: step, log, eval, checkpoint -------------------------------------------
       peak_flops, peak_source = metrics_lib.peak_flops_per_device(config)
       log(f"MFU counted against {peak_flops:.3g} FLOP/s per device: {peak_source}")
-      throughput = metrics_lib.Throughput(
-          tokens_per_step=batch_size * seq_len,
-          flops_per_token=model_cfg.flops_per_token(seq_len), peak_flops=peak_flops,
-          num_devices=jax.device_count())
       writer = metrics_lib.MetricWriter(workdir, resume_step=start_step)
       progress = metrics_lib.Progress(end_step, start_step)
+      explained = [config]  # the running stage's config (its learning rate) for the message
       step_metrics = metrics_lib.StepMetrics(
-          explain=lambda row: divergence_message(config, row, checkpointer))
+          explain=lambda row: divergence_message(explained[0], row, checkpointer))
       evals: list[dict[str, float]] = []
       stopped_by = None
       step = start_step
-      for step in range(start_step + 1, end_step + 1):
-        distributed_lib.note_step(step)  # For the line if a peer process dies.
-        with profile.step(step) as outputs:
-          batch = data_lib.to_global(next(train_iter), batch_sharding, train_shape)
-          params, opt_state, metrics = compiled_step(params, opt_state, batch)
-          outputs.append(metrics)
-        throughput.tick()
-        step_metrics.add(step, metrics)
-        checkpointer.check_for_errors()  # A failed background save stops the run here.
-        step_metrics.fetch(step - 1)  # One step behind: the device keeps a step queued.
+      batch_sharding = batch_lib.sharding(mesh)
 
-        stopping = stop.reached(step)  # Exactly once per step, on every process.
-        logged = step % config.log_every == 0 or step == end_step or stopping
-        if logged:
-          window = step_metrics.window(step)  # Blocks on this step: times are real.
-          window.update(throughput.window(), learning_rate=float(schedule(step - 1)))
-          window.update(data_lib.bad_record_counts(train_iter.get_state()))  # text: skipped
-          writer.write(step, window, prefix="train/")
-          progress.log(step, window)
-        if stopping:
-          stopped_by = stop.received
-          break
+      for stage in stages:
+        if stage.end <= step or step >= end_step or stopped_by is not None:
+          continue  # done before this call, or this call stops before it
+        c = explained[0] = stage.config
+        if setup.stage is not stage:
+          setup = build_stage(stage, mesh)
+        if len(stages) > 1:
+          log(stage.describe())
+        if stage.index > 0 and step == stage.start:
+          # A new stage: fresh AdamW moments and update count (training/stages.py says why).
+          opt_state = step_lib.init_opt_state(setup.train_step.tx, params,
+                                              setup.train_step.opt_shardings)
 
-        if step % config.eval_every == 0 or step == config.total_steps:
-          result = evaluate(eval_step, params, eval_dataset, config, batch_sharding, eval_shape)
-          evals.append(dict(step=step, **result))
-          writer.write(step, result, prefix="eval/")
-          log(f"eval @ {step}: " + " | ".join(f"{k} {v:.4f}" for k, v in result.items()))
-        save(config, checkpointer, step_metrics, step, params, opt_state, train_iter)
-        if logged:
-          throughput.reset()  # Exclude eval/checkpoint time from the next window.
+        # --- 4. Data: this process's rows, in the ring's layout, sharded (data, sequence) ---
+        train_iter = data_lib.make_iterator(
+            data_lib.make_dataset(c, batch_sharding, ring_size, split="train"))
+        if data_state is not None and step > stage.start:  # the checkpoint is of this stage
+          train_iter.set_state(data_state)
+        data_state = None
+        eval_dataset = data_lib.make_dataset(c, batch_sharding, ring_size, split="eval")
+
+        # --- 5. Compile ahead of time (clean step timings; memory report) --------------------
+        t0 = time.perf_counter()
+        compiled_step = setup.train_step.compile(setup.train_shape, params, opt_state)
+        eval_step = setup.train_step.eval_step()
+        memory = compiled_step.memory_analysis()
+        log(f"compiled train step in {time.perf_counter() - t0:.1f}s"
+            + (f"; per-device temp {memory.temp_size_in_bytes / 2**20:.1f} MiB, arguments "
+               f"{memory.argument_size_in_bytes / 2**20:.1f} MiB" if memory is not None else ""))
+
+        # --- 6. The loop: step, log, eval, checkpoint -----------------------------------------
+        seq_len = c.data.seq_len
+        throughput = metrics_lib.Throughput(
+            tokens_per_step=c.batch_size * seq_len,
+            flops_per_token=setup.model_cfg.flops_per_token(seq_len), peak_flops=peak_flops,
+            num_devices=jax.device_count())
+        stage_end = min(stage.end, end_step)
+        for step in range(step + 1, stage_end + 1):
+          distributed_lib.note_step(step)  # For the line if a peer process dies.
+          with profile.step(step) as outputs:
+            batch = data_lib.to_global(next(train_iter), batch_sharding, setup.train_shape)
+            params, opt_state, metrics = compiled_step(params, opt_state, batch)
+            outputs.append(metrics)
+          throughput.tick()
+          step_metrics.add(step, metrics)
+          checkpointer.check_for_errors()  # A failed background save stops the run here.
+          step_metrics.fetch(step - 1)  # One step behind: the device keeps a step queued.
+
+          stopping = stop.reached(step)  # Exactly once per step, on every process.
+          logged = step % config.log_every == 0 or step == stage_end or stopping
+          if logged:
+            window = step_metrics.window(step)  # Blocks on this step: times are real.
+            window.update(throughput.window(),
+                          learning_rate=float(setup.schedule(step - 1 - stage.start)))
+            window.update(data_lib.bad_record_counts(train_iter.get_state()))  # text: skipped
+            writer.write(step, window, prefix="train/")
+            progress.log(step, window)
+          if stopping:
+            stopped_by = stop.received
+            break
+
+          if step % config.eval_every == 0 or step == stage.end:  # also each stage's end
+            result = evaluate(eval_step, params, eval_dataset, c, batch_sharding,
+                              setup.eval_shape)
+            evals.append(dict(step=step, **result))
+            writer.write(step, result, prefix="eval/")
+            log(f"eval @ {step}: " + " | ".join(f"{k} {v:.4f}" for k, v in result.items()))
+          # Each stage's last step is saved: the next stage starts from it.
+          save(c, checkpointer, step_metrics, step, params, opt_state, train_iter,
+               force=step == stage.end and step != config.total_steps)
+          if logged:
+            throughput.reset()  # Exclude eval/checkpoint time from the next window.
 
       # Final checkpoint (also when stopped early), then wait for async writes to land.
       step_metrics.fetch(step)
       if step > start_step and checkpointer.last_saved != step:
-        save(config, checkpointer, step_metrics, step, params, opt_state, train_iter, force=True)
+        save(explained[0], checkpointer, step_metrics, step, params, opt_state, train_iter,
+             force=True)
       checkpointer.close()
     except BaseException:
       try:
@@ -540,6 +589,7 @@ def main(argv) -> None:
     config = cfg_lib.apply_gin(config, _GIN_FILE.value, _GIN_PARAM.value)
     # Before the config is saved: the workdir's config.json then names the model's real shape.
     config = cfg_lib.resolve_hf_init(config)
+    config = stages_lib.resolve(config)  # config.stages explicit; top level = the last stage
     cfg_lib.validate_distributed(config)  # Needed before the processes connect.
   except Exception as e:  # ConfigError, or gin's parser on bad syntax (SyntaxError, ...)
     prefix = "" if isinstance(e, cfg_lib.ConfigError) else f"gin: {type(e).__name__}: "

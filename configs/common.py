@@ -88,6 +88,12 @@ def base_config() -> ml_collections.ConfigDict:
   config.eval_batches = 4
 
   config.total_steps = 600
+  # Progressive context extension (training/stages.py, docs/context_extension.md): stages
+  # run in order in one workdir, e.g. --config.stages="256:300,512:300:rope_theta=1e5" or
+  # a list of dict(seq_len=, steps=, rope_theta=, rope_scaling=, batch_size=, lr=,
+  # warmup_steps=) in a config file. total_steps is then their sum. None or empty: one
+  # stage made of the top-level fields.
+  config.stages = config_dict.placeholder(object)
   config.optim = ml_collections.ConfigDict(dict(
       lr=3e-3, warmup_steps=40, min_lr_ratio=0.1, weight_decay=0.1, b1=0.9, b2=0.95,
       eps=1e-8, grad_clip=1.0))

@@ -57,4 +57,12 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.log_every = 10
   config.eval_every = 50
   config.checkpoint_every = 100
+  # Context extension in stages (training/stages.py, docs/context_extension.md): each stage
+  # starts from the previous one's checkpoint, with its own length, RoPE base and schedule;
+  # total_steps becomes their sum. Or on the command line:
+  # --config.stages="8192:500:rope_theta=1e6,32768:250:rope_theta=5e6:lr=1e-5".
+  # config.stages = [
+  #     dict(seq_len=8192, steps=500, rope_theta=1e6),
+  #     dict(seq_len=32768, steps=250, rope_theta=5e6, lr=1e-5, warmup_steps=10),
+  # ]
   return config

@@ -384,6 +384,7 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int) -> dict
   m, d = config.model, config.data
   sizes = mesh_shape(config.mesh, num_devices)
   ring, tensor, data_par = sizes["sequence"], sizes["tensor"], sizes["data"]
+  validate_stages(config, num_devices)  # first: its errors name the stage
 
   if m.attention not in ATTENTION_BACKENDS:
     raise ConfigError(f"model.attention={m.attention!r} is unknown; choose one of "
@@ -445,6 +446,33 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int) -> dict
     raise ConfigError(f"optim.warmup_steps={config.optim.warmup_steps} exceeds "
                       f"total_steps={config.total_steps}.")
   return sizes
+
+
+def validate_stages(config: ml_collections.ConfigDict, num_devices: int) -> None:
+  """Checks each of ``config.stages`` (training/stages.py) as a config of its own: its
+  seq_len obeys :func:`check_seq_len` on the mesh, its batch the mesh's 'data' axis, its
+  RoPE fields the model's rules, and ``steps >= 1``, ``warmup_steps <= steps``.
+
+  Raises:
+    ConfigError: prefixed with the stage (its number and fields) it is about.
+  """
+  from training import stages as stages_lib  # Local: stages imports this module.
+
+  if not stages_lib.stage_dicts(config):
+    return
+  for stage in stages_lib.plan(config):
+    c = stage.config
+    where = (f"config.stages stage {stage.index + 1} (seq_len={c.data.seq_len}, "
+             f"steps={stage.steps})")
+    try:
+      if c.optim.warmup_steps > stage.steps:
+        raise ConfigError(f"warmup_steps={c.optim.warmup_steps} exceeds the stage's "
+                          f"steps={stage.steps}; each stage warms up anew (set the stage's "
+                          "warmup_steps=, or --config.optim.warmup_steps=).")
+      validate_config(c, num_devices)  # c.stages is None: no recursion.
+      llama_config(c)
+    except ConfigError as e:
+      raise ConfigError(f"{where}: {e}") from None
 
 
 # ----------------------------------------------------------------------------

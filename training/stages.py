@@ -1,0 +1,254 @@
+"""Progressive context extension: ``config.stages``, run in order in one workdir.
+
+A stage is a sequence length, a number of steps and optionally the RoPE base
+(``rope_theta``), the RoPE scaling (``rope_scaling``, a Hugging Face dict), the
+global batch size (``batch_size``), the peak learning rate (``lr``) and its
+warmup (``warmup_steps``). Training a model to a long context in stages of
+growing length, raising the RoPE base at each, is how the Large World Model
+took LLaMA-2 7B from 4K to 1M tokens (Liu et al. 2024, "World Model on
+Million-Length Video and Language with Blockwise RingAttention"); the recipe
+is docs/context_extension.md.
+
+Semantics (one definition, used by ``train.py`` and documented there):
+
+* Steps are global: stage ``i`` runs global steps ``start_i + 1 .. start_i +
+  steps_i`` with ``start_0 = 0`` and ``start_{i+1} = start_i + steps_i``;
+  ``total_steps`` is the sum. The checkpoint records the global step, so a
+  resumed run finds its stage from it (:func:`stage_of`).
+* Each stage rebuilds what depends on it: the train step (sequence length,
+  RoPE), the data pipelines at the stage's length and batch, and the learning
+  rate schedule, which is per stage: linear warmup over the stage's
+  ``warmup_steps`` then cosine decay over the stage's steps
+  (:func:`training.step.make_schedule`), as if each stage were its own
+  fine-tuning run started from the previous one's weights.
+* Parameters carry over; the AdamW state is reset at the start of every stage
+  after the first. Its moments estimate the gradients of the previous length
+  and RoPE base, and the fresh warmup of the stage is what a fresh state needs.
+* The data iterator's state in a checkpoint belongs to the stage of the
+  checkpoint's step: a run resumed inside a stage continues that stage's
+  stream exactly; a run resumed on a stage boundary starts the next stage's
+  pipeline from its beginning, as an uninterrupted run does.
+
+Where the stages come from: a list of dicts in a config file
+(``config.stages = [dict(seq_len=4096, steps=500), ...]``) or the compact
+string of the command line, stages separated by ``,`` and fields by ``:``,
+the first two being ``seq_len:steps``::
+
+  --config.stages="256:20,512:20:rope_theta=1e6:lr=1e-4"
+
+``rope_scaling`` takes a dict, so it is set in a config file only. Empty or
+None (the default): one stage made of the top-level fields.
+
+:func:`resolve` makes every stage explicit (fields a stage leaves out take
+the top-level value) and sets the top-level fields to those of the last stage,
+so the run's saved ``config.json`` describes the model the run ends with
+(what ``generate.py``, ``evaluate.py`` and ``export_hf.py`` read).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import ml_collections
+from ml_collections import config_dict
+
+from training.config import ConfigError
+
+#: Stage field -> (the config field it sets, its type). ``steps`` sets no field: it is
+#: the stage's share of ``total_steps``.
+FIELDS: dict[str, tuple[str | None, type]] = {
+    "seq_len": ("data.seq_len", int),
+    "steps": (None, int),
+    "rope_theta": ("model.rope_theta", float),
+    "rope_scaling": ("model.rope_scaling", dict),
+    "batch_size": ("batch_size", int),
+    "lr": ("optim.lr", float),
+    "warmup_steps": ("optim.warmup_steps", int),
+}
+REQUIRED = ("seq_len", "steps")
+_EXAMPLE = '--config.stages="256:20,512:20:rope_theta=1e6"'
+
+
+@dataclasses.dataclass(frozen=True)
+class Stage:
+  """Stage ``index`` runs global steps ``start + 1 .. end`` with ``config``: the run's
+  config with the stage's fields set (and ``stages`` cleared)."""
+  index: int
+  start: int
+  steps: int
+  config: ml_collections.ConfigDict
+
+  @property
+  def end(self) -> int:
+    return self.start + self.steps
+
+  def describe(self) -> str:
+    c = self.config
+    return (f"stage {self.index + 1}: steps {self.start + 1}-{self.end}, seq_len "
+            f"{c.data.seq_len}, batch {c.batch_size}, lr {c.optim.lr:g}, rope_theta "
+            f"{c.model.rope_theta:g}"
+            + (f", rope_scaling {dict(c.model.rope_scaling)}" if c.model.rope_scaling else ""))
+
+
+def _get(config, path: str):
+  node = config
+  for name in path.split("."):
+    node = node[name]
+  return node
+
+
+def _set(config, path: str, value) -> None:
+  *parents, leaf = path.split(".")
+  node = config
+  for name in parents:
+    node = node[name]
+  node[leaf] = value
+
+
+def _cast(where: str, name: str, value):
+  kind = FIELDS[name][1]
+  if value is None and name == "rope_scaling":
+    return None
+  if kind is dict:
+    if not hasattr(value, "keys"):
+      raise ConfigError(f"{where}: rope_scaling must be a dict such as "
+                        "{'rope_type': 'llama3', 'factor': 8.0, ...}, got "
+                        f"{value!r}; set it in a config file's stages list.")
+    return dict(value)
+  if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+    raise ConfigError(f"{where}: {name} must be a number, got {value!r}.")
+  try:
+    number = float(value)
+    if kind is int:
+      if number != int(number):
+        raise ValueError
+      return int(number)
+    return number
+  except ValueError:
+    raise ConfigError(f"{where}: {name}={value!r} is not {'an integer' if kind is int else 'a number'}.") from None
+
+
+def parse(text: str) -> list[dict[str, Any]]:
+  """The compact form ``"seq_len:steps[:field=value...],..."`` -> a list of stage dicts.
+
+  Raises:
+    ConfigError: a stage without ``seq_len:steps``, an unknown field, a bad number.
+  """
+  out = []
+  for i, part in enumerate(p.strip() for p in text.split(",")):
+    where = f"config.stages stage {i + 1} ({part!r})"
+    items = [s.strip() for s in part.split(":")]
+    if len(items) < 2 or any("=" in s for s in items[:2]) or not all(items[:2]):
+      raise ConfigError(f"{where}: a stage is 'seq_len:steps[:field=value...]', stages are "
+                        f"separated by ',', e.g. {_EXAMPLE}.")
+    stage: dict[str, Any] = {"seq_len": items[0], "steps": items[1]}
+    for item in items[2:]:
+      name, sep, value = item.partition("=")
+      if not sep or not value:
+        raise ConfigError(f"{where}: {item!r} is not field=value (fields: "
+                          f"{sorted(set(FIELDS) - set(REQUIRED))}).")
+      if name == "rope_scaling":
+        raise ConfigError(f"{where}: rope_scaling takes a dict, which the compact form cannot "
+                          "write; set it in a config file's stages list.")
+      stage[name] = value
+    out.append(stage)
+  return out
+
+
+def stage_dicts(config) -> list[dict[str, Any]]:
+  """``config.stages`` as a list of dicts with typed values (empty: no stages).
+
+  Raises:
+    ConfigError: not a string or a list of dicts, an unknown or missing field, a bad value.
+  """
+  raw = config.get("stages")
+  if raw is None or (isinstance(raw, (str, list, tuple)) and not raw):
+    return []
+  if isinstance(raw, str):
+    raw = parse(raw)
+  if not isinstance(raw, (list, tuple)):
+    raise ConfigError(f"config.stages must be a list of dicts or a string such as "
+                      f"{_EXAMPLE}, got {type(raw).__name__}.")
+  out = []
+  for i, stage in enumerate(raw):
+    where = f"config.stages stage {i + 1}"
+    if not hasattr(stage, "keys"):
+      raise ConfigError(f"{where}: {stage!r} is not a dict with seq_len and steps.")
+    unknown = set(stage.keys()) - set(FIELDS)
+    if unknown:
+      raise ConfigError(f"{where}: unknown field(s) {sorted(unknown)}; a stage has "
+                        f"{list(FIELDS)}.")
+    missing = [name for name in REQUIRED if name not in stage]
+    if missing:
+      raise ConfigError(f"{where}: missing {missing}; e.g. {_EXAMPLE}.")
+    out.append({name: _cast(where, name, stage[name]) for name in FIELDS if name in stage})
+  return out
+
+
+def resolve(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+  """``config`` with explicit stages, ``total_steps`` their sum and the top-level stage
+  fields those of the last stage (a copy; unchanged without stages). Idempotent.
+
+  Raises:
+    ConfigError: :func:`stage_dicts`'s errors, or a stage with ``steps < 1``.
+  """
+  stages = stage_dicts(config)
+  if not stages:
+    return config
+  for i, stage in enumerate(stages):
+    if stage["steps"] < 1:
+      raise ConfigError(f"config.stages stage {i + 1}: steps must be >= 1, got "
+                        f"{stage['steps']}.")
+  explicit = [{name: (stage[name] if name in stage else _top_level(config, path))
+               for name, (path, _) in FIELDS.items()} for stage in stages]
+  config = config.copy_and_resolve_references()
+  with config.unlocked():
+    _set_stages(config, explicit)
+    config.total_steps = sum(stage["steps"] for stage in explicit)
+    for name, (path, _) in FIELDS.items():
+      if path is not None:
+        _set(config, path, explicit[-1][name])
+  return config
+
+
+def _set_stages(config, value) -> None:
+  """Sets ``config.stages`` whatever it held (a string or a list): the field's type stays
+  ``object``, as ``configs/common.py`` declares it."""
+  if "stages" in config:
+    del config["stages"]
+  config.stages = config_dict.FieldReference(value, field_type=object)
+
+
+def _top_level(config, path: str):
+  value = _get(config, path)
+  return value.to_dict() if isinstance(value, ml_collections.ConfigDict) else value
+
+
+def plan(config: ml_collections.ConfigDict) -> list[Stage]:
+  """The stages of ``config`` (resolved by :func:`resolve` first) in order; without
+  ``config.stages``, one stage of ``total_steps`` steps with the config as it is."""
+  config = resolve(config)
+  stages = stage_dicts(config)
+  if not stages:
+    return [Stage(index=0, start=0, steps=config.total_steps, config=config)]
+  out, start = [], 0
+  for i, stage in enumerate(stages):
+    stage_config = config.copy_and_resolve_references()
+    with stage_config.unlocked():
+      _set_stages(stage_config, None)
+      for name, (path, _) in FIELDS.items():
+        if path is not None:
+          _set(stage_config, path, stage[name])
+    out.append(Stage(index=i, start=start, steps=stage["steps"], config=stage_config))
+    start += stage["steps"]
+  return out
+
+
+def stage_of(stages: list[Stage], step: int) -> Stage:
+  """The stage that runs global step ``step + 1`` (the one after a checkpoint at ``step``);
+  the last stage once ``step`` reaches the end."""
+  for stage in stages:
+    if step < stage.end:
+      return stage
+  return stages[-1]
