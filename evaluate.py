@@ -52,6 +52,7 @@ from models import sharding as shd
 from training import config as cfg_lib
 from training import data as data_lib
 from training import loading
+from training import stages as stages_lib
 from training import step as step_lib
 from training.config import EXIT_USAGE, UsageError
 
@@ -186,6 +187,7 @@ def evaluate(config, workdir: str | None, lengths, tasks=TASKS, *, hf_dir: str |
                               "text model pass --tasks passkey.")
   mesh = cfg_lib.make_mesh(config.mesh)
   config = cfg_lib.resolve_hf_init(config)  # e.g. configs/finetune.py: init.hf_dir's shape
+  config = stages_lib.resolve(config)  # config.stages: the last stage's RoPE and length
   if not hf_dir:  # checked before anything loads; an HF model is checked once loaded
     check_lengths(cfg_lib.llama_config(config), mesh, lengths)
   tokenizer = (loading.load_run_tokenizer(config, workdir=workdir, hf_dir=hf_dir, log=log)

@@ -49,6 +49,7 @@ from models import inference
 from training import config as cfg_lib
 from training import data as data_lib
 from training import loading
+from training import stages as stages_lib
 from training.config import EXIT_USAGE, UsageError
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
@@ -177,6 +178,7 @@ def run(config, *, workdir=None, hf_dir=None, prompts: list[str], max_new_tokens
   if not 0 < top_p <= 1:
     raise UsageError(f"--top_p must be in (0, 1], got {top_p}.")
   config = cfg_lib.resolve_hf_init(config)  # e.g. configs/finetune.py: init.hf_dir's shape
+  config = stages_lib.resolve(config)  # config.stages: the last stage's RoPE and length
   tok = prompt_tokenizer(config, tokenizer, workdir=workdir, hf_dir=hf_dir, log=log)
   try:
     sizes = cfg_lib.mesh_shape(config.mesh, jax.device_count())
