@@ -231,6 +231,10 @@ def _forward(cfg: _RingConfig, q, k, v, seg):
   s = k.shape[1]
   q_pos = layouts.local_positions(cfg.layout, cfg.ring_size, q.shape[1], device)
   v_finite = _v_finite(cfg, v)
+  # The gather of the flags must run before the first K/V transfer on every device: XLA:CPU
+  # may start independent collectives in a different order per device, and an all-gather on
+  # some devices waiting for a ppermute on the others deadlocks (seen under jax.profiler).
+  v_finite, k, v, seg = jax.lax.optimization_barrier((v_finite, k, v, seg))
   acc = tuple(varying_like(x, q, k, v) for x in empty_result(q))
   with jax.named_scope("send_kv"):
     k, v, kv_seg = _shift(cfg, first, k, v, seg)  # device d now holds shard d - first
