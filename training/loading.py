@@ -90,7 +90,8 @@ def warn_model_differences(config, workdir: str, log: Callable[[str], None] = _s
   the run in ``workdir`` trained with: the weights then compute something else."""
   saved = saved_run_config(workdir).get("model") or {}
   for name, value in config.model.to_dict().items():
-    if name in _INFERENCE_FIELDS or name not in saved or saved[name] == value:
+    # Compared as JSON stores them (tuples come back as lists).
+    if name in _INFERENCE_FIELDS or name not in saved or saved[name] == json.loads(json.dumps(value)):
       continue
     log(f"warning: model.{name}={value!r} differs from the run's {saved[name]!r} "
         f"({os.path.join(workdir, 'config.json')}); pass --config.model.{name}=... to match it")
