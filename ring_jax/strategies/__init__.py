@@ -6,7 +6,8 @@ module each:
 
 * ``"ring"`` (:mod:`ring_jax.strategies.ring`, :func:`ring_jax.ring_attention`):
   K/V shards travel around the axis with ``ppermute``, overlapped with the
-  hop's compute; memory linear in the *local* length.
+  hop's compute; memory linear in the *local* length. With ``seq_axis=(outer,
+  inner)``: the two-level ring (:mod:`ring_jax.two_level`).
 * ``"all_gather"`` (:mod:`ring_jax.strategies.all_gather`): every device
   gathers the whole K/V and attends its local queries to it; memory linear in
   the *global* length.
@@ -63,13 +64,17 @@ def attention_sharded(query, key, value, *, mesh=None, strategy: str = "auto",
   Args:
     strategy: ``"ring"`` (:func:`ring_jax.ring_attention_sharded`),
       ``"all_gather"``, ``"ulysses"``, ``"hybrid"`` (``seq_axis`` a pair
-      ``(ring_axis, ulysses_axis)``), or ``"auto"``: the strategy
+      ``(ring_axis, ulysses_axis)``; ``"ring"`` with a pair ``(outer, inner)`` is the
+      two-level ring, :func:`ring_jax.two_level_ring_attention`), or ``"auto"``: the strategy
       :func:`ring_jax.plan` predicts fastest among those that fit in memory,
       for these shapes, this mesh and its device kind (``seq_axis`` a single
       axis: ring, all_gather or ulysses; a pair: hybrid).
     seq_axis: mesh axis the sequence is sharded over, or for ``"hybrid"`` a
       pair of mesh axes ``(ring_axis, ulysses_axis)``; the sequence is then
-      sharded over both, ring-major.
+      sharded over both, ring-major. For ``"ring"`` a pair ``(outer, inner)``
+      (slow links, fast links) shards it over both outer-major, laid out as
+      one ring of their product's size (``inputs_in_layout=True`` means
+      :func:`ring_jax.to_layout` with that ``ring_size``).
     Everything else: as in :func:`ring_jax.ring_attention_sharded`. Layouts
     balance causal work across the sequence devices for ring and all_gather;
     for the hybrid they apply to the ring axis (``inputs_in_layout=True``
