@@ -25,7 +25,10 @@ carries K/V with fresh float32 dK/dV accumulators (as :mod:`ring_jax.ring`,
 after the last inner hop; the group's contribution is added to the outer
 accumulator of that buffer, which travels one group on, its transfer issued at
 the start of the next outer step and read at its end, so it overlaps that
-step's inner ring. After ``n_o`` outer transfers every dK/dV is on its owner.
+step's inner ring. In the last outer step the inner accumulators stay where
+the inner ring left them (one device on), the outer one moves there instead
+(off the critical path), and their sum goes home in one transfer over both
+axes: the last step exposes one transfer, as the flat ring's last hop does.
 
 Masks, the block table (causal, window and document skipping of block pairs,
 whole hops included) and the hop kernels are those of :mod:`ring_jax.ring`;
@@ -208,16 +211,25 @@ def _backward(tl: _TwoLevelConfig, q, k, v, seg, out, lse, do, dlse):
 
     *_, dq, dk, dv = _over_hops(tl.inner, hop, (ko, vo, sego, dq, zeros(k), zeros(v)),
                                 peel_first=True)
-    with jax.named_scope("dkv_home"):  # to the holder of the outer buffer, (g, r)
-      dk, dv = _shift(tl.inner, -(n_i - 1), dk, dv)
+    # (g, r) now holds this group's part of the dK/dV of shard (g - step, r + 1).
+    if not last:
+      with jax.named_scope("dkv_home"):  # to the holder of the outer buffer, (g, r)
+        dk, dv = _shift(tl.inner, -(n_i - 1), dk, dv)
+    elif not first:  # the outer accumulator of shard (g + 1, r + 1) comes here instead
+      with jax.named_scope("outer_dkv"):
+        dko, dvo = _shift(tl.inner, -1, dko, dvo)
     if not first:
       dk, dv = dko + dk, dvo + dv
     return (*nxt, dq, dk, dv)
 
   *_, dq, dk, dv = _over_hops(tl.outer, outer_step, (k, v, seg, zeros(q), zeros(k), zeros(v)),
                               peel_first=True)
-  with jax.named_scope("outer_dkv"):  # the shard of group g + 1 goes home
-    dk, dv = _shift(tl.outer, 1, dk, dv)
+  with jax.named_scope("dkv_home"):  # shard (g + 1, r + 1) goes home in one transfer
+    n_o = tl.outer.ring_size
+    home = [(g_ * n_i + r_, ((g_ + 1) % n_o) * n_i + (r_ + 1) % n_i)
+            for g_ in range(n_o) for r_ in range(n_i)]
+    if any(a != b for a, b in home):
+      dk, dv = (jax.lax.ppermute(x, cfg.axis_name, home) for x in (dk, dv))
   extra = tuple(sorted(_varying_axes(dk) - _varying_axes(k_own), key=str))
   if extra:  # K/V replicated over axes the queries are split over: add the parts
     dk, dv = jax.lax.psum((dk, dv), extra)

@@ -1,5 +1,6 @@
 """The two-level ring (strategy="ring", seq_axis=(outer, inner)) vs the float64 dense oracle,
-forward and gradients, on (2, 4) and (4, 2) splits of 8 fake devices; its errors."""
+forward and gradients, on (2, 4) and (4, 2) splits of 8 fake devices; its errors; the bytes
+its compiled HLO sends over each axis; plan()'s choice on two link levels."""
 
 import functools
 
@@ -10,6 +11,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import ring_jax
+from benchmarks import two_level as bench
 from attn_utils import assert_close, grads, make_mesh, packed_segments, qkv
 from ring_jax.two_level import two_level_ring_attention
 
@@ -57,3 +59,46 @@ def test_errors():
   with pytest.raises(ValueError, match="zigzag"):  # the layout spans the ring of 8
     ring_jax.attention_sharded(q[:, :8], k[:, :8], v[:, :8], mesh=mesh, strategy="ring",
                                seq_axis=AXES, layout="zigzag")
+
+
+def test_bytes_over_each_axis_from_hlo():
+  """Forward, ring of 8 as 2 groups of 4: the flat ring's 7 hops each send K and V over the
+  outer links (2 pairs of 8 cross); the two-level ring crosses them once (K and V), and
+  sends 2 x 3 inner hops within the groups. Every executed permute moves one shard."""
+  shard = 1 * 8 * 2 * 16 * 4  # 64 tokens / 8 devices, 2 K/V heads, head_dim 16, float32
+  got = {}
+  for two_level in (False, True):
+    text = bench.compiled_text((2, 4), two_level=two_level, backward=False, is_causal=False,
+                               length=64, heads=4, kv_heads=2, head_dim=16)
+    ops = bench.permute_traffic(text, (2, 4))
+    assert all(op["bytes"] == shard for op in ops), ops
+    got[two_level] = bench.axis_summary(ops)
+  assert got[False] == dict(outer_transfers=14, outer_bytes=14 * shard, inner_transfers=14,
+                            inner_bytes=14 * shard)
+  assert got[True] == dict(outer_transfers=2, outer_bytes=2 * shard, inner_transfers=12,
+                           inner_bytes=12 * shard)
+
+
+GQA = dict(batch=1, heads=32, kv_heads=8, head_dim=128)
+
+
+def test_plan_two_link_levels():
+  """4 H200 nodes of 8 (NVLink inside, 400 Gb/s InfiniBand between): the flat ring's hops
+  wait for InfiniBand, the two-level ring hides it behind 8 hops; all-gather over both axes
+  is exposed. On TPU v5p slices of 16 over DCN likewise."""
+  p = ring_jax.plan(seq_len=131072, sequence=(4, 8), device="H200", **GQA)
+  assert (p.strategy, p.split) == ("ring", (4, 8))
+  two, flat = p.estimate("ring4x8"), p.estimate("ring")
+  assert two.hidden and not flat.hidden
+  assert two.time_s < flat.time_s / 2 and two.exposed_comm_s < flat.exposed_comm_s / 10
+  assert "two levels: 3 transfers over the outer links" in " ".join(p.reasons)
+  # The outer threshold is the inner ring's: l* of the network over 8 hops.
+  assert flat.min_local_len / 8 <= two.min_local_len < flat.min_local_len
+  v5p = ring_jax.plan(seq_len=262144, sequence=(4, 16), device="TPU v5p", fast_domain=16,
+                      **GQA)
+  assert v5p.strategy == "ring" and v5p.split == (4, 16)
+  assert not v5p.estimate("ring").hidden and not v5p.estimate("hybrid4x16").hidden
+  # Inside one fast domain both rings are the same time; the two-level one is chosen.
+  one = ring_jax.plan(seq_len=1 << 20, sequence=(2, 4), device="H200", **GQA)
+  assert one.estimate("ring2x4").time_s == pytest.approx(one.estimate("ring").time_s)
+  assert one.split == (2, 4)

@@ -68,7 +68,8 @@ def attention_sharded(query, key, value, *, mesh=None, strategy: str = "auto",
       two-level ring, :func:`ring_jax.two_level_ring_attention`), or ``"auto"``: the strategy
       :func:`ring_jax.plan` predicts fastest among those that fit in memory,
       for these shapes, this mesh and its device kind (``seq_axis`` a single
-      axis: ring, all_gather or ulysses; a pair: hybrid).
+      axis: ring, all_gather or ulysses; a pair: the two-level ring, all_gather
+      over both axes, or hybrid).
     seq_axis: mesh axis the sequence is sharded over, or for ``"hybrid"`` a
       pair of mesh axes ``(ring_axis, ulysses_axis)``; the sequence is then
       sharded over both, ring-major. For ``"ring"`` a pair ``(outer, inner)``
@@ -98,7 +99,9 @@ def attention_sharded(query, key, value, *, mesh=None, strategy: str = "auto",
 
 
 def _planned(mesh, seq, batch_axis, head_axis, query, key, options) -> str:
-  """The strategy :func:`ring_jax.plan` picks for this call (a pair of axes: the hybrid)."""
+  """The strategy :func:`ring_jax.plan` picks for this call (a pair of axes: the two-level
+  ring, all-gather over both or the hybrid; the flat ring over both is only compared, it
+  is never faster than the two-level one in the model)."""
   b, length, n, h = query.shape
   size = lambda axis: mesh.shape[axis] if axis in mesh.axis_names else 1
   return planning.plan(
@@ -106,7 +109,8 @@ def _planned(mesh, seq, batch_axis, head_axis, query, key, options) -> str:
       is_causal=options.is_causal, local_window_size=options.local_window_size,
       layout=options.layout,
       sequence=tuple(mesh.shape[a] for a in seq) if len(seq) > 1 else mesh.shape[seq[0]],
-      strategies=("hybrid",) if len(seq) > 1 else ("ring", "all_gather", "ulysses"),
+      strategies=("ring", "all_gather", "hybrid") if len(seq) > 1 else
+      ("ring", "all_gather", "ulysses"),
       tensor=size(head_axis), data=size(batch_axis),
       device=global_arrays.device_kind(mesh)).strategy
 
