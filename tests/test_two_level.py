@@ -102,3 +102,14 @@ def test_plan_two_link_levels():
   one = ring_jax.plan(seq_len=1 << 20, sequence=(2, 4), device="H200", **GQA)
   assert one.estimate("ring2x4").time_s == pytest.approx(one.estimate("ring").time_s)
   assert one.split == (2, 4)
+
+
+@pytest.mark.parametrize("strategy", ["all_gather", "auto"])
+def test_other_strategies_over_a_pair(strategy):
+  """all_gather gathers over both axes; "auto" asks plan() among the pair's candidates."""
+  mesh = make_mesh((2, 4), AXES)
+  q, k, v = qkv(12, 1, 32, 4, 2, 8)
+  fn = functools.partial(ring_jax.attention_sharded, mesh=mesh, strategy=strategy,
+                         seq_axis=AXES, is_causal=True, layout="zigzag")
+  want = oracle(q, k, v, jnp.zeros_like(q), is_causal=True)[0]
+  assert_close(jax.jit(fn)(q, k, v), want, what=strategy)
