@@ -113,3 +113,25 @@ def test_other_strategies_over_a_pair(strategy):
                          seq_axis=AXES, is_causal=True, layout="zigzag")
   want = oracle(q, k, v, jnp.zeros_like(q), is_causal=True)[0]
   assert_close(jax.jit(fn)(q, k, v), want, what=strategy)
+
+
+def test_same_as_the_flat_ring_with_window_and_lse():
+  """Inside shard_map: the two-level ring and the flat ring over the same pair of axes give
+  the same output and log-sum-exp (causal, a window, striped on 4 x 2)."""
+  mesh = make_mesh((4, 2), AXES)
+  q, k, v = (ring_jax.to_layout(x, "striped", 8) for x in qkv(13, 1, 32, 4, 2, 8))
+  spec, lse_spec = P(None, AXES), P(None, AXES, None)
+  kw = dict(axis_name=AXES, is_causal=True, local_window_size=9, layout="striped",
+            return_lse=True)
+
+  def run(attend):
+    fn = jax.shard_map(functools.partial(attend, **kw), mesh=mesh, in_specs=(spec,) * 3,
+                       out_specs=(spec, lse_spec))
+    return jax.jit(fn)(q, k, v)
+
+  (out2, lse2), (out1, lse1) = run(two_level_ring_attention), run(ring_jax.ring_attention)
+  assert_close(out2, out1, what="out")
+  assert_close(lse2, lse1, what="lse")
+  want = ring_jax.reference_attention(*(ring_jax.from_layout(x, "striped", 8) for x in (q, k, v)),
+                                      is_causal=True, local_window_size=9)
+  assert_close(ring_jax.from_layout(out2, "striped", 8), want, what="vs reference")
