@@ -27,20 +27,24 @@ def oracle(q, k, v, cot, **kw):
                                                                              c64)]
 
 
-@pytest.mark.parametrize("split,layout,is_causal,segments", [
-    ((2, 4), "zigzag", True, True), ((4, 2), "contiguous", True, False),
-    ((4, 2), "striped", False, False)])
-def test_matches_float64_oracle(split, layout, is_causal, segments):
+@pytest.mark.parametrize("split,layout,is_causal,segments,overlap_dkv", [
+    ((2, 4), "zigzag", True, True, False), ((4, 2), "contiguous", True, False, True),
+    ((4, 2), "striped", False, False, False)])
+def test_matches_float64_oracle(split, layout, is_causal, segments, overlap_dkv):
   """GQA (4 query heads on 2 K/V heads); natural-order global arrays in and out. Causal
-  contiguous skips whole hops (the block table of a later shard is empty). Few cases: each
-  compiles a ring forward and backward (~10 s here)."""
+  contiguous skips whole hops (the block table of a later shard is empty); that case runs
+  through ring_attention_sharded with overlap_dkv. Few cases: each compiles a ring forward
+  and backward (~10 s here)."""
   mesh = make_mesh(split, AXES)
   q, k, v = qkv(11, 1, 32, 4, 2, 8)
   seg = packed_segments(1, 32, seed=4) if segments else None
   cot = jax.random.normal(jax.random.key(5), q.shape, jnp.float32)
-  fn = functools.partial(ring_jax.attention_sharded, mesh=mesh, strategy="ring", seq_axis=AXES,
-                         is_causal=is_causal, segment_ids=seg, layout=layout, block_q=4,
-                         block_kv=4)
+  if overlap_dkv:
+    fn = functools.partial(ring_jax.ring_attention_sharded, overlap_dkv=True)
+  else:
+    fn = functools.partial(ring_jax.attention_sharded, strategy="ring")
+  fn = functools.partial(fn, mesh=mesh, seq_axis=AXES, is_causal=is_causal, segment_ids=seg,
+                         layout=layout, block_q=4, block_kv=4)
   got = [jax.jit(fn)(q, k, v)] + list(jax.jit(functools.partial(grads, fn))(q, k, v, cot))
   want = oracle(q, k, v, cot, is_causal=is_causal, segment_ids=seg)
   for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
