@@ -3,6 +3,11 @@
 Public API:
   ring_attention          inside ``jax.shard_map``, on local sequence shards.
   ring_attention_sharded  on global arrays: builds the shard_map for you.
+  two_level_ring_attention
+                          inside ``jax.shard_map`` over a pair of axes (outer, inner): an
+                          inner ring over the fast axis, the outer transfers issued a whole
+                          inner ring ahead (ring_jax.two_level; on global arrays:
+                          attention_sharded(strategy="ring", seq_axis=(outer, inner))).
   attention_sharded       on global arrays, by any strategy: "ring", "all_gather",
                           "ulysses", "hybrid" (Ulysses x ring), or "auto" (plan()'s pick).
   all_gather_attention / ulysses_attention / hybrid_attention
@@ -40,6 +45,7 @@ from ring_jax.kernels import HOP_KERNELS, XlaHopKernel, get_hop_kernel
 from ring_jax.reference import reference_attention
 from ring_jax.ring import ring_attention
 from ring_jax.sharded import ring_attention_sharded
+from ring_jax.two_level import two_level_ring_attention
 from ring_jax.planning import Plan, plan
 from ring_jax.strategies import (STRATEGIES, AttentionAxes, all_gather_attention,
                                  attention_axes, attention_sharded, hybrid_attention,
@@ -75,6 +81,7 @@ __all__ = [
     "shard_from_layout",
     "shard_to_layout",
     "to_layout",
+    "two_level_ring_attention",
 ]
 
 __version__ = "0.1.0"

@@ -18,7 +18,14 @@ number of links), ``links`` the links (TPU ICI ports, NVLinks) per device.
 NVLink bandwidth), ``"host"`` (fake CPU devices: copies in host memory).
 ``fast_domain`` is how many devices share those links (a TPU slice, an
 8-GPU node); beyond it traffic goes over ``network_bandwidth`` per device (data
-center network / InfiniBand, one direction). A ``None`` field is not known;
+center network / InfiniBand, one direction). These are the two link levels
+:func:`ring_jax.plan` gives a pair of sequence axes ``(outer, inner)`` (the
+two-level ring, :mod:`ring_jax.two_level`): the inner axis on the links, the
+outer one on the network once the devices span more than ``fast_domain``
+(``plan(fast_domain=)`` sets it to a TPU slice of a multislice job: the v5p
+pod's 8,960 chips share ICI, but one slice is at most 6,144 chips, and
+multislice jobs talk over DCN, 50 Gb/s per chip; H100/H200 nodes: NVLink inside,
+one 400 Gb/s InfiniBand NDR NIC per GPU between). A ``None`` field is not known;
 :func:`ring_jax.plan` then asks for the figure explicitly. Each entry names its
 sources. Pure Python: no JAX or Flax import.
 """

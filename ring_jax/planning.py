@@ -26,6 +26,12 @@ the busiest device (1 without a mask; ½ causal with a balanced layout, ``1 -
   whole sequence for ``N/u`` heads.
 * hybrid ``(r, u)``: Ulysses over ``u`` then a ring of ``r`` on shards of
   ``L/r`` tokens with ``N/u`` heads.
+* two-level ring ``(o, i)`` (a pair of axes, :mod:`ring_jax.two_level`): ``o``
+  outer steps of ``max(inner ring, outer transfer)``, each inner ring ``i``
+  hops over the inner axis's links while the next outer buffer (``2·B·ℓ·K·d·e``
+  bytes) crosses the outer links. Hidden iff ``ℓ >= ℓ*`` of the inner links and
+  ``ℓ >= ℓ*/i`` of the outer ones: the slow link gets ``i`` hops of compute
+  to hide behind, where a flat ring over both axes waits for it at every hop.
 
 Links: on a TPU torus a mesh axis is a ring of neighbours: ``ppermute`` uses
 one link in one direction, ``all_gather``/``psum_scatter`` a bidirectional
@@ -58,7 +64,8 @@ class Estimate:
 
   Attributes:
     strategy: ``"ring"``, ``"all_gather"``, ``"ulysses"`` or ``"hybrid"``.
-    split: for the hybrid, ``(ring_size, ulysses_size)``; else ``(n,)``.
+    split: for the hybrid, ``(ring_size, ulysses_size)``; for the two-level ring
+      ``(outer, inner)``; else ``(n,)``.
     feasible: whether it can run on these shapes (heads divisible, lengths...).
     why_not: the reason when it cannot (or does not fit in memory).
     flops: FLOPs on the busiest device.
@@ -89,9 +96,14 @@ class Estimate:
 
   @property
   def name(self) -> str:
-    if self.strategy == "hybrid":
-      return f"hybrid{self.split[0]}x{self.split[1]}"
-    return self.strategy
+    return _name(self.strategy, self.split)
+
+
+def _name(strategy: str, split) -> str:
+  """``"hybrid<r>x<u>"``, the two-level ring as ``"ring<outer>x<inner>"``, else the strategy."""
+  if len(split) == 2:
+    return f"{strategy}{split[0]}x{split[1]}"
+  return strategy
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,8 +143,7 @@ class Plan:
           f"{e.name:12s} {e.flops / 1e12:8.1f} {e.bytes_moved / 1e9:9.2f} "
           f"{_ms(e.compute_s):>9s} {_ms(e.comm_s):>9s} {_ms(e.exposed_comm_s):>9s} "
           f"{_ms(e.time_s):>9s} {hidden:>6s} {lstar:>7s} {e.memory_bytes / 2**30:8.2f}  {note}")
-    chosen = self.estimate(self.strategy if self.strategy != "hybrid" else
-                           f"hybrid{self.split[0]}x{self.split[1]}")
+    chosen = self.estimate(_name(self.strategy, self.split))
     rows.append(f"-> {chosen.name}: " + "; ".join(self.reasons))
     return "\n".join(rows)
 
@@ -184,9 +195,10 @@ class _Links:
   torus: bool
 
 
-def _links(spec: hardware.DeviceSpec, span: int, link_bandwidth, network_bandwidth) -> _Links:
+def _links(spec: hardware.DeviceSpec, span: int, link_bandwidth, network_bandwidth,
+           fast_domain=None) -> _Links:
   """Bandwidths a collective over an axis of devices gets, from the device's figures."""
-  fast = spec.fast_domain or 1
+  fast = fast_domain or spec.fast_domain or 1
   if span > fast:
     w = network_bandwidth or spec.network_bandwidth
     if w is None:
@@ -243,6 +255,7 @@ class _Setting:
   layout: str
   backward: bool
   block: int | None         # None: the ring's default for each strategy's local length
+  fast_domain: int | None = None  # devices on the fast links (None: the device table's)
 
   @property
   def bwd(self) -> float:
@@ -262,7 +275,8 @@ class _Setting:
     return 3 * self.b * q_heads * block * block * 4
 
   def links(self, span: int) -> _Links:
-    return _links(self.spec, span, self.link_bandwidth, self.network_bandwidth)
+    return _links(self.spec, span, self.link_bandwidth, self.network_bandwidth,
+                  self.fast_domain)
 
 
 def _ring_like(s: _Setting, r, tokens, q_heads, k_heads, links_ring) -> dict:
@@ -312,6 +326,61 @@ def _ring_like(s: _Setting, r, tokens, q_heads, k_heads, links_ring) -> dict:
 def _ring_cost(s: _Setting, n: int) -> dict:
   """The ring over ``n`` devices: ``n`` synchronous hops of ``max(compute, transfer)``."""
   return _ring_like(s, n, s.seq_len / n, s.nh, s.kh, s.links(n * s.tensor))
+
+
+def _two_level_cost(s: _Setting, n_o: int, n_i: int) -> dict:
+  """The two-level ring (:mod:`ring_jax.two_level`): ``n_o`` outer steps, each an ``n_i``-hop
+  inner ring over the inner axis's links while the outer buffer's transfer (to the next
+  group, over the links the whole ring spans) runs: a step takes ``max(inner ring, outer
+  transfer)``, the last one the inner ring alone. The backward's outer transfers carry K/V
+  and the float32 dK/dV; its last dK/dV goes home in one transfer over the outer links.
+  Every hop runs (a window's hop pruning is the flat ring's)."""
+  n = n_o * n_i
+  tokens = s.seq_len / n
+  inner = s.links(n_i * s.tensor)
+  outer = s.links(n * s.tensor)
+  c = _coverage(s.seq_len, n, s.is_causal, s.window, s.layout)
+  fwd = 4 * s.b * tokens * s.seq_len * s.nh * s.d * c
+  hop = fwd / n / s.flops_s
+  kv = s.kv_bytes(tokens, s.kh)
+  grad = 4 / s.e  # float32 dK/dV per byte of K/V
+
+  def level_time(hop_s, inner_xfer, outer_xfer):
+    ring = _ring_time(hop_s, n_i, inner_xfer, n_i)
+    return (n_o - 1) * max(ring, outer_xfer) + ring
+
+  time = level_time(hop, kv / inner.p2p, kv / outer.p2p)
+  comm = (n_o * (n_i - 1) * kv / inner.p2p + (n_o - 1) * kv / outer.p2p)
+  moved = n_o * (n_i - 1) * kv + (n_o - 1) * kv
+  if s.backward:
+    home = kv * grad / outer.p2p
+    time += level_time(hop * s.bwd, kv * (1 + grad) / inner.p2p,
+                       kv * (1 + grad) / outer.p2p) + home
+    # Inner: K/V and dK/dV between hops, each step's dK/dV back to the outer buffer's
+    # holder (the last step: the outer dK/dV one device on instead). Outer: K/V, and the
+    # dK/dV one group on per step after the first, then home.
+    inner_bwd = n_o * (n_i - 1) * kv * (1 + grad) + (n_o if n_i > 1 else 0) * kv * grad
+    outer_bwd = (n_o - 1) * kv + n_o * kv * grad
+    comm += inner_bwd / inner.p2p + outer_bwd / outer.p2p
+    moved += inner_bwd + outer_bwd
+  # Hidden: each inner hop covers its inner transfer (l* of the inner links) and each inner
+  # ring its outer transfer (n_i hops: l* of the outer links divided by n_i).
+  ratio = s.kh / s.nh * s.flops_s
+  lstar = max(s.e / (2 * c) * ratio / inner.p2p, s.e / (2 * c) * ratio / outer.p2p / n_i)
+  hidden = hop >= kv / inner.p2p and n_i * hop >= kv / outer.p2p
+  if s.backward:
+    lstar = max(lstar, (s.e + 4) / (5 * c) * ratio / inner.p2p,
+                (s.e + 4) / (5 * c) * ratio / outer.p2p / n_i)
+    hidden = hidden and (hop * s.bwd >= kv * (1 + grad) / inner.p2p
+                         and n_i * hop * s.bwd >= kv * (1 + grad) / outer.p2p)
+  # The flat ring's buffers plus the outer buffer in flight (and its dK/dV accumulators).
+  mem = (s.act_bytes(tokens, s.nh, s.kh) + 4 * kv + s.b * tokens * s.nh * s.d * 4
+         + s.tile_bytes(s.nh, tokens))
+  if s.backward:
+    mem += s.b * tokens * s.nh * s.d * 4 + 6 * kv * grad
+  return dict(flops=fwd * (1 + s.bwd), bytes_moved=moved, compute_s=fwd * (1 + s.bwd) / s.flops_s,
+              comm_s=comm, time_s=time, hidden=hidden or n == 1, min_local_len=lstar,
+              memory_bytes=mem)
 
 
 def _all_gather_cost(s: _Setting, n: int) -> dict:
@@ -392,7 +461,7 @@ def plan(*, batch: int, seq_len: int, heads: int, head_dim: int, kv_heads: int |
          device: str | None = None, peak_flops: float | None = None,
          link_bandwidth: float | None = None, network_bandwidth: float | None = None,
          memory_bytes: float | None = None, backward: bool = True, block: int | None = None,
-         strategies=None) -> Plan:
+         strategies=None, fast_domain: int | None = None) -> Plan:
   """Predicts each sequence-parallel strategy's cost per device and picks one.
 
   Args:
@@ -402,9 +471,13 @@ def plan(*, batch: int, seq_len: int, heads: int, head_dim: int, kv_heads: int |
     is_causal, local_window_size, layout: the mask and the sequence layout.
     sequence: devices the sequence is split over: an int ``n`` (ring,
       all_gather, ulysses over one axis of ``n``, and the hybrid for every
-      split ``r x u = n`` with ``u > 1``), or a pair ``(r, u)``: two mesh axes,
-      as ``attention_sharded(seq_axis=(ring_axis, ulysses_axis))`` takes them
-      (only the hybrid runs on that).
+      split ``r x u = n`` with ``u > 1``), or a pair ``(outer, inner)``: two
+      mesh axes, the inner one on the faster links, as
+      ``attention_sharded(seq_axis=(outer, inner))`` takes them: the
+      two-level ring (``strategy="ring"``, estimate ``"ring<o>x<i>"``), the
+      flat ring over both (estimate ``"ring"``: compared, not run by
+      ``attention_sharded``; never faster in this model), all_gather over both,
+      and the hybrid (ring over ``outer``, Ulysses over ``inner``).
     tensor, data: sizes of the head and batch axes (they divide heads / batch).
     device: a device kind (``jax.Device.device_kind`` or a name of
       :mod:`ring_jax.hardware`, e.g. ``"TPU v5p"``, ``"H200"``, ``"cpu"``).
@@ -417,6 +490,9 @@ def plan(*, batch: int, seq_len: int, heads: int, head_dim: int, kv_heads: int |
       one's local length (at most ``ring_jax.ring.DEFAULT_BLOCK``).
     strategies: restrict the candidates (default all of ``ring``,
       ``all_gather``, ``ulysses``, ``hybrid``).
+    fast_domain: devices that share the fast links (a TPU slice of a multislice
+      job, an NVLink node); default the device table's. Beyond it transfers use
+      ``network_bandwidth`` (DCN, InfiniBand).
 
   Returns:
     a :class:`Plan`: ``strategy`` (and ``split`` for the hybrid), the reasons,
@@ -428,8 +504,11 @@ def plan(*, batch: int, seq_len: int, heads: int, head_dim: int, kv_heads: int |
       raise ValueError(f"strategies must be among {STRATEGIES}, got {name!r}.")
   if isinstance(sequence, (tuple, list)):
     if len(sequence) != 2:
-      raise ValueError(f"sequence must be an int or a pair (ring, ulysses), got {sequence!r}.")
-    candidates = [("hybrid", tuple(int(x) for x in sequence))]
+      raise ValueError(f"sequence must be an int or a pair (outer, inner), got {sequence!r}.")
+    pair = tuple(int(x) for x in sequence)
+    n = math.prod(pair)
+    # Two mesh axes: the two-level ring, the flat ring and all-gather over both, the hybrid.
+    candidates = [("ring", pair), ("ring", (n,)), ("all_gather", (n,)), ("hybrid", pair)]
   else:
     n = int(sequence)
     candidates = [(name, (n,)) for name in ("ring", "all_gather", "ulysses")]
@@ -446,13 +525,16 @@ def plan(*, batch: int, seq_len: int, heads: int, head_dim: int, kv_heads: int |
                tensor=tensor, b=batch // data, nh=heads // tensor,
                kh=kv_heads // tensor if kv_heads % tensor == 0 else 1,  # MQA: replicated
                d=head_dim, e=_dtype_bytes(dtype), seq_len=seq_len, is_causal=is_causal,
-               window=window, layout=layout, backward=backward, block=block)
+               window=window, layout=layout, backward=backward, block=block,
+               fast_domain=fast_domain)
   budget = float(memory_bytes or spec.memory_bytes or math.inf)
   estimates = []
   for name, split in candidates:
     if name not in wanted:
       continue
     cost, problem = _COSTS[name]
+    if name == "ring" and len(split) == 2:
+      cost, problem = _two_level_cost, lambda s, o, i: _COSTS["ring"][1](s, o * i)
     why = problem(s, *split)
     estimates.append(_infeasible(name, split, why) if why else
                      _fit(_estimate(name, split, cost(s, *split)), budget))
@@ -516,13 +598,20 @@ def _choose(estimates, spec, setting) -> Plan:
     raise ValueError("no strategy can run this: " + "; ".join(
         f"{e.name}: {e.why_not}" for e in estimates))
   order = {s: i for i, s in enumerate(STRATEGIES)}
-  best = min(ok, key=lambda e: (round(e.time_s, 12), order[e.strategy]))
+  # Ties: the strategy order, then the two-level ring before the flat one (never slower).
+  best = min(ok, key=lambda e: (round(e.time_s, 12), order[e.strategy], -len(e.split)))
   reasons = [f"fastest predicted ({best.time_s * 1e3:.2f} ms per device, "
              f"{best.exposed_comm_s * 1e3:.2f} ms of it exposed transfer)"]
   if best.hidden is not None:
     reasons.append("the ring's transfer hides behind compute" if best.hidden else
                    f"the ring's transfer is exposed (local length below l* = "
                    f"{best.min_local_len:,.0f})")
+  flat = [e for e in ok if e.strategy == "ring" and len(e.split) == 1]
+  if best.strategy == "ring" and len(best.split) == 2 and flat:
+    outer, inner = best.split
+    reasons.append(f"two levels: {outer - 1} transfers over the outer links, each behind a "
+                   f"{inner}-hop inner ring, against {outer * inner - 1} outer-paced hops of "
+                   f"the flat ring ({flat[0].time_s * 1e3:.2f} ms)")
   others = sorted((e for e in ok if e is not best), key=lambda e: e.time_s)
   if others:
     nxt = others[0]

@@ -12,7 +12,7 @@ from ring_jax.strategies import ring as ring_strategy
 from ring_jax.strategies.options import AttentionOptions
 
 
-def ring_attention_sharded(query, key, value, *, mesh=None, seq_axis: str = "sequence",
+def ring_attention_sharded(query, key, value, *, mesh=None, seq_axis="sequence",
                            batch_axis: str | None = "data", head_axis: str | None = "tensor",
                            is_causal: bool = False, segment_ids=None, scale: float | None = None,
                            local_window_size=None, layout: str = "contiguous",
@@ -21,7 +21,9 @@ def ring_attention_sharded(query, key, value, *, mesh=None, seq_axis: str = "seq
                            return_lse: bool = False, overlap_dkv: bool = False):
   """Ring attention on global ``[B, L, N, H]`` arrays: builds the ``shard_map`` for you.
 
-  The sequence axis is sharded over ``seq_axis`` (the ring); the batch over
+  The sequence axis is sharded over ``seq_axis`` (the ring; a pair ``(outer,
+  inner)`` of mesh axes runs the two-level ring, :func:`ring_jax.two_level_ring_attention`,
+  with the layout over both axes' product); the batch over
   ``batch_axis`` and the heads over ``head_axis`` at the same time (tensor x
   sequence parallelism). ``batch_axis="data"`` and ``head_axis="tensor"`` are
   defaults that mean "not sharded" when the mesh has no such axis; any other

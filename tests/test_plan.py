@@ -77,9 +77,10 @@ def test_choice_reasons_and_constraints():
   # One node, long context: the ring hides its transfer and wins.
   p = ring_jax.plan(seq_len=1 << 20, sequence=8, device="NVIDIA H200", **GQA)
   assert p.strategy == "ring" and "hides behind compute" in " ".join(p.reasons)
-  # A pair is a two-axis mesh: only the hybrid runs on it.
+  # A pair is a two-axis mesh: the two-level ring, the flat ring and all-gather over both
+  # axes, and the hybrid (tests/test_two_level.py checks the choice).
   p = ring_jax.plan(seq_len=65536, sequence=(2, 4), device="TPU v5p", **GQA)
-  assert [e.name for e in p.estimates] == ["hybrid2x4"]
+  assert [e.name for e in p.estimates] == ["ring2x4", "ring", "all_gather", "hybrid2x4"]
 
 
 def test_memory_budget_and_explicit_figures():

@@ -6,7 +6,8 @@ module each:
 
 * ``"ring"`` (:mod:`ring_jax.strategies.ring`, :func:`ring_jax.ring_attention`):
   K/V shards travel around the axis with ``ppermute``, overlapped with the
-  hop's compute; memory linear in the *local* length.
+  hop's compute; memory linear in the *local* length. With ``seq_axis=(outer,
+  inner)``: the two-level ring (:mod:`ring_jax.two_level`).
 * ``"all_gather"`` (:mod:`ring_jax.strategies.all_gather`): every device
   gathers the whole K/V and attends its local queries to it; memory linear in
   the *global* length.
@@ -63,13 +64,18 @@ def attention_sharded(query, key, value, *, mesh=None, strategy: str = "auto",
   Args:
     strategy: ``"ring"`` (:func:`ring_jax.ring_attention_sharded`),
       ``"all_gather"``, ``"ulysses"``, ``"hybrid"`` (``seq_axis`` a pair
-      ``(ring_axis, ulysses_axis)``), or ``"auto"``: the strategy
+      ``(ring_axis, ulysses_axis)``; ``"ring"`` with a pair ``(outer, inner)`` is the
+      two-level ring, :func:`ring_jax.two_level_ring_attention`), or ``"auto"``: the strategy
       :func:`ring_jax.plan` predicts fastest among those that fit in memory,
       for these shapes, this mesh and its device kind (``seq_axis`` a single
-      axis: ring, all_gather or ulysses; a pair: hybrid).
+      axis: ring, all_gather or ulysses; a pair: the two-level ring, all_gather
+      over both axes, or hybrid).
     seq_axis: mesh axis the sequence is sharded over, or for ``"hybrid"`` a
       pair of mesh axes ``(ring_axis, ulysses_axis)``; the sequence is then
-      sharded over both, ring-major.
+      sharded over both, ring-major. For ``"ring"`` a pair ``(outer, inner)``
+      (slow links, fast links) shards it over both outer-major, laid out as
+      one ring of their product's size (``inputs_in_layout=True`` means
+      :func:`ring_jax.to_layout` with that ``ring_size``).
     Everything else: as in :func:`ring_jax.ring_attention_sharded`. Layouts
     balance causal work across the sequence devices for ring and all_gather;
     for the hybrid they apply to the ring axis (``inputs_in_layout=True``
@@ -93,7 +99,9 @@ def attention_sharded(query, key, value, *, mesh=None, strategy: str = "auto",
 
 
 def _planned(mesh, seq, batch_axis, head_axis, query, key, options) -> str:
-  """The strategy :func:`ring_jax.plan` picks for this call (a pair of axes: the hybrid)."""
+  """The strategy :func:`ring_jax.plan` picks for this call (a pair of axes: the two-level
+  ring, all-gather over both or the hybrid; the flat ring over both is only compared, it
+  is never faster than the two-level one in the model)."""
   b, length, n, h = query.shape
   size = lambda axis: mesh.shape[axis] if axis in mesh.axis_names else 1
   return planning.plan(
@@ -101,7 +109,8 @@ def _planned(mesh, seq, batch_axis, head_axis, query, key, options) -> str:
       is_causal=options.is_causal, local_window_size=options.local_window_size,
       layout=options.layout,
       sequence=tuple(mesh.shape[a] for a in seq) if len(seq) > 1 else mesh.shape[seq[0]],
-      strategies=("hybrid",) if len(seq) > 1 else ("ring", "all_gather", "ulysses"),
+      strategies=("ring", "all_gather", "hybrid") if len(seq) > 1 else
+      ("ring", "all_gather", "ulysses"),
       tensor=size(head_axis), data=size(batch_axis),
       device=global_arrays.device_kind(mesh)).strategy
 

@@ -9,6 +9,8 @@ whole K/V and, in the backward, its float32 gradients on every device).
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 
@@ -63,7 +65,9 @@ def _local(query, key, value, segment_ids, *, axis_name, options: AttentionOptio
 
 def _check(where: global_arrays.Placement, length, kv_len, heads, kv_heads, options):
   del kv_len, heads, kv_heads  # any head count; equal lengths are the wrapper's check
-  validation.check_split(options.layout, where.seq_sizes[0], length)
+  # a pair (outer, inner): one gather over both axes
+  validation.check_split(options.layout, math.prod(where.seq_sizes), length)
 
 
-STRATEGY = global_arrays.Strategy(name="all_gather", local=_local, check=_check)
+STRATEGY = global_arrays.Strategy(name="all_gather", local=_local, check=_check,
+                                  one_ring_over_pair=True)

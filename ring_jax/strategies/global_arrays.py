@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Callable, NamedTuple
 
 import jax
@@ -111,6 +112,9 @@ class Strategy:
     check: ``check(placement, q_len, kv_len, heads, kv_heads, options)`` on global
       lengths and per-device heads; raises ValueError naming the fix.
     two_axes: ``seq_axis`` is a pair ``(ring_axis, ulysses_axis)``.
+    one_ring_over_pair: ``seq_axis`` is one axis or a pair ``(outer, inner)`` that the
+      sequence is split over outer-major, as one ring of their product's size (layouts
+      and the reorder into them span both axes): the two-level ring.
     cross_attention: query and key/value lengths may differ.
     whole_sequence: every device attends over the whole sequence, so natural-order
       inputs stay in natural order (run as ``"contiguous"``, never reordered).
@@ -120,6 +124,7 @@ class Strategy:
   local: Callable
   check: Callable
   two_axes: bool = False
+  one_ring_over_pair: bool = False
   cross_attention: bool = False
   whole_sequence: bool = False
   reorders_itself: bool = False
@@ -209,12 +214,15 @@ def run(strategy: Strategy, query, key, value, segment_ids, *, mesh, seq_axis, b
 
   Inputs and output are in natural token order unless ``inputs_in_layout``
   (then in ``options.layout`` order for a ring of the first sequence axis's
-  size). With ``options.return_lse`` the result is ``(out, lse)``.
+  size, or of both axes' product for ``strategy.one_ring_over_pair``). With
+  ``options.return_lse`` the result is ``(out, lse)``.
   """
   mesh = current_mesh(mesh)
-  if (len(seq_axes(mesh, seq_axis)) == 2) != strategy.two_axes:
+  pair = len(seq_axes(mesh, seq_axis)) == 2
+  if pair != strategy.two_axes and not (pair and strategy.one_ring_over_pair):
     raise ValueError(
-        "strategy='hybrid' needs seq_axis=(ring_axis, ulysses_axis), a pair of mesh axes; the "
+        "strategy='hybrid' needs seq_axis=(ring_axis, ulysses_axis), a pair of mesh axes; "
+        "strategy='ring' takes one axis or a pair (outer, inner) (the two-level ring); the "
         f"other strategies take a single axis (got strategy={strategy.name!r}, "
         f"seq_axis={seq_axis!r}).")
   validation.check_qkv(query, key, value, is_causal=options.masked, segment_ids=segment_ids)
@@ -236,6 +244,9 @@ def run(strategy: Strategy, query, key, value, segment_ids, *, mesh, seq_axis, b
   # Natural-order inputs are reordered shard by shard with collectives inside the shard_map
   # (O(L/n) memory) when the layout allows, else as global arrays.
   layout, ring = options.layout, where.seq_sizes[0]
+  layout_axis = where.seq[0]
+  if pair and strategy.one_ring_over_pair:  # one ring over both axes, outer-major
+    ring, layout_axis = math.prod(where.seq_sizes), where.seq
   in_shards = natural and all(layouts.can_reorder_shards(layout, ring, size // ring)
                               for size in (length, kv_len))
   if natural and not in_shards:
@@ -247,7 +258,7 @@ def run(strategy: Strategy, query, key, value, segment_ids, *, mesh, seq_axis, b
   if strategy.reorders_itself:
     local = functools.partial(local, natural=in_shards)
   elif in_shards:
-    local = functools.partial(_in_layout, local, layout=layout, axis_name=where.seq[0])
+    local = functools.partial(_in_layout, local, layout=layout, axis_name=layout_axis)
   out = _shard_map(local, where, query, key, value, segment_ids, options.return_lse)
   if natural and not in_shards:
     out = jax.tree.map(lambda x: layouts.from_layout(x, layout, ring, axis=1), out)

@@ -1,0 +1,200 @@
+"""Bytes over each mesh axis of the two-level ring vs the flat ring, from the compiled HLO.
+
+For ``seq_axis=(outer, inner)`` the sequence is split over both axes, outer-major.
+The flat ring (``ring_jax.ring_attention(axis_name=(outer, inner))``) sends every
+hop to the next ring index, so at every hop the last device of each group sends
+to the next group over the slow (outer) link: each of its ``n - 1`` hops waits
+for the slow link. The two-level ring (``strategy="ring"`` with a pair,
+:mod:`ring_jax.two_level`) sends over the outer axis ``n_o - 1`` times (the
+backward's dK/dV ``n_o`` times), each transfer issued a whole inner ring (``n_i``
+hops of compute) before it is read.
+
+:func:`permute_traffic` reads every ``collective-permute`` of a compiled
+program (``jax.jit(f).lower(...).compile().as_text()``) with its
+``source_target_pairs`` (partition ids = positions in the mesh's device
+order), classifies each source->target pair by whether it crosses the outer
+axis, and multiplies by the trip counts of the ``while`` loops around it
+(``known_trip_count``). Computation from the HLO alone: no timing.
+
+  PYTHONPATH=. python benchmarks/two_level.py   # -> results/two_level_cpu.json, a table
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import functools
+import json
+import math
+import os
+import re
+import sys
+
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                             " --xla_force_host_platform_device_count=8").strip()
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import ring_jax  # noqa: E402
+from benchmarks.common import _ARRAY, _ITEM_BYTES  # noqa: E402
+
+AXES = ("outer", "inner")
+_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%([\w.\-]+)\s.*\{\s*$")
+_CALLEE = re.compile(r"\b(?:body|calls|to_apply|condition|true_computation|false_computation)"
+                     r"=%([\w.\-]+)")
+_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
+_TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+_PERMUTE = re.compile(r"=\s*(\([^=]*?\)|\S+)\s+collective-permute(?:-start)?\(")
+_PAIRS = re.compile(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}")
+_SCOPE = re.compile(r'op_name="([^"]*)"')
+
+
+def _computations(hlo: str) -> tuple[dict[str, list[str]], str]:
+  """``({name: instruction lines}, entry name)`` of HLO text."""
+  comps, entry, current = {}, None, None
+  for line in hlo.splitlines():
+    m = _COMPUTATION.match(line)
+    if m:
+      current = m.group(1)
+      comps[current] = []
+      if line.startswith("ENTRY"):
+        entry = current
+    elif line.strip() == "}":
+      current = None
+    elif current is not None:
+      comps[current].append(line)
+  return comps, entry
+
+
+def _executions(comps, entry) -> dict[str, int]:
+  """How often each computation runs per program run: a while body ``known_trip_count``
+  times per run of its caller (a loop without one counts once); anything else called
+  (conditional branches too: an upper bound) once per run of its caller."""
+  runs = collections.Counter({entry: 1})
+  order, seen = [entry], {entry}
+  while order:  # callers before callees (HLO call graphs are acyclic)
+    name = order.pop(0)
+    for line in comps.get(name, ()):
+      trips = _TRIPS.search(line)
+      callees = _CALLEE.findall(line)
+      for b in _BRANCHES.findall(line):
+        callees += re.findall(r"%([\w.\-]+)", b)
+      for callee in callees:
+        times = int(trips.group(1)) if trips and f"body=%{callee}" in line else 1
+        runs[callee] += runs[name] * times
+        if callee not in seen:
+          seen.add(callee)
+          order.append(callee)
+  return runs
+
+
+def permute_traffic(hlo: str, mesh_shape, outer: int = 0) -> list[dict]:
+  """Every collective-permute of compiled HLO text, as executed per program run.
+
+  Returns one dict per op: ``scope`` (the ``op_name`` metadata, e.g.
+  ``.../two_level_fwd/send_outer/ppermute``), ``bytes`` (what one device
+  sends: the operand), ``runs`` (loop trip counts included), ``pairs`` and
+  ``outer_pairs`` (how many of its source->target pairs cross mesh dimension
+  ``outer`` of ``mesh_shape``: the partition ids are positions in the mesh's
+  device order). A computation that XLA did not give a trip count is counted once.
+  """
+  comps, entry = _computations(hlo)
+  runs = _executions(comps, entry)
+  ops = []
+  for name, lines in comps.items():
+    for line in lines:
+      m = _PERMUTE.search(line)
+      pairs = _PAIRS.search(line)
+      if not m or not pairs:
+        continue
+      dtype, dims = _ARRAY.findall(m.group(1))[0]  # -start: (operand, result, ...)
+      nbytes = _ITEM_BYTES.get(dtype, 4) * math.prod(int(d) for d in dims.split(",") if d)
+      st = [tuple(map(int, p)) for p in re.findall(r"\{(\d+),(\d+)\}", pairs.group(1))]
+      crossing = sum(np.unravel_index(a, mesh_shape)[outer] != np.unravel_index(b, mesh_shape)[outer]
+                     for a, b in st)
+      scope = _SCOPE.search(line)
+      ops.append(dict(scope=scope.group(1) if scope else "", bytes=nbytes, runs=runs[name],
+                      pairs=len(st), outer_pairs=int(crossing)))
+  return ops
+
+
+def axis_summary(ops: list[dict]) -> dict:
+  """What one link of each kind carries over the program (the busiest one; every pair of
+  a permute is its own link direction): ``outer_transfers`` / ``outer_bytes``, the
+  executed permutes with a pair over the outer axis (each waits for a slow link) and
+  their bytes; ``inner_transfers`` / ``inner_bytes`` likewise for pairs within a group.
+  A flat ring's hop has both kinds of pair, so it counts in both."""
+  out = dict(outer_transfers=0, outer_bytes=0, inner_transfers=0, inner_bytes=0)
+  for op in ops:
+    for kind, present in (("outer", op["outer_pairs"] > 0),
+                          ("inner", op["outer_pairs"] < op["pairs"])):
+      if present:
+        out[f"{kind}_transfers"] += op["runs"]
+        out[f"{kind}_bytes"] += op["bytes"] * op["runs"]
+  return out
+
+
+def compiled_text(split, *, two_level: bool, backward: bool, is_causal: bool, length: int,
+                  heads: int = 4, kv_heads: int = 2, head_dim: int = 64,
+                  layout: str = "zigzag") -> str:
+  """Compiled HLO of the flat or two-level ring over a mesh ``split`` = (n_outer, n_inner)."""
+  mesh = jax.make_mesh(split, AXES, devices=jax.devices()[:math.prod(split)],
+                       axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  attend = ring_jax.two_level_ring_attention if two_level else ring_jax.ring_attention
+  local = functools.partial(attend, axis_name=AXES, is_causal=is_causal, layout=layout)
+  q_spec, kv_spec = P(None, AXES), P(None, AXES)
+  fn = jax.shard_map(local, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec), out_specs=q_spec)
+  if backward:
+    fwd = fn
+    fn = lambda q, k, v: jax.grad(lambda q, k, v: jnp.sum(fwd(q, k, v)), (0, 1, 2))(q, k, v)  # noqa: E731
+  # float32: XLA:CPU moves bfloat16 collectives as float32 anyway; bf16 halves the K/V bytes.
+  shapes = [jax.ShapeDtypeStruct((1, length, n, head_dim), jnp.float32)
+            for n in (heads, kv_heads, kv_heads)]
+  return jax.jit(fn).lower(*shapes).compile().as_text()
+
+
+def measure(splits=((2, 4), (4, 2)), length: int = 8192, is_causal: bool = True) -> list[dict]:
+  rows = []
+  for split in splits:
+    for backward in (False, True):
+      for two_level in (False, True):
+        text = compiled_text(split, two_level=two_level, backward=backward,
+                             is_causal=is_causal, length=length)
+        s = axis_summary(permute_traffic(text, split))
+        rows.append(dict(split=list(split), ring="two-level" if two_level else "flat",
+                         pass_="fwd+bwd" if backward else "fwd", length=length, **s))
+  return rows
+
+
+def print_table(rows, out=sys.stdout):
+  mib = 2 ** 20
+  print(f"{'split':>6} {'pass':>8} {'ring':>10} {'outer xfers':>12} {'outer MiB':>10} "
+        f"{'inner xfers':>12} {'inner MiB':>10}", file=out)
+  for r in rows:
+    print(f"{'x'.join(map(str, r['split'])):>6} {r['pass_']:>8} {r['ring']:>10} "
+          f"{r['outer_transfers']:>12} {r['outer_bytes'] / mib:>10.2f} {r['inner_transfers']:>12} "
+          f"{r['inner_bytes'] / mib:>10.2f}", file=out)
+
+
+def main(argv=None):
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("--length", type=int, default=8192, help="global sequence length")
+  ap.add_argument("--non-causal", action="store_true")
+  ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results",
+                                                "two_level_cpu.json"))
+  args = ap.parse_args(argv)
+  rows = measure(length=args.length, is_causal=not args.non_causal)
+  print_table(rows)
+  with open(args.out, "w") as f:
+    json.dump(dict(jax=jax.__version__, heads=4, kv_heads=2, head_dim=64, dtype="float32",
+                   layout="zigzag", is_causal=not args.non_causal, rows=rows), f, indent=1)
+  return rows
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,141 @@
+"""The two-level ring (strategy="ring", seq_axis=(outer, inner)) vs the float64 dense oracle,
+forward and gradients, on (2, 4) and (4, 2) splits of 8 fake devices; its errors; the bytes
+its compiled HLO sends over each axis; plan()'s choice on two link levels."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import ring_jax
+from benchmarks import two_level as bench
+from attn_utils import assert_close, grads, make_mesh, packed_segments, qkv
+from ring_jax.two_level import two_level_ring_attention
+
+AXES = ("outer", "inner")
+
+
+def oracle(q, k, v, cot, **kw):
+  """float64 output and gradients of the dense reference (the oracle)."""
+  with jax.enable_x64(True):
+    q64, k64, v64, c64 = (jnp.asarray(np.asarray(x, np.float64)) for x in (q, k, v, cot))
+    ref = functools.partial(ring_jax.reference_attention, **kw)
+    return [np.asarray(ref(q64, k64, v64))] + [np.asarray(g) for g in grads(ref, q64, k64, v64,
+                                                                             c64)]
+
+
+@pytest.mark.parametrize("split,layout,is_causal,segments,overlap_dkv", [
+    ((2, 4), "zigzag", True, True, False), ((4, 2), "contiguous", True, False, True),
+    ((4, 2), "striped", False, False, False)])
+def test_matches_float64_oracle(split, layout, is_causal, segments, overlap_dkv):
+  """GQA (4 query heads on 2 K/V heads); natural-order global arrays in and out. Causal
+  contiguous skips whole hops (the block table of a later shard is empty); that case runs
+  through ring_attention_sharded with overlap_dkv. Few cases: each compiles a ring forward
+  and backward (~10 s here)."""
+  mesh = make_mesh(split, AXES)
+  q, k, v = qkv(11, 1, 32, 4, 2, 8)
+  seg = packed_segments(1, 32, seed=4) if segments else None
+  cot = jax.random.normal(jax.random.key(5), q.shape, jnp.float32)
+  if overlap_dkv:
+    fn = functools.partial(ring_jax.ring_attention_sharded, overlap_dkv=True)
+  else:
+    fn = functools.partial(ring_jax.attention_sharded, strategy="ring")
+  fn = functools.partial(fn, mesh=mesh, seq_axis=AXES, is_causal=is_causal, segment_ids=seg,
+                         layout=layout, block_q=4, block_kv=4)
+  got = [jax.jit(fn)(q, k, v)] + list(jax.jit(functools.partial(grads, fn))(q, k, v, cot))
+  want = oracle(q, k, v, cot, is_causal=is_causal, segment_ids=seg)
+  for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
+    assert_close(g, w, what=f"{split} {layout} {name}")
+
+
+def test_errors():
+  mesh = make_mesh((2, 4), AXES)
+  q, k, v = qkv(0, 1, 16, 2, 2, 4)
+  with pytest.raises(ValueError, match="strategy='ring' takes one axis or a pair"):
+    ring_jax.attention_sharded(q, k, v, mesh=mesh, strategy="ulysses", seq_axis=AXES)
+  spec = P(None, AXES)
+  with pytest.raises(ValueError, match="a pair of different mesh axes"):
+    jax.shard_map(lambda q, k, v: two_level_ring_attention(q, k, v, axis_name="outer"),
+                  mesh=mesh, in_specs=(spec,) * 3, out_specs=spec)(q, k, v)
+  with pytest.raises(ValueError, match="zigzag"):  # the layout spans the ring of 8
+    ring_jax.attention_sharded(q[:, :8], k[:, :8], v[:, :8], mesh=mesh, strategy="ring",
+                               seq_axis=AXES, layout="zigzag")
+
+
+def test_bytes_over_each_axis_from_hlo():
+  """Forward, ring of 8 as 2 groups of 4: the flat ring's 7 hops each send K and V over the
+  outer links (2 pairs of 8 cross); the two-level ring crosses them once (K and V), and
+  sends 2 x 3 inner hops within the groups. Every executed permute moves one shard."""
+  shard = 1 * 8 * 2 * 16 * 4  # 64 tokens / 8 devices, 2 K/V heads, head_dim 16, float32
+  got = {}
+  for two_level in (False, True):
+    text = bench.compiled_text((2, 4), two_level=two_level, backward=False, is_causal=False,
+                               length=64, heads=4, kv_heads=2, head_dim=16)
+    ops = bench.permute_traffic(text, (2, 4))
+    assert all(op["bytes"] == shard for op in ops), ops
+    got[two_level] = bench.axis_summary(ops)
+  assert got[False] == dict(outer_transfers=14, outer_bytes=14 * shard, inner_transfers=14,
+                            inner_bytes=14 * shard)
+  assert got[True] == dict(outer_transfers=2, outer_bytes=2 * shard, inner_transfers=12,
+                           inner_bytes=12 * shard)
+
+
+GQA = dict(batch=1, heads=32, kv_heads=8, head_dim=128)
+
+
+def test_plan_two_link_levels():
+  """4 H200 nodes of 8 (NVLink inside, 400 Gb/s InfiniBand between): the flat ring's hops
+  wait for InfiniBand, the two-level ring hides it behind 8 hops; all-gather over both axes
+  is exposed. On TPU v5p slices of 16 over DCN likewise."""
+  p = ring_jax.plan(seq_len=131072, sequence=(4, 8), device="H200", **GQA)
+  assert (p.strategy, p.split) == ("ring", (4, 8))
+  two, flat = p.estimate("ring4x8"), p.estimate("ring")
+  assert two.hidden and not flat.hidden
+  assert two.time_s < flat.time_s / 2 and two.exposed_comm_s < flat.exposed_comm_s / 10
+  assert "two levels: 3 transfers over the outer links" in " ".join(p.reasons)
+  # The outer threshold is the inner ring's: l* of the network over 8 hops.
+  assert flat.min_local_len / 8 <= two.min_local_len < flat.min_local_len
+  v5p = ring_jax.plan(seq_len=262144, sequence=(4, 16), device="TPU v5p", fast_domain=16,
+                      **GQA)
+  assert v5p.strategy == "ring" and v5p.split == (4, 16)
+  assert not v5p.estimate("ring").hidden and not v5p.estimate("hybrid4x16").hidden
+  # Inside one fast domain both rings are the same time; the two-level one is chosen.
+  one = ring_jax.plan(seq_len=1 << 20, sequence=(2, 4), device="H200", **GQA)
+  assert one.estimate("ring2x4").time_s == pytest.approx(one.estimate("ring").time_s)
+  assert one.split == (2, 4)
+
+
+@pytest.mark.parametrize("strategy", ["all_gather", "auto"])
+def test_other_strategies_over_a_pair(strategy):
+  """all_gather gathers over both axes; "auto" asks plan() among the pair's candidates."""
+  mesh = make_mesh((2, 4), AXES)
+  q, k, v = qkv(12, 1, 32, 4, 2, 8)
+  fn = functools.partial(ring_jax.attention_sharded, mesh=mesh, strategy=strategy,
+                         seq_axis=AXES, is_causal=True, layout="zigzag")
+  want = oracle(q, k, v, jnp.zeros_like(q), is_causal=True)[0]
+  assert_close(jax.jit(fn)(q, k, v), want, what=strategy)
+
+
+def test_same_as_the_flat_ring_with_window_and_lse():
+  """Inside shard_map: the two-level ring and the flat ring over the same pair of axes give
+  the same output and log-sum-exp (causal, a window, striped on 4 x 2)."""
+  mesh = make_mesh((4, 2), AXES)
+  q, k, v = (ring_jax.to_layout(x, "striped", 8) for x in qkv(13, 1, 32, 4, 2, 8))
+  spec, lse_spec = P(None, AXES), P(None, AXES, None)
+  kw = dict(axis_name=AXES, is_causal=True, local_window_size=9, layout="striped",
+            return_lse=True)
+
+  def run(attend):
+    fn = jax.shard_map(functools.partial(attend, **kw), mesh=mesh, in_specs=(spec,) * 3,
+                       out_specs=(spec, lse_spec))
+    return jax.jit(fn)(q, k, v)
+
+  (out2, lse2), (out1, lse1) = run(two_level_ring_attention), run(ring_jax.ring_attention)
+  assert_close(out2, out1, what="out")
+  assert_close(lse2, lse1, what="lse")
+  want = ring_jax.reference_attention(*(ring_jax.from_layout(x, "striped", 8) for x in (q, k, v)),
+                                      is_causal=True, local_window_size=9)
+  assert_close(ring_jax.from_layout(out2, "striped", 8), want, what="vs reference")
