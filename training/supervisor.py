@@ -190,8 +190,13 @@ def supervise(argv: list[str] | None = None) -> int:
   swallowed: list[str] = []  # JAX's report of the lost service and all after it
   out = sys.stderr
   streams = {child.stderr.fileno(): _Lines(child.stderr.fileno()), report_r: _Lines(report_r)}
+  ended_at = None  # when the child exited: a process it forked may hold the pipes open
   try:
     while not all(s.closed for s in streams.values()):
+      if ended_at is None and child.poll() is not None:
+        ended_at = time.monotonic()
+      if ended_at is not None and time.monotonic() - ended_at > _HOLD_S:
+        break
       ready, _, _ = select.select([fd for fd, s in streams.items() if not s.closed], [], [],
                                   _HOLD_S / 4)
       for fd in ready:
@@ -218,11 +223,13 @@ def supervise(argv: list[str] | None = None) -> int:
         out.writelines(held)
         out.flush()
         held = []
+    out.writelines(held)
     returncode = child.wait()
   finally:
     for s, handler in previous.items():
       signal.signal(s, handler)
     os.close(report_r)
+    child.stderr.close()
     if child.poll() is None:
       child.kill()
       child.wait()
