@@ -28,7 +28,8 @@ be written stops it with status 4; a corrupt newest checkpoint is moved aside
 and the one before it restored; config and flag errors are one line, status 2;
 on a multi-process run, a process that dies makes every survivor exit with
 status 75 and one line naming it and the command that resumes
-(``training.distributed``; docs/training.md, "When a process dies").
+(``training.distributed``; docs/training.md, "When a process dies"), process 0
+included: each process of such a run is a child of ``training.supervisor``.
 """
 
 from __future__ import annotations
@@ -41,6 +42,14 @@ import sys
 import threading
 import time
 from typing import Any
+
+from training import supervisor as supervisor_lib  # imports no JAX
+
+if __name__ == "__main__" and supervisor_lib.wanted(sys.argv):
+  # A multi-process run: this process only supervises a copy of itself, so that a dead
+  # process 0 (and JAX's C++ abort of this one) still ends in one line and status 75.
+  # Before JAX is imported: the supervisor holds no devices and no connection.
+  sys.exit(supervisor_lib.supervise())
 
 import jax
 import numpy as np
@@ -95,30 +104,13 @@ EXIT_DIVERGED = 3  # non-finite loss or gradient norm
 EXIT_CHECKPOINT_WRITE = 4  # a checkpoint could not be written (disk full, quota, I/O)
 EXIT_PEER_LOST = distributed_lib.EXIT_PEER_LOST  # 75: another process of the run died
 
+# Which launchers make this a multi-process run (training/supervisor.py, imported above).
+multiprocess_launch_detected = supervisor_lib.multiprocess_launch_detected
+
 
 # ----------------------------------------------------------------------------
 # Process and device setup (before JAX starts its backends)
 # ----------------------------------------------------------------------------
-
-
-def multiprocess_launch_detected(environ=os.environ) -> str | None:
-  """Names the launcher whose environment asks for several processes, else None.
-
-  These are exactly the cases ``jax.distributed.initialize()`` can complete
-  from the environment alone: JAX reads ``JAX_COORDINATOR_ADDRESS`` itself;
-  ``JAX_NUM_PROCESSES`` / ``JAX_PROCESS_ID`` are read by this script (JAX does
-  not read them) and passed on; SLURM, Open MPI and GKE TPU variables are
-  auto-detected by JAX's cluster plugins.
-  """
-  if environ.get("JAX_COORDINATOR_ADDRESS"):
-    return "JAX_COORDINATOR_ADDRESS"
-  if int(environ.get("SLURM_NTASKS", "1")) > 1 and "SLURM_JOB_ID" in environ:
-    return "SLURM"
-  if int(environ.get("OMPI_COMM_WORLD_SIZE", "1")) > 1 and "OMPI_MCA_orte_hnp_uri" in environ:
-    return "Open MPI"
-  if "," in environ.get("TPU_WORKER_HOSTNAMES", ""):
-    return "multi-host TPU (TPU_WORKER_HOSTNAMES)"
-  return None
 
 
 def initialize_distributed(mode: str, distributed_config) -> int:

@@ -735,8 +735,13 @@ class Llama(nnx.Module):
 
     def sums(x_XD, labels_X, mask_X, lead_names):
       logits_XV = self.head(x_XD, lead_names)
-      nll_X = -jnp.take_along_axis(jax.nn.log_softmax(logits_XV, axis=-1),
-                                   labels_X[..., None], axis=-1)[..., 0]
+      logp_XV = jax.nn.log_softmax(logits_XV, axis=-1)
+      # The label's log-probability as a masked sum over the vocabulary, not a gather: the
+      # vocabulary is sharded over tensor, and a sum reduces over shards (Megatron's
+      # vocab-parallel cross entropy) where a gather would need every logit on one device
+      # (on an Explicit mesh take_along_axis refuses such a gather outright).
+      vocab_XV = jax.lax.broadcasted_iota(labels_X.dtype, logp_XV.shape, logp_XV.ndim - 1)
+      nll_X = -jnp.sum(jnp.where(vocab_XV == labels_X[..., None], logp_XV, 0.0), axis=-1)
       correct_X = (jnp.argmax(logits_XV, axis=-1) == labels_X).astype(jnp.float32)
       mask_X = mask_X.astype(jnp.float32)
       return jnp.sum(nll_X * mask_X), jnp.sum(correct_X * mask_X)

@@ -12,7 +12,6 @@ from flax import nnx
 
 import model_utils
 import ring_jax
-import train as train_script
 from model_utils import tiny_config
 from models import llama
 from models import pipeline as pipeline_lib
@@ -25,8 +24,9 @@ from training import step as step_lib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# The train.py runs: 4 steps, a checkpoint every 2.
-RUN = {"total_steps": 4, "log_every": 1, "eval_every": 1000, "checkpoint_every": 2,
+# The train.py runs: --stop_at_step=N of a schedule longer than any run (so no run ends a
+# stage: no eval to compile), and no checkpoint but the one each stop writes.
+RUN = {"total_steps": 8, "log_every": 1, "eval_every": 1000, "checkpoint_every": 1000,
        "async_checkpointing": False}
 
 
@@ -175,55 +175,61 @@ def test_pipeline_alone_runs_with_default_microbatches():
   assert pipeline_lib.resolve_microbatches(None, config.batch_size, 2) == 4
 
 
-def train_py(workdir, **overrides):
-  """``python train.py --config configs/tiny.py`` with SMALL's fields (and RUN's) as
-  ``--config.*`` flags; returns (stdout, losses by step from metrics.jsonl)."""
+def train_py(workdir, stop_at_step, **overrides):
+  """``python train.py --config configs/tiny.py --stop_at_step=N`` with SMALL's fields (and
+  RUN's) as ``--config.*`` flags; returns (stdout, losses by step from metrics.jsonl)."""
   flat = {**SMALL, **RUN, **overrides}
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # train.py makes devices
   env["JAX_PLATFORMS"] = "cpu"
   cmd = [sys.executable, os.path.join(ROOT, "train.py"), "--config",
          os.path.join(ROOT, "configs", "tiny.py"), "--workdir", str(workdir),
-         *(f"--config.{k}={v}" for k, v in flat.items())]
+         f"--stop_at_step={stop_at_step}", *(f"--config.{k}={v}" for k, v in flat.items())]
+  workdir.parent.mkdir(parents=True, exist_ok=True)
   proc = subprocess.run(cmd, cwd=workdir.parent, env=env, capture_output=True, text=True,
                         timeout=600)
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
   rows = [json.loads(l) for l in (workdir / "metrics.jsonl").read_text().splitlines()]
-  return proc.stdout, [r["train/loss"] for r in rows if "train/loss" in r]
+  return proc.stdout, {r["step"]: r["train/loss"] for r in rows if "train/loss" in r}
 
 
-@pytest.fixture(scope="module")
-def one_device_losses(tmp_path_factory):
-  """train.py on one device (data=1, no pipeline): the reference loss curve."""
-  out, losses = train_py(tmp_path_factory.mktemp("one") / "run")
+# The three pipeline meshes of 8 devices, in the order train.py runs them (each resuming the
+# previous one's checkpoint): sizes as train.py prints them, and its pipeline line.
+TRAIN_PY_MESHES = [
+    (dict(data=1, pipeline=2, sequence=2, tensor=2),
+     "pipeline: 2 stages x 2 layers, GPipe over 4 microbatches, bubble fraction 0.200"),
+    (dict(data=2, pipeline=2, sequence=2, tensor=1),
+     "pipeline: 2 stages x 2 layers, GPipe over 4 microbatches, bubble fraction 0.200"),
+    (dict(data=1, pipeline=4, sequence=2, tensor=1),
+     "pipeline: 4 stages x 1 layers, GPipe over 8 microbatches, bubble fraction 0.273"),
+]
+
+
+def test_train_py_on_each_pipeline_mesh_follows_one_device(tmp_path):
+  """`python train.py` for 2 steps on each pipeline mesh of the issue -- pipeline=2 x
+  sequence=2 x tensor=2, pipeline=2 x data=2 x sequence=2, pipeline=4 x sequence=2 -- each
+  run resuming the one before (so checkpoints restore across pipeline and tensor sizes):
+  steps 1-6 have the losses of 6 steps on one device (data=1), float32 rtol 1e-5."""
+  out, want = train_py(tmp_path / "one" / "run", stop_at_step=6)
   assert "mesh {'data': 1, 'pipeline': 1, 'sequence': 1, 'tensor': 1}" in out
-  assert len(losses) == RUN["total_steps"] and losses[-1] != losses[0]
-  return losses
-
-
-def test_train_py_on_pipeline_tensor_sequence_mesh(tmp_path, one_device_losses):
-  """`python train.py --config.mesh.pipeline=2 ...sequence=2 ...tensor=2`: the same losses."""
-  out, losses = train_py(tmp_path / "run", **{"mesh.pipeline": 2, "mesh.sequence": 2,
-                                                "mesh.tensor": 2})
-  assert "mesh {'data': 1, 'pipeline': 2, 'sequence': 2, 'tensor': 2}" in out
-  assert ("pipeline: 2 stages x 2 layers, GPipe over 4 microbatches, bubble fraction 0.200"
-          in out)
-  np.testing.assert_allclose(losses, one_device_losses, rtol=1e-5)
-
-
-def test_train_resumes_across_pipeline_sizes(tmp_path, one_device_losses):
-  """Steps 1-2 on pipeline=2 x data=2 x sequence=2, then 3-4 resumed from its checkpoint on
-  pipeline=4 x sequence=2: the checkpoint's [layers, ...] arrays restore into the new stage
-  shardings, and both halves follow the one-device loss curve."""
-  first_cfg = small_config(**RUN, **{"mesh.pipeline": 2, "mesh.data": 2, "mesh.sequence": 2})
-  first = train_script.train(first_cfg, str(tmp_path), stop_at_step=2)
-  second_cfg = small_config(**RUN, **{"mesh.pipeline": 4, "mesh.sequence": 2})
-  second = train_script.train(second_cfg, str(tmp_path))
-  assert [r["step"] for r in first.history] == [1, 2]
-  assert [r["step"] for r in second.history] == [3, 4]
-  for leaf in jax.tree.leaves(second.params.layers):  # stage blocks of 1 layer per device
+  assert sorted(want) == list(range(1, 7)) and want[6] != want[1]
+  workdir, got = tmp_path / "run", {}
+  for i, (sizes, pipeline_line) in enumerate(TRAIN_PY_MESHES):
+    out, losses = train_py(workdir, stop_at_step=2 * i + 2,
+                           **{f"mesh.{k}": v for k, v in sizes.items()})
+    assert f"mesh {sizes}" in out and pipeline_line in out
+    assert i == 0 or f"resumed from step {2 * i} " in out, out
+    got.update(losses)
+  assert sorted(got) == list(range(1, 7))
+  np.testing.assert_allclose([got[s] for s in range(1, 7)], [want[s] for s in range(1, 7)],
+                             rtol=1e-5)
+  # The steps above were compiled for these shardings and the restored arrays were passed
+  # to them, so the [layers, ...] arrays restored into stage blocks (1 layer per device).
+  config = small_config(**{f"mesh.{k}": v for k, v in TRAIN_PY_MESHES[-1][0].items()})
+  mesh = cfg_lib.make_mesh(config.mesh)
+  built = step_lib.build_train_step(cfg_lib.llama_config(config), mesh,
+                                    step_lib.make_optimizer(config.optim, 8))
+  for leaf in jax.tree.leaves(built.abstract_params.layers):
     assert leaf.sharding.spec[0] == "pipeline" and leaf.sharding.mesh.shape["pipeline"] == 4
-  np.testing.assert_allclose([r["loss"] for r in first.history + second.history],
-                             one_device_losses, rtol=1e-5)
 
 
 def test_llama_7b_on_all_four_axes_validates():

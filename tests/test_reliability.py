@@ -226,7 +226,8 @@ def _watchdog(client, process_id, num_processes, exits, timeout_s=1.0):
   from training import distributed as dist_lib
 
   def describe(lost, step):
-    return dist_lib.lost_peer_message(lost, num_processes, timeout_s, step, [4, 6],
+    return dist_lib.lost_peer_message(lost, num_processes, f"no heartbeat for {timeout_s:g} s",
+                                      step, [4, 6],
                                       "/w/checkpoints", "python train.py --workdir=/w")
 
   return dist_lib.PeerWatchdog(timeout_s, describe, client=client, process_id=process_id,
@@ -269,7 +270,79 @@ def test_peer_watchdog_ignores_a_process_that_exited_cleanly():
 def test_lost_peer_message_before_the_first_step_and_without_checkpoints():
   from training import distributed as dist_lib
 
-  assert dist_lib.lost_peer_message(1, 2, 60, None, [], "/w/checkpoints", "python t.py") == (
+  assert dist_lib.lost_peer_message(1, 2, "no heartbeat for 60 s", None, [],
+                                    "/w/checkpoints", "python t.py") == (
       "error: process 1 of 2 stopped responding (no heartbeat for 60 s) before the first "
       "step; no complete checkpoint is in /w/checkpoints (a rerun starts afresh); restart "
       "all 2 processes with the same command to resume: python t.py")
+
+
+# --- training/supervisor.py: the parent of each process of a multi-process train.py -----
+
+# A child that reports like train.py's process 1, then ends as JAX's client ends it when the
+# coordination service is gone (its termination line, then abort), or otherwise.
+_FAKE_CHILD = """
+import os, sys
+from training import supervisor
+workdir, ending = sys.argv[1], sys.argv[2]
+supervisor.report(process_id=1, num_processes=2, workdir=workdir,
+                  checkpoint_dir=os.path.join(workdir, "checkpoints"),
+                  resume_command="python train.py --workdir=" + workdir,
+                  coordinator="127.0.0.1:1")
+supervisor.report(step=7)
+print("step 7 on stdout", flush=True)
+print("a warning on stderr", file=sys.stderr, flush=True)
+if ending == "coordinator_gone":
+  print("E1201 12:16:11.010197 2745 coordination_service_agent.cc:289] Polled an error",
+        file=sys.stderr, flush=True)
+  print("F1201 12:16:11.010259 2745 client.h:80] Terminating process because the JAX "
+        "distributed service detected fatal errors. absl::Status: UNAVAILABLE: Failed to send "
+        "RPC to coordination service.", file=sys.stderr, flush=True)
+  print("*** Check failure stack trace: ***", file=sys.stderr, flush=True)
+  os.abort()
+sys.exit(int(ending))
+"""
+
+
+@pytest.mark.parametrize("ending", ["coordinator_gone", "3", "0"])
+def test_supervisor_reports_a_lost_coordinator_and_passes_other_endings_through(
+    tmp_path, ending):
+  import subprocess
+  import sys
+
+  (tmp_path / "checkpoints" / "6").mkdir(parents=True)  # a complete step (Orbax's naming)
+  (tmp_path / "checkpoints" / "8.orbax-checkpoint-tmp").mkdir()  # one cut short
+  script = tmp_path / "child.py"
+  script.write_text(_FAKE_CHILD)
+  # The supervisor in a process of its own, as train.py runs it (no JAX imported there).
+  proc = subprocess.run(
+      [sys.executable, "-c", "import sys; from training import supervisor; "
+       "sys.exit(supervisor.supervise(sys.argv[1:]))", str(script), str(tmp_path), ending],
+      cwd=tp.ROOT, env=tp.env(), capture_output=True, text=True, timeout=120)
+  out, err = proc.stdout, proc.stderr
+  assert "step 7 on stdout" in out and "a warning on stderr" in err  # passed through
+  if ending != "coordinator_gone":
+    assert proc.returncode == int(ending) and "error:" not in err, err
+    return
+  assert proc.returncode == 75, err
+  assert err.splitlines()[-2:] == [
+      "error: process 0 of 2 stopped responding (the coordination service it hosts is gone) "
+      f"at step 7; the last complete checkpoint is step 6 in {tmp_path / 'checkpoints'}; "
+      f"restart all 2 processes with the same command to resume: python train.py "
+      f"--workdir={tmp_path}",
+      f"note: JAX's report of it is in {tmp_path / 'abort_process_1.txt'}"]
+  for noise in ("Check failure", "Terminating process", "Polled an error"):
+    assert noise not in err
+  assert "Check failure" in (tmp_path / "abort_process_1.txt").read_text()
+
+
+def test_supervisor_is_wanted_on_multi_process_launches_only():
+  from training import supervisor
+
+  launch = {"JAX_COORDINATOR_ADDRESS": "10.0.0.1:1234"}
+  assert supervisor.wanted(["train.py"], launch)
+  assert not supervisor.wanted(["train.py"], {})
+  assert not supervisor.wanted(["train.py", "--distributed=off"], launch)
+  assert supervisor.wanted(["train.py", "--distributed", "on"], {})
+  assert not supervisor.wanted(["train.py"], {**launch, "RING_JAX_SUPERVISED": "1"})  # child
+  assert not supervisor.wanted(["train.py"], {**launch, "RING_JAX_SUPERVISOR": "0"})

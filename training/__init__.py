@@ -8,6 +8,9 @@
               build_train_step: the one builder of the train step and its (abstract) state
   checkpoint  Orbax CheckpointManager: train state + data iterator state, any-mesh restore
   loading     a run's trained model (or a Hugging Face one) for generate.py and evaluate.py
+  distributed jax.distributed start-up, the watchdog that ends survivors of a dead process
+  supervisor  the parent process of each process of a multi-process train.py (process 0's
+              death), importing no JAX
   metrics     tokens/s, MFU with attention FLOPs, the one-step-behind step metrics and
               divergence check, TensorBoard + JSONL + console, profiling
 

@@ -25,11 +25,15 @@ Why a watchdog of our own and not JAX's ``missed_heartbeat_callback``:
 callback passed to the client is never reached (converting its ``absl::Status``
 argument throws ``std::bad_cast``, which terminates the process just the same).
 
-Limitation: if the process that dies is process 0, the coordination service
-dies with it and JAX's client terminates every survivor within milliseconds
-from C++, before any Python code can run; the run then ends with JAX's message
-("Terminating process because the JAX distributed service detected fatal
-errors") and status 134. The checkpoints and the resume are the same.
+Process 0 is the one case no watchdog inside the run can report: the coordination
+service dies with it, and JAX's client terminates every survivor from C++ within
+milliseconds, before any Python code runs. ``train.py`` therefore runs each process of a
+multi-process run as the child of a thin supervisor (``training.supervisor``, which imports
+no JAX while the child runs); :func:`start_watchdog` and :func:`note_step` tell it the
+process index, the checkpoint directory, the resume command and the step, and when JAX
+ends a child of a process other than 0 because the service is gone, the supervisor prints
+the same line for process 0 (:func:`lost_peer_message`) and exits with
+:data:`EXIT_PEER_LOST` too.
 """
 
 from __future__ import annotations
@@ -43,6 +47,8 @@ import time
 from typing import Callable
 
 import jax
+
+from training import supervisor
 
 #: Exit status of every surviving process when a peer process is lost (BSD EX_TEMPFAIL:
 #: a temporary failure, rerunning the same command on all processes resumes).
@@ -89,10 +95,13 @@ def start_watchdog(distributed_config, checkpoint_dir: str, resume_command: str,
   if state.client is None or state.num_processes <= 1:
     return None
   timeout_s = float(distributed_config.heartbeat_timeout_s)
+  supervisor.report(process_id=state.process_id, num_processes=state.num_processes,
+                    workdir=os.path.dirname(checkpoint_dir), checkpoint_dir=checkpoint_dir,
+                    resume_command=resume_command, coordinator=state.coordinator_address)
 
   def describe(lost: int, step: int | None) -> str:
-    return lost_peer_message(lost, state.num_processes, timeout_s, step, steps(checkpoint_dir),
-                             checkpoint_dir, resume_command)
+    return lost_peer_message(lost, state.num_processes, f"no heartbeat for {timeout_s:g} s",
+                             step, steps(checkpoint_dir), checkpoint_dir, resume_command)
 
   _ACTIVE = PeerWatchdog(timeout_s, describe, client=state.client,
                          process_id=state.process_id, num_processes=state.num_processes)
@@ -110,9 +119,11 @@ def finish() -> None:
 
 
 def note_step(step: int) -> None:
-  """Tells the running watchdog (if any) which step the loop is on, for its line."""
+  """Tells the running watchdog and the supervisor (if any) which step the loop is on, for
+  their line."""
   if _ACTIVE is not None:
     _ACTIVE.note_step(step)
+    supervisor.report(step=step)
 
 
 def wait_for_verdict() -> bool:
@@ -236,14 +247,14 @@ class PeerWatchdog:
     self._exit(EXIT_PEER_LOST)
 
 
-def lost_peer_message(lost: int, num_processes: int, timeout_s: float, step: int | None,
+def lost_peer_message(lost: int, num_processes: int, reason: str, step: int | None,
                       checkpoint_steps: list[int], checkpoint_dir: str,
                       resume_command: str) -> str:
-  """The one line a survivor prints (docs/training.md, "When a process dies")."""
+  """The one line a survivor prints (docs/training.md, "When a process dies"); ``reason``
+  says how the loss was noticed ("no heartbeat for 60 s")."""
   where = f" at step {step}" if step is not None else " before the first step"
   kept = (f"the last complete checkpoint is step {checkpoint_steps[-1]} in {checkpoint_dir}"
           if checkpoint_steps else f"no complete checkpoint is in {checkpoint_dir} (a rerun "
           "starts afresh)")
-  return (f"error: process {lost} of {num_processes} stopped responding (no heartbeat for "
-          f"{timeout_s:g} s){where}; {kept}; restart all {num_processes} processes with the "
+  return (f"error: process {lost} of {num_processes} stopped responding ({reason}){where}; {kept}; restart all {num_processes} processes with the "
           f"same command to resume: {resume_command}")

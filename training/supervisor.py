@@ -1,0 +1,268 @@
+"""A thin parent process around each process of a multi-process ``train.py`` run.
+
+Why: when process 0 dies, JAX's coordination service (which it hosts) dies with it, and
+JAX's C++ client terminates every survivor within milliseconds ("Terminating process
+because the JAX distributed service detected fatal errors", a "Check failure" stack trace,
+"Fatal Python error: Aborted", status 134) before any Python code of theirs can run
+(``training.distributed`` says why no JAX hook reaches Python). So the code that reports it
+has to live in another process: on a multi-process launch ``train.py`` re-executes itself
+(same interpreter, same arguments) as a child under :func:`supervise`, which
+
+* imports nothing of JAX while the child runs (it holds no devices and no connection);
+* forwards SIGTERM, SIGINT, SIGHUP, SIGUSR1 and SIGUSR2 to the child (which runs in its own
+  process group, so a terminal's Ctrl-C reaches it once, through here), and the child gets
+  SIGKILL when this process dies (Linux ``PR_SET_PDEATHSIG``): a ``kill -9`` of this
+  process is a ``kill -9`` of the run's process, as without a supervisor;
+* passes the child's stdout through untouched and its stderr line by line, except JAX's
+  report of a lost coordination service, which it holds back (and saves to
+  ``<workdir>/abort_process_<i>.txt``);
+* learns from the child (JSON lines on a pipe, :func:`report`) its process index, the
+  checkpoint directory, the resume command and the step the loop is on;
+* when the child of a process other than 0 ends because the coordination service is gone
+  (JAX's termination line says so, or it aborted and the coordinator's address refuses
+  connections), prints the one line of ``training.distributed.lost_peer_message`` for
+  process 0 and exits with ``EXIT_PEER_LOST`` (75); otherwise exits with the child's status
+  (``128 + N`` if signal N ended it).
+
+Set ``RING_JAX_SUPERVISOR=0`` to run without it (a dead process 0 then ends the survivors
+with JAX's abort, status 134).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import select
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+#: In the child's environment: "1" (do not supervise again); the report pipe's fd.
+_CHILD_ENV = "RING_JAX_SUPERVISED"
+_FD_ENV = "RING_JAX_SUPERVISOR_FD"
+#: "0" turns the supervisor off.
+SWITCH_ENV = "RING_JAX_SUPERVISOR"
+
+FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1,
+                     signal.SIGUSR2)
+
+# JAX's client ends a process with this line when the coordination service reports an error;
+# "Failed to send RPC to coordination service" / UNAVAILABLE: the service itself is gone.
+_TERMINATING = "Terminating process because the JAX distributed service detected fatal errors"
+_SERVICE_GONE = re.compile(r"UNAVAILABLE|Failed to send RPC to coordination service")
+# The C++ log line just before it ("E1201 12:16:11.010197 2745 coordination_service_agent.cc:289]
+# Polled an error ..."), held back until the next line shows whether the termination follows.
+_AGENT_LOG = re.compile(r"^[EWF]\d{4} .*coordination_service_agent")
+_HOLD_S = 1.0  # a held line nothing follows is passed on after this long
+
+
+def multiprocess_launch_detected(environ=os.environ) -> str | None:
+  """Names the launcher whose environment asks for several processes, else None.
+
+  These are exactly the cases ``jax.distributed.initialize()`` can complete
+  from the environment alone: JAX reads ``JAX_COORDINATOR_ADDRESS`` itself;
+  ``JAX_NUM_PROCESSES`` / ``JAX_PROCESS_ID`` are read by train.py (JAX does
+  not read them) and passed on; SLURM, Open MPI and GKE TPU variables are
+  auto-detected by JAX's cluster plugins.
+  """
+  if environ.get("JAX_COORDINATOR_ADDRESS"):
+    return "JAX_COORDINATOR_ADDRESS"
+  if int(environ.get("SLURM_NTASKS", "1")) > 1 and "SLURM_JOB_ID" in environ:
+    return "SLURM"
+  if int(environ.get("OMPI_COMM_WORLD_SIZE", "1")) > 1 and "OMPI_MCA_orte_hnp_uri" in environ:
+    return "Open MPI"
+  if "," in environ.get("TPU_WORKER_HOSTNAMES", ""):
+    return "multi-host TPU (TPU_WORKER_HOSTNAMES)"
+  return None
+
+
+def _distributed_flag(argv) -> str:
+  """The value of train.py's ``--distributed`` flag in ``argv`` (absl syntax), else auto."""
+  value = "auto"
+  for i, arg in enumerate(argv):
+    if arg.startswith("--distributed="):
+      value = arg.split("=", 1)[1]
+    elif arg == "--distributed" and i + 1 < len(argv):
+      value = argv[i + 1]
+  return value
+
+
+def wanted(argv, environ=os.environ) -> bool:
+  """Whether this ``train.py`` process should run under :func:`supervise`: a multi-process
+  launch (as ``--distributed`` decides it), not already the supervised child, not off."""
+  if environ.get(_CHILD_ENV) or environ.get(SWITCH_ENV, "1") == "0":
+    return False
+  mode = _distributed_flag(argv)
+  return mode == "on" or (mode == "auto" and multiprocess_launch_detected(environ) is not None)
+
+
+# --- The child's side ---------------------------------------------------------------------
+
+
+def report(**fields) -> None:
+  """Sends ``fields`` to the supervisor (no-op without one): ``process_id``,
+  ``num_processes``, ``workdir``, ``checkpoint_dir``, ``resume_command``, ``coordinator``
+  once; ``step`` as the loop advances."""
+  fd = os.environ.get(_FD_ENV)
+  if not fd:
+    return
+  try:
+    os.write(int(fd), (json.dumps(fields) + "\n").encode())
+  except OSError:  # The supervisor is gone (we get SIGKILL next) or the fd is not ours.
+    pass
+
+
+# --- The parent's side --------------------------------------------------------------------
+
+
+def _child_setup(libc, parent_pid: int):
+  def setup():
+    os.setpgid(0, 0)  # Our own group: a terminal's signals reach the child once, via us.
+    if libc is not None:
+      libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: die with the supervisor
+      if os.getppid() != parent_pid:  # it died before the prctl
+        os._exit(128 + signal.SIGKILL)
+  return setup
+
+
+def _libc():
+  if not sys.platform.startswith("linux"):
+    return None
+  try:
+    import ctypes
+    return ctypes.CDLL(None, use_errno=True)
+  except OSError:
+    return None
+
+
+def coordinator_refuses(address: str, timeout_s: float = 2.0) -> bool:
+  """Whether nothing accepts connections at ``host:port`` any more (a dead coordinator)."""
+  host, _, port = address.rpartition(":")
+  try:
+    with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
+      return False
+  except ConnectionRefusedError:
+    return True
+  except (OSError, ValueError):  # unreachable, timed out, unparsable: do not guess
+    return False
+
+
+class _Lines:
+  """Splits a non-blocking pipe's bytes into lines."""
+
+  def __init__(self, fd: int):
+    self.fd, self._buf, self.closed = fd, b"", False
+
+  def read(self) -> list[str]:
+    data = os.read(self.fd, 65536)
+    if not data:
+      self.closed = True
+      lines, self._buf = ([self._buf] if self._buf else []), b""
+    else:
+      *lines, self._buf = (self._buf + data).split(b"\n")
+      lines = [l + b"\n" for l in lines]
+    return [l.decode(errors="replace") for l in lines]
+
+
+def supervise(argv: list[str] | None = None) -> int:
+  """Runs ``[sys.executable, *argv]`` (default: this interpreter's own command line) as the
+  supervised child; returns the exit status for this process (see the module docstring)."""
+  argv = list(sys.orig_argv[1:] if argv is None else argv)
+  report_r, report_w = os.pipe()
+  env = dict(os.environ, **{_CHILD_ENV: "1", _FD_ENV: str(report_w)})
+  child = subprocess.Popen([sys.executable, *argv], env=env, pass_fds=(report_w,),
+                           stderr=subprocess.PIPE, preexec_fn=_child_setup(_libc(), os.getpid()))
+  os.close(report_w)
+
+  def forward(signum, frame):
+    try:
+      child.send_signal(signum)
+    except ProcessLookupError:
+      pass
+  previous = {s: signal.signal(s, forward) for s in FORWARDED_SIGNALS}
+
+  info: dict = {}
+  held: list[str] = []  # stderr lines waiting for the next one (see _AGENT_LOG)
+  held_since = 0.0
+  swallowed: list[str] = []  # JAX's report of the lost service and all after it
+  out = sys.stderr
+  streams = {child.stderr.fileno(): _Lines(child.stderr.fileno()), report_r: _Lines(report_r)}
+  ended_at = None  # when the child exited: a process it forked may hold the pipes open
+  try:
+    while not all(s.closed for s in streams.values()):
+      if ended_at is None and child.poll() is not None:
+        ended_at = time.monotonic()
+      if ended_at is not None and time.monotonic() - ended_at > _HOLD_S:
+        break
+      ready, _, _ = select.select([fd for fd, s in streams.items() if not s.closed], [], [],
+                                  _HOLD_S / 4)
+      for fd in ready:
+        for line in streams[fd].read():
+          if fd == report_r:
+            try:
+              info.update(json.loads(line))
+            except ValueError:
+              pass
+          elif swallowed:
+            swallowed.append(line)
+          elif _TERMINATING in line and _SERVICE_GONE.search(line):
+            swallowed.extend([*held, line])
+            held = []
+          elif _AGENT_LOG.match(line):
+            held.append(line)
+            held_since = time.monotonic()
+          else:
+            out.writelines([*held, line])
+            out.flush()
+            held = []
+      if held and (time.monotonic() - held_since > _HOLD_S or all(
+          s.closed for fd, s in streams.items() if fd != report_r)):
+        out.writelines(held)
+        out.flush()
+        held = []
+    out.writelines(held)
+    returncode = child.wait()
+  finally:
+    for s, handler in previous.items():
+      signal.signal(s, handler)
+    os.close(report_r)
+    child.stderr.close()
+    if child.poll() is None:
+      child.kill()
+      child.wait()
+  status = returncode if returncode >= 0 else 128 - returncode
+  if returncode in (0, 75) or info.get("process_id", 0) == 0 or "checkpoint_dir" not in info:
+    out.writelines(swallowed)
+    return status
+  aborted = returncode == -signal.SIGABRT
+  if not swallowed and not (aborted and info.get("coordinator")
+                            and coordinator_refuses(info["coordinator"])):
+    return status  # Some other failure: the child said what it had to say.
+  return _report_lost_coordinator(info, swallowed, out)
+
+
+def _report_lost_coordinator(info: dict, swallowed: list[str], out) -> int:
+  # Only now, with the child gone, is JAX (under the checkpoint listing) imported here.
+  from training import checkpoint as ckpt_lib
+  from training import distributed as distributed_lib
+
+  note = ""
+  if swallowed and info.get("workdir"):
+    path = os.path.join(info["workdir"], f"abort_process_{info['process_id']}.txt")
+    try:
+      with open(path, "w") as f:
+        f.writelines(swallowed)
+      note = f"note: JAX's report of it is in {path}\n"
+    except OSError:
+      pass
+  directory = info["checkpoint_dir"]
+  line = distributed_lib.lost_peer_message(
+      0, info["num_processes"], "the coordination service it hosts is gone", info.get("step"),
+      ckpt_lib.complete_steps(directory), directory, info["resume_command"])
+  sys.stdout.flush()
+  out.write(line + "\n" + note)
+  out.flush()
+  return distributed_lib.EXIT_PEER_LOST
