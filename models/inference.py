@@ -471,7 +471,8 @@ class Generator:
     length = self.check(prompts, max_new_tokens, padding)
     natural = prepare_prompts(prompts, length, padding)
     n = ring_size(self.mesh)
-    perm = layouts.layout_positions(self.cfg.layout, n, length)
+    # One prompt per row: "document" deals it as zigzag (its mask positions) does.
+    perm = layouts.layout_positions(layouts.mask_layout(self.cfg.layout), n, length)
     last = np.zeros(natural["tokens"].shape, np.float32)
     last[np.arange(len(prompts)), natural["last"]] = 1.0
     host = dict(tokens=natural["tokens"], positions=natural["positions"],

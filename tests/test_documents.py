@@ -92,28 +92,28 @@ def test_balance_on_lognormal_rows():
   assert ratio(blocks).max() <= 1.10
 
 
-@pytest.mark.parametrize("ring_size,batch", [(2, 2), (3, 1), (4, 2), (8, 1)])
+@pytest.mark.parametrize("ring_size,batch", [(2, 2), (3, 1), (4, 1), (8, 1)])
 def test_ring_matches_oracle(ring_size, batch):
   """Causal, packed documents with padding, GQA: forward and every gradient."""
   mesh = make_mesh((ring_size,), ("sequence",))
   length = 8 * ring_size
-  q, k, v = qkv(ring_size, batch, length, 4, 2, 8)
+  q, k, v = qkv(ring_size, batch, length, 2, 1, 8)
   seg = np.asarray(packed_segments(batch, length, seed=ring_size))
   doc = ring_jax.document_layout(seg, ring_size)
   to = functools.partial(ring_jax.to_layout, layout="document", ring_size=ring_size,
                          permutation=doc.permutation)
   ring = functools.partial(ring_jax.ring_attention_sharded, mesh=mesh, is_causal=True,
                            segment_ids=jnp.asarray(doc.segment_ids), layout="document",
-                           inputs_in_layout=True, block_q=2, block_kv=2)
+                           inputs_in_layout=True, block_q=4, block_kv=4)
   in_natural = lambda q, k, v: ring_jax.from_layout(  # noqa: E731
       ring(to(q), to(k), to(v)), "document", ring_size, permutation=doc.permutation)
   with jax.enable_x64(True):
     q64, k64, v64 = (jnp.asarray(np.asarray(x, np.float64)) for x in (q, k, v))
     ref = functools.partial(ring_jax.reference_attention, is_causal=True,
                             segment_ids=jnp.asarray(seg))
-    want = ref(q64, k64, v64)
+    want = jax.jit(ref)(q64, k64, v64)
     cot = jax.random.normal(jax.random.key(3), q.shape, jnp.float32)
-    want_grads = grads(ref, q64, k64, v64, cot.astype(jnp.float64))
+    want_grads = jax.jit(functools.partial(grads, ref))(q64, k64, v64, cot.astype(jnp.float64))
   assert_close(jax.jit(in_natural)(q, k, v), want, what="forward")
   got = jax.jit(functools.partial(grads, in_natural))(q, k, v, cot)
   for name, g, w in zip("qkv", got, want_grads):
