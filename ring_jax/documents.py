@@ -200,12 +200,14 @@ def token_work(segment_ids, permutation, ring_size: int) -> np.ndarray:
 
 def block_work(segment_ids, layout: str, ring_size: int, block_q: int, block_kv: int,
                is_causal: bool = True) -> np.ndarray:
-  """int64 ``[B, n]``: block pairs the ring's kernels compute per device over a whole pass,
+  """int64 ``[B, n, n]``: block pairs device ``d`` computes at hop ``h`` (``[b, d, h]``),
   from the same :func:`ring_jax.scheduling.block_table` the ring builds at every hop.
 
   ``segment_ids`` ``[B, L]`` in ``layout`` order (for ``"document"``,
   :attr:`DocumentLayout.segment_ids`). Each row is counted on its own (as with batch 1).
-  A query block computes every key block of its table range ``[lo, hi)``.
+  A query block computes every key block of its table range ``[lo, hi)``. Sum over
+  hops for each device's work; hops are synchronous, so a pass costs
+  ``max(axis=1).sum(-1)`` (the critical path).
   """
   from ring_jax import scheduling  # noqa: PLC0415 (scheduling imports layouts, not this)
 
@@ -214,7 +216,7 @@ def block_work(segment_ids, layout: str, ring_size: int, block_q: int, block_kv:
   local = layouts.check_length(layout, ring_size, length)
   pos = [layouts.local_positions(layout, ring_size, local, d) for d in range(ring_size)]
   shards = seg.reshape(b, ring_size, local)
-  work = np.zeros((b, ring_size), np.int64)
+  work = np.zeros((b, ring_size, ring_size), np.int64)
   for r in range(b):
     for d in range(ring_size):
       for h in range(ring_size):
@@ -222,5 +224,5 @@ def block_work(segment_ids, layout: str, ring_size: int, block_q: int, block_kv:
         table = scheduling.block_table(pos[d], pos[src], shards[r, d][None], shards[r, src][None],
                                        block_q, block_kv, is_causal, None)
         lo, hi = table.q_ranges[0, :, 0], table.q_ranges[0, :, 3]
-        work[r, d] += int((hi - lo).sum())
+        work[r, d, h] = int((hi - lo).sum())
   return work
