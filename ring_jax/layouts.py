@@ -196,20 +196,30 @@ def _document_permutation(layout, permutation, x, axis):
 
 
 def _gather_rows(x, index: np.ndarray):
-  """``x[b, index[b]]`` for every row ``b`` (numpy stays numpy)."""
-  idx = index.reshape(index.shape + (1,) * (x.ndim - 2))
+  """``x[b, index[b]]`` for every row ``b`` (numpy stays numpy), keeping the sharding of
+  ``x`` on meshes with Explicit axes (as :func:`_gather`)."""
   if isinstance(x, np.ndarray):
-    return np.take_along_axis(x, idx, axis=1)
-  return jnp.take_along_axis(x, jnp.asarray(idx), axis=1)
+    return np.take_along_axis(x, index.reshape(index.shape + (1,) * (x.ndim - 2)), axis=1)
+  rows = jnp.arange(index.shape[0], dtype=np.int32)[:, None]
+  sharding = _explicit_sharding(x)
+  if sharding is not None:
+    return x.at[rows, jnp.asarray(index)].get(out_sharding=sharding)
+  return x[rows, jnp.asarray(index)]
+
+
+def _explicit_sharding(x):
+  """The sharding of ``x`` if it lies on a mesh with Explicit axes (where a gather must be
+  told its output sharding), else None."""
+  sharding = getattr(jax.typeof(x), "sharding", None) if isinstance(x, jax.Array) else None
+  types = getattr(getattr(sharding, "mesh", None), "axis_types", ()) or ()
+  return sharding if any(t == jax.sharding.AxisType.Explicit for t in types) else None
 
 
 def _gather(x, index: np.ndarray, axis: int):
   """``x`` reordered along ``axis``, keeping its sharding on meshes with Explicit axes."""
   axis = axis % x.ndim
-  sharding = getattr(jax.typeof(x), "sharding", None) if isinstance(x, jax.Array) else None
-  mesh = getattr(sharding, "mesh", None)
-  types = getattr(mesh, "axis_types", ()) or ()
-  if any(t == jax.sharding.AxisType.Explicit for t in types):
+  sharding = _explicit_sharding(x)
+  if sharding is not None:
     # Sharding-in-types refuses to guess the output sharding of a gather.
     idx = (slice(None),) * axis + (jnp.asarray(index),)
     return x.at[idx].get(out_sharding=sharding)
