@@ -4,8 +4,9 @@ Zigzag balances one causal sequence per row. A row that packs many documents
 is not balanced by it: a device's causal work is the sum, over its tokens, of
 the number of earlier tokens *of the same document*, so it depends on where
 the long documents fall (ring of 8, 128K-token rows of lognormal document
-lengths: zigzag's busiest device does 1.1-3.5x the mean work, see
-``benchmarks/balance.py``). The ``"document"`` layout balances every row on
+lengths: zigzag's busiest device computes 1.7-1.9x the mean device's block pairs,
+median over rows, up to 3.1x; this layout at most 1.09x, see
+``benchmarks/packed_balance.py``). The ``"document"`` layout balances every row on
 its own, from its segment ids, on the host (numpy), in the data pipeline.
 
 **Construction.** Every device's shard has two halves, as in zigzag: its first
@@ -15,13 +16,18 @@ the ring in at most two passes: a *forward* part cut into ``n`` consecutive
 pieces, piece ``j`` into the first half of device ``j``; a *backward* part cut
 into ``n`` pieces, the first into the second half of device ``n-1``, the last
 into that of device 0. A document is forward, backward, or *split* (head
-forward, tail backward: one long document is exactly zigzag). A forward
+forward, tail backward: one long document is exactly zigzag; halving every
+document, as PyTorch's per-document head-tail load balancer in
+``torch.distributed.tensor.experimental._attention`` does, is one balanced
+choice, and the one here cuts at most two documents in two). A forward
 document's piece on device ``j`` costs ``~ m^2 (j + 1/2)`` (``m = len / n``), a
 backward one ``~ m^2 (n - j - 1/2)``, so every device's work is affine in
 ``j`` and balanced when the forward and backward documents' ``sum(len^2)``
-agree: documents are assigned greedily, longest first, to the side with less
-(capacity ``L/2`` tokens per side), and a document that fits in neither side
-is split where it evens the sums out. Pieces take ``len // n`` tokens and the
+agree. With each side holding ``L/2`` tokens that is two linear conditions on
+the documents' head lengths, met with at most two documents split
+(:func:`_heads`); the split is then moved so the work's slope also cancels the
+masked pairs the kernel computes around the split documents (see
+:func:`_row`). Pieces take ``len // n`` tokens and the
 remainders are dealt round-robin over the devices (so short documents, shorter
 than the ring, land one token per device), padding fills what is left. In
 every half the documents come in the same order with pieces of equal size
@@ -100,10 +106,31 @@ def _row(seg: np.ndarray, n: int):
   pads = groups.pop(0, np.zeros(0, np.int64))
   docs = sorted(groups, key=lambda i: groups[i][0])  # by first appearance
   sizes = np.array([len(groups[d]) for d in docs], np.int64)
-  heads = dict(zip(docs, _heads(sizes, len(pads), length // 2).tolist()))
+  # Two split documents sit [S1 head, S2 head | S1 tail, S2 tail] around the middle of each
+  # shard: at the hops where a device holds a shard from a later device (``n - 1 - d`` of
+  # them), a query block of S1's tail spans S2's head pieces too, and S2's tail S1's tail:
+  # masked pairs the kernel computes, about ``(t1 h2 + t2 t1) / n^2`` per such hop. That
+  # waste falls linearly over the devices, so a forward-heavy slope of the same size evens
+  # it out; the slope moves the split, so a few candidates are tried and the one whose slope
+  # best matches its own waste is kept.
+  best, slope = None, 0
+  for _ in range(4):
+    cand = dict(zip(docs, _heads(sizes, len(pads), length // 2, slope).tolist()))
+    spl = [d for d in docs if 0 < cand[d] < len(groups[d])]  # at most two
+    waste = 0
+    if len(spl) == 2:
+      (h1, t1), (h2, t2) = ((cand[d], len(groups[d]) - cand[d]) for d in spl)
+      waste = t1 * h2 + t2 * t1
+    got = sum(len(groups[d]) * (2 * cand[d] - len(groups[d])) for d in docs)
+    if best is None or abs(got - waste) < best[0]:
+      best = (abs(got - waste), cand)
+    if waste == slope:
+      break
+    slope = waste
+  heads = best[1]
+  spl = [d for d in docs if 0 < heads[d] < len(groups[d])]
   fwd = [d for d in docs if heads[d] == len(groups[d])]
   bwd = [d for d in docs if heads[d] == 0]
-  spl = [d for d in docs if 0 < heads[d] < len(groups[d])]  # at most two
   n_pad_f = length // 2 - sum(heads.values())
   first = [pads[:n_pad_f]] + [groups[d] for d in fwd] + [groups[d][:heads[d]] for d in spl]
   second = ([groups[d][heads[d]:] for d in spl] + [groups[d] for d in bwd]
@@ -117,12 +144,12 @@ def _row(seg: np.ndarray, n: int):
   return perm, relabel[perm]
 
 
-def _heads(sizes: np.ndarray, pad: int, half: int) -> np.ndarray:
+def _heads(sizes: np.ndarray, pad: int, half: int, slope: int = 0) -> np.ndarray:
   """int64 head length ``a_D`` (tokens dealt forward) of each document of ``sizes``.
 
   Conditions: ``sum(a) + pad_f = half`` with ``0 <= pad_f <= pad`` (each side holds half
   the row), and ``sum(len_D * (2 a_D - len_D)) = 0`` (forward and backward balance: the
-  slope of the devices' work). Halving every document meets both (PyTorch's per-document
+  slope of the devices' work; ``slope`` instead asks for that sum). Halving every document meets both (PyTorch's per-document
   head-tail split); this is the solution with at most two documents split: with the row's
   tokens ordered by the length of their document (padding first, length 0), the heads
   are the window of ``half`` consecutive tokens whose summed document length is half the
@@ -141,7 +168,7 @@ def _heads(sizes: np.ndarray, pad: int, half: int) -> np.ndarray:
     before = int(weight_end[k - 1]) if k else 0
     return before + max(0, int(x - starts[k])) * int(sizes[order][k])
 
-  target = int((sizes ** 2).sum())  # 2 x the wanted window sum (kept integer)
+  target = int((sizes ** 2).sum()) + slope  # 2 x the wanted window sum (kept integer)
   lo, hi = 0, pad + int(sizes.sum()) - half
   while lo < hi:  # smallest start whose window reaches half the total
     mid = (lo + hi) // 2

@@ -74,7 +74,9 @@ def test_one_document_is_zigzag():
 
 
 def test_balance_on_lognormal_rows():
-  """Token-level causal work per device within 1% of the mean (zigzag: far from it)."""
+  """The block pairs the ring's kernels compute (its own block tables) are within 10% of the
+  mean on every device, every hop near balanced; zigzag is far from it. Token pairs stay
+  close too (the layout evens the kernel's masked pairs around split documents, not tokens)."""
   rng = np.random.default_rng(0)
   n, length = 8, 8192
   seg = np.zeros((8, length), np.int32)
@@ -85,13 +87,16 @@ def test_balance_on_lognormal_rows():
       seg[r, pos:pos + size], pos, d = d, pos + size, d + 1
   doc = ring_jax.document_layout(seg, n)
   ratio = lambda w: w.max(1) / w.mean(1)  # noqa: E731
-  assert ratio(documents.token_work(seg, doc.permutation, n)).max() <= 1.01
+  assert ratio(documents.token_work(seg, doc.permutation, n)).max() <= 1.2
   zigzag = ring_jax.layout_positions("zigzag", n, length)
-  assert np.median(ratio(documents.token_work(seg, zigzag, n))) > 1.2
-  blocks = documents.block_work(doc.segment_ids[:2], "document", n, 64, 64)
+  assert np.median(ratio(documents.token_work(seg, zigzag, n))) > 1.3
+  blocks = documents.block_work(doc.segment_ids[:3], "document", n, 64, 64)
   assert ratio(blocks.sum(-1)).max() <= 1.10
-  # Every hop is balanced too: the critical path is close to the mean device's work.
+  # Hops are synchronous: the critical path is close to the mean device's work.
   assert (blocks.max(1).sum(-1) <= 1.15 * blocks.sum(-1).mean(-1)).all()
+  zz_blocks = documents.block_work(seg[:3, zigzag], "zigzag", n, 64, 64)
+  # Finer pieces cost masked pairs, so a row of short documents may not gain; these do overall.
+  assert blocks.max(1).sum() < zz_blocks.max(1).sum()
 
 
 @pytest.mark.parametrize("ring_size,batch", [(2, 2), (3, 1), (4, 1), (8, 1)])
