@@ -131,6 +131,26 @@ def test_ring_matches_oracle(ring_size, batch):
     assert_close(g, w, what=f"d{name}")
 
 
+@pytest.mark.parametrize("strategy", ["all_gather", "ulysses", "hybrid"])
+def test_other_strategies_take_the_layout(strategy):
+  """attention_sharded runs every strategy on document-layout inputs (the model's path)."""
+  mesh = make_mesh((4, 2), ("sequence", "tensor"))
+  length = 32
+  q, k, v = qkv(5, 1, length, 4, 2, 8)
+  seg = np.asarray(packed_segments(1, length, seed=5))
+  doc = ring_jax.document_layout(seg, 4)
+  to = functools.partial(ring_jax.to_layout, layout="document", ring_size=4,
+                         permutation=doc.permutation)
+  seq = ("sequence", "tensor") if strategy == "hybrid" else "sequence"
+  out = jax.jit(functools.partial(
+      ring_jax.attention_sharded, mesh=mesh, strategy=strategy, seq_axis=seq,
+      head_axis="tensor" if strategy == "all_gather" else None, is_causal=True, layout="document",
+      inputs_in_layout=True, block_q=2, block_kv=2))(to(q), to(k), to(v),
+                                                     segment_ids=jnp.asarray(doc.segment_ids))
+  want = ring_jax.reference_attention(q, k, v, is_causal=True, segment_ids=jnp.asarray(seg))
+  assert_close(ring_jax.from_layout(out, "document", 4, permutation=doc.permutation), want)
+
+
 def test_errors_name_the_fix():
   mesh = make_mesh((2,), ("sequence",))
   q, k, v = qkv(0, 1, 8, 2, 2, 4)
