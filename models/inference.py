@@ -10,8 +10,9 @@ positions (``n`` the ``sequence`` size): memory per device linear in
 **Prefill.** The prompts (a batch of rows padded to ``P`` tokens, natural
 order, pads with segment id 0) are reordered once into the model's layout
 (``LlamaConfig.layout``: contiguous, zigzag or striped; "document", a training layout,
-prefills as zigzag, whose mask positions it shares) and run through the model with its configured attention backend (the ring over ``sequence``, or
-dense); every layer's keys and values are kept.
+prefills as zigzag, whose mask positions it shares) and run through the model
+with its configured attention backend (the ring over ``sequence``, or dense);
+every layer's keys and values are kept.
 
 **Cache layout (ownership rule).** The cache has ``S = n * C`` slots per row
 (``C`` per device), sharded contiguously over ``sequence``: global slot
