@@ -119,7 +119,7 @@ def _row(seg: np.ndarray, n: int):
     spl = [d for d in docs if 0 < cand[d] < len(groups[d])]  # at most two
     waste = 0
     if len(spl) == 2:
-      (h1, t1), (h2, t2) = ((cand[d], len(groups[d]) - cand[d]) for d in spl)
+      (_, t1), (h2, t2) = ((cand[d], len(groups[d]) - cand[d]) for d in spl)
       waste = t1 * h2 + t2 * t1
     got = sum(len(groups[d]) * (2 * cand[d] - len(groups[d])) for d in docs)
     if best is None or abs(got - waste) < best[0]:
@@ -148,13 +148,14 @@ def _heads(sizes: np.ndarray, pad: int, half: int, slope: int = 0) -> np.ndarray
   """int64 head length ``a_D`` (tokens dealt forward) of each document of ``sizes``.
 
   Conditions: ``sum(a) + pad_f = half`` with ``0 <= pad_f <= pad`` (each side holds half
-  the row), and ``sum(len_D * (2 a_D - len_D)) = 0`` (forward and backward balance: the
-  slope of the devices' work; ``slope`` instead asks for that sum). Halving every document meets both (PyTorch's per-document
-  head-tail split); this is the solution with at most two documents split: with the row's
-  tokens ordered by the length of their document (padding first, length 0), the heads
-  are the window of ``half`` consecutive tokens whose summed document length is half the
-  total, ``sum(len^2) / 2`` (the window's sum grows with its start, from the shortest
-  documents' half to the longest's, so a search over the start finds it).
+  the row), and ``sum(len_D * (2 a_D - len_D)) = slope`` (0: forward and backward balance,
+  no slope in the devices' work). Halving every document meets both for ``slope = 0``
+  (PyTorch's per-document head-tail split); this is the solution with at most two
+  documents split: with the row's tokens ordered by the length of their document
+  (padding first, length 0), the heads are the window of ``half`` consecutive tokens
+  whose summed document length is ``(sum(len^2) + slope) / 2`` (the window's sum grows
+  with its start, from the shortest documents' half to the longest's, so a search over
+  the start finds it).
   """
   order = np.argsort(sizes, kind="stable")
   ends = pad + np.cumsum(sizes[order])          # token stream: padding, then by length
