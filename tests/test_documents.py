@@ -151,6 +151,30 @@ def test_other_strategies_take_the_layout(strategy):
   assert_close(ring_jax.from_layout(out, "document", 4, permutation=doc.permutation), want)
 
 
+def test_ring_attention_in_a_users_shard_map():
+  """ring_attention(layout="document") on local shards, segment ids passed with them."""
+  from jax.sharding import PartitionSpec as P
+
+  mesh = make_mesh((2,), ("sequence",))
+  q, k, v = qkv(6, 1, 16, 2, 1, 4)
+  seg = np.asarray(packed_segments(1, 16, seed=6))
+  doc = ring_jax.document_layout(seg, 2)
+  to = functools.partial(ring_jax.to_layout, layout="document", ring_size=2,
+                         permutation=doc.permutation)
+  spec, seg_spec = P(None, "sequence", None, None), P(None, "sequence")
+  fn = jax.shard_map(lambda q, k, v, s: ring_jax.ring_attention(
+      q, k, v, axis_name="sequence", is_causal=True, segment_ids=s, layout="document",
+      block_q=2, block_kv=2), mesh=mesh, in_specs=(spec, spec, spec, seg_spec), out_specs=spec)
+  out = jax.jit(fn)(to(q), to(k), to(v), jnp.asarray(doc.segment_ids))
+  want = ring_jax.reference_attention(q, k, v, is_causal=True, segment_ids=jnp.asarray(seg))
+  assert_close(ring_jax.from_layout(out, "document", 2, permutation=doc.permutation), want)
+  no_ids = jax.shard_map(lambda q, k, v: ring_jax.ring_attention(
+      q, k, v, axis_name="sequence", is_causal=True, layout="document"), mesh=mesh,
+      in_specs=(spec,) * 3, out_specs=spec)
+  with pytest.raises(ValueError, match="needs segment_ids"):
+    no_ids(q, k, v)
+
+
 def test_errors_name_the_fix():
   mesh = make_mesh((2,), ("sequence",))
   q, k, v = qkv(0, 1, 8, 2, 2, 4)
