@@ -38,7 +38,8 @@ def base_config() -> ml_collections.ConfigDict:
       # (ring_jax.plan's pick, decided and printed at startup), or "dense" (the O(L^2) oracle).
       attention="ring",
       hybrid_axes=("sequence", "tensor"),
-      layout="zigzag",  # "contiguous" | "zigzag" | "striped"
+      layout="zigzag",  # "contiguous" | "zigzag" | "striped" | "document" (packed rows:
+                        # balanced per document, ring_jax.document_layout)
       block_q=config_dict.placeholder(int),  # None: the ring picks block sizes
       block_kv=config_dict.placeholder(int),
       hop_kernel="auto",  # ring's per-hop kernel: "auto" (= "xla" until a fused kernel's

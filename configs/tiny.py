@@ -16,6 +16,8 @@ Variants (``--config configs/tiny.py:<arg>[,<arg>...]``):
                         --config.model.vocab_size=... for another)
   dense                 dense attention (the oracle) instead of the ring
   striped, contiguous   other sequence layouts
+  document              the per-document layout (ring_jax.document_layout): causal work
+                        balanced per packed document, each row by its own permutation
   micro                 2 microbatches of gradient accumulation
 """
 
@@ -23,7 +25,7 @@ import ml_collections
 
 from configs import common
 
-VARIANTS = ("text", "dense", "striped", "contiguous", "micro")
+VARIANTS = ("text", "dense", "striped", "contiguous", "document", "micro")
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
@@ -44,6 +46,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.model.layout = "striped"
   if "contiguous" in variants:
     config.model.layout = "contiguous"
+  if "document" in variants:
+    config.model.layout = "document"
   if "micro" in variants:
     config.microbatches = 2
   return config

@@ -9,9 +9,10 @@ positions (``n`` the ``sequence`` size): memory per device linear in
 
 **Prefill.** The prompts (a batch of rows padded to ``P`` tokens, natural
 order, pads with segment id 0) are reordered once into the model's layout
-(``LlamaConfig.layout``: contiguous, zigzag or striped) and run through the
-model with its configured attention backend (the ring over ``sequence``, or
-dense); every layer's keys and values are kept.
+(``LlamaConfig.layout``: contiguous, zigzag or striped; "document", a training layout,
+prefills as zigzag, whose mask positions it shares) and run through the model
+with its configured attention backend (the ring over ``sequence``, or dense);
+every layer's keys and values are kept.
 
 **Cache layout (ownership rule).** The cache has ``S = n * C`` slots per row
 (``C`` per device), sharded contiguously over ``sequence``: global slot
@@ -471,7 +472,8 @@ class Generator:
     length = self.check(prompts, max_new_tokens, padding)
     natural = prepare_prompts(prompts, length, padding)
     n = ring_size(self.mesh)
-    perm = layouts.layout_positions(self.cfg.layout, n, length)
+    # One prompt per row: "document" deals it as zigzag (its mask positions) does.
+    perm = layouts.layout_positions(layouts.mask_layout(self.cfg.layout), n, length)
     last = np.zeros(natural["tokens"].shape, np.float32)
     last[np.arange(len(prompts)), natural["last"]] = 1.0
     host = dict(tokens=natural["tokens"], positions=natural["positions"],

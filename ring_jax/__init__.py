@@ -24,6 +24,10 @@ Public API:
   flax_attention_fn       ring attention as a Flax attention module's attention_fn=.
   to_layout / from_layout / layout_positions
                           contiguous, zigzag and striped layouts (ring_jax.layouts).
+  document_layout / DocumentLayout
+                          the "document" layout of packed rows: causal work balanced
+                          per document, a per-row permutation built on the host
+                          (ring_jax.documents).
   shard_to_layout / shard_from_layout
                           the same reorder inside shard_map, with collectives.
   schedule / Schedule     the block pairs each device computes at each hop
@@ -35,6 +39,7 @@ Public API:
                           hop kernels by name (ring_jax.kernels).
 """
 
+from ring_jax.documents import DocumentLayout, document_layout
 from ring_jax.ffn import blockwise_ffn
 from ring_jax.flax_attention import flax_attention_fn
 from ring_jax.layouts import (LAYOUTS, from_layout, layout_positions, local_positions,
@@ -56,6 +61,7 @@ __all__ = [
     "Plan",
     "STRATEGIES",
     "AttentionAxes",
+    "DocumentLayout",
     "all_gather_attention",
     "attention_axes",
     "attention_sharded",
@@ -73,6 +79,7 @@ __all__ = [
     "LAYOUTS",
     "Schedule",
     "blockwise_ffn",
+    "document_layout",
     "from_layout",
     "layout_positions",
     "local_positions",

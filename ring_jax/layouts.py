@@ -10,6 +10,12 @@ With ``n`` devices and global length ``L`` (local length ``L/n``):
   every hop (half of a full hop after hop 0), as in Megatron/TE context
   parallelism and Brandon et al., "Striped Attention" (2023) Sec. 3.
 * ``"striped"``: token ``t`` lives on device ``t mod n`` (Striped Attention).
+* ``"document"``: for rows that pack many documents, a per-row permutation
+  (data dependent: built on the host by :func:`ring_jax.document_layout` from
+  the segment ids) that balances causal work per document; its *mask
+  positions* are zigzag's (see :mod:`ring_jax.documents`). Not in
+  :data:`LAYOUTS` (the static layouts): :func:`to_layout` / :func:`from_layout`
+  take its ``permutation=``, attention needs segment ids and no window.
 
 Arrays are laid out "in layout order": the global array is the concatenation
 of the devices' local shards, so sharding the sequence axis evenly over the
@@ -32,12 +38,39 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+#: The static layouts: a fixed permutation per (ring size, length).
 LAYOUTS: tuple[str, ...] = ("contiguous", "zigzag", "striped")
+#: The per-row, data-dependent layout of packed documents (ring_jax.documents).
+DOCUMENT = "document"
+#: Every name ``layout=`` accepts.
+ALL_LAYOUTS: tuple[str, ...] = LAYOUTS + (DOCUMENT,)
 
 
 def check_layout(layout: str) -> None:
-  if layout not in LAYOUTS:
-    raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}.")
+  if layout not in ALL_LAYOUTS:
+    raise ValueError(f"layout must be one of {ALL_LAYOUTS}, got {layout!r}.")
+
+
+def mask_layout(layout: str) -> str:
+  """The static layout whose positions the ring masks with: ``"zigzag"`` for
+  ``"document"`` (its mask positions), else ``layout`` itself."""
+  check_layout(layout)
+  return "zigzag" if layout == DOCUMENT else layout
+
+
+def check_attention_layout(layout: str, segment_ids, local_window_size) -> str:
+  """The static layout attention runs ``layout`` as (:func:`mask_layout`), after the
+  document layout's conditions: segment ids given, no window (ValueError naming the fix)."""
+  if layout == DOCUMENT:
+    if segment_ids is None:
+      raise ValueError(
+          "layout='document' needs segment_ids (the renumbered ids of "
+          "ring_jax.document_layout); a row without them is one document: use layout='zigzag'.")
+    if local_window_size is not None:
+      raise ValueError(
+          "layout='document' does not keep the distances between tokens, so it cannot apply "
+          "local_window_size; use layout='zigzag' or 'contiguous' for windowed attention.")
+  return mask_layout(layout)
 
 
 def length_multiple(layout: str, ring_size: int) -> int:
@@ -46,7 +79,7 @@ def length_multiple(layout: str, ring_size: int) -> int:
   ``ring_size`` (one shard per device), or ``2 * ring_size`` for zigzag (two
   chunks per device).
   """
-  check_layout(layout)
+  layout = mask_layout(layout)
   if ring_size < 1:
     raise ValueError(f"ring_size must be >= 1, got {ring_size}.")
   return 2 * ring_size if layout == "zigzag" else ring_size
@@ -80,9 +113,11 @@ def local_positions(layout: str, ring_size: int, local_len: int, device):
 
   ``device`` may be a Python int or a traced int32 scalar (e.g.
   ``jax.lax.axis_index``), so the same formula serves the kernel and the
-  schedule. Works with numpy when ``device`` is an int.
+  schedule. Works with numpy when ``device`` is an int. For ``"document"``:
+  its mask positions (zigzag's), not the tokens' original positions.
   """
   xp = np if isinstance(device, (int, np.integer)) else jnp
+  layout = mask_layout(layout) if layout == DOCUMENT else layout
   j = xp.arange(local_len, dtype=np.int32)
   if layout == "contiguous":
     return device * local_len + j
@@ -93,12 +128,17 @@ def local_positions(layout: str, ring_size: int, local_len: int, device):
     first = device * half + j
     second = (2 * ring_size - 1 - device) * half + (j - half)
     return xp.where(j < half, first, second).astype(np.int32)
-  raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}.")
+  raise ValueError(f"layout must be one of {ALL_LAYOUTS}, got {layout!r}.")
 
 
 @functools.lru_cache(maxsize=256)
 def _permutation(layout: str, ring_size: int, length: int) -> np.ndarray:
   """perm[k] = natural position of the token at layout-order index k."""
+  if layout == DOCUMENT:
+    raise ValueError(
+        "layout='document' is a per-row permutation of the data: build it with "
+        "ring_jax.document_layout(segment_ids, ring_size) and pass its permutation= to "
+        "to_layout / from_layout (its mask positions are local_positions('document', ...)).")
   local_len = check_length(layout, ring_size, length)
   perm = np.concatenate(
       [local_positions(layout, ring_size, local_len, d) for d in range(ring_size)])
@@ -111,29 +151,75 @@ def layout_positions(layout: str, ring_size: int, length: int) -> np.ndarray:
   return _permutation(layout, ring_size, length).copy()
 
 
-def to_layout(x, layout: str, ring_size: int, axis: int = 1):
-  """Reorders a natural-order array along ``axis`` into ``layout`` order."""
+def to_layout(x, layout: str, ring_size: int, axis: int = 1, *, permutation=None):
+  """Reorders a natural-order array along ``axis`` into ``layout`` order.
+
+  ``layout="document"`` takes ``permutation`` ``[B, L]`` (from
+  :func:`ring_jax.document_layout`; numpy) and reorders each row of ``x``
+  ``[B, L, ...]`` (``axis`` must be 1) by its own; the static layouts take none.
+  """
+  if _document_permutation(layout, permutation, x, axis) is not None:
+    return _gather_rows(x, np.asarray(permutation))
   perm = _permutation(layout, ring_size, x.shape[axis])
   if layout == "contiguous":
     return x
   return _gather(x, perm, axis)
 
 
-def from_layout(x, layout: str, ring_size: int, axis: int = 1):
-  """Inverse of :func:`to_layout`: layout order back to natural order."""
+def from_layout(x, layout: str, ring_size: int, axis: int = 1, *, permutation=None):
+  """Inverse of :func:`to_layout`: layout order back to natural order (the same
+  ``permutation`` for ``"document"``)."""
+  if _document_permutation(layout, permutation, x, axis) is not None:
+    return _gather_rows(x, np.argsort(np.asarray(permutation), axis=1).astype(np.int32))
   perm = _permutation(layout, ring_size, x.shape[axis])
   if layout == "contiguous":
     return x
   return _gather(x, np.argsort(perm).astype(np.int32), axis)
 
 
+def _document_permutation(layout, permutation, x, axis):
+  """``permutation`` checked against ``x`` for the document layout; None for static ones."""
+  check_layout(layout)
+  if layout != DOCUMENT:
+    if permutation is not None:
+      raise ValueError(f"permutation= is for layout='document' only; layout={layout!r} is "
+                       "a fixed permutation.")
+    return None
+  if permutation is None:
+    _permutation(layout, 1, 2)  # the error naming ring_jax.document_layout
+  shape = np.shape(permutation)
+  if axis % x.ndim != 1 or len(shape) != 2 or tuple(x.shape[:2]) != shape:
+    raise ValueError(f"layout='document' reorders [batch, length, ...] arrays along axis 1 "
+                     f"by a [batch, length] permutation; got x {tuple(x.shape)}, axis={axis}, "
+                     f"permutation {shape}.")
+  return permutation
+
+
+def _gather_rows(x, index: np.ndarray):
+  """``x[b, index[b]]`` for every row ``b`` (numpy stays numpy), keeping the sharding of
+  ``x`` on meshes with Explicit axes (as :func:`_gather`)."""
+  if isinstance(x, np.ndarray):
+    return np.take_along_axis(x, index.reshape(index.shape + (1,) * (x.ndim - 2)), axis=1)
+  rows = jnp.arange(index.shape[0], dtype=np.int32)[:, None]
+  sharding = _explicit_sharding(x)
+  if sharding is not None:
+    return x.at[rows, jnp.asarray(index)].get(out_sharding=sharding)
+  return x[rows, jnp.asarray(index)]
+
+
+def _explicit_sharding(x):
+  """The sharding of ``x`` if it lies on a mesh with Explicit axes (where a gather must be
+  told its output sharding), else None."""
+  sharding = getattr(jax.typeof(x), "sharding", None) if isinstance(x, jax.Array) else None
+  types = getattr(getattr(sharding, "mesh", None), "axis_types", ()) or ()
+  return sharding if any(t == jax.sharding.AxisType.Explicit for t in types) else None
+
+
 def _gather(x, index: np.ndarray, axis: int):
   """``x`` reordered along ``axis``, keeping its sharding on meshes with Explicit axes."""
   axis = axis % x.ndim
-  sharding = getattr(jax.typeof(x), "sharding", None) if isinstance(x, jax.Array) else None
-  mesh = getattr(sharding, "mesh", None)
-  types = getattr(mesh, "axis_types", ()) or ()
-  if any(t == jax.sharding.AxisType.Explicit for t in types):
+  sharding = _explicit_sharding(x)
+  if sharding is not None:
     # Sharding-in-types refuses to guess the output sharding of a gather.
     idx = (slice(None),) * axis + (jnp.asarray(index),)
     return x.at[idx].get(out_sharding=sharding)
@@ -171,6 +257,10 @@ def shard_from_layout(x, layout: str, axis_name, axis: int = 1):
 
 def _reorder_shard(x, layout, axis_name, axis, inverse):
   check_layout(layout)
+  if layout == DOCUMENT:
+    raise ValueError("layout='document' is a per-row permutation built on the host "
+                     "(ring_jax.document_layout); reorder the global arrays with "
+                     "to_layout(..., permutation=) before sharding them.")
   n = jax.lax.axis_size(axis_name)
   axis = axis % x.ndim
   local_len = x.shape[axis]

@@ -93,7 +93,10 @@ def ring_attention(query, key, value, *, axis_name, is_causal: bool = False, seg
       global positions (as in ``jax.nn.dot_product_attention``).
     layout: ``"contiguous"``, ``"zigzag"`` or ``"striped"`` (see
       :mod:`ring_jax.layouts`); with a causal mask zigzag and striped balance
-      the work across devices.
+      the work across devices. ``"document"`` (rows packed with documents,
+      reordered by :func:`ring_jax.document_layout`) balances it per document;
+      it needs ``segment_ids`` (the layout's) and no window, and runs as zigzag
+      (its mask positions, see :mod:`ring_jax.documents`).
     block_q, block_kv: query / key block sizes of the blockwise computation;
       must divide the local length. Default: up to 256, dividing the layout's chunk.
     precision: matmul precision (e.g. ``jax.lax.Precision.HIGHEST`` for
@@ -125,6 +128,7 @@ def ring_attention(query, key, value, *, axis_name, is_causal: bool = False, seg
     visible query-key pair) non-finite, as in
     :func:`ring_jax.reference_attention`; everything else stays exact.
   """
+  layout = layouts.check_attention_layout(layout, segment_ids, local_window_size)
   cfg = _make_config(query, key, value, axis_name=axis_name, is_causal=is_causal,
                      segment_ids=segment_ids, scale=scale, local_window_size=local_window_size,
                      layout=layout, block_q=block_q, block_kv=block_kv, precision=precision,

@@ -173,6 +173,24 @@ def test_balance_dry_run(tmp_path):
   assert "ring-zigzag" in (tmp_path / "balance_cpu.log").read_text()
 
 
+def test_packed_balance_dry_run(tmp_path):
+  """benchmarks/packed_balance.py --dry-run: the document layout balances the block pairs
+  the kernels compute per device where zigzag does not, and the JSON and log are written."""
+  import json
+
+  from benchmarks import packed_balance
+
+  result = packed_balance.main(["--dry-run", "--out", str(tmp_path)])
+  for fig in result["means"].values():
+    assert fig["document"]["block_max_over_mean"]["max"] <= 1.10
+    assert fig["zigzag"]["block_max_over_mean"]["median"] > 1.3
+    assert (fig["document"]["token_max_over_mean"]["median"]
+            < fig["zigzag"]["token_max_over_mean"]["median"])
+  with open(tmp_path / "packed_balance.json") as f:
+    assert json.load(f)["means"] == result["means"]
+  assert "document" in (tmp_path / "packed_balance.log").read_text()
+
+
 # ----------------------------------------------------------------------------------------------
 # Peak FLOP/s: one table
 # ----------------------------------------------------------------------------------------------

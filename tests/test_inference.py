@@ -78,7 +78,8 @@ def oracle(params):
 
 @pytest.mark.parametrize("layout,padding,auto", [("zigzag", "left", True),
                                                  ("contiguous", "right", True),
-                                                 ("zigzag", "right", False)])
+                                                 ("zigzag", "right", False),
+                                                 ("document", "right", True)])
 def test_greedy_matches_dense_recompute(params, oracle, layout, padding, auto):
   """sequence=4 x tensor=2, GQA, a batch of different lengths (one row packs 2 documents);
   Auto and Explicit mesh axes."""

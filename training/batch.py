@@ -77,5 +77,6 @@ def random_documents(seed: int, rows: int, length: int, vocab_size: int, layout:
                  segment_ids=np.ones((rows, length), np.int32),
                  labels=np.where(loss_mask > 0, stream[:, 1:], 0).astype(np.int32),
                  loss_mask=loss_mask)
-  perm = ring_jax.layout_positions(layout, ring_size, length)
+  # One document per row: the document layout deals it as zigzag does.
+  perm = ring_jax.layout_positions(ring_jax.layouts.mask_layout(layout), ring_size, length)
   return {name: np.ascontiguousarray(natural[name][:, perm]) for name in FIELDS}

@@ -393,8 +393,9 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int) -> dict
   if hop_kernel not in kernels.kernel_names():
     raise ConfigError(f"model.hop_kernel={hop_kernel!r} is unknown; choose one of "
                       f"{kernels.kernel_names()}.")
-  if m.layout not in layouts.LAYOUTS:
-    raise ConfigError(f"model.layout={m.layout!r} is unknown; choose one of {layouts.LAYOUTS}.")
+  if m.layout not in layouts.ALL_LAYOUTS:
+    raise ConfigError(
+        f"model.layout={m.layout!r} is unknown; choose one of {layouts.ALL_LAYOUTS}.")
   if m.num_heads % m.num_kv_heads:
     raise ConfigError(f"model.num_heads={m.num_heads} must be a multiple of "
                       f"model.num_kv_heads={m.num_kv_heads} (GQA groups).")

@@ -6,7 +6,7 @@ arrays with the fields, dtypes and sharding :mod:`training.batch` defines
 
 Examples are built in natural order (labels, per-document positions) and the
 whole batch is then reordered ONCE into the ring's sequence layout
-(contiguous / zigzag / striped, see :mod:`ring_jax.layouts`), so that sharding
+(contiguous / zigzag / striped / document, see :mod:`ring_jax.layouts`), so that sharding
 the sequence axis evenly over the mesh's ``sequence`` axis hands every device
 exactly the tokens the ring kernel expects. The loss is a masked sum, so it is
 computed in layout order without undoing the permutation.
@@ -35,7 +35,7 @@ import grain
 import jax
 import numpy as np
 
-from ring_jax import layouts
+from ring_jax import documents, layouts
 from training import sources
 from training.batch import DTYPES, FIELDS
 from training.sources import DataError, list_data_files  # noqa: F401 (the pipeline's API)
@@ -55,8 +55,17 @@ def to_layout_np(batch: dict[str, np.ndarray], layout: str, ring_size: int) -> d
 
   Same permutation as :func:`ring_jax.to_layout` (``layout_positions`` is
   exactly "natural index of the token at each layout slot"), applied with numpy
-  on the host so no device work or transfer is spent on it.
+  on the host so no device work or transfer is spent on it. ``"document"``:
+  each row by its own permutation from its segment ids
+  (:func:`ring_jax.document_layout`, which balances causal work per document),
+  and ``segment_ids`` become that layout's renumbered ids (the same documents).
   """
+  if layout == layouts.DOCUMENT:
+    doc = documents.document_layout(batch["segment_ids"], ring_size)
+    out = {k: np.ascontiguousarray(np.take_along_axis(v, doc.permutation, axis=1))
+           for k, v in batch.items()}
+    out["segment_ids"] = doc.segment_ids.astype(batch["segment_ids"].dtype)
+    return out
   length = batch["tokens"].shape[1]
   perm = layouts.layout_positions(layout, ring_size, length)
   return {k: np.ascontiguousarray(v[:, perm]) for k, v in batch.items()}

@@ -226,6 +226,14 @@ def run(strategy: Strategy, query, key, value, segment_ids, *, mesh, seq_axis, b
         f"other strategies take a single axis (got strategy={strategy.name!r}, "
         f"seq_axis={seq_axis!r}).")
   validation.check_qkv(query, key, value, is_causal=options.masked, segment_ids=segment_ids)
+  if options.layout == layouts.DOCUMENT:
+    if not inputs_in_layout:
+      raise ValueError(
+          "layout='document' is a per-row permutation built from the segment ids on the host: "
+          "reorder with ring_jax.document_layout + to_layout(..., permutation=) and pass "
+          "inputs_in_layout=True.")
+    options = dataclasses.replace(options, layout=layouts.check_attention_layout(
+        options.layout, segment_ids, options.local_window_size))
   b, length, n, _ = query.shape
   kv_len, kh = key.shape[1], key.shape[2]
   where = placement(mesh, seq_axis, batch_axis, head_axis, batch=b, heads=n, kv_heads=kh)
