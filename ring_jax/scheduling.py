@@ -158,6 +158,10 @@ class Schedule:
   At hop ``h`` device ``d`` holds the key/value shard that started on device
   ``(d - h) mod n`` (K/V travel ``d -> d+1``).
 
+  With :attr:`routes` (:func:`routes`), device ``d`` holds at hop ``h`` each stream's part
+  of the shard of device ``stream.source(d, h, n)`` instead (zigzag: the early chunk of
+  ``d - h``, the late chunk of ``d + h``), side by side in stream order.
+
   Attributes:
     pairs: int32 ``[n, n, Q*K, 2]``: ``pairs[d, h, p] = (q_block, kv_block)`` for
       ``p < num_pairs[d, h]``; the rest is padding (zeros).
@@ -169,6 +173,7 @@ class Schedule:
     hops: ``(first, last)`` of :func:`hop_range`: the hops the ring runs (with a
       window and the contiguous layout, fewer than ``n``; hop ``h < 0`` is the
       shard of device ``d - h``, i.e. ``pairs[d, h % n]``). Hops outside have no pairs.
+    routes: the ring's :class:`Routes` when it routes K/V (``causal_routing``), else None.
   """
   pairs: np.ndarray
   num_pairs: np.ndarray
@@ -179,6 +184,7 @@ class Schedule:
   ring_size: int
   local_len: int
   hops: tuple[int, int]
+  routes: "Routes | None" = None
 
   @property
   def active(self) -> np.ndarray:
@@ -360,7 +366,8 @@ def hop_range(layout: str, ring_size: int, local_len: int, is_causal: bool,
 
 @functools.lru_cache(maxsize=256)
 def schedule(layout: str, ring_size: int, local_len: int, block_q: int, block_kv: int,
-             is_causal: bool = False, local_window_size=None) -> Schedule:
+             is_causal: bool = False, local_window_size=None,
+             causal_routing: bool = False) -> Schedule:
   """Builds the block schedule of a ring pass (see :class:`Schedule`).
 
   A block pair is skipped when no (query, key) pair in it is allowed by the
@@ -369,6 +376,8 @@ def schedule(layout: str, ring_size: int, local_len: int, block_q: int, block_kv
   which the ring builds on device from the same positions, hop by hop, rather
   than carrying an ``[n, n, P]`` table. Segment ids are data, not layout: with
   them a hop's table skips further pairs (blocks sharing no document).
+  ``causal_routing`` as in :func:`ring_jax.ring_attention`: with it the schedule is the
+  routed ring's (:attr:`Schedule.routes` says which part moves where at each hop).
   """
   layouts.check_length(layout, ring_size, ring_size * local_len,
                        f"sequence length ({ring_size} x local length {local_len})")
@@ -378,14 +387,24 @@ def schedule(layout: str, ring_size: int, local_len: int, block_q: int, block_kv
         f"{local_len}.")
   window = normalize_window(local_window_size)
   n = ring_size
+  route = None
+  if check_routing(causal_routing) and n > 1:
+    route = routes(layout, n, local_len, bool(is_causal), window)
+    route = route if route.routed else None
   nq, nk = local_len // block_q, local_len // block_kv
   pos = [layouts.local_positions(layout, n, local_len, d) for d in range(n)]
+
+  def held(d, h):
+    if route is None:
+      return pos[(d - h) % n]
+    return np.concatenate([pos[st.source(d, h, n)][st.start:st.stop] for st in route.streams])
+
   pairs = np.zeros((n, n, nq * nk, 2), np.int32)
   partial = np.zeros((n, n, nq * nk), bool)
   num_pairs = np.zeros((n, n), np.int32)
   for d in range(n):
     for h in range(n):
-      table = block_table(pos[d], pos[(d - h) % n], None, None, block_q, block_kv, is_causal,
+      table = block_table(pos[d], held(d, h), None, None, block_q, block_kv, is_causal,
                           window)
       p, part = table_pairs(table)
       m = num_pairs[d, h] = len(p)
@@ -395,7 +414,7 @@ def schedule(layout: str, ring_size: int, local_len: int, block_q: int, block_kv
   hops = hop_range(layout, n, local_len, is_causal, window)
   return Schedule(pairs=pairs, num_pairs=num_pairs, partial=partial, block_q=block_q,
                   block_kv=block_kv, layout=layout, ring_size=n, local_len=local_len,
-                  hops=hops)
+                  hops=hops, routes=route)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -468,6 +487,17 @@ class Routes:
                 for p in s.arrive[1:] + s.home)
     return moved / full if full else 1.0
 
+  def max_egress(self) -> float:
+    """The most tokens one device sends at one hop (all streams together), over the local
+    length: what bounds a hop's transfer through a switch (every GPU's links serve every
+    destination), where sending two chunks two ways takes as long as one shard one way."""
+    per = {}
+    for s in self.streams:
+      for i, pairs in enumerate(s.arrive):
+        for src, _ in pairs:
+          per[i, src] = per.get((i, src), 0) + s.stop - s.start
+    return max(per.values(), default=0) / self.local_len
+
   def max_chunks_per_link(self) -> float:
     """The most tokens one link direction carries at one hop, over the local length (1: a
     whole shard per hop, as the full rotation; 0.5: zigzag's chunks going both ways)."""
@@ -480,24 +510,17 @@ class Routes:
     return max(per.values(), default=0) / self.local_len
 
 
-def routing_supported(layout: str) -> bool:
-  """Layouts whose streams can differ from the full rotation (all of them: zigzag splits)."""
-  return layout in layouts.LAYOUTS
+def check_routing(causal_routing) -> bool:
+  """``causal_routing`` as a bool (``TypeError`` for anything else).
 
-
-def resolve_routing(causal_routing, layout: str, is_causal: bool, window) -> bool:
-  """Whether the ring routes K/V (:func:`routes`) for ``causal_routing`` (``None``: auto).
-
-  Auto routes on the one-stream layouts (contiguous, striped) when the mask is causal or a
-  window is set: every device then holds exactly what the full rotation gives it wherever it
-  is used, with fewer transfers, so it is never slower. Zigzag's two-way routing (the late
-  chunks travel backward) changes which chunks meet at each hop and with them the per-hop
-  balance of the work (see docs/performance.md), so it runs only when asked for (``True``).
+  Off by default: routed rings unroll their hops (each hop has its own transfers), and
+  unrolled, XLA:CPU kept more K/V buffers alive (fwd+bwd temp per device, ring of 8, 512
+  tokens, 4 heads of 64, float32: contiguous 10.8 vs 5.0 MiB, zigzag 8.5 vs 5.0 MiB) and
+  compiled ~2.5x longer; zigzag's two-way routing also changes the per-hop balance of the
+  causal work (docs/performance.md).
   """
-  if causal_routing is None:
-    return layout != "zigzag" and (bool(is_causal) or window is not None)
   if not isinstance(causal_routing, (bool, np.bool_)):
-    raise TypeError(f"causal_routing must be True, False or None (auto), got {causal_routing!r}.")
+    raise TypeError(f"causal_routing must be True or False, got {causal_routing!r}.")
   return bool(causal_routing)
 
 
