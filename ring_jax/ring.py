@@ -16,6 +16,12 @@ each device adding its queries' contribution; after ``n`` transfers every dK/dV
 is back on the device that owns the shard. Nothing per hop is stored, so memory
 is linear in the local length (autodiff through the loop would keep every
 hop's scores).
+
+With ``causal_routing=True`` (:func:`_forward_routed`, :func:`_backward_routed`)
+each part of a shard travels only to the devices that can see it, along the
+routes of :func:`ring_jax.scheduling.routes` (zigzag: early chunks forward,
+late chunks backward), and each dK/dV accumulator goes home from the last
+device that uses it; the hops are unrolled, each with its own transfers.
 """
 
 from __future__ import annotations
