@@ -101,19 +101,22 @@ def paper_local(paper_fn, *, is_causal, chunk, dtype):
 # ----------------------------------------------------------------------------
 
 def ring_variant(name):
-  """``"ring-<layout>[:<hop kernel>]"`` -> ``(layout, hop kernel name)`` (default ``"auto"``;
-  e.g. ``ring-zigzag:pallas_gpu``, which runs in interpret mode on CPU)."""
+  """``"ring-<layout>[+routed][:<hop kernel>]"`` -> ``(layout, hop kernel name, routed)``
+  (kernel default ``"auto"``; e.g. ``ring-zigzag:pallas_gpu``, which runs in interpret mode
+  on CPU; ``+routed``: ``causal_routing=True``)."""
   layout, _, kernel = name[len("ring-"):].partition(":")
-  return layout, kernel or "auto"
+  layout, plus, _ = layout.partition("+routed")
+  return layout, kernel or "auto", bool(plus)
 
 
 def make_impl(name, *, mesh, is_causal, dtype, block, paper_fn=None):
   """Returns ``(f(q, k, v) -> out, layout, on_one_device)`` or raises."""
   spec = P(None, AXIS, None, None)
   if name.startswith("ring-"):
-    layout, kernel = ring_variant(name)
+    layout, kernel, routed = ring_variant(name)
     local = functools.partial(ring_jax.ring_attention, axis_name=AXIS, is_causal=is_causal,
-                              layout=layout, block_q=block, block_kv=block, hop_kernel=kernel)
+                              layout=layout, block_q=block, block_kv=block, hop_kernel=kernel,
+                              causal_routing=routed)
     return jax.shard_map(local, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec), layout, False
   if name.startswith("allgather"):
     layout = name.split("-", 1)[1] if "-" in name else "contiguous"

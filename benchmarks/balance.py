@@ -22,6 +22,9 @@ the slowest process's, the reported figure the median over repetitions. The
 table also shows each layout's critical path from ``ring_jax.schedule`` (in
 full local hops), the work the slowest device does.
 
+``--impls ring-zigzag,ring-zigzag+routed,...`` compares the full rotation with the routed
+one (``causal_routing=True``; the critical path column is then the routed schedule's).
+
 Writes ``<out>/balance_cpu.json`` and ``.log``. ``--dry-run``: one short
 length, one repetition, no warm-up (a smoke test; the numbers mean nothing).
 """
@@ -50,6 +53,9 @@ WORKER_XLA_FLAGS = ("--xla_force_host_platform_device_count=1 "
 ONE_THREAD_ENV = {name: "1" for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS",
                                          "OPENBLAS_NUM_THREADS")}
 IMPLS = ("ring-contiguous", "ring-zigzag", "ring-striped", "paper")
+#: Also accepted by --impls: the routed rings (causal_routing=True), e.g. to compare the full
+#: and the routed rotation where transfers are exposed (short local lengths).
+ROUTED = ("ring-contiguous+routed", "ring-zigzag+routed")
 
 
 def ints(s):
@@ -92,9 +98,9 @@ def parse_args(argv=None):
     args.repeats, args.warmup = 1, 0
   elif args.lengths is None:
     args.lengths = [4096, 8192, 16384]
-  unknown = set(args.impls) - set(IMPLS)
+  unknown = set(args.impls) - set(IMPLS + ROUTED)
   if unknown:
-    ap.error(f"unknown --impls {sorted(unknown)}; known: {IMPLS}")
+    ap.error(f"unknown --impls {sorted(unknown)}; known: {IMPLS + ROUTED}")
   return args
 
 
@@ -227,6 +233,7 @@ def merge(args, workers: list[dict]) -> dict:
   import numpy as np
 
   import ring_jax
+  from benchmarks.attention import ring_variant as bench_variant
   from ring_jax.ring import default_block
 
   rows = []
@@ -235,7 +242,8 @@ def merge(args, workers: list[dict]) -> dict:
     n, length = args.processes, row["length"]
     local = length // n
     b = row["block"] or default_block(row["layout"], local)
-    sched = ring_jax.schedule(row["layout"], n, local, b, b, True)
+    routed = row["impl"].startswith("ring-") and bench_variant(row["impl"])[2]
+    sched = ring_jax.schedule(row["layout"], n, local, b, b, True, causal_routing=routed)
     unit = (local * local) / (b * b)  # block pairs of one full local hop
     rows.append(dict(
         impl=row["impl"], layout=row["layout"], length=length, block=row["block"],

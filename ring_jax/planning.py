@@ -256,6 +256,7 @@ class _Setting:
   backward: bool
   block: int | None         # None: the ring's default for each strategy's local length
   fast_domain: int | None = None  # devices on the fast links (None: the device table's)
+  causal_routing: bool = False  # the ring's K/V routing (scheduling.routes)
 
   @property
   def bwd(self) -> float:
@@ -306,21 +307,63 @@ def _ring_like(s: _Setting, r, tokens, q_heads, k_heads, links_ring) -> dict:
     time += _ring_time(hop_fwd * s.bwd / s.flops_s, active, t_bwd, runs) + home
     comm += sends * t_bwd + home
     moved += sends * kv + runs * kv * 4 / s.e
+  link = 1.0  # a hop's transfer time, relative to one shard over one link
+  route = _routes(s, r, tokens)
+  if route is not None:
+    # docs/performance.md "Routing": fewer bytes; a hop's transfer takes the busiest link's
+    # share (torus: each direction is its own link; switch: a device's egress), and the
+    # busiest device's work per hop grows by the schedule's critical-path ratio.
+    link = route.max_chunks_per_link() if links_ring.torus else route.max_egress()
+    slow = _critical_path_ratio(s, r, tokens)
+    time = _ring_time(hop_fwd * slow / s.flops_s, active, t_fwd * link, runs)
+    comm = sends * t_fwd * route.kv_fraction()
+    moved = sends * kv * route.kv_fraction()
+    if s.backward:
+      dkv = runs * kv * 4 / s.e * route.dkv_fraction()
+      time += (_ring_time(hop_fwd * slow * s.bwd / s.flops_s, active, t_bwd * link, runs)
+               + kv * 4 / s.e / links_ring.p2p * link)
+      comm += sends * kv * route.kv_fraction() / links_ring.p2p + dkv / links_ring.p2p
+      moved += sends * kv * route.kv_fraction() + dkv
   # docs/performance.md: l* = e/(2c) (K/N) F/W; with the backward (K/V and float32
-  # dK/dV travel, 2.5x the compute) (e+4)/(5c) (K/N) F/W, the larger of the two.
-  lstar = s.e / (2 * c) * (k_heads / q_heads) * s.flops_s / links_ring.p2p
+  # dK/dV travel, 2.5x the compute) (e+4)/(5c) (K/N) F/W, the larger of the two; routed,
+  # times the busiest link's share of a shard per hop.
+  lstar = link * s.e / (2 * c) * (k_heads / q_heads) * s.flops_s / links_ring.p2p
   if s.backward:
-    lstar = max(lstar, (s.e + 4) / (5 * c) * (k_heads / q_heads) * s.flops_s / links_ring.p2p)
+    lstar = max(lstar, link * (s.e + 4) / (5 * c) * (k_heads / q_heads) * s.flops_s
+                / links_ring.p2p)
   # Every hop must compute at least as long as its transfer; with a window and a layout
   # whose hops are not pruned (zigzag, striped) most hops only pass K/V on.
-  hidden = runs == 1 or (active == runs and hop_fwd >= t_fwd * s.flops_s and (
-      not s.backward or hop_fwd * s.bwd >= t_bwd * s.flops_s))
+  hidden = runs == 1 or (active == runs and hop_fwd >= t_fwd * link * s.flops_s and (
+      not s.backward or hop_fwd * s.bwd >= t_bwd * link * s.flops_s))
   mem = (s.act_bytes(tokens, q_heads, k_heads) + 2 * kv + s.b * tokens * q_heads * s.d * 4
          + s.tile_bytes(q_heads, tokens))
   if s.backward:
     mem += s.b * tokens * q_heads * s.d * 4 + 4 * kv * 4 / s.e
   return dict(flops=fwd * (1 + s.bwd), bytes_moved=moved, compute_s=fwd * (1 + s.bwd) / s.flops_s,
               comm_s=comm, time_s=time, hidden=hidden, min_local_len=lstar, memory_bytes=mem)
+
+
+def _routes(s: _Setting, r, tokens):
+  """The ring's :class:`ring_jax.scheduling.Routes` with ``causal_routing``, or None (off,
+  nothing dropped, or a local length the layout cannot split)."""
+  if not s.causal_routing or r < 2 or tokens != int(tokens):
+    return None
+  try:
+    route = scheduling.routes(s.layout, r, int(tokens), s.is_causal, s.window)
+  except ValueError:
+    return None
+  return route if route.routed else None
+
+
+def _critical_path_ratio(s: _Setting, r, tokens) -> float:
+  """Routed over full ring: the sum over hops of the busiest device's block pairs, with one
+  block per layout chunk (zigzag routed: up to 1.5x a balanced hop in the first half)."""
+  chunk = int(tokens) // 2 if s.layout == "zigzag" else int(tokens)
+  window = s.window
+  full = scheduling.schedule(s.layout, r, int(tokens), chunk, chunk, s.is_causal, window)
+  routed = scheduling.schedule(s.layout, r, int(tokens), chunk, chunk, s.is_causal, window,
+                               causal_routing=True)
+  return routed.critical_path() / max(1, full.critical_path())
 
 
 def _ring_cost(s: _Setting, n: int) -> dict:
@@ -461,7 +504,8 @@ def plan(*, batch: int, seq_len: int, heads: int, head_dim: int, kv_heads: int |
          device: str | None = None, peak_flops: float | None = None,
          link_bandwidth: float | None = None, network_bandwidth: float | None = None,
          memory_bytes: float | None = None, backward: bool = True, block: int | None = None,
-         strategies=None, fast_domain: int | None = None) -> Plan:
+         strategies=None, fast_domain: int | None = None,
+         causal_routing: bool = False) -> Plan:
   """Predicts each sequence-parallel strategy's cost per device and picks one.
 
   Args:
@@ -493,6 +537,10 @@ def plan(*, batch: int, seq_len: int, heads: int, head_dim: int, kv_heads: int |
     fast_domain: devices that share the fast links (a TPU slice of a multislice
       job, an NVLink node); default the device table's. Beyond it transfers use
       ``network_bandwidth`` (DCN, InfiniBand).
+    causal_routing: the ring's (and the hybrid's ring's) K/V routing, as in
+      :func:`ring_jax.ring_attention`: the bytes of
+      :func:`ring_jax.scheduling.routes`, the busiest link's share per hop
+      (``min_local_len`` scales by it), the busiest device's work per hop.
 
   Returns:
     a :class:`Plan`: ``strategy`` (and ``split`` for the hybrid), the reasons,
@@ -526,7 +574,8 @@ def plan(*, batch: int, seq_len: int, heads: int, head_dim: int, kv_heads: int |
                kh=kv_heads // tensor if kv_heads % tensor == 0 else 1,  # MQA: replicated
                d=head_dim, e=_dtype_bytes(dtype), seq_len=seq_len, is_causal=is_causal,
                window=window, layout=layout, backward=backward, block=block,
-               fast_domain=fast_domain)
+               fast_domain=fast_domain,
+               causal_routing=scheduling.check_routing(causal_routing))
   budget = float(memory_bytes or spec.memory_bytes or math.inf)
   estimates = []
   for name, split in candidates:

@@ -16,6 +16,12 @@ each device adding its queries' contribution; after ``n`` transfers every dK/dV
 is back on the device that owns the shard. Nothing per hop is stored, so memory
 is linear in the local length (autodiff through the loop would keep every
 hop's scores).
+
+With ``causal_routing=True`` (:func:`_forward_routed`, :func:`_backward_routed`)
+each part of a shard travels only to the devices that can see it, along the
+routes of :func:`ring_jax.scheduling.routes` (zigzag: early chunks forward,
+late chunks backward), and each dK/dV accumulator goes home from the last
+device that uses it; the hops are unrolled, each with its own transfers.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from ring_jax import kernels
 from ring_jax import layouts
@@ -48,6 +55,7 @@ class _RingConfig:
   return_lse: bool = False
   hops: tuple[int, int] = (0, 0)  # (first, last) hops run (scheduling.hop_range)
   overlap_dkv: bool = False
+  routes: scheduling.Routes | None = None  # None: every shard goes all the way round
 
 
 def default_block(layout: str, local_len: int, target: int = DEFAULT_BLOCK) -> int:
@@ -68,7 +76,7 @@ def ring_attention(query, key, value, *, axis_name, is_causal: bool = False, seg
                    layout: str = "contiguous", block_q: int | None = None,
                    block_kv: int | None = None, precision=None,
                    hop_kernel: str | HopKernel = "auto", return_lse: bool = False,
-                   overlap_dkv: bool = False):
+                   overlap_dkv: bool = False, causal_routing: bool = False):
   """Exact attention over a sequence sharded along mesh axis ``axis_name``.
 
   Call inside ``jax.shard_map`` (or any context where ``axis_name`` is bound)
@@ -119,6 +127,16 @@ def ring_attention(query, key, value, *, axis_name, is_causal: bool = False, seg
       transfer overlaps the hop's compute, for two more K/V-sized float32
       buffers per device (worth it where a hop's compute is short next to
       the transfer: small local lengths on fast chips).
+    causal_routing: move each K/V part only to the devices that can see it
+      (:func:`ring_jax.scheduling.routes`), forward and backward (dK/dV then
+      go home straight from the last device that uses them). Contiguous
+      causal: half the K/V bytes; zigzag: early chunks go forward, late chunks
+      backward, 0.75x the bytes under a causal mask and one chunk per link
+      direction per hop, at the price of a per-hop imbalance of the causal
+      work; striped: nothing to drop (every device sees every shard). Exact
+      in every case. Off by default: routed rings unroll their hops, which on
+      XLA:CPU cost about twice the temporary memory and ~2.5x the compile
+      time (:func:`ring_jax.scheduling.check_routing`, docs/performance.md).
 
   Returns:
     local ``[B, T, N, H]`` in ``query.dtype``, equal to dense attention over
@@ -132,7 +150,8 @@ def ring_attention(query, key, value, *, axis_name, is_causal: bool = False, seg
   cfg = _make_config(query, key, value, axis_name=axis_name, is_causal=is_causal,
                      segment_ids=segment_ids, scale=scale, local_window_size=local_window_size,
                      layout=layout, block_q=block_q, block_kv=block_kv, precision=precision,
-                     hop_kernel=hop_kernel, return_lse=return_lse, overlap_dkv=overlap_dkv)
+                     hop_kernel=hop_kernel, return_lse=return_lse, overlap_dkv=overlap_dkv,
+                     causal_routing=causal_routing)
   b, t, n, h = query.shape
   kh = key.shape[2]
   q = query.reshape(b, t, kh, n // kh, h)
@@ -144,7 +163,8 @@ def ring_attention(query, key, value, *, axis_name, is_causal: bool = False, seg
 
 def _make_config(query, key, value, *, axis_name, is_causal, segment_ids, scale,
                  local_window_size, layout, block_q, block_kv, precision,
-                 hop_kernel, return_lse=False, overlap_dkv=False) -> _RingConfig:
+                 hop_kernel, return_lse=False, overlap_dkv=False,
+                 causal_routing=False) -> _RingConfig:
   layouts.check_layout(layout)
   window = scheduling.normalize_window(local_window_size)
   validation.check_qkv(query, key, value, is_causal=is_causal or window is not None,
@@ -168,10 +188,14 @@ def _make_config(query, key, value, *, axis_name, is_causal, segment_ids, scale,
   kh = key.shape[2]
   kernel.check((b, t, kh, n // kh, h), tuple(key.shape), query.dtype, spec)
   hops = scheduling.hop_range(layout, ring_size, s, bool(is_causal), window)
+  routes = None
+  if scheduling.check_routing(causal_routing) and t == s and ring_size > 1:
+    routes = scheduling.routes(layout, ring_size, s, bool(is_causal), window)
+    routes = routes if routes.routed else None
   return _RingConfig(axis_name=axis_name, ring_size=ring_size, layout=layout, spec=spec,
                      kernel=kernel, return_lse=bool(return_lse),
                      hops=hops,
-                     overlap_dkv=bool(overlap_dkv))
+                     overlap_dkv=bool(overlap_dkv), routes=routes)
 
 
 def _hop_masks(cfg: _RingConfig, device, hop, q_pos, s, q_seg, kv_seg,
@@ -222,6 +246,149 @@ def _over_hops(cfg: _RingConfig, step, state, *, peel_first: bool):
   return step(last, state, name="last_hop", first=peel_first and first == last, last=True)
 
 
+def _send(pairs, axis_name, *xs, reverse: bool = False):
+  """``ppermute`` of each array over ``pairs`` (devices that receive nothing get zeros);
+  ``reverse``: the pairs listed in reverse order (the same transfer)."""
+  if not pairs:
+    return tuple(None if x is None else jnp.zeros_like(x) for x in xs)
+  perm = list(pairs)[::-1] if reverse else list(pairs)
+  return tuple(None if x is None else jax.lax.ppermute(x, axis_name, perm) for x in xs)
+
+
+def _after(held, result):
+  """``held`` (the parts that arrived for the next hop), made to depend on ``result`` (this
+  hop's output), so that the transfer for the hop after next starts once this hop is
+  computed, as in a loop. Unrolled, XLA:CPU otherwise issued every transfer up front and held
+  every hop's K/V at once (an optimization_barrier did not stop it): forward temp 9.0 instead
+  of 4.0 MiB per device, ring of 8, 512 tokens each. Adds an exact zero (the dependency XLA
+  cannot drop: it does not fold ``x * 0`` in floating point)."""
+  zero = jnp.isnan(result.reshape(-1)[0]).astype(jnp.float32) * 0.0
+  return [tuple(None if x is None else
+                (x + zero.astype(x.dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x)
+                for x in part) for part in held]
+
+
+def _parts(routes: scheduling.Routes, *xs):
+  """Per stream, each array's slice of the local shard (axis 1)."""
+  return [tuple(None if x is None else x[:, s.start:s.stop] for x in xs) for s in routes.streams]
+
+
+def _joined(xs):
+  """The streams' parts of one array, back in one shard (axis 1)."""
+  if xs[0] is None:
+    return None
+  return xs[0] if len(xs) == 1 else jnp.concatenate(xs, axis=1)
+
+
+def _routed_masks(cfg: _RingConfig, device, hop, q_pos, seg, kv_seg, v_finite=None):
+  """Masks of the parts held at ``hop`` (stream ``i``'s part from device ``source``): their
+  positions and ids side by side, and (forward) the AND of their non-finite-V flags."""
+  routes, n = cfg.routes, cfg.ring_size
+  pos, flags = [], []
+  for i, stream in enumerate(routes.streams):
+    src = stream.source(device, hop, n)
+    pos.append(layouts.local_positions(cfg.layout, n, routes.local_len, src)[stream.start:stream.stop])
+    if v_finite is not None:
+      flags.append(v_finite[src, i])
+  finite = None if v_finite is None else functools.reduce(jnp.logical_and, flags)
+  kv_pos = pos[0] if len(pos) == 1 else jnp.concatenate(pos)
+  return HopMasks.build(cfg.spec, q_pos, kv_pos, seg, kv_seg, v_finite=finite)
+
+
+def _hop_name(i: int, count: int, peel_first: bool) -> str:
+  if i == count - 1:
+    return "last_hop"
+  return "hop_0" if peel_first and i == 0 else "hop"
+
+
+def _forward_routed(cfg: _RingConfig, q, k, v, seg):
+  """:func:`_forward` on the routes of :func:`ring_jax.scheduling.routes`, hops unrolled
+  (each hop has its own transfers: :attr:`ring_jax.scheduling.Stream.arrive`)."""
+  routes = cfg.routes
+  first, last = cfg.hops
+  hops = list(range(first, last + 1))
+  device = jax.lax.axis_index(cfg.axis_name)
+  q_pos = layouts.local_positions(cfg.layout, cfg.ring_size, q.shape[1], device)
+  finite = jnp.isfinite(v)  # one pass over V; a flag per stream's part
+  v_finite = jax.lax.all_gather(
+      jnp.stack([finite[:, s.start:s.stop].all() for s in routes.streams]), cfg.axis_name)
+  # As in _forward: the gather runs before the first K/V transfer on every device.
+  v_finite, k, v, seg = jax.lax.optimization_barrier((v_finite, k, v, seg))
+  acc = tuple(varying_like(x, q, k, v) for x in empty_result(q))
+  held = _parts(routes, k, v, seg)
+  if first != 0:
+    with jax.named_scope("send_kv"):
+      held = [_send(s.arrive[0], cfg.axis_name, *p) for s, p in zip(routes.streams, held)]
+  for i, h in enumerate(hops):
+    nxt = held
+    if i + 1 < len(hops):
+      with jax.named_scope("send_kv"):
+        nxt = [_send(s.arrive[i + 1], cfg.axis_name, *p) for s, p in zip(routes.streams, held)]
+    kh, vh, segh = (_joined(x) for x in zip(*held))
+    with jax.named_scope(_hop_name(i, len(hops), False)):
+      masks = _routed_masks(cfg, device, h, q_pos, seg, segh, v_finite)
+      acc = merge(*acc, *cfg.kernel.forward(q, kh, vh, masks, cfg.spec))
+    held = _after(nxt, acc[1])
+  out, lse = acc
+  return out.astype(q.dtype), lse
+
+
+def _backward_routed(cfg: _RingConfig, q, k, v, seg, res):
+  """:func:`_backward` on the routes: each part's float32 dK/dV accumulator follows the part
+  along its path and goes home from the last device that uses it
+  (:attr:`ring_jax.scheduling.Stream.home`); returns float32 ``(dq, dk, dv)``."""
+  routes, axis = cfg.routes, cfg.axis_name
+  first, last = cfg.hops
+  hops = list(range(first, last + 1))
+  device = jax.lax.axis_index(axis)
+  q_pos = layouts.local_positions(cfg.layout, cfg.ring_size, q.shape[1], device)
+
+  def zeros(x):
+    return varying_like(jnp.zeros(x.shape, jnp.float32), q, k, v)
+
+  # The backward lists its pairs in reverse order: unrolled, its K/V transfers would otherwise
+  # equal the forward's, and XLA merged them and kept every hop's K/V alive from the forward
+  # to the backward (fwd+bwd temp 12.1 instead of 5.0 MiB per device, ring of 8, 512 tokens).
+  send = functools.partial(_send, reverse=True)
+  held = _parts(routes, k, v, seg)
+  if first != 0:
+    with jax.named_scope("send_kv"):
+      held = [send(s.arrive[0], axis, *p) for s, p in zip(routes.streams, held)]
+  acc = [(zeros(p[0]), zeros(p[1])) for p in held]
+  home = [(zeros(p[0]), zeros(p[1])) for p in held]
+  dq = zeros(q)
+  for i, h in enumerate(hops):
+    nxt = held
+    if i + 1 < len(hops):
+      with jax.named_scope("send_kv"):
+        nxt = [send(s.arrive[i + 1], axis, *p) for s, p in zip(routes.streams, held)]
+    if i > 0:  # the parts held now arrive with their own accumulators
+      with jax.named_scope("send_dkv"):
+        acc = [send(s.arrive[i], axis, *a) for s, a in zip(routes.streams, acc)]
+    kh, vh, segh = (_joined(x) for x in zip(*held))
+    with jax.named_scope(_hop_name(i, len(hops), True)):
+      masks = _routed_masks(cfg, device, h, q_pos, seg, segh)
+      if cfg.overlap_dkv and i > 0:
+        g = cfg.kernel.backward(q, kh, vh, masks, cfg.spec, res, HopGrads(dq, zeros(kh), zeros(vh)))
+        dq, dk, dv = g.dq, _joined([a[0] for a in acc]) + g.dk, _joined([a[1] for a in acc]) + g.dv
+      else:
+        dq, dk, dv = cfg.kernel.backward(q, kh, vh, masks, cfg.spec, res,
+                                         HopGrads(dq, _joined([a[0] for a in acc]),
+                                                  _joined([a[1] for a in acc])))
+    acc = _parts(routes, dk, dv)
+    with jax.named_scope("dkv_home"):  # accumulators whose last use was this hop
+      for j, s in enumerate(routes.streams):
+        got = send(s.home[i], axis, *acc[j]) if s.home[i] else None
+        if s.done_home[i]:
+          mine = jnp.asarray(np.isin(np.arange(cfg.ring_size), s.done_home[i]))[device]
+          kept = tuple(jnp.where(mine, a, 0.0) for a in acc[j])
+          got = kept if got is None else tuple(x + y for x, y in zip(got, kept))
+        if got is not None:
+          home[j] = tuple(x + y for x, y in zip(home[j], got))
+    held = _after(nxt, acc[0][0])
+  return dq, _joined([x[0] for x in home]), _joined([x[1] for x in home])
+
+
 def _forward(cfg: _RingConfig, q, k, v, seg):
   """Returns ``(out [B,T,K,G,H] input dtype, lse [B,T,K,G] f32, -inf where no key was seen)``.
 
@@ -230,6 +397,8 @@ def _forward(cfg: _RingConfig, q, k, v, seg):
   hop's compute. Profiles name the parts ``ring_fwd/hop`` (the loop body),
   ``ring_fwd/last_hop`` and ``ring_fwd/send_kv`` (the K/V transfer).
   """
+  if cfg.routes is not None:
+    return _forward_routed(cfg, q, k, v, seg)
   first = cfg.hops[0]
   device = jax.lax.axis_index(cfg.axis_name)
   s = k.shape[1]
@@ -283,6 +452,9 @@ def _backward(cfg: _RingConfig, q, k, v, seg, out, lse, do, dlse):
   q_pos = layouts.local_positions(cfg.layout, cfg.ring_size, q.shape[1], device)
   res = HopResiduals(out=out, lse=lse_for_backward(lse), do=do, dlse=dlse)
   k_own, v_own = k, v
+  if cfg.routes is not None:
+    dq, dk, dv = _backward_routed(cfg, q, k, v, seg, res)
+    return _finish_grads(q, k_own, v_own, dq, dk, dv)
 
   def zeros(x):
     return varying_like(jnp.zeros(x.shape, jnp.float32), q, k, v)
@@ -314,6 +486,10 @@ def _backward(cfg: _RingConfig, q, k, v, seg, out, lse, do, dlse):
                               peel_first=True)
   with jax.named_scope("dkv_home"):
     dk, dv = _shift(cfg, -last, dk, dv)  # the accumulator of shard d - last goes home
+  return _finish_grads(q, k_own, v_own, dq, dk, dv)
+
+
+def _finish_grads(q, k_own, v_own, dq, dk, dv):
   extra = tuple(sorted(_varying_axes(dk) - _varying_axes(k_own), key=str))
   if extra:  # K/V replicated over axes the queries are split over: add the parts
     dk, dv = jax.lax.psum((dk, dv), extra)

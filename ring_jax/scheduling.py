@@ -158,6 +158,10 @@ class Schedule:
   At hop ``h`` device ``d`` holds the key/value shard that started on device
   ``(d - h) mod n`` (K/V travel ``d -> d+1``).
 
+  With :attr:`routes` (:func:`routes`), device ``d`` holds at hop ``h`` each stream's part
+  of the shard of device ``stream.source(d, h, n)`` instead (zigzag: the early chunk of
+  ``d - h``, the late chunk of ``d + h``), side by side in stream order.
+
   Attributes:
     pairs: int32 ``[n, n, Q*K, 2]``: ``pairs[d, h, p] = (q_block, kv_block)`` for
       ``p < num_pairs[d, h]``; the rest is padding (zeros).
@@ -169,6 +173,7 @@ class Schedule:
     hops: ``(first, last)`` of :func:`hop_range`: the hops the ring runs (with a
       window and the contiguous layout, fewer than ``n``; hop ``h < 0`` is the
       shard of device ``d - h``, i.e. ``pairs[d, h % n]``). Hops outside have no pairs.
+    routes: the ring's :class:`Routes` when it routes K/V (``causal_routing``), else None.
   """
   pairs: np.ndarray
   num_pairs: np.ndarray
@@ -179,6 +184,7 @@ class Schedule:
   ring_size: int
   local_len: int
   hops: tuple[int, int]
+  routes: "Routes | None" = None
 
   @property
   def active(self) -> np.ndarray:
@@ -360,7 +366,8 @@ def hop_range(layout: str, ring_size: int, local_len: int, is_causal: bool,
 
 @functools.lru_cache(maxsize=256)
 def schedule(layout: str, ring_size: int, local_len: int, block_q: int, block_kv: int,
-             is_causal: bool = False, local_window_size=None) -> Schedule:
+             is_causal: bool = False, local_window_size=None,
+             causal_routing: bool = False) -> Schedule:
   """Builds the block schedule of a ring pass (see :class:`Schedule`).
 
   A block pair is skipped when no (query, key) pair in it is allowed by the
@@ -369,6 +376,8 @@ def schedule(layout: str, ring_size: int, local_len: int, block_q: int, block_kv
   which the ring builds on device from the same positions, hop by hop, rather
   than carrying an ``[n, n, P]`` table. Segment ids are data, not layout: with
   them a hop's table skips further pairs (blocks sharing no document).
+  ``causal_routing`` as in :func:`ring_jax.ring_attention`: with it the schedule is the
+  routed ring's (:attr:`Schedule.routes` says which part moves where at each hop).
   """
   layouts.check_length(layout, ring_size, ring_size * local_len,
                        f"sequence length ({ring_size} x local length {local_len})")
@@ -378,14 +387,24 @@ def schedule(layout: str, ring_size: int, local_len: int, block_q: int, block_kv
         f"{local_len}.")
   window = normalize_window(local_window_size)
   n = ring_size
+  route = None
+  if check_routing(causal_routing) and n > 1:
+    route = routes(layout, n, local_len, bool(is_causal), window)
+    route = route if route.routed else None
   nq, nk = local_len // block_q, local_len // block_kv
   pos = [layouts.local_positions(layout, n, local_len, d) for d in range(n)]
+
+  def held(d, h):
+    if route is None:
+      return pos[(d - h) % n]
+    return np.concatenate([pos[st.source(d, h, n)][st.start:st.stop] for st in route.streams])
+
   pairs = np.zeros((n, n, nq * nk, 2), np.int32)
   partial = np.zeros((n, n, nq * nk), bool)
   num_pairs = np.zeros((n, n), np.int32)
   for d in range(n):
     for h in range(n):
-      table = block_table(pos[d], pos[(d - h) % n], None, None, block_q, block_kv, is_causal,
+      table = block_table(pos[d], held(d, h), None, None, block_q, block_kv, is_causal,
                           window)
       p, part = table_pairs(table)
       m = num_pairs[d, h] = len(p)
@@ -395,4 +414,167 @@ def schedule(layout: str, ring_size: int, local_len: int, block_q: int, block_kv
   hops = hop_range(layout, n, local_len, is_causal, window)
   return Schedule(pairs=pairs, num_pairs=num_pairs, partial=partial, block_q=block_q,
                   block_kv=block_kv, layout=layout, ring_size=n, local_len=local_len,
-                  hops=hops)
+                  hops=hops, routes=route)
+
+
+@dataclasses.dataclass(frozen=True)
+class Stream:
+  """One part of every device's K/V shard and how it travels (see :class:`Routes`).
+
+  start, stop: the part's token slice of a local shard (the whole shard, or one zigzag chunk).
+  step: ``+1``: it travels ``d -> d+1`` (at hop ``h`` device ``d`` holds the part of device
+    ``(d - h) mod n``); ``-1``: ``d -> d-1`` (the part of device ``(d + h) mod n``).
+  arrive: for each hop ``first..last`` of :attr:`Routes.hops`, the ``(source, destination)``
+    device pairs of the transfer that delivers that hop's parts (the first hop's from their
+    owners, empty when the first hop is 0; a later hop's from the holders at the hop
+    before). A device that is no destination holds no part of this stream at that hop (it
+    would hold one that no query there can see).
+  home: for each hop, ``(holder, owner)`` pairs: parts whose last use is this hop, whose
+    float32 dK/dV accumulators the backward sends home from there.
+  done_home: for each hop, the devices whose own part has its last use on itself at that hop.
+  """
+  start: int
+  stop: int
+  step: int
+  arrive: tuple[tuple[tuple[int, int], ...], ...]
+  home: tuple[tuple[tuple[int, int], ...], ...]
+  done_home: tuple[tuple[int, ...], ...]
+
+  def source(self, device, hop: int, ring_size: int):
+    """The owner of the part ``device`` holds at ``hop`` (int or traced)."""
+    return (device - self.step * hop) % ring_size
+
+
+@dataclasses.dataclass(frozen=True)
+class Routes:
+  """Which part of which K/V shard moves where at each hop, when nothing travels unused.
+
+  Built by :func:`routes`. Every device's shard is cut into :attr:`streams` (one, or the
+  two zigzag chunks); a stream's part of shard ``j`` is forwarded only while a device further
+  along its path still holds a query that can see it (from the layout's positions, the causal
+  mask and the window: :func:`block_visibility` at the granularity of layout chunks), and
+  its dK/dV accumulator goes straight home from the last device that uses it. ``routed``:
+  some transfer of the full rotation is dropped or a stream travels backward.
+  """
+  layout: str
+  ring_size: int
+  local_len: int
+  hops: tuple[int, int]
+  streams: tuple[Stream, ...]
+
+  @property
+  def routed(self) -> bool:
+    n = self.ring_size
+    first, last = self.hops
+    full = (last - first + (first != 0)) * n
+    return len(self.streams) > 1 or sum(len(p) for p in self.streams[0].arrive) < full
+
+  def kv_fraction(self) -> float:
+    """K/V bytes moved over the ring pass, relative to the full rotation of whole shards."""
+    n = self.ring_size
+    first, last = self.hops
+    full = (last - first + (first != 0)) * n * self.local_len
+    moved = sum(len(p) * (s.stop - s.start) for s in self.streams for p in s.arrive)
+    return moved / full if full else 1.0
+
+  def dkv_fraction(self) -> float:
+    """The backward's float32 dK/dV bytes (travelling and going home), relative to the full
+    rotation (``last - first`` transfers along with K/V and one home)."""
+    n = self.ring_size
+    first, last = self.hops
+    full = (last - first + (last != 0)) * n * self.local_len
+    moved = sum(len(p) * (s.stop - s.start) for s in self.streams
+                for p in s.arrive[1:] + s.home)
+    return moved / full if full else 1.0
+
+  def max_egress(self) -> float:
+    """The most tokens one device sends at one hop (all streams together), over the local
+    length: what bounds a hop's transfer through a switch (every GPU's links serve every
+    destination), where sending two chunks two ways takes as long as one shard one way."""
+    per = {}
+    for s in self.streams:
+      for i, pairs in enumerate(s.arrive):
+        for src, _ in pairs:
+          per[i, src] = per.get((i, src), 0) + s.stop - s.start
+    return max(per.values(), default=0) / self.local_len
+
+  def max_chunks_per_link(self) -> float:
+    """The most tokens one link direction carries at one hop, over the local length (1: a
+    whole shard per hop, as the full rotation; 0.5: zigzag's chunks going both ways)."""
+    per = {}
+    for s in self.streams:
+      for i, pairs in enumerate(s.arrive):
+        for src, dst in pairs:
+          key = (i, s.step)
+          per[key] = max(per.get(key, 0), s.stop - s.start)
+    return max(per.values(), default=0) / self.local_len
+
+
+def check_routing(causal_routing) -> bool:
+  """``causal_routing`` as a bool (``TypeError`` for anything else).
+
+  Off by default: routed rings unroll their hops (each hop has its own transfers), and
+  unrolled, XLA:CPU kept more K/V buffers alive (fwd+bwd temp per device, ring of 8, 512
+  tokens, 4 heads of 64, float32: contiguous 10.8 vs 5.0 MiB, zigzag 8.5 vs 5.0 MiB) and
+  compiled ~2.5x longer; zigzag's two-way routing also changes the per-hop balance of the
+  causal work (docs/performance.md).
+  """
+  if not isinstance(causal_routing, (bool, np.bool_)):
+    raise TypeError(f"causal_routing must be True or False, got {causal_routing!r}.")
+  return bool(causal_routing)
+
+
+@functools.lru_cache(maxsize=256)
+def routes(layout: str, ring_size: int, local_len: int, is_causal: bool,
+           local_window_size=None) -> Routes:
+  """The :class:`Routes` of a ring pass: per stream and hop, the transfers that are used.
+
+  Contiguous and striped: one stream, the whole shard, forward (``d -> d+1``); with a
+  causal mask on the contiguous layout shard ``j`` stops at device ``n-1`` (devices ``< j``
+  see none of it): half the transfers. Zigzag: device ``i`` holds chunks ``i`` (early) and
+  ``2n-1-i`` (late); every device's late queries see every early chunk, so early chunks go
+  forward around the whole ring, but the late chunk of device ``j`` is seen only by devices
+  ``0..j`` under a causal mask, so late chunks go backward, ``j`` hops: 0.75x the bytes,
+  one chunk per link direction per hop. Striped: every device holds positions of the
+  whole sequence, so under a causal mask every device sees part of every shard (nothing is
+  dropped).
+  """
+  layouts.check_length(layout, ring_size, ring_size * local_len,
+                       f"sequence length ({ring_size} x local length {local_len})")
+  window = normalize_window(local_window_size)
+  n, s = ring_size, local_len
+  first, last = hop_range(layout, n, s, is_causal, window)
+  if layout == "zigzag":
+    half = s // 2
+    parts, q_chunk = ((0, half, 1), (half, s, -1)), half
+  else:
+    parts, q_chunk = ((0, s, 1),), s
+  pos = [layouts.local_positions(layout, n, s, d) for d in range(n)]
+  streams = []
+  for start, stop, step in parts:
+    need = np.zeros((n, n), bool)  # need[j, d]: device d's queries see part of shard j
+    for j in range(n):
+      for d in range(n):
+        vis, _ = block_visibility(pos[d], pos[j][start:stop], q_chunk, stop - start,
+                                  is_causal, window)
+        need[j, d] = vis.any()
+    hops = range(first, last + 1)
+    holder = lambda j, h: (j + step * h) % n  # noqa: E731
+    used = {j: [h for h in hops if need[j, holder(j, h)]] for j in range(n)}
+    last_use = {j: max(u) for j, u in used.items() if u}
+    arrive, home, done_home = [], [], []
+    for h in hops:
+      if h == first:
+        pairs = () if h == 0 else tuple(
+            (j, holder(j, h)) for j in range(n) if last_use.get(j, first - 1) >= h)
+      else:
+        pairs = tuple((holder(j, h - 1), holder(j, h)) for j in range(n)
+                      if last_use.get(j, first - 1) >= h)
+      arrive.append(tuple(sorted(pairs)))
+      done = [j for j in range(n) if last_use.get(j) == h]
+      home.append(tuple(sorted((holder(j, h), j) for j in done if holder(j, h) != j)))
+      done_home.append(tuple(sorted(j for j in done if holder(j, h) == j)))
+    streams.append(Stream(start=start, stop=stop, step=step, arrive=tuple(arrive),
+                          home=tuple(home), done_home=tuple(done_home)))
+  return Routes(layout=layout, ring_size=n, local_len=s, hops=(first, last),
+                streams=tuple(streams))

@@ -18,7 +18,8 @@ def ring_attention_sharded(query, key, value, *, mesh=None, seq_axis="sequence",
                            local_window_size=None, layout: str = "contiguous",
                            inputs_in_layout: bool = False, block_q: int | None = None,
                            block_kv: int | None = None, precision=None, hop_kernel="auto",
-                           return_lse: bool = False, overlap_dkv: bool = False):
+                           return_lse: bool = False, overlap_dkv: bool = False,
+                           causal_routing: bool = False):
   """Ring attention on global ``[B, L, N, H]`` arrays: builds the ``shard_map`` for you.
 
   The sequence axis is sharded over ``seq_axis`` (the ring; a pair ``(outer,
@@ -32,7 +33,7 @@ def ring_attention_sharded(query, key, value, *, mesh=None, seq_axis="sequence",
 
   Args:
     query, key, value, segment_ids, is_causal, scale, local_window_size,
-    block_q, block_kv, precision, hop_kernel, overlap_dkv: as in
+    block_q, block_kv, precision, hop_kernel, overlap_dkv, causal_routing: as in
       :func:`ring_jax.ring_attention`, but global (natural token order unless
       ``inputs_in_layout``). A ``hop_kernel`` name is resolved for the
       platform of the mesh's devices.

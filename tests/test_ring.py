@@ -100,6 +100,31 @@ def test_computed_work_follows_the_schedule(layout):
     assert (sched.num_pairs.max(0) == sched.num_pairs.min(0)).all()  # balanced at every hop
 
 
+def test_routed_work_follows_the_routed_schedule():
+  """With causal routing (zigzag: early chunk of d - h, late chunk of d + h at hop h) the block
+  loops compute exactly the pairs of schedule(..., causal_routing=True), forward and backward,
+  and every device the same pairs in all as without routing."""
+  n, length, block = 4, 32, 4
+  mesh = make_mesh((n,), ("sequence",))
+  q, k, v = qkv(1, 1, length, 2, 2, 8)
+  fn = shard_mapped(mesh, is_causal=True, layout="zigzag", block_q=block, block_kv=block,
+                    causal_routing=True)
+  to = functools.partial(ring_jax.to_layout, layout="zigzag", ring_size=n)
+  with xla_kernel.record_pairs() as log:
+    jax.block_until_ready(jax.jit(functools.partial(grads, fn))(
+        to(q), to(k), to(v), jnp.ones_like(q)))
+    jax.effects_barrier()
+  sched = ring_jax.schedule("zigzag", n, length // n, block, block, True, causal_routing=True)
+  got = _pairs_by_hop(log, "zigzag", n, length // n)  # hop from the early chunk's owner
+  for phase in ("fwd", "bwd"):
+    for d in range(n):
+      for h in range(n):
+        want = sorted(map(tuple, sched.pairs[d, h, :sched.num_pairs[d, h]].tolist()))
+        assert got.get((phase, d, h), []) == want, (phase, d, h)
+  full = ring_jax.schedule("zigzag", n, length // n, block, block, True)
+  np.testing.assert_array_equal(sched.work_per_device(), full.work_per_device())
+
+
 def test_pair_recording_is_off_by_default():
   """Outside record_pairs() the kernel's loops hold no callback (zero cost)."""
   mesh = make_mesh((2,), ("sequence",))

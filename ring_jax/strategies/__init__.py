@@ -58,7 +58,7 @@ def attention_sharded(query, key, value, *, mesh=None, strategy: str = "auto",
                       segment_ids=None, scale: float | None = None, local_window_size=None,
                       layout: str = "contiguous", inputs_in_layout: bool = False,
                       block_q: int | None = None, block_kv: int | None = None, precision=None,
-                      hop_kernel: str | HopKernel = "auto"):
+                      hop_kernel: str | HopKernel = "auto", causal_routing: bool = False):
   """Sequence-parallel attention on global ``[B, L, N, H]`` arrays, by any strategy.
 
   Args:
@@ -76,6 +76,8 @@ def attention_sharded(query, key, value, *, mesh=None, strategy: str = "auto",
       (slow links, fast links) shards it over both outer-major, laid out as
       one ring of their product's size (``inputs_in_layout=True`` means
       :func:`ring_jax.to_layout` with that ``ring_size``).
+    causal_routing: the ring's (``"ring"`` and ``"hybrid"``; see
+      :func:`ring_jax.ring_attention`); the other strategies move no K/V around a ring.
     Everything else: as in :func:`ring_jax.ring_attention_sharded`. Layouts
     balance causal work across the sequence devices for ring and all_gather;
     for the hybrid they apply to the ring axis (``inputs_in_layout=True``

@@ -18,7 +18,8 @@ class AttentionOptions:
 
   The fields are the public keywords of :func:`ring_jax.ring_attention` (see
   its docstring); the public entry points build one from their keywords and
-  pass it on. ``return_lse`` and ``overlap_dkv`` are the ring's only.
+  pass it on. ``return_lse``, ``overlap_dkv`` and ``causal_routing`` are the ring's only
+  (the hybrid's ring takes them too).
   """
   is_causal: bool = False
   scale: float | None = None
@@ -30,6 +31,7 @@ class AttentionOptions:
   hop_kernel: str | HopKernel = "auto"
   return_lse: bool = False
   overlap_dkv: bool = False
+  causal_routing: bool = False
 
   @classmethod
   def from_keywords(cls, keywords: dict) -> "AttentionOptions":
@@ -52,7 +54,7 @@ class AttentionOptions:
                 local_window_size=self.local_window_size, layout=self.layout,
                 block_q=self.block_q, block_kv=self.block_kv, precision=self.precision,
                 hop_kernel=self.hop_kernel, return_lse=self.return_lse,
-                overlap_dkv=self.overlap_dkv)
+                overlap_dkv=self.overlap_dkv, causal_routing=self.causal_routing)
 
   def hop_spec(self, head_dim: int, local_len: int, block_length: int) -> HopSpec:
     """The hop kernel's static spec; default blocks divide the layout's chunk of

@@ -1,0 +1,156 @@
+"""Causal routing (ring_jax.scheduling.routes): K/V parts travel only to the devices that see them.
+
+Exactness against the float64 oracle (forward and every gradient) over the layouts, masks,
+packed documents, GQA and ring sizes 2-8 (odd ones on sub-meshes of the 8 fake devices), and
+the bytes of every collective-permute the compiled programs execute (loop trips included).
+"""
+
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import ring_jax
+from attn_utils import assert_close, grads, make_mesh, packed_segments, qkv
+from ring_jax import scheduling
+
+
+def test_routes_move_what_the_causal_mask_uses():
+  """Contiguous: shard j stops at device n-1 (half the transfers) and its dK/dV goes home from
+  there; zigzag: early chunks forward around the ring, late chunks backward only j hops
+  (0.75x, one chunk per link direction per hop); striped: every device sees every shard."""
+  n = 8
+  con = scheduling.routes("contiguous", n, 16, True)
+  (stream,) = con.streams
+  assert [len(p) for p in stream.arrive] == [0, 7, 6, 5, 4, 3, 2, 1]
+  assert stream.home[1:] == tuple(((n - 1, n - 1 - h),) for h in range(1, n))
+  assert con.kv_fraction() == 0.5 and con.max_chunks_per_link() == 1.0
+  zig = scheduling.routes("zigzag", n, 16, True)
+  early, late = zig.streams
+  assert (early.step, late.step) == (1, -1)
+  assert [len(p) for p in early.arrive] == [0] + [n] * (n - 1)
+  assert [len(p) for p in late.arrive] == [0, 7, 6, 5, 4, 3, 2, 1]
+  assert all(dst == src - 1 for pairs in late.arrive for src, dst in pairs)
+  assert zig.kv_fraction() == 0.75 and zig.max_chunks_per_link() == 0.5
+  assert not scheduling.routes("striped", n, 16, True).routed
+  assert not scheduling.routes("contiguous", n, 16, False).routed
+  with pytest.raises(TypeError, match="causal_routing"):
+    scheduling.check_routing(None)
+
+
+def test_routed_zigzag_schedule_keeps_the_work_and_shows_its_balance():
+  """The routed zigzag schedule computes every device's causal pairs once, as the full
+  rotation does; per hop the busiest device does up to 1.5x a balanced hop (docs/performance.md)."""
+  full = ring_jax.schedule("zigzag", 8, 16, 4, 4, True, causal_routing=False)
+  routed = ring_jax.schedule("zigzag", 8, 16, 4, 4, True, causal_routing=True)
+  assert full.routes is None and routed.routes is not None
+  np.testing.assert_array_equal(routed.work_per_device(), full.work_per_device())
+  assert routed.num_pairs[:, 1:].max() == 12 and full.num_pairs[:, 1:].max() == 8
+  assert (routed.critical_path(), full.critical_path()) == (78, 66)
+
+
+def _float64_oracle(q, k, v, cot, **kw):
+  with jax.enable_x64(True):
+    q, k, v, cot = (jnp.asarray(np.asarray(x), jnp.float64) for x in (q, k, v, cot))
+    ref = functools.partial(ring_jax.reference_attention, **kw)
+    return ref(q, k, v), grads(ref, q, k, v, cot)
+
+
+CASES = [  # (layout, ring size, causal, window, packed segments, GQA, overlap_dkv)
+    ("contiguous", 8, True, None, True, True, False),
+    ("contiguous", 5, True, 9, False, True, True),
+    ("contiguous", 4, False, (7, 5), True, False, False),  # window-pruned hops -1..1
+    ("zigzag", 2, True, None, False, True, False),
+    ("zigzag", 3, True, 13, True, True, True),
+    ("zigzag", 6, True, None, True, False, False),
+]
+
+
+@pytest.mark.parametrize("layout,n,causal,window,packed,gqa,overlap", CASES)
+def test_routed_ring_matches_the_float64_oracle(layout, n, causal, window, packed, gqa, overlap):
+  mesh = make_mesh((n,), ("sequence",))
+  length = 8 * n
+  q, k, v = qkv(n, 2, length, 4, 2 if gqa else 4, 8)
+  seg = packed_segments(2, length, seed=n, pad_rows=(1,)) if packed else None
+  kw = dict(is_causal=causal, local_window_size=window, segment_ids=seg)
+  fn = functools.partial(ring_jax.ring_attention_sharded, mesh=mesh, layout=layout,
+                         batch_axis=None, block_q=2, block_kv=2, overlap_dkv=overlap,
+                         causal_routing=True, **kw)
+  cot = jax.random.normal(jax.random.key(n), q.shape, jnp.float32)
+  want_out, want_grads = _float64_oracle(q, k, v, cot, **kw)
+
+  def out_and_grads(q, k, v):  # one program: compiling dominates these tiny shapes
+    out, vjp = jax.vjp(fn, q, k, v)
+    return out, vjp(cot)
+
+  out, got = jax.jit(out_and_grads)(q, k, v)
+  assert_close(out, want_out, what="out")
+  for name, g, w in zip("qkv", got, want_grads):
+    assert_close(g, w, what=f"d{name}")
+
+
+def _permute_bytes(hlo: str, scope: str = ""):
+  """Bytes (summed over devices) of every collective-permute a compiled program executes, as
+  a list (one entry per execution): operand bytes x source-target pairs, loop bodies
+  counted ``known_trip_count`` times; only those whose op name holds ``scope``."""
+  comps, name = {}, None
+  for line in hlo.splitlines():
+    head = re.match(r"(?:ENTRY )?%(\S+) .*\{$", line)
+    if head:
+      name = head.group(1)
+      comps[name] = []
+      if line.startswith("ENTRY"):
+        entry = name
+    elif name is not None:
+      comps[name].append(line)
+  sizes = {"f32": 4, "s32": 4, "bf16": 2, "f16": 2, "pred": 1, "f64": 8}
+
+  def run(comp, times):
+    out = []
+    for line in comps[comp]:
+      cp = re.search(r"= (\w+)\[([\d,]*)\]\S* collective-permute\(.*source_target_pairs=\{(.*?)\}\}",
+                     line)
+      if cp and scope in line:
+        dtype, dims, pairs = cp.groups()
+        elems = int(np.prod([int(d) for d in dims.split(",") if d]))
+        out += [elems * sizes[dtype] * pairs.count("{")] * times
+      loop = re.search(r"while\(.*body=%([\w.\-]+).*\"known_trip_count\":\{\"n\":\"(\d+)\"", line)
+      if loop:
+        out += run(loop.group(1), times * int(loop.group(2)))
+      elif "collective-permute" not in line:
+        for callee in re.findall(r"(?:to_apply|calls|body)=%([\w.\-]+)", line):
+          if callee in comps:
+            out += run(callee, times)
+    return out
+
+  return run(entry, 1)
+
+
+@pytest.mark.parametrize("layout,limit", [("contiguous", 0.55), ("zigzag", 0.80)])
+def test_routed_rings_move_fewer_bytes_in_the_compiled_program(layout, limit):
+  """Ring of 8: the collective-permute bytes of the causal (routed) ring over those of the
+  non-causal (full rotation) ring, forward and forward+backward, from the compiled HLO."""
+  n = 8
+  mesh = make_mesh((n,), ("sequence",))
+  q, k, v = qkv(0, 1, 16 * n, 4, 2, 8)
+  spec = P(None, "sequence", None, None)
+  moved = {}
+  for causal in (True, False):
+    fn = jax.shard_map(functools.partial(
+        ring_jax.ring_attention, axis_name="sequence", is_causal=causal, layout=layout,
+        block_q=4, block_kv=4, causal_routing=causal),
+        mesh=mesh, in_specs=(spec,) * 3, out_specs=spec)
+    fwd_bwd = jax.grad(lambda q, k, v: fn(q, k, v).sum(), argnums=(0, 1, 2))
+    hlo = jax.jit(fwd_bwd).lower(q, k, v).compile().as_text()
+    # The forward's transfers are the ones named ring_fwd (the program holds both passes).
+    moved[causal, "fwd"] = _permute_bytes(hlo, "/ring_fwd/")
+    moved[causal, "fwd+bwd"] = _permute_bytes(hlo)
+  for what in ("fwd", "fwd+bwd"):
+    routed, full = moved[True, what], moved[False, what]
+    assert full and sum(routed) <= limit * sum(full), (what, sum(routed) / sum(full))
+    if layout == "zigzag":  # one chunk per transfer: half a full transfer
+      assert max(routed) <= 0.55 * max(full), what
