@@ -46,6 +46,7 @@ import jax
 import jax.numpy as jnp
 
 from ring_jax import layouts
+from ring_jax import scheduling
 from ring_jax import validation
 from ring_jax.hop import (HopGrads, HopMasks, HopResiduals, _varying_axes, empty_result,
                           lse_for_backward, merge, varying_like)
@@ -73,7 +74,7 @@ def two_level_ring_attention(query, key, value, *, axis_name, is_causal: bool = 
                              local_window_size=None, layout: str = "contiguous",
                              block_q: int | None = None, block_kv: int | None = None,
                              precision=None, hop_kernel="auto", return_lse: bool = False,
-                             overlap_dkv: bool = False):
+                             overlap_dkv: bool = False, causal_routing: bool = False):
   """Exact attention over a sequence sharded over two mesh axes ``(outer, inner)``.
 
   Call inside ``jax.shard_map`` on the local shards of a sequence split over
@@ -84,8 +85,14 @@ def two_level_ring_attention(query, key, value, *, axis_name, is_causal: bool = 
   ring ahead of their use (module docstring). Every other argument and the
   result as in :func:`ring_jax.ring_attention`; with the same inputs the two
   compute the same attention (``ring_attention(axis_name=(outer, inner))`` is
-  the flat ring over both axes).
+  the flat ring over both axes). ``causal_routing=True`` is refused: both
+  levels rotate every shard the whole way (the flat ring's routing does not
+  apply to the two rings yet).
   """
+  if scheduling.check_routing(causal_routing):
+    raise NotImplementedError(
+        "causal_routing=True is not implemented for the two-level ring (seq_axis=(outer, "
+        "inner)); pass causal_routing=False, or a single sequence axis for the routed ring.")
   outer, inner = split_axes(axis_name)
   n_o = validation.axis_size(outer, "two_level_ring_attention")
   n_i = validation.axis_size(inner, "two_level_ring_attention")

@@ -63,6 +63,9 @@ def test_errors():
   with pytest.raises(ValueError, match="zigzag"):  # the layout spans the ring of 8
     ring_jax.attention_sharded(q[:, :8], k[:, :8], v[:, :8], mesh=mesh, strategy="ring",
                                seq_axis=AXES, layout="zigzag")
+  with pytest.raises(NotImplementedError, match="causal_routing=True is not implemented"):
+    ring_jax.attention_sharded(q, k, v, mesh=mesh, strategy="ring", seq_axis=AXES,
+                               is_causal=True, causal_routing=True)
 
 
 def test_bytes_over_each_axis_from_hlo():
