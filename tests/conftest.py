@@ -1,4 +1,5 @@
-"""Test setup: 8 fake CPU devices, compiled without LLVM's optimisation passes.
+"""Test setup: 8 fake CPU devices, compiled without LLVM's optimisation passes, and one
+JAX persistent compilation cache per test run.
 
 Must run before JAX initialises a backend, hence the environment variables set
 at import time of the conftest (before anything imports jax).
@@ -12,11 +13,23 @@ own ``--xla_backend_optimization_level`` to test optimised code. The ``train.py`
 subprocesses some tests start compile as users get it (their environment drops
 ``XLA_FLAGS``).
 
-JAX's persistent compilation cache is deliberately not used: with jax 0.10.2
-on CPU, the train step of ``train.py`` loaded from it computed different
-values and then aborted (found while trying it for CI time).
+Many of those subprocesses compile the same programs (the tiny train step of
+``tests/train_procs.py``, generate's decode step), as do the two pytest-xdist
+workers, so the run shares JAX's persistent compilation cache: a fresh directory
+per run, made by the process pytest starts and inherited through the environment
+by the workers and every subprocess, removed when the run ends (set
+``JAX_COMPILATION_CACHE_DIR`` to keep one yourself). A fresh directory per run
+means no entry outlives the code, flags or jax that made it. Runs of several
+``jax.distributed`` processes stay out of it (``train_procs.env``): JAX's cache
+key does not tell a 2-process program on 2x4 devices from a 1-process one on 8
+(same HLO, same device ids). (A cache shared by everything, tried before, once made a
+``train.py`` run on jax 0.10.2 load a train step that computed different losses and
+aborted; tests/test_multiprocess.py mixes 1- and 2-process runs of one config.)
 """
+import atexit
 import os
+import shutil
+import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 flags = os.environ.get("XLA_FLAGS", "")
@@ -25,3 +38,43 @@ if "xla_force_host_platform_device_count" not in flags:
 if "xla_backend_optimization_level" not in flags:
   flags += " --xla_backend_optimization_level=0"
 os.environ["XLA_FLAGS"] = flags.strip()
+
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:  # the first process of the run: make it
+  _cache_dir = tempfile.mkdtemp(prefix="ring_jax_tests_jax_cache_")
+  os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache_dir
+  atexit.register(shutil.rmtree, _cache_dir, ignore_errors=True)
+# Every program, however small or fast to compile (the defaults keep only those >= 1 s).
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
+
+
+# CPU seconds of the slowest files (pytest -n 0, jax 0.10, this cache; tests/ files not
+# named here take under ~30 s). Only their order depends on it, not what runs.
+SLOW_FILES = {
+    "test_multiprocess.py": 230, "test_docs.py": 125, "test_train.py": 120,
+    "test_export_hf.py": 100, "test_generate.py": 100, "test_reliability.py": 90,
+    "test_pipeline.py": 60, "test_fit.py": 60, "test_convert_hf.py": 50,
+    "test_notebook.py": 50, "test_benchmarks.py": 50, "test_stages.py": 40,
+    "test_checkpoint.py": 40,
+}
+
+
+def pytest_collection_modifyitems(items):
+  """Orders whole files (a module's fixtures stay set up once) for pytest-xdist's
+  ``--dist worksteal`` with 2 workers: worker 0 starts with the first half of the list,
+  worker 1 with the second, and an idle worker steals the end of the other's queue. So
+  the slow files, split between the halves by time (longest first), start each half and
+  the quick files fill the ends: the run does not end waiting on one long test while the
+  other worker idles."""
+  by_file: dict[str, list] = {}
+  for item in items:
+    by_file.setdefault(item.path.name, []).append(item)
+  halves, seconds = ([], []), [0, 0]
+  for name in sorted((n for n in by_file if n in SLOW_FILES), key=SLOW_FILES.get,
+                     reverse=True):
+    i = seconds.index(min(seconds))
+    halves[i].extend(by_file[name])
+    seconds[i] += SLOW_FILES[name]
+  quick = [item for name, group in by_file.items() if name not in SLOW_FILES for item in group]
+  fill = max(0, len(items) // 2 - len(halves[0]))
+  items[:] = halves[0] + quick[:fill] + halves[1] + quick[fill:]
