@@ -27,6 +27,7 @@ key does not tell a 2-process program on 2x4 devices from a 1-process one on 8
 aborted; tests/test_multiprocess.py mixes 1- and 2-process runs of one config.)
 """
 import atexit
+import importlib.util
 import os
 import shutil
 import tempfile
@@ -46,6 +47,11 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:  # the first process of the ru
 # Every program, however small or fast to compile (the defaults keep only those >= 1 s).
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
+# A size bound (far above a run's few MiB) turns on JAX's file lock around each read and
+# write, so a process never reads an entry another is still writing; it needs filelock
+# (here through huggingface_hub), without which reads and writes go unlocked.
+if importlib.util.find_spec("filelock") is not None:
+  os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(8 * 2**30))
 
 
 # CPU seconds of the slowest files (pytest -n 0, jax 0.10, this cache; tests/ files not
