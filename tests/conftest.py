@@ -56,7 +56,8 @@ if importlib.util.find_spec("filelock") is not None:
 
 # About how many CPU seconds the slowest files take (user+sys of `pytest -n 0 FILE` on 2
 # shared cores, jax 0.10; those of test_convert_hf, test_notebook and test_benchmarks are
-# guesses); the files not named here take under ~30 s. Only the order of the tests depends on these figures, not which tests run.
+# guesses); the files not named here take under ~30 s. Only the order of the tests
+# depends on these figures, not which tests run.
 SLOW_FILES = {
     "test_pipeline.py": 270, "test_multiprocess.py": 240, "test_train.py": 230,
     "test_fit.py": 175, "test_reliability.py": 130, "test_export_hf.py": 115,
