@@ -21,6 +21,7 @@ every accelerator image, uses it.
 from __future__ import annotations
 
 import collections
+import contextlib
 import glob
 import math
 import os
@@ -193,14 +194,32 @@ _ITEM_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "f32"
                "u32": 4, "f64": 8, "s64": 8, "u64": 8}
 
 
+@contextlib.contextmanager
+def _without_persistent_cache():
+  """JAX's persistent compilation cache off (then back as it was): an executable loaded
+  from it (the dump options are not part of its key) ran no XLA passes and dumps
+  nothing. ``reset_cache`` makes JAX re-read the setting, which it reads once."""
+  from jax.experimental.compilation_cache import compilation_cache
+
+  enabled = jax.config.jax_enable_compilation_cache
+  jax.config.update("jax_enable_compilation_cache", False)
+  compilation_cache.reset_cache()
+  try:
+    yield
+  finally:
+    jax.config.update("jax_enable_compilation_cache", enabled)
+    compilation_cache.reset_cache()
+
+
 def compile_partitioned(lowered):
   """``(compiled, hlo)``: ``lowered.compile()`` and the HLO text the SPMD partitioner
-  produced for it (dumped during that one compile), the program :func:`count_collectives`
-  reads."""
+  produced for it (dumped during that one compile, which bypasses JAX's persistent
+  compilation cache), the program :func:`count_collectives` reads."""
   directory = tempfile.mkdtemp(prefix="fit_hlo_")
   try:
-    compiled = lowered.compile(compiler_options={
-        "xla_dump_to": directory, "xla_dump_hlo_pass_re": "spmd-partitioning"})
+    with _without_persistent_cache():
+      compiled = lowered.compile(compiler_options={
+          "xla_dump_to": directory, "xla_dump_hlo_pass_re": "spmd-partitioning"})
     found = sorted(glob.glob(os.path.join(directory, "*after_spmd-partitioning*.txt")))
     if not found:
       raise RuntimeError(f"XLA wrote no partitioned HLO into {directory}")

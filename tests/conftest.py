@@ -1,4 +1,5 @@
-"""Test setup: 8 fake CPU devices, compiled without LLVM's optimisation passes.
+"""Test setup: 8 fake CPU devices, compiled without LLVM's optimisation passes, and one
+JAX persistent compilation cache per test run.
 
 Must run before JAX initialises a backend, hence the environment variables set
 at import time of the conftest (before anything imports jax).
@@ -12,11 +13,24 @@ own ``--xla_backend_optimization_level`` to test optimised code. The ``train.py`
 subprocesses some tests start compile as users get it (their environment drops
 ``XLA_FLAGS``).
 
-JAX's persistent compilation cache is deliberately not used: with jax 0.10.2
-on CPU, the train step of ``train.py`` loaded from it computed different
-values and then aborted (found while trying it for CI time).
+Many of those subprocesses compile the same programs (the tiny train step of
+``tests/train_procs.py``, generate's decode step), as do the two pytest-xdist
+workers, so the run shares JAX's persistent compilation cache: a fresh directory
+per run, made by the process pytest starts and inherited through the environment
+by the workers and every subprocess, removed when the run ends (set
+``JAX_COMPILATION_CACHE_DIR`` to keep one yourself). A fresh directory per run
+means no entry outlives the code, flags or jax that made it. Runs of several
+``jax.distributed`` processes stay out of it (``train_procs.env``): JAX's cache
+key does not tell a 2-process program on 2x4 devices from a 1-process one on 8
+(same HLO, same device ids). (A cache shared by everything, tried before, once made a
+``train.py`` run on jax 0.10.2 load a train step that computed different losses and
+aborted; tests/test_multiprocess.py mixes 1- and 2-process runs of one config.)
 """
+import atexit
+import importlib.util
 import os
+import shutil
+import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 flags = os.environ.get("XLA_FLAGS", "")
@@ -25,3 +39,50 @@ if "xla_force_host_platform_device_count" not in flags:
 if "xla_backend_optimization_level" not in flags:
   flags += " --xla_backend_optimization_level=0"
 os.environ["XLA_FLAGS"] = flags.strip()
+
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:  # the first process of the run: make it
+  _cache_dir = tempfile.mkdtemp(prefix="ring_jax_tests_jax_cache_")
+  os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache_dir
+  atexit.register(shutil.rmtree, _cache_dir, ignore_errors=True)
+# Every program, however small or fast to compile (the defaults keep only those >= 1 s).
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
+# A size bound (far above a run's few MiB) turns on JAX's file lock around each read and
+# write, so a process never reads an entry another is still writing; it needs filelock
+# (here through huggingface_hub), without which reads and writes go unlocked.
+if importlib.util.find_spec("filelock") is not None:
+  os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(8 * 2**30))
+
+
+# About how many CPU seconds the slowest files take (user+sys of `pytest -n 0 FILE` on 2
+# shared cores, jax 0.10; those of test_convert_hf, test_notebook and test_benchmarks are
+# guesses); the files not named here take under ~30 s. Only the order of the tests
+# depends on these figures, not which tests run.
+SLOW_FILES = {
+    "test_pipeline.py": 270, "test_multiprocess.py": 240, "test_train.py": 230,
+    "test_fit.py": 175, "test_reliability.py": 130, "test_export_hf.py": 115,
+    "test_docs.py": 115, "test_generate.py": 110, "test_convert_hf.py": 50,
+    "test_notebook.py": 50, "test_benchmarks.py": 50, "test_stages.py": 40,
+    "test_checkpoint.py": 20,
+}
+
+
+def pytest_collection_modifyitems(items):
+  """Orders whole files (a module's fixtures stay set up once) for pytest-xdist's
+  ``--dist worksteal`` with 2 workers: worker 0 starts with the first half of the list,
+  worker 1 with the second, and an idle worker steals the end of the other's queue. So
+  the slow files, split between the halves by time (longest first), start each half and
+  the quick files fill the ends: the run does not end waiting on one long test while the
+  other worker idles."""
+  by_file: dict[str, list] = {}
+  for item in items:
+    by_file.setdefault(item.path.name, []).append(item)
+  halves, seconds = ([], []), [0, 0]
+  for name in sorted((n for n in by_file if n in SLOW_FILES), key=SLOW_FILES.get,
+                     reverse=True):
+    i = seconds.index(min(seconds))
+    halves[i].extend(by_file[name])
+    seconds[i] += SLOW_FILES[name]
+  quick = [item for name, group in by_file.items() if name not in SLOW_FILES for item in group]
+  fill = max(0, len(items) // 2 - len(halves[0]))
+  items[:] = halves[0] + quick[:fill] + halves[1] + quick[fill:]
