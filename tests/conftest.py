@@ -1,5 +1,4 @@
-"""Test setup: 8 fake CPU devices, compiled without LLVM's optimisation passes, and one
-JAX persistent compilation cache per test run.
+"""Test setup: 8 fake CPU devices, compiled without LLVM's optimisation passes.
 
 Must run before JAX initialises a backend, hence the environment variables set
 at import time of the conftest (before anything imports jax).
@@ -13,24 +12,11 @@ own ``--xla_backend_optimization_level`` to test optimised code. The ``train.py`
 subprocesses some tests start compile as users get it (their environment drops
 ``XLA_FLAGS``).
 
-Many of those subprocesses compile the same programs (the tiny train step of
-``tests/train_procs.py``, generate's decode step), as do the two pytest-xdist
-workers, so the run shares JAX's persistent compilation cache: a fresh directory
-per run, made by the process pytest starts and inherited through the environment
-by the workers and every subprocess, removed when the run ends (set
-``JAX_COMPILATION_CACHE_DIR`` to keep one yourself). A fresh directory per run
-means no entry outlives the code, flags or jax that made it. Runs of several
-``jax.distributed`` processes stay out of it (``train_procs.env``): JAX's cache
-key does not tell a 2-process program on 2x4 devices from a 1-process one on 8
-(same HLO, same device ids). (A cache shared by everything, tried before, once made a
-``train.py`` run on jax 0.10.2 load a train step that computed different losses and
-aborted; tests/test_multiprocess.py mixes 1- and 2-process runs of one config.)
+JAX's persistent compilation cache is deliberately not used: with jax 0.10.2
+on CPU, the train step of ``train.py`` loaded from it computed different
+values and then aborted (found while trying it for CI time).
 """
-import atexit
-import importlib.util
 import os
-import shutil
-import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 flags = os.environ.get("XLA_FLAGS", "")
@@ -39,19 +25,6 @@ if "xla_force_host_platform_device_count" not in flags:
 if "xla_backend_optimization_level" not in flags:
   flags += " --xla_backend_optimization_level=0"
 os.environ["XLA_FLAGS"] = flags.strip()
-
-if "JAX_COMPILATION_CACHE_DIR" not in os.environ:  # the first process of the run: make it
-  _cache_dir = tempfile.mkdtemp(prefix="ring_jax_tests_jax_cache_")
-  os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache_dir
-  atexit.register(shutil.rmtree, _cache_dir, ignore_errors=True)
-# Every program, however small or fast to compile (the defaults keep only those >= 1 s).
-os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
-os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
-# A size bound (far above a run's few MiB) turns on JAX's file lock around each read and
-# write, so a process never reads an entry another is still writing; it needs filelock
-# (here through huggingface_hub), without which reads and writes go unlocked.
-if importlib.util.find_spec("filelock") is not None:
-  os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(8 * 2**30))
 
 
 # About how many CPU seconds the slowest files take (user+sys of `pytest -n 0 FILE` on 2

@@ -23,12 +23,8 @@ TINY_FLAGS = (
 
 
 def env(**extra: str) -> dict[str, str]:
-  """The test environment minus XLA_FLAGS (train.py sizes its own CPU devices), and minus
-  the run's compilation cache for a process of a multi-process run (``JAX_NUM_PROCESSES``
-  in ``extra``): its programs have the cache keys of 1-process ones (tests/conftest.py)."""
-  drop = {"XLA_FLAGS"} | ({"JAX_COMPILATION_CACHE_DIR"} if "JAX_NUM_PROCESSES" in extra
-                          else set())
-  out = {k: v for k, v in os.environ.items() if k not in drop}
+  """The test environment minus XLA_FLAGS (train.py sizes its own CPU devices)."""
+  out = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
   out.update(JAX_PLATFORMS="cpu", PYTHONPATH=ROOT, **extra)
   return out
 
