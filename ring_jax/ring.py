@@ -21,7 +21,8 @@ With ``causal_routing=True`` (:func:`_forward_routed`, :func:`_backward_routed`)
 each part of a shard travels only to the devices that can see it, along the
 routes of :func:`ring_jax.scheduling.routes` (zigzag: early chunks forward,
 late chunks backward), and each dK/dV accumulator goes home from the last
-device that uses it; the hops are unrolled, each with its own transfers.
+device that uses it; each hop's own transfers are picked in the hop loop by a
+``lax.switch`` (:func:`_hop_send`).
 """
 
 from __future__ import annotations
@@ -134,9 +135,9 @@ def ring_attention(query, key, value, *, axis_name, is_causal: bool = False, seg
       backward, 0.75x the bytes under a causal mask and one chunk per link
       direction per hop, at the price of a per-hop imbalance of the causal
       work; striped: nothing to drop (every device sees every shard). Exact
-      in every case. Off by default: routed rings unroll their hops, which on
-      XLA:CPU cost about twice the temporary memory and ~2.5x the compile
-      time (:func:`ring_jax.scheduling.check_routing`, docs/performance.md).
+      in every case. Off by default (:func:`ring_jax.scheduling.check_routing`,
+      docs/performance.md): zigzag's per-hop imbalance, and wall time not yet
+      measured against the full rotation.
 
   Returns:
     local ``[B, T, N, H]`` in ``query.dtype``, equal to dense attention over
@@ -255,17 +256,23 @@ def _send(pairs, axis_name, *xs, reverse: bool = False):
   return tuple(None if x is None else jax.lax.ppermute(x, axis_name, perm) for x in xs)
 
 
-def _after(held, result):
-  """``held`` (the parts that arrived for the next hop), made to depend on ``result`` (this
-  hop's output), so that the transfer for the hop after next starts once this hop is
-  computed, as in a loop. Unrolled, XLA:CPU otherwise issued every transfer up front and held
-  every hop's K/V at once (an optimization_barrier did not stop it): forward temp 9.0 instead
-  of 4.0 MiB per device, ring of 8, 512 tokens each. Adds an exact zero (the dependency XLA
-  cannot drop: it does not fold ``x * 0`` in floating point)."""
-  zero = jnp.isnan(result.reshape(-1)[0]).astype(jnp.float32) * 0.0
-  return [tuple(None if x is None else
-                (x + zero.astype(x.dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x)
-                for x in part) for part in held]
+def _hop_send(i, rows, span, axis_name, parts, reverse: bool = False):
+  """``parts`` (per stream, a tuple of arrays) sent over ``rows[i][stream]``'s pairs.
+
+  ``i`` a Python int: static :func:`_send` s. ``i`` traced (a loop over the hops ``span =
+  (lo, hi)``): a ``lax.switch`` on ``i - lo`` with one branch per hop ``lo..hi-1``, each its
+  hop's static ppermutes, so only that hop's pairs move. The loop keeps one hop's parts in
+  flight, as the full rotation's loop does; with the hops unrolled XLA:CPU issued every
+  transfer up front (causal fwd+bwd temp per device, ring of 8, 512 tokens, 4 heads of 64,
+  f32: contiguous 16.0, zigzag 13.5 MiB unrolled; 11.1 in the loop; full rotation 10.1)."""
+  def branch(row):
+    return lambda parts: [_send(p, axis_name, *x, reverse=reverse) for p, x in zip(row, parts)]
+  if isinstance(i, int):
+    return branch(rows[i])(parts)
+  lo, hi = span
+  if hi - lo == 1:
+    return branch(rows[lo])(parts)
+  return jax.lax.switch(i - lo, [branch(rows[h]) for h in range(lo, hi)], parts)
 
 
 def _parts(routes: scheduling.Routes, *xs):
@@ -295,15 +302,10 @@ def _routed_masks(cfg: _RingConfig, device, hop, q_pos, seg, kv_seg, v_finite=No
   return HopMasks.build(cfg.spec, q_pos, kv_pos, seg, kv_seg, v_finite=finite)
 
 
-def _hop_name(i: int, count: int, peel_first: bool) -> str:
-  if i == count - 1:
-    return "last_hop"
-  return "hop_0" if peel_first and i == 0 else "hop"
-
-
 def _forward_routed(cfg: _RingConfig, q, k, v, seg):
-  """:func:`_forward` on the routes of :func:`ring_jax.scheduling.routes`, hops unrolled
-  (each hop has its own transfers: :attr:`ring_jax.scheduling.Stream.arrive`)."""
+  """:func:`_forward` on the routes of :func:`ring_jax.scheduling.routes`: the hops in one
+  ``fori_loop`` (the last peeled), each hop's own transfers
+  (:attr:`ring_jax.scheduling.Stream.arrive`) picked by :func:`_hop_send`."""
   routes = cfg.routes
   first, last = cfg.hops
   hops = list(range(first, last + 1))
@@ -319,17 +321,24 @@ def _forward_routed(cfg: _RingConfig, q, k, v, seg):
   if first != 0:
     with jax.named_scope("send_kv"):
       held = [_send(s.arrive[0], cfg.axis_name, *p) for s, p in zip(routes.streams, held)]
-  for i, h in enumerate(hops):
-    nxt = held
-    if i + 1 < len(hops):
-      with jax.named_scope("send_kv"):
-        nxt = [_send(s.arrive[i + 1], cfg.axis_name, *p) for s, p in zip(routes.streams, held)]
+  def compute(i, held, acc, name):
     kh, vh, segh = (_joined(x) for x in zip(*held))
-    with jax.named_scope(_hop_name(i, len(hops), False)):
-      masks = _routed_masks(cfg, device, h, q_pos, seg, segh, v_finite)
-      acc = merge(*acc, *cfg.kernel.forward(q, kh, vh, masks, cfg.spec))
-    held = _after(nxt, acc[1])
-  out, lse = acc
+    with jax.named_scope(name):
+      masks = _routed_masks(cfg, device, first + i, q_pos, seg, segh, v_finite)
+      return merge(*acc, *cfg.kernel.forward(q, kh, vh, masks, cfg.spec))
+
+  # rows[i]: per stream, the pairs that deliver hop i + 1's parts
+  rows = [[s.arrive[i + 1] for s in routes.streams] for i in range(len(hops) - 1)]
+
+  def body(i, state):  # hop i; sends the parts of hop i + 1
+    held, acc = state
+    with jax.named_scope("send_kv"):
+      nxt = _hop_send(i, rows, (0, len(hops) - 1), cfg.axis_name, held)
+    return nxt, compute(i, held, acc, "hop")
+
+  if len(hops) > 1:
+    held, acc = jax.lax.fori_loop(0, len(hops) - 1, body, (held, acc))
+  out, lse = compute(len(hops) - 1, held, acc, "last_hop")
   return out.astype(q.dtype), lse
 
 
@@ -346,29 +355,39 @@ def _backward_routed(cfg: _RingConfig, q, k, v, seg, res):
   def zeros(x):
     return varying_like(jnp.zeros(x.shape, jnp.float32), q, k, v)
 
-  # The backward lists its pairs in reverse order: unrolled, its K/V transfers would otherwise
-  # equal the forward's, and XLA merged them and kept every hop's K/V alive from the forward
-  # to the backward (fwd+bwd temp 12.1 instead of 5.0 MiB per device, ring of 8, 512 tokens).
-  send = functools.partial(_send, reverse=True)
+  # The backward lists its pairs in reverse order: when the hops were unrolled its K/V
+  # transfers equalled the forward's, and XLA merged them and kept every hop's K/V alive from
+  # the forward to the backward (fwd+bwd temp 12.1 instead of 5.0 MiB per device, ring of 8).
   held = _parts(routes, k, v, seg)
   if first != 0:
     with jax.named_scope("send_kv"):
-      held = [send(s.arrive[0], axis, *p) for s, p in zip(routes.streams, held)]
+      held = [_send(s.arrive[0], axis, *p, reverse=True) for s, p in zip(routes.streams, held)]
   acc = [(zeros(p[0]), zeros(p[1])) for p in held]
   home = [(zeros(p[0]), zeros(p[1])) for p in held]
   dq = zeros(q)
-  for i, h in enumerate(hops):
+  count = len(hops)
+  span = (1, count - 1)  # the hops the loop runs (0 and the last are peeled)
+  arrive_next = [[s.arrive[i + 1] if i + 1 < count else () for s in routes.streams]
+                 for i in range(count)]
+  arrive_now = [[s.arrive[i] for s in routes.streams] for i in range(count)]
+  go_home = [[s.home[i] for s in routes.streams] for i in range(count)]
+  # kept_home[j][i, d]: device d's own part of stream j has its last use on itself at hop i
+  kept_home = [np.array([np.isin(np.arange(cfg.ring_size), d) for d in s.done_home])
+               for s in routes.streams]
+
+  def step(i, state, name):  # i: a Python int (peeled hops) or traced (the loop)
+    held, acc, home, dq = state
     nxt = held
-    if i + 1 < len(hops):
+    if not (isinstance(i, int) and i + 1 == count):
       with jax.named_scope("send_kv"):
-        nxt = [send(s.arrive[i + 1], axis, *p) for s, p in zip(routes.streams, held)]
-    if i > 0:  # the parts held now arrive with their own accumulators
+        nxt = _hop_send(i, arrive_next, span, axis, held, reverse=True)
+    if not (isinstance(i, int) and i == 0):  # the parts held now arrive with their accumulators
       with jax.named_scope("send_dkv"):
-        acc = [send(s.arrive[i], axis, *a) for s, a in zip(routes.streams, acc)]
+        acc = _hop_send(i, arrive_now, span, axis, acc, reverse=True)
     kh, vh, segh = (_joined(x) for x in zip(*held))
-    with jax.named_scope(_hop_name(i, len(hops), True)):
-      masks = _routed_masks(cfg, device, h, q_pos, seg, segh)
-      if cfg.overlap_dkv and i > 0:
+    with jax.named_scope(name):
+      masks = _routed_masks(cfg, device, first + i, q_pos, seg, segh)
+      if cfg.overlap_dkv and not (isinstance(i, int) and i == 0):
         g = cfg.kernel.backward(q, kh, vh, masks, cfg.spec, res, HopGrads(dq, zeros(kh), zeros(vh)))
         dq, dk, dv = g.dq, _joined([a[0] for a in acc]) + g.dk, _joined([a[1] for a in acc]) + g.dv
       else:
@@ -377,15 +396,22 @@ def _backward_routed(cfg: _RingConfig, q, k, v, seg, res):
                                                   _joined([a[1] for a in acc])))
     acc = _parts(routes, dk, dv)
     with jax.named_scope("dkv_home"):  # accumulators whose last use was this hop
+      sent = _hop_send(i, go_home, span, axis, acc, reverse=True)
+      new_home = []
       for j, s in enumerate(routes.streams):
-        got = send(s.home[i], axis, *acc[j]) if s.home[i] else None
-        if s.done_home[i]:
-          mine = jnp.asarray(np.isin(np.arange(cfg.ring_size), s.done_home[i]))[device]
-          kept = tuple(jnp.where(mine, a, 0.0) for a in acc[j])
-          got = kept if got is None else tuple(x + y for x, y in zip(got, kept))
-        if got is not None:
-          home[j] = tuple(x + y for x, y in zip(home[j], got))
-    held = _after(nxt, acc[0][0])
+        got = sent[j]
+        if any(s.done_home):
+          mine = jnp.asarray(kept_home[j])[i, device]
+          got = tuple(x + jnp.where(mine, a, 0.0) for x, a in zip(got, acc[j]))
+        new_home.append(tuple(x + y for x, y in zip(home[j], got)))
+    return nxt, acc, new_home, dq
+
+  state = step(0, (held, acc, home, dq), "hop_0" if count > 1 else "last_hop")
+  if count > 2:
+    state = jax.lax.fori_loop(1, count - 1, lambda i, st: step(i, st, "hop"), state)
+  if count > 1:
+    state = step(count - 1, state, "last_hop")
+  _, _, home, dq = state
   return dq, _joined([x[0] for x in home]), _joined([x[1] for x in home])
 
 

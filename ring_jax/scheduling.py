@@ -513,11 +513,11 @@ class Routes:
 def check_routing(causal_routing) -> bool:
   """``causal_routing`` as a bool (``TypeError`` for anything else).
 
-  Off by default: routed rings unroll their hops (each hop has its own transfers), and
-  unrolled, XLA:CPU kept more K/V buffers alive (fwd+bwd temp per device, ring of 8, 512
-  tokens, 4 heads of 64, float32: contiguous 10.8 vs 5.0 MiB, zigzag 8.5 vs 5.0 MiB) and
-  compiled ~2.5x longer; zigzag's two-way routing also changes the per-hop balance of the
-  causal work (docs/performance.md).
+  Off by default: zigzag's two-way routing changes the per-hop balance of the causal work
+  (critical path 1.18x at ring 8, docs/performance.md), and the routed ring's wall time has
+  not been measured against the full rotation yet. Temp memory is the full rotation's
+  forward and +10% fwd+bwd, compile time 1.05-1.2x (hops in one loop,
+  ``ring_jax.ring._hop_send``; docs/performance.md).
   """
   if not isinstance(causal_routing, (bool, np.bool_)):
     raise TypeError(f"causal_routing must be True or False, got {causal_routing!r}.")

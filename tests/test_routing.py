@@ -96,7 +96,12 @@ def test_routed_ring_matches_the_float64_oracle(layout, n, causal, window, packe
 def _permute_bytes(hlo: str, scope: str = ""):
   """Bytes (summed over devices) of every collective-permute a compiled program executes, as
   a list (one entry per execution): operand bytes x source-target pairs, loop bodies
-  counted ``known_trip_count`` times; only those whose op name holds ``scope``."""
+  counted ``known_trip_count`` times; only those whose op name holds ``scope``.
+
+  A routed ring's loop picks each hop's transfer with a ``lax.switch`` on the loop counter,
+  one branch per trip (ring_jax.ring._hop_send): a conditional with collective-permutes in
+  its branches must sit in a loop with as many trips as branches, and each branch is
+  counted once per execution of that loop (anything else fails here, not silently)."""
   comps, name = {}, None
   for line in hlo.splitlines():
     head = re.match(r"(?:ENTRY )?%(\S+) .*\{$", line)
@@ -109,7 +114,7 @@ def _permute_bytes(hlo: str, scope: str = ""):
       comps[name].append(line)
   sizes = {"f32": 4, "s32": 4, "bf16": 2, "f16": 2, "pred": 1, "f64": 8}
 
-  def run(comp, times):
+  def run(comp, times, trips=None):
     out = []
     for line in comps[comp]:
       cp = re.search(r"= (\w+)\[([\d,]*)\]\S* collective-permute\(.*source_target_pairs=\{(.*?)\}\}",
@@ -119,8 +124,15 @@ def _permute_bytes(hlo: str, scope: str = ""):
         elems = int(np.prod([int(d) for d in dims.split(",") if d]))
         out += [elems * sizes[dtype] * pairs.count("{")] * times
       loop = re.search(r"while\(.*body=%([\w.\-]+).*\"known_trip_count\":\{\"n\":\"(\d+)\"", line)
+      cond = re.search(r"conditional\(.*branch_computations=\{([^}]*)\}", line)
       if loop:
-        out += run(loop.group(1), times * int(loop.group(2)))
+        out += run(loop.group(1), times * int(loop.group(2)), int(loop.group(2)))
+      elif cond:
+        branches = re.findall(r"%([\w.\-]+)", cond.group(1))
+        per_branch = [run(b, 1) for b in branches]
+        if any(per_branch):
+          assert trips == len(branches), (comp, trips, len(branches))
+          out += [x * (times // trips) for b in per_branch for x in b]
       elif "collective-permute" not in line:
         for callee in re.findall(r"(?:to_apply|calls|body)=%([\w.\-]+)", line):
           if callee in comps:
