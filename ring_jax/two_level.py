@@ -48,9 +48,9 @@ import jax.numpy as jnp
 from ring_jax import layouts
 from ring_jax import scheduling
 from ring_jax import validation
-from ring_jax.hop import (HopGrads, HopMasks, HopResiduals, _varying_axes, empty_result,
+from ring_jax.hop import (HopGrads, HopMasks, HopResiduals, empty_result,
                           lse_for_backward, merge, varying_like)
-from ring_jax.ring import _make_config, _over_hops, _RingConfig, _shift
+from ring_jax.ring import _finish_grads, _make_config, _over_hops, _RingConfig, _shift
 
 
 @dataclasses.dataclass(frozen=True)
@@ -237,10 +237,7 @@ def _backward(tl: _TwoLevelConfig, q, k, v, seg, out, lse, do, dlse):
             for g_ in range(n_o) for r_ in range(n_i)]
     if any(a != b for a, b in home):
       dk, dv = (jax.lax.ppermute(x, cfg.axis_name, home) for x in (dk, dv))
-  extra = tuple(sorted(_varying_axes(dk) - _varying_axes(k_own), key=str))
-  if extra:  # K/V replicated over axes the queries are split over: add the parts
-    dk, dv = jax.lax.psum((dk, dv), extra)
-  return dq.astype(q.dtype), dk.astype(k_own.dtype), dv.astype(v_own.dtype)
+  return _finish_grads(q, k_own, v_own, dq, dk, dv)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
