@@ -153,12 +153,19 @@ def ring_attention(query, key, value, *, axis_name, is_causal: bool = False, seg
                      layout=layout, block_q=block_q, block_kv=block_kv, precision=precision,
                      hop_kernel=hop_kernel, return_lse=return_lse, overlap_dkv=overlap_dkv,
                      causal_routing=causal_routing)
+  return _grouped(_ring, cfg, query, key, value, segment_ids, return_lse)
+
+
+def _grouped(attend, cfg, query, key, value, segment_ids, return_lse: bool):
+  """``attend(cfg, q, k, v, seg)`` (a ring's ``custom_vjp``) on the query heads grouped by
+  their key/value head (``[B, T, K, N/K, H]``: GQA/MQA without repeating K/V), the result
+  back as ``[B, T, N, H]`` (and the lse ``[B, T, N]`` with ``return_lse``)."""
   b, t, n, h = query.shape
   kh = key.shape[2]
   q = query.reshape(b, t, kh, n // kh, h)
   if not return_lse:
-    return _ring(cfg, q, key, value, segment_ids).reshape(b, t, n, h)
-  out, lse = _ring(cfg, q, key, value, segment_ids)
+    return attend(cfg, q, key, value, segment_ids).reshape(b, t, n, h)
+  out, lse = attend(cfg, q, key, value, segment_ids)
   return out.reshape(b, t, n, h), lse.reshape(b, t, n)
 
 

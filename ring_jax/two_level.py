@@ -50,7 +50,8 @@ from ring_jax import scheduling
 from ring_jax import validation
 from ring_jax.hop import (HopGrads, HopMasks, HopResiduals, empty_result,
                           lse_for_backward, merge, varying_like)
-from ring_jax.ring import _finish_grads, _make_config, _over_hops, _RingConfig, _shift
+from ring_jax.ring import (_finish_grads, _grouped, _make_config, _over_hops, _RingConfig,
+                           _shift)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,6 +95,7 @@ def two_level_ring_attention(query, key, value, *, axis_name, is_causal: bool = 
         "causal_routing=True is not implemented for the two-level ring (seq_axis=(outer, "
         "inner)); pass causal_routing=False, or a single sequence axis for the routed ring.")
   outer, inner = split_axes(axis_name)
+  layout = layouts.check_attention_layout(layout, segment_ids, local_window_size)
   n_o = validation.axis_size(outer, "two_level_ring_attention")
   n_i = validation.axis_size(inner, "two_level_ring_attention")
   cfg = _make_config(query, key, value, axis_name=(outer, inner), is_causal=is_causal,
@@ -104,13 +106,7 @@ def two_level_ring_attention(query, key, value, *, axis_name, is_causal: bool = 
       ring=cfg,
       outer=dataclasses.replace(cfg, axis_name=outer, ring_size=n_o, hops=(0, n_o - 1)),
       inner=dataclasses.replace(cfg, axis_name=inner, ring_size=n_i, hops=(0, n_i - 1)))
-  b, t, n, h = query.shape
-  kh = key.shape[2]
-  q = query.reshape(b, t, kh, n // kh, h)
-  if not return_lse:
-    return _two_level(tl, q, key, value, segment_ids).reshape(b, t, n, h)
-  out, lse = _two_level(tl, q, key, value, segment_ids)
-  return out.reshape(b, t, n, h), lse.reshape(b, t, n)
+  return _grouped(_two_level, tl, query, key, value, segment_ids, return_lse)
 
 
 def _where(tl: _TwoLevelConfig):

@@ -151,6 +151,25 @@ def test_argument_errors():
     ring_jax.attention_sharded(q, k, v, mesh=mesh, strategy="ulysses", seq_axis="seq")
 
 
+@pytest.mark.parametrize("fn,axis", [
+    (ring_jax.all_gather_attention, "sequence"), (ring_jax.ulysses_attention, "sequence"),
+    (ring_jax.hybrid_attention, ("ring", "sequence"))])
+def test_document_layout_errors_in_shard_map(fn, axis):
+  """The entry points inside shard_map refuse layout='document' as ring_attention does
+  (segment ids needed, no window), before any collective."""
+  mesh = make_mesh((2, 4), ("ring", "sequence"))
+  q, k, v = qkv(10, 1, 32, 4, 4, 8)
+  seg = jnp.ones((1, 32), jnp.int32)
+  spec, seg_spec = P(None, ("ring", "sequence")), P(None, ("ring", "sequence"))
+  with pytest.raises(ValueError, match="layout='document' needs segment_ids"):
+    jax.shard_map(functools.partial(fn, axis_name=axis, is_causal=True, layout="document"),
+                  mesh=mesh, in_specs=(spec,) * 3, out_specs=spec)(q, k, v)
+  with pytest.raises(ValueError, match="cannot apply local_window_size"):
+    jax.shard_map(lambda q, k, v, s: fn(q, k, v, axis_name=axis, is_causal=True, segment_ids=s,
+                                        layout="document", local_window_size=4),
+                  mesh=mesh, in_specs=(spec,) * 3 + (seg_spec,), out_specs=spec)(q, k, v, seg)
+
+
 @pytest.mark.parametrize("strategy,heads,kv_heads", [("all_gather", 2, 1), ("ulysses", 3, 3)])
 def test_odd_axis_size(strategy, heads, kv_heads):
   """Three sequence devices: causal, packed documents with padding."""

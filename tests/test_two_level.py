@@ -60,6 +60,18 @@ def test_errors():
   with pytest.raises(ValueError, match="a pair of different mesh axes"):
     jax.shard_map(lambda q, k, v: two_level_ring_attention(q, k, v, axis_name="outer"),
                   mesh=mesh, in_specs=(spec,) * 3, out_specs=spec)(q, k, v)
+  seg = jnp.ones((1, 16), jnp.int32)
+
+  def document(with_ids, **kw):  # layout='document': the flat ring's checks, same messages
+    local = lambda q, k, v, s: two_level_ring_attention(  # noqa: E731
+        q, k, v, axis_name=AXES, is_causal=True, layout="document",
+        segment_ids=s if with_ids else None, **kw)
+    return jax.shard_map(local, mesh=mesh, in_specs=(spec,) * 4, out_specs=spec)(q, k, v, seg)
+
+  with pytest.raises(ValueError, match="layout='document' needs segment_ids"):
+    document(False)
+  with pytest.raises(ValueError, match="cannot apply local_window_size"):
+    document(True, local_window_size=2)
   with pytest.raises(ValueError, match="zigzag"):  # the layout spans the ring of 8
     ring_jax.attention_sharded(q[:, :8], k[:, :8], v[:, :8], mesh=mesh, strategy="ring",
                                seq_axis=AXES, layout="zigzag")

@@ -40,7 +40,7 @@ def all_gather_attention(query, key, value, *, axis_name, is_causal: bool = Fals
   arrays are kept between the passes. ``block_q``/``block_kv`` must divide
   the local length.
   """
-  options = AttentionOptions.from_keywords(locals())
+  options = AttentionOptions.from_keywords(locals()).with_attention_layout(segment_ids)
   return _local(query, key, value, segment_ids, axis_name=axis_name, options=options)
 
 

@@ -232,8 +232,7 @@ def run(strategy: Strategy, query, key, value, segment_ids, *, mesh, seq_axis, b
           "layout='document' is a per-row permutation built from the segment ids on the host: "
           "reorder with ring_jax.document_layout + to_layout(..., permutation=) and pass "
           "inputs_in_layout=True.")
-    options = dataclasses.replace(options, layout=layouts.check_attention_layout(
-        options.layout, segment_ids, options.local_window_size))
+    options = options.with_attention_layout(segment_ids)
   b, length, n, _ = query.shape
   kv_len, kh = key.shape[1], key.shape[2]
   where = placement(mesh, seq_axis, batch_axis, head_axis, batch=b, heads=n, kv_heads=kh)

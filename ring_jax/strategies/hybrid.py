@@ -39,7 +39,7 @@ def hybrid_attention(query, key, value, *, axis_name, is_causal: bool = False,
   ``block_q`` / ``block_kv`` must divide the ring's local length ``u*T``. Other
   arguments as in :func:`ring_jax.ring_attention`.
   """
-  options = AttentionOptions.from_keywords(locals())
+  options = AttentionOptions.from_keywords(locals()).with_attention_layout(segment_ids)
   return _local(query, key, value, segment_ids, axis_name=axis_name, options=options)
 
 

@@ -43,6 +43,13 @@ class AttentionOptions:
     if isinstance(self.local_window_size, list):  # hashable, as the other fields
       object.__setattr__(self, "local_window_size", tuple(self.local_window_size))
 
+  def with_attention_layout(self, segment_ids) -> "AttentionOptions":
+    """These options with the layout attention runs (``"document"`` -> its mask layout),
+    after the document layout's conditions (:func:`ring_jax.layouts.check_attention_layout`:
+    ValueError naming the fix)."""
+    return dataclasses.replace(self, layout=layouts.check_attention_layout(
+        self.layout, segment_ids, self.local_window_size))
+
   @property
   def masked(self) -> bool:
     """Whether a causal mask or a window relates query and key positions (self-attention)."""

@@ -62,7 +62,7 @@ def ulysses_attention(query, key, value, *, axis_name, is_causal: bool = False,
   or dividing it (repeated up to ``u``: MQA/GQA as in USP). ``block_q`` and
   ``block_kv`` must divide the whole length ``u*T``.
   """
-  options = AttentionOptions.from_keywords(locals())
+  options = AttentionOptions.from_keywords(locals()).with_attention_layout(segment_ids)
   return _local(query, key, value, segment_ids, axis_name=axis_name, options=options)
 
 
