@@ -159,7 +159,7 @@ def make_rows(config, task: str, length: int, rows: int, seed: int, tokenizer=No
 def check_lengths(model_cfg, mesh, lengths) -> None:
   """The model's length rule (:mod:`models.lengths`: layout, ring blocks, FFN and loss
   chunks) for every length, before anything loads or compiles."""
-  ring = mesh.shape["sequence"] if "sequence" in mesh.axis_names else 1
+  ring = shd.ring_size(mesh.shape)
   for length in lengths:
     try:
       lengths_lib.check_length(model_cfg, ring, length, what="length")
@@ -200,7 +200,7 @@ def evaluate(config, workdir: str | None, lengths, tasks=TASKS, *, hf_dir: str |
   model_cfg, params = loading.load_model(config, mesh, workdir=workdir, hf_dir=hf_dir, log=log)
   check_lengths(model_cfg, mesh, lengths)
   graphdef, _, _ = step_lib.abstract_model(model_cfg, mesh)
-  ring = mesh.shape["sequence"]
+  ring = shd.ring_size(mesh.shape)
 
   @jax.jit
   def hits(params, batch):

@@ -60,6 +60,7 @@ from ml_collections import config_flags
 
 # Importing these starts no JAX backend, so devices can still be configured in main().
 from models import pipeline as pipeline_lib
+from models import sharding as shd
 from training import batch as batch_lib
 from training import checkpoint as ckpt_lib
 from training import config as cfg_lib
@@ -240,12 +241,14 @@ def train(config, workdir: str, *, stop_at_step: int | None = None) -> TrainResu
   config = stages_lib.resolve(config)  # explicit stages; total_steps = their sum
   sizes = cfg_lib.validate_config(config, jax.device_count())  # and each stage's
   mesh = cfg_lib.make_mesh(config.mesh)
-  ring_size = sizes["sequence"]
+  ring_size = shd.ring_size(sizes)  # sequence_outer x sequence: the layouts span both
   first = stages_lib.plan(config)[0].config  # attention="auto" is decided per stage's shapes
   model_cfg, attention_line = cfg_lib.resolve_attention(first, cfg_lib.llama_config(first), mesh)
   log(f"devices: {jax.device_count()} x {jax.devices()[0].device_kind} "
       f"({jax.process_count()} process(es)); mesh {sizes}; attention={model_cfg.attention} "
-      f"layout={model_cfg.layout} ring={ring_size}")
+      f"layout={model_cfg.layout} ring={ring_size}"
+      + (f" (two-level: {sizes['sequence_outer']} groups of {sizes['sequence']})"
+         if sizes["sequence_outer"] > 1 else ""))
   if attention_line:
     log(attention_line)
   if sizes["pipeline"] > 1:

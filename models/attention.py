@@ -93,20 +93,41 @@ def sharded_axes(mesh, q_BLNH, k_BLKH) -> tuple[str | None, str | None]:
   return axes.batch, axes.heads
 
 
-def sequence_axis(mesh) -> str | None:
-  """The mesh axis the ``length`` rule shards the sequence over, or None (no mesh, no axis)."""
+def sequence_axis(mesh) -> str | tuple[str, str] | None:
+  """The mesh axis the ``length`` rule shards the sequence over, or the pair
+  ``("sequence_outer", "sequence")`` of a mesh with ``sequence_outer > 1`` (the two-level
+  ring's ``seq_axis=(outer, inner)``), or None (no mesh, no such axis)."""
   if mesh is None:
     return None
   entry = shd.logical_to_spec(("length",), mesh=mesh)[0]
-  return entry if isinstance(entry, str) else None
+  return entry if entry is None or isinstance(entry, str) else tuple(entry)
+
+
+def check_sequence_axes(strategy: str, seq_axis) -> None:
+  """ValueError naming the fix unless ``strategy`` runs on ``seq_axis`` (one axis, or the
+  pair of a two-level mesh: ring (the two-level ring), all_gather, auto and dense do;
+  ulysses and hybrid need one sequence axis)."""
+  if isinstance(seq_axis, tuple) and strategy not in PAIR_BACKENDS:
+    raise ValueError(
+        f"attention={strategy!r} runs over one sequence axis; the mesh splits the sequence "
+        f"over {seq_axis} (sequence_outer > 1, the two-level ring): use attention='ring' "
+        f"(or one of {PAIR_BACKENDS}), or mesh.sequence_outer=1.")
 
 
 #: The sequence-parallel strategies of :func:`ring_jax.attention_sharded`, each a backend
 #: under its own name ("auto": :func:`ring_jax.plan`'s pick, see :func:`plan_attention`).
 STRATEGY_BACKENDS: tuple[str, ...] = ("ring", "all_gather", "ulysses", "hybrid", "auto")
 
-#: What "auto" chooses among: the strategies that run on the one ``length`` axis.
+#: What "auto" chooses among: the strategies that run on the one ``length`` axis (on a
+#: two-level mesh, those of them that run on the pair: :data:`PAIR_BACKENDS`).
 AUTO_CANDIDATES: tuple[str, ...] = ("ring", "all_gather", "ulysses")
+
+#: The backends that run where the ``length`` rule gives a pair of axes (``sequence_outer >
+#: 1``): the strategies :func:`ring_jax.attention_sharded` runs as one ring over a pair
+#: (``"ring"``: the two-level ring), "auto" among them, and dense.
+PAIR_BACKENDS: tuple[str, ...] = tuple(
+    name for name in STRATEGY_BACKENDS
+    if name == "auto" or ring_jax.strategies.TABLE[name].one_ring_over_pair) + ("dense",)
 
 
 def hybrid_seq_axes(cfg, mesh) -> tuple[str, str]:
@@ -145,10 +166,12 @@ def plan_attention(cfg, mesh, batch: int, seq_len: int):
     device = mesh.devices.flat[0].device_kind
   except (AttributeError, ValueError, IndexError):  # an AbstractMesh (inside jit): no devices
     device = jax.devices()[0].device_kind
+  pair = isinstance(seq_axis, tuple)
   return ring_jax.plan(
       batch=batch, seq_len=seq_len, heads=cfg.num_heads, kv_heads=cfg.num_kv_heads,
       head_dim=cfg.resolved_head_dim, dtype=cfg.dtype, is_causal=True, layout=cfg.layout,
-      sequence=mesh.shape[seq_axis], strategies=AUTO_CANDIDATES,
+      sequence=tuple(mesh.shape[a] for a in seq_axis) if pair else mesh.shape[seq_axis],
+      strategies=[s for s in AUTO_CANDIDATES if not pair or s in PAIR_BACKENDS],
       tensor=mesh.shape[head_axis] if head_axis else 1,
       data=mesh.shape[batch_axis] if batch_axis else 1, device=device)
 
@@ -181,6 +204,7 @@ def _sharded_strategy(strategy: str) -> AttentionBackend:
     name = strategy
     if name == "auto":
       name = plan_attention(cfg, mesh, q_BLNH.shape[0], q_BLNH.shape[1]).strategy
+    check_sequence_axes(name, seq_axis)
     batch_axis, head_axis = sharded_axes(mesh, q_BLNH, k_BLKH)
     seq = seq_axis
     if name == "hybrid":
@@ -199,7 +223,9 @@ def _sharded_strategy(strategy: str) -> AttentionBackend:
   backend.__qualname__ = strategy
   backend.__doc__ = (
       f":func:`ring_jax.attention_sharded` with ``strategy={strategy!r}`` over the mesh axis "
-      "the ``length`` rule names (``hybrid``: ``cfg.hybrid_axes``), ``layout=cfg.layout, "
+      "the ``length`` rule names, or its pair ``(sequence_outer, sequence)`` (ring: the "
+      "two-level ring; see :func:`sequence_axis`; ``hybrid``: ``cfg.hybrid_axes``), "
+      "``layout=cfg.layout, "
       "inputs_in_layout=True``, batch and heads sharded per the rules. Without a context "
       "mesh, or when the mesh has no such axis, it falls back to :func:`dense` (same values; "
       "O(L^2) memory), since there is no sequence axis to run on.")

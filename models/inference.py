@@ -100,9 +100,9 @@ CACHE_AXES = KVCache(
 
 
 def ring_size(mesh) -> int:
-  """Devices the cache's positions are split over (1 without a mesh or ``sequence`` axis)."""
-  axis = attn_lib.sequence_axis(mesh)
-  return 1 if axis is None else int(mesh.shape[axis])
+  """Devices the cache's positions are split over (1 without a mesh or ``sequence`` axis;
+  ``sequence_outer x sequence`` on a two-level mesh, outer-major)."""
+  return 1 if mesh is None else shd.ring_size(mesh.shape)
 
 
 def prompt_length_multiple(cfg: LlamaConfig, mesh) -> int:

@@ -4,8 +4,8 @@ Every parameter of :mod:`models.llama` records the *logical* names of its
 dimensions (Variable metadata ``logical_axes``, e.g. ``("layers", "embed",
 "heads", "head_dim")``) and every constrained activation names its dimensions
 the same way. :data:`LOGICAL_RULES` maps those names to the mesh axes
-``data``, ``pipeline``, ``sequence`` and ``tensor``; nothing else in the model mentions a
-mesh axis. :func:`rules` gives the table of a model's settings (tensor sequence
+``data``, ``pipeline``, ``sequence_outer``, ``sequence`` and ``tensor``; nothing else in the
+model mentions a mesh axis. :func:`rules` gives the table of a model's settings (tensor sequence
 parallelism on or off: the ``residual_length`` rule), and :func:`use_rules`
 makes it the table the helpers here use while a model traces. (The same idea as
 ``ShardingRules`` in jax-llm-examples' llama3 and
@@ -13,8 +13,10 @@ makes it the table the helpers here use while a model traces. (The same idea as
 
 Mesh axes a rule names but the current mesh lacks are dropped, as are axes
 that do not divide the dimension (e.g. 1 key/value head over ``tensor=2``
-stays replicated), so the same model runs on a 1-device mesh, on a
-``(data, sequence)`` mesh, or with no mesh at all.
+stays replicated), and, of a rule naming several axes, the leading ones of
+size 1 (they split nothing: with ``sequence_outer=1`` the sequence is over
+``sequence`` alone, exactly as on a mesh without that axis), so the same model runs on a
+1-device mesh, on a ``(data, sequence)`` mesh, or with no mesh at all.
 
 Both kinds of mesh axis work: ``AxisType.Explicit`` (the default of
 ``jax.make_mesh``), where shardings are part of array types and changes need
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import math
 from typing import Any, Iterator, Mapping, Sequence
 
 import jax
@@ -38,23 +41,29 @@ Rules = tuple[tuple[str, str | tuple[str, ...] | None], ...]
 
 #: The mesh axes the rules name, in the order train.py builds its mesh: ``tensor`` last, so
 #: ``jax.make_mesh`` puts tensor-parallel peers (the most traffic per step) on the nearest
-#: devices, then the ring's ``sequence`` neighbours; ``pipeline`` (one activation per
-#: microbatch and stage boundary) and ``data`` (one gradient reduction per step) go outermost.
-MESH_AXES: tuple[str, ...] = ("data", "pipeline", "sequence", "tensor")
+#: devices, then the ring's ``sequence`` neighbours, then ``sequence_outer``: groups of
+#: ``sequence`` devices on slower links (nodes over InfiniBand, slices over DCN), the outer
+#: level of the two-level ring (:mod:`ring_jax.two_level`; size 1: no such level);
+#: ``pipeline`` (one activation per microbatch and stage boundary) and ``data`` (one
+#: gradient reduction per step) go outermost.
+MESH_AXES: tuple[str, ...] = ("data", "pipeline", "sequence_outer", "sequence", "tensor")
 
 LOGICAL_RULES: Rules = (
     # Activations.
     ("batch", "data"),
     # The sequence where tokens meet (attention, and the q/k/v and MLP activations between the
-    # column- and row-parallel projections): split over the ring.
-    ("length", "sequence"),
+    # column- and row-parallel projections): split over the ring, outer-major over
+    # (sequence_outer, sequence) (device (g, r) holds shard g * sequence + r of the combined
+    # ring, as ring_jax.two_level expects); with sequence_outer=1 over "sequence" alone.
+    ("length", ("sequence_outer", "sequence")),
     # The sequence of the residual stream between those regions (embedding output, norms,
     # residual adds, final norm): Megatron-style sequence parallelism also splits it over the
     # tensor peers (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
     # Transformer Models", Sec. 4.2.2), so each device holds L / (sequence * tensor) tokens;
     # gathered over tensor before the column-parallel projections, reduce-scattered after the
-    # row-parallel ones. rules(tensor_sequence_parallel=False) maps it to "sequence" alone.
-    ("residual_length", ("sequence", "tensor")),
+    # row-parallel ones. rules(tensor_sequence_parallel=False) maps it to the "length" rule's
+    # axes alone.
+    ("residual_length", ("sequence_outer", "sequence", "tensor")),
     # Weights and activations alike: tensor parallelism (Megatron split of heads and MLP hidden).
     ("heads", "tensor"),
     ("kv_heads", "tensor"),
@@ -81,10 +90,10 @@ LOGICAL_AXES_KEY = "logical_axes"
 def rules(tensor_sequence_parallel: bool | None = None) -> Rules:
   """The rules table of a model whose ``LlamaConfig.tensor_sequence_parallel`` is given.
 
-  None or True: :data:`LOGICAL_RULES` (``residual_length`` over ``(sequence,
-  tensor)``; on a mesh whose ``tensor`` axis is 1 or missing that is
-  ``sequence`` alone, so "on when tensor > 1" needs no case of its own).
-  False: ``residual_length`` over ``sequence`` only: the residual stream is
+  None or True: :data:`LOGICAL_RULES` (``residual_length`` over ``(sequence_outer,
+  sequence, tensor)``; on a mesh whose ``tensor`` axis is 1 or missing that is
+  the ``length`` rule's axes alone, so "on when tensor > 1" needs no case of its own).
+  False: ``residual_length`` over the ``length`` rule's axes only: the residual stream is
   replicated on the tensor peers and the row-parallel outputs are all-reduced.
   """
   if tensor_sequence_parallel is None or tensor_sequence_parallel is True:
@@ -92,8 +101,17 @@ def rules(tensor_sequence_parallel: bool | None = None) -> Rules:
   if tensor_sequence_parallel is not False:
     raise ValueError(f"tensor_sequence_parallel must be None (auto), True or False, got "
                      f"{tensor_sequence_parallel!r}.")
-  return tuple((name, "sequence" if name == "residual_length" else target)
+  length = dict(LOGICAL_RULES)["length"]
+  return tuple((name, length if name == "residual_length" else target)
                for name, target in LOGICAL_RULES)
+
+
+def ring_size(axis_sizes: Mapping[str, int]) -> int:
+  """Devices the ``length`` rule splits the sequence over, on a mesh of these axis sizes
+  (``mesh.shape`` or a config's sizes; axes it lacks count 1): ``sequence_outer *
+  sequence``, the combined ring the layouts span (the two-level ring's, or the flat
+  ring's when ``sequence_outer`` is 1)."""
+  return math.prod(int(axis_sizes.get(a, 1)) for a in _lookup("length", dict(active_rules())))
 
 
 # The table in force where a call passes no rules= (None: LOGICAL_RULES); set by use_rules.
@@ -148,6 +166,9 @@ def logical_to_spec(names: Sequence[str | None], rules: Rules | None = None, *, 
       the context mesh; with neither, every rule target is kept.
     shape: if given, a mesh axis is dropped from a dimension it does not divide.
 
+  A name mapped to several mesh axes splits its dimension outer-major over them;
+  leading (outer) axes of size 1 split nothing and are dropped, so with
+  ``sequence_outer=1`` ``length`` is ``"sequence"`` as on a mesh without that axis.
   Each mesh axis is used at most once per spec (first dimension wins), as
   ``PartitionSpec`` requires. Axes that are ``Manual`` on ``mesh`` (inside a
   ``shard_map`` over them, e.g. the pipeline schedule's) are dropped: there each
@@ -179,7 +200,9 @@ def logical_to_spec(names: Sequence[str | None], rules: Rules | None = None, *, 
           continue
         size *= axis_size
       kept.append(axis)
-      used.add(axis)
+    while mesh is not None and len(kept) > 1 and mesh.shape[kept[0]] == 1:
+      kept.pop(0)  # an outer level of size 1 splits nothing
+    used.update(kept)
     spec.append(None if not kept else kept[0] if len(kept) == 1 else tuple(kept))
   return P(*spec)
 

@@ -39,13 +39,13 @@ def test_shipped_configs_build_a_model_config(name, arg):
 
 
 def test_tiny_validates_on_eight_devices():
-  assert cfg_lib.validate_config(tiny(), num_devices=8) == dict(data=2, pipeline=1, sequence=4,
-                                                                  tensor=1)
+  assert cfg_lib.validate_config(tiny(), num_devices=8) == dict(
+      data=2, pipeline=1, sequence_outer=1, sequence=4, tensor=1)
 
 
 @pytest.mark.parametrize("name,devices,expected", [
-    ("llama_1b", 256, dict(data=16, pipeline=1, sequence=16, tensor=1)),
-    ("llama_7b", 512, dict(data=8, pipeline=1, sequence=16, tensor=4)),
+    ("llama_1b", 256, dict(data=16, pipeline=1, sequence_outer=1, sequence=16, tensor=1)),
+    ("llama_7b", 512, dict(data=8, pipeline=1, sequence_outer=1, sequence=16, tensor=4)),
 ])
 def test_long_context_configs_fill_the_mesh(name, devices, expected):
   config = load_config(name)
@@ -90,9 +90,10 @@ def test_gin_rejects_unknown_fields_wrong_types_and_references():
 
 def test_mesh_fill_axis_and_make_mesh():
   assert cfg_lib.mesh_shape(ml_collections.ConfigDict(dict(data=-1, sequence=4, tensor=1)),
-                            8) == dict(data=2, pipeline=1, sequence=4, tensor=1)
+                            8) == dict(data=2, pipeline=1, sequence_outer=1, sequence=4,
+                                       tensor=1)
   mesh = cfg_lib.make_mesh(ml_collections.ConfigDict(dict(data=1, sequence=-1, tensor=1)))
-  assert dict(mesh.shape) == dict(data=1, pipeline=1, sequence=8, tensor=1)
+  assert dict(mesh.shape) == dict(data=1, pipeline=1, sequence_outer=1, sequence=8, tensor=1)
   one = cfg_lib.make_mesh(ml_collections.ConfigDict(dict(data=1, sequence=1, tensor=1)),
                           devices=jax.devices()[:1])
   assert one.size == 1
@@ -146,6 +147,14 @@ def _with_mesh(mesh):
     ({"data.kv.num_queries": 9}, "num_queries=9 exceeds num_pairs=8"),
     ({"data.kv.docs_per_row": 3}, "docs_per_row=3"),
     ({"optim.warmup_steps": 10_000}, "warmup_steps"),
+    # Two-level mesh (sequence_outer x sequence): one ring of 8, strategies that run on a pair.
+    ({"mesh.data": 1, "mesh.sequence_outer": 2, "data.seq_len": 72},
+     r"data\.seq_len=72 .*ring of 8 devices \(mesh sequence_outer x sequence\).*multiple of 16"),
+    ({"mesh.data": 1, "mesh.sequence_outer": 2, "model.attention": "ulysses"},
+     r"model\.attention='ulysses' runs over one sequence axis.*use model\.attention='ring'.*"
+     r"or mesh\.sequence_outer=1"),
+    ({"mesh.data": 1, "mesh.sequence_outer": 2, "model.attention": "hybrid"},
+     r"model\.attention='hybrid' runs over one sequence axis"),
 ])
 def test_bad_configs_fail_with_a_clear_message(overrides, match):
   with pytest.raises(ConfigError, match=match):
@@ -161,6 +170,21 @@ def test_one_list_of_mesh_axes_and_attention_backends():
   assert cfg_lib.ATTENTION_BACKENDS is attn_lib.ATTENTION_BACKENDS
   mesh = cfg_lib.make_mesh(ml_collections.ConfigDict(dict(data=2, sequence=4, tensor=1)))
   assert mesh.axis_names == shd.MESH_AXES
+
+
+@pytest.mark.parametrize("attention", ["ring", "all_gather", "auto", "dense"])
+def test_two_level_mesh_validates(attention):
+  """mesh.sequence_outer=2 x sequence=4: the ring (two-level), all_gather and auto run on the
+  pair; the model's sequence axis is the pair, the layouts span the ring of 8."""
+  from models import attention as attn_lib
+
+  config = tiny(**{"mesh.data": 1, "mesh.sequence_outer": 2, "model.attention": attention})
+  sizes = cfg_lib.validate_config(config, num_devices=8)
+  assert sizes == dict(data=1, pipeline=1, sequence_outer=2, sequence=4, tensor=1)
+  assert attn_lib.sequence_axis(cfg_lib.make_mesh(config.mesh)) == ("sequence_outer", "sequence")
+  with pytest.raises(ConfigError, match="multiple of 16"):  # zigzag over 8: 16 chunks
+    cfg_lib.validate_config(tiny(**{"mesh.data": 1, "mesh.sequence_outer": 2,
+                                    "model.attention": attention, "data.seq_len": 264}), 8)
 
 
 def test_registered_attention_backend_is_a_valid_config(monkeypatch):

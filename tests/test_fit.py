@@ -145,8 +145,8 @@ def test_long_variant_validates(devices):
   from training import config as cfg_lib
 
   config = llama_1b.get_config("long")
-  assert cfg_lib.validate_config(config, devices) == dict(data=1, pipeline=1, sequence=devices,
-                                                          tensor=1)
+  assert cfg_lib.validate_config(config, devices) == dict(data=1, pipeline=1, sequence_outer=1,
+                                                          sequence=devices, tensor=1)
   assert config.model.remat_policy == "offload_layer_in" and config.batch_size == 1
 
 

@@ -38,7 +38,8 @@ def test_two_processes_preempted_then_resumed_by_one_match_one_process(tmp_path)
     for p in procs:
       p.kill()
     raise
-  assert "(2 process(es)); mesh {'data': 2, 'pipeline': 1, 'sequence': 4, 'tensor': 1}" in head
+  assert ("(2 process(es)); mesh {'data': 2, 'pipeline': 1, 'sequence_outer': 1, 'sequence': 4, "
+          "'tensor': 1}") in head
   # The notice reaches one process only; JAX's preemption sync point makes both stop.
   procs[1].send_signal(signal.SIGTERM)
   results = tp.finish_all(procs)

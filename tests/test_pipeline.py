@@ -195,11 +195,11 @@ def train_py(workdir, stop_at_step, **overrides):
 # The three pipeline meshes of 8 devices, in the order train.py runs them (each resuming the
 # previous one's checkpoint): sizes as train.py prints them, and its pipeline line.
 TRAIN_PY_MESHES = [
-    (dict(data=1, pipeline=2, sequence=2, tensor=2),
+    (dict(data=1, pipeline=2, sequence_outer=1, sequence=2, tensor=2),
      "pipeline: 2 stages x 2 layers, GPipe over 4 microbatches, bubble fraction 0.200"),
-    (dict(data=2, pipeline=2, sequence=2, tensor=1),
+    (dict(data=2, pipeline=2, sequence_outer=1, sequence=2, tensor=1),
      "pipeline: 2 stages x 2 layers, GPipe over 4 microbatches, bubble fraction 0.200"),
-    (dict(data=1, pipeline=4, sequence=2, tensor=1),
+    (dict(data=1, pipeline=4, sequence_outer=1, sequence=2, tensor=1),
      "pipeline: 4 stages x 1 layers, GPipe over 8 microbatches, bubble fraction 0.273"),
 ]
 
@@ -210,7 +210,8 @@ def test_train_py_on_each_pipeline_mesh_follows_one_device(tmp_path):
   run resuming the one before (so checkpoints restore across pipeline and tensor sizes):
   steps 1-6 have the losses of 6 steps on one device (data=1), float32 rtol 1e-5."""
   out, want = train_py(tmp_path / "one" / "run", stop_at_step=6)
-  assert "mesh {'data': 1, 'pipeline': 1, 'sequence': 1, 'tensor': 1}" in out
+  assert ("mesh {'data': 1, 'pipeline': 1, 'sequence_outer': 1, 'sequence': 1, "
+          "'tensor': 1}") in out
   assert sorted(want) == list(range(1, 7)) and want[6] != want[1]
   workdir, got = tmp_path / "run", {}
   for i, (sizes, pipeline_line) in enumerate(TRAIN_PY_MESHES):

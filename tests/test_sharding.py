@@ -60,7 +60,9 @@ def test_mesh_axes_are_the_rules_targets():
 
 
 def test_logical_to_spec_maps_and_drops_axes():
-  assert shd.logical_to_spec(("batch", "length", "embed")) == P("data", "sequence", None)
+  # Without a mesh every target is kept: the sequence over both levels of the ring.
+  assert shd.logical_to_spec(("batch", "length", "embed")) == P(
+      "data", ("sequence_outer", "sequence"), None)
   assert shd.logical_to_spec(("embed", "heads", "head_dim")) == P(None, "tensor", None)
   assert shd.logical_to_spec(("embed_fsdp", "mlp")) == P("data", "tensor")
   # Stacked layers in contiguous blocks over the pipeline stages (replicated without them).
@@ -81,6 +83,30 @@ def test_logical_to_spec_maps_and_drops_axes():
     shd.logical_to_spec(("hidden",))
   with pytest.raises(ValueError, match="logical names"):
     shd.logical_to_spec(("batch",), shape=(2, 3))
+
+
+def test_two_level_sequence_rules():
+  """sequence_outer > 1 splits the sequence outer-major over (sequence_outer, sequence):
+  device (g, r) holds block g * sequence + r (ring_jax.two_level's combined ring index);
+  with sequence_outer=1 the specs are those of a mesh without that axis."""
+  names = ("batch", "length", "embed")
+  two = make_mesh(sequence_outer=2, sequence=4)
+  assert shd.logical_to_spec(names, mesh=two) == P("data", ("sequence_outer", "sequence"), None)
+  assert shd.logical_to_spec(("batch", "residual_length"), mesh=two) == P(
+      "data", ("sequence_outer", "sequence", "tensor"))
+  assert shd.ring_size(two.shape) == 8 == shd.ring_size(dict(sequence_outer=2, sequence=4))
+  one = make_mesh(sequence=4, tensor=2)
+  assert one.shape["sequence_outer"] == 1
+  assert shd.logical_to_spec(names, mesh=one) == P("data", "sequence", None)
+  assert shd.logical_to_spec(("residual_length",), mesh=one) == P(("sequence", "tensor"))
+  assert shd.ring_size(one.shape) == 4 == shd.ring_size(dict(data=2, sequence=4))
+  x = jax.device_put(np.arange(16), NamedSharding(two, shd.logical_to_spec(("length",),
+                                                                          mesh=two)))
+  where = dict(zip(two.axis_names, range(len(two.axis_names))))
+  for shard in x.addressable_shards:
+    at = np.argwhere(two.devices == shard.device)[0]
+    g, r = at[where["sequence_outer"]], at[where["sequence"]]
+    np.testing.assert_array_equal(shard.data, np.arange(16)[(g * 4 + r) * 2:][:2])
 
 
 @pytest.mark.parametrize("auto", [False, True])
@@ -158,9 +184,10 @@ def test_create_sharded_model_places_shards_without_full_copies():
 
 
 @pytest.mark.parametrize("mesh_shape,names,auto,fsdp,layout", [
-    ((2, 1, 2, 2), shd.MESH_AXES, False, True, "zigzag"),  # FSDP + tensor + sequence, Explicit
-    ((2, 1, 2, 2), shd.MESH_AXES, True, True, "striped"),  # the same on Auto (GSPMD) axes
-    ((1, 1, 1, 1), shd.MESH_AXES, False, False, "zigzag"),  # a 1-device mesh: ring of size 1
+    ((2, 1, 1, 2, 2), shd.MESH_AXES, False, True, "zigzag"),  # FSDP + tensor + sequence
+    ((2, 1, 1, 2, 2), shd.MESH_AXES, True, True, "striped"),  # the same on Auto (GSPMD) axes
+    ((1, 1, 1, 1, 1), shd.MESH_AXES, False, False, "zigzag"),  # a 1-device mesh: ring of 1
+    ((1, 1, 2, 2, 2), shd.MESH_AXES, False, False, "zigzag"),  # two-level ring 2 x 2, tensor
     ((2, 4), ("data", "tensor"), False, False, "zigzag"),  # no sequence axis: dense fallback
 ])
 def test_sharded_forward_matches_reference(reference, mesh_shape, names, auto, fsdp, layout):
@@ -168,7 +195,7 @@ def test_sharded_forward_matches_reference(reference, mesh_shape, names, auto, f
   cfg = LlamaConfig(**{**TINY, "layout": layout}, fsdp=fsdp)
   kw = {"axis_types": (AxisType.Auto,) * len(names)} if auto else {}
   mesh = jax.make_mesh(mesh_shape, names, devices=jax.devices()[:int(np.prod(mesh_shape))], **kw)
-  ring = dict(zip(names, mesh_shape)).get("sequence", 1)
+  ring = shd.ring_size(mesh.shape)
   with jax.set_mesh(mesh):
     sharded = jax.device_put(params, param_shardings(params, mesh))
     got = jax.jit(lambda p, *b: nnx.merge(_graphdef(cfg), p)(*b))(
@@ -188,7 +215,8 @@ def test_tensor_sequence_parallel_is_one_rule():
   sequence alone; a mesh without tensor > 1 reduces "on" to "off" by itself."""
   on, off = shd.rules(None), shd.rules(False)
   assert shd.rules(True) == on == shd.LOGICAL_RULES
-  assert [r for r in on if r not in off] == [("residual_length", ("sequence", "tensor"))]
+  assert [r for r in on if r not in off] == [
+      ("residual_length", ("sequence_outer", "sequence", "tensor"))]
   full = make_mesh(data=1, sequence=2, tensor=4)
   names = ("batch", "residual_length", "embed")
   assert shd.logical_to_spec(names, on, mesh=full) == P("data", ("sequence", "tensor"), None)
@@ -223,7 +251,7 @@ def _weighted_loss_and_grads(cfg, params, batch, weights, mesh):
 def test_tensor_sequence_parallel_keeps_loss_and_gradients(sizes, auto, ffn_chunk):
   """tensor_sequence_parallel off == on (float32): the loss and every parameter gradient."""
   mesh = make_mesh(auto=auto, **sizes)
-  ring = mesh.shape["sequence"]
+  ring = shd.ring_size(mesh.shape)
   base = LlamaConfig(**{**TINY, "num_kv_heads": 4}, ffn_chunk_size=ffn_chunk)
   params = _random_params(base)
   batch = _to_layout(_batch(), ring)

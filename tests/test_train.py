@@ -1,5 +1,6 @@
 """The trainer: sharded step == unsharded step, resume == uninterrupted, end-to-end smoke."""
 
+import functools
 import json
 import os
 import subprocess
@@ -14,6 +15,7 @@ import model_utils
 import train as train_script
 from model_utils import tiny_config
 from models import llama
+from models import sharding as shd
 from training import batch as batch_lib
 from training import config as cfg_lib
 from training import data as data_lib
@@ -39,7 +41,7 @@ def small_config(**overrides):
 def one_step(config, mesh):
   """Initial params and params after one train step on ``mesh``, plus the step's metrics."""
   model_cfg = cfg_lib.llama_config(config)
-  ring = mesh.shape["sequence"]
+  ring = shd.ring_size(mesh.shape)
   tx = step_lib.make_optimizer(config.optim, config.total_steps)
   train_step = step_lib.build_train_step(model_cfg, mesh, tx, microbatches=config.microbatches,
                                          seed=config.seed)
@@ -56,16 +58,26 @@ def one_step(config, mesh):
   return initial, jax.device_get(nnx.to_pure_dict(params)), jax.device_get(metrics)
 
 
-def test_sharded_ring_step_equals_unsharded_dense_step():
-  """data=2 x sequence=4, ring, zigzag, FSDP, 2 microbatches == 1 device, dense, 1 batch."""
-  sharded_cfg = small_config(**{"model.attention": "ring", "model.layout": "zigzag",
-                                "model.fsdp": True, "microbatches": 2, "optim.eps": 1e-6})
+@functools.cache
+def dense_step():
+  """:func:`one_step` on one device, dense attention, one batch (what sharded steps equal)."""
   dense_cfg = small_config(**{"model.attention": "dense", "mesh.data": 1, "mesh.sequence": 1,
                               "optim.eps": 1e-6})
-  sharded_mesh = cfg_lib.make_mesh(sharded_cfg.mesh)
-  single_mesh = cfg_lib.make_mesh(dense_cfg.mesh, devices=jax.devices()[:1])
-  init_a, params_a, metrics_a = one_step(sharded_cfg, sharded_mesh)
-  init_b, params_b, metrics_b = one_step(dense_cfg, single_mesh)
+  return one_step(dense_cfg, cfg_lib.make_mesh(dense_cfg.mesh, devices=jax.devices()[:1]))
+
+
+@pytest.mark.parametrize("overrides", [
+    {"model.fsdp": True, "microbatches": 2},
+    # The two-level ring: 2 groups of 4 on the sequence axes, zigzag over the ring of 8.
+    {"mesh.data": 1, "mesh.sequence_outer": 2, "mesh.sequence": 4},
+], ids=["data2_seq4_fsdp_micro2", "two_level_2x4"])
+def test_sharded_ring_step_equals_unsharded_dense_step(overrides):
+  """data=2 x sequence=4, ring, zigzag, FSDP, 2 microbatches (and data=1 x sequence_outer=2 x
+  sequence=4, the two-level ring) == 1 device, dense, 1 batch."""
+  sharded_cfg = small_config(**{"model.attention": "ring", "model.layout": "zigzag",
+                                "optim.eps": 1e-6, **overrides})
+  init_a, params_a, metrics_a = one_step(sharded_cfg, cfg_lib.make_mesh(sharded_cfg.mesh))
+  init_b, params_b, metrics_b = dense_step()
 
   jax.tree.map(np.testing.assert_array_equal, init_a, init_b)  # same start on any mesh
   np.testing.assert_allclose(metrics_a["loss"], metrics_b["loss"], rtol=1e-5)
@@ -141,7 +153,8 @@ def test_resume_matches_uninterrupted_run_even_on_another_mesh(tmp_path):
                           "mesh.sequence": 8})
   second = train_script.train(moved, str(tmp_path / "split"))
 
-  assert dict(second.mesh.shape) == dict(data=1, pipeline=1, sequence=8, tensor=1)
+  assert dict(second.mesh.shape) == dict(data=1, pipeline=1, sequence_outer=1, sequence=8,
+                                         tensor=1)
   assert [r["step"] for r in full.history] == list(range(1, 7))
   assert [r["step"] for r in first.history] == [1, 2, 3]
   assert [r["step"] for r in second.history] == [4, 5, 6]
@@ -179,7 +192,8 @@ def test_distributed_launch_detection():
 
 
 def test_train_py_end_to_end(tmp_path):
-  """`python train.py` with config-file, --config.* and gin overrides, on simulated devices."""
+  """`python train.py` with config-file, --config.* and gin overrides, on simulated devices:
+  the two-level ring (mesh.sequence_outer=2 groups of sequence=4), striped over the ring of 8."""
   gin_file = tmp_path / "short.gin"
   gin_file.write_text("config.total_steps = 4\nmodel.dim = 32\n")
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # train.py makes devices
@@ -190,14 +204,14 @@ def test_train_py_end_to_end(tmp_path):
          "--workdir", str(workdir), "--config.data.seq_len=64", "--config.model.mlp_dim=64",
          "--config.data.kv.num_pairs=4", "--config.data.kv.num_queries=4",
          "--config.log_every=2", "--config.eval_every=4", "--config.eval_batches=1",
-         "--config.profile_steps=2:4",
+         "--config.profile_steps=2:4", "--config.mesh.data=1", "--config.mesh.sequence_outer=2",
          f"--gin_file={gin_file}", "--gin_param=model.num_layers = 1",
          "--gin_param=optim.warmup_steps = 1"]
   proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
   out = proc.stdout
-  assert "mesh {'data': 2, 'pipeline': 1, 'sequence': 4, 'tensor': 1}" in out
-  assert "layout=striped" in out
+  assert "mesh {'data': 1, 'pipeline': 1, 'sequence_outer': 2, 'sequence': 4, 'tensor': 1}" in out
+  assert "layout=striped ring=8 (two-level: 2 groups of 4)" in out
   assert "step      4/4" in out and "ETA" in out and "MFU" in out
   assert "nominal CPU peak" in out  # honest about the MFU denominator on CPU
   assert "done: step 4" in out

@@ -26,6 +26,7 @@ from models import attention as attn_lib
 from models import lengths
 from models import pipeline as pipeline_lib
 from models.attention import ATTENTION_BACKENDS
+from models import sharding as shd
 from models.sharding import MESH_AXES
 from ring_jax import kernels, layouts
 from ring_jax.strategies import attention_axes
@@ -175,12 +176,14 @@ def mesh_shape(mesh_config, num_devices: int) -> dict[str, int]:
 
 
 def make_mesh(mesh_config, devices=None) -> jax.sharding.Mesh:
-  """A ``(data, pipeline, sequence, tensor)`` mesh (:data:`MESH_AXES`) with Auto axis types.
+  """A ``(data, pipeline, sequence_outer, sequence, tensor)`` mesh (:data:`MESH_AXES`) with
+  Auto axis types.
 
   Auto (not Explicit) axes: the trainer states shardings at the jit boundary
   and lets XLA propagate inside; the model adds its own constraints.
   ``jax.make_mesh`` orders devices for the physical topology (ICI rings on
-  TPU), so ring neighbours on ``sequence`` are physical neighbours.
+  TPU), so ring neighbours on ``sequence`` are physical neighbours, and the
+  ``sequence_outer`` groups (the two-level ring's outer level) the farther devices.
   """
   devices = jax.devices() if devices is None else list(devices)
   sizes = mesh_shape(mesh_config, len(devices))
@@ -249,7 +252,7 @@ def check_seq_len(model_config, ring: int, seq_len: int) -> int:
     return lengths.check_length(model_config, ring, seq_len, what="data.seq_len")
   except ValueError as e:
     raise ConfigError(f"data.seq_len={seq_len} with model.layout={model_config.layout!r} on the "
-                      f"mesh 'sequence' axis ({ring}): {e}") from None
+                      f"ring of {ring} devices (mesh sequence_outer x sequence): {e}") from None
 
 
 def check_model_parallelism(model_config, sizes: dict[str, int], seq_len: int) -> None:
@@ -259,7 +262,13 @@ def check_model_parallelism(model_config, sizes: dict[str, int], seq_len: int) -
   Raises:
     ConfigError: naming the field and the fix.
   """
-  m, ring, tensor = model_config, sizes["sequence"], sizes["tensor"]
+  m, ring, tensor = model_config, shd.ring_size(sizes), sizes["tensor"]
+  if sizes["sequence_outer"] > 1 and m.attention not in attn_lib.PAIR_BACKENDS:
+    raise ConfigError(
+        f"model.attention={m.attention!r} runs over one sequence axis, but "
+        f"mesh.sequence_outer={sizes['sequence_outer']} splits the sequence over two "
+        f"(sequence_outer x sequence, the two-level ring): use model.attention='ring' (or one "
+        f"of {attn_lib.PAIR_BACKENDS}), or mesh.sequence_outer=1.")
   heads_here = m.num_heads // tensor
   kv_here = m.num_kv_heads // tensor if m.num_kv_heads % tensor == 0 else m.num_kv_heads
   if m.attention == "ulysses" and ring > 1 and (
@@ -383,7 +392,7 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int) -> dict
   """
   m, d = config.model, config.data
   sizes = mesh_shape(config.mesh, num_devices)
-  ring, tensor, data_par = sizes["sequence"], sizes["tensor"], sizes["data"]
+  ring, tensor, data_par = shd.ring_size(sizes), sizes["tensor"], sizes["data"]
   validate_stages(config, num_devices)  # first: its errors name the stage
 
   if m.attention not in ATTENTION_BACKENDS:
