@@ -1,10 +1,12 @@
-r"""Train a LLaMA whose attention is a ring over the mesh's ``sequence`` axis.
+r"""Train a LLaMA whose attention is a ring over the mesh's ``sequence`` axis (the two-level
+ring over ``sequence_outer`` x ``sequence`` when ``mesh.sequence_outer > 1``).
 
   python train.py --config configs/tiny.py --workdir /tmp/tiny
   python train.py --config configs/tiny.py:text --config.data.path=corpus.jsonl
   python train.py --config configs/tiny.py --config.model.num_layers=4 \
       --gin_param='optim.lr = 1e-3' --gin_file=overrides.gin
   python train.py --config configs/llama_1b.py --workdir /mnt/shared/run1   # accelerators
+  python train.py --config configs/tiny.py --config.mesh.data=1 --config.mesh.sequence_outer=2
 
 The workdir is a local or shared-filesystem path (e.g. NFS or a gcsfuse mount on
 multi-host runs); object-store URLs such as gs:// are not supported.

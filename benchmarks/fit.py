@@ -117,12 +117,13 @@ class Planner:
     import jax
 
     from models import lengths
+    from models import sharding as shd
     from training import config as cfg_lib
     from training import step as step_lib
 
     self.config, self.sizes, self.limit = config, sizes, limit_bytes
     self.collectives = collectives
-    self.ring = sizes["sequence"]
+    self.ring = shd.ring_size(sizes)
     self.mesh = cfg_lib.make_mesh(sizes, jax.devices()[:math.prod(sizes.values())])
     # attention="auto" stays: its backend asks ring_jax.plan at each compiled length, what
     # train.py would decide at startup for that data.seq_len.

@@ -89,6 +89,7 @@ def model_config(args, backend):
 
 
 def run_one(backend, args, mesh, peak):
+  from models import sharding as shd
   from training import batch as batch_lib
   from training import step as step_lib
 
@@ -98,7 +99,7 @@ def run_one(backend, args, mesh, peak):
   train_step = step_lib.build_train_step(cfg, mesh, tx)
   state = dict(zip(("params", "opt_state"), train_step.init_state()))
   host = batch_lib.random_documents(0, b, length, cfg.vocab_size, cfg.layout,
-                                    mesh.shape["sequence"])
+                                    shd.ring_size(mesh.shape))
   batch = jax.device_put(host, batch_lib.shardings(mesh))
   t0 = time.perf_counter()
   compiled = train_step.compile((b, length), state["params"], state["opt_state"])

@@ -18,7 +18,10 @@ The registered backends: ``"ring"``, ``"all_gather"``, ``"ulysses"``,
 ``"hybrid"`` and ``"auto"``, each :func:`ring_jax.attention_sharded` with that
 ``strategy`` (the hybrid's two mesh axes are ``cfg.hybrid_axes``; ``"auto"``
 is :func:`ring_jax.plan`'s pick, decided by :func:`plan_attention`), and
-``"dense"``, the single-device reference. Adding a backend is one entry:
+``"dense"``, the single-device reference. On a mesh with ``sequence_outer > 1``
+the sequence axis is the pair ``(sequence_outer, sequence)`` (:func:`sequence_axis`):
+``"ring"`` is then the two-level ring; the backends of :data:`PAIR_BACKENDS` run
+there, the others raise (:func:`check_sequence_axes`). Adding a backend is one entry:
 ``register_attention("name", fn)``. Pure JAX: importing this module needs no Flax.
 """
 

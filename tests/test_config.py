@@ -181,7 +181,11 @@ def test_two_level_mesh_validates(attention):
   config = tiny(**{"mesh.data": 1, "mesh.sequence_outer": 2, "model.attention": attention})
   sizes = cfg_lib.validate_config(config, num_devices=8)
   assert sizes == dict(data=1, pipeline=1, sequence_outer=2, sequence=4, tensor=1)
-  assert attn_lib.sequence_axis(cfg_lib.make_mesh(config.mesh)) == ("sequence_outer", "sequence")
+  mesh = cfg_lib.make_mesh(config.mesh)
+  assert attn_lib.sequence_axis(mesh) == ("sequence_outer", "sequence")
+  resolved, _ = cfg_lib.resolve_attention(config, cfg_lib.llama_config(config), mesh)
+  # "auto": ring_jax.plan over the pair (2, 4), among the strategies that run on it.
+  assert resolved.attention in (("ring", "all_gather") if attention == "auto" else (attention,))
   with pytest.raises(ConfigError, match="multiple of 16"):  # zigzag over 8: 16 chunks
     cfg_lib.validate_config(tiny(**{"mesh.data": 1, "mesh.sequence_outer": 2,
                                     "model.attention": attention, "data.seq_len": 264}), 8)

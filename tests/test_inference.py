@@ -76,15 +76,19 @@ def oracle(params):
   return _dense_greedy(_cfg(), params, PROMPTS, STEPS)
 
 
-@pytest.mark.parametrize("layout,padding,auto", [("zigzag", "left", True),
-                                                 ("contiguous", "right", True),
-                                                 ("zigzag", "right", False),
-                                                 ("document", "right", True)])
-def test_greedy_matches_dense_recompute(params, oracle, layout, padding, auto):
-  """sequence=4 x tensor=2, GQA, a batch of different lengths (one row packs 2 documents);
-  Auto and Explicit mesh axes."""
+SEQ_TENSOR = dict(sequence=4, tensor=2)
+
+
+@pytest.mark.parametrize("layout,padding,auto,sizes", [
+    ("zigzag", "left", True, SEQ_TENSOR), ("contiguous", "right", True, SEQ_TENSOR),
+    ("zigzag", "right", False, SEQ_TENSOR), ("document", "right", True, SEQ_TENSOR),
+    # The two-level mesh: prefill by the two-level ring, the cache over both axes.
+    ("zigzag", "left", False, dict(sequence_outer=2, sequence=4))])
+def test_greedy_matches_dense_recompute(params, oracle, layout, padding, auto, sizes):
+  """sequence=4 x tensor=2 (and sequence_outer=2 x sequence=4), GQA, a batch of different
+  lengths (one row packs 2 documents); Auto and Explicit mesh axes."""
   cfg = _cfg(layout=layout)
-  mesh = model_utils.make_mesh(auto=auto, sequence=4, tensor=2)
+  mesh = model_utils.make_mesh(auto=auto, **sizes)
   sharded = shd.shard_params(params, mesh)
   gen = inference.Generator(cfg, sharded, mesh, CACHE_LEN)
   tokens = np.stack(list(gen.generate(PROMPTS, STEPS, padding=padding)), axis=1)
