@@ -112,9 +112,9 @@ def check_sequence_axes(strategy: str, seq_axis) -> None:
   ulysses and hybrid need one sequence axis)."""
   if isinstance(seq_axis, tuple) and strategy not in PAIR_BACKENDS:
     raise ValueError(
-        f"attention={strategy!r} runs over one sequence axis; the mesh splits the sequence "
-        f"over {seq_axis} (sequence_outer > 1, the two-level ring): use attention='ring' "
-        f"(or one of {PAIR_BACKENDS}), or mesh.sequence_outer=1.")
+        f"model.attention={strategy!r} runs over one sequence axis, but the mesh splits the "
+        f"sequence over {seq_axis} (mesh.sequence_outer > 1: the two-level ring); use "
+        f"model.attention='ring' (or one of {PAIR_BACKENDS}), or mesh.sequence_outer=1.")
 
 
 #: The sequence-parallel strategies of :func:`ring_jax.attention_sharded`, each a backend

@@ -22,7 +22,7 @@ def _tiny_config(**data_overrides):
 
 @pytest.fixture(scope="module")
 def mesh():
-  devices = np.asarray(jax.devices()[:8]).reshape(2, 1, 4, 1)
+  devices = np.asarray(jax.devices()[:8]).reshape(2, 1, 1, 4, 1)
   return jax.sharding.Mesh(devices, shd.MESH_AXES)
 
 
@@ -231,7 +231,7 @@ def test_batches_are_layout_ordered_and_sharded(mesh, sharding):
   assert global_batch["tokens"].sharding == sharding
   # Device (data=0, sequence=3) holds zigzag chunks 3 and 4 of rows 0-1.
   shard = next(s for s in global_batch["tokens"].addressable_shards
-               if s.device == mesh.devices[0, 0, 3, 0])
+               if s.device == mesh.devices[0, 0, 0, 3, 0])
   np.testing.assert_array_equal(np.asarray(shard.data), natural["tokens"][:2][:, perm[48:64]])
 
 

@@ -15,6 +15,7 @@ from model_utils import graphdef as _graphdef
 from model_utils import make_mesh, packed_batch
 from model_utils import random_params as _random_params
 from models import sharding as shd
+from models.attention import attention
 from models.llama import Llama, LlamaConfig, create_sharded_model
 from models.sharding import param_shardings
 
@@ -107,6 +108,13 @@ def test_two_level_sequence_rules():
     at = np.argwhere(two.devices == shard.device)[0]
     g, r = at[where["sequence_outer"]], at[where["sequence"]]
     np.testing.assert_array_equal(shard.data, np.arange(16)[(g * 4 + r) * 2:][:2])
+  # The model's backends that need one sequence axis say so on such a mesh.
+  q = jnp.zeros((1, 16, 4, 8))
+  for name in ("ulysses", "hybrid"):
+    cfg = LlamaConfig(**{**TINY, "attention": name})
+    with jax.set_mesh(two), pytest.raises(ValueError, match=f"model.attention='{name}' runs "
+                                          "over one sequence axis.*mesh.sequence_outer=1"):
+      attention(cfg, q, q, q, jnp.zeros((1, 16), jnp.int32), None)
 
 
 @pytest.mark.parametrize("auto", [False, True])

@@ -263,12 +263,11 @@ def check_model_parallelism(model_config, sizes: dict[str, int], seq_len: int) -
     ConfigError: naming the field and the fix.
   """
   m, ring, tensor = model_config, shd.ring_size(sizes), sizes["tensor"]
-  if sizes["sequence_outer"] > 1 and m.attention not in attn_lib.PAIR_BACKENDS:
-    raise ConfigError(
-        f"model.attention={m.attention!r} runs over one sequence axis, but "
-        f"mesh.sequence_outer={sizes['sequence_outer']} splits the sequence over two "
-        f"(sequence_outer x sequence, the two-level ring): use model.attention='ring' (or one "
-        f"of {attn_lib.PAIR_BACKENDS}), or mesh.sequence_outer=1.")
+  if sizes["sequence_outer"] > 1:  # the length rule's pair: the two-level ring
+    try:
+      attn_lib.check_sequence_axes(m.attention, ("sequence_outer", "sequence"))
+    except ValueError as e:
+      raise ConfigError(str(e)) from None
   heads_here = m.num_heads // tensor
   kv_here = m.num_kv_heads // tensor if m.num_kv_heads % tensor == 0 else m.num_kv_heads
   if m.attention == "ulysses" and ring > 1 and (
