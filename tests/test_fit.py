@@ -31,7 +31,8 @@ def test_mesh_with_a_pipeline_axis():
   proc, lines = fit(*args, "--config.model.num_layers=2", "--seq_len", "256")
   assert proc.returncode == 0, proc.stderr[-3000:]
   one = json.loads(lines[-1])
-  assert one["mesh"] == {"data": 1, "pipeline": 2, "sequence": 2, "tensor": 1}
+  assert one["mesh"] == {"data": 1, "pipeline": 2, "sequence_outer": 1, "sequence": 2,
+                         "tensor": 1}
   check_row(one["checked"][0])
   bad, _ = fit(*args, "--config.model.num_layers=3", "--seq_len", "256")
   assert bad.returncode != 0 and "mesh.pipeline=2 stages do not divide" in bad.stderr
@@ -50,7 +51,8 @@ def test_one_length_then_search_finds_it():
   assert proc.returncode == 0, proc.stderr[-3000:]
   one = json.loads(lines[-1])
   assert one["seq_len"] == 256 and one["fits"] is True
-  assert one["mesh"] == {"data": 1, "pipeline": 1, "sequence": 2, "tensor": 1}
+  assert one["mesh"] == {"data": 1, "pipeline": 1, "sequence_outer": 1, "sequence": 2,
+                         "tensor": 1}
   assert one["batch_rows"] == 2
   (row,) = one["checked"]
   check_row(row)

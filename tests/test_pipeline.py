@@ -171,7 +171,7 @@ def test_pipeline_alone_runs_with_default_microbatches():
   """--config.mesh.pipeline=2 alone: validates, with 2 x 2 microbatches of the 8 rows."""
   config = small_config(**{"mesh.pipeline": 2})
   sizes = cfg_lib.validate_config(config, num_devices=2)
-  assert sizes == dict(data=1, pipeline=2, sequence=1, tensor=1)
+  assert sizes == dict(data=1, pipeline=2, sequence_outer=1, sequence=1, tensor=1)
   assert pipeline_lib.resolve_microbatches(None, config.batch_size, 2) == 4
 
 
@@ -237,5 +237,6 @@ def test_llama_7b_on_all_four_axes_validates():
   from configs import llama_7b
 
   config = llama_7b.get_config("4d")
-  assert cfg_lib.validate_config(config, 256) == dict(data=2, pipeline=4, sequence=8, tensor=4)
+  assert cfg_lib.validate_config(config, 256) == dict(data=2, pipeline=4, sequence_outer=1,
+                                                      sequence=8, tensor=4)
   assert config.model.num_layers // 4 == 8 and config.model.pipeline_microbatches == 8
