@@ -505,7 +505,7 @@ def plan(*, batch: int, seq_len: int, heads: int, head_dim: int, kv_heads: int |
          link_bandwidth: float | None = None, network_bandwidth: float | None = None,
          memory_bytes: float | None = None, backward: bool = True, block: int | None = None,
          strategies=None, fast_domain: int | None = None,
-         causal_routing: bool = False) -> Plan:
+         causal_routing: bool | None = None) -> Plan:
   """Predicts each sequence-parallel strategy's cost per device and picks one.
 
   Args:
@@ -575,7 +575,7 @@ def plan(*, batch: int, seq_len: int, heads: int, head_dim: int, kv_heads: int |
                d=head_dim, e=_dtype_bytes(dtype), seq_len=seq_len, is_causal=is_causal,
                window=window, layout=layout, backward=backward, block=block,
                fast_domain=fast_domain,
-               causal_routing=scheduling.check_routing(causal_routing))
+               causal_routing=scheduling.check_routing(causal_routing, layout, is_causal))
   budget = float(memory_bytes or spec.memory_bytes or math.inf)
   estimates = []
   for name, split in candidates:

@@ -17,8 +17,8 @@ is back on the device that owns the shard. Nothing per hop is stored, so memory
 is linear in the local length (autodiff through the loop would keep every
 hop's scores).
 
-With ``causal_routing=True`` (:func:`_forward_routed`, :func:`_backward_routed`)
-each part of a shard travels only to the devices that can see it, along the
+With causal routing (:func:`_forward_routed`, :func:`_backward_routed`; the
+default for causal contiguous rings, ``causal_routing=True`` for the others) each part of a shard travels only to the devices that can see it, along the
 routes of :func:`ring_jax.scheduling.routes` (zigzag: early chunks forward,
 late chunks backward), and each dK/dV accumulator goes home from the last
 device that uses it; each hop's own transfers are picked in the hop loop by a
@@ -77,7 +77,7 @@ def ring_attention(query, key, value, *, axis_name, is_causal: bool = False, seg
                    layout: str = "contiguous", block_q: int | None = None,
                    block_kv: int | None = None, precision=None,
                    hop_kernel: str | HopKernel = "auto", return_lse: bool = False,
-                   overlap_dkv: bool = False, causal_routing: bool = False):
+                   overlap_dkv: bool = False, causal_routing: bool | None = None):
   """Exact attention over a sequence sharded along mesh axis ``axis_name``.
 
   Call inside ``jax.shard_map`` (or any context where ``axis_name`` is bound)
@@ -131,13 +131,14 @@ def ring_attention(query, key, value, *, axis_name, is_causal: bool = False, seg
     causal_routing: move each K/V part only to the devices that can see it
       (:func:`ring_jax.scheduling.routes`), forward and backward (dK/dV then
       go home straight from the last device that uses them). Contiguous
-      causal: half the K/V bytes; zigzag: early chunks go forward, late chunks
-      backward, 0.75x the bytes under a causal mask and one chunk per link
-      direction per hop, at the price of a per-hop imbalance of the causal
-      work; striped: nothing to drop (every device sees every shard). Exact
-      in every case. Off by default (:func:`ring_jax.scheduling.check_routing`,
-      docs/performance.md): zigzag's per-hop imbalance, and wall time not yet
-      measured against the full rotation.
+      causal: half the K/V bytes, the same work at every hop; zigzag: early
+      chunks go forward, late chunks backward, 0.75x the bytes under a causal
+      mask and one chunk per link direction per hop, at the price of a per-hop
+      imbalance of the causal work; striped: nothing to drop (every device
+      sees every shard). Exact in every case. ``None`` (default): on for
+      causal contiguous rings, off otherwise
+      (:func:`ring_jax.scheduling.check_routing`, docs/performance.md);
+      ``True`` / ``False`` force it.
 
   Returns:
     local ``[B, T, N, H]`` in ``query.dtype``, equal to dense attention over
@@ -172,7 +173,7 @@ def _grouped(attend, cfg, query, key, value, segment_ids, return_lse: bool):
 def _make_config(query, key, value, *, axis_name, is_causal, segment_ids, scale,
                  local_window_size, layout, block_q, block_kv, precision,
                  hop_kernel, return_lse=False, overlap_dkv=False,
-                 causal_routing=False) -> _RingConfig:
+                 causal_routing=None) -> _RingConfig:
   layouts.check_layout(layout)
   window = scheduling.normalize_window(local_window_size)
   validation.check_qkv(query, key, value, is_causal=is_causal or window is not None,
@@ -197,7 +198,7 @@ def _make_config(query, key, value, *, axis_name, is_causal, segment_ids, scale,
   kernel.check((b, t, kh, n // kh, h), tuple(key.shape), query.dtype, spec)
   hops = scheduling.hop_range(layout, ring_size, s, bool(is_causal), window)
   routes = None
-  if scheduling.check_routing(causal_routing) and t == s and ring_size > 1:
+  if scheduling.check_routing(causal_routing, layout, is_causal) and t == s and ring_size > 1:
     routes = scheduling.routes(layout, ring_size, s, bool(is_causal), window)
     routes = routes if routes.routed else None
   return _RingConfig(axis_name=axis_name, ring_size=ring_size, layout=layout, spec=spec,
@@ -311,7 +312,7 @@ def _routed_masks(cfg: _RingConfig, device, hop, q_pos, seg, kv_seg, v_finite=No
 
 def _forward_routed(cfg: _RingConfig, q, k, v, seg):
   """:func:`_forward` on the routes of :func:`ring_jax.scheduling.routes`: the hops in one
-  ``fori_loop`` (the last peeled), each hop's own transfers
+  ``fori_loop`` (the last peeled; inline when one is left), each hop's own transfers
   (:attr:`ring_jax.scheduling.Stream.arrive`) picked by :func:`_hop_send`."""
   routes = cfg.routes
   first, last = cfg.hops
@@ -343,7 +344,9 @@ def _forward_routed(cfg: _RingConfig, q, k, v, seg):
       nxt = _hop_send(i, rows, (0, len(hops) - 1), cfg.axis_name, held)
     return nxt, compute(i, held, acc, "hop")
 
-  if len(hops) > 1:
+  if len(hops) == 2:  # one trip: inline, as _over_hops does
+    held, acc = body(0, (held, acc))
+  elif len(hops) > 2:
     held, acc = jax.lax.fori_loop(0, len(hops) - 1, body, (held, acc))
   out, lse = compute(len(hops) - 1, held, acc, "last_hop")
   return out.astype(q.dtype), lse

@@ -367,7 +367,7 @@ def hop_range(layout: str, ring_size: int, local_len: int, is_causal: bool,
 @functools.lru_cache(maxsize=256)
 def schedule(layout: str, ring_size: int, local_len: int, block_q: int, block_kv: int,
              is_causal: bool = False, local_window_size=None,
-             causal_routing: bool = False) -> Schedule:
+             causal_routing: bool | None = None) -> Schedule:
   """Builds the block schedule of a ring pass (see :class:`Schedule`).
 
   A block pair is skipped when no (query, key) pair in it is allowed by the
@@ -376,8 +376,9 @@ def schedule(layout: str, ring_size: int, local_len: int, block_q: int, block_kv
   which the ring builds on device from the same positions, hop by hop, rather
   than carrying an ``[n, n, P]`` table. Segment ids are data, not layout: with
   them a hop's table skips further pairs (blocks sharing no document).
-  ``causal_routing`` as in :func:`ring_jax.ring_attention`: with it the schedule is the
-  routed ring's (:attr:`Schedule.routes` says which part moves where at each hop).
+  ``causal_routing`` as in :func:`ring_jax.ring_attention` (default: routed for causal
+  contiguous, :func:`check_routing`): routed, the schedule is the routed ring's
+  (:attr:`Schedule.routes` says which part moves where at each hop).
   """
   layouts.check_length(layout, ring_size, ring_size * local_len,
                        f"sequence length ({ring_size} x local length {local_len})")
@@ -388,7 +389,7 @@ def schedule(layout: str, ring_size: int, local_len: int, block_q: int, block_kv
   window = normalize_window(local_window_size)
   n = ring_size
   route = None
-  if check_routing(causal_routing) and n > 1:
+  if check_routing(causal_routing, layout, is_causal) and n > 1:
     route = routes(layout, n, local_len, bool(is_causal), window)
     route = route if route.routed else None
   nq, nk = local_len // block_q, local_len // block_kv
@@ -510,17 +511,28 @@ class Routes:
     return max(per.values(), default=0) / self.local_len
 
 
-def check_routing(causal_routing) -> bool:
-  """``causal_routing`` as a bool (``TypeError`` for anything else).
+#: The layouts whose causal rings route K/V by default (``causal_routing=None``): contiguous
+#: routing drops half the K/V bytes and keeps every hop's work as the full rotation's
+#: (docs/performance.md). Zigzag's two-way routing, and the document layout that runs as
+#: zigzag, stay opt-in: they shift causal work between hops (critical path 1.18x at ring 8).
+ROUTED_BY_DEFAULT: tuple[str, ...] = ("contiguous",)
 
-  Off by default: zigzag's two-way routing changes the per-hop balance of the causal work
-  (critical path 1.18x at ring 8, docs/performance.md), and the routed ring's wall time has
-  not been measured against the full rotation yet. Temp memory is the full rotation's
-  forward and +10% fwd+bwd, compile time 1.05-1.2x (hops in one loop,
-  ``ring_jax.ring._hop_send``; docs/performance.md).
+
+def check_routing(causal_routing, layout: str | None = None, is_causal: bool = True) -> bool:
+  """Whether a ring routes its K/V (:func:`routes`): ``causal_routing`` resolved.
+
+  ``True`` / ``False``: as given. ``None`` (the default everywhere): on for causal
+  rings in the layouts of :data:`ROUTED_BY_DEFAULT` (``layout`` and ``is_causal`` say
+  which ring; without ``layout``, off). ``TypeError`` for anything else. Routing is
+  exact in every layout; contiguous causal moves half the bytes with the same work per
+  hop, for +10% temp fwd+bwd and 1.05-1.2x the compile time (docs/performance.md).
   """
+  if causal_routing is None:
+    return bool(is_causal) and layout in ROUTED_BY_DEFAULT
   if not isinstance(causal_routing, (bool, np.bool_)):
-    raise TypeError(f"causal_routing must be True or False, got {causal_routing!r}.")
+    raise TypeError(f"causal_routing must be None (the default: on for causal "
+                    f"{'/'.join(ROUTED_BY_DEFAULT)} rings), True or False, got "
+                    f"{causal_routing!r}.")
   return bool(causal_routing)
 
 

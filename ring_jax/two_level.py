@@ -75,7 +75,7 @@ def two_level_ring_attention(query, key, value, *, axis_name, is_causal: bool = 
                              local_window_size=None, layout: str = "contiguous",
                              block_q: int | None = None, block_kv: int | None = None,
                              precision=None, hop_kernel="auto", return_lse: bool = False,
-                             overlap_dkv: bool = False, causal_routing: bool = False):
+                             overlap_dkv: bool = False, causal_routing: bool | None = None):
   """Exact attention over a sequence sharded over two mesh axes ``(outer, inner)``.
 
   Call inside ``jax.shard_map`` on the local shards of a sequence split over
@@ -86,9 +86,9 @@ def two_level_ring_attention(query, key, value, *, axis_name, is_causal: bool = 
   ring ahead of their use (module docstring). Every other argument and the
   result as in :func:`ring_jax.ring_attention`; with the same inputs the two
   compute the same attention (``ring_attention(axis_name=(outer, inner))`` is
-  the flat ring over both axes). ``causal_routing=True`` is refused: both
-  levels rotate every shard the whole way (the flat ring's routing does not
-  apply to the two rings yet).
+  the flat ring over both axes). Both levels rotate every shard the whole
+  way: the default ``causal_routing=None`` runs unrouted here, and ``True`` is
+  refused (the flat ring's routing does not apply to the two rings yet).
   """
   if scheduling.check_routing(causal_routing):
     raise NotImplementedError(

@@ -38,8 +38,16 @@ def test_routes_move_what_the_causal_mask_uses():
   assert zig.kv_fraction() == 0.75 and zig.max_chunks_per_link() == 0.5
   assert not scheduling.routes("striped", n, 16, True).routed
   assert not scheduling.routes("contiguous", n, 16, False).routed
-  with pytest.raises(TypeError, match="causal_routing"):
-    scheduling.check_routing(None)
+  # The default (None): routed for causal contiguous rings only.
+  assert scheduling.check_routing(None, "contiguous", True)
+  assert not scheduling.check_routing(None, "contiguous", False)
+  assert not any(scheduling.check_routing(None, lay, True) for lay in ("zigzag", "striped"))
+  assert scheduling.check_routing(True, "zigzag", True)
+  assert not scheduling.check_routing(False, "contiguous", True)
+  with pytest.raises(TypeError, match="causal_routing must be None"):
+    scheduling.check_routing("yes", "contiguous", True)
+  default = ring_jax.schedule("contiguous", n, 16, 4, 4, True)
+  assert default.routes is not None and default.routes.streams == con.streams
 
 
 def test_routed_zigzag_schedule_keeps_the_work_and_shows_its_balance():
@@ -145,7 +153,9 @@ def _permute_bytes(hlo: str, scope: str = ""):
 @pytest.mark.parametrize("layout,limit", [("contiguous", 0.55), ("zigzag", 0.80)])
 def test_routed_rings_move_fewer_bytes_in_the_compiled_program(layout, limit):
   """Ring of 8: the collective-permute bytes of the causal (routed) ring over those of the
-  non-causal (full rotation) ring, forward and forward+backward, from the compiled HLO."""
+  non-causal (full rotation) ring, forward and forward+backward, from the compiled HLO.
+  Contiguous runs with the default ``causal_routing`` (routed when causal, full when not),
+  zigzag with it on."""
   n = 8
   mesh = make_mesh((n,), ("sequence",))
   q, k, v = qkv(0, 1, 16 * n, 4, 2, 8)
@@ -154,7 +164,7 @@ def test_routed_rings_move_fewer_bytes_in_the_compiled_program(layout, limit):
   for causal in (True, False):
     fn = jax.shard_map(functools.partial(
         ring_jax.ring_attention, axis_name="sequence", is_causal=causal, layout=layout,
-        block_q=4, block_kv=4, causal_routing=causal),
+        block_q=4, block_kv=4, causal_routing=None if layout == "contiguous" else causal),
         mesh=mesh, in_specs=(spec,) * 3, out_specs=spec)
     fwd_bwd = jax.grad(lambda q, k, v: fn(q, k, v).sum(), argnums=(0, 1, 2))
     hlo = jax.jit(fwd_bwd).lower(q, k, v).compile().as_text()

@@ -58,7 +58,7 @@ def attention_sharded(query, key, value, *, mesh=None, strategy: str = "auto",
                       segment_ids=None, scale: float | None = None, local_window_size=None,
                       layout: str = "contiguous", inputs_in_layout: bool = False,
                       block_q: int | None = None, block_kv: int | None = None, precision=None,
-                      hop_kernel: str | HopKernel = "auto", causal_routing: bool = False):
+                      hop_kernel: str | HopKernel = "auto", causal_routing: bool | None = None):
   """Sequence-parallel attention on global ``[B, L, N, H]`` arrays, by any strategy.
 
   Args:

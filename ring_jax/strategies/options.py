@@ -31,7 +31,7 @@ class AttentionOptions:
   hop_kernel: str | HopKernel = "auto"
   return_lse: bool = False
   overlap_dkv: bool = False
-  causal_routing: bool = False
+  causal_routing: bool | None = None
 
   @classmethod
   def from_keywords(cls, keywords: dict) -> "AttentionOptions":
