@@ -8,9 +8,9 @@ compile at LLVM -O0 (``--xla_backend_optimization_level=0``, as one builds unit
 tests in debug mode): the same HLO programs, passes and buffer assignment
 (memory figures are unchanged), but machine code that is slower to run and much
 faster to produce (about -30% of the suite's time). Set ``XLA_FLAGS`` with your
-own ``--xla_backend_optimization_level`` to test optimised code. The ``train.py``
-subprocesses some tests start compile as users get it (their environment drops
-``XLA_FLAGS``).
+own ``--xla_backend_optimization_level`` to test optimised code. The ``train.py`` and
+benchmark subprocesses some tests start compile the same way (``tests/train_procs.env``
+passes them these flags minus the device count: they size their own devices).
 
 JAX's persistent compilation cache is deliberately not used: with jax 0.10.2
 on CPU, the train step of ``train.py`` loaded from it computed different

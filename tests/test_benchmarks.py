@@ -21,6 +21,7 @@ from models import attention as attn_lib
 from models import sharding as shd
 from models.llama import LlamaConfig
 from ring_jax import hardware
+import train_procs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -123,7 +124,7 @@ def test_gpu_check_dry_run(tmp_path):
   import json
 
   out_json = tmp_path / "gpu_check.json"
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env = train_procs.env()
   env.update(GPU_CHECK_DRY="1", GPU_CHECK_MAX_LEN="1024", GPU_CHECK_OUT=str(out_json),
              PATH=os.path.dirname(sys.executable) + ":" + env["PATH"])
   proc = subprocess.run(["bash", os.path.join(ROOT, "benchmarks", "gpu_check.sh")], env=env,

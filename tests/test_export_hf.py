@@ -20,6 +20,7 @@ from models import convert_hf
 from models import sharding as shd
 from models.llama import LlamaConfig
 from training import config as cfg_lib
+import train_procs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MESH = dict(data=2, sequence=4, tensor=1)
@@ -232,8 +233,7 @@ def test_finetune_export_loads_in_transformers(tmp_path, hf):
   texts = make_tiny_hf.corpus_texts(400)
   make_tiny_hf.write_tokenizer(path, texts, vocab_size=320)
   corpus = make_tiny_hf.write_corpus(str(tmp_path / "corpus.jsonl"), texts)
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # train.py makes devices
-  env["JAX_PLATFORMS"] = "cpu"
+  env = train_procs.env()  # train.py sizes its own devices
   workdir = tmp_path / "run"
   cmd = [sys.executable, os.path.join(ROOT, "train.py"),
          "--config", os.path.join(ROOT, "configs", "finetune.py"), "--workdir", str(workdir),
@@ -334,8 +334,7 @@ def test_readme_finetune_block_runs(tmp_path):
   commands = readme_finetune_commands()
   assert [c[1] for c in commands] == ["scripts/make_tiny_hf.py", "train.py", "export_hf.py",
                                       "generate.py"]
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-  env["JAX_PLATFORMS"] = "cpu"
+  env = train_procs.env()  # train.py sizes its own devices
   outputs = []
   for argv in commands:
     argv = [sys.executable] + [a.replace("/tmp/", f"{tmp_path}/") for a in argv[1:]]

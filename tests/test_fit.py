@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+import train_procs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GIB = 2 ** 30
@@ -17,10 +18,8 @@ SMALL = ["--config", os.path.join(ROOT, "configs", "tiny.py"), "--devices", "2",
 
 
 def fit(*args):
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-  env["PYTHONPATH"] = ROOT
   proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "fit.py"), *args],
-                        env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
+                        env=train_procs.env(), capture_output=True, text=True, timeout=300, cwd=ROOT)
   return proc, proc.stdout.strip().splitlines()
 
 

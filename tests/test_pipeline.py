@@ -20,6 +20,7 @@ from training import batch as batch_lib
 from training import config as cfg_lib
 from training import data as data_lib
 from training import step as step_lib
+import train_procs
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -179,8 +180,7 @@ def train_py(workdir, stop_at_step, **overrides):
   """``python train.py --config configs/tiny.py --stop_at_step=N`` with SMALL's fields (and
   RUN's) as ``--config.*`` flags; returns (stdout, losses by step from metrics.jsonl)."""
   flat = {**SMALL, **RUN, **overrides}
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # train.py makes devices
-  env["JAX_PLATFORMS"] = "cpu"
+  env = train_procs.env()  # train.py sizes its own devices
   cmd = [sys.executable, os.path.join(ROOT, "train.py"), "--config",
          os.path.join(ROOT, "configs", "tiny.py"), "--workdir", str(workdir),
          f"--stop_at_step={stop_at_step}", *(f"--config.{k}={v}" for k, v in flat.items())]

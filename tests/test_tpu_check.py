@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import train_procs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 IMPLS = ["pallas_tpu hop", "splash", "ring_jax ring=1 [xla]", "ring_jax ring=1 [pallas_tpu]"]
@@ -14,7 +15,7 @@ IMPLS = ["pallas_tpu hop", "splash", "ring_jax ring=1 [xla]", "ring_jax ring=1 [
 
 def test_tpu_check_dry_run(tmp_path):
   out = tmp_path / "tpu_check.json"
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env = train_procs.env()
   env.update(TPU_CHECK_DRY="1", TPU_CHECK_OUT=str(out),
              PATH=os.path.dirname(sys.executable) + ":" + env["PATH"])
   proc = subprocess.run(["bash", os.path.join(ROOT, "benchmarks", "tpu_check.sh")], env=env,

@@ -20,6 +20,7 @@ from training import batch as batch_lib
 from training import config as cfg_lib
 from training import data as data_lib
 from training import step as step_lib
+import train_procs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -196,8 +197,7 @@ def test_train_py_end_to_end(tmp_path):
   the two-level ring (mesh.sequence_outer=2 groups of sequence=4), striped over the ring of 8."""
   gin_file = tmp_path / "short.gin"
   gin_file.write_text("config.total_steps = 4\nmodel.dim = 32\n")
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # train.py makes devices
-  env["JAX_PLATFORMS"] = "cpu"
+  env = train_procs.env()  # train.py sizes its own devices
   workdir = tmp_path / "run"
   cmd = [sys.executable, os.path.join(ROOT, "train.py"),
          "--config", os.path.join(ROOT, "configs", "tiny.py") + ":striped",
