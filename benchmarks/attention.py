@@ -100,23 +100,32 @@ def paper_local(paper_fn, *, is_causal, chunk, dtype):
 # Implementations as functions of global [B, L, N, H] arrays (inputs in layout order)
 # ----------------------------------------------------------------------------
 
+#: ``ring-<layout>+<suffix>``: the ring's ``causal_routing`` (no suffix: the library's
+#: default, routed for causal contiguous only, ``ring_jax.scheduling.check_routing``).
+ROUTING_SUFFIXES = {"routed": True, "full": False}
+
+
 def ring_variant(name):
-  """``"ring-<layout>[+routed][:<hop kernel>]"`` -> ``(layout, hop kernel name, routed)``
-  (kernel default ``"auto"``; e.g. ``ring-zigzag:pallas_gpu``, which runs in interpret mode
-  on CPU; ``+routed``: ``causal_routing=True``)."""
+  """``"ring-<layout>[+routed|+full][:<hop kernel>]"`` -> ``(layout, hop kernel name,
+  causal_routing)`` (kernel default ``"auto"``; e.g. ``ring-zigzag:pallas_gpu``, which runs
+  in interpret mode on CPU; ``+routed`` / ``+full``: ``causal_routing=True`` / ``False``,
+  no suffix: ``None``, the default)."""
   layout, _, kernel = name[len("ring-"):].partition(":")
-  layout, plus, _ = layout.partition("+routed")
-  return layout, kernel or "auto", bool(plus)
+  layout, _, suffix = layout.partition("+")
+  if suffix and suffix not in ROUTING_SUFFIXES:
+    raise ValueError(f"{name!r}: the suffix after '+' must be one of "
+                     f"{sorted(ROUTING_SUFFIXES)}.")
+  return layout, kernel or "auto", ROUTING_SUFFIXES.get(suffix)
 
 
 def make_impl(name, *, mesh, is_causal, dtype, block, paper_fn=None):
   """Returns ``(f(q, k, v) -> out, layout, on_one_device)`` or raises."""
   spec = P(None, AXIS, None, None)
   if name.startswith("ring-"):
-    layout, kernel, routed = ring_variant(name)
+    layout, kernel, routing = ring_variant(name)
     local = functools.partial(ring_jax.ring_attention, axis_name=AXIS, is_causal=is_causal,
                               layout=layout, block_q=block, block_kv=block, hop_kernel=kernel,
-                              causal_routing=routed)
+                              causal_routing=routing)
     return jax.shard_map(local, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec), layout, False
   if name.startswith("allgather"):
     layout = name.split("-", 1)[1] if "-" in name else "contiguous"

@@ -22,8 +22,10 @@ the slowest process's, the reported figure the median over repetitions. The
 table also shows each layout's critical path from ``ring_jax.schedule`` (in
 full local hops), the work the slowest device does.
 
-``--impls ring-zigzag,ring-zigzag+routed,...`` compares the full rotation with the routed
-one (``causal_routing=True``; the critical path column is then the routed schedule's).
+``--impls ring-contiguous+full,ring-contiguous,ring-zigzag,ring-zigzag+routed,...`` compares
+the full rotation with the routed one (``+full`` / ``+routed``: ``causal_routing=False`` /
+``True``; no suffix: the default, routed for contiguous only; the critical path column is
+the schedule of the ring that ran).
 
 Writes ``<out>/balance_cpu.json`` and ``.log``. ``--dry-run``: one short
 length, one repetition, no warm-up (a smoke test; the numbers mean nothing).
@@ -53,9 +55,11 @@ WORKER_XLA_FLAGS = ("--xla_force_host_platform_device_count=1 "
 ONE_THREAD_ENV = {name: "1" for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS",
                                          "OPENBLAS_NUM_THREADS")}
 IMPLS = ("ring-contiguous", "ring-zigzag", "ring-striped", "paper")
-#: Also accepted by --impls: the routed rings (causal_routing=True), e.g. to compare the full
-#: and the routed rotation where transfers are exposed (short local lengths).
-ROUTED = ("ring-contiguous+routed", "ring-zigzag+routed")
+#: Also accepted by --impls: each ring with its routing forced (+full: causal_routing=False,
+#: +routed: True), e.g. to compare the full and the routed rotation where transfers are
+#: exposed (short local lengths).
+ROUTED = ("ring-contiguous+full", "ring-contiguous+routed", "ring-zigzag+full",
+          "ring-zigzag+routed")
 
 
 def ints(s):
@@ -242,8 +246,8 @@ def merge(args, workers: list[dict]) -> dict:
     n, length = args.processes, row["length"]
     local = length // n
     b = row["block"] or default_block(row["layout"], local)
-    routed = row["impl"].startswith("ring-") and bench_variant(row["impl"])[2]
-    sched = ring_jax.schedule(row["layout"], n, local, b, b, True, causal_routing=routed)
+    routing = bench_variant(row["impl"])[2] if row["impl"].startswith("ring-") else False
+    sched = ring_jax.schedule(row["layout"], n, local, b, b, True, causal_routing=routing)
     unit = (local * local) / (b * b)  # block pairs of one full local hop
     rows.append(dict(
         impl=row["impl"], layout=row["layout"], length=length, block=row["block"],

@@ -174,6 +174,17 @@ def test_balance_dry_run(tmp_path):
   assert "ring-zigzag" in (tmp_path / "balance_cpu.log").read_text()
 
 
+def test_ring_variant_names_the_routing():
+  """``ring-<layout>[+routed|+full][:kernel]``: no suffix is the library default (None)."""
+  from benchmarks.attention import ring_variant
+
+  assert ring_variant("ring-contiguous") == ("contiguous", "auto", None)
+  assert ring_variant("ring-contiguous+full") == ("contiguous", "auto", False)
+  assert ring_variant("ring-zigzag+routed:xla") == ("zigzag", "xla", True)
+  with pytest.raises(ValueError, match="suffix after"):
+    ring_variant("ring-zigzag+fast")
+
+
 def test_packed_balance_dry_run(tmp_path):
   """benchmarks/packed_balance.py --dry-run: the document layout balances the block pairs
   the kernels compute per device where zigzag does not, and the JSON and log are written."""
