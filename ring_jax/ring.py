@@ -18,7 +18,8 @@ is linear in the local length (autodiff through the loop would keep every
 hop's scores).
 
 With causal routing (:func:`_forward_routed`, :func:`_backward_routed`; the
-default for causal contiguous rings, ``causal_routing=True`` for the others) each part of a shard travels only to the devices that can see it, along the
+default for causal contiguous rings, ``causal_routing=True`` for the others)
+each part of a shard travels only to the devices that can see it, along the
 routes of :func:`ring_jax.scheduling.routes` (zigzag: early chunks forward,
 late chunks backward), and each dK/dV accumulator goes home from the last
 device that uses it; each hop's own transfers are picked in the hop loop by a
