@@ -142,7 +142,8 @@ def device_bytes_limit(device=None) -> int | None:
 
 
 def parse_mesh(text: str, axes: Sequence[str] | None = None) -> dict[str, int]:
-  """``'data=1,sequence=8'`` -> ``{'data': 1, 'sequence': 8, 'tensor': 1}`` (axes not
+  """``'data=1,sequence=8'`` -> ``{'data': 1, 'pipeline': 1, 'sequence_outer': 1,
+  'sequence': 8, 'tensor': 1}`` (one entry per axis of ``axes``, in its order; axes not
   named are 1; ``axes``: the trainer's ``models.sharding.MESH_AXES`` by default).
 
   Raises:
