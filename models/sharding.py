@@ -106,12 +106,18 @@ def rules(tensor_sequence_parallel: bool | None = None) -> Rules:
                for name, target in LOGICAL_RULES)
 
 
+def length_axes() -> tuple[str, ...]:
+  """The mesh axes the ``length`` rule in force splits the sequence over, outer-major
+  (``("sequence_outer", "sequence")`` under :data:`LOGICAL_RULES`)."""
+  return _lookup("length", dict(active_rules()))
+
+
 def ring_size(axis_sizes: Mapping[str, int]) -> int:
   """Devices the ``length`` rule splits the sequence over, on a mesh of these axis sizes
   (``mesh.shape`` or a config's sizes; axes it lacks count 1): ``sequence_outer *
   sequence``, the combined ring the layouts span (the two-level ring's, or the flat
   ring's when ``sequence_outer`` is 1)."""
-  return math.prod(int(axis_sizes.get(a, 1)) for a in _lookup("length", dict(active_rules())))
+  return math.prod(int(axis_sizes.get(a, 1)) for a in length_axes())
 
 
 # The table in force where a call passes no rules= (None: LOGICAL_RULES); set by use_rules.

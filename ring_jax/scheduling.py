@@ -525,7 +525,8 @@ def check_routing(causal_routing, layout: str | None = None, is_causal: bool = T
   rings in the layouts of :data:`ROUTED_BY_DEFAULT` (``layout`` and ``is_causal`` say
   which ring; without ``layout``, off). ``TypeError`` for anything else. Routing is
   exact in every layout; contiguous causal moves half the bytes with the same work per
-  hop, for +10% temp fwd+bwd and 1.05-1.2x the compile time (docs/performance.md).
+  hop and, on CPU, in the same time, for two float32 K/V shards of temp in the backward
+  (its home dK/dV) and 1.05-1.2x the compile time (docs/performance.md).
   """
   if causal_routing is None:
     return bool(is_causal) and layout in ROUTED_BY_DEFAULT

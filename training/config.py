@@ -265,7 +265,7 @@ def check_model_parallelism(model_config, sizes: dict[str, int], seq_len: int) -
   m, ring, tensor = model_config, shd.ring_size(sizes), sizes["tensor"]
   if sizes["sequence_outer"] > 1:  # the length rule's pair: the two-level ring
     try:
-      attn_lib.check_sequence_axes(m.attention, ("sequence_outer", "sequence"))
+      attn_lib.check_sequence_axes(m.attention, shd.length_axes())
     except ValueError as e:
       raise ConfigError(str(e)) from None
   heads_here = m.num_heads // tensor
