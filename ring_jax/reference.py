@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -39,11 +41,22 @@ def reference_attention(query, key, value, *, is_causal: bool = False, segment_i
   validation.check_qkv(query, key, value, is_causal=is_causal or local_window_size is not None,
                        segment_ids=segment_ids)
   window = scheduling.normalize_window(local_window_size)
+  acc = jnp.float64 if query.dtype == jnp.float64 else jnp.float32
+  scale = validation.check_scale(scale, query.shape[-1], acc)
+  # One compiled program per shape and static choice: called eagerly (a test's oracle, a
+  # notebook), op-by-op dispatch would compile each of its ~20 operations on its own.
+  return _dense(query, key, value, segment_ids, q_positions, kv_positions,
+                is_causal=bool(is_causal), scale=scale, window=window)
+
+
+@functools.partial(jax.jit, static_argnames=("is_causal", "scale", "window"))
+def _dense(query, key, value, segment_ids, q_positions, kv_positions, *, is_causal: bool,
+           scale: float, window):
+  """:func:`reference_attention` after its checks (``window`` normalised, ``scale`` a float)."""
   b, t, n, h = query.shape
   s, kh = key.shape[1], key.shape[2]
   g = n // kh
   acc = jnp.float64 if query.dtype == jnp.float64 else jnp.float32
-  scale = validation.check_scale(scale, h, acc)
   q = query.astype(acc).reshape(b, t, kh, g, h)
   k, v = key.astype(acc), value.astype(acc)
   scores = jnp.einsum("btkgh,bskh->bkgts", q, k) * scale
