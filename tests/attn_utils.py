@@ -55,3 +55,12 @@ def assert_close(actual, expected, rtol=1e-5, atol=1e-5, what=""):
   worst = np.unravel_index(np.argmax(err - bound), err.shape)
   assert (err <= bound).all(), (
       f"{what}: max abs err {err.max():.3g}; worst at {worst}: {actual[worst]} vs {expected[worst]}")
+
+
+def programs_compiled(caplog, fn, *args, **kwargs):
+  """``(fn(*args, **kwargs), [what XLA compiled meanwhile])``, from ``jax.log_compiles``."""
+  caplog.clear()
+  with jax.log_compiles(), caplog.at_level("WARNING"):
+    result = fn(*args, **kwargs)
+  return result, [r.getMessage() for r in caplog.records
+                  if r.getMessage().startswith("Finished XLA compilation")]

@@ -1,5 +1,7 @@
 """The dense oracle agrees with jax.nn.dot_product_attention and with its own definition."""
 
+import functools
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -7,7 +9,7 @@ import numpy as np
 import pytest
 
 import ring_jax
-from attn_utils import assert_close, packed_segments, qkv
+from attn_utils import assert_close, packed_segments, programs_compiled, qkv
 
 
 @pytest.mark.parametrize("is_causal", [False, True])
@@ -94,3 +96,17 @@ def test_non_finite_scores_make_their_rows_non_finite():
   plus = np.asarray(q)[0, :, 0, 0] > 0
   np.testing.assert_array_equal(np.isnan(out).all(axis=(2, 3))[0], plus)
   assert np.isfinite(out[0, ~plus]).all()
+
+
+def test_an_eager_call_compiles_one_program_once(caplog):
+  """Called outside jit (an oracle, a notebook) the reference is one compiled program, reused
+  for the same shapes and options: not one program per operation."""
+  q, k, v = qkv(11, 1, 24, 4, 2, 8)
+  seg = packed_segments(1, 24, seed=3)
+  _, first = programs_compiled(caplog, ring_jax.reference_attention, q, k, v, is_causal=True,
+                               segment_ids=seg)
+  out, again = programs_compiled(caplog, ring_jax.reference_attention, q, k, v, is_causal=True,
+                                 segment_ids=seg)
+  assert len(first) == 1 and again == [], (first, again)
+  assert_close(out, jax.jit(functools.partial(ring_jax.reference_attention, is_causal=True))(
+      q, k, v, segment_ids=seg), 0, 0, "eager vs jit")

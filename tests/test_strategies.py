@@ -10,7 +10,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import ring_jax
-from attn_utils import assert_close, grads, make_mesh, packed_segments, qkv
+from attn_utils import assert_close, grads, make_mesh, packed_segments, programs_compiled, qkv
 
 
 def check(mesh, q, k, v, *, strategy, seq_axis="sequence", **kw):
@@ -213,3 +213,18 @@ def test_plan_and_hybrid_share_the_length_rule():
   q, k, v = qkv(13, 1, 10, 2, 2, 8)
   with pytest.raises(ValueError, match="must be even"):
     run(q, k, v)
+
+
+@pytest.mark.parametrize("strategy,seq_axis", [
+    ("ring", "sequence"), ("all_gather", "sequence"), ("ulysses", "sequence"),
+    ("hybrid", ("data", "sequence"))])
+def test_an_eager_call_compiles_the_sharded_attention_once(caplog, strategy, seq_axis):
+  """Outside jit, a bare shard_map would run its body op by op (one program per operation);
+  attention_sharded runs it as one program (and at most one more to place the inputs)."""
+  mesh = make_mesh((2, 4), ("data", "sequence"))
+  q, k, v = qkv(12, 1, 32, 4, 4, 8)
+  out, compiled = programs_compiled(
+      caplog, ring_jax.attention_sharded, q, k, v, mesh=mesh, strategy=strategy,
+      seq_axis=seq_axis, batch_axis=None, is_causal=True, layout="zigzag")
+  assert 1 <= len(compiled) <= 2, compiled
+  assert_close(out, ring_jax.reference_attention(q, k, v, is_causal=True), what=strategy)
