@@ -227,29 +227,3 @@ def test_non_finite_state_is_never_saved(tmp_path, saved_state):
   checkpointer.close()
   assert checkpointer.all_steps() == [1, 2]
   assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["1", "2"]
-
-
-def test_replica_parallel_splits_only_large_arrays(tmp_path, caplog):
-  """A replicated array is written in parts by its replicas (Orbax's replica-parallel save,
-  one device slice per part) only when each part holds REPLICA_PARALLEL_MIN_SLICE_BYTES;
-  smaller ones are written whole (no slice programs to compile). Both restore exactly."""
-  mesh = jax.make_mesh((8,), ("data",), devices=jax.devices()[:8])
-  replicated = jax.sharding.NamedSharding(mesh, jax.P())
-  part = ckpt_lib.REPLICA_PARALLEL_MIN_SLICE_BYTES // 4  # float32 elements per replica
-  small = jax.device_put(np.arange(4 * 64, dtype=np.float32).reshape(4, 64), replicated)
-  large = jax.device_put(np.arange(8 * part, dtype=np.float32).reshape(8, part), replicated)
-  checkpointer = ckpt_lib.Checkpointer(str(tmp_path), async_save=False)
-  with jax.log_compiles(), caplog.at_level("WARNING"):
-    checkpointer.save(1, {"small": small, "large": large}, {}, {"pos": 0}, force=True)
-  checkpointer.close()
-  compiled = [r.getMessage() for r in caplog.records if "slice" in r.getMessage()]
-  assert any("float32[8,%d]" % part in m for m in compiled), compiled  # the large one: split
-  assert not any("float32[4,64]" in m for m in compiled), compiled  # the small one: whole
-
-  target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
-                        {"small": small, "large": large})
-  reader = ckpt_lib.Checkpointer(str(tmp_path), read_only=True)
-  params = reader.restore_params(1, target)
-  reader.close()
-  for name, want in (("small", small), ("large", large)):
-    np.testing.assert_array_equal(np.asarray(params[name]), np.asarray(want))

@@ -48,30 +48,6 @@ import orbax.checkpoint as ocp
 
 CORRUPT_DIRNAME = "checkpoints_corrupt"
 
-# Orbax's replica-parallel save splits each replicated array among its replicas, one device
-# slice per replica, and each new slice shape is a program compiled on first use. Arrays whose
-# share per replica is below this are written whole by one replica: splitting them saves no
-# write time, and on the first save of the tiny CPU config the slices cost 3.6 s of the run's
-# 18 s of CPU time (84 slice programs). Norm scales and small projections stay whole; the
-# large matrices of a real model are still split.
-REPLICA_PARALLEL_MIN_SLICE_BYTES = 1 << 20
-
-
-def _use_replica_parallel_above(min_slice_bytes: int) -> None:
-  """Registers Orbax's ``jax.Array`` handler with ``min_slice_bytes_for_replica_parallel``.
-
-  Orbax reads that option only from the handler registered for ``jax.Array`` (its
-  public ``register_type_handler``; ``StandardSave`` takes no handler options), so this sets
-  it there, once, keeping the registered handler's array metadata store.
-  """
-  current = ocp.type_handlers.get_type_handler(jax.Array)
-  if getattr(current, "_min_slice_bytes_for_replica_parallel", None) == min_slice_bytes:
-    return
-  handler = ocp.type_handlers.ArrayHandler(
-      min_slice_bytes_for_replica_parallel=min_slice_bytes,
-      array_metadata_store=getattr(current, "_array_metadata_store", None))
-  ocp.type_handlers.register_type_handler(jax.Array, handler, override=True)
-
 
 class CheckpointWriteError(RuntimeError):
   """Writing a checkpoint failed (in the background, for async saves)."""
@@ -157,7 +133,6 @@ class Checkpointer:
           max_to_keep=keep, create=True, enable_async_checkpointing=async_save,
           cleanup_tmp_directories=True,  # what a process killed mid-save left behind
           save_decision_policy=ocp.checkpoint_managers.FixedIntervalPolicy(every))
-    _use_replica_parallel_above(REPLICA_PARALLEL_MIN_SLICE_BYTES)
     self.manager = ocp.CheckpointManager(self.directory, options=options,
                                          item_names=("state", "data"))
 
