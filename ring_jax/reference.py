@@ -41,12 +41,16 @@ def reference_attention(query, key, value, *, is_causal: bool = False, segment_i
   validation.check_qkv(query, key, value, is_causal=is_causal or local_window_size is not None,
                        segment_ids=segment_ids)
   window = scheduling.normalize_window(local_window_size)
-  acc = jnp.float64 if query.dtype == jnp.float64 else jnp.float32
-  scale = validation.check_scale(scale, query.shape[-1], acc)
+  scale = validation.check_scale(scale, query.shape[-1], _score_dtype(query.dtype))
   # One compiled program per shape and static choice: called eagerly (a test's oracle, a
   # notebook), op-by-op dispatch would compile each of its ~20 operations on its own.
   return _dense(query, key, value, segment_ids, q_positions, kv_positions,
                 is_causal=bool(is_causal), scale=scale, window=window)
+
+
+def _score_dtype(dtype):
+  """Scores and softmax run in float64 for float64 inputs, else in float32."""
+  return jnp.float64 if dtype == jnp.float64 else jnp.float32
 
 
 @functools.partial(jax.jit, static_argnames=("is_causal", "scale", "window"))
@@ -56,7 +60,7 @@ def _dense(query, key, value, segment_ids, q_positions, kv_positions, *, is_caus
   b, t, n, h = query.shape
   s, kh = key.shape[1], key.shape[2]
   g = n // kh
-  acc = jnp.float64 if query.dtype == jnp.float64 else jnp.float32
+  acc = _score_dtype(query.dtype)
   q = query.astype(acc).reshape(b, t, kh, g, h)
   k, v = key.astype(acc), value.astype(acc)
   scores = jnp.einsum("btkgh,bskh->bkgts", q, k) * scale
