@@ -148,7 +148,7 @@ def test_failing_background_save_stops_the_run_with_one_error(tmp_path):
     (("--config.distributed.heartbeat_timeout_s=0",), "distributed.heartbeat_timeout_s=0"),
 ])
 def test_bad_command_lines_give_one_line_and_exit_2(tmp_path, flags, expected):
-  proc = tp.run(tmp_path / "run", *flags, timeout=120)
+  proc = tp.run(tmp_path / "run", *flags)
   assert proc.returncode == 2, proc.stderr[-3000:]
   lines = proc.stderr.strip().splitlines()
   assert len(lines) == 1 and lines[0].startswith("config error:"), proc.stderr

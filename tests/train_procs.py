@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import re
 import socket
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -41,10 +44,100 @@ def command(workdir, *flags: str, wrapper: str | None = None) -> list[str]:
   return prefix + [TRAIN_PY, *TINY_FLAGS, f"--workdir={workdir}", *flags]
 
 
-def run(workdir, *flags: str, wrapper: str | None = None, timeout: float = 300,
+# How the waits below decide that a child is stuck rather than slow. On a loaded machine
+# (load ~6 on 2 cores) a tiny train step has taken 145-155 s to compile, printing nothing:
+# a fixed wall-clock deadline fails such a run although it progresses. So a wait fails only
+# when, for STALL_S, the child printed no line and no process of this test's tree (the
+# child, its peers of a multi-process run, their supervised children) used CPU; LIMIT_S caps
+# the whole wait, far above any healthy run, so a busy-looping child still ends the test.
+STALL_S = 120.0
+LIMIT_S = 1800.0
+_POLL_S = 1.0
+_CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def _descendants_cpu_s(root: int) -> float | None:
+  """CPU seconds (user + system) of the live processes under ``root`` (not ``root``),
+  from /proc; None where /proc has no children lists (then only output and LIMIT_S count)."""
+  total, seen, todo = 0.0, set(), [root]
+  while todo:
+    pid = todo.pop()
+    try:
+      tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+      if pid == root:
+        return None
+      continue
+    for tid in tasks:
+      try:
+        with open(f"/proc/{pid}/task/{tid}/children") as f:
+          kids = [int(c) for c in f.read().split()]
+      except OSError:
+        kids = []
+      for kid in kids:
+        if kid not in seen:
+          seen.add(kid)
+          todo.append(kid)
+  for pid in seen:
+    try:
+      with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+      total += (int(fields[11]) + int(fields[12])) / _CLK_TCK  # utime, stime
+    except (OSError, IndexError, ValueError):
+      pass  # exited meanwhile
+  return total
+
+
+class _Watch:
+  """Tells whether the children of this process still progress (see STALL_S)."""
+
+  def __init__(self, stall: float, limit: float):
+    self.stall, self.start = stall, time.monotonic()
+    self.deadline = self.start + limit
+    self.cpu, self.last_progress = _descendants_cpu_s(os.getpid()), self.start
+
+  def progressed(self) -> None:
+    self.last_progress = time.monotonic()
+
+  def stuck(self) -> str | None:
+    """None while progressing, else why the wait gives up."""
+    now = time.monotonic()
+    if now > self.deadline:
+      return f"still running after {now - self.start:.0f}s (the {LIMIT_S:.0f}s cap)"
+    cpu = _descendants_cpu_s(os.getpid())
+    if cpu is not None and self.cpu is not None and cpu > self.cpu + 0.2:
+      self.last_progress = now
+    self.cpu = cpu
+    if now - self.last_progress > self.stall:
+      return (f"no output and no CPU use for {self.stall:.0f}s "
+              f"({now - self.start:.0f}s in all)")
+    return None
+
+
+def _read_lines(proc: subprocess.Popen) -> None:
+  for line in proc.stdout:
+    proc.lines.put(line)
+  proc.lines.put(None)  # end of output
+
+
+def _popen(cmd, **kw) -> subprocess.Popen:
+  """Popen whose stdout lines arrive on ``proc.lines`` (a queue; None at the end) from a
+  reader thread, so waits can poll without blocking on a silent child."""
+  proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, text=True, **kw)
+  proc.lines, proc.seen = queue.Queue(), []
+  proc.reader = threading.Thread(target=_read_lines, args=(proc,), daemon=True)
+  proc.reader.start()
+  return proc
+
+
+def run(workdir, *flags: str, wrapper: str | None = None, stall: float = STALL_S,
         **env_extra: str) -> subprocess.CompletedProcess:
-  return subprocess.run(command(workdir, *flags, wrapper=wrapper), cwd=ROOT,
-                        env=env(**env_extra), capture_output=True, text=True, timeout=timeout)
+  """``train.py`` to its end; stdout and stderr captured apart (as ``subprocess.run``)."""
+  with tempfile.TemporaryFile("w+") as err:
+    proc = _popen(command(workdir, *flags, wrapper=wrapper), env=env(**env_extra), stderr=err)
+    rc, out = finish(proc, stall=stall)
+    err.seek(0)
+    return subprocess.CompletedProcess(proc.args, rc, out, err.read())
 
 
 def start(workdir, *flags: str, stderr_path=None, **env_extra: str) -> subprocess.Popen:
@@ -52,42 +145,67 @@ def start(workdir, *flags: str, stderr_path=None, **env_extra: str) -> subproces
   to) read line by line with wait_for."""
   stderr = subprocess.STDOUT if stderr_path is None else open(stderr_path, "w")
   try:
-    return subprocess.Popen(command(workdir, *flags), cwd=ROOT, env=env(**env_extra),
-                            stdout=subprocess.PIPE, stderr=stderr, text=True)
+    return _popen(command(workdir, *flags), env=env(**env_extra), stderr=stderr)
   finally:
     if stderr_path is not None:
       stderr.close()  # The child holds its own copy.
 
 
-def wait_for(proc: subprocess.Popen, pattern: str, timeout: float = 240) -> str:
-  """Reads ``proc``'s output until a line matches ``pattern``; returns what was read."""
-  deadline, seen = time.monotonic() + timeout, []
-  while time.monotonic() < deadline:
-    line = proc.stdout.readline()
-    if not line:
-      break  # exited
-    seen.append(line)
+def wait_for(proc: subprocess.Popen, pattern: str, stall: float = STALL_S,
+             limit: float = LIMIT_S) -> str:
+  """Reads ``proc``'s output until a line matches ``pattern``; returns what was read. Fails
+  if the child ends first or stops progressing (STALL_S)."""
+  watch, start = _Watch(stall, limit), len(proc.seen)
+  while True:
+    try:
+      line = proc.lines.get(timeout=_POLL_S)
+    except queue.Empty:
+      why = watch.stuck()
+      if why is None:
+        continue
+      proc.kill()
+      raise AssertionError(f"no line matching {pattern!r}: {why}; output:\n"
+                           + "".join(proc.seen)[-4000:]) from None
+    if line is None:
+      proc.lines.put(None)  # stays at the end for later reads
+      raise AssertionError(f"exited before a line matching {pattern!r}; output:\n"
+                           + "".join(proc.seen)[-4000:])
+    proc.seen.append(line)
+    watch.progressed()
     if re.search(pattern, line):
-      return "".join(seen)
-  proc.kill()
-  raise AssertionError(f"no line matching {pattern!r}; output:\n" + "".join(seen)[-4000:])
+      return "".join(proc.seen[start:])
 
 
-def finish(proc: subprocess.Popen, timeout: float = 240) -> tuple[int, str]:
-  """Waits for ``proc`` (killing it if it overruns); returns (exit status, output)."""
-  try:
-    out, _ = proc.communicate(timeout=timeout)
-  except subprocess.TimeoutExpired:
-    proc.kill()
-    out, _ = proc.communicate()
-    raise AssertionError(f"still running after {timeout}s; output:\n{out[-4000:]}") from None
-  return proc.returncode, out
+def finish(proc: subprocess.Popen, timeout: float | None = None,
+           stall: float = STALL_S) -> tuple[int, str]:
+  """Waits for ``proc`` to exit; returns (exit status, its output from where the last
+  wait_for stopped reading). ``timeout``: a wall-clock bound the test asserts (the product
+  promises an exit within it); otherwise the wait lasts while the child progresses."""
+  watch = _Watch(stall, LIMIT_S if timeout is None else timeout)
+  rest = []
+  while True:
+    try:
+      line = proc.lines.get(timeout=_POLL_S)
+    except queue.Empty:
+      why = watch.stuck() if timeout is None else (
+          f"still running after {timeout}s" if time.monotonic() > watch.deadline else None)
+      if why is None:
+        continue
+      proc.kill()
+      proc.wait()
+      raise AssertionError(f"{why}; output:\n" + "".join(proc.seen + rest)[-4000:]) from None
+    if line is None:
+      break
+    rest.append(line)
+    watch.progressed()
+  proc.seen.extend(rest)
+  return proc.wait(), "".join(rest)
 
 
-def finish_all(procs: list[subprocess.Popen], timeout: float = 240) -> list[tuple[int, str]]:
+def finish_all(procs: list[subprocess.Popen]) -> list[tuple[int, str]]:
   """:func:`finish` for each; none is left running, whatever happens."""
   try:
-    return [finish(p, timeout) for p in procs]
+    return [finish(p) for p in procs]
   finally:
     for p in procs:
       if p.poll() is None:
