@@ -27,6 +27,7 @@ import jax
 import numpy as np
 
 from ring_jax import hardware
+from training import event_file
 
 
 def peak_flops_per_device(config, device=None) -> tuple[float, str]:
@@ -103,17 +104,15 @@ class MetricWriter:
       os.makedirs(workdir, exist_ok=True)
       path = os.path.join(workdir, "metrics.jsonl")
       dropped = truncate_jsonl(path, resume_step)
-      from tensorboardX import SummaryWriter  # Lazy: only process 0 needs it.
-      self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"),
-                               purge_step=resume_step + 1 if dropped else None)
+      self._tb = event_file.EventFileWriter(os.path.join(workdir, "tensorboard"),
+                                            purge_step=resume_step + 1 if dropped else None)
       self._jsonl = open(path, "a")  # Rows carry their step; a resumed run appends.
 
   def write(self, step: int, metrics: dict[str, Any], prefix: str = "") -> None:
     if not self.enabled:
       return
     scalars = {f"{prefix}{k}": float(v) for k, v in metrics.items()}
-    for name, value in scalars.items():
-      self._tb.add_scalar(name, value, step)
+    self._tb.add_scalars(step, scalars)
     self._jsonl.write(json.dumps({"step": step, **scalars}) + "\n")
     self._jsonl.flush()
 
