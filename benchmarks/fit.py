@@ -61,28 +61,34 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks import common  # noqa: E402  (imports JAX but starts no backend)
 from benchmarks.common import GIB, MIB  # noqa: E402
 
-_CONFIG = config_flags.DEFINE_config_file(
-    "config", None, "ml_collections config (`path.py` or `path.py:arg`); override fields with "
-    "--config.<field>=<value>, as for train.py.", lock_config=True)
-_DEVICES = flags.DEFINE_integer("devices", 1, "Devices of the mesh (fake CPU devices).",
-                                lower_bound=1)
-_MEMORY_GIB = flags.DEFINE_float("memory_gib", 128.0, "Memory per device, GiB.")
-_SEQ_LEN = flags.DEFINE_integer("seq_len", None, "Check this one length instead of searching.")
-_MESH = flags.DEFINE_string(
-    "mesh", None, "Mesh axis sizes replacing config.mesh, e.g. 'data=1,sequence=8' "
-    "(axes not named are 1; one may be -1).")
-_START = flags.DEFINE_integer("start", 131072, "First length of the power-of-two search "
-                              "(rounded to the length granularity).", lower_bound=1)
-_MAX_LEN = flags.DEFINE_integer("max_len", 2 ** 26, "Longest length the search tries.")
-_RESOLUTION = flags.DEFINE_float(
-    "resolution", 0.125, "Stop bisecting when the gap between the longest fitting and the "
-    "shortest non-fitting length is below this fraction of the former.")
-_XLA_FLAGS = flags.DEFINE_string("xla_flags", "", "Extra XLA flags for the compile.")
-_OUT = flags.DEFINE_string("out", None, "Also write the final JSON object to this file.")
-_COLLECTIVES = flags.DEFINE_bool(
-    "collectives", False, "Also count each compiled step's collectives in its partitioned HLO "
-    "(benchmarks.common.count_collectives: all-gather, reduce-scatter, all-reduce, all-to-all, "
-    "collective-permute) into the rows.")
+def define_flags() -> dict:
+  """The command-line flags, defined only when run as a script (tests import this module
+  next to train.py, which defines --config too)."""
+  return dict(
+      config=config_flags.DEFINE_config_file(
+          "config", None, "ml_collections config (`path.py` or `path.py:arg`); override "
+          "fields with --config.<field>=<value>, as for train.py.", lock_config=True),
+      devices=flags.DEFINE_integer("devices", 1, "Devices of the mesh (fake CPU devices).",
+                                   lower_bound=1),
+      memory_gib=flags.DEFINE_float("memory_gib", 128.0, "Memory per device, GiB."),
+      seq_len=flags.DEFINE_integer("seq_len", None,
+                                   "Check this one length instead of searching."),
+      mesh=flags.DEFINE_string(
+          "mesh", None, "Mesh axis sizes replacing config.mesh, e.g. 'data=1,sequence=8' "
+          "(axes not named are 1; one may be -1)."),
+      start=flags.DEFINE_integer("start", 131072, "First length of the power-of-two search "
+                                 "(rounded to the length granularity).", lower_bound=1),
+      max_len=flags.DEFINE_integer("max_len", 2 ** 26, "Longest length the search tries."),
+      resolution=flags.DEFINE_float(
+          "resolution", 0.125, "Stop bisecting when the gap between the longest fitting and "
+          "the shortest non-fitting length is below this fraction of the former."),
+      xla_flags=flags.DEFINE_string("xla_flags", "", "Extra XLA flags for the compile."),
+      out=flags.DEFINE_string("out", None, "Also write the final JSON object to this file."),
+      collectives=flags.DEFINE_bool(
+          "collectives", False, "Also count each compiled step's collectives in its "
+          "partitioned HLO (benchmarks.common.count_collectives: all-gather, reduce-scatter, "
+          "all-reduce, all-to-all, collective-permute) into the rows."),
+  )
 
 
 class FitError(ValueError):
@@ -290,25 +296,26 @@ def set_up_devices(devices: int, extra_xla_flags: str) -> None:
 def main(argv) -> None:
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments {argv[1:]}")
-  if _CONFIG.value is None:
+  f = {name: flag.value for name, flag in _FLAGS.items()}
+  if f["config"] is None:
     raise app.UsageError("--config is required, e.g. --config configs/llama_1b.py:long")
-  set_up_devices(_DEVICES.value, _XLA_FLAGS.value)
+  set_up_devices(f["devices"], f["xla_flags"])
   from training.config import ConfigError
 
   try:
-    result = run(_CONFIG.value, devices=_DEVICES.value, memory_gib=_MEMORY_GIB.value,
-                 seq_len=_SEQ_LEN.value, mesh=_MESH.value, start=_START.value,
-                 max_len=_MAX_LEN.value, resolution=_RESOLUTION.value,
-                 collectives=_COLLECTIVES.value)
+    result = run(f["config"], devices=f["devices"], memory_gib=f["memory_gib"],
+                 seq_len=f["seq_len"], mesh=f["mesh"], start=f["start"], max_len=f["max_len"],
+                 resolution=f["resolution"], collectives=f["collectives"])
   except (FitError, ConfigError) as e:  # FitError is a setting of this tool, ConfigError one
     print(f"error: {e}", file=sys.stderr, flush=True)  # of the config: both name the fix
     sys.exit(2)
   line = json.dumps(result, separators=(",", ":"))
-  if _OUT.value:
-    with open(_OUT.value, "w") as f:
-      json.dump(result, f, indent=1)
+  if f["out"]:
+    with open(f["out"], "w") as out:
+      json.dump(result, out, indent=1)
   print(line, flush=True)
 
 
 if __name__ == "__main__":
+  _FLAGS = define_flags()
   app.run(main)

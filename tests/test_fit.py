@@ -1,7 +1,9 @@
 """benchmarks/fit.py: the context-length planner, on the tiny config (one layer, a ring of 2).
 
-Each case runs the script as a user would (a subprocess: it creates its own fake CPU
-devices) and reads the JSON object on its last line.
+One case runs the script as a user would (a subprocess: it creates its own fake CPU
+devices; the JSON object on its last line, the table, exit status 2 for a bad setting).
+The others call ``fit.run`` in this process, which has 8 fake CPU devices
+(tests/conftest.py): the same planner on the same devices, without a process start per case.
 """
 import json
 import os
@@ -9,32 +11,47 @@ import subprocess
 import sys
 
 import pytest
+
 import train_procs
+from benchmarks import fit as fit_lib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GIB = 2 ** 30
-SMALL = ["--config", os.path.join(ROOT, "configs", "tiny.py"), "--devices", "2",
+TINY = os.path.join(ROOT, "configs", "tiny.py")
+SMALL = ["--config", TINY, "--devices", "2",
          "--mesh", "data=1,sequence=2", "--config.batch_size=2", "--config.model.num_layers=1"]
 
 
-def fit(*args):
+def fit_cli(*args):
   proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "fit.py"), *args],
-                        env=train_procs.env(), capture_output=True, text=True, timeout=300, cwd=ROOT)
+                        env=train_procs.env(), capture_output=True, text=True, timeout=600, cwd=ROOT)
   return proc, proc.stdout.strip().splitlines()
 
 
+def tiny(**fields):
+  """configs/tiny.py with ``--config.<field>=<value>`` overrides, as the script parses them."""
+  from configs import tiny as tiny_lib
+  from training import config as cfg_lib
+
+  return cfg_lib.apply_overrides(tiny_lib.get_config(), list(fields.items()))
+
+
+def fit(config, **kw):
+  """``fit.run`` in this process; the JSON object the script prints last, as a dict."""
+  return json.loads(json.dumps(fit_lib.run(config, **kw)))
+
+
 def test_mesh_with_a_pipeline_axis():
-  """--mesh pipeline=2,sequence=2: the pipelined step compiles; bad stage counts are named."""
-  args = [a for a in SMALL if a not in ("--config.model.num_layers=1",)]
-  args[args.index("--devices") + 1], args[args.index("--mesh") + 1] = "4", "pipeline=2,sequence=2"
-  proc, lines = fit(*args, "--config.model.num_layers=2", "--seq_len", "256")
-  assert proc.returncode == 0, proc.stderr[-3000:]
-  one = json.loads(lines[-1])
+  """mesh pipeline=2,sequence=2: the pipelined step compiles; bad stage counts are named."""
+  one = fit(tiny(**{"batch_size": 2, "model.num_layers": 2}), devices=4, memory_gib=128,
+            mesh="pipeline=2,sequence=2", seq_len=256)
   assert one["mesh"] == {"data": 1, "pipeline": 2, "sequence_outer": 1, "sequence": 2,
                          "tensor": 1}
   check_row(one["checked"][0])
-  bad, _ = fit(*args, "--config.model.num_layers=3", "--seq_len", "256")
-  assert bad.returncode != 0 and "mesh.pipeline=2 stages do not divide" in bad.stderr
+  from training.config import ConfigError
+  with pytest.raises((fit_lib.FitError, ConfigError), match="mesh.pipeline=2 stages do not divide"):
+    fit_lib.run(tiny(**{"batch_size": 2, "model.num_layers": 3}), devices=4, memory_gib=128,
+                mesh="pipeline=2,sequence=2", seq_len=256)
 
 
 def check_row(row):
@@ -43,10 +60,11 @@ def check_row(row):
   assert row["argument_bytes"] > 0 and row["temp_bytes"] > 0
 
 
-def test_one_length_then_search_finds_it():
-  """--seq_len reports one length; a search with exactly that memory per device answers it
-  (memory grows with length, so the next power of two does not fit)."""
-  proc, lines = fit(*SMALL, "--seq_len", "256", "--memory_gib", "1")
+def test_cli_one_length_then_search_finds_it(tmp_path):
+  """As a script: --seq_len reports one length (a table row, then the JSON line); a search
+  with exactly that memory per device answers it (memory grows with length, so the next
+  power of two does not fit); a bad mesh exits 2 with one line naming the fix."""
+  proc, lines = fit_cli(*SMALL, "--seq_len", "256", "--memory_gib", "1")
   assert proc.returncode == 0, proc.stderr[-3000:]
   one = json.loads(lines[-1])
   assert one["seq_len"] == 256 and one["fits"] is True
@@ -58,11 +76,10 @@ def test_one_length_then_search_finds_it():
   assert one["per_device_bytes"] == row["per_device_bytes"]
   assert any(line.split()[:1] == ["256"] for line in lines[:-1])  # the table row
 
+  # The search, in this process on the same 2 devices of the same mesh.
   limit_gib = one["per_device_bytes"] / GIB
-  proc, lines = fit(*SMALL, "--memory_gib", repr(limit_gib), "--start", "256",
-                    "--resolution", "1")
-  assert proc.returncode == 0, proc.stderr[-3000:]
-  found = json.loads(lines[-1])
+  found = fit(tiny(**{"batch_size": 2, "model.num_layers": 1}), devices=2,
+              mesh="data=1,sequence=2", memory_gib=limit_gib, start=256, resolution=1)
   assert found["seq_len"] == 256 and found["fits"] is True and found["upper_bounded"] is True
   assert found["per_device_bytes"] == one["per_device_bytes"]
   by_length = {r["seq_len"]: r for r in found["checked"]}
@@ -72,17 +89,20 @@ def test_one_length_then_search_finds_it():
   for r in found["checked"]:
     check_row(r)
 
+  bad, _ = fit_cli("--config", TINY, "--memory_gib", "1", "--devices", "3")
+  assert bad.returncode == 2, bad.stdout[-2000:] + bad.stderr[-2000:]
+  assert bad.stderr.strip().splitlines() == [l for l in bad.stderr.strip().splitlines()
+                                             if l.startswith("error:")]
+  assert "--mesh data=1,sequence=3" in bad.stderr
 
-@pytest.mark.parametrize("args,message", [
-    (["--devices", "3"], "--mesh data=1,sequence=3"),
-    (["--devices", "2", "--mesh", "data=1,sequence=2", "--seq_len", "102"],
-     "multiples of"),
+
+@pytest.mark.parametrize("kw,message", [
+    (dict(devices=3), "--mesh data=1,sequence=3"),
+    (dict(devices=2, mesh="data=1,sequence=2", seq_len=102), "multiples of"),
 ])
-def test_bad_mesh_or_length_names_the_fix(args, message):
-  proc, _ = fit("--config", os.path.join(ROOT, "configs", "tiny.py"), "--memory_gib", "1",
-                *args)
-  assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
-  assert message in proc.stderr
+def test_bad_mesh_or_length_names_the_fix(kw, message):
+  with pytest.raises(fit_lib.FitError, match=message):
+    fit_lib.run(tiny(), memory_gib=1, **kw)
 
 
 def test_length_multiple_matches_the_config_check():
@@ -155,14 +175,11 @@ def test_long_variant_validates(devices):
                                        "dense"])
 def test_every_strategy_compiles(attention):
   """model.attention=<strategy> compiles on data=1 x sequence=2 x tensor=2 (the hybrid: ring
-  over sequence x Ulysses over tensor); --collectives counts the step's collectives: the ring
-  and the hybrid pass K/V with collective-permute, Ulysses exchanges with all-to-all."""
-  proc, lines = fit("--config", os.path.join(ROOT, "configs", "tiny.py"), "--devices", "4",
-                    "--mesh", "data=1,sequence=2,tensor=2", "--config.batch_size=2",
-                    "--config.model.num_layers=1", f"--config.model.attention={attention}",
-                    "--seq_len", "128", "--memory_gib", "1", "--collectives")
-  assert proc.returncode == 0, proc.stderr[-3000:]
-  result = json.loads(lines[-1])
+  over sequence x Ulysses over tensor); collectives=True counts the step's collectives: the
+  ring and the hybrid pass K/V with collective-permute, Ulysses exchanges with all-to-all."""
+  result = fit(tiny(**{"batch_size": 2, "model.num_layers": 1, "model.attention": attention}),
+               devices=4, mesh="data=1,sequence=2,tensor=2", seq_len=128, memory_gib=1,
+               collectives=True)
   (row,) = result["checked"]
   check_row(row)
   counts = {kind: c["count"] for kind, c in row["collectives"].items()}
