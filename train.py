@@ -36,6 +36,7 @@ included: each process of such a run is a child of ``training.supervisor``.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import os
 import shlex
@@ -288,13 +289,36 @@ def build_stage(stage: stages_lib.Stage, mesh) -> StageSetup:
   model_cfg, attention_line = cfg_lib.resolve_attention(c, cfg_lib.llama_config(c), mesh)
   if attention_line and stage.index > 0:  # train() logs the first stage's
     metrics_lib.log(attention_line)
-  tx = step_lib.make_optimizer(c.optim, stage.steps)
-  train_step = step_lib.build_train_step(model_cfg, mesh, tx, microbatches=c.microbatches,
-                                         seed=c.seed)
+  train_step = _train_step(model_cfg, mesh, c.optim, stage.steps, c.microbatches, c.seed)
   return StageSetup(stage=stage, model_cfg=model_cfg, train_step=train_step,
                     schedule=step_lib.make_schedule(c.optim, stage.steps),
                     train_shape=(c.batch_size, c.data.seq_len),
                     eval_shape=(c.eval_batch_size, c.data.seq_len))
+
+
+# The train steps of the last few (model, mesh, optimizer) triples this process built. A
+# second train() of the same setup in one process (a resumed run in a notebook, the next stage
+# of a schedule seen before, a sweep over data) reuses the jitted step, so JAX's caches hand
+# back its compiled program instead of compiling it again.
+_TRAIN_STEPS: collections.OrderedDict = collections.OrderedDict()
+_TRAIN_STEPS_KEPT = 4
+
+
+def _train_step(model_cfg, mesh, optim, steps: int, microbatches: int,
+                seed: int) -> step_lib.TrainStep:
+  """``build_train_step`` with an optimizer over ``steps``, or the same one built before:
+  the key holds everything the step's program depends on (the model config and mesh are
+  hashable values; the optimizer by its settings)."""
+  key = (model_cfg, mesh, optim.to_json(), steps, microbatches, seed)
+  if key in _TRAIN_STEPS:
+    _TRAIN_STEPS.move_to_end(key)
+    return _TRAIN_STEPS[key]
+  tx = step_lib.make_optimizer(optim, steps)
+  built = step_lib.build_train_step(model_cfg, mesh, tx, microbatches=microbatches, seed=seed)
+  _TRAIN_STEPS[key] = built
+  while len(_TRAIN_STEPS) > _TRAIN_STEPS_KEPT:
+    _TRAIN_STEPS.popitem(last=False)
+  return built
 
 
 def _train(config, workdir, stop_at_step, stop, mesh, ring_size) -> TrainResult:

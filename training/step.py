@@ -231,9 +231,13 @@ class TrainStep:
       return params, init_opt_state(self.tx, params, self.opt_shardings)
 
   def eval_step(self) -> Callable:
-    """The jitted eval step of the same model (:func:`jit_eval_step`)."""
-    return jit_eval_step(graphdef=self.graphdef, rest=self.rest, mesh=self.mesh,
-                         param_shardings=self.param_shardings)
+    """The jitted eval step of the same model (:func:`jit_eval_step`), built once per
+    TrainStep (a reused TrainStep reuses its compiled eval program too)."""
+    if "_eval_step" not in self.__dict__:  # frozen: set once, bypassing __setattr__
+      object.__setattr__(self, "_eval_step", jit_eval_step(
+          graphdef=self.graphdef, rest=self.rest, mesh=self.mesh,
+          param_shardings=self.param_shardings))
+    return self.__dict__["_eval_step"]
 
   def lower(self, batch_shape: tuple[int, int], params=None, opt_state=None):
     """``step.lower`` for a ``[rows, seq_len]`` batch; state defaults to the abstract one."""
