@@ -227,3 +227,29 @@ def test_non_finite_state_is_never_saved(tmp_path, saved_state):
   checkpointer.close()
   assert checkpointer.all_steps() == [1, 2]
   assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["1", "2"]
+
+
+def test_one_process_writes_replicated_arrays_whole_and_restores_them(tmp_path):
+  """With one process, Orbax's replica-parallel split is off (no slice program per replica
+  and shape): a replicated array and a sharded one are written and restore bit for bit."""
+  import orbax.checkpoint as ocp
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  mesh = mesh_of(2, 4)
+  replicated = jax.device_put(np.arange(48, dtype=np.float32).reshape(6, 8),
+                              NamedSharding(mesh, P()))
+  sharded = jax.device_put(np.arange(64, dtype=np.float32).reshape(8, 8),
+                           NamedSharding(mesh, P("data", "sequence")))
+  checkpointer = ckpt_lib.Checkpointer(str(tmp_path), every=1, keep=1, async_save=False)
+  assert ocp.type_handlers.get_type_handler(jax.Array)._use_replica_parallel is False
+  assert checkpointer.save(1, {"r": replicated}, {"s": sharded}, {"pos": 3})
+  checkpointer.close()
+  reader = ckpt_lib.Checkpointer(str(tmp_path), read_only=True)
+  target = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding)
+  params, opt_state, data = reader.restore(1, {"r": target(replicated)},
+                                           {"s": target(sharded)})
+  reader.close()
+  np.testing.assert_array_equal(params["r"], replicated)
+  np.testing.assert_array_equal(opt_state["s"], sharded)
+  assert params["r"].sharding == replicated.sharding and data == {"pos": 3}

@@ -45,8 +45,36 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
+from absl import logging as absl_logging
 
 CORRUPT_DIRNAME = "checkpoints_corrupt"
+
+
+def _whole_array_saves() -> None:
+  """Orbax writes each replicated array whole, from its first replica (one process only).
+
+  Replica-parallel saving (Orbax's default on TPU and CPU) lets several hosts share the
+  write of a replicated array: each replica writes one slice of it. In one process the
+  same host writes every slice anyway, and each slice shape is an eager program compiled
+  on first use: 84 programs and 3.6 s of CPU on the tiny config's first save, 3.7 s of a
+  4-step run's 21 s. The files and the restore are the same either way. With several
+  processes nothing is changed (each process writes its share, as ``ocdbt.process_<i>``).
+  Orbax reads the option only from the handler registered for ``jax.Array``, so this
+  re-registers that handler, keeping its array-metadata store; Orbax's log line for the
+  override is held back.
+  """
+  current = ocp.type_handlers.get_type_handler(jax.Array)
+  if getattr(current, "_use_replica_parallel", None) is False:
+    return
+  handler = ocp.type_handlers.ArrayHandler(
+      use_replica_parallel=False,
+      array_metadata_store=getattr(current, "_array_metadata_store", None))
+  verbosity = absl_logging.get_verbosity()
+  absl_logging.set_verbosity(absl_logging.ERROR)  # "Type handler registry ... overriding"
+  try:
+    ocp.type_handlers.register_type_handler(jax.Array, handler, override=True)
+  finally:
+    absl_logging.set_verbosity(verbosity)
 
 
 class CheckpointWriteError(RuntimeError):
@@ -133,6 +161,8 @@ class Checkpointer:
           max_to_keep=keep, create=True, enable_async_checkpointing=async_save,
           cleanup_tmp_directories=True,  # what a process killed mid-save left behind
           save_decision_policy=ocp.checkpoint_managers.FixedIntervalPolicy(every))
+      if jax.process_count() == 1:
+        _whole_array_saves()
     self.manager = ocp.CheckpointManager(self.directory, options=options,
                                          item_names=("state", "data"))
 
