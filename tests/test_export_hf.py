@@ -3,6 +3,7 @@ exported directory loading in transformers with logits equal to ours."""
 
 import json
 import os
+import pathlib
 import re
 import subprocess
 import sys
@@ -214,92 +215,6 @@ def test_import_export_reproduces_the_original_tensors(tmp_path, hf, tie, rope, 
   assert dtype_of(exported) == dtype_of(original) and dtype_of(exported).endswith(dtype)
 
 
-def test_finetune_export_loads_in_transformers(tmp_path, hf):
-  """A random HF LLaMA + a BPE tokenizer (``tokenizers``, trained on the test corpus, in the
-  same directory) -> train.py (configs/finetune.py: a JSONL corpus tokenised by init.hf_dir's
-  tokenizer, ring attention on data=2 x sequence=4, 3 steps, a rope_theta override) ->
-  export_hf.py -> transformers: logits equal ours (float32, rtol 1e-4), the weights moved,
-  the trained rope_theta was exported, and generate.py (the CLI, the run's tokenizer) greedy
-  equals transformers' greedy generate on the export, token for token."""
-  torch, transformers = hf
-  pytest.importorskip("tokenizers")
-  from test_convert_hf import _hf_greedy, _hf_model, _ring_logits
-  from scripts import make_tiny_hf
-  from training.tokenizer import load_tokenizer
-
-  model, path = _hf_model(tmp_path, tie=False, rope_scaling=None, shard=False,
-                          vocab_size=320, hidden_size=64, intermediate_size=128,
-                          initializer_range=0.1)
-  texts = make_tiny_hf.corpus_texts(400)
-  make_tiny_hf.write_tokenizer(path, texts, vocab_size=320)
-  corpus = make_tiny_hf.write_corpus(str(tmp_path / "corpus.jsonl"), texts)
-  env = train_procs.env()  # train.py sizes its own devices
-  workdir = tmp_path / "run"
-  cmd = [sys.executable, os.path.join(ROOT, "train.py"),
-         "--config", os.path.join(ROOT, "configs", "finetune.py"), "--workdir", str(workdir),
-         f"--config.init.hf_dir={path}", "--config.model.rope_theta=20000.0",
-         f"--config.data.path={corpus}", "--config.data.seq_len=64",
-         "--config.batch_size=4", "--config.eval_batch_size=4", "--config.eval_batches=1",
-         "--config.total_steps=3", "--config.optim.warmup_steps=1", "--config.optim.lr=1e-2",
-         "--config.log_every=1", "--config.eval_every=3", "--config.async_checkpointing=False"]
-  proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
-  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-  assert f"initialised from {path}" in proc.stdout and "ring=4" in proc.stdout
-  assert "model.rope_theta=20000.0 overrides 500.0" in proc.stdout
-  saved = json.loads((workdir / "config.json").read_text())
-  assert saved["model"]["dim"] == 64 and saved["model"]["rope_theta"] == 20000.0
-  assert saved["data"]["kind"] == "text" and saved["data"]["tokenizer"] == path
-
-  out = tmp_path / "exported"
-  proc = subprocess.run([sys.executable, os.path.join(ROOT, "export_hf.py"),
-                         f"--workdir={workdir}", f"--out={out}"], cwd=tmp_path, env=env,
-                        capture_output=True, text=True, timeout=600)
-  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-  assert "exported step 3" in proc.stdout
-  assert json.loads((out / "config.json").read_text())["rope_theta"] == 20000.0
-  with pytest.raises(export_hf.UsageError, match="not empty"):  # never overwrites
-    export_hf.export(str(workdir), str(out))
-  with pytest.raises(export_hf.UsageError, match="no checkpoint of step 2"):
-    export_hf.export(str(workdir), str(tmp_path / "other"), step=2)
-
-  # Ours: the trained checkpoint, ring attention on the training mesh.
-  config = export_hf.read_run_config(str(workdir))
-  model_cfg = cfg_lib.llama_config(config)
-  assert (model_cfg.attention, model_cfg.layout) == ("ring", "zigzag")
-  step, params = export_hf.restore_params(str(workdir), model_cfg, None)
-  assert step == 3
-  before = _tensors(path)["model.layers.0.mlp.up_proj.weight"]
-  assert not np.array_equal(_tensors(str(out))["model.layers.0.mlp.up_proj.weight"], before)
-  mesh = cfg_lib.make_mesh(MESH)
-  tokens_BL = np.random.default_rng(2).integers(0, model_cfg.vocab_size, size=(2, 64))
-  ours = _ring_logits(shd.shard_params(params, mesh), model_cfg, mesh, tokens_BL)
-
-  reloaded = transformers.AutoModelForCausalLM.from_pretrained(str(out)).eval()
-  assert reloaded.dtype == torch.float32
-  with torch.no_grad():
-    theirs = reloaded(torch.tensor(tokens_BL, dtype=torch.long)).logits.numpy()
-  assert np.abs(theirs).max() > 1.0
-  np.testing.assert_allclose(ours, theirs, rtol=1e-4, atol=1e-4)
-
-  # generate.py, the issue's command: the workdir with the fine-tuning config (model shape and
-  # tokenizer from init.hf_dir, the run's rope_theta override repeated), greedy ring decoding
-  # == transformers' greedy generate on the export, token for token.
-  tok = load_tokenizer(path)
-  prompt_text = "The ring passes"
-  prompt = tok.encode_document(prompt_text, bos=True, eos=False).tolist()
-  assert prompt[0] == tok.bos_id and len(prompt) > 2
-  want = _hf_greedy(reloaded, prompt, 12)
-  proc = subprocess.run([sys.executable, os.path.join(ROOT, "generate.py"),
-                         "--config", os.path.join(ROOT, "configs", "finetune.py"),
-                         f"--config.init.hf_dir={path}", "--config.model.rope_theta=20000.0",
-                         "--config.data.seq_len=64", "--workdir", str(workdir),
-                         "--prompt", prompt_text, "--temperature", "0", "--max_new_tokens", "12",
-                         "--nostop_at_eos"],
-                        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
-  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-  assert proc.stdout[:-1] == tok.decode(want), (proc.stdout, want)
-
-
 # ----------------------------------------------------------------------------------------------
 # The README's "fine-tune a Hugging Face model" block, run as written (fewer steps)
 # ----------------------------------------------------------------------------------------------
@@ -327,30 +242,114 @@ def readme_finetune_commands() -> list[list[str]]:
   return commands
 
 
-def test_readme_finetune_block_runs(tmp_path):
+def _run_readme_finetune_block(directory) -> dict:
   """make_tiny_hf.py -> train.py (configs/finetune.py, the BPE tokenizer from init.hf_dir)
-  -> export_hf.py -> generate.py, as the README writes them (paths moved into tmp_path)."""
-  pytest.importorskip("tokenizers")
+  -> export_hf.py -> generate.py, as the README writes them (``/tmp/`` paths moved into
+  ``directory``); returns each command's argv and stdout."""
   commands = readme_finetune_commands()
   assert [c[1] for c in commands] == ["scripts/make_tiny_hf.py", "train.py", "export_hf.py",
                                       "generate.py"]
   env = train_procs.env()  # train.py sizes its own devices
-  outputs = []
+  runs = []
   for argv in commands:
-    argv = [sys.executable] + [a.replace("/tmp/", f"{tmp_path}/") for a in argv[1:]]
+    argv = [sys.executable] + [a.replace("/tmp/", f"{directory}/") for a in argv[1:]]
     if argv[1] == "train.py":
       argv += _FAST
     proc = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=600)
+                          timeout=900)
     assert proc.returncode == 0, " ".join(argv) + "\n" + proc.stdout[-3000:] + proc.stderr[-3000:]
-    outputs.append(proc)
-  saved = json.loads((tmp_path / "tiny_ft" / "config.json").read_text())
-  assert saved["data"]["tokenizer"] == str(tmp_path / "tiny_hf")  # recorded in the run
+    runs.append(dict(argv=argv, stdout=proc.stdout, stderr=proc.stderr))
+  return dict(dir=str(directory), runs=runs)
+
+
+@pytest.fixture
+def readme_run(tmp_path_factory):
+  """The README block's run, made once for the tests below (train_procs.shared_run)."""
+  pytest.importorskip("tokenizers")
+  run = train_procs.shared_run(tmp_path_factory, "readme-finetune", _run_readme_finetune_block)
+  return pathlib.Path(run["dir"]), run["runs"]
+
+
+def test_readme_finetune_block_runs(readme_run):
+  """The README's commands run as written and leave what they say: the run records its
+  tokenizer, the export holds weights and tokenizer, generate.py prints BPE text."""
+  tmp, runs = readme_run
+  saved = json.loads((tmp / "tiny_ft" / "config.json").read_text())
+  assert saved["data"]["tokenizer"] == str(tmp / "tiny_hf")  # recorded in the run
+  assert saved["data"]["kind"] == "text" and saved["model"]["attention"] == "ring"
+  assert f"initialised from {tmp / 'tiny_hf'}" in runs[1]["stdout"]
   assert {"tokenizer.json", "tokenizer_config.json", "model.safetensors"} <= set(
-      os.listdir(tmp_path / "tiny_ft_hf"))
+      os.listdir(tmp / "tiny_ft_hf"))
   from training.tokenizer import load_tokenizer
-  tok = load_tokenizer(str(tmp_path / "tiny_hf"))
-  text = outputs[-1].stdout.rstrip("\n")
-  assert text, outputs[-1].stderr[-2000:]
+  tok = load_tokenizer(str(tmp / "tiny_hf"))
+  text = runs[-1]["stdout"].rstrip("\n")
+  assert text, runs[-1]["stderr"][-2000:]
   # The continuation is BPE text: it re-encodes into ids of that tokenizer's vocabulary.
   assert tok.kind == "tokenizers" and len(tok.encode(text)) >= 1
+
+
+def test_finetune_export_loads_in_transformers(readme_run, hf, tmp_path):
+  """The README's run (a random HF LLaMA + BPE tokenizer from make_tiny_hf.py -> train.py on
+  configs/finetune.py: ring attention on data=2 x sequence=4 -> export_hf.py) checked against
+  transformers: the export loads with logits equal to ours from the trained checkpoint
+  (float32, rtol 1e-4), the weights moved, and generate.py's greedy text (the README's
+  command, stopping at EOS) equals transformers' greedy generate on the export, token for
+  token. (A config override such as rope_theta reaching the run is test_resolve_hf_init's.)"""
+  torch, transformers = hf
+  from test_convert_hf import _ring_logits
+  from training.tokenizer import load_tokenizer
+
+  tmp, runs = readme_run
+  source, workdir, out = tmp / "tiny_hf", tmp / "tiny_ft", tmp / "tiny_ft_hf"
+  steps = int(next(a for a in runs[1]["argv"][::-1] if a.startswith("--config.total_steps="))
+              .split("=")[1])
+  assert f"exported step {steps}" in runs[2]["stdout"]
+  saved = json.loads((workdir / "config.json").read_text())
+  assert json.loads((out / "config.json").read_text())["rope_theta"] == saved["model"][
+      "rope_theta"]
+  with pytest.raises(export_hf.UsageError, match="not empty"):  # never overwrites
+    export_hf.export(str(workdir), str(out))
+  with pytest.raises(export_hf.UsageError, match=f"no checkpoint of step {steps - 1}"):
+    export_hf.export(str(workdir), str(tmp_path / "other"), step=steps - 1)
+
+  # Ours: the trained checkpoint, ring attention on the training mesh.
+  config = export_hf.read_run_config(str(workdir))
+  model_cfg = cfg_lib.llama_config(config)
+  assert (model_cfg.attention, model_cfg.layout) == ("ring", "zigzag")
+  step, params = export_hf.restore_params(str(workdir), model_cfg, None)
+  assert step == steps
+  name = "model.layers.0.mlp.up_proj.weight"
+  assert not np.array_equal(_tensors(str(out))[name], _tensors(str(source))[name])
+  mesh = cfg_lib.make_mesh(MESH)
+  tokens_BL = np.random.default_rng(2).integers(0, model_cfg.vocab_size, size=(2, 64))
+  ours = _ring_logits(shd.shard_params(params, mesh), model_cfg, mesh, tokens_BL)
+
+  reloaded = transformers.AutoModelForCausalLM.from_pretrained(str(out)).eval()
+  assert reloaded.dtype == torch.float32
+  with torch.no_grad():
+    theirs = reloaded(torch.tensor(tokens_BL, dtype=torch.long)).logits.numpy()
+  assert np.abs(theirs).max() > 1.0
+  np.testing.assert_allclose(ours, theirs, rtol=1e-4, atol=1e-4)
+
+  # generate.py as the README runs it (the run's tokenizer, greedy, stopping at EOS).
+  argv = runs[3]["argv"]
+  prompt_text = argv[argv.index("--prompt") + 1]
+  max_new = int(argv[argv.index("--max_new_tokens") + 1])
+  assert argv[argv.index("--temperature") + 1] == "0"
+  tok = load_tokenizer(str(source))
+  prompt = tok.encode_document(prompt_text, bos=True, eos=False).tolist()
+  assert prompt[0] == tok.bos_id and len(prompt) > 2
+  # generate.py samples only ids the tokenizer has (its vocab_limit); so does this.
+  reloaded.generation_config.eos_token_id = None
+  reloaded.generation_config.pad_token_id = 0
+  unused = list(range(tok.vocab_size, reloaded.config.vocab_size))
+  with torch.no_grad():
+    out_ids = reloaded.generate(torch.tensor([prompt]), max_new_tokens=max_new,
+                                do_sample=False, suppress_tokens=unused or None,
+                                attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
+  want = out_ids[0, len(prompt):].tolist()
+  if tok.eos_id in want:  # generate.py stops at EOS (the README's command does not say not to)
+    want = want[:want.index(tok.eos_id)]
+  assert runs[3]["stdout"][:-1] == tok.decode(want), (runs[3]["stdout"], want)
+
+

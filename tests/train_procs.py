@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import queue
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -228,3 +230,25 @@ def train_rows(workdir) -> list[dict]:
 def checkpoint_steps(workdir) -> list[int]:
   directory = os.path.join(workdir, "checkpoints")
   return sorted(int(n) for n in os.listdir(directory) if n.isdigit())
+
+
+def shared_run(tmp_path_factory, name: str, make) -> dict:
+  """What ``make(directory)`` returns (JSON data), made once per test session.
+
+  For runs that several tests read (a ``train.py`` workdir, an export): the first test to ask
+  makes it, in a directory shared by pytest-xdist's workers, while a file lock makes the
+  others wait and then read the same result; pytest's own session fixtures would run it
+  once per worker. A ``make`` that raised is retried by the next test that asks, so each
+  reports the failure itself.
+  """
+  root = tmp_path_factory.getbasetemp()
+  if os.environ.get("PYTEST_XDIST_WORKER"):
+    root = root.parent  # the workers' basetemps share this parent
+  directory, done = root / f"shared-{name}", root / f"shared-{name}.json"
+  with open(root / f"shared-{name}.lock", "w") as lock:
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    if not done.exists():
+      shutil.rmtree(directory, ignore_errors=True)
+      directory.mkdir()
+      done.write_text(json.dumps(make(directory)))
+    return json.loads(done.read_text())
