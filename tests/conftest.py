@@ -46,11 +46,12 @@ SLOW_FILES = {
 # selection, the tests whose outcome depends on the JAX version. Leg 1 (Python 3.11, jax
 # 0.10) runs every test. Selected: every test of the pure-JAX library ring_jax/ (the kernels
 # in interpret mode included), of the model and its sharding (models/), the docs' and the
-# notebook's code, the hardware-check scripts the accelerator image runs, and one end-to-end
-# `python train.py`. Not selected: the trainer's subprocess scenarios (resume, signals,
-# divergence, several processes, stages, fit.py, Hugging Face import/export, generation),
-# which test our own control flow on top of the same compiled step; they run on leg 1.
-# A test that needs a newer jax than leg 1's (say tokamax, jax >= 0.11) belongs here too.
+# notebook's code, the hardware-check scripts the accelerator image runs, one end-to-end
+# `python train.py` and the checkpoint round trips. Not selected: the trainer's scenarios
+# (resume, signals, divergence, several processes, stages, fit.py, Hugging Face
+# import/export, generation), which test our own control flow on top of the same compiled
+# step and the same checkpoints; they run on leg 1. A test that needs a newer jax than leg
+# 1's (say tokamax, jax >= 0.11) belongs here too.
 # Entries are file names or "file::test" names; NOT_NEWEST_JAX takes tests back out.
 NEWEST_JAX = {
     # ring_jax/
@@ -62,11 +63,12 @@ NEWEST_JAX = {
     "test_llama.py", "test_sharding.py", "test_inference.py", "test_pipeline.py",
     # docs/, notebooks/, benchmarks/{gpu,tpu}_check (what the accelerator image runs)
     "test_docs.py", "test_notebook.py", "test_tpu_check.py",
-    # one end-to-end train.py run
-    "test_train.py::test_train_py_end_to_end",
+    # one end-to-end train.py run, and save/restore of the train state across meshes (Orbax
+    # on the newest jax's arrays and shardings; the end-to-end run only saves)
+    "test_train.py::test_train_py_end_to_end", "test_checkpoint.py",
 }
 NOT_NEWEST_JAX = {
-    # train.py as four subprocesses; the pipelined step itself is compared in-process above.
+    # four resumed training runs; the pipelined step itself is compared in the same file.
     "test_pipeline.py::test_train_py_on_each_pipeline_mesh_follows_one_device",
 }
 
@@ -114,3 +116,4 @@ def pytest_collection_modifyitems(items):
   quick = [item for name, group in by_file.items() if name not in SLOW_FILES for item in group]
   fill = max(0, len(items) // 2 - len(halves[0]))
   items[:] = halves[0] + quick[:fill] + halves[1] + quick[fill:]
+
