@@ -543,23 +543,11 @@ def _drop_orbax_tracebacks(record) -> bool:
 
 
 def _drop_closed_loop_callbacks(unraisable) -> None:
-  """``sys.unraisablehook``: drops the leftovers of a failed Orbax read, passes others on.
-
-  When Orbax fails to read a corrupt checkpoint, its other reads still in flight end after
-  the event loop of that restore has closed: their errors (the same corruption) and their
-  completion callbacks (``RuntimeError('Event loop is closed')``) surface where nothing can
-  catch them, and Python prints each as "Exception ignored" with a traceback. The run
-  reports the failed step itself (one warning line); ``-v`` shows these too.
-  """
-  exc, tb = unraisable.exc_value, unraisable.exc_traceback
-  files = []
-  while tb is not None:
-    files.append(tb.tb_frame.f_code.co_filename)
-    tb = tb.tb_next
-  if (isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed") or any(
-      f"{os.sep}orbax{os.sep}" in f for f in files):
-    return
-  sys.__unraisablehook__(unraisable)
+  """``sys.unraisablehook``: drops the leftovers of a failed Orbax read
+  (:func:`training.checkpoint.is_failed_read_leftover`), passes others on; ``-v`` shows
+  them too."""
+  if not ckpt_lib.is_failed_read_leftover(unraisable):
+    sys.__unraisablehook__(unraisable)
 
 
 def _config_path(argv) -> str | None:

@@ -38,7 +38,9 @@ What this module guarantees beyond Orbax:
 
 from __future__ import annotations
 
+import gc
 import os
+import sys
 import time
 from typing import Any, Callable
 
@@ -75,6 +77,42 @@ def _whole_array_saves() -> None:
     ocp.type_handlers.register_type_handler(jax.Array, handler, override=True)
   finally:
     absl_logging.set_verbosity(verbosity)
+
+
+def is_failed_read_leftover(unraisable) -> bool:
+  """Whether a ``sys.unraisablehook`` report is the leftover of a failed Orbax read.
+
+  When Orbax fails to read a corrupt checkpoint, its other reads still in flight end after
+  the event loop of that restore has closed: their errors (the same corruption) and their
+  completion callbacks (``RuntimeError('Event loop is closed')``) surface where nothing can
+  catch them, and Python would print each as "Exception ignored" with a traceback. The
+  restore reports the failed step itself (one warning line).
+  """
+  exc, tb = unraisable.exc_value, unraisable.exc_traceback
+  files = []
+  while tb is not None:
+    files.append(tb.tb_frame.f_code.co_filename)
+    tb = tb.tb_next
+  return (isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed") or any(
+      f"{os.sep}orbax{os.sep}" in f for f in files)
+
+
+def _drop_failed_read_leftovers() -> None:
+  """After a failed restore: from now on ``sys.unraisablehook`` drops its leftovers
+  (:func:`is_failed_read_leftover`; installed once, in front of the hook there was, which
+  gets every other report), and the ones already unreachable are collected now, rather than
+  reported at some later garbage collection against unrelated code (in a notebook, under
+  pytest). ``train.py`` installs the same filter for the whole run."""
+  if not getattr(sys.unraisablehook, "_drops_failed_read_leftovers", False):
+    previous = sys.unraisablehook
+
+    def hook(unraisable):
+      if not is_failed_read_leftover(unraisable):
+        previous(unraisable)
+
+    hook._drops_failed_read_leftovers = True
+    sys.unraisablehook = hook
+  gc.collect()
 
 
 class CheckpointWriteError(RuntimeError):
@@ -286,6 +324,8 @@ class Checkpointer:
         reason = None if all_finite((params, opt_state)) else "it holds NaN or inf values"
       except Exception as e:  # Corruption shows as many error types (OSError, ValueError, ...).
         reason = _one_line(e)
+        del e
+        _drop_failed_read_leftovers()
       if not _agree(reason is None):
         reason = reason or "it failed to restore on another process"
         warn(f"warning: checkpoint step {step} in {self.directory} does not restore "
