@@ -341,3 +341,21 @@ def test_auto_attention_is_decided_once_and_says_why(tmp_path, capsys):
 def test_mesh_dependent_model_fields_fail_before_compiling(overrides, match):
   with pytest.raises(cfg_lib.ConfigError, match=match):
     cfg_lib.validate_config(small_config(**overrides), num_devices=8)
+
+
+def test_a_second_train_of_the_same_setup_reuses_the_jitted_step():
+  """train._train_step: the same model, mesh, optimizer settings and schedule length give the
+  same TrainStep (so JAX reuses its compiled programs, eval step included); any change in
+  them builds a new one."""
+  config = small_config()
+  mesh = cfg_lib.make_mesh(config.mesh)
+  model_cfg = cfg_lib.llama_config(config)
+  args = (model_cfg, mesh, config.optim, 6, config.microbatches, config.seed)
+  first = train_script._train_step(*args)
+  assert train_script._train_step(*args) is first
+  assert first.eval_step() is first.eval_step()
+  assert train_script._train_step(model_cfg, mesh, config.optim, 7, config.microbatches,
+                                  config.seed) is not first  # another schedule length
+  other_optim = cfg_lib.apply_overrides(small_config(), [("optim.lr", 5e-4)]).optim
+  assert train_script._train_step(model_cfg, mesh, other_optim, 6, config.microbatches,
+                                  config.seed) is not first
