@@ -12,11 +12,26 @@ own ``--xla_backend_optimization_level`` to test optimised code. The ``train.py`
 benchmark subprocesses some tests start compile the same way (``tests/train_procs.env``
 passes them these flags minus the device count: they size their own devices).
 
-JAX's persistent compilation cache is deliberately not used: with jax 0.10.2
-on CPU, the train step of ``train.py`` loaded from it computed different
-values and then aborted (found while trying it for CI time).
+Many programs are compiled more than once in a run: the tiny train step of
+``tests/train_procs.py`` by every ``train.py`` subprocess, the same model and ring
+programs by both pytest-xdist workers and by tests that build them anew. So the run
+shares JAX's persistent compilation cache: a fresh directory per run, made by the
+process pytest starts, inherited through the environment by the workers and every
+subprocess, removed when the run ends (set ``JAX_COMPILATION_CACHE_DIR`` to keep one
+yourself). Fresh per run, no entry outlives the code, flags or jax that made it; an
+executable loaded from it is the one the compiler produced (same HLO, same memory
+plan: ``memory_analysis`` and ``as_text`` read the same).
+
+Runs of several ``jax.distributed`` processes stay out of it (``train_procs.env``):
+on CPU, JAX's cache key does not tell a 2-process program on 2x4 devices from a
+1-process one on 8 (same HLO, same device ids), and ``tests/test_multiprocess.py``
+runs both of one config; sharing the cache there once made a 2-process ``train.py``
+run load the 1-process train step, compute different losses and abort.
 """
+import atexit
 import os
+import shutil
+import tempfile
 
 import pytest
 
@@ -27,6 +42,14 @@ if "xla_force_host_platform_device_count" not in flags:
 if "xla_backend_optimization_level" not in flags:
   flags += " --xla_backend_optimization_level=0"
 os.environ["XLA_FLAGS"] = flags.strip()
+
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:  # the first process of the run: make it
+  _cache_dir = tempfile.mkdtemp(prefix="ring_jax_tests_jax_cache_")
+  os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache_dir
+  atexit.register(shutil.rmtree, _cache_dir, ignore_errors=True)
+# Every program, however fast to compile (JAX's defaults keep only those of >= 1 s).
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
 
 
 # About how many CPU seconds the slowest files take (user+sys of `pytest -n 0 FILE` on 2
@@ -59,6 +82,7 @@ NEWEST_JAX = {
     "test_layouts.py", "test_schedule.py", "test_routing.py", "test_sharded.py",
     "test_strategies.py", "test_two_level.py", "test_plan.py", "test_ffn.py",
     "test_documents.py", "test_flax_attention.py", "test_pallas_gpu.py", "test_pallas_tpu.py",
+    "test_splash.py",
     # models/
     "test_llama.py", "test_sharding.py", "test_inference.py", "test_pipeline.py",
     # docs/, notebooks/, benchmarks/{gpu,tpu}_check (what the accelerator image runs)

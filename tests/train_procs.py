@@ -15,6 +15,8 @@ import tempfile
 import threading
 import time
 
+from training import supervisor as supervisor_lib
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN_PY = os.path.join(ROOT, "train.py")
 
@@ -38,6 +40,10 @@ def env(**extra: str) -> dict[str, str]:
   if flags:
     out["XLA_FLAGS"] = " ".join(flags)
   out.update(JAX_PLATFORMS="cpu", PYTHONPATH=ROOT, **extra)
+  if supervisor_lib.multiprocess_launch_detected(out):
+    # One process of several: its programs' cache keys equal a 1-process run's on as many
+    # devices (tests/conftest.py), so it neither reads nor writes the run's cache.
+    out.pop("JAX_COMPILATION_CACHE_DIR", None)
   return out
 
 
