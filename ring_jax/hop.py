@@ -44,7 +44,8 @@ or key, negative ids are documents), and ``kv_pos[j] <= q_pos[i]`` when
 causal, and ``q_pos[i] - left <= kv_pos[j] <= q_pos[i] + right`` with a
 window ``(left, right)``. In every layout positions increase within a shard,
 so a query's causal/window-visible keys form one contiguous index range;
-kernels may rely on that for speed, never for correctness. Which block pairs
+kernels may rely on that (the splash kernel's element mask is that range), and every
+shard the ring builds has it. Which block pairs
 to compute, and which of them need the elementwise mask, is decided once per
 hop, in :func:`ring_jax.scheduling.block_table` (``HopMasks.blocks``); kernels
 loop over that table (:func:`fold_blocks`) and compute the element mask of a

@@ -31,7 +31,7 @@ from attn_utils import make_mesh
 from ring_jax.hop import HopGrads, HopMasks, HopResiduals, HopSpec, lse_for_backward
 
 # Kernel names run by this suite; fused-kernel helpers append theirs (e.g. "pallas_gpu").
-KERNELS_UNDER_TEST = ["xla", "pallas_gpu", "pallas_tpu"]
+KERNELS_UNDER_TEST = ["xla", "pallas_gpu", "pallas_tpu", "splash"]
 
 RTOL = ATOL = 1e-5
 BLOCK = 128
@@ -290,11 +290,21 @@ def _rel_err(actual, expected):
   return np.abs(actual - expected).max() / max(np.abs(expected).max(), 1e-30)
 
 
+# (lse bound, error ratio to the XLA kernel) of a kernel whose bf16 numerics differ by
+# design; the others: float32-level lse, 1.1x. splash takes queries pre-scaled (it has no
+# scale argument), so q * scale is rounded to bf16 once more (2**-9 relative: its lse is
+# exact for those scores, 6e-4 off here), and its per-hop dK/dV come back in bf16 before
+# the float32 accumulators add them (dv 1.28x, dk 1.09x, out and dq below the XLA kernel's,
+# measured on jax 0.10.2).
+BF16_BOUNDS = {"splash": (2e-3, 1.5)}
+
+
 @pytest.mark.parametrize("kernel_name", [k for k in KERNELS_UNDER_TEST if k != "xla"])
 def test_bfloat16_ring_of_4_error_within_xla(kernel_name):
   """A ring of 4 in bf16 (zigzag, causal, packed segments, GQA): each fused kernel's error of
   the output and all three gradients vs float64 is at most 1.1x the XLA kernel's (lse:
-  float32-level). Ring size 1 is in the kernels' own test files."""
+  float32-level), or within the kernel's BF16_BOUNDS. Ring size 1 is in the kernels' own
+  test files."""
   ring = 4
   case = CASES["segments-causal-zigzag"]
   length = ring * case.local_q
@@ -324,10 +334,11 @@ def test_bfloat16_ring_of_4_error_within_xla(kernel_name):
     errors[name] = [_rel_err(o.astype(jnp.float32), want[0]),
                     _rel_err(np.asarray(l)[fin], want[1][fin]),
                     *(_rel_err(g.astype(jnp.float32), w) for g, w in zip(grads, want[2:]))]
-  assert errors[kernel_name][1] <= RTOL / 10, errors
+  lse_bound, ratio = BF16_BOUNDS.get(kernel_name, (RTOL / 10, 1.1))
+  assert errors[kernel_name][1] <= lse_bound, errors
   for i, what in [(0, "out"), (2, "dq"), (3, "dk"), (4, "dv")]:
     assert 1e-4 < errors["xla"][i] < 5e-2, (what, errors)
-    assert errors[kernel_name][i] <= 1.1 * errors["xla"][i], (what, errors)
+    assert errors[kernel_name][i] <= ratio * errors["xla"][i], (what, errors)
 
 
 # --- The registry ----------------------------------------------------------------------------

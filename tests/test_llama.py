@@ -121,7 +121,7 @@ def test_ring_hop_kernel_by_name(baseline):
     _cfg(hop_kernel="flash")
 
 
-@pytest.mark.parametrize("kernel", ["pallas_gpu", "pallas_tpu"])
+@pytest.mark.parametrize("kernel", ["pallas_gpu", "pallas_tpu", "splash"])
 def test_fused_hop_kernels_run_in_the_model(kernel):
   """The model with each fused hop kernel (Pallas interpret mode on CPU) equals the dense
   model on one device: logits and parameter gradients. One layer, packed documents with

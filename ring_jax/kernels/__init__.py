@@ -8,8 +8,10 @@ are imported only when their name is chosen (:func:`_lazy`), so importing
 ``ring_jax`` never imports Pallas.
 
 Names: ``"xla"`` (:class:`ring_jax.kernels.xla.XlaHopKernel`, every
-platform). Fused kernels register here under their own names and are opt-in
-by name. A kernel class's ``name`` (a ``ClassVar``) is its key here. ``"auto"`` resolves through :data:`AUTO`; it means ``"xla"`` on every
+platform); ``"splash"`` (JAX's splash attention on TPU,
+:mod:`ring_jax.kernels.splash`); ``"pallas_tpu"`` and ``"pallas_gpu"`` (our
+own fused kernels). Fused kernels register here under their own names and are
+opt-in by name. A kernel class's ``name`` (a ``ClassVar``) is its key here. ``"auto"`` resolves through :data:`AUTO`; it means ``"xla"`` on every
 platform until a fused kernel's hardware check (date, device, jax version) is
 recorded in the README, and only then gains an entry for that platform.
 """
@@ -37,6 +39,7 @@ HOP_KERNELS: dict[str, Callable[[str], HopKernel]] = {
     # Fused kernels: one line each.
     "pallas_gpu": _lazy("ring_jax.kernels.pallas_gpu", "make_kernel"),
     "pallas_tpu": _lazy("ring_jax.kernels.pallas_tpu", "make_kernel"),
+    "splash": _lazy("ring_jax.kernels.splash", "make_kernel"),
 }
 
 # platform -> kernel name that "auto" picks there; absent platforms get "xla". An entry is

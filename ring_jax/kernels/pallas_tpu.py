@@ -365,11 +365,7 @@ class PallasTpuHopKernel:
     requires varying manual axes to match"): there the TPU interpreter
     (``pltpu.InterpretParams()``, slower) runs the kernels.
     """
-    if not self._interpret():
-      return False
-    if frozenset().union(*(hop._varying_axes(a) for a in arrays)):
-      return pltpu.InterpretParams()
-    return True
+    return interpret_mode(self._interpret(), *arrays)
 
   def _specialize(self) -> bool:
     if self.specialize is None:
@@ -607,6 +603,18 @@ def _segment_ids_int32(q_seg, kv_seg):
     rank = jnp.searchsorted(uniq, x.astype(dt)).astype(jnp.int32)
     return jnp.where(x == 0, 0, rank + 1)
   return code(q_seg), code(kv_seg)
+
+
+def interpret_mode(interpret: bool, *arrays):
+  """The ``interpret`` argument of a TPU ``pallas_call`` whose operands are ``arrays``:
+  False on a TPU (``interpret=False``); off it the generic interpreter (``True``), or the
+  TPU interpreter (``pltpu.InterpretParams()``) when some operand varies over a manual mesh
+  axis (see :meth:`PallasTpuHopKernel._interpret_mode`)."""
+  if not interpret:
+    return False
+  if frozenset().union(*(hop._varying_axes(a) for a in arrays)):
+    return pltpu.InterpretParams()
+  return True
 
 
 def make_kernel(platform: str) -> PallasTpuHopKernel:

@@ -1,0 +1,319 @@
+"""The hop on JAX's splash attention (TPU): ``hop_kernel="splash"``.
+
+Splash attention (``jax.experimental.pallas.ops.tpu.splash_attention``) is the TPU flash
+kernel JAX maintains; MaxText's TPU ring attention calls it per hop the same way. This
+module drives its private forward / dQ / dK-dV kernels (``_splash_attention_forward``,
+``_splash_attention_bwd_dq``, ``_splash_attention_bwd_dkv``; their signatures are the same
+at jax 0.10.0, 0.11.0 and 0.12.0.1, and both CI legs run this kernel's conformance tests)
+under the hop-kernel seam (:mod:`ring_jax.hop`):
+
+* **The hop's mask, block-sparse, built per hop from traced positions.** Splash's
+  ``MaskInfo`` is arrays, not Python: ``block_mask`` ``[1, nq, nk]`` (0 empty, 1 partly
+  visible, 2 visible everywhere) and ``data_next`` (the block each grid step fetches)
+  come from the hop's :class:`ring_jax.scheduling.BlockTable`, so splash skips exactly
+  the blocks the other kernels skip, whatever the hop's offset (causal diagonal, zigzag
+  chunks, striped, windows). No dense ``[heads, T, S]`` mask exists: inside a block the
+  element mask comes from splash's ``mask_function`` path, which compares each key's
+  index with a per-query value (``q_sequence``). Positions increase within every shard
+  the ring makes, so a query's visible keys at a hop are one index range
+  ``[start, end)`` (:func:`key_ranges`); ``q_sequence`` carries ``end`` (causal) or
+  ``start * 2**16 + end`` (a window: needs S < 2**15, :meth:`SplashHopKernel.check`).
+* **Segment ids** are splash's own ``SegmentIds(q, kv)`` (equality); our 0 = padding
+  rule becomes two pad ids that match nothing (:func:`splash_segment_ids`).
+* **GQA** as splash does it (query head ``n`` reads K/V head ``n // G``), no repeat.
+* **lse and empty rows.** Splash masks with a finite value (``mask_value``, -0.7 x
+  float32 max), so a row with no visible key in this hop comes back with an lse near
+  ``mask_value`` (or ``-inf`` and a NaN output when no block of it ran); those rows
+  become ``(0, -inf)``, the seam's convention. Its lse is natural-log.
+* **Backward** with the ring's final ``out``/``lse``: ``delta = rowsum(dO * out) -
+  dlse`` is ours (:func:`ring_jax.hop.backward_delta`, so the lse cotangent counts)
+  and goes to splash's dQ and dK/dV kernels as their ``di``. Splash takes queries
+  pre-scaled (no scale argument): ``q * scale`` in, ``dQ * scale`` out.
+* **Non-finite inputs.** ``0 * NaN`` inside splash's matmuls would leak a NaN held at
+  a masked key into rows that do not see it, so a hop whose V (forward) or Q/K/V
+  (backward) holds a non-finite value runs the XLA kernel instead (``lax.cond``;
+  :attr:`ring_jax.hop.HopMasks.v_finite` makes the forward test free).
+* Outputs come back in the input dtype (bf16 for bf16 inputs); they are merged and
+  accumulated in float32.
+
+Block sizes are the ring's ``block_q`` / ``block_kv`` (multiples of 128). Off a TPU the
+kernels run in Pallas interpret mode (slow; for tests). Not yet run on a TPU: see the
+kernels table in docs/performance.md ("Hop kernels: which runs where").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax._src import config as jax_config
+from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
+from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask_info as smi
+
+from ring_jax import hop
+from ring_jax import scheduling
+from ring_jax.kernels import pallas_tpu
+from ring_jax.kernels.xla import XlaHopKernel
+
+NUM_LANES = 128
+MASK_VALUE = sk.DEFAULT_MASK_VALUE
+# A window's q_sequence packs (start, end) into one int32: end in the low 16 bits.
+_RANGE_BITS = 16
+_MAX_WINDOW_KV = (1 << (_RANGE_BITS - 1)) - 1
+_I32_MIN = int(np.iinfo(np.int32).min)
+
+
+def _unchecked_vma(fn, *args):
+  """``fn(*args)`` with shard_map's varying-axes check off, outputs then marked varying
+  over every manual axis an input varies over.
+
+  Splash's ``pallas_call`` out-shapes carry no ``manual_axis_type`` (jax 0.10 through
+  0.12), which ``shard_map(check_vma=True)`` refuses; the ring runs inside the user's
+  shard_map, so the check is lifted around the kernel call alone (JAX's internal
+  ``check_vma`` state, what ``check_vma=False`` sets) and the outputs are marked as
+  varying exactly like their inputs, so nothing downstream mistakes them for replicated.
+  """
+  leaves = jax.tree.leaves(args)
+  with jax_config._check_vma(False):
+    out = fn(*args)
+  return jax.tree.map(lambda x: hop.varying_like(x, *leaves), out)
+
+
+def _over_rows(one_row):
+  """``one_row`` (splash on one batch row: head-major ``[heads, len, ...]`` operands, then
+  ``SegmentIds`` or None, then any more) over the batch.
+
+  Without segment ids the rows fold into the head axis (``B * N`` query heads reading
+  ``B * K`` K/V heads keeps the GQA map ``n // G``): one kernel call. With them (one
+  ``SegmentIds`` per call) a ``lax.map`` over rows; not ``vmap``, whose extra grid axis
+  Pallas's TPU interpreter (the tests, inside shard_map) does not take.
+  """
+  def run(q, k, v, seg, *rest):
+    if seg is None:
+      b = q.shape[0]
+      fold = lambda x: x.reshape(b * x.shape[1], *x.shape[2:])
+      out = one_row(fold(q), fold(k), fold(v), None, *map(fold, rest))
+      return jax.tree.map(lambda x: x.reshape(b, -1, *x.shape[1:]), out)
+    return jax.lax.map(lambda a: one_row(*a), (q, k, v, seg, *rest))
+  return run
+
+
+def _keys_before(end, k):
+  """Splash ``mask_function``: key index ``k`` visible iff ``k < end`` (causal)."""
+  return k < end
+
+
+def _keys_within(code, k):
+  """Splash ``mask_function``: ``code = start * 2**16 + end``; visible iff start <= k < end."""
+  return (k >= (code >> _RANGE_BITS)) & (k < (code & ((1 << _RANGE_BITS) - 1)))
+
+
+def key_ranges(q_positions, kv_positions, is_causal: bool, window):
+  """int32 ``([T], [T])``: per query, the key indices ``[start, end)`` of this hop that the
+  causal mask and the window ``(left, right)`` let it see (segment ids aside).
+
+  Exact because key positions increase within a shard (every ring layout); a window
+  keeps ``q - left <= kv <= q + right``, causal ``kv <= q``.
+  """
+  q = q_positions.astype(jnp.int32)
+  kv = kv_positions.astype(jnp.int32)
+  s = kv.shape[0]
+  start = jnp.zeros_like(q)
+  end = jnp.full_like(q, s)
+  if window is not None:
+    left, right = window
+    start = jnp.searchsorted(kv, q - left, side="left").astype(jnp.int32)
+    end = jnp.searchsorted(kv, q + right, side="right").astype(jnp.int32)
+  if is_causal:
+    end = jnp.minimum(end, jnp.searchsorted(kv, q, side="right").astype(jnp.int32))
+  return start, jnp.maximum(end, start)
+
+
+def splash_segment_ids(q_seg, kv_seg):
+  """int32 ``(q [B, T], kv [B, S])`` for splash (which compares ids for equality only):
+  our ids (any integer dtype; 0 = padding) with query padding and key padding mapped
+  to two ids that no document uses and that differ, so padding sees nothing."""
+  qs, ks = pallas_tpu._segment_ids_int32(q_seg, kv_seg)  # 0 stays 0; equality kept
+  low = jnp.minimum(jnp.minimum(qs.min(), ks.min()), 0)
+
+  def below(codes):  # pads just below every id: low - 1 and low - 2
+    q_codes, kv_codes = codes
+    return (jnp.where(q_codes == 0, low - 1, q_codes),
+            jnp.where(kv_codes == 0, low - 2, kv_codes))
+
+  def ranked(codes):  # ids reach down to int32's minimum: rank-code them first (>= 1)
+    q_codes, kv_codes = codes
+    both = jnp.concatenate([q_codes.reshape(-1), kv_codes.reshape(-1)])
+    uniq = jnp.unique(both, size=both.size, fill_value=both.max())
+    rank = lambda x: jnp.searchsorted(uniq, x).astype(jnp.int32) + 1
+    return (jnp.where(q_codes == 0, -1, rank(q_codes)),
+            jnp.where(kv_codes == 0, -2, rank(kv_codes)))
+
+  return jax.lax.cond(low > _I32_MIN + 1, below, ranked, (qs, ks))
+
+
+@dataclasses.dataclass(frozen=True)
+class SplashHopKernel:
+  """The hop on JAX's splash attention kernels (module docstring), ``hop_kernel="splash"``.
+
+  Attributes:
+    interpret: run splash in Pallas interpret mode. ``None`` (default): exactly when
+      the default backend is not a TPU (tests on CPU).
+  """
+  name: ClassVar[str] = "splash"
+  interpret: bool | None = None
+
+  def check(self, q_shape, kv_shape, dtype, spec) -> None:
+    """Raises ``ValueError`` naming the fix when splash cannot run this hop."""
+    if len(q_shape) != 5 or len(kv_shape) != 4:
+      raise ValueError(f"splash: expected q [B, T, K, G, H] and k/v [B, S, K, H], got "
+                       f"{tuple(q_shape)} and {tuple(kv_shape)}.")
+    _, t, k, _, h = q_shape
+    _, s, kk, hh = kv_shape
+    if (kk, hh) != (k, h):
+      raise ValueError(f"splash: k/v {tuple(kv_shape)} do not match q {tuple(q_shape)} "
+                       "(kv heads and head dim must agree).")
+    for name, blk, length, what in (("block_q", spec.block_q, t, "T (local query length)"),
+                                    ("block_kv", spec.block_kv, s, "S (local key length)")):
+      if blk <= 0 or blk % NUM_LANES:
+        raise ValueError(
+            f"{name}={blk}: splash needs multiples of {NUM_LANES}; pass {name}="
+            f"{max(NUM_LANES, -(-max(blk, 1) // NUM_LANES) * NUM_LANES)} or hop_kernel='xla'.")
+      if length % blk:
+        raise ValueError(f"{name}={blk} does not divide {what}={length}; pick a {name} that "
+                         f"divides it (a multiple of {NUM_LANES}) or hop_kernel='xla'.")
+    if spec.window is not None and s > _MAX_WINDOW_KV:
+      raise ValueError(
+          f"splash: a local window with a key shard of S={s} > {_MAX_WINDOW_KV} tokens does "
+          "not fit its per-query key range in one int32; use more sequence devices (shorter "
+          "shards) or hop_kernel='xla'.")
+    if jnp.dtype(dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
+      raise ValueError(f"splash: dtype {jnp.dtype(dtype)} is not supported (float32 or "
+                       "bfloat16); cast the inputs or use hop_kernel='xla'.")
+
+  def _interpret(self) -> bool:
+    return jax.default_backend() != "tpu" if self.interpret is None else bool(self.interpret)
+
+  # ---- the hop's mask as splash's MaskInfo ----------------------------------------------
+
+  def _mask(self, masks: hop.HopMasks, spec: hop.HopSpec, t: int, s: int):
+    """``(fwd/dq MaskInfo, dK/dV MaskInfo, mask_function)`` of this hop."""
+    nq, nk = t // spec.block_q, s // spec.block_kv
+    rows = scheduling.merge_rows(masks.table().q_ranges)  # [nq, 4], over the batch rows
+    lo, full_lo, full_hi, hi = (rows[:, i:i + 1] for i in range(4))
+    kv_block = jnp.arange(nk, dtype=jnp.int32)[None, :]
+    q_block = jnp.arange(nq, dtype=jnp.int32)[:, None]
+    some = (kv_block >= lo) & (kv_block < hi)
+    everywhere = (kv_block >= full_lo) & (kv_block < full_hi)
+    block_mask = jnp.where(everywhere, 2, jnp.where(some, 1, 0)).astype(jnp.int8)[None]
+    # Grid steps of empty blocks fetch block 0 (as splash's own dynamic masks do).
+    index_type = jnp.int16 if max(nq, nk) <= np.iinfo(np.int16).max else jnp.int32
+    kv_next = jnp.where(block_mask[0] > 0, kv_block, 0).astype(index_type)[None]
+    q_next = jnp.where(block_mask[0] > 0, q_block, 0).astype(index_type)[None]
+
+    mask_function, q_sequence = None, None
+    if spec.is_causal or spec.window is not None:
+      start, end = key_ranges(masks.q_positions, masks.kv_positions, spec.is_causal,
+                              spec.window)
+      if spec.window is None:
+        mask_function, q_sequence = _keys_before, end
+      else:
+        mask_function, q_sequence = _keys_within, (start << _RANGE_BITS) | end
+    info = lambda data_next: smi.MaskInfo(data_next=data_next, mask_next=None,
+                                          block_mask=block_mask, partial_mask_blocks=None,
+                                          q_sequence=q_sequence)
+    return info(kv_next), info(q_next), mask_function
+
+  def _operands(self, q, k, v, masks, spec):
+    """Splash's head-major operands: q ``[B, N, T, H]`` (scaled), k/v ``[B, K, S, H]``,
+    and ``SegmentIds`` per batch row (or None)."""
+    b, t, kh, g, h = q.shape
+    q_bnth = jnp.transpose((q * spec.scale).astype(q.dtype).reshape(b, t, kh * g, h),
+                           (0, 2, 1, 3))
+    k_bksh, v_bksh = (jnp.transpose(x, (0, 2, 1, 3)) for x in (k, v))
+    seg = None
+    if masks.q_segment_ids is not None:
+      seg = sk.SegmentIds(*splash_segment_ids(masks.q_segment_ids, masks.kv_segment_ids))
+    return q_bnth, k_bksh, v_bksh, seg
+
+  def _interpret_mode(self, *arrays):
+    return pallas_tpu.interpret_mode(self._interpret(), *arrays)
+
+  # ---- forward ----------------------------------------------------------------------------
+
+  def forward(self, q, k, v, masks, spec):
+    """``(out_h [B,T,K,G,H] f32, lse_h [B,T,K,G] f32)`` of this hop."""
+    def fused(q, k, v):
+      b, t, kh, g, h = q.shape
+      info, _, mask_function = self._mask(masks, spec, t, k.shape[1])
+      q_bnth, k_bksh, v_bksh, seg = self._operands(q, k, v, masks, spec)
+      sizes = sk.BlockSizes(block_q=spec.block_q, block_kv=spec.block_kv)
+      interpret = self._interpret_mode(q_bnth, k_bksh, v_bksh, *jax.tree.leaves(info),
+                                       *jax.tree.leaves(seg))
+
+      def one_row(q1, k1, v1, seg1):
+        return sk._splash_attention_forward(
+            info, q1, k1, v1, seg1, None, MASK_VALUE, False, sizes, None, True,
+            mask_function, None, interpret)
+
+      out, (lse,) = _unchecked_vma(_over_rows(one_row), q_bnth, k_bksh, v_bksh, seg)
+      out = jnp.transpose(out.astype(jnp.float32), (0, 2, 1, 3)).reshape(q.shape)
+      lse = jnp.transpose(lse.astype(jnp.float32), (0, 2, 1)).reshape(q.shape[:-1])
+      # Rows that saw no key here: splash's finite mask value (or no block at all).
+      empty = lse < 0.5 * MASK_VALUE
+      return jnp.where(empty[..., None], 0.0, out), jnp.where(empty, -jnp.inf, lse)
+
+    guarded = lambda q, k, v: XlaHopKernel().forward(q, k, v, masks, spec)
+    return jax.lax.cond(hop.v_is_finite(masks, v), fused, guarded, q, k, v)
+
+  # ---- backward ---------------------------------------------------------------------------
+
+  def backward(self, q, k, v, masks, spec, res: hop.HopResiduals,
+               acc: hop.HopGrads) -> hop.HopGrads:
+    """``acc`` plus this hop's (dq, dk, dv), from splash's dQ and dK/dV kernels."""
+    def fused(q, k, v, res, acc):
+      b, t, kh, g, h = q.shape
+      dq_info, dkv_info, mask_function = self._mask(masks, spec, t, k.shape[1])
+      q_bnth, k_bksh, v_bksh, seg = self._operands(q, k, v, masks, spec)
+      heads_first = lambda x: jnp.transpose(x.reshape(b, t, kh * g, *x.shape[4:]),
+                                            (0, 2, 1, *range(3, x.ndim - 1)))
+      lse_bnt = heads_first(res.lse.astype(jnp.float32))
+      do_bnth = heads_first(res.do.astype(q.dtype))
+      di_bnt = heads_first(hop.backward_delta(res.out, res.do, res.dlse))
+      interpret = self._interpret_mode(q_bnth, k_bksh, v_bksh, lse_bnt, do_bnth,
+                                       *jax.tree.leaves(dq_info), *jax.tree.leaves(seg))
+      layout = sk.QKVLayout.HEAD_DIM_MINOR
+      bq, bk = spec.block_q, spec.block_kv
+
+      def one_row(q1, k1, v1, seg1, lse1, do1, di1):
+        dq1 = sk._splash_attention_bwd_dq(
+            q1, k1, v1, seg1, None, lse1, do1, di1, bq=bq, bkv=bk, is_mqa=False,
+            mask_info=dq_info, mask_value=MASK_VALUE, attn_logits_soft_cap=None,
+            q_layout=layout, k_layout=layout, v_layout=layout, mask_function=mask_function,
+            interpret=interpret)
+        _, dk1, dv1 = sk._splash_attention_bwd_dkv(
+            q1, k1, v1, seg1, None, lse1, do1, di1, bq=bq, bkv=bk, bkv_compute=bk,
+            is_mqa=False, mask_info=dkv_info, mask_value=MASK_VALUE,
+            attn_logits_soft_cap=None, use_fused_bwd_kernel=False, q_layout=layout,
+            k_layout=layout, v_layout=layout, mask_function=mask_function,
+            interpret=interpret)
+        return dq1, dk1, dv1
+
+      dq, dk, dv = _unchecked_vma(_over_rows(one_row), q_bnth, k_bksh, v_bksh, seg, lse_bnt,
+                                  do_bnth, di_bnt)
+      dq = jnp.transpose(dq.astype(jnp.float32), (0, 2, 1, 3)).reshape(q.shape) * spec.scale
+      dk, dv = (jnp.transpose(x.astype(jnp.float32), (0, 2, 1, 3)) for x in (dk, dv))
+      return hop.HopGrads(acc.dq + dq, acc.dk + dk, acc.dv + dv)
+
+    guarded = lambda q, k, v, res, acc: XlaHopKernel().backward(q, k, v, masks, spec, res, acc)
+    finite = hop.v_is_finite(masks, v) & jnp.isfinite(q).all() & jnp.isfinite(k).all()
+    return jax.lax.cond(finite, fused, guarded, q, k, v, res, acc)
+
+
+def make_kernel(platform: str) -> SplashHopKernel:
+  """Registry factory (:data:`ring_jax.kernels.HOP_KERNELS`): splash on a TPU, Pallas
+  interpret mode on any other platform (slow; for tests)."""
+  return SplashHopKernel(interpret=platform != "tpu")

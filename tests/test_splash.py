@@ -1,0 +1,188 @@
+"""The hop on JAX's splash attention (ring_jax/kernels/splash.py), beyond the conformance
+suite (tests/test_hop.py runs it against the float64 oracle, one hop and rings of 2 and 4,
+in interpret mode): the mask translation, padding ids, non-finite inputs, the refusals,
+and lowering for a TPU target on this CPU machine."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import export
+from jax.sharding import PartitionSpec as P
+
+import ring_jax
+from ring_jax.hop import HopGrads, HopMasks, HopResiduals, HopSpec, lse_for_backward, zero_grads
+from ring_jax.kernels import splash
+from ring_jax.kernels.xla import XlaHopKernel
+
+KERNEL = splash.SplashHopKernel(interpret=True)
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag", "striped"])
+@pytest.mark.parametrize("is_causal,window", [(True, None), (True, (150, 0)),
+                                              (False, (40, 300)), (False, None)])
+def test_key_ranges_are_each_querys_visible_keys(layout, is_causal, window):
+  """Per query, [start, end) holds exactly the keys the causal mask and window let it see,
+  for every hop of a ring of 4 (positions from the layout itself)."""
+  for qd in range(4):
+    for kd in range(4):
+      q_pos = np.asarray(ring_jax.local_positions(layout, 4, 256, qd))
+      kv_pos = np.asarray(ring_jax.local_positions(layout, 4, 256, kd))
+      d = q_pos[:, None] - kv_pos[None, :]
+      vis = np.ones(d.shape, bool)
+      if is_causal:
+        vis &= d >= 0
+      if window is not None:
+        vis &= (d <= window[0]) & (d >= -window[1])
+      start, end = jax.device_get(splash.key_ranges(jnp.asarray(q_pos), jnp.asarray(kv_pos),
+                                                    is_causal, window))
+      idx = np.arange(len(kv_pos))[None, :]
+      np.testing.assert_array_equal((idx >= start[:, None]) & (idx < end[:, None]), vis)
+      if window is not None:  # the packed code decodes to the same range
+        code = (start.astype(np.int64) << 16) | end
+        np.testing.assert_array_equal(
+            np.asarray(splash._keys_within(jnp.asarray(code, jnp.int32)[:, None],
+                                           jnp.asarray(idx))), vis)
+
+
+@pytest.mark.parametrize("low", [0, -7, np.iinfo(np.int32).min, np.iinfo(np.int32).min + 1])
+def test_segment_ids_padding_sees_nothing_and_equality_is_kept(low):
+  """Splash compares ids for equality only: documents keep their pairs, query padding and
+  key padding (id 0) match nothing, even with ids at int32's minimum."""
+  rng = np.random.default_rng(abs(int(low)) % 97)
+  ids = np.array([low, 3, -2, 0, 5], np.int64)
+  qs = rng.choice(ids, size=(2, 64)).astype(np.int32)
+  ks = rng.choice(ids, size=(2, 48)).astype(np.int32)
+  cq, ck = jax.device_get(splash.splash_segment_ids(jnp.asarray(qs), jnp.asarray(ks)))
+  want = (qs[:, :, None] == ks[:, None, :]) & (qs[:, :, None] != 0)
+  np.testing.assert_array_equal(cq[:, :, None] == ck[:, None, :], want)
+
+
+def _hop(nan_at=None, segments=False):
+  """A causal zigzag hop (q shard 2, kv shard 1 of a ring of 4) with GQA; V gets a NaN at
+  ``nan_at`` = (batch, key, head, dim)."""
+  rng = np.random.default_rng(0)
+  b, t, kh, g, h = 2, 256, 2, 2, 32
+  q = rng.standard_normal((b, t, kh, g, h)).astype(np.float32)
+  k, v = (rng.standard_normal((b, t, kh, h)).astype(np.float32) for _ in range(2))
+  if nan_at is not None:
+    v[nan_at] = np.nan
+  spec = HopSpec(scale=h ** -0.5, is_causal=True, window=None, block_q=128, block_kv=128)
+  q_pos = ring_jax.local_positions("zigzag", 4, t, 2)
+  kv_pos = ring_jax.local_positions("zigzag", 4, t, 1)
+  seg = None
+  if segments:
+    seg = jnp.asarray(np.repeat(np.arange(1, 5), t // 4)[None].repeat(b, 0), jnp.int32)
+  masks = HopMasks.build(spec, jnp.asarray(q_pos, jnp.int32), jnp.asarray(kv_pos, jnp.int32),
+                         seg, seg)
+  return q, k, v, masks, spec
+
+
+def test_non_finite_v_reaches_exactly_the_rows_that_see_it():
+  """A NaN in V at a key that only some queries of its block pair see: splash's matmuls
+  would spread it (0 * NaN) to the rest, so such a hop runs the XLA kernel; outputs and
+  gradients equal the XLA kernel's, NaN exactly where it is."""
+  # Key 100 (document 2 of 4, position 228) is seen by queries 64..127 alone; the other
+  # queries of its block pair (documents 1, 2) see other keys of that pair.
+  q, k, v, masks, spec = _hop(nan_at=(1, 100, 0, 5), segments=True)
+  got = jax.jit(KERNEL.forward, static_argnums=4)(q, k, v, masks, spec)
+  want = jax.jit(XlaHopKernel().forward, static_argnums=4)(q, k, v, masks, spec)
+  nan_rows = np.isnan(np.asarray(want[0])).any(axis=(2, 3, 4))
+  assert (np.nonzero(nan_rows[1])[0] == np.arange(64, 128)).all() and not nan_rows[0].any()
+  for g, w in zip(got, want):
+    g, w = np.asarray(g), np.asarray(w)
+    np.testing.assert_array_equal(np.isnan(g), np.isnan(w))
+    np.testing.assert_allclose(np.nan_to_num(g), np.nan_to_num(w), rtol=1e-5, atol=1e-5)
+  out, lse = (np.nan_to_num(x) for x in want)
+  res = HopResiduals(jnp.asarray(out), lse_for_backward(jnp.asarray(lse)), jnp.asarray(q),
+                     None)
+  bwd = lambda kern: jax.jit(kern.backward, static_argnums=4)(  # noqa: E731
+      q, k, v, masks, spec, res, zero_grads(q, k, v))
+  for g, w in zip(bwd(KERNEL), bwd(XlaHopKernel())):
+    g, w = np.asarray(g), np.asarray(w)
+    np.testing.assert_array_equal(np.isnan(g), np.isnan(w))
+    np.testing.assert_allclose(np.nan_to_num(g), np.nan_to_num(w), rtol=1e-5, atol=1e-5)
+
+
+def test_no_t_by_s_arrays():
+  """The mask stays block-sparse: no intermediate of the forward or backward has both a
+  T-sized and an S-sized axis (T != S here, so the check can tell them apart)."""
+  b, t, s, kh, g, h = 1, 384, 256, 2, 2, 32
+  spec = HopSpec(scale=0.2, is_causal=True, window=(100, 0), block_q=128, block_kv=128)
+  seg_q, seg_kv = jnp.ones((b, t), jnp.int32), jnp.ones((b, s), jnp.int32)
+  masks = HopMasks.build(spec, jnp.arange(t) + 200, jnp.arange(s), seg_q, seg_kv)
+  q = jnp.zeros((b, t, kh, g, h))
+  kv = jnp.zeros((b, s, kh, h))
+  lse = jnp.zeros((b, t, kh, g))
+
+  def shapes(jaxpr):
+    for eqn in jaxpr.eqns:
+      for var in eqn.outvars:
+        yield tuple(getattr(var.aval, "shape", ()))
+      for param in eqn.params.values():
+        for sub in (param if isinstance(param, (tuple, list)) else (param,)):
+          sub = getattr(sub, "jaxpr", sub)
+          if hasattr(sub, "eqns"):
+            yield from shapes(sub)
+
+  for fn, args in ((lambda q, k, v: KERNEL.forward(q, k, v, masks, spec), (q, kv, kv)),
+                   (lambda q, k, v, o, l, do: KERNEL.backward(
+                       q, k, v, masks, spec, HopResiduals(o, l, do), zero_grads(q, k, v)),
+                    (q, kv, kv, q, lse, q))):
+    for shape in shapes(jax.make_jaxpr(fn)(*args).jaxpr):
+      assert not (t in shape and s in shape), shape
+
+
+@pytest.mark.parametrize("shape_q, shape_kv, spec, dtype, match", [
+    ((1, 256, 2, 2, 64), (1, 256, 2, 64), dict(block_q=64), jnp.float32,
+     r"block_q=64: splash needs multiples of 128; pass block_q=128"),
+    ((1, 256, 2, 2, 64), (1, 256, 2, 64), dict(block_kv=512), jnp.float32,
+     r"block_kv=512 does not divide S"),
+    ((1, 256, 2, 2, 64), (1, 256, 2, 64), dict(), jnp.float16, r"dtype float16"),
+    ((1, 256, 2, 2, 64), (1, 32768, 2, 64), dict(window=(100, 0)), jnp.bfloat16,
+     r"S=32768 > 32767"),
+    ((1, 256, 2, 2, 64), (1, 256, 1, 64), dict(), jnp.float32, r"do not match q"),
+])
+def test_check_names_the_fix(shape_q, shape_kv, spec, dtype, match):
+  spec = HopSpec(**{**dict(scale=1.0, is_causal=True, window=None, block_q=128,
+                           block_kv=128), **spec})
+  with pytest.raises(ValueError, match=match):
+    KERNEL.check(shape_q, shape_kv, dtype, spec)
+
+
+@pytest.mark.parametrize("window", [None, (300, 0)])
+def test_ring_lowers_for_tpu_under_shard_map(window):
+  """A ring of 2 (zigzag, causal, segment ids, GQA, bf16) on the real (non-interpret)
+  splash kernels, forward and gradients, inside shard_map(check_vma=True), lowers for a
+  TPU target on this CPU machine (jax.export): splash's Pallas -> Mosaic lowering errors
+  would show here. Mosaic's own compile runs only on a TPU (not checked)."""
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("sequence",))
+  attend = functools.partial(ring_jax.ring_attention, axis_name="sequence", is_causal=True,
+                             layout="zigzag", block_q=128, block_kv=128,
+                             local_window_size=window,
+                             hop_kernel=splash.SplashHopKernel(interpret=False))
+  row = P(None, "sequence")
+  fn = jax.shard_map(lambda q, k, v, s: attend(q, k, v, segment_ids=s), mesh=mesh,
+                     in_specs=(row,) * 4, out_specs=row)
+  q = jax.ShapeDtypeStruct((1, 512, 4, 64), jnp.bfloat16)
+  kv = jax.ShapeDtypeStruct((1, 512, 2, 64), jnp.bfloat16)
+  seg = jax.ShapeDtypeStruct((1, 512), jnp.int32)
+  loss = lambda q, k, v, s: fn(q, k, v, s).astype(jnp.float32).sum()  # noqa: E731
+  exported = export.export(jax.jit(jax.grad(loss, argnums=(0, 1, 2))), platforms=["tpu"])(
+      q, kv, kv, seg)
+  text = exported.mlir_module()
+  # Forward and backward per hop position: splash's forward, dQ and dK/dV kernels.
+  for kernel in ("splash_mha_fwd", "splash_mha_dq", "splash_mha_dkv"):
+    assert kernel in text, kernel
+
+
+def test_registry_builds_splash():
+  assert "splash" in ring_jax.kernels.kernel_names()
+  on_cpu, on_tpu = (ring_jax.get_hop_kernel("splash", p) for p in ("cpu", "tpu"))
+  assert isinstance(on_cpu, splash.SplashHopKernel) and on_cpu.name == "splash"
+  assert on_cpu.interpret is True and on_tpu.interpret is False
+  hash(on_cpu)  # static configuration of the ring's custom_vjp
