@@ -11,8 +11,9 @@ size 1), bf16, causal and non-causal, at 8K / 16K / 32K / 64K tokens:
   (``make_splash_mha``, ``CausalMask``/``FullMask``, fused backward), through
   its own VJP. Queries pre-scaled (splash has no scale argument).
 * ``ring_jax ring=1 [<kernel>]``: ``ring_jax.ring_attention`` on a 1-device
-  mesh with ``hop_kernel="xla"`` and ``"pallas_tpu"`` (rows say "n/a" where this
-  checkout's ``ring_attention`` has no ``hop_kernel`` argument).
+  mesh with ``hop_kernel="xla"``, ``"pallas_tpu"`` and ``"splash"`` (our hop on
+  splash's kernels, ``ring_jax/kernels/splash.py``; rows say "n/a" where this
+  checkout's ``ring_attention`` lacks the kernel).
 
 At the smallest length it also prints the largest difference between the
 pallas_tpu and splash outputs (a hardware correctness check). A short table is
@@ -142,6 +143,7 @@ def main():
       "splash": splash_impl,
       "ring_jax ring=1 [xla]": functools.partial(ring_impl, hop_kernel="xla"),
       "ring_jax ring=1 [pallas_tpu]": functools.partial(ring_impl, hop_kernel="pallas_tpu"),
+      "ring_jax ring=1 [splash]": functools.partial(ring_impl, hop_kernel="splash"),
   }
   rows, checks = [], []
   header = (f"{'L':>6} {'mask':<6} {'impl':<30} {'fwd ms':>9} {'fwd TF/s':>9} {'f+b ms':>9} "

@@ -10,7 +10,8 @@ import sys
 import train_procs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-IMPLS = ["pallas_tpu hop", "splash", "ring_jax ring=1 [xla]", "ring_jax ring=1 [pallas_tpu]"]
+IMPLS = ["pallas_tpu hop", "splash", "ring_jax ring=1 [xla]", "ring_jax ring=1 [pallas_tpu]",
+         "ring_jax ring=1 [splash]"]
 
 
 def test_tpu_check_dry_run(tmp_path):
