@@ -62,6 +62,7 @@ from absl import logging
 from ml_collections import config_flags
 
 # Importing these starts no JAX backend, so devices can still be configured in main().
+import ring_jax
 from models import pipeline as pipeline_lib
 from models import sharding as shd
 from training import batch as batch_lib
@@ -385,6 +386,8 @@ def _train(config, workdir, stop_at_step, stop, mesh, ring_size) -> TrainResult:
         log(f"compiled train step in {time.perf_counter() - t0:.1f}s"
             + (f"; per-device temp {memory.temp_size_in_bytes / 2**20:.1f} MiB, arguments "
                f"{memory.argument_size_in_bytes / 2**20:.1f} MiB" if memory is not None else ""))
+        if setup.model_cfg.attention != "dense":  # what "auto" chose, and its self-check
+          log(ring_jax.kernels.describe(setup.model_cfg.hop_kernel))
 
         # --- 6. The loop: step, log, eval, checkpoint -----------------------------------------
         seq_len = c.data.seq_len

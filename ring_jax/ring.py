@@ -113,8 +113,9 @@ def ring_attention(query, key, value, *, axis_name, is_causal: bool = False, seg
       float32 on TPU).
     hop_kernel: the per-hop kernel: a name from
       :data:`ring_jax.kernels.HOP_KERNELS` (``"xla"``; fused kernels by their
-      names) or ``"auto"`` (the XLA kernel until a fused kernel's hardware
-      check is recorded, see :mod:`ring_jax.kernels`), or an object
+      names) or ``"auto"`` (the platform's maintained fused kernel once it
+      passed its self-check on the device, else XLA; see
+      :mod:`ring_jax.kernels`), or an object
       implementing :class:`ring_jax.hop.HopKernel`. The platform is
       ``jax.default_backend()``.
     return_lse: also return the float32 log-sum-exp of each query row's

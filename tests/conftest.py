@@ -82,7 +82,7 @@ NEWEST_JAX = {
     "test_layouts.py", "test_schedule.py", "test_routing.py", "test_sharded.py",
     "test_strategies.py", "test_two_level.py", "test_plan.py", "test_ffn.py",
     "test_documents.py", "test_flax_attention.py", "test_pallas_gpu.py", "test_pallas_tpu.py",
-    "test_splash.py",
+    "test_splash.py", "test_selfcheck.py",
     # models/
     "test_llama.py", "test_sharding.py", "test_inference.py", "test_pipeline.py",
     # docs/, notebooks/, benchmarks/{gpu,tpu}_check (what the accelerator image runs)

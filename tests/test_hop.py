@@ -347,8 +347,10 @@ def test_registry_names_and_errors():
   assert "xla" in ring_jax.HOP_KERNELS
   for name in ring_jax.HOP_KERNELS:  # one rule: a kernel's name is its registry key
     assert type(kernel_for(name)).name == kernel_for(name).name == name
-  for platform in ("cpu", "gpu", "tpu"):
+  for platform in ("cpu", "gpu"):
     assert ring_jax.get_hop_kernel("auto", platform).name == "xla"
+  # TPU: splash after its self-check on the device (tests/test_selfcheck.py)
+  assert ring_jax.get_hop_kernel("auto", "tpu") == ring_jax.kernels.AutoHopKernel("tpu")
   kernel = ring_jax.XlaHopKernel()
   assert ring_jax.get_hop_kernel(kernel) is kernel
   with pytest.raises(ValueError, match="'flash'.*'auto', 'xla'"):

@@ -377,5 +377,6 @@ def test_registry_builds_pallas_tpu():
   on_cpu, on_tpu = (ring_jax.get_hop_kernel("pallas_tpu", p) for p in ("cpu", "tpu"))
   assert isinstance(on_cpu, PallasTpuHopKernel) and on_cpu.name == "pallas_tpu"
   assert on_cpu.interpret is True and on_tpu.interpret is False
-  assert ring_jax.get_hop_kernel("auto", "tpu").name == "xla"  # no hardware check recorded
+  # auto on a TPU: splash after its self-check (tests/test_selfcheck.py), never pallas_tpu
+  assert ring_jax.get_hop_kernel("auto", "tpu") == ring_jax.kernels.AutoHopKernel("tpu")
   hash(on_cpu)  # static configuration of the ring's custom_vjp

@@ -10,20 +10,26 @@ are imported only when their name is chosen (:func:`_lazy`), so importing
 Names: ``"xla"`` (:class:`ring_jax.kernels.xla.XlaHopKernel`, every
 platform); ``"splash"`` (JAX's splash attention on TPU,
 :mod:`ring_jax.kernels.splash`); ``"pallas_tpu"`` and ``"pallas_gpu"`` (our
-own fused kernels). Fused kernels register here under their own names and are
-opt-in by name. A kernel class's ``name`` (a ``ClassVar``) is its key here. ``"auto"`` resolves through :data:`AUTO`; it means ``"xla"`` on every
-platform until a fused kernel's hardware check (date, device, jax version) is
-recorded in the README, and only then gains an entry for that platform.
+own fused kernels). A kernel class's ``name`` (a ``ClassVar``) is its key here.
+
+``"auto"`` (the default) means the platform's maintained fused kernel,
+:data:`AUTO` (TPU: ``"splash"``), once it has passed its self-check on the
+device (:mod:`ring_jax.kernels.selfcheck`), and only for shapes it takes
+(its ``check()``); otherwise, and on platforms without an entry, ``"xla"``.
+It is :class:`AutoHopKernel`, which makes that choice per call (cached) and
+runs the chosen kernel.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
-from typing import Callable
+from typing import Callable, ClassVar
 
 import jax
 
 from ring_jax.hop import HopKernel
+from ring_jax.kernels import selfcheck
 from ring_jax.kernels.xla import XlaHopKernel
 
 
@@ -42,9 +48,56 @@ HOP_KERNELS: dict[str, Callable[[str], HopKernel]] = {
     "splash": _lazy("ring_jax.kernels.splash", "make_kernel"),
 }
 
-# platform -> kernel name that "auto" picks there; absent platforms get "xla". An entry is
-# added only together with a recorded hardware check of that kernel (README).
-AUTO: dict[str, str] = {}
+# platform -> the maintained fused kernel "auto" tries there (after its self-check on the
+# device, selfcheck.py); absent platforms get "xla". GPU: none until tokamax's kernel is in.
+AUTO: dict[str, str] = {"tpu": "splash"}
+
+
+@dataclasses.dataclass(frozen=True)
+class AutoHopKernel:
+  """``hop_kernel="auto"`` on a platform with an :data:`AUTO` entry: a
+  :class:`~ring_jax.hop.HopKernel` that runs that fused kernel where it takes the shapes
+  (its ``check()``) and passed its self-check on the device for this dtype and these
+  features (cached per process, :func:`ring_jax.kernels.selfcheck.verdict`), else the XLA
+  kernel. Forward and backward of one call resolve the same way (same cached verdict)."""
+  name: ClassVar[str] = "auto"
+  platform: str
+
+  def resolve(self, q_shape, kv_shape, dtype, spec, *, segments: bool = True) -> HopKernel:
+    """The kernel these shapes, dtype and spec run (``segments``: segment ids in use)."""
+    name = AUTO.get(self.platform)
+    if name is None:
+      return XlaHopKernel()
+    kernel = HOP_KERNELS[name](self.platform)
+    try:
+      kernel.check(q_shape, kv_shape, dtype, spec)
+    except ValueError:  # shapes it does not take (say blocks of 64): XLA, no warning
+      return XlaHopKernel()
+    verdict = selfcheck.verdict(name, kernel, self.platform, dtype,
+                                is_causal=spec.is_causal or spec.window is not None,
+                                segments=segments, grouped=q_shape[3] > 1)
+    return kernel if verdict.ok else XlaHopKernel()
+
+  def _for(self, q, k, masks, spec) -> HopKernel:
+    return self.resolve(q.shape, k.shape, q.dtype, spec,
+                        segments=masks.q_segment_ids is not None)
+
+  def check(self, q_shape, kv_shape, dtype, spec) -> None:
+    # Shapes only: the self-check runs with the call's features (segment ids are known
+    # only to forward/backward), so a check here would be a second one.
+    name = AUTO.get(self.platform)
+    if name is not None:
+      try:
+        return HOP_KERNELS[name](self.platform).check(q_shape, kv_shape, dtype, spec)
+      except ValueError:
+        pass
+    XlaHopKernel().check(q_shape, kv_shape, dtype, spec)
+
+  def forward(self, q, k, v, masks, spec):
+    return self._for(q, k, masks, spec).forward(q, k, v, masks, spec)
+
+  def backward(self, q, k, v, masks, spec, res, acc):
+    return self._for(q, k, masks, spec).backward(q, k, v, masks, spec, res, acc)
 
 
 def kernel_names() -> tuple[str, ...]:
@@ -75,7 +128,9 @@ def get_hop_kernel(name_or_instance, platform: str | None = None) -> HopKernel:
     platform = jax.default_backend() if platform is None else platform
     name = name_or_instance
     if name == "auto":
-      name = AUTO.get(platform, "xla")
+      if platform not in AUTO:
+        return XlaHopKernel()
+      return AutoHopKernel(platform)
     return HOP_KERNELS[name](platform)
   missing = [m for m in ("check", "forward", "backward")
              if not callable(getattr(name_or_instance, m, None))]
@@ -86,5 +141,25 @@ def get_hop_kernel(name_or_instance, platform: str | None = None) -> HopKernel:
   return name_or_instance
 
 
-__all__ = ["AUTO", "HOP_KERNELS", "XlaHopKernel", "check_name", "get_hop_kernel",
-           "kernel_names"]
+def describe(name_or_instance, platform: str | None = None) -> str:
+  """One line: which hop kernel ``hop_kernel=name_or_instance`` ran on ``platform`` in this
+  process, and for ``"auto"`` why (the self-check's verdicts; train.py prints it)."""
+  platform = jax.default_backend() if platform is None else platform
+  if not (name_or_instance is None or name_or_instance == "auto"):
+    return f"hop kernel: {getattr(name_or_instance, 'name', name_or_instance)}"
+  fused = AUTO.get(platform)
+  if fused is None:
+    return f"hop kernel: xla (auto: no fused kernel is picked on {platform})"
+  seen = [v for v in selfcheck.verdicts() if v.platform == platform and v.kernel == fused]
+  if not seen:
+    return (f"hop kernel: xla (auto: {fused} not tried on {platform}: these shapes do not "
+            "suit it, see its check())")
+  parts = [f"{v.dtype}: {'self-check passed' if v.ok else 'self-check FAILED: ' + v.reason}"
+           for v in seen]
+  chosen = fused if all(v.ok for v in seen) else (
+      "xla" if not any(v.ok for v in seen) else f"{fused} where it passed, else xla")
+  return f"hop kernel: {chosen} (auto on {platform}: {fused} " + "; ".join(parts) + ")"
+
+
+__all__ = ["AUTO", "HOP_KERNELS", "AutoHopKernel", "XlaHopKernel", "check_name", "describe",
+           "get_hop_kernel", "kernel_names"]
