@@ -257,6 +257,25 @@ def test_peer_watchdog_names_the_silent_process_and_every_survivor_exits_75(caps
   assert lines == [want, want]
 
 
+def test_after_a_verdict_the_main_thread_waits_for_the_exit(capsys):
+  """The loop's error path (a collective failed on the dead peer) waits for the verdict; it
+  must not return before the watchdog has printed its line and exited, or the error's
+  traceback would follow the line (seen when gloo failed fast on a killed peer)."""
+  client, exits = FakeCoordinationClient(), []
+
+  def slow_exit(status):  # printing and exiting take time on a loaded machine
+    time.sleep(0.5)
+    exits.append(status)
+
+  from training import distributed as dist_lib
+  coordinator = dist_lib.PeerWatchdog(
+      0.5, lambda lost, step: f"error: process {lost} lost", client=client, process_id=0,
+      num_processes=2, exit=slow_exit).start()
+  assert coordinator.wait_for_verdict(10.0)
+  assert exits == [75]  # the exit ran before the main thread could go on
+  assert capsys.readouterr().err.strip() == "error: process 1 lost"
+
+
 def test_peer_watchdog_ignores_a_process_that_exited_cleanly():
   client, exits = FakeCoordinationClient(), []
   peer = _watchdog(client, 1, 2, exits)

@@ -157,6 +157,7 @@ class PeerWatchdog:
     self.step: int | None = None  # the newest step the loop started (note_step)
     self._stop = threading.Event()
     self._verdict = threading.Event()
+    self._exited = threading.Event()  # the exit call returned (only a test's exit does)
     self._thread = threading.Thread(target=self._run, name="ring_jax-peer-watchdog",
                                     daemon=True)
 
@@ -183,7 +184,12 @@ class PeerWatchdog:
     """Blocks until the watchdog declares a peer lost (it then exits the process) or
     ``timeout_s`` (default: long enough for any verdict) passes; returns False then."""
     wait = 2 * self.timeout_s + 5 * self.interval_s if timeout_s is None else timeout_s
-    return self._verdict.wait(wait)
+    if not self._verdict.wait(wait):
+      return False
+    # The watchdog is printing its line and exiting the process: the caller must not go on
+    # (a traceback of the collective that failed meanwhile would follow the line).
+    self._exited.wait()
+    return True
 
   # --- The watchdog thread ----------------------------------------------------------------
 
@@ -245,6 +251,7 @@ class PeerWatchdog:
       except Exception:
         pass
     self._exit(EXIT_PEER_LOST)
+    self._exited.set()
 
 
 def lost_peer_message(lost: int, num_processes: int, reason: str, step: int | None,
