@@ -323,32 +323,12 @@ class PallasTpuHopKernel:
 
   def check(self, q_shape, kv_shape, dtype, spec) -> None:
     """Raises ``ValueError`` naming the fix when the TPU kernel cannot run these shapes."""
-    if len(q_shape) != 5 or len(kv_shape) != 4:
-      raise ValueError(f"pallas_tpu: expected q [B, T, K, G, H] and k/v [B, S, K, H], got "
-                       f"{tuple(q_shape)} and {tuple(kv_shape)}.")
-    b, t, k, g, h = q_shape
-    _, s, kk, hh = kv_shape
-    if (kk, hh) != (k, h):
-      raise ValueError(f"pallas_tpu: k/v {tuple(kv_shape)} do not match q {tuple(q_shape)} "
-                       "(kv heads and head dim must agree).")
-    for name, blk, length, what in (("block_q", spec.block_q, t, "T (local query length)"),
-                                    ("block_kv", spec.block_kv, s, "S (local key length)")):
-      if blk <= 0 or blk % NUM_LANES:
-        raise ValueError(
-            f"{name}={blk}: the TPU kernel needs multiples of {NUM_LANES}; pass "
-            f"{name}={max(NUM_LANES, -(-max(blk, 1) // NUM_LANES) * NUM_LANES)} or "
-            "hop_kernel='xla'.")
-      if length % blk:
-        raise ValueError(
-            f"{name}={blk} does not divide {what}={length}; pick a {name} that divides it "
-            f"(a multiple of {NUM_LANES}) or hop_kernel='xla'.")
+    check_tpu_shapes("pallas_tpu", "the TPU kernel", q_shape, kv_shape, dtype, spec)
+    h = q_shape[4]
     if h > NUM_LANES and h % NUM_LANES:
       raise ValueError(
           f"head_dim={h}: the TPU kernel needs head_dim <= {NUM_LANES} or a multiple of "
           f"{NUM_LANES}; pad the head dim or use hop_kernel='xla'.")
-    if jnp.dtype(dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
-      raise ValueError(f"pallas_tpu: dtype {jnp.dtype(dtype)} is not supported (float32 or "
-                       "bfloat16); cast the inputs or use hop_kernel='xla'.")
 
   def _interpret(self) -> bool:
     if self.interpret is None:
@@ -603,6 +583,35 @@ def _segment_ids_int32(q_seg, kv_seg):
     rank = jnp.searchsorted(uniq, x.astype(dt)).astype(jnp.int32)
     return jnp.where(x == 0, 0, rank + 1)
   return code(q_seg), code(kv_seg)
+
+
+def check_tpu_shapes(name: str, who: str, q_shape, kv_shape, dtype, spec) -> None:
+  """The shape rules every TPU hop kernel here shares (``name``: the kernel's registry name,
+  ``who``: how messages call it): q ``[B, T, K, G, H]`` against k/v ``[B, S, K, H]``, blocks
+  that are multiples of 128 (the lane width) dividing the shard, float32 or bfloat16.
+  Raises ``ValueError`` naming the fix."""
+  if len(q_shape) != 5 or len(kv_shape) != 4:
+    raise ValueError(f"{name}: expected q [B, T, K, G, H] and k/v [B, S, K, H], got "
+                     f"{tuple(q_shape)} and {tuple(kv_shape)}.")
+  _, t, k, _, h = q_shape
+  _, s, kk, hh = kv_shape
+  if (kk, hh) != (k, h):
+    raise ValueError(f"{name}: k/v {tuple(kv_shape)} do not match q {tuple(q_shape)} "
+                     "(kv heads and head dim must agree).")
+  for what_block, blk, length, what in (("block_q", spec.block_q, t, "T (local query length)"),
+                                        ("block_kv", spec.block_kv, s, "S (local key length)")):
+    if blk <= 0 or blk % NUM_LANES:
+      raise ValueError(
+          f"{what_block}={blk}: {who} needs multiples of {NUM_LANES}; pass "
+          f"{what_block}={max(NUM_LANES, -(-max(blk, 1) // NUM_LANES) * NUM_LANES)} or "
+          "hop_kernel='xla'.")
+    if length % blk:
+      raise ValueError(
+          f"{what_block}={blk} does not divide {what}={length}; pick a {what_block} that "
+          f"divides it (a multiple of {NUM_LANES}) or hop_kernel='xla'.")
+  if jnp.dtype(dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
+    raise ValueError(f"{name}: dtype {jnp.dtype(dtype)} is not supported (float32 or "
+                     "bfloat16); cast the inputs or use hop_kernel='xla'.")
 
 
 def interpret_mode(interpret: bool, *arrays):

@@ -168,31 +168,13 @@ class SplashHopKernel:
 
   def check(self, q_shape, kv_shape, dtype, spec) -> None:
     """Raises ``ValueError`` naming the fix when splash cannot run this hop."""
-    if len(q_shape) != 5 or len(kv_shape) != 4:
-      raise ValueError(f"splash: expected q [B, T, K, G, H] and k/v [B, S, K, H], got "
-                       f"{tuple(q_shape)} and {tuple(kv_shape)}.")
-    _, t, k, _, h = q_shape
-    _, s, kk, hh = kv_shape
-    if (kk, hh) != (k, h):
-      raise ValueError(f"splash: k/v {tuple(kv_shape)} do not match q {tuple(q_shape)} "
-                       "(kv heads and head dim must agree).")
-    for name, blk, length, what in (("block_q", spec.block_q, t, "T (local query length)"),
-                                    ("block_kv", spec.block_kv, s, "S (local key length)")):
-      if blk <= 0 or blk % NUM_LANES:
-        raise ValueError(
-            f"{name}={blk}: splash needs multiples of {NUM_LANES}; pass {name}="
-            f"{max(NUM_LANES, -(-max(blk, 1) // NUM_LANES) * NUM_LANES)} or hop_kernel='xla'.")
-      if length % blk:
-        raise ValueError(f"{name}={blk} does not divide {what}={length}; pick a {name} that "
-                         f"divides it (a multiple of {NUM_LANES}) or hop_kernel='xla'.")
+    pallas_tpu.check_tpu_shapes("splash", "splash", q_shape, kv_shape, dtype, spec)
+    s = kv_shape[1]
     if spec.window is not None and s > _MAX_WINDOW_KV:
       raise ValueError(
           f"splash: a local window with a key shard of S={s} > {_MAX_WINDOW_KV} tokens does "
           "not fit its per-query key range in one int32; use more sequence devices (shorter "
           "shards) or hop_kernel='xla'.")
-    if jnp.dtype(dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
-      raise ValueError(f"splash: dtype {jnp.dtype(dtype)} is not supported (float32 or "
-                       "bfloat16); cast the inputs or use hop_kernel='xla'.")
 
   def _interpret(self) -> bool:
     return jax.default_backend() != "tpu" if self.interpret is None else bool(self.interpret)
