@@ -40,10 +40,13 @@ def env(**extra: str) -> dict[str, str]:
   if flags:
     out["XLA_FLAGS"] = " ".join(flags)
   out.update(JAX_PLATFORMS="cpu", PYTHONPATH=ROOT, **extra)
-  if supervisor_lib.multiprocess_launch_detected(out):
+  cache = out.get("JAX_COMPILATION_CACHE_DIR")
+  if cache and supervisor_lib.multiprocess_launch_detected(out):
     # One process of several: its programs' cache keys equal a 1-process run's on as many
-    # devices (tests/conftest.py), so it neither reads nor writes the run's cache.
-    out.pop("JAX_COMPILATION_CACHE_DIR", None)
+    # devices (tests/conftest.py), so it keeps to a cache of its own kind, shared by the
+    # runs of several processes only (JAX writes from process 0, every process reads: its
+    # multi-host design), where keys meet programs of the same process layout.
+    out["JAX_COMPILATION_CACHE_DIR"] = os.path.join(cache, "multiprocess")
   return out
 
 
