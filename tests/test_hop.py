@@ -242,15 +242,15 @@ FUSED_RING_CASES = [(2, "zigzag-causal"), (4, "segments-causal-zigzag")]
 # which runs every load and store as a host callback: 3.5-6x the time of the generic
 # interpreter that ``check_vma=False`` allows (ring of 4 below: splash 42 -> 12 s, pallas_tpu
 # 36 -> 6 s). What check_vma changes is the varying-axes typing at trace time and which
-# interpreter runs, not the kernel's arithmetic. So the ring of 2 runs as users call it
-# (check_vma=True: the path a CPU user takes), and the ring of 4 and the bf16 ring, the
-# numerics, run at check_vma=False. On a TPU the kernels lower to Mosaic under
-# check_vma=True: test_splash.py / test_pallas_tpu.py export a ring fwd+bwd for "tpu".
+# interpreter runs, not the kernel's arithmetic. So their rings test the numerics at
+# check_vma=False, and test_tpu_kernels_under_check_vma runs the smallest ring as a CPU user
+# calls it (check_vma=True). On a TPU the kernels lower to Mosaic under check_vma=True:
+# test_splash.py / test_pallas_tpu.py export a ring fwd+bwd for "tpu".
 TPU_INTERPRETED = {"pallas_tpu", "splash"}
 
 
 def numerics_check_vma(kernel_name):
-  """``check_vma`` of the shard_map that tests ``kernel_name``'s numerics on a ring of 4."""
+  """``check_vma`` of the shard_map that tests ``kernel_name``'s numerics on a ring."""
   return kernel_name not in TPU_INTERPRETED
 RING_PARAMS = [
     pytest.param(name, ring, case, id=f"{name}-ring{ring}-{case}")
@@ -261,7 +261,20 @@ RING_PARAMS = [
 @pytest.mark.parametrize("kernel_name,ring,case", RING_PARAMS)
 def test_ring(kernel_name, ring, case):
   """ring_attention(hop_kernel=name, return_lse=True) on inputs in layout order."""
-  case = CASES[case]
+  check_ring(kernel_name, ring, CASES[case], numerics_check_vma(kernel_name))
+
+
+@pytest.mark.parametrize("kernel_name", sorted(TPU_INTERPRETED))
+def test_tpu_kernels_under_check_vma(kernel_name):
+  """A TPU kernel as a CPU user runs it, inside shard_map(check_vma=True) (Pallas' TPU
+  interpreter): the smallest ring (2 devices, one block per shard, causal zigzag, GQA)."""
+  case = Case(layout="zigzag", is_causal=True, heads=(2, 1), local_q=BLOCK, local_kv=BLOCK,
+              batch=1)
+  check_ring(kernel_name, 2, case, check_vma=True)
+
+
+def check_ring(kernel_name, ring, case: Case, check_vma: bool):
+  """The ring's out, lse and gradients against the oracle."""
   length_q, length_kv = ring * case.local_q, ring * case.local_kv
   q, k, v, do, dlse, seg = inputs(case, length_q, length_kv, seed=ring)
   pos_q = ring_jax.layout_positions(case.layout, ring, length_q)
@@ -272,8 +285,7 @@ def test_ring(kernel_name, ring, case):
 
   mesh = make_mesh((ring,), ("sequence",))
   spec, row = P(None, "sequence"), P(None, "sequence")
-  shard_map = functools.partial(
-      jax.shard_map, check_vma=ring == 2 or numerics_check_vma(kernel_name))
+  shard_map = functools.partial(jax.shard_map, check_vma=check_vma)
   attend = functools.partial(ring_jax.ring_attention, axis_name="sequence",
                              is_causal=case.is_causal, local_window_size=case.window,
                              layout=case.layout, block_q=BLOCK, block_kv=BLOCK,
