@@ -120,8 +120,9 @@ def device_limit():
 
 
 def bench(compiled, args, repeats):
-  """Median seconds of ``compiled(*args)`` (after one warm-up call)."""
-  return common.median(common.time_calls(compiled, args, repeats))
+  """Median seconds of ``compiled(*args)`` (after one warm-up call; none in a dry run,
+  whose timings mean nothing)."""
+  return common.median(common.time_calls(compiled, args, repeats, warmup=0 if DRY else 1))
 
 
 # ----------------------------------------------------------------------------

@@ -65,8 +65,9 @@ def say(*a):
 
 
 def bench(fn, args, repeats):
-  """Median seconds of a compiled call (after one warm-up call)."""
-  return common.median(common.time_calls(fn, args, repeats))
+  """Median seconds of a compiled call (after one warm-up call; none in a dry run, whose
+  timings mean nothing and whose interpreted kernels take seconds a call)."""
+  return common.median(common.time_calls(fn, args, repeats, warmup=0 if DRY else 1))
 
 
 def _masks(length, spec):
