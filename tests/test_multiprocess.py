@@ -101,10 +101,10 @@ def kill_one(procs, victim: int, tmp_path, after: str):
   return rc, survivor_s, (tmp_path / f"stderr_{survivor}.txt").read_text()
 
 
-def check_lost_line(rc, survivor_s, stderr, workdir, lost: int, reason: str,
+def check_lost_line(rc, survivor_s, stderr, workdir, lost: int, reasons: tuple[str, ...],
                     earliest_step: int) -> int:
-  """The survivor's end: status 75, in bounded time, one clean line; returns its last complete
-  checkpoint step."""
+  """The survivor's end: status 75, in bounded time, one clean line giving one of ``reasons``;
+  returns its last complete checkpoint step."""
   assert rc == 75, stderr[-3000:]
   # Bounded: the verdict is due heartbeat_timeout_s (+ one poll) after the last beat, and
   # at once when process 0 (the coordination service) is the one lost.
@@ -114,13 +114,14 @@ def check_lost_line(rc, survivor_s, stderr, workdir, lost: int, reason: str,
   errors = [l for l in stderr.splitlines() if l.startswith("error:")]
   assert len(errors) == 1, stderr[-3000:]
   line = re.fullmatch(
-      rf"error: process {lost} of 2 stopped responding \({re.escape(reason)}\) at step (\d+); "
+      rf"error: process {lost} of 2 stopped responding \(({'|'.join(map(re.escape, reasons))})\)"
+      r" at step (\d+); "
       r"the last complete checkpoint is step (\d+) in (\S+); restart all 2 processes with the "
       r"same command to resume: (.*)", errors[0])
   assert line, errors[0]
-  lost_step, kept = int(line.group(1)), int(line.group(2))
-  assert earliest_step <= lost_step < 14 and line.group(3) == str(workdir / "checkpoints")
-  assert "train.py" in line.group(4) and f"--workdir={workdir}" in line.group(4)
+  lost_step, kept = int(line.group(2)), int(line.group(3))
+  assert earliest_step <= lost_step < 14 and line.group(4) == str(workdir / "checkpoints")
+  assert "train.py" in line.group(5) and f"--workdir={workdir}" in line.group(5)
   # Only complete steps are listed (a save cut short is at most a tmp directory).
   assert 2 <= kept == max(tp.checkpoint_steps(workdir)) <= lost_step
   return kept
@@ -134,8 +135,11 @@ def test_a_killed_process_ends_the_survivor_with_75_and_one_line_then_both_resum
   rc, survivor_s, stderr = kill_one(start_two(workdir, base_flags=KILL_FLAGS,
                                               stderr_dir=tmp_path),
                                     1, tmp_path, after=r"step +5/14")
-  kept = check_lost_line(rc, survivor_s, stderr, workdir, 1, f"no heartbeat for {HEARTBEAT_S} s",
-                         earliest_step=5)
+  # Usually the watchdog's verdict; JAX's service can learn of the death first and end
+  # process 0 itself (seen once in CI, kill during a checkpoint write): its supervisor says so.
+  kept = check_lost_line(rc, survivor_s, stderr, workdir, 1,
+                         (f"no heartbeat for {HEARTBEAT_S} s",
+                          "JAX's coordination service reported its failure"), earliest_step=5)
 
   # The same command on both processes resumes from it; 3 steps on, process 0 dies.
   procs = start_two(workdir, base_flags=KILL_FLAGS, stderr_dir=tmp_path)
@@ -147,7 +151,7 @@ def test_a_killed_process_ends_the_survivor_with_75_and_one_line_then_both_resum
     raise
   rc, survivor_s, stderr = kill_one(procs, 0, tmp_path, after=rf"step +{kept + 3}/14")
   kept = check_lost_line(rc, survivor_s, stderr, workdir, 0,
-                         "the coordination service it hosts is gone", earliest_step=kept + 3)
+                         ("the coordination service it hosts is gone",), earliest_step=kept + 3)
   notes = [l for l in stderr.splitlines() if l.startswith("note:")]
   # JAX's abort report (held back from stderr) is kept in a file when it said why it ended.
   assert len(notes) <= 1 and all(os.path.isfile(n.rsplit(" ", 1)[-1]) for n in notes), notes

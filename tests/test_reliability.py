@@ -304,7 +304,8 @@ _FAKE_CHILD = """
 import os, sys
 from training import supervisor
 workdir, ending = sys.argv[1], sys.argv[2]
-supervisor.report(process_id=1, num_processes=2, workdir=workdir,
+supervisor.report(process_id=0 if ending == "peer_failed" else 1, num_processes=2,
+                  workdir=workdir,
                   checkpoint_dir=os.path.join(workdir, "checkpoints"),
                   resume_command="python train.py --workdir=" + workdir,
                   coordinator="127.0.0.1:1")
@@ -319,11 +320,19 @@ if ending == "coordinator_gone":
         "RPC to coordination service.", file=sys.stderr, flush=True)
   print("*** Check failure stack trace: ***", file=sys.stderr, flush=True)
   os.abort()
+if ending == "peer_failed":  # process 0: the service it hosts ends it over process 1's failure
+  print("E1203 14:36:49.418131 1893 coordination_service.cc:1549] Use error polling to "
+        "propagate the following error to all tasks: INTERNAL: Task "
+        "/job:jax_worker/replica:0/task:1 failed", file=sys.stderr, flush=True)
+  print("F1203 14:36:49.418301 1893 client.h:80] Terminating process because the JAX "
+        "distributed service detected fatal errors. absl::Status: INTERNAL: Task "
+        "/job:jax_worker/replica:0/task:1 failed", file=sys.stderr, flush=True)
+  os.abort()
 sys.exit(int(ending))
 """
 
 
-@pytest.mark.parametrize("ending", ["coordinator_gone", "3", "0"])
+@pytest.mark.parametrize("ending", ["coordinator_gone", "peer_failed", "3", "0"])
 def test_supervisor_reports_a_lost_coordinator_and_passes_other_endings_through(
     tmp_path, ending):
   import subprocess
@@ -340,19 +349,22 @@ def test_supervisor_reports_a_lost_coordinator_and_passes_other_endings_through(
       cwd=tp.ROOT, env=tp.env(), capture_output=True, text=True, timeout=120)
   out, err = proc.stdout, proc.stderr
   assert "step 7 on stdout" in out and "a warning on stderr" in err  # passed through
-  if ending != "coordinator_gone":
+  if ending not in ("coordinator_gone", "peer_failed"):
     assert proc.returncode == int(ending) and "error:" not in err, err
     return
   assert proc.returncode == 75, err
+  lost, me, reason = ((0, 1, "the coordination service it hosts is gone")
+                      if ending == "coordinator_gone" else
+                      (1, 0, "JAX's coordination service reported its failure"))
   assert err.splitlines()[-2:] == [
-      "error: process 0 of 2 stopped responding (the coordination service it hosts is gone) "
+      f"error: process {lost} of 2 stopped responding ({reason}) "
       f"at step 7; the last complete checkpoint is step 6 in {tmp_path / 'checkpoints'}; "
       f"restart all 2 processes with the same command to resume: python train.py "
       f"--workdir={tmp_path}",
-      f"note: JAX's report of it is in {tmp_path / 'abort_process_1.txt'}"]
-  for noise in ("Check failure", "Terminating process", "Polled an error"):
+      f"note: JAX's report of it is in {tmp_path / f'abort_process_{me}.txt'}"]
+  for noise in ("Check failure", "Terminating process", "Polled an error", "error polling"):
     assert noise not in err
-  assert "Check failure" in (tmp_path / "abort_process_1.txt").read_text()
+  assert "Terminating process" in (tmp_path / f"abort_process_{me}.txt").read_text()
 
 
 def test_supervisor_is_wanted_on_multi_process_launches_only():

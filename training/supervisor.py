@@ -21,8 +21,13 @@ has to live in another process: on a multi-process launch ``train.py`` re-execut
 * when the child of a process other than 0 ends because the coordination service is gone
   (JAX's termination line says so, or it aborted and the coordinator's address refuses
   connections), prints the one line of ``training.distributed.lost_peer_message`` for
-  process 0 and exits with ``EXIT_PEER_LOST`` (75); otherwise exits with the child's status
-  (``128 + N`` if signal N ended it).
+  process 0 and exits with ``EXIT_PEER_LOST`` (75);
+* when JAX ends the child because the coordination service propagated another process's
+  failure (its termination line names that task, ``/task:N``), which can beat the
+  watchdog's verdict (seen once in CI: process 1 killed while a checkpoint was being
+  written, process 0 ended by JAX 3 s later), prints the same line for process N and exits
+  with 75;
+* otherwise exits with the child's status (``128 + N`` if signal N ended it).
 
 Set ``RING_JAX_SUPERVISOR=0`` to run without it (a dead process 0 then ends the survivors
 with JAX's abort, status 134).
@@ -53,9 +58,13 @@ FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR
 # "Failed to send RPC to coordination service" / UNAVAILABLE: the service itself is gone.
 _TERMINATING = "Terminating process because the JAX distributed service detected fatal errors"
 _SERVICE_GONE = re.compile(r"UNAVAILABLE|Failed to send RPC to coordination service")
-# The C++ log line just before it ("E1201 12:16:11.010197 2745 coordination_service_agent.cc:289]
-# Polled an error ..."), held back until the next line shows whether the termination follows.
-_AGENT_LOG = re.compile(r"^[EWF]\d{4} .*coordination_service_agent")
+# How the service's errors name a process: its task, "/job:jax_worker/replica:0/task:1".
+_TASK = re.compile(r"/task:(\d+)")
+# The C++ log lines just before it (the agent's "E1201 12:16:11.010197 2745
+# coordination_service_agent.cc:289] Polled an error ...", the service's "coordination_service.cc:
+# 1549] Use error polling to propagate ..."), held back until a next line shows whether the
+# termination follows.
+_AGENT_LOG = re.compile(r"^[EWF]\d{4} .*coordination_service")
 _HOLD_S = 1.0  # a held line nothing follows is passed on after this long
 
 
@@ -208,7 +217,7 @@ def supervise(argv: list[str] | None = None) -> int:
               pass
           elif swallowed:
             swallowed.append(line)
-          elif _TERMINATING in line and _SERVICE_GONE.search(line):
+          elif _TERMINATING in line:
             swallowed.extend([*held, line])
             held = []
           elif _AGENT_LOG.match(line):
@@ -234,17 +243,29 @@ def supervise(argv: list[str] | None = None) -> int:
       child.kill()
       child.wait()
   status = returncode if returncode >= 0 else 128 - returncode
-  if returncode in (0, 75) or info.get("process_id", 0) == 0 or "checkpoint_dir" not in info:
+  lost = None if returncode in (0, 75) or "checkpoint_dir" not in info else _lost_process(
+      info, swallowed, aborted=returncode == -signal.SIGABRT)
+  if lost is None:  # Some other ending: the child said what it had to say.
     out.writelines(swallowed)
     return status
-  aborted = returncode == -signal.SIGABRT
-  if not swallowed and not (aborted and info.get("coordinator")
-                            and coordinator_refuses(info["coordinator"])):
-    return status  # Some other failure: the child said what it had to say.
-  return _report_lost_coordinator(info, swallowed, out)
+  return _report_lost(info, swallowed, out, *lost)
 
 
-def _report_lost_coordinator(info: dict, swallowed: list[str], out) -> int:
+def _lost_process(info: dict, swallowed: list[str], aborted: bool) -> tuple[int, str] | None:
+  """``(process, reason)`` of the peer whose loss ended the child, or None if none did."""
+  me = info.get("process_id", 0)
+  upto = next((i + 1 for i, l in enumerate(swallowed) if _TERMINATING in l), len(swallowed))
+  jax_report = "".join(swallowed[:upto])  # JAX's lines up to its termination line
+  if me != 0 and (_SERVICE_GONE.search(jax_report) if swallowed else (
+      aborted and info.get("coordinator") and coordinator_refuses(info["coordinator"]))):
+    return 0, "the coordination service it hosts is gone"
+  others = sorted({int(t) for t in _TASK.findall(jax_report)} - {me})
+  if others:
+    return others[0], "JAX's coordination service reported its failure"
+  return None
+
+
+def _report_lost(info: dict, swallowed: list[str], out, lost: int, reason: str) -> int:
   # Only now, with the child gone, is JAX (under the checkpoint listing) imported here.
   from training import checkpoint as ckpt_lib
   from training import distributed as distributed_lib
@@ -260,7 +281,7 @@ def _report_lost_coordinator(info: dict, swallowed: list[str], out) -> int:
       pass
   directory = info["checkpoint_dir"]
   line = distributed_lib.lost_peer_message(
-      0, info["num_processes"], "the coordination service it hosts is gone", info.get("step"),
+      lost, info["num_processes"], reason, info.get("step"),
       ckpt_lib.complete_steps(directory), directory, info["resume_command"])
   sys.stdout.flush()
   out.write(line + "\n" + note)
