@@ -14,14 +14,19 @@ start after the budget are skipped and say so.
 
 Sections:
   1. Per-device blockwise attention (ring_jax.ring_attention on a 1-device
-     mesh, i.e. ring size 1) with the XLA hop kernel and the fused
-     ``pallas_gpu`` one, forward and forward+backward TFLOP/s at 8K / 32K /
+     mesh, i.e. ring size 1) with each GPU hop kernel: XLA, tokamax's Mosaic GPU
+     flash attention (``hop_kernel="tokamax"``: needs the ``[gpu]`` extra; the
+     accelerator image lacks it and has no network, so carry a wheel directory
+     and ``pip install --no-index --find-links DIR tokamax==0.0.17``) and our
+     ``pallas_gpu`` (Triton), forward and forward+backward TFLOP/s at 8K / 32K /
      64K, bf16, causal and non-causal, next to
-     ``jax.nn.dot_product_attention(implementation="cudnn")`` and ``"xla"``
-     (cases whose compiled memory exceeds the GPU are reported, not run);
-     pallas_gpu's ratios to cuDNN and to the XLA kernel, and its output's
-     distance from cuDNN's. Writes ``benchmarks/results/gpu_check_h200.json``
-     (``GPU_CHECK_OUT``).
+     ``jax.nn.dot_product_attention(implementation="cudnn")`` (the single-device
+     ceiling) and ``"xla"`` (cases whose compiled memory exceeds the GPU are
+     reported, not run); each fused kernel's ratios to cuDNN and to the XLA
+     kernel and its output's distance from cuDNN's; then what
+     ``hop_kernel="auto"`` resolved to and its self-check verdict
+     (``ring_jax.kernels.describe``). Writes
+     ``benchmarks/results/gpu_check_h200.json`` (``GPU_CHECK_OUT``).
   2. Longest context at which that train step (ring attention on a ring of 1)
      fits, by doubling from 32K: compiled memory (``memory_analysis``) against the
      device's ``bytes_limit``; contexts up to ``GPU_CHECK_RUN_MAX`` (default
@@ -131,6 +136,8 @@ def bench(compiled, args, repeats):
 
 RING_XLA = "ring_jax ring=1 [xla]"
 RING_PALLAS = "ring_jax ring=1 [pallas_gpu]"
+RING_TOKAMAX = "ring_jax ring=1 [tokamax]"
+FUSED = {RING_TOKAMAX: "tokamax", RING_PALLAS: "pallas_gpu"}
 CUDNN = "dot_product_attention[cudnn]"
 OUT = os.environ.get("GPU_CHECK_OUT", os.path.join(
     os.path.dirname(os.path.abspath(__file__)), "results",
@@ -141,7 +148,7 @@ def attn_impls(mesh, causal, block):
   """name -> f(q, k, v): the ring on a ring of one with each hop kernel, and jax's own."""
   spec = P(None, "sequence", None, None)
   out = {}
-  for name, kernel in ((RING_XLA, "xla"), (RING_PALLAS, "pallas_gpu")):
+  for name, kernel in ((RING_XLA, "xla"), *FUSED.items()):
     out[name] = jax.shard_map(
         functools.partial(ring_jax.ring_attention, axis_name="sequence", is_causal=causal,
                           block_q=block, block_kv=block, hop_kernel=kernel),
@@ -150,6 +157,22 @@ def attn_impls(mesh, causal, block):
     out[f"dot_product_attention[{impl}]"] = functools.partial(
         jax.nn.dot_product_attention, is_causal=causal, implementation=impl)
   return out
+
+
+def auto_verdict(mesh, b, n, h, block) -> str:
+  """What ``hop_kernel="auto"`` runs here for a small bf16 causal ring call (which triggers
+  the fused kernel's self-check on the device) and why: ``ring_jax.kernels.describe``."""
+  spec = P(None, "sequence", None, None)
+  f = jax.shard_map(functools.partial(ring_jax.ring_attention, axis_name="sequence",
+                                      is_causal=True, block_q=block, block_kv=block,
+                                      hop_kernel="auto"),
+                    mesh=mesh, in_specs=(spec,) * 3, out_specs=spec)
+  x = jax.random.normal(jax.random.key(1), (b, 1024, n, h), jnp.bfloat16)
+  try:
+    jax.block_until_ready(jax.jit(f)(x, x, x))
+  except Exception as e:  # noqa: BLE001
+    return f"auto: the ring call failed: {type(e).__name__}: {str(e).splitlines()[0][:120]}"
+  return ring_jax.kernels.describe("auto")
 
 
 @section
@@ -204,26 +227,32 @@ def attention_tflops():
               f"{cell('fb')}  {row['note']}", flush=True)
         results.append(row)
       ref = CUDNN if CUDNN in outs else RING_XLA
-      if RING_PALLAS in outs and ref in outs:
-        diff = float(np.abs(outs[RING_PALLAS] - outs[ref]).max())
-        checks.append(dict(L=length, causal=causal, against=ref, max_abs_diff=diff))
-        say(f"L={length} {'causal' if causal else 'full'}: max |pallas_gpu - {ref}| = "
-            f"{diff:.3e} ({jnp.dtype(dtype).name} outputs)")
+      for fused, kernel in FUSED.items():
+        if fused in outs and ref in outs:
+          diff = float(np.abs(outs[fused] - outs[ref]).max())
+          checks.append(dict(L=length, causal=causal, kernel=kernel, against=ref,
+                             max_abs_diff=diff))
+          say(f"L={length} {'causal' if causal else 'full'}: max |{kernel} - {ref}| = "
+              f"{diff:.3e} ({jnp.dtype(dtype).name} outputs)")
 
-  print("\nratios of fwd+bwd TF/s (targets at 32K causal: pallas_gpu >= 0.9x cuDNN, >= 3x the "
-        "XLA hop kernel):", flush=True)
+  print("\nratios of fwd+bwd TF/s (targets at 32K causal: a fused kernel >= 0.9x cuDNN, >= 3x "
+        "the XLA hop kernel):", flush=True)
   by = {(r["L"], r["causal"], r["impl"]): r for r in results}
   ratios = []
   for length in lengths:
     for causal in (True, False):
-      a = by.get((length, causal, RING_PALLAS), {})
-      for other in (CUDNN, RING_XLA):
-        o = by.get((length, causal, other), {})
-        if "fb" in a and "fb" in o:
-          x = a["fb"][1] / o["fb"][1]
-          ratios.append(dict(L=length, causal=causal, vs=other, fwdbwd_ratio=x))
-          print(f"  L={length:>6} {'causal' if causal else 'full':<6} pallas_gpu / {other}: "
-                f"x{x:.2f}", flush=True)
+      for fused, kernel in FUSED.items():
+        a = by.get((length, causal, fused), {})
+        for other in (CUDNN, RING_XLA):
+          o = by.get((length, causal, other), {})
+          if "fb" in a and "fb" in o:
+            x = a["fb"][1] / o["fb"][1]
+            ratios.append(dict(L=length, causal=causal, kernel=kernel, vs=other,
+                               fwdbwd_ratio=x))
+            print(f"  L={length:>6} {'causal' if causal else 'full':<6} {kernel} / {other}: "
+                  f"x{x:.2f}", flush=True)
+  auto = auto_verdict(mesh, b, n, h, block)
+  say(auto)
   os.makedirs(os.path.dirname(OUT), exist_ok=True)
   with open(OUT, "w") as fh:
     json.dump(dict(device=str(jax.devices()[0].device_kind), backend=jax.default_backend(),
@@ -231,7 +260,8 @@ def attention_tflops():
                    date=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
                    shape=dict(B=b, N=n, H=h, dtype=jnp.dtype(dtype).name, block=block),
                    rows=[{k_: (list(v_) if isinstance(v_, tuple) else v_) for k_, v_ in r.items()}
-                         for r in results], ratios=ratios, checks=checks), fh, indent=1)
+                         for r in results], ratios=ratios, checks=checks, auto=auto),
+              fh, indent=1)
   say(f"wrote {OUT}")
   return results
 

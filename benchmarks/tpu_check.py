@@ -16,7 +16,9 @@ size 1), bf16, causal and non-causal, at 8K / 16K / 32K / 64K tokens:
   checkout's ``ring_attention`` lacks the kernel).
 
 At the smallest length it also prints the largest difference between the
-pallas_tpu and splash outputs (a hardware correctness check). A short table is
+pallas_tpu and splash outputs (a hardware correctness check), and at the end what
+``hop_kernel="auto"`` resolved to with splash's self-check verdict
+(``ring_jax.kernels.describe``). A short table is
 printed; all rows go to ``benchmarks/results/tpu_check.json`` (or
 ``$TPU_CHECK_OUT``). Every case is guarded (a failure is printed, the next case
 runs) and the run keeps to ``TPU_CHECK_BUDGET_S`` (default 450 s).
@@ -136,6 +138,18 @@ def ring_impl(length, causal, hop_kernel):
   return fn, fwd_bwd
 
 
+def auto_verdict() -> str:
+  """What ``hop_kernel="auto"`` runs here for a small causal ring call in the check's dtype
+  (which triggers splash's self-check on a TPU) and why: ``ring_jax.kernels.describe``."""
+  fn, _ = ring_impl(LENGTHS[0], True, "auto")
+  x = jax.random.normal(jax.random.key(1), (B, LENGTHS[0], N, H), DTYPE)
+  try:
+    jax.block_until_ready(jax.jit(fn)(x, x[:, :, :K], x[:, :, :K]))
+  except Exception as e:  # noqa: BLE001
+    return f"auto: the ring call failed: {type(e).__name__}: {str(e).splitlines()[0][:120]}"
+  return ring_jax.kernels.describe("auto")
+
+
 def main():
   say(f"devices: {jax.devices()}; jax {jax.__version__}; dry={DRY}")
   say(f"B={B} N={N} K={K} H={H} {jnp.dtype(DTYPE).name}, block {BLOCK}, lengths {LENGTHS}")
@@ -214,12 +228,14 @@ def main():
                 f"x{ratio['vs_splash']:.2f} of splash"
                 + (f", x{ratio['vs_xla_ring']:.2f} of the XLA ring"
                    if ratio["vs_xla_ring"] else ""), flush=True)
+  auto = auto_verdict()
+  say(auto)
   os.makedirs(os.path.dirname(OUT), exist_ok=True)
   with open(OUT, "w") as f:
     json.dump(dict(device=str(jax.devices()[0].device_kind), backend=jax.default_backend(),
                    jax=jax.__version__, dry=DRY, date=time.strftime("%Y-%m-%d %H:%M:%S UTC",
                                                                      time.gmtime()),
-                   rows=rows, ratios=ratios, checks=checks), f, indent=1)
+                   rows=rows, ratios=ratios, checks=checks, auto=auto), f, indent=1)
   say(f"wrote {OUT}")
   return 0
 

@@ -140,6 +140,10 @@ def test_gpu_check_dry_run(tmp_path):
     assert ("ring_jax ring=1 [pallas_gpu]", causal) in timed
     assert ("ring_jax ring=1 [xla]", causal) in timed
   assert {r["vs"] for r in result["ratios"]} == {"ring_jax ring=1 [xla]"}  # no cuDNN on CPU
+  # tokamax cannot run on CPU: its row says so (check()'s error); auto says what ran
+  notes = [r["note"] for r in result["rows"] if r["impl"] == "ring_jax ring=1 [tokamax]"]
+  assert len(notes) == 2 and all("ValueError: hop_kernel='tokamax': " in n for n in notes), notes
+  assert result["auto"] == "hop kernel: xla (auto: no fused kernel is picked on cpu)"
   assert len(result["checks"]) == 2
   for c in result["checks"]:  # float32 in the dry run: the two kernels agree closely
     assert c["max_abs_diff"] < 1e-5, c

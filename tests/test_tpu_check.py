@@ -35,3 +35,4 @@ def test_tpu_check_dry_run(tmp_path):
   assert len(result["checks"]) == 2
   assert all(c["max_abs_diff_pallas_vs_splash"] < 5e-2 for c in result["checks"])
   assert "x" in log and "of splash" in log
+  assert result["auto"] == "hop kernel: xla (auto: no fused kernel is picked on cpu)"
