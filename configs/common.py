@@ -46,8 +46,9 @@ def base_config() -> ml_collections.ConfigDict:
                         # balanced per document, ring_jax.document_layout)
       block_q=config_dict.placeholder(int),  # None: the ring picks block sizes
       block_kv=config_dict.placeholder(int),
-      hop_kernel="auto",  # ring's per-hop kernel: "auto" (TPU: splash once it passes its
-                          # self-check on the device; else "xla"), "xla", or a kernel's name
+      hop_kernel="auto",  # ring's per-hop kernel: "auto" (TPU: splash, GPU sm90+ with the
+                          # [gpu] extra: tokamax, each once it passes its self-check on the
+                          # device; else "xla"), "xla", or a kernel's name
       ffn_chunk_size=config_dict.placeholder(int),  # blockwise FFN chunk (tokens)
       loss_chunk_size=config_dict.placeholder(int),  # output head + NLL chunk (tokens)
       remat_policy="none",

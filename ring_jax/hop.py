@@ -76,6 +76,7 @@ from typing import ClassVar, NamedTuple, Protocol, runtime_checkable
 
 import jax
 import jax.numpy as jnp
+from jax._src import config as jax_config
 
 from ring_jax import scheduling
 
@@ -262,3 +263,76 @@ def varying_like(x, *refs):
   if not missing:
     return x
   return jax.lax.pcast(x, missing, to="varying")
+
+
+# ----------------------------------------------------------------------------
+# For kernels that take per-query key ranges (splash's element mask, tokamax's k_start/k_end)
+# ----------------------------------------------------------------------------
+
+def key_ranges(q_positions, kv_positions, is_causal: bool, window):
+  """int32 ``([T], [T])``: per query, the key indices ``[start, end)`` of this hop that the
+  causal mask and the window ``(left, right)`` let it see (segment ids aside).
+
+  Exact because key positions increase within a shard (every ring layout); a window
+  keeps ``q - left <= kv <= q + right``, causal ``kv <= q``.
+  """
+  q = q_positions.astype(jnp.int32)
+  kv = kv_positions.astype(jnp.int32)
+  s = kv.shape[0]
+  start = jnp.zeros_like(q)
+  end = jnp.full_like(q, s)
+  if window is not None:
+    left, right = window
+    start = jnp.searchsorted(kv, q - left, side="left").astype(jnp.int32)
+    end = jnp.searchsorted(kv, q + right, side="right").astype(jnp.int32)
+  if is_causal:
+    end = jnp.minimum(end, jnp.searchsorted(kv, q, side="right").astype(jnp.int32))
+  return start, jnp.maximum(end, start)
+
+
+def segment_key_ranges(q_segment_ids, kv_segment_ids):
+  """int32 ``(start [B, T], end [B, T])`` and a bool scalar ``exact``: per query, the key
+  indices ``[first, last + 1)`` of the keys with its segment id (empty for padding, id 0,
+  and for an id absent from the shard); ``exact`` tells whether every such range holds
+  only keys of that id, i.e. each id present on both sides occupies one run of the key
+  shard.
+
+  It does when documents are packed in position order (each id one run of positions),
+  since positions increase within a shard in every ring layout (contiguous, zigzag: a
+  document in both of a shard's chunks spans all between them; striped). Ids that repeat
+  in several places of a row, or the ``document`` layout's reordered shards, can break it:
+  kernels then take the exact path (the XLA kernel). Cost: a sort of the ``S`` key ids
+  per batch row.
+  """
+  s = kv_segment_ids.shape[-1]
+
+  def one_row(q_ids, kv_ids):
+    order = jnp.argsort(kv_ids, stable=True)       # equal ids keep index order
+    ids = kv_ids[order]
+    lo = jnp.searchsorted(ids, q_ids, side="left")
+    hi = jnp.searchsorted(ids, q_ids, side="right")
+    first = order[jnp.clip(lo, 0, s - 1)].astype(jnp.int32)
+    last = order[jnp.clip(hi - 1, 0, s - 1)].astype(jnp.int32)
+    present = (hi > lo) & (q_ids != 0)
+    exact = jnp.all(~present | (last + 1 - first == hi - lo))
+    return jnp.where(present, first, 0), jnp.where(present, last + 1, 0), exact
+
+  start, end, exact = jax.vmap(one_row)(q_segment_ids, kv_segment_ids)
+  return start, end, jnp.all(exact)
+
+
+def call_unchecked_vma(fn, *args):
+  """``fn(*args)`` with shard_map's varying-axes check off, outputs then marked varying
+  over every manual axis an input varies over.
+
+  Pallas kernels of JAX's and tokamax's (splash, Mosaic GPU) give ``pallas_call``
+  out-shapes without a ``manual_axis_type`` (jax 0.10 through 0.12), which
+  ``shard_map(check_vma=True)`` refuses; the ring runs inside the user's shard_map, so the
+  check is lifted around the kernel call alone (JAX's internal ``check_vma`` state, what
+  ``check_vma=False`` sets) and the outputs are marked as varying exactly like their
+  inputs, so nothing downstream mistakes them for replicated.
+  """
+  leaves = jax.tree.leaves(args)
+  with jax_config._check_vma(False):
+    out = fn(*args)
+  return jax.tree.map(lambda x: varying_like(x, *leaves), out)

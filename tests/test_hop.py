@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib.util
 
 import jax
 import jax.numpy as jnp
@@ -30,8 +31,12 @@ import ring_jax
 from attn_utils import make_mesh
 from ring_jax.hop import HopGrads, HopMasks, HopResiduals, HopSpec, lse_for_backward
 
-# Kernel names run by this suite; fused-kernel helpers append theirs (e.g. "pallas_gpu").
+# Kernel names run by this suite.
 KERNELS_UNDER_TEST = ["xla", "pallas_gpu", "pallas_tpu", "splash"]
+# tokamax (the [gpu] extra: Python >= 3.12, leg 2 of CI) runs here with its own XLA forward
+# and a reference of its Mosaic VJP's contract (tests/test_tokamax_gpu.py, cpu_kernel()).
+if importlib.util.find_spec("tokamax") is not None:
+  KERNELS_UNDER_TEST.append("tokamax")
 
 RTOL = ATOL = 1e-5
 BLOCK = 128
@@ -39,7 +44,10 @@ BLOCK = 128
 
 def kernel_for(name):
   """The kernel instance under test: as the registry builds it for a CPU backend
-  (Pallas kernels in interpret mode)."""
+  (Pallas kernels in interpret mode; tokamax on its CPU stand-ins where installed)."""
+  if name == "tokamax" and name in KERNELS_UNDER_TEST:
+    import test_tokamax_gpu  # noqa: PLC0415
+    return test_tokamax_gpu.cpu_kernel()
   return ring_jax.get_hop_kernel(name, "cpu")
 
 
@@ -378,10 +386,10 @@ def test_registry_names_and_errors():
   assert "xla" in ring_jax.HOP_KERNELS
   for name in ring_jax.HOP_KERNELS:  # one rule: a kernel's name is its registry key
     assert type(kernel_for(name)).name == kernel_for(name).name == name
-  for platform in ("cpu", "gpu"):
-    assert ring_jax.get_hop_kernel("auto", platform).name == "xla"
-  # TPU: splash after its self-check on the device (tests/test_selfcheck.py)
-  assert ring_jax.get_hop_kernel("auto", "tpu") == ring_jax.kernels.AutoHopKernel("tpu")
+  assert ring_jax.get_hop_kernel("auto", "cpu").name == "xla"
+  # TPU: splash, GPU: tokamax, each after its self-check on the device (test_selfcheck.py)
+  for platform in ("tpu", "gpu"):
+    assert ring_jax.get_hop_kernel("auto", platform) == ring_jax.kernels.AutoHopKernel(platform)
   kernel = ring_jax.XlaHopKernel()
   assert ring_jax.get_hop_kernel(kernel) is kernel
   with pytest.raises(ValueError, match="'flash'.*'auto', 'xla'"):

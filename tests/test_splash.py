@@ -15,6 +15,7 @@ from jax import export
 from jax.sharding import PartitionSpec as P
 
 import ring_jax
+from ring_jax import hop
 from ring_jax.hop import HopGrads, HopMasks, HopResiduals, HopSpec, lse_for_backward, zero_grads
 from ring_jax.kernels import splash
 from ring_jax.kernels.xla import XlaHopKernel
@@ -38,7 +39,7 @@ def test_key_ranges_are_each_querys_visible_keys(layout, is_causal, window):
         vis &= d >= 0
       if window is not None:
         vis &= (d <= window[0]) & (d >= -window[1])
-      start, end = jax.device_get(splash.key_ranges(jnp.asarray(q_pos), jnp.asarray(kv_pos),
+      start, end = jax.device_get(hop.key_ranges(jnp.asarray(q_pos), jnp.asarray(kv_pos),
                                                     is_causal, window))
       idx = np.arange(len(kv_pos))[None, :]
       np.testing.assert_array_equal((idx >= start[:, None]) & (idx < end[:, None]), vis)

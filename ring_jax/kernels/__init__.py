@@ -9,13 +9,18 @@ are imported only when their name is chosen (:func:`_lazy`), so importing
 
 Names: ``"xla"`` (:class:`ring_jax.kernels.xla.XlaHopKernel`, every
 platform); ``"splash"`` (JAX's splash attention on TPU,
-:mod:`ring_jax.kernels.splash`); ``"pallas_tpu"`` and ``"pallas_gpu"`` (our
-own fused kernels). A kernel class's ``name`` (a ``ClassVar``) is its key here.
+:mod:`ring_jax.kernels.splash`); ``"tokamax"`` (tokamax's Mosaic GPU flash
+attention on sm90/sm100, :mod:`ring_jax.kernels.tokamax_gpu`, the ``[gpu]``
+extra); ``"pallas_tpu"`` and ``"pallas_gpu"`` (our own fused kernels;
+``pallas_gpu`` is written on Pallas' Triton backend, which JAX has deprecated).
+A kernel class's ``name`` (a ``ClassVar``) is its key here.
 
 ``"auto"`` (the default) means the platform's maintained fused kernel,
-:data:`AUTO` (TPU: ``"splash"``), once it has passed its self-check on the
-device (:mod:`ring_jax.kernels.selfcheck`), and only for shapes it takes
-(its ``check()``); otherwise, and on platforms without an entry, ``"xla"``.
+:data:`AUTO` (TPU: ``"splash"``; GPU: ``"tokamax"``), once it has passed its
+self-check on the device (:mod:`ring_jax.kernels.selfcheck`), and only where it
+runs and for shapes and dtypes it takes (its ``check()``: tokamax needs the
+extra, an sm90/sm100 GPU and bfloat16/float16); otherwise, and on platforms
+without an entry, ``"xla"``. ``auto`` never picks our own kernels.
 It is :class:`AutoHopKernel`, which makes that choice per call (cached) and
 runs the chosen kernel.
 """
@@ -46,11 +51,12 @@ HOP_KERNELS: dict[str, Callable[[str], HopKernel]] = {
     "pallas_gpu": _lazy("ring_jax.kernels.pallas_gpu", "make_kernel"),
     "pallas_tpu": _lazy("ring_jax.kernels.pallas_tpu", "make_kernel"),
     "splash": _lazy("ring_jax.kernels.splash", "make_kernel"),
+    "tokamax": _lazy("ring_jax.kernels.tokamax_gpu", "make_kernel"),
 }
 
 # platform -> the maintained fused kernel "auto" tries there (after its self-check on the
-# device, selfcheck.py); absent platforms get "xla". GPU: none until tokamax's kernel is in.
-AUTO: dict[str, str] = {"tpu": "splash"}
+# device, selfcheck.py); absent platforms get "xla".
+AUTO: dict[str, str] = {"tpu": "splash", "gpu": "tokamax"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,8 +158,12 @@ def describe(name_or_instance, platform: str | None = None) -> str:
     return f"hop kernel: xla (auto: no fused kernel is picked on {platform})"
   seen = [v for v in selfcheck.verdicts() if v.platform == platform and v.kernel == fused]
   if not seen:
-    return (f"hop kernel: xla (auto: {fused} not tried on {platform}: these shapes do not "
-            "suit it, see its check())")
+    unavailable = getattr(HOP_KERNELS[fused](platform), "unavailable", None)
+    why = unavailable(platform) if unavailable is not None else None
+    if why is not None:
+      return f"hop kernel: xla (auto on {platform}: {fused} cannot run: {why})"
+    return (f"hop kernel: xla (auto: {fused} not tried on {platform}: these shapes or this "
+            "dtype do not suit it, see its check())")
   parts = [f"{v.dtype}: {'self-check passed' if v.ok else 'self-check FAILED: ' + v.reason}"
            for v in seen]
   chosen = fused if all(v.ok for v in seen) else (

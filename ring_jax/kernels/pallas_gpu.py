@@ -1,5 +1,11 @@
 """Fused hop kernel for GPUs: our own Pallas kernels (Triton lowering).
 
+Pallas' Triton backend is deprecated upstream (JAX's Pallas changelog: "will be removed in a
+future version of JAX ... migrate to the Mosaic GPU backend"), so ``hop_kernel="auto"`` never
+picks this kernel: on sm90/sm100 it runs tokamax's Mosaic GPU attention
+(:mod:`ring_jax.kernels.tokamax_gpu`), elsewhere the XLA kernel. ``hop_kernel="pallas_gpu"``
+keeps working as long as JAX ships the backend.
+
 One hop of ring attention as three Pallas calls, in the structure of
 ``jax.experimental.pallas.ops.gpu.attention`` (FlashAttention-2):
 

@@ -16,7 +16,7 @@ under the hop-kernel seam (:mod:`ring_jax.hop`):
   element mask comes from splash's ``mask_function`` path, which compares each key's
   index with a per-query value (``q_sequence``). Positions increase within every shard
   the ring makes, so a query's visible keys at a hop are one index range
-  ``[start, end)`` (:func:`key_ranges`); ``q_sequence`` carries ``end`` (causal) or
+  ``[start, end)`` (:func:`ring_jax.hop.key_ranges`); ``q_sequence`` carries ``end`` (causal) or
   ``start * 2**16 + end`` (a window: needs S < 2**15, :meth:`SplashHopKernel.check`).
 * **Segment ids** are splash's own ``SegmentIds(q, kv)`` (equality); our 0 = padding
   rule becomes two pad ids that match nothing (:func:`splash_segment_ids`).
@@ -49,7 +49,6 @@ from typing import ClassVar
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax._src import config as jax_config
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask_info as smi
 
@@ -64,22 +63,6 @@ MASK_VALUE = sk.DEFAULT_MASK_VALUE
 _RANGE_BITS = 16
 _MAX_WINDOW_KV = (1 << (_RANGE_BITS - 1)) - 1
 _I32_MIN = int(np.iinfo(np.int32).min)
-
-
-def _unchecked_vma(fn, *args):
-  """``fn(*args)`` with shard_map's varying-axes check off, outputs then marked varying
-  over every manual axis an input varies over.
-
-  Splash's ``pallas_call`` out-shapes carry no ``manual_axis_type`` (jax 0.10 through
-  0.12), which ``shard_map(check_vma=True)`` refuses; the ring runs inside the user's
-  shard_map, so the check is lifted around the kernel call alone (JAX's internal
-  ``check_vma`` state, what ``check_vma=False`` sets) and the outputs are marked as
-  varying exactly like their inputs, so nothing downstream mistakes them for replicated.
-  """
-  leaves = jax.tree.leaves(args)
-  with jax_config._check_vma(False):
-    out = fn(*args)
-  return jax.tree.map(lambda x: hop.varying_like(x, *leaves), out)
 
 
 def _over_rows(one_row):
@@ -109,27 +92,6 @@ def _keys_before(end, k):
 def _keys_within(code, k):
   """Splash ``mask_function``: ``code = start * 2**16 + end``; visible iff start <= k < end."""
   return (k >= (code >> _RANGE_BITS)) & (k < (code & ((1 << _RANGE_BITS) - 1)))
-
-
-def key_ranges(q_positions, kv_positions, is_causal: bool, window):
-  """int32 ``([T], [T])``: per query, the key indices ``[start, end)`` of this hop that the
-  causal mask and the window ``(left, right)`` let it see (segment ids aside).
-
-  Exact because key positions increase within a shard (every ring layout); a window
-  keeps ``q - left <= kv <= q + right``, causal ``kv <= q``.
-  """
-  q = q_positions.astype(jnp.int32)
-  kv = kv_positions.astype(jnp.int32)
-  s = kv.shape[0]
-  start = jnp.zeros_like(q)
-  end = jnp.full_like(q, s)
-  if window is not None:
-    left, right = window
-    start = jnp.searchsorted(kv, q - left, side="left").astype(jnp.int32)
-    end = jnp.searchsorted(kv, q + right, side="right").astype(jnp.int32)
-  if is_causal:
-    end = jnp.minimum(end, jnp.searchsorted(kv, q, side="right").astype(jnp.int32))
-  return start, jnp.maximum(end, start)
 
 
 def splash_segment_ids(q_seg, kv_seg):
@@ -198,7 +160,7 @@ class SplashHopKernel:
 
     mask_function, q_sequence = None, None
     if spec.is_causal or spec.window is not None:
-      start, end = key_ranges(masks.q_positions, masks.kv_positions, spec.is_causal,
+      start, end = hop.key_ranges(masks.q_positions, masks.kv_positions, spec.is_causal,
                               spec.window)
       if spec.window is None:
         mask_function, q_sequence = _keys_before, end
@@ -241,7 +203,7 @@ class SplashHopKernel:
             info, q1, k1, v1, seg1, None, MASK_VALUE, False, sizes, None, True,
             mask_function, None, interpret)
 
-      out, (lse,) = _unchecked_vma(_over_rows(one_row), q_bnth, k_bksh, v_bksh, seg)
+      out, (lse,) = hop.call_unchecked_vma(_over_rows(one_row), q_bnth, k_bksh, v_bksh, seg)
       out = jnp.transpose(out.astype(jnp.float32), (0, 2, 1, 3)).reshape(q.shape)
       lse = jnp.transpose(lse.astype(jnp.float32), (0, 2, 1)).reshape(q.shape[:-1])
       # Rows that saw no key here: splash's finite mask value (or no block at all).
@@ -284,7 +246,7 @@ class SplashHopKernel:
             interpret=interpret)
         return dq1, dk1, dv1
 
-      dq, dk, dv = _unchecked_vma(_over_rows(one_row), q_bnth, k_bksh, v_bksh, seg, lse_bnt,
+      dq, dk, dv = hop.call_unchecked_vma(_over_rows(one_row), q_bnth, k_bksh, v_bksh, seg, lse_bnt,
                                   do_bnth, di_bnt)
       dq = jnp.transpose(dq.astype(jnp.float32), (0, 2, 1, 3)).reshape(q.shape) * spec.scale
       dk, dv = (jnp.transpose(x.astype(jnp.float32), (0, 2, 1, 3)) for x in (dk, dv))
