@@ -63,6 +63,7 @@ from ml_collections import config_flags
 
 # Importing these starts no JAX backend, so devices can still be configured in main().
 import ring_jax
+from models import attention as attn_lib
 from models import pipeline as pipeline_lib
 from models import sharding as shd
 from training import batch as batch_lib
@@ -388,6 +389,7 @@ def _train(config, workdir, stop_at_step, stop, mesh, ring_size) -> TrainResult:
                f"{memory.argument_size_in_bytes / 2**20:.1f} MiB" if memory is not None else ""))
         if setup.model_cfg.attention != "dense":  # what "auto" chose, and its self-check
           log(ring_jax.kernels.describe(setup.model_cfg.hop_kernel))
+          log(attn_lib.describe_routing(setup.model_cfg, mesh))
 
         # --- 6. The loop: step, log, eval, checkpoint -----------------------------------------
         seq_len = c.data.seq_len

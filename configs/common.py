@@ -49,6 +49,9 @@ def base_config() -> ml_collections.ConfigDict:
       hop_kernel="auto",  # ring's per-hop kernel: "auto" (TPU: splash, GPU sm90+ with the
                           # [gpu] extra: tokamax, each once it passes its self-check on the
                           # device; else "xla"), "xla", or a kernel's name
+      # The ring's K/V routing under the causal mask: None = the library's default (routed
+      # for contiguous rings), True/False to force it (train.py prints which runs).
+      causal_routing=config_dict.placeholder(bool),
       ffn_chunk_size=config_dict.placeholder(int),  # blockwise FFN chunk (tokens)
       loss_chunk_size=config_dict.placeholder(int),  # output head + NLL chunk (tokens)
       remat_policy="none",

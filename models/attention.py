@@ -176,7 +176,23 @@ def plan_attention(cfg, mesh, batch: int, seq_len: int):
       sequence=tuple(mesh.shape[a] for a in seq_axis) if pair else mesh.shape[seq_axis],
       strategies=[s for s in AUTO_CANDIDATES if not pair or s in PAIR_BACKENDS],
       tensor=mesh.shape[head_axis] if head_axis else 1,
-      data=mesh.shape[batch_axis] if batch_axis else 1, device=device)
+      data=mesh.shape[batch_axis] if batch_axis else 1, device=device,
+      causal_routing=cfg.causal_routing)
+
+
+def describe_routing(cfg, mesh) -> str:
+  """One line for train.py: whether the model's ring routes its K/V under the causal mask
+  (``cfg.causal_routing`` resolved for ``cfg.layout``; the two-level ring never routes)."""
+  seq_axis = sequence_axis(mesh)
+  if cfg.attention not in ("ring", "hybrid") or seq_axis is None:
+    return f"ring K/V routing: n/a (attention {cfg.attention!r}, no ring over the sequence)"
+  two_level = cfg.attention == "ring" and isinstance(seq_axis, tuple)
+  routed = not two_level and ring_jax.scheduling.check_routing(cfg.causal_routing, cfg.layout)
+  how = ("routed under the causal mask (each K/V part only to the devices that see it)"
+         if routed else "full rotation" + (" (the two-level ring does not route)"
+                                           if two_level else ""))
+  return (f"ring K/V routing: {how}; model.causal_routing={cfg.causal_routing}, "
+          f"layout {cfg.layout!r}")
 
 
 def resolve_attention(cfg, mesh, batch: int, seq_len: int):
@@ -220,7 +236,7 @@ def _sharded_strategy(strategy: str) -> AttentionBackend:
         q_BLNH, k_BLKH, v_BLKH, mesh=mesh, strategy=name, seq_axis=seq,
         batch_axis=batch_axis, head_axis=head_axis, is_causal=True, segment_ids=segment_ids_BL,
         layout=cfg.layout, inputs_in_layout=True, block_q=cfg.block_q, block_kv=cfg.block_kv,
-        hop_kernel=cfg.hop_kernel)
+        hop_kernel=cfg.hop_kernel, causal_routing=cfg.causal_routing)
 
   backend.__name__ = strategy
   backend.__qualname__ = strategy

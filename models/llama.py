@@ -107,6 +107,7 @@ class LlamaConfig:
   ``tensor_sequence_parallel`` picks the rules table (:func:`models.sharding.rules`);
   ``hop_kernel`` names the ring's per-hop kernel (a key of
   :data:`ring_jax.kernels.HOP_KERNELS`, or ``"auto"``: see :mod:`ring_jax.kernels`);
+  ``causal_routing`` the ring's K/V routing (None: the library's default for the layout);
   ``remat_policy`` a key of :data:`REMAT_POLICIES`; ``dtype`` the compute
   dtype, ``param_dtype`` the storage dtype (keys of :data:`DTYPES`).
   """
@@ -126,6 +127,11 @@ class LlamaConfig:
   block_q: int | None = None
   block_kv: int | None = None
   hop_kernel: str = "auto"
+  # The ring's K/V routing under the causal mask (ring_jax.ring_attention's causal_routing):
+  # each K/V part goes only to the devices whose queries can see it. None: the library's
+  # default (routed for contiguous rings; scheduling.check_routing); True / False: forced.
+  # Passed to every ring the model runs ("ring", hybrid's ring) and to ring_jax.plan.
+  causal_routing: bool | None = None
   ffn_chunk_size: int | None = None
   # Tokens per chunk of the output head inside nll_sums: the [B, L, vocab] logits then exist
   # one chunk of each device's local sequence at a time (forward and, by remat, backward).
@@ -152,6 +158,10 @@ class LlamaConfig:
     attn_lib.check_backend(self.attention)
     ring_jax.layouts.check_layout(self.layout)
     ring_jax.kernels.check_name(self.hop_kernel)
+    try:
+      ring_jax.scheduling.check_routing(self.causal_routing)  # None or a bool
+    except TypeError as e:
+      raise ValueError(str(e)) from None
     for name in ("vocab_size", "dim", "num_layers", "num_heads", "num_kv_heads", "mlp_dim"):
       value = getattr(self, name)
       if not isinstance(value, (int, np.integer)) or value < 1:

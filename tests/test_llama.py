@@ -6,6 +6,7 @@ every sharded run is the dense backend on one device in natural token order.
 
 import dataclasses
 import math
+import re
 
 import chex
 import jax
@@ -119,6 +120,32 @@ def test_ring_hop_kernel_by_name(baseline):
   np.testing.assert_allclose(logits[real], want_logits[real], rtol=1e-5, atol=1e-5)
   with pytest.raises(ValueError, match="hop_kernel='flash'.*'auto', 'xla'"):
     _cfg(hop_kernel="flash")
+
+
+def test_causal_routing_reaches_the_ring_and_keeps_values(baseline):
+  """LlamaConfig.causal_routing=True routes the zigzag ring's K/V (another program: the
+  routed parts travel in other collective-permutes) and keeps the dense model's logits and
+  gradients; None (the library's default) leaves zigzag unrouted."""
+  params, (tokens, pos, segs, weights), want_logits, want_grads = baseline
+  mesh = make_mesh(auto=True, data=2, sequence=4)
+  to = lambda x: np.asarray(ring_jax.to_layout(x, "zigzag", 4))  # noqa: E731
+  cfgs = {r: _cfg(attention="ring", layout="zigzag", block_q=2, block_kv=2, causal_routing=r)
+          for r in (None, True)}
+  logits, grads = _loss_and_grads(cfgs[True], params, to(tokens), to(pos), to(segs),
+                                  to(weights), mesh)
+  logits = np.asarray(ring_jax.from_layout(logits, "zigzag", 4))
+  real = segs > 0
+  np.testing.assert_allclose(logits[real], want_logits[real], rtol=1e-5, atol=1e-5)
+  _assert_tree_close(grads, want_grads)
+
+  def permutes(cfg):
+    fn = jax.jit(lambda p, t, q, s: nnx.merge(_graphdef(cfg), p)(t, q, s))
+    with jax.set_mesh(mesh):
+      text = fn.lower(jax.device_put(params, shd.param_shardings(params, mesh)), to(tokens),
+                      to(pos), to(segs)).as_text()
+    return sorted(re.findall(r"collective_permute.*?source_target_pairs = dense<(.*?)>", text))
+  assert permutes(cfgs[True]) != permutes(cfgs[None])
+  assert permutes(cfgs[None]) == permutes(dataclasses.replace(cfgs[None], causal_routing=False))
 
 
 @pytest.mark.parametrize("kernel", ["pallas_gpu", "pallas_tpu", "splash"])
@@ -314,6 +341,7 @@ def test_llama3_scaling_matches_reference_formula():
     (dict(rope_scaling={"rope_type": "yarn", "factor": 2.0}), "rope_scaling"),
     (dict(rope_scaling={"rope_type": "llama3", "factor": 8.0}), "missing"),
     (dict(num_layers=0), "num_layers"),
+    (dict(causal_routing="yes"), "causal_routing must be None"),
 ])
 def test_bad_config_raises(bad, match):
   with pytest.raises(ValueError, match=match):

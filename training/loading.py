@@ -71,8 +71,9 @@ def load_model(config, mesh, *, workdir: str | None = None, hf_dir: str | None =
 
 
 # Model fields a script may change at inference without changing what the weights compute.
-_INFERENCE_FIELDS = ("attention", "layout", "block_q", "block_kv", "hop_kernel", "ffn_chunk_size",
-                     "loss_chunk_size", "remat_policy", "scan_layers", "dtype", "fsdp")
+_INFERENCE_FIELDS = ("attention", "layout", "block_q", "block_kv", "hop_kernel", "causal_routing",
+                     "ffn_chunk_size", "loss_chunk_size", "remat_policy", "scan_layers", "dtype",
+                     "fsdp")
 
 
 def saved_run_config(workdir: str) -> dict:
