@@ -253,3 +253,29 @@ def test_one_process_writes_replicated_arrays_whole_and_restores_them(tmp_path):
   np.testing.assert_array_equal(params["r"], replicated)
   np.testing.assert_array_equal(opt_state["s"], sharded)
   assert params["r"].sharding == replicated.sharding and data == {"pos": 3}
+
+
+def test_asyncio_reports_of_a_failed_read_are_dropped_and_others_kept():
+  """After a failed restore, asyncio's "exception was never retrieved" records of the same
+  corruption (TensorStore's read error, or an exception raised in Orbax) are dropped; any
+  other asyncio record, or another exception's, still reaches the log."""
+  import logging
+  import sys
+
+  log_filter = ckpt_lib._FailedReadLogFilter()
+
+  def record(exc, msg="Future exception was never retrieved"):
+    try:
+      raise exc
+    except Exception:  # noqa: BLE001
+      exc_info = sys.exc_info()
+    return logging.LogRecord("asyncio", logging.ERROR, "base_events.py", 1771, msg, (),
+                             exc_info)
+
+  read_error = ValueError('OUT_OF_RANGE: Error reading "params.lm_head.value/0.0" in OCDBT '
+                          'database at local file "/run/checkpoints/4/state/"')
+  assert not log_filter.filter(record(read_error))
+  assert log_filter.filter(record(ValueError("a bug of ours")))
+  assert log_filter.filter(record(read_error, msg="Task was destroyed but it is pending!"))
+  assert log_filter.filter(logging.LogRecord("asyncio", logging.ERROR, "x.py", 1, "plain", (),
+                                             None))

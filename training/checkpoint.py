@@ -39,6 +39,7 @@ What this module guarantees beyond Orbax:
 from __future__ import annotations
 
 import gc
+import logging
 import os
 import sys
 import time
@@ -88,7 +89,10 @@ def is_failed_read_leftover(unraisable) -> bool:
   catch them, and Python would print each as "Exception ignored" with a traceback. The
   restore reports the failed step itself (one warning line).
   """
-  exc, tb = unraisable.exc_value, unraisable.exc_traceback
+  return _is_failed_read_error(unraisable.exc_value, unraisable.exc_traceback)
+
+
+def _is_failed_read_error(exc, tb) -> bool:
   files = []
   while tb is not None:
     files.append(tb.tb_frame.f_code.co_filename)
@@ -97,10 +101,28 @@ def is_failed_read_leftover(unraisable) -> bool:
       f"{os.sep}orbax{os.sep}" in f for f in files)
 
 
+class _FailedReadLogFilter(logging.Filter):
+  """Drops asyncio's "exception was never retrieved" records of a failed Orbax read: the
+  same leftovers (:func:`is_failed_read_leftover`), reported through the ``asyncio``
+  logger when their future is collected, with Orbax's traceback or as TensorStore's own
+  read error ('OUT_OF_RANGE: Error reading "params..." in OCDBT database ...'). Seen in
+  1 run of 3 restoring two corrupt steps; installed only once a restore has failed."""
+
+  def filter(self, record) -> bool:
+    exc_info = record.exc_info
+    if not (exc_info and exc_info[1] is not None
+            and "exception was never retrieved" in record.getMessage()):
+      return True
+    exc = exc_info[1]
+    return not (_is_failed_read_error(exc, exc_info[2]) or "Error reading" in str(exc)
+                or "TensorStore" in str(exc))
+
+
 def _drop_failed_read_leftovers() -> None:
   """After a failed restore: from now on ``sys.unraisablehook`` drops its leftovers
   (:func:`is_failed_read_leftover`; installed once, in front of the hook there was, which
-  gets every other report), and the ones already unreachable are collected now, rather than
+  gets every other report) and so does the ``asyncio`` logger (:class:`_FailedReadLogFilter`),
+  and the ones already unreachable are collected now, rather than
   reported at some later garbage collection against unrelated code (in a notebook, under
   pytest). ``train.py`` installs the same filter for the whole run."""
   if not getattr(sys.unraisablehook, "_drops_failed_read_leftovers", False):
@@ -112,6 +134,9 @@ def _drop_failed_read_leftovers() -> None:
 
     hook._drops_failed_read_leftovers = True
     sys.unraisablehook = hook
+  asyncio_logger = logging.getLogger("asyncio")
+  if not any(isinstance(f, _FailedReadLogFilter) for f in asyncio_logger.filters):
+    asyncio_logger.addFilter(_FailedReadLogFilter())
   gc.collect()
 
 
