@@ -328,11 +328,13 @@ if ending == "peer_failed":  # process 0: the service it hosts ends it over proc
         "distributed service detected fatal errors. absl::Status: INTERNAL: Task "
         "/job:jax_worker/replica:0/task:1 failed", file=sys.stderr, flush=True)
   os.abort()
+if ending == "killed":  # what the kernel's OOM killer does: no word from the child
+  os.kill(os.getpid(), 9)
 sys.exit(int(ending))
 """
 
 
-@pytest.mark.parametrize("ending", ["coordinator_gone", "peer_failed", "3", "0"])
+@pytest.mark.parametrize("ending", ["coordinator_gone", "peer_failed", "killed", "3", "0"])
 def test_supervisor_reports_a_lost_coordinator_and_passes_other_endings_through(
     tmp_path, ending):
   import subprocess
@@ -349,8 +351,13 @@ def test_supervisor_reports_a_lost_coordinator_and_passes_other_endings_through(
       cwd=tp.ROOT, env=tp.env(), capture_output=True, text=True, timeout=120)
   out, err = proc.stdout, proc.stderr
   assert "step 7 on stdout" in out and "a warning on stderr" in err  # passed through
+  if ending == "killed":  # its death by a signal gets a line of the supervisor's own
+    assert proc.returncode == 137 and "error:" not in err, err
+    assert re.fullmatch(r"supervisor: the training process of process 1 \(pid \d+\) was ended "
+                        r"by SIGKILL \(signal 9\); exit status 137", err.splitlines()[-1]), err
+    return
   if ending not in ("coordinator_gone", "peer_failed"):
-    assert proc.returncode == int(ending) and "error:" not in err, err
+    assert proc.returncode == int(ending) and "supervisor:" not in err and "error:" not in err
     return
   assert proc.returncode == 75, err
   lost, me, reason = ((0, 1, "the coordination service it hosts is gone")

@@ -30,22 +30,12 @@ from models import sharding as shd
 from models.sharding import MESH_AXES
 from ring_jax import kernels, layouts
 from ring_jax.strategies import attention_axes
+from training import stages as stages_lib
+from training.errors import EXIT_USAGE, ConfigError, UsageError  # noqa: F401 (cfg_lib.* names)
 
 DATA_KINDS: tuple[str, ...] = ("kv_retrieval", "text")
 
 
-#: Exit status of train.py, generate.py and evaluate.py for a bad flag, config or input.
-EXIT_USAGE = 2
-
-
-class ConfigError(ValueError):
-  """A setting that cannot work; raised before any compilation."""
-
-
-class UsageError(ValueError):
-  """Bad command-line input to a script (a prompt, a length, a workdir without a
-  checkpoint): reported in one line, exit status :data:`EXIT_USAGE`, before anything
-  compiles."""
 
 
 # ----------------------------------------------------------------------------
@@ -472,8 +462,6 @@ def validate_stages(config: ml_collections.ConfigDict, num_devices: int) -> None
   Raises:
     ConfigError: prefixed with the stage (its number and fields) it is about.
   """
-  from training import stages as stages_lib  # Local: stages imports this module.
-
   if not stages_lib.stage_dicts(config):
     return
   for stage in stages_lib.plan(config):

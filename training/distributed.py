@@ -50,9 +50,10 @@ import jax
 
 from training import supervisor
 
-#: Exit status of every surviving process when a peer process is lost (BSD EX_TEMPFAIL:
-#: a temporary failure, rerunning the same command on all processes resumes).
-EXIT_PEER_LOST = 75
+# The exit status and the line of a lost peer are the supervisor's (it imports no JAX and
+# reports a lost coordinator itself); this module re-exports them.
+EXIT_PEER_LOST = supervisor.EXIT_PEER_LOST
+lost_peer_message = supervisor.lost_peer_message
 
 #: JAX's coordination-service heartbeat timeout, as a multiple of ``heartbeat_timeout_s``:
 #: it may fire from half its value after a death on, so this keeps the watchdog's verdict
@@ -252,16 +253,3 @@ class PeerWatchdog:
         pass
     self._exit(EXIT_PEER_LOST)
     self._exited.set()
-
-
-def lost_peer_message(lost: int, num_processes: int, reason: str, step: int | None,
-                      checkpoint_steps: list[int], checkpoint_dir: str,
-                      resume_command: str) -> str:
-  """The one line a survivor prints (docs/training.md, "When a process dies"); ``reason``
-  says how the loss was noticed ("no heartbeat for 60 s")."""
-  where = f" at step {step}" if step is not None else " before the first step"
-  kept = (f"the last complete checkpoint is step {checkpoint_steps[-1]} in {checkpoint_dir}"
-          if checkpoint_steps else f"no complete checkpoint is in {checkpoint_dir} (a rerun "
-          "starts afresh)")
-  return (f"error: process {lost} of {num_processes} stopped responding ({reason}){where}; {kept}; restart all {num_processes} processes with the "
-          f"same command to resume: {resume_command}")

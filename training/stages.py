@@ -53,7 +53,7 @@ from typing import Any
 import ml_collections
 from ml_collections import config_dict
 
-from training.config import ConfigError
+from training.errors import ConfigError
 
 #: Stage field -> (the config field it sets, its type). ``steps`` sets no field: it is
 #: the stage's share of ``total_steps``.

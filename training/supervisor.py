@@ -20,14 +20,15 @@ has to live in another process: on a multi-process launch ``train.py`` re-execut
   checkpoint directory, the resume command and the step the loop is on;
 * when the child of a process other than 0 ends because the coordination service is gone
   (JAX's termination line says so, or it aborted and the coordinator's address refuses
-  connections), prints the one line of ``training.distributed.lost_peer_message`` for
+  connections), prints the one line of :func:`lost_peer_message` for
   process 0 and exits with ``EXIT_PEER_LOST`` (75);
 * when JAX ends the child because the coordination service propagated another process's
   failure (its termination line names that task, ``/task:N``), which can beat the
   watchdog's verdict (seen once in CI: process 1 killed while a checkpoint was being
   written, process 0 ended by JAX 3 s later), prints the same line for process N and exits
   with 75;
-* otherwise exits with the child's status (``128 + N`` if signal N ended it).
+* otherwise exits with the child's status (``128 + N`` if signal N ended it, after a line
+  that says so: a child killed by the kernel's OOM killer prints nothing itself).
 
 Set ``RING_JAX_SUPERVISOR=0`` to run without it (a dead process 0 then ends the survivors
 with JAX's abort, status 134).
@@ -50,6 +51,10 @@ _CHILD_ENV = "RING_JAX_SUPERVISED"
 _FD_ENV = "RING_JAX_SUPERVISOR_FD"
 #: "0" turns the supervisor off.
 SWITCH_ENV = "RING_JAX_SUPERVISOR"
+
+#: Exit status of every surviving process when a peer process is lost (BSD EX_TEMPFAIL:
+#: a temporary failure, rerunning the same command on all processes resumes).
+EXIT_PEER_LOST = 75
 
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1,
                      signal.SIGUSR2)
@@ -245,8 +250,13 @@ def supervise(argv: list[str] | None = None) -> int:
   status = returncode if returncode >= 0 else 128 - returncode
   lost = None if returncode in (0, 75) or "checkpoint_dir" not in info else _lost_process(
       info, swallowed, aborted=returncode == -signal.SIGABRT)
-  if lost is None:  # Some other ending: the child said what it had to say.
+  if lost is None:  # Some other ending: the child said what it had to say ...
     out.writelines(swallowed)
+    if returncode < 0:  # ... unless a signal ended it (an OOM killer's SIGKILL says nothing)
+      out.write(f"supervisor: the training process of process {info.get('process_id', '?')} "
+                f"(pid {child.pid}) was ended by {signal.Signals(-returncode).name} (signal "
+                f"{-returncode}); exit status {status}\n")
+      out.flush()
     return status
   return _report_lost(info, swallowed, out, *lost)
 
@@ -268,7 +278,6 @@ def _lost_process(info: dict, swallowed: list[str], aborted: bool) -> tuple[int,
 def _report_lost(info: dict, swallowed: list[str], out, lost: int, reason: str) -> int:
   # Only now, with the child gone, is JAX (under the checkpoint listing) imported here.
   from training import checkpoint as ckpt_lib
-  from training import distributed as distributed_lib
 
   note = ""
   if swallowed and info.get("workdir"):
@@ -280,10 +289,24 @@ def _report_lost(info: dict, swallowed: list[str], out, lost: int, reason: str) 
     except OSError:
       pass
   directory = info["checkpoint_dir"]
-  line = distributed_lib.lost_peer_message(
+  line = lost_peer_message(
       lost, info["num_processes"], reason, info.get("step"),
       ckpt_lib.complete_steps(directory), directory, info["resume_command"])
   sys.stdout.flush()
   out.write(line + "\n" + note)
   out.flush()
-  return distributed_lib.EXIT_PEER_LOST
+  return EXIT_PEER_LOST
+
+
+def lost_peer_message(lost: int, num_processes: int, reason: str, step: int | None,
+                      checkpoint_steps: list[int], checkpoint_dir: str,
+                      resume_command: str) -> str:
+  """The one line a survivor prints (docs/training.md, "When a process dies"); ``reason``
+  says how the loss was noticed ("no heartbeat for 60 s")."""
+  where = f" at step {step}" if step is not None else " before the first step"
+  kept = (f"the last complete checkpoint is step {checkpoint_steps[-1]} in {checkpoint_dir}"
+          if checkpoint_steps else f"no complete checkpoint is in {checkpoint_dir} (a rerun "
+          "starts afresh)")
+  return (f"error: process {lost} of {num_processes} stopped responding ({reason}){where}; "
+          f"{kept}; restart all {num_processes} processes with the same command to resume: "
+          f"{resume_command}")
