@@ -49,12 +49,15 @@ from ml_collections import config_flags
 
 from models import lengths as lengths_lib
 from models import sharding as shd
-from training import config as cfg_lib
 from training import data as data_lib
+from training.errors import EXIT_USAGE, ConfigError, UsageError
+from training import flags as flags_lib
+from training import hf_init as hf_init_lib
 from training import loading
+from training import mesh as mesh_lib
 from training import stages as stages_lib
 from training import step as step_lib
-from training.config import EXIT_USAGE, UsageError
+from training import validation as val_lib
 
 TASKS = ("kv", "passkey")
 FILLER_TEXT = ("The grass is green. The sky is blue. The sun is yellow. Here we go. "
@@ -185,11 +188,11 @@ def evaluate(config, workdir: str | None, lengths, tasks=TASKS, *, hf_dir: str |
   if text and "kv" in tasks:
     raise UsageError("the kv task needs a kv_retrieval model (its token ids); with a "
                               "text model pass --tasks passkey.")
-  mesh = cfg_lib.make_mesh(config.mesh)
-  config = cfg_lib.resolve_hf_init(config)  # e.g. configs/finetune.py: init.hf_dir's shape
+  mesh = mesh_lib.make_mesh(config.mesh)
+  config = hf_init_lib.resolve_hf_init(config)  # e.g. configs/finetune.py: init.hf_dir's shape
   config = stages_lib.resolve(config)  # config.stages: the last stage's RoPE and length
   if not hf_dir:  # checked before anything loads; an HF model is checked once loaded
-    check_lengths(cfg_lib.llama_config(config), mesh, lengths)
+    check_lengths(val_lib.llama_config(config), mesh, lengths)
   tokenizer = (loading.load_run_tokenizer(config, workdir=workdir, hf_dir=hf_dir, log=log)
                if text else None)
   rows = batch_size or config.eval_batch_size
@@ -308,7 +311,7 @@ def define_flags() -> dict:
 
 
 def main(argv) -> None:
-  v = cfg_lib.start_script(argv, _FLAGS)
+  v = flags_lib.start_script(argv, _FLAGS)
   config = v["config"]
   try:
     tasks = (v["tasks"].split(",") if v["tasks"] else
@@ -317,7 +320,7 @@ def main(argv) -> None:
     results = evaluate(config, v["workdir"], parse_lengths(v["lengths"]), tasks,
                        hf_dir=v["hf_dir"], batch_size=v["batch_size"], batches=v["batches"],
                        seed=v["seed"])
-  except (UsageError, cfg_lib.ConfigError, ValueError) as e:
+  except (UsageError, ConfigError, ValueError) as e:
     print(f"error: {e}", file=sys.stderr, flush=True)
     sys.exit(EXIT_USAGE)
   print(table(results))

@@ -40,14 +40,16 @@ from models import convert_hf
 from models import llama
 from models.sharding import MESH_AXES
 from training import checkpoint as ckpt_lib
-from training import config as cfg_lib
+from training import errors
+from training import hf_init as hf_init_lib
 from training import step as step_lib
+from training import validation as val_lib
 
 #: Copied from the run's ``init.hf_dir`` when present.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json",
                    "special_tokens_map.json", "generation_config.json")
 
-UsageError = cfg_lib.UsageError  # a bad flag or workdir: one line, exit status EXIT_USAGE
+UsageError = errors.UsageError  # a bad flag or workdir: one line, exit status EXIT_USAGE
 
 
 def parse_size(text: str | int) -> int:
@@ -77,7 +79,7 @@ def read_run_config(workdir: str) -> ml_collections.ConfigDict:
     config = ml_collections.ConfigDict(json.load(f))
   if any(config.model.get(name) is None for name in convert_hf.HF_SHAPE_FIELDS
          if name != "head_dim"):  # saved unresolved: fill them from init.hf_dir
-    config = cfg_lib.resolve_hf_init(config)
+    config = hf_init_lib.resolve_hf_init(config)
   return config
 
 
@@ -187,9 +189,9 @@ def export(workdir: str, out: str, step: int | None = None,
   if os.path.isdir(out) and os.listdir(out):
     raise UsageError(f"--out {out} exists and is not empty; pass a new directory.")
   config = read_run_config(workdir)
-  model_cfg = cfg_lib.llama_config(config)
+  model_cfg = val_lib.llama_config(config)
   step, params = restore_params(workdir, model_cfg, step)
-  hf_dir = cfg_lib.hf_init_dir(config)
+  hf_dir = hf_init_lib.hf_init_dir(config)
   if hf_dir and not os.path.isdir(hf_dir):
     log(f"warning: the run's init.hf_dir {hf_dir} is gone: no tokenizer files are copied and "
         "config.json gets no token ids.")
@@ -227,15 +229,15 @@ def main(argv) -> None:
   if len(argv) > 1:
     print(f"error: unexpected arguments {argv[1:]}; flags are written --name=value.",
           file=sys.stderr)
-    sys.exit(cfg_lib.EXIT_USAGE)
+    sys.exit(errors.EXIT_USAGE)
   v = {name: flag.value for name, flag in _FLAGS.items()}
   try:
     if not v["workdir"] or not v["out"]:
       raise UsageError("pass --workdir (a train.py run) and --out (the directory to write).")
     export(v["workdir"], v["out"], v["step"], parse_size(v["max_shard_size"]))
-  except (UsageError, cfg_lib.ConfigError) as e:
+  except (UsageError, errors.ConfigError) as e:
     print(f"error: {e}", file=sys.stderr)
-    sys.exit(cfg_lib.EXIT_USAGE)
+    sys.exit(errors.EXIT_USAGE)
 
 
 if __name__ == "__main__":

@@ -46,11 +46,14 @@ from absl import flags
 from ml_collections import config_flags
 
 from models import inference
-from training import config as cfg_lib
 from training import data as data_lib
+from training.errors import EXIT_USAGE, ConfigError, UsageError
+from training import flags as flags_lib
+from training import hf_init as hf_init_lib
 from training import loading
+from training import mesh as mesh_lib
 from training import stages as stages_lib
-from training.config import EXIT_USAGE, UsageError
+from training import validation as val_lib
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -177,17 +180,17 @@ def run(config, *, workdir=None, hf_dir=None, prompts: list[str], max_new_tokens
     raise UsageError(f"--temperature must be >= 0, got {temperature}.")
   if not 0 < top_p <= 1:
     raise UsageError(f"--top_p must be in (0, 1], got {top_p}.")
-  config = cfg_lib.resolve_hf_init(config)  # e.g. configs/finetune.py: init.hf_dir's shape
+  config = hf_init_lib.resolve_hf_init(config)  # e.g. configs/finetune.py: init.hf_dir's shape
   config = stages_lib.resolve(config)  # config.stages: the last stage's RoPE and length
   tok = prompt_tokenizer(config, tokenizer, workdir=workdir, hf_dir=hf_dir, log=log)
   try:
-    sizes = cfg_lib.mesh_shape(config.mesh, jax.device_count())
-  except cfg_lib.ConfigError as e:
+    sizes = mesh_lib.mesh_shape(config.mesh, jax.device_count())
+  except ConfigError as e:
     raise UsageError(str(e)) from None
-  mesh = cfg_lib.make_mesh(config.mesh)
+  mesh = mesh_lib.make_mesh(config.mesh)
   cache_len = cache_len or config.data.seq_len
   ids = [tok.encode(p) for p in prompts]
-  model_cfg = (cfg_lib.llama_config(config) if hf_dir is None else None)
+  model_cfg = (val_lib.llama_config(config) if hf_dir is None else None)
   if model_cfg is not None:  # checked before restoring: a mistake costs nothing
     try:
       inference.check_request(model_cfg, mesh, ids, max_new_tokens, cache_len, padding)
@@ -248,14 +251,14 @@ def _with_flags(message: str) -> str:
 
 
 def main(argv) -> None:
-  v = cfg_lib.start_script(argv, _FLAGS)
+  v = flags_lib.start_script(argv, _FLAGS)
   try:
     run(v["config"], workdir=v["workdir"], hf_dir=v["hf_dir"],
         prompts=read_prompts(v["prompt"], v["prompt_file"]), max_new_tokens=v["max_new_tokens"],
         temperature=v["temperature"], top_p=v["top_p"], seed=v["seed"],
         cache_len=v["cache_len"], padding=v["padding"], tokenizer=v["tokenizer"],
         stop_at_eos=v["stop_at_eos"])
-  except (UsageError, cfg_lib.ConfigError) as e:
+  except (UsageError, ConfigError) as e:
     print(f"error: {e}", file=sys.stderr, flush=True)
     sys.exit(EXIT_USAGE)
 

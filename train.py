@@ -16,7 +16,8 @@ config checks, (2) the train step (``training.step.build_train_step``), (3)
 resume from the latest checkpoint or initialise sharded, (4) data, (5)
 compile, (6) the loop (step, log, eval, checkpoint; ``training.metrics``
 fetches metrics one step behind and checks them for divergence, and traces
-``config.profile_steps``). Helpers live in ``training/``.
+``config.profile_steps``); sections 3-6 are the methods of ``_Run``, in that order.
+Helpers live in ``training/``.
 
 Re-running the same command with the same ``--workdir`` resumes from the
 latest checkpoint there, including the data iterator position, so the loss
@@ -68,12 +69,16 @@ from models import pipeline as pipeline_lib
 from models import sharding as shd
 from training import batch as batch_lib
 from training import checkpoint as ckpt_lib
-from training import config as cfg_lib
 from training import data as data_lib
 from training import distributed as distributed_lib
+from training import errors
+from training import flags as flags_lib
+from training import hf_init as hf_init_lib
+from training import mesh as mesh_lib
 from training import metrics as metrics_lib
 from training import stages as stages_lib
 from training import step as step_lib
+from training import validation as val_lib
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -105,7 +110,7 @@ _STOP_AT_STEP = flags.DEFINE_integer(
     "runs to total_steps: simulates preemption; rerun to resume.", lower_bound=1)
 
 # Exit statuses besides 0 (done, or stopped cleanly by a signal / --stop_at_step).
-EXIT_USAGE = cfg_lib.EXIT_USAGE  # bad flag, config, gin binding, data, or no checkpoint restores
+EXIT_USAGE = errors.EXIT_USAGE  # bad flag, config, gin binding, data, or no checkpoint restores
 EXIT_DIVERGED = 3  # non-finite loss or gradient norm
 EXIT_CHECKPOINT_WRITE = 4  # a checkpoint could not be written (disk full, quota, I/O)
 EXIT_PEER_LOST = distributed_lib.EXIT_PEER_LOST  # 75: another process of the run died
@@ -239,16 +244,16 @@ def train(config, workdir: str, *, stop_at_step: int | None = None) -> TrainResu
   """
   log = metrics_lib.log
   if stop_at_step is not None and stop_at_step < 1:
-    raise cfg_lib.ConfigError(f"stop_at_step must be >= 1, got {stop_at_step}.")
+    raise errors.ConfigError(f"stop_at_step must be >= 1, got {stop_at_step}.")
 
   # --- 1. Mesh and config checks: fail before anything is compiled -------------------------
-  config = cfg_lib.resolve_hf_init(config, log=log)  # model fields from init.hf_dir
+  config = hf_init_lib.resolve_hf_init(config, log=log)  # model fields from init.hf_dir
   config = stages_lib.resolve(config)  # explicit stages; total_steps = their sum
-  sizes = cfg_lib.validate_config(config, jax.device_count())  # and each stage's
-  mesh = cfg_lib.make_mesh(config.mesh)
+  sizes = val_lib.validate_config(config, jax.device_count())  # and each stage's
+  mesh = mesh_lib.make_mesh(config.mesh)
   ring_size = shd.ring_size(sizes)  # sequence_outer x sequence: the layouts span both
   first = stages_lib.plan(config)[0].config  # attention="auto" is decided per stage's shapes
-  model_cfg, attention_line = cfg_lib.resolve_attention(first, cfg_lib.llama_config(first), mesh)
+  model_cfg, attention_line = val_lib.resolve_attention(first, val_lib.llama_config(first), mesh)
   log(f"devices: {jax.device_count()} x {jax.devices()[0].device_kind} "
       f"({jax.process_count()} process(es)); mesh {sizes}; attention={model_cfg.attention} "
       f"layout={model_cfg.layout} ring={ring_size}"
@@ -288,7 +293,7 @@ def build_stage(stage: stages_lib.Stage, mesh) -> StageSetup:
   schedule spans the stage's steps. Abstract only; parameter shapes are the same in
   every stage, so any stage's step restores a checkpoint of any other."""
   c = stage.config
-  model_cfg, attention_line = cfg_lib.resolve_attention(c, cfg_lib.llama_config(c), mesh)
+  model_cfg, attention_line = val_lib.resolve_attention(c, val_lib.llama_config(c), mesh)
   if attention_line and stage.index > 0:  # train() logs the first stage's
     metrics_lib.log(attention_line)
   train_step = _train_step(model_cfg, mesh, c.optim, stage.steps, c.microbatches, c.seed)
@@ -324,135 +329,196 @@ def _train_step(model_cfg, mesh, optim, steps: int, microbatches: int,
 
 
 def _train(config, workdir, stop_at_step, stop, mesh, ring_size) -> TrainResult:
-  log = metrics_lib.log
+  """Sections 2-6 of :func:`train` under ``mesh``: the first stage's step, then resume or
+  initialise, then each stage that is left (its step, data, compiled program and loop),
+  then the final checkpoint. Every exit path closes the checkpointer and the writers."""
   stages = stages_lib.plan(config)  # one stage unless config.stages is set
   with jax.set_mesh(mesh):
     # --- 2. Model and optimizer: the step and its state's shapes and shardings -------------
     # Built from abstract values, as benchmarks/fit.py builds it to plan context lengths.
     setup = build_stage(stages[0], mesh)
-    log(f"model: {setup.model_cfg.num_params() / 1e6:.2f}M params, "
-        f"{setup.model_cfg.flops_per_token(config.data.seq_len) / 1e6:.2f} MFLOP/token at "
-        f"{config.data.seq_len} tokens (train, with attention)")
-
-    # --- 3. Resume from the newest checkpoint in workdir that restores, or initialise -----
-    checkpointer = ckpt_lib.Checkpointer(workdir, every=config.checkpoint_every,
-                                         keep=config.keep_checkpoints,
-                                         async_save=config.async_checkpointing)
-    # Orbax runs background threads from here on: every exit path closes the checkpointer.
-    writer = None
-    profile = metrics_lib.Profile(cfg_lib.profile_steps(config), os.path.join(workdir, "profile"))
+    metrics_lib.log(f"model: {setup.model_cfg.num_params() / 1e6:.2f}M params, "
+                    f"{setup.model_cfg.flops_per_token(config.data.seq_len) / 1e6:.2f} "
+                    f"MFLOP/token at {config.data.seq_len} tokens (train, with attention)")
+    run = _Run(config, workdir, mesh, ring_size, stop)  # opens the checkpointer
     try:
-      start_step, params, opt_state, data_state = resume_or_init(
-          checkpointer, setup.train_step, cfg_lib.hf_init_dir(config))
-      end_step = config.total_steps if stop_at_step is None else min(stop_at_step,
-                                                                     config.total_steps)
-      peak_flops, peak_source = metrics_lib.peak_flops_per_device(config)
-      log(f"MFU counted against {peak_flops:.3g} FLOP/s per device: {peak_source}")
-      writer = metrics_lib.MetricWriter(workdir, resume_step=start_step)
-      progress = metrics_lib.Progress(end_step, start_step)
-      explained = [config]  # the running stage's config (its learning rate) for the message
-      step_metrics = metrics_lib.StepMetrics(
-          explain=lambda row: divergence_message(explained[0], row, checkpointer))
-      evals: list[dict[str, float]] = []
-      stopped_by = None
-      step = start_step
-      batch_sharding = batch_lib.sharding(mesh)
-
+      run.resume(setup, stop_at_step)  # 3. from the newest checkpoint, or initialised
       for stage in stages:
-        if stage.end <= step or step >= end_step or stopped_by is not None:
+        if stage.end <= run.step or run.step >= run.end_step or run.stopped_by is not None:
           continue  # done before this call, or this call stops before it
-        c = explained[0] = stage.config
-        if setup.stage is not stage:
-          setup = build_stage(stage, mesh)
-        if len(stages) > 1:
-          log(stage.describe())
-        if stage.index > 0 and step == stage.start:
-          # A new stage: fresh AdamW moments and update count (training/stages.py says why).
-          opt_state = step_lib.init_opt_state(setup.train_step.tx, params,
-                                              setup.train_step.opt_shardings)
-
-        # --- 4. Data: this process's rows, in the ring's layout, sharded (data, sequence) ---
-        train_iter = data_lib.make_iterator(
-            data_lib.make_dataset(c, batch_sharding, ring_size, split="train"))
-        if data_state is not None and step > stage.start:  # the checkpoint is of this stage
-          train_iter.set_state(data_state)
-        data_state = None
-        eval_dataset = data_lib.make_dataset(c, batch_sharding, ring_size, split="eval")
-
-        # --- 5. Compile ahead of time (clean step timings; memory report) --------------------
-        t0 = time.perf_counter()
-        compiled_step = setup.train_step.compile(setup.train_shape, params, opt_state)
-        eval_step = setup.train_step.eval_step()
-        memory = compiled_step.memory_analysis()
-        log(f"compiled train step in {time.perf_counter() - t0:.1f}s"
-            + (f"; per-device temp {memory.temp_size_in_bytes / 2**20:.1f} MiB, arguments "
-               f"{memory.argument_size_in_bytes / 2**20:.1f} MiB" if memory is not None else ""))
-        if setup.model_cfg.attention != "dense":  # what "auto" chose, and its self-check
-          log(ring_jax.kernels.describe(setup.model_cfg.hop_kernel))
-          log(attn_lib.describe_routing(setup.model_cfg, mesh))
-
-        # --- 6. The loop: step, log, eval, checkpoint -----------------------------------------
-        seq_len = c.data.seq_len
-        throughput = metrics_lib.Throughput(
-            tokens_per_step=c.batch_size * seq_len,
-            flops_per_token=setup.model_cfg.flops_per_token(seq_len), peak_flops=peak_flops,
-            num_devices=jax.device_count())
-        stage_end = min(stage.end, end_step)
-        for step in range(step + 1, stage_end + 1):
-          distributed_lib.note_step(step)  # For the line if a peer process dies.
-          with profile.step(step) as outputs:
-            batch = data_lib.to_global(next(train_iter), batch_sharding, setup.train_shape)
-            params, opt_state, metrics = compiled_step(params, opt_state, batch)
-            outputs.append(metrics)
-          throughput.tick()
-          step_metrics.add(step, metrics)
-          checkpointer.check_for_errors()  # A failed background save stops the run here.
-          step_metrics.fetch(step - 1)  # One step behind: the device keeps a step queued.
-
-          stopping = stop.reached(step)  # Exactly once per step, on every process.
-          logged = step % config.log_every == 0 or step == stage_end or stopping
-          if logged:
-            window = step_metrics.window(step)  # Blocks on this step: times are real.
-            window.update(throughput.window(),
-                          learning_rate=float(setup.schedule(step - 1 - stage.start)))
-            window.update(data_lib.bad_record_counts(train_iter.get_state()))  # text: skipped
-            writer.write(step, window, prefix="train/")
-            progress.log(step, window)
-          if stopping:
-            stopped_by = stop.received
-            break
-
-          if step % config.eval_every == 0 or step == stage.end:  # also each stage's end
-            result = evaluate(eval_step, params, eval_dataset, c, batch_sharding,
-                              setup.eval_shape)
-            evals.append(dict(step=step, **result))
-            writer.write(step, result, prefix="eval/")
-            log(f"eval @ {step}: " + " | ".join(f"{k} {v:.4f}" for k, v in result.items()))
-          # Each stage's last step is saved: the next stage starts from it.
-          save(c, checkpointer, step_metrics, step, params, opt_state, train_iter,
-               force=step == stage.end and step != config.total_steps)
-          if logged:
-            throughput.reset()  # Exclude eval/checkpoint time from the next window.
-
-      # Final checkpoint (also when stopped early), then wait for async writes to land.
-      step_metrics.fetch(step)
-      if step > start_step and checkpointer.last_saved != step:
-        save(explained[0], checkpointer, step_metrics, step, params, opt_state, train_iter,
-             force=True)
-      checkpointer.close()
+        run.enter_stage(stage, multistage=len(stages) > 1)  # its step, 4. data, 5. compile
+        run.run_stage(stage)  # 6. the loop: step, log, eval, checkpoint
+      run.finish()  # the final checkpoint
     except BaseException:
-      try:
-        checkpointer.close()  # Let good in-flight saves land; their errors are secondary.
-      except Exception:
-        pass
+      run.abort()
       raise
     finally:
-      profile.close()
-      if writer is not None:
-        writer.close()
-  return TrainResult(history=step_metrics.history, evals=evals, params=params,
-                     opt_state=opt_state, step=step, mesh=mesh, stopped_by=stopped_by,
-                     checkpoint_dir=checkpointer.directory)
+      run.close_writers()
+  return run.result()
+
+
+class _Run:
+  """One :func:`train` call's state, shared by its sections: where the run stands (step,
+  parameters, optimizer state, the stage's step and data) and what it writes to (the
+  checkpointer, metric writers, profile).
+
+  Sections, in order: :meth:`resume` (3), then per stage :meth:`enter_stage` (its step,
+  4: data, 5: compile) and :meth:`run_stage` (6: the loop), then :meth:`finish`.
+  """
+
+  def __init__(self, config, workdir: str, mesh, ring_size: int, stop: StopRequest):
+    self.config = config  # the whole run's: intervals, total_steps
+    self.stage_config = config  # the running stage's (its learning rate for the message)
+    self.workdir, self.mesh, self.ring_size, self.stop = workdir, mesh, ring_size, stop
+    self.checkpointer = ckpt_lib.Checkpointer(workdir, every=config.checkpoint_every,
+                                              keep=config.keep_checkpoints,
+                                              async_save=config.async_checkpointing)
+    # Orbax runs background threads from here on: every exit path closes the checkpointer.
+    self.writer = None
+    self.profile = metrics_lib.Profile(val_lib.profile_steps(config),
+                                       os.path.join(workdir, "profile"))
+    self.evals: list[dict[str, float]] = []
+    self.stopped_by: str | None = None
+    self.setup: StageSetup | None = None
+    self.train_iter = None
+
+  def resume(self, setup: StageSetup, stop_at_step: int | None) -> None:
+    """--- 3. Resume or initialise: the newest checkpoint that restores, else a fresh (or ``init.hf_dir``) state; the
+    step this call ends at; the MFU line; the metric writers, which continue the run's."""
+    config, log = self.config, metrics_lib.log
+    self.setup = setup
+    self.start_step, self.params, self.opt_state, self.data_state = resume_or_init(
+        self.checkpointer, setup.train_step, hf_init_lib.hf_init_dir(config))
+    self.step = self.start_step
+    self.end_step = config.total_steps if stop_at_step is None else min(stop_at_step,
+                                                                        config.total_steps)
+    self.peak_flops, peak_source = metrics_lib.peak_flops_per_device(config)
+    log(f"MFU counted against {self.peak_flops:.3g} FLOP/s per device: {peak_source}")
+    self.writer = metrics_lib.MetricWriter(self.workdir, resume_step=self.start_step)
+    self.progress = metrics_lib.Progress(self.end_step, self.start_step)
+    self.step_metrics = metrics_lib.StepMetrics(
+        explain=lambda row: divergence_message(self.stage_config, row, self.checkpointer))
+    self.batch_sharding = batch_lib.sharding(self.mesh)
+
+  def enter_stage(self, stage: stages_lib.Stage, multistage: bool) -> None:
+    """The stage's train step (fresh AdamW state when the stage starts now), its data
+    pipelines (resumed inside the stage from the checkpoint's iterator state) and its
+    step compiled ahead of time, with the lines saying so."""
+    log, c = metrics_lib.log, stage.config
+    self.stage_config = c
+    if self.setup.stage is not stage:
+      self.setup = build_stage(stage, self.mesh)
+    if multistage:
+      log(stage.describe())
+    if stage.index > 0 and self.step == stage.start:
+      # A new stage: fresh AdamW moments and update count (training/stages.py says why).
+      self.opt_state = step_lib.init_opt_state(self.setup.train_step.tx, self.params,
+                                               self.setup.train_step.opt_shardings)
+
+    # --- 4. Data: this process's rows, in the ring's layout, sharded (data, sequence) -------
+    self.train_iter = data_lib.make_iterator(
+        data_lib.make_dataset(c, self.batch_sharding, self.ring_size, split="train"))
+    if self.data_state is not None and self.step > stage.start:  # the checkpoint's stage
+      self.train_iter.set_state(self.data_state)
+    self.data_state = None
+    self.eval_dataset = data_lib.make_dataset(c, self.batch_sharding, self.ring_size,
+                                              split="eval")
+
+    # --- 5. Compile ahead of time (clean step timings; memory report) ------------------------
+    t0 = time.perf_counter()
+    self.compiled_step = self.setup.train_step.compile(self.setup.train_shape, self.params,
+                                                       self.opt_state)
+    self.eval_step = self.setup.train_step.eval_step()
+    memory = self.compiled_step.memory_analysis()
+    log(f"compiled train step in {time.perf_counter() - t0:.1f}s"
+        + (f"; per-device temp {memory.temp_size_in_bytes / 2**20:.1f} MiB, arguments "
+           f"{memory.argument_size_in_bytes / 2**20:.1f} MiB" if memory is not None else ""))
+    if self.setup.model_cfg.attention != "dense":  # what "auto" chose, and its self-check
+      log(ring_jax.kernels.describe(self.setup.model_cfg.hop_kernel))
+      log(attn_lib.describe_routing(self.setup.model_cfg, self.mesh))
+
+  def run_stage(self, stage: stages_lib.Stage) -> None:
+    """--- 6. The loop: the stage's steps up to its end (or this call's), each one run,
+    logged on the interval, evaluated and checkpointed; ends after the step in which a
+    stop request (a signal) is agreed on."""
+    c = stage.config
+    throughput = metrics_lib.Throughput(
+        tokens_per_step=c.batch_size * c.data.seq_len,
+        flops_per_token=self.setup.model_cfg.flops_per_token(c.data.seq_len),
+        peak_flops=self.peak_flops, num_devices=jax.device_count())
+    stage_end = min(stage.end, self.end_step)
+    for step in range(self.step + 1, stage_end + 1):
+      self.step = step
+      self._step(step, throughput)
+      stopping = self.stop.reached(step)  # Exactly once per step, on every process.
+      logged = step % self.config.log_every == 0 or step == stage_end or stopping
+      if logged:
+        window = self.step_metrics.window(step)  # Blocks on this step: times are real.
+        window.update(throughput.window(),
+                      learning_rate=float(self.setup.schedule(step - 1 - stage.start)))
+        window.update(data_lib.bad_record_counts(self.train_iter.get_state()))  # text: skipped
+        self.writer.write(step, window, prefix="train/")
+        self.progress.log(step, window)
+      if stopping:
+        self.stopped_by = self.stop.received
+        return
+      self._evaluate_and_save(stage, step)
+      if logged:
+        throughput.reset()  # Exclude eval/checkpoint time from the next window.
+
+  def _step(self, step: int, throughput) -> None:
+    """One train step on the next batch; its metrics are fetched one step behind, so the
+    device keeps a step queued, and a failed background save stops the run here."""
+    distributed_lib.note_step(step)  # For the line if a peer process dies.
+    with self.profile.step(step) as outputs:
+      batch = data_lib.to_global(next(self.train_iter), self.batch_sharding,
+                                 self.setup.train_shape)
+      self.params, self.opt_state, metrics = self.compiled_step(self.params, self.opt_state,
+                                                                batch)
+      outputs.append(metrics)
+    throughput.tick()
+    self.step_metrics.add(step, metrics)
+    self.checkpointer.check_for_errors()  # A failed background save stops the run here.
+    self.step_metrics.fetch(step - 1)  # One step behind: the device keeps a step queued.
+
+  def _evaluate_and_save(self, stage: stages_lib.Stage, step: int) -> None:
+    """The eval on its interval and at each stage's end; the checkpoint on its interval,
+    and at each stage's last step but the run's (the next stage starts from it)."""
+    c = stage.config
+    if step % self.config.eval_every == 0 or step == stage.end:  # also each stage's end
+      result = evaluate(self.eval_step, self.params, self.eval_dataset, c,
+                        self.batch_sharding, self.setup.eval_shape)
+      self.evals.append(dict(step=step, **result))
+      self.writer.write(step, result, prefix="eval/")
+      metrics_lib.log(f"eval @ {step}: " + " | ".join(f"{k} {v:.4f}" for k, v in result.items()))
+    save(c, self.checkpointer, self.step_metrics, step, self.params, self.opt_state,
+         self.train_iter, force=step == stage.end and step != self.config.total_steps)
+
+  def finish(self) -> None:
+    """The final checkpoint (also when stopped early), then the wait for async writes."""
+    self.step_metrics.fetch(self.step)
+    if self.step > self.start_step and self.checkpointer.last_saved != self.step:
+      save(self.stage_config, self.checkpointer, self.step_metrics, self.step, self.params,
+           self.opt_state, self.train_iter, force=True)
+    self.checkpointer.close()
+
+  def abort(self) -> None:
+    """On any exception: lets good in-flight saves land; their errors are secondary."""
+    try:
+      self.checkpointer.close()
+    except Exception:
+      pass
+
+  def close_writers(self) -> None:
+    """The profile and the metric writers, on every exit path."""
+    self.profile.close()
+    if self.writer is not None:
+      self.writer.close()
+
+  def result(self) -> TrainResult:
+    return TrainResult(history=self.step_metrics.history, evals=self.evals, params=self.params,
+                       opt_state=self.opt_state, step=self.step, mesh=self.mesh,
+                       stopped_by=self.stopped_by, checkpoint_dir=self.checkpointer.directory)
 
 
 def resume_or_init(checkpointer, train_step, hf_dir: str = ""):
@@ -600,16 +666,16 @@ def main(argv) -> None:
   try:
     config = _CONFIG.value
     # Gin is only another syntax for the same ConfigDict fields (applied after --config.*).
-    config = cfg_lib.apply_gin(config, _GIN_FILE.value, _GIN_PARAM.value)
+    config = flags_lib.apply_gin(config, _GIN_FILE.value, _GIN_PARAM.value)
     # Before the config is saved: the workdir's config.json then names the model's real shape.
-    config = cfg_lib.resolve_hf_init(config)
+    config = hf_init_lib.resolve_hf_init(config)
     config = stages_lib.resolve(config)  # config.stages explicit; top level = the last stage
-    cfg_lib.validate_distributed(config)  # Needed before the processes connect.
+    val_lib.validate_distributed(config)  # Needed before the processes connect.
   except Exception as e:  # ConfigError, or gin's parser on bad syntax (SyntaxError, ...)
-    prefix = "" if isinstance(e, cfg_lib.ConfigError) else f"gin: {type(e).__name__}: "
+    prefix = "" if isinstance(e, errors.ConfigError) else f"gin: {type(e).__name__}: "
     _fail(EXIT_USAGE, f"config error: {prefix}{' '.join(str(e).split())}")
   num_processes = initialize_distributed(_DISTRIBUTED.value, config.distributed)
-  cfg_lib.simulate_cpu_devices(config, num_processes)
+  mesh_lib.simulate_cpu_devices(config, num_processes)
   workdir = _WORKDIR.value or os.path.join(
       "runs", os.path.splitext(os.path.basename(config_flags.get_config_filename(
           flags.FLAGS["config"])))[0])
@@ -623,7 +689,7 @@ def main(argv) -> None:
   t0 = time.perf_counter()
   try:
     result = train(config, workdir, stop_at_step=_STOP_AT_STEP.value)
-  except cfg_lib.ConfigError as e:
+  except errors.ConfigError as e:
     _fail(EXIT_USAGE, f"config error: {e}")
   except ckpt_lib.NoRestorableCheckpointError as e:
     _fail(EXIT_USAGE, f"error: {e}")

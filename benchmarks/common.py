@@ -165,7 +165,7 @@ def make_mesh(sizes: dict[str, int] | Sequence[int], axes: Sequence[str] | None 
   """A mesh with Auto axis types over the first ``prod(sizes)`` of ``devices``.
 
   ``sizes``: ``{axis: size}`` (axes in the trainer's order, as
-  ``training.config.make_mesh`` builds them) or a shape for ``axes``.
+  ``training.mesh.make_mesh`` builds them) or a shape for ``axes``.
   """
   if isinstance(sizes, dict):
     axes = _trainer_axes() if axes is None else tuple(axes)

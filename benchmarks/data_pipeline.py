@@ -119,14 +119,14 @@ def measure(path: str, tokenizer: str, seq_len: int, batch: int, batches: int) -
   import numpy as np
 
   from training import batch as batch_lib
-  from training import config as cfg_lib
   from training import data as data_lib
+  from training import mesh as mesh_lib
 
   jax.config.update("jax_platforms", "cpu")
   config = _config(path, tokenizer, seq_len, batch, 0)
   vocab = data_lib.load_tokenizer(tokenizer).vocab_size
   config = _config(path, tokenizer, seq_len, batch, vocab)
-  mesh = cfg_lib.make_mesh(config.mesh)
+  mesh = mesh_lib.make_mesh(config.mesh)
   sharding = batch_lib.sharding(mesh)
   rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
   t0 = time.perf_counter()

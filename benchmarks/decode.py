@@ -79,9 +79,9 @@ def run_time(args):
 
   from benchmarks import common
   from models import inference, llama
-  from training import config as cfg_lib
+  from training import mesh as mesh_lib
 
-  mesh = cfg_lib.make_mesh({"data": 1, "sequence": args.devices, "tensor": 1})
+  mesh = mesh_lib.make_mesh({"data": 1, "sequence": args.devices, "tensor": 1})
   cfg = llama.LlamaConfig(vocab_size=256, dim=256, num_layers=4, num_heads=8, num_kv_heads=4,
                           mlp_dim=512)
   params = nnx.split(llama.create_sharded_model(cfg, mesh), nnx.Param, ...)[1]
@@ -125,18 +125,19 @@ def run_fit(args):
   import importlib.util
 
   from models import inference
-  from training import config as cfg_lib
+  from training import mesh as mesh_lib
+  from training import validation as val_lib
 
   spec = importlib.util.spec_from_file_location("cfgmod", args.config)
   mod = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(mod)
   config = mod.get_config()
   tensor = int(config.mesh.tensor)
-  mesh = cfg_lib.make_mesh({"data": 1, "sequence": args.devices // tensor, "tensor": tensor})
+  mesh = mesh_lib.make_mesh({"data": 1, "sequence": args.devices // tensor, "tensor": tensor})
   # XLA:CPU computes bfloat16 in float32 and holds a float32 copy of a bf16 cache (measured:
   # temp = 2x the cache), which no accelerator does; so the fit compiles a float32 model,
   # where the CPU's memory analysis is faithful, and a bf16 cache is derived from it below.
-  cfg = dataclasses.replace(cfg_lib.llama_config(config), dtype="float32")
+  cfg = dataclasses.replace(val_lib.llama_config(config), dtype="float32")
   bf16 = dataclasses.replace(cfg, dtype="bfloat16")
   n = args.devices // tensor
   budget = args.budget_gib * 2**30

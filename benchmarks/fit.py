@@ -105,12 +105,13 @@ def parse_mesh(text: str) -> dict[str, int]:
 
 def resolve_mesh(config, devices: int, mesh_text: str | None) -> dict[str, int]:
   """The mesh sizes for ``devices``: ``--mesh`` or config.mesh; errors name the override."""
-  from training import config as cfg_lib
+  from training import errors
+  from training import mesh as mesh_lib
 
   mesh_config = parse_mesh(mesh_text) if mesh_text else dict(config.mesh)
   try:
-    return cfg_lib.mesh_shape(mesh_config, devices)
-  except cfg_lib.ConfigError as e:
+    return mesh_lib.mesh_shape(mesh_config, devices)
+  except errors.ConfigError as e:
     raise FitError(f"{e} For --devices={devices} pass e.g. --mesh data=1,sequence={devices} "
                    f"or --config.mesh.sequence={devices} --config.mesh.data=-1.") from None
 
@@ -124,16 +125,18 @@ class Planner:
 
     from models import lengths
     from models import sharding as shd
-    from training import config as cfg_lib
+    from training import errors
+    from training import mesh as mesh_lib
     from training import step as step_lib
+    from training import validation as val_lib
 
     self.config, self.sizes, self.limit = config, sizes, limit_bytes
     self.collectives = collectives
     self.ring = shd.ring_size(sizes)
-    self.mesh = cfg_lib.make_mesh(sizes, jax.devices()[:math.prod(sizes.values())])
+    self.mesh = mesh_lib.make_mesh(sizes, jax.devices()[:math.prod(sizes.values())])
     # attention="auto" stays: its backend asks ring_jax.plan at each compiled length, what
     # train.py would decide at startup for that data.seq_len.
-    self.model_cfg = cfg_lib.llama_config(config)
+    self.model_cfg = val_lib.llama_config(config)
     self.multiple = lengths.length_multiple(self.model_cfg, self.ring)
     self.rows = config.batch_size
     micro = config.microbatches
@@ -142,8 +145,8 @@ class Planner:
                      f"mesh 'data' axis ({sizes['data']}); e.g. --config.batch_size="
                      f"{sizes['data'] * micro}.")
     try:
-      cfg_lib.check_pipeline(config, sizes)
-    except cfg_lib.ConfigError as e:
+      val_lib.check_pipeline(config, sizes)
+    except errors.ConfigError as e:
       raise FitError(str(e)) from None
     tx = step_lib.make_optimizer(config.optim, config.total_steps)
     self.step = step_lib.build_train_step(self.model_cfg, self.mesh, tx, microbatches=micro,
@@ -153,13 +156,14 @@ class Planner:
 
   def check(self, length: int) -> dict:
     """Compiles the step at ``length``; returns (and prints) its row of the table."""
-    from training import config as cfg_lib
+    from training import errors
+    from training import validation as val_lib
 
     if length in self.rows_by_length:
       return self.rows_by_length[length]
     try:
-      cfg_lib.check_seq_len(self.model_cfg, self.ring, length)
-    except cfg_lib.ConfigError as e:
+      val_lib.check_seq_len(self.model_cfg, self.ring, length)
+    except errors.ConfigError as e:
       raise FitError(f"{e} Lengths here are multiples of {self.multiple}.") from None
     t0 = time.perf_counter()
     counts = None
@@ -300,7 +304,7 @@ def main(argv) -> None:
   if f["config"] is None:
     raise app.UsageError("--config is required, e.g. --config configs/llama_1b.py:long")
   set_up_devices(f["devices"], f["xla_flags"])
-  from training.config import ConfigError
+  from training.errors import ConfigError
 
   try:
     result = run(f["config"], devices=f["devices"], memory_gib=f["memory_gib"],

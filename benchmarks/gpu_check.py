@@ -7,10 +7,11 @@ chunked loss; ``llama_1b.model_fields("long")``) on one device, with the
 train step and state of ``training.step.build_train_step`` (AdamW +
 clipping, donated state), the same that ``train.py`` runs. Needs jax, flax,
 optax and einops (the accelerator image has them), not ml_collections or
-grain, which only ``training/config.py`` and ``training/data.py`` import. Every section is wrapped in try/except (a
-failure is printed and the next section runs) and the whole script keeps to a
-global time budget (``GPU_CHECK_BUDGET_S``, default 450 s): cases that would
-start after the budget are skipped and say so.
+grain, which only the config modules of ``training/`` (flags, validation, hf_init, stages)
+and ``training/data.py`` import. Every section is wrapped in try/except (a failure is
+printed and the next section runs) and the whole script keeps to a global time budget
+(``GPU_CHECK_BUDGET_S``, default 450 s): cases that would start after the budget are
+skipped and say so.
 
 Sections:
   1. Per-device blockwise attention (ring_jax.ring_attention on a 1-device

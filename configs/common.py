@@ -71,7 +71,7 @@ def base_config() -> ml_collections.ConfigDict:
   # Where the parameters of a fresh run come from (a resumed run restores its checkpoint).
   # init.hf_dir: a local Hugging Face LLaMA directory (config.json + *.safetensors); empty:
   # random initialisation from `seed`. With it, model fields left None take config.json's
-  # values (configs/finetune.py leaves all of them None); see training/config.py:resolve_hf_init.
+  # values (configs/finetune.py leaves all of them None); see training/hf_init.py:resolve_hf_init.
   config.init = ml_collections.ConfigDict(dict(hf_dir=""))
 
   config.data = ml_collections.ConfigDict(dict(

@@ -43,7 +43,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   for name, kind in _HF_FIELD_TYPES.items():
     config.model[name] = config_dict.placeholder(kind)
   config.data.kind = "text"  # needs --config.data.path
-  # None: the tokenizer in init.hf_dir (training/config.py:resolve_hf_init fills it in, so
+  # None: the tokenizer in init.hf_dir (training/hf_init.py:resolve_hf_init fills it in, so
   # --config.init.hf_dir=DIR alone sets it and the run's saved config.json names the file);
   # --config.data.tokenizer=... (a file, a directory or "byte") overrides it.
   config.data.tokenizer = config_dict.placeholder(str)

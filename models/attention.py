@@ -1,7 +1,7 @@
 """The attention backends of the LLaMA: one registry, name -> function.
 
 ``LlamaConfig.attention`` (so also ``config.model.attention`` of train.py) is a
-key of :data:`ATTENTION_BACKENDS`; ``training/config.py`` validates against the
+key of :data:`ATTENTION_BACKENDS`; ``training/validation.py`` validates against the
 same table. Every backend has the signature::
 
   backend(cfg, q_BLNH, k_BLKH, v_BLKH, positions_BL, segment_ids_BL) -> o_BLNH

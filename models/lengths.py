@@ -1,6 +1,6 @@
 """The sequence-length rule: which lengths a LLaMA config runs on a ring of ``n`` devices.
 
-One rule, used by config validation (``training/config.py``), evaluation
+One rule, used by config validation (``training/validation.py``), evaluation
 (``evaluate.py``), the prompt padding of inference (``models/inference.py``)
 and the context-length planner (``benchmarks/fit.py``): the layout splits the
 length over the ring (:func:`ring_jax.layouts.check_length`) and every field

@@ -246,7 +246,7 @@ import tempfile
 
 import train as trainer
 from configs import tiny
-from training import config as cfg_lib
+from training import flags as flags_lib
 
 TRAIN_STEPS = int(os.environ.get("RING_JAX_NOTEBOOK_STEPS", 60 if ON_ACCELERATOR else 12))
 config = tiny.get_config()
@@ -258,7 +258,7 @@ if not ON_ACCELERATOR:  # smaller model and sequence so it trains in seconds on 
   overrides.update({"model.dim": 32, "model.mlp_dim": 64, "data.seq_len": 64,
                     "batch_size": 8, "eval_batch_size": 8, "data.kv.num_pairs": 4,
                     "data.kv.num_queries": 4})
-config = cfg_lib.apply_overrides(config, overrides.items())
+config = flags_lib.apply_overrides(config, overrides.items())
 workdir = tempfile.mkdtemp(prefix="ring_jax_tiny_")
 result = trainer.train(config, workdir)
 

@@ -78,6 +78,6 @@ def packed_batch(vocab_size: int, doc_lengths=((5, 7), (9, 3, 4)), length: int =
 def tiny_config(**overrides):
   """``configs/tiny.py`` with dotted-path overrides (``{"model.dim": 32}``), as a ConfigDict."""
   from configs import tiny
-  from training import config as cfg_lib
+  from training import flags as flags_lib
 
-  return cfg_lib.apply_overrides(tiny.get_config(), overrides.items())
+  return flags_lib.apply_overrides(tiny.get_config(), overrides.items())

@@ -254,13 +254,13 @@ def test_gpu_check_measures_the_shipped_long_config():
   from benchmarks import gpu_check
   from configs import llama_1b
   from models.llama import LlamaConfig
-  from training import config as cfg_lib
+  from training import validation as val_lib
 
   for arg in (None, "text", "long"):
     assert (LlamaConfig.from_dict(llama_1b.model_fields(arg))
-            == cfg_lib.llama_config(llama_1b.get_config(arg)))
+            == val_lib.llama_config(llama_1b.get_config(arg)))
   if not gpu_check.DRY:
-    assert gpu_check.llama_config() == cfg_lib.llama_config(llama_1b.get_config("long"))
+    assert gpu_check.llama_config() == val_lib.llama_config(llama_1b.get_config("long"))
 
 
 def test_models_and_train_step_import_without_ml_collections_and_grain():

@@ -9,7 +9,7 @@ import pytest
 
 from models import llama
 from training import checkpoint as ckpt_lib
-from training import config as cfg_lib
+from training import mesh as mesh_lib
 from training import step as step_lib
 
 MODEL = llama.LlamaConfig(vocab_size=64, dim=32, num_layers=2, num_heads=4, num_kv_heads=2,
@@ -32,8 +32,8 @@ def make_state(mesh):
 
 
 def mesh_of(data, sequence, tensor=1):
-  return cfg_lib.make_mesh(ml_collections.ConfigDict(dict(data=data, sequence=sequence,
-                                                          tensor=tensor)))
+  return mesh_lib.make_mesh(ml_collections.ConfigDict(dict(data=data, sequence=sequence,
+                                                           tensor=tensor)))
 
 
 def test_save_on_one_mesh_restore_on_another_and_keep_last_n(tmp_path):

@@ -8,8 +8,10 @@ import ml_collections
 import pytest
 
 from model_utils import tiny_config
-from training import config as cfg_lib
-from training.config import ConfigError
+from training.errors import ConfigError
+from training import flags as flags_lib
+from training import mesh as mesh_lib
+from training import validation as val_lib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -33,13 +35,13 @@ def tiny(**overrides) -> ml_collections.ConfigDict:
                                       ("llama_7b", None)])
 def test_shipped_configs_build_a_model_config(name, arg):
   config = load_config(name, arg)
-  model_cfg = cfg_lib.llama_config(config)
+  model_cfg = val_lib.llama_config(config)
   assert model_cfg.num_params() > 0
   assert model_cfg.flops_per_token(config.data.seq_len) > 6 * model_cfg.num_params(False)
 
 
 def test_tiny_validates_on_eight_devices():
-  assert cfg_lib.validate_config(tiny(), num_devices=8) == dict(
+  assert val_lib.validate_config(tiny(), num_devices=8) == dict(
       data=2, pipeline=1, sequence_outer=1, sequence=4, tensor=1)
 
 
@@ -49,7 +51,7 @@ def test_tiny_validates_on_eight_devices():
 ])
 def test_long_context_configs_fill_the_mesh(name, devices, expected):
   config = load_config(name)
-  assert cfg_lib.validate_config(config, num_devices=devices) == expected
+  assert val_lib.validate_config(config, num_devices=devices) == expected
 
 
 def test_unknown_variant_raises():
@@ -65,8 +67,8 @@ def test_gin_params_and_files_override_config_fields(tmp_path):
   gin_file = tmp_path / "over.gin"
   gin_file.write_text("model.num_layers = 4\noptim.lr = 1e-4\ninclude 'more.gin'\n")
   (tmp_path / "more.gin").write_text("data.kv.num_pairs = 5\nconfig.total_steps = 9\n")
-  cfg_lib.apply_gin(config, [str(gin_file)], ["model.layout = 'striped'",
-                                              "model.num_layers = 3"])
+  flags_lib.apply_gin(config, [str(gin_file)], ["model.layout = 'striped'",
+                                                "model.num_layers = 3"])
   assert config.model.num_layers == 3  # --gin_param comes after --gin_file
   assert config.optim.lr == 1e-4 and config.data.kv.num_pairs == 5
   assert config.total_steps == 9 and config.model.layout == "striped"
@@ -74,28 +76,28 @@ def test_gin_params_and_files_override_config_fields(tmp_path):
 
 def test_gin_rejects_unknown_fields_wrong_types_and_references():
   with pytest.raises(ConfigError, match="no field 'model.num_layerz'"):
-    cfg_lib.apply_gin(tiny(), gin_params=["model.num_layerz = 4"])
+    flags_lib.apply_gin(tiny(), gin_params=["model.num_layerz = 4"])
   with pytest.raises(ConfigError, match="no field 'modle'"):
-    cfg_lib.apply_gin(tiny(), gin_params=["modle.num_layers = 4"])
+    flags_lib.apply_gin(tiny(), gin_params=["modle.num_layers = 4"])
   with pytest.raises(ConfigError, match="num_layers"):
-    cfg_lib.apply_gin(tiny(), gin_params=["model.num_layers = 'four'"])
+    flags_lib.apply_gin(tiny(), gin_params=["model.num_layers = 'four'"])
   with pytest.raises(ConfigError, match="reference"):
-    cfg_lib.apply_gin(tiny(), gin_params=["model.num_layers = @foo"])
+    flags_lib.apply_gin(tiny(), gin_params=["model.num_layers = @foo"])
   with pytest.raises(ConfigError, match="does not exist"):
-    cfg_lib.apply_gin(tiny(), gin_files=["/nonexistent.gin"])
+    flags_lib.apply_gin(tiny(), gin_files=["/nonexistent.gin"])
 
 
 # --- mesh ------------------------------------------------------------------------------------
 
 
 def test_mesh_fill_axis_and_make_mesh():
-  assert cfg_lib.mesh_shape(ml_collections.ConfigDict(dict(data=-1, sequence=4, tensor=1)),
-                            8) == dict(data=2, pipeline=1, sequence_outer=1, sequence=4,
-                                       tensor=1)
-  mesh = cfg_lib.make_mesh(ml_collections.ConfigDict(dict(data=1, sequence=-1, tensor=1)))
+  assert mesh_lib.mesh_shape(ml_collections.ConfigDict(dict(data=-1, sequence=4, tensor=1)),
+                             8) == dict(data=2, pipeline=1, sequence_outer=1, sequence=4,
+                                        tensor=1)
+  mesh = mesh_lib.make_mesh(ml_collections.ConfigDict(dict(data=1, sequence=-1, tensor=1)))
   assert dict(mesh.shape) == dict(data=1, pipeline=1, sequence_outer=1, sequence=8, tensor=1)
-  one = cfg_lib.make_mesh(ml_collections.ConfigDict(dict(data=1, sequence=1, tensor=1)),
-                          devices=jax.devices()[:1])
+  one = mesh_lib.make_mesh(ml_collections.ConfigDict(dict(data=1, sequence=1, tensor=1)),
+                           devices=jax.devices()[:1])
   assert one.size == 1
 
 
@@ -107,8 +109,8 @@ def test_mesh_fill_axis_and_make_mesh():
 ])
 def test_mesh_errors(mesh, match):
   with pytest.raises(ConfigError, match=match):
-    cfg_lib.validate_config(tiny(**{f"mesh.{k}": v for k, v in mesh.items()
-                                    if k in cfg_lib.MESH_AXES}) if "expert"
+    val_lib.validate_config(tiny(**{f"mesh.{k}": v for k, v in mesh.items()
+                                    if k in mesh_lib.MESH_AXES}) if "expert"
                             not in mesh else _with_mesh(mesh), num_devices=8)
 
 
@@ -160,7 +162,7 @@ def _with_mesh(mesh):
 ])
 def test_bad_configs_fail_with_a_clear_message(overrides, match):
   with pytest.raises(ConfigError, match=match):
-    cfg_lib.validate_config(tiny(**overrides), num_devices=8)
+    val_lib.validate_config(tiny(**overrides), num_devices=8)
 
 
 def test_one_list_of_mesh_axes_and_attention_backends():
@@ -168,9 +170,9 @@ def test_one_list_of_mesh_axes_and_attention_backends():
   from models import attention as attn_lib
   from models import sharding as shd
 
-  assert cfg_lib.MESH_AXES is shd.MESH_AXES
-  assert cfg_lib.ATTENTION_BACKENDS is attn_lib.ATTENTION_BACKENDS
-  mesh = cfg_lib.make_mesh(ml_collections.ConfigDict(dict(data=2, sequence=4, tensor=1)))
+  assert mesh_lib.MESH_AXES is shd.MESH_AXES
+  assert val_lib.ATTENTION_BACKENDS is attn_lib.ATTENTION_BACKENDS
+  mesh = mesh_lib.make_mesh(ml_collections.ConfigDict(dict(data=2, sequence=4, tensor=1)))
   assert mesh.axis_names == shd.MESH_AXES
 
 
@@ -181,15 +183,15 @@ def test_two_level_mesh_validates(attention):
   from models import attention as attn_lib
 
   config = tiny(**{"mesh.data": 1, "mesh.sequence_outer": 2, "model.attention": attention})
-  sizes = cfg_lib.validate_config(config, num_devices=8)
+  sizes = val_lib.validate_config(config, num_devices=8)
   assert sizes == dict(data=1, pipeline=1, sequence_outer=2, sequence=4, tensor=1)
-  mesh = cfg_lib.make_mesh(config.mesh)
+  mesh = mesh_lib.make_mesh(config.mesh)
   assert attn_lib.sequence_axis(mesh) == ("sequence_outer", "sequence")
-  resolved, _ = cfg_lib.resolve_attention(config, cfg_lib.llama_config(config), mesh)
+  resolved, _ = val_lib.resolve_attention(config, val_lib.llama_config(config), mesh)
   # "auto": ring_jax.plan over the pair (2, 4), among the strategies that run on it.
   assert resolved.attention in (("ring", "all_gather") if attention == "auto" else (attention,))
   with pytest.raises(ConfigError, match="multiple of 16"):  # zigzag over 8: 16 chunks
-    cfg_lib.validate_config(tiny(**{"mesh.data": 1, "mesh.sequence_outer": 2,
+    val_lib.validate_config(tiny(**{"mesh.data": 1, "mesh.sequence_outer": 2,
                                     "model.attention": attention, "data.seq_len": 264}), 8)
 
 
@@ -198,23 +200,23 @@ def test_registered_attention_backend_is_a_valid_config(monkeypatch):
 
   monkeypatch.setitem(attn_lib.ATTENTION_BACKENDS, "mine", attn_lib.dense)
   config = tiny(**{"model.attention": "mine"})
-  assert cfg_lib.validate_config(config, num_devices=8)["sequence"] == 4
-  assert cfg_lib.llama_config(config).attention == "mine"
+  assert val_lib.validate_config(config, num_devices=8)["sequence"] == 4
+  assert val_lib.llama_config(config).attention == "mine"
 
 
 def test_single_kv_head_is_replicated_not_an_error():
   config = tiny(**{"mesh.data": 1, "mesh.sequence": 4, "mesh.tensor": 2,
                    "model.num_kv_heads": 1})
-  assert cfg_lib.validate_config(config, num_devices=8)["tensor"] == 2
+  assert val_lib.validate_config(config, num_devices=8)["tensor"] == 2
 
 
 def test_text_needs_byte_vocab(tmp_path):
   (tmp_path / "a.txt").write_text("hello")
   config = tiny(**{"data.kind": "text", "data.path": str(tmp_path), "model.vocab_size": 200})
   with pytest.raises(ConfigError, match="byte tokenizer needs model.vocab_size >= 259"):
-    cfg_lib.validate_config(config, num_devices=8)
+    val_lib.validate_config(config, num_devices=8)
   config.model.vocab_size = 264
-  cfg_lib.validate_config(config, num_devices=8)
+  val_lib.validate_config(config, num_devices=8)
 
 
 def test_train_rejects_bad_config_before_compiling(tmp_path, monkeypatch):
@@ -234,7 +236,7 @@ def test_train_rejects_bad_config_before_compiling(tmp_path, monkeypatch):
                                        ("1:2", range(1, 2))])
 def test_profile_steps(text, want):
   """--config.profile_steps=START:STOP profiles steps START..STOP-1; unset or empty: off."""
-  assert cfg_lib.profile_steps(tiny(**{"profile_steps": text})) == want
+  assert val_lib.profile_steps(tiny(**{"profile_steps": text})) == want
 
 
 @pytest.mark.parametrize("text,match", [
@@ -244,4 +246,4 @@ def test_profile_steps(text, want):
 ])
 def test_bad_profile_steps_is_a_config_error(text, match):
   with pytest.raises(ConfigError, match=match):
-    cfg_lib.validate_config(tiny(**{"profile_steps": text}), num_devices=8)
+    val_lib.validate_config(tiny(**{"profile_steps": text}), num_devices=8)

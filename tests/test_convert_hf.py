@@ -180,12 +180,12 @@ def test_ring_on_mesh_matches_hugging_face(tmp_path, kv_heads, tie, rope_scaling
   """load_hf_params straight into a (data=2, sequence=4) mesh's shardings; ring attention in
   the zigzag layout (as train.py runs it): logits equal transformers' (float32)."""
   from models import sharding as shd
-  from training import config as cfg_lib
+  from training import mesh as mesh_lib
 
   model, path = _hf_model(tmp_path, tie=tie, rope_scaling=rope_scaling, shard=shard,
                           vocab_size=256, hidden_size=64, intermediate_size=128,
                           num_key_value_heads=kv_heads, initializer_range=0.1)
-  mesh = cfg_lib.make_mesh(dict(data=2, sequence=4, tensor=1))
+  mesh = mesh_lib.make_mesh(dict(data=2, sequence=4, tensor=1))
   cfg = convert_hf.load_hf_config(path, attention="ring", layout="zigzag", block_q=4,
                                   block_kv=4)
   params = convert_hf.load_hf_params(path, cfg, mesh=mesh)

@@ -184,8 +184,8 @@ def test_kv_answers_live_on_another_device_than_their_queries(layout):
 
 
 def test_kv_task_errors_are_value_errors():
-  """The data module raises plain ValueError (training.config wraps it into ConfigError)."""
-  from training.config import ConfigError
+  """The data module raises plain ValueError (training.validation wraps it into ConfigError)."""
+  from training.errors import ConfigError
 
   for task, match in ((dict(seq_len=64, num_pairs=2, num_queries=3), "num_queries"),
                       (dict(seq_len=64, num_pairs=8, num_queries=8), "too short"),
@@ -554,7 +554,8 @@ def test_data_pipeline_benchmark_runs_small(tmp_path):
     ({"data.path": "/nonexistent/*.parquet"}, "matches no .jsonl/.json/.txt/.parquet"),
 ])
 def test_text_data_config_errors(tmp_path, overrides, match):
-  from training.config import ConfigError, validate_config
+  from training.errors import ConfigError
+  from training.validation import validate_config
 
   _write_jsonl(tmp_path / "c.jsonl", DOCS)
   config = _tiny_config(kind="text", path=str(tmp_path / "c.jsonl"))

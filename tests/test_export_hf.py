@@ -20,7 +20,10 @@ from model_utils import random_params
 from models import convert_hf
 from models import sharding as shd
 from models.llama import LlamaConfig
-from training import config as cfg_lib
+from training import errors
+from training import hf_init as hf_init_lib
+from training import mesh as mesh_lib
+from training import validation as val_lib
 import train_procs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -77,39 +80,39 @@ def test_resolve_hf_init(tmp_path):
   config.init.hf_dir = path
   config.model.rope_theta = 1e6  # set by the user: an override
   logs = []
-  resolved = cfg_lib.resolve_hf_init(config, log=logs.append)
+  resolved = hf_init_lib.resolve_hf_init(config, log=logs.append)
   assert config.model.dim is None  # a copy: the input is untouched
-  model_cfg = cfg_lib.llama_config(resolved)
+  model_cfg = val_lib.llama_config(resolved)
   for name in convert_hf.HF_SHAPE_FIELDS + ("rope_scaling", "norm_eps"):
     assert getattr(model_cfg, name) == getattr(cfg, name), name
   assert model_cfg.rope_theta == 1e6
   assert logs == [f"model.rope_theta=1000000.0 overrides 500.0 of {path}/config.json"]
   # Idempotent: the saved (resolved) config resolves to itself.
-  assert cfg_lib.resolve_hf_init(resolved).to_dict() == resolved.to_dict()
+  assert hf_init_lib.resolve_hf_init(resolved).to_dict() == resolved.to_dict()
   # data.tokenizer: None in finetune.py -> init.hf_dir's tokenizer; a value stays; unset
   # without init.hf_dir is a config error naming the fix.
   assert config.data.tokenizer is None and resolved.data.tokenizer == path
   config.data.tokenizer = "byte"
-  assert cfg_lib.resolve_hf_init(config).data.tokenizer == "byte"
+  assert hf_init_lib.resolve_hf_init(config).data.tokenizer == "byte"
   no_hf = finetune.get_config()
   no_hf.data.path = path + "/config.json"
-  with pytest.raises(cfg_lib.ConfigError, match="data.tokenizer is unset.*init.hf_dir=DIR"):
-    cfg_lib.check_text_data(no_hf.data, no_hf.model)
+  with pytest.raises(errors.ConfigError, match="data.tokenizer is unset.*init.hf_dir=DIR"):
+    val_lib.check_text_data(no_hf.data, no_hf.model)
 
   # Shape fields are fixed by the weights; another config's values there are an error.
   wrong = tiny.get_config()
   wrong.init.hf_dir = path
-  with pytest.raises(cfg_lib.ConfigError, match=r"model.vocab_size=72 contradicts .*finetune"):
-    cfg_lib.resolve_hf_init(wrong)
+  with pytest.raises(errors.ConfigError, match=r"model.vocab_size=72 contradicts .*finetune"):
+    hf_init_lib.resolve_hf_init(wrong)
   missing = finetune.get_config()
   missing.init.hf_dir = str(tmp_path / "nope")
-  with pytest.raises(cfg_lib.ConfigError, match="is not a directory"):
-    cfg_lib.resolve_hf_init(missing)
+  with pytest.raises(errors.ConfigError, match="is not a directory"):
+    hf_init_lib.resolve_hf_init(missing)
   os.makedirs(tmp_path / "empty")
   (tmp_path / "empty" / "config.json").write_text("{}")
   missing.init.hf_dir = str(tmp_path / "empty")
-  with pytest.raises(cfg_lib.ConfigError, match="neither model.safetensors"):
-    cfg_lib.resolve_hf_init(missing)
+  with pytest.raises(errors.ConfigError, match="neither model.safetensors"):
+    hf_init_lib.resolve_hf_init(missing)
 
 
 @pytest.mark.parametrize("param_dtype,tie,max_shard_bytes", [
@@ -126,7 +129,7 @@ def test_our_export_imports_back_exactly(tmp_path, param_dtype, tie, max_shard_b
   with open(os.path.join(path, "config.json")) as f:
     assert json.load(f)["torch_dtype"] == param_dtype
   assert convert_hf.load_hf_config(path, param_dtype=param_dtype) == cfg
-  mesh = cfg_lib.make_mesh(MESH)
+  mesh = mesh_lib.make_mesh(MESH)
   params = convert_hf.load_hf_params(path, cfg, mesh=mesh)
   for got, want in zip(jax.tree.leaves(params), jax.tree.leaves(
       shd.param_shardings(params, mesh))):
@@ -194,7 +197,7 @@ def test_import_export_reproduces_the_original_tensors(tmp_path, hf, tie, rope, 
   (tmp_path / "tokenizer_config.json").write_text('{"model_max_length": 64}')
   os.replace(tmp_path / "tokenizer_config.json", os.path.join(path, "tokenizer_config.json"))
   cfg = convert_hf.load_hf_config(path, param_dtype=dtype)
-  params = convert_hf.load_hf_params(path, cfg, mesh=cfg_lib.make_mesh(MESH))
+  params = convert_hf.load_hf_params(path, cfg, mesh=mesh_lib.make_mesh(MESH))
   out = str(tmp_path / "export")
   written = export_hf.write_hf_dir(params, cfg, out, hf_dir=path,
                                    max_shard_bytes=40_000 if shard else 5 * 10**9)
@@ -314,13 +317,13 @@ def test_finetune_export_loads_in_transformers(readme_run, hf, tmp_path):
 
   # Ours: the trained checkpoint, ring attention on the training mesh.
   config = export_hf.read_run_config(str(workdir))
-  model_cfg = cfg_lib.llama_config(config)
+  model_cfg = val_lib.llama_config(config)
   assert (model_cfg.attention, model_cfg.layout) == ("ring", "zigzag")
   step, params = export_hf.restore_params(str(workdir), model_cfg, None)
   assert step == steps
   name = "model.layers.0.mlp.up_proj.weight"
   assert not np.array_equal(_tensors(str(out))[name], _tensors(str(source))[name])
-  mesh = cfg_lib.make_mesh(MESH)
+  mesh = mesh_lib.make_mesh(MESH)
   tokens_BL = np.random.default_rng(2).integers(0, model_cfg.vocab_size, size=(2, 64))
   ours = _ring_logits(shd.shard_params(params, mesh), model_cfg, mesh, tokens_BL)
 

@@ -31,9 +31,9 @@ def fit_cli(*args):
 def tiny(**fields):
   """configs/tiny.py with ``--config.<field>=<value>`` overrides, as the script parses them."""
   from configs import tiny as tiny_lib
-  from training import config as cfg_lib
+  from training import flags as flags_lib
 
-  return cfg_lib.apply_overrides(tiny_lib.get_config(), list(fields.items()))
+  return flags_lib.apply_overrides(tiny_lib.get_config(), list(fields.items()))
 
 
 def fit(config, **kw):
@@ -48,7 +48,7 @@ def test_mesh_with_a_pipeline_axis():
   assert one["mesh"] == {"data": 1, "pipeline": 2, "sequence_outer": 1, "sequence": 2,
                          "tensor": 1}
   check_row(one["checked"][0])
-  from training.config import ConfigError
+  from training.errors import ConfigError
   with pytest.raises((fit_lib.FitError, ConfigError), match="mesh.pipeline=2 stages do not divide"):
     fit_lib.run(tiny(**{"batch_size": 2, "model.num_layers": 3}), devices=4, memory_gib=128,
                 mesh="pipeline=2,sequence=2", seq_len=256)
@@ -109,29 +109,31 @@ def test_length_multiple_matches_the_config_check():
   """Every multiple of length_multiple passes check_seq_len; smaller steps do not."""
   from configs import llama_1b
   from models import lengths
-  from training import config as cfg_lib
+  from training import errors
+  from training import validation as val_lib
 
   model = llama_1b.get_config("long").model
   for ring in (1, 8):
     g = lengths.length_multiple(model, ring)
     for k in (1, 3, 128):
-      assert cfg_lib.check_seq_len(model, ring, k * g) == k * g // ring
+      assert val_lib.check_seq_len(model, ring, k * g) == k * g // ring
     for bad in (g // 2, g + ring * 2):
-      with pytest.raises(cfg_lib.ConfigError):
-        cfg_lib.check_seq_len(model, ring, bad)
+      with pytest.raises(errors.ConfigError):
+        val_lib.check_seq_len(model, ring, bad)
 
 
 def _tiny_step(policy):
   import jax
 
   from configs import tiny
-  from training import config as cfg_lib
+  from training import mesh as mesh_lib
   from training import step as step_lib
+  from training import validation as val_lib
 
   config = tiny.get_config()
   config.model.update(dict(remat_policy=policy, dtype="bfloat16", num_layers=2))
-  mesh = cfg_lib.make_mesh(dict(data=1, sequence=1, tensor=1), jax.devices()[:1])
-  return step_lib.build_train_step(cfg_lib.llama_config(config), mesh,
+  mesh = mesh_lib.make_mesh(dict(data=1, sequence=1, tensor=1), jax.devices()[:1])
+  return step_lib.build_train_step(val_lib.llama_config(config), mesh,
                                    step_lib.make_optimizer(config.optim, 10))
 
 
@@ -163,10 +165,10 @@ def test_offload_policy_lowers_to_pinned_host_but_cpu_counts_it_on_device():
 @pytest.mark.parametrize("devices", [1, 8])
 def test_long_variant_validates(devices):
   from configs import llama_1b
-  from training import config as cfg_lib
+  from training import validation as val_lib
 
   config = llama_1b.get_config("long")
-  assert cfg_lib.validate_config(config, devices) == dict(data=1, pipeline=1, sequence_outer=1,
+  assert val_lib.validate_config(config, devices) == dict(data=1, pipeline=1, sequence_outer=1,
                                                           sequence=devices, tensor=1)
   assert config.model.remat_policy == "offload_layer_in" and config.batch_size == 1
 

@@ -243,8 +243,8 @@ def test_run_tokenizer_and_model_come_from_the_saved_config(tmp_path):
   """loading.py: a workdir's saved data.tokenizer wins over --config's; --hf_dir names its own;
   none at all is a UsageError naming the fix; a model field differing from the run's warns."""
   from configs import finetune
+  from training.errors import UsageError as Usage
   from training import loading
-  from training.config import UsageError as Usage
   config = finetune.get_config()
   workdir = tmp_path / "run"
   workdir.mkdir()

@@ -19,9 +19,11 @@ from models import llama
 from models import pipeline as pipeline_lib
 from models import sharding as shd
 from training import batch as batch_lib
-from training import config as cfg_lib
 from training import data as data_lib
+from training import errors
+from training import mesh as mesh_lib
 from training import step as step_lib
+from training import validation as val_lib
 import train_procs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -58,10 +60,10 @@ def capture_grads() -> optax.GradientTransformation:
 
 def loss_and_grads(config):
   """``(metrics of one train step, its gradients)`` on ``config.mesh``, same data."""
-  sizes = cfg_lib.validate_config(config, int(np.prod([v for v in config.mesh.values()])))
+  sizes = val_lib.validate_config(config, int(np.prod([v for v in config.mesh.values()])))
   devices = jax.devices()[:int(np.prod(list(sizes.values())))]
-  mesh = cfg_lib.make_mesh(config.mesh, devices=devices)
-  model_cfg = cfg_lib.llama_config(config)
+  mesh = mesh_lib.make_mesh(config.mesh, devices=devices)
+  model_cfg = val_lib.llama_config(config)
   built = step_lib.build_train_step(model_cfg, mesh, capture_grads(),
                                     microbatches=config.microbatches, seed=config.seed)
   params, opt_state = built.init_state()
@@ -166,14 +168,14 @@ def test_bubble_fraction_and_default_microbatches():
 ])
 def test_config_validation_names_the_pipeline_problem(overrides, match):
   config = small_config(**overrides)
-  with pytest.raises(cfg_lib.ConfigError, match=match):
-    cfg_lib.validate_config(config, num_devices=int(np.prod(list(config.mesh.values()))))
+  with pytest.raises(errors.ConfigError, match=match):
+    val_lib.validate_config(config, num_devices=int(np.prod(list(config.mesh.values()))))
 
 
 def test_pipeline_alone_runs_with_default_microbatches():
   """--config.mesh.pipeline=2 alone: validates, with 2 x 2 microbatches of the 8 rows."""
   config = small_config(**{"mesh.pipeline": 2})
-  sizes = cfg_lib.validate_config(config, num_devices=2)
+  sizes = val_lib.validate_config(config, num_devices=2)
   assert sizes == dict(data=1, pipeline=2, sequence_outer=1, sequence=1, tensor=1)
   assert pipeline_lib.resolve_microbatches(None, config.batch_size, 2) == 4
 
@@ -245,8 +247,8 @@ def test_train_py_on_each_pipeline_mesh_follows_one_device(tmp_path, capsys):
   # The steps above were compiled for these shardings and the restored arrays were passed
   # to them, so the [layers, ...] arrays restored into stage blocks (1 layer per device).
   config = small_config(**{f"mesh.{k}": v for k, v in TRAIN_PY_MESHES[-1][0].items()})
-  mesh = cfg_lib.make_mesh(config.mesh)
-  built = step_lib.build_train_step(cfg_lib.llama_config(config), mesh,
+  mesh = mesh_lib.make_mesh(config.mesh)
+  built = step_lib.build_train_step(val_lib.llama_config(config), mesh,
                                     step_lib.make_optimizer(config.optim, 8))
   for leaf in jax.tree.leaves(built.abstract_params.layers):
     assert leaf.sharding.spec[0] == "pipeline" and leaf.sharding.mesh.shape["pipeline"] == 4
@@ -256,6 +258,6 @@ def test_llama_7b_on_all_four_axes_validates():
   from configs import llama_7b
 
   config = llama_7b.get_config("4d")
-  assert cfg_lib.validate_config(config, 256) == dict(data=2, pipeline=4, sequence_outer=1,
+  assert val_lib.validate_config(config, 256) == dict(data=2, pipeline=4, sequence_outer=1,
                                                       sequence=8, tensor=4)
   assert config.model.num_layers // 4 == 8 and config.model.pipeline_microbatches == 8

@@ -10,8 +10,9 @@ from flax import nnx
 
 import train as train_script
 from test_train import small_config as train_small_config
-from training import config as cfg_lib
+from training import errors
 from training import stages as stages_lib
+from training import validation as val_lib
 
 
 def small_config(**overrides):
@@ -52,7 +53,7 @@ def test_parse_compact_form():
     (7, "must be a list of dicts or a string"),
 ])
 def test_bad_stages_are_config_errors(stages, message):
-  with pytest.raises(cfg_lib.ConfigError) as e:
+  with pytest.raises(errors.ConfigError) as e:
     stages_lib.resolve(with_stages(stages))
   assert message in str(e.value)
 
@@ -66,8 +67,8 @@ def test_bad_stages_are_config_errors(stages, message):
 ])
 def test_each_stage_is_validated_for_the_mesh(stages, message):
   config = stages_lib.resolve(with_stages(stages))
-  with pytest.raises(cfg_lib.ConfigError) as e:
-    cfg_lib.validate_config(config, 8)
+  with pytest.raises(errors.ConfigError) as e:
+    val_lib.validate_config(config, 8)
   assert message in str(e.value)
 
 

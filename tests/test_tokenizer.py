@@ -6,9 +6,10 @@ import numpy as np
 import pytest
 
 from model_utils import tiny_config
-from training import config as cfg_lib
 from training import data as data_lib
+from training import errors
 from training.tokenizer import load_tokenizer
+from training import validation as val_lib
 
 tokenizers = pytest.importorskip("tokenizers")
 sentencepiece = pytest.importorskip("sentencepiece")
@@ -117,13 +118,13 @@ def test_vocab_larger_than_the_embedding_is_a_config_error(tmp_path):
   (tmp_path / "c.jsonl").write_text(json.dumps({"text": TEXT}) + "\n")
   config = tiny_config(**{"data.kind": "text", "data.path": str(tmp_path / "c.jsonl"),
                           "data.tokenizer": str(d), "model.vocab_size": 264})
-  with pytest.raises(cfg_lib.ConfigError, match=r"needs model.vocab_size >= 300, got 264"):
-    cfg_lib.validate_config(config, num_devices=8)
+  with pytest.raises(errors.ConfigError, match=r"needs model.vocab_size >= 300, got 264"):
+    val_lib.validate_config(config, num_devices=8)
   config.model.vocab_size = 304
-  cfg_lib.validate_config(config, num_devices=8)
+  val_lib.validate_config(config, num_devices=8)
   config.data.tokenizer = str(tmp_path / "nothing_here")
-  with pytest.raises(cfg_lib.ConfigError, match="data.tokenizer=.*does not load"):
-    cfg_lib.validate_config(config, num_devices=8)
+  with pytest.raises(errors.ConfigError, match="data.tokenizer=.*does not load"):
+    val_lib.validate_config(config, num_devices=8)
 
 
 def test_text_pipeline_with_a_bpe_tokenizer(tmp_path):

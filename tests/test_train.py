@@ -17,9 +17,12 @@ from model_utils import tiny_config
 from models import llama
 from models import sharding as shd
 from training import batch as batch_lib
-from training import config as cfg_lib
 from training import data as data_lib
+from training import errors
+from training import flags as flags_lib
+from training import mesh as mesh_lib
 from training import step as step_lib
+from training import validation as val_lib
 import train_procs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -41,7 +44,7 @@ def small_config(**overrides):
 
 def one_step(config, mesh):
   """Initial params and params after one train step on ``mesh``, plus the step's metrics."""
-  model_cfg = cfg_lib.llama_config(config)
+  model_cfg = val_lib.llama_config(config)
   ring = shd.ring_size(mesh.shape)
   tx = step_lib.make_optimizer(config.optim, config.total_steps)
   train_step = step_lib.build_train_step(model_cfg, mesh, tx, microbatches=config.microbatches,
@@ -64,7 +67,7 @@ def dense_step():
   """:func:`one_step` on one device, dense attention, one batch (what sharded steps equal)."""
   dense_cfg = small_config(**{"model.attention": "dense", "mesh.data": 1, "mesh.sequence": 1,
                               "optim.eps": 1e-6})
-  return one_step(dense_cfg, cfg_lib.make_mesh(dense_cfg.mesh, devices=jax.devices()[:1]))
+  return one_step(dense_cfg, mesh_lib.make_mesh(dense_cfg.mesh, devices=jax.devices()[:1]))
 
 
 @pytest.mark.parametrize("overrides", [
@@ -77,7 +80,7 @@ def test_sharded_ring_step_equals_unsharded_dense_step(overrides):
   sequence=4, the two-level ring) == 1 device, dense, 1 batch."""
   sharded_cfg = small_config(**{"model.attention": "ring", "model.layout": "zigzag",
                                 "optim.eps": 1e-6, **overrides})
-  init_a, params_a, metrics_a = one_step(sharded_cfg, cfg_lib.make_mesh(sharded_cfg.mesh))
+  init_a, params_a, metrics_a = one_step(sharded_cfg, mesh_lib.make_mesh(sharded_cfg.mesh))
   init_b, params_b, metrics_b = dense_step()
 
   jax.tree.map(np.testing.assert_array_equal, init_a, init_b)  # same start on any mesh
@@ -102,7 +105,7 @@ def test_explicit_mesh_step_with_tensor_equals_one_device_step():
   mesh = model_utils.make_mesh(data=2, sequence=2, tensor=2)
   assert set(mesh.axis_types) == {jax.sharding.AxisType.Explicit}
   single_cfg = small_config(**{"mesh.data": 1, "mesh.sequence": 1, "optim.eps": 1e-6})
-  single_mesh = cfg_lib.make_mesh(single_cfg.mesh, devices=jax.devices()[:1])
+  single_mesh = mesh_lib.make_mesh(single_cfg.mesh, devices=jax.devices()[:1])
   init_a, params_a, metrics_a = one_step(config, mesh)
   init_b, params_b, metrics_b = one_step(single_cfg, single_mesh)
   # The same start up to float32 rounding: the initialisers, traced on Explicit axes, round
@@ -124,7 +127,7 @@ def test_document_layout_step_equals_zigzag_step():
     config = small_config(**{"model.attention": "ring", "model.layout": layout,
                              "model.num_layers": 1, "batch_size": 4, "data.seq_len": 128,
                              "data.kv.docs_per_row": 4})
-    runs[layout] = one_step(config, cfg_lib.make_mesh(config.mesh))
+    runs[layout] = one_step(config, mesh_lib.make_mesh(config.mesh))
   (init_z, params_z, metrics_z), (init_d, params_d, metrics_d) = runs.values()
   # The two runs saw the same rows in different orders (each row by its own documents; two
   # documents of equal length would be dealt exactly as zigzag deals them, four are not).
@@ -263,9 +266,9 @@ def test_weight_decay_skips_stacked_norm_scales():
 
 def _losses(config, steps: int = 3):
   """Losses of ``steps`` train steps of ``config`` on its mesh (same seed and batches)."""
-  mesh = cfg_lib.make_mesh(config.mesh)
-  model_cfg = cfg_lib.llama_config(config)
-  model_cfg, _ = cfg_lib.resolve_attention(config, model_cfg, mesh)
+  mesh = mesh_lib.make_mesh(config.mesh)
+  model_cfg = val_lib.llama_config(config)
+  model_cfg, _ = val_lib.resolve_attention(config, model_cfg, mesh)
   tx = step_lib.make_optimizer(config.optim, config.total_steps)
   train_step = step_lib.build_train_step(model_cfg, mesh, tx, seed=config.seed)
   params, opt_state = train_step.init_state()
@@ -314,8 +317,8 @@ def test_auto_attention_is_decided_once_and_says_why(tmp_path, capsys):
   """model.attention="auto": ring_jax.plan's pick for the run's shapes, with its reasons, in
   the line train.py prints at startup (and runs); any other strategy is left as it is."""
   config = small_config(**{"model.attention": "auto", "total_steps": 1})
-  mesh = cfg_lib.make_mesh(config.mesh)
-  resolved, line = cfg_lib.resolve_attention(config, cfg_lib.llama_config(config), mesh)
+  mesh = mesh_lib.make_mesh(config.mesh)
+  resolved, line = val_lib.resolve_attention(config, val_lib.llama_config(config), mesh)
   assert resolved.attention in ("ring", "all_gather", "ulysses")
   assert line.startswith(f"attention=auto -> {resolved.attention} (ring_jax.plan): ")
   assert len(line) > len("attention=auto -> ring (ring_jax.plan): ") + 10  # the reasons
@@ -324,8 +327,8 @@ def test_auto_attention_is_decided_once_and_says_why(tmp_path, capsys):
   startup = capsys.readouterr().out.splitlines()
   assert f"attention={resolved.attention} " in startup[0] and startup[1] == line
   ring = small_config()
-  model_cfg = cfg_lib.llama_config(ring)
-  assert cfg_lib.resolve_attention(ring, model_cfg, mesh) == (model_cfg, None)
+  model_cfg = val_lib.llama_config(ring)
+  assert val_lib.resolve_attention(ring, model_cfg, mesh) == (model_cfg, None)
 
 
 @pytest.mark.parametrize("overrides,match", [
@@ -340,8 +343,8 @@ def test_auto_attention_is_decided_once_and_says_why(tmp_path, capsys):
       "model.ffn_chunk_size": 16}, "ffn_chunk_size=16 must divide the residual"),
 ])
 def test_mesh_dependent_model_fields_fail_before_compiling(overrides, match):
-  with pytest.raises(cfg_lib.ConfigError, match=match):
-    cfg_lib.validate_config(small_config(**overrides), num_devices=8)
+  with pytest.raises(errors.ConfigError, match=match):
+    val_lib.validate_config(small_config(**overrides), num_devices=8)
 
 
 def test_a_second_train_of_the_same_setup_reuses_the_jitted_step():
@@ -349,14 +352,14 @@ def test_a_second_train_of_the_same_setup_reuses_the_jitted_step():
   same TrainStep (so JAX reuses its compiled programs, eval step included); any change in
   them builds a new one."""
   config = small_config()
-  mesh = cfg_lib.make_mesh(config.mesh)
-  model_cfg = cfg_lib.llama_config(config)
+  mesh = mesh_lib.make_mesh(config.mesh)
+  model_cfg = val_lib.llama_config(config)
   args = (model_cfg, mesh, config.optim, 6, config.microbatches, config.seed)
   first = train_script._train_step(*args)
   assert train_script._train_step(*args) is first
   assert first.eval_step() is first.eval_step()
   assert train_script._train_step(model_cfg, mesh, config.optim, 7, config.microbatches,
                                   config.seed) is not first  # another schedule length
-  other_optim = cfg_lib.apply_overrides(small_config(), [("optim.lr", 5e-4)]).optim
+  other_optim = flags_lib.apply_overrides(small_config(), [("optim.lr", 5e-4)]).optim
   assert train_script._train_step(model_cfg, mesh, other_optim, 6, config.microbatches,
                                   config.seed) is not first

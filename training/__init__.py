@@ -1,7 +1,12 @@
 """Helpers of train.py: config/mesh checks, the batch, data, optimizer and steps, checkpoints, metrics.
 
-  config      gin-syntax overrides onto the ConfigDict, mesh building (and simulated CPU
-              devices), up-front validation, profile_steps, the scripts' usage errors
+  flags       gin-syntax and dotted-path overrides onto the ConfigDict, the scripts' start
+  mesh        config.mesh sizes, the device mesh, simulated CPU devices
+  validation  up-front checks of the config (and of each stage), profile_steps, the model's
+              LlamaConfig made of config.model, model.attention="auto" resolved
+  hf_init     init.hf_dir: the model fields and tokenizer of a Hugging Face checkpoint
+  stages      config.stages: progressive context extension, one stage after another
+  errors      ConfigError, UsageError, EXIT_USAGE (imported by all of the above)
   batch       the batch's fields, dtypes and sharding (from the rules table), defined once
   data        synthetic kv-retrieval task and packed local text, Grain pipeline, layouts
   step        AdamW + warmup/cosine + clipping, pure train/eval steps, jit with shardings, and
@@ -14,6 +19,9 @@
   metrics     tokens/s, MFU with attention FLOPs, the one-step-behind step metrics and
               divergence check, TensorBoard + JSONL + console, profiling
 
-Only ``config`` (ml_collections) and ``data`` (Grain) need more than JAX, Flax, Optax, einops;
-``batch`` and ``step`` import without them (the benchmarks run them on accelerator images).
+The config modules import one way: ``flags`` -> ``mesh``; ``validation`` -> ``mesh``,
+``stages`` (and ``data`` inside its data checks); every one -> ``errors``; ``hf_init`` imports
+none of them. Only the config modules (ml_collections; gin when used) and ``data`` (Grain)
+need more than JAX, Flax, Optax, einops; ``batch`` and ``step`` import without them (the
+benchmarks run them on accelerator images).
 """

@@ -1,5 +1,5 @@
 """The trainer's error types and exit status for bad input, in a module of their own so that
-every training module can raise them without importing another's (``training.config``
+every training module can raise them without importing another's (``training.validation``
 imports ``training.stages``, which raises :class:`ConfigError`)."""
 
 #: Exit status of train.py, generate.py and evaluate.py for a bad flag, config or input.

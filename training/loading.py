@@ -5,7 +5,7 @@ train.py workdir that restores (:meth:`training.checkpoint.Checkpointer.restore_
 without an optimizer target, read only: nothing is moved) onto the shardings of the given mesh, or converts
 a local Hugging Face LLaMA directory (:mod:`models.convert_hf`);
 :func:`load_run_tokenizer` loads the tokenizer that goes with it. Errors are
-:class:`training.config.UsageError` lines naming the fix.
+:class:`training.errors.UsageError` lines naming the fix.
 """
 
 from __future__ import annotations
@@ -16,8 +16,9 @@ import sys
 from typing import Callable
 
 from training import checkpoint as ckpt_lib
-from training import config as cfg_lib
+from training import errors
 from training import step as step_lib
+from training import validation as val_lib
 
 
 def _stderr(message: str) -> None:
@@ -30,18 +31,18 @@ def restore_params(model_cfg, mesh, workdir: str, warn: Callable[[str], None] = 
   try:
     checkpointer = ckpt_lib.Checkpointer(workdir, read_only=True)
   except ckpt_lib.NoCheckpointError:
-    raise cfg_lib.UsageError(
+    raise errors.UsageError(
         f"--workdir {workdir} has no checkpoints/ directory; train first (python train.py "
         f"--config ... --workdir {workdir}) or pass --hf_dir.") from None
   try:
     restored = checkpointer.restore_latest(target, warn=warn)
   except ckpt_lib.NoRestorableCheckpointError as e:
-    raise cfg_lib.UsageError(str(e)) from None
+    raise errors.UsageError(str(e)) from None
   finally:
     checkpointer.close()
   if restored is None:
-    raise cfg_lib.UsageError(f"{checkpointer.directory} holds no checkpoint; train first or "
-                             "pass --hf_dir.")
+    raise errors.UsageError(f"{checkpointer.directory} holds no checkpoint; train first or "
+                            "pass --hf_dir.")
   step, params, _, _ = restored
   return step, params
 
@@ -63,7 +64,7 @@ def load_model(config, mesh, *, workdir: str | None = None, hf_dir: str | None =
         block_kv=m.block_kv, dtype=m.dtype, param_dtype=m.param_dtype)
     log(f"loaded {hf_dir}")
     return model.cfg, nnx.split(model, nnx.Param, ...)[1]
-  model_cfg = cfg_lib.llama_config(config)
+  model_cfg = val_lib.llama_config(config)
   warn_model_differences(config, workdir, log)
   step, params = restore_params(model_cfg, mesh, workdir, warn=log)
   log(f"restored step {step} from {workdir}")
@@ -106,7 +107,7 @@ def run_tokenizer_spec(config, *, workdir: str | None = None, hf_dir: str | None
   trained with, as its saved ``config.json`` records it (train.py writes the
   resolved config, so configs/finetune.py's default names ``init.hf_dir``);
   without one (a run older than the field), ``config.data.tokenizer``
-  (``config`` resolved by :func:`training.config.resolve_hf_init`).
+  (``config`` resolved by :func:`training.hf_init.resolve_hf_init`).
   """
   if hf_dir:
     return hf_dir
@@ -118,7 +119,7 @@ def run_tokenizer_spec(config, *, workdir: str | None = None, hf_dir: str | None
           f"--config's {spec}")
     spec = saved
   if not spec:
-    raise cfg_lib.UsageError(
+    raise errors.UsageError(
         "no tokenizer: config.data.tokenizer is unset (configs/finetune.py takes it from "
         "init.hf_dir); pass --config.init.hf_dir=DIR or --config.data.tokenizer=...")
   return spec
@@ -135,7 +136,7 @@ def load_run_tokenizer(config, *, workdir: str | None = None, hf_dir: str | None
   try:
     return tok_lib.load_tokenizer(spec)
   except ImportError as e:
-    raise cfg_lib.UsageError(f"tokenizer {spec!r} needs the `hf` extra "
-                             f"(pip install -e '.[hf]'): {e}") from None
+    raise errors.UsageError(f"tokenizer {spec!r} needs the `hf` extra "
+                            f"(pip install -e '.[hf]'): {e}") from None
   except Exception as e:  # ValueError naming the fix, or the package's own parse error.
-    raise cfg_lib.UsageError(f"tokenizer {spec!r} does not load: {e}") from None
+    raise errors.UsageError(f"tokenizer {spec!r} does not load: {e}") from None

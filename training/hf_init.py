@@ -1,0 +1,75 @@
+"""``config.init.hf_dir``: the model fields (and tokenizer) of a Hugging Face checkpoint
+filled into the run's ConfigDict before anything else reads it."""
+
+from __future__ import annotations
+
+import os
+
+import ml_collections
+
+from training.errors import ConfigError
+
+
+def hf_init_dir(config) -> str:
+  """``config.init.hf_dir``, or "" (also for configs saved before the field existed)."""
+  init = config.get("init")
+  return (init.get("hf_dir") if init is not None else None) or ""
+
+
+def resolve_hf_init(config: ml_collections.ConfigDict, log=None) -> ml_collections.ConfigDict:
+  """``config`` with the model fields of ``init.hf_dir/config.json`` filled in (a copy).
+
+  For each field of :data:`models.convert_hf.HF_FIELDS` (vocabulary, dims,
+  heads, kv heads, head_dim, mlp_dim, rope_theta, rope_scaling, norm_eps,
+  tie_embeddings), ``config.model``'s value decides:
+
+  * None ("not set", as ``configs/finetune.py`` leaves them all): config.json's value;
+  * a value: an override of config.json's (``log`` gets one line per differing
+    field), except for the shape fields
+    (:data:`models.convert_hf.HF_SHAPE_FIELDS`), which the weights fix: a
+    different value there is a ConfigError.
+
+  ``data.tokenizer`` None (``configs/finetune.py``'s default) becomes ``init.hf_dir``:
+  the tokenizer files of the Hugging Face directory.
+
+  Idempotent (a resolved config resolves to itself), so train.py can resolve
+  before saving the run's config and again inside :func:`train.train`.
+  Without ``init.hf_dir`` the config is returned unchanged.
+
+  Raises:
+    ConfigError: no such directory, no config.json or weights in it, a model
+      this LLaMA is not, or a shape field that contradicts config.json.
+  """
+  hf_dir = hf_init_dir(config)
+  if not hf_dir:
+    return config
+  from models import convert_hf  # Local: keeps this module importable without Flax.
+
+  if not os.path.isdir(hf_dir):
+    raise ConfigError(f"init.hf_dir={hf_dir!r} is not a directory; pass a local Hugging Face "
+                      "LLaMA directory (config.json + *.safetensors, as save_pretrained writes).")
+  if not any(os.path.exists(os.path.join(hf_dir, name))
+             for name in (convert_hf.SINGLE_FILE, convert_hf.INDEX_FILE)):
+    raise ConfigError(f"init.hf_dir={hf_dir!r} holds neither {convert_hf.SINGLE_FILE} nor "
+                      f"{convert_hf.INDEX_FILE}; save the model with "
+                      "save_pretrained(..., safe_serialization=True).")
+  try:
+    fields = convert_hf.hf_model_fields(hf_dir)
+  except (OSError, ValueError, KeyError) as e:
+    what = f"config.json lacks {e}" if isinstance(e, KeyError) else str(e)
+    raise ConfigError(f"init.hf_dir={hf_dir!r}: {what}") from None
+  config = config.copy_and_resolve_references()
+  if config.data.get("tokenizer") is None:
+    config.data.tokenizer = hf_dir
+  for name, value in fields.items():
+    current = config.model.get(name)
+    if current is None:
+      config.model[name] = value
+    elif name in convert_hf.HF_SHAPE_FIELDS:
+      if current != value:
+        raise ConfigError(
+            f"model.{name}={current!r} contradicts {hf_dir}/config.json ({value!r}), whose "
+            f"weights fix it; leave model.{name} unset (None, as configs/finetune.py does).")
+    elif current != value and log is not None:
+      log(f"model.{name}={current!r} overrides {value!r} of {hf_dir}/config.json")
+  return config

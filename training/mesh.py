@@ -1,0 +1,87 @@
+"""The run's device mesh: ``config.mesh`` sizes resolved against the devices, the mesh
+itself, and simulated CPU devices enough to build it on a laptop.
+
+Imports JAX but starts no backend: :func:`simulate_cpu_devices` must run before the
+first JAX operation to take effect.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+
+import jax
+import numpy as np
+
+from models.sharding import MESH_AXES
+from training.errors import ConfigError
+
+
+def mesh_shape(mesh_config, num_devices: int) -> dict[str, int]:
+  """Resolves the ``config.mesh`` sizes; one axis may be -1 (= the remaining devices)."""
+  sizes = {axis: int(mesh_config.get(axis, 1)) for axis in MESH_AXES}
+  unknown = set(mesh_config.keys()) - set(MESH_AXES)
+  if unknown:
+    raise ConfigError(f"config.mesh has unknown axes {sorted(unknown)}; axes are {MESH_AXES}.")
+  fill = [a for a, s in sizes.items() if s == -1]
+  if len(fill) > 1:
+    raise ConfigError(f"config.mesh: at most one axis may be -1, got {fill}.")
+  bad = [a for a, s in sizes.items() if s < 1 and s != -1]
+  if bad:
+    raise ConfigError(f"config.mesh sizes must be >= 1 or -1, got {sizes}.")
+  fixed = math.prod(s for s in sizes.values() if s != -1)
+  if fill:
+    if num_devices % fixed:
+      raise ConfigError(
+          f"config.mesh={sizes}: the fixed axes multiply to {fixed}, which does not divide "
+          f"the {num_devices} devices, so '{fill[0]}=-1' cannot fill the rest.")
+    sizes[fill[0]] = num_devices // fixed
+  if math.prod(sizes.values()) != num_devices:
+    raise ConfigError(
+        f"config.mesh={sizes} needs {math.prod(sizes.values())} devices but "
+        f"{num_devices} are available ({jax.default_backend()}). Set one axis to -1 to "
+        "use all devices, or change the sizes.")
+  return sizes
+
+
+def make_mesh(mesh_config, devices=None) -> jax.sharding.Mesh:
+  """A ``(data, pipeline, sequence_outer, sequence, tensor)`` mesh (:data:`MESH_AXES`) with
+  Auto axis types.
+
+  Auto (not Explicit) axes: the trainer states shardings at the jit boundary
+  and lets XLA propagate inside; the model adds its own constraints.
+  ``jax.make_mesh`` orders devices for the physical topology (ICI rings on
+  TPU), so ring neighbours on ``sequence`` are physical neighbours, and the
+  ``sequence_outer`` groups (the two-level ring's outer level) the farther devices.
+  """
+  devices = jax.devices() if devices is None else list(devices)
+  sizes = mesh_shape(mesh_config, len(devices))
+  shape = tuple(sizes[a] for a in MESH_AXES)
+  auto = (jax.sharding.AxisType.Auto,) * len(MESH_AXES)
+  if devices == jax.devices():
+    return jax.make_mesh(shape, MESH_AXES, axis_types=auto)
+  return jax.sharding.Mesh(np.asarray(devices).reshape(shape), MESH_AXES, axis_types=auto)
+
+
+def simulate_cpu_devices(config, num_processes: int = 1) -> None:
+  """Asks the CPU backend for enough devices to build ``config.mesh`` on a laptop.
+
+  ``jax_num_cpu_devices`` only sizes the *CPU* client: on a GPU/TPU host JAX
+  still uses the accelerators as its default devices, so setting it is
+  harmless there and we need not (and cannot, without starting the backends)
+  find out the platform first. An explicit
+  ``--xla_force_host_platform_device_count`` in ``XLA_FLAGS`` wins. With
+  several CPU processes each one simulates its share of the mesh; with an axis
+  of -1, ``config.cpu_devices`` in all.
+  """
+  if "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", ""):
+    return
+  sizes = [int(config.mesh.get(a, 1)) for a in config.mesh.keys()]
+  count = math.prod(sizes) if all(s > 0 for s in sizes) else int(config.cpu_devices)
+  count = max(1, count // num_processes)
+  try:
+    jax.config.update("jax_num_cpu_devices", count)
+  except RuntimeError:  # Backends already up (e.g. called from a notebook): keep them.
+    print("note: JAX backends already initialised; not changing the CPU device count",
+          file=sys.stderr, flush=True)

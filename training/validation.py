@@ -1,0 +1,319 @@
+"""Up-front checks of the run's ConfigDict, and the model config made of it.
+
+Every check in :func:`validate_config` looks at static numbers only, so a bad
+config fails with a message naming the fix before anything is traced or
+compiled; :func:`validate_stages` runs it for each of ``config.stages``.
+:func:`llama_config` turns ``config.model`` into the model's frozen
+``LlamaConfig`` (its own field checks raise :class:`ConfigError` too), and
+:func:`resolve_attention` decides ``model.attention="auto"`` for the run's shapes.
+"""
+
+from __future__ import annotations
+
+import ml_collections
+
+from models import attention as attn_lib
+from models import lengths
+from models import pipeline as pipeline_lib
+from models.attention import ATTENTION_BACKENDS
+from models import sharding as shd
+from ring_jax import kernels, layouts
+from ring_jax.strategies import attention_axes
+from training import mesh as mesh_lib
+from training import stages as stages_lib
+from training.errors import ConfigError
+
+DATA_KINDS: tuple[str, ...] = ("kv_retrieval", "text")
+
+
+def check_seq_len(model_config, ring: int, seq_len: int) -> int:
+  """:func:`models.lengths.check_length` for ``data.seq_len``; returns the local length.
+
+  ``model_config``: ``config.model`` or a ``LlamaConfig`` (the same fields).
+
+  Raises:
+    ConfigError: naming the field and the fix.
+  """
+  try:
+    return lengths.check_length(model_config, ring, seq_len, what="data.seq_len")
+  except ValueError as e:
+    raise ConfigError(f"data.seq_len={seq_len} with model.layout={model_config.layout!r} on the "
+                      f"ring of {ring} devices (mesh sequence_outer x sequence): {e}") from None
+
+
+def check_model_parallelism(model_config, sizes: dict[str, int], seq_len: int) -> None:
+  """The ``config.model`` fields that depend on the mesh beyond the heads: the attention
+  strategy's head and axis rules, and tensor sequence parallelism's local length.
+
+  Raises:
+    ConfigError: naming the field and the fix.
+  """
+  m, ring, tensor = model_config, shd.ring_size(sizes), sizes["tensor"]
+  if sizes["sequence_outer"] > 1:  # the length rule's pair: the two-level ring
+    try:
+      attn_lib.check_sequence_axes(m.attention, shd.length_axes())
+    except ValueError as e:
+      raise ConfigError(str(e)) from None
+  heads_here = m.num_heads // tensor
+  kv_here = m.num_kv_heads // tensor if m.num_kv_heads % tensor == 0 else m.num_kv_heads
+  if m.attention == "ulysses" and ring > 1 and (
+      heads_here % ring or (kv_here % ring and ring % kv_here)):
+    raise ConfigError(
+        f"model.attention='ulysses' over the mesh 'sequence' axis ({ring}) needs the query heads "
+        f"per tensor shard ({heads_here}) divisible by it and the key/value heads ({kv_here}) "
+        "a multiple or a divisor of it; use model.attention='ring' or 'hybrid', or other sizes.")
+  if m.attention == "hybrid":
+    axes = tuple(m.get("hybrid_axes", ("sequence", "tensor")))
+    if len(axes) != 2 or axes[0] != "sequence" or axes[1] not in sizes or axes[1] == axes[0]:
+      raise ConfigError(
+          f"model.hybrid_axes={axes} must be ('sequence', <another mesh axis>): the ring runs "
+          f"over 'sequence', Ulysses over the second (mesh axes: {tuple(sizes)}).")
+    u = sizes[axes[1]]
+    heads, kv = (m.num_heads, m.num_kv_heads) if axes[1] == "tensor" else (heads_here, kv_here)
+    if heads % u or (kv % u and u % kv):
+      raise ConfigError(
+          f"model.attention='hybrid' with Ulysses over '{axes[1]}' ({u}) needs {heads} query "
+          f"heads divisible by it and {kv} key/value heads a multiple or a divisor of it.")
+  tsp = m.get("tensor_sequence_parallel", None)
+  if tsp is not False and tensor > 1 and m.get("ffn_chunk_size") and seq_len % (ring * tensor) == 0:
+    local = seq_len // (ring * tensor)
+    if local % m.ffn_chunk_size:
+      raise ConfigError(
+          f"model.ffn_chunk_size={m.ffn_chunk_size} must divide the residual stream's local "
+          f"length {local} (data.seq_len {seq_len} / sequence {ring} / tensor {tensor}: tensor "
+          "sequence parallelism splits it over both); use a divisor of it, or "
+          "model.tensor_sequence_parallel=False.")
+
+
+def check_pipeline(config: ml_collections.ConfigDict, sizes: dict[str, int]) -> None:
+  """The ``pipeline`` axis must divide the layers, and its microbatches the rows.
+
+  Rows per pipeline microbatch: ``batch_size / microbatches /
+  model.pipeline_microbatches`` (the default number: :func:`models.pipeline.
+  default_microbatches`), which must divide over the ``data`` axis; the eval
+  step pipelines ``eval_batch_size`` rows the same way.
+
+  Raises:
+    ConfigError: naming the field and the fix.
+  """
+  m, stages, data_par = config.model, sizes["pipeline"], sizes["data"]
+  micro = m.get("pipeline_microbatches")
+  if micro is not None and micro < 1:
+    raise ConfigError(f"model.pipeline_microbatches={micro} must be >= 1 (or None: the "
+                      "default, 2 x mesh.pipeline when the batch allows).")
+  if stages == 1:
+    return
+  if m.num_layers % stages:
+    divisors = [d for d in range(1, m.num_layers + 1) if m.num_layers % d == 0]
+    raise ConfigError(f"mesh.pipeline={stages} stages do not divide model.num_layers="
+                      f"{m.num_layers}; choose mesh.pipeline from {divisors}.")
+  for name, rows in (("batch_size", config.batch_size // config.microbatches),
+                     ("eval_batch_size", config.eval_batch_size)):
+    try:
+      pipeline_lib.resolve_microbatches(micro, rows, stages, data_par)
+    except ValueError as e:
+      raise ConfigError(f"{name}={config[name]} on mesh.pipeline={stages}: {e} Set "
+                        "model.pipeline_microbatches to a divisor of the rows, or change "
+                        f"{name}.") from None
+
+
+def check_text_data(d: ml_collections.ConfigDict, m: ml_collections.ConfigDict) -> None:
+  """The ``data.*`` fields of ``data.kind='text'``: files, tokenizer, vocabulary, split."""
+  if not d.path:
+    raise ConfigError("data.kind='text' needs data.path (a .jsonl/.txt/.parquet/.arrayrecord "
+                      "file, a directory or a glob), e.g. "
+                      "--config.data.path=/path/to/corpus.jsonl.")
+  from training import data as data_lib  # Local: data imports grain, validation must not.
+  if not data_lib.list_data_files(d.path):
+    raise ConfigError(f"data.path={d.path!r} matches no "
+                      f"{'/'.join(data_lib.sources.DATA_EXTS)} files.")
+  if not 0 < d.eval_fraction < 1:
+    raise ConfigError(f"data.eval_fraction={d.eval_fraction} must be in (0, 1): the eval "
+                      "split is the last files (or a single file's tail).")
+  if d.tokenizer is None:
+    raise ConfigError("data.tokenizer is unset (configs/finetune.py takes the tokenizer of "
+                      "init.hf_dir): pass --config.init.hf_dir=DIR or --config.data.tokenizer="
+                      "(a tokenizer.json, a SentencePiece .model, a directory, or 'byte').")
+  try:
+    tokenizer = data_lib.load_tokenizer(d.tokenizer)
+  except ImportError as e:
+    raise ConfigError(f"data.tokenizer={d.tokenizer!r} needs the `hf` extra "
+                      f"(pip install -e '.[hf]'): {e}") from None
+  except Exception as e:  # ValueError naming the fix, or the package's own parse error.
+    raise ConfigError(f"data.tokenizer={d.tokenizer!r} does not load: {e}") from None
+  if tokenizer.vocab_size > m.vocab_size:
+    raise ConfigError(f"the {tokenizer.name} tokenizer needs model.vocab_size >= "
+                      f"{tokenizer.vocab_size}, got {m.vocab_size}: raise "
+                      "--config.model.vocab_size (the embedding must cover every token id).")
+
+
+def validate_distributed(config: ml_collections.ConfigDict) -> None:
+  """Checks ``config.distributed`` (read before ``jax.distributed.initialize``).
+
+  Raises:
+    ConfigError: a timeout that is not a whole number of seconds in range.
+  """
+  dist = config.distributed
+  for name, low in (("heartbeat_timeout_s", 2), ("initialization_timeout_s", 1)):
+    value = dist[name]
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+      raise ConfigError(f"distributed.{name}={value!r} must be a whole number of seconds "
+                        f">= {low}; e.g. --config.distributed.{name}=60.")
+
+
+def profile_steps(config: ml_collections.ConfigDict) -> range | None:
+  """``config.profile_steps`` (``"START:STOP"``: steps START to STOP-1) as a ``range``;
+  None when unset or empty (no profile).
+
+  Raises:
+    ConfigError: not two integers ``1 <= START < STOP``, or no step of it runs.
+  """
+  text = config.get("profile_steps")
+  if not text:
+    return None
+  start, sep, stop = str(text).partition(":")
+  try:
+    steps = range(int(start), int(stop)) if sep else None
+  except ValueError:
+    steps = None
+  if steps is None or not 1 <= steps.start < steps.stop:
+    raise ConfigError(f"profile_steps={text!r} must be 'START:STOP' with 1 <= START < STOP "
+                      "(profiles steps START to STOP-1), e.g. --config.profile_steps=10:13.")
+  if steps.start > config.total_steps:
+    raise ConfigError(f"profile_steps={text!r} starts after total_steps={config.total_steps}; "
+                      "no step of it would run.")
+  return steps
+
+
+def validate_config(config: ml_collections.ConfigDict, num_devices: int) -> dict[str, int]:
+  """Checks everything knowable without tracing; returns the resolved mesh sizes.
+
+  Raises:
+    ConfigError: naming the offending field(s) and how to fix them.
+  """
+  m, d = config.model, config.data
+  sizes = mesh_lib.mesh_shape(config.mesh, num_devices)
+  ring, tensor, data_par = shd.ring_size(sizes), sizes["tensor"], sizes["data"]
+  validate_stages(config, num_devices)  # first: its errors name the stage
+
+  if m.attention not in ATTENTION_BACKENDS:
+    raise ConfigError(f"model.attention={m.attention!r} is unknown; choose one of "
+                      f"{sorted(ATTENTION_BACKENDS)}.")
+  hop_kernel = m.get("hop_kernel", "auto")
+  if hop_kernel not in kernels.kernel_names():
+    raise ConfigError(f"model.hop_kernel={hop_kernel!r} is unknown; choose one of "
+                      f"{kernels.kernel_names()}.")
+  if m.layout not in layouts.ALL_LAYOUTS:
+    raise ConfigError(
+        f"model.layout={m.layout!r} is unknown; choose one of {layouts.ALL_LAYOUTS}.")
+  routing = m.get("causal_routing")
+  if routing is not None and not isinstance(routing, bool):
+    raise ConfigError(f"model.causal_routing must be unset (the library's default), True or "
+                      f"False, got {routing!r}.")
+  if routing and sizes["sequence_outer"] > 1 and m.attention == "ring":
+    raise ConfigError("model.causal_routing=True: the two-level ring (mesh.sequence_outer > 1) "
+                      "does not route; unset it or use mesh.sequence_outer=1.")
+  if m.num_heads % m.num_kv_heads:
+    raise ConfigError(f"model.num_heads={m.num_heads} must be a multiple of "
+                      f"model.num_kv_heads={m.num_kv_heads} (GQA groups).")
+  try:  # heads are sharded over 'tensor' (a single key/value head, MQA, is replicated)
+    attention_axes(sizes, batch=1, heads=m.num_heads, kv_heads=m.num_kv_heads, batch_axis=None,
+                   head_axis="tensor", names=("batch", "model.num_heads", "model.num_kv_heads"))
+  except ValueError as e:
+    raise ConfigError(str(e)) from None
+  if m.mlp_dim % tensor or m.vocab_size % tensor:
+    raise ConfigError(f"model.mlp_dim={m.mlp_dim} and model.vocab_size={m.vocab_size} must be "
+                      f"divisible by the mesh 'tensor' axis ({tensor}).")
+
+  check_seq_len(m, ring, d.seq_len)
+  validate_distributed(config)
+  check_model_parallelism(m, sizes, d.seq_len)
+
+  for name in ("batch_size", "eval_batch_size"):
+    batch, micro = config[name], (config.microbatches if name == "batch_size" else 1)
+    if batch % micro:
+      raise ConfigError(f"{name}={batch} is not divisible by microbatches={micro}.")
+    if (batch // micro) % data_par:
+      raise ConfigError(
+          f"{name}={batch} / microbatches={micro} = {batch // micro} rows per microbatch is not "
+          f"divisible by the mesh 'data' axis ({data_par}).")
+    # No rule per process: each process loads the rectangular (rows x sequence)
+    # block its devices hold (data.process_slices), so hosts may share rows.
+  check_pipeline(config, sizes)
+
+  if d.kind not in DATA_KINDS:
+    raise ConfigError(f"data.kind={d.kind!r} is unknown; choose one of {DATA_KINDS}.")
+  if d.kind == "text":
+    check_text_data(d, m)
+  else:
+    from training import data as data_lib
+    task = data_lib.KVRetrievalTask.from_config(d)
+    if m.vocab_size < task.vocab_size:
+      raise ConfigError(f"the kv_retrieval task needs model.vocab_size >= {task.vocab_size}, "
+                        f"got {m.vocab_size}.")
+    try:
+      task.check()
+    except ValueError as e:
+      raise ConfigError(str(e)) from None
+
+  for name in ("total_steps", "log_every", "eval_every", "checkpoint_every"):
+    if config[name] < 1:
+      raise ConfigError(f"{name} must be >= 1, got {config[name]}.")
+  profile_steps(config)
+  if config.optim.warmup_steps > config.total_steps:
+    raise ConfigError(f"optim.warmup_steps={config.optim.warmup_steps} exceeds "
+                      f"total_steps={config.total_steps}.")
+  return sizes
+
+
+def validate_stages(config: ml_collections.ConfigDict, num_devices: int) -> None:
+  """Checks each of ``config.stages`` (training/stages.py) as a config of its own: its
+  seq_len obeys :func:`check_seq_len` on the mesh, its batch the mesh's 'data' axis, its
+  RoPE fields the model's rules, and ``steps >= 1``, ``warmup_steps <= steps``.
+
+  Raises:
+    ConfigError: prefixed with the stage (its number and fields) it is about.
+  """
+  if not stages_lib.stage_dicts(config):
+    return
+  for stage in stages_lib.plan(config):
+    c = stage.config
+    where = (f"config.stages stage {stage.index + 1} (seq_len={c.data.seq_len}, "
+             f"steps={stage.steps})")
+    try:
+      if c.optim.warmup_steps > stage.steps:
+        raise ConfigError(f"warmup_steps={c.optim.warmup_steps} exceeds the stage's "
+                          f"steps={stage.steps}; each stage warms up anew (set the stage's "
+                          "warmup_steps=, or --config.optim.warmup_steps=).")
+      validate_config(c, num_devices)  # c.stages is None: no recursion.
+      llama_config(c)
+    except ConfigError as e:
+      raise ConfigError(f"{where}: {e}") from None
+
+
+def llama_config(config: ml_collections.ConfigDict):
+  """``config.model`` (a ConfigDict) -> the model's frozen ``LlamaConfig``."""
+  from models.llama import LlamaConfig  # Local: keeps this module importable without Flax.
+
+  fields = config.model.to_dict()
+  unknown = set(fields) - {f for f in LlamaConfig.__dataclass_fields__}
+  if unknown:
+    raise ConfigError(f"config.model has fields LlamaConfig does not know: {sorted(unknown)}.")
+  try:
+    return LlamaConfig.from_dict(fields)
+  except ValueError as e:
+    raise ConfigError(f"config.model: {e}") from None
+
+
+def resolve_attention(config: ml_collections.ConfigDict, model_cfg, mesh):
+  """``(model_cfg, line)``: ``model.attention="auto"`` decided once for the run's shapes
+  (:func:`models.attention.resolve_attention`: ``ring_jax.plan`` for a microbatch of
+  ``batch_size / microbatches`` rows of ``data.seq_len`` tokens on ``mesh``) and the startup
+  line saying what it chose and why; any other strategy: unchanged, ``line=None``."""
+  rows = config.batch_size // config.microbatches
+  resolved, chosen = attn_lib.resolve_attention(model_cfg, mesh, rows, config.data.seq_len)
+  if resolved is model_cfg:
+    return model_cfg, None
+  why = ("no sequence axis (falls back to dense)" if chosen is None
+         else "; ".join(chosen.reasons))
+  return resolved, f"attention=auto -> {resolved.attention} (ring_jax.plan): {why}"
