@@ -389,7 +389,8 @@ def schedule(layout: str, ring_size: int, local_len: int, block_q: int, block_kv
   window = normalize_window(local_window_size)
   n = ring_size
   route = None
-  if check_routing(causal_routing, layout, is_causal) and n > 1:
+  if check_routing(causal_routing, layout, is_causal) and n > 1 and (
+      causal_routing or routed_parts_fit(layout, local_len, block_kv)):
     route = routes(layout, n, local_len, bool(is_causal), window)
     route = route if route.routed else None
   nq, nk = local_len // block_q, local_len // block_kv
@@ -501,21 +502,28 @@ class Routes:
 
   def max_chunks_per_link(self) -> float:
     """The most tokens one link direction carries at one hop, over the local length (1: a
-    whole shard per hop, as the full rotation; 0.5: zigzag's chunks going both ways)."""
+    whole shard per hop, as the full rotation; 0.5 where parts went opposite ways)."""
     per = {}
     for s in self.streams:
       for i, pairs in enumerate(s.arrive):
         for src, dst in pairs:
-          key = (i, s.step)
-          per[key] = max(per.get(key, 0), s.stop - s.start)
+          per[i, src, dst] = per.get((i, src, dst), 0) + s.stop - s.start
     return max(per.values(), default=0) / self.local_len
 
 
-#: The layouts whose causal rings route K/V by default (``causal_routing=None``): contiguous
-#: routing drops half the K/V bytes and keeps every hop's work as the full rotation's
-#: (docs/performance.md). Zigzag's two-way routing, and the document layout that runs as
-#: zigzag, stay opt-in: they shift causal work between hops (critical path 1.18x at ring 8).
-ROUTED_BY_DEFAULT: tuple[str, ...] = ("contiguous",)
+#: The layouts whose causal rings route K/V by default (``causal_routing=None``). Contiguous
+#: routing drops half the K/V bytes, zigzag's (and the document layout's, which runs as
+#: zigzag) a quarter, both with every hop's work equal to the full rotation's (same critical
+#: path, docs/performance.md). Striped has nothing to drop.
+ROUTED_BY_DEFAULT: tuple[str, ...] = ("contiguous", "zigzag", "document")
+
+
+def routed_parts_fit(layout: str, local_len: int, block_kv: int) -> bool:
+  """Whether ``block_kv`` divides every part a routed ring computes apart (the zigzag
+  chunks, half a shard; the contiguous and striped shard is one part). A routed ring runs
+  its hop kernel once per part as the parts arrive, never on a concatenation of them."""
+  part = local_len // 2 if layouts.mask_layout(layout) == "zigzag" else local_len
+  return part % block_kv == 0
 
 
 def check_routing(causal_routing, layout: str | None = None, is_causal: bool = True) -> bool:
@@ -546,9 +554,12 @@ def routes(layout: str, ring_size: int, local_len: int, is_causal: bool,
   causal mask on the contiguous layout shard ``j`` stops at device ``n-1`` (devices ``< j``
   see none of it): half the transfers. Zigzag: device ``i`` holds chunks ``i`` (early) and
   ``2n-1-i`` (late); every device's late queries see every early chunk, so early chunks go
-  forward around the whole ring, but the late chunk of device ``j`` is seen only by devices
-  ``0..j`` under a causal mask, so late chunks go backward, ``j`` hops: 0.75x the bytes,
-  one chunk per link direction per hop. Striped: every device holds positions of the
+  around the whole ring, but the late chunk of device ``j`` is seen only by devices
+  ``0..j`` under a causal mask, so late chunks go only ``j`` hops: 0.75x the bytes. Both go
+  backward (``d -> d-1``): device ``d`` then holds both chunks of ``d + h`` at hop ``h``, and
+  sees the late one before the wrap and the early one after it, so every hop's work equals
+  the full rotation's (early chunks forward would meet devices ``h..n-1-h`` with three
+  chunk pairs of work at a hop instead of two). Striped: every device holds positions of the
   whole sequence, so under a causal mask every device sees part of every shard (nothing is
   dropped).
   """
@@ -559,7 +570,7 @@ def routes(layout: str, ring_size: int, local_len: int, is_causal: bool,
   first, last = hop_range(layout, n, s, is_causal, window)
   if layout == "zigzag":
     half = s // 2
-    parts, q_chunk = ((0, half, 1), (half, s, -1)), half
+    parts, q_chunk = ((0, half, -1), (half, s, -1)), half
   else:
     parts, q_chunk = ((0, s, 1),), s
   pos = [layouts.local_positions(layout, n, s, d) for d in range(n)]

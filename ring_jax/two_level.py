@@ -101,7 +101,8 @@ def two_level_ring_attention(query, key, value, *, axis_name, is_causal: bool = 
   cfg = _make_config(query, key, value, axis_name=(outer, inner), is_causal=is_causal,
                      segment_ids=segment_ids, scale=scale, local_window_size=local_window_size,
                      layout=layout, block_q=block_q, block_kv=block_kv, precision=precision,
-                     hop_kernel=hop_kernel, return_lse=return_lse, overlap_dkv=overlap_dkv)
+                     hop_kernel=hop_kernel, return_lse=return_lse, overlap_dkv=overlap_dkv,
+                     causal_routing=False)  # both levels rotate in full (docstring)
   tl = _TwoLevelConfig(
       ring=cfg,
       outer=dataclasses.replace(cfg, axis_name=outer, ring_size=n_o, hops=(0, n_o - 1)),

@@ -49,15 +49,25 @@ def test_unbound_axis_name_is_a_value_error():
     fn(q, k, v)
 
 
-def _pairs_by_hop(log, layout, n, local_len):
+def _pairs_by_hop(log, layout, n, local_len, sched=None):
   """``{(phase, device, hop): sorted block pairs}`` from the XLA kernel's ``record_pairs`` log:
-  the pairs its loops really computed (the first query / key position name device and shard)."""
-  first_pos = [int(ring_jax.local_positions(layout, n, local_len, d)[0]) for d in range(n)]
-  device_of = {p: d for d, p in enumerate(first_pos)}
+  the pairs its loops really computed (the first query / key position name device and shard).
+
+  With a routed ``sched`` the kernel runs once per part (a zigzag chunk): the part's first
+  position names its owner and stream, whose direction gives the hop, and its key blocks are
+  numbered from the part's start in the shard, as the schedule numbers them."""
+  pos = [np.asarray(ring_jax.local_positions(layout, n, local_len, d)) for d in range(n)]
+  device_of = {int(p[0]): d for d, p in enumerate(pos)}
+  streams = {}
+  if sched is not None and sched.routes is not None:
+    for st in sched.routes.streams:
+      for d in range(n):
+        streams[int(pos[d][st.start])] = (d, st.step, st.start // sched.block_kv)
   got = {}
   for phase, qp, kp, a, b in log:
-    d, src = device_of[qp], device_of[kp]
-    got.setdefault((phase, d, (d - src) % n), []).append((a, b))
+    d = device_of[qp]
+    src, step, offset = streams.get(kp, (device_of.get(kp), 1, 0))
+    got.setdefault((phase, d, ((d - src) * step) % n), []).append((a, b + offset))
   return {key: sorted(pairs) for key, pairs in got.items()}
 
 
@@ -79,7 +89,7 @@ def test_computed_work_follows_the_schedule(layout):
         to(q), to(k), to(v), jnp.ones_like(q)))
     jax.effects_barrier()
   sched = ring_jax.schedule(layout, n, length // n, block, block, True)
-  got = _pairs_by_hop(log, layout, n, length // n)
+  got = _pairs_by_hop(log, layout, n, length // n, sched)
   for phase in ("fwd", "bwd"):
     work = np.zeros((n, n), int)
     for d in range(n):
@@ -101,7 +111,7 @@ def test_computed_work_follows_the_schedule(layout):
 
 
 def test_routed_work_follows_the_routed_schedule():
-  """With causal routing (zigzag: early chunk of d - h, late chunk of d + h at hop h) the block
+  """With causal routing (zigzag: both chunks of d + h at hop h, one kernel call each) the block
   loops compute exactly the pairs of schedule(..., causal_routing=True), forward and backward,
   and every device the same pairs in all as without routing."""
   n, length, block = 4, 32, 4
@@ -115,7 +125,7 @@ def test_routed_work_follows_the_routed_schedule():
         to(q), to(k), to(v), jnp.ones_like(q)))
     jax.effects_barrier()
   sched = ring_jax.schedule("zigzag", n, length // n, block, block, True, causal_routing=True)
-  got = _pairs_by_hop(log, "zigzag", n, length // n)  # hop from the early chunk's owner
+  got = _pairs_by_hop(log, "zigzag", n, length // n, sched)
   for phase in ("fwd", "bwd"):
     for d in range(n):
       for h in range(n):

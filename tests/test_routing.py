@@ -21,8 +21,8 @@ from ring_jax import scheduling
 
 def test_routes_move_what_the_causal_mask_uses():
   """Contiguous: shard j stops at device n-1 (half the transfers) and its dK/dV goes home from
-  there; zigzag: early chunks forward around the ring, late chunks backward only j hops
-  (0.75x, one chunk per link direction per hop); striped: every device sees every shard."""
+  there; zigzag: both chunks travel backward (d -> d-1), early chunks around the whole ring,
+  late chunks only j hops (0.75x the bytes); striped: every device sees every shard."""
   n = 8
   con = scheduling.routes("contiguous", n, 16, True)
   (stream,) = con.streams
@@ -31,34 +31,57 @@ def test_routes_move_what_the_causal_mask_uses():
   assert con.kv_fraction() == 0.5 and con.max_chunks_per_link() == 1.0
   zig = scheduling.routes("zigzag", n, 16, True)
   early, late = zig.streams
-  assert (early.step, late.step) == (1, -1)
+  assert (early.step, late.step) == (-1, -1)
   assert [len(p) for p in early.arrive] == [0] + [n] * (n - 1)
   assert [len(p) for p in late.arrive] == [0, 7, 6, 5, 4, 3, 2, 1]
-  assert all(dst == src - 1 for pairs in late.arrive for src, dst in pairs)
-  assert zig.kv_fraction() == 0.75 and zig.max_chunks_per_link() == 0.5
+  assert all(dst == (src - 1) % n for s in zig.streams for pairs in s.arrive
+             for src, dst in pairs)
+  # Both chunks share a link at the first hops (a whole shard, as the full rotation's).
+  assert zig.kv_fraction() == 0.75 and zig.max_chunks_per_link() == 1.0
   assert not scheduling.routes("striped", n, 16, True).routed
   assert not scheduling.routes("contiguous", n, 16, False).routed
-  # The default (None): routed for causal contiguous rings only.
-  assert scheduling.check_routing(None, "contiguous", True)
+  # The default (None): routed for causal contiguous, zigzag and document rings.
+  assert all(scheduling.check_routing(None, lay, True)
+             for lay in ("contiguous", "zigzag", "document"))
   assert not scheduling.check_routing(None, "contiguous", False)
-  assert not any(scheduling.check_routing(None, lay, True) for lay in ("zigzag", "striped"))
-  assert scheduling.check_routing(True, "zigzag", True)
+  assert not scheduling.check_routing(None, "striped", True)
+  assert scheduling.check_routing(True, "striped", True)
   assert not scheduling.check_routing(False, "contiguous", True)
   with pytest.raises(TypeError, match="causal_routing must be None"):
     scheduling.check_routing("yes", "contiguous", True)
   default = ring_jax.schedule("contiguous", n, 16, 4, 4, True)
   assert default.routes is not None and default.routes.streams == con.streams
+  # A block straddling the zigzag chunks: the default runs the full rotation.
+  assert ring_jax.schedule("zigzag", n, 16, 16, 16, True).routes is None
+  assert ring_jax.schedule("zigzag", n, 16, 8, 8, True).routes is not None
 
 
-def test_routed_zigzag_schedule_keeps_the_work_and_shows_its_balance():
-  """The routed zigzag schedule computes every device's causal pairs once, as the full
-  rotation does; per hop the busiest device does up to 1.5x a balanced hop (docs/performance.md)."""
-  full = ring_jax.schedule("zigzag", 8, 16, 4, 4, True, causal_routing=False)
-  routed = ring_jax.schedule("zigzag", 8, 16, 4, 4, True, causal_routing=True)
-  assert full.routes is None and routed.routes is not None
-  np.testing.assert_array_equal(routed.work_per_device(), full.work_per_device())
-  assert routed.num_pairs[:, 1:].max() == 12 and full.num_pairs[:, 1:].max() == 8
-  assert (routed.critical_path(), full.critical_path()) == (78, 66)
+def test_routed_zigzag_schedule_keeps_every_hops_work():
+  """The routed zigzag schedule computes every device's causal pairs once, and at every hop
+  each device does the work it does in the full rotation: device d holds the chunks of
+  d + h at hop h, whose late chunk its late queries see while d + h < n and whose early chunk
+  its early queries see from the wrap on, one or the other (docs/performance.md)."""
+  for n in (2, 3, 8):
+    full = ring_jax.schedule("zigzag", n, 16, 4, 4, True, causal_routing=False)
+    routed = ring_jax.schedule("zigzag", n, 16, 4, 4, True, causal_routing=True)
+    assert full.routes is None and routed.routes is not None
+    np.testing.assert_array_equal(routed.work_per_device(), full.work_per_device())
+    np.testing.assert_array_equal(routed.num_pairs.max(axis=0), full.num_pairs.max(axis=0))
+    assert routed.critical_path() == full.critical_path()
+  assert full.critical_path() == 66
+
+
+def test_routed_zigzag_needs_blocks_inside_the_chunks():
+  """A routed ring runs the kernel once per zigzag chunk: the default falls back to the full
+  rotation when block_kv straddles the chunks; asked for by name, a clear error."""
+  mesh = make_mesh((2,), ("sequence",))
+  q, k, v = qkv(2, 1, 16, 2, 2, 8)
+  fn = functools.partial(ring_jax.ring_attention_sharded, mesh=mesh, layout="zigzag",
+                         batch_axis=None, is_causal=True, block_q=8, block_kv=8)
+  with pytest.raises(ValueError, match="block_kv=8 does not divide the zigzag chunk 4"):
+    fn(q, k, v, causal_routing=True)
+  want = ring_jax.reference_attention(q, k, v, is_causal=True)
+  assert_close(fn(q, k, v), want, what="default out")
 
 
 def _float64_oracle(q, k, v, cot, **kw):
