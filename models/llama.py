@@ -687,29 +687,29 @@ class Llama(nnx.Module):
     batch = x_BLD.shape[0]
     data = pipeline_lib.rule_shards("batch")
     micro = pipeline_lib.resolve_microbatches(cfg.pipeline_microbatches, batch, stages, data)
-    # What travels from stage to stage with each microbatch (per-row inputs of the layers).
-    rows = dict(x=x_BLD, positions=positions_BL)
-    names = dict(x=("batch", "residual_length", "embed"), positions=("batch", "length"))
+    # Only the activations travel from stage to stage; every stage reads the positions and
+    # segment ids of the microbatch it is working on from its own copy.
+    split = lambda a, n: shd.with_logical_constraint(
+        pipeline_lib.split_microbatches(a, micro), (None, *n))
+    x_names = ("batch", "residual_length", "embed")
+    rows = dict(positions=split(positions_BL, ("batch", "length")))
     if segment_ids_BL is not None:
-      rows["segment_ids"], names["segment_ids"] = segment_ids_BL, ("batch", "length")
-    inputs = jax.tree.map(
-        lambda a, n: shd.with_logical_constraint(
-            pipeline_lib.split_microbatches(a, micro), (None, *n)), rows, names)
+      rows["segment_ids"] = split(segment_ids_BL, ("batch", "length"))
 
-    def stage(stage_state, carry):
-      x_BLD, aux = layer_stack(carry["x"], stage_state, None, carry["positions"],
-                               carry.get("segment_ids"))
+    def stage(stage_state, x_BLD, rows):
+      x_BLD, aux = layer_stack(x_BLD, stage_state, None, rows["positions"],
+                               rows.get("segment_ids"))
       if jax.tree.leaves(aux):
         raise ValueError("attention outputs carried out of the layers (e.g. a prefill's KV "
                          f"cache) are not supported on a mesh with pipeline={stages}; use "
                          "a mesh with pipeline=1.")
-      return dict(carry, x=x_BLD)
+      return x_BLD
 
     stage_params = pipeline_lib.to_stages(stacked, stages)
     with jax.named_scope("pipeline"):
-      out = pipeline_lib.gpipe(stage, stage_params, inputs, names, stages=stages)
-    return shd.with_logical_constraint(pipeline_lib.merge_microbatches(out["x"]),
-                                       ("batch", "residual_length", "embed"))
+      out = pipeline_lib.gpipe(stage, stage_params, split(x_BLD, x_names), x_names, rows,
+                               stages=stages)
+    return shd.with_logical_constraint(pipeline_lib.merge_microbatches(out), x_names)
 
   @_under_rules
   @jax.named_scope("head")

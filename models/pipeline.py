@@ -7,17 +7,30 @@ The schedule runs under ``jax.shard_map`` over the ``pipeline`` axis only
 (the other axes stay automatic, so the layers inside keep their GSPMD
 shardings over ``data``, ``sequence`` and ``tensor``, and ring attention its
 own ``shard_map`` over ``sequence``): pipeline device ``s`` holds stage ``s``'s
-layers. The batch is split into ``M`` microbatches; at iteration ``t`` stage 0
-takes microbatch ``t``, every stage runs its layers once, and each stage's
-output goes to the next stage with one ``ppermute`` (stage ``S-1`` emits
-microbatch ``t - (S-1)``). ``M + S - 1`` iterations run in all (GPipe, Huang et
-al. 2019, fig. 2); the backward pass is the autodiff transpose of the loop (the
-reverse schedule, the ``ppermute`` the other way). Each stage idles for
-``S - 1`` of the ``M + S - 1`` iterations: :func:`bubble_fraction`. (Here a
-stage in the bubble computes on a copy of a real microbatch whose result is
-dropped, so the bubble costs its compute and its saved activations; the
-embedding, output head and loss run outside the schedule, replicated over
-``pipeline``.)
+layers. The batch is split into ``M`` microbatches; at iteration ``t`` stage
+``s`` runs its layers once on microbatch ``t - s`` (stage 0 takes microbatch
+``t``, stage ``S-1`` emits microbatch ``t - (S-1)``). ``M + S - 1`` iterations
+run in all (GPipe, Huang et al. 2019, fig. 2); the backward pass is the
+autodiff transpose of the loop (the reverse schedule, every transfer the other
+way). Each stage idles for ``S - 1`` of the ``M + S - 1`` iterations:
+:func:`bubble_fraction`. (Here a stage in the bubble computes on a real
+microbatch's rows and on what it received, and the result is dropped, so the
+bubble costs its compute and its saved activations; the embedding, output head
+and loss run outside the schedule, replicated over ``pipeline``.)
+
+What moves over ``pipeline``, per device and step: after each iteration but
+the last (whose outputs no stage reads), one ``ppermute`` of the activations
+``[B/M, L, D]`` (local shard) from stage ``s`` to ``s + 1`` only -- ``M + S -
+2`` of them, and as many in the backward. Nothing else travels with them: the
+positions and segment ids are inputs every stage holds for all microbatches
+(replicated over ``pipeline``, as the batch is), and a stage indexes the
+microbatch it is working on. At the ends, one all-reduce of all ``M``
+microbatches' activations brings the last stage's outputs to every stage (the
+head runs on each), and one in the backward sums the stages' cotangents of the
+inputs (stage 0's). ``tests/test_pipeline.py`` counts these in the compiled
+program. On an ``Explicit`` mesh the schedule runs with the other axes made
+``Auto`` (:func:`gpipe`): jax 0.10 would otherwise all-gather its inputs and
+saved activations over ``sequence`` at the ``shard_map`` boundary.
 
 Why a ``shard_map`` and not MaxText's stage-``vmap``: on jax 0.10 a ``vmap``
 over a ``shard_map(check_vma=True)`` (ring attention, the dense backend)
@@ -156,60 +169,81 @@ def unstaged(stacked):
   return jax.tree.map(one, stacked, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
-def gpipe(stage_fn: Callable, stage_params, inputs, names, *, stages: int):
-  """Runs ``inputs`` (pytree, leading microbatch axis ``M``) through ``S`` stages, GPipe order.
+def gpipe(stage_fn: Callable, stage_params, x, x_names, rows, *, stages: int):
+  """Runs the microbatches ``x`` (``[M, ...]``) through ``S`` stages in GPipe order.
 
   Args:
-    stage_fn: ``(params of one stage, carry) -> carry``; ``carry`` is a pytree
-      like one microbatch of ``inputs`` (what flows between stages; leaves that
-      a stage leaves unchanged, e.g. positions, simply travel along).
+    stage_fn: ``(params of one stage, x of one microbatch, rows of it) -> x``.
     stage_params: pytree with a leading stage axis ``S`` (see :func:`to_stages`).
-    inputs: pytree of ``[M, ...]`` arrays.
-    names: pytree like ``inputs`` (a tuple where it has an array): the logical
-      names of each leaf's dimensions after the microbatch axis.
+    x: ``[M, ...]``, the activations: what flows from stage to stage (the only
+      thing that does).
+    x_names: the logical names of ``x``'s dimensions after the microbatch axis.
+    rows: pytree of ``[M, ...]`` per-microbatch inputs every stage reads but none
+      changes (positions, segment ids). Every stage holds all of them (they are
+      replicated over ``pipeline``, as the batch is) and indexes the microbatch it
+      is working on, so they never travel.
     stages: ``S``, the size of the ``pipeline`` axis.
 
   Returns:
-    the last stage's carry for every microbatch, ``[M, ...]`` leaves, in order.
+    the last stage's output for every microbatch, ``[M, ...]``, in order.
   """
   mesh = shd.current_mesh()
   axis = stage_axis(mesh)
-  m = jax.tree.leaves(inputs)[0].shape[0]
-  forward = [(i, (i + 1) % stages) for i in range(stages)]
+  m = x.shape[0]
+  # Stage s sends to s + 1 only: the last stage's output goes nowhere and stage 0 receives
+  # zeros (it reads its microbatch instead). The transpose of this ppermute, the backward's,
+  # is the reverse chain (s + 1 -> s).
+  forward = [(s, s + 1) for s in range(stages - 1)]
+  P = jax.sharding.PartitionSpec
 
-  def per_stage(x, n):
-    # Every stage gets the inputs (only stage 0 reads them): broadcast outside the
-    # shard_map, so autodiff sums the stages' cotangents (zero but stage 0's) by itself.
-    x = jnp.broadcast_to(x[None], (stages, *x.shape))
-    return shd.with_logical_constraint(x, ("stages", None, *n))
+  def body(params, x, rows):
+    params = jax.tree.map(lambda a: a[0], params)
+    stage = jax.lax.axis_index(axis)
+    index = lambda a, i: jax.lax.dynamic_index_in_dim(a, i, 0, keepdims=False)
 
-  def body(params, inputs):
-    params, inputs = jax.tree.map(lambda x: x[0], (params, inputs))
-    first = jax.lax.axis_index(axis) == 0
+    def iteration(received, t):
+      # Stage s works on microbatch t - s; in its bubble (before the first microbatch
+      # arrives, after the last one left) it computes on the rows of microbatch 0 or M - 1
+      # and on what it received: finite values whose results never reach the output.
+      own = jax.tree.map(lambda a: index(a, jnp.clip(t - stage, 0, m - 1)), rows)
+      x_t = jnp.where(stage == 0, index(x, jnp.minimum(t, m - 1)), received)
+      out = stage_fn(params, x_t, own)
+      # The last iteration's outputs are read by no stage: no transfer then (M + S - 2 in
+      # all, each direction; the backward's first iteration skips it likewise). A cond, not
+      # that iteration outside the loop: a second copy of the stage would double its compile.
+      send = lambda o: jax.lax.ppermute(o, axis, forward)
+      return jax.lax.cond(t < m + stages - 2, send, jnp.zeros_like, out), out
 
-    def iteration(carry, t):
-      new = jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(
-          x, jnp.minimum(t, m - 1), 0, keepdims=False), inputs)
-      out = stage_fn(params, jax.tree.map(lambda a, b: jnp.where(first, a, b), new, carry))
-      return jax.tree.map(lambda x: jax.lax.ppermute(x, axis, forward), out), out
+    _, outs = jax.lax.scan(iteration, x[0], jnp.arange(m + stages - 1))
+    # The last stage emits microbatch j at iteration j + S - 1.
+    return outs[stages - 1:][None]
 
-    # Before microbatch 0 reaches it a stage runs on a copy of microbatch 0, and stage 0
-    # runs on copies of the last one after it: the bubble computes on real rows (finite
-    # values whose results never reach the output) instead of zeros.
-    carry = jax.tree.map(lambda x: x[0], inputs)
-    _, outs = jax.lax.scan(iteration, carry, jnp.arange(m + stages - 1))
-    return jax.tree.map(lambda x: x[stages - 1:][None], outs)
+  # The inputs enter as they are outside, replicated over pipeline (nothing moves); autodiff
+  # sums the stages' cotangents of x (only stage 0's are not zero) with one psum.
+  def run(params, x, rows):  # the context mesh: auto_axes below changes its axis types
+    return jax.shard_map(body, mesh=shd.current_mesh(), in_specs=(P(axis), P(), P()),
+                         out_specs=P(axis), axis_names={axis}, check_vma=False)(params, x, rows)
 
-  spec = jax.sharding.PartitionSpec(axis)
-  run = jax.shard_map(body, mesh=mesh, in_specs=(spec, spec), out_specs=spec,
-                      axis_names={axis}, check_vma=False)
-  outs = run(stage_params, jax.tree.map(per_stage, inputs, names))
+  if shd.is_explicit_mesh(mesh):
+    # A shard_map's specs may name only its manual axes (here pipeline), and jax 0.10 lowers
+    # one over part of an all-Explicit mesh with every other dimension closed and replicated:
+    # the inputs, the outputs and the activations autodiff saves were all-gathered over
+    # sequence, data and tensor at the boundary and sliced back (jax 0.12 lowers the
+    # arguments' own shardings). With those axes Auto the dimensions stay open, as on an Auto
+    # mesh, and nothing moves. The layers inside then see Auto axes (and constrain their
+    # activations with with_sharding_constraint instead of reshard).
+    explicit = jax.sharding.AxisType.Explicit
+    others = tuple(a for a, t in zip(mesh.axis_names, mesh.axis_types)
+                   if a != axis and t == explicit)
+    out_spec = shd.logical_to_spec(("stages", None, *x_names), mesh=mesh,
+                                   shape=(stages, *x.shape))
+    run = jax.sharding.auto_axes(run, axes=others, out_sharding=out_spec)
+  outs = run(stage_params, x, rows)
 
-  def last_stage(x, n):
-    # Only the last stage's copy holds the results (Explicit axes: say where they go).
-    if shd.is_explicit_mesh(mesh):  # no slicing of a sharded dim there: a masked sum
-      last = (jnp.arange(stages) == stages - 1).reshape((stages,) + (1,) * (x.ndim - 1))
-      return jnp.sum(jnp.where(last, x, jnp.zeros((), x.dtype)), axis=0, dtype=x.dtype)
-    return x[stages - 1]
-
-  return jax.tree.map(last_stage, outs, names)
+  # Only the last stage's copy holds the results, and every stage needs them (the head runs
+  # replicated over pipeline): a masked sum over the stage axis is one all-reduce, whose
+  # transpose moves nothing. (Slicing out the last stage is not allowed on Explicit axes, and
+  # on Auto ones XLA made it a collective-permute, an all-reduce and, in the backward,
+  # another collective-permute.)
+  last = (jnp.arange(stages) == stages - 1).reshape((stages,) + (1,) * (outs.ndim - 1))
+  return jnp.sum(jnp.where(last, outs, jnp.zeros((), outs.dtype)), axis=0, dtype=outs.dtype)
