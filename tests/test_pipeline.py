@@ -1,7 +1,9 @@
 """The pipeline axis: GPipe over `pipeline` == the one-device step (loss and every gradient)."""
 
 import json
+import math
 import os
+import re
 import subprocess
 import sys
 
@@ -141,6 +143,164 @@ def test_pipelined_model_equals_one_device_on_both_axis_types(auto):
   scale = max(float(np.abs(g).max()) for g in jax.tree.leaves(want_grads))
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * scale),
                jax.device_get(nnx.to_pure_dict(grads)), want_grads)
+
+
+_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%([\w.\-]+)\s.*\{\s*$")
+# "%name = shape op(": a tuple shape has spaces (its /*index=N*/ comments are cut first).
+_COLLECTIVE = re.compile(r"=\s*(\([^=]*?\)|\S+)\s+(collective-permute|all-gather|all-reduce|"
+                         r"reduce-scatter|all-to-all)\(")
+_ARRAY = re.compile(r"\b(pred|[a-z]+\d+)\[([\d,]*)\]")
+
+
+def _device_groups(line: str, devices: int) -> list[tuple[int, ...]]:
+  """The partition ids each group of a collective's HLO line holds (a collective-permute's
+  groups: its (source, target) pairs), in any of the three forms XLA prints: explicit
+  ``{{0,1},{2,3}}``, iota ``[2,2]<=[4]`` (optionally ``T(perm)``-transposed), and
+  ``mesh['a'=2,...] {'a'}`` (optionally with ``device_ids=(...)``)."""
+  pairs = re.search(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}", line)
+  if pairs:
+    return [tuple(map(int, p)) for p in re.findall(r"\{(\d+),(\d+)\}", pairs.group(1))]
+  listed = re.search(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}", line)
+  if listed:
+    return [tuple(map(int, g.split(","))) for g in re.findall(r"\{([\d,]+)\}", listed.group(1))]
+
+  def iota(dims, perm):  # XLA's IotaTileAssignment: arange reshaped to dims, transposed
+    ids = np.arange(devices).reshape([int(d) for d in dims.split(",")])
+    return ids.transpose([int(p) for p in perm.split(",")]) if perm else ids
+
+  tiled = re.search(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", line)
+  if tiled:
+    return [tuple(g) for g in iota(tiled.group(2), tiled.group(3)).reshape(
+        [int(d) for d in tiled.group(1).split(",")]).tolist()]
+  named = re.search(r"replica_groups=mesh\[([^\]]*)\](?:, device_ids=\(\[([\d,]+)\]"
+                    r"(?:T\(([\d,]+)\))?\))? \{([^}]*)\}", line)
+  assert named, f"no device groups in {line[:200]}"
+  axes = [(a, int(n)) for a, n in re.findall(r"'(\w+)'=(\d+)", named.group(1))]
+  ids = (iota(named.group(2), named.group(3)) if named.group(2) else np.arange(devices))
+  ids = ids.reshape([n for _, n in axes])
+  over = [i for i, (a, _) in enumerate(axes) if f"'{a}'" in named.group(4)]
+  rest = [i for i in range(len(axes)) if i not in over]
+  size = int(np.prod([axes[i][1] for i in over]))
+  return [tuple(g) for g in ids.transpose(rest + over).reshape(-1, size).tolist()]
+
+
+def _collectives(hlo: str, mesh) -> list[dict]:
+  """Every collective of compiled HLO text, with how often one run of the program runs it.
+
+  One dict per op: ``kind``; ``bytes``, what one device sends (its operand: an all-gather's
+  result over its group size); ``runs``, a while body counted ``known_trip_count`` times
+  per run of its caller, a conditional's branch once per run of the conditional (an upper
+  bound); ``in_branch``, whether it sits in a conditional's branch; ``axes``, the mesh axes
+  its groups span (partition ids are positions in ``mesh.devices``); ``pairs``, a
+  collective-permute's (source, target) as mesh coordinates; ``scope``, its op_name.
+  """
+  comps, current = {}, None
+  for line in hlo.splitlines():
+    head = _COMPUTATION.match(line)
+    if head:
+      current = head.group(1)
+      comps[current] = []
+    elif line.strip() == "}":
+      current = None
+    elif current is not None:
+      comps[current].append(line)
+  # HLO text lists callees before their callers and ENTRY last: reversed, callers come first.
+  runs, branches = {list(comps)[-1]: 1}, set()
+  for caller in reversed(list(comps)):
+    for line in comps[caller]:
+      trips = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', line)
+      body = re.findall(r"\bbody=%([\w.\-]+)", line)
+      called = re.findall(r"\b(?:condition|calls|to_apply)=%([\w.\-]+)", line)
+      listed = re.search(r"branch_computations=\{([^}]*)\}", line)
+      branch = re.findall(r"%([\w.\-]+)", listed.group(1)) if listed else []
+      branch += re.findall(r"\b(?:true|false)_computation=%([\w.\-]+)", line)
+      for callee in body + called + branch:
+        times = int(trips.group(1)) if trips and callee in body else 1
+        runs[callee] = runs.get(callee, 0) + runs.get(caller, 0) * times
+        if callee in branch or caller in branches:
+          branches.add(callee)
+  devices = mesh.devices.size
+  coords = lambda d: np.unravel_index(d, mesh.devices.shape)
+  found = []
+  for name, lines in comps.items():
+    for line in lines:
+      op = _COLLECTIVE.search(re.sub(r"/\*.*?\*/", "", line))
+      if not op or not runs.get(name):
+        continue
+      shape, kind = op.groups()
+      groups = _device_groups(line, devices)
+      nbytes = sum((1 if t == "pred" else int(re.sub(r"\D", "", t)) // 8)
+                   * math.prod(int(d) for d in dims.split(",") if d)
+                   for t, dims in _ARRAY.findall(shape))
+      if kind == "all-gather":
+        nbytes //= len(groups[0])
+      axes = {mesh.axis_names[i] for g in groups for i in range(mesh.devices.ndim)
+              if len({coords(d)[i] for d in g}) > 1}
+      scope = re.search(r'op_name="([^"]*)"', line)
+      found.append(dict(
+          kind=kind, bytes=nbytes, runs=runs[name], in_branch=name in branches, axes=axes,
+          pairs={tuple(tuple(int(c) for c in coords(d)) for d in g) for g in groups}
+          if kind == "collective-permute" else None, scope=scope.group(1) if scope else ""))
+  return found
+
+
+@pytest.mark.parametrize("auto", [False, True], ids=["explicit", "auto"])
+def test_pipeline_moves_only_the_activations_the_next_stage_reads(auto):
+  """What the pipeline moves in the compiled forward+backward of the model on pipeline=4 x
+  sequence=2 (S = 4 stages of one layer, M = 2 microbatches of 2 rows x 16 tokens), Explicit
+  and Auto axes, counted in the HLO by the mesh axes each collective's devices differ in
+  (ring attention's collective-permutes, within a pipeline stage, span sequence only).
+
+  The schedule runs M + S - 1 = 5 iterations; in iteration t stage s works on microbatch
+  t - s. Stage s's output goes to stage s + 1 only (stage S - 1's goes nowhere), so each
+  iteration's transfer is one collective-permute of one microbatch's activations per device,
+  [2 rows, 16 / 2 tokens, dim 32] float32 = 2048 bytes, with the pairs (s, s + 1) at every
+  sequence position; the last iteration's outputs are read by no stage, so it makes none:
+  M + S - 2 = 4 transfers. The backward is the transpose: the same with the pairs reversed.
+  Both permutes sit in the loop of M + S - 1 trips, in the branch of a conditional (the
+  iteration that skips it; how often a branch runs the HLO does not say). Positions and
+  segment ids do not travel (each stage holds them), so there is no other permute over
+  pipeline. Two all-reduces over pipeline move all M microbatches' activations (4096 bytes):
+  the last stage's outputs to every stage (the head runs on each), and in the backward the
+  sum of the stages' cotangents of the inputs (stage 0's: the embedding runs on each). No
+  all-gather belongs to the pipeline: every all-gather is ring attention's own (on jax 0.10
+  an Explicit mesh's boundary gathered the inputs and the saved activations over sequence).
+  """
+  stages, micro = 4, 2
+  cfg = llama.LlamaConfig(vocab_size=64, dim=32, num_layers=stages, num_heads=4,
+                          num_kv_heads=2, mlp_dim=64, layout="zigzag",
+                          pipeline_microbatches=micro)
+  tokens, pos, segs = model_utils.packed_batch(
+      cfg.vocab_size, ((5, 7), (9, 3, 4), (16,), (8, 8)), 16)
+  graphdef = model_utils.graphdef(cfg)
+  fn = jax.jit(jax.grad(lambda p, t, q, s: jnp.sum(nnx.merge(graphdef, p)(t, q, s))))
+  mesh = model_utils.make_mesh(auto=auto, pipeline=stages, sequence=2)
+  with jax.set_mesh(mesh):
+    params = shd.shard_params(model_utils.random_params(cfg), mesh)
+    hlo = fn.lower(params, tokens, pos, segs).compile().as_text()
+  ops = _collectives(hlo, mesh)
+  pipe = {kind: [op for op in ops if op["kind"] == kind and "pipeline" in op["axes"]]
+          for kind in ("collective-permute", "all-gather", "all-reduce", "reduce-scatter",
+                       "all-to-all")}
+  # Ring attention's own hops are there, and told apart.
+  assert any(op["kind"] == "collective-permute" and op["axes"] == {"sequence"} for op in ops)
+
+  activations = (4 // micro) * (16 // 2) * cfg.dim * 4
+  at = lambda p, q: tuple({"pipeline": p, "sequence": q}.get(a, 0) for a in mesh.axis_names)
+  chain = {(at(s, q), at(s + 1, q)) for s in range(stages - 1) for q in range(2)}
+  reverse = {(b, a) for a, b in chain}
+  permutes = pipe["collective-permute"]
+  assert [op["pairs"] for op in permutes] in ([chain, reverse], [reverse, chain]), permutes
+  for op in permutes:
+    assert op["axes"] == {"pipeline"} and op["bytes"] == activations, op
+    assert op["runs"] == micro + stages - 1 and op["in_branch"], op
+  reduces = pipe["all-reduce"]
+  assert len(reduces) == 2, reduces
+  for op in reduces:
+    assert op["axes"] == {"pipeline"} and op["bytes"] == micro * activations and op["runs"] == 1
+  assert not pipe["all-gather"] + pipe["reduce-scatter"] + pipe["all-to-all"]
+  gathers = [op for op in ops if op["kind"] == "all-gather"]
+  assert all("/attention/ring/" in op["scope"] for op in gathers), gathers
 
 
 def test_bubble_fraction_and_default_microbatches():
