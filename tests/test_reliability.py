@@ -313,6 +313,11 @@ supervisor.report(step=7)
 print("step 7 on stdout", flush=True)
 print("a warning on stderr", file=sys.stderr, flush=True)
 if ending == "coordinator_gone":
+  print("W1203 17:41:24.965709 30040 preemption_sync_manager.cc:147] Failed to retrieve "
+        "preemption notice from coordination service: UNAVAILABLE: recvmsg:Connection reset "
+        "by peer\\nAdditional GRPC error information from remote target coordination_service "
+        "while calling /xla.coordination.CoordinationService/GetKeyValue:\\n:UNKNOWN:Error "
+        "received from peer", file=sys.stderr, flush=True)
   print("E1201 12:16:11.010197 2745 coordination_service_agent.cc:289] Polled an error",
         file=sys.stderr, flush=True)
   print("F1201 12:16:11.010259 2745 client.h:80] Terminating process because the JAX "
@@ -369,9 +374,24 @@ def test_supervisor_reports_a_lost_coordinator_and_passes_other_endings_through(
       f"restart all 2 processes with the same command to resume: python train.py "
       f"--workdir={tmp_path}",
       f"note: JAX's report of it is in {tmp_path / f'abort_process_{me}.txt'}"]
-  for noise in ("Check failure", "Terminating process", "Polled an error", "error polling"):
-    assert noise not in err
+  for noise in ("Check failure", "Terminating process", "Polled an error", "error polling",
+                "preemption", "GRPC"):
+    assert noise not in err, err
   assert "Terminating process" in (tmp_path / f"abort_process_{me}.txt").read_text()
+
+
+def test_supervisor_lists_the_complete_steps_as_orbax_does(tmp_path):
+  """The supervisor's JAX-free listing (it reports a lost coordinator in a process that has
+  not imported JAX) equals Orbax's on a local directory: finalized steps only."""
+  from training import supervisor
+
+  directory = tmp_path / "checkpoints"
+  for name in ("2", "10", "12.orbax-checkpoint-tmp-1733240000", "notes"):
+    (directory / name).mkdir(parents=True)
+  (directory / "14").write_text("a file, not a step")
+  assert supervisor.complete_steps(str(directory)) == ckpt_lib.complete_steps(
+      str(directory)) == [2, 10]
+  assert supervisor.complete_steps(str(tmp_path / "missing")) == []
 
 
 def test_supervisor_is_wanted_on_multi_process_launches_only():

@@ -67,9 +67,14 @@ _SERVICE_GONE = re.compile(r"UNAVAILABLE|Failed to send RPC to coordination serv
 _TASK = re.compile(r"/task:(\d+)")
 # The C++ log lines just before it (the agent's "E1201 12:16:11.010197 2745
 # coordination_service_agent.cc:289] Polled an error ...", the service's "coordination_service.cc:
-# 1549] Use error polling to propagate ..."), held back until a next line shows whether the
-# termination follows.
-_AGENT_LOG = re.compile(r"^[EWF]\d{4} .*coordination_service")
+# 1549] Use error polling to propagate ...", the preemption sync manager's "W1203 ...
+# preemption_sync_manager.cc:147] Failed to retrieve preemption notice from coordination
+# service: UNAVAILABLE ..."), held back until a next line shows whether the termination
+# follows; so are the lines that continue one (gRPC's "Additional GRPC error information ...":
+# any line that is not a log line of its own while one is held).
+_AGENT_LOG = re.compile(
+    r"^[EWF]\d{4} .*(coordination_service|coordination service|preemption_sync_manager)")
+_LOG_LINE = re.compile(r"^[IWEF]\d{4} ")
 _HOLD_S = 1.0  # a held line nothing follows is passed on after this long
 
 
@@ -225,7 +230,7 @@ def supervise(argv: list[str] | None = None) -> int:
           elif _TERMINATING in line:
             swallowed.extend([*held, line])
             held = []
-          elif _AGENT_LOG.match(line):
+          elif _AGENT_LOG.match(line) or (held and not _LOG_LINE.match(line)):
             held.append(line)
             held_since = time.monotonic()
           else:
@@ -275,10 +280,24 @@ def _lost_process(info: dict, swallowed: list[str], aborted: bool) -> tuple[int,
   return None
 
 
-def _report_lost(info: dict, swallowed: list[str], out, lost: int, reason: str) -> int:
-  # Only now, with the child gone, is JAX (under the checkpoint listing) imported here.
-  from training import checkpoint as ckpt_lib
+def complete_steps(directory: str) -> list[int]:
+  """``training.checkpoint.complete_steps(directory)``, without importing JAX and Orbax
+  (seconds, on a loaded machine more than the rest of the report) where the answer does not
+  need them: on a local filesystem Orbax finalizes a step by renaming its directory from
+  ``<step>.orbax-checkpoint-tmp...`` to ``<step>``, so the directories named by a number
+  are the complete steps. Elsewhere (``gs://``: a commit file finalizes) Orbax decides."""
+  if "://" in directory:
+    from training import checkpoint as ckpt_lib  # the child is gone: JAX may load here now
+    return ckpt_lib.complete_steps(directory)
+  try:
+    names = os.listdir(directory)
+  except FileNotFoundError:
+    return []
+  return sorted(int(n) for n in names
+                if n.isdigit() and os.path.isdir(os.path.join(directory, n)))
 
+
+def _report_lost(info: dict, swallowed: list[str], out, lost: int, reason: str) -> int:
   note = ""
   if swallowed and info.get("workdir"):
     path = os.path.join(info["workdir"], f"abort_process_{info['process_id']}.txt")
@@ -291,7 +310,7 @@ def _report_lost(info: dict, swallowed: list[str], out, lost: int, reason: str) 
   directory = info["checkpoint_dir"]
   line = lost_peer_message(
       lost, info["num_processes"], reason, info.get("step"),
-      ckpt_lib.complete_steps(directory), directory, info["resume_command"])
+      complete_steps(directory), directory, info["resume_command"])
   sys.stdout.flush()
   out.write(line + "\n" + note)
   out.flush()
