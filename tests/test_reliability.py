@@ -7,6 +7,8 @@ import os
 import re
 import shutil
 import signal
+import socket
+import threading
 import time
 
 import numpy as np
@@ -212,26 +214,53 @@ class FakeCoordinationClient:
 
   def __init__(self):
     self.store: dict[str, str] = {}
+    self.changed = threading.Condition()
 
   def key_value_set(self, key, value, allow_overwrite=False):
-    if key in self.store and not allow_overwrite:
-      raise RuntimeError(f"ALREADY_EXISTS: {key}")
-    self.store[key] = value
+    with self.changed:
+      if key in self.store and not allow_overwrite:
+        raise RuntimeError(f"ALREADY_EXISTS: {key}")
+      self.store[key] = value
+      self.changed.notify_all()
 
   def key_value_dir_get(self, prefix):
     return [(k, v) for k, v in sorted(self.store.items()) if k.startswith(prefix)]
 
+  def blocking_key_value_get(self, key, timeout_in_ms):
+    with self.changed:
+      if not self.changed.wait_for(lambda: key in self.store, timeout_in_ms / 1000):
+        raise RuntimeError(f"DEADLINE_EXCEEDED: {key}")
+      return self.store[key]
 
-def _watchdog(client, process_id, num_processes, exits, timeout_s=1.0):
+
+def _watchdog(client, process_id, num_processes, exits, timeout_s=1.0, **kwargs):
   from training import distributed as dist_lib
 
-  def describe(lost, step):
-    return dist_lib.lost_peer_message(lost, num_processes, f"no heartbeat for {timeout_s:g} s",
-                                      step, [4, 6],
+  def describe(lost, step, reason):
+    return dist_lib.lost_peer_message(lost, num_processes, reason, step, [4, 6],
                                       "/w/checkpoints", "python train.py --workdir=/w")
 
   return dist_lib.PeerWatchdog(timeout_s, describe, client=client, process_id=process_id,
-                               num_processes=num_processes, exit=exits.append)
+                               num_processes=num_processes, exit=exits.append, **kwargs)
+
+
+def _linked(num_processes, exits, started=None, **kwargs):
+  """Watchdogs of processes 0..started-1 (default: all) of a run of ``num_processes``, their
+  links to process 0 up (on localhost); the heartbeat timeout is long, so only a link can
+  end the run within a test."""
+  client, started = FakeCoordinationClient(), started or num_processes
+  dogs = [_watchdog(client, i, num_processes, exits, timeout_s=60.0,
+                    coordinator_address="127.0.0.1:1", **kwargs).start()
+          for i in range(started)]
+  _until(lambda: len(dogs[0]._links) == started - 1)
+  return client, dogs
+
+
+def _until(condition, timeout_s=10.0):
+  deadline = time.monotonic() + timeout_s
+  while not condition():
+    assert time.monotonic() < deadline, "timed out"
+    time.sleep(0.02)
 
 
 def test_peer_watchdog_names_the_silent_process_and_every_survivor_exits_75(capsys):
@@ -269,7 +298,8 @@ def test_after_a_verdict_the_main_thread_waits_for_the_exit(capsys):
 
   from training import distributed as dist_lib
   coordinator = dist_lib.PeerWatchdog(
-      0.5, lambda lost, step: f"error: process {lost} lost", client=client, process_id=0,
+      0.5, lambda lost, step, reason: f"error: process {lost} lost", client=client,
+      process_id=0,
       num_processes=2, exit=slow_exit).start()
   assert coordinator.wait_for_verdict(10.0)
   assert exits == [75]  # the exit ran before the main thread could go on
@@ -284,6 +314,83 @@ def test_peer_watchdog_ignores_a_process_that_exited_cleanly():
   assert not coordinator.wait_for_verdict(2.0)
   coordinator.stop()
   assert exits == []
+
+
+def test_a_killed_process_is_declared_at_once_through_its_link(capsys):
+  """A process the kernel ends (SIGKILL: the OOM killer, a supervisor killed with it) closes
+  its link to process 0 without a word: every survivor exits 75 within a second, long
+  before the heartbeat timeout (60 s here), with the line naming it."""
+  import subprocess
+  import sys
+  from training import distributed as dist_lib
+
+  exits = []
+  client, (coordinator, survivor) = _linked(3, exits, started=2)
+  coordinator.note_step(7)
+  survivor.note_step(7)
+  # Process 2: a real process that connects as the watchdog does, then is killed.
+  port, token = client.store[dist_lib._LINK_KEY].split()
+  victim = subprocess.Popen([sys.executable, "-c", (
+      "import socket, sys, time; s = socket.create_connection(('127.0.0.1', int(sys.argv[1])))"
+      "; s.sendall(f'hello 2 {sys.argv[2]}\\n'.encode()); print(flush=True); time.sleep(60)"),
+      port, token], stdout=subprocess.PIPE)
+  victim.stdout.readline()  # connected and said hello
+  _until(lambda: 2 in coordinator._links)
+  victim.kill()
+  killed_at = time.monotonic()
+  victim.wait()
+  _until(lambda: len(exits) == 2)
+  assert time.monotonic() - killed_at < 5 and exits == [75, 75]
+  want = (f"error: process 2 of 3 stopped responding ({dist_lib.KILLED}) at step 7; the last "
+          "complete checkpoint is step 6 in /w/checkpoints; restart all 3 processes with the "
+          "same command to resume: python train.py --workdir=/w")
+  assert capsys.readouterr().err.strip().splitlines() == [want, want]  # one line each
+
+
+def test_a_process_that_exits_on_an_error_of_its_own_is_declared_after_the_grace(capsys):
+  """A process ending through Python says so on its link ("exiting"): process 0 declares it
+  lost only if still running after the grace (every process may be stopping on the same
+  error, which each must report as itself); a clean end (finish) is never declared."""
+  from training import distributed as dist_lib
+
+  exits = []
+  _, (coordinator, done, failed) = _linked(3, exits, exit_grace_s=0.5)
+  done.stop(done=True)  # distributed.finish(), then the interpreter's exit (its end closes
+  done._link.shutdown(socket.SHUT_RDWR)  # the link; here its own thread still reads it)
+  failed.stop()  # the exit handler of a process whose main thread raised
+  failed._link.shutdown(socket.SHUT_RDWR)
+  closed_at = time.monotonic()
+  assert coordinator.wait_for_verdict(10.0) and exits == [75]
+  assert time.monotonic() - closed_at >= 0.5
+  assert capsys.readouterr().err.strip() == (
+      f"error: process 2 of 3 stopped responding ({dist_lib.EXITED}) before the first step; "
+      "the last complete checkpoint is step 6 in /w/checkpoints; restart all 3 processes "
+      "with the same command to resume: python train.py --workdir=/w")
+
+  # Process 0 stopping within the grace (on its own error) declares nobody.
+  exits.clear()
+  _, (coordinator, failed) = _linked(2, exits)  # the default grace, 5 s
+  failed.stop()
+  failed._link.shutdown(socket.SHUT_RDWR)
+  time.sleep(0.2)
+  coordinator.stop()
+  assert not coordinator.wait_for_verdict(0.5) and exits == []
+
+
+def test_the_lost_peer_line_lists_checkpoints_after_python_began_its_shutdown(tmp_path):
+  """Once the main thread has ended on an error (a collective on the dead peer), Orbax's
+  listing cannot start its threads; the line still names the last complete step."""
+  from training import distributed as dist_lib
+
+  (tmp_path / "4").mkdir()
+  (tmp_path / "6.orbax-checkpoint-tmp-1733240000").mkdir()
+
+  def orbax_at_shutdown(directory):
+    raise RuntimeError("cannot schedule new futures after interpreter shutdown")
+
+  describe = dist_lib.describer(2, str(tmp_path), "python train.py", orbax_at_shutdown)
+  assert describe(1, 7, dist_lib.KILLED) == dist_lib.lost_peer_message(
+      1, 2, dist_lib.KILLED, 7, [4], str(tmp_path), "python train.py")
 
 
 def test_lost_peer_message_before_the_first_step_and_without_checkpoints():
