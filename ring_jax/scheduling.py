@@ -511,11 +511,13 @@ class Routes:
     return max(per.values(), default=0) / self.local_len
 
 
-#: The layouts whose causal rings route K/V by default (``causal_routing=None``). Contiguous
-#: routing drops half the K/V bytes, zigzag's (and the document layout's, which runs as
-#: zigzag) a quarter, both with every hop's work equal to the full rotation's (same critical
-#: path, docs/performance.md). Striped has nothing to drop.
-ROUTED_BY_DEFAULT: tuple[str, ...] = ("contiguous", "zigzag", "document")
+#: The layouts whose causal rings route K/V by default (``causal_routing=None``): contiguous
+#: routing drops half the K/V bytes and ran in the full rotation's time on CPU. Zigzag's
+#: routing (and the document layout's, which runs as zigzag) drops a quarter with the same
+#: work per hop, but its per-hop machinery (two parts, each its own kernel call and transfer)
+#: ran 1.12-1.31x the full rotation's time with 8 devices in one process (docs/performance.md):
+#: opt-in until a measurement shows it no slower.
+ROUTED_BY_DEFAULT: tuple[str, ...] = ("contiguous",)
 
 
 def routed_parts_fit(layout: str, local_len: int, block_kv: int) -> bool:
@@ -532,9 +534,8 @@ def check_routing(causal_routing, layout: str | None = None, is_causal: bool = T
   ``True`` / ``False``: as given. ``None`` (the default everywhere): on for causal
   rings in the layouts of :data:`ROUTED_BY_DEFAULT` (``layout`` and ``is_causal`` say
   which ring; without ``layout``, off). ``TypeError`` for anything else. Routing is
-  exact in every layout; contiguous causal moves half the bytes with the same work per
-  hop and, on CPU, in the same time, for two float32 K/V shards of temp in the backward
-  (its home dK/dV) and 1.05-1.2x the compile time (docs/performance.md).
+  exact in every layout; contiguous causal moves half the bytes, zigzag 0.75x, both with
+  the same work per hop as the full rotation (docs/performance.md).
   """
   if causal_routing is None:
     return bool(is_causal) and layout in ROUTED_BY_DEFAULT

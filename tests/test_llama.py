@@ -123,9 +123,9 @@ def test_ring_hop_kernel_by_name(baseline):
 
 
 def test_causal_routing_reaches_the_ring_and_keeps_values(baseline):
-  """LlamaConfig.causal_routing routes the zigzag ring's K/V (another program: the routed
-  parts travel in other collective-permutes) and keeps the dense model's logits and
-  gradients; None (the library's default) routes zigzag as True does, False does not."""
+  """LlamaConfig.causal_routing=True routes the zigzag ring's K/V (another program: the
+  routed parts travel in other collective-permutes) and keeps the dense model's logits and
+  gradients; None (the library's default) leaves zigzag unrouted."""
   params, (tokens, pos, segs, weights), want_logits, want_grads = baseline
   mesh = make_mesh(auto=True, data=2, sequence=4)
   to = lambda x: np.asarray(ring_jax.to_layout(x, "zigzag", 4))  # noqa: E731
@@ -144,8 +144,8 @@ def test_causal_routing_reaches_the_ring_and_keeps_values(baseline):
       text = fn.lower(jax.device_put(params, shd.param_shardings(params, mesh)), to(tokens),
                       to(pos), to(segs)).as_text()
     return sorted(re.findall(r"collective_permute.*?source_target_pairs = dense<(.*?)>", text))
-  assert permutes(cfgs[True]) == permutes(cfgs[None])
-  assert permutes(cfgs[None]) != permutes(dataclasses.replace(cfgs[None], causal_routing=False))
+  assert permutes(cfgs[True]) != permutes(cfgs[None])
+  assert permutes(cfgs[None]) == permutes(dataclasses.replace(cfgs[None], causal_routing=False))
 
 
 @pytest.mark.parametrize("kernel", ["pallas_gpu", "pallas_tpu", "splash"])

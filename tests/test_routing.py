@@ -40,9 +40,9 @@ def test_routes_move_what_the_causal_mask_uses():
   assert zig.kv_fraction() == 0.75 and zig.max_chunks_per_link() == 1.0
   assert not scheduling.routes("striped", n, 16, True).routed
   assert not scheduling.routes("contiguous", n, 16, False).routed
-  # The default (None): routed for causal contiguous, zigzag and document rings.
-  assert all(scheduling.check_routing(None, lay, True)
-             for lay in ("contiguous", "zigzag", "document"))
+  # The default (None): routed for causal contiguous rings only.
+  assert scheduling.check_routing(None, "contiguous", True)
+  assert not any(scheduling.check_routing(None, lay, True) for lay in ("zigzag", "document"))
   assert not scheduling.check_routing(None, "contiguous", False)
   assert not scheduling.check_routing(None, "striped", True)
   assert scheduling.check_routing(True, "striped", True)
@@ -51,9 +51,8 @@ def test_routes_move_what_the_causal_mask_uses():
     scheduling.check_routing("yes", "contiguous", True)
   default = ring_jax.schedule("contiguous", n, 16, 4, 4, True)
   assert default.routes is not None and default.routes.streams == con.streams
-  # A block straddling the zigzag chunks: the default runs the full rotation.
-  assert ring_jax.schedule("zigzag", n, 16, 16, 16, True).routes is None
-  assert ring_jax.schedule("zigzag", n, 16, 8, 8, True).routes is not None
+  # A block straddling the zigzag chunks: the routed schedule needs it asked for by name.
+  assert ring_jax.schedule("zigzag", n, 16, 8, 8, True, causal_routing=True).routes is not None
 
 
 def test_routed_zigzag_schedule_keeps_every_hops_work():
@@ -74,8 +73,8 @@ def test_routed_zigzag_schedule_keeps_every_hops_work():
 def test_routed_zigzag_needs_blocks_inside_the_chunks():
   """A routed ring runs the kernel once per zigzag chunk: the default falls back to the full
   rotation when block_kv straddles the chunks; asked for by name, a clear error."""
-  mesh = make_mesh((2,), ("sequence",))
-  q, k, v = qkv(2, 1, 16, 2, 2, 8)
+  mesh = make_mesh((4,), ("sequence",))
+  q, k, v = qkv(2, 1, 32, 2, 2, 8)
   fn = functools.partial(ring_jax.ring_attention_sharded, mesh=mesh, layout="zigzag",
                          batch_axis=None, is_causal=True, block_q=8, block_kv=8)
   with pytest.raises(ValueError, match="block_kv=8 does not divide the zigzag chunk 4"):
