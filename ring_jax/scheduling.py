@@ -389,8 +389,7 @@ def schedule(layout: str, ring_size: int, local_len: int, block_q: int, block_kv
   window = normalize_window(local_window_size)
   n = ring_size
   route = None
-  if check_routing(causal_routing, layout, is_causal) and n > 1 and (
-      causal_routing or routed_parts_fit(layout, local_len, block_kv)):
+  if check_routing(causal_routing, layout, is_causal) and n > 1:
     route = routes(layout, n, local_len, bool(is_causal), window)
     route = route if route.routed else None
   nq, nk = local_len // block_q, local_len // block_kv
@@ -518,14 +517,6 @@ class Routes:
 #: ran 1.12-1.31x the full rotation's time with 8 devices in one process (docs/performance.md):
 #: opt-in until a measurement shows it no slower.
 ROUTED_BY_DEFAULT: tuple[str, ...] = ("contiguous",)
-
-
-def routed_parts_fit(layout: str, local_len: int, block_kv: int) -> bool:
-  """Whether ``block_kv`` divides every part a routed ring computes apart (the zigzag
-  chunks, half a shard; the contiguous and striped shard is one part). A routed ring runs
-  its hop kernel once per part as the parts arrive, never on a concatenation of them."""
-  part = local_len // 2 if layouts.mask_layout(layout) == "zigzag" else local_len
-  return part % block_kv == 0
 
 
 def check_routing(causal_routing, layout: str | None = None, is_causal: bool = True) -> bool:

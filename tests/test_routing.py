@@ -51,8 +51,6 @@ def test_routes_move_what_the_causal_mask_uses():
     scheduling.check_routing("yes", "contiguous", True)
   default = ring_jax.schedule("contiguous", n, 16, 4, 4, True)
   assert default.routes is not None and default.routes.streams == con.streams
-  # A block straddling the zigzag chunks: the routed schedule needs it asked for by name.
-  assert ring_jax.schedule("zigzag", n, 16, 8, 8, True, causal_routing=True).routes is not None
 
 
 def test_routed_zigzag_schedule_keeps_every_hops_work():
@@ -68,19 +66,6 @@ def test_routed_zigzag_schedule_keeps_every_hops_work():
     np.testing.assert_array_equal(routed.num_pairs.max(axis=0), full.num_pairs.max(axis=0))
     assert routed.critical_path() == full.critical_path()
   assert full.critical_path() == 66
-
-
-def test_routed_zigzag_needs_blocks_inside_the_chunks():
-  """A routed ring runs the kernel once per zigzag chunk: the default falls back to the full
-  rotation when block_kv straddles the chunks; asked for by name, a clear error."""
-  mesh = make_mesh((4,), ("sequence",))
-  q, k, v = qkv(2, 1, 32, 2, 2, 8)
-  fn = functools.partial(ring_jax.ring_attention_sharded, mesh=mesh, layout="zigzag",
-                         batch_axis=None, is_causal=True, block_q=8, block_kv=8)
-  with pytest.raises(ValueError, match="block_kv=8 does not divide the zigzag chunk 4"):
-    fn(q, k, v, causal_routing=True)
-  want = ring_jax.reference_attention(q, k, v, is_causal=True)
-  assert_close(fn(q, k, v), want, what="default out")
 
 
 def _float64_oracle(q, k, v, cot, **kw):
