@@ -513,9 +513,9 @@ class Routes:
 #: The layouts whose causal rings route K/V by default (``causal_routing=None``): contiguous
 #: routing drops half the K/V bytes and ran in the full rotation's time on CPU. Zigzag's
 #: routing (and the document layout's, which runs as zigzag) drops a quarter with the same
-#: work per hop, but its per-hop machinery (two parts, each its own kernel call and transfer)
-#: ran 1.12-1.31x the full rotation's time with 8 devices in one process (docs/performance.md):
-#: opt-in until a measurement shows it no slower.
+#: work per hop, but its per-hop machinery (two parts, each its own transfer) ran 1.01-1.15x
+#: the full rotation's time with 8 devices in one process, 1.02-1.21x on two processes
+#: (docs/performance.md): opt-in until a measurement shows it no slower.
 ROUTED_BY_DEFAULT: tuple[str, ...] = ("contiguous",)
 
 
