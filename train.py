@@ -331,7 +331,9 @@ def _train_step(model_cfg, mesh, optim, steps: int, microbatches: int,
 def _train(config, workdir, stop_at_step, stop, mesh, ring_size) -> TrainResult:
   """Sections 2-6 of :func:`train` under ``mesh``: the first stage's step, then resume or
   initialise, then each stage that is left (its step, data, compiled program and loop),
-  then the final checkpoint. Every exit path closes the checkpointer and the writers."""
+  then the final checkpoint. Every exit path closes the checkpointer and the writers, but
+  one: a collective that lost a peer process's connection (main() then ends the process with
+  the lost-peer line), where closing would wait on the dead peer's save barrier."""
   stages = stages_lib.plan(config)  # one stage unless config.stages is set
   with jax.set_mesh(mesh):
     # --- 2. Model and optimizer: the step and its state's shapes and shardings -------------
@@ -349,8 +351,9 @@ def _train(config, workdir, stop_at_step, stop, mesh, ring_size) -> TrainResult:
         run.enter_stage(stage, multistage=len(stages) > 1)  # its step, 4. data, 5. compile
         run.run_stage(stage)  # 6. the loop: step, log, eval, checkpoint
       run.finish()  # the final checkpoint
-    except BaseException:
-      run.abort()
+    except BaseException as e:
+      if distributed_lib.collective_lost_peer(e) is None:
+        run.abort()
       raise
     finally:
       run.close_writers()
@@ -698,11 +701,14 @@ def main(argv) -> None:
   except metrics_lib.Diverged as e:
     _fail(EXIT_DIVERGED, f"error: {e}")
   except ckpt_lib.CheckpointWriteError as e:
-    distributed_lib.wait_for_verdict()  # A dead peer can fail a save: report that instead.
+    distributed_lib.exit_if_peer_lost(e)  # A dead peer can fail a save: report that instead,
+    distributed_lib.wait_for_verdict()  # whether a collective or the watchdog found it.
     _fail(EXIT_CHECKPOINT_WRITE, f"error: {e}")
-  except Exception:
-    # On several processes a dead peer surfaces here first (gloo: "Connection closed by
-    # peer"): let the watchdog name it and exit 75 rather than print a traceback.
+  except Exception as e:
+    # On several processes a dead peer surfaces here first, as a collective's error (gloo:
+    # "Connection reset by peer", from a step's metrics or a save): its line and 75 at once.
+    # Any other error waits for the watchdog's verdict before its traceback.
+    distributed_lib.exit_if_peer_lost(e)
     distributed_lib.wait_for_verdict()
     raise
   distributed_lib.finish()  # A clean end: the other processes stop expecting this one.

@@ -27,6 +27,11 @@ has to live in another process: on a multi-process launch ``train.py`` re-execut
   watchdog's verdict (seen once in CI: process 1 killed while a checkpoint was being
   written, process 0 ended by JAX 3 s later), prints the same line for process N and exits
   with 75;
+* when the child printed the lost-peer line itself (``training.distributed``: a collective
+  lost a peer's connection, or the watchdog's verdict; it sends the line on the pipe first)
+  and was ending with 75, passes that line through (never as part of JAX's held-back lines)
+  and exits with 75 whatever ended the child: JAX's abort can beat the child's own exit
+  when process 0 is the one lost, and a second line for the same loss would follow;
 * otherwise exits with the child's status (``128 + N`` if signal N ended it, after a line
   that says so: a child killed by the kernel's OOM killer prints nothing itself).
 
@@ -124,7 +129,8 @@ def wanted(argv, environ=os.environ) -> bool:
 def report(**fields) -> None:
   """Sends ``fields`` to the supervisor (no-op without one): ``process_id``,
   ``num_processes``, ``workdir``, ``checkpoint_dir``, ``resume_command``, ``coordinator``
-  once; ``step`` as the loop advances."""
+  once; ``step`` as the loop advances; ``declared``, the lost-peer line, just before the
+  child prints it itself."""
   fd = os.environ.get(_FD_ENV)
   if not fd:
     return
@@ -218,7 +224,7 @@ def supervise(argv: list[str] | None = None) -> int:
         break
       ready, _, _ = select.select([fd for fd, s in streams.items() if not s.closed], [], [],
                                   _HOLD_S / 4)
-      for fd in ready:
+      for fd in sorted(ready, key=lambda fd: fd != report_r):  # reports first ("declared")
         for line in streams[fd].read():
           if fd == report_r:
             try:
@@ -230,6 +236,9 @@ def supervise(argv: list[str] | None = None) -> int:
           elif _TERMINATING in line:
             swallowed.extend([*held, line])
             held = []
+          elif line == f"{info.get('declared')}\n":  # the child's line: never held as JAX's
+            out.write(line)
+            out.flush()
           elif _AGENT_LOG.match(line) or (held and not _LOG_LINE.match(line)):
             held.append(line)
             held_since = time.monotonic()
@@ -242,8 +251,11 @@ def supervise(argv: list[str] | None = None) -> int:
         out.writelines(held)
         out.flush()
         held = []
-    out.writelines(held)
     returncode = child.wait()
+    if info.get("declared"):  # JAX's lines about the loss the child reported go to the file
+      swallowed.extend(held)
+    else:
+      out.writelines(held)
   finally:
     for s, handler in previous.items():
       signal.signal(s, handler)
@@ -253,6 +265,8 @@ def supervise(argv: list[str] | None = None) -> int:
       child.kill()
       child.wait()
   status = returncode if returncode >= 0 else 128 - returncode
+  if info.get("declared") and returncode != 0:
+    return _declared(info, swallowed, out)
   lost = None if returncode in (0, 75) or "checkpoint_dir" not in info else _lost_process(
       info, swallowed, aborted=returncode == -signal.SIGABRT)
   if lost is None:  # Some other ending: the child said what it had to say ...
@@ -297,16 +311,36 @@ def complete_steps(directory: str) -> list[int]:
                 if n.isdigit() and os.path.isdir(os.path.join(directory, n)))
 
 
+def _save_report(info: dict, swallowed: list[str]) -> str | None:
+  """Writes JAX's held-back report to ``<workdir>/abort_process_<i>.txt``; returns the path."""
+  if not swallowed or not info.get("workdir"):
+    return None
+  path = os.path.join(info["workdir"], f"abort_process_{info['process_id']}.txt")
+  try:
+    with open(path, "w") as f:
+      f.writelines(swallowed)
+  except OSError:
+    return None
+  return path
+
+
+def _declared(info: dict, swallowed: list[str], out) -> int:
+  """The child printed the lost-peer line itself (``info["declared"]``), then ended: by its
+  exit (75) or by JAX's abort, which its line can precede by a moment when process 0 was
+  the one lost. The line stands alone (said here if JAX's report swallowed it: it came
+  after JAX's termination line); JAX's report goes to the file; the status is 75."""
+  line = info["declared"] + "\n"
+  if line in swallowed:
+    swallowed.remove(line)
+    out.write(line)
+    out.flush()
+  _save_report(info, swallowed)
+  return EXIT_PEER_LOST
+
+
 def _report_lost(info: dict, swallowed: list[str], out, lost: int, reason: str) -> int:
-  note = ""
-  if swallowed and info.get("workdir"):
-    path = os.path.join(info["workdir"], f"abort_process_{info['process_id']}.txt")
-    try:
-      with open(path, "w") as f:
-        f.writelines(swallowed)
-      note = f"note: JAX's report of it is in {path}\n"
-    except OSError:
-      pass
+  path = _save_report(info, swallowed)
+  note = f"note: JAX's report of it is in {path}\n" if path else ""
   directory = info["checkpoint_dir"]
   line = lost_peer_message(
       lost, info["num_processes"], reason, info.get("step"),
@@ -317,15 +351,17 @@ def _report_lost(info: dict, swallowed: list[str], out, lost: int, reason: str) 
   return EXIT_PEER_LOST
 
 
-def lost_peer_message(lost: int, num_processes: int, reason: str, step: int | None,
+def lost_peer_message(lost: int | None, num_processes: int, reason: str, step: int | None,
                       checkpoint_steps: list[int], checkpoint_dir: str,
                       resume_command: str) -> str:
   """The one line a survivor prints (docs/training.md, "When a process dies"); ``reason``
-  says how the loss was noticed ("no heartbeat for 60 s")."""
+  says how the loss was noticed ("no heartbeat for 60 s"); ``lost`` None: the survivor
+  cannot tell which process it lost ("another process")."""
+  who = "another process" if lost is None else f"process {lost}"
   where = f" at step {step}" if step is not None else " before the first step"
   kept = (f"the last complete checkpoint is step {checkpoint_steps[-1]} in {checkpoint_dir}"
           if checkpoint_steps else f"no complete checkpoint is in {checkpoint_dir} (a rerun "
           "starts afresh)")
-  return (f"error: process {lost} of {num_processes} stopped responding ({reason}){where}; "
+  return (f"error: {who} of {num_processes} stopped responding ({reason}){where}; "
           f"{kept}; restart all {num_processes} processes with the same command to resume: "
           f"{resume_command}")
