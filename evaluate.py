@@ -191,6 +191,8 @@ def evaluate(config, workdir: str | None, lengths, tasks=TASKS, *, hf_dir: str |
   mesh = mesh_lib.make_mesh(config.mesh)
   config = hf_init_lib.resolve_hf_init(config)  # e.g. configs/finetune.py: init.hf_dir's shape
   config = stages_lib.resolve(config)  # config.stages: the last stage's RoPE and length
+  # model.layout="auto": the layout train.py resolves for this config's data and ring.
+  config, _ = val_lib.resolve_layout(config, shd.ring_size(mesh.shape))
   if not hf_dir:  # checked before anything loads; an HF model is checked once loaded
     check_lengths(val_lib.llama_config(config), mesh, lengths)
   tokenizer = (loading.load_run_tokenizer(config, workdir=workdir, hf_dir=hf_dir, log=log)

@@ -46,6 +46,7 @@ from absl import flags
 from ml_collections import config_flags
 
 from models import inference
+from models import sharding as shd
 from training import data as data_lib
 from training.errors import EXIT_USAGE, ConfigError, UsageError
 from training import flags as flags_lib
@@ -187,6 +188,8 @@ def run(config, *, workdir=None, hf_dir=None, prompts: list[str], max_new_tokens
     sizes = mesh_lib.mesh_shape(config.mesh, jax.device_count())
   except ConfigError as e:
     raise UsageError(str(e)) from None
+  # model.layout="auto": the layout train.py resolves for this config's data and ring.
+  config, _ = val_lib.resolve_layout(config, shd.ring_size(sizes))
   mesh = mesh_lib.make_mesh(config.mesh)
   cache_len = cache_len or config.data.seq_len
   ids = [tok.encode(p) for p in prompts]

@@ -249,6 +249,7 @@ def train(config, workdir: str, *, stop_at_step: int | None = None) -> TrainResu
   # --- 1. Mesh and config checks: fail before anything is compiled -------------------------
   config = hf_init_lib.resolve_hf_init(config, log=log)  # model fields from init.hf_dir
   config = stages_lib.resolve(config)  # explicit stages; total_steps = their sum
+  config = resolve_layout(config, jax.device_count())  # "auto": every reader sees the name
   sizes = val_lib.validate_config(config, jax.device_count())  # and each stage's
   mesh = mesh_lib.make_mesh(config.mesh)
   ring_size = shd.ring_size(sizes)  # sequence_outer x sequence: the layouts span both
@@ -275,6 +276,24 @@ def train(config, workdir: str, *, stop_at_step: int | None = None) -> TrainResu
     return _train(config, workdir, stop_at_step, stop, mesh, ring_size)
   finally:
     stop.uninstall()
+
+
+def resolve_layout(config, num_devices: int):
+  """``config`` with ``model.layout="auto"`` decided for its data on the ring its mesh makes
+  of ``num_devices`` devices (:func:`training.validation.resolve_layout`), the decision
+  logged in one line; a named layout: ``config`` unchanged. :func:`main` resolves before it
+  saves the run's config.json (so the file names the layout that ran), :func:`train` again
+  for callers that skip main (a no-op on a resolved config).
+
+  Raises:
+    ConfigError: ``config.mesh`` does not fit ``num_devices`` devices.
+  """
+  if config.model.layout != val_lib.AUTO_LAYOUT:
+    return config
+  sizes = mesh_lib.mesh_shape(config.mesh, num_devices)
+  config, line = val_lib.resolve_layout(config, shd.ring_size(sizes))
+  metrics_lib.log(line)
+  return config
 
 
 @dataclasses.dataclass
@@ -685,6 +704,10 @@ def main(argv) -> None:
   distributed_lib.start_watchdog(  # A no-op on one process.
       config.distributed, ckpt_lib.checkpoint_directory(workdir),
       shlex.join(_resume_command()), steps=ckpt_lib.complete_steps)
+  try:  # Before config.json is written: it then names the layout the run trains in.
+    config = resolve_layout(config, jax.device_count())
+  except errors.ConfigError as e:
+    _fail(EXIT_USAGE, f"config error: {e}")
   if jax.process_index() == 0:
     os.makedirs(workdir, exist_ok=True)
     with open(os.path.join(workdir, "config.json"), "w") as f:

@@ -134,6 +134,7 @@ def run_fit(args):
   config = mod.get_config()
   tensor = int(config.mesh.tensor)
   mesh = mesh_lib.make_mesh({"data": 1, "sequence": args.devices // tensor, "tensor": tensor})
+  config, _ = val_lib.resolve_layout(config, args.devices // tensor)  # model.layout="auto"
   # XLA:CPU computes bfloat16 in float32 and holds a float32 copy of a bf16 cache (measured:
   # temp = 2x the cache), which no accelerator does; so the fit compiles a float32 model,
   # where the CPU's memory analysis is faithful, and a bf16 cache is derived from it below.

@@ -130,9 +130,11 @@ class Planner:
     from training import step as step_lib
     from training import validation as val_lib
 
+    self.ring = shd.ring_size(sizes)
+    # model.layout="auto": what train.py resolves at startup for this data and ring.
+    config, _ = val_lib.resolve_layout(config, self.ring)
     self.config, self.sizes, self.limit = config, sizes, limit_bytes
     self.collectives = collectives
-    self.ring = shd.ring_size(sizes)
     self.mesh = mesh_lib.make_mesh(sizes, jax.devices()[:math.prod(sizes.values())])
     # attention="auto" stays: its backend asks ring_jax.plan at each compiled length, what
     # train.py would decide at startup for that data.seq_len.

@@ -276,11 +276,17 @@ VARIANT = "long"
 
 
 def llama_config():
-  """``configs/llama_1b.py:long``'s model; in the dry run the same at tiny sizes, float32."""
+  """``configs/llama_1b.py:long``'s model; in the dry run the same at tiny sizes, float32.
+  Its ``layout="auto"`` resolves as train.py resolves it on one device (a ring of 1:
+  ``ring_jax.planning.choose_layout``); the rows here are one document each."""
   from configs import llama_1b
   from models.llama import LlamaConfig
+  from ring_jax.planning import choose_layout
 
-  cfg = LlamaConfig.from_dict(llama_1b.model_fields(VARIANT))
+  fields = llama_1b.model_fields(VARIANT)
+  if fields["layout"] == "auto":
+    fields["layout"] = choose_layout(1, packed=False)[0]
+  cfg = LlamaConfig.from_dict(fields)
   if DRY:
     return dataclasses.replace(cfg, vocab_size=512, dim=128, num_layers=2, num_heads=4,
                                num_kv_heads=2, head_dim=32, mlp_dim=256, block_q=None,

@@ -42,8 +42,12 @@ def base_config() -> ml_collections.ConfigDict:
       # (ring_jax.plan's pick, decided and printed at startup), or "dense" (the O(L^2) oracle).
       attention="ring",
       hybrid_axes=("sequence", "tensor"),
-      layout="zigzag",  # "contiguous" | "zigzag" | "striped" | "document" (packed rows:
-                        # balanced per document, ring_jax.document_layout)
+      # "auto" (decided once at startup for the data and ring, and printed: "document" for
+      # rows packing several documents, "zigzag" for one sequence per row, "contiguous" on
+      # a ring of 1; training/validation.py:resolve_layout), or a name to pin one:
+      # "contiguous" | "zigzag" | "striped" | "document" (packed rows balanced per
+      # document, ring_jax.document_layout).
+      layout="auto",
       block_q=config_dict.placeholder(int),  # None: the ring picks block sizes
       block_kv=config_dict.placeholder(int),
       hop_kernel="auto",  # ring's per-hop kernel: "auto" (TPU: splash, GPU sm90+ with the

@@ -3,11 +3,13 @@
   python train.py --config configs/llama_1b.py --workdir $RUN_DIR
 
 Mesh ``data=-1 x sequence=16``: each 131072-token row is split over a ring
-of 16 devices (8192 tokens each, zigzag), the remaining devices run data
+of 16 devices (8192 tokens each), the remaining devices run data
 parallelism with FSDP-sharded weights (e.g. 256 chips -> data=16). Default
 data: the kv-retrieval task at 128K (a passkey-style long-context check that
 needs no files); ``:text`` trains on local files (``--config.data.path``) with
-the byte tokenizer. Peak FLOP/s for MFU come from the device-kind table.
+the byte tokenizer. ``model.layout="auto"`` resolves at startup to
+``"document"`` for both (the kv task's two documents per row, packed text). Peak
+FLOP/s for MFU come from the device-kind table.
 
 :func:`model_fields` gives the model of a variant as a plain dict, for code
 without ml_collections (``benchmarks/gpu_check.py`` measures the ``long``
@@ -23,7 +25,7 @@ VARIANTS = ("text", "long")
 MODEL = dict(
     vocab_size=128_256,  # LLaMA-3 vocabulary, so converted HF weights fit
     dim=2048, num_layers=16, num_heads=32, num_kv_heads=8, head_dim=64, mlp_dim=8192,
-    rope_theta=500_000.0, tie_embeddings=True, layout="zigzag",
+    rope_theta=500_000.0, tie_embeddings=True, layout="auto",
     block_q=1024, block_kv=1024, ffn_chunk_size=4096,
     loss_chunk_size=2048,
     remat_policy="save_dots_no_batch", dtype="bfloat16", param_dtype="float32", fsdp=True,

@@ -3,7 +3,8 @@
   python train.py --config configs/llama_7b.py --workdir $RUN_DIR
 
 Mesh ``data=-1 x sequence=16 x tensor=4``: a 262144-token row is split over a
-ring of 16 (16384 tokens per device, zigzag), heads and MLP over 4-way tensor
+ring of 16 (16384 tokens per device; ``model.layout="auto"``: ``"document"`` for the kv
+task's two documents per row and for packed text), heads and MLP over 4-way tensor
 parallelism with its sequence parallelism (``model.tensor_sequence_parallel``, on for
 tensor > 1: the residual stream holds 4096 tokens per device), FSDP over the rest (e.g. 512
 chips -> data=8). Full rematerialisation per layer keeps activation memory at one layer's
@@ -29,7 +30,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.model.update(dict(
       vocab_size=32_000, dim=4096, num_layers=32, num_heads=32, num_kv_heads=32,
       head_dim=128, mlp_dim=11008, rope_theta=10_000.0, tie_embeddings=False,
-      layout="zigzag", block_q=2048, block_kv=2048, ffn_chunk_size=4096,
+      layout="auto", block_q=2048, block_kv=2048, ffn_chunk_size=4096,
       loss_chunk_size=2048,  # ffn_chunk_size=4096: the residual's 262144 / (16 * 4) tokens
       tensor_sequence_parallel=None,  # None: on (tensor=4); False: the residual replicated
       remat_policy="full", dtype="bfloat16", param_dtype="float32", fsdp=True))

@@ -237,8 +237,9 @@ plt.show()
 # `train.train(config, workdir)` is the trainer `python train.py` runs, callable in-process.
 # `configs/tiny.py` is a 2-layer LLaMA on a synthetic long-range retrieval task: key/value
 # pairs sit at the start of the sequence and the queries at the end, so answering needs
-# attention across the ring. Every attention layer is a ring over the `sequence` axis in the
-# zigzag layout. `TRAIN_STEPS` is small on CPU; on a TPU try a few hundred steps to see the
+# attention across the ring. Every attention layer is a ring over the `sequence` axis, in the
+# layout `model.layout="auto"` picks at startup (and prints): `document` for these packed
+# rows. `TRAIN_STEPS` is small on CPU; on a TPU try a few hundred steps to see the
 # retrieval accuracy climb above chance.
 
 # %%

@@ -76,8 +76,14 @@ def packed_batch(vocab_size: int, doc_lengths=((5, 7), (9, 3, 4)), length: int =
 
 
 def tiny_config(**overrides):
-  """``configs/tiny.py`` with dotted-path overrides (``{"model.dim": 32}``), as a ConfigDict."""
+  """``configs/tiny.py`` with dotted-path overrides (``{"model.dim": 32}``), as a ConfigDict.
+
+  ``model.layout`` is pinned to ``"zigzag"`` (override it to test another, or ``"auto"``,
+  which train.py resolves at startup): a test that builds the model or the data from the
+  config itself, without train.py's startup, then names the layout it runs.
+  """
   from configs import tiny
   from training import flags as flags_lib
 
-  return flags_lib.apply_overrides(tiny.get_config(), overrides.items())
+  return flags_lib.apply_overrides(tiny.get_config(),
+                                   {"model.layout": "zigzag", **overrides}.items())

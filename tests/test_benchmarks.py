@@ -207,6 +207,26 @@ def test_packed_balance_dry_run(tmp_path):
   assert "document" in (tmp_path / "packed_balance.log").read_text()
 
 
+def test_layout_host_time_small_batch():
+  """benchmarks/layout_host_time.py on a small batch: a row per shape and layout, times
+  positive; the batch it times has the pipeline's fields and packs several documents per
+  row, which the document layout only reorders row by row."""
+  import numpy as np
+
+  from benchmarks import layout_host_time
+  from training import data as data_lib
+
+  rows = layout_host_time.main(["--shapes", "2x256", "--ring", "4", "--mean", "40",
+                                "--reps", "2"])
+  assert [(r["shape"], r["layout"]) for r in rows] == [("2x256", "zigzag"),
+                                                       ("2x256", "document")]
+  assert all(r["median_ms"] > 0 and r["tokens_per_s"] > 0 for r in rows)
+  batch = layout_host_time.packed_batch(np.random.default_rng(0), 2, 256, 40)
+  assert set(batch) == set(data_lib.FIELDS) and batch["segment_ids"].max() > 2
+  out = data_lib.to_layout_np(batch, "document", 4)
+  np.testing.assert_array_equal(np.sort(out["tokens"], axis=1), np.sort(batch["tokens"], axis=1))
+
+
 # ----------------------------------------------------------------------------------------------
 # Peak FLOP/s: one table
 # ----------------------------------------------------------------------------------------------
@@ -250,17 +270,22 @@ def test_trainer_mfu_uses_the_table():
 
 
 def test_gpu_check_measures_the_shipped_long_config():
-  """gpu_check.py's model is configs/llama_1b.py:long's (read without ml_collections)."""
+  """gpu_check.py's model is configs/llama_1b.py:long's (read without ml_collections), its
+  layout="auto" resolved as train.py resolves it on one device."""
   from benchmarks import gpu_check
   from configs import llama_1b
   from models.llama import LlamaConfig
   from training import validation as val_lib
 
   for arg in (None, "text", "long"):
-    assert (LlamaConfig.from_dict(llama_1b.model_fields(arg))
-            == val_lib.llama_config(llama_1b.get_config(arg)))
+    fields = llama_1b.model_fields(arg)
+    resolved, _ = val_lib.resolve_layout(llama_1b.get_config(arg), ring_size=16)
+    assert fields["layout"] == "auto"
+    assert (LlamaConfig.from_dict({**fields, "layout": resolved.model.layout})
+            == val_lib.llama_config(resolved))
   if not gpu_check.DRY:
-    assert gpu_check.llama_config() == val_lib.llama_config(llama_1b.get_config("long"))
+    one_device, _ = val_lib.resolve_layout(llama_1b.get_config("long"), ring_size=1)
+    assert gpu_check.llama_config() == val_lib.llama_config(one_device)
 
 
 def test_models_and_train_step_import_without_ml_collections_and_grain():

@@ -34,7 +34,7 @@ def tiny(**overrides) -> ml_collections.ConfigDict:
                                       ("tiny", "dense,striped"), ("llama_1b", None),
                                       ("llama_7b", None)])
 def test_shipped_configs_build_a_model_config(name, arg):
-  config = load_config(name, arg)
+  config, _ = val_lib.resolve_layout(load_config(name, arg), ring_size=8)
   model_cfg = val_lib.llama_config(config)
   assert model_cfg.num_params() > 0
   assert model_cfg.flops_per_token(config.data.seq_len) > 6 * model_cfg.num_params(False)
@@ -126,7 +126,7 @@ def _with_mesh(mesh):
 
 @pytest.mark.parametrize("overrides,match", [
     ({"model.attention": "flash"}, "model.attention='flash' is unknown"),
-    ({"model.layout": "spiral"}, "model.layout='spiral' is unknown"),
+    ({"model.layout": "spiral"}, r"model.layout='spiral' is unknown; choose one of \('auto', "),
     ({"model.hop_kernel": "flash"}, r"model.hop_kernel='flash' is unknown.*'auto', 'xla'"),
     ({"mesh.data": 1, "mesh.sequence": 2, "mesh.tensor": 4, "model.num_heads": 6,
       "model.num_kv_heads": 2}, "num_heads=6 is not divisible by the mesh 'tensor'"),
@@ -247,3 +247,72 @@ def test_profile_steps(text, want):
 def test_bad_profile_steps_is_a_config_error(text, match):
   with pytest.raises(ConfigError, match=match):
     val_lib.validate_config(tiny(**{"profile_steps": text}), num_devices=8)
+
+
+# --- model.layout="auto" -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("overrides, ring, want, why", [
+    ({}, 4, "document", "data.kv.docs_per_row=2"),  # the kv task packs two documents
+    ({"data.kind": "text"}, 4, "document", "data.kind='text' packs documents"),
+    ({"data.kv.docs_per_row": 1}, 4, "zigzag", "one sequence per row"),
+    ({}, 1, "contiguous", "a ring of 1 device"),
+])
+def test_resolve_layout_picks_by_the_data_and_the_ring(overrides, ring, want, why):
+  """model.layout="auto" -> (a copy naming the layout, the startup line saying why); the
+  rule itself is ring_jax.planning.choose_layout (tests/test_plan.py: each branch)."""
+  config = tiny(**{"model.layout": "auto", **overrides})
+  resolved, line = val_lib.resolve_layout(config, ring)
+  assert resolved.model.layout == want and config.model.layout == "auto"
+  assert line.startswith(f"layout: auto -> {want} (") and why in line, line
+  assert val_lib.resolve_layout(resolved, ring) == (resolved, None)  # idempotent
+  assert val_lib.llama_config(resolved).layout == want
+
+
+def test_named_layouts_stay_and_auto_is_no_model_layout():
+  """A named layout is kept as it is; llama_config refuses "auto" (it needs the ring and
+  the data: resolve_layout), naming the fix."""
+  config = tiny(**{"model.layout": "striped"})
+  assert val_lib.resolve_layout(config, 4) == (config, None)
+  with pytest.raises(ConfigError, match="resolve_layout"):
+    val_lib.llama_config(tiny(**{"model.layout": "auto"}))
+
+
+def test_auto_layout_validates_as_it_resolves_and_every_stage_runs_it():
+  """validate_config checks "auto" as the layout it resolves to on the mesh's ring (the
+  length rule of "document" here, of "contiguous" on a ring of 1), and config.stages,
+  which change seq_len, batch and RoPE but not the data, all run the resolved layout."""
+  from training import stages as stages_lib
+
+  with pytest.raises(ConfigError, match=r"layout='document'.*multiple of 8"):
+    val_lib.validate_config(tiny(**{"model.layout": "auto", "data.seq_len": 132}), 8)
+  one = tiny(**{"model.layout": "auto", "data.seq_len": 129, "mesh.data": 8,
+                "mesh.sequence": 1, "data.kv.docs_per_row": 1})
+  assert val_lib.validate_config(one, 8)["sequence"] == 1  # contiguous: any length
+  staged = stages_lib.resolve(tiny(**{"model.layout": "auto", "optim.warmup_steps": 0,
+                                      "stages": "128:2,256:2:rope_theta=1e5"}))
+  assert val_lib.validate_config(staged, 8)["sequence"] == 4
+  resolved, line = val_lib.resolve_layout(staged, 4)
+  assert "-> document" in line
+  assert [s.config.model.layout for s in stages_lib.plan(resolved)] == ["document"] * 2
+
+
+@pytest.mark.parametrize("name, arg, devices, want", [
+    ("tiny", None, 8, "document"),
+    ("llama_1b", None, 256, "document"),
+    ("llama_1b", "long", 8, "document"),  # one 512K row of the kv task: two documents
+    ("llama_7b", "4d", 256, "document"),
+    ("finetune", None, 8, "document"),  # text
+])
+def test_shipped_configs_resolve_auto(name, arg, devices, want):
+  """Every shipped config leaves model.layout to "auto"; on its mesh it resolves to the
+  document layout (each trains on packed rows), and the :long variant with one document
+  per row resolves to zigzag by itself."""
+  import train as train_script
+
+  config = load_config(name, arg)
+  assert config.model.layout == "auto"
+  assert train_script.resolve_layout(config, devices).model.layout == want
+  if arg == "long":
+    config.data.kv.docs_per_row = 1
+    assert train_script.resolve_layout(config, devices).model.layout == "zigzag"

@@ -183,6 +183,38 @@ def test_kv_answers_live_on_another_device_than_their_queries(layout):
       assert device_of[source] != device_of[t], (layout, t, source)
 
 
+def test_document_layout_is_built_per_distinct_row():
+  """to_layout_np("document") builds each distinct row's permutation once (the kv task's rows
+  share theirs) and gives every row what ring_jax.document_layout gives it alone."""
+  rng = np.random.default_rng(0)
+  seg = np.zeros((3, 64), np.int32)
+  for r, cuts in enumerate(([5, 40], [17, 23, 50], [5, 40])):  # rows 0 and 2 are alike
+    for i, (a, b) in enumerate(zip([0] + cuts, cuts + [64])):
+      seg[r, a:b] = i + 1
+  batch = dict(tokens=rng.integers(0, 99, size=(3, 64)).astype(np.int32), segment_ids=seg,
+               positions=data_lib.segment_positions(seg))
+  out = data_lib.to_layout_np(batch, "document", 4)
+  for r in range(3):
+    alone = ring_jax.document_layout(seg[r:r + 1], 4)
+    np.testing.assert_array_equal(out["tokens"][r], batch["tokens"][r, alone.permutation[0]])
+    np.testing.assert_array_equal(out["positions"][r], batch["positions"][r, alone.permutation[0]])
+    np.testing.assert_array_equal(out["segment_ids"][r], alone.segment_ids[0])
+
+
+def test_make_dataset_needs_a_resolved_layout(sharding):
+  """model.layout="auto" is decided at startup (training.validation.resolve_layout); the
+  pipeline refuses it unresolved, naming that, rather than failing inside a permutation."""
+  from training import validation as val_lib
+
+  config = _tiny_config()
+  config.model.layout = "auto"
+  with pytest.raises(ValueError, match="resolve_layout"):
+    data_lib.make_dataset(config, sharding, 4, split="train")
+  resolved, _ = val_lib.resolve_layout(config, 4)
+  batch = data_lib.make_dataset(resolved, sharding, 4, split="train")[0]
+  assert batch["tokens"].shape == (config.batch_size, config.data.seq_len)
+
+
 def test_kv_task_errors_are_value_errors():
   """The data module raises plain ValueError (training.validation wraps it into ConfigError)."""
   from training.errors import ConfigError

@@ -1,6 +1,7 @@
 """init.hf_dir -> train.py -> export_hf.py: config resolution, bitwise round trips, and the
 exported directory loading in transformers with logits equal to ours."""
 
+import dataclasses
 import json
 import os
 import pathlib
@@ -82,7 +83,7 @@ def test_resolve_hf_init(tmp_path):
   logs = []
   resolved = hf_init_lib.resolve_hf_init(config, log=logs.append)
   assert config.model.dim is None  # a copy: the input is untouched
-  model_cfg = val_lib.llama_config(resolved)
+  model_cfg = val_lib.llama_config(val_lib.resolve_layout(resolved, ring_size=4)[0])
   for name in convert_hf.HF_SHAPE_FIELDS + ("rope_scaling", "norm_eps"):
     assert getattr(model_cfg, name) == getattr(cfg, name), name
   assert model_cfg.rope_theta == 1e6
@@ -318,14 +319,18 @@ def test_finetune_export_loads_in_transformers(readme_run, hf, tmp_path):
   # Ours: the trained checkpoint, ring attention on the training mesh.
   config = export_hf.read_run_config(str(workdir))
   model_cfg = val_lib.llama_config(config)
-  assert (model_cfg.attention, model_cfg.layout) == ("ring", "zigzag")
+  # model.layout="auto", resolved at startup and saved as such: packed text, a ring of 4.
+  assert (model_cfg.attention, model_cfg.layout) == ("ring", "document")
+  assert "layout: auto -> document (packed rows: several documents per row" in runs[1]["stdout"]
   step, params = export_hf.restore_params(str(workdir), model_cfg, None)
   assert step == steps
   name = "model.layers.0.mlp.up_proj.weight"
   assert not np.array_equal(_tensors(str(out))[name], _tensors(str(source))[name])
   mesh = mesh_lib.make_mesh(MESH)
   tokens_BL = np.random.default_rng(2).integers(0, model_cfg.vocab_size, size=(2, 64))
-  ours = _ring_logits(shd.shard_params(params, mesh), model_cfg, mesh, tokens_BL)
+  # One sequence per row here: the document layout deals a lone document as zigzag does.
+  ours = _ring_logits(shd.shard_params(params, mesh),
+                      dataclasses.replace(model_cfg, layout="zigzag"), mesh, tokens_BL)
 
   reloaded = transformers.AutoModelForCausalLM.from_pretrained(str(out)).eval()
   assert reloaded.dtype == torch.float32

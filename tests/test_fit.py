@@ -112,8 +112,8 @@ def test_length_multiple_matches_the_config_check():
   from training import errors
   from training import validation as val_lib
 
-  model = llama_1b.get_config("long").model
-  for ring in (1, 8):
+  for ring in (1, 8):  # layout="auto": contiguous on 1 device, document on 8
+    model = val_lib.resolve_layout(llama_1b.get_config("long"), ring)[0].model
     g = lengths.length_multiple(model, ring)
     for k in (1, 3, 128):
       assert val_lib.check_seq_len(model, ring, k * g) == k * g // ring
@@ -130,7 +130,7 @@ def _tiny_step(policy):
   from training import step as step_lib
   from training import validation as val_lib
 
-  config = tiny.get_config()
+  config, _ = val_lib.resolve_layout(tiny.get_config(), ring_size=1)
   config.model.update(dict(remat_policy=policy, dtype="bfloat16", num_layers=2))
   mesh = mesh_lib.make_mesh(dict(data=1, sequence=1, tensor=1), jax.devices()[:1])
   return step_lib.build_train_step(val_lib.llama_config(config), mesh,

@@ -160,3 +160,41 @@ def test_window_prunes_contiguous_ring():
     ring = ring_jax.plan(seq_len=8 * local, sequence=8, device="TPU v5p",
                          causal_routing=routing, **kw).estimate("ring")
     assert ring.bytes_moved == pytest.approx(fraction * full), routing
+
+
+@pytest.mark.parametrize("kwargs, want, why", [
+    (dict(ring_size=1, packed=True), "contiguous", "ring of 1"),
+    (dict(ring_size=8, packed=True, is_causal=False), "contiguous", "not causal"),
+    # A window of one shard reaches one device back: contiguous runs 2 of the 8 hops.
+    (dict(ring_size=8, packed=True, local_window_size=512, local_len=512), "contiguous",
+     "runs 2 of the 8 hops"),
+    # (left, right) as ring_attention takes it; causal: only the left side reaches back.
+    (dict(ring_size=8, packed=False, local_window_size=(1024, 1024), local_len=512),
+     "contiguous", "runs 3 of the 8 hops"),
+    # A window over 7 shards reaches the whole ring; packed rows cannot take "document".
+    (dict(ring_size=8, packed=True, local_window_size=7 * 512, local_len=512), "zigzag",
+     "document layout takes no window"),
+    (dict(ring_size=8, packed=True), "document", "several documents per row"),
+    (dict(ring_size=8, packed=False), "zigzag", "one sequence per row"),
+])
+def test_choose_layout_branches(kwargs, want, why):
+  """Each branch of ring_jax.planning.choose_layout, with the reason it gives."""
+  from ring_jax.planning import choose_layout
+
+  layout, reason = choose_layout(**kwargs)
+  assert (layout, why in reason) == (want, True), reason
+
+
+def test_choose_layout_window_agrees_with_the_hops_the_ring_runs():
+  """choose_layout's window rule is hop_range's: "contiguous" exactly when the contiguous
+  ring skips hops, and a window then needs the local length."""
+  from ring_jax import scheduling
+  from ring_jax.planning import choose_layout
+
+  for window in (1, 512, 513, 6 * 512, 6 * 512 + 1):
+    first, last = scheduling.hop_range("contiguous", 8, 512, True, (window, window))
+    skips = last - first + 1 < 8
+    assert (choose_layout(8, packed=False, local_window_size=window, local_len=512)[0]
+            == ("contiguous" if skips else "zigzag")), window
+  with pytest.raises(ValueError, match="needs local_len"):
+    choose_layout(8, packed=True, local_window_size=512)

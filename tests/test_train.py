@@ -143,6 +143,24 @@ def test_document_layout_step_equals_zigzag_step():
                params_d, params_z)
 
 
+def test_auto_layout_resolves_to_document_on_packed_rows_and_trains_as_zigzag(tmp_path, capsys):
+  """model.layout="auto" on rows of four packed documents: train() decides "document" once at
+  startup and says so in one line; the loss curve is the zigzag run's (the two layouts
+  permute the same tokens of every row; float32 summation order aside)."""
+  settings = {"model.num_layers": 1, "batch_size": 4, "eval_batch_size": 4,
+              "data.seq_len": 128, "data.kv.docs_per_row": 4, "total_steps": 3}
+  runs = {layout: train_script.train(small_config(**{"model.layout": layout, **settings}),
+                                     str(tmp_path / layout))
+          for layout in ("auto", "zigzag")}
+  out = capsys.readouterr().out
+  assert out.count("layout: auto -> document (packed rows: several documents per row; "
+                   "data.kind='kv_retrieval' with data.kv.docs_per_row=4; ring of 4)") == 1
+  assert out.count("layout=document ring=4") == 1 and out.count("layout=zigzag ring=4") == 1
+  losses = {k: [row["loss"] for row in run.history] for k, run in runs.items()}
+  assert len(losses["auto"]) == 3
+  np.testing.assert_allclose(losses["auto"], losses["zigzag"], rtol=1e-5)
+
+
 def test_resume_matches_uninterrupted_run_even_on_another_mesh(tmp_path):
   """Stop at step 3 of 6 on data=2 x sequence=4, resume to 6 on data=1 x sequence=8.
 

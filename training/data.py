@@ -58,13 +58,23 @@ def to_layout_np(batch: dict[str, np.ndarray], layout: str, ring_size: int) -> d
   on the host so no device work or transfer is spent on it. ``"document"``:
   each row by its own permutation from its segment ids
   (:func:`ring_jax.document_layout`, which balances causal work per document),
-  and ``segment_ids`` become that layout's renumbered ids (the same documents).
+  and ``segment_ids`` become that layout's renumbered ids (the same documents). A
+  permutation depends on the row's segment ids only, so it is built once per distinct row:
+  the kv task's rows all share theirs (its per-row Python, ~0.5 ms, then runs once a batch).
   """
   if layout == layouts.DOCUMENT:
-    doc = documents.document_layout(batch["segment_ids"], ring_size)
-    out = {k: np.ascontiguousarray(np.take_along_axis(v, doc.permutation, axis=1))
+    seg = batch["segment_ids"]
+    first_row: dict[bytes, int] = {}  # a distinct row's ids -> its index among the distinct
+    distinct, inverse = [], np.empty(len(seg), np.intp)
+    for r, row in enumerate(seg):
+      inverse[r] = first_row.setdefault(row.tobytes(), len(first_row))
+      if inverse[r] == len(distinct):
+        distinct.append(r)
+    doc = documents.document_layout(seg[distinct], ring_size)
+    permutation = doc.permutation[inverse]
+    out = {k: np.ascontiguousarray(np.take_along_axis(v, permutation, axis=1))
            for k, v in batch.items()}
-    out["segment_ids"] = doc.segment_ids.astype(batch["segment_ids"].dtype)
+    out["segment_ids"] = doc.segment_ids[inverse].astype(seg.dtype)
     return out
   length = batch["tokens"].shape[1]
   perm = layouts.layout_positions(layout, ring_size, length)
@@ -367,9 +377,15 @@ def make_dataset(config, sharding: jax.sharding.Sharding, ring_size: int, *,
   kv task: a ``MapDataset`` (random access by batch number); text: an ``IterDataset``
   stream of this process's data shard (:func:`data_shard`). Eval streams use a
   different seed (synthetic) or the held-out files/records (text), and always restart
-  at the first batch so every eval sees the same data.
+  at the first batch so every eval sees the same data. ``config.model.layout`` is a
+  layout's name: ``"auto"`` is resolved first (train.py does it at startup,
+  :func:`training.validation.resolve_layout`).
   """
   d = config.data
+  if config.model.layout not in layouts.ALL_LAYOUTS:
+    raise ValueError(f"model.layout={config.model.layout!r}: the data pipeline needs one of "
+                     f"{layouts.ALL_LAYOUTS} ('auto' is resolved first: "
+                     "training.validation.resolve_layout).")
   batch = config.batch_size if split == "train" else config.eval_batch_size
   rows, cols = process_slices(sharding, (batch, d.seq_len))
   seed = config.seed + (0 if split == "train" else 1_000_003)

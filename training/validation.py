@@ -3,6 +3,8 @@
 Every check in :func:`validate_config` looks at static numbers only, so a bad
 config fails with a message naming the fix before anything is traced or
 compiled; :func:`validate_stages` runs it for each of ``config.stages``.
+:func:`resolve_layout` decides ``model.layout="auto"`` once for the run's data and
+ring, before anything reads the layout.
 :func:`llama_config` turns ``config.model`` into the model's frozen
 ``LlamaConfig`` (its own field checks raise :class:`ConfigError` too), and
 :func:`resolve_attention` decides ``model.attention="auto"`` for the run's shapes.
@@ -17,13 +19,17 @@ from models import lengths
 from models import pipeline as pipeline_lib
 from models.attention import ATTENTION_BACKENDS
 from models import sharding as shd
-from ring_jax import kernels, layouts
+from ring_jax import kernels, layouts, planning
 from ring_jax.strategies import attention_axes
 from training import mesh as mesh_lib
 from training import stages as stages_lib
 from training.errors import ConfigError
 
 DATA_KINDS: tuple[str, ...] = ("kv_retrieval", "text")
+#: ``model.layout="auto"``: :func:`resolve_layout` picks one of ``ring_jax``'s layouts.
+AUTO_LAYOUT = "auto"
+#: Every value ``model.layout`` takes.
+LAYOUT_CHOICES: tuple[str, ...] = (AUTO_LAYOUT,) + layouts.ALL_LAYOUTS
 
 
 def check_seq_len(model_config, ring: int, seq_len: int) -> int:
@@ -191,9 +197,13 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int) -> dict
   Raises:
     ConfigError: naming the offending field(s) and how to fix them.
   """
-  m, d = config.model, config.data
   sizes = mesh_lib.mesh_shape(config.mesh, num_devices)
   ring, tensor, data_par = shd.ring_size(sizes), sizes["tensor"], sizes["data"]
+  if config.model.layout not in LAYOUT_CHOICES:
+    raise ConfigError(
+        f"model.layout={config.model.layout!r} is unknown; choose one of {LAYOUT_CHOICES}.")
+  config, _ = resolve_layout(config, ring)  # "auto": checked as it resolves on this ring
+  m, d = config.model, config.data
   validate_stages(config, num_devices)  # first: its errors name the stage
 
   if m.attention not in ATTENTION_BACKENDS:
@@ -203,9 +213,6 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int) -> dict
   if hop_kernel not in kernels.kernel_names():
     raise ConfigError(f"model.hop_kernel={hop_kernel!r} is unknown; choose one of "
                       f"{kernels.kernel_names()}.")
-  if m.layout not in layouts.ALL_LAYOUTS:
-    raise ConfigError(
-        f"model.layout={m.layout!r} is unknown; choose one of {layouts.ALL_LAYOUTS}.")
   routing = m.get("causal_routing")
   if routing is not None and not isinstance(routing, bool):
     raise ConfigError(f"model.causal_routing must be unset (the library's default), True or "
@@ -296,6 +303,10 @@ def llama_config(config: ml_collections.ConfigDict):
   from models.llama import LlamaConfig  # Local: keeps this module importable without Flax.
 
   fields = config.model.to_dict()
+  if fields.get("layout") == AUTO_LAYOUT:
+    raise ConfigError("model.layout='auto' is decided for the run's data and ring by "
+                      "training.validation.resolve_layout (train.py does it at startup): "
+                      "resolve the config first, or name a layout.")
   unknown = set(fields) - {f for f in LlamaConfig.__dataclass_fields__}
   if unknown:
     raise ConfigError(f"config.model has fields LlamaConfig does not know: {sorted(unknown)}.")
@@ -317,3 +328,41 @@ def resolve_attention(config: ml_collections.ConfigDict, model_cfg, mesh):
   why = ("no sequence axis (falls back to dense)" if chosen is None
          else "; ".join(chosen.reasons))
   return resolved, f"attention=auto -> {resolved.attention} (ring_jax.plan): {why}"
+
+
+def packs_documents(data_config: ml_collections.ConfigDict) -> tuple[bool, str]:
+  """``(packed, what)``: whether ``config.data``'s rows hold several documents (told apart
+  by segment ids), and the phrase saying so. ``text`` packs its stream's documents end to
+  end (concat-and-split, :func:`training.data.pack_stream`); ``kv_retrieval`` builds
+  ``data.kv.docs_per_row`` documents per row."""
+  if data_config.kind == "text":
+    return True, "data.kind='text' packs documents end to end"
+  if data_config.kind == "kv_retrieval":
+    docs = int(data_config.kv.docs_per_row)
+    return docs > 1, f"data.kind='kv_retrieval' with data.kv.docs_per_row={docs}"
+  return False, f"data.kind={data_config.kind!r}"
+
+
+def resolve_layout(config: ml_collections.ConfigDict,
+                   ring_size: int) -> tuple[ml_collections.ConfigDict, str | None]:
+  """``(config, line)``: ``model.layout="auto"`` decided for the run's data on a ring of
+  ``ring_size`` devices (a copy of ``config`` naming the layout) and the startup line saying
+  what was chosen and why; a named layout: ``config`` unchanged, ``line=None``.
+
+  The rule is :func:`ring_jax.planning.choose_layout` with :func:`packs_documents`: the
+  LLaMA is causal without a window, so on a ring of more than one device packed rows
+  (text, the kv task's several documents per row) get ``"document"`` and one sequence per
+  row ``"zigzag"``; a ring of 1 gets ``"contiguous"``. Called once at startup (train.py,
+  before the model and data pipeline are built), so every reader of ``model.layout``
+  sees the resolved name. ``config.stages`` change the length, batch, RoPE and learning
+  rate, none of which the rule reads, so every stage (:func:`training.stages.plan` copies
+  the top level's model) runs the layout resolved here. Idempotent.
+  """
+  if config.model.layout != AUTO_LAYOUT:
+    return config, None
+  packed, what = packs_documents(config.data)
+  # models.llama: attention is always causal (is_causal=True) and takes no local window.
+  layout, why = planning.choose_layout(ring_size, packed=packed, is_causal=True)
+  config = config.copy_and_resolve_references()
+  config.model.layout = layout
+  return config, f"layout: auto -> {layout} ({why}; {what}; ring of {ring_size})"

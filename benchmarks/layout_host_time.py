@@ -1,0 +1,91 @@
+r"""Host time of the data pipeline's layout step per batch: zigzag vs the document layout.
+
+  PYTHONPATH=. python benchmarks/layout_host_time.py                # seconds, 2 CPU cores
+  PYTHONPATH=. python benchmarks/layout_host_time.py --ring 16 --mean 1024 \
+      --shapes 1x131072,1x524288
+
+Every batch is reordered once on the host into the ring's layout
+(:func:`training.data.to_layout_np`, run inside the Grain pipeline before the batch is
+handed to the step). Zigzag applies one fixed permutation to every row; ``"document"``
+builds each row's own permutation from its segment ids
+(:func:`ring_jax.document_layout`) and applies it to the five fields of
+:mod:`training.batch`. This times that call alone on packed batches of each
+``--shapes`` (rows x length): segment ids of lognormal document lengths
+(``--mean`` tokens, sigma 1, as ``benchmarks/packed_balance.py`` draws them; the last
+one cut at the row's end; every row differs, so each builds its own permutation), a fresh
+batch per repetition. It prints, per shape and layout, the median and the fastest of
+``--reps`` calls in ms per batch and the tokens per second of the median: the rate the
+layout step alone can feed, to compare with the tokens per second the train step consumes
+per host (benchmarks/README.md, "The document layout's host cost").
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from benchmarks.packed_balance import packed_rows  # noqa: E402
+from training import batch as batch_lib  # noqa: E402
+from training import data as data_lib  # noqa: E402
+
+
+def packed_batch(rng, rows: int, length: int, mean: float) -> dict[str, np.ndarray]:
+  """A natural-order batch of :mod:`training.batch`'s fields over packed documents."""
+  seg = packed_rows(rng, rows, length, mean, sigma=1.0)
+  tokens = rng.integers(3, 259, size=(rows, length)).astype(batch_lib.DTYPES["tokens"])
+  labels, loss_mask = data_lib.next_token_targets(tokens, seg)
+  return dict(tokens=tokens, positions=data_lib.segment_positions(seg), segment_ids=seg,
+              labels=labels, loss_mask=loss_mask)
+
+
+def time_layout(batches: list[dict], layout: str, ring: int) -> list[float]:
+  """Seconds of one :func:`training.data.to_layout_np` call per batch."""
+  out = []
+  for batch in batches:
+    t0 = time.perf_counter()
+    data_lib.to_layout_np(batch, layout, ring)
+    out.append(time.perf_counter() - t0)
+  return out
+
+
+def main(argv=None) -> list[dict]:
+  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p.add_argument("--shapes", default="1x131072,8x16384",
+                 help="batches as ROWSxLENGTH, comma-separated")
+  p.add_argument("--ring", type=int, default=8)
+  p.add_argument("--mean", type=float, default=4096.0, help="mean document length (tokens)")
+  p.add_argument("--reps", type=int, default=9)
+  p.add_argument("--layouts", default="zigzag,document")
+  p.add_argument("--seed", type=int, default=0)
+  args = p.parse_args(argv)
+
+  rng = np.random.default_rng(args.seed)
+  results = []
+  for shape in args.shapes.split(","):
+    rows, length = (int(x) for x in shape.split("x"))
+    batches = [packed_batch(rng, rows, length, args.mean) for _ in range(args.reps)]
+    docs = np.mean([len(np.unique(b["segment_ids"][0])) for b in batches])
+    for layout in args.layouts.split(","):
+      data_lib.to_layout_np(batches[0], layout, args.ring)  # warm-up (caches, allocator)
+      seconds = time_layout(batches, layout, args.ring)
+      median = statistics.median(seconds)
+      row = dict(shape=shape, layout=layout, ring=args.ring, docs_per_row=round(docs, 1),
+                 median_ms=round(1e3 * median, 2), min_ms=round(1e3 * min(seconds), 2),
+                 tokens_per_s=round(rows * length / median))
+      results.append(row)
+      print(f"{shape:>10s} ring {args.ring} {layout:9s} ({row['docs_per_row']} docs/row): "
+            f"median {row['median_ms']:8.2f} ms/batch (min {row['min_ms']:.2f}) over "
+            f"{args.reps}, {row['tokens_per_s'] / 1e6:.1f}M tokens/s", flush=True)
+  return results
+
+
+if __name__ == "__main__":
+  main()
