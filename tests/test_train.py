@@ -146,19 +146,23 @@ def test_document_layout_step_equals_zigzag_step():
 def test_auto_layout_resolves_to_document_on_packed_rows_and_trains_as_zigzag(tmp_path, capsys):
   """model.layout="auto" on rows of four packed documents: train() decides "document" once at
   startup and says so in one line; the loss curve is the zigzag run's (the two layouts
-  permute the same tokens of every row; float32 summation order aside)."""
+  permute the same tokens of every row; float32 summation order aside), and so is the routed
+  zigzag ring's (model.causal_routing=True: the same attention, fewer K/V bytes)."""
   settings = {"model.num_layers": 1, "batch_size": 4, "eval_batch_size": 4,
               "data.seq_len": 128, "data.kv.docs_per_row": 4, "total_steps": 3}
-  runs = {layout: train_script.train(small_config(**{"model.layout": layout, **settings}),
-                                     str(tmp_path / layout))
-          for layout in ("auto", "zigzag")}
+  variants = {"auto": {"model.layout": "auto"}, "zigzag": {"model.layout": "zigzag"},
+              "routed": {"model.layout": "zigzag", "model.causal_routing": True}}
+  runs = {name: train_script.train(small_config(**over, **settings), str(tmp_path / name))
+          for name, over in variants.items()}
   out = capsys.readouterr().out
   assert out.count("layout: auto -> document (packed rows: several documents per row; "
                    "data.kind='kv_retrieval' with data.kv.docs_per_row=4; ring of 4)") == 1
-  assert out.count("layout=document ring=4") == 1 and out.count("layout=zigzag ring=4") == 1
+  assert out.count("layout=document ring=4") == 1 and out.count("layout=zigzag ring=4") == 2
+  assert out.count("ring K/V routing: routed under the causal mask") == 1
   losses = {k: [row["loss"] for row in run.history] for k, run in runs.items()}
   assert len(losses["auto"]) == 3
   np.testing.assert_allclose(losses["auto"], losses["zigzag"], rtol=1e-5)
+  np.testing.assert_allclose(losses["routed"], losses["zigzag"], rtol=1e-5)
 
 
 def test_resume_matches_uninterrupted_run_even_on_another_mesh(tmp_path):
