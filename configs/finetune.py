@@ -10,7 +10,8 @@ as in the other configs). The model's shape and RoPE come from
 ``init.hf_dir/config.json``: the fields of
 :data:`models.convert_hf.HF_FIELDS` (vocab_size, dim, num_layers, num_heads,
 num_kv_heads, head_dim, mlp_dim, rope_theta, rope_scaling, norm_eps,
-tie_embeddings) are None here, which means "take config.json's value".
+tie_embeddings, and the architecture fields qkv_bias, qk_norm, sliding_window, layer_types,
+family) are None here, which means "take config.json's value".
 Setting one is an override: ``--config.model.rope_theta=5e6`` trains with that
 RoPE base (context extension), and export_hf.py writes it into the exported
 config.json. The shape fields must equal config.json's (the weights fix them),
@@ -33,7 +34,8 @@ from configs import common
 # The types of models.convert_hf.HF_FIELDS (kept here: configs import no model code).
 _HF_FIELD_TYPES = dict(vocab_size=int, dim=int, num_layers=int, num_heads=int, num_kv_heads=int,
                        head_dim=int, mlp_dim=int, rope_theta=float, rope_scaling=dict,
-                       norm_eps=float, tie_embeddings=bool)
+                       norm_eps=float, tie_embeddings=bool, qkv_bias=bool, qk_norm=bool,
+                       sliding_window=int, layer_types=tuple, family=str)
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:

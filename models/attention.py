@@ -11,7 +11,11 @@ on *layout-ordered* inputs (the caller applied :func:`ring_jax.to_layout`),
 key/value head ``n // (N // K)``), causal over ``positions_BL``, attending
 only within equal ``segment_ids_BL`` (None: one document per row; 0 is
 padding). ``cfg`` is the :class:`models.llama.LlamaConfig` (``layout``,
-``block_q``, ``block_kv``). The mesh is the context mesh (``jax.set_mesh``),
+``block_q``, ``block_kv``). A layer with a sliding window calls its backend
+with one more keyword, ``local_window_size=(w - 1, 0)`` (``ring_jax``'s
+meaning, keys in ``[p - left, p + right]``; :func:`ring_window` converts
+Hugging Face's ``sliding_window`` ``w``); the built-in backends take it, a
+registered one without that keyword serves windowless models only. The mesh is the context mesh (``jax.set_mesh``),
 or none.
 
 The registered backends: ``"ring"``, ``"all_gather"``, ``"ulysses"``,
@@ -65,12 +69,28 @@ def check_backend(name: Any) -> None:
                      "(register new ones with models.attention.register_attention).")
 
 
-def attention(cfg, q_BLNH, k_BLKH, v_BLKH, positions_BL, segment_ids_BL):
-  """Runs the backend ``cfg.attention`` names (see the module docstring for the contract)."""
+def ring_window(sliding_window: int | None) -> tuple[int, int] | None:
+  """Hugging Face's ``sliding_window`` ``w`` as ``ring_jax``'s ``local_window_size``.
+
+  transformers' ``sliding_window_overlay`` keeps key ``k`` for query ``q`` iff
+  ``k > q - w`` (with the causal mask: the query and the ``w - 1`` keys before
+  it); ``ring_jax`` keeps keys in ``[q - left, q + right]``: ``(w - 1, 0)``.
+  """
+  if sliding_window is None:
+    return None
+  if sliding_window < 1:
+    raise ValueError(f"sliding_window must be >= 1, got {sliding_window}.")
+  return (int(sliding_window) - 1, 0)
+
+
+def attention(cfg, q_BLNH, k_BLKH, v_BLKH, positions_BL, segment_ids_BL, window=None):
+  """Runs the backend ``cfg.attention`` names (see the module docstring for the contract);
+  ``window``: the layer's Hugging Face ``sliding_window`` (None: full causal attention)."""
   check_backend(cfg.attention)
+  extra = {} if window is None else {"local_window_size": ring_window(window)}
   with jax.named_scope(cfg.attention):
     return ATTENTION_BACKENDS[cfg.attention](cfg, q_BLNH, k_BLKH, v_BLKH, positions_BL,
-                                             segment_ids_BL)
+                                             segment_ids_BL, **extra)
 
 
 def rule_axis(name: str, mesh) -> str | None:
@@ -215,11 +235,13 @@ def _axes_for_shapes(mesh, batch: int, heads: int, kv_heads: int):
 def _sharded_strategy(strategy: str) -> AttentionBackend:
   """The backend running ``ring_jax.attention_sharded(..., strategy=strategy)``."""
 
-  def backend(cfg, q_BLNH, k_BLKH, v_BLKH, positions_BL, segment_ids_BL):
+  def backend(cfg, q_BLNH, k_BLKH, v_BLKH, positions_BL, segment_ids_BL,
+              local_window_size=None):
     mesh = shd.current_mesh()
     seq_axis = sequence_axis(mesh)
     if seq_axis is None:  # no ring to run on: the same values, densely
-      return dense(cfg, q_BLNH, k_BLKH, v_BLKH, positions_BL, segment_ids_BL)
+      return dense(cfg, q_BLNH, k_BLKH, v_BLKH, positions_BL, segment_ids_BL,
+                   local_window_size=local_window_size)
     name = strategy
     if name == "auto":
       name = plan_attention(cfg, mesh, q_BLNH.shape[0], q_BLNH.shape[1]).strategy
@@ -236,7 +258,8 @@ def _sharded_strategy(strategy: str) -> AttentionBackend:
         q_BLNH, k_BLKH, v_BLKH, mesh=mesh, strategy=name, seq_axis=seq,
         batch_axis=batch_axis, head_axis=head_axis, is_causal=True, segment_ids=segment_ids_BL,
         layout=cfg.layout, inputs_in_layout=True, block_q=cfg.block_q, block_kv=cfg.block_kv,
-        hop_kernel=cfg.hop_kernel, causal_routing=cfg.causal_routing)
+        hop_kernel=cfg.hop_kernel, causal_routing=cfg.causal_routing,
+        local_window_size=local_window_size)
 
   backend.__name__ = strategy
   backend.__qualname__ = strategy
@@ -251,8 +274,9 @@ def _sharded_strategy(strategy: str) -> AttentionBackend:
   return backend
 
 
-def dense(cfg, q_BLNH, k_BLKH, v_BLKH, positions_BL, segment_ids_BL):
-  """:func:`ring_jax.reference_attention`, causal over ``positions`` (so any layout order).
+def dense(cfg, q_BLNH, k_BLKH, v_BLKH, positions_BL, segment_ids_BL, local_window_size=None):
+  """:func:`ring_jax.reference_attention`, causal over ``positions`` (so any layout order),
+  within ``local_window_size`` if given.
 
   On a mesh it runs under ``shard_map`` per (batch, head) shard with the
   whole sequence gathered: a reference, not a long-context path.
@@ -261,7 +285,8 @@ def dense(cfg, q_BLNH, k_BLKH, v_BLKH, positions_BL, segment_ids_BL):
 
   def local(q, k, v, pos, seg):
     return ring_jax.reference_attention(q, k, v, is_causal=True, segment_ids=seg,
-                                        q_positions=pos, kv_positions=pos)
+                                        q_positions=pos, kv_positions=pos,
+                                        local_window_size=local_window_size)
 
   mesh = shd.current_mesh()
   if mesh is None:

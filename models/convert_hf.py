@@ -1,4 +1,23 @@
-"""Hugging Face LLaMA checkpoints <-> :class:`models.llama.Llama`, local directories only.
+"""Hugging Face LLaMA, Mistral, Qwen2/2.5 and Qwen3 checkpoints <-> :class:`models.llama.Llama`,
+local directories only.
+
+The four families are one model with a few fields (:class:`models.llama.LlamaConfig`):
+``config.json``'s ``model_type`` (and ``architectures``, when present) picks the
+family in :data:`FAMILIES`, which says how its fields map:
+
+* ``llama`` (``LlamaForCausalLM``): no biases, no window.
+* ``mistral`` (``MistralForCausalLM``): ``sliding_window`` on every layer (or null).
+* ``qwen2`` (``Qwen2ForCausalLM``): q/k/v biases (``qkv_bias``); a window on the
+  layers transformers marks ``"sliding_attention"`` (``layer_types``, or derived
+  as transformers does: with ``use_sliding_window``, layers ``i >= max_window_layers``).
+* ``qwen3`` (``Qwen3ForCausalLM``): RMSNorm on q and k per head (``qk_norm``),
+  ``head_dim`` independent of ``hidden_size / heads``; windows as qwen2.
+
+RoPE: ``rope_type`` ``default``, ``linear``, ``llama3``, ``yarn`` and ``dynamic``
+(``rope_parameters`` of transformers >= 5 or ``rope_theta`` + ``rope_scaling``).
+Anything else (another model type or architecture, an activation other than
+``silu``, ``attention_bias`` where it would bias ``o_proj``, ``mlp_bias``, a
+rope type, ``partial_rotary_factor``) is one ValueError naming it.
 
 Import reads ``config.json`` and ``model.safetensors`` or the shards listed in
 ``model.safetensors.index.json`` with the ``safetensors`` package
@@ -20,6 +39,9 @@ HF                                                      ours
 ``model.layers.i.self_attn.q_proj.weight [N*H, D]``     ``layers.attn.wq[i] [D, N, H]``
 ``model.layers.i.self_attn.{k,v}_proj.weight [K*H, D]`` ``layers.attn.w{k,v}[i] [D, K, H]``
 ``model.layers.i.self_attn.o_proj.weight [D, N*H]``     ``layers.attn.wo[i] [N, H, D]``
+``model.layers.i.self_attn.q_proj.bias [N*H]``          ``layers.attn.bq[i] [N, H]`` (qwen2)
+``model.layers.i.self_attn.{k,v}_proj.bias [K*H]``      ``layers.attn.b{k,v}[i] [K, H]`` (qwen2)
+``model.layers.i.self_attn.{q,k}_norm.weight [H]``      ``layers.attn.{q,k}_norm.scale[i]`` (qwen3)
 ``model.layers.i.mlp.{gate,up}_proj.weight [F, D]``     ``layers.mlp.w_{gate,up}[i] [D, F]``
 ``model.layers.i.mlp.down_proj.weight [D, F]``          ``layers.mlp.w_down[i] [F, D]``
 ``model.layers.i.input_layernorm.weight``               ``layers.attn_norm.scale[i]``
@@ -59,10 +81,32 @@ from models.llama import Llama, LlamaConfig
 #: The ``LlamaConfig`` fields a Hugging Face ``config.json`` determines (see :func:`hf_model_fields`).
 HF_FIELDS: tuple[str, ...] = ("vocab_size", "dim", "num_layers", "num_heads", "num_kv_heads",
                               "head_dim", "mlp_dim", "rope_theta", "rope_scaling", "norm_eps",
-                              "tie_embeddings")
-#: Of those, the ones fixed by the weights' shapes (they cannot be overridden).
+                              "tie_embeddings", "qkv_bias", "qk_norm", "sliding_window",
+                              "layer_types", "family")
+#: Of those, the ones fixed by the weights (their shapes, which tensors exist, and the
+#: architecture they are exported as): they cannot be overridden.
 HF_SHAPE_FIELDS: tuple[str, ...] = ("vocab_size", "dim", "num_layers", "num_heads",
-                                    "num_kv_heads", "head_dim", "mlp_dim", "tie_embeddings")
+                                    "num_kv_heads", "head_dim", "mlp_dim", "tie_embeddings",
+                                    "qkv_bias", "qk_norm", "family")
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+  """What one Hugging Face architecture is, as fields of :class:`LlamaConfig`."""
+  model_type: str
+  architecture: str
+  qkv_bias: bool  # q/k/v_proj carry biases (always, for this family)
+  qk_norm: bool  # q_norm/k_norm (always, for this family)
+  window: str  # "none", "all" (one sliding_window for every layer) or "layer_types"
+
+
+#: ``model_type`` -> :class:`Family`: the families import and export cover.
+FAMILIES: dict[str, Family] = {
+    "llama": Family("llama", "LlamaForCausalLM", False, False, "none"),
+    "mistral": Family("mistral", "MistralForCausalLM", False, False, "all"),
+    "qwen2": Family("qwen2", "Qwen2ForCausalLM", True, False, "layer_types"),
+    "qwen3": Family("qwen3", "Qwen3ForCausalLM", False, True, "layer_types"),
+}
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -83,27 +127,86 @@ def read_hf_config_json(path: str) -> dict[str, Any]:
     return json.load(f)
 
 
+def _rope_fields(hf: Mapping[str, Any], where: str) -> tuple[float, dict | None]:
+  """``(rope_theta, rope_scaling)`` of a config.json, checked (ValueError naming the field)."""
+  from models.llama import ROPE_TYPES
+
+  rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+  rope_theta = rope.pop("rope_theta", hf.get("rope_theta", 10000.0))
+  rope_type = rope.get("rope_type", rope.get("type", "default"))
+  if rope_type not in ROPE_TYPES:
+    raise ValueError(f"{where}: rope_type {rope_type!r} is not supported (supported: "
+                     f"{', '.join(ROPE_TYPES)}).")
+  partial = rope.pop("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+  if partial not in (None, 1, 1.0):
+    raise ValueError(f"{where}: partial_rotary_factor={partial} is not supported (RoPE on "
+                     "every channel only).")
+  if rope_type == "default":
+    return float(rope_theta), None
+  positions = hf.get("max_position_embeddings")
+  if rope_type == "yarn":
+    # transformers' standardize_rope_params: the pretraining length defaults to
+    # max_position_embeddings; a missing factor is max_position / original.
+    rope.setdefault("original_max_position_embeddings", positions)
+    if rope.get("factor") is None and positions:
+      rope["factor"] = positions / rope["original_max_position_embeddings"]
+  if rope_type == "dynamic":
+    # _compute_dynamic_ntk_parameters scales against max_position_embeddings.
+    rope["original_max_position_embeddings"] = positions
+  return float(rope_theta), rope
+
+
+def _family(hf: Mapping[str, Any], where: str) -> Family:
+  model_type = hf.get("model_type", "llama")
+  if model_type not in FAMILIES:
+    raise ValueError(f"{where}: model_type {model_type!r} is not supported (supported: "
+                     f"{', '.join(FAMILIES)}).")
+  family = FAMILIES[model_type]
+  for arch in hf.get("architectures") or []:
+    if arch != family.architecture:
+      raise ValueError(f"{where}: architecture {arch!r} is not supported for model_type "
+                       f"{model_type!r} (supported: {family.architecture}).")
+  return family
+
+
 def hf_model_fields(path: str) -> dict[str, Any]:
   """The :data:`HF_FIELDS` of :class:`LlamaConfig`, read from ``path/config.json``.
 
   Understands both ``rope_theta`` + ``rope_scaling`` (transformers < 5) and
   ``rope_parameters`` (transformers >= 5). ``rope_scaling`` is None for the
-  default RoPE. Raises ValueError for a model this LLaMA is not (biases,
-  another activation, another ``model_type``).
+  default RoPE. The family (:data:`FAMILIES`) comes from ``model_type``;
+  windows as transformers resolves them (module docstring). Raises ValueError
+  naming what this model is not (a model type, an architecture, biases,
+  another activation, a rope type).
   """
   hf = read_hf_config_json(path)
-  model_type = hf.get("model_type", "llama")
-  if model_type != "llama":
-    raise ValueError(f"{path}: model_type {model_type!r} is not 'llama'.")
-  for flag in ("attention_bias", "mlp_bias"):
-    if hf.get(flag):
-      raise ValueError(f"{path}: {flag}=True is not supported (LLaMA has no biases).")
-  if hf.get("hidden_act", "silu") != "silu":
-    raise ValueError(f"{path}: hidden_act {hf['hidden_act']!r} is not 'silu' (SwiGLU).")
-  rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
-  rope_theta = rope.pop("rope_theta", hf.get("rope_theta", 10000.0))
-  rope_type = rope.get("rope_type", rope.get("type", "default"))
+  family = _family(hf, path)
+  if hf.get("mlp_bias"):
+    raise ValueError(f"{path}: mlp_bias=True is not supported (no MLP biases).")
+  if hf.get("attention_bias") and family.model_type != "qwen2":
+    raise ValueError(f"{path}: attention_bias=True is not supported for {family.model_type!r} "
+                     "(it biases o_proj too; only qwen2's q/k/v biases are).")
+  act = hf.get("hidden_act", hf.get("hidden_activation", "silu"))
+  if act != "silu":
+    raise ValueError(f"{path}: hidden_act {act!r} is not supported (only 'silu', SwiGLU).")
+  rope_theta, rope_scaling = _rope_fields(hf, path)
   num_heads = hf["num_attention_heads"]
+  window, layer_types = None, None
+  if family.window == "all":
+    window = hf.get("sliding_window")
+  elif family.window == "layer_types":
+    # Qwen2Config/Qwen3Config.__post_init__: the window only with use_sliding_window, on
+    # the layers layer_types marks (derived from max_window_layers when absent).
+    window = hf.get("sliding_window") if hf.get("use_sliding_window") else None
+    if window is not None:
+      n = hf["num_hidden_layers"]
+      types = hf.get("layer_types") or [
+          "sliding_attention" if i >= hf.get("max_window_layers", 28) else "full_attention"
+          for i in range(n)]
+      if "sliding_attention" not in types:
+        window = None
+      elif "full_attention" in types:
+        layer_types = tuple(types)
   return dict(
       vocab_size=hf["vocab_size"],
       dim=hf["hidden_size"],
@@ -112,11 +215,35 @@ def hf_model_fields(path: str) -> dict[str, Any]:
       num_kv_heads=hf.get("num_key_value_heads") or num_heads,
       head_dim=hf.get("head_dim") or hf["hidden_size"] // num_heads,
       mlp_dim=hf["intermediate_size"],
-      rope_theta=float(rope_theta),
-      rope_scaling=None if rope_type == "default" else rope,
+      rope_theta=rope_theta,
+      rope_scaling=rope_scaling,
       norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
       tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+      qkv_bias=family.qkv_bias,
+      qk_norm=family.qk_norm,
+      sliding_window=None if window is None else int(window),
+      layer_types=layer_types,
+      family=family.model_type,
   )
+
+
+def check_family(cfg: LlamaConfig) -> Family:
+  """The :class:`Family` of ``cfg.family``, after checking that its architecture can express
+  ``cfg`` (ValueError naming the field and the family that could)."""
+  family = FAMILIES[cfg.family]
+  if cfg.qkv_bias != family.qkv_bias:
+    raise ValueError(f"family {cfg.family!r} {'always has' if family.qkv_bias else 'has no'} "
+                     f"q/k/v biases, but qkv_bias={cfg.qkv_bias} (qwen2 has them).")
+  if cfg.qk_norm != family.qk_norm:
+    raise ValueError(f"family {cfg.family!r} {'always has' if family.qk_norm else 'has no'} "
+                     f"q/k norms, but qk_norm={cfg.qk_norm} (qwen3 has them).")
+  if cfg.sliding_window is not None and family.window == "none":
+    raise ValueError(f"family {cfg.family!r} has no sliding window, but sliding_window="
+                     f"{cfg.sliding_window} (mistral, qwen2 and qwen3 have one).")
+  if cfg.layer_types is not None and family.window != "layer_types":
+    raise ValueError(f"family {cfg.family!r} has one window for all layers, but layer_types="
+                     f"{list(cfg.layer_types)} (qwen2 and qwen3 take per-layer types).")
+  return family
 
 
 def load_hf_config(path: str, **overrides: Any) -> LlamaConfig:
@@ -125,25 +252,37 @@ def load_hf_config(path: str, **overrides: Any) -> LlamaConfig:
   ``overrides`` set fields HF does not know about (``attention``, ``layout``,
   ``dtype``, ``param_dtype``, ``remat_policy``, ...) or replace converted ones.
   """
-  return LlamaConfig(**{**hf_model_fields(path), **overrides})
+  cfg = LlamaConfig(**{**hf_model_fields(path), **overrides})
+  check_family(cfg)
+  return cfg
 
 
 def hf_config_dict(cfg: LlamaConfig, base: Mapping[str, Any] | None = None, *,
                    max_position_embeddings: int | None = None) -> dict[str, Any]:
-  """A ``LlamaForCausalLM`` ``config.json`` for ``cfg`` (the inverse of :func:`hf_model_fields`).
+  """The ``config.json`` of ``cfg``'s family (``LlamaForCausalLM``, ``MistralForCausalLM``,
+  ``Qwen2ForCausalLM`` or ``Qwen3ForCausalLM``; the inverse of :func:`hf_model_fields`).
 
   RoPE is written as ``rope_theta`` + ``rope_scaling`` (what transformers 4.x
   reads; 5.x converts it to ``rope_parameters``). ``torch_dtype`` is the
   parameter dtype (the exported tensors' dtype). From ``base`` (the source
   model's config.json, if any) only the token ids, ``initializer_range`` and
   ``max_position_embeddings`` are kept; ``max_position_embeddings`` is the
-  larger of that and the given one (the trained context).
+  larger of that and the given one (the trained context), except under
+  ``dynamic`` RoPE, whose frequencies scale against it: there it is the
+  ``original_max_position_embeddings`` the run used. Windows: mistral's
+  ``sliding_window``; qwen2/qwen3's ``use_sliding_window``, ``sliding_window``,
+  ``max_window_layers`` (the leading full layers) and ``layer_types``.
   """
+  family = check_family(cfg)
   base = dict(base or {})
   positions = [p for p in (base.get("max_position_embeddings"), max_position_embeddings) if p]
+  rope_scaling = dict(cfg.rope_scaling) if cfg.rope_scaling else None
+  max_positions = max(positions) if positions else 2048
+  if rope_scaling and rope_scaling.get("rope_type", rope_scaling.get("type")) == "dynamic":
+    max_positions = rope_scaling.pop("original_max_position_embeddings")
   out = {
-      "architectures": ["LlamaForCausalLM"],
-      "model_type": "llama",
+      "architectures": [family.architecture],
+      "model_type": family.model_type,
       "vocab_size": cfg.vocab_size,
       "hidden_size": cfg.dim,
       "intermediate_size": cfg.mlp_dim,
@@ -154,13 +293,28 @@ def hf_config_dict(cfg: LlamaConfig, base: Mapping[str, Any] | None = None, *,
       "hidden_act": "silu",
       "rms_norm_eps": cfg.norm_eps,
       "rope_theta": cfg.rope_theta,
-      "rope_scaling": dict(cfg.rope_scaling) if cfg.rope_scaling else None,
+      "rope_scaling": rope_scaling,
       "tie_word_embeddings": cfg.tie_embeddings,
-      "attention_bias": False,
-      "mlp_bias": False,
-      "max_position_embeddings": max(positions) if positions else 2048,
+      "max_position_embeddings": max_positions,
       "torch_dtype": cfg.param_dtype,
   }
+  if family.model_type in ("llama", "qwen3"):
+    out["attention_bias"] = False
+  if family.model_type == "llama":
+    out["mlp_bias"] = False
+  if family.window == "all":
+    out["sliding_window"] = cfg.sliding_window
+  elif family.window == "layer_types":
+    windows = cfg.layer_windows
+    full = [w is None for w in windows]
+    leading = full.index(False) if False in full else cfg.num_layers
+    out.update(
+        use_sliding_window=cfg.sliding_window is not None,
+        sliding_window=cfg.sliding_window,
+        # transformers derives layer_types from it when absent (transformers < 5 reads only it).
+        max_window_layers=leading if all(full[:leading]) and not any(full[leading:])
+        else base.get("max_window_layers", cfg.num_layers),
+        layer_types=["full_attention" if f else "sliding_attention" for f in full])
   for key in ("bos_token_id", "eos_token_id", "pad_token_id", "initializer_range"):
     if key in base:
       out[key] = base[key]
@@ -249,6 +403,13 @@ def _layouts(cfg: LlamaConfig) -> dict[str, _Layout]:
       "layers.mlp_norm.scale": _Layout(layer + "post_attention_layernorm.weight", ((d,),),
                                        (0,)),
   }
+  if cfg.qkv_bias:  # [N*H] -> [N, H]
+    table["layers.attn.bq"] = _Layout(layer + "self_attn.q_proj.bias", ((n, h),), (0, 1))
+    table["layers.attn.bk"] = _Layout(layer + "self_attn.k_proj.bias", ((k, h),), (0, 1))
+    table["layers.attn.bv"] = _Layout(layer + "self_attn.v_proj.bias", ((k, h),), (0, 1))
+  if cfg.qk_norm:
+    table["layers.attn.q_norm.scale"] = _Layout(layer + "self_attn.q_norm.weight", ((h,),), (0,))
+    table["layers.attn.k_norm.scale"] = _Layout(layer + "self_attn.k_norm.weight", ((h,),), (0,))
   if not cfg.tie_embeddings:
     table["lm_head"] = _Layout("lm_head.weight", ((v,), (d,)), (1, 0))
   return table

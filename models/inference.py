@@ -310,8 +310,11 @@ def prefill(model: Llama, tokens_BP, positions_BP, segment_ids_BP, last_BP, cach
     raise ValueError(f"cache_len={cache_len} must be a multiple of {n} and >= {p}.")
   segment_ids_BP = shd.with_logical_constraint(jnp.asarray(segment_ids_BP, jnp.int32),
                                                ("batch", "length"))
-  make_attend = lambda pos, _seg, _: backend_attend(cfg, pos, segment_ids_BP, keep_kv=True)
-  h_BPD, (k_LBPKH, v_LBPKH) = model.forward_layers(tokens_BP, positions_BP, make_attend)
+  make_attend = lambda pos, _seg, _, window: backend_attend(cfg, pos, segment_ids_BP,
+                                                            keep_kv=True, window=window)
+  # Dynamic-NTK RoPE at the cache's length: prefill and every decode step share one table.
+  h_BPD, (k_LBPKH, v_LBPKH) = model.forward_layers(tokens_BP, positions_BP, make_attend,
+                                                   rope_length=cache_len)
   h_BD = shd.logical_einsum("BPD,BP->BD", h_BPD, last_BP.astype(h_BPD.dtype),
                             ("batch", "embed"))
   logits_BV = model.head(h_BD, ("batch",))
@@ -369,21 +372,27 @@ def decode_step(model: Llama, cache: KVCache, tokens_B):
   attend_cache = _map(kernel, mesh, (q_spec, new_spec, new_spec, kv_spec, kv_spec, row_spec,
                                      row_spec, one_spec, one_spec), q_spec)
 
-  def make_attend(_, _seg, layer_cache):
+  def make_attend(_, _seg, layer_cache, window):
     k_cache, v_cache = layer_cache
+    kv_seg_BS = cache.segment_ids
+    if window is not None:
+      # A sliding-window layer sees the cache slots within window - 1 positions of the
+      # query (transformers' sliding_window_overlay); the others read as empty (segment 0).
+      kv_seg_BS = jnp.where(q_pos_B1 - cache.positions < window, kv_seg_BS, 0)
 
     def attend(q, k_new, v_new):
       c = _constrain
       o = attend_cache(c(q, q_spec), c(k_new, new_spec), c(v_new, new_spec),
                        c(k_cache, kv_spec), c(v_cache, kv_spec), c(cache.positions, row_spec),
-                       c(cache.segment_ids, row_spec), c(q_pos_B1, one_spec),
+                       c(kv_seg_BS, row_spec), c(q_pos_B1, one_spec),
                        c(q_seg_B1, one_spec))
       return o, (k_new, v_new)
 
     return attend
 
   h_B1D, (k_new, v_new) = model.forward_layers(tokens_B[:, None], q_pos_B1, make_attend,
-                                               layer_xs=(cache.k, cache.v))
+                                               layer_xs=(cache.k, cache.v),
+                                               rope_length=slots)
   logits_BV = model.head(h_B1D[:, 0], ("batch",))
 
   # Write the token's keys/values (all layers), position and segment on the owner of `slot`.

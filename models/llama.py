@@ -81,7 +81,15 @@ REMAT_POLICIES: dict[str, Callable | None] = {
         offload_src="device", offload_dst="pinned_host"),
 }
 
-ROPE_TYPES = ("default", "linear", "llama3")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic")
+
+#: The per-layer attention kinds of ``LlamaConfig.layer_types`` (Hugging Face's names).
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+#: The Hugging Face architectures this model covers (``LlamaConfig.family``); the mapping of
+#: each one's config.json and weight names is :mod:`models.convert_hf`'s.
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 
 
 def _freeze(value):
@@ -99,9 +107,25 @@ class LlamaConfig:
 
   ``head_dim=None`` means ``dim // num_heads`` (see :attr:`resolved_head_dim`).
   ``rope_scaling`` follows Hugging Face: ``None``, ``{"rope_type": "linear",
-  "factor": f}`` or ``{"rope_type": "llama3", "factor", "low_freq_factor",
-  "high_freq_factor", "original_max_position_embeddings"}`` (``"type"`` is
-  accepted for ``"rope_type"``). ``attention`` is a key of
+  "factor": f}``, ``{"rope_type": "llama3", "factor", "low_freq_factor",
+  "high_freq_factor", "original_max_position_embeddings"}``, ``{"rope_type":
+  "yarn", "factor", "original_max_position_embeddings"}`` (optional
+  ``beta_fast``, ``beta_slow``, ``attention_factor``, ``mscale``,
+  ``mscale_all_dim``, ``truncate``) or ``{"rope_type": "dynamic", "factor",
+  "original_max_position_embeddings"}`` (``"type"`` is accepted for
+  ``"rope_type"``; see :func:`rope_inv_freq`).
+
+  The architecture fields (Qwen2, Qwen3, Mistral are this model with them set;
+  :mod:`models.convert_hf` maps each family's ``config.json``): ``qkv_bias``
+  adds a bias to the q, k and v projections (Qwen2); ``qk_norm`` an RMSNorm
+  over each head's ``head_dim`` channels of q and k before RoPE (Qwen3);
+  ``sliding_window`` (Hugging Face's meaning: a query sees itself and the
+  ``sliding_window - 1`` tokens before it) applies to every layer, or with
+  ``layer_types`` (one of :data:`LAYER_TYPES` per layer, as transformers'
+  ``config.layer_types``) to the ``"sliding_attention"`` layers only.
+  ``family`` names the Hugging Face architecture the weights came from and
+  are exported to (``"llama"``, ``"mistral"``, ``"qwen2"``, ``"qwen3"``); the
+  computation never reads it. ``attention`` is a key of
   :data:`models.attention.ATTENTION_BACKENDS` (``"ring"``, ``"all_gather"``,
   ``"ulysses"``, ``"hybrid"`` over ``hybrid_axes``, ``"auto"``, ``"dense"``);
   ``tensor_sequence_parallel`` picks the rules table (:func:`models.sharding.rules`);
@@ -122,6 +146,11 @@ class LlamaConfig:
   rope_scaling: dict | None = None
   norm_eps: float = 1e-5
   tie_embeddings: bool = False
+  qkv_bias: bool = False
+  qk_norm: bool = False
+  sliding_window: int | None = None
+  layer_types: tuple[str, ...] | None = None
+  family: str = "llama"
   attention: str = "ring"
   layout: str = "contiguous"
   block_q: int | None = None
@@ -198,6 +227,20 @@ class LlamaConfig:
       # Copy: the config must not alias a dict the caller may mutate later.
       object.__setattr__(self, "rope_scaling", dict(self.rope_scaling))
       rope_inv_freq(self)  # validates the scaling dict
+    if self.family not in FAMILIES:
+      raise ValueError(f"family must be one of {FAMILIES}, got {self.family!r}.")
+    window = self.sliding_window
+    if window is not None and (not isinstance(window, (int, np.integer)) or window < 1):
+      raise ValueError(f"sliding_window must be None or a positive int, got {window!r}.")
+    if self.layer_types is not None:
+      types = tuple(self.layer_types)
+      object.__setattr__(self, "layer_types", types)
+      if len(types) != self.num_layers or any(t not in LAYER_TYPES for t in types):
+        raise ValueError(f"layer_types must list one of {LAYER_TYPES} for each of the "
+                         f"{self.num_layers} layers, got {list(types)}.")
+      if "sliding_attention" in types and window is None:
+        raise ValueError("layer_types has 'sliding_attention' layers but sliding_window is "
+                         "None; set sliding_window.")
 
   def __hash__(self):
     # rope_scaling is a dict; hash a frozen view so configs work as static jit arguments.
@@ -210,10 +253,36 @@ class LlamaConfig:
     kwargs = {k: v for k, v in dict(values).items() if k in names}
     if kwargs.get("rope_scaling") is not None:
       kwargs["rope_scaling"] = dict(kwargs["rope_scaling"])
+    if kwargs.get("layer_types") is not None:  # a list once saved as JSON
+      kwargs["layer_types"] = tuple(kwargs["layer_types"])
     return cls(**kwargs)
 
   def to_dict(self) -> dict[str, Any]:
     return dataclasses.asdict(self)
+
+  @property
+  def layer_windows(self) -> tuple[int | None, ...]:
+    """Each layer's sliding window (Hugging Face's meaning, see the class docstring), or
+    None for a layer that attends to the whole causal prefix."""
+    if self.sliding_window is None:
+      return (None,) * self.num_layers
+    if self.layer_types is None:
+      return (int(self.sliding_window),) * self.num_layers
+    return tuple(int(self.sliding_window) if t == "sliding_attention" else None
+                 for t in self.layer_types)
+
+  @property
+  def layer_groups(self) -> tuple[tuple[int, int, int | None], ...]:
+    """``(start, stop, window)`` for each run of consecutive layers with one window: the
+    stack is scanned group by group, each with its window static (the ring prunes hops by
+    it at trace time). Qwen2's ``max_window_layers`` gives at most two groups."""
+    groups: list[tuple[int, int, int | None]] = []
+    for i, window in enumerate(self.layer_windows):
+      if groups and groups[-1][2] == window:
+        groups[-1] = (groups[-1][0], i + 1, window)
+      else:
+        groups.append((i, i + 1, window))
+    return tuple(groups)
 
   @property
   def resolved_head_dim(self) -> int:
@@ -237,6 +306,8 @@ class LlamaConfig:
     """Parameter count. ``include_embedding=False`` drops the input embedding table only."""
     d, h, f, v = self.dim, self.resolved_head_dim, self.mlp_dim, self.vocab_size
     per_layer = d * h * (2 * self.num_heads + 2 * self.num_kv_heads) + 3 * d * f + 2 * d
+    per_layer += (self.num_heads + 2 * self.num_kv_heads) * h if self.qkv_bias else 0
+    per_layer += 2 * h if self.qk_norm else 0
     head = 0 if self.tie_embeddings else d * v
     embedding = d * v if include_embedding or self.tie_embeddings else 0
     return self.num_layers * per_layer + d + head + embedding
@@ -265,7 +336,23 @@ class LlamaConfig:
 # ----------------------------------------------------------------------------------------------
 
 
-def rope_inv_freq(cfg: LlamaConfig) -> np.ndarray:
+def _base_inv_freq(theta: float, hd: int) -> np.ndarray:
+  """``theta ** (-2i / hd)`` in float32, as transformers computes it (float32 exponents)."""
+  return (1.0 / (theta ** (np.arange(0, hd, 2, dtype=np.int64).astype(np.float32)
+                           / np.float32(hd)))).astype(np.float32)
+
+
+def _rope_type(scaling) -> str:
+  return scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
+
+
+def _need(scaling, rope_type: str, *keys: str) -> None:
+  missing = sorted(set(keys) - {k for k, v in scaling.items() if v is not None})
+  if missing:
+    raise ValueError(f"rope_scaling {rope_type!r} is missing {missing}: {scaling}.")
+
+
+def rope_inv_freq(cfg: LlamaConfig, seq_len: int | None = None) -> np.ndarray:
   """Inverse frequencies ``[head_dim // 2]`` (float32), with optional HF-style scaling.
 
   ``inv_freq[i] = rope_theta ** (-2i / head_dim)``. ``"linear"`` divides all of
@@ -276,27 +363,49 @@ def rope_inv_freq(cfg: LlamaConfig) -> np.ndarray:
   ``smooth = (original_max / wavelen - low_freq_factor) / (high_freq_factor -
   low_freq_factor)``: ``(1 - smooth) * inv_freq / factor + smooth * inv_freq``.
   Computed in float64 from float32 base frequencies (as HF's torch float32 ones).
+
+  ``"yarn"`` is transformers' ``_compute_yarn_parameters`` (YaRN, Peng et al.
+  2023, arXiv:2309.00071, "NTK-by-parts"): the channels that turn fewer than
+  ``beta_slow`` times over ``original_max_position_embeddings`` are
+  interpolated (divided by ``factor``), those turning more than ``beta_fast``
+  times kept, with a linear ramp between (the correction range floored/ceiled
+  unless ``truncate=False``). Its attention factor is :func:`rope_attention_factor`.
+
+  ``"dynamic"`` is transformers' ``_compute_dynamic_ntk_parameters`` (dynamic
+  NTK): at a sequence length ``L = max(seq_len, original_max_position_embeddings)``
+  the base becomes ``theta * (factor * L / original - (factor - 1)) ** (hd / (hd - 2))``,
+  so up to the original length it is the default RoPE. ``seq_len`` is the length
+  the model runs at (:meth:`Llama.forward_layers`' ``rope_length``: the row
+  length in training, the KV cache's length when decoding); None: the original
+  length. ``original_max_position_embeddings`` is transformers'
+  ``max_position_embeddings`` (:mod:`models.convert_hf` maps it). Other types
+  ignore ``seq_len``.
   """
   hd = cfg.resolved_head_dim
-  inv_freq = (1.0 / (cfg.rope_theta ** (np.arange(0, hd, 2, dtype=np.int64).astype(np.float32)
-                                        / np.float32(hd)))).astype(np.float32).astype(np.float64)
+  base = _base_inv_freq(cfg.rope_theta, hd)
   scaling = cfg.rope_scaling
-  if not scaling:
-    return inv_freq.astype(np.float32)
-  rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+  rope_type = _rope_type(scaling)
   if rope_type not in ROPE_TYPES:
     raise ValueError(f"rope_scaling type must be one of {ROPE_TYPES}, got {rope_type!r}.")
   if rope_type == "default":
-    return inv_freq.astype(np.float32)
+    return base
   if "factor" not in scaling or not scaling["factor"] > 0:
     raise ValueError(f"rope_scaling {rope_type!r} needs a positive 'factor', got {scaling}.")
   factor = float(scaling["factor"])
+  inv_freq = base.astype(np.float64)
   if rope_type == "linear":
     return (inv_freq / factor).astype(np.float32)
-  missing = {"low_freq_factor", "high_freq_factor", "original_max_position_embeddings"} - set(
-      scaling)
-  if missing:
-    raise ValueError(f"rope_scaling 'llama3' is missing {sorted(missing)}: {scaling}.")
+  if rope_type == "yarn":
+    return _yarn_inv_freq(cfg.rope_theta, hd, scaling)
+  if rope_type == "dynamic":
+    _need(scaling, rope_type, "original_max_position_embeddings")
+    original = int(scaling["original_max_position_embeddings"])
+    length = original if seq_len is None else max(int(seq_len), original)
+    # Python floats (float64) for the base, float32 exponents: as transformers.
+    theta = cfg.rope_theta * ((factor * length / original) - (factor - 1)) ** (hd / (hd - 2))
+    return _base_inv_freq(theta, hd)
+  _need(scaling, rope_type, "low_freq_factor", "high_freq_factor",
+        "original_max_position_embeddings")
   low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
   if not high > low:
     raise ValueError(f"rope_scaling needs high_freq_factor > low_freq_factor, got {scaling}.")
@@ -310,15 +419,71 @@ def rope_inv_freq(cfg: LlamaConfig) -> np.ndarray:
   return np.where(medium, smoothed, scaled).astype(np.float32)
 
 
-def rope_tables(positions_BL, inv_freq_K):
+def _yarn_inv_freq(theta: float, hd: int, scaling) -> np.ndarray:
+  """YaRN's blend of interpolated and kept frequencies (transformers'
+  ``_compute_yarn_parameters``, float32 as there)."""
+  _need(scaling, "yarn", "original_max_position_embeddings")
+  factor = float(scaling["factor"])
+  original = float(scaling["original_max_position_embeddings"])
+  beta_fast = scaling.get("beta_fast") or 32
+  beta_slow = scaling.get("beta_slow") or 1
+
+  def correction_dim(rotations):  # the channel that turns `rotations` times over `original`
+    return hd * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+  low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+  if scaling.get("truncate", True):
+    low, high = math.floor(low), math.ceil(high)
+  low, high = max(low, 0), min(high, hd - 1)
+  if low == high:
+    high += 0.001  # transformers: avoids a division by zero
+  pos_freqs = (theta ** (np.arange(0, hd, 2, dtype=np.int64).astype(np.float32)
+                         / np.float32(hd))).astype(np.float32)
+  extrapolation = (1.0 / pos_freqs).astype(np.float32)
+  interpolation = (1.0 / (np.float32(factor) * pos_freqs)).astype(np.float32)
+  ramp = np.clip((np.arange(hd // 2, dtype=np.float32) - np.float32(low))
+                 / np.float32(high - low), 0, 1).astype(np.float32)
+  keep = (1 - ramp).astype(np.float32)
+  return (interpolation * (1 - keep) + extrapolation * keep).astype(np.float32)
+
+
+def rope_attention_factor(cfg: LlamaConfig) -> float:
+  """The factor on cos and sin (1.0 but for ``"yarn"``), as transformers'
+  ``_compute_yarn_parameters``: ``attention_factor`` if given, else ``0.1 * ln(factor)
+  + 1`` (YaRN's ``sqrt(1/t)``, Peng et al. 2023 eq. 22), or with ``mscale`` and
+  ``mscale_all_dim`` both set the ratio ``get_mscale(factor, mscale) /
+  get_mscale(factor, mscale_all_dim)`` (DeepSeek's variant); 1.0 for ``factor <= 1``.
+  Scaling both q and k's cos/sin scales the attention logits by its square."""
+  scaling = cfg.rope_scaling
+  if _rope_type(scaling) != "yarn":
+    return 1.0
+  if scaling.get("attention_factor") is not None:
+    return float(scaling["attention_factor"])
+  factor = float(scaling["factor"])
+
+  def get_mscale(scale, mscale=1.0):
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+  mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
+  if mscale and mscale_all_dim:
+    return float(get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim))
+  return float(get_mscale(factor))
+
+
+def rope_tables(positions_BL, inv_freq_K, attention_factor: float = 1.0):
   """``cos, sin`` of shape ``[B, L, 1, head_dim]`` (float32) for :func:`apply_rope`.
 
   Angle of position ``p`` and frequency ``i`` is ``p * inv_freq[i]``; both
-  halves of the head share the frequencies (``rotate_half`` convention).
+  halves of the head share the frequencies (``rotate_half`` convention). Both
+  are multiplied by ``attention_factor`` (:func:`rope_attention_factor`; YaRN's
+  temperature, applied where transformers applies it).
   """
   angles_BLK = positions_BL.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq_K)
   angles_BLH = jnp.concatenate([angles_BLK, angles_BLK], axis=-1)
-  return jnp.cos(angles_BLH)[:, :, None, :], jnp.sin(angles_BLH)[:, :, None, :]
+  cos_BLH, sin_BLH = jnp.cos(angles_BLH), jnp.sin(angles_BLH)
+  if attention_factor != 1.0:
+    cos_BLH, sin_BLH = cos_BLH * attention_factor, sin_BLH * attention_factor
+  return cos_BLH[:, :, None, :], sin_BLH[:, :, None, :]
 
 
 def apply_rope(x_BLNH, cos_BL1H, sin_BL1H):
@@ -341,7 +506,8 @@ def _param(rngs: nnx.Rngs | None, shape, names, cfg: LlamaConfig, stack: int | N
            init: str = "normal") -> nnx.Param:
   """A Param of ``shape`` (with a leading ``layers`` axis of size ``stack`` if given).
 
-  ``init="normal"``: N(0, cfg.init_std^2) as HF LLaMA; ``"ones"`` for norm scales.
+  ``init="normal"``: N(0, cfg.init_std^2) as HF LLaMA; ``"ones"`` for norm scales;
+  ``"zeros"`` for biases (as transformers' ``_init_weights``).
   """
   if stack is not None:
     shape, names = (stack, *shape), ("layers", *names)
@@ -353,8 +519,8 @@ def _param(rngs: nnx.Rngs | None, shape, names, cfg: LlamaConfig, stack: int | N
   kwargs = {}
   if mesh is not None and shd.is_explicit_mesh(mesh):
     kwargs["out_sharding"] = shd.logical_to_spec(names, mesh=mesh, shape=shape)
-  if init == "ones":
-    value = jnp.ones(shape, cfg.weight_dtype, **kwargs)
+  if init in ("ones", "zeros"):
+    value = (jnp.ones if init == "ones" else jnp.zeros)(shape, cfg.weight_dtype, **kwargs)
   else:
     value = (cfg.init_std * jax.random.normal(rngs.params(), shape, jnp.float32, **kwargs)
              ).astype(cfg.weight_dtype)
@@ -384,11 +550,12 @@ def _weight(param: nnx.Param, cfg: LlamaConfig):
 
 
 class RMSNorm(nnx.Module):
-  """``x / sqrt(mean(x^2) + eps) * scale`` over the last axis, in float32."""
+  """``x / sqrt(mean(x^2) + eps) * scale`` over the last axis (``size`` channels, default
+  ``dim``; Qwen3's q/k norms have ``head_dim``), in float32."""
 
-  def __init__(self, cfg: LlamaConfig, *, stack: int | None = None):
+  def __init__(self, cfg: LlamaConfig, *, stack: int | None = None, size: int | None = None):
     self.cfg = cfg
-    self.scale = _param(None, (cfg.dim,), ("norm",), cfg, stack, init="ones")
+    self.scale = _param(None, (size or cfg.dim,), ("norm",), cfg, stack, init="ones")
 
   def __call__(self, x_BLD):
     x = x_BLD.astype(jnp.float32)
@@ -401,7 +568,11 @@ class Attention(nnx.Module):
 
   ``wq [D, N, H]``, ``wk, wv [D, K, H]``, ``wo [N, H, D]``; query head ``n``
   uses key/value head ``n // (N // K)`` (the backends take K heads directly,
-  nothing is repeated).
+  nothing is repeated). With ``cfg.qkv_bias`` the projections add ``bq [N, H]``,
+  ``bk, bv [K, H]`` (Qwen2's ``q/k/v_proj.bias``); with ``cfg.qk_norm`` q and k
+  are RMS-normalised per head over ``H`` (``q_norm``, ``k_norm``: Qwen3's
+  ``Qwen3RMSNorm(head_dim)``) after the bias and before RoPE, as
+  transformers' ``Qwen3Attention``.
   """
 
   def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs, stack: int | None = None):
@@ -412,6 +583,13 @@ class Attention(nnx.Module):
     self.wk = _param(rngs, (d, k, h), (e, "kv_heads", "head_dim"), cfg, stack)
     self.wv = _param(rngs, (d, k, h), (e, "kv_heads", "head_dim"), cfg, stack)
     self.wo = _param(rngs, (n, h, d), ("heads", "head_dim", e), cfg, stack)
+    if cfg.qkv_bias:
+      self.bq = _param(None, (n, h), ("heads", "head_dim"), cfg, stack, init="zeros")
+      self.bk = _param(None, (k, h), ("kv_heads", "head_dim"), cfg, stack, init="zeros")
+      self.bv = _param(None, (k, h), ("kv_heads", "head_dim"), cfg, stack, init="zeros")
+    if cfg.qk_norm:
+      self.q_norm = RMSNorm(cfg, stack=stack, size=h)
+      self.k_norm = RMSNorm(cfg, stack=stack, size=h)
 
   def __call__(self, x_BLD, cos_BL1H, sin_BL1H, positions_BL, segment_ids_BL):
     return self.forward(x_BLD, cos_BL1H, sin_BL1H,
@@ -435,6 +613,12 @@ class Attention(nnx.Module):
     q_BLNH = jnp.einsum("BLD,DNH->BLNH", x_BLD, _weight(self.wq, cfg))
     k_BLKH = jnp.einsum("BLD,DKH->BLKH", x_BLD, _weight(self.wk, cfg))
     v_BLKH = jnp.einsum("BLD,DKH->BLKH", x_BLD, _weight(self.wv, cfg))
+    if cfg.qkv_bias:
+      q_BLNH = q_BLNH + _weight(self.bq, cfg)
+      k_BLKH = k_BLKH + _weight(self.bk, cfg)
+      v_BLKH = v_BLKH + _weight(self.bv, cfg)
+    if cfg.qk_norm:
+      q_BLNH, k_BLKH = self.q_norm(q_BLNH), self.k_norm(k_BLKH)
     q_BLNH = cp(apply_rope(q_BLNH, cos_BL1H, sin_BL1H), "query")
     k_BLKH = cp(apply_rope(k_BLKH, cos_BL1H, sin_BL1H), "key")
     v_BLKH = cp(v_BLKH, "value")
@@ -448,15 +632,18 @@ class Attention(nnx.Module):
                               ("batch", "residual_length", "embed")), aux
 
 
-def backend_attend(cfg: LlamaConfig, positions_BL, segment_ids_BL, keep_kv: bool = False):
+def backend_attend(cfg: LlamaConfig, positions_BL, segment_ids_BL, keep_kv: bool = False,
+                   window: int | None = None):
   """The ``attend`` of :meth:`Attention.forward` that runs the configured backend.
 
   Its ``aux`` is the layer's ``(k, v)`` with ``keep_kv`` (prefill keeps them
   as the KV cache), else None (training: nothing extra is carried out of the layer).
+  ``window``: the layer's sliding window (:attr:`LlamaConfig.layer_windows`), or None.
   """
 
   def attend(q_BLNH, k_BLKH, v_BLKH):
-    o_BLNH = attn_lib.attention(cfg, q_BLNH, k_BLKH, v_BLKH, positions_BL, segment_ids_BL)
+    o_BLNH = attn_lib.attention(cfg, q_BLNH, k_BLKH, v_BLKH, positions_BL, segment_ids_BL,
+                                window=window)
     return o_BLNH, ((k_BLKH, v_BLKH) if keep_kv else None)
 
   return attend
@@ -608,28 +795,38 @@ class Llama(nnx.Module):
     if segment_ids_BL is not None:
       segment_ids_BL = shd.with_logical_constraint(jnp.asarray(segment_ids_BL, jnp.int32),
                                                    ("batch", "length"))
-    make_attend = lambda positions_BL, segment_ids_BL, _: backend_attend(
-        self.cfg, positions_BL, segment_ids_BL)
+    make_attend = lambda positions_BL, segment_ids_BL, _, window: backend_attend(
+        self.cfg, positions_BL, segment_ids_BL, window=window)
     return self.forward_layers(tokens_BL, positions_BL, make_attend,
                                segment_ids_BL=segment_ids_BL)[0]
 
   @_under_rules
   def forward_layers(self, tokens_BL, positions_BL, make_attend, layer_xs=None,
-                     segment_ids_BL=None):
+                     segment_ids_BL=None, rope_length: int | None = None):
     """``(final-normed hidden [B, L, D], aux stacked over layers)`` with a custom attention.
 
     The forward pass of :meth:`hidden`, but each layer's attention is
-    ``make_attend(positions_BL, segment_ids_BL, x)`` (see
+    ``make_attend(positions_BL, segment_ids_BL, x, window)`` (see
     :meth:`Attention.forward`) for the rows the layer runs on, where ``x`` is
     that layer's slice of ``layer_xs`` (a pytree with a leading ``num_layers``
-    axis, e.g. a KV cache; None gives None); the attends' ``aux`` come back
-    stacked along a leading layers axis. Inference (:mod:`models.inference`)
-    uses it to collect and update the KV cache.
+    axis, e.g. a KV cache; None gives None) and ``window`` the layer's sliding
+    window (:attr:`LlamaConfig.layer_windows`, a static int or None); the
+    attends' ``aux`` come back stacked along a leading layers axis. Inference
+    (:mod:`models.inference`) uses it to collect and update the KV cache.
+
+    The layers run as :attr:`LlamaConfig.layer_groups`: one scan (or loop) per
+    run of layers sharing a window, so a window is static where the ring
+    prunes hops by it; a uniform stack (every family's default) is one scan.
+
+    ``rope_length``: the sequence length dynamic-NTK RoPE is computed at
+    (:func:`rope_inv_freq`); None: ``L``, the length of the rows given (training).
+    Decoding passes the KV cache's length, the same at prefill and every step.
 
     On a mesh with a ``pipeline`` axis of ``S > 1`` devices the layers run as
     ``S`` pipeline stages over ``cfg.pipeline_microbatches`` microbatches
     (:mod:`models.pipeline`, GPipe); ``layer_xs`` must then be None and the
-    ``aux`` is None.
+    ``aux`` is None. Every stage runs the same program, so a stack mixing
+    windowed and full layers is refused there (ValueError).
     """
     cfg = self.cfg
     tokens_BL = shd.with_logical_constraint(jnp.asarray(tokens_BL), ("batch", "length"))
@@ -642,23 +839,26 @@ class Llama(nnx.Module):
       # the residual stream's split (looked up straight into it, GSPMD gathered the table).
       x_BLD = shd.logical_take(_weight(self.embed, cfg), tokens_BL, ("batch", "length", "embed"))
       x_BLD = shd.with_logical_constraint(x_BLD, ("batch", "residual_length", "embed"))
-    inv_freq_K = rope_inv_freq(cfg)
+    inv_freq_K = rope_inv_freq(cfg, tokens_BL.shape[1] if rope_length is None else rope_length)
+    attention_factor = rope_attention_factor(cfg)
 
     graphdef, stacked = nnx.split(self.layers)
+    groups = cfg.layer_groups
 
-    def layer(x_BLD, layer_state, layer_x, rows):
-      cos_BL1H, sin_BL1H, positions_BL, segment_ids_BL = rows
-      block = nnx.merge(graphdef, layer_state)
-      return block.forward(x_BLD, cos_BL1H, sin_BL1H,
-                           make_attend(positions_BL, segment_ids_BL, layer_x))
+    def make_layer(window):
+      def layer(x_BLD, layer_state, layer_x, rows):
+        cos_BL1H, sin_BL1H, positions_BL, segment_ids_BL = rows
+        block = nnx.merge(graphdef, layer_state)
+        return block.forward(x_BLD, cos_BL1H, sin_BL1H,
+                             make_attend(positions_BL, segment_ids_BL, layer_x, window))
 
-    policy = REMAT_POLICIES[cfg.remat_policy]
-    if cfg.remat_policy != "none":
-      # prevent_cse matters only outside scan (scan already stops CSE across iterations).
-      layer = jax.checkpoint(layer, policy=policy, prevent_cse=not cfg.scan_layers)
+      if cfg.remat_policy != "none":
+        # prevent_cse matters only outside scan (scan already stops CSE across iterations).
+        layer = jax.checkpoint(layer, policy=REMAT_POLICIES[cfg.remat_policy],
+                               prevent_cse=not cfg.scan_layers)
+      return layer
 
-    def layer_stack(x_BLD, stacked, layer_xs, positions_BL, segment_ids_BL):
-      rows = (*rope_tables(positions_BL, inv_freq_K), positions_BL, segment_ids_BL)
+    def run_group(layer, x_BLD, stacked, layer_xs, rows):
       if cfg.scan_layers:
         return jax.lax.scan(lambda x, s: layer(x, *s, rows), x_BLD, (stacked, layer_xs))
       auxes = []
@@ -667,7 +867,26 @@ class Llama(nnx.Module):
         auxes.append(aux)
       return x_BLD, jax.tree.map(lambda *a: jnp.stack(a), *auxes)
 
+    def layer_stack(x_BLD, stacked, layer_xs, positions_BL, segment_ids_BL):
+      rows = (*rope_tables(positions_BL, inv_freq_K, attention_factor), positions_BL,
+              segment_ids_BL)
+      if len(groups) == 1:
+        return run_group(make_layer(groups[0][2]), x_BLD, stacked, layer_xs, rows)
+      # A mixed stack (e.g. Qwen2 with max_window_layers < num_layers): one scan per group
+      # over its slice of the stacked weights (and cache); the auxes are joined back.
+      auxes = []
+      for start, stop, window in groups:
+        part = lambda tree, a=start, b=stop: jax.tree.map(lambda t: t[a:b], tree)
+        x_BLD, aux = run_group(make_layer(window), x_BLD, part(stacked), part(layer_xs), rows)
+        auxes.append(aux)
+      return x_BLD, jax.tree.map(lambda *a: jnp.concatenate(a), *auxes)
+
     stages = pipeline_lib.num_stages()
+    if stages > 1 and len(groups) > 1:
+      raise ValueError(
+          f"layers with and without a sliding window ({cfg.layer_types}) cannot run as "
+          f"pipeline stages (every stage runs one program); use a mesh with pipeline=1, or "
+          "one window for all layers (model.sliding_window / model.layer_types).")
     if stages == 1:
       x_BLD, aux = layer_stack(x_BLD, pipeline_lib.unstaged(stacked), layer_xs, positions_BL,
                                segment_ids_BL)

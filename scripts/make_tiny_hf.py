@@ -1,6 +1,13 @@
-r"""Writes a tiny random Hugging Face LLaMA, its BPE tokenizer and a small JSONL corpus.
+r"""Writes a tiny random Hugging Face LLaMA (or Qwen2, Qwen3, Mistral), its BPE tokenizer and
+a small JSONL corpus.
 
   python scripts/make_tiny_hf.py --out /tmp/tiny_hf --corpus /tmp/tiny_corpus.jsonl
+  python scripts/make_tiny_hf.py --family qwen3 --out /tmp/tiny_qwen3 --corpus /tmp/c.jsonl
+
+``--family`` picks the architecture (:data:`FAMILY_FIELDS`): ``llama``
+(untied), ``qwen2`` (q/k/v biases, tied, a 64-token window on the second
+layer), ``qwen3`` (q/k norms, ``head_dim`` 32 != dim / heads, tied),
+``mistral`` (a 64-token window on every layer).
 
 For trying the fine-tuning path (README, "fine-tune a Hugging Face model") on a
 CPU with nothing downloaded: ``--out`` gets ``config.json``,
@@ -82,20 +89,45 @@ def write_tokenizer(directory: str, texts: list[str], vocab_size: int) -> str:
   return directory
 
 
+#: ``--family`` -> the :class:`models.llama.LlamaConfig` fields that make the family
+#: (besides the shape): what transformers' Qwen2/Qwen3/Mistral classes hold by default
+#: for small checkpoints (tied heads for the small Qwens), with short windows so a
+#: 128-token run uses them.
+FAMILY_FIELDS = {
+    "llama": dict(family="llama"),
+    "qwen2": dict(family="qwen2", qkv_bias=True, tie_embeddings=True, sliding_window=64,
+                  layer_types=("full_attention", "sliding_attention")),
+    "qwen3": dict(family="qwen3", qk_norm=True, head_dim=32, tie_embeddings=True),
+    "mistral": dict(family="mistral", sliding_window=64),
+}
+
+
 def write_model(directory: str, *, vocab_size: int, dim: int = 64, num_layers: int = 2,
                 num_heads: int = 4, num_kv_heads: int = 2, mlp_dim: int = 128,
-                seed: int = 0) -> list[str]:
-  """A random LLaMA (``models.llama``, init_std 0.1) written as a Hugging Face directory by
-  :func:`export_hf.write_hf_dir`: config.json + model.safetensors, float32."""
+                seed: int = 0, family: str = "llama") -> list[str]:
+  """A random model of ``family`` (``models.llama``, init_std 0.1; :data:`FAMILY_FIELDS`)
+  written as a Hugging Face directory by :func:`export_hf.write_hf_dir`: config.json (the
+  family's ``model_type`` and architecture) + model.safetensors, float32."""
+  import jax
   from flax import nnx
 
   import export_hf
   from models.llama import Llama, LlamaConfig
 
+  if family not in FAMILY_FIELDS:
+    raise ValueError(f"family must be one of {sorted(FAMILY_FIELDS)}, got {family!r}.")
+  fields = dict(FAMILY_FIELDS[family])
+  if fields.get("layer_types") is not None and num_layers != len(fields["layer_types"]):
+    fields["layer_types"] = ("full_attention",) + ("sliding_attention",) * (num_layers - 1)
   cfg = LlamaConfig(vocab_size=vocab_size, dim=dim, num_layers=num_layers, num_heads=num_heads,
                     num_kv_heads=num_kv_heads, mlp_dim=mlp_dim, init_std=0.1,
-                    attention="dense")
+                    attention="dense", **fields)
   params = nnx.split(Llama(cfg, rngs=nnx.Rngs(seed)), nnx.Param, ...)[1]
+  if cfg.qkv_bias:  # biases start at zero: give them values so they matter
+    for i, name in enumerate(("bq", "bk", "bv")):
+      var = params["layers"]["attn"][name]
+      var.set_value(0.1 * jax.random.normal(jax.random.key(seed + 1 + i),
+                                            var.get_value().shape))
   return export_hf.write_hf_dir(params, cfg, directory, max_position_embeddings=4096)
 
 
@@ -105,14 +137,16 @@ def main(argv=None) -> None:
   p.add_argument("--corpus", default="/tmp/tiny_corpus.jsonl", help="the JSONL corpus to write")
   p.add_argument("--vocab_size", type=int, default=320)
   p.add_argument("--docs", type=int, default=400)
+  p.add_argument("--family", choices=sorted(FAMILY_FIELDS), default="llama",
+                 help="the architecture: llama, qwen2, qwen3 or mistral")
   args = p.parse_args(argv)
   if os.path.isdir(args.out) and os.listdir(args.out):
     sys.exit(f"error: --out {args.out} exists and is not empty; pass a new directory.")
   texts = corpus_texts(args.docs)
   write_corpus(args.corpus, texts)
   write_tokenizer(args.out, texts, args.vocab_size)
-  write_model(args.out, vocab_size=args.vocab_size)
-  print(f"wrote {args.out} (random LLaMA, {args.vocab_size}-id BPE) and {args.corpus} "
+  write_model(args.out, vocab_size=args.vocab_size, family=args.family)
+  print(f"wrote {args.out} (random {args.family}, {args.vocab_size}-id BPE) and {args.corpus} "
         f"({len(texts)} documents)")
 
 

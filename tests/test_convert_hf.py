@@ -197,3 +197,184 @@ def test_ring_on_mesh_matches_hugging_face(tmp_path, kv_heads, tie, rope_scaling
   expected = _hf_logits(model, tokens_BL)
   assert np.abs(expected).max() > 1.0
   np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4)
+
+
+# ----------------------------------------------------------------------------------------------
+# Qwen2 / Qwen3 / Mistral, YaRN and dynamic-NTK RoPE
+# ----------------------------------------------------------------------------------------------
+
+YARN_ROPE = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}
+
+#: One random tiny model per family (GQA everywhere): what each case switches on.
+FAMILY_CASES = {
+    # q/k/v biases, untied, a window of 8 on the second layer only (max_window_layers=1),
+    # dynamic NTK past max_position_embeddings=32 (the rows are 64 tokens).
+    "qwen2": dict(use_sliding_window=True, sliding_window=8, max_window_layers=1,
+                  max_position_embeddings=32, tie_word_embeddings=False,
+                  rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}),
+    # q/k norms, head_dim 32 != 64 / 4, tied, YaRN (factor 4 over 16 original positions).
+    "qwen3": dict(head_dim=32, tie_word_embeddings=True,
+                  rope_parameters=dict(YARN_ROPE, rope_theta=1e4)),
+    # a window of 8 on every layer, untied.
+    "mistral": dict(sliding_window=8, tie_word_embeddings=False),
+}
+
+
+def hf_family_model(family: str, path: str, seed: int = 0, **overrides):
+  """A random ``<Family>ForCausalLM`` of :data:`FAMILY_CASES` saved at ``path``."""
+  classes = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral"}
+  name = classes[family]
+  torch.manual_seed(seed)
+  kwargs = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                rms_norm_eps=1e-5, initializer_range=0.1)
+  kwargs.update(FAMILY_CASES.get(family, {}), **overrides)
+  config = getattr(transformers, f"{name}Config")(**kwargs)
+  model = getattr(transformers, f"{name}ForCausalLM")(config).eval()
+  with torch.no_grad():  # norms start at 1 and biases at 0: perturb them so they matter
+    for pname, p in model.named_parameters():
+      if "norm" in pname or "bias" in pname:
+        p.add_(0.3 * torch.randn_like(p))
+  model.save_pretrained(path, safe_serialization=True)
+  return model
+
+
+@pytest.fixture(scope="module")
+def families(tmp_path_factory):
+  """family -> (transformers model, its directory), each built once for the module."""
+  tmp = tmp_path_factory.mktemp("families")
+  return {f: (hf_family_model(f, str(tmp / f)), str(tmp / f)) for f in FAMILY_CASES}
+
+
+def test_family_fields(families):
+  """config.json -> the model's fields, as transformers resolves them."""
+  qwen2 = convert_hf.load_hf_config(families["qwen2"][1])
+  assert (qwen2.family, qwen2.qkv_bias, qwen2.qk_norm, qwen2.tie_embeddings) == (
+      "qwen2", True, False, False)
+  assert qwen2.layer_windows == (None, 8) and len(qwen2.layer_groups) == 2
+  assert qwen2.rope_scaling == {"rope_type": "dynamic", "factor": 2.0,
+                                "original_max_position_embeddings": 32}
+  qwen3 = convert_hf.load_hf_config(families["qwen3"][1])
+  assert (qwen3.family, qwen3.qk_norm, qwen3.resolved_head_dim, qwen3.tie_embeddings) == (
+      "qwen3", True, 32, True)
+  assert qwen3.layer_windows == (None, None) and qwen3.rope_scaling["rope_type"] == "yarn"
+  mistral = convert_hf.load_hf_config(families["mistral"][1])
+  assert mistral.family == "mistral" and mistral.layer_windows == (8, 8)
+  assert mistral.layer_types is None and len(mistral.layer_groups) == 1
+
+
+@pytest.mark.parametrize("family,layout", [("qwen2", "contiguous"), ("qwen3", "zigzag"),
+                                           ("mistral", "contiguous")])
+def test_family_ring_on_mesh_matches_hugging_face(families, family, layout):
+  """Each family loaded onto a (data=2, sequence=4) mesh runs ring attention (windows on the
+  ring's local window, pruning hops) with logits equal to transformers' at rtol 1e-4."""
+  from training import mesh as mesh_lib
+
+  model, path = families[family]
+  mesh = mesh_lib.make_mesh(dict(data=2, sequence=4, tensor=1))
+  cfg = convert_hf.load_hf_config(path, attention="ring", layout=layout, block_q=4, block_kv=4)
+  params = convert_hf.load_hf_params(path, cfg, mesh=mesh)
+  tokens_BL = np.random.default_rng(1).integers(0, cfg.vocab_size, size=(2, 64))
+  got = _ring_logits(params, cfg, mesh, tokens_BL)
+  expected = _hf_logits(model, tokens_BL)
+  assert np.abs(expected).max() > 1.0
+  np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4)
+  if family == "mistral":  # the window is not vacuous: without it the logits differ
+    import dataclasses
+    full = _ring_logits(params, dataclasses.replace(cfg, sliding_window=None), mesh, tokens_BL)
+    assert np.abs(full - expected).max() > 1e-2
+
+
+def test_family_tensor_parallel_matches_hugging_face(families):
+  """qwen2 (biases split over the tensor peers with their heads, a mixed window stack) on
+  data=2 x sequence=2 x tensor=2: transformers' logits."""
+  from training import mesh as mesh_lib
+
+  model, path = families["qwen2"]
+  mesh = mesh_lib.make_mesh(dict(data=2, sequence=2, tensor=2))
+  cfg = convert_hf.load_hf_config(path, attention="ring", layout="contiguous", block_q=8,
+                                  block_kv=8)
+  params = convert_hf.load_hf_params(path, cfg, mesh=mesh)
+  assert params["layers"]["attn"]["bq"].sharding.spec[1:] == ("tensor", None)  # heads split
+  tokens_BL = np.random.default_rng(2).integers(0, cfg.vocab_size, size=(2, 64))
+  np.testing.assert_allclose(_ring_logits(params, cfg, mesh, tokens_BL),
+                             _hf_logits(model, tokens_BL), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("change,match", [
+    (dict(model_type="gemma"), "model_type 'gemma' is not supported"),
+    (dict(architectures=["LlamaForSequenceClassification"]), "architecture"),
+    (dict(hidden_act="gelu"), "hidden_act 'gelu'"),
+    (dict(attention_bias=True), "attention_bias"),
+    (dict(rope_parameters={"rope_type": "longrope", "rope_theta": 1e4}), "rope_type 'longrope'"),
+    (dict(partial_rotary_factor=0.5), "partial_rotary_factor"),
+])
+def test_unsupported_config_is_one_error_naming_it(families, tmp_path, change, match):
+  hf = convert_hf.read_hf_config_json(families["qwen3"][1])
+  hf.update(change)
+  (tmp_path / "config.json").write_text(json.dumps(hf))
+  with pytest.raises(ValueError, match=match):
+    convert_hf.hf_model_fields(str(tmp_path))
+
+
+def test_family_must_express_the_fields():
+  """Export refuses a config its family cannot write, naming the family that could."""
+  with pytest.raises(ValueError, match="qwen2 has them"):
+    convert_hf.hf_config_dict(LlamaConfig(qkv_bias=True))
+  with pytest.raises(ValueError, match="no sliding window"):
+    convert_hf.hf_config_dict(LlamaConfig(sliding_window=8))
+  with pytest.raises(ValueError, match="qwen2 and qwen3 take per-layer"):
+    convert_hf.hf_config_dict(LlamaConfig(family="mistral", sliding_window=8,
+                                          layer_types=("full_attention", "sliding_attention")))
+  with pytest.raises(ValueError, match="family must be one of"):
+    LlamaConfig(family="gemma")
+
+
+@pytest.mark.newest_jax
+def test_yarn_and_dynamic_rope_match_transformers():
+  """inv_freq, attention factor and cos/sin of "yarn" (default, attention_factor, mscale /
+  mscale_all_dim, truncate=False) and "dynamic" (at lengths below, at and above the original)
+  equal transformers' ROPE_INIT_FUNCTIONS and its rotary embedding's forward."""
+  import jax.numpy as jnp
+  from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+  from models.llama import rope_attention_factor, rope_tables
+
+  def check(rope, seq_len=None, max_positions=64):
+    hf_cfg = transformers.LlamaConfig(hidden_size=128, num_attention_heads=2,
+                                      max_position_embeddings=max_positions,
+                                      rope_parameters=dict(rope, rope_theta=1e4))
+    inv_freq, factor = ROPE_INIT_FUNCTIONS[rope["rope_type"]](hf_cfg, "cpu", seq_len=seq_len)
+    scaling = dict(rope)
+    if rope["rope_type"] == "dynamic":
+      scaling["original_max_position_embeddings"] = max_positions
+    cfg = LlamaConfig(dim=128, num_heads=2, rope_theta=1e4, rope_scaling=scaling)
+    ours = rope_inv_freq(cfg, seq_len)
+    np.testing.assert_allclose(ours, inv_freq.numpy(), rtol=1e-6)
+    assert rope_attention_factor(cfg) == pytest.approx(factor, rel=1e-12)
+    # cos/sin as transformers' rotary embedding forward computes them (times the factor);
+    # float32 cos of angles up to ~1000 rad differs between implementations by ~1e-4.
+    positions = np.arange(max(seq_len or 0, 80))[None]
+    freqs = positions[..., None].astype(np.float32) * inv_freq.numpy()
+    emb = np.concatenate([freqs, freqs], -1)
+    cos, sin = rope_tables(jnp.asarray(positions), ours, rope_attention_factor(cfg))
+    np.testing.assert_allclose(np.asarray(cos[:, :, 0]), np.cos(emb) * factor, atol=1e-4)
+    np.testing.assert_allclose(np.asarray(sin[:, :, 0]), np.sin(emb) * factor, atol=1e-4)
+    return ours
+
+  base = rope_inv_freq(LlamaConfig(dim=128, num_heads=2, rope_theta=1e4))
+  yarn = check(dict(YARN_ROPE))
+  ratio = base / yarn  # fast channels kept, slow ones divided by 4, a ramp between
+  assert np.isclose(ratio[0], 1.0) and np.isclose(ratio[-1], 4.0)
+  assert np.any((ratio > 1.01) & (ratio < 3.99))
+  check(dict(YARN_ROPE, beta_fast=16, beta_slow=2, truncate=False))
+  check(dict(YARN_ROPE, attention_factor=0.8))
+  check(dict(YARN_ROPE, factor=40.0, mscale=0.707, mscale_all_dim=0.707))  # DeepSeek's
+  check(dict(YARN_ROPE, factor=40.0, mscale=1.0, mscale_all_dim=0.5))
+  # Qwen2.5's long-context setting: factor 4 over 32768 original positions.
+  check({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768},
+        max_positions=131072)
+  dynamic = {"rope_type": "dynamic", "factor": 2.0}
+  for seq_len in (32, 64, 100, 256, 1000):
+    got = check(dynamic, seq_len)
+    assert np.array_equal(got, base) == (seq_len <= 64)

@@ -21,7 +21,9 @@ def resolve_hf_init(config: ml_collections.ConfigDict, log=None) -> ml_collectio
 
   For each field of :data:`models.convert_hf.HF_FIELDS` (vocabulary, dims,
   heads, kv heads, head_dim, mlp_dim, rope_theta, rope_scaling, norm_eps,
-  tie_embeddings), ``config.model``'s value decides:
+  tie_embeddings, and the architecture fields qkv_bias, qk_norm,
+  sliding_window, layer_types, family of Qwen2/Qwen3/Mistral checkpoints),
+  ``config.model``'s value decides (a field the config does not have is added):
 
   * None ("not set", as ``configs/finetune.py`` leaves them all): config.json's value;
   * a value: an override of config.json's (``log`` gets one line per differing
@@ -61,15 +63,19 @@ def resolve_hf_init(config: ml_collections.ConfigDict, log=None) -> ml_collectio
   config = config.copy_and_resolve_references()
   if config.data.get("tokenizer") is None:
     config.data.tokenizer = hf_dir
+  # JSON turns tuples into lists: compare the saved config's lists as tuples.
+  same = lambda a, b: (tuple(a) == tuple(b) if isinstance(a, (list, tuple))
+                       and isinstance(b, (list, tuple)) else a == b)
   for name, value in fields.items():
     current = config.model.get(name)
     if current is None:
-      config.model[name] = value
+      with config.unlocked():
+        config.model[name] = value
     elif name in convert_hf.HF_SHAPE_FIELDS:
-      if current != value:
+      if not same(current, value):
         raise ConfigError(
             f"model.{name}={current!r} contradicts {hf_dir}/config.json ({value!r}), whose "
             f"weights fix it; leave model.{name} unset (None, as configs/finetune.py does).")
-    elif current != value and log is not None:
+    elif not same(current, value) and log is not None:
       log(f"model.{name}={current!r} overrides {value!r} of {hf_dir}/config.json")
   return config

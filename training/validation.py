@@ -361,8 +361,13 @@ def resolve_layout(config: ml_collections.ConfigDict,
   if config.model.layout != AUTO_LAYOUT:
     return config, None
   packed, what = packs_documents(config.data)
-  # models.llama: attention is always causal (is_causal=True) and takes no local window.
-  layout, why = planning.choose_layout(ring_size, packed=packed, is_causal=True)
+  # models.llama: attention is always causal; a sliding window (Mistral, Qwen2/3 fields of
+  # config.model) rules out "document" and may favour "contiguous" (the ring skips hops).
+  window = config.model.get("sliding_window")
+  layout, why = planning.choose_layout(
+      ring_size, packed=packed, is_causal=True,
+      local_window_size=None if window is None else (int(window) - 1, 0),
+      local_len=int(config.data.seq_len) // ring_size)
   config = config.copy_and_resolve_references()
   config.model.layout = layout
   return config, f"layout: auto -> {layout} ({why}; {what}; ring of {ring_size})"
