@@ -185,21 +185,43 @@ def v_is_finite(masks: HopMasks, v):
   return jnp.isfinite(v).all() if masks.v_finite is None else masks.v_finite
 
 
-def fold_blocks(row, step, carry, may_mask: bool = True):
+def fold_blocks(row, step, carry, may_mask: bool = True, num_blocks: int | None = None,
+                mask_all: bool = False):
   """Folds ``step(j, carry, masked)`` over the blocks ``lo <= j < hi`` of one range row.
 
   ``row`` = ``(lo, full_lo, full_hi, hi)`` of a :class:`ring_jax.scheduling.BlockTable`
   (scalars, or an array/ref of 4): ``masked=False`` on ``[full_lo, full_hi)``
   (visible everywhere), ``True`` on the rest, so each body is compiled with its
-  masking known statically. ``may_mask=False`` (the table's ``may_mask``:
-  nothing can be masked): one unmasked loop over ``[lo, hi)``.
+  masking known statically. Two loops: the masked blocks on both sides of the full
+  run in one (so the masked body is compiled once), then the full run.
+  ``may_mask=False`` (the table's ``may_mask``: nothing can be masked): one unmasked
+  loop over ``[lo, hi)``; ``mask_all``: one masked loop over ``[lo, hi)`` (a caller
+  that needs the mask on every pair, e.g. the XLA kernel's non-finite-V guard).
+
+  ``num_blocks`` (static, optional): how many blocks the row ranges over. With one
+  block the row is one of three cases (skipped, unmasked, masked), taken by a
+  ``lax.switch``: XLA removes a loop whose trip count it bounds by 1 and runs the body
+  unconditionally behind a select, so one-block loops computed the pair whether or not
+  it was in range (whole-shard blocks measured 2-2.6x slower in the ring's backward,
+  XLA:CPU, jax 0.10; docs/performance.md, "Block sizes").
   """
   lo, full_lo, full_hi, hi = (row[i] for i in range(4))
-  if not may_mask:
-    return jax.lax.fori_loop(lo, hi, functools.partial(step, masked=False), carry)
-  carry = jax.lax.fori_loop(lo, full_lo, functools.partial(step, masked=True), carry)
-  carry = jax.lax.fori_loop(full_lo, full_hi, functools.partial(step, masked=False), carry)
-  return jax.lax.fori_loop(full_hi, hi, functools.partial(step, masked=True), carry)
+  if not may_mask or mask_all:
+    body = functools.partial(step, masked=may_mask)
+    if num_blocks == 1:
+      return jax.lax.cond(lo < hi, lambda c: body(0, c), lambda c: c, carry)
+    return jax.lax.fori_loop(lo, hi, body, carry)
+  if num_blocks == 1:
+    case = jnp.where(lo >= hi, 0, jnp.where(full_lo < full_hi, 1, 2))
+    return jax.lax.switch(case, [lambda c: c, lambda c: step(0, c, masked=False),
+                                 lambda c: step(0, c, masked=True)], carry)
+  before = full_lo - lo  # masked blocks [lo, full_lo), then [full_hi, hi), in one loop
+
+  def masked_step(i, c):
+    return step(jnp.where(i < before, lo + i, full_hi + (i - before)), c, masked=True)
+
+  carry = jax.lax.fori_loop(0, before + (hi - full_hi), masked_step, carry)
+  return jax.lax.fori_loop(full_lo, full_hi, functools.partial(step, masked=False), carry)
 
 
 def empty_result(q):

@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib.util
+import re
 
 import jax
 import jax.numpy as jnp
@@ -281,7 +282,7 @@ def test_tpu_kernels_under_check_vma(kernel_name):
   check_ring(kernel_name, 2, case, check_vma=True)
 
 
-def check_ring(kernel_name, ring, case: Case, check_vma: bool):
+def check_ring(kernel_name, ring, case: Case, check_vma: bool, block: int = BLOCK):
   """The ring's out, lse and gradients against the oracle."""
   length_q, length_kv = ring * case.local_q, ring * case.local_kv
   q, k, v, do, dlse, seg = inputs(case, length_q, length_kv, seed=ring)
@@ -296,7 +297,7 @@ def check_ring(kernel_name, ring, case: Case, check_vma: bool):
   shard_map = functools.partial(jax.shard_map, check_vma=check_vma)
   attend = functools.partial(ring_jax.ring_attention, axis_name="sequence",
                              is_causal=case.is_causal, local_window_size=case.window,
-                             layout=case.layout, block_q=BLOCK, block_kv=BLOCK,
+                             layout=case.layout, block_q=block, block_kv=block,
                              hop_kernel=kernel_for(kernel_name), return_lse=True)
   if seg is None:
     fn = shard_map(lambda q, k, v: attend(q, k, v), mesh=mesh, in_specs=(spec,) * 3,
@@ -321,6 +322,59 @@ def check_ring(kernel_name, ring, case: Case, check_vma: bool):
     pad = seg == 0
     assert (np.asarray(o)[pad] == 0).all() and np.isneginf(np.asarray(l)[pad]).all()
     assert all(np.isfinite(np.asarray(g)).all() for g in got)
+
+
+@pytest.mark.parametrize("case", ["contiguous-causal", "window-two-sided", "zigzag",
+                                  "segments-causal-zigzag"])
+def test_xla_ring_one_block_per_shard(case):
+  """Blocks the size of the whole shard: each hop's range rows are one case of three
+  (skipped, unmasked, masked) taken by a switch (hop.fold_blocks, num_blocks=1)."""
+  case = dataclasses.replace(CASES[case], local_q=64, local_kv=64)
+  check_ring("xla", 4, case, check_vma=True, block=64)
+
+
+def _entry_level_dots(hlo: str) -> int:
+  """``dot`` instructions that run unconditionally in a compiled HLO module: in the entry
+  computation or in what it calls as part of an instruction (fusions, reducers), not in the
+  branches of a conditional or the body of a loop."""
+  comps, name = {}, None
+  for line in hlo.splitlines():
+    if line and not line.startswith(" ") and line.rstrip().endswith("{"):
+      name = "ENTRY" if line.startswith("ENTRY") else line.split()[0].lstrip("%")
+      comps[name] = []
+    elif name is not None:
+      comps[name].append(line)
+  seen, todo, dots = set(), ["ENTRY"], 0
+  while todo:
+    comp = todo.pop()
+    if comp in seen or comp not in comps:
+      continue
+    seen.add(comp)
+    for line in comps[comp]:
+      dots += " dot(" in line
+      todo += re.findall(r"(?:calls|to_apply)=%([\w.\-]+)", line)
+  return dots
+
+
+def test_xla_one_block_hop_computes_only_pairs_in_range():
+  """XLA removes a loop whose trip count it bounds by 1 and runs its body unconditionally
+  behind a select. The kernel's loops over a one-block range row were such loops: with
+  blocks the size of the shard, every hop computed its pair in all three loops (masked
+  before, unmasked, masked after), in range or not (the ring's fwd+bwd measured 2-2.6x
+  slower than with two blocks per shard). Every block matmul of the compiled ring must sit
+  behind control flow."""
+  local, ring = 64, 2
+  mesh = make_mesh((ring,), ("sequence",))
+  q = jnp.zeros((1, ring * local, 2, 16), jnp.float32)
+
+  def loss(q, k, v):
+    return jnp.sum(ring_jax.ring_attention_sharded(
+        q, k, v, mesh=mesh, is_causal=True, block_q=local, block_kv=local,
+        hop_kernel="xla") ** 2)
+
+  hlo = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, q, q).compile().as_text()
+  assert " dot(" in hlo
+  assert _entry_level_dots(hlo) == 0
 
 
 def _rel_err(actual, expected):

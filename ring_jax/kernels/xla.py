@@ -215,12 +215,12 @@ class XlaHopKernel:
             jnp.zeros((b, kh, g, bq), jnp.float32)))
 
         def step(j, c, masked):
-          # The guarded product needs the mask on every pair (it decides what V is read).
-          masked = masked or guard_v
           return _unless_uncovered(skip and masked, table.q_ranges, a, j,
                                    lambda c: update(q_blk, a, j, c, masked), c)
 
-        o, m, l = fold_blocks(q_ranges[a], step, init, table.may_mask)
+        # The guarded product needs the mask on every pair (it decides what V is read).
+        o, m, l = fold_blocks(q_ranges[a], step, init, table.may_mask, k.shape[1] // bk,
+                              mask_all=guard_v)
         empty = l == 0  # only an exact 0 means "no visible key"; NaN passes through
         l_safe = jnp.where(empty, 1.0, l)
         out = jnp.where(empty[..., None], 0.0, o / l_safe[..., None])
@@ -252,7 +252,7 @@ class XlaHopKernel:
     do = res.do
     delta = backward_delta(res.out, do, res.dlse)
     lseB, deltaB = _q_blocks(res.lse, bq), _q_blocks(delta, bq)  # [nq, B, K, G, bq] (small)
-    nk = k.shape[1] // bk
+    nk, nq = k.shape[1] // bk, q.shape[1] // bq
     b, t, kh, g, h = q.shape
 
     def update(kv_blks, a, bb, c, masked: bool):
@@ -294,7 +294,7 @@ class XlaHopKernel:
 
       dq, dk_blk, dv_blk = fold_blocks(kv_ranges[bb], pair,
                                        (dq, _kv_block(dk, bb, bk), _kv_block(dv, bb, bk)),
-                                       table.may_mask)
+                                       table.may_mask, nq)
       return dq, _put_kv_block(dk, dk_blk, bb, bk), _put_kv_block(dv, dv_blk, bb, bk)
 
     init = tuple(varying_like(x.astype(jnp.float32), q, k, v) for x in acc)
