@@ -298,6 +298,8 @@ def hf_config_dict(cfg: LlamaConfig, base: Mapping[str, Any] | None = None, *,
       "max_position_embeddings": max_positions,
       "torch_dtype": cfg.param_dtype,
   }
+  if family.model_type == "qwen2" and cfg.resolved_head_dim == cfg.dim // cfg.num_heads:
+    del out["head_dim"]  # Qwen2Config has no such field (Qwen2Attention reads it if present)
   if family.model_type in ("llama", "qwen3"):
     out["attention_bias"] = False
   if family.model_type == "llama":
@@ -312,7 +314,7 @@ def hf_config_dict(cfg: LlamaConfig, base: Mapping[str, Any] | None = None, *,
         use_sliding_window=cfg.sliding_window is not None,
         sliding_window=cfg.sliding_window,
         # transformers derives layer_types from it when absent (transformers < 5 reads only it).
-        max_window_layers=leading if all(full[:leading]) and not any(full[leading:])
+        max_window_layers=leading if leading < cfg.num_layers and not any(full[leading:])
         else base.get("max_window_layers", cfg.num_layers),
         layer_types=["full_attention" if f else "sliding_attention" for f in full])
   for key in ("bos_token_id", "eos_token_id", "pad_token_id", "initializer_range"):

@@ -2,6 +2,7 @@
 exported directory loading in transformers with logits equal to ours."""
 
 import dataclasses
+import io
 import json
 import os
 import pathlib
@@ -219,6 +220,30 @@ def test_import_export_reproduces_the_original_tensors(tmp_path, hf, tie, rope, 
   assert dtype_of(exported) == dtype_of(original) and dtype_of(exported).endswith(dtype)
 
 
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "mistral"])
+def test_family_import_export_is_bitwise_and_same_architecture(tmp_path, hf, family):
+  """Each family (test_convert_hf.FAMILY_CASES) -> load_hf_params (8-device mesh) ->
+  write_hf_dir: every tensor (biases, q/k norms included) bitwise equal, and config.json the
+  same architecture with the same window and RoPE fields as transformers reads them."""
+  torch, transformers = hf
+  from test_convert_hf import hf_family_model
+
+  path = str(tmp_path / family)
+  hf_family_model(family, path)
+  cfg = convert_hf.load_hf_config(path)
+  params = convert_hf.load_hf_params(path, cfg, mesh=mesh_lib.make_mesh(MESH))
+  out = str(tmp_path / "export")
+  export_hf.write_hf_dir(params, cfg, out, hf_dir=path)
+  _assert_bitwise_equal(_tensors(out), _tensors(path))
+  assert convert_hf.load_hf_config(out) == cfg
+  original = transformers.AutoConfig.from_pretrained(path)
+  exported = transformers.AutoConfig.from_pretrained(out)
+  assert type(exported) is type(original) and exported.architectures == original.architectures
+  for key in ("sliding_window", "layer_types", "use_sliding_window", "max_window_layers",
+              "tie_word_embeddings", "head_dim", "max_position_embeddings", "rope_parameters"):
+    assert getattr(exported, key, None) == getattr(original, key, None), key
+
+
 # ----------------------------------------------------------------------------------------------
 # The README's "fine-tune a Hugging Face model" block, run as written (fewer steps)
 # ----------------------------------------------------------------------------------------------
@@ -361,3 +386,64 @@ def test_finetune_export_loads_in_transformers(readme_run, hf, tmp_path):
   assert runs[3]["stdout"][:-1] == tok.decode(want), (runs[3]["stdout"], want)
 
 
+
+
+def test_qwen3_yarn_finetune_export_generate(tmp_path, hf):
+  """A Qwen3 directory (make_tiny_hf.py --family qwen3: q/k norms, head_dim 32, tied) goes
+  through train.py with YaRN switched on (configs/finetune.py, ring attention on data=2 x
+  sequence=4), export_hf.py and generate.py with the commands of a LLaMA one: the export is
+  a Qwen3ForCausalLM with YaRN that transformers loads with logits equal to ours (rtol 1e-4),
+  and greedy generate.py equals transformers' greedy generate on it."""
+  torch, transformers = hf
+  pytest.importorskip("tokenizers")
+  import generate
+  import train as train_script
+  from configs import finetune
+  from scripts import make_tiny_hf
+  from test_convert_hf import _hf_greedy, _ring_logits
+  from training import flags as flags_lib
+
+  source, corpus = str(tmp_path / "qwen3"), str(tmp_path / "corpus.jsonl")
+  texts = make_tiny_hf.corpus_texts(60)
+  make_tiny_hf.write_corpus(corpus, texts)
+  make_tiny_hf.write_tokenizer(source, texts, 264)
+  make_tiny_hf.write_model(source, vocab_size=264, family="qwen3")
+  yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}
+  config = flags_lib.apply_overrides(finetune.get_config(), {
+      "init.hf_dir": source, "data.path": corpus, "data.seq_len": 64, "batch_size": 4,
+      "eval_batch_size": 4, "eval_batches": 1, "total_steps": 2, "optim.warmup_steps": 1,
+      "optim.lr": 1e-3, "log_every": 1, "async_checkpointing": False}.items())
+  config.model.rope_scaling = yarn  # the context-extension switch: YaRN on a plain-RoPE model
+  workdir, out = str(tmp_path / "run"), str(tmp_path / "export")
+  # What train.py's main does before training: resolve, then save the run's config.json.
+  config = train_script.resolve_layout(hf_init_lib.resolve_hf_init(config), jax.device_count())
+  os.makedirs(workdir)
+  with open(os.path.join(workdir, "config.json"), "w") as f:
+    f.write(config.to_json_best_effort(indent=2))
+  train_script.train(config, workdir)
+  export_hf.export(workdir, out, log=lambda _: None)
+
+  exported = json.loads(open(os.path.join(out, "config.json")).read())
+  assert (exported["model_type"], exported["architectures"]) == ("qwen3", ["Qwen3ForCausalLM"])
+  assert exported["rope_scaling"] == yarn and exported["tie_word_embeddings"] is True
+  run_config = export_hf.read_run_config(workdir)
+  model_cfg = val_lib.llama_config(run_config)
+  assert (model_cfg.family, model_cfg.qk_norm, model_cfg.rope_scaling) == ("qwen3", True, yarn)
+  step, params = export_hf.restore_params(workdir, model_cfg, None)
+  name = "model.layers.0.self_attn.q_norm.weight"
+  assert not np.array_equal(_tensors(out)[name], _tensors(source)[name])  # it trained
+  mesh = mesh_lib.make_mesh(MESH)
+  tokens_BL = np.random.default_rng(3).integers(0, model_cfg.vocab_size, size=(2, 64))
+  ours = _ring_logits(shd.shard_params(params, mesh),
+                      dataclasses.replace(model_cfg, layout="zigzag"), mesh, tokens_BL)
+  reloaded = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+  assert type(reloaded).__name__ == "Qwen3ForCausalLM"
+  with torch.no_grad():
+    theirs = reloaded(torch.tensor(tokens_BL, dtype=torch.long)).logits.numpy()
+  np.testing.assert_allclose(ours, theirs, rtol=1e-4, atol=1e-4)
+
+  prompt = [5, 9, 17, 33, 2, 8, 41]
+  texts_out = generate.run(run_config, workdir=workdir, prompts=[" ".join(map(str, prompt))],
+                           max_new_tokens=12, temperature=0.0, top_p=1.0, seed=0,
+                           tokenizer="ids", out=io.StringIO(), log=lambda _: None)
+  assert [int(t) for t in texts_out[0].split()] == _hf_greedy(reloaded, prompt, 12)

@@ -208,6 +208,26 @@ def test_hf_dir_greedy_matches_transformers_generate(tmp_path):
   assert any(f"loaded {path}" in l for l in logs)
 
 
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "mistral"])
+def test_hf_dir_family_greedy_matches_transformers_generate(tmp_path, family):
+  """--hf_dir of each family (test_convert_hf.FAMILY_CASES: qwen2's biases and window on one
+  layer, qwen3's q/k norms with YaRN, mistral's window on all) decoded on the ring with the
+  sharded KV cache == transformers' greedy generate; 8 + 16 tokens pass the windows of 8, so
+  decoding reads only the cache inside them. (qwen2's dynamic NTK stays at its original 32
+  positions here: transformers rescales per step past it, we at the cache length.)"""
+  pytest.importorskip("torch")
+  pytest.importorskip("transformers")
+  from test_convert_hf import _hf_greedy, hf_family_model
+
+  model = hf_family_model(family, str(tmp_path / family), seed=3)
+  prompt = [5, 9, 17, 33, 2, 8, 41, 7]
+  want = _hf_greedy(model, prompt, 16)
+  config = tiny_config(**{"data.seq_len": 64, "model.layout": "contiguous"})
+  texts, _, _ = _run(config, None, [" ".join(map(str, prompt))], hf_dir=str(tmp_path / family),
+                     tokenizer="ids", max_new_tokens=16, cache_len=32)
+  assert [int(t) for t in texts[0].split()] == want
+
+
 @pytest.mark.parametrize("kind", ["byte", "bpe"])
 def test_text_passkey_rows_are_tokenizer_text(tmp_path, kind):
   """The passkey row is text encoded with the model's tokenizer: exactly ``length`` tokens,
