@@ -444,3 +444,33 @@ def test_profile_names(baseline):
       debug_info=True)
   for scope in ("embed/", "layer/attention/dense/", "layer/mlp/", "final_norm/", "loss/head/"):
     assert scope in text, scope
+
+
+def test_mixed_window_stack_scan_loop_remat_and_pipeline():
+  """A stack mixing full and windowed layers (Qwen2's max_window_layers) with q/k/v biases and
+  q/k norms runs as one scan per group: scan == Python loop == remat, the window changes the
+  output only where a query has more than 4 tokens before it (the logits' agreement with
+  transformers is test_convert_hf's), and a pipeline mesh, whose stages run one program,
+  refuses the mix with a ValueError naming the fix."""
+  cfg = _cfg(num_layers=3, qkv_bias=True, qk_norm=True, sliding_window=4, attention="dense",
+             family="qwen2", layer_types=("full_attention", "sliding_attention",
+                                          "sliding_attention"))
+  assert cfg.layer_groups == ((0, 1, None), (1, 3, 4))
+  params = random_params(cfg)
+  tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, size=(2, L))
+  pos = np.arange(L)
+  run = lambda c: np.asarray(jax.jit(lambda p: nnx.merge(_graphdef(c), p)(tokens, pos))(params))
+  scanned = run(cfg)
+  np.testing.assert_allclose(run(dataclasses.replace(cfg, scan_layers=False)), scanned,
+                             rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(run(dataclasses.replace(cfg, remat_policy="full")), scanned,
+                             rtol=1e-5, atol=1e-5)
+  # Positions < 4 see no more than the window anyway: equal there, different after.
+  full = run(dataclasses.replace(cfg, sliding_window=None, layer_types=None))
+  np.testing.assert_allclose(full[:, :4], scanned[:, :4], rtol=1e-5, atol=1e-5)
+  assert np.abs(full[:, 4:] - scanned[:, 4:]).max() > 1e-3
+  with pytest.raises(ValueError, match="sliding_attention.*needs|sliding_window is None"):
+    _cfg(num_layers=2, layer_types=("full_attention", "sliding_attention"))
+  mesh = make_mesh(pipeline=2)
+  with jax.set_mesh(mesh), pytest.raises(ValueError, match="pipeline=1"):
+    jax.eval_shape(lambda p: nnx.merge(_graphdef(cfg), p)(tokens, pos), params)
