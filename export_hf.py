@@ -6,7 +6,9 @@ Restores the parameters of checkpoint ``--step`` (default: the newest that
 restores) of ``--workdir`` onto the host, with the model config the run saved
 (``<workdir>/config.json``, written by train.py), and writes into ``--out``:
 
-* ``config.json``: ``LlamaForCausalLM`` with the run's shape and RoPE
+* ``config.json``: the run's family (``LlamaForCausalLM``, ``MistralForCausalLM``,
+  ``Qwen2ForCausalLM`` or ``Qwen3ForCausalLM``, with its window fields;
+  :func:`models.convert_hf.hf_config_dict`) with the run's shape and RoPE
   (``rope_theta``, ``rope_scaling``: the trained ones, overrides included),
   ``tie_word_embeddings`` and ``torch_dtype`` = the parameter dtype;
   the token ids and ``max_position_embeddings`` of the run's
