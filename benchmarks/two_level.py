@@ -73,20 +73,30 @@ def _computations(hlo: str) -> tuple[dict[str, list[str]], str]:
 
 def _executions(comps, entry) -> dict[str, int]:
   """How often each computation runs per program run: a while body ``known_trip_count``
-  times per run of its caller (a loop without one counts once); anything else called
-  (conditional branches too: an upper bound) once per run of its caller."""
+  times per run of its caller (a loop without one counts once); a conditional's branches in
+  a loop body of as many trips as branches once per run of that loop each (the routed
+  rings' ``lax.switch`` on the step, ``ring_jax.ring._hop_send``, as
+  ``tests/test_routing.py`` counts them); anything else called (other conditionals'
+  branches too: an upper bound) once per run of its caller."""
   runs = collections.Counter({entry: 1})
+  loop_trips = {}  # while body -> its known_trip_count
   order, seen = [entry], {entry}
   while order:  # callers before callees (HLO call graphs are acyclic)
     name = order.pop(0)
     for line in comps.get(name, ()):
       trips = _TRIPS.search(line)
       callees = _CALLEE.findall(line)
+      branches = []
       for b in _BRANCHES.findall(line):
-        callees += re.findall(r"%([\w.\-]+)", b)
-      for callee in callees:
+        branches += re.findall(r"%([\w.\-]+)", b)
+      for callee in callees + branches:
         times = int(trips.group(1)) if trips and f"body=%{callee}" in line else 1
-        runs[callee] += runs[name] * times
+        if trips and f"body=%{callee}" in line:
+          loop_trips[callee] = times
+        if callee in branches and loop_trips.get(name) == len(branches) > 1:
+          runs[callee] += runs[name] // len(branches)
+        else:
+          runs[callee] += runs[name] * times
         if callee not in seen:
           seen.add(callee)
           order.append(callee)
@@ -141,12 +151,14 @@ def axis_summary(ops: list[dict]) -> dict:
 
 def compiled_text(split, *, two_level: bool, backward: bool, is_causal: bool, length: int,
                   heads: int = 4, kv_heads: int = 2, head_dim: int = 64,
-                  layout: str = "zigzag") -> str:
-  """Compiled HLO of the flat or two-level ring over a mesh ``split`` = (n_outer, n_inner)."""
+                  layout: str = "zigzag", causal_routing: bool | None = False) -> str:
+  """Compiled HLO of the flat or two-level ring over a mesh ``split`` = (n_outer, n_inner);
+  ``causal_routing`` as in :func:`ring_jax.ring_attention` (default here: off)."""
   mesh = jax.make_mesh(split, AXES, devices=jax.devices()[:math.prod(split)],
                        axis_types=(jax.sharding.AxisType.Auto,) * 2)
   attend = ring_jax.two_level_ring_attention if two_level else ring_jax.ring_attention
-  local = functools.partial(attend, axis_name=AXES, is_causal=is_causal, layout=layout)
+  local = functools.partial(attend, axis_name=AXES, is_causal=is_causal, layout=layout,
+                            causal_routing=causal_routing)
   q_spec, kv_spec = P(None, AXES), P(None, AXES)
   fn = jax.shard_map(local, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec), out_specs=q_spec)
   if backward:

@@ -574,23 +574,82 @@ def routes(layout: str, ring_size: int, local_len: int, is_causal: bool,
         vis, _ = block_visibility(pos[d], pos[j][start:stop], q_chunk, stop - start,
                                   is_causal, window)
         need[j, d] = vis.any()
-    hops = range(first, last + 1)
-    holder = lambda j, h: (j + step * h) % n  # noqa: E731
-    used = {j: [h for h in hops if need[j, holder(j, h)]] for j in range(n)}
-    last_use = {j: max(u) for j, u in used.items() if u}
-    arrive, home, done_home = [], [], []
-    for h in hops:
-      if h == first:
-        pairs = () if h == 0 else tuple(
-            (j, holder(j, h)) for j in range(n) if last_use.get(j, first - 1) >= h)
-      else:
-        pairs = tuple((holder(j, h - 1), holder(j, h)) for j in range(n)
-                      if last_use.get(j, first - 1) >= h)
-      arrive.append(tuple(sorted(pairs)))
-      done = [j for j in range(n) if last_use.get(j) == h]
-      home.append(tuple(sorted((holder(j, h), j) for j in done if holder(j, h) != j)))
-      done_home.append(tuple(sorted(j for j in done if holder(j, h) == j)))
-    streams.append(Stream(start=start, stop=stop, step=step, arrive=tuple(arrive),
-                          home=tuple(home), done_home=tuple(done_home)))
+    streams.append(_stream(start, stop, step, need, (first, last)))
   return Routes(layout=layout, ring_size=n, local_len=s, hops=(first, last),
                 streams=tuple(streams))
+
+
+def _stream(start: int, stop: int, step: int, need, hops: tuple[int, int]) -> Stream:
+  """The :class:`Stream` of a part that travels ``step`` (+1/-1) over a ring of
+  ``len(need)`` members, forwarded while a later holder still needs it: ``need[j, d]``
+  (bool ``[n, n]``) says member ``d`` sees some of member ``j``'s part; ``hops`` the
+  ``(first, last)`` hops run."""
+  n = len(need)
+  first, last = hops
+  hops = range(first, last + 1)
+  holder = lambda j, h: (j + step * h) % n  # noqa: E731
+  used = {j: [h for h in hops if need[j, holder(j, h)]] for j in range(n)}
+  last_use = {j: max(u) for j, u in used.items() if u}
+  arrive, home, done_home = [], [], []
+  for h in hops:
+    if h == first:
+      pairs = () if h == 0 else tuple(
+          (j, holder(j, h)) for j in range(n) if last_use.get(j, first - 1) >= h)
+    else:
+      pairs = tuple((holder(j, h - 1), holder(j, h)) for j in range(n)
+                    if last_use.get(j, first - 1) >= h)
+    arrive.append(tuple(sorted(pairs)))
+    done = [j for j in range(n) if last_use.get(j) == h]
+    home.append(tuple(sorted((holder(j, h), j) for j in done if holder(j, h) != j)))
+    done_home.append(tuple(sorted(j for j in done if holder(j, h) == j)))
+  return Stream(start=start, stop=stop, step=step, arrive=tuple(arrive), home=tuple(home),
+                done_home=tuple(done_home))
+
+
+@functools.lru_cache(maxsize=256)
+def group_routes(layout: str, n_outer: int, n_inner: int, local_len: int, is_causal: bool,
+                 local_window_size=None, routed: bool = True) -> Routes:
+  """The outer ring's :class:`Routes` of the two-level ring (:mod:`ring_jax.two_level`).
+
+  The ring of ``n = n_outer * n_inner`` devices in ``layout`` (device ``g * n_inner + r``
+  is member ``r`` of group ``g``), seen from the outer axis: each group's *buffer* (its
+  ``n_inner`` shards) is one member's shard of a ring of ``n_outer`` groups, and group ``g``
+  needs a part of group ``j``'s buffer when some device of ``g`` sees some of it (the causal
+  mask and the window over the layout's positions, :func:`block_visibility` per layout
+  chunk, exact for causal masks). Members and hops are groups and outer steps
+  (``hops = (0, n_outer - 1)``: every step runs), pairs are group indices; ``local_len``
+  is one device's. The streams follow :func:`routes`: contiguous (and striped) one
+  stream, forward (``g -> g+1``): under a causal mask buffer ``j`` goes only to groups
+  ``j+1..n_outer-1`` (half the outer transfers); zigzag both chunks backward (``g -> g-1``):
+  early chunks around the whole outer ring, the late chunk of group ``j`` (seen by
+  groups ``0..j`` only) only ``j`` steps: 0.75x. Striped: every group sees part of every
+  buffer, nothing is dropped.
+
+  ``routed=False``: the full rotation as one stream (the whole shard forward, every pair
+  at every step), which the two-level ring runs without routing.
+  """
+  layouts.check_length(layout, n_outer * n_inner, n_outer * n_inner * local_len,
+                       f"sequence length ({n_outer} x {n_inner} x local length {local_len})")
+  window = normalize_window(local_window_size)
+  n_o, n_i, s = n_outer, n_inner, local_len
+  hops = (0, n_o - 1)
+  if not routed:
+    return Routes(layout=layout, ring_size=n_o, local_len=s, hops=hops,
+                  streams=(_stream(0, s, 1, np.ones((n_o, n_o), bool), hops),))
+  if layout == "zigzag":
+    half = s // 2
+    parts, q_chunk = ((0, half, -1), (half, s, -1)), half
+  else:
+    parts, q_chunk = ((0, s, 1),), s
+  pos = [layouts.local_positions(layout, n_o * n_i, s, d) for d in range(n_o * n_i)]
+  streams = []
+  for start, stop, step in parts:
+    need = np.zeros((n_o, n_o), bool)  # need[j, g]: group g sees part of group j's buffer
+    for j in range(n_o):
+      for g in range(n_o):
+        need[j, g] = any(
+            block_visibility(pos[g * n_i + r], pos[j * n_i + t][start:stop], q_chunk,
+                             stop - start, is_causal, window)[0].any()
+            for r in range(n_i) for t in range(n_i))
+    streams.append(_stream(start, stop, step, need, hops))
+  return Routes(layout=layout, ring_size=n_o, local_len=s, hops=hops, streams=tuple(streams))

@@ -44,14 +44,15 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from ring_jax import layouts
 from ring_jax import scheduling
 from ring_jax import validation
 from ring_jax.hop import (HopGrads, HopMasks, HopResiduals, empty_result,
                           lse_for_backward, merge, varying_like)
-from ring_jax.ring import (_finish_grads, _grouped, _make_config, _over_hops, _RingConfig,
-                           _shift)
+from ring_jax.ring import (_finish_grads, _grouped, _hop_send, _hops_of, _joined, _make_config,
+                           _over_hops, _parts, _RingConfig, _shift)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +60,7 @@ class _TwoLevelConfig:
   ring: _RingConfig    # the combined ring: axis_name (outer, inner), ring_size n_o * n_i
   outer: _RingConfig   # the same computation over the outer axis (n_o groups, all hops)
   inner: _RingConfig   # ... and over the inner axis (n_i devices, all hops)
+  routes: scheduling.Routes  # the outer ring's (scheduling.group_routes; full or routed)
 
 
 def split_axes(axis_name) -> tuple[str, str]:
@@ -86,14 +88,19 @@ def two_level_ring_attention(query, key, value, *, axis_name, is_causal: bool = 
   ring ahead of their use (module docstring). Every other argument and the
   result as in :func:`ring_jax.ring_attention`; with the same inputs the two
   compute the same attention (``ring_attention(axis_name=(outer, inner))`` is
-  the flat ring over both axes). Both levels rotate every shard the whole
-  way: the default ``causal_routing=None`` runs unrouted here, and ``True`` is
-  refused (the flat ring's routing does not apply to the two rings yet).
+  the flat ring over both axes).
+
+  ``causal_routing`` routes the outer transfers (the slow links) as the flat ring routes
+  its hops (:func:`ring_jax.scheduling.group_routes`), with the same rule
+  (:func:`ring_jax.scheduling.check_routing`: ``None`` on for causal contiguous, off
+  for the other layouts; ``True`` / ``False`` force it): each part of a group's K/V
+  goes only to the groups that see it, and its dK/dV comes home from the last group
+  that uses it. Causal contiguous: half the outer K/V bytes; zigzag and document: 0.75x
+  (both chunks backward over the outer axis, the late chunk of group ``j`` only to
+  groups ``0..j``); a window drops what it hides; striped and non-causal rings have
+  nothing to drop and run the full rotation. The inner rings rotate every shard of
+  the group's buffer in full.
   """
-  if scheduling.check_routing(causal_routing):
-    raise NotImplementedError(
-        "causal_routing=True is not implemented for the two-level ring (seq_axis=(outer, "
-        "inner)); pass causal_routing=False, or a single sequence axis for the routed ring.")
   outer, inner = split_axes(axis_name)
   layout = layouts.check_attention_layout(layout, segment_ids, local_window_size)
   n_o = validation.axis_size(outer, "two_level_ring_attention")
@@ -102,11 +109,19 @@ def two_level_ring_attention(query, key, value, *, axis_name, is_causal: bool = 
                      segment_ids=segment_ids, scale=scale, local_window_size=local_window_size,
                      layout=layout, block_q=block_q, block_kv=block_kv, precision=precision,
                      hop_kernel=hop_kernel, return_lse=return_lse, overlap_dkv=overlap_dkv,
-                     causal_routing=False)  # both levels rotate in full (docstring)
+                     causal_routing=False)  # the flat ring's routes do not apply (below)
+  routed = (scheduling.check_routing(causal_routing, layout, is_causal) and n_o > 1
+            and query.shape[1] == key.shape[1])
+  routes = scheduling.group_routes(layout, n_o, n_i, key.shape[1], bool(is_causal),
+                                   cfg.spec.window, routed=routed)
+  if not routes.routed:
+    routes = scheduling.group_routes(layout, n_o, n_i, key.shape[1], bool(is_causal),
+                                     cfg.spec.window, routed=False)
   tl = _TwoLevelConfig(
       ring=cfg,
       outer=dataclasses.replace(cfg, axis_name=outer, ring_size=n_o, hops=(0, n_o - 1)),
-      inner=dataclasses.replace(cfg, axis_name=inner, ring_size=n_i, hops=(0, n_i - 1)))
+      inner=dataclasses.replace(cfg, axis_name=inner, ring_size=n_i, hops=(0, n_i - 1)),
+      routes=routes)
   return _grouped(_two_level, tl, query, key, value, segment_ids, return_lse)
 
 
@@ -115,39 +130,81 @@ def _where(tl: _TwoLevelConfig):
   return jax.lax.axis_index(tl.outer.axis_name), jax.lax.axis_index(tl.inner.axis_name)
 
 
-def _source(tl: _TwoLevelConfig, g, r, step, hop):
-  """Ring index of the device whose shard ``(g, r)`` holds at outer ``step``, inner ``hop``."""
+def _source(tl: _TwoLevelConfig, stream: scheduling.Stream, g, r, step, hop):
+  """Ring index of the device whose ``stream`` part ``(g, r)`` holds at outer ``step``,
+  inner ``hop`` (int or traced): group ``stream.source(g, step)``, member ``r - hop``."""
   n_o, n_i = tl.outer.ring_size, tl.inner.ring_size
-  return ((g - step) % n_o) * n_i + (r - hop) % n_i
+  return stream.source(g, step, n_o) * n_i + (r - hop) % n_i
 
 
-def _masks(tl, src, q_pos, s, q_seg, kv_seg, v_finite=None) -> HopMasks:
-  cfg = tl.ring
-  kv_pos = layouts.local_positions(cfg.layout, cfg.ring_size, s, src)
-  return HopMasks.build(cfg.spec, q_pos, kv_pos, q_seg, kv_seg,
-                        v_finite=None if v_finite is None else v_finite[src])
+def _masks(tl: _TwoLevelConfig, g, r, step, hop, q_pos, q_seg, kv_seg, v_finite=None):
+  """Masks of the buffer held at outer ``step``, inner ``hop``: its streams' positions side by
+  side (and, forward, the AND of their parts' non-finite-V flags ``v_finite[device,
+  stream]``). A part this device did not receive (zeros: no query of its group sees that
+  part, :func:`ring_jax.scheduling.group_routes`) has its source's positions, which the
+  causal mask / window hide from every query here, so the block table skips it."""
+  cfg, routes = tl.ring, tl.routes
+  pos, flags = [], []
+  for i, stream in enumerate(routes.streams):
+    src = _source(tl, stream, g, r, step, hop)
+    pos.append(layouts.local_positions(cfg.layout, cfg.ring_size, routes.local_len,
+                                       src)[stream.start:stream.stop])
+    if v_finite is not None:
+      flags.append(v_finite[src, i])
+  finite = None if v_finite is None else functools.reduce(jnp.logical_and, flags)
+  kv_pos = pos[0] if len(pos) == 1 else jnp.concatenate(pos)
+  return HopMasks.build(cfg.spec, q_pos, kv_pos, q_seg, kv_seg, v_finite=finite)
+
+
+def _step_send(i, rows, span, axis_name, parts, reverse: bool = False):
+  """:func:`ring_jax.ring._hop_send` of step ``i``'s ``rows``; when every step the loop runs
+  (``span``) moves the same pairs (the full rotation), one static send without a switch."""
+  lo, hi = span
+  if not isinstance(i, int) and all(rows[h] == rows[lo] for h in range(lo, hi)):
+    i = lo
+  return _hop_send(i, rows, span, axis_name, parts, reverse=reverse)
+
+
+def _outer_steps(n_o: int, step, state):
+  """Runs ``step(i, state)`` for the outer steps ``0..n_o-1``: the first and the last
+  peeled (Python ints: their transfers are static), the ones between in one ``fori_loop``
+  (``i`` traced; each step's own outer transfers picked by :func:`ring_jax.ring._hop_send`'s
+  ``lax.switch``), inline when there is one."""
+  state = step(0, state)
+  if n_o > 3:
+    state = jax.lax.fori_loop(1, n_o - 1, step, state)
+  elif n_o == 3:
+    state = step(1, state)
+  if n_o > 1:
+    state = step(n_o - 1, state)
+  return state
 
 
 def _forward(tl: _TwoLevelConfig, q, k, v, seg):
   """``(out [B,T,K,G,H] input dtype, lse [B,T,K,G] f32)``, as :func:`ring_jax.ring._forward`."""
-  cfg = tl.ring
+  cfg, routes = tl.ring, tl.routes
+  n_o = tl.outer.ring_size
   g, r = _where(tl)
-  s_len = k.shape[1]
   q_pos = layouts.local_positions(cfg.layout, cfg.ring_size, q.shape[1],
                                   g * tl.inner.ring_size + r)
-  # Flags in ring-index order (all_gather over (outer, inner) is outer-major). As in the flat
-  # ring, the gather runs before any K/V transfer on every device (XLA:CPU deadlock otherwise).
-  v_finite = jax.lax.all_gather(jnp.isfinite(v).all(), cfg.axis_name)
+  # Flags per device (ring-index order: all_gather over (outer, inner) is outer-major) and
+  # stream part. As in the flat ring, the gather runs before any K/V transfer on every
+  # device (XLA:CPU deadlock otherwise).
+  finite = jnp.isfinite(v)
+  v_finite = jax.lax.all_gather(
+      jnp.stack([finite[:, s.start:s.stop].all() for s in routes.streams]), cfg.axis_name)
   v_finite, k, v, seg = jax.lax.optimization_barrier((v_finite, k, v, seg))
   acc = tuple(varying_like(x, q, k, v) for x in empty_result(q))
+  # rows[i]: per stream, the outer pairs that deliver step i + 1's parts
+  rows = [[s.arrive[i + 1] for s in routes.streams] for i in range(n_o - 1)]
 
-  def outer_step(step, state, *, name, first, last):
-    del name, first
-    ko, vo, sego, acc = state
-    nxt = (ko, vo, sego)
-    if not last:  # issued before the inner ring, read at the next outer step
+  def outer_step(i, state):
+    held, acc = state
+    nxt = held
+    if not (isinstance(i, int) and i == n_o - 1):  # issued before the inner ring, read at i + 1
       with jax.named_scope("send_outer"):
-        nxt = _shift(tl.outer, 1, ko, vo, sego)
+        nxt = _step_send(i, rows, (1, n_o - 1), tl.outer.axis_name, held)
+    ko, vo, sego = (_joined(x) for x in zip(*held))
 
     def hop(h, state, *, name, first, last):
       del first
@@ -157,42 +214,63 @@ def _forward(tl: _TwoLevelConfig, q, k, v, seg):
         with jax.named_scope("send_kv"):
           nxt = _shift(tl.inner, 1, k, v, kv_seg)
       with jax.named_scope(name):
-        masks = _masks(tl, _source(tl, g, r, step, h), q_pos, s_len, seg, kv_seg, v_finite)
+        masks = _masks(tl, g, r, i, h, q_pos, seg, kv_seg, v_finite)
         acc = merge(*acc, *cfg.kernel.forward(q, k, v, masks, cfg.spec))
       return (*nxt, acc)
 
     *_, acc = _over_hops(tl.inner, hop, (ko, vo, sego, acc), peel_first=False)
-    return (*nxt, acc)
+    return nxt, acc
 
-  *_, (out, lse) = _over_hops(tl.outer, outer_step, (k, v, seg, acc), peel_first=False)
+  _, (out, lse) = _outer_steps(n_o, outer_step, (_parts(routes, k, v, seg), acc))
   return out.astype(q.dtype), lse
 
 
 def _backward(tl: _TwoLevelConfig, q, k, v, seg, out, lse, do, dlse):
-  """dQ stays home; dK/dV accumulators follow their shards through both rings (module doc)."""
-  cfg = tl.ring
+  """dQ stays home; dK/dV accumulators follow their parts through both rings and go home
+  from the last group that uses them (module docstring)."""
+  cfg, routes = tl.ring, tl.routes
+  outer = tl.outer.axis_name
   g, r = _where(tl)
-  s_len = k.shape[1]
-  n_i = tl.inner.ring_size
+  n_o, n_i = tl.outer.ring_size, tl.inner.ring_size
   q_pos = layouts.local_positions(cfg.layout, cfg.ring_size, q.shape[1], g * n_i + r)
   res = HopResiduals(out=out, lse=lse_for_backward(lse), do=do, dlse=dlse)
   k_own, v_own = k, v
+  streams = routes.streams
 
   def zeros(x):
     return varying_like(jnp.zeros(x.shape, jnp.float32), q, k, v)
 
-  def outer_step(step, state, *, name, first, last):
-    del name
-    # dko/dvo: the outer accumulators of the shard this device held at the previous outer step
-    # (unused at the first); they travel on with it and are read after this step's inner ring.
-    ko, vo, sego, dq, dko, dvo = state
-    nxt = (ko, vo, sego)
+  span = (1, n_o - 1)  # the steps the loop runs (0 and the last are peeled)
+  arrive_next = [[s.arrive[i + 1] if i + 1 < n_o else () for s in streams] for i in range(n_o)]
+  arrive_now = [[s.arrive[i] for s in streams] for i in range(n_o)]
+  home_prev = [[s.home[i - 1] if i else () for s in streams] for i in range(n_o)]
+  # kept[j][h, d]: group d's own part of stream j has its last use on group d at step h
+  kept = [np.array([[d in s.done_home[h] for d in range(n_o)] for h in range(n_o)])
+          for s in streams]
+
+  def outer_step(i, state):
+    # acc: per stream, the outer dK/dV accumulators of the parts held at step i - 1 (by
+    # then at this device, their holder); they travel on with the parts (outer_dkv) or go
+    # home (dkv_home) while this step's inner ring runs, and are read after it.
+    held, acc, home, dq = state
+    first, last = isinstance(i, int) and i == 0, isinstance(i, int) and i == n_o - 1
+    nxt = held
     if not last:
       with jax.named_scope("send_outer"):
-        nxt = _shift(tl.outer, 1, ko, vo, sego)
+        nxt = _step_send(i, arrive_next, span, outer, held, reverse=True)
+    arrived = None
     if not first:
       with jax.named_scope("outer_dkv"):
-        dko, dvo = _shift(tl.outer, 1, dko, dvo)
+        arrived = _step_send(i, arrive_now, span, outer, acc, reverse=True)
+      steps = _hops_of(i, span)
+      if any(s.home[h - 1] or s.done_home[h - 1] for s in streams for h in steps):
+        with jax.named_scope("dkv_home"):  # parts whose last use was step i - 1
+          sent = _step_send(i, home_prev, span, outer, acc, reverse=True)
+          mine = [jnp.asarray(kept_j)[i - 1, g] for kept_j in kept]
+          home = [tuple(h_ + s_ + jnp.where(m, a, 0.0) for h_, s_, a in zip(hj, sj, aj))
+                  for hj, sj, aj, m in zip(home, sent, acc, mine)]
+    kh, vh = (_joined([p[0][m] for p in held]) for m in (0, 1))
+    segh = _joined([p[1] for p in held])
 
     def hop(h, state, *, name, first, last):
       k, v, kv_seg, dq, dk, dv = state
@@ -204,7 +282,7 @@ def _backward(tl: _TwoLevelConfig, q, k, v, seg, out, lse, do, dlse):
         with jax.named_scope("send_dkv"):
           dk, dv = _shift(tl.inner, 1, dk, dv)
       with jax.named_scope(name):
-        masks = _masks(tl, _source(tl, g, r, step, h), q_pos, s_len, seg, kv_seg)
+        masks = _masks(tl, g, r, i, h, q_pos, seg, kv_seg)
         if cfg.overlap_dkv and not first:
           gr = cfg.kernel.backward(q, k, v, masks, cfg.spec, res,
                                    HopGrads(dq, zeros(k), zeros(v)))
@@ -213,27 +291,43 @@ def _backward(tl: _TwoLevelConfig, q, k, v, seg, out, lse, do, dlse):
           dq, dk, dv = cfg.kernel.backward(q, k, v, masks, cfg.spec, res, HopGrads(dq, dk, dv))
       return (*nxt, dq, dk, dv)
 
-    *_, dq, dk, dv = _over_hops(tl.inner, hop, (ko, vo, sego, dq, zeros(k), zeros(v)),
+    *_, dq, dk, dv = _over_hops(tl.inner, hop, (kh, vh, segh, dq, zeros(kh), zeros(vh)),
                                 peel_first=True)
-    # (g, r) now holds this group's part of the dK/dV of shard (g - step, r + 1).
+    # (g, r) now holds this group's part of the dK/dV of the buffer's shard r + 1.
     if not last:
       with jax.named_scope("dkv_home"):  # to the holder of the outer buffer, (g, r)
         dk, dv = _shift(tl.inner, -(n_i - 1), dk, dv)
-    elif not first:  # the outer accumulator of shard (g + 1, r + 1) comes here instead
+      if arrived is not None:
+        dk = dk + _joined([a[0] for a in arrived])
+        dv = dv + _joined([a[1] for a in arrived])
+    elif arrived is not None:  # the outer accumulators of shard r + 1 come here instead
       with jax.named_scope("outer_dkv"):
-        dko, dvo = _shift(tl.inner, -1, dko, dvo)
-    if not first:
-      dk, dv = dko + dk, dvo + dv
-    return (*nxt, dq, dk, dv)
+        ak, av = _shift(tl.inner, -1, _joined([a[0] for a in arrived]),
+                        _joined([a[1] for a in arrived]))
+      dk, dv = dk + ak, dv + av
+    return nxt, _parts(routes, dk, dv), home, dq
 
-  *_, dq, dk, dv = _over_hops(tl.outer, outer_step, (k, v, seg, zeros(q), zeros(k), zeros(v)),
-                              peel_first=True)
-  with jax.named_scope("dkv_home"):  # shard (g + 1, r + 1) goes home in one transfer
-    n_o = tl.outer.ring_size
-    home = [(g_ * n_i + r_, ((g_ + 1) % n_o) * n_i + (r_ + 1) % n_i)
-            for g_ in range(n_o) for r_ in range(n_i)]
-    if any(a != b for a, b in home):
-      dk, dv = (jax.lax.ppermute(x, cfg.axis_name, home) for x in (dk, dv))
+  # Each part's K and V travel stacked, one array: a routed step that sends one pair sends
+  # what the forward sent (reversing one pair keeps it), and XLA merged equal transfers of
+  # the two passes, keeping the received K/V alive from the forward on (as ring.py's
+  # reversed pairs avoid); the stacked array's shape keeps them apart.
+  held = [(jnp.stack(p[:2]), p[2]) for p in _parts(routes, k, v, seg)]
+  acc = [(zeros(p[0]), zeros(p[1])) for p in _parts(routes, k, v)]
+  home = [(zeros(p[0]), zeros(p[1])) for p in _parts(routes, k, v)]
+  _, acc, home, dq = _outer_steps(n_o, outer_step, (held, acc, home, zeros(q)))
+  with jax.named_scope("dkv_home"):  # the parts last used at the last step: one transfer
+    last = n_o - 1
+    for j, s in enumerate(streams):
+      groups = list(s.home[last]) + [(d, d) for d in s.done_home[last]]
+      pairs = [(a * n_i + m, b * n_i + (m + 1) % n_i) for a, b in groups for m in range(n_i)]
+      moved = [p for p in pairs if p[0] != p[1]]
+      if moved:
+        got = tuple(jax.lax.ppermute(x, cfg.axis_name, moved) for x in acc[j])
+        home[j] = tuple(h_ + x for h_, x in zip(home[j], got))
+      if len(moved) < len(pairs):  # n_i == 1: a group's own part stays
+        mine = jnp.asarray(kept[j])[last, g]
+        home[j] = tuple(h_ + jnp.where(mine, a, 0.0) for h_, a in zip(home[j], acc[j]))
+  dk, dv = _joined([h_[0] for h_ in home]), _joined([h_[1] for h_ in home])
   return _finish_grads(q, k_own, v_own, dq, dk, dv)
 
 

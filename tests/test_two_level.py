@@ -1,6 +1,7 @@
 """The two-level ring (strategy="ring", seq_axis=(outer, inner)) vs the float64 dense oracle,
-forward and gradients, on (2, 4) and (4, 2) splits of 8 fake devices; its errors; the bytes
-its compiled HLO sends over each axis; plan()'s choice on two link levels."""
+forward and gradients, on (2, 4) and (4, 2) splits of 8 fake devices, full and routed
+(causal_routing: the outer transfers under a causal mask); its errors; the bytes its compiled
+HLO sends over each axis; plan()'s choice on two link levels."""
 
 import functools
 
@@ -13,6 +14,7 @@ from jax.sharding import PartitionSpec as P
 import ring_jax
 from benchmarks import two_level as bench
 from attn_utils import assert_close, grads, make_mesh, packed_segments, qkv
+from ring_jax import scheduling
 from ring_jax.two_level import two_level_ring_attention
 
 AXES = ("outer", "inner")
@@ -75,9 +77,9 @@ def test_errors():
   with pytest.raises(ValueError, match="zigzag"):  # the layout spans the ring of 8
     ring_jax.attention_sharded(q[:, :8], k[:, :8], v[:, :8], mesh=mesh, strategy="ring",
                                seq_axis=AXES, layout="zigzag")
-  with pytest.raises(NotImplementedError, match="causal_routing=True is not implemented"):
+  with pytest.raises(TypeError, match="causal_routing must be None"):
     ring_jax.attention_sharded(q, k, v, mesh=mesh, strategy="ring", seq_axis=AXES,
-                               is_causal=True, causal_routing=True)
+                               is_causal=True, causal_routing="yes")
 
 
 def test_bytes_over_each_axis_from_hlo():
@@ -96,6 +98,101 @@ def test_bytes_over_each_axis_from_hlo():
                             inner_bytes=14 * shard)
   assert got[True] == dict(outer_transfers=2, outer_bytes=2 * shard, inner_transfers=12,
                            inner_bytes=12 * shard)
+
+
+def test_group_routes():
+  """The outer ring's routes (groups as members): contiguous buffer j goes to groups
+  j+1..n_o-1 and its dK/dV home from group n_o-1; zigzag both chunks backward, early ones
+  around the whole outer ring, the late chunk of group j to groups 0..j only."""
+  con = scheduling.group_routes("contiguous", 4, 2, 16, True)
+  (stream,) = con.streams
+  assert stream.step == 1 and [p for p in stream.arrive] == [
+      (), ((0, 1), (1, 2), (2, 3)), ((1, 2), (2, 3)), ((2, 3),)]
+  assert stream.home == ((), ((3, 2),), ((3, 1),), ((3, 0),)) and stream.done_home[0] == (3,)
+  assert con.kv_fraction() == 0.5 and con.dkv_fraction() == 9 / 16
+  early, late = scheduling.group_routes("zigzag", 4, 2, 16, True).streams
+  assert (early.step, late.step) == (-1, -1)
+  assert [len(p) for p in early.arrive] == [0, 4, 4, 4]
+  assert late.arrive == ((), ((1, 0), (2, 1), (3, 2)), ((1, 0), (2, 1)), ((1, 0),))
+  assert late.home == ((), ((0, 1),), ((0, 2),), ((0, 3),)) and late.done_home[0] == (0,)
+  assert scheduling.group_routes("zigzag", 2, 4, 16, True).kv_fraction() == 0.75
+  # Nothing to drop: striped, or no causal mask; routed=False is the full rotation.
+  assert not scheduling.group_routes("striped", 4, 2, 16, True).routed
+  assert not scheduling.group_routes("contiguous", 4, 2, 16, False).routed
+  full = scheduling.group_routes("zigzag", 4, 2, 16, True, routed=False)
+  assert not full.routed and full.kv_fraction() == 1 and full.dkv_fraction() == 1
+
+
+def _in_layout(x, perm):
+  return ring_jax.to_layout(x, "document", 8, permutation=perm)
+
+
+@pytest.mark.parametrize("split,layout,window", [
+    ((2, 4), "zigzag", None), ((4, 2), "document", None), ((2, 4), "contiguous", 9)])
+def test_routed_matches_float64_oracle(split, layout, window):
+  """causal_routing=True, causal, GQA, packed segment ids: forward and dq, dk, dv against the
+  float64 oracle (the document layout's arrays reordered by its permutation and back). The
+  routed contiguous ring without a window is the default, checked above (4 x 2)."""
+  mesh = make_mesh(split, AXES)
+  q, k, v = qkv(21, 1, 64, 4, 2, 8)
+  seg = packed_segments(1, 64, seed=6)
+  cot = jax.random.normal(jax.random.key(7), q.shape, jnp.float32)
+  want = oracle(q, k, v, cot, is_causal=True, segment_ids=seg, local_window_size=window)
+  to = back = lambda x: x  # noqa: E731
+  run_seg = seg
+  if layout == "document":
+    doc = ring_jax.document_layout(np.asarray(seg), 8)
+    to = lambda x: _in_layout(x, doc.permutation)  # noqa: E731
+    back = lambda x: ring_jax.from_layout(x, "document", 8, permutation=doc.permutation)  # noqa: E731
+    run_seg = jnp.asarray(doc.segment_ids)
+  fn = functools.partial(ring_jax.ring_attention_sharded, mesh=mesh, seq_axis=AXES,
+                         is_causal=True, segment_ids=run_seg, layout=layout, block_q=4,
+                         block_kv=4, local_window_size=window, causal_routing=True,
+                         inputs_in_layout=layout == "document")
+
+  def out_and_grads(q, k, v, cot):  # one program: compiling dominates these shapes
+    out, vjp = jax.vjp(fn, q, k, v)
+    return (out, *vjp(cot))
+
+  got = jax.jit(out_and_grads)(*(to(x) for x in (q, k, v, cot)))
+  for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
+    assert_close(back(g), w, what=f"{split} {layout} {name}")
+
+
+def _outer_bytes(text, split, scope=""):
+  """Bytes over outer links (summed over source-target pairs that cross the outer axis) of
+  every executed collective-permute whose op name holds ``scope``."""
+  return sum(op["bytes"] * op["runs"] * op["outer_pairs"]
+             for op in bench.permute_traffic(text, split) if scope in op["scope"])
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+def test_routed_outer_bytes_from_hlo(layout):
+  """4 x 2, causal: the bytes the compiled program sends over the outer axis, routed over
+  the full rotation, forward (the ops named two_level_fwd) and forward + backward, are
+  exactly what the outer routes move (scheduling.group_routes): contiguous 0.5 and
+  0.525 (buffer j: K/V to groups j+1..3 in each pass, its dK/dV on with it and home from
+  group 3: (6 + 6 + 9) / (12 + 12 + 16) transfers of a group's shards), zigzag 0.75 and
+  0.7625. The inner bytes do not change."""
+  split, length = (4, 2), 128
+  got = {}
+  for routing in (False, True):
+    text = bench.compiled_text(split, two_level=True, backward=True, is_causal=True,
+                               length=length, heads=2, kv_heads=2, head_dim=8, layout=layout,
+                               causal_routing=routing)
+    got[routing] = (_outer_bytes(text, split, "/two_level_fwd/"), _outer_bytes(text, split),
+                    bench.axis_summary(bench.permute_traffic(text, split))["inner_bytes"])
+  routes = scheduling.group_routes(layout, 4, 2, length // 8, True)
+  shard = length // 8 * 2 * 8 * 4  # one device's K (or V): 16 tokens, 2 heads of 8, float32
+  group = 2 * shard  # a group's pair of devices
+  full_fwd, full_all = 2 * 12 * group, (2 * 12 + 2 * 12 + 2 * 16) * group
+  assert got[False][:2] == (full_fwd, full_all)
+  fwd = routes.kv_fraction() * full_fwd
+  total = (2 * routes.kv_fraction() * 2 * 12 + routes.dkv_fraction() * 2 * 16) * group
+  assert got[True][:2] == (fwd, total)
+  assert got[True][2] == got[False][2]
+  assert (fwd / full_fwd, total / full_all) == {"contiguous": (0.5, 0.525),
+                                                "zigzag": (0.75, 0.7625)}[layout]
 
 
 GQA = dict(batch=1, heads=32, kv_heads=8, head_dim=128)
