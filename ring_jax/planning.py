@@ -50,6 +50,7 @@ import math
 import numpy as np
 
 from ring_jax import hardware
+from ring_jax import layouts
 from ring_jax import scheduling
 from ring_jax import validation
 from ring_jax.ring import default_block
@@ -372,13 +373,28 @@ def _ring_cost(s: _Setting, n: int) -> dict:
   return _ring_like(s, n, s.seq_len / n, s.nh, s.kh, s.links(n * s.tensor))
 
 
+def _group_routes(s: _Setting, n_o: int, n_i: int, tokens):
+  """The two-level ring's outer :class:`ring_jax.scheduling.Routes` with ``causal_routing``
+  (:func:`ring_jax.scheduling.group_routes`), or None (off, nothing dropped, or a local
+  length the layout cannot split)."""
+  if not s.causal_routing or n_o < 2 or tokens != int(tokens):
+    return None
+  try:
+    route = scheduling.group_routes(layouts.mask_layout(s.layout), n_o, n_i, int(tokens),
+                                    s.is_causal, s.window)
+  except ValueError:
+    return None
+  return route if route.routed else None
+
+
 def _two_level_cost(s: _Setting, n_o: int, n_i: int) -> dict:
   """The two-level ring (:mod:`ring_jax.two_level`): ``n_o`` outer steps, each an ``n_i``-hop
   inner ring over the inner axis's links while the outer buffer's transfer (to the next
   group, over the links the whole ring spans) runs: a step takes ``max(inner ring, outer
   transfer)``, the last one the inner ring alone. The backward's outer transfers carry K/V
   and the float32 dK/dV; its last dK/dV goes home in one transfer over the outer links.
-  Every hop runs (a window's hop pruning is the flat ring's)."""
+  Every hop runs (a window's hop pruning is the flat ring's). With ``causal_routing`` the
+  outer bytes are the routed ones (:func:`_group_routes`)."""
   n = n_o * n_i
   tokens = s.seq_len / n
   inner = s.links(n_i * s.tensor)
@@ -393,18 +409,26 @@ def _two_level_cost(s: _Setting, n_o: int, n_i: int) -> dict:
     ring = _ring_time(hop_s, n_i, inner_xfer, n_i)
     return (n_o - 1) * max(ring, outer_xfer) + ring
 
+  # Routed (causal_routing): the outer K/V and dK/dV bytes of scheduling.group_routes; a
+  # step still sends a whole buffer over its busiest outer link (contiguous: every step
+  # but the last; zigzag: both chunks share the link early on), so the times stay.
+  kv_frac = dkv_frac = 1.0
+  route = _group_routes(s, n_o, n_i, tokens)
+  if route is not None:
+    kv_frac, dkv_frac = route.kv_fraction(), route.dkv_fraction()
   time = level_time(hop, kv / inner.p2p, kv / outer.p2p)
-  comm = (n_o * (n_i - 1) * kv / inner.p2p + (n_o - 1) * kv / outer.p2p)
-  moved = n_o * (n_i - 1) * kv + (n_o - 1) * kv
+  comm = (n_o * (n_i - 1) * kv / inner.p2p + (n_o - 1) * kv * kv_frac / outer.p2p)
+  moved = n_o * (n_i - 1) * kv + (n_o - 1) * kv * kv_frac
   if s.backward:
     home = kv * grad / outer.p2p
     time += level_time(hop * s.bwd, kv * (1 + grad) / inner.p2p,
                        kv * (1 + grad) / outer.p2p) + home
     # Inner: K/V and dK/dV between hops, each step's dK/dV back to the outer buffer's
     # holder (the last step: the outer dK/dV one device on instead). Outer: K/V, and the
-    # dK/dV one group on per step after the first, then home.
+    # dK/dV one group on per step after the first, then home (routed: on only as far as
+    # used, home from the last group that uses it).
     inner_bwd = n_o * (n_i - 1) * kv * (1 + grad) + (n_o if n_i > 1 else 0) * kv * grad
-    outer_bwd = (n_o - 1) * kv + n_o * kv * grad
+    outer_bwd = (n_o - 1) * kv * kv_frac + n_o * kv * grad * dkv_frac
     comm += inner_bwd / inner.p2p + outer_bwd / outer.p2p
     moved += inner_bwd + outer_bwd
   # Hidden: each inner hop covers its inner transfer (l* of the inner links) and each inner

@@ -19,20 +19,43 @@ Every device sees every shard exactly once; a flat ring over both axes pays
 the slow link at every one of its ``n - 1`` hops, the two-level ring only
 ``n_o - 1`` times, each behind ``n_i`` hops of compute.
 
+With causal routing (``causal_routing``, the flat ring's rule) the outer transfers follow
+:func:`ring_jax.scheduling.group_routes`, the flat ring's routes
+(:func:`ring_jax.scheduling.routes`) with groups as members: each part of a group's
+buffer goes only to the groups that see it. Contiguous causal: group ``j``'s buffer goes
+``j -> j+1 -> ... -> n_o-1`` and no further (groups before ``j`` see none of it, and the
+wrap would carry it to them): at step ``s`` only the groups ``s..n_o-2`` send, half the
+outer K/V bytes. Zigzag (and document): device ``c`` holds the early chunk ``c`` and the
+late chunk ``2n-1-c``; every group sees every early chunk, but the late chunks of group
+``j`` only groups ``0..j``, so both chunks travel backward (group ``g`` holds group
+``g + s``'s buffer at step ``s``), the early ones around the whole outer ring, the late ones
+only until they wrap: 0.75x. A group that receives nothing at a step (``ppermute``
+gives zeros) holds a buffer none of its queries sees: its masks are built from the
+positions of the shard it would hold, which the causal mask (and window) hide, so the
+block table skips every pair and the zeros are never read. Each step's pairs differ,
+so the steps between the first and the last run in a ``fori_loop`` whose transfers are
+picked by a ``lax.switch`` on the step (:func:`ring_jax.ring._hop_send`, as the flat
+routed ring's hops; unrolled steps measured more temp memory and a larger program,
+docs/performance.md). The inner rings rotate the group's whole buffer as before.
+
 The backward (a ``custom_vjp``) mirrors it: in each outer step the inner ring
 carries K/V with fresh float32 dK/dV accumulators (as :mod:`ring_jax.ring`,
 ``overlap_dkv`` applies there) that return to the holder of the outer buffer
 after the last inner hop; the group's contribution is added to the outer
-accumulator of that buffer, which travels one group on, its transfer issued at
+accumulator of that buffer, which travels on with it, its transfer issued at
 the start of the next outer step and read at its end, so it overlaps that
-step's inner ring. In the last outer step the inner accumulators stay where
-the inner ring left them (one device on), the outer one moves there instead
-(off the critical path), and their sum goes home in one transfer over both
-axes: the last step exposes one transfer, as the flat ring's last hop does.
+step's inner ring. An accumulator whose buffer has had its last use goes home
+from that group over the outer axis in the same way (routed contiguous: from group
+``n_o - 1``, one transfer per buffer instead of the rest of the way round). In the
+last outer step the inner accumulators stay where the inner ring left them (one device
+on), the outer one moves there instead (off the critical path), and their sum goes
+home in one transfer over both axes: the last step exposes one transfer, as the flat
+ring's last hop does.
 
 Masks, the block table (causal, window and document skipping of block pairs,
 whole hops included) and the hop kernels are those of :mod:`ring_jax.ring`;
-every hop of both levels runs (a window's hop pruning is the flat ring's).
+every hop of both levels runs (a window's hop pruning is the flat ring's; routed, a
+window also drops the outer transfers it hides).
 Profiles name the parts ``two_level_fwd`` / ``two_level_bwd`` with
 ``send_outer``, ``send_kv``, ``send_dkv``, ``dkv_home`` and ``outer_dkv``.
 """

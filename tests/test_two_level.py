@@ -210,6 +210,13 @@ def test_plan_two_link_levels():
   assert "two levels: 3 transfers over the outer links" in " ".join(p.reasons)
   # The outer threshold is the inner ring's: l* of the network over 8 hops.
   assert flat.min_local_len / 8 <= two.min_local_len < flat.min_local_len
+  # Routed (zigzag: 0.75x the outer K/V bytes): fewer bytes moved, the same time (a step
+  # still sends a whole buffer over its busiest outer link).
+  routed = ring_jax.plan(seq_len=131072, sequence=(4, 8), device="H200", layout="zigzag",
+                         causal_routing=True, **GQA).estimate("ring4x8")
+  full = ring_jax.plan(seq_len=131072, sequence=(4, 8), device="H200", layout="zigzag",
+                       causal_routing=False, **GQA).estimate("ring4x8")
+  assert routed.time_s == full.time_s and routed.bytes_moved < full.bytes_moved
   v5p = ring_jax.plan(seq_len=262144, sequence=(4, 16), device="TPU v5p", fast_domain=16,
                       **GQA)
   assert v5p.strategy == "ring" and v5p.split == (4, 16)
