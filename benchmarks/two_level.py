@@ -7,7 +7,9 @@ to the next group over the slow (outer) link: each of its ``n - 1`` hops waits
 for the slow link. The two-level ring (``strategy="ring"`` with a pair,
 :mod:`ring_jax.two_level`) sends over the outer axis ``n_o - 1`` times (the
 backward's dK/dV ``n_o`` times), each transfer issued a whole inner ring (``n_i``
-hops of compute) before it is read.
+hops of compute) before it is read; routed (``causal_routing=True``) it sends
+each part of a group's K/V only to the groups that see it, over fewer pairs
+(``outer_total``: the bytes over all outer links together).
 
 :func:`permute_traffic` reads every ``collective-permute`` of a compiled
 program (``jax.jit(f).lower(...).compile().as_text()``) with its
@@ -149,6 +151,13 @@ def axis_summary(ops: list[dict]) -> dict:
   return out
 
 
+def outer_total(ops: list[dict], scope: str = "") -> int:
+  """Bytes over all outer links together: each executed permute's operand bytes times its
+  source->target pairs that cross the outer axis (what routing drops: a routed outer step
+  sends over fewer pairs, not fewer permutes); only ops whose scope holds ``scope``."""
+  return sum(op["bytes"] * op["runs"] * op["outer_pairs"] for op in ops if scope in op["scope"])
+
+
 def compiled_text(split, *, two_level: bool, backward: bool, is_causal: bool, length: int,
                   heads: int = 4, kv_heads: int = 2, head_dim: int = 64,
                   layout: str = "zigzag", causal_routing: bool | None = False) -> str:
@@ -170,26 +179,32 @@ def compiled_text(split, *, two_level: bool, backward: bool, is_causal: bool, le
   return jax.jit(fn).lower(*shapes).compile().as_text()
 
 
-def measure(splits=((2, 4), (4, 2)), length: int = 8192, is_causal: bool = True) -> list[dict]:
+def measure(splits=((2, 4), (4, 2)), length: int = 8192, is_causal: bool = True,
+            layout: str = "zigzag") -> list[dict]:
+  """Per split and pass: the flat ring, the two-level ring in full rotation and routed
+  (``causal_routing=True``: the outer transfers only where they are seen)."""
   rows = []
   for split in splits:
     for backward in (False, True):
-      for two_level in (False, True):
+      for ring, two_level, routing in (("flat", False, False), ("two-level", True, False),
+                                       ("routed", True, True)):
         text = compiled_text(split, two_level=two_level, backward=backward,
-                             is_causal=is_causal, length=length)
-        s = axis_summary(permute_traffic(text, split))
-        rows.append(dict(split=list(split), ring="two-level" if two_level else "flat",
-                         pass_="fwd+bwd" if backward else "fwd", length=length, **s))
+                             is_causal=is_causal, length=length, layout=layout,
+                             causal_routing=routing)
+        ops = permute_traffic(text, split)
+        rows.append(dict(split=list(split), ring=ring, pass_="fwd+bwd" if backward else "fwd",
+                         length=length, **axis_summary(ops), outer_total=outer_total(ops)))
   return rows
 
 
 def print_table(rows, out=sys.stdout):
   mib = 2 ** 20
   print(f"{'split':>6} {'pass':>8} {'ring':>10} {'outer xfers':>12} {'outer MiB':>10} "
-        f"{'inner xfers':>12} {'inner MiB':>10}", file=out)
+        f"{'all outer MiB':>14} {'inner xfers':>12} {'inner MiB':>10}", file=out)
   for r in rows:
     print(f"{'x'.join(map(str, r['split'])):>6} {r['pass_']:>8} {r['ring']:>10} "
-          f"{r['outer_transfers']:>12} {r['outer_bytes'] / mib:>10.2f} {r['inner_transfers']:>12} "
+          f"{r['outer_transfers']:>12} {r['outer_bytes'] / mib:>10.2f} "
+          f"{r['outer_total'] / mib:>14.2f} {r['inner_transfers']:>12} "
           f"{r['inner_bytes'] / mib:>10.2f}", file=out)
 
 
@@ -197,14 +212,15 @@ def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--length", type=int, default=8192, help="global sequence length")
   ap.add_argument("--non-causal", action="store_true")
+  ap.add_argument("--layout", default="zigzag")
   ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results",
                                                 "two_level_cpu.json"))
   args = ap.parse_args(argv)
-  rows = measure(length=args.length, is_causal=not args.non_causal)
+  rows = measure(length=args.length, is_causal=not args.non_causal, layout=args.layout)
   print_table(rows)
   with open(args.out, "w") as f:
     json.dump(dict(jax=jax.__version__, heads=4, kv_heads=2, head_dim=64, dtype="float32",
-                   layout="zigzag", is_causal=not args.non_causal, rows=rows), f, indent=1)
+                   layout=args.layout, is_causal=not args.non_causal, rows=rows), f, indent=1)
   return rows
 
 

@@ -202,15 +202,17 @@ def plan_attention(cfg, mesh, batch: int, seq_len: int):
 
 def describe_routing(cfg, mesh) -> str:
   """One line for train.py: whether the model's ring routes its K/V under the causal mask
-  (``cfg.causal_routing`` resolved for ``cfg.layout``; the two-level ring never routes)."""
+  (``cfg.causal_routing`` resolved for ``cfg.layout``; the two-level ring routes its outer
+  transfers by the same rule)."""
   seq_axis = sequence_axis(mesh)
   if cfg.attention not in ("ring", "hybrid") or seq_axis is None:
     return f"ring K/V routing: n/a (attention {cfg.attention!r}, no ring over the sequence)"
   two_level = cfg.attention == "ring" and isinstance(seq_axis, tuple)
-  routed = not two_level and ring_jax.scheduling.check_routing(cfg.causal_routing, cfg.layout)
-  how = ("routed under the causal mask (each K/V part only to the devices that see it)"
-         if routed else "full rotation" + (" (the two-level ring does not route)"
-                                           if two_level else ""))
+  routed = ring_jax.scheduling.check_routing(cfg.causal_routing, cfg.layout)
+  how = ("routed under the causal mask (each K/V part only to the "
+         + ("groups that see it, over the two-level ring's outer axis)" if two_level
+            else "devices that see it)")
+         if routed else "full rotation")
   return (f"ring K/V routing: {how}; model.causal_routing={cfg.causal_routing}, "
           f"layout {cfg.layout!r}")
 

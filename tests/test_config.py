@@ -157,8 +157,6 @@ def _with_mesh(mesh):
      r"or mesh\.sequence_outer=1"),
     ({"mesh.data": 1, "mesh.sequence_outer": 2, "model.attention": "hybrid"},
      r"model\.attention='hybrid' runs over one sequence axis"),
-    ({"mesh.data": 1, "mesh.sequence_outer": 2, "model.causal_routing": True},
-     r"model\.causal_routing=True: the two-level ring .* does not route"),
 ])
 def test_bad_configs_fail_with_a_clear_message(overrides, match):
   with pytest.raises(ConfigError, match=match):

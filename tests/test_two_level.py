@@ -159,40 +159,41 @@ def test_routed_matches_float64_oracle(split, layout, window):
     assert_close(back(g), w, what=f"{split} {layout} {name}")
 
 
-def _outer_bytes(text, split, scope=""):
-  """Bytes over outer links (summed over source-target pairs that cross the outer axis) of
-  every executed collective-permute whose op name holds ``scope``."""
-  return sum(op["bytes"] * op["runs"] * op["outer_pairs"]
-             for op in bench.permute_traffic(text, split) if scope in op["scope"])
-
-
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
 def test_routed_outer_bytes_from_hlo(layout):
-  """4 x 2, causal: the bytes the compiled program sends over the outer axis, routed over
-  the full rotation, forward (the ops named two_level_fwd) and forward + backward, are
-  exactly what the outer routes move (scheduling.group_routes): contiguous 0.5 and
-  0.525 (buffer j: K/V to groups j+1..3 in each pass, its dK/dV on with it and home from
-  group 3: (6 + 6 + 9) / (12 + 12 + 16) transfers of a group's shards), zigzag 0.75 and
-  0.7625. The inner bytes do not change."""
+  """4 x 2, causal: the bytes the compiled program sends over the outer axis (all outer
+  links together), routed and in full rotation, forward (the ops named two_level_fwd) and
+  forward + backward, are exactly what the outer routes move (scheduling.group_routes):
+  K/V at steps 1..3 forward, 2..3 backward (step 1's parts are the forward's, kept), the
+  dK/dV on with their parts and home. Routed over full: contiguous 0.5 and 0.5, zigzag
+  0.75 and 0.75. The inner bytes do not change."""
   split, length = (4, 2), 128
   got = {}
   for routing in (False, True):
     text = bench.compiled_text(split, two_level=True, backward=True, is_causal=True,
                                length=length, heads=2, kv_heads=2, head_dim=8, layout=layout,
                                causal_routing=routing)
-    got[routing] = (_outer_bytes(text, split, "/two_level_fwd/"), _outer_bytes(text, split),
-                    bench.axis_summary(bench.permute_traffic(text, split))["inner_bytes"])
-  routes = scheduling.group_routes(layout, 4, 2, length // 8, True)
+    ops = bench.permute_traffic(text, split)
+    got[routing] = (bench.outer_total(ops, "/two_level_fwd/"), bench.outer_total(ops),
+                    bench.axis_summary(ops)["inner_bytes"])
   shard = length // 8 * 2 * 8 * 4  # one device's K (or V): 16 tokens, 2 heads of 8, float32
-  group = 2 * shard  # a group's pair of devices
-  full_fwd, full_all = 2 * 12 * group, (2 * 12 + 2 * 12 + 2 * 16) * group
-  assert got[False][:2] == (full_fwd, full_all)
-  fwd = routes.kv_fraction() * full_fwd
-  total = (2 * routes.kv_fraction() * 2 * 12 + routes.dkv_fraction() * 2 * 16) * group
-  assert got[True][:2] == (fwd, total)
+  group = 2 * shard  # over the 2 device pairs of a group pair
+  want = {}
+  for routing in (False, True):
+    route = scheduling.group_routes(layout, 4, 2, length // 8, True, routed=routing)
+
+    def moved(hops, kind="arrive"):  # whole group buffers moved over these steps
+      return sum(len(getattr(s, kind)[h]) * (s.stop - s.start) for s in route.streams
+                 for h in hops) / route.local_len
+
+    fwd = 2 * moved(range(1, 4)) * group  # K and V
+    dkv = 2 * (moved(range(1, 4)) + moved(range(4), "home")) * group
+    want[routing] = (fwd, fwd + 2 * moved(range(2, 4)) * group + dkv)
+  assert want[False] == (2 * 12 * group, (2 * 12 + 2 * 8 + 2 * 16) * group)
+  assert got[False][:2] == want[False] and got[True][:2] == want[True]
   assert got[True][2] == got[False][2]
-  assert (fwd / full_fwd, total / full_all) == {"contiguous": (0.5, 0.525),
-                                                "zigzag": (0.75, 0.7625)}[layout]
+  frac = 0.5 if layout == "contiguous" else 0.75
+  assert (got[True][0] / got[False][0], got[True][1] / got[False][1]) == (frac, frac)
 
 
 GQA = dict(batch=1, heads=32, kv_heads=8, head_dim=128)

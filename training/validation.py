@@ -217,9 +217,6 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int) -> dict
   if routing is not None and not isinstance(routing, bool):
     raise ConfigError(f"model.causal_routing must be unset (the library's default), True or "
                       f"False, got {routing!r}.")
-  if routing and sizes["sequence_outer"] > 1 and m.attention == "ring":
-    raise ConfigError("model.causal_routing=True: the two-level ring (mesh.sequence_outer > 1) "
-                      "does not route; unset it or use mesh.sequence_outer=1.")
   if m.num_heads % m.num_kv_heads:
     raise ConfigError(f"model.num_heads={m.num_heads} must be a multiple of "
                       f"model.num_kv_heads={m.num_kv_heads} (GQA groups).")
