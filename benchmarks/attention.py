@@ -200,8 +200,10 @@ def device_mem_budget(args):
 # Main table
 # ----------------------------------------------------------------------------
 
-def prepare_case(name, *, mesh, length, is_causal, args, dtype, paper_fn, budget, timed_run):
-  """Compiles fwd and fwd+bwd; returns ``(row, {mode: (compiled, args)})`` of what will be timed."""
+def prepare_case(name, *, mesh, length, is_causal, args, dtype, paper_fn, budget, timed_run,
+                 modes=("fwd", "fwdbwd")):
+  """Compiles ``modes`` (fwd, fwd+bwd); returns ``(row, {mode: (compiled, args)})`` of what will
+  be timed."""
   ring = mesh.shape[AXIS]
   local_len = length // ring
   block = block_for(name, local_len, args.block)
@@ -215,6 +217,8 @@ def prepare_case(name, *, mesh, length, is_causal, args, dtype, paper_fn, budget
              block=None if one_dev else block, devices=1 if one_dev else ring)
   todo = {}
   for mode, fn, a in (("fwd", f, (q, k, v)), ("fwdbwd", fwd_bwd(f), (q, k, v, do))):
+    if mode not in modes:
+      continue
     t0 = time.perf_counter()
     compiled = jax.jit(fn).lower(*a).compile()
     row[f"{mode}_compile_s"] = round(time.perf_counter() - t0, 2)
@@ -261,23 +265,28 @@ def matmul_case(mesh, flops, dtype):
 
 
 def run_group(names, *, mesh, length, is_causal, args, dtype, paper_fn, budget, repeats,
-              warmup, timed_names):
+              warmup, timed_names, blocks=(None,), modes=("fwd", "fwdbwd")):
   """All implementations of one (length, mask): compile all, then time them round-robin.
 
   Round-robin (rep 1 of every implementation, then rep 2, ...) spreads slow phases of a
   shared machine over all implementations instead of penalising whichever ran then.
+  ``blocks``: each implementation once per block size (None: ``args.block``), the block
+  sweep's contenders.
   """
   rows, todo = [], []
-  for name in names:
+  for name, block in [(n, b) for n in names for b in blocks]:
+    case_args = args if block is None else argparse.Namespace(**{**vars(args), "block": block})
     try:
-      row, t = prepare_case(name, mesh=mesh, length=length, is_causal=is_causal, args=args,
-                            dtype=dtype, paper_fn=paper_fn, budget=budget,
-                            timed_run=name in timed_names)
+      row, t = prepare_case(name, mesh=mesh, length=length, is_causal=is_causal,
+                            args=case_args, dtype=dtype, paper_fn=paper_fn, budget=budget,
+                            timed_run=name in timed_names, modes=modes)
     except Exception as e:  # noqa: BLE001
       row, t = dict(impl=name, length=length, causal=is_causal, devices=mesh.shape[AXIS],
-                    block=None, fwd_mem={}, fwdbwd_mem={}, fwd_times_s=[], fwdbwd_times_s=[],
+                    block=block, fwd_mem={}, fwdbwd_mem={}, fwd_times_s=[], fwdbwd_times_s=[],
                     fwd_status=f"failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}",
                     fwdbwd_status="failed"), {}
+    for mode in ("fwd", "fwdbwd"):
+      row.setdefault(f"{mode}_status", "not run")
     rows.append(row)
     for mode, (c, a) in t.items():
       todo.append((row, mode, c, a))
@@ -411,6 +420,91 @@ def print_err_row(r, flush=False):
   ring = "-" if r["ring"] is None else r["ring"]
   print(f"  {r['impl']:<34} {ring:>4}  " +
         "  ".join(f"{e[nm]:.2e}" for nm in ("out", "dq", "dk", "dv")), flush=flush)
+
+
+# ----------------------------------------------------------------------------
+# Block-size sweep
+# ----------------------------------------------------------------------------
+
+def sweep_blocks(name, local_len, candidates):
+  """The candidate blocks the ring variant ``name`` can run at this local length: divisors of
+  the layout's chunk (half the shard for zigzag, where a block across the two chunks
+  cannot skip the masked one), plus the whole chunk when it is no larger than the largest
+  candidate."""
+  layout = ring_variant(name)[0]
+  chunk = local_len // 2 if layout == "zigzag" else local_len
+  whole = {chunk} if chunk <= max(candidates) else set()
+  return sorted({b for b in candidates if b <= chunk and chunk % b == 0} | whole)
+
+
+def sweep(names, *, mesh, masks, args, dtype, budget, save, rows):
+  """fwd+bwd time (median of ``--sweep-repeats``, every block of one (length, mask,
+  layout) timed round-robin) and compiled temp memory per block size, for each ring
+  variant; the default block (``ring_jax.ring.default_block``) marked. The table
+  ``ring_jax.ring.BLOCK_TARGETS`` is read from these rows (docs/performance.md). Appends
+  to ``rows`` and returns it."""
+  ring = mesh.shape[AXIS]
+  print(f"\n== block-size sweep, fwd+bwd (ring of {ring}; * = today's default) ==", flush=True)
+  print(f"  {'L':>6} {'mask':<6} {'layout':<11} " + "  ".join(
+      f"{'block':>5} {'ms':>8} {'x best':>6} {'MiB':>6}" for _ in range(1)))
+  for length in args.sweep_lengths:
+    local = length // ring
+    for causal in masks:
+      for name in [n for n in names if n.startswith("ring-")]:
+        blocks = sweep_blocks(name, local, args.sweep_blocks)
+        default = default_block(ring_variant(name)[0], local)
+        group = run_group([name], mesh=mesh, length=length, is_causal=causal, args=args,
+                          dtype=dtype, paper_fn=None, budget=budget,
+                          repeats=args.sweep_repeats, warmup=1, timed_names={name},
+                          blocks=blocks, modes=("fwdbwd",))
+        ok = [r for r in group if r.get("fwdbwd_status") == "ok"]
+        best = min((r["fwdbwd_median_s"] for r in ok), default=None)
+        for r in group:
+          r.update(default_block=default, is_default=r["block"] == default)
+          if best and r.get("fwdbwd_status") == "ok":
+            r["x_best"] = round(r["fwdbwd_median_s"] / best, 3)
+          rows.append(r)
+          mark = "*" if r["is_default"] else " "
+          print(f"  {length:>6} {'causal' if causal else 'full':<6} {name[5:]:<11} "
+                f"{r['block']:>5}{mark}{fmt_ms(r, 'fwdbwd'):>8} "
+                f"{r.get('x_best', float('nan')):>6.3f} {fmt_mem(r, 'fwdbwd'):>6}", flush=True)
+        save()
+  return rows
+
+
+def sweep_markdown(rows) -> str:
+  """The sweep as a markdown table: per (length, mask, layout), each block's fwd+bwd time
+  over the best block's and its temp MiB; ``*`` marks the default. The last column: the
+  default against the best block, in time and in temp memory."""
+  blocks = sorted({r["block"] for r in rows if r.get("block")})
+  head = ("| L | mask | layout | " + " | ".join(str(b) for b in blocks) +
+          " | default: time, temp vs the best block |")
+  lines = [head, "|" + "---|" * (len(blocks) + 4)]
+  groups = {}
+  for r in rows:
+    groups.setdefault((r["length"], r["causal"], r["layout"]), {})[r["block"]] = r
+  for (length, causal, layout), by_block in groups.items():
+    cells, best, default = [], None, None
+    for b in blocks:
+      r = by_block.get(b)
+      if r is None or "x_best" not in r:
+        cells.append("")
+        continue
+      temp = r["fwdbwd_mem"].get("temp_size_in_bytes", 0) / MIB
+      cells.append(f"{r['x_best']:.2f}x, {temp:.1f}" + ("*" if r.get("is_default") else ""))
+      if r["x_best"] == 1.0:
+        best = r
+      if r.get("is_default"):
+        default = r
+    verdict = ""
+    if best and default:
+      mem = (default["fwdbwd_mem"]["temp_size_in_bytes"] /
+             best["fwdbwd_mem"]["temp_size_in_bytes"])
+      verdict = f"{default['x_best']:.2f}x, {mem:.2f}x"
+    name = f"{length // 1024}K" if length % 1024 == 0 else str(length)
+    lines.append(f"| {name} | {'causal' if causal else 'full'} | {layout} | " +
+                 " | ".join(cells) + f" | {verdict} |")
+  return "\n".join(lines)
 
 
 # ----------------------------------------------------------------------------
@@ -670,8 +764,12 @@ def parse_args(argv=None):
                   help="length for correctness checks (default: min(lengths), at most 4096)")
   ap.add_argument("--err-length", type=int, default=2048)
   ap.add_argument("--err-rings", type=ints, default=[1, 2, 4, 8])
-  ap.add_argument("--sweep-length", type=int, default=8192)
-  ap.add_argument("--sweep-blocks", type=ints, default=[128, 256, 512, 1024])
+  ap.add_argument("--sweep-lengths", type=ints, default=[1024, 2048, 4096, 8192, 16384],
+                  help="section sweep: sequence lengths")
+  ap.add_argument("--sweep-blocks", type=ints, default=[64, 128, 256, 512, 1024],
+                  help="section sweep: candidate block sizes (those dividing the layout's "
+                       "chunk run, and the whole shard)")
+  ap.add_argument("--sweep-repeats", type=int, default=3)
   ap.add_argument("--memscan-lengths", type=ints, default=[2048, 4096, 8192, 16384, 32768, 65536])
   ap.add_argument("--memscan-block", type=int, default=256)
   ap.add_argument("--mem-budget-gib", type=float, default=None,
@@ -693,7 +791,9 @@ def render(path):
   if result["rows"]:
     print_table(result["rows"])
     plot(result, os.path.splitext(path)[0])
-  print("\n".join(targets(result)))
+    print("\n".join(targets(result)))
+  if result.get("sweep"):
+    print(sweep_markdown(result["sweep"]))
   return result
 
 
@@ -769,29 +869,10 @@ def main(argv=None):
     save()
 
   if "sweep" in args.sections:
-    print(f"\n== block-size sweep at L={args.sweep_length}, causal, fwd+bwd ==", flush=True)
-    result["sweep"] = []
-    sweep_args = argparse.Namespace(**vars(args))
-    for blk in args.sweep_blocks:
-      sweep_args.block = blk
-      for name in [n for n in names if n.startswith("ring-") or n == "paper"]:
-        if args.sweep_length // ring % blk or (name == "ring-zigzag" and
-                                               args.sweep_length // ring // 2 % blk):
-          continue
-        try:
-          row = run_group([name], mesh=mesh, length=args.sweep_length, is_causal=True,
-                          args=sweep_args, dtype=dtype, paper_fn=paper_fn, budget=budget,
-                          repeats=max(1, min(args.repeats, 3)), warmup=1,
-                          timed_names={name})[0]
-        except Exception as e:  # noqa: BLE001
-          row = dict(impl=name, block=blk, error=f"{type(e).__name__}: {e}")
-        result["sweep"].append(row)
-        cpu = lambda m: (f"{row[f'{m}_cpu_median_s']:.2f}" if f"{m}_cpu_median_s" in row
-                         else "-")
-        print(f"  block={blk:<5} {name:<16} fwd {fmt_ms(row, 'fwd'):>9} ms ({cpu('fwd'):>6} "
-              f"cpu s)  fwd+bwd {fmt_ms(row, 'fwdbwd'):>9} ms ({cpu('fwdbwd'):>6} cpu s)  "
-              f"temp f+b {fmt_mem(row, 'fwdbwd'):>8} MiB", flush=True)
-        save()
+    result["sweep"] = []  # filled row by row, saved after each group
+    sweep(names, mesh=mesh, masks=masks, args=args, dtype=dtype, budget=budget, save=save,
+          rows=result["sweep"])
+    save()
 
   if "bf16" in args.sections:
     print(f"\n== bf16 relative error (||x - x64|| / ||x64||) vs float64 oracle, causal, "

@@ -71,6 +71,14 @@ class DeviceSpec:
   def label(self) -> str:
     return self.name or self.match
 
+  @property
+  def platform(self) -> str | None:
+    """The JAX platform of this kind of device: ``"cpu"``, ``"tpu"`` or ``"gpu"`` (None for
+    figures given by hand, ``match="custom"``)."""
+    if self.match in ("cpu", "custom"):
+      return None if self.match == "custom" else "cpu"
+    return "tpu" if self.match.lower().startswith("tpu") else "gpu"
+
 
 _GCP = "Google Cloud TPU docs (cloud.google.com/tpu/docs/"
 _NV = "NVIDIA data sheet"

@@ -245,10 +245,11 @@ def merge(out, lse, out_h, lse_h):
   instead, so it stays ``(0, -inf)`` rather than NaN; a NaN in either input
   stays NaN.
   """
-  new = jnp.logaddexp(lse, lse_h)
-  ref = jnp.where(new == -jnp.inf, 0.0, new)
-  w, w_h = jnp.exp(lse - ref), jnp.exp(lse_h - ref)
-  return out * w[..., None] + out_h * w_h[..., None], new
+  with jax.named_scope("merge"):
+    new = jnp.logaddexp(lse, lse_h)
+    ref = jnp.where(new == -jnp.inf, 0.0, new)
+    w, w_h = jnp.exp(lse - ref), jnp.exp(lse_h - ref)
+    return out * w[..., None] + out_h * w_h[..., None], new
 
 
 def lse_for_backward(lse):

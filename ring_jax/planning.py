@@ -47,6 +47,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import jax
 import numpy as np
 
 from ring_jax import hardware
@@ -260,6 +261,11 @@ class _Setting:
   causal_routing: bool = False  # the ring's K/V routing (scheduling.routes)
 
   @property
+  def platform(self) -> str:
+    """The device's platform (this process's backend for figures given by hand)."""
+    return self.spec.platform or jax.default_backend()
+
+  @property
   def bwd(self) -> float:
     return 2.5 if self.backward else 0.0  # backward FLOPs / forward (FlashAttention-2)
 
@@ -273,7 +279,8 @@ class _Setting:
 
   def tile_bytes(self, q_heads, local_len) -> float:
     """The hop kernel's float32 score tiles, for blocks of the ring's default size."""
-    block = self.block or default_block(self.layout, max(1, int(local_len)))
+    block = self.block or default_block(self.layout, max(1, int(local_len)),
+                                        platform=self.platform)
     return 3 * self.b * q_heads * block * block * 4
 
   def links(self, span: int) -> _Links:
@@ -556,7 +563,8 @@ def plan(*, batch: int, seq_len: int, heads: int, head_dim: int, kv_heads: int |
     backward: include the backward pass (training) or not (inference).
     block: the hop kernel's block size (the score tiles' memory); default the
       one the strategies run with, :func:`ring_jax.ring.default_block` of each
-      one's local length (at most ``ring_jax.ring.DEFAULT_BLOCK``).
+      one's local length on the device's platform (at most
+      ``ring_jax.ring.BLOCK_TARGETS[platform]``); the table's first line names it.
     strategies: restrict the candidates (default all of ``ring``,
       ``all_gather``, ``ulysses``, ``hybrid``).
     fast_domain: devices that share the fast links (a TPU slice of a multislice
@@ -615,8 +623,17 @@ def plan(*, batch: int, seq_len: int, heads: int, head_dim: int, kv_heads: int |
   setting = (f"{spec.label}: B={batch} L={seq_len:,} N={heads} K={kv_heads} d={head_dim} "
              f"{_dtype_name(dtype)}, {_mask_name(is_causal, window)}, layout={layout}, "
              f"sequence={sequence} tensor={tensor} data={data}, "
+             f"{_block_note(s, seq_len // max(1, math.prod(np.atleast_1d(sequence))))}, "
              f"{'fwd+bwd' if backward else 'fwd'}; per device:")
   return _choose(estimates, spec, setting)
+
+
+def _block_note(s: _Setting, local_len: int) -> str:
+  """``"block 128 (cpu default)"``: the hop kernel's block at the ring's local length."""
+  if s.block:
+    return f"block {s.block}"
+  block = default_block(s.layout, max(1, int(local_len)), platform=s.platform)
+  return f"block {block} ({s.platform} default)"
 
 
 def choose_layout(ring_size: int, *, packed: bool, is_causal: bool = True,

@@ -42,9 +42,17 @@ from ring_jax import validation
 from ring_jax.hop import (HopGrads, HopKernel, HopMasks, HopResiduals, HopSpec, _varying_axes,
                           empty_result, lse_for_backward, merge, varying_like)
 
-# Bounds the per-pair score temporaries ([B, N, 256, 256] float32) in the unfused XLA kernel;
-# larger blocks measured slower on CPU and cost memory (benchmarks/results).
-DEFAULT_BLOCK = 256
+# The largest block default_block picks, per platform (jax.default_backend()). Each hop holds
+# a few [B, N, block, block] float32 score blocks, so a block is also a memory choice.
+# cpu: measured (benchmarks/attention.py --sections sweep, docs/performance.md "Block sizes"):
+#   blocks of 64-128 were within a few percent of the best at 1K-8K tokens on a ring of 8,
+#   256 was no faster and took 2x the temp memory of 128.
+# gpu, tpu: not measured on hardware yet; the maintained fused kernels' own preferences
+#   (FlashAttention-2 / tokamax's Mosaic GPU kernel tile queries and keys by 128; splash
+#   attention on TPU needs multiples of 128 and its users run 512, e.g. MaxText's
+#   sa_block_* defaults), until a hardware sweep replaces them.
+BLOCK_TARGETS = {"cpu": 128, "gpu": 128, "tpu": 512}
+DEFAULT_BLOCK = 256  # platforms the table does not name
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,12 +68,20 @@ class _RingConfig:
   routes: scheduling.Routes | None = None  # None: every shard goes all the way round
 
 
-def default_block(layout: str, local_len: int, target: int = DEFAULT_BLOCK) -> int:
+def block_target(platform: str | None = None) -> int:
+  """The largest default block on ``platform`` (default ``jax.default_backend()``):
+  :data:`BLOCK_TARGETS`, else :data:`DEFAULT_BLOCK`."""
+  return BLOCK_TARGETS.get(platform or jax.default_backend(), DEFAULT_BLOCK)
+
+
+def default_block(layout: str, local_len: int, target: int | None = None, *,
+                  platform: str | None = None) -> int:
   """Largest divisor of the layout's chunk (local length, or half for zigzag) <= target.
 
-  Blocks that do not straddle the zigzag chunk boundary let the schedule skip
-  whole masked chunks.
+  ``target`` defaults to the platform's :func:`block_target`. Blocks that do not
+  straddle the zigzag chunk boundary let the schedule skip whole masked chunks.
   """
+  target = block_target(platform) if target is None else target
   chunk = local_len // 2 if layout == "zigzag" else local_len
   for size in range(min(target, chunk), 0, -1):
     if chunk % size == 0:
@@ -108,7 +124,8 @@ def ring_attention(query, key, value, *, axis_name, is_causal: bool = False, seg
       it needs ``segment_ids`` (the layout's) and no window, and runs as zigzag
       (its mask positions, see :mod:`ring_jax.documents`).
     block_q, block_kv: query / key block sizes of the blockwise computation;
-      must divide the local length. Default: up to 256, dividing the layout's chunk.
+      must divide the local length. Default: the largest divisor of the layout's chunk
+      up to the platform's :func:`block_target` (CPU and GPU 128, TPU 512).
     precision: matmul precision (e.g. ``jax.lax.Precision.HIGHEST`` for
       float32 on TPU).
     hop_kernel: the per-hop kernel: a name from

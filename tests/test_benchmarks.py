@@ -322,3 +322,34 @@ def test_models_and_train_step_import_without_ml_collections_and_grain():
                         text=True, timeout=300)
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert "blocked ok" in proc.stdout
+
+
+def test_attention_block_sweep(tmp_path, capsys):
+  """benchmarks/attention.py --sections sweep: every candidate block that divides the
+  layout's chunk is timed (fwd+bwd) with its temp memory, the default is marked, the best
+  block is 1.00x, and --render prints the markdown table from the JSON."""
+  import json
+
+  from benchmarks import attention
+  from ring_jax.ring import default_block
+
+  attention.main(["--sections", "sweep", "--sweep-lengths", "128", "--sweep-blocks", "8,32",
+                  "--layouts", "zigzag", "--masks", "causal", "--variants", "ring",
+                  "--ring", "2", "--sweep-repeats", "1", "--heads", "2", "--head-dim", "8",
+                  "--out", str(tmp_path), "--tag", "sweep"])
+  with open(tmp_path / "sweep.json") as f:
+    rows = json.load(f)["sweep"]
+  by_layout = {}
+  for r in rows:
+    by_layout.setdefault(r["layout"], {})[r["block"]] = r
+  # local 64: zigzag chunks of 32, so blocks 8 and 32 (the default: the whole chunk)
+  blocks = by_layout.pop("zigzag")
+  assert not by_layout and sorted(blocks) == [8, 32] and default_block("zigzag", 64) == 32
+  assert [b for b, r in blocks.items() if r["is_default"]] == [32]
+  assert min(r["x_best"] for r in blocks.values()) == 1.0
+  assert all(r["fwdbwd_median_s"] > 0 and r["fwdbwd_mem"]["temp_size_in_bytes"] > 0
+             for r in blocks.values())
+  capsys.readouterr()
+  attention.main(["--render", str(tmp_path / "sweep.json")])
+  table = capsys.readouterr().out
+  assert "| L | mask | layout | 8 | 32 |" in table and "| 128 | causal | zigzag | " in table

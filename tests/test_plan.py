@@ -198,3 +198,17 @@ def test_choose_layout_window_agrees_with_the_hops_the_ring_runs():
             == ("contiguous" if skips else "zigzag")), window
   with pytest.raises(ValueError, match="needs local_len"):
     choose_layout(8, packed=True, local_window_size=512)
+
+
+@pytest.mark.parametrize("device,platform,block", [("cpu", "cpu", 128), ("TPU v5p", "tpu", 512),
+                                                   ("H200", "gpu", 128)])
+def test_table_names_the_platforms_default_block(device, platform, block):
+  """plan()'s first line names the hop kernel's block at the ring's local length: the
+  platform's default (ring_jax.ring.BLOCK_TARGETS), or the one passed."""
+  kw = dict(batch=1, seq_len=65536, heads=8, kv_heads=8, head_dim=64, sequence=8,
+            device=device)
+  assert f"block {block} ({platform} default)," in ring_jax.plan(**kw).table().splitlines()[0]
+  assert "block 64," in ring_jax.plan(**kw, block=64).table().splitlines()[0]
+  # The score tiles of a bigger block are part of the memory estimate.
+  assert (ring_jax.plan(**kw, block=1024).estimate("ring").memory_bytes >
+          ring_jax.plan(**kw).estimate("ring").memory_bytes)

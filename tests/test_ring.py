@@ -327,3 +327,20 @@ def test_non_finite_v_is_checked_once_per_shard_not_per_hop():
   ref = ring_jax.reference_attention(q, k, v_nan, is_causal=True)
   assert np.isnan(np.asarray(ref)).any() and not np.isnan(np.asarray(ref)).all()
   np.testing.assert_array_equal(np.isnan(np.asarray(out)), np.isnan(np.asarray(ref)))
+
+
+def test_default_block_follows_the_platforms_table():
+  """The largest divisor of the layout's chunk (half the shard for zigzag) up to the
+  platform's target; platforms the table does not name get DEFAULT_BLOCK."""
+  from ring_jax.ring import BLOCK_TARGETS, DEFAULT_BLOCK, block_target, default_block
+  assert block_target("cpu") == BLOCK_TARGETS["cpu"] == 128
+  assert block_target() == BLOCK_TARGETS[jax.default_backend()]
+  assert block_target("metal") == DEFAULT_BLOCK
+  assert default_block("contiguous", 4096, platform="cpu") == 128
+  assert default_block("contiguous", 4096, platform="tpu") == 512
+  assert default_block("zigzag", 512, platform="tpu") == 256   # the chunk is half the shard
+  assert default_block("contiguous", 96, platform="cpu") == 96  # the whole shard fits
+  assert default_block("zigzag", 96, platform="cpu") == 48
+  assert default_block("contiguous", 3 * 100, platform="cpu") == 100  # a divisor, not 128
+  assert default_block("contiguous", 4096, 64) == 64                  # an explicit target
+  assert default_block("contiguous", 4096, platform="metal") == DEFAULT_BLOCK

@@ -1,0 +1,206 @@
+"""Where a ring's time goes: a profile of ring attention's fwd+bwd, by kind of work and by part.
+
+Runs ``ring_jax.ring_attention_sharded`` (forward + backward) under ``jax.profiler`` and
+adds up the time of every executed HLO instruction, read from the profiler's trace, in two
+ways:
+
+* by kind: ``matmul`` (fusions holding a ``dot``), ``exp`` (holding an ``exponential``),
+  ``mask/select`` (``select``/``compare``), ``layout copies`` (``copy``, ``transpose``,
+  slices and their updates), ``transfer`` (``collective-permute``, all-gather,
+  all-reduce), ``other`` (the remaining elementwise work and reductions);
+* by part, from the ``jax.named_scope`` of each instruction (of the first instruction
+  inside, for a fusion without one): forward / backward, and in them the hop kernel's
+  block loops (``xla_hop_fwd_blocks`` / ``xla_hop_bwd_blocks``), the online-softmax merge
+  (``merge``), the transfers (XLA:CPU keeps no scope on its collectives, so the K/V and
+  dK/dV transfers count together) and the rest (block tables, masks' positions, the
+  non-finite flags, casts).
+
+On CPU a collective's time includes waiting for the other devices to reach it (the fake
+devices are threads), so ``transfer`` there is mostly load imbalance and scheduling, not
+copying.
+
+Control-flow instructions (``while``, ``conditional``) only contain others and are not
+counted. The instruction's kind comes from the compiled HLO (the same ``compile()`` that
+runs), so fused computations are classified by what they compute.
+
+On CPU the fake devices are threads sharing the cores, so the durations include waiting for
+a core: read the shares, not the absolute times.
+
+  PYTHONPATH=. python benchmarks/hop_profile.py --length 4096 --layout zigzag
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import gzip
+import json
+import os
+import re
+import sys
+import tempfile
+
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                             " --xla_force_host_platform_device_count=8").strip()
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import ring_jax  # noqa: E402
+
+KINDS = ("matmul", "exp", "mask/select", "layout copies", "transfer", "other")
+PARTS = ("xla_hop_fwd_blocks", "xla_hop_bwd_blocks", "merge")
+_CONTROL = ("while", "conditional", "call")
+_COLLECTIVES = ("collective-permute", "all-gather", "all-reduce", "reduce-scatter",
+                "all-to-all")
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+) = .*?\s([\w\-]+)\((.*)$")
+
+
+def parse_hlo(hlo: str) -> dict[str, tuple[str, str]]:
+  """``{instruction name: (kind, named-scope path)}`` of a compiled HLO module's text."""
+  comps, name = {}, None
+  for line in hlo.splitlines():
+    if line and not line.startswith(" ") and line.rstrip().endswith("{"):
+      name = line.split()[0].lstrip("%") if not line.startswith("ENTRY") else "ENTRY"
+      comps[name] = []
+    elif name is not None and line.strip() and line.strip() != "}":
+      comps[name].append(line)
+
+  def opcodes(comp, seen=()):
+    """Every opcode a computation holds, through the computations it calls."""
+    ops = set()
+    for line in comps.get(comp, ()):
+      m = _INSTR.match(line)
+      if m:
+        ops.add(m.group(2))
+      for callee in re.findall(r"calls=%([\w.\-]+)", line):
+        if callee not in seen:
+          ops |= opcodes(callee, seen + (comp,))
+    return ops
+
+  def scope_of(comp):
+    """The first named-scope path inside a computation (fusions often carry none)."""
+    for line in comps.get(comp, ()):
+      found = re.search(r'op_name="([^"]*)"', line)
+      if found:
+        return found.group(1)
+    return ""
+
+  out = {}
+  for lines in comps.values():
+    for line in lines:
+      m = _INSTR.match(line)
+      if not m:
+        continue
+      inst, op = m.group(1), m.group(2)
+      scope = re.search(r'op_name="([^"]*)"', line)
+      called = re.findall(r"calls=%([\w.\-]+)", line)
+      ops = {op}.union(*(opcodes(c) for c in called)) if called else {op}
+      path = scope.group(1) if scope else next(filter(None, map(scope_of, called)), "")
+      out[inst] = (_kind(op, ops), path)
+  return out
+
+
+def _kind(op: str, ops: set[str]) -> str:
+  if op in _CONTROL:
+    return "control"
+  if any(c in o for o in ops for c in _COLLECTIVES):
+    return "transfer"
+  if "dot" in ops or "convolution" in ops:
+    return "matmul"
+  if "exponential" in ops:
+    return "exp"
+  if ops & {"select", "compare"}:
+    return "mask/select"
+  if ops <= {"copy", "transpose", "bitcast", "dynamic-slice", "dynamic-update-slice", "slice",
+             "concatenate", "parameter", "constant", "tuple", "get-tuple-element", "broadcast",
+             "reshape"}:
+    return "layout copies"
+  return "other"
+
+
+def _part(kind: str, scope: str) -> str:
+  direction = "bwd" if "ring_bwd" in scope or "transpose(" in scope else "fwd"
+  if kind == "transfer":  # XLA:CPU keeps no named scope on its collectives
+    return f"{direction}: transfers"
+  for part in PARTS:
+    if part in scope:
+      return f"{direction}: {part}"
+  return f"{direction}: other"
+
+
+def profile(length: int, layout: str, causal: bool, block: int | None, ring: int, heads: int,
+            head_dim: int, steps: int) -> dict:
+  mesh = jax.make_mesh((ring,), ("sequence",))
+  sharding = NamedSharding(mesh, P(None, "sequence"))
+  keys = jax.random.split(jax.random.key(0), 3)
+  q, k, v = (jax.device_put(jax.random.normal(key, (1, length, heads, head_dim)), sharding)
+             for key in keys)
+
+  def loss(q, k, v):
+    out = ring_jax.ring_attention_sharded(q, k, v, mesh=mesh, is_causal=causal, layout=layout,
+                                          block_q=block, block_kv=block)
+    return jnp.sum(out.astype(jnp.float32) ** 2)
+
+  compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, k, v).compile()
+  instructions = parse_hlo(compiled.as_text())
+  jax.block_until_ready(compiled(q, k, v))
+  with tempfile.TemporaryDirectory() as tmp:
+    with jax.profiler.trace(tmp, create_perfetto_trace=True):
+      for _ in range(steps):
+        jax.block_until_ready(compiled(q, k, v))
+    trace = json.load(gzip.open(glob.glob(f"{tmp}/**/*.trace.json.gz", recursive=True)[0]))
+  by_kind, by_part = collections.Counter(), collections.Counter()
+  for event in trace["traceEvents"]:
+    found = instructions.get(event.get("name")) if event.get("ph") == "X" else None
+    if found is None or found[0] == "control":
+      continue
+    us = event.get("dur", 0) / steps / ring  # per step, per device
+    by_kind[found[0]] += us
+    by_part[_part(*found)] += us
+  return dict(length=length, layout=layout, causal=causal, ring=ring, heads=heads,
+              head_dim=head_dim, block=block, jax=jax.__version__,
+              platform=jax.default_backend(),
+              by_kind_ms={k: round(by_kind[k] / 1e3, 3) for k in KINDS},
+              by_part_ms={k: round(v / 1e3, 3) for k, v in sorted(by_part.items())})
+
+
+def print_profile(r: dict) -> None:
+  print(f"ring of {r['ring']}, L={r['length']}, {r['layout']}, "
+        f"{'causal' if r['causal'] else 'full'}, block {r['block'] or 'default'}, "
+        f"{r['heads']}x{r['head_dim']}, fwd+bwd; ms per step and device (jax {r['jax']}, "
+        f"{r['platform']})")
+  for title, table in (("by kind", r["by_kind_ms"]), ("by part", r["by_part_ms"])):
+    total = sum(table.values()) or 1.0
+    print(f"  {title}:")
+    for name, ms in sorted(table.items(), key=lambda kv: -kv[1]):
+      print(f"    {name:<28} {ms:9.2f} ms  {100 * ms / total:5.1f}%")
+
+
+def main(argv=None):
+  ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  ap.add_argument("--length", type=int, default=4096)
+  ap.add_argument("--layout", default="zigzag")
+  ap.add_argument("--mask", choices=("causal", "full"), default="causal")
+  ap.add_argument("--block", type=int, default=None, help="default: the ring's default block")
+  ap.add_argument("--ring", type=int, default=8)
+  ap.add_argument("--heads", type=int, default=8)
+  ap.add_argument("--head-dim", type=int, default=64)
+  ap.add_argument("--steps", type=int, default=3)
+  ap.add_argument("--json", default=None, help="also write the result here")
+  args = ap.parse_args(argv)
+  r = profile(args.length, args.layout, args.mask == "causal", args.block, args.ring,
+              args.heads, args.head_dim, args.steps)
+  print_profile(r)
+  if args.json:
+    with open(args.json, "w") as fh:
+      json.dump(r, fh, indent=1)
+  return r
+
+
+if __name__ == "__main__":
+  main()
