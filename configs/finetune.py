@@ -17,7 +17,8 @@ RoPE base (context extension), and export_hf.py writes it into the exported
 config.json. The shape fields must equal config.json's (the weights fix them),
 else the run stops with a config error before anything compiles. To turn a
 checkpoint's RoPE scaling off, set ``model.rope_scaling = {"rope_type":
-"default"}`` (None means "keep config.json's"). Fields HF does not know
+"default"}`` (None means "keep config.json's"); ``configs/finetune.py:yarn:4:32768``
+sets YaRN (factor 4 over 32768 original positions). Fields HF does not know
 (attention, layout, block sizes, remat_policy, dtype, param_dtype, ...) are
 the usual ones of common.py.
 
@@ -39,11 +40,27 @@ _HF_FIELD_TYPES = dict(vocab_size=int, dim=int, num_layers=int, num_heads=int, n
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
+  """``arg``: None, or ``"yarn:<factor>:<original_max_position_embeddings>"`` to train with
+  YaRN RoPE scaling (Peng et al. 2023; e.g. ``configs/finetune.py:yarn:4:32768``, Qwen2.5's
+  long-context setting), in place of the checkpoint's RoPE scaling."""
+  rope_scaling = None
   if arg:
-    raise ValueError(f"configs/finetune.py takes no argument, got {arg!r}.")
+    kind, *values = arg.split(":")
+    try:
+      if kind != "yarn" or len(values) != 2:
+        raise ValueError
+      factor, original = float(values[0]), int(values[1])
+    except ValueError:
+      raise ValueError(f"configs/finetune.py takes no argument or "
+                       f"'yarn:<factor>:<original_max_position_embeddings>' (e.g. "
+                       f"'yarn:4:32768'), got {arg!r}.") from None
+    rope_scaling = dict(rope_type="yarn", factor=factor,
+                        original_max_position_embeddings=original)
   config = common.base_config()
   for name, kind in _HF_FIELD_TYPES.items():
     config.model[name] = config_dict.placeholder(kind)
+  if rope_scaling is not None:
+    config.model.rope_scaling = rope_scaling
   config.data.kind = "text"  # needs --config.data.path
   # None: the tokenizer in init.hf_dir (training/hf_init.py:resolve_hf_init fills it in, so
   # --config.init.hf_dir=DIR alone sets it and the run's saved config.json names the file);

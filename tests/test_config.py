@@ -59,6 +59,17 @@ def test_unknown_variant_raises():
     load_config("tiny", "nope")
 
 
+def test_finetune_yarn_variant():
+  """configs/finetune.py:yarn:<factor>:<original>: YaRN in place of the checkpoint's RoPE
+  scaling (the README's Hugging Face block), anything else a clear error."""
+  assert load_config("finetune").model.rope_scaling is None  # None: config.json's
+  assert dict(load_config("finetune", "yarn:4:32768").model.rope_scaling) == dict(
+      rope_type="yarn", factor=4.0, original_max_position_embeddings=32768)
+  for bad in ("yarn", "yarn:4", "yarn:x:64", "linear:4:64"):
+    with pytest.raises(ValueError, match="yarn:<factor>:<original_max_position_embeddings>"):
+      load_config("finetune", bad)
+
+
 # --- gin syntax -> the same ConfigDict ------------------------------------------------------
 
 
