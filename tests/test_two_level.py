@@ -159,27 +159,27 @@ def test_routed_matches_float64_oracle(split, layout, window):
     assert_close(back(g), w, what=f"{split} {layout} {name}")
 
 
-@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
-def test_routed_outer_bytes_from_hlo(layout):
+def test_routed_outer_bytes_from_hlo():
   """4 x 2, causal: the bytes the compiled program sends over the outer axis (all outer
   links together), routed and in full rotation, forward (the ops named two_level_fwd) and
   forward + backward, are exactly what the outer routes move (scheduling.group_routes):
   K/V at steps 1..3 forward, 2..3 backward (step 1's parts are the forward's, kept), the
   dK/dV on with their parts and home. Routed over full: contiguous 0.5 and 0.5, zigzag
-  0.75 and 0.75. The inner bytes do not change."""
+  0.75 and 0.75. The inner bytes do not change. (The full rotation moves the same in
+  every layout: compiled once, zigzag.)"""
   split, length = (4, 2), 128
-  got = {}
-  for routing in (False, True):
+  shard = length // 8 * 2 * 8 * 4  # one device's K (or V): 16 tokens, 2 heads of 8, float32
+  group = 2 * shard  # over the 2 device pairs of a group pair
+
+  def measured(layout, routing):
     text = bench.compiled_text(split, two_level=True, backward=True, is_causal=True,
                                length=length, heads=2, kv_heads=2, head_dim=8, layout=layout,
                                causal_routing=routing)
     ops = bench.permute_traffic(text, split)
-    got[routing] = (bench.outer_total(ops, "/two_level_fwd/"), bench.outer_total(ops),
-                    bench.axis_summary(ops)["inner_bytes"])
-  shard = length // 8 * 2 * 8 * 4  # one device's K (or V): 16 tokens, 2 heads of 8, float32
-  group = 2 * shard  # over the 2 device pairs of a group pair
-  want = {}
-  for routing in (False, True):
+    return (bench.outer_total(ops, "/two_level_fwd/"), bench.outer_total(ops),
+            bench.axis_summary(ops)["inner_bytes"])
+
+  def derived(layout, routing):
     route = scheduling.group_routes(layout, 4, 2, length // 8, True, routed=routing)
 
     def moved(hops, kind="arrive"):  # whole group buffers moved over these steps
@@ -188,12 +188,16 @@ def test_routed_outer_bytes_from_hlo(layout):
 
     fwd = 2 * moved(range(1, 4)) * group  # K and V
     dkv = 2 * (moved(range(1, 4)) + moved(range(4), "home")) * group
-    want[routing] = (fwd, fwd + 2 * moved(range(2, 4)) * group + dkv)
-  assert want[False] == (2 * 12 * group, (2 * 12 + 2 * 8 + 2 * 16) * group)
-  assert got[False][:2] == want[False] and got[True][:2] == want[True]
-  assert got[True][2] == got[False][2]
-  frac = 0.5 if layout == "contiguous" else 0.75
-  assert (got[True][0] / got[False][0], got[True][1] / got[False][1]) == (frac, frac)
+    return fwd, fwd + 2 * moved(range(2, 4)) * group + dkv
+
+  full = measured("zigzag", False)
+  assert full[:2] == derived("zigzag", False) == (2 * 12 * group,
+                                                  (2 * 12 + 2 * 8 + 2 * 16) * group)
+  for layout, frac in (("contiguous", 0.5), ("zigzag", 0.75)):
+    routed = measured(layout, True)
+    assert routed[:2] == derived(layout, True), layout
+    assert routed[2] == full[2], layout
+    assert (routed[0] / full[0], routed[1] / full[1]) == (frac, frac), layout
 
 
 GQA = dict(batch=1, heads=32, kv_heads=8, head_dim=128)
