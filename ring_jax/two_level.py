@@ -115,14 +115,15 @@ def two_level_ring_attention(query, key, value, *, axis_name, is_causal: bool = 
 
   ``causal_routing`` routes the outer transfers (the slow links) as the flat ring routes
   its hops (:func:`ring_jax.scheduling.group_routes`), with the same rule
-  (:func:`ring_jax.scheduling.check_routing`: ``None`` on for causal contiguous, off
-  for the other layouts; ``True`` / ``False`` force it): each part of a group's K/V
-  goes only to the groups that see it, and its dK/dV comes home from the last group
-  that uses it. Causal contiguous: half the outer K/V bytes; zigzag and document: 0.75x
-  (both chunks backward over the outer axis, the late chunk of group ``j`` only to
-  groups ``0..j``); a window drops what it hides; striped and non-causal rings have
-  nothing to drop and run the full rotation. The inner rings rotate every shard of
-  the group's buffer in full.
+  (:func:`ring_jax.scheduling.check_routing`: ``None`` the flat ring's default, on for
+  causal rings in :data:`ring_jax.scheduling.ROUTED_BY_DEFAULT`, contiguous today;
+  ``True`` / ``False`` force it), so one or two sequence axes behave alike: each part
+  of a group's K/V goes only to the groups that see it, and its dK/dV comes home from
+  the last group that uses it. Causal contiguous: half the outer K/V bytes; zigzag and
+  document: 0.75x (both chunks backward over the outer axis, the late chunk of group
+  ``j`` only to groups ``0..j``); a window drops what it hides; striped and non-causal
+  rings have nothing to drop and run the full rotation. The inner rings rotate every
+  shard of the group's buffer in full. Exact in every case.
   """
   outer, inner = split_axes(axis_name)
   layout = layouts.check_attention_layout(layout, segment_ids, local_window_size)
@@ -137,7 +138,7 @@ def two_level_ring_attention(query, key, value, *, axis_name, is_causal: bool = 
             and query.shape[1] == key.shape[1])
   routes = scheduling.group_routes(layout, n_o, n_i, key.shape[1], bool(is_causal),
                                    cfg.spec.window, routed=routed)
-  if not routes.routed:
+  if routes.kv_fraction() == 1:  # nothing dropped (striped, no mask): the full rotation
     routes = scheduling.group_routes(layout, n_o, n_i, key.shape[1], bool(is_causal),
                                      cfg.spec.window, routed=False)
   tl = _TwoLevelConfig(

@@ -123,10 +123,6 @@ def test_group_routes():
   assert not full.routed and full.kv_fraction() == 1 and full.dkv_fraction() == 1
 
 
-def _in_layout(x, perm):
-  return ring_jax.to_layout(x, "document", 8, permutation=perm)
-
-
 @pytest.mark.parametrize("split,layout,window", [
     ((2, 4), "zigzag", None), ((4, 2), "document", None), ((2, 4), "contiguous", 9)])
 def test_routed_matches_float64_oracle(split, layout, window):
@@ -142,8 +138,9 @@ def test_routed_matches_float64_oracle(split, layout, window):
   run_seg = seg
   if layout == "document":
     doc = ring_jax.document_layout(np.asarray(seg), 8)
-    to = lambda x: _in_layout(x, doc.permutation)  # noqa: E731
-    back = lambda x: ring_jax.from_layout(x, "document", 8, permutation=doc.permutation)  # noqa: E731
+    perm = doc.permutation
+    to = lambda x: ring_jax.to_layout(x, "document", 8, permutation=perm)  # noqa: E731
+    back = lambda x: ring_jax.from_layout(x, "document", 8, permutation=perm)  # noqa: E731
     run_seg = jnp.asarray(doc.segment_ids)
   fn = functools.partial(ring_jax.ring_attention_sharded, mesh=mesh, seq_axis=AXES,
                          is_causal=True, segment_ids=run_seg, layout=layout, block_q=4,
