@@ -5,28 +5,26 @@ adds up the time of every executed HLO instruction, read from the profiler's tra
 ways:
 
 * by kind: ``matmul`` (fusions holding a ``dot``), ``exp`` (holding an ``exponential``),
-  ``mask/select`` (``select``/``compare``), ``layout copies`` (``copy``, ``transpose``,
-  slices and their updates), ``transfer`` (``collective-permute``, all-gather,
-  all-reduce), ``other`` (the remaining elementwise work and reductions);
-* by part, from the ``jax.named_scope`` of each instruction (of the first instruction
-  inside, for a fusion without one): forward / backward, and in them the hop kernel's
-  block loops (``xla_hop_fwd_blocks`` / ``xla_hop_bwd_blocks``), the online-softmax merge
-  (``merge``), the transfers (XLA:CPU keeps no scope on its collectives, so the K/V and
-  dK/dV transfers count together) and the rest (block tables, masks' positions, the
-  non-finite flags, casts).
-
-On CPU a collective's time includes waiting for the other devices to reach it (the fake
-devices are threads), so ``transfer`` there is mostly load imbalance and scheduling, not
-copying.
+  ``select/compare`` (masks, and the NaN-aware compare/select of the row maxima),
+  ``layout copies`` (``copy``, ``transpose``, slices and their updates), ``transfer``
+  (``collective-permute``, all-gather, all-reduce), ``other`` (the remaining elementwise
+  work and reductions);
+* by part, from the ``jax.named_scope`` of each instruction (of the loop, branch or fusion
+  that holds it, for an instruction without one): forward / backward, and in them the hop
+  kernel's block loops (``xla_hop_fwd_blocks`` / ``xla_hop_bwd_blocks``), the
+  online-softmax merge (``merge``), the transfers (XLA:CPU keeps no scope on its
+  collectives, so the K/V and dK/dV transfers count together) and the rest (block tables,
+  masks' positions, the non-finite flags, casts).
 
 Control-flow instructions (``while``, ``conditional``) only contain others and are not
 counted. The instruction's kind comes from the compiled HLO (the same ``compile()`` that
 runs), so fused computations are classified by what they compute.
 
-On CPU the fake devices are threads sharing the cores, so the durations include waiting for
-a core: read the shares, not the absolute times.
+On CPU the fake devices are threads sharing the cores: durations include waiting for a
+core, and a collective's includes waiting for the other devices to reach it. Read the
+shares, not the absolute times, and use ``--ring 2`` (one device per core here).
 
-  PYTHONPATH=. python benchmarks/hop_profile.py --length 4096 --layout zigzag
+  PYTHONPATH=. python benchmarks/hop_profile.py --length 4096 --ring 2 --layout zigzag
 """
 
 from __future__ import annotations
@@ -52,7 +50,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import ring_jax  # noqa: E402
 
-KINDS = ("matmul", "exp", "mask/select", "layout copies", "transfer", "other")
+KINDS = ("matmul", "exp", "select/compare", "layout copies", "transfer", "other")
 PARTS = ("xla_hop_fwd_blocks", "xla_hop_bwd_blocks", "merge")
 _CONTROL = ("while", "conditional", "call")
 _COLLECTIVES = ("collective-permute", "all-gather", "all-reduce", "reduce-scatter",
@@ -82,26 +80,41 @@ def parse_hlo(hlo: str) -> dict[str, tuple[str, str]]:
           ops |= opcodes(callee, seen + (comp,))
     return ops
 
-  def scope_of(comp):
-    """The first named-scope path inside a computation (fusions often carry none)."""
-    for line in comps.get(comp, ()):
-      found = re.search(r'op_name="([^"]*)"', line)
-      if found:
-        return found.group(1)
-    return ""
+  # Who calls each computation (loop bodies, branches, fusions): an instruction without a
+  # named scope of its own (XLA drops it on many fusions) takes its caller's.
+  caller = {}
+  for comp, lines in comps.items():
+    for line in lines:
+      m = _INSTR.match(line)
+      if not m:
+        continue
+      callees = re.findall(r"(?:calls|body|condition|to_apply)=%([\w.\-]+)", line)
+      for group in re.findall(r"branch_computations=\{([^}]*)\}", line):
+        callees += [c.strip().lstrip("%") for c in group.split(",")]
+      for callee in callees:
+        caller.setdefault(callee, (comp, line))
+
+  def own_scope(line):
+    found = re.search(r'op_name="([^"]*)"', line)
+    return found.group(1) if found else ""
+
+  def comp_scope(comp, depth=0):
+    """The named scope of the instruction that calls ``comp`` (or of its caller, ...)."""
+    if comp not in caller or depth > 50:
+      return ""
+    parent, line = caller[comp]
+    return own_scope(line) or comp_scope(parent, depth + 1)
 
   out = {}
-  for lines in comps.values():
+  for comp, lines in comps.items():
     for line in lines:
       m = _INSTR.match(line)
       if not m:
         continue
       inst, op = m.group(1), m.group(2)
-      scope = re.search(r'op_name="([^"]*)"', line)
       called = re.findall(r"calls=%([\w.\-]+)", line)
       ops = {op}.union(*(opcodes(c) for c in called)) if called else {op}
-      path = scope.group(1) if scope else next(filter(None, map(scope_of, called)), "")
-      out[inst] = (_kind(op, ops), path)
+      out[inst] = (_kind(op, ops), own_scope(line) or comp_scope(comp))
   return out
 
 
@@ -115,7 +128,7 @@ def _kind(op: str, ops: set[str]) -> str:
   if "exponential" in ops:
     return "exp"
   if ops & {"select", "compare"}:
-    return "mask/select"
+    return "select/compare"
   if ops <= {"copy", "transpose", "bitcast", "dynamic-slice", "dynamic-update-slice", "slice",
              "concatenate", "parameter", "constant", "tuple", "get-tuple-element", "broadcast",
              "reshape"}:

@@ -42,16 +42,17 @@ from ring_jax import validation
 from ring_jax.hop import (HopGrads, HopKernel, HopMasks, HopResiduals, HopSpec, _varying_axes,
                           empty_result, lse_for_backward, merge, varying_like)
 
-# The largest block default_block picks, per platform (jax.default_backend()). Each hop holds
-# a few [B, N, block, block] float32 score blocks, so a block is also a memory choice.
-# cpu: measured (benchmarks/attention.py --sections sweep, docs/performance.md "Block sizes"):
-#   blocks of 64-128 were within a few percent of the best at 1K-8K tokens on a ring of 8,
-#   256 was no faster and took 2x the temp memory of 128.
+# The largest block default_block picks, per platform (jax.default_backend()): a block size,
+# or ((up to this local length, block), ..., (None, block)) steps. Each hop holds a few
+# [B, N, block, block] float32 score blocks, so a block is also a memory choice.
+# cpu: measured (benchmarks/attention.py --sections sweep; docs/performance.md "Block sizes";
+#   ring of 8, 1K-8K tokens): 64 was within 4% of the best block with the least memory up to
+#   512-token shards, 128 within 0-1% above; 32 and 256-512 were slower (up to 2.4x).
 # gpu, tpu: not measured on hardware yet; the maintained fused kernels' own preferences
 #   (FlashAttention-2 / tokamax's Mosaic GPU kernel tile queries and keys by 128; splash
 #   attention on TPU needs multiples of 128 and its users run 512, e.g. MaxText's
 #   sa_block_* defaults), until a hardware sweep replaces them.
-BLOCK_TARGETS = {"cpu": 128, "gpu": 128, "tpu": 512}
+BLOCK_TARGETS = {"cpu": ((512, 64), (None, 128)), "gpu": 128, "tpu": 512}
 DEFAULT_BLOCK = 256  # platforms the table does not name
 
 
@@ -68,10 +69,17 @@ class _RingConfig:
   routes: scheduling.Routes | None = None  # None: every shard goes all the way round
 
 
-def block_target(platform: str | None = None) -> int:
-  """The largest default block on ``platform`` (default ``jax.default_backend()``):
-  :data:`BLOCK_TARGETS`, else :data:`DEFAULT_BLOCK`."""
-  return BLOCK_TARGETS.get(platform or jax.default_backend(), DEFAULT_BLOCK)
+def block_target(platform: str | None = None, local_len: int | None = None) -> int:
+  """The largest default block on ``platform`` (default ``jax.default_backend()``) for shards
+  of ``local_len`` tokens (None: the longest): :data:`BLOCK_TARGETS`, else
+  :data:`DEFAULT_BLOCK`."""
+  rule = BLOCK_TARGETS.get(platform or jax.default_backend(), DEFAULT_BLOCK)
+  if isinstance(rule, int):
+    return rule
+  for up_to, block in rule:
+    if up_to is None or (local_len is not None and local_len <= up_to):
+      return block
+  raise ValueError(f"BLOCK_TARGETS[{platform!r}] must end with a (None, block) step: {rule}.")
 
 
 def default_block(layout: str, local_len: int, target: int | None = None, *,
@@ -81,7 +89,7 @@ def default_block(layout: str, local_len: int, target: int | None = None, *,
   ``target`` defaults to the platform's :func:`block_target`. Blocks that do not
   straddle the zigzag chunk boundary let the schedule skip whole masked chunks.
   """
-  target = block_target(platform) if target is None else target
+  target = block_target(platform, local_len) if target is None else target
   chunk = local_len // 2 if layout == "zigzag" else local_len
   for size in range(min(target, chunk), 0, -1):
     if chunk % size == 0:
@@ -125,7 +133,8 @@ def ring_attention(query, key, value, *, axis_name, is_causal: bool = False, seg
       (its mask positions, see :mod:`ring_jax.documents`).
     block_q, block_kv: query / key block sizes of the blockwise computation;
       must divide the local length. Default: the largest divisor of the layout's chunk
-      up to the platform's :func:`block_target` (CPU and GPU 128, TPU 512).
+      up to the platform's :func:`block_target` (CPU 64 up to 512-token shards, else
+      128; GPU 128; TPU 512).
     precision: matmul precision (e.g. ``jax.lax.Precision.HIGHEST`` for
       float32 on TPU).
     hop_kernel: the per-hop kernel: a name from

@@ -353,3 +353,17 @@ def test_attention_block_sweep(tmp_path, capsys):
   attention.main(["--render", str(tmp_path / "sweep.json")])
   table = capsys.readouterr().out
   assert "| L | mask | layout | 8 | 32 |" in table and "| 128 | causal | zigzag | " in table
+
+
+def test_hop_profile_attributes_the_ring_by_kind_and_part():
+  """benchmarks/hop_profile.py: the compiled HLO's block matmuls are 'matmul' inside the hop
+  kernel's named loops, and a profiled ring's time lands in those kinds and parts."""
+  from benchmarks import hop_profile
+
+  r = hop_profile.profile(length=64, layout="zigzag", causal=True, block=None, ring=2,
+                          heads=2, head_dim=8, steps=1)
+  assert set(r["by_kind_ms"]) == set(hop_profile.KINDS)
+  assert r["by_kind_ms"]["matmul"] > 0 and r["by_kind_ms"]["exp"] > 0
+  parts = r["by_part_ms"]
+  assert parts["fwd: xla_hop_fwd_blocks"] > 0 and parts["bwd: xla_hop_bwd_blocks"] > 0
+  assert parts["fwd: merge"] > 0

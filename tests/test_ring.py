@@ -331,16 +331,20 @@ def test_non_finite_v_is_checked_once_per_shard_not_per_hop():
 
 def test_default_block_follows_the_platforms_table():
   """The largest divisor of the layout's chunk (half the shard for zigzag) up to the
-  platform's target; platforms the table does not name get DEFAULT_BLOCK."""
+  platform's target for that shard length; platforms the table does not name get
+  DEFAULT_BLOCK."""
   from ring_jax.ring import BLOCK_TARGETS, DEFAULT_BLOCK, block_target, default_block
-  assert block_target("cpu") == BLOCK_TARGETS["cpu"] == 128
-  assert block_target() == BLOCK_TARGETS[jax.default_backend()]
-  assert block_target("metal") == DEFAULT_BLOCK
+  assert BLOCK_TARGETS["cpu"] == ((512, 64), (None, 128))
+  assert block_target("cpu", 512) == 64 and block_target("cpu", 1024) == 128
+  assert block_target("cpu") == 128  # no length: the longest shards' target
+  assert block_target(local_len=4096) == block_target(jax.default_backend(), 4096)
+  assert block_target("tpu", 64) == 512 and block_target("metal") == DEFAULT_BLOCK
   assert default_block("contiguous", 4096, platform="cpu") == 128
+  assert default_block("contiguous", 512, platform="cpu") == 64
   assert default_block("contiguous", 4096, platform="tpu") == 512
   assert default_block("zigzag", 512, platform="tpu") == 256   # the chunk is half the shard
-  assert default_block("contiguous", 96, platform="cpu") == 96  # the whole shard fits
+  assert default_block("contiguous", 48, platform="cpu") == 48  # the whole shard fits
   assert default_block("zigzag", 96, platform="cpu") == 48
-  assert default_block("contiguous", 3 * 100, platform="cpu") == 100  # a divisor, not 128
-  assert default_block("contiguous", 4096, 64) == 64                  # an explicit target
+  assert default_block("contiguous", 300, platform="cpu") == 60  # a divisor, not 64
+  assert default_block("contiguous", 4096, 64) == 64              # an explicit target
   assert default_block("contiguous", 4096, platform="metal") == DEFAULT_BLOCK
