@@ -123,8 +123,9 @@ def test_explicit_mesh_and_context_mesh(layout):
 
 
 def test_natural_order_inputs_cost_no_extra_memory():
-  """Reordering natural-order inputs happens shard by shard: fwd+bwd temp memory stays at
-  that of inputs already in layout order (a global reorder would gather the sequence)."""
+  """Reordering natural-order inputs happens shard by shard: fwd+bwd temp memory exceeds that
+  of inputs already in layout order by a few local shards (a reordered copy of q, k, v), far
+  less than one gathered sequence (a global reorder would all-gather it)."""
   from jax.sharding import NamedSharding, PartitionSpec as P
   mesh = make_mesh((8,), ("sequence",))
   shape = jax.ShapeDtypeStruct((1, 2048, 2, 32), jnp.float32,
@@ -136,7 +137,9 @@ def test_natural_order_inputs_cost_no_extra_memory():
     grad = jax.jit(jax.grad(lambda q, k, v: fn(q, k, v).sum(), argnums=(0, 1, 2)))
     temps[in_layout] = grad.lower(shape, shape, shape).compile().memory_analysis(
     ).temp_size_in_bytes
-  assert temps[False] <= 1.1 * temps[True], temps
+  shard_bytes = 2048 // 8 * 2 * 32 * 4
+  # Measured 2026-12-04 (blocks of 64): 3 shards more (q, k, v reordered); a gather: >= 8.
+  assert temps[False] - temps[True] <= 4 * shard_bytes, (temps, shard_bytes)
 
 
 def test_bfloat16_inputs_keep_dtype_and_accuracy():
