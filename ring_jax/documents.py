@@ -64,7 +64,8 @@ from ring_jax import layouts
 
 
 class DocumentLayout(NamedTuple):
-  """What :func:`document_layout` returns (numpy, layout order, ``[B, L]``).
+  """What :func:`document_layout` returns: each row's permutation into the ``"document"``
+  layout and its segment ids in that order (numpy int32 ``[B, L]`` each).
 
   permutation: int32: ``permutation[b, k]`` is the original (natural-order) index of the
     token at layout slot ``k`` of row ``b`` (also its position in the row).
@@ -76,7 +77,9 @@ class DocumentLayout(NamedTuple):
 
 
 def document_layout(segment_ids, ring_size: int) -> DocumentLayout:
-  """The ``"document"`` layout of packed rows (see the module docstring).
+  """Builds the ``"document"`` layout of rows packed with documents: a per-row permutation
+  that balances every document's causal work over a ring of ``ring_size`` devices, and the
+  segment ids in that order (host-side numpy; see :mod:`ring_jax.documents`).
 
   Args:
     segment_ids: integer ``[B, L]`` ids in natural order (numpy or a concrete jax

@@ -143,7 +143,8 @@ class HopGrads(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class HopSpec:
-  """Static parameters of the hop computation."""
+  """Static parameters of one hop's computation, fixed at trace time: score scale, causal
+  mask, window, block sizes and matmul precision."""
   scale: float
   is_causal: bool
   window: tuple[int, int] | None
@@ -154,7 +155,10 @@ class HopSpec:
 
 @runtime_checkable
 class HopKernel(Protocol):
-  """Interface of a per-hop attention kernel (shapes in the module docstring).
+  """Interface of a per-hop attention kernel: the local queries against the key/value
+  shard held at one hop (``forward``: that hop's output and log-sum-exp) and that hop's
+  gradients (``backward``). Pass an instance as ``hop_kernel=``; shapes in the
+  :mod:`ring_jax.hop` docstring.
 
   Instances must be hashable (the ring's ``custom_vjp`` keeps them as static
   configuration): frozen dataclasses are. ``name`` is a class attribute

@@ -14,7 +14,9 @@ from ring_jax import validation
 def reference_attention(query, key, value, *, is_causal: bool = False, segment_ids=None,
                         scale: float | None = None, local_window_size=None,
                         q_positions=None, kv_positions=None):
-  """Materialises the full ``[T, S]`` score matrix; softmax in float32 (or float64).
+  """Dense single-device attention, the oracle the sharded functions are tested against
+  (the same arguments, on whole arrays). Materialises the full ``[T, S]`` score matrix;
+  softmax in float32 (or float64).
 
   Args:
     query: ``[B, T, N, H]``.

@@ -368,7 +368,8 @@ def hop_range(layout: str, ring_size: int, local_len: int, is_causal: bool,
 def schedule(layout: str, ring_size: int, local_len: int, block_q: int, block_kv: int,
              is_causal: bool = False, local_window_size=None,
              causal_routing: bool | None = None) -> Schedule:
-  """Builds the block schedule of a ring pass (see :class:`Schedule`).
+  """Builds the block schedule of a ring pass: which (query block, key/value block) pairs
+  each device computes at each hop, as a :class:`Schedule` (host-side numpy, cached).
 
   A block pair is skipped when no (query, key) pair in it is allowed by the
   causal mask / local window given the layout's global positions (see

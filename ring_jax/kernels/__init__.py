@@ -45,6 +45,8 @@ def _lazy(module: str, attr: str) -> Callable[[str], HopKernel]:
   return factory
 
 
+#: The hop kernels by name: ``name -> factory(platform) -> HopKernel``; every name, and
+#: ``"auto"`` (the default), is a value of ``hop_kernel=`` (see :func:`get_hop_kernel`).
 HOP_KERNELS: dict[str, Callable[[str], HopKernel]] = {
     "xla": lambda platform: XlaHopKernel(),
     # Fused kernels: one line each.

@@ -156,7 +156,9 @@ def _put_kv_block(x, blk, b, block):
 
 @dataclasses.dataclass(frozen=True)
 class XlaHopKernel:
-  """Blockwise hop kernel in plain XLA (see the module docstring for the loop structure).
+  """The hop kernel in plain XLA (``hop_kernel="xla"``): blockwise attention that runs on
+  every platform, and what ``"auto"`` falls back to (loop structure in the
+  :mod:`ring_jax.kernels.xla` docstring).
 
   Each step materialises one ``[B, K, G, bq, bk]`` float32 score block and
   nothing larger, so memory is linear in the local sequence length. Matmuls

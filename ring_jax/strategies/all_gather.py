@@ -28,7 +28,9 @@ def all_gather_attention(query, key, value, *, axis_name, is_causal: bool = Fals
                          layout: str = "contiguous", block_q: int | None = None,
                          block_kv: int | None = None, precision=None,
                          hop_kernel: str | HopKernel = "auto"):
-  """All-gather context parallelism on local shards (inside ``jax.shard_map``).
+  """Exact attention over a sequence sharded along ``axis_name``, by all-gathering the keys
+  and values: each device attends its local queries to the whole sequence. Call inside
+  ``jax.shard_map`` on the local shards.
 
   Same arguments and result as :func:`ring_jax.ring_attention`: local
   ``[B, T, N, H]`` queries and ``[B, T, K, H]`` keys/values in ``layout`` order

@@ -26,7 +26,9 @@ def hybrid_attention(query, key, value, *, axis_name, is_causal: bool = False,
                      layout: str = "contiguous", block_q: int | None = None,
                      block_kv: int | None = None, precision=None,
                      hop_kernel: str | HopKernel = "auto"):
-  """Ulysses inside ``ulysses_axis``, the ring across ``ring_axis`` (USP), inside shard_map.
+  """Exact attention over a sequence sharded over two mesh axes, Ulysses inside
+  ``ulysses_axis`` and a ring across ``ring_axis`` (USP). Call inside ``jax.shard_map`` on
+  the local shards, with ``axis_name=(ring_axis, ulysses_axis)``.
 
   ``axis_name=(ring_axis, ulysses_axis)``; the sequence is sharded over both
   (``P(..., (ring_axis, ulysses_axis), ...)``: device ``(i, j)`` holds piece

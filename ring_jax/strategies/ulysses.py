@@ -50,7 +50,10 @@ def ulysses_attention(query, key, value, *, axis_name, is_causal: bool = False,
                       layout: str = "contiguous", block_q: int | None = None,
                       block_kv: int | None = None, precision=None,
                       hop_kernel: str | HopKernel = "auto"):
-  """DeepSpeed-Ulysses attention on local shards (inside ``jax.shard_map``).
+  """Exact attention over a sequence sharded along ``axis_name``, by DeepSpeed-Ulysses:
+  all-to-alls trade the sequence shards for head shards, so each device attends over the
+  whole sequence for a share of the heads. Call inside ``jax.shard_map`` on the local
+  shards.
 
   Same arguments and result as :func:`ring_jax.ring_attention`. One
   ``all_to_all`` turns the local ``[B, T, N, H]`` shards into the whole
