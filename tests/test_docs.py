@@ -83,8 +83,9 @@ def test_python_blocks_run(guide):
 
 
 def test_relative_links_resolve():
-  targets = [os.path.join(DOCS, g) for g in GUIDES] + [os.path.join(ROOT, "notebooks",
-                                                                    "ring_attention_colab.py")]
+  targets = [os.path.join(DOCS, g) for g in GUIDES] + [
+      os.path.join(ROOT, "notebooks", "ring_attention_colab.py"),
+      os.path.join(ROOT, "README.md"), os.path.join(ROOT, "benchmarks", "README.md")]
   link = re.compile(r"\]\((?P<target>[^)#\s]+)(#[^)]*)?\)")
   for path in targets:
     with open(path) as f:
