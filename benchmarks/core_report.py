@@ -1,6 +1,7 @@
 """Figures for the ring_jax core: accuracy vs a float64 oracle, memory, causal work.
 
     python benchmarks/core_report.py            # 8 fake CPU devices, ~2 minutes on 2 cores
+    python benchmarks/core_report.py --out X.json   # default benchmarks/results/core_report_cpu.json
 
 Prints three tables:
   1. max relative error of the forward output and of dQ/dK/dV against the
@@ -8,10 +9,17 @@ Prints three tables:
   2. per-device compiled temp bytes of fwd+bwd at local lengths 512/1024/2048
      (``memory_analysis().temp_size_in_bytes``);
   3. causal work per device (block pairs) for each layout, from ``ring_jax.schedule``.
+
+and writes them, with the date, jax version and machine, as JSON to ``--out`` (the figures
+docs/benchmarks.md quotes through ``benchmarks/report.py``).
 """
 
+import argparse
+import datetime
 import functools
+import json
 import os
+import platform
 import sys
 
 if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
@@ -56,6 +64,7 @@ def accuracy_table():
   cases.append(dict(n=8, layout="zigzag", causal=True, seg=True, heads=(4, 1)))  # MQA
   cases.append(dict(n=4, layout="zigzag", causal=True, seg=False, heads=(4, 4), tp=2))
   cases.append(dict(n=4, layout="zigzag", causal=True, seg=False, heads=(4, 1), tp=2))
+  rows = []
   for c in cases:
     n, (nh, kh), tp = c["n"], c["heads"], c.get("tp", 1)
     length, b = 48 * n, 2
@@ -81,6 +90,10 @@ def accuracy_table():
     name = (f"ring={n} tp={tp} {c['layout']} {'causal' if c['causal'] else 'full'}"
             f"{' +seg' if c['seg'] else ''} N={nh} K={kh}")
     print(f"{name:44s} " + " ".join(f"{e:9.2e}" for e in errs))
+    rows.append(dict(case=name, ring=n, tensor=tp, layout=c["layout"], causal=c["causal"],
+                     segments=c["seg"], heads=nh, kv_heads=kh,
+                     **{k: float(e) for k, e in zip(("out", "dq", "dk", "dv"), errs)}))
+  return rows
 
 
 def memory_table():
@@ -88,7 +101,7 @@ def memory_table():
         "blocks 256")
   print(f"{'local len':>10s} {'global len':>11s} {'temp MiB':>9s} {'x prev':>7s} "
         f"{'[L/n]^2 scores/head MiB':>24s}")
-  n, prev = 8, None
+  n, prev, rows = 8, None, []
   mesh = mesh_of(n)
   spec = P(None, "sequence", None, None)
   for local in (512, 1024, 2048):
@@ -101,21 +114,49 @@ def memory_table():
     temp = common.compiled_memory(grad.lower(shape, shape, shape).compile())["temp_size_in_bytes"]
     ratio = f"{temp / prev:7.2f}" if prev else f"{'':7s}"
     print(f"{local:10d} {n * local:11d} {temp / 2**20:9.2f} {ratio} {local * local * 4 / 2**20:24.1f}")
+    rows.append(dict(local_len=local, global_len=n * local, temp_bytes=int(temp)))
     prev = temp
+  return dict(ring=n, heads=4, head_dim=64, layout="zigzag", causal=True, dtype="float32",
+              block=256, rows=rows)
 
 
 def work_table():
   print("\n## 3. Causal work: block pairs per device over a ring pass (ring=8, local 4096, "
         "blocks 512)")
+  rows = []
   for layout in ring_jax.LAYOUTS:
     s = ring_jax.schedule(layout, 8, 4096, 512, 512, True)
     w = s.work_per_device()
     print(f"{layout:11s} per device {w.tolist()}  max/mean {w.max() / w.mean():.2f}  "
           f"critical path {s.critical_path()} pairs")
+    rows.append(dict(layout=layout, work_per_device=[int(x) for x in w],
+                     critical_path=int(s.critical_path())))
+  return dict(ring=8, local_len=4096, block=512, causal=True, rows=rows)
+
+
+def main(argv=None):
+  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                                "results", "core_report_cpu.json"),
+                  help="JSON file for the three tables ('' to write none)")
+  args = ap.parse_args(argv)
+  print(f"jax {jax.__version__}, {jax.device_count()} {jax.devices()[0].platform} devices")
+  result = dict(
+      meta=dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                command="python benchmarks/core_report.py" + " ".join([""] + (argv or sys.argv[1:])),
+                jax=jax.__version__, platform=jax.devices()[0].platform,
+                device_kind=jax.devices()[0].device_kind, num_devices=jax.device_count(),
+                machine=platform.machine(), cpu_count=os.cpu_count(),
+                python=platform.python_version()),
+      accuracy=accuracy_table(), memory=memory_table(), work=work_table())
+  if args.out:
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as fh:
+      json.dump(result, fh, indent=1)
+      fh.write("\n")
+    print(f"\nwrote {args.out}")
+  return result
 
 
 if __name__ == "__main__":
-  print(f"jax {jax.__version__}, {jax.device_count()} {jax.devices()[0].platform} devices")
-  accuracy_table()
-  memory_table()
-  work_table()
+  main()

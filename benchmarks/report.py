@@ -1,0 +1,750 @@
+"""The figures the README and the docs quote, generated from ``benchmarks/results/``.
+
+Every table of measured figures in a markdown file sits between two markers::
+
+    <!-- report: NAME -->
+    ... generated text, replaced wholesale ...
+    <!-- /report -->
+
+``NAME`` is a block of :data:`BLOCKS`: a function that reads its result files
+(``benchmarks/results/*.json`` / ``*.jsonl``), computes every ratio and percentage
+from the raw numbers there, and returns markdown with a caption line (date,
+machine and jax version as the result file records them, the command that made
+it, a link to the file). Nothing in a block is typed by hand, so no quoted figure
+can drift from the run that made it.
+
+    python benchmarks/report.py              # rewrite every block in every *.md of the repo
+    python benchmarks/report.py --check      # exit 1 with a diff if a block is out of date
+    python benchmarks/report.py --files README.md docs/benchmarks.md   # only these files
+    python benchmarks/report.py --list       # block names and their result files
+    python benchmarks/report.py --print headline   # one block's text (links from the root)
+
+An unknown block name, an unterminated block, or a block whose result file is
+missing is an error (exit 2). Pure Python: no jax, nothing compiled or timed.
+Result files that do not record their date / machine / jax themselves get them
+from ``results/provenance.json`` (established from their ``.log`` or the commit
+that wrote them, and saying so).
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import json
+import math
+import os
+import re
+import sys
+from typing import Callable
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULTS = os.path.join(ROOT, "benchmarks", "results")
+MIB = 2 ** 20
+GIB = 2 ** 30
+# Links in generated text are written from the repository root with this prefix and made
+# relative to the file that holds the block when it is rendered.
+LINK_ROOT = "@@/"
+DOC = LINK_ROOT + "docs/benchmarks.md"
+
+# Markers are whole lines (a marker quoted inside a line of prose is not one).
+BLOCK_RE = re.compile(r"^<!-- report: (?P<name>[^\s>]+) -->\n(?P<body>.*?)^<!-- /report -->$",
+                      re.S | re.M)
+OPEN_RE = re.compile(r"^<!-- report: (?P<name>[^\s>]*) -->$", re.M)
+CLOSE_RE = re.compile(r"^<!-- /report -->$", re.M)
+SKIP_DIRS = {"node_modules", "__pycache__", "build", "dist"}
+
+
+class ReportError(Exception):
+  """A block that cannot be rendered: unknown name, missing result file, bad markers."""
+
+
+BLOCKS: dict[str, tuple[Callable[[], str], tuple[str, ...]]] = {}
+
+
+def block(name: str, *files: str):
+  """Registers ``fn() -> markdown`` as block ``name``, made from ``files`` in results/."""
+  def register(fn):
+    BLOCKS[name] = (fn, files)
+    return fn
+  return register
+
+
+# ----------------------------------------------------------------------------
+# Reading result files
+# ----------------------------------------------------------------------------
+
+def _path(name: str) -> str:
+  path = os.path.join(RESULTS, name)
+  if not os.path.exists(path):
+    raise ReportError(f"result file benchmarks/results/{name} is missing")
+  return path
+
+
+def load(name: str):
+  """A result file: JSON, or JSON lines (a list of records)."""
+  with open(_path(name)) as fh:
+    if name.endswith(".jsonl"):
+      return [json.loads(line) for line in fh if line.strip()]
+    return json.load(fh)
+
+
+def provenance(name: str) -> dict:
+  with open(os.path.join(RESULTS, "provenance.json")) as fh:
+    return json.load(fh).get(name, {})
+
+
+def meta(name: str) -> dict:
+  """Date, machine, jax and command of a result file, from the file itself where it records
+  them (the ``meta`` dict of attention.py / core_report.py, the top level of balance.py),
+  else from provenance.json."""
+  data = load(name)
+  rec = data if isinstance(data, dict) else {}
+  m = dict(rec.get("meta", {})) if isinstance(rec.get("meta"), dict) else {}
+  for key in ("date", "jax", "command", "machine", "cpus", "processes"):
+    if key in rec and key not in m:
+      m[key] = rec[key]
+  out = dict(date=None, date_note="", jax=m.get("jax"), command=m.get("command"),
+             machine=None)
+  if m.get("date"):
+    out["date"] = m["date"][:10]
+  if m.get("platform") == "cpu" or m.get("machine"):
+    cores = m.get("cpu_count") or m.get("cpus")
+    devices = m.get("num_devices")
+    parts = [f"{cores}-core CPU" if cores else "CPU"]
+    if m.get("processes"):
+      parts.append(f"{m['processes']} processes, one core each")
+    elif devices:
+      parts.append(f"{devices} fake devices")
+    out["machine"] = ", ".join(parts)
+  extra = provenance(name)
+  if out["machine"] == "CPU" and extra.get("machine"):  # the file says no more than "cpu"
+    out["machine"] = None
+  for key in ("date", "date_note", "jax", "command", "machine"):
+    if not out.get(key) and extra.get(key):
+      out[key] = extra[key]
+  return out
+
+
+def link(name: str) -> str:
+  return f"[`{name}`]({LINK_ROOT}benchmarks/results/{name})"
+
+
+def caption(*names: str, command: str | None = None, note: str = "") -> str:
+  """One line under a table: per result file its date, machine, jax, a link and the command
+  that made it (``command`` overrides the first file's)."""
+  parts = []
+  for i, name in enumerate(names):
+    cmd = command if (i == 0 and command is not None) else meta(name)["command"]
+    parts.append(f"{link(name)}: {when(name)}" + (f"; `{cmd}`" if cmd else ""))
+  line = ("Source: " if len(names) == 1 else "Sources: ") + "; ".join(parts) + "."
+  if note:
+    line += " " + note
+  return f"<sub>{line}</sub>"
+
+
+def when(name: str, short: bool = False) -> str:
+  """``date (how it is known), machine, jax X`` of a result file."""
+  m = meta(name)
+  date = m["date"] or "date not recorded"
+  if m["date_note"]:
+    date += " (commit date)" if short else f" ({m['date_note']})"
+  return ", ".join([date, m["machine"] or "machine not recorded",
+                    f"jax {m['jax']}" if m["jax"] else "jax not recorded"])
+
+
+# ----------------------------------------------------------------------------
+# Formatting (one style everywhere)
+# ----------------------------------------------------------------------------
+
+def mib(nbytes: float) -> str:
+  return f"{nbytes / MIB:.1f}"
+
+
+def gib(nbytes: float) -> str:
+  return f"{nbytes / GIB:.1f}"
+
+
+def x(ratio: float, digits: int = 2) -> str:
+  return f"{ratio:.{digits}f}x"
+
+
+def pct(frac: float) -> str:
+  return f"{100 * frac:.1f}%"
+
+
+def sci(v: float) -> str:
+  mant, exp = f"{v:.1e}".split("e")
+  return f"{mant}e{int(exp)}"
+
+
+def ms(seconds: float) -> str:
+  return f"{1e3 * seconds:.1f}"
+
+
+def tokens(n: float) -> str:
+  """3 significant figures with K / M (decimal): 9256960 -> 9.26M."""
+  for unit, div in (("M", 1e6), ("K", 1e3)):
+    if n >= div:
+      v = n / div
+      return f"{v:.{max(0, 2 - int(math.floor(math.log10(v))))}f}{unit}"
+  return str(int(n))
+
+
+def length(n: int) -> str:
+  """A sequence length in binary units: 4096 -> 4K, 655360 -> 640K, 4718592 -> 4.5M."""
+  if n >= 2 ** 20:
+    return f"{n / 2 ** 20:g}M"
+  if n >= 1024:
+    return f"{n / 1024:g}K"
+  return str(n)
+
+
+def table(head: list[str], rows: list[list], align: str | None = None) -> str:
+  align = align or "-" * len(head)
+  sep = ["---:" if a == "r" else "---" for a in align]
+  lines = ["| " + " | ".join(head) + " |", "|" + "|".join(sep) + "|"]
+  lines += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
+  return "\n".join(lines)
+
+
+def section(anchor: str) -> str:
+  return f"{DOC}#{anchor}"
+
+
+# ----------------------------------------------------------------------------
+# Core figures: benchmarks/core_report.py
+# ----------------------------------------------------------------------------
+
+CORE = "core_report_cpu.json"
+
+
+@block("core_accuracy", CORE)
+def core_accuracy() -> str:
+  d = load(CORE)
+  rows = d["accuracy"]
+  body = table(["case", "out", "dQ", "dK", "dV"],
+               [[f"`{r['case']}`", *(sci(r[k]) for k in ("out", "dq", "dk", "dv"))]
+                for r in rows], "-rrrr")
+  worst_out = max(r["out"] for r in rows)
+  worst_grad = max(max(r[k] for k in ("dq", "dk", "dv")) for r in rows)
+  summary = (f"Worst of the {len(rows)} cases: **{sci(worst_out)}** on outputs, "
+             f"**{sci(worst_grad)}** on dQ/dK/dV (max |error| / max |reference|).")
+  return f"{summary}\n\n{body}\n\n{caption(CORE)}"
+
+
+@block("core_memory", CORE)
+def core_memory() -> str:
+  d = load(CORE)["memory"]
+  rows, prev = [], None
+  for r in d["rows"]:
+    score = r["local_len"] ** 2 * 4  # one [L/n, L/n] float32 score matrix, one head
+    rows.append([f"{r['local_len']:,}", f"{r['global_len']:,}", mib(r["temp_bytes"]),
+                 x(r["temp_bytes"] / prev) if prev else "", f"{mib(score)} x {d['heads']} heads"])
+    prev = r["temp_bytes"]
+  body = table(["local length", "global length", "fwd+bwd temp MiB/device", "vs previous",
+                "one [L/n, L/n] f32 score matrix per head, MiB"], rows, "rrrrr")
+  return (f"Ring of {d['ring']}, {d['heads']} heads x {d['head_dim']}, causal {d['layout']}, "
+          f"{d['dtype']}, blocks of {d['block']}:\n\n{body}\n\n{caption(CORE)}")
+
+
+@block("core_work", CORE)
+def core_work() -> str:
+  d = load(CORE)["work"]
+  by = {r["layout"]: r for r in d["rows"]}
+  base = by["contiguous"]["critical_path"]
+  rows = []
+  for r in d["rows"]:
+    w = r["work_per_device"]
+    mean = sum(w) / len(w)
+    rows.append([r["layout"], f"{min(w)} ... {max(w)}", f"{max(w) / mean:.2f}",
+                 r["critical_path"], x(r["critical_path"] / base), sum(w)])
+  body = table(["layout", "block pairs per device (min ... max)", "max / mean",
+                "critical path (pairs)", "vs contiguous", "total"], rows, "-rrrrr")
+  return (f"Causal, ring of {d['ring']}, {d['local_len']} tokens per device, blocks of "
+          f"{d['block']} (`ring_jax.schedule`, no timing):\n\n{body}\n\n{caption(CORE)}")
+
+
+# ----------------------------------------------------------------------------
+# Against the paper's code: benchmarks/attention.py
+# ----------------------------------------------------------------------------
+
+PAPER_4K = "attention_cpu_4k_issue32.json"
+MEMSCAN = "attention_cpu_memscan_issue32.json"
+MEMSCAN_ALLGATHER = "attention_cpu_memscan.json"
+OLD_FULL = "attention_cpu.json"
+
+
+def _rows_by(rows, *keys):
+  return {tuple(r[k] for k in keys): r for r in rows}
+
+
+@block("paper_4k", PAPER_4K)
+def paper_4k() -> str:
+  d = load(PAPER_4K)
+  by = _rows_by(d["rows"], "impl", "causal")
+  impls = [("ring-zigzag", "ring zigzag"), ("ring-contiguous", "ring contiguous"),
+           ("paper", "paper")]
+  length_ = d["rows"][0]["length"]
+  rows = []
+  for causal, name in ((True, "causal"), (False, "non-causal")):
+    paper = by[("paper", causal)]
+    times = [by[(i, causal)]["fwdbwd_median_s"] / paper["fwdbwd_median_s"] for i, _ in impls]
+    best = min(times[:2])
+    rows.append([f"{name}: fwd+bwd time vs paper"] +
+                [f"**{x(t)}**" if t == best else x(t) for t in times] + [""])
+    rows.append([f"{name}: useful GFLOP/s (fraction of the matmul's)"] +
+                [f"{by[(i, causal)]['fwdbwd_useful_gflops']:.1f} "
+                 f"({pct(by[(i, causal)]['fwdbwd_useful_gflops'] / by[(i, causal)]['matmul_gflops'])})"
+                 for i, _ in impls] + [f"{paper['matmul_gflops']:.1f}"])
+  rows.append(["fwd+bwd temp MiB per device, causal / non-causal"] +
+               [f"{mib(by[(i, True)]['fwdbwd_mem']['temp_size_in_bytes'])} / "
+                f"{mib(by[(i, False)]['fwdbwd_mem']['temp_size_in_bytes'])}" for i, _ in impls] +
+               [""])
+  m = d["meta"]
+  blocks = sorted({r["block"] for r in d["rows"]})
+  head = [f"L = {length(length_)}, fwd+bwd"] + [n for _, n in impls] + ["same-size f32 matmul"]
+  return (f"{m['dtype']}, B={m['batch']}, {m['heads']} heads x {m['head_dim']}, ring of "
+          f"{m['ring']} in one process, blocks of {', '.join(map(str, blocks))}, median of "
+          f"{m['repeats']}:\n\n" + table(head, rows) + "\n\n" + caption(PAPER_4K))
+
+
+def _memscan(name):
+  return _rows_by(load(name)["memscan"], "impl", "length")
+
+
+@block("memory_fixed_block", MEMSCAN, MEMSCAN_ALLGATHER)
+def memory_fixed_block() -> str:
+  cur = _memscan(MEMSCAN)
+  old = _memscan(MEMSCAN_ALLGATHER)
+  lengths = sorted({k[1] for k in cur})
+  ring = next(i for i, _ in cur if i.startswith("ring"))
+  rows = []
+  for n in lengths:
+    r, p = cur[(ring, n)]["fwdbwd_temp"], cur[("paper", n)]["fwdbwd_temp"]
+    ag = old.get(("allgather", n))
+    rows.append([length(n), mib(r), mib(p), f"**{x(r / p)}**",
+                 mib(ag["fwdbwd_temp"]) if ag else "-"])
+  block_ = cur[(ring, lengths[0])]["block"]
+  body = table([f"L ({ring}, causal, blocks of {block_})", "ring MiB/device", "paper MiB/device",
+                "ring / paper", "all-gather MiB/device (older run)"], rows, "-rrrr")
+  return body + "\n\n" + caption(MEMSCAN, MEMSCAN_ALLGATHER,
+                                 note="The all-gather column comes from the second file.")
+
+
+@block("memory_scan_allgather", MEMSCAN_ALLGATHER)
+def memory_scan_allgather() -> str:
+  old = _memscan(MEMSCAN_ALLGATHER)
+  lengths = sorted({k[1] for k in old})
+  rows, prev = [], None
+  for n in lengths:
+    v = old[("allgather", n)]["fwdbwd_temp"]
+    rows.append([length(n), mib(v), x(v / prev) if prev else ""])
+    prev = v
+  return (table(["L", "all-gather fwd+bwd temp MiB/device", "vs previous"], rows, "-rr") +
+          "\n\n" + caption(MEMSCAN_ALLGATHER))
+
+
+@block("bf16_error", OLD_FULL)
+def bf16_error() -> str:
+  e = load(OLD_FULL)["bf16_error"]
+  keys = ("out", "dq", "dk", "dv")
+  rings = sorted({r["ring"] for r in e["rows"] if r["ring"]})
+  impls = []
+  for r in e["rows"]:
+    if r["impl"] not in impls:
+      impls.append(r["impl"])
+  by = {(r["impl"], r["ring"]): r["rel_err"] for r in e["rows"]}
+  rows = []
+  for impl in impls:
+    if (impl, None) in by:
+      rows.append([impl] + [" / ".join(sci(by[(impl, None)][k]) for k in keys)] +
+                  [""] * (len(rings) - 1))
+    else:
+      rows.append([impl] + [" / ".join(sci(by[(impl, n)][k]) for k in keys)
+                            if (impl, n) in by else "-" for n in rings])
+  ring_rows = [v for (i, n), v in by.items() if i.startswith("ring") and n]
+  worst = max(v[k] for v in ring_rows for k in keys)
+  return (f"Relative Frobenius error out / dQ / dK / dV, causal, L={e['length']}, "
+          f"{e['heads']} heads x {e['head_dim']}; worst over the ring's layouts and sizes: "
+          f"**{sci(worst)}**.\n\n" +
+          table(["impl"] + [f"ring {n}" for n in rings], rows) + "\n\n" +
+          caption(OLD_FULL, note="Measured with ring_jax at commit e8b7b3c (an older run "
+                  "whose timings are superseded; this is the latest bf16 error measurement)."))
+
+
+# ----------------------------------------------------------------------------
+# Load balance: balance.py, packed_balance.py
+# ----------------------------------------------------------------------------
+
+BALANCE = "balance_cpu.json"
+PACKED = "packed_balance.json"
+
+
+@block("balance", BALANCE)
+def balance() -> str:
+  d = load(BALANCE)
+  by = _rows_by(d["rows"], "impl", "length")
+  rows = []
+  for n in d["lengths"]:
+    paper = by.get(("paper", n))
+    ratios = []
+    for impl in ("ring-contiguous", "ring-zigzag", "ring-striped"):
+      r = by[(impl, n)]
+      ratios.append(x(r["median_s"] / paper["median_s"]) if paper else "-")
+    zz = by[("ring-zigzag", n)]
+    ct = by[("ring-contiguous", n)]
+    rows.append([length(n), *ratios, ms(paper["median_s"]) if paper else "-",
+                 f"{ct['critical_path_hops']:.2f} / {zz['critical_path_hops']:.2f}",
+                 f"{mib(zz['temp_bytes'])} / {mib(paper['temp_bytes']) if paper else '-'}"])
+  blocks = sorted({r["block"] for r in d["rows"]})
+  return (f"Causal fwd+bwd, {d['processes']} processes (ring of {d['processes']}), "
+          f"{d['dtype']}, B={d['batch']}, {d['heads']} heads x {d['head_dim']}, blocks of "
+          f"{', '.join(map(str, blocks))}, median of {d['repeats']} (each repetition: the "
+          "slowest process); time over the paper's code:\n\n" +
+          table(["L", "contiguous", "zigzag", "striped", "paper (ms)",
+                 "critical path, hops: contiguous / zigzag",
+                 "temp MiB/device: ring / paper"], rows, "-rrrrrr") + "\n\n" +
+          caption(BALANCE, command="PYTHONPATH=. python benchmarks/balance.py --processes "
+                  f"{d['processes']} --lengths {','.join(map(str, d['lengths']))} "
+                  f"--repeats {d['repeats']}"))
+
+
+def _mm(v):
+  return f"{v['median']:.2f} / {v['max']:.2f}"
+
+
+@block("packed_balance", PACKED)
+def packed_balance() -> str:
+  d = load(PACKED)
+  rows = []
+  for mean, v in sorted(d["means"].items(), key=lambda kv: int(kv[0])):
+    z, doc = v["zigzag"], v["document"]
+    rows.append([length(int(mean)), _mm(z["block_max_over_mean"]),
+                 f"**{_mm(doc['block_max_over_mean'])}**", _mm(z["token_max_over_mean"]),
+                 _mm(doc["token_max_over_mean"]),
+                 x(v["document_block_pairs_over_zigzag"]),
+                 x(v["document_critical_path_over_zigzag"])])
+  return (f"Ring of {d['ring']}, rows of {d['length']:,} tokens, lognormal document lengths "
+          f"(sigma {d['sigma']:g}), {d['rows']} rows per mean, blocks of {d['block']}; "
+          "max/mean work per device, median / max over rows:\n\n" +
+          table(["mean document", "zigzag, blocks", "`document`, blocks", "zigzag, tokens",
+                 "`document`, tokens", "block pairs, document / zigzag",
+                 "critical path, document / zigzag"], rows, "-rrrrrr") + "\n\n" +
+          caption(PACKED))
+
+
+# ----------------------------------------------------------------------------
+# How long a context fits: fit.py
+# ----------------------------------------------------------------------------
+
+FIT_1 = "fit_llama_1b_long_1dev.json"
+FIT_8 = "fit_llama_1b_long_8dev.json"
+
+
+@block("fit", FIT_1, FIT_8)
+def fit() -> str:
+  rows = []
+  for name in (FIT_1, FIT_8):
+    d = load(name)
+    mesh = ", ".join(f"{k}={v}" for k, v in d["mesh"].items() if v != 1) or "sequence=1"
+    for c in d["checked"]:
+      longest = c["seq_len"] == d["seq_len"]
+      rows.append([f"{d['devices']} ({mesh})",
+                   f"**{c['seq_len']:,} ({length(c['seq_len'])})**" if longest
+                   else f"{c['seq_len']:,} ({length(c['seq_len'])})",
+                   gib(c["compiled_per_device_bytes"]), gib(c["offloaded_bytes"]),
+                   f"**{gib(c['per_device_bytes'])}**" if longest else gib(c["per_device_bytes"]),
+                   "yes" if c["fits"] else "no"])
+  d = load(FIT_1)
+  return (f"`configs/llama_1b.py:long`, remat `{d['remat_policy']}`, batch {d['batch_rows']}, "
+          f"{d['memory_bytes'] / GIB:g} GiB per device; bold: the longest length that fits. "
+          "Per device = compiled - to host:\n\n" +
+          table(["devices (mesh)", "seq_len", "compiled GiB", "to host GiB", "per device GiB",
+                 "fits"], rows, "-rrrr-") + "\n\n" + caption(FIT_1, FIT_8))
+
+
+# ----------------------------------------------------------------------------
+# Train step, decode, data pipeline, two-level ring
+# ----------------------------------------------------------------------------
+
+TRAIN = ("train_throughput_cpu_2k.json", "train_throughput_cpu.json")
+
+
+@block("train_throughput", *TRAIN)
+def train_throughput() -> str:
+  rows = []
+  for name in TRAIN:
+    d = load(name)
+    for r in d["results"]:
+      if "error" in r:  # refused before running, e.g. over the host's memory
+        rows.append([f"{d['results'][0]['seq_len']:,}", r["attention"],
+                     f"not run: {r['error'].split(': ', 1)[-1]}", "", "", "", ""])
+        continue
+      rows.append([f"{r['seq_len']:,}", r["attention"], ms(r["step_s"]),
+                   f"{r['tokens_per_s']:.0f}", pct(r["mfu"]),
+                   mib(r["temp_bytes_per_device"]), f"{r['loss']:.3f}"])
+  return ("**Superseded run**: measured at commit `c5be18c`, when the script still had its own "
+          "train step (plain AdamW, no clipping); the script now runs the shipped step and has "
+          "not been re-timed. MFU against this host's measured f32 matmul rate (only ratios "
+          "mean something):\n\n" +
+          table(["L", "attention", "step ms", "tokens/s", "MFU (host-relative)",
+                 "temp MiB/device", "loss"], rows, "r-rrrrr") + "\n\n" + caption(*TRAIN))
+
+
+DECODE_TIME = "decode_time_cpu.jsonl"
+DECODE_FIT = "decode_fit_cpu.jsonl"
+
+
+@block("decode_time", DECODE_TIME)
+def decode_time() -> str:
+  rows = [[f"{r['length']:,}", mib(r["cache_mib_per_device"] * MIB),
+           mib(r["step_temp_mib_per_device"] * MIB), f"{r['step_ms_median']:.0f}"]
+          for r in load(DECODE_TIME)]
+  return (table(["context", "KV cache MiB/device", "step temp MiB/device",
+                 "decode step ms (median of 10)"], rows, "rrrr") + "\n\n" + caption(DECODE_TIME))
+
+
+@block("decode_fit", DECODE_FIT)
+def decode_fit() -> str:
+  rows = []
+  for r in load(DECODE_FIT):
+    mesh = ", ".join(f"{k}={v}" for k, v in r["mesh"].items() if v != 1)
+    rows.append([r["config"].removesuffix(".py"), f"{r['devices']} ({mesh})",
+                 f"{r['fixed_gib_per_device']:.1f} GiB", f"{r['bytes_per_token_per_device']:,.0f}",
+                 f"**{tokens(r['longest_cache_tokens'])}** ({r['peak_gib_at_longest']:.2f} GiB)",
+                 tokens(r["longest_bf16_cache_tokens_derived"])])
+  budget = load(DECODE_FIT)[0]["budget_gib"]
+  return (f"Budget {budget:g} GiB per device:\n\n" +
+          table(["model", "devices (mesh)", "fixed per device", "bytes/token/device",
+                 "longest f32 cache (compiled peak)", "bf16 cache (derived)"], rows, "--rrrr") +
+          "\n\n" + caption(DECODE_FIT))
+
+
+PIPELINE = "data_pipeline_cpu.json"
+
+
+@block("data_pipeline", PIPELINE)
+def data_pipeline() -> str:
+  d = load(PIPELINE)
+  rows = []
+  for r in sorted(d["runs"], key=lambda r: (r["tokenizer"], r["corpus_mb"])):
+    tok = "byte" if r["tokenizer"] == "byte" else f"BPE, vocab {r['vocab_size']} (`tokenizers`)"
+    rows.append([f"{r['corpus_mb']} MiB", r["files"], tok,
+                 f"{r['peak_rss_mib']:.1f} ({r['rss_before_mib']:.1f})",
+                 f"{r['first_batch_s']:.3f}", f"{r['tokens_per_s']:,}"])
+  t = d["train_step"]
+  return (table(["corpus", "files", "tokenizer", "peak RSS MiB (before pipeline)",
+                 "first batch s", "tokens/s"], rows, "rr-rrr") +
+          f"\n\nThe consumer, `train.py` with {t['config']}, {t['steps']} steps: "
+          f"**{t['tokens_per_s']:,} tokens/s** ({t['step_time_s']:.2f} s/step).\n\n" +
+          caption(PIPELINE))
+
+
+TWO_LEVEL = "two_level_cpu.json"
+
+
+@block("two_level", TWO_LEVEL)
+def two_level() -> str:
+  d = load(TWO_LEVEL)
+  rows = []
+  flat = {(tuple(r["split"]), r["pass_"]): r for r in d["rows"] if r["ring"] == "flat"}
+  for r in d["rows"]:
+    f = flat[(tuple(r["split"]), r["pass_"])]
+    rows.append(["x".join(map(str, r["split"])), r["pass_"], r["ring"], r["outer_transfers"],
+                 mib(r["outer_bytes"]), mib(r["outer_total"]),
+                 x(r["outer_total"] / f["outer_total"]), r["inner_transfers"],
+                 mib(r["inner_bytes"])])
+  n = d["rows"][0]["length"]
+  return (f"Ring of 8, L = {n:,}, {d['kv_heads']} K/V heads of {d['head_dim']}, {d['dtype']}, "
+          f"{'causal ' if d['is_causal'] else ''}{d['layout']}; per device unless \"all\":\n\n" +
+          table(["split (outer x inner)", "pass", "ring", "outer transfers", "outer MiB",
+                 "all outer links MiB", "all outer vs flat", "inner transfers", "inner MiB"],
+                rows, "---rrrrrr") + "\n\n" + caption(TWO_LEVEL))
+
+
+# ----------------------------------------------------------------------------
+# The README's headline table
+# ----------------------------------------------------------------------------
+
+def _headline_rows():
+  core = load(CORE)
+  acc = core["accuracy"]
+  p4 = _rows_by(load(PAPER_4K)["rows"], "impl", "causal")
+  zz, pa = p4[("ring-zigzag", True)], p4[("paper", True)]
+  cur, old = _memscan(MEMSCAN), _memscan(MEMSCAN_ALLGATHER)
+  ring = next(i for i, _ in cur if i.startswith("ring"))
+  lengths = sorted({k[1] for k in cur})
+  bal = load(BALANCE)
+  bby = _rows_by(bal["rows"], "impl", "length")
+  bl = 8192 if ("ring-zigzag", 8192) in bby else bal["lengths"][-1]
+  pk = load(PACKED)["means"]
+  doc_worst = max(v["document"]["block_max_over_mean"]["max"] for v in pk.values())
+  zz_med = [v["zigzag"]["block_max_over_mean"]["median"] for v in pk.values()]
+  f1, f8 = load(FIT_1), load(FIT_8)
+  dfit = next(r for r in load(DECODE_FIT) if r["config"] == "llama_1b.py" and r["devices"] == 8)
+  tl = load(TWO_LEVEL)
+  full = next(r for r in tl["rows"] if r["ring"] == "two-level" and r["pass_"] == "fwd+bwd")
+  routed = next(r for r in tl["rows"] if r["ring"] == "routed" and r["pass_"] == "fwd+bwd"
+                and r["split"] == full["split"])
+  return [
+      (f"Max relative error vs a float64 oracle, float32 inputs, {len(acc)} cases "
+       "(layouts, masks, segments, GQA/MQA, ring sizes 1-8): outputs / dQ, dK, dV",
+       f"{sci(max(r['out'] for r in acc))} / "
+       f"{sci(max(max(r[k] for k in ('dq', 'dk', 'dv')) for r in acc))}", [CORE], "exactness"),
+      (f"Causal fwd+bwd time vs the paper's code, zigzag, L={length(zz['length'])}, "
+       "8 fake devices in one process",
+       x(zz["fwdbwd_median_s"] / pa["fwdbwd_median_s"]), [PAPER_4K], "against-the-papers-code"),
+      ("Useful FLOP/s of that causal zigzag fwd+bwd as a fraction of a same-size f32 matmul "
+       f"(paper's code: {pct(pa['fwdbwd_useful_gflops'] / pa['matmul_gflops'])})",
+       pct(zz["fwdbwd_useful_gflops"] / zz["matmul_gflops"]), [PAPER_4K],
+       "against-the-papers-code"),
+      (f"fwd+bwd memory per device, causal zigzag, blocks of 256, "
+       f"{' / '.join(length(n) for n in lengths)}: ring vs the paper's code (all-gather)",
+       " / ".join(f"{mib(cur[(ring, n)]['fwdbwd_temp'])} MiB "
+                  f"({x(cur[(ring, n)]['fwdbwd_temp'] / cur[('paper', n)]['fwdbwd_temp'])})"
+                  for n in lengths) +
+       " (all-gather " + " / ".join(mib(old[("allgather", n)]["fwdbwd_temp"]) for n in lengths)
+       + " MiB)", [MEMSCAN, MEMSCAN_ALLGATHER], "memory-per-device"),
+      (f"Causal fwd+bwd wall time vs the paper's code, one process and core per device "
+       f"(ring of {bal['processes']}), zigzag, L={length(bl)}",
+       x(bby[("ring-zigzag", bl)]["median_s"] / bby[("paper", bl)]["median_s"]), [BALANCE],
+       "load-balance-in-wall-time"),
+      ("Packed documents, ring of 8: max/mean causal work per device, `layout=\"document\"` "
+       "(worst row; zigzag's medians)",
+       f"{doc_worst:.2f} ({min(zz_med):.2f}-{max(zz_med):.2f})", [PACKED], "packed-documents"),
+      (f"Longest `configs/llama_1b.py:long` training context within "
+       f"{f1['memory_bytes'] / GIB:g} GiB per device (compiled plan): 1 device / 8 devices",
+       f"{length(f1['seq_len'])} / {length(f8['seq_len'])} tokens", [FIT_1, FIT_8],
+       "how-long-a-context-fits"),
+      (f"Longest llama_1b decode KV cache (f32) within {dfit['budget_gib']:g} GiB per device, "
+       f"{dfit['devices']} devices", f"{tokens(dfit['longest_cache_tokens'])} tokens",
+       [DECODE_FIT], "decode"),
+      ("Two-level ring, causal zigzag, fwd+bwd, split "
+       f"{'x'.join(map(str, full['split']))}: bytes over the outer links, routed / full rotation",
+       x(routed["outer_total"] / full["outer_total"]), [TWO_LEVEL], "two-link-levels"),
+  ]
+
+
+@block("headline", CORE, PAPER_4K, MEMSCAN, MEMSCAN_ALLGATHER, BALANCE, PACKED, FIT_1, FIT_8,
+       DECODE_FIT, TWO_LEVEL)
+def headline() -> str:
+  rows = []
+  for what, figure, files, anchor in _headline_rows():
+    dated = "; ".join(dict.fromkeys(when(f, short=True) for f in files))
+    src = ", ".join(f"[{f}]({LINK_ROOT}benchmarks/results/{f})" for f in files)
+    rows.append([what, f"**{figure}**", dated, f"{src}; [how]({section(anchor)})"])
+  return (table(["measured", "figure", "date, machine, jax", "result file; command"], rows) +
+          "\n\nGenerated by `python benchmarks/report.py` from the result files; every table "
+          f"and its command: [docs/benchmarks.md]({DOC}).")
+
+
+# ----------------------------------------------------------------------------
+# Rendering into markdown files
+# ----------------------------------------------------------------------------
+
+def render_block(name: str, md_path: str) -> str:
+  """Block ``name``'s text with links made relative to the directory of ``md_path``."""
+  if name not in BLOCKS:
+    raise ReportError(f"unknown block {name!r} (known: {', '.join(sorted(BLOCKS))})")
+  text = BLOCKS[name][0]()
+  rel = os.path.relpath(ROOT, os.path.dirname(os.path.abspath(md_path)))
+  prefix = "" if rel == "." else rel.replace(os.sep, "/") + "/"
+  return text.replace(LINK_ROOT, prefix).rstrip("\n")
+
+
+def rewrite(text: str, md_path: str, cache: dict | None = None) -> tuple[str, list[str]]:
+  """``text`` with every block regenerated; the names of the blocks that changed."""
+  opens = [m.group("name") for m in OPEN_RE.finditer(text)]
+  found = BLOCK_RE.findall(text)
+  closes = len(CLOSE_RE.findall(text))
+  if len(opens) != len(found) or closes != len(found):
+    raise ReportError(f"{os.path.relpath(md_path, ROOT)}: unbalanced <!-- report: NAME --> / "
+                      "<!-- /report --> markers")
+  changed = []
+
+  def sub(m):
+    name = m.group("name")
+    try:
+      body = render_block(name, md_path)
+    except ReportError as e:
+      raise ReportError(f"{os.path.relpath(md_path, ROOT)}: block {name!r}: {e}") from None
+    new = f"<!-- report: {name} -->\n{body}\n<!-- /report -->"
+    if new != m.group(0):
+      changed.append(name)
+    return new
+
+  return BLOCK_RE.sub(sub, text), changed
+
+
+def markdown_files(root: str = ROOT) -> list[str]:
+  """Every *.md in the repository (hidden directories, virtualenvs and build output skipped)."""
+  out = []
+  for dirpath, dirnames, filenames in os.walk(root):
+    dirnames[:] = sorted(d for d in dirnames if not d.startswith(".") and d not in SKIP_DIRS
+                         and not d.endswith(".egg-info") and not d.startswith("venv"))
+    out += [os.path.join(dirpath, f) for f in sorted(filenames) if f.endswith(".md")]
+  return out
+
+
+def block_diff(old: str, new: str, md_path: str) -> str:
+  """A unified diff per block that differs, headed by the file and the block's name."""
+  old_blocks = {m.start(): m for m in BLOCK_RE.finditer(old)}
+  new_blocks = list(BLOCK_RE.finditer(new))
+  out = []
+  for o, n in zip(old_blocks.values(), new_blocks):
+    if o.group(0) != n.group(0):
+      rel = os.path.relpath(md_path, ROOT)
+      out.append(f"{rel}: block '{o.group('name')}' differs from its result files:")
+      out += list(difflib.unified_diff(o.group("body").splitlines(), n.group("body").splitlines(),
+                                       f"{rel} [{o.group('name')}]", "generated", lineterm=""))
+  return "\n".join(out)
+
+
+def main(argv=None) -> int:
+  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  ap.add_argument("--check", action="store_true",
+                  help="change nothing; exit 1 with a diff if any block is out of date")
+  ap.add_argument("--files", nargs="+", default=None,
+                  help="markdown files to process (default: every *.md in the repository)")
+  ap.add_argument("--list", action="store_true", help="print the blocks and their result files")
+  ap.add_argument("--print", dest="print_block", default=None, metavar="NAME",
+                  help="print one block (links relative to the repository root)")
+  args = ap.parse_args(argv)
+  try:
+    if args.list:
+      for name, (_, files) in sorted(BLOCKS.items()):
+        print(f"{name}: {', '.join(files)}")
+      return 0
+    if args.print_block:
+      print(render_block(args.print_block, os.path.join(ROOT, "README.md")))
+      return 0
+    stale, blocks = [], 0
+    for path in args.files or markdown_files():
+      with open(path) as fh:
+        old = fh.read()
+      if "<!-- report:" not in old and "<!-- /report" not in old:
+        continue
+      new, changed = rewrite(old, path)
+      blocks += len(BLOCK_RE.findall(new))
+      if not changed:
+        continue
+      if args.check:
+        stale.append(block_diff(old, new, path))
+      else:
+        with open(path, "w") as fh:
+          fh.write(new)
+        print(f"{os.path.relpath(path, ROOT)}: rewrote {', '.join(changed)}")
+  except ReportError as e:
+    print(f"report.py: error: {e}", file=sys.stderr)
+    return 2
+  if stale:
+    print("\n\n".join(stale))
+    print("\nOut of date: run `python benchmarks/report.py` to regenerate.", file=sys.stderr)
+    return 1
+  if args.check:
+    print(f"{blocks} blocks up to date")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,108 @@
+"""benchmarks/report.py: every quoted figure equals what its result file gives (pure JSON and
+strings: no jax, nothing compiled)."""
+
+import os
+import shutil
+
+import pytest
+
+from benchmarks import report
+
+ROOT = report.ROOT
+
+
+def test_check_passes_on_the_repository(capsys):
+  """Every block in every *.md with blocks (README.md and docs/ included) is up to date."""
+  assert report.main(["--check"]) == 0, capsys.readouterr().out
+
+
+def test_every_block_renders_and_names_its_result_files():
+  for name, (_, files) in report.BLOCKS.items():
+    assert files, name
+    text = report.render_block(name, os.path.join(ROOT, "README.md"))
+    assert text and report.LINK_ROOT not in text, name
+    for f in files:
+      assert os.path.exists(os.path.join(report.RESULTS, f)), (name, f)
+
+
+def test_docs_quote_the_blocks():
+  """docs/benchmarks.md holds every block but none other than the registry's."""
+  with open(os.path.join(ROOT, "docs", "benchmarks.md")) as fh:
+    names = {m.group("name") for m in report.BLOCK_RE.finditer(fh.read())}
+  assert names <= set(report.BLOCKS)
+  assert "headline" in names and "paper_4k" in names
+
+
+def _write(tmp_path, text, name="page.md"):
+  path = tmp_path / name
+  path.write_text(text)
+  return str(path)
+
+
+def test_a_file_without_blocks_passes(tmp_path):
+  path = _write(tmp_path, "# Nothing generated here\n\nA `<!-- report: x -->` in prose.\n")
+  assert report.main(["--check", "--files", path]) == 0
+
+
+def test_unknown_block_fails(tmp_path, capsys):
+  path = _write(tmp_path, "<!-- report: no_such_block -->\n<!-- /report -->\n")
+  assert report.main(["--check", "--files", path]) == 2
+  assert "no_such_block" in capsys.readouterr().err
+
+
+def test_unterminated_block_fails(tmp_path):
+  path = _write(tmp_path, "<!-- report: paper_4k -->\ntext\n")
+  assert report.main(["--check", "--files", path]) == 2
+
+
+def test_missing_result_file_fails(tmp_path, monkeypatch, capsys):
+  results = tmp_path / "results"
+  shutil.copytree(report.RESULTS, results)
+  os.remove(results / "balance_cpu.json")
+  monkeypatch.setattr(report, "RESULTS", str(results))
+  path = _write(tmp_path, "<!-- report: balance -->\n<!-- /report -->\n")
+  assert report.main(["--check", "--files", path]) == 2
+  assert "balance_cpu.json" in capsys.readouterr().err
+
+
+def test_edited_number_is_caught_and_rewritten(tmp_path, capsys):
+  docs = tmp_path / "docs"
+  docs.mkdir()
+  path = _write(docs, "intro\n\n<!-- report: paper_4k -->\n<!-- /report -->\n\nend\n")
+  assert report.main(["--files", path]) == 0  # render
+  assert report.main(["--check", "--files", path]) == 0
+  text = open(path).read()
+  assert "**0.78x**" in text and "intro\n\n" in text and text.endswith("\n\nend\n")
+  open(path, "w").write(text.replace("**0.78x**", "**0.70x**", 1))
+  capsys.readouterr()
+  assert report.main(["--check", "--files", path]) == 1
+  out = capsys.readouterr().out
+  assert "page.md: block 'paper_4k'" in out and "-| causal: fwd+bwd time vs paper | **0.70x**" in out
+  assert report.main(["--files", path]) == 0  # rewritten wholesale
+  assert open(path).read() == text
+
+
+def test_links_are_relative_to_the_file(tmp_path):
+  root = report.render_block("paper_4k", os.path.join(ROOT, "README.md"))
+  docs = report.render_block("paper_4k", os.path.join(ROOT, "docs", "benchmarks.md"))
+  assert "](benchmarks/results/attention_cpu_4k_issue32.json)" in root
+  assert "](../benchmarks/results/attention_cpu_4k_issue32.json)" in docs
+
+
+def test_figures_come_from_the_numbers():
+  """Ratios are computed from the raw numbers of the file, not copied."""
+  rows = report.load(report.PAPER_4K)["rows"]
+  by = {(r["impl"], r["causal"]): r for r in rows}
+  ratio = by[("ring-zigzag", True)]["fwdbwd_median_s"] / by[("paper", True)]["fwdbwd_median_s"]
+  assert f"**{ratio:.2f}x**" in report.render_block("paper_4k", os.path.join(ROOT, "README.md"))
+  assert report.tokens(9256960) == "9.26M" and report.tokens(583680) == "584K"
+  assert report.length(655360) == "640K" and report.length(4718592) == "4.5M"
+  assert report.sci(5.3e-7) == "5.3e-7"
+
+
+@pytest.mark.parametrize("name", sorted(report.BLOCKS))
+def test_captions_say_where_and_when(name):
+  text = report.render_block(name, os.path.join(ROOT, "README.md"))
+  assert "benchmarks/results/" in text
+  if name != "headline":
+    assert "<sub>Source" in text and ("jax " in text)
