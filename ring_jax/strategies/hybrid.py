@@ -30,7 +30,7 @@ def hybrid_attention(query, key, value, *, axis_name, is_causal: bool = False,
   ``ulysses_axis`` and a ring across ``ring_axis`` (USP). Call inside ``jax.shard_map`` on
   the local shards, with ``axis_name=(ring_axis, ulysses_axis)``.
 
-  ``axis_name=(ring_axis, ulysses_axis)``; the sequence is sharded over both
+  The sequence is sharded over both axes
   (``P(..., (ring_axis, ulysses_axis), ...)``: device ``(i, j)`` holds piece
   ``j`` of ring position ``i``'s shard). The inputs are in ``layout`` order for
   a ring of size ``r = size(ring_axis)`` (:func:`ring_jax.to_layout` with
