@@ -473,38 +473,10 @@ def sweep(names, *, mesh, masks, args, dtype, budget, save, rows):
 
 
 def sweep_markdown(rows) -> str:
-  """The sweep as a markdown table: per (length, mask, layout), each block's fwd+bwd time
-  over the best block's and its temp MiB; ``*`` marks the default. The last column: the
-  default against the best block, in time and in temp memory."""
-  blocks = sorted({r["block"] for r in rows if r.get("block")})
-  head = ("| L | mask | layout | " + " | ".join(str(b) for b in blocks) +
-          " | default: time, temp vs the best block |")
-  lines = [head, "|" + "---|" * (len(blocks) + 4)]
-  groups = {}
-  for r in rows:
-    groups.setdefault((r["length"], r["causal"], r["layout"]), {})[r["block"]] = r
-  for (length, causal, layout), by_block in groups.items():
-    cells, best, default = [], None, None
-    for b in blocks:
-      r = by_block.get(b)
-      if r is None or "x_best" not in r:
-        cells.append("")
-        continue
-      temp = r["fwdbwd_mem"].get("temp_size_in_bytes", 0) / MIB
-      cells.append(f"{r['x_best']:.2f}x, {temp:.1f}" + ("*" if r.get("is_default") else ""))
-      if r["x_best"] == 1.0:
-        best = r
-      if r.get("is_default"):
-        default = r
-    verdict = ""
-    if best and default:
-      mem = (default["fwdbwd_mem"]["temp_size_in_bytes"] /
-             best["fwdbwd_mem"]["temp_size_in_bytes"])
-      verdict = f"{default['x_best']:.2f}x, {mem:.2f}x"
-    name = f"{length // 1024}K" if length % 1024 == 0 else str(length)
-    lines.append(f"| {name} | {'causal' if causal else 'full'} | {layout} | " +
-                 " | ".join(cells) + f" | {verdict} |")
-  return "\n".join(lines)
+  """The sweep as a markdown table (one renderer: ``benchmarks/report.py``, which the docs'
+  generated tables use too)."""
+  from benchmarks import report  # noqa: PLC0415 - pure Python, no jax
+  return report.sweep_markdown(rows)
 
 
 # ----------------------------------------------------------------------------

@@ -116,6 +116,12 @@ def meta(name: str) -> dict:
     elif devices:
       parts.append(f"{devices} fake devices")
     out["machine"] = ", ".join(parts)
+  if rec.get("benchmark") == "balance" and not out["command"]:  # balance.py records its flags
+    stem = os.path.splitext(name)[0]
+    out["command"] = (f"PYTHONPATH=. python benchmarks/balance.py --processes {rec['processes']} "
+                      f"--lengths {','.join(map(str, rec['lengths']))} --repeats {rec['repeats']} "
+                      f"--impls {','.join(rec['impls'])}" +
+                      ("" if stem == "balance_cpu" else f" --tag {stem}"))
   extra = provenance(name)
   if out["machine"] == "CPU" and extra.get("machine"):  # the file says no more than "cpu"
     out["machine"] = None
@@ -404,9 +410,7 @@ def balance() -> str:
           table(["L", "contiguous", "zigzag", "striped", "paper (ms)",
                  "critical path, hops: contiguous / zigzag",
                  "temp MiB/device: ring / paper"], rows, "-rrrrrr") + "\n\n" +
-          caption(BALANCE, command="PYTHONPATH=. python benchmarks/balance.py --processes "
-                  f"{d['processes']} --lengths {','.join(map(str, d['lengths']))} "
-                  f"--repeats {d['repeats']}"))
+          caption(BALANCE))
 
 
 def _mm(v):
@@ -560,6 +564,160 @@ def two_level() -> str:
           table(["split (outer x inner)", "pass", "ring", "outer transfers", "outer MiB",
                  "all outer links MiB", "all outer vs flat", "inner transfers", "inner MiB"],
                 rows, "---rrrrrr") + "\n\n" + caption(TWO_LEVEL))
+
+
+# ----------------------------------------------------------------------------
+# docs/performance.md: block sweep, hop profile, routing, tensor sequence parallelism
+# ----------------------------------------------------------------------------
+
+def sweep_markdown(rows) -> str:
+  """A block-size sweep (``attention.py --sections sweep``) as a markdown table: per (length,
+  mask, layout), each block's fwd+bwd time over the best block's and its temp MiB; ``*`` marks
+  the default. The last column: the default against the best block, in time and in temp
+  memory. ``attention.py --render`` prints the same table."""
+  blocks = sorted({r["block"] for r in rows if r.get("block")})
+  head = ("| L | mask | layout | " + " | ".join(str(b) for b in blocks) +
+          " | default: time, temp vs the best block |")
+  lines = [head, "|" + "---|" * (len(blocks) + 4)]
+  groups = {}
+  for r in rows:
+    groups.setdefault((r["length"], r["causal"], r["layout"]), {})[r["block"]] = r
+  for (length_, causal, layout), by_block in groups.items():
+    cells, best, default = [], None, None
+    for b in blocks:
+      r = by_block.get(b)
+      if r is None or "x_best" not in r:
+        cells.append("")
+        continue
+      temp = r["fwdbwd_mem"].get("temp_size_in_bytes", 0) / MIB
+      cells.append(f"{r['x_best']:.2f}x, {temp:.1f}" + ("*" if r.get("is_default") else ""))
+      if r["x_best"] == 1.0:
+        best = r
+      if r.get("is_default"):
+        default = r
+    verdict = ""
+    if best and default:
+      mem = (default["fwdbwd_mem"]["temp_size_in_bytes"] /
+             best["fwdbwd_mem"]["temp_size_in_bytes"])
+      verdict = f"{default['x_best']:.2f}x, {mem:.2f}x"
+    name = f"{length_ // 1024}K" if length_ % 1024 == 0 else str(length_)
+    lines.append(f"| {name} | {'causal' if causal else 'full'} | {layout} | " +
+                 " | ".join(cells) + f" | {verdict} |")
+  return "\n".join(lines)
+
+
+SWEEP = "block_sweep_cpu.json"
+SWEEP_1K, SWEEP_64_128 = "block_sweep_cpu_1k.json", "block_sweep_cpu_64_128.json"
+
+
+@block("block_sweep", SWEEP)
+def block_sweep() -> str:
+  return sweep_markdown(load(SWEEP)["sweep"]) + "\n\n" + caption(SWEEP)
+
+
+@block("block_sweep_64_128", SWEEP_1K, SWEEP_64_128)
+def block_sweep_64_128() -> str:
+  rows = load(SWEEP_1K)["sweep"] + load(SWEEP_64_128)["sweep"]
+  return sweep_markdown(rows) + "\n\n" + caption(SWEEP_1K, SWEEP_64_128)
+
+
+HOP_PROFILE = ("hop_profile_cpu_causal.json", "hop_profile_cpu_full.json")
+
+
+@block("hop_profile", *HOP_PROFILE)
+def hop_profile() -> str:
+  runs = [load(n) for n in HOP_PROFILE]
+  kinds = [("matmul", "matmuls (the block products)"), ("exp", "exp"),
+           ("select/compare", "select/compare (masks, the row maxima)"),
+           ("other", "other elementwise and reductions (scale, rescale, row sums, delta)"),
+           ("transfer", "transfers (waits included)"), ("layout copies", "layout copies")]
+  rows = []
+  for key, label in kinds:
+    rows.append([label] + [pct(r["by_kind_ms"][key] / sum(r["by_kind_ms"].values()))
+                           for r in runs])
+
+  def part(r, name):
+    return r["by_part_ms"].get(name, 0.0) / sum(r["by_part_ms"].values())
+
+  rows.append(["by part: backward block loops / forward block loops"] +
+              [f"{pct(part(r, 'bwd: xla_hop_bwd_blocks'))} / {pct(part(r, 'fwd: xla_hop_fwd_blocks'))}"
+               for r in runs])
+  rows.append(["by part: merge of the hops' (out, lse)"] + [pct(part(r, "fwd: merge"))
+                                                             for r in runs])
+  r0 = runs[0]
+  head = ["share of the profiled op time"] + ["causal" if r["causal"] else "non-causal"
+                                              for r in runs]
+  return (f"Ring of {r0['ring']}, L={r0['length']}, {r0['layout']}, {r0['heads']} heads x "
+          f"{r0['head_dim']}, default blocks:\n\n" + table(head, rows, "-rr") + "\n\n" +
+          caption(*HOP_PROFILE))
+
+
+def _routing(one_proc: str, procs: str, full_impl: str, routed_impl: str) -> str:
+  rows = []
+  for name, label in ((one_proc, "8 devices in one process"), (procs, None)):
+    d = load(name)
+    if "rows" in d and "meta" in d:
+      by = {(r["impl"], r["length"]): (r["fwdbwd_median_s"],
+                                       r["fwdbwd_mem"]["temp_size_in_bytes"]) for r in d["rows"]}
+    else:
+      label = f"{d['processes']} processes, one core each"
+      by = {(r["impl"], r["length"]): (r["median_s"], r["temp_bytes"]) for r in d["rows"]}
+    lengths = sorted({n for i, n in by if i == full_impl and (routed_impl, n) in by})
+    for j, n in enumerate(lengths):
+      (tf, mf), (tr, mr) = by[(full_impl, n)], by[(routed_impl, n)]
+      rows.append([label if j == 0 else "", length(n), f"{ms(tf)} ms",
+                   f"{ms(tr)} ms ({x(tr / tf)})", f"{mib(mf)} / {mib(mr)}"])
+  layout = full_impl.split("-")[1].split("+")[0]
+  return (table(["", "L", f"{layout} full", f"{layout} routed",
+                 "fwd+bwd temp MiB/device, full / routed"], rows, "-rrrr") + "\n\n" +
+          caption(one_proc, procs))
+
+
+@block("routing_default", "routing_default_cpu.json", "balance_routing_cpu.json")
+def routing_default() -> str:
+  return _routing("routing_default_cpu.json", "balance_routing_cpu.json",
+                  "ring-contiguous+full", "ring-contiguous")
+
+
+@block("routing_zigzag", "routing_zigzag_cpu.json", "balance_routing_zigzag_cpu.json")
+def routing_zigzag() -> str:
+  return _routing("routing_zigzag_cpu.json", "balance_routing_zigzag_cpu.json",
+                  "ring-zigzag+full", "ring-zigzag+routed")
+
+
+TENSOR_SP = "tensor_sp_cpu.json"
+
+
+@block("tensor_sp", TENSOR_SP)
+def tensor_sp() -> str:
+  d = load(TENSOR_SP)
+  grads = d["num_params"] / d["mesh"]["tensor"] * 4  # float32 gradient buffers per device
+
+  def coll(side, kind):
+    c = side["collectives"][kind]
+    return f"{c['count']} ({c['bytes'] / MIB:,.0f})"
+
+  rows, prev = [], None
+  for r in d["rows"]:
+    off, on = r["off"], r["on"]
+    growth = ""
+    if prev:
+      go, gn = off["temp_bytes"] - prev["off"]["temp_bytes"], on["temp_bytes"] - prev["on"]["temp_bytes"]
+      growth = f"{go / GIB:.2f} / {gn / GIB:.2f} ({gn / go:.2f})"
+    rows.append([f"{r['seq_len']:,}", f"{off['temp_bytes'] / GIB:.2f}", f"{on['temp_bytes'] / GIB:.2f}",
+                 f"{on['temp_bytes'] / off['temp_bytes']:.2f}",
+                 f"{(off['temp_bytes'] - grads) / GIB:.2f} / {(on['temp_bytes'] - grads) / GIB:.2f}",
+                 growth or "-", f"{coll(off, 'all-reduce')} / {coll(on, 'all-reduce')}",
+                 coll(on, "reduce-scatter"), f"{coll(off, 'all-gather')} / {coll(on, 'all-gather')}",
+                 f"{coll(off, 'collective-permute')} / {coll(on, 'collective-permute')}"])
+    prev = r
+  return (f"Float32 gradient buffers: {grads / GIB:.2f} GiB per device (in \"temp\", the same "
+          "at every length and either way); collectives: count (MiB of results):\n\n" +
+          table(["seq_len", "temp off GiB", "temp on GiB", "on/off",
+                 "temp - f32 grads off / on GiB", "growth off / on GiB (on/off)",
+                 "all-reduce off / on", "reduce-scatter on", "all-gather off / on",
+                 "collective-permute off / on"], rows, "rrrrrrrrrr") + "\n\n" +
+          caption(TENSOR_SP))
 
 
 # ----------------------------------------------------------------------------
