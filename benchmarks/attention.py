@@ -103,19 +103,32 @@ def paper_local(paper_fn, *, is_causal, chunk, dtype):
 #: ``ring-<layout>+<suffix>``: the ring's ``causal_routing`` (no suffix: the library's
 #: default, routed for causal contiguous only, ``ring_jax.scheduling.check_routing``).
 ROUTING_SUFFIXES = {"routed": True, "full": False}
+#: ``ring-<layout>+overlap``: ``overlap_dkv=True`` (combines with a routing suffix).
+OVERLAP_SUFFIX = "overlap"
 
 
 def ring_variant(name):
-  """``"ring-<layout>[+routed|+full][:<hop kernel>]"`` -> ``(layout, hop kernel name,
+  """``"ring-<layout>[+routed|+full][+overlap][:<hop kernel>]"`` -> ``(layout, hop kernel name,
   causal_routing)`` (kernel default ``"auto"``; e.g. ``ring-zigzag:pallas_gpu``, which runs
   in interpret mode on CPU; ``+routed`` / ``+full``: ``causal_routing=True`` / ``False``,
   no suffix: ``None``, the default)."""
   layout, _, kernel = name[len("ring-"):].partition(":")
-  layout, _, suffix = layout.partition("+")
-  if suffix and suffix not in ROUTING_SUFFIXES:
-    raise ValueError(f"{name!r}: the suffix after '+' must be one of "
-                     f"{sorted(ROUTING_SUFFIXES)}.")
-  return layout, kernel or "auto", ROUTING_SUFFIXES.get(suffix)
+  layout, *suffixes = layout.split("+")
+  routing = None
+  for suffix in suffixes:
+    if suffix == OVERLAP_SUFFIX:
+      continue
+    if suffix not in ROUTING_SUFFIXES:
+      raise ValueError(f"{name!r}: the suffix after '+' must be one of "
+                       f"{sorted(ROUTING_SUFFIXES) + [OVERLAP_SUFFIX]}.")
+    routing = ROUTING_SUFFIXES[suffix]
+  return layout, kernel or "auto", routing
+
+
+def ring_overlap(name):
+  """Whether a ``ring-...`` variant names ``+overlap``: ``overlap_dkv=True`` (the backward's
+  dK/dV into fresh buffers while the accumulator travels), e.g. ``ring-zigzag+overlap``."""
+  return OVERLAP_SUFFIX in name[len("ring-"):].partition(":")[0].split("+")[1:]
 
 
 def make_impl(name, *, mesh, is_causal, dtype, block, paper_fn=None):
@@ -125,7 +138,7 @@ def make_impl(name, *, mesh, is_causal, dtype, block, paper_fn=None):
     layout, kernel, routing = ring_variant(name)
     local = functools.partial(ring_jax.ring_attention, axis_name=AXIS, is_causal=is_causal,
                               layout=layout, block_q=block, block_kv=block, hop_kernel=kernel,
-                              causal_routing=routing)
+                              causal_routing=routing, overlap_dkv=ring_overlap(name))
     return jax.shard_map(local, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec), layout, False
   if name.startswith("allgather"):
     layout = name.split("-", 1)[1] if "-" in name else "contiguous"

@@ -3,6 +3,8 @@ r"""Host time of the data pipeline's layout step per batch: zigzag vs the docume
   PYTHONPATH=. python benchmarks/layout_host_time.py                # seconds, 2 CPU cores
   PYTHONPATH=. python benchmarks/layout_host_time.py --ring 16 --mean 1024 \
       --shapes 1x131072,1x524288
+  PYTHONPATH=. python benchmarks/layout_host_time.py --ring 8,16 --mean 4096,1024 \
+      --out benchmarks/results/layout_host_time_cpu.json     # what the docs quote
 
 Every batch is reordered once on the host into the ring's layout
 (:func:`training.data.to_layout_np`, run inside the Grain pipeline before the batch is
@@ -16,13 +18,18 @@ one cut at the row's end; every row differs, so each builds its own permutation)
 batch per repetition. It prints, per shape and layout, the median and the fastest of
 ``--reps`` calls in ms per batch and the tokens per second of the median: the rate the
 layout step alone can feed, to compare with the tokens per second the train step consumes
-per host (benchmarks/README.md, "The document layout's host cost").
+per host (benchmarks/README.md, "The document layout's host cost"). ``--ring`` and ``--mean``
+take comma-separated lists (every combination is timed); ``--out FILE.json`` writes the rows
+with the date, machine and command.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
+import json
 import os
+import platform as _platform
 import statistics
 import sys
 import time
@@ -60,30 +67,48 @@ def main(argv=None) -> list[dict]:
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--shapes", default="1x131072,8x16384",
                  help="batches as ROWSxLENGTH, comma-separated")
-  p.add_argument("--ring", type=int, default=8)
-  p.add_argument("--mean", type=float, default=4096.0, help="mean document length (tokens)")
+  p.add_argument("--ring", default="8", help="ring size(s), comma-separated")
+  p.add_argument("--mean", default="4096", help="mean document length(s) in tokens, "
+                 "comma-separated")
   p.add_argument("--reps", type=int, default=9)
   p.add_argument("--layouts", default="zigzag,document")
   p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--out", default=None, help="also write the rows to this JSON file")
   args = p.parse_args(argv)
+  t_start = time.perf_counter()
 
   rng = np.random.default_rng(args.seed)
   results = []
-  for shape in args.shapes.split(","):
-    rows, length = (int(x) for x in shape.split("x"))
-    batches = [packed_batch(rng, rows, length, args.mean) for _ in range(args.reps)]
-    docs = np.mean([len(np.unique(b["segment_ids"][0])) for b in batches])
-    for layout in args.layouts.split(","):
-      data_lib.to_layout_np(batches[0], layout, args.ring)  # warm-up (caches, allocator)
-      seconds = time_layout(batches, layout, args.ring)
-      median = statistics.median(seconds)
-      row = dict(shape=shape, layout=layout, ring=args.ring, docs_per_row=round(docs, 1),
-                 median_ms=round(1e3 * median, 2), min_ms=round(1e3 * min(seconds), 2),
-                 tokens_per_s=round(rows * length / median))
-      results.append(row)
-      print(f"{shape:>10s} ring {args.ring} {layout:9s} ({row['docs_per_row']} docs/row): "
-            f"median {row['median_ms']:8.2f} ms/batch (min {row['min_ms']:.2f}) over "
-            f"{args.reps}, {row['tokens_per_s'] / 1e6:.1f}M tokens/s", flush=True)
+  for mean in (float(m) for m in args.mean.split(",")):
+    for ring in (int(r) for r in args.ring.split(",")):
+      for shape in args.shapes.split(","):
+        rows, length = (int(x) for x in shape.split("x"))
+        batches = [packed_batch(rng, rows, length, mean) for _ in range(args.reps)]
+        docs = np.mean([len(np.unique(b["segment_ids"][0])) for b in batches])
+        for layout in args.layouts.split(","):
+          data_lib.to_layout_np(batches[0], layout, ring)  # warm-up (caches, allocator)
+          seconds = time_layout(batches, layout, ring)
+          median = statistics.median(seconds)
+          row = dict(shape=shape, layout=layout, ring=ring, mean=mean,
+                     docs_per_row=round(docs, 1), median_ms=round(1e3 * median, 2),
+                     min_ms=round(1e3 * min(seconds), 2),
+                     tokens_per_s=round(rows * length / median))
+          results.append(row)
+          print(f"{shape:>10s} ring {ring} mean {mean:g} {layout:9s} "
+                f"({row['docs_per_row']} docs/row): median {row['median_ms']:8.2f} ms/batch "
+                f"(min {row['min_ms']:.2f}) over {args.reps}, "
+                f"{row['tokens_per_s'] / 1e6:.1f}M tokens/s", flush=True)
+  if args.out:
+    meta = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                command="PYTHONPATH=. python " + " ".join(
+                    [os.path.relpath(os.path.abspath(__file__), ROOT)] +
+                    (sys.argv[1:] if argv is None else list(argv))),
+                cpu_count=os.cpu_count(), machine=_platform.machine(), host=_platform.node(),
+                numpy=np.__version__, reps=args.reps, seed=args.seed,
+                elapsed_s=round(time.perf_counter() - t_start, 1))
+    with open(args.out, "w") as fh:
+      json.dump(dict(meta=meta, rows=results), fh, indent=1)
+      fh.write("\n")
   return results
 
 

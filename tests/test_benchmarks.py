@@ -207,6 +207,27 @@ def test_packed_balance_dry_run(tmp_path):
   assert "document" in (tmp_path / "packed_balance.log").read_text()
 
 
+def test_compile_time_dry_run(tmp_path):
+  """benchmarks/compile_time.py --dry-run: two attention cases at 256 tokens, one compile
+  each; the program sizes, compile seconds and temp memory land in the JSON with its
+  metadata."""
+  import json
+
+  from benchmarks import compile_time
+
+  out = tmp_path / "compile_time.json"
+  result = compile_time.main(["--dry-run", "--out", str(out)])
+  assert [(r["causal"], r["layout"]) for r in result["attention"]] == [
+      (True, "zigzag"), (False, "contiguous")]
+  for r in result["attention"]:
+    assert r["hlo_instructions"] > 0 and r["hlo_lines"] > r["hlo_instructions"]
+    assert len(r["compile_s"]) == 1 and r["compile_median_s"] > 0
+    assert 0 < r["fwd_temp_bytes"] <= r["fwdbwd_temp_bytes"]
+  saved = json.loads(out.read_text())
+  assert saved["attention"] == result["attention"] and saved["meta"]["dry_run"]
+  assert "train_step" not in saved and saved["meta"]["jax"] == jax.__version__
+
+
 def test_layout_host_time_small_batch():
   """benchmarks/layout_host_time.py on a small batch: a row per shape and layout, times
   positive; the batch it times has the pipeline's fields and packs several documents per

@@ -1,0 +1,179 @@
+"""Compile time and program size of the ring's fwd+bwd and of the tiny train step (CPU).
+
+  PYTHONPATH=. python benchmarks/compile_time.py      # -> benchmarks/results/compile_time_cpu.json
+  PYTHONPATH=. python benchmarks/compile_time.py --dry-run --out /tmp/compile_time.json
+
+Per case, ``ring_jax.ring_attention_sharded`` forward + backward (``jax.vjp``) on a ring of
+``--ring`` fake CPU devices at ``--length`` tokens, ``--heads`` x ``--head-dim``, float32,
+default blocks: the compiled module's text (``compiled.as_text()``) in lines and in HLO
+instructions, the compile seconds (median of ``--repeats`` compiles, each of a freshly
+traced and lowered function after ``jax.clear_caches()``, with JAX's persistent compilation
+cache off), and the compiled
+temp memory per device of the forward and of fwd+bwd (``memory_analysis()``). Cases: causal
+zigzag and contiguous at the library's default ``causal_routing`` and with it flipped (the
+routed / full-rotation comparison), non-causal zigzag and contiguous. Then the train step of
+``configs/tiny.py`` built by the shipped code (``benchmarks/fit.py``'s ``Planner``:
+``training.step.build_train_step`` on the config's mesh), at the config's batch: the same
+figures. Compile only: nothing runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import json
+import os
+import platform as _platform
+import re
+import statistics
+import sys
+import time
+
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                             " --xla_force_host_platform_device_count=8").strip()
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+import ring_jax  # noqa: E402
+from benchmarks import common  # noqa: E402
+from ring_jax import scheduling  # noqa: E402
+
+#: (causal, layout, causal_routing); None: the library's default.
+CASES = ((True, "zigzag", None), (True, "zigzag", True), (True, "contiguous", None),
+         (True, "contiguous", False), (False, "zigzag", None), (False, "contiguous", None))
+INSTRUCTION = re.compile(r"^\s+(ROOT )?%?[\w.\-]+ = ")
+
+
+def program_size(compiled) -> tuple[int, int]:
+  """``(lines, instructions)`` of the compiled module's text."""
+  text = compiled.as_text()
+  lines = text.splitlines()
+  return len(lines), sum(1 for line in lines if INSTRUCTION.match(line))
+
+
+def timed_compiles(lower, repeats: int):
+  """``(compiled, [seconds per compile])``; ``lower()`` traces and lowers afresh each time."""
+  times, compiled = [], None
+  for _ in range(repeats):
+    jax.clear_caches()  # no in-memory executable to reuse either
+    lowered = lower()
+    t0 = time.perf_counter()
+    compiled = lowered.compile()
+    times.append(time.perf_counter() - t0)
+  return compiled, times
+
+
+def attention_case(mesh, causal, layout, routing, args):
+  x = jax.ShapeDtypeStruct((1, args.length, args.heads, args.head_dim), jnp.float32,
+                           sharding=NamedSharding(mesh, P(None, "sequence")))
+
+  def attn():  # a new function object per call: traced and lowered afresh
+    return functools.partial(ring_jax.ring_attention_sharded, mesh=mesh, is_causal=causal,
+                             layout=layout, causal_routing=routing)
+
+  def fwd_bwd():
+    f = attn()
+
+    def g(q, k, v, do):
+      out, vjp = jax.vjp(f, q, k, v)
+      return (out,) + tuple(vjp(do))
+    return jax.jit(g).lower(x, x, x, x)
+
+  compiled, times = timed_compiles(fwd_bwd, args.repeats)
+  lines, instructions = program_size(compiled)
+  fwd = jax.jit(attn()).lower(x, x, x).compile()
+  return dict(causal=causal, layout=layout, causal_routing=routing,
+              routed=scheduling.check_routing(routing, layout, causal),
+              hlo_lines=lines, hlo_instructions=instructions,
+              compile_s=[round(t, 3) for t in times],
+              compile_median_s=round(statistics.median(times), 3),
+              fwd_temp_bytes=common.compiled_memory(fwd)["temp_size_in_bytes"],
+              fwdbwd_temp_bytes=common.compiled_memory(compiled)["temp_size_in_bytes"])
+
+
+def train_step_case(args):
+  from benchmarks import fit
+  from configs import tiny
+
+  config = tiny.get_config()
+  sizes = fit.resolve_mesh(config, len(jax.devices()), None)
+  planner = fit.Planner(config, sizes, limit_bytes=2 ** 40)
+  shape = (config.batch_size, config.data.seq_len)
+  compiled, times = timed_compiles(lambda: planner.step.lower(shape), args.repeats)
+  lines, instructions = program_size(compiled)
+  return dict(config="configs/tiny.py", mesh=sizes, batch=list(shape),
+              attention=planner.model_cfg.attention, layout=planner.model_cfg.layout,
+              hlo_lines=lines, hlo_instructions=instructions,
+              compile_s=[round(t, 3) for t in times],
+              compile_median_s=round(statistics.median(times), 3),
+              temp_bytes=common.compiled_memory(compiled)["temp_size_in_bytes"])
+
+
+def main(argv=None) -> dict:
+  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  ap.add_argument("--length", type=int, default=4096)
+  ap.add_argument("--ring", type=int, default=8)
+  ap.add_argument("--heads", type=int, default=8)
+  ap.add_argument("--head-dim", type=int, default=64)
+  ap.add_argument("--repeats", type=int, default=3)
+  ap.add_argument("--no-train-step", action="store_true", help="only the attention cases")
+  ap.add_argument("--dry-run", action="store_true",
+                  help="smoke test: 256 tokens, one compile each, two cases, no train step")
+  ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results",
+                                                "compile_time_cpu.json"))
+  args = ap.parse_args(argv)
+  args.argv = sys.argv[1:] if argv is None else list(argv)
+  cases = CASES
+  if args.dry_run:
+    args.length, args.repeats, args.no_train_step = 256, 1, True
+    cases = (CASES[0], CASES[-1])
+  cache_was = jax.config.jax_enable_compilation_cache
+  jax.config.update("jax_enable_compilation_cache", False)
+  try:
+    return _run(args, cases)
+  finally:
+    jax.config.update("jax_enable_compilation_cache", cache_was)
+
+
+def _run(args, cases) -> dict:
+  mesh = jax.make_mesh((args.ring,), ("sequence",),
+                       axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:args.ring])
+  t_start = time.perf_counter()
+  result = dict(meta=dict(
+      date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+      command="python " + " ".join([os.path.relpath(os.path.abspath(__file__), ROOT)] +
+                                   args.argv),
+      jax=jax.__version__, platform=jax.devices()[0].platform, num_devices=len(jax.devices()),
+      cpu_count=os.cpu_count(), host=_platform.node(), dry_run=args.dry_run,
+      ring=args.ring, length=args.length, heads=args.heads, head_dim=args.head_dim,
+      dtype="float32", repeats=args.repeats, persistent_cache=False), attention=[])
+  for causal, layout, routing in cases:
+    r = attention_case(mesh, causal, layout, routing, args)
+    result["attention"].append(r)
+    print(f"{'causal' if causal else 'full':6s} {layout:10s} routed={r['routed']!s:5s} "
+          f"HLO {r['hlo_lines']:6,} lines {r['hlo_instructions']:6,} instructions  compile "
+          f"{r['compile_median_s']:.2f} s {r['compile_s']}  temp fwd "
+          f"{r['fwd_temp_bytes'] / 2**20:.1f} / fwd+bwd {r['fwdbwd_temp_bytes'] / 2**20:.1f} MiB",
+          flush=True)
+  if not args.no_train_step:
+    r = result["train_step"] = train_step_case(args)
+    print(f"train step {r['config']} {r['mesh']} batch {r['batch']}: HLO {r['hlo_lines']:,} "
+          f"lines {r['hlo_instructions']:,} instructions  compile {r['compile_median_s']:.2f} s "
+          f"{r['compile_s']}", flush=True)
+  result["meta"]["elapsed_s"] = round(time.perf_counter() - t_start, 1)
+  if args.out:
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as fh:
+      json.dump(result, fh, indent=1)
+      fh.write("\n")
+  return result
+
+
+if __name__ == "__main__":
+  main()
