@@ -721,6 +721,169 @@ def tensor_sp() -> str:
 
 
 # ----------------------------------------------------------------------------
+# docs/performance.md: memory per kernel and strategy, compile time, routed rings
+# ----------------------------------------------------------------------------
+
+KERNELS_MEM = "attention_cpu_memscan_kernels.json"
+KERNEL_NAMES = (("ring-zigzag:xla", "`xla`"), ("ring-zigzag:pallas_gpu", "`pallas_gpu` (interpret)"),
+                ("ring-zigzag:pallas_tpu", "`pallas_tpu` (interpret)"),
+                ("paper", "paper's code (`ringattention` 0.1.2), for scale"))
+OVERLAP = "ring-zigzag+overlap:xla"
+
+
+@block("overlap_dkv", KERNELS_MEM)
+def overlap_dkv() -> str:
+  d = load(KERNELS_MEM)
+  by = _rows_by(d["memscan"], "impl", "length")
+  m = d["meta"]
+  n = max(k[1] for k in by)
+  default, overlap, paper = (by[(i, n)]["fwdbwd_temp"] for i in
+                             ("ring-zigzag:xla", OVERLAP, "paper"))
+  block_ = by[(OVERLAP, n)]["block"]
+  return (f"Compiled fwd+bwd temp per device at {length(n)} tokens, ring of {m['ring']}, "
+          f"{m['heads']} x {m['head_dim']} heads, {m['dtype']}, blocks of {block_}, causal "
+          f"zigzag: **{mib(default)} MiB** by default, **{mib(overlap)} MiB** with "
+          f"`overlap_dkv=True` ({x(overlap / default)}); the paper's code: {mib(paper)} MiB.\n\n"
+          + caption(KERNELS_MEM))
+
+
+@block("hop_kernel_memory", KERNELS_MEM)
+def hop_kernel_memory() -> str:
+  d = load(KERNELS_MEM)
+  by = _rows_by(d["memscan"], "impl", "length")
+  lengths = sorted({n for _, n in by})
+  rows = [[label] + [f"{mib(by[(impl, n)][k])} MiB" for n in lengths
+                     for k in ("fwd_temp", "fwdbwd_temp")] for impl, label in KERNEL_NAMES]
+  head = ["kernel"] + [f"{p}, {length(n)}" for n in lengths for p in ("fwd", "fwd+bwd")]
+  return table(head, rows, "-" + "r" * (len(head) - 1)) + "\n\n" + caption(KERNELS_MEM)
+
+
+STRATEGY_MEM = "strategy_memory_cpu.json"
+
+
+@block("strategy_memory", STRATEGY_MEM)
+def strategy_memory() -> str:
+  d = load(STRATEGY_MEM)
+  rows = [[f"`{r['strategy']}`", mib(r["fwd_temp_bytes"]), mib(r["fwdbwd_temp_bytes"]),
+           mib(r["plan_memory_bytes"]), x(r["fwdbwd_temp_bytes"] / r["plan_memory_bytes"])]
+          for r in d["rows"]]
+  return (f"Compiled on CPU, {length(d['length'])} tokens over {d['meta']['num_devices']} "
+          f"devices, {d['heads']} x {d['head_dim']} heads, {d['dtype']}, causal {d['layout']}, "
+          "default blocks, per device:\n\n" +
+          table(["strategy", "fwd temp MiB", "fwd+bwd temp MiB", "`plan()` memory MiB",
+                 "compiled / plan"], rows, "-rrrr") + "\n\n" + caption(STRATEGY_MEM))
+
+
+COMPILE = "compile_time_cpu.json"
+
+
+def _case(r):
+  return (f"{'causal' if r['causal'] else 'non-causal'} {r['layout']}" +
+          (" (routed)" if r["routed"] else ""))
+
+
+@block("compile_time", COMPILE)
+def compile_time() -> str:
+  d = load(COMPILE)
+  m = d["meta"]
+  rows = [[_case(r), f"{r['hlo_lines']:,}", f"{r['hlo_instructions']:,}",
+           f"{r['compile_median_s']:.2f} s"]
+          for r in d["attention"] if r["causal_routing"] is None]
+  t = d["train_step"]
+  mesh = " x ".join(f"{k}={v}" for k, v in t["mesh"].items() if v != 1)
+  rows.append([f"the tiny train step (`{t['config']}`, {mesh}, batch {t['batch'][0]} x "
+               f"{t['batch'][1]})", f"{t['hlo_lines']:,}", f"{t['hlo_instructions']:,}",
+               f"{t['compile_median_s']:.2f} s"])
+  return (f"fwd+bwd of `ring_attention_sharded`, ring of {m['ring']}, {m['length']} tokens, "
+          f"{m['heads']} heads x {m['head_dim']}, {m['dtype']}, default blocks and routing; "
+          f"compile: median of {m['repeats']} fresh compiles, persistent cache off:\n\n" +
+          table(["", "compiled HLO lines", "HLO instructions", "compile"], rows, "-rrr") +
+          "\n\n" + caption(COMPILE))
+
+
+@block("routing_compile", COMPILE)
+def routing_compile() -> str:
+  d = load(COMPILE)
+  m = d["meta"]
+  rows = []
+  for layout in ("contiguous", "zigzag"):
+    full = next(r for r in d["attention"] if r["causal"] and r["layout"] == layout
+                and not r["routed"])
+    routed = next(r for r in d["attention"] if r["causal"] and r["layout"] == layout
+                  and r["routed"])
+    for key, label in (("fwd_temp_bytes", "fwd"), ("fwdbwd_temp_bytes", "fwd+bwd")):
+      rows.append([f"{layout} {label}", f"{mib(full[key])} MiB", f"{mib(routed[key])} MiB"] +
+                  ([f"{full['hlo_lines']:,} / {routed['hlo_lines']:,}",
+                    x(routed["compile_median_s"] / full["compile_median_s"])]
+                   if label == "fwd+bwd" else ["", ""]))
+  return (f"Causal, ring of {m['ring']}, {m['length'] // m['ring']} tokens per device, "
+          f"{m['heads']} x {m['head_dim']} heads, {m['dtype']}, default blocks; temp per device "
+          "from `memory_analysis()`; compile: median of "
+          f"{m['repeats']} fresh compiles each:\n\n" +
+          table(["causal", "full rotation temp", "routed temp", "fwd+bwd HLO lines, full / routed",
+                 "fwd+bwd compile, routed / full"], rows, "-rrrr") + "\n\n" + caption(COMPILE))
+
+
+FIT_NOLICM = "fit_llama_1b_long_1dev_512k_nolicm.json"
+
+
+@block("fit_nolicm", FIT_1, FIT_NOLICM)
+def fit_nolicm() -> str:
+  d = load(FIT_NOLICM)
+  r = d["checked"][0]
+  n = r["seq_len"]
+  with_ = next(c for c in load(FIT_1)["checked"] if c["seq_len"] == n)
+  without = r.get("compiled_per_device_bytes", r["per_device_bytes"])
+  return (f"`configs/llama_1b.py:long`, 1 device, {length(n)} tokens, compiled per device "
+          f"(offloads not subtracted): **{gib(with_['compiled_per_device_bytes'])} GiB** with "
+          f"the pass, **{gib(without)} GiB** with `--xla_flags={d['xla_flags']}`.\n\n" +
+          caption(FIT_1, FIT_NOLICM))
+
+
+# ----------------------------------------------------------------------------
+# docs/training.md: pipeline fit, the document layout's host time
+# ----------------------------------------------------------------------------
+
+FIT_PIPELINE = "fit_llama_1b_pipeline_cpu.jsonl"
+
+
+@block("fit_pipeline", FIT_PIPELINE)
+def fit_pipeline() -> str:
+  rows = []
+  for d in sorted(load(FIT_PIPELINE), key=lambda d: -d["per_device_bytes"]):
+    c = d["checked"][0]
+    mesh = " x ".join(f"{k}={v}" for k, v in d["mesh"].items() if v != 1 or k == "data")
+    rows.append([f"`{mesh}`", d["devices"], gib(c["argument_bytes"]), gib(c["temp_bytes"]),
+                 f"**{gib(d['per_device_bytes'])}**"])
+  d = load(FIT_PIPELINE)[0]
+  return (f"`configs/llama_1b.py`, {d['seq_len']:,} tokens x {d['batch_rows']} rows, remat "
+          f"`{d['remat_policy']}`, compiled on fake CPU devices, per device:\n\n" +
+          table(["mesh", "devices", "arguments GiB", "temp GiB", "per device GiB"], rows,
+                "-rrrr") + "\n\n" + caption(FIT_PIPELINE))
+
+
+LAYOUT_HOST = "layout_host_time_cpu.json"
+
+
+@block("layout_host_time", LAYOUT_HOST)
+def layout_host_time() -> str:
+  d = load(LAYOUT_HOST)
+  rows = []
+  by = {}
+  for r in d["rows"]:
+    by.setdefault((r["shape"], r["ring"], r["mean"]), {})[r["layout"]] = r
+  for (shape, ring, mean), v in by.items():
+    z, doc = v["zigzag"], v["document"]
+    rows.append([shape, ring, f"{mean:g}", f"{doc['docs_per_row']:g}",
+                 f"{z['median_ms']:.2f} ms ({tokens(z['tokens_per_s'])} tokens/s)",
+                 f"**{doc['median_ms']:.2f} ms** ({tokens(doc['tokens_per_s'])} tokens/s)"])
+  return (f"`training.data.to_layout_np` per batch, one thread, median of {d['meta']['reps']}:"
+          "\n\n" + table(["batch (rows x length)", "ring", "mean document", "documents per row",
+                           "zigzag", "`document`"], rows, "-rrrrr") + "\n\n" +
+          caption(LAYOUT_HOST))
+
+
+# ----------------------------------------------------------------------------
 # The README's headline table
 # ----------------------------------------------------------------------------
 
