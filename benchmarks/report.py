@@ -275,9 +275,8 @@ def core_work() -> str:
 # ----------------------------------------------------------------------------
 
 PAPER_4K = "attention_cpu_4k_issue32.json"
-MEMSCAN = "attention_cpu_memscan_issue32.json"
-MEMSCAN_ALLGATHER = "attention_cpu_memscan.json"
-OLD_FULL = "attention_cpu.json"
+MEMSCAN = "attention_cpu_memscan_scan.json"  # ring zigzag, paper and all-gather in one run
+BF16 = "attention_cpu_bf16.json"
 
 
 def _rows_by(rows, *keys):
@@ -318,28 +317,26 @@ def _memscan(name):
   return _rows_by(load(name)["memscan"], "impl", "length")
 
 
-@block("memory_fixed_block", MEMSCAN, MEMSCAN_ALLGATHER)
+@block("memory_fixed_block", MEMSCAN)
 def memory_fixed_block() -> str:
   cur = _memscan(MEMSCAN)
-  old = _memscan(MEMSCAN_ALLGATHER)
   lengths = sorted({k[1] for k in cur})
   ring = next(i for i, _ in cur if i.startswith("ring"))
   rows = []
   for n in lengths:
     r, p = cur[(ring, n)]["fwdbwd_temp"], cur[("paper", n)]["fwdbwd_temp"]
-    ag = old.get(("allgather", n))
+    ag = cur.get(("allgather", n))
     rows.append([length(n), mib(r), mib(p), f"**{x(r / p)}**",
                  mib(ag["fwdbwd_temp"]) if ag else "-"])
   block_ = cur[(ring, lengths[0])]["block"]
   body = table([f"L ({ring}, causal, blocks of {block_})", "ring MiB/device", "paper MiB/device",
-                "ring / paper", "all-gather MiB/device (older run)"], rows, "-rrrr")
-  return body + "\n\n" + caption(MEMSCAN, MEMSCAN_ALLGATHER,
-                                 note="The all-gather column comes from the second file.")
+                "ring / paper", "all-gather MiB/device"], rows, "-rrrr")
+  return body + "\n\n" + caption(MEMSCAN)
 
 
-@block("memory_scan_allgather", MEMSCAN_ALLGATHER)
+@block("memory_scan_allgather", MEMSCAN)
 def memory_scan_allgather() -> str:
-  old = _memscan(MEMSCAN_ALLGATHER)
+  old = _memscan(MEMSCAN)
   lengths = sorted({k[1] for k in old})
   rows, prev = [], None
   for n in lengths:
@@ -347,12 +344,12 @@ def memory_scan_allgather() -> str:
     rows.append([length(n), mib(v), x(v / prev) if prev else ""])
     prev = v
   return (table(["L", "all-gather fwd+bwd temp MiB/device", "vs previous"], rows, "-rr") +
-          "\n\n" + caption(MEMSCAN_ALLGATHER))
+          "\n\n" + caption(MEMSCAN))
 
 
-@block("bf16_error", OLD_FULL)
+@block("bf16_error", BF16)
 def bf16_error() -> str:
-  e = load(OLD_FULL)["bf16_error"]
+  e = load(BF16)["bf16_error"]
   keys = ("out", "dq", "dk", "dv")
   rings = sorted({r["ring"] for r in e["rows"] if r["ring"]})
   impls = []
@@ -374,8 +371,7 @@ def bf16_error() -> str:
           f"{e['heads']} heads x {e['head_dim']}; worst over the ring's layouts and sizes: "
           f"**{sci(worst)}**.\n\n" +
           table(["impl"] + [f"ring {n}" for n in rings], rows) + "\n\n" +
-          caption(OLD_FULL, note="Measured with ring_jax at commit e8b7b3c (an older run "
-                  "whose timings are superseded; this is the latest bf16 error measurement)."))
+          caption(BF16))
 
 
 # ----------------------------------------------------------------------------
@@ -892,9 +888,9 @@ def _headline_rows():
   acc = core["accuracy"]
   p4 = _rows_by(load(PAPER_4K)["rows"], "impl", "causal")
   zz, pa = p4[("ring-zigzag", True)], p4[("paper", True)]
-  cur, old = _memscan(MEMSCAN), _memscan(MEMSCAN_ALLGATHER)
+  cur = old = _memscan(MEMSCAN)
   ring = next(i for i, _ in cur if i.startswith("ring"))
-  lengths = sorted({k[1] for k in cur})
+  lengths = [n for n in (16384, 65536) if (ring, n) in cur]  # two lengths fit a cell
   bal = load(BALANCE)
   bby = _rows_by(bal["rows"], "impl", "length")
   bl = 8192 if ("ring-zigzag", 8192) in bby else bal["lengths"][-1]
@@ -925,7 +921,7 @@ def _headline_rows():
                   f"({x(cur[(ring, n)]['fwdbwd_temp'] / cur[('paper', n)]['fwdbwd_temp'])})"
                   for n in lengths) +
        " (all-gather " + " / ".join(mib(old[("allgather", n)]["fwdbwd_temp"]) for n in lengths)
-       + " MiB)", [MEMSCAN, MEMSCAN_ALLGATHER], "memory-per-device"),
+       + " MiB)", [MEMSCAN], "memory-per-device"),
       (f"Causal fwd+bwd wall time vs the paper's code, one process and core per device "
        f"(ring of {bal['processes']}), zigzag, L={length(bl)}",
        x(bby[("ring-zigzag", bl)]["median_s"] / bby[("paper", bl)]["median_s"]), [BALANCE],
@@ -946,7 +942,7 @@ def _headline_rows():
   ]
 
 
-@block("headline", CORE, PAPER_4K, MEMSCAN, MEMSCAN_ALLGATHER, BALANCE, PACKED, FIT_1, FIT_8,
+@block("headline", CORE, PAPER_4K, MEMSCAN, BALANCE, PACKED, FIT_1, FIT_8,
        DECODE_FIT, TWO_LEVEL)
 def headline() -> str:
   rows = []

@@ -388,3 +388,25 @@ def test_hop_profile_attributes_the_ring_by_kind_and_part():
   parts = r["by_part_ms"]
   assert parts["fwd: xla_hop_fwd_blocks"] > 0 and parts["bwd: xla_hop_bwd_blocks"] > 0
   assert parts["fwd: merge"] > 0
+
+
+def test_plot_results_draws_the_result_files(tmp_path):
+  """The README's plots come from the committed result files: the series are the files'
+  numbers, and both PNGs are written."""
+  sys.path.insert(0, ROOT)
+  from benchmarks import plot_results
+  import json
+  with open(os.path.join(plot_results.RESULTS, plot_results.MEMSCAN)) as f:
+    scan = json.load(f)
+  series = plot_results.memory_series(scan)
+  assert {"ring-zigzag", "paper", "allgather"} <= set(series)
+  row = next(r for r in scan["memscan"] if r["impl"] == "ring-zigzag" and r["causal"])
+  assert (row["length"], row["fwdbwd_temp"] / 2**20) in series["ring-zigzag"]
+  with open(os.path.join(plot_results.RESULTS, plot_results.PACKED)) as f:
+    packed = json.load(f)
+  bal = plot_results.balance_series(packed)
+  assert set(bal) == {"zigzag", "document"}
+  assert all(len(v) == len(packed["means"]) for v in bal.values())
+  plot_results.main(["--out-dir", str(tmp_path)])
+  for name in ("plot_memory.png", "plot_packed_balance.png"):
+    assert (tmp_path / name).stat().st_size > 10_000

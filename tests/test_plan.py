@@ -134,6 +134,18 @@ def test_doc_tables_are_plans_output():
   assert namespace["plan_table"]().rstrip() == predictions.rstrip()
 
 
+
+def test_doc_two_level_table_is_plans_output():
+  """docs/performance.md's two-level predictions are what its code prints now."""
+  with open(os.path.join(ROOT, "docs", "performance.md")) as f:
+    doc = f.read()
+  start = doc.index("<!-- plan-tables-two-level -->")
+  code, end = _block_after(doc, start, "python")
+  table, _ = _block_after(doc, end, "text")
+  namespace = {"ring_jax": ring_jax}
+  exec(compile(code.replace("print(", "str("), "performance.md", "exec"), namespace)
+  assert namespace["two_level_table"]().rstrip() == table.rstrip()
+
 def test_window():
   """A window of one shard's length: the work shrinks to the window's band, but the ring
   still sends K/V around all n - 1 hops (no hop pruning), so its transfer is exposed, while
