@@ -12,6 +12,7 @@
   partitioner's HLO) and :func:`count_collectives` (count and bytes per kind).
 * Meshes: :func:`parse_mesh` (``"data=1,sequence=8"``) and :func:`make_mesh`
   (Auto axes over the first devices, the trainer's axis names by default).
+* Result files: :func:`write_result` (the JSON that ``benchmarks/report.py`` renders).
 
 Needs only JAX and NumPy (the model's axis names come from
 ``models.sharding``, which imports without Flax), so every benchmark, on
@@ -23,6 +24,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import glob
+import json
 import math
 import os
 import re
@@ -77,6 +79,14 @@ def time_calls(fn: Callable, args: Sequence = (), repeats: int = 5, *,
   for _ in range(warmup):
     jax.block_until_ready(fn(*args))
   return [timed_call(fn, *args)[0] for _ in range(repeats)]
+
+
+def write_result(path: str, result: dict) -> None:
+  """Write a benchmark's result file (``benchmarks/results/*.json``), creating its folder."""
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  with open(path, "w") as fh:
+    json.dump(result, fh, indent=1)
+    fh.write("\n")
 
 
 def median(times: Sequence[float]) -> float:

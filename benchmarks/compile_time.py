@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import functools
-import json
 import os
 import platform as _platform
 import re
@@ -168,10 +167,7 @@ def _run(args, cases) -> dict:
           f"{r['compile_s']}", flush=True)
   result["meta"]["elapsed_s"] = round(time.perf_counter() - t_start, 1)
   if args.out:
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as fh:
-      json.dump(result, fh, indent=1)
-      fh.write("\n")
+    common.write_result(args.out, result)
   return result
 
 

@@ -17,7 +17,6 @@ docs/benchmarks.md quotes through ``benchmarks/report.py``).
 import argparse
 import datetime
 import functools
-import json
 import os
 import platform
 import sys
@@ -150,10 +149,7 @@ def main(argv=None):
                 python=platform.python_version()),
       accuracy=accuracy_table(), memory=memory_table(), work=work_table())
   if args.out:
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as fh:
-      json.dump(result, fh, indent=1)
-      fh.write("\n")
+    common.write_result(args.out, result)
     print(f"\nwrote {args.out}")
   return result
 

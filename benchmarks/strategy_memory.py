@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import functools
-import json
 import os
 import platform as _platform
 import sys
@@ -86,9 +85,7 @@ def main(argv=None) -> dict:
       length=args.length, heads=args.heads, head_dim=args.head_dim, dtype="float32",
       layout=args.layout, is_causal=True, rows=rows)
   if args.out:
-    with open(args.out, "w") as fh:
-      json.dump(result, fh, indent=1)
-      fh.write("\n")
+    common.write_result(args.out, result)
   return result
 
 

@@ -120,31 +120,31 @@ def _block_after(text, start, lang):
   return m.group(1), m.end()
 
 
-def test_doc_tables_are_plans_output():
-  """docs/performance.md's device table and predictions are what its code prints now."""
+def _doc_code_and_tables(marker, tables):
+  """The python block after ``marker`` in docs/performance.md, run with its prints
+  silenced, and the ``tables`` text blocks that follow it."""
   with open(os.path.join(ROOT, "docs", "performance.md")) as f:
     doc = f.read()
-  start = doc.index("<!-- plan-tables -->")
-  code, end = _block_after(doc, start, "python")
-  devices, end = _block_after(doc, end, "text")
-  predictions, _ = _block_after(doc, end, "text")
-  namespace = {}
-  exec(compile(code.replace("print(", "str("), "performance.md", "exec"), namespace)
-  assert namespace["device_table"]().rstrip() == devices.rstrip()
-  assert namespace["plan_table"]().rstrip() == predictions.rstrip()
-
-
-
-def test_doc_two_level_table_is_plans_output():
-  """docs/performance.md's two-level predictions are what its code prints now."""
-  with open(os.path.join(ROOT, "docs", "performance.md")) as f:
-    doc = f.read()
-  start = doc.index("<!-- plan-tables-two-level -->")
-  code, end = _block_after(doc, start, "python")
-  table, _ = _block_after(doc, end, "text")
+  code, end = _block_after(doc, doc.index(marker), "python")
+  texts = []
+  for _ in range(tables):
+    text, end = _block_after(doc, end, "text")
+    texts.append(text.rstrip())
   namespace = {"ring_jax": ring_jax}
   exec(compile(code.replace("print(", "str("), "performance.md", "exec"), namespace)
-  assert namespace["two_level_table"]().rstrip() == table.rstrip()
+  return namespace, texts
+
+
+@pytest.mark.parametrize("marker,functions", [
+    ("<!-- plan-tables -->", ("device_table", "plan_table")),
+    ("<!-- plan-tables-two-level -->", ("two_level_table",))])
+def test_doc_tables_are_plans_output(marker, functions):
+  """docs/performance.md's device table and predictions (one link level and two) are what
+  its code prints now."""
+  namespace, texts = _doc_code_and_tables(marker, len(functions))
+  for fn, text in zip(functions, texts):
+    assert namespace[fn]().rstrip() == text, fn
+
 
 def test_window():
   """A window of one shard's length: the work shrinks to the window's band, but the ring
