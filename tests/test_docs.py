@@ -99,3 +99,17 @@ def test_relative_links_resolve():
       else:
         target = os.path.normpath(os.path.join(os.path.dirname(path), target))
       assert os.path.exists(target), f"{path}: broken link {m['target']}"
+
+
+def test_readme_python_blocks_run():
+  """The README's fences are labelled and closed, and its kernel example runs as written (on
+  the 8 fake CPU devices)."""
+  path = os.path.join(ROOT, "README.md")
+  every = code_blocks(path)
+  assert all(info for _, info, _, _ in every), "label every fence of the README"
+  blocks = [(line, code) for line, info, code, _ in every if info == "python"]
+  assert blocks, "the README lost its kernel example"
+  namespace = {"__name__": "docs.README"}
+  for line, code in blocks:
+    exec(compile(code, f"{path}:{line}", "exec"), namespace)  # noqa: S102 - the README is ours
+  assert namespace["out"].shape == namespace["q"].shape
