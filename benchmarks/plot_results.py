@@ -53,6 +53,15 @@ def balance_series(packed: dict) -> dict[str, list[tuple[int, float, float]]]:
   return series
 
 
+def _save(fig, ax, path):
+  """The plots' common finish: grid, legend, a tight PNG."""
+  ax.grid(True, which="both", alpha=0.3)
+  ax.legend(fontsize=8)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  print("wrote", path)
+
+
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--out-dir", default=RESULTS)
@@ -72,14 +81,11 @@ def main(argv=None):
   ax.set_yscale("log", base=2)
   ax.set_xlabel("sequence length (ring of %d)" % meta["ring"])
   ax.set_ylabel("fwd+bwd temp per device (MiB)")
-  ax.set_title("causal attention, %d heads x %d, f32, blocks of 256\n%s, %s, jax %s" % (
-      meta["heads"], meta["head_dim"], MEMSCAN, meta["date"][:10], meta["jax"]), fontsize=9)
-  ax.grid(True, which="both", alpha=0.3)
-  ax.legend(fontsize=8)
-  fig.tight_layout()
-  out = os.path.join(args.out_dir, "plot_memory.png")
-  fig.savefig(out, dpi=110)
-  print("wrote", out)
+  blocks = sorted({row["block"] for row in scan["memscan"]})
+  ax.set_title("causal attention, %d heads x %d, %s, blocks of %s\n%s, %s, jax %s" % (
+      meta["heads"], meta["head_dim"], meta["dtype"], "/".join(map(str, blocks)), MEMSCAN,
+      meta["date"][:10], meta["jax"]), fontsize=9)
+  _save(fig, ax, os.path.join(args.out_dir, "plot_memory.png"))
 
   packed = _load(PACKED)
   fig, ax = plt.subplots(figsize=(6.4, 4.0))
@@ -95,12 +101,7 @@ def main(argv=None):
   ax.set_ylabel("busiest device / mean (causal block pairs)")
   ax.set_title("packed rows of %d tokens, ring of %d, blocks of %d\n%s" % (
       packed["length"], packed["ring"], packed["block"], PACKED), fontsize=9)
-  ax.grid(True, which="both", alpha=0.3)
-  ax.legend(fontsize=8)
-  fig.tight_layout()
-  out = os.path.join(args.out_dir, "plot_packed_balance.png")
-  fig.savefig(out, dpi=110)
-  print("wrote", out)
+  _save(fig, ax, os.path.join(args.out_dir, "plot_packed_balance.png"))
 
 
 if __name__ == "__main__":
