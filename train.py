@@ -74,6 +74,7 @@ from training import distributed as distributed_lib
 from training import errors
 from training import flags as flags_lib
 from training import hf_init as hf_init_lib
+from training import loading as loading_lib
 from training import mesh as mesh_lib
 from training import metrics as metrics_lib
 from training import stages as stages_lib
@@ -409,8 +410,15 @@ class _Run:
     step this call ends at; the MFU line; the metric writers, which continue the run's."""
     config, log = self.config, metrics_lib.log
     self.setup = setup
-    self.start_step, self.params, self.opt_state, self.data_state = resume_or_init(
-        self.checkpointer, setup.train_step, hf_init_lib.hf_init_dir(config))
+    try:
+      self.start_step, self.params, self.opt_state, self.data_state = resume_or_init(
+          self.checkpointer, setup.train_step, hf_init_lib.hf_init_dir(config))
+    except ckpt_lib.NoRestorableCheckpointError as e:
+      raise ckpt_lib.NoRestorableCheckpointError(
+          f"{e} {saved_config_hint(config, self.workdir)}") from None
+    if self.start_step:  # a config that differs from the saved one, yet restores
+      loading_lib.warn_model_differences(config, self.workdir, log)
+    save_run_config(config, self.workdir)  # now that the checkpoint restored under it
     self.step = self.start_step
     self.end_step = config.total_steps if stop_at_step is None else min(stop_at_step,
                                                                         config.total_steps)
@@ -564,6 +572,39 @@ def resume_or_init(checkpointer, train_step, hf_dir: str = ""):
   return 0, params, opt_state, None
 
 
+def save_run_config(config, workdir: str) -> None:
+  """Writes ``config`` to the run's ``config.json`` (:func:`training.loading.run_config_path`;
+  on process 0, replacing the file in one rename). Called once the workdir's checkpoint has
+  restored under ``config`` (or there was none), so a run that cannot resume leaves the
+  config its checkpoints were written under as it was (export_hf.py, generate.py and
+  evaluate.py read it)."""
+  if jax.process_index() != 0:
+    return
+  path = loading_lib.run_config_path(workdir)
+  os.makedirs(workdir, exist_ok=True)
+  with open(path + ".tmp", "w") as f:
+    f.write(config.to_json_best_effort(indent=2))
+  os.replace(path + ".tmp", path)
+
+
+def saved_config_hint(config, workdir: str) -> str:
+  """The end of the error of a run whose workdir holds no checkpoint that restores: the
+  saved config the checkpoints were written under, what differs, and how to rerun with it."""
+  path = loading_lib.run_config_path(workdir)
+  diffs = loading_lib.model_differences(config, workdir)
+  if not diffs:
+    return f"This run wrote nothing into {workdir}."
+  scalar = (bool, int, float, str)
+  flags = " ".join(f"--config.model.{name}={saved}" for name, saved, _ in diffs
+                   if isinstance(saved, scalar))
+  return (f"The checkpoints were written under the config saved in {path}, which differs in "
+          + ", ".join(f"model.{name} ({saved!r} there, {value!r} here)"
+                      for name, saved, value in diffs)
+          + ": rerunning with the saved values resumes"
+          + (f" (e.g. add {flags})" if flags else "")
+          + f". This run wrote nothing into {workdir}.")
+
+
 def save(config, checkpointer, step_metrics, step: int, params, opt_state, train_iter, *,
          force: bool = False) -> None:
   """Checkpoints ``step`` if it is on the interval (or ``force``), never a diverged state.
@@ -708,10 +749,6 @@ def main(argv) -> None:
     config = resolve_layout(config, jax.device_count())
   except errors.ConfigError as e:
     _fail(EXIT_USAGE, f"config error: {e}")
-  if jax.process_index() == 0:
-    os.makedirs(workdir, exist_ok=True)
-    with open(os.path.join(workdir, "config.json"), "w") as f:
-      f.write(config.to_json_best_effort(indent=2))
   t0 = time.perf_counter()
   try:
     result = train(config, workdir, stop_at_step=_STOP_AT_STEP.value)

@@ -51,7 +51,7 @@ def _empty_largest_array_file(step_dir):
   max(files, key=lambda p: p.stat().st_size).write_bytes(b"")
 
 
-def test_divergence_stops_without_saving_then_corrupt_latest_falls_back(tmp_path):
+def test_mismatch_and_divergence_stop_without_damage_then_corrupt_latest_falls_back(tmp_path):
   workdir = tmp_path / "run"
   flags = ("--config.total_steps=8", "--config.checkpoint_every=2",
            "--config.keep_checkpoints=2")
@@ -59,6 +59,25 @@ def test_divergence_stops_without_saving_then_corrupt_latest_falls_back(tmp_path
   assert good.returncode == 0, good.stderr[-3000:]
   assert tp.checkpoint_steps(workdir) == [2, 4]
   reference = {r["step"]: r["train/loss"] for r in tp.train_rows(workdir)}
+
+  # Another model shape in the same workdir: exit 2 with one line naming the saved config
+  # and the flag that restores, and not a byte of the workdir changed, so export_hf.py
+  # still exports step 4 under the saved config.
+  files = [p for p in workdir.rglob("*") if p.is_file()]
+  before = {p: p.read_bytes() for p in files}
+  other = tp.run(workdir, *flags, "--config.model.num_layers=2")
+  assert other.returncode == 2, other.stdout[-2000:] + other.stderr[-3000:]
+  error = other.stderr.strip().splitlines()
+  assert len(error) == 1 and error[0].startswith("error: no checkpoint in"), other.stderr
+  assert (f"the config saved in {workdir / 'config.json'}, which differs in model.num_layers "
+          "(1 there, 2 here): rerunning with the saved values resumes (e.g. add "
+          f"--config.model.num_layers=1). This run wrote nothing into {workdir}.") in error[0]
+  assert sorted(p for p in workdir.rglob("*") if p.is_file()) == sorted(files)
+  assert {p: p.read_bytes() for p in files} == before
+  import export_hf
+  logs = []
+  export_hf.export(str(workdir), str(tmp_path / "hf"), log=logs.append)
+  assert logs[-1].startswith(f"exported step 4 of {workdir} "), logs
 
   # A learning rate that blows up: stops at the first non-finite step, exit 3, one line
   # naming the step and the fix; no checkpoint of it, and retention keeps 2 and 4.

@@ -77,26 +77,43 @@ _INFERENCE_FIELDS = ("attention", "layout", "block_q", "block_kv", "hop_kernel",
                      "fsdp")
 
 
+def run_config_path(workdir: str) -> str:
+  """Where train.py keeps the config of the run in ``workdir``: the config its checkpoints
+  restore under (train.py writes it only once the checkpoint there restored, or there was
+  none)."""
+  return os.path.join(workdir, "config.json")
+
+
 def saved_run_config(workdir: str) -> dict:
   """The config train.py saved in ``workdir`` (``config.json``), or {} without one."""
   try:
-    with open(os.path.join(workdir, "config.json"), encoding="utf-8") as f:
+    with open(run_config_path(workdir), encoding="utf-8") as f:
       saved = json.load(f)
   except (OSError, ValueError):
     return {}
   return saved if isinstance(saved, dict) else {}
 
 
-def warn_model_differences(config, workdir: str, log: Callable[[str], None] = _stderr) -> None:
-  """One warning per ``config.model`` field (RoPE, norm eps, ...) that differs from the one
-  the run in ``workdir`` trained with: the weights then compute something else."""
+def model_differences(config, workdir: str) -> list[tuple[str, object, object]]:
+  """``(field, saved value, config's value)`` for each ``config.model`` field (shape, RoPE,
+  norm eps, ...; not the inference choices of :data:`_INFERENCE_FIELDS`) that differs from
+  the one the run in ``workdir`` saved; [] without a saved config."""
   saved = saved_run_config(workdir).get("model") or {}
+  out = []
   for name, value in config.model.to_dict().items():
     # Compared as JSON stores them (tuples come back as lists).
     if name in _INFERENCE_FIELDS or name not in saved or saved[name] == json.loads(json.dumps(value)):
       continue
-    log(f"warning: model.{name}={value!r} differs from the run's {saved[name]!r} "
-        f"({os.path.join(workdir, 'config.json')}); pass --config.model.{name}=... to match it")
+    out.append((name, saved[name], value))
+  return out
+
+
+def warn_model_differences(config, workdir: str, log: Callable[[str], None] = _stderr) -> None:
+  """One warning per ``config.model`` field (RoPE, norm eps, ...) that differs from the one
+  the run in ``workdir`` trained with: the weights then compute something else."""
+  for name, saved, value in model_differences(config, workdir):
+    log(f"warning: model.{name}={value!r} differs from the run's {saved!r} "
+        f"({run_config_path(workdir)}); pass --config.model.{name}=... to match it")
 
 
 def run_tokenizer_spec(config, *, workdir: str | None = None, hf_dir: str | None = None,
@@ -115,7 +132,7 @@ def run_tokenizer_spec(config, *, workdir: str | None = None, hf_dir: str | None
   saved = (saved_run_config(workdir).get("data") or {}).get("tokenizer") if workdir else None
   if saved:
     if spec and saved != spec:
-      log(f"tokenizer: {saved} (the run's {os.path.join(workdir, 'config.json')}), not "
+      log(f"tokenizer: {saved} (the run's {run_config_path(workdir)}), not "
           f"--config's {spec}")
     spec = saved
   if not spec:
