@@ -2,7 +2,8 @@
 
 Kept in one place so ``tiny.py``, ``llama_1b.py`` and ``llama_7b.py`` list only
 what they change, and so every config has the same fields (``--config.x=...``
-and gin bindings can address any of them).
+and gin bindings can address any of them). The valid range of each numeric field is
+``training/validation.py:NUMERIC_RANGES``, checked before anything compiles.
 """
 
 import ml_collections

@@ -241,6 +241,64 @@ def test_train_rejects_bad_config_before_compiling(tmp_path, monkeypatch):
   assert not os.path.exists(os.path.join(tmp_path, "checkpoints"))
 
 
+@pytest.mark.parametrize("overrides,message", [
+    ({"optim.lr": -1e-3}, "optim.lr=-0.001 must be > 0."),
+    ({"optim.lr": float("nan")}, "optim.lr=nan must be a finite number > 0."),
+    ({"optim.warmup_steps": -1}, "optim.warmup_steps=-1 must be a whole number >= 0."),
+    ({"optim.b1": 1.0}, "optim.b1=1.0 must be in [0, 1)."),
+    ({"optim.b2": -0.5}, "optim.b2=-0.5 must be in [0, 1)."),
+    ({"optim.eps": 0.0}, "optim.eps=0.0 must be > 0."),
+    ({"optim.grad_clip": -1.0}, "optim.grad_clip=-1.0 must be > 0."),
+    ({"optim.weight_decay": -0.1}, "optim.weight_decay=-0.1 must be >= 0."),
+    ({"optim.min_lr_ratio": 1.5}, "optim.min_lr_ratio=1.5 must be in [0, 1]."),
+    ({"model.norm_eps": 0.0}, "model.norm_eps=0.0 must be > 0."),
+    ({"model.rope_theta": float("inf")}, "model.rope_theta=inf must be a finite number > 0."),
+    ({"model.rope_scaling": {"rope_type": "linear", "factor": -4.0}},
+     "model.rope_scaling.factor=-4.0 must be > 0."),
+    ({"model.rope_scaling": {"rope_type": "yarn", "factor": 4.0,
+                             "original_max_position_embeddings": 0}},
+     "model.rope_scaling.original_max_position_embeddings=0 must be a whole number >= 1."),
+    ({"data.eval_fraction": 1.0}, "data.eval_fraction=1.0 must be in (0, 1)."),
+    ({"batch_size": 0}, "batch_size=0 must be a whole number >= 1."),
+    ({"keep_checkpoints": 0}, "keep_checkpoints=0 must be a whole number >= 1."),
+    ({"total_steps": 0}, "total_steps=0 must be a whole number >= 1."),
+    ({"cpu_peak_flops_per_device": -1.0}, "cpu_peak_flops_per_device=-1.0 must be > 0."),
+])
+def test_numeric_fields_out_of_range_fail_first_with_one_line(overrides, message):
+  """Every numeric field with a valid range is checked before anything else (before the mesh,
+  the data or the model): one line naming the field, its value and the range."""
+  with pytest.raises(ConfigError) as e:
+    val_lib.validate_config(tiny(**overrides), num_devices=3)  # a mesh that does not fit
+  assert str(e.value) == message
+
+
+def test_numeric_ranges_hold_for_the_shipped_configs_and_name_real_fields():
+  for name, arg in (("tiny", None), ("tiny", "text,micro"), ("llama_1b", None),
+                    ("llama_7b", None), ("finetune", "yarn:4:64")):
+    val_lib.check_ranges(load_config(name, arg))
+  config = tiny()
+  for path in val_lib.NUMERIC_RANGES:
+    parent, _, leaf = path.rpartition(".")
+    node = config
+    for part in filter(None, parent.split(".")):
+      node = node[part]
+    if parent != "model.rope_scaling" and path != "model.sliding_window":
+      assert leaf in node, path  # not a typo the check would skip forever
+
+
+def test_a_negative_learning_rate_stops_train_before_compiling(tmp_path, monkeypatch):
+  import train as train_script
+  from training import step as step_lib
+
+  def must_not_compile(**_):
+    raise AssertionError("compiled despite a bad config")
+
+  monkeypatch.setattr(step_lib, "jit_train_step", must_not_compile)
+  with pytest.raises(ConfigError, match=r"^optim\.lr=-0\.003 must be > 0\.$"):
+    train_script.train(tiny(**{"optim.lr": -3e-3}), str(tmp_path))
+  assert os.listdir(tmp_path) == []
+
+
 @pytest.mark.parametrize("text,want", [(None, None), ("", None), ("10:13", range(10, 13)),
                                        ("1:2", range(1, 2))])
 def test_profile_steps(text, want):

@@ -165,6 +165,7 @@ def test_failing_background_save_stops_the_run_with_one_error(tmp_path):
     (("--gin_param=model.num_layers = (",), "gin"),
     (("--stop_at_step=-3",), "--stop_at_step=-3"),
     (("--config.distributed.heartbeat_timeout_s=0",), "distributed.heartbeat_timeout_s=0"),
+    (("--config.optim.lr=-0.001",), "optim.lr=-0.001 must be > 0."),
 ])
 def test_bad_command_lines_give_one_line_and_exit_2(tmp_path, flags, expected):
   proc = tp.run(tmp_path / "run", *flags)

@@ -63,7 +63,7 @@ def test_bad_stages_are_config_errors(stages, message):
     ("256:2,260:2", "config.stages stage 2 (seq_len=260, steps=2): data.seq_len=260"),
     ("256:2,512:2:batch_size=3", "stage 2 (seq_len=512, steps=2): batch_size=3"),
     ("256:2,512:2:warmup_steps=5", "warmup_steps=5 exceeds the stage's steps=2"),
-    ("256:2,512:2:rope_theta=-1", "rope_theta must be positive"),
+    ("256:2,512:2:rope_theta=-1", "model.rope_theta=-1.0 must be > 0."),
 ])
 def test_each_stage_is_validated_for_the_mesh(stages, message):
   config = stages_lib.resolve(with_stages(stages))

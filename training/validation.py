@@ -12,6 +12,8 @@ ring, before anything reads the layout.
 
 from __future__ import annotations
 
+import math
+
 import ml_collections
 
 from models import attention as attn_lib
@@ -133,9 +135,6 @@ def check_text_data(d: ml_collections.ConfigDict, m: ml_collections.ConfigDict) 
   if not data_lib.list_data_files(d.path):
     raise ConfigError(f"data.path={d.path!r} matches no "
                       f"{'/'.join(data_lib.sources.DATA_EXTS)} files.")
-  if not 0 < d.eval_fraction < 1:
-    raise ConfigError(f"data.eval_fraction={d.eval_fraction} must be in (0, 1): the eval "
-                      "split is the last files (or a single file's tail).")
   if d.tokenizer is None:
     raise ConfigError("data.tokenizer is unset (configs/finetune.py takes the tokenizer of "
                       "init.hf_dir): pass --config.init.hf_dir=DIR or --config.data.tokenizer="
@@ -153,18 +152,106 @@ def check_text_data(d: ml_collections.ConfigDict, m: ml_collections.ConfigDict) 
                       "--config.model.vocab_size (the embedding must cover every token id).")
 
 
+#: The valid range of every numeric config field that has one, checked by
+#: :func:`check_ranges` before anything else: ``"> 0"``, ``">= 0"``, ``"[0, 1)"`` (an
+#: interval), each ``"int ..."`` a whole number. A field that is unset (None) or absent
+#: (``model.sliding_window`` without a Mistral/Qwen source, ``model.rope_scaling``'s keys of
+#: another RoPE type) is not checked. The model's shape fields, blocks and chunk sizes are
+#: ``LlamaConfig``'s to check (:func:`llama_config`), the mesh's :func:`training.mesh.mesh_shape`.
+NUMERIC_RANGES: dict[str, str] = {
+    # AdamW with global-norm clipping and warmup + cosine decay (training/step.py).
+    "optim.lr": "> 0",
+    "optim.warmup_steps": "int >= 0",
+    "optim.min_lr_ratio": "[0, 1]",
+    "optim.weight_decay": ">= 0",
+    "optim.b1": "[0, 1)",
+    "optim.b2": "[0, 1)",
+    "optim.eps": "> 0",
+    "optim.grad_clip": "> 0",
+    # Model fields without a range check in LlamaConfig.
+    "model.rope_theta": "> 0",
+    "model.norm_eps": "> 0",
+    "model.init_std": "> 0",
+    "model.sliding_window": "int >= 1",
+    "model.rope_scaling.factor": "> 0",
+    "model.rope_scaling.original_max_position_embeddings": "int >= 1",
+    "model.rope_scaling.low_freq_factor": "> 0",
+    "model.rope_scaling.high_freq_factor": "> 0",
+    "model.rope_scaling.beta_fast": "> 0",
+    "model.rope_scaling.beta_slow": "> 0",
+    "model.rope_scaling.attention_factor": "> 0",
+    "data.seq_len": "int >= 1",
+    "data.eval_fraction": "(0, 1)",  # text: the held-out share
+    "data.kv.num_pairs": "int >= 1",
+    "data.kv.num_queries": "int >= 1",
+    "data.kv.num_keys": "int >= 1",
+    "data.kv.num_values": "int >= 1",
+    "data.kv.num_filler": "int >= 1",
+    "data.kv.docs_per_row": "int >= 1",
+    "batch_size": "int >= 1",
+    "microbatches": "int >= 1",
+    "eval_batch_size": "int >= 1",
+    "eval_batches": "int >= 1",
+    "total_steps": "int >= 1",
+    "log_every": "int >= 1",
+    "eval_every": "int >= 1",
+    "checkpoint_every": "int >= 1",
+    "keep_checkpoints": "int >= 1",
+    "cpu_devices": "int >= 1",
+    "peak_flops_per_device": "> 0",
+    "cpu_peak_flops_per_device": "> 0",
+    "distributed.heartbeat_timeout_s": "int >= 2",  # seconds
+    "distributed.initialization_timeout_s": "int >= 1",
+}
+
+
+def _in_range(value: float, rule: str) -> bool:
+  """Whether the finite number ``value`` obeys ``rule`` (without its ``int`` prefix)."""
+  if rule.startswith((">", "<")):
+    op, bound = rule.split()
+    bound = float(bound)
+    return {">": value > bound, ">=": value >= bound, "<": value < bound,
+            "<=": value <= bound}[op]
+  low, high = (float(x) for x in rule[1:-1].split(","))
+  return ((low < value if rule[0] == "(" else low <= value)
+          and (value < high if rule[-1] == ")" else value <= high))
+
+
+def check_ranges(config: ml_collections.ConfigDict, prefix: str = "") -> None:
+  """Checks each :data:`NUMERIC_RANGES` field (those under ``prefix`` only, if given): a
+  finite number (a whole one for ``int`` rules) in its range.
+
+  Raises:
+    ConfigError: one line naming the first field out of range, its value and the range.
+  """
+  for path, rule in NUMERIC_RANGES.items():
+    if not path.startswith(prefix):
+      continue
+    node = config
+    for name in path.split("."):
+      node = node.get(name) if hasattr(node, "get") else None
+      if node is None:
+        break
+    if node is None:
+      continue
+    whole = rule.startswith("int ")
+    bounds = rule[4:] if whole else rule
+    number = not isinstance(node, bool) and isinstance(node, (int, float))
+    finite = number and (isinstance(node, int) or (not whole and math.isfinite(node)))
+    if not (finite and _in_range(node, bounds)):
+      what = bounds if bounds[0] in "<>" else f"in {bounds}"
+      what = (f"a whole number {what}" if whole else what if finite
+              else f"a finite number {what}")
+      raise ConfigError(f"{path}={node!r} must be {what}.")
+
+
 def validate_distributed(config: ml_collections.ConfigDict) -> None:
   """Checks ``config.distributed`` (read before ``jax.distributed.initialize``).
 
   Raises:
     ConfigError: a timeout that is not a whole number of seconds in range.
   """
-  dist = config.distributed
-  for name, low in (("heartbeat_timeout_s", 2), ("initialization_timeout_s", 1)):
-    value = dist[name]
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-      raise ConfigError(f"distributed.{name}={value!r} must be a whole number of seconds "
-                        f">= {low}; e.g. --config.distributed.{name}=60.")
+  check_ranges(config, prefix="distributed.")
 
 
 def profile_steps(config: ml_collections.ConfigDict) -> range | None:
@@ -197,6 +284,7 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int) -> dict
   Raises:
     ConfigError: naming the offending field(s) and how to fix them.
   """
+  check_ranges(config)
   sizes = mesh_lib.mesh_shape(config.mesh, num_devices)
   ring, tensor, data_par = shd.ring_size(sizes), sizes["tensor"], sizes["data"]
   if config.model.layout not in LAYOUT_CHOICES:
@@ -260,9 +348,6 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int) -> dict
     except ValueError as e:
       raise ConfigError(str(e)) from None
 
-  for name in ("total_steps", "log_every", "eval_every", "checkpoint_every"):
-    if config[name] < 1:
-      raise ConfigError(f"{name} must be >= 1, got {config[name]}.")
   profile_steps(config)
   if config.optim.warmup_steps > config.total_steps:
     raise ConfigError(f"optim.warmup_steps={config.optim.warmup_steps} exceeds "
