@@ -90,8 +90,9 @@ _DEFAULT_CONFIG = os.path.join(_HERE, "configs", "tiny.py")
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None,
     "ml_collections config file (`path.py` or `path.py:arg`); override fields with "
-    "--config.<field>=<value>. Default: configs/tiny.py.",
+    "--config.<field>=<value>.",
     lock_config=True)
+flags.FLAGS["config"].default_as_str = repr(os.path.relpath(_DEFAULT_CONFIG, _HERE))  # --help
 _WORKDIR = flags.DEFINE_string(
     "workdir", None, "Checkpoints, metrics.jsonl and TensorBoard events; an existing run here "
     "is resumed. Default: runs/<config file name>.")
@@ -693,6 +694,16 @@ def _config_path(argv) -> str | None:
   return None
 
 
+def _unknown_field(argv, name: str) -> str:
+  """The dotted path, as the command line wrote it, of the unknown config field ``name``."""
+  for arg in argv:
+    if arg.startswith("--config."):
+      parts = arg[len("--config."):].split("=", 1)[0].split(".")
+      if name in parts:
+        return ".".join(parts[:parts.index(name) + 1])
+  return name
+
+
 def parse_flags(argv: list[str]) -> list[str]:
   """absl flag parsing that reports a bad flag or config in one line, exit status 2."""
   argv = list(argv)
@@ -706,10 +717,12 @@ def parse_flags(argv: list[str]) -> list[str]:
   try:
     return flags.FLAGS(argv)
   except Exception as e:  # absl flag errors, and whatever the config file or an override raised
+    if isinstance(e, AttributeError) and e.args and isinstance(e.args[0], KeyError):
+      e = e.args[0]  # ml_collections: an unknown field below the top (--config.data.seqlen)
     text = str(e.args[0]) if isinstance(e, KeyError) and e.args else str(e)
     lines = [l.strip() for l in text.strip().splitlines() if l.strip()]
     if isinstance(e, KeyError) and lines:  # ConfigDict: "'modell'\nDid you mean ...?"
-      lines[0] = f"the config has no field {lines[0]}."
+      lines[0] = f"the config has no field {_unknown_field(argv, lines[0].strip(chr(39)))!r}."
     # Tracebacks embedded in the message (ml_collections does that): keep the last line.
     message = lines[-1] if any(l.startswith("Traceback") for l in lines) else " ".join(lines)
     _fail(EXIT_USAGE, f"config error: {message} (see --helpfull for the flags; config fields "

@@ -166,6 +166,11 @@ def test_failing_background_save_stops_the_run_with_one_error(tmp_path):
     (("--stop_at_step=-3",), "--stop_at_step=-3"),
     (("--config.distributed.heartbeat_timeout_s=0",), "distributed.heartbeat_timeout_s=0"),
     (("--config.optim.lr=-0.001",), "optim.lr=-0.001 must be > 0."),
+    # A field below the top level: the same line as a top-level typo, with its path.
+    (("--config.data.seqlen=64",), "config error: the config has no field 'data.seqlen'. "
+                                   'Did you mean "seq_len" instead of "seqlen"? (see'),
+    (("--config.data.length_buckets=3",),
+     "config error: the config has no field 'data.length_buckets'. (see"),
 ])
 def test_bad_command_lines_give_one_line_and_exit_2(tmp_path, flags, expected):
   proc = tp.run(tmp_path / "run", *flags)
@@ -174,6 +179,15 @@ def test_bad_command_lines_give_one_line_and_exit_2(tmp_path, flags, expected):
   assert len(lines) == 1 and lines[0].startswith("config error:"), proc.stderr
   assert expected in lines[0]
   assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_help_names_the_default_config():
+  import subprocess
+  import sys
+  proc = subprocess.run([sys.executable, tp.TRAIN_PY, "--help"], cwd=tp.ROOT, env=tp.env(),
+                        capture_output=True, text=True, timeout=300)  # absl: exit status 1
+  config_help = proc.stdout.split("  --config:", 1)[1].split("\n  --", 1)[0]
+  assert " ".join(config_help.split()).endswith("(default: 'configs/tiny.py')"), config_help
 
 
 def test_resumed_metrics_keep_one_row_per_step(tmp_path):
