@@ -251,6 +251,9 @@ def train(config, workdir: str, *, stop_at_step: int | None = None) -> TrainResu
   # --- 1. Mesh and config checks: fail before anything is compiled -------------------------
   config = hf_init_lib.resolve_hf_init(config, log=log)  # model fields from init.hf_dir
   config = stages_lib.resolve(config)  # explicit stages; total_steps = their sum
+  config, warmup_line = val_lib.clamp_warmup(config)  # a run shorter than its warmup
+  if warmup_line:
+    log(warmup_line)
   config = resolve_layout(config, jax.device_count())  # "auto": every reader sees the name
   sizes = val_lib.validate_config(config, jax.device_count())  # and each stage's
   mesh = mesh_lib.make_mesh(config.mesh)

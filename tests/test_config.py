@@ -299,6 +299,27 @@ def test_a_negative_learning_rate_stops_train_before_compiling(tmp_path, monkeyp
   assert os.listdir(tmp_path) == []
 
 
+def test_a_run_shorter_than_its_warmup_warms_up_over_all_its_steps(tmp_path, monkeypatch,
+                                                                    capsys):
+  """--config.total_steps=2 is a smoke run on its own: the default warmup (40) is clamped to
+  the run, in a startup line; a stage's own warmup longer than the stage stays an error."""
+  import train as train_script
+  from training import stages as stages_lib
+
+  seen = {}
+  monkeypatch.setattr(train_script, "_train", lambda config, *_: seen.setdefault("c", config))
+  train_script.train(tiny(total_steps=2), str(tmp_path))
+  assert seen["c"].optim.warmup_steps == 2 and seen["c"].total_steps == 2
+  assert ("optim.warmup_steps=40 exceeds total_steps=2: warming up over all 2 steps "
+          "(optim.warmup_steps=2)") in capsys.readouterr().out.splitlines()
+  config = tiny(total_steps=40)
+  assert val_lib.clamp_warmup(config) == (config, None)  # fits: unchanged
+  staged = stages_lib.resolve(tiny(stages="64:2,128:2"))
+  assert val_lib.clamp_warmup(staged) == (staged, None)
+  with pytest.raises(ConfigError, match="warmup_steps=40 exceeds the stage's steps=2"):
+    val_lib.validate_config(staged, num_devices=8)
+
+
 @pytest.mark.parametrize("text,want", [(None, None), ("", None), ("10:13", range(10, 13)),
                                        ("1:2", range(1, 2))])
 def test_profile_steps(text, want):

@@ -355,6 +355,23 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int) -> dict
   return sizes
 
 
+def clamp_warmup(config: ml_collections.ConfigDict
+                 ) -> tuple[ml_collections.ConfigDict, str | None]:
+  """``(config, line)``: a run of one stage whose ``optim.warmup_steps`` exceeds
+  ``total_steps`` warms up over all of them (a copy of ``config`` saying so) and the startup
+  line that says it; otherwise ``config`` unchanged, ``line=None``. So a short run (a smoke
+  test: ``--config.total_steps=2``) needs no second flag. A stage of ``config.stages`` sets
+  its own warmup; one longer than the stage stays an error (:func:`validate_stages`)."""
+  warmup, total = config.optim.warmup_steps, config.total_steps
+  if stages_lib.stage_dicts(config) or not (isinstance(warmup, int) and isinstance(total, int)
+                                            and 1 <= total < warmup):
+    return config, None
+  config = config.copy_and_resolve_references()
+  config.optim.warmup_steps = total
+  return config, (f"optim.warmup_steps={warmup} exceeds total_steps={total}: warming up over "
+                  f"all {total} steps (optim.warmup_steps={total})")
+
+
 def validate_stages(config: ml_collections.ConfigDict, num_devices: int) -> None:
   """Checks each of ``config.stages`` (training/stages.py) as a config of its own: its
   seq_len obeys :func:`check_seq_len` on the mesh, its batch the mesh's 'data' axis, its
