@@ -36,7 +36,7 @@ from typing import Iterable
 import jax
 import ml_collections
 import numpy as np
-from absl import app, flags
+from absl import app, flags, logging
 
 from models import convert_hf
 from models import llama
@@ -145,13 +145,22 @@ def write_safetensors(tensors: Iterable[tuple[str, np.ndarray]], out: str,
     pending[name] = array
     weight_sizes[name] = size
   flush()
+  # safetensors creates its files readable by their owner only (0600); these get the mode
+  # of any other file written here (0644 under the usual umask 022).
+  mask = os.umask(0)
+  os.umask(mask)
+
+  def finish(i: int, file: str) -> None:
+    os.chmod(os.path.join(out, f".shard-{i}.tmp"), 0o666 & ~mask)
+    os.replace(os.path.join(out, f".shard-{i}.tmp"), os.path.join(out, file))
+
   if len(shards) == 1:
-    os.replace(os.path.join(out, ".shard-0.tmp"), os.path.join(out, convert_hf.SINGLE_FILE))
+    finish(0, convert_hf.SINGLE_FILE)
     return [convert_hf.SINGLE_FILE]
   files, weight_map = [], {}
   for i, names in enumerate(shards):
     file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-    os.replace(os.path.join(out, f".shard-{i}.tmp"), os.path.join(out, file))
+    finish(i, file)
     files.append(file)
     weight_map.update({n: file for n in names})
   with open(os.path.join(out, convert_hf.INDEX_FILE), "w") as f:
@@ -232,6 +241,8 @@ def main(argv) -> None:
     print(f"error: unexpected arguments {argv[1:]}; flags are written --name=value.",
           file=sys.stderr)
     sys.exit(errors.EXIT_USAGE)
+  if not flags.FLAGS["verbosity"].present:
+    logging.set_verbosity(logging.WARNING)  # Orbax logs each restore at INFO; -v shows it.
   v = {name: flag.value for name, flag in _FLAGS.items()}
   try:
     if not v["workdir"] or not v["out"]:

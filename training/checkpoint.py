@@ -215,17 +215,27 @@ class Checkpointer:
     if read_only:
       if not os.path.isdir(self.directory):
         raise NoCheckpointError(f"{workdir} has no checkpoints/ directory")
-      options = ocp.CheckpointManagerOptions(create=False, read_only=True)
-    else:
-      # Preemption saves are not an Orbax policy here: train.py decides the stop step
-      # (JAX's preemption sync point on several processes, a signal flag on one) and
-      # calls save(force=True), so one code path serves both.
-      options = ocp.CheckpointManagerOptions(
-          max_to_keep=keep, create=True, enable_async_checkpointing=async_save,
-          cleanup_tmp_directories=True,  # what a process killed mid-save left behind
-          save_decision_policy=ocp.checkpoint_managers.FixedIntervalPolicy(every))
-      if jax.process_count() == 1:
-        _whole_array_saves()
+      # Orbax warns that a read-only manager saves nothing ("setting save_interval_steps=0",
+      # "Given directory is read only"): what was asked for. Shown with -v.
+      verbosity = absl_logging.get_verbosity()
+      if verbosity <= absl_logging.WARNING:
+        absl_logging.set_verbosity(absl_logging.ERROR)
+      try:
+        self.manager = ocp.CheckpointManager(
+            self.directory, options=ocp.CheckpointManagerOptions(create=False, read_only=True),
+            item_names=("state", "data"))
+      finally:
+        absl_logging.set_verbosity(verbosity)
+      return
+    # Preemption saves are not an Orbax policy here: train.py decides the stop step
+    # (JAX's preemption sync point on several processes, a signal flag on one) and
+    # calls save(force=True), so one code path serves both.
+    options = ocp.CheckpointManagerOptions(
+        max_to_keep=keep, create=True, enable_async_checkpointing=async_save,
+        cleanup_tmp_directories=True,  # what a process killed mid-save left behind
+        save_decision_policy=ocp.checkpoint_managers.FixedIntervalPolicy(every))
+    if jax.process_count() == 1:
+      _whole_array_saves()
     self.manager = ocp.CheckpointManager(self.directory, options=options,
                                          item_names=("state", "data"))
 
