@@ -128,6 +128,11 @@ def test_our_export_imports_back_exactly(tmp_path, param_dtype, tie, max_shard_b
   path = _ours_dir(tmp_path, cfg, max_shard_bytes)
   files = os.listdir(path)
   assert (convert_hf.INDEX_FILE in files) == (max_shard_bytes < 10**9)
+  umask = os.umask(0)
+  os.umask(umask)
+  # Every file gets the mode of an ordinary new file (safetensors' own is 0600).
+  assert {f: oct(os.stat(os.path.join(path, f)).st_mode & 0o777) for f in files} == {
+      f: oct(0o666 & ~umask) for f in files}
   with open(os.path.join(path, "config.json")) as f:
     assert json.load(f)["torch_dtype"] == param_dtype
   assert convert_hf.load_hf_config(path, param_dtype=param_dtype) == cfg
@@ -271,6 +276,24 @@ def readme_finetune_commands() -> list[list[str]]:
   return commands
 
 
+def test_readme_finetune_block_gives_another_family_its_own_paths():
+  """The block's note on ``--family`` maps every directory its commands write (``--out``,
+  ``--workdir``) to a new one: the same paths would resume the first family's run."""
+  text = open(os.path.join(ROOT, "README.md")).read()
+  block = next(b for b in re.findall(r"```bash\n(.*?)```", text, re.S) if "make_tiny_hf.py" in b)
+  note = " ".join(l.lstrip("# ").strip() for l in block.splitlines() if l.startswith("#"))
+  m = re.search(r"--family \S+ writes that architecture instead; run the same commands with "
+                r"new paths for it \(e\.g\. (?P<new>[^()]*?) for (?P<old>[^()]*?)\)", note)
+  assert m, note
+  paths = lambda s: re.findall(r"/tmp/[\w.]+", s)
+  written = {argv[i + 1] for argv in readme_finetune_commands() for i, a in enumerate(argv[:-1])
+             if a in ("--out", "--workdir")}
+  assert written == {"/tmp/tiny_hf", "/tmp/tiny_ft", "/tmp/tiny_ft_hf"}
+  assert sorted(paths(m["old"])) == sorted(written)
+  new = paths(m["new"])
+  assert len(set(new)) == len(written) and not set(new) & written
+
+
 def _run_readme_finetune_block(directory) -> dict:
   """make_tiny_hf.py -> train.py (configs/finetune.py, the BPE tokenizer from init.hf_dir)
   -> export_hf.py -> generate.py, as the README writes them (``/tmp/`` paths moved into
@@ -303,6 +326,9 @@ def test_readme_finetune_block_runs(readme_run):
   """The README's commands run as written and leave what they say: the run records its
   tokenizer, the export holds weights and tokenizer, generate.py prints BPE text."""
   tmp, runs = readme_run
+  # export_hf.py prints its one line, and nothing else (no Orbax INFO or warnings).
+  assert runs[2]["stderr"] == "" and runs[2]["stdout"].count("\n") == 1, runs[2]
+  assert runs[2]["stdout"].startswith("exported step ")
   saved = json.loads((tmp / "tiny_ft" / "config.json").read_text())
   assert saved["data"]["tokenizer"] == str(tmp / "tiny_hf")  # recorded in the run
   assert saved["data"]["kind"] == "text" and saved["model"]["attention"] == "ring"
