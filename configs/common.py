@@ -17,8 +17,9 @@ def base_config() -> ml_collections.ConfigDict:
   # Mesh axis sizes; at most one may be -1 (= all remaining devices). The product must
   # equal the device count. On CPU, train.py simulates prod(mesh) devices, or
   # `cpu_devices` when an axis is -1. pipeline > 1 splits the layers into that many stages
-  # (GPipe over model.pipeline_microbatches; README "Choosing the mesh"). sequence_outer > 1
-  # splits the sequence devices into that many groups of `sequence` on slower links (nodes,
+  # (GPipe over model.pipeline_microbatches; docs/training.md, "Choosing the mesh").
+  # sequence_outer > 1 splits the sequence devices into that many groups of `sequence` on
+  # slower links (nodes,
   # slices): model.attention="ring" is then the two-level ring over a ring of
   # sequence_outer x sequence devices (docs/training.md "Two-level ring").
   config.mesh = ml_collections.ConfigDict(dict(data=2, pipeline=1, sequence_outer=1, sequence=4,

@@ -16,7 +16,7 @@ worth.
 microbatches (bubble (4-1)/(8+4-1) = 0.27), a ring of 8 (32768 tokens per
 device). Tensor peers on the fastest links, then the ring, then the pipeline
 stages (one activation per microbatch and stage boundary), data outermost
-(README, "Choosing the mesh").
+(docs/training.md, "Choosing the mesh").
 """
 
 import ml_collections

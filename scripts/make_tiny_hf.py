@@ -9,7 +9,7 @@ a small JSONL corpus.
 layer), ``qwen3`` (q/k norms, ``head_dim`` 32 != dim / heads, tied),
 ``mistral`` (a 64-token window on every layer).
 
-For trying the fine-tuning path (README, "fine-tune a Hugging Face model") on a
+For trying the fine-tuning path (the README's step 3, which runs this script) on a
 CPU with nothing downloaded: ``--out`` gets ``config.json``,
 ``model.safetensors`` (random weights written by :func:`export_hf.write_hf_dir`,
 no torch needed), ``tokenizer.json`` (a byte-level BPE trained with the

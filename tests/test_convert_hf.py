@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-# The parity tests need the reference implementation; see README "Hugging Face parity tests".
+# The parity tests need the reference implementation; see docs/development.md, "Running the tests".
 HF_TEST = ("pip install torch --index-url https://download.pytorch.org/whl/cpu && "
            "pip install -e '.[dev,hf-test]'")
 torch = pytest.importorskip("torch", reason=HF_TEST)

@@ -109,7 +109,54 @@ def test_readme_python_blocks_run():
   assert all(info for _, info, _, _ in every), "label every fence of the README"
   blocks = [(line, code) for line, info, code, _ in every if info == "python"]
   assert blocks, "the README lost its kernel example"
+  # It says how to get its devices on a CPU: the flag tests/conftest.py sets to run it here.
+  import jax
+  stated = re.findall(r"XLA_FLAGS=(\S+)", blocks[0][1])
+  assert stated == [f"--xla_force_host_platform_device_count={jax.device_count()}"], stated
+  assert stated[0] in os.environ.get("XLA_FLAGS", "").split()
   namespace = {"__name__": "docs.README"}
   for line, code in blocks:
     exec(compile(code, f"{path}:{line}", "exec"), namespace)  # noqa: S102 - the README is ours
   assert namespace["out"].shape == namespace["q"].shape
+
+
+# `docs/training.md, "Profiling"`, `README: "..."`: a file sending the reader to a section.
+SECTION_REFERENCE = re.compile(
+    r'(?P<doc>README(?:\.md)?|(?:docs|benchmarks)/[\w/.-]+\.md)[:,]?[ \t]+"(?P<section>[^"]+)"')
+
+
+def _headings(path) -> list[str]:
+  """The headings of a markdown file (outside its code blocks), without their #s."""
+  with open(path) as f:
+    lines = f.read().splitlines()
+  inside = set()
+  for start, _, code, _ in code_blocks(path):
+    inside.update(range(start, start + code.count("\n") + 1))
+  return [l.lstrip("#").strip() for i, l in enumerate(lines)
+          if l.startswith("#") and i not in inside]
+
+
+def test_quoted_sections_exist():
+  """Every "see <doc>, "<section>"" in the repository's code, configs and docs names the start
+  of a heading of that file (the README's Hugging Face parity section moved to
+  docs/development.md once, and pyproject.toml kept pointing at it)."""
+  sources = [os.path.join(ROOT, name) for name in ("pyproject.toml", "README.md",
+                                                   os.path.join(".ci", "run"))]
+  for top in ("benchmarks", "configs", "docs", "models", "ring_jax", "scripts", "tests",
+              "training"):
+    for directory, _, names in os.walk(os.path.join(ROOT, top)):
+      sources += [os.path.join(directory, n) for n in names if n.endswith((".py", ".md"))]
+  sources += [os.path.join(ROOT, n) for n in os.listdir(ROOT) if n.endswith(".py")]
+  checked, broken = 0, []
+  for source in sources:
+    if not os.path.isfile(source) or source == os.path.abspath(__file__):  # its examples
+      continue
+    with open(source, encoding="utf-8") as f:
+      text = f.read()
+    for m in SECTION_REFERENCE.finditer(text):
+      doc = "README.md" if m["doc"].startswith("README") else m["doc"]
+      section = " ".join(m["section"].split())
+      checked += 1
+      if not any(h.startswith(section) for h in _headings(os.path.join(ROOT, doc))):
+        broken.append(f"{os.path.relpath(source, ROOT)}: {m[0]!r}")
+  assert checked >= 10 and not broken, broken
