@@ -725,7 +725,8 @@ def parse_flags(argv: list[str]) -> list[str]:
     text = str(e.args[0]) if isinstance(e, KeyError) and e.args else str(e)
     lines = [l.strip() for l in text.strip().splitlines() if l.strip()]
     if isinstance(e, KeyError) and lines:  # ConfigDict: "'modell'\nDid you mean ...?"
-      lines[0] = f"the config has no field {_unknown_field(argv, lines[0].strip(chr(39)))!r}."
+      field = _unknown_field(argv, lines[0].strip("'"))
+      lines[0] = f"the config has no field {field!r}."
     # Tracebacks embedded in the message (ml_collections does that): keep the last line.
     message = lines[-1] if any(l.startswith("Traceback") for l in lines) else " ".join(lines)
     _fail(EXIT_USAGE, f"config error: {message} (see --helpfull for the flags; config fields "
