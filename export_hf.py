@@ -191,6 +191,8 @@ def export(workdir: str, out: str, step: int | None = None,
   if os.path.isdir(out) and os.listdir(out):
     raise UsageError(f"--out {out} exists and is not empty; pass a new directory.")
   config = read_run_config(workdir)
+  # The weights do not depend on the layout; the host restores them on a ring of 1 device.
+  config, _ = val_lib.resolve_layout(config, ring_size=1)
   model_cfg = val_lib.llama_config(config)
   step, params = restore_params(workdir, model_cfg, step)
   hf_dir = hf_init_lib.hf_init_dir(config)
