@@ -16,7 +16,10 @@ restores) of ``--workdir`` onto the host, with the model config the run saved
   ``data.seq_len`` if the run trained longer);
 * ``model.safetensors`` in the parameter dtype, or shards of at most
   ``--max_shard_size`` plus ``model.safetensors.index.json``;
-* the tokenizer files found in the run's ``init.hf_dir`` (:data:`TOKENIZER_FILES`).
+* the tokenizer files found in the run's ``init.hf_dir`` (:data:`TOKENIZER_FILES`);
+  ``tokenizer.json`` with a post-processor that adds the BOS / EOS the run's tokenizer
+  added (:func:`training.tokenizer.write_hf_tokenizer_json`), so ``transformers``'
+  ``AutoTokenizer`` encodes a text to the ids the run trained on.
 
 ``transformers.AutoModelForCausalLM.from_pretrained(out)`` loads the result
 (tests/test_export_hf.py checks its logits against ours, and that import ->
@@ -45,6 +48,7 @@ from training import checkpoint as ckpt_lib
 from training import errors
 from training import hf_init as hf_init_lib
 from training import step as step_lib
+from training import tokenizer as tok_lib
 from training import validation as val_lib
 
 #: Copied from the run's ``init.hf_dir`` when present.
@@ -180,7 +184,10 @@ def write_hf_dir(params, model_cfg: llama.LlamaConfig, out: str, *, hf_dir: str 
                                max_shard_bytes)
   for name in TOKENIZER_FILES if hf_dir else ():
     if os.path.isfile(os.path.join(hf_dir, name)):
-      shutil.copyfile(os.path.join(hf_dir, name), os.path.join(out, name))
+      if name == "tokenizer.json":  # the post-processor adding what training added
+        tok_lib.write_hf_tokenizer_json(hf_dir, os.path.join(out, name))
+      else:
+        shutil.copyfile(os.path.join(hf_dir, name), os.path.join(out, name))
       written.append(name)
   return written
 
