@@ -99,7 +99,11 @@ def with_hf_model(config: ml_collections.ConfigDict, hf_dir: str) -> ml_collecti
     what = f"config.json lacks {e}" if isinstance(e, KeyError) else str(e)
     raise ConfigError(f"--hf_dir {hf_dir}: {what}") from None
   config = config.copy_and_resolve_references()
+  # A new model dict: config.json's values replace --config's whatever their type (a float
+  # rope_theta over an int one, a dict over None).
+  model = ml_collections.ConfigDict({**config.model.to_dict(), **fields})
+  if config.model.is_locked:
+    model.lock()
   with config.unlocked():
-    for name, value in fields.items():
-      config.model[name] = value
+    config.model = model
   return config
