@@ -52,10 +52,8 @@ from models import sharding as shd
 from training import data as data_lib
 from training.errors import EXIT_USAGE, ConfigError, UsageError
 from training import flags as flags_lib
-from training import hf_init as hf_init_lib
 from training import loading
 from training import mesh as mesh_lib
-from training import stages as stages_lib
 from training import step as step_lib
 from training import validation as val_lib
 
@@ -189,10 +187,9 @@ def evaluate(config, workdir: str | None, lengths, tasks=TASKS, *, hf_dir: str |
     raise UsageError("the kv task needs a kv_retrieval model (its token ids); with a "
                               "text model pass --tasks passkey.")
   mesh = mesh_lib.make_mesh(config.mesh)
-  config = hf_init_lib.resolve_hf_init(config)  # e.g. configs/finetune.py: init.hf_dir's shape
-  config = stages_lib.resolve(config)  # config.stages: the last stage's RoPE and length
-  # model.layout="auto": the layout train.py resolves for this config's data and ring.
-  config, _ = val_lib.resolve_layout(config, shd.ring_size(mesh.shape))
+  # init.hf_dir's shape (configs/finetune.py), --hf_dir's model, the last stage's RoPE and
+  # length, and model.layout="auto" as train.py resolves it for this data and ring.
+  config, _ = val_lib.resolve_config(config, shd.ring_size(mesh.shape), hf_dir=hf_dir)
   if not hf_dir:  # checked before anything loads; an HF model is checked once loaded
     check_lengths(val_lib.llama_config(config), mesh, lengths)
   tokenizer = (loading.load_run_tokenizer(config, workdir=workdir, hf_dir=hf_dir, log=log)

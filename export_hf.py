@@ -16,7 +16,10 @@ restores) of ``--workdir`` onto the host, with the model config the run saved
   ``data.seq_len`` if the run trained longer);
 * ``model.safetensors`` in the parameter dtype, or shards of at most
   ``--max_shard_size`` plus ``model.safetensors.index.json``;
-* the tokenizer files found in the run's ``init.hf_dir`` (:data:`TOKENIZER_FILES`).
+* the tokenizer files found in the run's ``init.hf_dir`` (:data:`TOKENIZER_FILES`);
+  ``tokenizer.json`` with a post-processor that adds the BOS / EOS the run's tokenizer
+  added (:func:`training.tokenizer.write_hf_tokenizer_json`), so ``transformers``'
+  ``AutoTokenizer`` encodes a text to the ids the run trained on.
 
 ``transformers.AutoModelForCausalLM.from_pretrained(out)`` loads the result
 (tests/test_export_hf.py checks its logits against ours, and that import ->
@@ -45,6 +48,7 @@ from training import checkpoint as ckpt_lib
 from training import errors
 from training import hf_init as hf_init_lib
 from training import step as step_lib
+from training import tokenizer as tok_lib
 from training import validation as val_lib
 
 #: Copied from the run's ``init.hf_dir`` when present.
@@ -189,7 +193,10 @@ def write_hf_dir(params, model_cfg: llama.LlamaConfig, out: str, *, hf_dir: str 
                                max_shard_bytes)
   for name in TOKENIZER_FILES if hf_dir else ():
     if os.path.isfile(os.path.join(hf_dir, name)):
-      shutil.copyfile(os.path.join(hf_dir, name), os.path.join(out, name))
+      if name == "tokenizer.json":  # the post-processor adding what training added
+        tok_lib.write_hf_tokenizer_json(hf_dir, os.path.join(out, name))
+      else:
+        shutil.copyfile(os.path.join(hf_dir, name), os.path.join(out, name))
       written.append(name)
   return written
 
@@ -200,6 +207,8 @@ def export(workdir: str, out: str, step: int | None = None,
   if os.path.isdir(out) and os.listdir(out):
     raise UsageError(f"--out {out} exists and is not empty; pass a new directory.")
   config = read_run_config(workdir)
+  # The weights do not depend on the layout; the host restores them on a ring of 1 device.
+  config, _ = val_lib.resolve_layout(config, ring_size=1)
   model_cfg = val_lib.llama_config(config)
   step, params = restore_params(workdir, model_cfg, step)
   hf_dir = hf_init_lib.hf_init_dir(config)

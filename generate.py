@@ -50,10 +50,8 @@ from models import sharding as shd
 from training import data as data_lib
 from training.errors import EXIT_USAGE, ConfigError, UsageError
 from training import flags as flags_lib
-from training import hf_init as hf_init_lib
 from training import loading
 from training import mesh as mesh_lib
-from training import stages as stages_lib
 from training import validation as val_lib
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
@@ -181,15 +179,14 @@ def run(config, *, workdir=None, hf_dir=None, prompts: list[str], max_new_tokens
     raise UsageError(f"--temperature must be >= 0, got {temperature}.")
   if not 0 < top_p <= 1:
     raise UsageError(f"--top_p must be in (0, 1], got {top_p}.")
-  config = hf_init_lib.resolve_hf_init(config)  # e.g. configs/finetune.py: init.hf_dir's shape
-  config = stages_lib.resolve(config)  # config.stages: the last stage's RoPE and length
-  tok = prompt_tokenizer(config, tokenizer, workdir=workdir, hf_dir=hf_dir, log=log)
   try:
     sizes = mesh_lib.mesh_shape(config.mesh, jax.device_count())
+    # init.hf_dir's shape (configs/finetune.py), --hf_dir's model, the last stage's RoPE and
+    # length, and model.layout="auto" as train.py resolves it for this data and ring.
+    config, _ = val_lib.resolve_config(config, shd.ring_size(sizes), hf_dir=hf_dir)
   except ConfigError as e:
     raise UsageError(str(e)) from None
-  # model.layout="auto": the layout train.py resolves for this config's data and ring.
-  config, _ = val_lib.resolve_layout(config, shd.ring_size(sizes))
+  tok = prompt_tokenizer(config, tokenizer, workdir=workdir, hf_dir=hf_dir, log=log)
   mesh = mesh_lib.make_mesh(config.mesh)
   cache_len = cache_len or config.data.seq_len
   ids = [tok.encode(p) for p in prompts]

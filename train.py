@@ -285,7 +285,7 @@ def train(config, workdir: str, *, stop_at_step: int | None = None) -> TrainResu
 
 def resolve_layout(config, num_devices: int):
   """``config`` with ``model.layout="auto"`` decided for its data on the ring its mesh makes
-  of ``num_devices`` devices (:func:`training.validation.resolve_layout`), the decision
+  of ``num_devices`` devices (:func:`training.validation.resolve_config`), the decision
   logged in one line; a named layout: ``config`` unchanged. :func:`main` resolves before it
   saves the run's config.json (so the file names the layout that ran), :func:`train` again
   for callers that skip main (a no-op on a resolved config).
@@ -296,7 +296,7 @@ def resolve_layout(config, num_devices: int):
   if config.model.layout != val_lib.AUTO_LAYOUT:
     return config
   sizes = mesh_lib.mesh_shape(config.mesh, num_devices)
-  config, line = val_lib.resolve_layout(config, shd.ring_size(sizes))
+  config, line = val_lib.resolve_config(config, shd.ring_size(sizes))
   metrics_lib.log(line)
   return config
 

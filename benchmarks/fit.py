@@ -131,8 +131,9 @@ class Planner:
     from training import validation as val_lib
 
     self.ring = shd.ring_size(sizes)
-    # model.layout="auto": what train.py resolves at startup for this data and ring.
-    config, _ = val_lib.resolve_layout(config, self.ring)
+    # init.hf_dir's model fields, config.stages and model.layout="auto": what train.py
+    # resolves at startup for this data and ring.
+    config, _ = val_lib.resolve_config(config, self.ring)
     self.config, self.sizes, self.limit = config, sizes, limit_bytes
     self.collectives = collectives
     self.mesh = mesh_lib.make_mesh(sizes, jax.devices()[:math.prod(sizes.values())])

@@ -269,7 +269,10 @@ def hf_config_dict(cfg: LlamaConfig, base: Mapping[str, Any] | None = None, *,
   ``max_position_embeddings`` are kept; ``max_position_embeddings`` is the
   larger of that and the given one (the trained context), except under
   ``dynamic`` RoPE, whose frequencies scale against it: there it is the
-  ``original_max_position_embeddings`` the run used. Windows: mistral's
+  ``original_max_position_embeddings`` the run used, and under ``yarn``, where
+  transformers reads ``max_position_embeddings / original_max_position_embeddings`` as
+  the scaling factor (and warns when it is not ``factor``): ``original * factor``, the
+  context the scaling extends to (as Qwen2.5's configs write it). Windows: mistral's
   ``sliding_window``; qwen2/qwen3's ``use_sliding_window``, ``sliding_window``,
   ``max_window_layers`` (the leading full layers) and ``layer_types``.
   """
@@ -278,8 +281,12 @@ def hf_config_dict(cfg: LlamaConfig, base: Mapping[str, Any] | None = None, *,
   positions = [p for p in (base.get("max_position_embeddings"), max_position_embeddings) if p]
   rope_scaling = dict(cfg.rope_scaling) if cfg.rope_scaling else None
   max_positions = max(positions) if positions else 2048
-  if rope_scaling and rope_scaling.get("rope_type", rope_scaling.get("type")) == "dynamic":
+  rope_type = rope_scaling.get("rope_type", rope_scaling.get("type")) if rope_scaling else None
+  if rope_type == "dynamic":
     max_positions = rope_scaling.pop("original_max_position_embeddings")
+  elif rope_type == "yarn" and rope_scaling.get("factor"):
+    max_positions = int(round(rope_scaling["original_max_position_embeddings"]
+                              * rope_scaling["factor"]))
   out = {
       "architectures": [family.architecture],
       "model_type": family.model_type,

@@ -241,6 +241,11 @@ class LlamaConfig:
       if "sliding_attention" in types and window is None:
         raise ValueError("layer_types has 'sliding_attention' layers but sliding_window is "
                          "None; set sliding_window.")
+    if self.layout == ring_jax.layouts.DOCUMENT and any(
+        w is not None for w in self.layer_windows):
+      raise ValueError(f"layout='document' does not keep the distances between tokens, so it "
+                       f"cannot apply sliding_window={window}; use layout='zigzag' or "
+                       "'contiguous' (or 'auto', which picks one the window allows).")
 
   def __hash__(self):
     # rope_scaling is a dict; hash a frozen view so configs work as static jit arguments.

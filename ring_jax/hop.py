@@ -163,6 +163,12 @@ class HopKernel(Protocol):
   Instances must be hashable (the ring's ``custom_vjp`` keeps them as static
   configuration): frozen dataclasses are. ``name`` is a class attribute
   (``ClassVar``): the kernel's key in :data:`ring_jax.kernels.HOP_KERNELS`.
+
+  Optional: ``takes_block(block: int) -> bool``, the block sizes the kernel takes
+  whatever length they tile (e.g. multiples of 128 for the TPU kernels); the ring's
+  default blocks are chosen among them (:func:`ring_jax.ring.default_block`), so only
+  a caller's explicit block can be refused by ``check``. Without it, every size
+  (:func:`takes_block`).
   """
 
   name: ClassVar[str]
@@ -182,6 +188,13 @@ class HopKernel(Protocol):
     ``out`` and ``lse`` of the ring in ``res``. The caller does not read ``acc``
     afterwards, so a kernel may update it in place (XLA buffer reuse,
     ``input_output_aliases``)."""
+
+
+def takes_block(kernel, block: int) -> bool:
+  """Whether ``kernel`` takes blocks of ``block`` tokens (dividing the length aside): its
+  optional ``takes_block`` method (see :class:`HopKernel`), else True."""
+  takes = getattr(kernel, "takes_block", None)
+  return True if takes is None else bool(takes(block))
 
 
 def v_is_finite(masks: HopMasks, v):

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -40,7 +41,7 @@ from ring_jax import layouts
 from ring_jax import scheduling
 from ring_jax import validation
 from ring_jax.hop import (HopGrads, HopKernel, HopMasks, HopResiduals, HopSpec, _varying_axes,
-                          empty_result, lse_for_backward, merge, varying_like)
+                          empty_result, lse_for_backward, merge, takes_block, varying_like)
 
 # The largest block default_block picks, per platform (jax.default_backend()): a block size,
 # or ((up to this local length, block), ..., (None, block)) steps. Each hop holds a few
@@ -83,18 +84,36 @@ def block_target(platform: str | None = None, local_len: int | None = None) -> i
 
 
 def default_block(layout: str, local_len: int, target: int | None = None, *,
-                  platform: str | None = None) -> int:
-  """Largest divisor of the layout's chunk (local length, or half for zigzag) <= target.
+                  platform: str | None = None, kernel: HopKernel | None = None) -> int:
+  """The largest divisor of the layout's chunk (local length, or half for zigzag) that is
+  <= ``target`` and that ``kernel`` takes (:func:`ring_jax.hop.takes_block`); when the
+  kernel takes none of those, the smallest divisor it takes (the one nearest the target).
 
-  ``target`` defaults to the platform's :func:`block_target`. Blocks that do not
-  straddle the zigzag chunk boundary let the schedule skip whole masked chunks.
+  ``target`` defaults to the platform's :func:`block_target`; ``kernel`` None: any block.
+  Blocks that do not straddle the zigzag chunk boundary let the schedule skip whole
+  masked chunks.
+
+  Raises:
+    ValueError: ``kernel`` takes no divisor of the chunk (naming the fix).
   """
   target = block_target(platform, local_len) if target is None else target
   chunk = local_len // 2 if layout == "zigzag" else local_len
-  for size in range(min(target, chunk), 0, -1):
-    if chunk % size == 0:
-      return size
-  return 1
+  if kernel is None:
+    for size in range(min(target, chunk), 0, -1):
+      if chunk % size == 0:
+        return size
+    return 1
+  small = [d for d in range(1, math.isqrt(chunk) + 1) if chunk % d == 0]
+  taken = [d for d in sorted(set(small + [chunk // d for d in small]))
+           if takes_block(kernel, d)]
+  if not taken:
+    raise ValueError(
+        f"hop kernel {getattr(kernel, 'name', kernel)!r} takes no block size that divides the "
+        f"{'zigzag chunk (half the local length)' if layout == 'zigzag' else 'local length'} "
+        f"of {chunk} tokens; pad the sequence so that one of its blocks divides it, or use "
+        "hop_kernel='xla'.")
+  below = [d for d in taken if d <= target]
+  return below[-1] if below else taken[0]
 
 
 def ring_attention(query, key, value, *, axis_name, is_causal: bool = False, segment_ids=None,
@@ -134,7 +153,9 @@ def ring_attention(query, key, value, *, axis_name, is_causal: bool = False, seg
     block_q, block_kv: query / key block sizes of the blockwise computation;
       must divide the local length. Default: the largest divisor of the layout's chunk
       up to the platform's :func:`block_target` (CPU 64 up to 512-token shards, else
-      128; GPU 128; TPU 512).
+      128; GPU 128; TPU 512) that the hop kernel takes (its ``takes_block``: splash and
+      pallas_tpu multiples of 128, pallas_gpu powers of two >= 16), else the smallest
+      divisor it takes (:func:`default_block`).
     precision: matmul precision (e.g. ``jax.lax.Precision.HIGHEST`` for
       float32 on TPU).
     hop_kernel: the per-hop kernel: a name from
@@ -211,14 +232,14 @@ def _make_config(query, key, value, *, axis_name, is_causal, segment_ids, scale,
   layouts.check_length(layout, ring_size, s * ring_size, "key/value length")
   if layout != "contiguous" and t != s:
     raise ValueError(f"layout={layout!r} needs equal local query and key lengths, got {t}, {s}.")
-  block_q = default_block(layout, t) if block_q is None else block_q
-  block_kv = default_block(layout, s) if block_kv is None else block_kv
+  kernel = kernels.get_hop_kernel(hop_kernel)
+  block_q = default_block(layout, t, kernel=kernel) if block_q is None else block_q
+  block_kv = default_block(layout, s, kernel=kernel) if block_kv is None else block_kv
   validation.check_block("block_q", block_q, t)
   validation.check_block("block_kv", block_kv, s)
   spec = HopSpec(scale=scale,
                  is_causal=bool(is_causal), window=window, block_q=int(block_q),
                  block_kv=int(block_kv), precision=precision)
-  kernel = kernels.get_hop_kernel(hop_kernel)
   b, _, n, h = query.shape
   kh = key.shape[2]
   kernel.check((b, t, kh, n // kh, h), tuple(key.shape), query.dtype, spec)

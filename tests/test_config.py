@@ -404,3 +404,68 @@ def test_shipped_configs_resolve_auto(name, arg, devices, want):
   if arg == "long":
     config.data.kv.docs_per_row = 1
     assert train_script.resolve_layout(config, devices).model.layout == "zigzag"
+
+
+def _tiny_hf_dir(tmp_path_factory, family: str) -> str:
+  """scripts/make_tiny_hf.py's model of ``family`` (qwen2: a 64-token window on its second
+  layer, mistral: on every layer; llama and qwen3: none), saved once per test session."""
+  from scripts import make_tiny_hf
+
+  path = str(tmp_path_factory.getbasetemp() / f"tiny_hf_{family}")
+  if not os.path.isdir(path):
+    make_tiny_hf.write_model(path, vocab_size=320, num_layers=2, family=family)
+  return path
+
+
+@pytest.mark.parametrize("family, window", [("llama", None), ("qwen2", 64), ("qwen3", None),
+                                            ("mistral", 64)])
+@pytest.mark.parametrize("how", ["hf_dir", "init.hf_dir"])
+@pytest.mark.parametrize("ring, seq_len", [(4, 256), (4, 64), (1, 256)])  # 64: zigzag
+def test_resolve_config_gives_a_layout_the_family_runs(tmp_path_factory, family, window, how,
+                                                       ring, seq_len):
+  """resolve_config, the one resolver of train/generate/evaluate/fit: with a model from a
+  script's --hf_dir or from init.hf_dir (configs/finetune.py), "auto" is decided for that
+  model's windows: packed rows get "document" without a window, and with one the layout
+  planning.choose_layout gives (contiguous when the window skips hops, else zigzag), which
+  the model and the ring's attention check accept on every layer."""
+  from models.llama import LlamaConfig
+  from ring_jax import layouts, planning
+
+  path = _tiny_hf_dir(tmp_path_factory, family)
+  if how == "hf_dir":  # --config configs/tiny.py:text --hf_dir DIR (the tiny model's fields)
+    config = tiny(**{"model.layout": "auto", "data.kind": "text", "data.seq_len": seq_len})
+    resolved, line = val_lib.resolve_config(config, ring, hf_dir=path)
+  else:
+    config = flags_lib.apply_overrides(load_config("finetune"), {
+        "init.hf_dir": path, "data.seq_len": seq_len}.items())
+    resolved, line = val_lib.resolve_config(config, ring)
+  assert resolved.model.sliding_window == window and resolved.model.family == family
+  if window is None:
+    want = "contiguous" if ring == 1 else "document"
+  else:
+    want = planning.choose_layout(ring, packed=True, local_window_size=(window - 1, 0),
+                                  local_len=seq_len // ring)[0]
+    assert want != "document"
+  assert resolved.model.layout == want and f"auto -> {want}" in line
+  assert val_lib.resolve_config(resolved, ring, hf_dir=path if how == "hf_dir" else None) == (
+      resolved, None)  # idempotent
+  fields = {n: resolved.model[n] for n in LlamaConfig.__dataclass_fields__ if n in resolved.model}
+  model_cfg = LlamaConfig.from_dict(fields)
+  for layer_window in model_cfg.layer_windows:  # what the ring's attention checks at trace time
+    layouts.check_attention_layout(
+        model_cfg.layout, segment_ids=object(),
+        local_window_size=None if layer_window is None else (layer_window - 1, 0))
+
+
+def test_document_layout_with_a_window_is_refused_up_front():
+  """A layout the model cannot run is a one-line error when the model config is built, not
+  a trace-time failure deep in the ring."""
+  from models.llama import LlamaConfig
+
+  with pytest.raises(ValueError, match=r"layout='document'.*sliding_window=8.*'zigzag'"):
+    LlamaConfig(layout="document", sliding_window=8)
+  with pytest.raises(ValueError, match=r"layout='document'.*sliding_window=8"):
+    LlamaConfig(layout="document", sliding_window=8, num_layers=2,
+                layer_types=("full_attention", "sliding_attention"))
+  assert LlamaConfig(layout="document", sliding_window=8, num_layers=2,  # no layer windowed
+                     layer_types=("full_attention", "full_attention")).layout == "document"

@@ -330,6 +330,34 @@ def test_family_must_express_the_fields():
     LlamaConfig(family="gemma")
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_yarn_export_writes_consistent_positions(tmp_path, family):
+  """YaRN (factor 4 over 64 original positions) exported from a source whose config.json has
+  4096 positions: max_position_embeddings is original * factor (256), as transformers reads
+  the factor back from it, and transformers loads the config without its implicit-factor
+  warning; the import reads the same scaling back."""
+  import logging
+
+  yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
+  cfg = LlamaConfig(family=family, qk_norm=family == "qwen3", rope_scaling=yarn)
+  out = convert_hf.hf_config_dict(cfg, {"max_position_embeddings": 4096},
+                                  max_position_embeddings=128)
+  assert out["max_position_embeddings"] == 256 and out["rope_scaling"] == yarn
+  (tmp_path / "config.json").write_text(json.dumps(out))
+  records = []
+  handler = logging.Handler()
+  handler.emit = records.append
+  hf_logger = logging.getLogger("transformers")
+  hf_logger.addHandler(handler)
+  try:
+    loaded = transformers.AutoConfig.from_pretrained(str(tmp_path))
+  finally:
+    hf_logger.removeHandler(handler)
+  assert not [r for r in records if "implicit factor" in r.getMessage()], records
+  assert loaded.max_position_embeddings == 256
+  assert convert_hf.hf_model_fields(str(tmp_path))["rope_scaling"] == yarn
+
+
 @pytest.mark.newest_jax
 def test_yarn_and_dynamic_rope_match_transformers():
   """inv_freq, attention factor and cos/sin of "yarn" (default, attention_factor, mscale /

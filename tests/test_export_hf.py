@@ -7,6 +7,7 @@ import json
 import os
 import pathlib
 import re
+import shutil
 import subprocess
 import sys
 
@@ -246,6 +247,13 @@ def test_family_import_export_is_bitwise_and_same_architecture(tmp_path, hf, fam
   assert type(exported) is type(original) and exported.architectures == original.architectures
   for key in ("sliding_window", "layer_types", "use_sliding_window", "max_window_layers",
               "tie_word_embeddings", "head_dim", "max_position_embeddings", "rope_parameters"):
+    if key == "max_position_embeddings" and (cfg.rope_scaling or {}).get("rope_type") == "yarn":
+      # qwen3's YaRN: 4 x 16 positions, where the source's 128 implies a factor of 8
+      # (transformers warns on it); the export writes the context the scaling extends to.
+      yarn = cfg.rope_scaling
+      assert exported.max_position_embeddings == (
+          yarn["original_max_position_embeddings"] * yarn["factor"]) == 64
+      continue
     assert getattr(exported, key, None) == getattr(original, key, None), key
 
 
@@ -398,6 +406,12 @@ def test_finetune_export_loads_in_transformers(readme_run, hf, tmp_path):
   tok = load_tokenizer(str(source))
   prompt = tok.encode_document(prompt_text, bos=True, eos=False).tolist()
   assert prompt[0] == tok.bos_id and len(prompt) > 2
+  # The exported tokenizer, as transformers loads it, encodes as the run's did: BOS and EOS
+  # (its config's add_bos_token / add_eos_token) around the text.
+  hf_tok = transformers.AutoTokenizer.from_pretrained(str(out))
+  for text in (prompt_text, "Each device holds one chunk.", ""):
+    assert hf_tok(text).input_ids == tok.encode_document(text).tolist(), text
+  assert hf_tok(prompt_text).input_ids[:-1] == prompt
   # generate.py samples only ids the tokenizer has (its vocab_limit); so does this.
   reloaded.generation_config.eos_token_id = None
   reloaded.generation_config.pad_token_id = 0
@@ -473,3 +487,62 @@ def test_qwen3_yarn_finetune_export_generate(tmp_path, hf):
                            max_new_tokens=12, temperature=0.0, top_p=1.0, seed=0,
                            tokenizer="ids", out=io.StringIO(), log=lambda _: None)
   assert [int(t) for t in texts_out[0].split()] == _hf_greedy(reloaded, prompt, 12)
+
+
+def _bpe_dir(path, texts, *, post_processor=None, config=None) -> str:
+  """make_tiny_hf.py's BPE (specials <unk> <s> </s>) in ``path``: its tokenizer_config.json
+  replaced by ``config`` (None: none at all), its post-processor by ``post_processor``."""
+  from scripts import make_tiny_hf
+
+  make_tiny_hf.write_tokenizer(str(path), texts, 300)
+  os.remove(os.path.join(path, "tokenizer_config.json"))
+  if config is not None:
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+  if post_processor is not None:
+    import tokenizers
+    tok = tokenizers.Tokenizer.from_file(str(path / "tokenizer.json"))
+    tok.post_processor = post_processor
+    tok.save(str(path / "tokenizer.json"))
+  return str(path)
+
+
+@pytest.mark.parametrize("kind", ["fixture", "bos_template", "none", "config_drops_bos"])
+def test_exported_tokenizer_encodes_as_the_run_did(tmp_path, hf, kind):
+  """write_hf_tokenizer_json (what export_hf.py writes as tokenizer.json): transformers'
+  AutoTokenizer on the export encodes a text to training/tokenizer.py's encode_document ids,
+  for make_tiny_hf.py's tokenizer (add_bos_token/add_eos_token in its config, no template:
+  transformers added neither), a LLaMA-3 style BOS template without config flags (kept as
+  is), one that adds nothing, and a config that turns the template's BOS off."""
+  _, transformers = hf
+  pytest.importorskip("tokenizers")
+  from tokenizers import processors
+  from scripts import make_tiny_hf
+  from training import tokenizer as tok_lib
+
+  texts = make_tiny_hf.corpus_texts(60)
+  bos = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B",
+                                      special_tokens=[("<s>", 1)])
+  source = _bpe_dir(tmp_path / "src", texts, **{
+      "fixture": dict(config=make_tiny_hf.TOKENIZER_CONFIG),
+      "bos_template": dict(post_processor=bos),
+      "none": dict(),
+      "config_drops_bos": dict(post_processor=bos, config={"add_bos_token": False}),
+  }[kind])
+  tok = tok_lib.load_tokenizer(source)
+  want_specials = {"fixture": ([1], [2]), "bos_template": ([1], []), "none": ([], []),
+                   "config_drops_bos": ([], [])}[kind]
+  out = tmp_path / "out"
+  out.mkdir()
+  tok_lib.write_hf_tokenizer_json(source, str(out / "tokenizer.json"))
+  if os.path.exists(os.path.join(source, "tokenizer_config.json")):
+    shutil.copyfile(os.path.join(source, "tokenizer_config.json"), out / "tokenizer_config.json")
+  if kind == "bos_template":  # already what training adds: copied byte for byte
+    assert (out / "tokenizer.json").read_bytes() == (tmp_path / "src" / "tokenizer.json").read_bytes()
+  hf_tok = transformers.AutoTokenizer.from_pretrained(str(out))
+  for text in ("The ring passes key and value blocks.", "a", ""):
+    ids = tok.encode_document(text).tolist()
+    head, tail = want_specials
+    assert ids == head + tok.encode(text).tolist() + tail
+    assert hf_tok(text).input_ids == ids, (kind, text)
+  assert hf_tok.decode(hf_tok("The ring").input_ids, skip_special_tokens=True) == "The ring"
+

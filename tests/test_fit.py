@@ -190,3 +190,21 @@ def test_every_strategy_compiles(attention):
     assert counts["collective-permute"] > 0
   if attention in ("ulysses", "hybrid"):
     assert counts["all-to-all"] > 0
+
+
+def test_planner_plans_the_init_hf_dir_model_with_a_layout_it_runs(tmp_path):
+  """configs/finetune.py with init.hf_dir of a Mistral (a 64-token window on every layer):
+  the planner resolves the config as train.py does (training.validation.resolve_config), so
+  it plans that model, window included, in a layout its window allows (never "document")."""
+  from configs import finetune
+  from scripts import make_tiny_hf
+  from training import flags as flags_lib
+
+  make_tiny_hf.write_model(str(tmp_path), vocab_size=320, num_layers=1, family="mistral")
+  config = flags_lib.apply_overrides(finetune.get_config(), [
+      ("init.hf_dir", str(tmp_path)), ("batch_size", 2), ("data.seq_len", 256)])
+  sizes = fit_lib.resolve_mesh(config, 2, "data=1,sequence=2")
+  planner = fit_lib.Planner(config, sizes, limit_bytes=GIB)
+  m = planner.model_cfg
+  assert (m.family, m.sliding_window, m.num_layers, m.vocab_size) == ("mistral", 64, 1, 320)
+  assert m.layout == "zigzag"  # packed text; the window reaches both devices of the ring

@@ -214,7 +214,9 @@ def test_hf_dir_family_greedy_matches_transformers_generate(tmp_path, family):
   layer, qwen3's q/k norms with YaRN, mistral's window on all) decoded on the ring with the
   sharded KV cache == transformers' greedy generate; 8 + 16 tokens pass the windows of 8, so
   decoding reads only the cache inside them. (qwen2's dynamic NTK stays at its original 32
-  positions here: transformers rescales per step past it, we at the cache length.)"""
+  positions here: transformers rescales per step past it, we at the cache length.)
+  model.layout="auto" with packed kv rows: "document" for --config's windowless model, but
+  resolved for --hf_dir's model, whose window rules it out."""
   pytest.importorskip("torch")
   pytest.importorskip("transformers")
   from test_convert_hf import _hf_greedy, hf_family_model
@@ -222,10 +224,15 @@ def test_hf_dir_family_greedy_matches_transformers_generate(tmp_path, family):
   model = hf_family_model(family, str(tmp_path / family), seed=3)
   prompt = [5, 9, 17, 33, 2, 8, 41, 7]
   want = _hf_greedy(model, prompt, 16)
-  config = tiny_config(**{"data.seq_len": 64, "model.layout": "contiguous"})
-  texts, _, _ = _run(config, None, [" ".join(map(str, prompt))], hf_dir=str(tmp_path / family),
-                     tokenizer="ids", max_new_tokens=16, cache_len=32)
+  config = tiny_config(**{"data.seq_len": 64, "model.layout": "auto"})
+  texts, _, logs = _run(config, None, [" ".join(map(str, prompt))],
+                        hf_dir=str(tmp_path / family), tokenizer="ids", max_new_tokens=16,
+                        cache_len=32)
   assert [int(t) for t in texts[0].split()] == want
+  # qwen3 has no window: packed rows on the ring of 4 keep "document"; a window of 8 on
+  # 16-token shards runs 2 of the 4 hops in "contiguous".
+  layout = "document" if family == "qwen3" else "contiguous"
+  assert f"attention=ring layout={layout}" in " ".join(logs), logs
 
 
 @pytest.mark.parametrize("kind", ["byte", "bpe"])

@@ -456,6 +456,52 @@ def test_registry_names_and_errors():
     ring_jax.ring_attention_sharded(q, q, q, mesh=mesh, hop_kernel="flash")
 
 
+@pytest.mark.parametrize("layout, local, kernel_name, want", [
+    ("contiguous", 256, "xla", 64),          # the CPU table's 64 up to 512-token shards
+    ("contiguous", 256, "splash", 128),      # multiples of 128: the smallest, nearest 64
+    ("contiguous", 256, "pallas_tpu", 128),
+    ("zigzag", 256, "pallas_tpu", 128),      # the chunk is 128 tokens
+    ("contiguous", 1024, "splash", 128),     # the table's 128 above 512-token shards
+    ("contiguous", 96, "pallas_gpu", 32),    # powers of two >= 16 dividing 96: 16, 32
+    ("contiguous", 48, "xla", 48),
+])
+def test_default_block_is_one_the_kernel_takes(layout, local, kernel_name, want):
+  """default_block: the largest divisor of the chunk up to the platform's target that the
+  kernel takes (its takes_block), else the smallest it takes; every kernel's check()
+  accepts it."""
+  kernel = kernel_for(kernel_name)
+  block = ring_jax.ring.default_block(layout, local, platform="cpu", kernel=kernel)
+  assert block == want
+  spec = HopSpec(scale=0.1, is_causal=True, window=None, block_q=block, block_kv=block)
+  kernel.check((1, local, 1, 1, 128), (1, local, 1, 128), jnp.float32, spec)
+
+
+def test_default_block_refuses_a_chunk_no_kernel_block_divides():
+  with pytest.raises(ValueError, match=r"'splash' takes no block size that divides the local "
+                                       r"length of 192 tokens.*hop_kernel='xla'"):
+    ring_jax.ring.default_block("contiguous", 192, platform="cpu", kernel=kernel_for("splash"))
+
+
+@pytest.mark.parametrize("kernel_name", sorted(TPU_INTERPRETED))
+def test_tpu_kernels_run_with_default_blocks(kernel_name):
+  """ring_attention_sharded(hop_kernel=...) on 256-token shards without blocks: the default
+  (CPU table: 64) is one the kernel takes (128), and the output matches the reference; an
+  explicit block it does not take is still refused, naming the fix."""
+  ring, local = 2, 256
+  mesh = make_mesh((ring,), ("sequence",))
+  rng = np.random.default_rng(3)
+  q = jnp.asarray(rng.standard_normal((1, ring * local, 2, 32)), jnp.float32)
+  k, v = (jnp.asarray(rng.standard_normal((1, ring * local, 1, 32)), jnp.float32)
+          for _ in range(2))
+  out = jax.jit(lambda q, k, v: ring_jax.ring_attention_sharded(
+      q, k, v, mesh=mesh, is_causal=True, hop_kernel=kernel_name))(q, k, v)
+  want = ring_jax.reference_attention(q, k, v, is_causal=True)
+  np.testing.assert_allclose(np.asarray(out), np.asarray(want), rtol=2e-5, atol=2e-5)
+  with pytest.raises(ValueError, match="block_q=64: .* needs multiples of 128; pass block_q=128"):
+    ring_jax.ring_attention_sharded(q, k, v, mesh=mesh, is_causal=True, hop_kernel=kernel_name,
+                                    block_q=64)
+
+
 def test_check_runs_at_trace_time():
   """A kernel's check() refuses shapes before anything runs, with its own message."""
 

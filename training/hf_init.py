@@ -79,3 +79,31 @@ def resolve_hf_init(config: ml_collections.ConfigDict, log=None) -> ml_collectio
     elif not same(current, value) and log is not None:
       log(f"model.{name}={current!r} overrides {value!r} of {hf_dir}/config.json")
   return config
+
+
+def with_hf_model(config: ml_collections.ConfigDict, hf_dir: str) -> ml_collections.ConfigDict:
+  """``config`` (a copy) whose model fields of :data:`models.convert_hf.HF_FIELDS` are those
+  of ``hf_dir/config.json``: the model a script's ``--hf_dir`` loads (:func:`training.loading
+  .load_model`), so whatever reads ``config.model`` before it loads (the layout resolver,
+  ``sliding_window`` included) sees that model, not ``--config``'s. The other model fields
+  (attention, layout, blocks, dtypes) stay ``config``'s.
+
+  Raises:
+    ConfigError: ``hf_dir`` has no config.json, or one this LLaMA family is not.
+  """
+  from models import convert_hf  # Local: keeps this module importable without Flax.
+
+  try:
+    fields = convert_hf.hf_model_fields(hf_dir)
+  except (OSError, ValueError, KeyError) as e:
+    what = f"config.json lacks {e}" if isinstance(e, KeyError) else str(e)
+    raise ConfigError(f"--hf_dir {hf_dir}: {what}") from None
+  config = config.copy_and_resolve_references()
+  # A new model dict: config.json's values replace --config's whatever their type (a float
+  # rope_theta over an int one, a dict over None).
+  model = ml_collections.ConfigDict({**config.model.to_dict(), **fields})
+  if config.model.is_locked:
+    model.lock()
+  with config.unlocked():
+    config.model = model
+  return config

@@ -59,9 +59,13 @@ def load_model(config, mesh, *, workdir: str | None = None, hf_dir: str | None =
     from flax import nnx
     from models import convert_hf
     m = config.model
-    model = convert_hf.load_hf_checkpoint(
-        hf_dir, mesh=mesh, attention=m.attention, layout=m.layout, block_q=m.block_q,
-        block_kv=m.block_kv, dtype=m.dtype, param_dtype=m.param_dtype)
+    try:
+      cfg = convert_hf.load_hf_config(
+          hf_dir, attention=m.attention, layout=m.layout, block_q=m.block_q,
+          block_kv=m.block_kv, dtype=m.dtype, param_dtype=m.param_dtype)
+    except ValueError as e:  # e.g. a layout the model's window rules out
+      raise errors.UsageError(f"--hf_dir {hf_dir}: {e}") from None
+    model = convert_hf.load_hf_checkpoint(hf_dir, cfg, mesh=mesh)
     log(f"loaded {hf_dir}")
     return model.cfg, nnx.split(model, nnx.Param, ...)[1]
   model_cfg = val_lib.llama_config(config)

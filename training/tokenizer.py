@@ -245,3 +245,49 @@ def load_tokenizer(spec: str | None) -> Tokenizer:
     raise ValueError("data.tokenizer is empty; use 'byte', a tokenizer.json, a SentencePiece "
                      ".model, or a Hugging Face model directory.")
   return _load(spec if spec == BYTE else os.path.abspath(os.path.expanduser(spec)))
+
+
+def write_hf_tokenizer_json(spec: str, out_path: str) -> None:
+  """Writes the ``tokenizer.json`` of ``spec`` (a ``tokenizers`` tokenizer) to ``out_path``
+  so that Hugging Face ``transformers`` encodes a text to the ids :meth:`Tokenizer
+  .encode_document` gives: ``AutoTokenizer`` adds the specials the file's post-processor
+  adds, not what ``tokenizer_config.json``'s ``add_bos_token`` / ``add_eos_token`` say. A
+  file whose post-processor already adds exactly ``[BOS]`` / ``[EOS]`` as this tokenizer
+  does is copied as is; otherwise its post-processor becomes a ``TemplateProcessing``
+  adding them (``"<s>:0 $A:0 </s>:0"``, as transformers' LlamaTokenizerFast writes for
+  those flags), after a ``ByteLevel`` one if there is one (offsets only).
+
+  Raises:
+    ValueError: ``spec`` is not a ``tokenizer.json`` tokenizer.
+  """
+  import shutil
+
+  import tokenizers
+  from tokenizers import processors
+
+  tok = load_tokenizer(spec)
+  if tok.kind != "tokenizers":
+    raise ValueError(f"{spec!r} is a {tok.kind} tokenizer, not a tokenizer.json one.")
+  path = resolve_tokenizer_file(spec)
+  impl = tokenizers.Tokenizer.from_file(path)
+  want = tok.encode_document("a").tolist()
+  if impl.encode("a", add_special_tokens=True).ids == want:
+    shutil.copyfile(path, out_path)
+    return
+  specials, single, pair = [], ["$A:0"], ["$B:1"]
+  for add, token_id, at in ((tok.add_bos, tok.bos_id, 0), (tok.add_eos, tok.eos_id, None)):
+    if not add:
+      continue
+    content = impl.id_to_token(token_id)
+    specials.append((content, token_id))
+    for seq, part in ((single, 0), (pair, 1)):
+      seq.insert(len(seq) if at is None else at, f"{content}:{part}")
+  template = processors.TemplateProcessing(single=" ".join(single),
+                                           pair=" ".join(single + pair), special_tokens=specials)
+  existing = impl.post_processor
+  impl.post_processor = (processors.Sequence([existing, template])
+                         if isinstance(existing, processors.ByteLevel) else template)
+  got = impl.encode("a", add_special_tokens=True).ids
+  if got != want:  # a tokenizer this function does not understand: say so, write nothing
+    raise ValueError(f"{spec!r}: the rewritten post-processor encodes 'a' to {got}, not {want}.")
+  impl.save(out_path)

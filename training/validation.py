@@ -4,7 +4,8 @@ Every check in :func:`validate_config` looks at static numbers only, so a bad
 config fails with a message naming the fix before anything is traced or
 compiled; :func:`validate_stages` runs it for each of ``config.stages``.
 :func:`resolve_layout` decides ``model.layout="auto"`` once for the run's data and
-ring, before anything reads the layout.
+ring, before anything reads the layout; :func:`resolve_config` is every entry point's one
+call that decides the model that will run (Hugging Face fields, stages, then the layout).
 :func:`llama_config` turns ``config.model`` into the model's frozen
 ``LlamaConfig`` (its own field checks raise :class:`ConfigError` too), and
 :func:`resolve_attention` decides ``model.attention="auto"`` for the run's shapes.
@@ -23,6 +24,7 @@ from models.attention import ATTENTION_BACKENDS
 from models import sharding as shd
 from ring_jax import kernels, layouts, planning
 from ring_jax.strategies import attention_axes
+from training import hf_init as hf_init_lib
 from training import mesh as mesh_lib
 from training import stages as stages_lib
 from training.errors import ConfigError
@@ -442,6 +444,28 @@ def packs_documents(data_config: ml_collections.ConfigDict) -> tuple[bool, str]:
   return False, f"data.kind={data_config.kind!r}"
 
 
+def resolve_config(config: ml_collections.ConfigDict, ring_size: int, *, hf_dir: str | None = None,
+                   log=None) -> tuple[ml_collections.ConfigDict, str | None]:
+  """``(config, line)``: ``config`` with the model that will run decided, in the order each
+  step needs the one before: ``init.hf_dir``'s model fields
+  (:func:`training.hf_init.resolve_hf_init`, ``log`` gets its overrides), then a script's
+  ``hf_dir`` (:func:`training.hf_init.with_hf_model`: the model ``--hf_dir`` loads), then
+  ``config.stages`` (:func:`training.stages.resolve`), then ``model.layout="auto"`` on a ring
+  of ``ring_size`` (:func:`resolve_layout`, whose startup ``line`` is returned). The one
+  resolver train.py, generate.py, evaluate.py and benchmarks/fit.py call, so the layout
+  ``auto`` gives is one the loaded model runs (a window rules out ``"document"``).
+  Idempotent.
+
+  Raises:
+    ConfigError: from any of the steps, naming the fix.
+  """
+  config = hf_init_lib.resolve_hf_init(config, log=log)
+  if hf_dir:
+    config = hf_init_lib.with_hf_model(config, hf_dir)
+  config = stages_lib.resolve(config)
+  return resolve_layout(config, ring_size)
+
+
 def resolve_layout(config: ml_collections.ConfigDict,
                    ring_size: int) -> tuple[ml_collections.ConfigDict, str | None]:
   """``(config, line)``: ``model.layout="auto"`` decided for the run's data on a ring of
@@ -463,6 +487,9 @@ def resolve_layout(config: ml_collections.ConfigDict,
   # models.llama: attention is always causal; a sliding window (Mistral, Qwen2/3 fields of
   # config.model) rules out "document" and may favour "contiguous" (the ring skips hops).
   window = config.model.get("sliding_window")
+  types = config.model.get("layer_types")
+  if types is not None and "sliding_attention" not in tuple(types):
+    window = None  # a window no layer applies
   layout, why = planning.choose_layout(
       ring_size, packed=packed, is_causal=True,
       local_window_size=None if window is None else (int(window) - 1, 0),

@@ -391,6 +391,10 @@ class PallasGpuHopKernel:
 
   # --------------------------------------------------------------------------- checks
 
+  def takes_block(self, block: int) -> bool:
+    """Powers of two >= 16 (Triton tensor sizes; ``tl.dot`` needs >= 16)."""
+    return _is_pow2_at_least_16(block)
+
   def check(self, q_shape, kv_shape, dtype, spec) -> None:
     """Raises ``ValueError`` (naming the fix) for shapes Triton cannot take."""
     if len(q_shape) != 5 or len(kv_shape) != 4:
@@ -415,7 +419,7 @@ class PallasGpuHopKernel:
           "dimensions >= 16); pad the head dim or use hop_kernel='xla'.")
     for name, block, length, what in (("block_q", spec.block_q, t, "local query length"),
                                       ("block_kv", spec.block_kv, s, "local key length")):
-      if not _is_pow2_at_least_16(block):
+      if not self.takes_block(block):
         raise ValueError(
             f"pallas_gpu hop kernel: {name}={block} must be a power of two >= 16 (Triton "
             f"tensor sizes are powers of two, tl.dot needs >= 16); e.g. {name}=64 or 128.")

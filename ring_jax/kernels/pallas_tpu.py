@@ -321,6 +321,10 @@ class PallasTpuHopKernel:
 
   # ---- shapes -------------------------------------------------------------------------
 
+  def takes_block(self, block: int) -> bool:
+    """Multiples of 128 (:func:`takes_tpu_block`); the ring's default blocks are such."""
+    return takes_tpu_block(block)
+
   def check(self, q_shape, kv_shape, dtype, spec) -> None:
     """Raises ``ValueError`` naming the fix when the TPU kernel cannot run these shapes."""
     check_tpu_shapes("pallas_tpu", "the TPU kernel", q_shape, kv_shape, dtype, spec)
@@ -585,6 +589,11 @@ def _segment_ids_int32(q_seg, kv_seg):
   return code(q_seg), code(kv_seg)
 
 
+def takes_tpu_block(block: int) -> bool:
+  """The blocks every TPU hop kernel here takes: multiples of 128 (the lane width)."""
+  return block > 0 and block % NUM_LANES == 0
+
+
 def check_tpu_shapes(name: str, who: str, q_shape, kv_shape, dtype, spec) -> None:
   """The shape rules every TPU hop kernel here shares (``name``: the kernel's registry name,
   ``who``: how messages call it): q ``[B, T, K, G, H]`` against k/v ``[B, S, K, H]``, blocks
@@ -600,7 +609,7 @@ def check_tpu_shapes(name: str, who: str, q_shape, kv_shape, dtype, spec) -> Non
                      "(kv heads and head dim must agree).")
   for what_block, blk, length, what in (("block_q", spec.block_q, t, "T (local query length)"),
                                         ("block_kv", spec.block_kv, s, "S (local key length)")):
-    if blk <= 0 or blk % NUM_LANES:
+    if not takes_tpu_block(blk):
       raise ValueError(
           f"{what_block}={blk}: {who} needs multiples of {NUM_LANES}; pass "
           f"{what_block}={max(NUM_LANES, -(-max(blk, 1) // NUM_LANES) * NUM_LANES)} or "

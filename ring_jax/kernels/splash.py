@@ -128,6 +128,10 @@ class SplashHopKernel:
   name: ClassVar[str] = "splash"
   interpret: bool | None = None
 
+  def takes_block(self, block: int) -> bool:
+    """Multiples of 128 (:func:`ring_jax.kernels.pallas_tpu.takes_tpu_block`)."""
+    return pallas_tpu.takes_tpu_block(block)
+
   def check(self, q_shape, kv_shape, dtype, spec) -> None:
     """Raises ``ValueError`` naming the fix when splash cannot run this hop."""
     pallas_tpu.check_tpu_shapes("splash", "splash", q_shape, kv_shape, dtype, spec)

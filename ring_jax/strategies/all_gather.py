@@ -53,8 +53,9 @@ def _local(query, key, value, segment_ids, *, axis_name, options: AttentionOptio
   kh = key.shape[2]
   layout = options.layout
   validation.check_split(layout, n, n * t, what="query length")
-  cfg = LocalConfig(spec=options.hop_spec(h, local_len=t, block_length=t),
-                    kernel=kernels.get_hop_kernel(options.hop_kernel), gather_axis=axis_name)
+  kernel = kernels.get_hop_kernel(options.hop_kernel)
+  cfg = LocalConfig(spec=options.hop_spec(h, local_len=t, block_length=t, kernel=kernel),
+                    kernel=kernel, gather_axis=axis_name)
   q_pos = layouts.local_positions(layout, n, t, jax.lax.axis_index(axis_name))
   kv_pos = jnp.asarray(layouts.layout_positions(layout, n, n * t), jnp.int32)
   if segment_ids is not None:

@@ -63,14 +63,19 @@ class AttentionOptions:
                 hop_kernel=self.hop_kernel, return_lse=self.return_lse,
                 overlap_dkv=self.overlap_dkv, causal_routing=self.causal_routing)
 
-  def hop_spec(self, head_dim: int, local_len: int, block_length: int) -> HopSpec:
+  def hop_spec(self, head_dim: int, local_len: int, block_length: int,
+               kernel=None) -> HopSpec:
     """The hop kernel's static spec; default blocks divide the layout's chunk of
-    ``local_len`` (so they never straddle two chunks of the sequence) and every block
-    must divide ``block_length``, the length the blocks tile."""
+    ``local_len`` (so they never straddle two chunks of the sequence), are ones ``kernel``
+    (the :class:`ring_jax.hop.HopKernel` that runs) takes (:func:`ring_jax.ring
+    .default_block`), and every block must divide ``block_length``, the length the
+    blocks tile."""
     window = scheduling.normalize_window(self.local_window_size)
     scale = validation.check_scale(self.scale, head_dim, "float32")
-    block_q = default_block(self.layout, local_len) if self.block_q is None else self.block_q
-    block_kv = default_block(self.layout, local_len) if self.block_kv is None else self.block_kv
+    block_q = (default_block(self.layout, local_len, kernel=kernel) if self.block_q is None
+               else self.block_q)
+    block_kv = (default_block(self.layout, local_len, kernel=kernel) if self.block_kv is None
+                else self.block_kv)
     validation.check_block("block_q", block_q, block_length)
     validation.check_block("block_kv", block_kv, block_length)
     return HopSpec(scale=scale, is_causal=bool(self.is_causal), window=window,

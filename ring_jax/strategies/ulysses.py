@@ -75,8 +75,9 @@ def _local(query, key, value, segment_ids, *, axis_name, options: AttentionOptio
   b, t, _, h = query.shape
   layout = options.layout
   validation.check_split(layout, u, u * t, what="query length")
-  cfg = LocalConfig(spec=options.hop_spec(h, local_len=t, block_length=u * t),
-                    kernel=kernels.get_hop_kernel(options.hop_kernel))
+  kernel = kernels.get_hop_kernel(options.hop_kernel)
+  cfg = LocalConfig(spec=options.hop_spec(h, local_len=t, block_length=u * t, kernel=kernel),
+                    kernel=kernel)
   q, k, v, seg = gather_heads(query, key, value, segment_ids, axis_name)
   pos = jnp.asarray(layouts.layout_positions(layout, u, u * t), jnp.int32)
   nq, nk = q.shape[2], k.shape[2]
