@@ -286,9 +286,10 @@ def train(config, workdir: str, *, stop_at_step: int | None = None) -> TrainResu
 def resolve_layout(config, num_devices: int):
   """``config`` with ``model.layout="auto"`` decided for its data on the ring its mesh makes
   of ``num_devices`` devices (:func:`training.validation.resolve_config`), the decision
-  logged in one line; a named layout: ``config`` unchanged. :func:`main` resolves before it
-  saves the run's config.json (so the file names the layout that ran), :func:`train` again
-  for callers that skip main (a no-op on a resolved config).
+  logged in one line; a named layout: ``config`` unchanged. :func:`main` resolves it before
+  :func:`train`, which saves the resolved config (:func:`save_run_config`, so config.json names
+  the layout that ran); :func:`train` resolves again for callers that skip main (a no-op on a
+  resolved config).
 
   Raises:
     ConfigError: ``config.mesh`` does not fit ``num_devices`` devices.
@@ -747,7 +748,7 @@ def main(argv) -> None:
     config = _CONFIG.value
     # Gin is only another syntax for the same ConfigDict fields (applied after --config.*).
     config = flags_lib.apply_gin(config, _GIN_FILE.value, _GIN_PARAM.value)
-    # Before the config is saved: the workdir's config.json then names the model's real shape.
+    # Resolved before train() saves it: the workdir's config.json names the model's real shape.
     config = hf_init_lib.resolve_hf_init(config)
     config = stages_lib.resolve(config)  # config.stages explicit; top level = the last stage
     val_lib.validate_distributed(config)  # Needed before the processes connect.
@@ -762,7 +763,7 @@ def main(argv) -> None:
   distributed_lib.start_watchdog(  # A no-op on one process.
       config.distributed, ckpt_lib.checkpoint_directory(workdir),
       shlex.join(_resume_command()), steps=ckpt_lib.complete_steps)
-  try:  # Before config.json is written: it then names the layout the run trains in.
+  try:  # Resolved before train() saves it: config.json names the layout the run trains in.
     config = resolve_layout(config, jax.device_count())
   except errors.ConfigError as e:
     _fail(EXIT_USAGE, f"config error: {e}")
