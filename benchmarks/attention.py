@@ -101,7 +101,7 @@ def paper_local(paper_fn, *, is_causal, chunk, dtype):
 # ----------------------------------------------------------------------------
 
 #: ``ring-<layout>+<suffix>``: the ring's ``causal_routing`` (no suffix: the library's
-#: default, routed for causal contiguous only, ``ring_jax.scheduling.check_routing``).
+#: default, routed for causal contiguous only, ``ring_jax.routing.check_routing``).
 ROUTING_SUFFIXES = {"routed": True, "full": False}
 #: ``ring-<layout>+overlap``: ``overlap_dkv=True`` (combines with a routing suffix).
 OVERLAP_SUFFIX = "overlap"

@@ -61,6 +61,7 @@ from typing import NamedTuple
 import numpy as np
 
 from ring_jax import layouts
+from ring_jax import masking
 
 
 class DocumentLayout(NamedTuple):
@@ -232,7 +233,7 @@ def token_work(segment_ids, permutation, ring_size: int) -> np.ndarray:
 def block_work(segment_ids, layout: str, ring_size: int, block_q: int, block_kv: int,
                is_causal: bool = True) -> np.ndarray:
   """int64 ``[B, n, n]``: block pairs device ``d`` computes at hop ``h`` (``[b, d, h]``),
-  from the same :func:`ring_jax.scheduling.block_table` the ring builds at every hop.
+  from the same :func:`ring_jax.masking.block_table` the ring builds at every hop.
 
   ``segment_ids`` ``[B, L]`` in ``layout`` order (for ``"document"``,
   :attr:`DocumentLayout.segment_ids`). Each row is counted on its own (as with batch 1).
@@ -240,8 +241,6 @@ def block_work(segment_ids, layout: str, ring_size: int, block_q: int, block_kv:
   hops for each device's work; hops are synchronous, so a pass costs
   ``max(axis=1).sum(-1)`` (the critical path).
   """
-  from ring_jax import scheduling  # noqa: PLC0415 (scheduling imports layouts, not this)
-
   seg = np.asarray(segment_ids)
   b, length = seg.shape
   local = layouts.check_length(layout, ring_size, length)
@@ -252,8 +251,8 @@ def block_work(segment_ids, layout: str, ring_size: int, block_q: int, block_kv:
     for d in range(ring_size):
       for h in range(ring_size):
         src = (d - h) % ring_size
-        table = scheduling.block_table(pos[d], pos[src], shards[r, d][None], shards[r, src][None],
-                                       block_q, block_kv, is_causal, None)
+        table = masking.block_table(pos[d], pos[src], shards[r, d][None], shards[r, src][None],
+                                    block_q, block_kv, is_causal, None)
         lo, hi = table.q_ranges[0, :, 0], table.q_ranges[0, :, 3]
         work[r, d, h] = int((hi - lo).sum())
   return work

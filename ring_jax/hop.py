@@ -47,7 +47,7 @@ so a query's causal/window-visible keys form one contiguous index range;
 kernels may rely on that (the splash kernel's element mask is that range), and every
 shard the ring builds has it. Which block pairs
 to compute, and which of them need the elementwise mask, is decided once per
-hop, in :func:`ring_jax.scheduling.block_table` (``HopMasks.blocks``); kernels
+hop, in :func:`ring_jax.masking.block_table` (``HopMasks.blocks``); kernels
 loop over that table (:func:`fold_blocks`) and compute the element mask of a
 pair from positions and ids. Per-hop metadata is at most per block (never a
 ``[T, S]`` array).
@@ -78,7 +78,7 @@ import jax
 import jax.numpy as jnp
 from jax._src import config as jax_config
 
-from ring_jax import scheduling
+from ring_jax import masking
 
 
 class HopMasks(NamedTuple):
@@ -88,8 +88,8 @@ class HopMasks(NamedTuple):
   q_positions / kv_positions: int32 ``[T]`` / ``[S]`` global token positions
     (increasing within a shard in every layout).
   q_segment_ids / kv_segment_ids: integer ``[B, T]`` / ``[B, S]`` or None (0 =
-    padding, any other value a document; see :func:`ring_jax.scheduling.segment_mask`).
-  blocks: the hop's :class:`ring_jax.scheduling.BlockTable`: which block pairs to
+    padding, any other value a document; see :func:`ring_jax.masking.segment_mask`).
+  blocks: the hop's :class:`ring_jax.masking.BlockTable`: which block pairs to
     compute and which need the elementwise mask. Kernels loop over it and decide
     nothing else about blocks.
   v_finite: bool scalar or None: whether this hop's V shard is all finite,
@@ -101,18 +101,18 @@ class HopMasks(NamedTuple):
   kv_positions: jax.Array
   q_segment_ids: jax.Array | None = None
   kv_segment_ids: jax.Array | None = None
-  blocks: scheduling.BlockTable | None = None
+  blocks: masking.BlockTable | None = None
   v_finite: jax.Array | None = None
 
   @classmethod
   def build(cls, spec: "HopSpec", q_positions, kv_positions, q_segment_ids=None,
             kv_segment_ids=None, v_finite=None) -> "HopMasks":
-    """Masks with their block table (:func:`ring_jax.scheduling.block_table`) for ``spec``."""
-    blocks = scheduling.block_table(q_positions, kv_positions, q_segment_ids, kv_segment_ids,
-                                    spec.block_q, spec.block_kv, spec.is_causal, spec.window)
+    """Masks with their block table (:func:`ring_jax.masking.block_table`) for ``spec``."""
+    blocks = masking.block_table(q_positions, kv_positions, q_segment_ids, kv_segment_ids,
+                                 spec.block_q, spec.block_kv, spec.is_causal, spec.window)
     return cls(q_positions, kv_positions, q_segment_ids, kv_segment_ids, blocks, v_finite)
 
-  def table(self) -> scheduling.BlockTable:
+  def table(self) -> masking.BlockTable:
     """``blocks``, or a ``ValueError`` naming the fix when the masks were built without it."""
     if self.blocks is None:
       raise ValueError("HopMasks.blocks is None: build hop masks with "
@@ -193,7 +193,7 @@ def fold_blocks(row, step, carry, may_mask: bool = True, num_blocks: int | None 
                 mask_all: bool = False):
   """Folds ``step(j, carry, masked)`` over the blocks ``lo <= j < hi`` of one range row.
 
-  ``row`` = ``(lo, full_lo, full_hi, hi)`` of a :class:`ring_jax.scheduling.BlockTable`
+  ``row`` = ``(lo, full_lo, full_hi, hi)`` of a :class:`ring_jax.masking.BlockTable`
   (scalars, or an array/ref of 4): ``masked=False`` on ``[full_lo, full_hi)``
   (visible everywhere), ``True`` on the rest, so each body is compiled with its
   masking known statically. Two loops: the masked blocks on both sides of the full

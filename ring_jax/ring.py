@@ -6,7 +6,7 @@ starts with its own K/V shard and, at hop ``h``, holds the shard of device
 ``(i - h) mod n``. Each hop folds blockwise attention against that shard into
 a float32 online-softmax carry (:mod:`ring_jax.hop`); the next shard's
 transfer is issued before the hop's compute so XLA can overlap the two. Only
-the hops ``first..last`` of :func:`ring_jax.scheduling.hop_range` run (a
+the hops ``first..last`` of :func:`ring_jax.routing.hop_range` run (a
 local window on the contiguous layout needs a few neighbouring shards; the
 whole ring is ``0..n-1``), both passes in one loop (:func:`_over_hops`).
 
@@ -20,7 +20,7 @@ hop's scores).
 With causal routing (:func:`_forward_routed`, :func:`_backward_routed`; the
 default for causal contiguous rings, ``causal_routing=True`` for the others)
 each part of a shard travels only to the devices that can see it, along the
-routes of :func:`ring_jax.scheduling.routes` (zigzag: both chunks backward, the
+routes of :func:`ring_jax.routing.routes` (zigzag: both chunks backward, the
 late ones only as far as they are seen), and each dK/dV accumulator goes home
 from the last device that uses it; each hop's own transfers are picked in the
 hop loop by a ``lax.switch`` (:func:`_hop_send`).
@@ -37,7 +37,8 @@ import numpy as np
 
 from ring_jax import kernels
 from ring_jax import layouts
-from ring_jax import scheduling
+from ring_jax import masking
+from ring_jax import routing
 from ring_jax import validation
 from ring_jax.hop import (HopGrads, HopKernel, HopMasks, HopResiduals, HopSpec, _varying_axes,
                           empty_result, lse_for_backward, merge, varying_like)
@@ -64,9 +65,9 @@ class _RingConfig:
   spec: HopSpec
   kernel: HopKernel
   return_lse: bool = False
-  hops: tuple[int, int] = (0, 0)  # (first, last) hops run (scheduling.hop_range)
+  hops: tuple[int, int] = (0, 0)  # (first, last) hops run (routing.hop_range)
   overlap_dkv: bool = False
-  routes: scheduling.Routes | None = None  # None: every shard goes all the way round
+  routes: routing.Routes | None = None  # None: every shard goes all the way round
 
 
 def block_target(platform: str | None = None, local_len: int | None = None) -> int:
@@ -157,13 +158,13 @@ def ring_attention(query, key, value, *, axis_name, is_causal: bool = False, seg
       buffers per device (worth it where a hop's compute is short next to
       the transfer: small local lengths on fast chips).
     causal_routing: move each K/V part only to the devices that can see it
-      (:func:`ring_jax.scheduling.routes`), forward and backward (dK/dV then
+      (:func:`ring_jax.routing.routes`), forward and backward (dK/dV then
       go home straight from the last device that uses them). Contiguous
       causal: half the K/V bytes; zigzag (and document): 0.75x, both chunks
       going backward; both with the same work at every hop as the full
       rotation; striped: nothing to drop (every device sees every shard).
       Exact in every case. ``None`` (default): on for causal contiguous rings,
-      off otherwise (:func:`ring_jax.scheduling.check_routing`,
+      off otherwise (:func:`ring_jax.routing.check_routing`,
       docs/performance.md); ``True`` / ``False`` force it.
 
   Returns:
@@ -201,7 +202,7 @@ def _make_config(query, key, value, *, axis_name, is_causal, segment_ids, scale,
                  hop_kernel, return_lse=False, overlap_dkv=False,
                  causal_routing=None) -> _RingConfig:
   layouts.check_layout(layout)
-  window = scheduling.normalize_window(local_window_size)
+  window = masking.normalize_window(local_window_size)
   validation.check_qkv(query, key, value, is_causal=is_causal or window is not None,
                        segment_ids=segment_ids)
   scale = validation.check_scale(scale, query.shape[-1], "float32")
@@ -222,10 +223,10 @@ def _make_config(query, key, value, *, axis_name, is_causal, segment_ids, scale,
   b, _, n, h = query.shape
   kh = key.shape[2]
   kernel.check((b, t, kh, n // kh, h), tuple(key.shape), query.dtype, spec)
-  hops = scheduling.hop_range(layout, ring_size, s, bool(is_causal), window)
+  hops = routing.hop_range(layout, ring_size, s, bool(is_causal), window)
   routes = None
-  if scheduling.check_routing(causal_routing, layout, is_causal) and t == s and ring_size > 1:
-    routes = scheduling.routes(layout, ring_size, s, bool(is_causal), window)
+  if routing.check_routing(causal_routing, layout, is_causal) and t == s and ring_size > 1:
+    routes = routing.routes(layout, ring_size, s, bool(is_causal), window)
     routes = routes if routes.routed else None
   return _RingConfig(axis_name=axis_name, ring_size=ring_size, layout=layout, spec=spec,
                      kernel=kernel, return_lse=bool(return_lse),
@@ -263,7 +264,7 @@ def _over_hops(cfg: _RingConfig, step, state, *, peel_first: bool):
   """Runs ``step(h, state, name=, first=, last=)`` for the hops ``first..last`` the ring runs.
 
   The whole ring is ``(0, n - 1)``; a window on the contiguous layout runs fewer
-  (:func:`ring_jax.scheduling.hop_range`). ``last`` (nothing left to send) is
+  (:func:`ring_jax.routing.hop_range`). ``last`` (nothing left to send) is
   peeled off the loop, and with ``peel_first`` the first hop too (``first=True``:
   nothing has arrived yet); the hops between run in one ``fori_loop`` (inline when
   there is one), named ``hop``. Profiles name the peeled ones ``hop_0`` and ``last_hop``.
@@ -309,7 +310,7 @@ def _hop_send(i, rows, span, axis_name, parts, reverse: bool = False):
   return jax.lax.switch(i - lo, [branch(rows[h]) for h in range(lo, hi)], parts)
 
 
-def _parts(routes: scheduling.Routes, *xs):
+def _parts(routes: routing.Routes, *xs):
   """Per stream, each array's slice of the local shard (axis 1)."""
   return [tuple(None if x is None else x[:, s.start:s.stop] for x in xs) for s in routes.streams]
 
@@ -342,9 +343,9 @@ def _routed_masks(cfg: _RingConfig, device, hop, q_pos, seg, kv_seg, v_finite=No
 
 
 def _forward_routed(cfg: _RingConfig, q, k, v, seg):
-  """:func:`_forward` on the routes of :func:`ring_jax.scheduling.routes`: the hops in one
+  """:func:`_forward` on the routes of :func:`ring_jax.routing.routes`: the hops in one
   ``fori_loop`` (the last peeled; inline when one is left), each hop's own transfers
-  (:attr:`ring_jax.scheduling.Stream.arrive`) picked by :func:`_hop_send`."""
+  (:attr:`ring_jax.routing.Stream.arrive`) picked by :func:`_hop_send`."""
   routes = cfg.routes
   first, last = cfg.hops
   hops = list(range(first, last + 1))
@@ -389,7 +390,7 @@ def _forward_routed(cfg: _RingConfig, q, k, v, seg):
 def _backward_routed(cfg: _RingConfig, q, k, v, seg, res):
   """:func:`_backward` on the routes: each part's float32 dK/dV accumulator follows the part
   along its path and goes home from the last device that uses it
-  (:attr:`ring_jax.scheduling.Stream.home`); returns float32 ``(dq, dk, dv)``."""
+  (:attr:`ring_jax.routing.Stream.home`); returns float32 ``(dq, dk, dv)``."""
   routes, axis = cfg.routes, cfg.axis_name
   first, last = cfg.hops
   hops = list(range(first, last + 1))

@@ -20,8 +20,8 @@ the slow link at every one of its ``n - 1`` hops, the two-level ring only
 ``n_o - 1`` times, each behind ``n_i`` hops of compute.
 
 With causal routing (``causal_routing``, the flat ring's rule) the outer transfers follow
-:func:`ring_jax.scheduling.group_routes`, the flat ring's routes
-(:func:`ring_jax.scheduling.routes`) with groups as members: each part of a group's
+:func:`ring_jax.routing.group_routes`, the flat ring's routes
+(:func:`ring_jax.routing.routes`) with groups as members: each part of a group's
 buffer goes only to the groups that see it. Contiguous causal: group ``j``'s buffer goes
 ``j -> j+1 -> ... -> n_o-1`` and no further (groups before ``j`` see none of it, and the
 wrap would carry it to them): at step ``s`` only the groups ``s..n_o-2`` send, half the
@@ -70,7 +70,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ring_jax import layouts
-from ring_jax import scheduling
+from ring_jax import routing
 from ring_jax import validation
 from ring_jax.hop import (HopGrads, HopMasks, HopResiduals, empty_result,
                           lse_for_backward, merge, varying_like)
@@ -83,7 +83,7 @@ class _TwoLevelConfig:
   ring: _RingConfig    # the combined ring: axis_name (outer, inner), ring_size n_o * n_i
   outer: _RingConfig   # the same computation over the outer axis (n_o groups, all hops)
   inner: _RingConfig   # ... and over the inner axis (n_i devices, all hops)
-  routes: scheduling.Routes  # the outer ring's (scheduling.group_routes; full or routed)
+  routes: routing.Routes  # the outer ring's (routing.group_routes; full or routed)
 
 
 def split_axes(axis_name) -> tuple[str, str]:
@@ -114,9 +114,9 @@ def two_level_ring_attention(query, key, value, *, axis_name, is_causal: bool = 
   the flat ring over both axes).
 
   ``causal_routing`` routes the outer transfers (the slow links) as the flat ring routes
-  its hops (:func:`ring_jax.scheduling.group_routes`), with the same rule
-  (:func:`ring_jax.scheduling.check_routing`: ``None`` the flat ring's default, on for
-  causal rings in :data:`ring_jax.scheduling.ROUTED_BY_DEFAULT`, contiguous today;
+  its hops (:func:`ring_jax.routing.group_routes`), with the same rule
+  (:func:`ring_jax.routing.check_routing`: ``None`` the flat ring's default, on for
+  causal rings in :data:`ring_jax.routing.ROUTED_BY_DEFAULT`, contiguous today;
   ``True`` / ``False`` force it), so one or two sequence axes behave alike: each part
   of a group's K/V goes only to the groups that see it, and its dK/dV comes home from
   the last group that uses it. Causal contiguous: half the outer K/V bytes; zigzag and
@@ -134,13 +134,13 @@ def two_level_ring_attention(query, key, value, *, axis_name, is_causal: bool = 
                      layout=layout, block_q=block_q, block_kv=block_kv, precision=precision,
                      hop_kernel=hop_kernel, return_lse=return_lse, overlap_dkv=overlap_dkv,
                      causal_routing=False)  # the flat ring's routes do not apply (below)
-  routed = (scheduling.check_routing(causal_routing, layout, is_causal) and n_o > 1
+  routed = (routing.check_routing(causal_routing, layout, is_causal) and n_o > 1
             and query.shape[1] == key.shape[1])
-  routes = scheduling.group_routes(layout, n_o, n_i, key.shape[1], bool(is_causal),
-                                   cfg.spec.window, routed=routed)
+  routes = routing.group_routes(layout, n_o, n_i, key.shape[1], bool(is_causal),
+                                cfg.spec.window, routed=routed)
   if routes.kv_fraction() == 1:  # nothing dropped (striped, no mask): the full rotation
-    routes = scheduling.group_routes(layout, n_o, n_i, key.shape[1], bool(is_causal),
-                                     cfg.spec.window, routed=False)
+    routes = routing.group_routes(layout, n_o, n_i, key.shape[1], bool(is_causal),
+                                  cfg.spec.window, routed=False)
   tl = _TwoLevelConfig(
       ring=cfg,
       outer=dataclasses.replace(cfg, axis_name=outer, ring_size=n_o, hops=(0, n_o - 1)),
@@ -154,7 +154,7 @@ def _where(tl: _TwoLevelConfig):
   return jax.lax.axis_index(tl.outer.axis_name), jax.lax.axis_index(tl.inner.axis_name)
 
 
-def _source(tl: _TwoLevelConfig, stream: scheduling.Stream, g, r, step, hop):
+def _source(tl: _TwoLevelConfig, stream: routing.Stream, g, r, step, hop):
   """Ring index of the device whose ``stream`` part ``(g, r)`` holds at outer ``step``,
   inner ``hop`` (int or traced): group ``stream.source(g, step)``, member ``r - hop``."""
   n_o, n_i = tl.outer.ring_size, tl.inner.ring_size
@@ -165,7 +165,7 @@ def _masks(tl: _TwoLevelConfig, g, r, step, hop, q_pos, q_seg, kv_seg, v_finite=
   """Masks of the buffer held at outer ``step``, inner ``hop``: its streams' positions side by
   side (and, forward, the AND of their parts' non-finite-V flags ``v_finite[device,
   stream]``). A part this device did not receive (zeros: no query of its group sees that
-  part, :func:`ring_jax.scheduling.group_routes`) has its source's positions, which the
+  part, :func:`ring_jax.routing.group_routes`) has its source's positions, which the
   causal mask / window hide from every query here, so the block table skips it."""
   cfg, routes = tl.ring, tl.routes
   pos, flags = [], []

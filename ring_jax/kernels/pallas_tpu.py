@@ -23,7 +23,7 @@ attention needs):
   kernel: ``q_pos`` ``[T, 128]`` / ``kv_pos`` ``[8, S]`` (lane/sublane
   broadcasts, the layout splash and flash attention use for segment ids).
   Nothing of size ``T x S`` exists.
-* Block skipping: the hop's :class:`ring_jax.scheduling.BlockTable`
+* Block skipping: the hop's :class:`ring_jax.masking.BlockTable`
   (``masks.blocks``, built once per hop by the ring) gives one range of kv
   blocks per (batch row, q block) and of q blocks per (batch row, kv block),
   with its fully visible run. The ranges are scalar-prefetched (SMEM, one flat
@@ -107,7 +107,7 @@ def _split_refs(refs, has_seg: bool, n_in: int):
 def _pair_flags(ranges, r, step):
   """(run, full) of the current grid step from the scalar-prefetched block table.
 
-  ``ranges``: a :class:`ring_jax.scheduling.BlockTable` direction flattened to int32
+  ``ranges``: a :class:`ring_jax.masking.BlockTable` direction flattened to int32
   ``[rows * 4]`` (row ``r`` = ``(lo, full_lo, full_hi, hi)``): ``run`` when ``step`` is
   in the row's range, ``full`` when in its fully visible run (no element mask needed).
   """
@@ -270,7 +270,7 @@ def _dkv_kernel(ranges, *refs, may_mask, specialize, has_seg, scale, causal, win
 
 
 def _flat_ranges(ranges, batch: int):
-  """A :class:`~ring_jax.scheduling.BlockTable` direction ``[R, n, 4]`` as the int32
+  """A :class:`~ring_jax.masking.BlockTable` direction ``[R, n, 4]`` as the int32
   ``[B * n * 4]`` scalar-prefetch operand (row ``b * n + x``; SMEM holds 1-D arrays best)."""
   return jnp.broadcast_to(ranges, (batch, *ranges.shape[1:])).reshape(-1).astype(jnp.int32)
 

@@ -3,7 +3,7 @@
 See :mod:`ring_jax.hop` for the protocol, shapes and non-finite rules.
 
 Loop structure (FlashAttention-2, Dao 2023, Alg. 1-2), over the hop's
-:class:`ring_jax.scheduling.BlockTable` (``masks.blocks``):
+:class:`ring_jax.masking.BlockTable` (``masks.blocks``):
 
 * forward: an outer ``fori_loop`` over query blocks whose body keeps the
   block's own ``(o, m, l)`` online-softmax state, and inner ``fori_loop`` loops
@@ -16,7 +16,7 @@ Loop structure (FlashAttention-2, Dao 2023, Alg. 1-2), over the hop's
 Pairs in the table's fully visible run are computed without the elementwise
 mask; the others with it. The batch rows of a block are computed together, so
 with segment ids (one range per row) the rows' ranges are merged
-(:func:`ring_jax.scheduling.merge_rows`) and a masked pair that no row's range
+(:func:`ring_jax.masking.merge_rows`) and a masked pair that no row's range
 holds (blocks sharing no document in any row) is skipped.
 
 Blocks are sliced from the operands in place and rearranged per block to
@@ -38,7 +38,7 @@ from typing import ClassVar
 import jax
 import jax.numpy as jnp
 
-from ring_jax import scheduling
+from ring_jax import masking
 from ring_jax.hop import (HopGrads, HopMasks, HopResiduals, HopSpec, backward_delta,
                           fold_blocks, v_is_finite, varying_like)
 
@@ -76,11 +76,11 @@ def _pair_mask(masks: HopMasks, spec: HopSpec, a, b):
   bq, bk = spec.block_q, spec.block_kv
   qp = jax.lax.dynamic_slice_in_dim(masks.q_positions, a * bq, bq)
   kp = jax.lax.dynamic_slice_in_dim(masks.kv_positions, b * bk, bk)
-  mask = scheduling.position_mask(qp, kp, spec.is_causal, spec.window)[None]  # [1, bq, bk]
+  mask = masking.position_mask(qp, kp, spec.is_causal, spec.window)[None]  # [1, bq, bk]
   if masks.q_segment_ids is not None:
     qs = jax.lax.dynamic_slice_in_dim(masks.q_segment_ids, a * bq, bq, axis=1)
     ks = jax.lax.dynamic_slice_in_dim(masks.kv_segment_ids, b * bk, bk, axis=1)
-    mask = mask & scheduling.segment_mask(qs, ks)
+    mask = mask & masking.segment_mask(qs, ks)
   return mask[:, None, None]
 
 
@@ -89,7 +89,7 @@ def _unless_uncovered(skip: bool, ranges, i, j, compute, carry):
   unchanged when no row's range of block ``i`` holds block ``j`` (``ranges`` ``[R, n, 4]``)."""
   if not skip:
     return compute(carry)
-  return jax.lax.cond(scheduling.rows_cover(ranges, i, j), compute, lambda c: c, carry)
+  return jax.lax.cond(masking.rows_cover(ranges, i, j), compute, lambda c: c, carry)
 
 
 def _masked_pv(p_blk, v_blk, mask, precision):
@@ -180,7 +180,7 @@ class XlaHopKernel:
   def forward(self, q, k, v, masks: HopMasks, spec: HopSpec):
     bq, bk, prec, scale = spec.block_q, spec.block_kv, spec.precision, spec.scale
     table = masks.table()  # rows with their own ranges (skip): merged, skip what none holds
-    q_ranges, skip = scheduling.merge_rows(table.q_ranges), table.q_ranges.shape[0] > 1
+    q_ranges, skip = masking.merge_rows(table.q_ranges), table.q_ranges.shape[0] > 1
     b, t, kh, g, h = q.shape
     nq = t // bq
 
@@ -244,7 +244,7 @@ class XlaHopKernel:
                acc: HopGrads) -> HopGrads:
     bq, bk, prec, scale = spec.block_q, spec.block_kv, spec.precision, spec.scale
     table = masks.table()
-    kv_ranges, skip = scheduling.merge_rows(table.kv_ranges), table.kv_ranges.shape[0] > 1
+    kv_ranges, skip = masking.merge_rows(table.kv_ranges), table.kv_ranges.shape[0] > 1
     # The gradient matmuls (dP = dO V^T, dQ = dS K, dK = dS^T Q) read their right operand
     # at masked pairs too (0 * NaN = NaN), so they read its finite part, per block. Who
     # sees a non-finite value still gets non-finite gradients: through the scores (raw
