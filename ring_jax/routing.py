@@ -79,9 +79,9 @@ class Routes:
   Built by :func:`routes`. Every device's shard is cut into :attr:`streams` (one, or the
   two zigzag chunks); a stream's part of shard ``j`` is forwarded only while a device further
   along its path still holds a query that can see it (from the layout's positions, the causal
-  mask and the window: :func:`ring_jax.masking.block_visibility` at the granularity of layout chunks), and
-  its dK/dV accumulator goes straight home from the last device that uses it. ``routed``:
-  some transfer of the full rotation is dropped or a stream travels backward.
+  mask and the window: :func:`ring_jax.masking.block_visibility` at the granularity of layout
+  chunks), and its dK/dV accumulator goes straight home from the last device that uses it.
+  ``routed``: some transfer of the full rotation is dropped or a stream travels backward.
   """
   layout: str
   ring_size: int
@@ -239,8 +239,8 @@ def group_routes(layout: str, n_outer: int, n_inner: int, local_len: int, is_cau
   is member ``r`` of group ``g``), seen from the outer axis: each group's *buffer* (its
   ``n_inner`` shards) is one member's shard of a ring of ``n_outer`` groups, and group ``g``
   needs a part of group ``j``'s buffer when some device of ``g`` sees some of it (the causal
-  mask and the window over the layout's positions, :func:`ring_jax.masking.block_visibility` per layout
-  chunk, exact for causal masks). Members and hops are groups and outer steps
+  mask and the window over the layout's positions, :func:`ring_jax.masking.block_visibility`
+  per layout chunk, exact for causal masks). Members and hops are groups and outer steps
   (``hops = (0, n_outer - 1)``: every step runs), pairs are group indices; ``local_len``
   is one device's. The streams follow :func:`routes`: contiguous (and striped) one
   stream, forward (``g -> g+1``): under a causal mask buffer ``j`` goes only to groups

@@ -114,7 +114,7 @@ def _permute_bytes(hlo: str, scope: str = ""):
   counted ``known_trip_count`` times; only those whose op name holds ``scope``.
 
   A routed ring's loop picks each hop's transfer with a ``lax.switch`` on the loop counter,
-  one branch per trip (ring_jax.ring._hop_send): a conditional with collective-permutes in
+  one branch per trip (ring_jax.ring.hop_send): a conditional with collective-permutes in
   its branches must sit in a loop with as many trips as branches, and each branch is
   counted once per execution of that loop (anything else fails here, not silently)."""
   comps, name = {}, None
