@@ -23,15 +23,10 @@ Blocks are sliced from the operands in place and rearranged per block to
 ``[B, K, G, bq, H]`` / ``[B, K, bk, H]``, so every block matmul is a plain
 batched matmul over ``(B, K)``; outputs are written back block by block
 (no full-size rearranged copies, which would cost memory).
-
-Test hook: inside ``with record_pairs() as log:`` the loops of functions traced
-there report every block pair they compute (``tests/test_ring.py`` checks them
-against :func:`ring_jax.schedule`); outside it they hold no callback.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from typing import ClassVar
 
@@ -41,34 +36,6 @@ import jax.numpy as jnp
 from ring_jax import masking
 from ring_jax.hop import (HopGrads, HopMasks, HopResiduals, HopSpec, backward_delta,
                           fold_blocks, v_is_finite, varying_like)
-
-
-_PAIR_LOG: list | None = None  # set by record_pairs(); read at trace time
-
-
-@contextlib.contextmanager
-def record_pairs():
-  """Test hook: ``with record_pairs() as log:`` makes the kernel's loops, in functions traced
-  inside the block, append ``(phase, q_pos0, kv_pos0, a, b)`` to ``log`` for every block pair
-  ``(a, b)`` they compute when they run (``phase`` ``"fwd"``/``"bwd"``; the first query and
-  key positions of the hop identify device and shard). Call ``jax.effects_barrier()`` before
-  reading ``log``. Outside the block nothing is recorded and the loops hold no callback."""
-  global _PAIR_LOG
-  previous, _PAIR_LOG = _PAIR_LOG, []
-  try:
-    yield _PAIR_LOG
-  finally:
-    _PAIR_LOG = previous
-
-
-def _record(phase: str, masks: HopMasks, a, b) -> None:
-  log = _PAIR_LOG
-  if log is None:
-    return
-
-  def append(qp, kp, a, b):
-    log.append((phase, int(qp), int(kp), int(a), int(b)))
-  jax.debug.callback(append, masks.q_positions[0], masks.kv_positions[0], a, b)
 
 
 def _pair_mask(masks: HopMasks, spec: HopSpec, a, b):
@@ -186,7 +153,6 @@ class XlaHopKernel:
 
     def fold(guard_v: bool):
       def update(q_blk, a, bb, c, masked: bool):
-        _record("fwd", masks, a, bb)
         o, m, l = c
         k_blk = _kv_block(k, bb, bk)                           # [B, K, bk, H]
         v_blk = _kv_block(v, bb, bk)
@@ -259,7 +225,6 @@ class XlaHopKernel:
 
     def update(kv_blks, a, bb, c, masked: bool):
       """``(dq_blk, dk_blk, dv_blk)``: this pair's dQ block and the updated dK/dV blocks."""
-      _record("bwd", masks, a, bb)
       k_blk, kf_blk, vf_blk = kv_blks                          # [B, K, bk, H]
       _, dk_blk, dv_blk = c
       row = lambda x: jax.lax.dynamic_index_in_dim(x, a, keepdims=False)
