@@ -3,11 +3,9 @@
 Zigzag balances one causal sequence per row. A row that packs many documents
 is not balanced by it: a device's causal work is the sum, over its tokens, of
 the number of earlier tokens *of the same document*, so it depends on where
-the long documents fall (ring of 8, 128K-token rows of lognormal document
-lengths: zigzag's busiest device computes 1.7-1.9x the mean device's block pairs,
-median over rows, up to 3.1x; this layout at most 1.09x, see
-``benchmarks/packed_balance.py``). The ``"document"`` layout balances every row on
-its own, from its segment ids, on the host (numpy), in the data pipeline.
+the long documents fall (docs/benchmarks.md, "Packed documents"). The ``"document"``
+layout balances every row on its own, from its segment ids, on the host (numpy), in the
+data pipeline.
 
 **Construction.** Every device's shard has two halves, as in zigzag: its first
 half holds *mask positions* (:func:`ring_jax.local_positions`) of zigzag chunk
