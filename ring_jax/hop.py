@@ -214,7 +214,7 @@ def backward_delta(out, do, dlse):
   return delta if dlse is None else delta - dlse.astype(jnp.float32)
 
 
-def _varying_axes(x) -> frozenset:
+def varying_axes(x) -> frozenset:
   """Manual mesh axes ``x`` varies over inside ``shard_map`` (empty outside)."""
   return frozenset(jax.typeof(x).manual_axis_type.varying)
 
@@ -222,8 +222,8 @@ def _varying_axes(x) -> frozenset:
 def varying_like(x, *refs):
   """``x`` (e.g. fresh ``jnp.zeros``) marked as varying over the manual mesh axes of ``refs``,
   as ``shard_map(check_vma=True)`` needs of loop carries that start from constants."""
-  want = frozenset().union(*(_varying_axes(r) for r in refs))
-  missing = tuple(sorted(want - _varying_axes(x), key=str))
+  want = frozenset().union(*(varying_axes(r) for r in refs))
+  missing = tuple(sorted(want - varying_axes(x), key=str))
   if not missing:
     return x
   return jax.lax.pcast(x, missing, to="varying")

@@ -262,3 +262,24 @@ def merge_rows(ranges):
 def rows_cover(ranges, i, j):
   """bool: block ``j`` lies in the range of block ``i`` in some batch row (``ranges`` ``[R, n, 4]``)."""
   return ((ranges[:, i, 0] <= j) & (j < ranges[:, i, 3])).any()
+
+
+def segment_ids_int32(q_seg, kv_seg):
+  """Segment ids as int32 (for kernels that take int32 ids), keeping equality and the 0 = padding rule.
+
+  Ids that already fit int32 are cast. Wider ids (int64 / uint32 / uint64 values
+  outside int32) are remapped to dense int32 codes by rank over the union of both
+  arrays (0 stays 0), which preserves exactly which pairs are equal.
+  """
+  q_seg, kv_seg = jnp.asarray(q_seg), jnp.asarray(kv_seg)
+  dt = jnp.promote_types(q_seg.dtype, kv_seg.dtype)
+  if jnp.iinfo(dt).bits <= 32 and jnp.iinfo(dt).max <= _MAX_WINDOW:
+    return q_seg.astype(jnp.int32), kv_seg.astype(jnp.int32)
+  both = jnp.concatenate([q_seg.reshape(-1), kv_seg.reshape(-1)]).astype(dt)
+  # Padded with the largest id so that `uniq` stays sorted for searchsorted.
+  uniq = jnp.unique(both, size=both.size, fill_value=both.max())
+  # 0 maps to 0; any other id to 1 + its rank among the distinct ids (ids can be negative).
+  def code(x):
+    rank = jnp.searchsorted(uniq, x.astype(dt)).astype(jnp.int32)
+    return jnp.where(x == 0, 0, rank + 1)
+  return code(q_seg), code(kv_seg)

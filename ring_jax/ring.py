@@ -40,7 +40,7 @@ from ring_jax import layouts
 from ring_jax import masking
 from ring_jax import routing
 from ring_jax import validation
-from ring_jax.hop import (HopGrads, HopKernel, HopMasks, HopResiduals, HopSpec, _varying_axes,
+from ring_jax.hop import (HopGrads, HopKernel, HopMasks, HopResiduals, HopSpec, varying_axes,
                           empty_result, lse_for_backward, merge, varying_like)
 
 # The largest block default_block picks, per platform (jax.default_backend()): a block size,
@@ -574,7 +574,7 @@ def _backward(cfg: RingConfig, q, k, v, seg, out, lse, do, dlse):
 
 
 def finish_grads(q, k_own, v_own, dq, dk, dv):
-  extra = tuple(sorted(_varying_axes(dk) - _varying_axes(k_own), key=str))
+  extra = tuple(sorted(varying_axes(dk) - varying_axes(k_own), key=str))
   if extra:  # K/V replicated over axes the queries are split over: add the parts
     dk, dv = jax.lax.psum((dk, dv), extra)
   return dq.astype(q.dtype), dk.astype(k_own.dtype), dv.astype(v_own.dtype)

@@ -2,6 +2,7 @@
 
 import itertools
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -174,3 +175,14 @@ def test_merged_rows_of_a_block_table():
                                          [2, 4, 4, 4]])  # row 1 needs the mask everywhere
   assert masking.rows_cover(table.q_ranges, 3, 2)
   assert not masking.rows_cover(table.q_ranges, 3, 1)
+
+
+def test_wide_segment_ids_keep_equality():
+  """Segment ids outside int32 (uint32 here) are remapped, not truncated."""
+  big = np.uint32(2**32 - 1)
+  qs = np.array([[0, 5, big, big - 1]], np.uint32)
+  ks = np.array([[big, 0, 5, big - 1, 7]], np.uint32)
+  cq, ck = jax.device_get(masking.segment_ids_int32(jnp.asarray(qs), jnp.asarray(ks)))
+  np.testing.assert_array_equal(cq[:, :, None] == ck[:, None, :],
+                                qs[:, :, None] == ks[:, None, :])
+  np.testing.assert_array_equal(cq == 0, qs == 0)

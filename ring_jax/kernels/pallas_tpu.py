@@ -46,6 +46,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from ring_jax import hop
+from ring_jax import masking
 
 NUM_LANES = 128
 NUM_SUBLANES = 8
@@ -364,7 +365,7 @@ class PallasTpuHopKernel:
     arrays = [qpos, kpos]
     has_seg = masks.q_segment_ids is not None
     if has_seg:
-      qs, ks = _segment_ids_int32(masks.q_segment_ids, masks.kv_segment_ids)
+      qs, ks = masking.segment_ids_int32(masks.q_segment_ids, masks.kv_segment_ids)
       arrays += [jax.lax.broadcast_in_dim(qs, (batch, t, NUM_LANES), (0, 1)),
                  jax.lax.broadcast_in_dim(ks, (batch, NUM_SUBLANES, s), (0, 2))]
     return arrays, has_seg
@@ -564,27 +565,6 @@ class PallasTpuHopKernel:
     return hop.HopGrads(acc.dq + dq, acc.dk + dk, acc.dv + dv)
 
 
-def _segment_ids_int32(q_seg, kv_seg):
-  """Segment ids as int32 for the kernel, keeping equality and the 0 = padding rule.
-
-  Ids that already fit int32 are cast. Wider ids (int64 / uint32 / uint64 values
-  outside int32) are remapped to dense int32 codes by rank over the union of both
-  arrays (0 stays 0), which preserves exactly which pairs are equal.
-  """
-  q_seg, kv_seg = jnp.asarray(q_seg), jnp.asarray(kv_seg)
-  dt = jnp.promote_types(q_seg.dtype, kv_seg.dtype)
-  if jnp.iinfo(dt).bits <= 32 and jnp.iinfo(dt).max <= _I32_MAX:
-    return q_seg.astype(jnp.int32), kv_seg.astype(jnp.int32)
-  both = jnp.concatenate([q_seg.reshape(-1), kv_seg.reshape(-1)]).astype(dt)
-  # Padded with the largest id so that `uniq` stays sorted for searchsorted.
-  uniq = jnp.unique(both, size=both.size, fill_value=both.max())
-  # 0 maps to 0; any other id to 1 + its rank among the distinct ids (ids can be negative).
-  def code(x):
-    rank = jnp.searchsorted(uniq, x.astype(dt)).astype(jnp.int32)
-    return jnp.where(x == 0, 0, rank + 1)
-  return code(q_seg), code(kv_seg)
-
-
 def check_tpu_shapes(name: str, who: str, q_shape, kv_shape, dtype, spec) -> None:
   """The shape rules every TPU hop kernel here shares (``name``: the kernel's registry name,
   ``who``: how messages call it): q ``[B, T, K, G, H]`` against k/v ``[B, S, K, H]``, blocks
@@ -621,7 +601,7 @@ def interpret_mode(interpret: bool, *arrays):
   axis (see :meth:`PallasTpuHopKernel._interpret_mode`)."""
   if not interpret:
     return False
-  if frozenset().union(*(hop._varying_axes(a) for a in arrays)):
+  if frozenset().union(*(hop.varying_axes(a) for a in arrays)):
     return pltpu.InterpretParams()
   return True
 

@@ -98,7 +98,7 @@ def splash_segment_ids(q_seg, kv_seg):
   """int32 ``(q [B, T], kv [B, S])`` for splash (which compares ids for equality only):
   our ids (any integer dtype; 0 = padding) with query padding and key padding mapped
   to two ids that no document uses and that differ, so padding sees nothing."""
-  qs, ks = pallas_tpu._segment_ids_int32(q_seg, kv_seg)  # 0 stays 0; equality kept
+  qs, ks = masking.segment_ids_int32(q_seg, kv_seg)  # 0 stays 0; equality kept
   low = jnp.minimum(jnp.minimum(qs.min(), ks.min()), 0)
 
   def below(codes):  # pads just below every id: low - 1 and low - 2
