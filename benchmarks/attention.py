@@ -101,7 +101,7 @@ def paper_local(paper_fn, *, is_causal, chunk, dtype):
 # ----------------------------------------------------------------------------
 
 #: ``ring-<layout>+<suffix>``: the ring's ``causal_routing`` (no suffix: the library's
-#: default, routed for causal contiguous only, ``ring_jax.scheduling.check_routing``).
+#: default, routed for causal contiguous only, ``ring_jax.routing.check_routing``).
 ROUTING_SUFFIXES = {"routed": True, "full": False}
 #: ``ring-<layout>+overlap``: ``overlap_dkv=True`` (combines with a routing suffix).
 OVERLAP_SUFFIX = "overlap"
@@ -109,7 +109,7 @@ OVERLAP_SUFFIX = "overlap"
 
 def ring_variant(name):
   """``"ring-<layout>[+routed|+full][+overlap][:<hop kernel>]"`` -> ``(layout, hop kernel name,
-  causal_routing)`` (kernel default ``"auto"``; e.g. ``ring-zigzag:pallas_gpu``, which runs
+  causal_routing)`` (kernel default ``"auto"``; e.g. ``ring-zigzag:pallas_tpu``, which runs
   in interpret mode on CPU; ``+routed`` / ``+full``: ``causal_routing=True`` / ``False``,
   no suffix: ``None``, the default)."""
   layout, _, kernel = name[len("ring-"):].partition(":")

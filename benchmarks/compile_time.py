@@ -41,7 +41,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import ring_jax  # noqa: E402
 from benchmarks import common  # noqa: E402
-from ring_jax import scheduling  # noqa: E402
+from ring_jax.routing import check_routing  # noqa: E402
 
 #: (causal, layout, causal_routing); None: the library's default.
 CASES = ((True, "zigzag", None), (True, "zigzag", True), (True, "contiguous", None),
@@ -88,7 +88,7 @@ def attention_case(mesh, causal, layout, routing, args):
   lines, instructions = program_size(compiled)
   fwd = jax.jit(attn()).lower(x, x, x).compile()
   return dict(causal=causal, layout=layout, causal_routing=routing,
-              routed=scheduling.check_routing(routing, layout, causal),
+              routed=check_routing(routing, layout, causal),
               hlo_lines=lines, hlo_instructions=instructions,
               compile_s=[round(t, 3) for t in times],
               compile_median_s=round(statistics.median(times), 3),

@@ -18,8 +18,8 @@ Sections:
      mesh, i.e. ring size 1) with each GPU hop kernel: XLA, tokamax's Mosaic GPU
      flash attention (``hop_kernel="tokamax"``: needs the ``[gpu]`` extra; the
      accelerator image lacks it and has no network, so carry a wheel directory
-     and ``pip install --no-index --find-links DIR tokamax==0.0.17``) and our
-     ``pallas_gpu`` (Triton), forward and forward+backward TFLOP/s at 8K / 32K /
+     and ``pip install --no-index --find-links DIR tokamax==0.0.17``), forward and
+     forward+backward TFLOP/s at 8K / 32K /
      64K, bf16, causal and non-causal, next to
      ``jax.nn.dot_product_attention(implementation="cudnn")`` (the single-device
      ceiling) and ``"xla"`` (cases whose compiled memory exceeds the GPU are
@@ -136,9 +136,8 @@ def bench(compiled, args, repeats):
 # ----------------------------------------------------------------------------
 
 RING_XLA = "ring_jax ring=1 [xla]"
-RING_PALLAS = "ring_jax ring=1 [pallas_gpu]"
 RING_TOKAMAX = "ring_jax ring=1 [tokamax]"
-FUSED = {RING_TOKAMAX: "tokamax", RING_PALLAS: "pallas_gpu"}
+FUSED = {RING_TOKAMAX: "tokamax"}
 CUDNN = "dot_product_attention[cudnn]"
 OUT = os.environ.get("GPU_CHECK_OUT", os.path.join(
     os.path.dirname(os.path.abspath(__file__)), "results",
@@ -188,7 +187,7 @@ def attention_tflops():
   limit = device_limit()
   dtype = DTYPE
   say(f"B={b} N={n} H={h} {jnp.dtype(dtype).name}, ring block={block or 'default'}; "
-      f"device limit {gib(limit)}" + ("; pallas_gpu in interpret mode (CPU)" if DRY else ""))
+      f"device limit {gib(limit)}")
   print(f"{'L':>7} {'mask':<7} {'impl':<30} {'fwd ms':>9} {'fwd TF/s':>9} "
         f"{'f+b ms':>9} {'f+b TF/s':>9}  note", flush=True)
   results, checks = [], []

@@ -721,8 +721,7 @@ def tensor_sp() -> str:
 # ----------------------------------------------------------------------------
 
 KERNELS_MEM = "attention_cpu_memscan_kernels.json"
-KERNEL_NAMES = (("ring-zigzag:xla", "`xla`"), ("ring-zigzag:pallas_gpu", "`pallas_gpu` (interpret)"),
-                ("ring-zigzag:pallas_tpu", "`pallas_tpu` (interpret)"),
+KERNEL_NAMES = (("ring-zigzag:xla", "`xla`"), ("ring-zigzag:pallas_tpu", "`pallas_tpu` (interpret)"),
                 ("paper", "paper's code (`ringattention` 0.1.2), for scale"))
 OVERLAP = "ring-zigzag+overlap:xla"
 

@@ -208,7 +208,7 @@ def describe_routing(cfg, mesh) -> str:
   if cfg.attention not in ("ring", "hybrid") or seq_axis is None:
     return f"ring K/V routing: n/a (attention {cfg.attention!r}, no ring over the sequence)"
   two_level = cfg.attention == "ring" and isinstance(seq_axis, tuple)
-  routed = ring_jax.scheduling.check_routing(cfg.causal_routing, cfg.layout)
+  routed = ring_jax.routing.check_routing(cfg.causal_routing, cfg.layout)
   how = ("routed under the causal mask (each K/V part only to the "
          + ("groups that see it, over the two-level ring's outer axis)" if two_level
             else "devices that see it)")

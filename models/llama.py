@@ -158,7 +158,7 @@ class LlamaConfig:
   hop_kernel: str = "auto"
   # The ring's K/V routing under the causal mask (ring_jax.ring_attention's causal_routing):
   # each K/V part goes only to the devices whose queries can see it. None: the library's
-  # default (routed for contiguous rings; scheduling.check_routing); True / False: forced.
+  # default (routed for contiguous rings; routing.check_routing); True / False: forced.
   # Passed to every ring the model runs ("ring", hybrid's ring) and to ring_jax.plan.
   causal_routing: bool | None = None
   ffn_chunk_size: int | None = None
@@ -188,7 +188,7 @@ class LlamaConfig:
     ring_jax.layouts.check_layout(self.layout)
     ring_jax.kernels.check_name(self.hop_kernel)
     try:
-      ring_jax.scheduling.check_routing(self.causal_routing)  # None or a bool
+      ring_jax.routing.check_routing(self.causal_routing)  # None or a bool
     except TypeError as e:
       raise ValueError(str(e)) from None
     for name in ("vocab_size", "dim", "num_layers", "num_heads", "num_kv_heads", "mlp_dim"):

@@ -3,11 +3,9 @@
 Zigzag balances one causal sequence per row. A row that packs many documents
 is not balanced by it: a device's causal work is the sum, over its tokens, of
 the number of earlier tokens *of the same document*, so it depends on where
-the long documents fall (ring of 8, 128K-token rows of lognormal document
-lengths: zigzag's busiest device computes 1.7-1.9x the mean device's block pairs,
-median over rows, up to 3.1x; this layout at most 1.09x, see
-``benchmarks/packed_balance.py``). The ``"document"`` layout balances every row on
-its own, from its segment ids, on the host (numpy), in the data pipeline.
+the long documents fall (docs/benchmarks.md, "Packed documents"). The ``"document"``
+layout balances every row on its own, from its segment ids, on the host (numpy), in the
+data pipeline.
 
 **Construction.** Every device's shard has two halves, as in zigzag: its first
 half holds *mask positions* (:func:`ring_jax.local_positions`) of zigzag chunk
@@ -61,6 +59,7 @@ from typing import NamedTuple
 import numpy as np
 
 from ring_jax import layouts
+from ring_jax import masking
 
 
 class DocumentLayout(NamedTuple):
@@ -232,7 +231,7 @@ def token_work(segment_ids, permutation, ring_size: int) -> np.ndarray:
 def block_work(segment_ids, layout: str, ring_size: int, block_q: int, block_kv: int,
                is_causal: bool = True) -> np.ndarray:
   """int64 ``[B, n, n]``: block pairs device ``d`` computes at hop ``h`` (``[b, d, h]``),
-  from the same :func:`ring_jax.scheduling.block_table` the ring builds at every hop.
+  from the same :func:`ring_jax.masking.block_table` the ring builds at every hop.
 
   ``segment_ids`` ``[B, L]`` in ``layout`` order (for ``"document"``,
   :attr:`DocumentLayout.segment_ids`). Each row is counted on its own (as with batch 1).
@@ -240,8 +239,6 @@ def block_work(segment_ids, layout: str, ring_size: int, block_q: int, block_kv:
   hops for each device's work; hops are synchronous, so a pass costs
   ``max(axis=1).sum(-1)`` (the critical path).
   """
-  from ring_jax import scheduling  # noqa: PLC0415 (scheduling imports layouts, not this)
-
   seg = np.asarray(segment_ids)
   b, length = seg.shape
   local = layouts.check_length(layout, ring_size, length)
@@ -252,8 +249,8 @@ def block_work(segment_ids, layout: str, ring_size: int, block_q: int, block_kv:
     for d in range(ring_size):
       for h in range(ring_size):
         src = (d - h) % ring_size
-        table = scheduling.block_table(pos[d], pos[src], shards[r, d][None], shards[r, src][None],
-                                       block_q, block_kv, is_causal, None)
+        table = masking.block_table(pos[d], pos[src], shards[r, d][None], shards[r, src][None],
+                                    block_q, block_kv, is_causal, None)
         lo, hi = table.q_ranges[0, :, 0], table.q_ranges[0, :, 3]
         work[r, d, h] = int((hi - lo).sum())
   return work

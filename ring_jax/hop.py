@@ -1,71 +1,43 @@
-"""The hop-kernel seam: one hop of ring attention, and how the ring merges hops.
+"""The hop-kernel seam: one hop of ring attention (:class:`HopKernel`), and how hops merge.
 
-The ring (:mod:`ring_jax.ring`) calls one :class:`HopKernel` per hop: the
-local queries against the key/value shard held at that hop. A kernel returns
-the hop's *own* normalised attention output and its log-sum-exp; the ring
-merges hops in float32 with :func:`merge` (the ring-flash-attention pattern).
-The backward pass hands every hop the FINAL output and lse of the whole ring
-and float32 gradient accumulators; the kernel adds that hop's gradients to
-them (in place where it can: the XLA kernel starts its loop carries from
-them, so no per-hop gradient buffer exists beside the accumulators). Kernels live in
-:mod:`ring_jax.kernels` (``"xla"``, and fused Pallas kernels), chosen by name
-with ``ring_attention(..., hop_kernel=...)``; any object implementing
-:class:`HopKernel` plugs in the same way.
+A kernel computes the local queries against the K/V shard held at one hop and returns that
+hop's own normalised output and log-sum-exp; the ring merges hops in float32 with
+:func:`merge` (ring-flash-attention's per-hop merge). Kernels are chosen by name
+(:mod:`ring_jax.kernels`) or passed as any object implementing :class:`HopKernel`.
 
-Shapes (local to one device; ``N = K * G`` query heads in ``K`` groups of
-``G``; query head ``n`` reads key/value head ``n // G``):
+Shapes (local; ``N = K * G`` query heads in ``K`` groups of ``G``, query head ``n`` reads
+K/V head ``n // G``):
 
-  q       ``[B, T, K, G, H]``  local queries, input dtype, NOT scaled (``spec.scale`` applies inside)
-  k, v    ``[B, S, K, H]``     the K/V shard held at this hop, input dtype
-  out_h   ``[B, T, K, G, H]``  float32, this hop's normalised output (0 in rows with no visible key)
-  lse_h   ``[B, T, K, G]``     float32 natural-log log-sum-exp of this hop's visible scaled
-                               scores (``-inf`` in rows with no visible key)
-  (backward, :class:`HopResiduals`)
-  out     ``[B, T, K, G, H]``  the final output of the whole ring (input dtype)
-  lse     ``[B, T, K, G]``     float32 final lse; ``+inf`` in rows that saw no key anywhere,
-                               so that the backward's ``p = exp(s - lse)`` is 0 there
-  do      ``[B, T, K, G, H]``  output cotangent (input dtype)
-  dlse    ``[B, T, K, G]``     float32 cotangent of the final lse, or None (lse not an output)
-  (backward, :class:`HopGrads` in and out)
-  dq      ``[B, T, K, G, H]``  float32 accumulator in, accumulator + this hop's dQ out
-  dk, dv  ``[B, S, K, H]``     float32 accumulators of the shard held at this hop, in; plus
-                               this hop's dK/dV, out (zeros in: the contribution alone)
+  q       ``[B, T, K, G, H]``  input dtype, NOT scaled (``spec.scale`` applies inside)
+  k, v    ``[B, S, K, H]``     the shard held at this hop, input dtype
+  out_h   ``[B, T, K, G, H]``  float32; 0 in rows with no visible key
+  lse_h   ``[B, T, K, G]``     float32 natural-log lse of the visible scaled scores; ``-inf``
+                               in rows with no visible key
+  backward (:class:`HopResiduals`, :class:`HopGrads`): the whole ring's final ``out`` and
+  ``lse`` (``+inf`` in rows that saw no key, :func:`lse_for_backward`), ``do``, ``dlse``
+  (or None), and float32 accumulators ``dq`` ``[B, T, K, G, H]``, ``dk``/``dv``
+  ``[B, S, K, H]`` to which the hop's gradients are added.
 
-The backward is FlashAttention-2's (Alg. 2) with the global ``out``/``lse``:
-``P = exp(s - lse)`` at visible pairs, ``dP = dO V^T``,
-``dS = P * (dP - delta)`` with ``delta = rowsum(dO * out) - dlse`` (the lse
-cotangent: ``d lse / d s = P``), ``dQ = scale dS K``, ``dK = scale dS^T Q``,
-``dV = P^T dO``. Kernels recompute ``delta`` from ``out`` (fused kernels do
-that in their preprocessing step).
+Backward: FlashAttention-2 (Dao 2023, Alg. 2) with the global ``out``/``lse``:
+``P = exp(s - lse)`` at visible pairs, ``dP = dO V^T``, ``dS = P * (dP - delta)`` with
+``delta = rowsum(dO * out) - dlse``, ``dQ = scale dS K``, ``dK = scale dS^T Q``,
+``dV = P^T dO``.
 
-Visibility of (query ``i``, key ``j``) (:class:`HopMasks`): same nonzero
-segment id (when segment ids are given; 0 is padding, never visible as query
-or key, negative ids are documents), and ``kv_pos[j] <= q_pos[i]`` when
-causal, and ``q_pos[i] - left <= kv_pos[j] <= q_pos[i] + right`` with a
-window ``(left, right)``. In every layout positions increase within a shard,
-so a query's causal/window-visible keys form one contiguous index range;
-kernels may rely on that (the splash kernel's element mask is that range), and every
-shard the ring builds has it. Which block pairs
-to compute, and which of them need the elementwise mask, is decided once per
-hop, in :func:`ring_jax.scheduling.block_table` (``HopMasks.blocks``); kernels
-loop over that table (:func:`fold_blocks`) and compute the element mask of a
-pair from positions and ids. Per-hop metadata is at most per block (never a
-``[T, S]`` array).
+Visibility of (query ``i``, key ``j``) (:class:`HopMasks`): equal nonzero segment ids (when
+given; 0 is padding), ``kv_pos[j] <= q_pos[i]`` when causal, ``q_pos[i] - left <= kv_pos[j]
+<= q_pos[i] + right`` with a window. Positions increase within every shard, so a query's
+causal/window-visible keys are one contiguous index range. Which block pairs to compute is
+decided once per hop in :func:`ring_jax.masking.block_table` (``HopMasks.blocks``); kernels
+loop over it (:func:`fold_blocks`) and hold at most per-block metadata, never ``[T, S]``.
 
-Non-finite inputs stay visible and nothing masked is read: masked scores are
-``-inf`` (never a finite floor, which huge scales would cross), a row whose
-max is still ``-inf`` subtracts 0 instead, no ``l > 0`` style guard turns a
-NaN into 0 (only ``l == 0`` means "no visible key"), and values at masked
-pairs never reach an output (``0 * NaN`` is NaN, so products with V, K or Q
-at masked pairs read their finite part). In the forward that costs one more
-matmul per masked pair, so kernels run that guarded variant only on hops whose
-V shard holds a non-finite value (``lax.cond`` on ``HopMasks.v_finite``, which
-the ring computes once per shard where V is born and indexes per hop: no pass
-over V per hop). A NaN in a hop's ``out_h``/``lse_h`` survives :func:`merge`.
+Non-finite inputs: masked scores are ``-inf`` (never a finite floor), a row whose max is
+``-inf`` subtracts 0, only ``l == 0`` means "no visible key", and values at masked pairs
+never reach an output (``0 * NaN`` is NaN), so a NaN reaches exactly the rows that see it;
+kernels pay for that guard only on hops whose V holds a non-finite value
+(``HopMasks.v_finite``).
 
-References: Dao et al., FlashAttention (2022) Alg. 1 and FlashAttention-2
-(2023) Alg. 1-2; Liu et al., Ring Attention (2023) Alg. 1; Zhu,
-ring-flash-attention (2024) for the per-hop (out, lse) merge.
+References: Dao, FlashAttention-2 (2023); Liu et al., Ring Attention (2023) Alg. 1; Zhu,
+ring-flash-attention (2024).
 """
 
 from __future__ import annotations
@@ -78,41 +50,35 @@ import jax
 import jax.numpy as jnp
 from jax._src import config as jax_config
 
-from ring_jax import scheduling
+from ring_jax import masking
 
 
 class HopMasks(NamedTuple):
-  """What decides which scores of this hop are visible (built by the ring once per hop,
-  with :meth:`build`).
+  """What decides which scores of this hop are visible (built once per hop by :meth:`build`).
 
-  q_positions / kv_positions: int32 ``[T]`` / ``[S]`` global token positions
-    (increasing within a shard in every layout).
-  q_segment_ids / kv_segment_ids: integer ``[B, T]`` / ``[B, S]`` or None (0 =
-    padding, any other value a document; see :func:`ring_jax.scheduling.segment_mask`).
-  blocks: the hop's :class:`ring_jax.scheduling.BlockTable`: which block pairs to
-    compute and which need the elementwise mask. Kernels loop over it and decide
-    nothing else about blocks.
-  v_finite: bool scalar or None: whether this hop's V shard is all finite,
-    computed once where the shard is born and carried with it (the ring does), so a
-    kernel picks its non-finite-V guard without a pass over V; None: the kernel
-    checks V itself (:func:`v_is_finite`).
+  q_positions / kv_positions: int32 ``[T]`` / ``[S]`` global positions, increasing.
+  q_segment_ids / kv_segment_ids: integer ``[B, T]`` / ``[B, S]`` or None (0 = padding).
+  blocks: the hop's :class:`ring_jax.masking.BlockTable`, which block pairs to compute and
+    which need the elementwise mask; kernels decide nothing else about blocks.
+  v_finite: bool scalar (this hop's V shard is all finite, computed where the shard is born)
+    or None (the kernel checks V itself, :func:`v_is_finite`).
   """
   q_positions: jax.Array
   kv_positions: jax.Array
   q_segment_ids: jax.Array | None = None
   kv_segment_ids: jax.Array | None = None
-  blocks: scheduling.BlockTable | None = None
+  blocks: masking.BlockTable | None = None
   v_finite: jax.Array | None = None
 
   @classmethod
   def build(cls, spec: "HopSpec", q_positions, kv_positions, q_segment_ids=None,
             kv_segment_ids=None, v_finite=None) -> "HopMasks":
-    """Masks with their block table (:func:`ring_jax.scheduling.block_table`) for ``spec``."""
-    blocks = scheduling.block_table(q_positions, kv_positions, q_segment_ids, kv_segment_ids,
-                                    spec.block_q, spec.block_kv, spec.is_causal, spec.window)
+    """Masks with their block table (:func:`ring_jax.masking.block_table`) for ``spec``."""
+    blocks = masking.block_table(q_positions, kv_positions, q_segment_ids, kv_segment_ids,
+                                 spec.block_q, spec.block_kv, spec.is_causal, spec.window)
     return cls(q_positions, kv_positions, q_segment_ids, kv_segment_ids, blocks, v_finite)
 
-  def table(self) -> scheduling.BlockTable:
+  def table(self) -> masking.BlockTable:
     """``blocks``, or a ``ValueError`` naming the fix when the masks were built without it."""
     if self.blocks is None:
       raise ValueError("HopMasks.blocks is None: build hop masks with "
@@ -121,13 +87,9 @@ class HopMasks(NamedTuple):
 
 
 class HopResiduals(NamedTuple):
-  """What the backward of a hop reads besides q, k, v (from the whole ring's forward).
-
-  out: ``[B, T, K, G, H]`` final output (input dtype); lse: float32 ``[B, T, K, G]``
-  final lse with ``+inf`` in rows that saw no key (:func:`lse_for_backward`);
-  do: output cotangent ``[B, T, K, G, H]``; dlse: float32 ``[B, T, K, G]`` lse
-  cotangent or None.
-  """
+  """What a hop's backward reads besides q, k, v: the whole ring's final ``out``, ``lse``
+  (:func:`lse_for_backward`), the output cotangent ``do`` and the lse cotangent ``dlse`` or
+  None (shapes in the module docstring)."""
   out: jax.Array
   lse: jax.Array
   do: jax.Array
@@ -155,39 +117,29 @@ class HopSpec:
 
 @runtime_checkable
 class HopKernel(Protocol):
-  """Interface of a per-hop attention kernel: the local queries against the key/value
-  shard held at one hop (``forward``: that hop's output and log-sum-exp) and that hop's
-  gradients (``backward``). Pass an instance as ``hop_kernel=``; shapes in the
-  :mod:`ring_jax.hop` docstring.
-
-  Instances must be hashable (the ring's ``custom_vjp`` keeps them as static
-  configuration): frozen dataclasses are. ``name`` is a class attribute
-  (``ClassVar``): the kernel's key in :data:`ring_jax.kernels.HOP_KERNELS`.
-
-  Optional: ``takes_block(block: int) -> bool``, the block sizes the kernel takes
-  whatever length they tile (e.g. multiples of 128 for the TPU kernels); the ring's
-  default blocks are chosen among them (:func:`ring_jax.ring.default_block`), so only
-  a caller's explicit block can be refused by ``check``. Without it, every size
-  (:func:`takes_block`).
+  """Interface of a per-hop attention kernel: the local queries against the K/V shard held
+  at one hop (``forward``: that hop's output and lse; ``backward``: its gradients). Pass an
+  instance as ``hop_kernel=``; shapes in the :mod:`ring_jax.hop` docstring. Instances must
+  be hashable (static configuration of the ring's ``custom_vjp``; frozen dataclasses are);
+  ``name`` (a ``ClassVar``) is the kernel's key in :data:`ring_jax.kernels.HOP_KERNELS`.
+  Optional: ``takes_block(block: int) -> bool``, the block sizes the kernel takes whatever
+  length they tile (the TPU kernels: multiples of 128); default blocks are chosen among them
+  (:func:`ring_jax.ring.default_block`), so ``check`` refuses only a caller's explicit block.
   """
 
   name: ClassVar[str]
 
   def check(self, q_shape, kv_shape, dtype, spec: HopSpec) -> None:
-    """Raises ``ValueError`` (saying what to change) if this kernel cannot run these
-    shapes (``q_shape`` ``[B, T, K, G, H]``, ``kv_shape`` ``[B, S, K, H]``), input dtype
-    and spec. Called by the ring once at trace time, before anything is computed;
-    ``forward``/``backward`` do not check again."""
+    """Raises ``ValueError`` (saying what to change) if this kernel cannot run these shapes
+    (``[B, T, K, G, H]``, ``[B, S, K, H]``), dtype and spec; called once at trace time."""
 
   def forward(self, q, k, v, masks: HopMasks, spec: HopSpec) -> tuple[jax.Array, jax.Array]:
     """This hop's ``(out_h [B,T,K,G,H] f32, lse_h [B,T,K,G] f32)``."""
 
   def backward(self, q, k, v, masks: HopMasks, spec: HopSpec, res: HopResiduals,
                acc: HopGrads) -> HopGrads:
-    """The float32 accumulators ``acc`` plus this hop's gradients, given the final
-    ``out`` and ``lse`` of the ring in ``res``. The caller does not read ``acc``
-    afterwards, so a kernel may update it in place (XLA buffer reuse,
-    ``input_output_aliases``)."""
+    """The float32 accumulators ``acc`` plus this hop's gradients, given the ring's final
+    ``out`` and ``lse`` in ``res``; ``acc`` is not read afterwards (may be updated in place)."""
 
 
 def takes_block(kernel, block: int) -> bool:
@@ -206,21 +158,16 @@ def fold_blocks(row, step, carry, may_mask: bool = True, num_blocks: int | None 
                 mask_all: bool = False):
   """Folds ``step(j, carry, masked)`` over the blocks ``lo <= j < hi`` of one range row.
 
-  ``row`` = ``(lo, full_lo, full_hi, hi)`` of a :class:`ring_jax.scheduling.BlockTable`
-  (scalars, or an array/ref of 4): ``masked=False`` on ``[full_lo, full_hi)``
-  (visible everywhere), ``True`` on the rest, so each body is compiled with its
-  masking known statically. Two loops: the masked blocks on both sides of the full
-  run in one (so the masked body is compiled once), then the full run.
-  ``may_mask=False`` (the table's ``may_mask``: nothing can be masked): one unmasked
-  loop over ``[lo, hi)``; ``mask_all``: one masked loop over ``[lo, hi)`` (a caller
-  that needs the mask on every pair, e.g. the XLA kernel's non-finite-V guard).
+  ``row`` = ``(lo, full_lo, full_hi, hi)`` of a :class:`ring_jax.masking.BlockTable`
+  (scalars, or an array/ref of 4): ``masked=False`` on ``[full_lo, full_hi)``, ``True`` on
+  the rest, each body compiled with its masking static (the masked blocks on both sides of
+  the full run in one loop, then the full run). ``may_mask=False``: one unmasked loop over
+  ``[lo, hi)``; ``mask_all``: one masked loop over ``[lo, hi)``.
 
-  ``num_blocks`` (static, optional): how many blocks the row ranges over. With one
-  block the row is one of three cases (skipped, unmasked, masked), taken by a
-  ``lax.switch``: XLA removes a loop whose trip count it bounds by 1 and runs the body
-  unconditionally behind a select, so one-block loops computed the pair whether or not
-  it was in range (whole-shard blocks measured 2-2.6x slower in the ring's backward,
-  XLA:CPU, jax 0.10; docs/performance.md, "Block sizes").
+  ``num_blocks`` (static, optional): how many blocks the row ranges over. With one block
+  the row's three cases (skipped, unmasked, masked) are a ``lax.switch``: XLA would turn a
+  loop of at most one trip into an unconditional body behind a select, computing the pair
+  even when it is out of range (docs/performance.md, "Block sizes").
   """
   lo, full_lo, full_hi, hi = (row[i] for i in range(4))
   if not may_mask or mask_all:
@@ -255,13 +202,9 @@ def zero_grads(q, k, v) -> HopGrads:
 
 
 def merge(out, lse, out_h, lse_h):
-  """Merges a hop's ``(out_h, lse_h)`` into the running ``(out, lse)`` (all float32).
-
-  ``lse' = logaddexp(lse, lse_h)``; ``out' = out e^(lse - lse') + out_h
-  e^(lse_h - lse')``. A row empty in both (``lse' = -inf``) subtracts 0
-  instead, so it stays ``(0, -inf)`` rather than NaN; a NaN in either input
-  stays NaN.
-  """
+  """Merges a hop's ``(out_h, lse_h)`` into the running ``(out, lse)`` (all float32):
+  ``lse' = logaddexp(lse, lse_h)``, ``out' = out e^(lse - lse') + out_h e^(lse_h - lse')``;
+  a row empty in both stays ``(0, -inf)``, a NaN in either input stays NaN."""
   with jax.named_scope("merge"):
     new = jnp.logaddexp(lse, lse_h)
     ref = jnp.where(new == -jnp.inf, 0.0, new)
@@ -281,25 +224,16 @@ def backward_delta(out, do, dlse):
   return delta if dlse is None else delta - dlse.astype(jnp.float32)
 
 
-def _varying_axes(x) -> frozenset:
-  """Manual mesh axes ``x`` varies over inside ``shard_map`` (empty outside).
-
-  ``jax.typeof(x).manual_axis_type.varying`` on jax 0.10 through 0.12 (the
-  older ``aval.vma`` spelling is gone on all three).
-  """
+def varying_axes(x) -> frozenset:
+  """Manual mesh axes ``x`` varies over inside ``shard_map`` (empty outside)."""
   return frozenset(jax.typeof(x).manual_axis_type.varying)
 
 
 def varying_like(x, *refs):
-  """Marks a freshly created ``x`` (e.g. ``jnp.zeros``) as varying over the manual mesh
-  axes of ``refs``.
-
-  Under ``shard_map(check_vma=True)`` loop carries must agree on which mesh
-  axes they vary over; zeros created inside the body vary over none. Kernels
-  that start loop carries from constants call ``varying_like(zeros, q, k, v)``.
-  """
-  want = frozenset().union(*(_varying_axes(r) for r in refs))
-  missing = tuple(sorted(want - _varying_axes(x), key=str))
+  """``x`` (e.g. fresh ``jnp.zeros``) marked as varying over the manual mesh axes of ``refs``,
+  as ``shard_map(check_vma=True)`` needs of loop carries that start from constants."""
+  want = frozenset().union(*(varying_axes(r) for r in refs))
+  missing = tuple(sorted(want - varying_axes(x), key=str))
   if not missing:
     return x
   return jax.lax.pcast(x, missing, to="varying")
@@ -311,11 +245,8 @@ def varying_like(x, *refs):
 
 def key_ranges(q_positions, kv_positions, is_causal: bool, window):
   """int32 ``([T], [T])``: per query, the key indices ``[start, end)`` of this hop that the
-  causal mask and the window ``(left, right)`` let it see (segment ids aside).
-
-  Exact because key positions increase within a shard (every ring layout); a window
-  keeps ``q - left <= kv <= q + right``, causal ``kv <= q``.
-  """
+  causal mask and the window ``(left, right)`` let it see (segment ids aside); exact since
+  key positions increase within a shard."""
   q = q_positions.astype(jnp.int32)
   kv = kv_positions.astype(jnp.int32)
   s = kv.shape[0]
@@ -332,17 +263,11 @@ def key_ranges(q_positions, kv_positions, is_causal: bool, window):
 
 def segment_key_ranges(q_segment_ids, kv_segment_ids):
   """int32 ``(start [B, T], end [B, T])`` and a bool scalar ``exact``: per query, the key
-  indices ``[first, last + 1)`` of the keys with its segment id (empty for padding, id 0,
-  and for an id absent from the shard); ``exact`` tells whether every such range holds
-  only keys of that id, i.e. each id present on both sides occupies one run of the key
-  shard.
-
-  It does when documents are packed in position order (each id one run of positions),
-  since positions increase within a shard in every ring layout (contiguous, zigzag: a
-  document in both of a shard's chunks spans all between them; striped). Ids that repeat
-  in several places of a row, or the ``document`` layout's reordered shards, can break it:
-  kernels then take the exact path (the XLA kernel). Cost: a sort of the ``S`` key ids
-  per batch row.
+  indices ``[first, last + 1)`` of the keys with its segment id (empty for padding and for
+  an id absent from the shard); ``exact``: every such range holds only keys of that id
+  (each id one run of the key shard, as for documents packed in position order; not
+  always for repeated ids or the ``document`` layout: kernels then take the XLA path).
+  One sort of the ``S`` key ids per batch row.
   """
   s = kv_segment_ids.shape[-1]
 
@@ -362,15 +287,9 @@ def segment_key_ranges(q_segment_ids, kv_segment_ids):
 
 
 def call_unchecked_vma(fn, *args):
-  """``fn(*args)`` with shard_map's varying-axes check off, outputs then marked varying
-  over every manual axis an input varies over.
-
-  Pallas kernels of JAX's and tokamax's (splash, Mosaic GPU) give ``pallas_call``
-  out-shapes without a ``manual_axis_type`` (jax 0.10 through 0.12), which
-  ``shard_map(check_vma=True)`` refuses; the ring runs inside the user's shard_map, so the
-  check is lifted around the kernel call alone (JAX's internal ``check_vma`` state, what
-  ``check_vma=False`` sets) and the outputs are marked as varying exactly like their
-  inputs, so nothing downstream mistakes them for replicated.
+  """``fn(*args)`` with shard_map's varying-axes check off, its outputs then marked varying
+  over every manual axis an input varies over: ``pallas_call`` out-shapes (splash, tokamax,
+  jax 0.10-0.12) carry no ``manual_axis_type``, which ``shard_map(check_vma=True)`` refuses.
   """
   leaves = jax.tree.leaves(args)
   with jax_config._check_vma(False):

@@ -26,7 +26,7 @@ ring gives each device exactly its tokens. :func:`to_layout` /
 (for RoPE and masks) in layout order. :func:`check_length` is the one check
 that a length splits over a ring in a layout.
 
-The block schedule and the masks these positions induce live in
+The masks these positions induce live in :mod:`ring_jax.masking`, the block schedule in
 :mod:`ring_jax.scheduling`.
 """
 

@@ -52,6 +52,7 @@ import numpy as np
 
 from ring_jax import hardware
 from ring_jax import layouts
+from ring_jax import routing
 from ring_jax import scheduling
 from ring_jax import validation
 from ring_jax.ring import default_block
@@ -258,7 +259,7 @@ class _Setting:
   backward: bool
   block: int | None         # None: the ring's default for each strategy's local length
   fast_domain: int | None = None  # devices on the fast links (None: the device table's)
-  causal_routing: bool = False  # the ring's K/V routing (scheduling.routes)
+  causal_routing: bool = False  # the ring's K/V routing (routing.routes)
 
   @property
   def platform(self) -> str:
@@ -300,7 +301,7 @@ def _ring_like(s: _Setting, r, tokens, q_heads, k_heads, links_ring) -> dict:
     active = min(r, 1 + math.ceil(reach / tokens))
     hop_fwd = fwd / active
   # With a window the contiguous ring runs only the hops that hold visible keys.
-  first, last = scheduling.hop_range(s.layout, r, max(1, int(tokens)), s.is_causal, s.window)
+  first, last = routing.hop_range(s.layout, r, max(1, int(tokens)), s.is_causal, s.window)
   runs = last - first + 1
   sends = runs - 1 + (first < 0)  # one more transfer to start from a later shard
   active = min(active, runs)
@@ -352,12 +353,12 @@ def _ring_like(s: _Setting, r, tokens, q_heads, k_heads, links_ring) -> dict:
 
 
 def _routes(s: _Setting, r, tokens):
-  """The ring's :class:`ring_jax.scheduling.Routes` with ``causal_routing``, or None (off,
+  """The ring's :class:`ring_jax.routing.Routes` with ``causal_routing``, or None (off,
   nothing dropped, or a local length the layout cannot split)."""
   if not s.causal_routing or r < 2 or tokens != int(tokens):
     return None
   try:
-    route = scheduling.routes(s.layout, r, int(tokens), s.is_causal, s.window)
+    route = routing.routes(s.layout, r, int(tokens), s.is_causal, s.window)
   except ValueError:
     return None
   return route if route.routed else None
@@ -365,7 +366,7 @@ def _routes(s: _Setting, r, tokens):
 
 def _critical_path_ratio(s: _Setting, r, tokens) -> float:
   """Routed over full ring: the sum over hops of the busiest device's block pairs, with one
-  block per layout chunk (1 for the routes :func:`ring_jax.scheduling.routes` builds today;
+  block per layout chunk (1 for the routes :func:`ring_jax.routing.routes` builds today;
   kept so a route that shifts work between hops is costed)."""
   chunk = int(tokens) // 2 if s.layout == "zigzag" else int(tokens)
   window = s.window
@@ -381,14 +382,14 @@ def _ring_cost(s: _Setting, n: int) -> dict:
 
 
 def _group_routes(s: _Setting, n_o: int, n_i: int, tokens):
-  """The two-level ring's outer :class:`ring_jax.scheduling.Routes` with ``causal_routing``
-  (:func:`ring_jax.scheduling.group_routes`), or None (off, nothing dropped, or a local
+  """The two-level ring's outer :class:`ring_jax.routing.Routes` with ``causal_routing``
+  (:func:`ring_jax.routing.group_routes`), or None (off, nothing dropped, or a local
   length the layout cannot split)."""
   if not s.causal_routing or n_o < 2 or tokens != int(tokens):
     return None
   try:
-    route = scheduling.group_routes(layouts.mask_layout(s.layout), n_o, n_i, int(tokens),
-                                    s.is_causal, s.window)
+    route = routing.group_routes(layouts.mask_layout(s.layout), n_o, n_i, int(tokens),
+                                 s.is_causal, s.window)
   except ValueError:
     return None
   return route if route.routed else None
@@ -416,7 +417,7 @@ def _two_level_cost(s: _Setting, n_o: int, n_i: int) -> dict:
     ring = _ring_time(hop_s, n_i, inner_xfer, n_i)
     return (n_o - 1) * max(ring, outer_xfer) + ring
 
-  # Routed (causal_routing): the outer K/V and dK/dV bytes of scheduling.group_routes; a
+  # Routed (causal_routing): the outer K/V and dK/dV bytes of routing.group_routes; a
   # step still sends a whole buffer over its busiest outer link (contiguous: every step
   # but the last; zigzag: both chunks share the link early on), so the times stay.
   kv_frac = dkv_frac = 1.0
@@ -572,7 +573,7 @@ def plan(*, batch: int, seq_len: int, heads: int, head_dim: int, kv_heads: int |
       ``network_bandwidth`` (DCN, InfiniBand).
     causal_routing: the ring's (and the hybrid's ring's) K/V routing, as in
       :func:`ring_jax.ring_attention`: the bytes of
-      :func:`ring_jax.scheduling.routes`, the busiest link's share per hop
+      :func:`ring_jax.routing.routes`, the busiest link's share per hop
       (``min_local_len`` scales by it), the busiest device's work per hop.
 
   Returns:
@@ -608,7 +609,7 @@ def plan(*, batch: int, seq_len: int, heads: int, head_dim: int, kv_heads: int |
                d=head_dim, e=_dtype_bytes(dtype), seq_len=seq_len, is_causal=is_causal,
                window=window, layout=layout, backward=backward, block=block,
                fast_domain=fast_domain,
-               causal_routing=scheduling.check_routing(causal_routing, layout, is_causal))
+               causal_routing=routing.check_routing(causal_routing, layout, is_causal))
   budget = float(memory_bytes or spec.memory_bytes or math.inf)
   estimates = []
   for name, split in candidates:
@@ -647,7 +648,7 @@ def choose_layout(ring_size: int, *, packed: bool, is_causal: bool = True,
   * not causal: ``"contiguous"``; every query sees every key (of its document), so no
     layout moves work between devices.
   * a local window: ``"contiguous"`` when it lets the ring skip hops
-    (:func:`ring_jax.scheduling.hop_range`: a window of at most one shard of
+    (:func:`ring_jax.routing.hop_range`: a window of at most one shard of
     ``local_len`` tokens reaches only the device before, 2 hops of ``ring_size``),
     where zigzag and striped, whose shards hold far-apart positions, run every hop;
     else ``"zigzag"`` (the document layout does not keep distances, so it takes no
@@ -673,7 +674,7 @@ def choose_layout(ring_size: int, *, packed: bool, is_causal: bool = True,
   if window is not None:
     if local_len is None:
       raise ValueError("choose_layout with a local_window_size needs local_len.")
-    first, last = scheduling.hop_range("contiguous", ring_size, local_len, True, window)
+    first, last = routing.hop_range("contiguous", ring_size, local_len, True, window)
     hops = last - first + 1
     if hops < ring_size:
       return "contiguous", (f"a local window of {window[0]} tokens: contiguous runs {hops} "

@@ -7,7 +7,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from ring_jax import scheduling
+from ring_jax import masking
 from ring_jax import validation
 
 
@@ -42,7 +42,7 @@ def reference_attention(query, key, value, *, is_causal: bool = False, segment_i
   """
   validation.check_qkv(query, key, value, is_causal=is_causal or local_window_size is not None,
                        segment_ids=segment_ids)
-  window = scheduling.normalize_window(local_window_size)
+  window = masking.normalize_window(local_window_size)
   scale = validation.check_scale(scale, query.shape[-1], _score_dtype(query.dtype))
   # One compiled program per shape and static choice: called eagerly (a test's oracle, a
   # notebook), op-by-op dispatch would compile each of its ~20 operations on its own.
@@ -68,10 +68,10 @@ def _dense(query, key, value, segment_ids, q_positions, kv_positions, *, is_caus
   scores = jnp.einsum("btkgh,bskh->bkgts", q, k) * scale
   qp = jnp.arange(t, dtype=jnp.int32) if q_positions is None else jnp.asarray(q_positions)
   kp = jnp.arange(s, dtype=jnp.int32) if kv_positions is None else jnp.asarray(kv_positions)
-  mask = scheduling.position_mask(qp, kp, is_causal, window)
+  mask = masking.position_mask(qp, kp, is_causal, window)
   mask = jnp.broadcast_to(mask, (b, t, s))
   if segment_ids is not None:
-    mask = mask & scheduling.segment_mask(jnp.asarray(segment_ids), jnp.asarray(segment_ids))
+    mask = mask & masking.segment_mask(jnp.asarray(segment_ids), jnp.asarray(segment_ids))
   scores = jnp.where(mask[:, None, None], scores, -jnp.inf)  # mask [B, 1, 1, T, S]
   row_max = jnp.max(scores, axis=-1, keepdims=True)
   # Only an all -inf row (nothing visible) is shifted by 0 instead; +inf and NaN stay.

@@ -6,9 +6,9 @@ starts with its own K/V shard and, at hop ``h``, holds the shard of device
 ``(i - h) mod n``. Each hop folds blockwise attention against that shard into
 a float32 online-softmax carry (:mod:`ring_jax.hop`); the next shard's
 transfer is issued before the hop's compute so XLA can overlap the two. Only
-the hops ``first..last`` of :func:`ring_jax.scheduling.hop_range` run (a
+the hops ``first..last`` of :func:`ring_jax.routing.hop_range` run (a
 local window on the contiguous layout needs a few neighbouring shards; the
-whole ring is ``0..n-1``), both passes in one loop (:func:`_over_hops`).
+whole ring is ``0..n-1``), both passes in one loop (:func:`over_hops`).
 
 The backward pass is a hand-written ``custom_vjp`` that goes around the ring
 again: K, V and their float32 gradient accumulators dK, dV travel together,
@@ -20,10 +20,10 @@ hop's scores).
 With causal routing (:func:`_forward_routed`, :func:`_backward_routed`; the
 default for causal contiguous rings, ``causal_routing=True`` for the others)
 each part of a shard travels only to the devices that can see it, along the
-routes of :func:`ring_jax.scheduling.routes` (zigzag: both chunks backward, the
+routes of :func:`ring_jax.routing.routes` (zigzag: both chunks backward, the
 late ones only as far as they are seen), and each dK/dV accumulator goes home
 from the last device that uses it; each hop's own transfers are picked in the
-hop loop by a ``lax.switch`` (:func:`_hop_send`).
+hop loop by a ``lax.switch`` (:func:`hop_send`).
 """
 
 from __future__ import annotations
@@ -38,36 +38,32 @@ import numpy as np
 
 from ring_jax import kernels
 from ring_jax import layouts
-from ring_jax import scheduling
+from ring_jax import masking
+from ring_jax import routing
 from ring_jax import validation
-from ring_jax.hop import (HopGrads, HopKernel, HopMasks, HopResiduals, HopSpec, _varying_axes,
+from ring_jax.hop import (HopGrads, HopKernel, HopMasks, HopResiduals, HopSpec, varying_axes,
                           empty_result, lse_for_backward, merge, takes_block, varying_like)
 
 # The largest block default_block picks, per platform (jax.default_backend()): a block size,
 # or ((up to this local length, block), ..., (None, block)) steps. Each hop holds a few
-# [B, N, block, block] float32 score blocks, so a block is also a memory choice.
-# cpu: measured (benchmarks/attention.py --sections sweep; docs/performance.md "Block sizes";
-#   ring of 8, 1K-8K tokens): 64 was within 4% of the best block with the least memory up to
-#   512-token shards, 128 within 0-1% above; 32 and 256-512 were slower (up to 2.4x).
-# gpu, tpu: not measured on hardware yet; the maintained fused kernels' own preferences
-#   (FlashAttention-2 / tokamax's Mosaic GPU kernel tile queries and keys by 128; splash
-#   attention on TPU needs multiples of 128 and its users run 512, e.g. MaxText's
-#   sa_block_* defaults), until a hardware sweep replaces them.
+# [B, N, block, block] float32 score blocks, so a block is also a memory choice. cpu: from the
+# block sweep (docs/performance.md, "Block sizes"); gpu, tpu: the maintained fused kernels'
+# tiles (128; splash on TPU: multiples of 128, 512 in MaxText), until a hardware sweep.
 BLOCK_TARGETS = {"cpu": ((512, 64), (None, 128)), "gpu": 128, "tpu": 512}
 DEFAULT_BLOCK = 256  # platforms the table does not name
 
 
 @dataclasses.dataclass(frozen=True)
-class _RingConfig:
+class RingConfig:
   axis_name: object
   ring_size: int
   layout: str
   spec: HopSpec
   kernel: HopKernel
   return_lse: bool = False
-  hops: tuple[int, int] = (0, 0)  # (first, last) hops run (scheduling.hop_range)
+  hops: tuple[int, int] = (0, 0)  # (first, last) hops run (routing.hop_range)
   overlap_dkv: bool = False
-  routes: scheduling.Routes | None = None  # None: every shard goes all the way round
+  routes: routing.Routes | None = None  # None: every shard goes all the way round
 
 
 def block_target(platform: str | None = None, local_len: int | None = None) -> int:
@@ -154,8 +150,7 @@ def ring_attention(query, key, value, *, axis_name, is_causal: bool = False, seg
       must divide the local length. Default: the largest divisor of the layout's chunk
       up to the platform's :func:`block_target` (CPU 64 up to 512-token shards, else
       128; GPU 128; TPU 512) that the hop kernel takes (its ``takes_block``: splash and
-      pallas_tpu multiples of 128, pallas_gpu powers of two >= 16), else the smallest
-      divisor it takes (:func:`default_block`).
+      pallas_tpu multiples of 128), else the smallest divisor it takes (:func:`default_block`).
     precision: matmul precision (e.g. ``jax.lax.Precision.HIGHEST`` for
       float32 on TPU).
     hop_kernel: the per-hop kernel: a name from
@@ -178,13 +173,13 @@ def ring_attention(query, key, value, *, axis_name, is_causal: bool = False, seg
       buffers per device (worth it where a hop's compute is short next to
       the transfer: small local lengths on fast chips).
     causal_routing: move each K/V part only to the devices that can see it
-      (:func:`ring_jax.scheduling.routes`), forward and backward (dK/dV then
+      (:func:`ring_jax.routing.routes`), forward and backward (dK/dV then
       go home straight from the last device that uses them). Contiguous
       causal: half the K/V bytes; zigzag (and document): 0.75x, both chunks
       going backward; both with the same work at every hop as the full
       rotation; striped: nothing to drop (every device sees every shard).
       Exact in every case. ``None`` (default): on for causal contiguous rings,
-      off otherwise (:func:`ring_jax.scheduling.check_routing`,
+      off otherwise (:func:`ring_jax.routing.check_routing`,
       docs/performance.md); ``True`` / ``False`` force it.
 
   Returns:
@@ -196,15 +191,15 @@ def ring_attention(query, key, value, *, axis_name, is_causal: bool = False, seg
     :func:`ring_jax.reference_attention`; everything else stays exact.
   """
   layout = layouts.check_attention_layout(layout, segment_ids, local_window_size)
-  cfg = _make_config(query, key, value, axis_name=axis_name, is_causal=is_causal,
-                     segment_ids=segment_ids, scale=scale, local_window_size=local_window_size,
-                     layout=layout, block_q=block_q, block_kv=block_kv, precision=precision,
-                     hop_kernel=hop_kernel, return_lse=return_lse, overlap_dkv=overlap_dkv,
-                     causal_routing=causal_routing)
-  return _grouped(_ring, cfg, query, key, value, segment_ids, return_lse)
+  cfg = make_config(query, key, value, axis_name=axis_name, is_causal=is_causal,
+                    segment_ids=segment_ids, scale=scale, local_window_size=local_window_size,
+                    layout=layout, block_q=block_q, block_kv=block_kv, precision=precision,
+                    hop_kernel=hop_kernel, return_lse=return_lse, overlap_dkv=overlap_dkv,
+                    causal_routing=causal_routing)
+  return attend_grouped(_ring, cfg, query, key, value, segment_ids, return_lse)
 
 
-def _grouped(attend, cfg, query, key, value, segment_ids, return_lse: bool):
+def attend_grouped(attend, cfg, query, key, value, segment_ids, return_lse: bool):
   """``attend(cfg, q, k, v, seg)`` (a ring's ``custom_vjp``) on the query heads grouped by
   their key/value head (``[B, T, K, N/K, H]``: GQA/MQA without repeating K/V), the result
   back as ``[B, T, N, H]`` (and the lse ``[B, T, N]`` with ``return_lse``)."""
@@ -217,12 +212,12 @@ def _grouped(attend, cfg, query, key, value, segment_ids, return_lse: bool):
   return out.reshape(b, t, n, h), lse.reshape(b, t, n)
 
 
-def _make_config(query, key, value, *, axis_name, is_causal, segment_ids, scale,
-                 local_window_size, layout, block_q, block_kv, precision,
-                 hop_kernel, return_lse=False, overlap_dkv=False,
-                 causal_routing=None) -> _RingConfig:
+def make_config(query, key, value, *, axis_name, is_causal, segment_ids, scale,
+                local_window_size, layout, block_q, block_kv, precision,
+                hop_kernel, return_lse=False, overlap_dkv=False,
+                causal_routing=None) -> RingConfig:
   layouts.check_layout(layout)
-  window = scheduling.normalize_window(local_window_size)
+  window = masking.normalize_window(local_window_size)
   validation.check_qkv(query, key, value, is_causal=is_causal or window is not None,
                        segment_ids=segment_ids)
   scale = validation.check_scale(scale, query.shape[-1], "float32")
@@ -243,18 +238,18 @@ def _make_config(query, key, value, *, axis_name, is_causal, segment_ids, scale,
   b, _, n, h = query.shape
   kh = key.shape[2]
   kernel.check((b, t, kh, n // kh, h), tuple(key.shape), query.dtype, spec)
-  hops = scheduling.hop_range(layout, ring_size, s, bool(is_causal), window)
+  hops = routing.hop_range(layout, ring_size, s, bool(is_causal), window)
   routes = None
-  if scheduling.check_routing(causal_routing, layout, is_causal) and t == s and ring_size > 1:
-    routes = scheduling.routes(layout, ring_size, s, bool(is_causal), window)
+  if routing.check_routing(causal_routing, layout, is_causal) and t == s and ring_size > 1:
+    routes = routing.routes(layout, ring_size, s, bool(is_causal), window)
     routes = routes if routes.routed else None
-  return _RingConfig(axis_name=axis_name, ring_size=ring_size, layout=layout, spec=spec,
-                     kernel=kernel, return_lse=bool(return_lse),
-                     hops=hops,
-                     overlap_dkv=bool(overlap_dkv), routes=routes)
+  return RingConfig(axis_name=axis_name, ring_size=ring_size, layout=layout, spec=spec,
+                    kernel=kernel, return_lse=bool(return_lse),
+                    hops=hops,
+                    overlap_dkv=bool(overlap_dkv), routes=routes)
 
 
-def _hop_masks(cfg: _RingConfig, device, hop, q_pos, s, q_seg, kv_seg,
+def _hop_masks(cfg: RingConfig, device, hop, q_pos, s, q_seg, kv_seg,
                v_finite=None) -> HopMasks:
   """Masks and block table of the K/V shard held at ``hop`` (it started on device
   ``device - hop``); ``v_finite``: the per-device flags of :func:`_v_finite`, or None."""
@@ -264,14 +259,18 @@ def _hop_masks(cfg: _RingConfig, device, hop, q_pos, s, q_seg, kv_seg,
                         v_finite=None if v_finite is None else v_finite[src])
 
 
-def _v_finite(cfg: _RingConfig, v):
+def _v_finite(cfg: RingConfig, v):
   """bool ``[n]``: device ``i``'s V shard holds no NaN/inf. One pass over the local V and one
   gather of ``n`` flags per forward, instead of a pass over V at every hop (the kernels'
   non-finite-V guard reads the flag of the shard they hold)."""
   return jax.lax.all_gather(jnp.isfinite(v).all(), cfg.axis_name)
 
 
-def _shift(cfg: _RingConfig, by: int, *xs):
+# ----------------------------------------------------------------------------
+# Shared with ring_jax.two_level (package-internal: not exported from ring_jax)
+# ----------------------------------------------------------------------------
+
+def shift(cfg: RingConfig, by: int, *xs):
   """Every device sends to device ``j + by`` (one ppermute per array; ``by = 0``: none)."""
   n = cfg.ring_size
   if by % n == 0:
@@ -280,48 +279,59 @@ def _shift(cfg: _RingConfig, by: int, *xs):
   return tuple(None if x is None else jax.lax.ppermute(x, cfg.axis_name, perm) for x in xs)
 
 
-def _over_hops(cfg: _RingConfig, step, state, *, peel_first: bool):
-  """Runs ``step(h, state, name=, first=, last=)`` for the hops ``first..last`` the ring runs.
+def over_hops(cfg: RingConfig, step, state, *, peel_first: bool):
+  """Runs ``step(h, state, name=, last=)`` for the hops ``first..last`` the ring runs.
 
   The whole ring is ``(0, n - 1)``; a window on the contiguous layout runs fewer
-  (:func:`ring_jax.scheduling.hop_range`). ``last`` (nothing left to send) is
-  peeled off the loop, and with ``peel_first`` the first hop too (``first=True``:
-  nothing has arrived yet); the hops between run in one ``fori_loop`` (inline when
-  there is one), named ``hop``. Profiles name the peeled ones ``hop_0`` and ``last_hop``.
+  (:func:`ring_jax.routing.hop_range`). ``last`` (nothing left to send) is
+  peeled off the loop; with ``peel_first`` the first hop too, and every call then also
+  gets ``first=`` (True: nothing has arrived yet). The hops between run in one
+  ``fori_loop`` (inline when there is one), named ``hop``. Profiles name the peeled ones
+  ``hop_0`` and ``last_hop``.
   """
   first, last = cfg.hops
+
+  def flag(is_first):  # first= only for the steps of a ring that peels its first hop
+    return {"first": is_first} if peel_first else {}
+
   start = first
   if peel_first and first < last:
-    state = step(first, state, name="hop_0", first=True, last=False)
+    state = step(first, state, name="hop_0", last=False, **flag(True))
     start += 1
-  body = lambda h, state: step(h, state, name="hop", first=False, last=False)  # noqa: E731
+  body = lambda h, state: step(h, state, name="hop", last=False, **flag(False))  # noqa: E731
   if last - start == 1:
     state = body(start, state)
   elif last - start > 1:
     state = jax.lax.fori_loop(start, last, body, state)
-  return step(last, state, name="last_hop", first=peel_first and first == last, last=True)
+  return step(last, state, name="last_hop", last=True, **flag(first == last))
 
 
-def _send(pairs, axis_name, *xs, reverse: bool = False):
-  """``ppermute`` of each array over ``pairs`` (devices that receive nothing get zeros);
-  ``reverse``: the pairs listed in reverse order (the same transfer)."""
+def send(pairs, axis_name, *xs):
+  """``ppermute`` of each array over the ``(source, destination)`` ``pairs`` (devices that
+  receive nothing get zeros)."""
   if not pairs:
     return tuple(None if x is None else jnp.zeros_like(x) for x in xs)
-  perm = list(pairs)[::-1] if reverse else list(pairs)
-  return tuple(None if x is None else jax.lax.ppermute(x, axis_name, perm) for x in xs)
+  return tuple(None if x is None else jax.lax.ppermute(x, axis_name, list(pairs)) for x in xs)
 
 
-def _hop_send(i, rows, span, axis_name, parts, reverse: bool = False):
-  """``parts`` (per stream, a tuple of arrays) sent over ``rows[i][stream]``'s pairs.
+def send_distinct(pairs, axis_name, *xs):
+  """:func:`send`, the same transfer, with ``pairs`` listed in reverse order, so that XLA
+  does not merge it with an equal :func:`send` elsewhere in the program (the backward's
+  K/V transfers equal the forward's: merged, the received K/V of every hop would stay
+  alive from the forward to the backward)."""
+  return send(list(pairs)[::-1], axis_name, *xs)
 
-  ``i`` a Python int: static :func:`_send` s. ``i`` traced (a loop over the hops ``span =
-  (lo, hi)``): a ``lax.switch`` on ``i - lo`` with one branch per hop ``lo..hi-1``, each its
-  hop's static ppermutes, so only that hop's pairs move. The loop keeps one hop's parts in
-  flight, as the full rotation's loop does; with the hops unrolled XLA:CPU issued every
-  transfer up front (causal fwd+bwd temp per device, ring of 8, 512 tokens, 4 heads of 64,
-  f32: contiguous 16.0, zigzag 13.5 MiB unrolled; 11.1 in the loop; full rotation 10.1)."""
+
+def hop_send(i, rows, span, axis_name, parts, send=send):
+  """``parts`` (per stream, a tuple of arrays) sent over ``rows[i][stream]``'s pairs by
+  ``send`` (:func:`send` or :func:`send_distinct`).
+
+  ``i`` a Python int: static sends. ``i`` traced (a loop over the hops ``span = (lo, hi)``):
+  a ``lax.switch`` on ``i - lo`` with one branch per hop ``lo..hi-1``, each its hop's
+  static ppermutes, so only that hop's pairs move and the loop keeps one hop's parts in
+  flight (unrolled hops let XLA:CPU issue every transfer up front, holding them all)."""
   def branch(row):
-    return lambda parts: [_send(p, axis_name, *x, reverse=reverse) for p, x in zip(row, parts)]
+    return lambda parts: [send(p, axis_name, *x) for p, x in zip(row, parts)]
   if isinstance(i, int):
     return branch(rows[i])(parts)
   lo, hi = span
@@ -330,24 +340,24 @@ def _hop_send(i, rows, span, axis_name, parts, reverse: bool = False):
   return jax.lax.switch(i - lo, [branch(rows[h]) for h in range(lo, hi)], parts)
 
 
-def _parts(routes: scheduling.Routes, *xs):
-  """Per stream, each array's slice of the local shard (axis 1)."""
+def split_streams(routes: routing.Routes, *xs):
+  """Per stream of ``routes``, each array's slice ``[:, start:stop]`` of the local shard."""
   return [tuple(None if x is None else x[:, s.start:s.stop] for x in xs) for s in routes.streams]
 
 
-def _joined(xs):
-  """The streams' parts of one array, back in one shard (axis 1)."""
+def join_streams(xs):
+  """The streams' parts of one array (:func:`split_streams`), back in one shard (axis 1)."""
   if xs[0] is None:
     return None
   return xs[0] if len(xs) == 1 else jnp.concatenate(xs, axis=1)
 
 
-def _hops_of(i, span):
+def hops_of(i, span):
   """The hops step ``i`` may be: ``(i,)`` for a Python int, else the loop's ``span``."""
   return (i,) if isinstance(i, int) else range(*span)
 
 
-def _routed_masks(cfg: _RingConfig, device, hop, q_pos, seg, kv_seg, v_finite=None):
+def _routed_masks(cfg: RingConfig, device, hop, q_pos, seg, kv_seg, v_finite=None):
   """Masks of the parts held at ``hop`` (stream ``i``'s part from device ``source``): their
   positions and ids side by side, and (forward) the AND of their non-finite-V flags."""
   routes, n = cfg.routes, cfg.ring_size
@@ -362,10 +372,10 @@ def _routed_masks(cfg: _RingConfig, device, hop, q_pos, seg, kv_seg, v_finite=No
   return HopMasks.build(cfg.spec, q_pos, kv_pos, seg, kv_seg, v_finite=finite)
 
 
-def _forward_routed(cfg: _RingConfig, q, k, v, seg):
-  """:func:`_forward` on the routes of :func:`ring_jax.scheduling.routes`: the hops in one
+def _forward_routed(cfg: RingConfig, q, k, v, seg):
+  """:func:`_forward` on the routes of :func:`ring_jax.routing.routes`: the hops in one
   ``fori_loop`` (the last peeled; inline when one is left), each hop's own transfers
-  (:attr:`ring_jax.scheduling.Stream.arrive`) picked by :func:`_hop_send`."""
+  (:attr:`ring_jax.routing.Stream.arrive`) picked by :func:`hop_send`."""
   routes = cfg.routes
   first, last = cfg.hops
   hops = list(range(first, last + 1))
@@ -377,15 +387,14 @@ def _forward_routed(cfg: _RingConfig, q, k, v, seg):
   # As in _forward: the gather runs before the first K/V transfer on every device.
   v_finite, k, v, seg = jax.lax.optimization_barrier((v_finite, k, v, seg))
   acc = tuple(varying_like(x, q, k, v) for x in empty_result(q))
-  held = _parts(routes, k, v, seg)
+  held = split_streams(routes, k, v, seg)
   if first != 0:
     with jax.named_scope("send_kv"):
-      held = [_send(s.arrive[0], cfg.axis_name, *p) for s, p in zip(routes.streams, held)]
+      held = [send(s.arrive[0], cfg.axis_name, *p) for s, p in zip(routes.streams, held)]
   def compute(i, held, acc, name):
-    # The parts side by side, one kernel call: a call per part measured 1.11x the time of
-    # this concatenation on CPU (ring of 8, 4K; docs/performance.md), and the block table
-    # skips what the causal mask hides in either part.
-    kh, vh, segh = (_joined(x) for x in zip(*held))
+    # The parts side by side, one kernel call (docs/performance.md): the block table skips
+    # what the causal mask hides in either part.
+    kh, vh, segh = (join_streams(x) for x in zip(*held))
     with jax.named_scope(name):
       masks = _routed_masks(cfg, device, first + i, q_pos, seg, segh, v_finite)
       return merge(*acc, *cfg.kernel.forward(q, kh, vh, masks, cfg.spec))
@@ -396,10 +405,10 @@ def _forward_routed(cfg: _RingConfig, q, k, v, seg):
   def body(i, state):  # hop i; sends the parts of hop i + 1
     held, acc = state
     with jax.named_scope("send_kv"):
-      nxt = _hop_send(i, rows, (0, len(hops) - 1), cfg.axis_name, held)
+      nxt = hop_send(i, rows, (0, len(hops) - 1), cfg.axis_name, held)
     return nxt, compute(i, held, acc, "hop")
 
-  if len(hops) == 2:  # one trip: inline, as _over_hops does
+  if len(hops) == 2:  # one trip: inline, as over_hops does
     held, acc = body(0, (held, acc))
   elif len(hops) > 2:
     held, acc = jax.lax.fori_loop(0, len(hops) - 1, body, (held, acc))
@@ -407,10 +416,10 @@ def _forward_routed(cfg: _RingConfig, q, k, v, seg):
   return out.astype(q.dtype), lse
 
 
-def _backward_routed(cfg: _RingConfig, q, k, v, seg, res):
+def _backward_routed(cfg: RingConfig, q, k, v, seg, res):
   """:func:`_backward` on the routes: each part's float32 dK/dV accumulator follows the part
   along its path and goes home from the last device that uses it
-  (:attr:`ring_jax.scheduling.Stream.home`); returns float32 ``(dq, dk, dv)``."""
+  (:attr:`ring_jax.routing.Stream.home`); returns float32 ``(dq, dk, dv)``."""
   routes, axis = cfg.routes, cfg.axis_name
   first, last = cfg.hops
   hops = list(range(first, last + 1))
@@ -420,13 +429,11 @@ def _backward_routed(cfg: _RingConfig, q, k, v, seg, res):
   def zeros(x):
     return varying_like(jnp.zeros(x.shape, jnp.float32), q, k, v)
 
-  # The backward lists its pairs in reverse order: when the hops were unrolled its K/V
-  # transfers equalled the forward's, and XLA merged them and kept every hop's K/V alive from
-  # the forward to the backward (fwd+bwd temp 12.1 instead of 5.0 MiB per device, ring of 8).
-  held = _parts(routes, k, v, seg)
+  # Every transfer here is a send_distinct: the K/V ones equal the forward's.
+  held = split_streams(routes, k, v, seg)
   if first != 0:
     with jax.named_scope("send_kv"):
-      held = [_send(s.arrive[0], axis, *p, reverse=True) for s, p in zip(routes.streams, held)]
+      held = [send_distinct(s.arrive[0], axis, *p) for s, p in zip(routes.streams, held)]
   acc = [(zeros(p[0]), zeros(p[1])) for p in held]
   # home[j]: stream j's finished accumulators of this device's own part, None until one can
   # arrive (zigzag's early chunks come home only at the last hop: no buffer before it).
@@ -447,12 +454,12 @@ def _backward_routed(cfg: _RingConfig, q, k, v, seg, res):
     nxt = held
     if not (isinstance(i, int) and i + 1 == count):
       with jax.named_scope("send_kv"):
-        nxt = _hop_send(i, arrive_next, span, axis, held, reverse=True)
+        nxt = hop_send(i, arrive_next, span, axis, held, send=send_distinct)
     if not (isinstance(i, int) and i == 0):  # the parts held now arrive with their accumulators
       with jax.named_scope("send_dkv"):
-        acc = _hop_send(i, arrive_now, span, axis, acc, reverse=True)
-    kh, vh, segh = (_joined(x) for x in zip(*held))
-    dk, dv = _joined([a[0] for a in acc]), _joined([a[1] for a in acc])
+        acc = hop_send(i, arrive_now, span, axis, acc, send=send_distinct)
+    kh, vh, segh = (join_streams(x) for x in zip(*held))
+    dk, dv = join_streams([a[0] for a in acc]), join_streams([a[1] for a in acc])
     with jax.named_scope(name):
       masks = _routed_masks(cfg, device, first + i, q_pos, seg, segh)
       if cfg.overlap_dkv and not (isinstance(i, int) and i == 0):
@@ -460,12 +467,12 @@ def _backward_routed(cfg: _RingConfig, q, k, v, seg, res):
         dq, dk, dv = g.dq, dk + g.dk, dv + g.dv
       else:
         dq, dk, dv = cfg.kernel.backward(q, kh, vh, masks, cfg.spec, res, HopGrads(dq, dk, dv))
-    acc = _parts(routes, dk, dv)
+    acc = split_streams(routes, dk, dv)
     with jax.named_scope("dkv_home"):  # accumulators whose last use was this hop
-      sent = _hop_send(i, go_home, span, axis, acc, reverse=True)
+      sent = hop_send(i, go_home, span, axis, acc, send=send_distinct)
       new_home = list(home)
       for j, s in enumerate(routes.streams):
-        if not any(s.home[h] or s.done_home[h] for h in _hops_of(i, span)):
+        if not any(s.home[h] or s.done_home[h] for h in hops_of(i, span)):
           continue  # nothing of this stream comes home at this hop
         got = sent[j]
         if any(s.done_home):
@@ -484,10 +491,10 @@ def _backward_routed(cfg: _RingConfig, q, k, v, seg, res):
   if count > 1:
     state = step(count - 1, state, "last_hop")
   _, _, home, dq = state
-  return dq, _joined([x[0] for x in home]), _joined([x[1] for x in home])
+  return dq, join_streams([x[0] for x in home]), join_streams([x[1] for x in home])
 
 
-def _forward(cfg: _RingConfig, q, k, v, seg):
+def _forward(cfg: RingConfig, q, k, v, seg):
   """Returns ``(out [B,T,K,G,H] input dtype, lse [B,T,K,G] f32, -inf where no key was seen)``.
 
   Each hop's ``(out_h, lse_h)`` is merged into a float32 ``(out, lse)`` with
@@ -508,25 +515,24 @@ def _forward(cfg: _RingConfig, q, k, v, seg):
   v_finite, k, v, seg = jax.lax.optimization_barrier((v_finite, k, v, seg))
   acc = tuple(varying_like(x, q, k, v) for x in empty_result(q))
   with jax.named_scope("send_kv"):
-    k, v, kv_seg = _shift(cfg, first, k, v, seg)  # device d now holds shard d - first
+    k, v, kv_seg = shift(cfg, first, k, v, seg)  # device d now holds shard d - first
 
-  def step(h, state, *, name, first, last):
-    del first
+  def step(h, state, *, name, last):
     k, v, kv_seg, acc = state
     nxt = (k, v, kv_seg)
     if not last:
       with jax.named_scope("send_kv"):
-        nxt = _shift(cfg, 1, k, v, kv_seg)
+        nxt = shift(cfg, 1, k, v, kv_seg)
     with jax.named_scope(name):
       masks = _hop_masks(cfg, device, h, q_pos, s, seg, kv_seg, v_finite)
       acc = merge(*acc, *cfg.kernel.forward(q, k, v, masks, cfg.spec))
     return (*nxt, acc)
 
-  *_, (out, lse) = _over_hops(cfg, step, (k, v, kv_seg, acc), peel_first=False)
+  *_, (out, lse) = over_hops(cfg, step, (k, v, kv_seg, acc), peel_first=False)
   return out.astype(q.dtype), lse
 
 
-def _backward(cfg: _RingConfig, q, k, v, seg, out, lse, do, dlse):
+def _backward(cfg: RingConfig, q, k, v, seg, out, lse, do, dlse):
   """dQ stays home; each shard's float32 dK/dV accumulator follows the shard around the ring.
 
   The kernel adds every hop's dQ into one float32 accumulator in place. By
@@ -552,13 +558,13 @@ def _backward(cfg: _RingConfig, q, k, v, seg, out, lse, do, dlse):
   k_own, v_own = k, v
   if cfg.routes is not None:
     dq, dk, dv = _backward_routed(cfg, q, k, v, seg, res)
-    return _finish_grads(q, k_own, v_own, dq, dk, dv)
+    return finish_grads(q, k_own, v_own, dq, dk, dv)
 
   def zeros(x):
     return varying_like(jnp.zeros(x.shape, jnp.float32), q, k, v)
 
   with jax.named_scope("send_kv"):
-    k, v, kv_seg = _shift(cfg, first, k, v, seg)
+    k, v, kv_seg = shift(cfg, first, k, v, seg)
 
   def step(h, state, *, name, first, last):
     # dk/dv: at the first hop the zero accumulators of the shard held now; later the
@@ -567,10 +573,10 @@ def _backward(cfg: _RingConfig, q, k, v, seg, out, lse, do, dlse):
     nxt = (k, v, kv_seg)
     if not last:
       with jax.named_scope("send_kv"):
-        nxt = _shift(cfg, 1, k, v, kv_seg)
+        nxt = shift(cfg, 1, k, v, kv_seg)
     if not first:  # the shard held now arrives with its own accumulators
       with jax.named_scope("send_dkv"):
-        dk, dv = _shift(cfg, 1, dk, dv)
+        dk, dv = shift(cfg, 1, dk, dv)
     with jax.named_scope(name):
       masks = _hop_masks(cfg, device, h, q_pos, s, seg, kv_seg)
       if cfg.overlap_dkv and not first:
@@ -580,35 +586,35 @@ def _backward(cfg: _RingConfig, q, k, v, seg, out, lse, do, dlse):
         dq, dk, dv = cfg.kernel.backward(q, k, v, masks, cfg.spec, res, HopGrads(dq, dk, dv))
     return (*nxt, dq, dk, dv)
 
-  *_, dq, dk, dv = _over_hops(cfg, step, (k, v, kv_seg, zeros(q), zeros(k), zeros(v)),
-                              peel_first=True)
+  *_, dq, dk, dv = over_hops(cfg, step, (k, v, kv_seg, zeros(q), zeros(k), zeros(v)),
+                             peel_first=True)
   with jax.named_scope("dkv_home"):
-    dk, dv = _shift(cfg, -last, dk, dv)  # the accumulator of shard d - last goes home
-  return _finish_grads(q, k_own, v_own, dq, dk, dv)
+    dk, dv = shift(cfg, -last, dk, dv)  # the accumulator of shard d - last goes home
+  return finish_grads(q, k_own, v_own, dq, dk, dv)
 
 
-def _finish_grads(q, k_own, v_own, dq, dk, dv):
-  extra = tuple(sorted(_varying_axes(dk) - _varying_axes(k_own), key=str))
+def finish_grads(q, k_own, v_own, dq, dk, dv):
+  extra = tuple(sorted(varying_axes(dk) - varying_axes(k_own), key=str))
   if extra:  # K/V replicated over axes the queries are split over: add the parts
     dk, dv = jax.lax.psum((dk, dv), extra)
   return dq.astype(q.dtype), dk.astype(k_own.dtype), dv.astype(v_own.dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _ring(cfg: _RingConfig, q, k, v, seg):
+def _ring(cfg: RingConfig, q, k, v, seg):
   """``out``, or ``(out, lse)`` when ``cfg.return_lse``."""
   with jax.named_scope("ring_fwd"):
     out, lse = _forward(cfg, q, k, v, seg)
   return (out, lse) if cfg.return_lse else out
 
 
-def _ring_fwd(cfg: _RingConfig, q, k, v, seg):
+def _ring_fwd(cfg: RingConfig, q, k, v, seg):
   with jax.named_scope("ring_fwd"):
     out, lse = _forward(cfg, q, k, v, seg)
   return ((out, lse) if cfg.return_lse else out), (q, k, v, seg, out, lse)
 
 
-def _ring_bwd(cfg: _RingConfig, res, cotangent):
+def _ring_bwd(cfg: RingConfig, res, cotangent):
   q, k, v, seg, out, lse = res
   do, dlse = cotangent if cfg.return_lse else (cotangent, None)
   with jax.named_scope("ring_bwd"):

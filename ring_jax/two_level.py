@@ -20,8 +20,8 @@ the slow link at every one of its ``n - 1`` hops, the two-level ring only
 ``n_o - 1`` times, each behind ``n_i`` hops of compute.
 
 With causal routing (``causal_routing``, the flat ring's rule) the outer transfers follow
-:func:`ring_jax.scheduling.group_routes`, the flat ring's routes
-(:func:`ring_jax.scheduling.routes`) with groups as members: each part of a group's
+:func:`ring_jax.routing.group_routes`, the flat ring's routes
+(:func:`ring_jax.routing.routes`) with groups as members: each part of a group's
 buffer goes only to the groups that see it. Contiguous causal: group ``j``'s buffer goes
 ``j -> j+1 -> ... -> n_o-1`` and no further (groups before ``j`` see none of it, and the
 wrap would carry it to them): at step ``s`` only the groups ``s..n_o-2`` send, half the
@@ -34,8 +34,8 @@ gives zeros) holds a buffer none of its queries sees: its masks are built from t
 positions of the shard it would hold, which the causal mask (and window) hide, so the
 block table skips every pair and the zeros are never read. Each step's pairs differ,
 so the steps between the first and the last run in a ``fori_loop`` whose transfers are
-picked by a ``lax.switch`` on the step (:func:`ring_jax.ring._hop_send`, as the flat
-routed ring's hops; unrolled steps measured more temp memory and a larger program,
+picked by a ``lax.switch`` on the step (:func:`ring_jax.ring.hop_send`, as the flat
+routed ring's hops; unrolled steps hold more temp memory and a larger program,
 docs/performance.md). The inner rings rotate the group's whole buffer as before.
 
 The backward (a ``custom_vjp``) mirrors it: in each outer step the inner ring
@@ -70,20 +70,21 @@ import jax.numpy as jnp
 import numpy as np
 
 from ring_jax import layouts
-from ring_jax import scheduling
+from ring_jax import routing
 from ring_jax import validation
 from ring_jax.hop import (HopGrads, HopMasks, HopResiduals, empty_result,
                           lse_for_backward, merge, varying_like)
-from ring_jax.ring import (_finish_grads, _grouped, _hop_send, _hops_of, _joined, _make_config,
-                           _over_hops, _parts, _RingConfig, _shift)
+from ring_jax.ring import (RingConfig, attend_grouped, finish_grads, hop_send, hops_of,
+                           join_streams, make_config, over_hops, send, send_distinct, shift,
+                           split_streams)
 
 
 @dataclasses.dataclass(frozen=True)
 class _TwoLevelConfig:
-  ring: _RingConfig    # the combined ring: axis_name (outer, inner), ring_size n_o * n_i
-  outer: _RingConfig   # the same computation over the outer axis (n_o groups, all hops)
-  inner: _RingConfig   # ... and over the inner axis (n_i devices, all hops)
-  routes: scheduling.Routes  # the outer ring's (scheduling.group_routes; full or routed)
+  ring: RingConfig    # the combined ring: axis_name (outer, inner), ring_size n_o * n_i
+  outer: RingConfig   # the same computation over the outer axis (n_o groups, all hops)
+  inner: RingConfig   # ... and over the inner axis (n_i devices, all hops)
+  routes: routing.Routes  # the outer ring's (routing.group_routes; full or routed)
 
 
 def split_axes(axis_name) -> tuple[str, str]:
@@ -114,9 +115,9 @@ def two_level_ring_attention(query, key, value, *, axis_name, is_causal: bool = 
   the flat ring over both axes).
 
   ``causal_routing`` routes the outer transfers (the slow links) as the flat ring routes
-  its hops (:func:`ring_jax.scheduling.group_routes`), with the same rule
-  (:func:`ring_jax.scheduling.check_routing`: ``None`` the flat ring's default, on for
-  causal rings in :data:`ring_jax.scheduling.ROUTED_BY_DEFAULT`, contiguous today;
+  its hops (:func:`ring_jax.routing.group_routes`), with the same rule
+  (:func:`ring_jax.routing.check_routing`: ``None`` the flat ring's default, on for
+  causal rings in :data:`ring_jax.routing.ROUTED_BY_DEFAULT`, contiguous today;
   ``True`` / ``False`` force it), so one or two sequence axes behave alike: each part
   of a group's K/V goes only to the groups that see it, and its dK/dV comes home from
   the last group that uses it. Causal contiguous: half the outer K/V bytes; zigzag and
@@ -129,24 +130,24 @@ def two_level_ring_attention(query, key, value, *, axis_name, is_causal: bool = 
   layout = layouts.check_attention_layout(layout, segment_ids, local_window_size)
   n_o = validation.axis_size(outer, "two_level_ring_attention")
   n_i = validation.axis_size(inner, "two_level_ring_attention")
-  cfg = _make_config(query, key, value, axis_name=(outer, inner), is_causal=is_causal,
-                     segment_ids=segment_ids, scale=scale, local_window_size=local_window_size,
-                     layout=layout, block_q=block_q, block_kv=block_kv, precision=precision,
-                     hop_kernel=hop_kernel, return_lse=return_lse, overlap_dkv=overlap_dkv,
-                     causal_routing=False)  # the flat ring's routes do not apply (below)
-  routed = (scheduling.check_routing(causal_routing, layout, is_causal) and n_o > 1
+  cfg = make_config(query, key, value, axis_name=(outer, inner), is_causal=is_causal,
+                    segment_ids=segment_ids, scale=scale, local_window_size=local_window_size,
+                    layout=layout, block_q=block_q, block_kv=block_kv, precision=precision,
+                    hop_kernel=hop_kernel, return_lse=return_lse, overlap_dkv=overlap_dkv,
+                    causal_routing=False)  # the flat ring's routes do not apply (below)
+  routed = (routing.check_routing(causal_routing, layout, is_causal) and n_o > 1
             and query.shape[1] == key.shape[1])
-  routes = scheduling.group_routes(layout, n_o, n_i, key.shape[1], bool(is_causal),
-                                   cfg.spec.window, routed=routed)
+  routes = routing.group_routes(layout, n_o, n_i, key.shape[1], bool(is_causal),
+                                cfg.spec.window, routed=routed)
   if routes.kv_fraction() == 1:  # nothing dropped (striped, no mask): the full rotation
-    routes = scheduling.group_routes(layout, n_o, n_i, key.shape[1], bool(is_causal),
-                                     cfg.spec.window, routed=False)
+    routes = routing.group_routes(layout, n_o, n_i, key.shape[1], bool(is_causal),
+                                  cfg.spec.window, routed=False)
   tl = _TwoLevelConfig(
       ring=cfg,
       outer=dataclasses.replace(cfg, axis_name=outer, ring_size=n_o, hops=(0, n_o - 1)),
       inner=dataclasses.replace(cfg, axis_name=inner, ring_size=n_i, hops=(0, n_i - 1)),
       routes=routes)
-  return _grouped(_two_level, tl, query, key, value, segment_ids, return_lse)
+  return attend_grouped(_two_level, tl, query, key, value, segment_ids, return_lse)
 
 
 def _where(tl: _TwoLevelConfig):
@@ -154,7 +155,7 @@ def _where(tl: _TwoLevelConfig):
   return jax.lax.axis_index(tl.outer.axis_name), jax.lax.axis_index(tl.inner.axis_name)
 
 
-def _source(tl: _TwoLevelConfig, stream: scheduling.Stream, g, r, step, hop):
+def _source(tl: _TwoLevelConfig, stream: routing.Stream, g, r, step, hop):
   """Ring index of the device whose ``stream`` part ``(g, r)`` holds at outer ``step``,
   inner ``hop`` (int or traced): group ``stream.source(g, step)``, member ``r - hop``."""
   n_o, n_i = tl.outer.ring_size, tl.inner.ring_size
@@ -165,7 +166,7 @@ def _masks(tl: _TwoLevelConfig, g, r, step, hop, q_pos, q_seg, kv_seg, v_finite=
   """Masks of the buffer held at outer ``step``, inner ``hop``: its streams' positions side by
   side (and, forward, the AND of their parts' non-finite-V flags ``v_finite[device,
   stream]``). A part this device did not receive (zeros: no query of its group sees that
-  part, :func:`ring_jax.scheduling.group_routes`) has its source's positions, which the
+  part, :func:`ring_jax.routing.group_routes`) has its source's positions, which the
   causal mask / window hide from every query here, so the block table skips it."""
   cfg, routes = tl.ring, tl.routes
   pos, flags = [], []
@@ -180,20 +181,20 @@ def _masks(tl: _TwoLevelConfig, g, r, step, hop, q_pos, q_seg, kv_seg, v_finite=
   return HopMasks.build(cfg.spec, q_pos, kv_pos, q_seg, kv_seg, v_finite=finite)
 
 
-def _step_send(i, rows, span, axis_name, parts, reverse: bool = False):
-  """:func:`ring_jax.ring._hop_send` of step ``i``'s ``rows``; when every step the loop runs
+def _step_send(i, rows, span, axis_name, parts, send=send):
+  """:func:`ring_jax.ring.hop_send` of step ``i``'s ``rows``; when every step the loop runs
   (``span``) moves the same pairs (the full rotation), one static send without a switch."""
   lo, hi = span
   if not isinstance(i, int) and all(rows[h] == rows[lo] for h in range(lo, hi)):
     i = lo
-  return _hop_send(i, rows, span, axis_name, parts, reverse=reverse)
+  return hop_send(i, rows, span, axis_name, parts, send=send)
 
 
 def _outer_steps(n_o: int, step, state, *, start: int = 0):
   """Runs ``step(i, state)`` for the outer steps ``start..n_o-1`` (``start`` 0 or 1): the
   first and the last peeled (Python ints: their transfers are static), the ones between in
   one ``fori_loop`` (``i`` traced; each step's own outer transfers picked by
-  :func:`ring_jax.ring._hop_send`'s ``lax.switch``), inline when there is one."""
+  :func:`ring_jax.ring.hop_send`'s ``lax.switch``), inline when there is one."""
   if start == 0:
     state = step(0, state)
   if n_o > 3:
@@ -232,24 +233,23 @@ def _forward(tl: _TwoLevelConfig, q, k, v, seg):
     if not (isinstance(i, int) and i == n_o - 1):  # issued before the inner ring, read at i + 1
       with jax.named_scope("send_outer"):
         nxt = _step_send(i, rows, (1, n_o - 1), tl.outer.axis_name, held)
-    ko, vo, sego = (_joined(x) for x in zip(*held))
+    ko, vo, sego = (join_streams(x) for x in zip(*held))
 
-    def hop(h, state, *, name, first, last):
-      del first
+    def hop(h, state, *, name, last):
       k, v, kv_seg, acc = state
       nxt = (k, v, kv_seg)
       if not last:
         with jax.named_scope("send_kv"):
-          nxt = _shift(tl.inner, 1, k, v, kv_seg)
+          nxt = shift(tl.inner, 1, k, v, kv_seg)
       with jax.named_scope(name):
         masks = _masks(tl, g, r, i, h, q_pos, seg, kv_seg, v_finite)
         acc = merge(*acc, *cfg.kernel.forward(q, k, v, masks, cfg.spec))
       return (*nxt, acc)
 
-    *_, acc = _over_hops(tl.inner, hop, (ko, vo, sego, acc), peel_first=False)
+    *_, acc = over_hops(tl.inner, hop, (ko, vo, sego, acc), peel_first=False)
     return nxt, acc
 
-  state = outer_step(0, (_parts(routes, k, v, seg), acc))
+  state = outer_step(0, (split_streams(routes, k, v, seg), acc))
   received = state[0] if n_o > 1 else None
   _, (out, lse) = _outer_steps(n_o, outer_step, state, start=1)
   return out.astype(q.dtype), lse, received
@@ -290,30 +290,30 @@ def _backward(tl: _TwoLevelConfig, q, k, v, seg, out, lse, do, dlse, received):
       nxt = [(jnp.stack(p[:2]), p[2]) for p in received]
     elif not last:
       with jax.named_scope("send_outer"):
-        nxt = _step_send(i, arrive_next, span, outer, held, reverse=True)
+        nxt = _step_send(i, arrive_next, span, outer, held, send=send_distinct)
     arrived = None
     if not first:
       with jax.named_scope("outer_dkv"):
-        arrived = _step_send(i, arrive_now, span, outer, acc, reverse=True)
-      steps = _hops_of(i, span)
+        arrived = _step_send(i, arrive_now, span, outer, acc, send=send_distinct)
+      steps = hops_of(i, span)
       if any(s.home[h - 1] or s.done_home[h - 1] for s in streams for h in steps):
         with jax.named_scope("dkv_home"):  # parts whose last use was step i - 1
-          sent = _step_send(i, home_prev, span, outer, acc, reverse=True)
+          sent = _step_send(i, home_prev, span, outer, acc, send=send_distinct)
           mine = [jnp.asarray(kept_j)[i - 1, g] for kept_j in kept]
           home = [tuple(h_ + s_ + jnp.where(m, a, 0.0) for h_, s_, a in zip(hj, sj, aj))
                   for hj, sj, aj, m in zip(home, sent, acc, mine)]
-    kh, vh = (_joined([p[0][m] for p in held]) for m in (0, 1))
-    segh = _joined([p[1] for p in held])
+    kh, vh = (join_streams([p[0][m] for p in held]) for m in (0, 1))
+    segh = join_streams([p[1] for p in held])
 
     def hop(h, state, *, name, first, last):
       k, v, kv_seg, dq, dk, dv = state
       nxt = (k, v, kv_seg)
       if not last:
         with jax.named_scope("send_kv"):
-          nxt = _shift(tl.inner, 1, k, v, kv_seg)
+          nxt = shift(tl.inner, 1, k, v, kv_seg)
       if not first:
         with jax.named_scope("send_dkv"):
-          dk, dv = _shift(tl.inner, 1, dk, dv)
+          dk, dv = shift(tl.inner, 1, dk, dv)
       with jax.named_scope(name):
         masks = _masks(tl, g, r, i, h, q_pos, seg, kv_seg)
         if cfg.overlap_dkv and not first:
@@ -324,29 +324,28 @@ def _backward(tl: _TwoLevelConfig, q, k, v, seg, out, lse, do, dlse, received):
           dq, dk, dv = cfg.kernel.backward(q, k, v, masks, cfg.spec, res, HopGrads(dq, dk, dv))
       return (*nxt, dq, dk, dv)
 
-    *_, dq, dk, dv = _over_hops(tl.inner, hop, (kh, vh, segh, dq, zeros(kh), zeros(vh)),
-                                peel_first=True)
+    *_, dq, dk, dv = over_hops(tl.inner, hop, (kh, vh, segh, dq, zeros(kh), zeros(vh)),
+                               peel_first=True)
     # (g, r) now holds this group's part of the dK/dV of the buffer's shard r + 1.
     if not last:
       with jax.named_scope("dkv_home"):  # to the holder of the outer buffer, (g, r)
-        dk, dv = _shift(tl.inner, -(n_i - 1), dk, dv)
+        dk, dv = shift(tl.inner, -(n_i - 1), dk, dv)
       if arrived is not None:
-        dk = dk + _joined([a[0] for a in arrived])
-        dv = dv + _joined([a[1] for a in arrived])
+        dk = dk + join_streams([a[0] for a in arrived])
+        dv = dv + join_streams([a[1] for a in arrived])
     elif arrived is not None:  # the outer accumulators of shard r + 1 come here instead
       with jax.named_scope("outer_dkv"):
-        ak, av = _shift(tl.inner, -1, _joined([a[0] for a in arrived]),
-                        _joined([a[1] for a in arrived]))
+        ak, av = shift(tl.inner, -1, join_streams([a[0] for a in arrived]),
+                       join_streams([a[1] for a in arrived]))
       dk, dv = dk + ak, dv + av
-    return nxt, _parts(routes, dk, dv), home, dq
+    return nxt, split_streams(routes, dk, dv), home, dq
 
   # Each part's K and V travel stacked, one array: a routed step that sends one pair sends
-  # what the forward sent (reversing one pair keeps it), and XLA merged equal transfers of
-  # the two passes, keeping the received K/V alive from the forward on (as ring.py's
-  # reversed pairs avoid); the stacked array's shape keeps them apart.
-  held = [(jnp.stack(p[:2]), p[2]) for p in _parts(routes, k, v, seg)]
-  acc = [(zeros(p[0]), zeros(p[1])) for p in _parts(routes, k, v)]
-  home = [(zeros(p[0]), zeros(p[1])) for p in _parts(routes, k, v)]
+  # what the forward sent (send_distinct cannot reorder one pair), and XLA would merge equal
+  # transfers of the two passes; the stacked array's shape keeps them apart.
+  held = [(jnp.stack(p[:2]), p[2]) for p in split_streams(routes, k, v, seg)]
+  acc = [(zeros(p[0]), zeros(p[1])) for p in split_streams(routes, k, v)]
+  home = [(zeros(p[0]), zeros(p[1])) for p in split_streams(routes, k, v)]
   _, acc, home, dq = _outer_steps(n_o, outer_step, (held, acc, home, zeros(q)))
   with jax.named_scope("dkv_home"):  # the parts last used at the last step: one transfer
     last = n_o - 1
@@ -360,8 +359,8 @@ def _backward(tl: _TwoLevelConfig, q, k, v, seg, out, lse, do, dlse, received):
       if len(moved) < len(pairs):  # n_i == 1: a group's own part stays
         mine = jnp.asarray(kept[j])[last, g]
         home[j] = tuple(h_ + jnp.where(mine, a, 0.0) for h_, a in zip(home[j], acc[j]))
-  dk, dv = _joined([h_[0] for h_ in home]), _joined([h_[1] for h_ in home])
-  return _finish_grads(q, k_own, v_own, dq, dk, dv)
+  dk, dv = join_streams([h_[0] for h_ in home]), join_streams([h_[1] for h_ in home])
+  return finish_grads(q, k_own, v_own, dq, dk, dv)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -374,7 +373,7 @@ def _two_level(tl: _TwoLevelConfig, q, k, v, seg):
 def _two_level_fwd(tl: _TwoLevelConfig, q, k, v, seg):
   # The first outer transfer's parts are a residual: one K/V shard per device (what the
   # first step's transfer delivers), so the backward sends one outer step fewer over the
-  # slow links (at n_o = 2 none): at 2 x 4, L = 8192 the fwd+bwd temp stayed 10.95 MiB.
+  # slow links (at n_o = 2 none), for no more temp memory.
   with jax.named_scope("two_level_fwd"):
     out, lse, received = _forward(tl, q, k, v, seg)
   return ((out, lse) if tl.ring.return_lse else out), (q, k, v, seg, out, lse, received)

@@ -6,12 +6,10 @@ at import time of the conftest (before anything imports jax).
 Most of the suite's time is XLA:CPU compiling many small programs. The tests
 compile at LLVM -O0 (``--xla_backend_optimization_level=0``, as one builds unit
 tests in debug mode): the same HLO programs, passes and buffer assignment
-(memory figures are unchanged), but machine code that is slower to run and much
-faster to produce (about -30% of the suite's time). The XLA:CPU settings in
-COMPILE_SPEED_FLAGS (the older fusion emitters, no XNNPACK, one codegen split) cut
-compile time again by a quarter to a half where the jaxlib knows them. Set ``XLA_FLAGS``
-with your own ``--xla_backend_optimization_level`` (or any of those flags) to test
-other code. The ``train.py`` and
+(memory figures are unchanged), machine code slower to run and faster to produce. The
+XLA:CPU settings in COMPILE_SPEED_FLAGS shorten compiles further where the jaxlib knows
+them. Set ``XLA_FLAGS`` with your own ``--xla_backend_optimization_level`` (or any of
+those flags) to test other code. The ``train.py`` and
 benchmark subprocesses some tests start compile the same way (``tests/train_procs.env``
 passes them these flags minus the device count: they size their own devices).
 
@@ -28,9 +26,8 @@ plan: ``memory_analysis`` and ``as_text`` read the same).
 Runs of several ``jax.distributed`` processes use a cache directory of their own
 (``train_procs.env``): on CPU, JAX's cache key does not tell a 2-process program on 2x4
 devices from a 1-process one on 8 (same HLO, same device ids), and
-``tests/test_multiprocess.py`` runs both of one config; sharing one cache there once made
-a 2-process ``train.py`` run load the 1-process train step, compute different losses and
-abort. Among themselves the 2-process runs share theirs as a multi-host job shares one
+``tests/test_multiprocess.py`` runs both of one config, so a shared cache would hand a
+2-process ``train.py`` run the 1-process train step. Among themselves the 2-process runs share theirs as a multi-host job shares one
 (process 0 writes, every process reads), so a resumed 2-process run loads its step.
 """
 import atexit
@@ -42,15 +39,12 @@ import tempfile
 
 import pytest
 
-# XLA:CPU settings that shorten compiles without changing the HLO or its memory plan, kept
-# only where this jaxlib knows them: an XLA flag a jaxlib does not know aborts the process
-# ("Unknown flag in XLA_FLAGS"), and these come and go between releases. Measured on
-# test_sharded.py::test_ring_sizes + test_strategies.py (one process, no cache; seconds in
-# XLA's compile, then the whole run): jax 0.10.2 74 -> 37 s, 132 -> 86 s; jax 0.12.0.1 68 ->
-# 51 s, 130 -> 97 s (xla_cpu_use_fusion_emitters is gone from 0.12). ``memory_analysis`` of a
-# ring's fwd+bwd is byte-equal with and without them on both.
+# XLA:CPU settings that shorten compiles without changing the HLO or its memory plan
+# (``memory_analysis`` of a ring's fwd+bwd is byte-equal with and without them), kept only
+# where this jaxlib knows them: an XLA flag a jaxlib does not know aborts the process
+# ("Unknown flag in XLA_FLAGS"), and these come and go between releases.
 COMPILE_SPEED_FLAGS = (
-    "--xla_cpu_use_fusion_emitters=false",  # the older elemental emitters: -35% compile (0.10)
+    "--xla_cpu_use_fusion_emitters=false",  # the older elemental emitters (gone from 0.12)
     "--xla_cpu_use_xnnpack=false",  # no XNNPACK fusions to outline and compile
     "--xla_cpu_parallel_codegen_split_count=1",  # 2 shared cores gain nothing from splitting
 )
@@ -115,7 +109,7 @@ NEWEST_JAX = {
     "test_reference.py", "test_ring.py", "test_hop.py", "test_hop_pruning.py",
     "test_layouts.py", "test_schedule.py", "test_routing.py", "test_sharded.py",
     "test_strategies.py", "test_two_level.py", "test_plan.py", "test_ffn.py",
-    "test_documents.py", "test_flax_attention.py", "test_pallas_gpu.py", "test_pallas_tpu.py",
+    "test_documents.py", "test_flax_attention.py", "test_pallas_tpu.py",
     "test_splash.py", "test_selfcheck.py",
     "test_tokamax_gpu.py",  # tokamax needs jax >= 0.11.1: leg 2 is where it runs (the [gpu] extra)
     # models/

@@ -55,7 +55,7 @@ def test_defaults_and_annotations_render_without_reprs():
   assert api_doc._default(len) == "len"
   assert api_doc._default(("a", 1, None)) == "('a', 1, None)"
   assert api_doc._annotation("jax.Array | None") == "Array | None"
-  assert api_doc._annotation("'scheduling.Routes | None'") == "Routes | None"
+  assert api_doc._annotation("'routing.Routes | None'") == "Routes | None"
   assert api_doc._annotation("np.ndarray") == "np.ndarray"
 
 

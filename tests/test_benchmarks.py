@@ -120,7 +120,7 @@ def test_train_throughput_runs_the_shipped_step():
 
 def test_gpu_check_dry_run(tmp_path):
   """`GPU_CHECK_DRY=1 bash benchmarks/gpu_check.sh`: every section on CPU at tiny sizes (the
-  fused pallas_gpu hop kernel in interpret mode; cuDNN cannot run there and says so)."""
+  XLA hop kernel and jax's XLA attention; tokamax and cuDNN cannot run there and say so)."""
   import json
 
   out_json = tmp_path / "gpu_check.json"
@@ -137,16 +137,13 @@ def test_gpu_check_dry_run(tmp_path):
   result = json.loads(out_json.read_text())
   timed = {(r["impl"], r["causal"]) for r in result["rows"] if "fb" in r}
   for causal in (True, False):
-    assert ("ring_jax ring=1 [pallas_gpu]", causal) in timed
     assert ("ring_jax ring=1 [xla]", causal) in timed
-  assert {r["vs"] for r in result["ratios"]} == {"ring_jax ring=1 [xla]"}  # no cuDNN on CPU
+    assert ("dot_product_attention[xla]", causal) in timed
+  assert result["ratios"] == [] and result["checks"] == []  # no fused GPU kernel runs on CPU
   # tokamax cannot run on CPU: its row says so (check()'s error); auto says what ran
   notes = [r["note"] for r in result["rows"] if r["impl"] == "ring_jax ring=1 [tokamax]"]
   assert len(notes) == 2 and all("ValueError: hop_kernel='tokamax': " in n for n in notes), notes
   assert result["auto"] == "hop kernel: xla (auto: no fused kernel is picked on cpu)"
-  assert len(result["checks"]) == 2
-  for c in result["checks"]:  # float32 in the dry run: the two kernels agree closely
-    assert c["max_abs_diff"] < 1e-5, c
 
 
 def test_balance_dry_run(tmp_path):

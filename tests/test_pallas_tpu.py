@@ -272,18 +272,6 @@ def test_check_names_the_fix(bad, match):
                  HopSpec(scale=1.0, is_causal=True, window=None, block_q=128, block_kv=128))
 
 
-def test_wide_segment_ids_keep_equality():
-  """Segment ids outside int32 (uint32 here) are remapped, not truncated."""
-  from ring_jax.kernels.pallas_tpu import _segment_ids_int32
-  big = np.uint32(2**32 - 1)
-  qs = np.array([[0, 5, big, big - 1]], np.uint32)
-  ks = np.array([[big, 0, 5, big - 1, 7]], np.uint32)
-  cq, ck = jax.device_get(_segment_ids_int32(jnp.asarray(qs), jnp.asarray(ks)))
-  np.testing.assert_array_equal(cq[:, :, None] == ck[:, None, :],
-                                qs[:, :, None] == ks[:, None, :])
-  np.testing.assert_array_equal(cq == 0, qs == 0)
-
-
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 def test_lowers_for_tpu(dtype):
   """The real (non-interpret) kernels lower to Mosaic for a TPU target on this CPU

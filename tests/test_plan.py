@@ -162,7 +162,7 @@ def test_window():
 
 def test_window_prunes_contiguous_ring():
   """With the contiguous layout the windowed ring runs only the hops holding visible keys
-  (ring_jax.scheduling.hop_range): one K/V transfer for a one-shard causal window; routed
+  (ring_jax.routing.hop_range): one K/V transfer for a one-shard causal window; routed
   (the default there), 7 of the 8 devices send it (device 0 needs no wrap-around shard)."""
   local = 4096
   kw = dict(GQA, is_causal=True, local_window_size=local, layout="contiguous")
@@ -200,11 +200,11 @@ def test_choose_layout_branches(kwargs, want, why):
 def test_choose_layout_window_agrees_with_the_hops_the_ring_runs():
   """choose_layout's window rule is hop_range's: "contiguous" exactly when the contiguous
   ring skips hops, and a window then needs the local length."""
-  from ring_jax import scheduling
+  from ring_jax import routing
   from ring_jax.planning import choose_layout
 
   for window in (1, 512, 513, 6 * 512, 6 * 512 + 1):
-    first, last = scheduling.hop_range("contiguous", 8, 512, True, (window, window))
+    first, last = routing.hop_range("contiguous", 8, 512, True, (window, window))
     skips = last - first + 1 < 8
     assert (choose_layout(8, packed=False, local_window_size=window, local_len=512)[0]
             == ("contiguous" if skips else "zigzag")), window

@@ -1,7 +1,10 @@
 """ring_attention inside a user's shard_map: work skipping, memory, numerics."""
 
+import dataclasses
 import functools
+import itertools
 import re
+from typing import ClassVar
 
 import chex
 import jax
@@ -13,7 +16,9 @@ from jax.sharding import PartitionSpec as P
 
 import ring_jax
 from attn_utils import assert_close, grads, make_mesh, packed_segments, qkv
-from ring_jax.kernels import xla as xla_kernel
+from ring_jax import masking
+from ring_jax.hop import fold_blocks, varying_like
+from ring_jax.kernels.xla import XlaHopKernel
 
 
 def shard_mapped(mesh, **kw):
@@ -49,9 +54,57 @@ def test_unbound_axis_name_is_a_value_error():
     fn(q, k, v)
 
 
+@dataclasses.dataclass(frozen=True)
+class PairLogKernel:
+  """A test hop kernel: the XLA kernel's results, and per hop a host callback that appends
+  ``(phase, q_pos0, kv_pos0, pairs)`` to :attr:`log`: the block pairs ``(q block, kv block)``
+  the hop's table (``masks.blocks``) makes the XLA kernel compute, visited as its loops visit
+  them (:func:`ring_jax.hop.fold_blocks` over the batch rows' merged ranges; a masked pair
+  that no row's range holds is skipped). The first query / key position of the hop name the
+  device and the shard it holds. Read :attr:`log` after ``jax.effects_barrier()``."""
+  name: ClassVar[str] = "pair_log"
+  log: list = dataclasses.field(default_factory=list, compare=False)
+  serial: int = dataclasses.field(default_factory=itertools.count().__next__)  # hash: unique
+
+  def check(self, q_shape, kv_shape, dtype, spec):
+    XlaHopKernel().check(q_shape, kv_shape, dtype, spec)
+
+  @staticmethod
+  def _visited(ranges, n_other: int, may_mask: bool):
+    """bool ``[n, n_other]``: block ``i`` meets block ``j`` in the kernel's loops
+    (``ranges`` ``[R, n, 4]``, one table direction)."""
+    merged, skip = masking.merge_rows(ranges), ranges.shape[0] > 1
+    vis = varying_like(jnp.zeros((ranges.shape[1], n_other), bool), ranges)
+    for i in range(ranges.shape[1]):
+      def step(j, vis, masked, i=i):
+        mark = lambda vis: vis.at[i, j].set(True)  # noqa: E731
+        if skip and masked:
+          return jax.lax.cond(masking.rows_cover(ranges, i, j), mark, lambda vis: vis, vis)
+        return mark(vis)
+      vis = fold_blocks(merged[i], step, vis, may_mask, n_other)
+    return vis
+
+  def _record(self, phase, masks, vis):
+    def append(qp, kp, vis):
+      self.log.append((phase, int(qp), int(kp), [tuple(p) for p in np.argwhere(vis).tolist()]))
+    jax.debug.callback(append, masks.q_positions[0], masks.kv_positions[0], vis)
+
+  def forward(self, q, k, v, masks, spec):
+    table = masks.table()
+    self._record("fwd", masks, self._visited(table.q_ranges, k.shape[1] // spec.block_kv,
+                                             table.may_mask))
+    return XlaHopKernel().forward(q, k, v, masks, spec)
+
+  def backward(self, q, k, v, masks, spec, res, acc):
+    table = masks.table()
+    self._record("bwd", masks, self._visited(table.kv_ranges, q.shape[1] // spec.block_q,
+                                             table.may_mask).T)
+    return XlaHopKernel().backward(q, k, v, masks, spec, res, acc)
+
+
 def _pairs_by_hop(log, layout, n, local_len, sched=None):
-  """``{(phase, device, hop): sorted block pairs}`` from the XLA kernel's ``record_pairs`` log:
-  the pairs its loops really computed (the first query / key position name device and shard).
+  """``{(phase, device, hop): sorted block pairs}`` from a :class:`PairLogKernel`'s log: the
+  pairs each hop's kernel computed (the first query / key position name device and shard).
 
   With a routed ``sched`` the kernel runs once per part (a zigzag chunk): the part's first
   position names its owner and stream, whose direction gives the hop, and its key blocks are
@@ -64,17 +117,19 @@ def _pairs_by_hop(log, layout, n, local_len, sched=None):
       for d in range(n):
         streams[int(pos[d][st.start])] = (d, st.step, st.start // sched.block_kv)
   got = {}
-  for phase, qp, kp, a, b in log:
+  for phase, qp, kp, pairs in log:
     d = device_of[qp]
     src, step, offset = streams.get(kp, (device_of.get(kp), 1, 0))
-    got.setdefault((phase, d, ((d - src) * step) % n), []).append((a, b + offset))
+    got.setdefault((phase, d, ((d - src) * step) % n), []).extend(
+        (a, b + offset) for a, b in pairs)
   return {key: sorted(pairs) for key, pairs in got.items()}
 
 
 @pytest.mark.parametrize("layout", ring_jax.LAYOUTS)
 def test_computed_work_follows_the_schedule(layout):
-  """The forward's and the backward's block loops compute exactly the scheduled block pairs
-  (their real trips, counted by a callback in the loop bodies); masked ones are skipped.
+  """Every hop's kernel computes exactly the scheduled block pairs, forward and backward (the
+  pairs of the tables the ring hands it, visited as the XLA kernel's loops visit them:
+  PairLogKernel); masked ones are skipped.
 
   With zigzag/striped every device does the same causal work; contiguous
   leaves device 0 idle after hop 0.
@@ -82,14 +137,15 @@ def test_computed_work_follows_the_schedule(layout):
   n, length, block = 4, 64, 4
   mesh = make_mesh((n,), ("sequence",))
   q, k, v = qkv(1, 1, length, 2, 2, 8)
-  fn = shard_mapped(mesh, is_causal=True, layout=layout, block_q=block, block_kv=block)
+  kernel = PairLogKernel()
+  fn = shard_mapped(mesh, is_causal=True, layout=layout, block_q=block, block_kv=block,
+                    hop_kernel=kernel)
   to = functools.partial(ring_jax.to_layout, layout=layout, ring_size=n)
-  with xla_kernel.record_pairs() as log:
-    jax.block_until_ready(jax.jit(functools.partial(grads, fn))(
-        to(q), to(k), to(v), jnp.ones_like(q)))
-    jax.effects_barrier()
+  jax.block_until_ready(jax.jit(functools.partial(grads, fn))(
+      to(q), to(k), to(v), jnp.ones_like(q)))
+  jax.effects_barrier()
   sched = ring_jax.schedule(layout, n, length // n, block, block, True)
-  got = _pairs_by_hop(log, layout, n, length // n, sched)
+  got = _pairs_by_hop(kernel.log, layout, n, length // n, sched)
   for phase in ("fwd", "bwd"):
     work = np.zeros((n, n), int)
     for d in range(n):
@@ -111,21 +167,21 @@ def test_computed_work_follows_the_schedule(layout):
 
 
 def test_routed_work_follows_the_routed_schedule():
-  """With causal routing (zigzag: both chunks of d + h at hop h, one kernel call each) the block
-  loops compute exactly the pairs of schedule(..., causal_routing=True), forward and backward,
-  and every device the same pairs in all as without routing."""
+  """With causal routing (zigzag: both chunks of d + h at hop h, side by side in one kernel
+  call) every hop's kernel computes exactly the pairs of schedule(..., causal_routing=True),
+  forward and backward, and every device the same pairs in all as without routing."""
   n, length, block = 4, 32, 4
   mesh = make_mesh((n,), ("sequence",))
   q, k, v = qkv(1, 1, length, 2, 2, 8)
+  kernel = PairLogKernel()
   fn = shard_mapped(mesh, is_causal=True, layout="zigzag", block_q=block, block_kv=block,
-                    causal_routing=True)
+                    causal_routing=True, hop_kernel=kernel)
   to = functools.partial(ring_jax.to_layout, layout="zigzag", ring_size=n)
-  with xla_kernel.record_pairs() as log:
-    jax.block_until_ready(jax.jit(functools.partial(grads, fn))(
-        to(q), to(k), to(v), jnp.ones_like(q)))
-    jax.effects_barrier()
+  jax.block_until_ready(jax.jit(functools.partial(grads, fn))(
+      to(q), to(k), to(v), jnp.ones_like(q)))
+  jax.effects_barrier()
   sched = ring_jax.schedule("zigzag", n, length // n, block, block, True, causal_routing=True)
-  got = _pairs_by_hop(log, "zigzag", n, length // n, sched)
+  got = _pairs_by_hop(kernel.log, "zigzag", n, length // n, sched)
   for phase in ("fwd", "bwd"):
     for d in range(n):
       for h in range(n):
@@ -133,17 +189,6 @@ def test_routed_work_follows_the_routed_schedule():
         assert got.get((phase, d, h), []) == want, (phase, d, h)
   full = ring_jax.schedule("zigzag", n, length // n, block, block, True)
   np.testing.assert_array_equal(sched.work_per_device(), full.work_per_device())
-
-
-def test_pair_recording_is_off_by_default():
-  """Outside record_pairs() the kernel's loops hold no callback (zero cost)."""
-  mesh = make_mesh((2,), ("sequence",))
-  q, k, v = qkv(1, 1, 16, 2, 2, 8)
-  hlo = lambda: jax.jit(shard_mapped(mesh, is_causal=True, block_q=4, block_kv=4)).lower(  # noqa: E731
-      q, k, v).as_text()
-  assert "callback" not in hlo()
-  with xla_kernel.record_pairs():
-    assert "callback" in hlo()
 
 
 def _fwd_bwd_temp_bytes(n, local_len, heads=4, head_dim=64, is_causal=True, **kw):
@@ -252,23 +297,24 @@ def test_blocks_of_different_documents_are_skipped():
   seg[0, -4:] = 0                                            # and trailing padding
   seg = jnp.asarray(seg)
   q, k, v = qkv(4, 1, length, 2, 2, 8)
-  fn = shard_mapped_with_segments(mesh, block)
-  with xla_kernel.record_pairs() as log:
-    out = jax.jit(fn)(q, k, v, seg)
-    jax.effects_barrier()
+  kernel = PairLogKernel()
+  fn = shard_mapped_with_segments(mesh, block, hop_kernel=kernel)
+  out = jax.jit(fn)(q, k, v, seg)
+  jax.effects_barrier()
   assert_close(out, ring_jax.reference_attention(q, k, v, is_causal=True, segment_ids=seg))
-  computed = len(log)
+  computed = sum(len(pairs) for *_, pairs in kernel.log)
   scheduled = ring_jax.schedule("contiguous", n, length // n, block, block, True)
   # Each 8-token document covers two 4-token blocks: 3 causal pairs per document, none for
   # the padding block.
   assert computed == 7 * 3 + 1 < scheduled.num_pairs.sum()
 
 
-def shard_mapped_with_segments(mesh, block):
+def shard_mapped_with_segments(mesh, block, hop_kernel="auto"):
   spec, seg_spec = P(None, "sequence", None, None), P(None, "sequence")
   return jax.shard_map(
       lambda q, k, v, s: ring_jax.ring_attention(q, k, v, axis_name="sequence", is_causal=True,
-                                                 segment_ids=s, block_q=block, block_kv=block),
+                                                 segment_ids=s, block_q=block, block_kv=block,
+                                                 hop_kernel=hop_kernel),
       mesh=mesh, in_specs=(spec, spec, spec, seg_spec), out_specs=spec)
 
 

@@ -1,4 +1,4 @@
-"""Causal routing (ring_jax.scheduling.routes): K/V parts travel only to the devices that see them.
+"""Causal routing (ring_jax.routing.routes): K/V parts travel only to the devices that see them.
 
 Exactness against the float64 oracle (forward and every gradient) over the layouts, masks,
 packed documents, GQA and ring sizes 2-8 (odd ones on sub-meshes of the 8 fake devices), and
@@ -16,7 +16,7 @@ from jax.sharding import PartitionSpec as P
 
 import ring_jax
 from attn_utils import assert_close, grads, make_mesh, packed_segments, qkv
-from ring_jax import scheduling
+from ring_jax import routing
 
 
 def test_routes_move_what_the_causal_mask_uses():
@@ -24,12 +24,12 @@ def test_routes_move_what_the_causal_mask_uses():
   there; zigzag: both chunks travel backward (d -> d-1), early chunks around the whole ring,
   late chunks only j hops (0.75x the bytes); striped: every device sees every shard."""
   n = 8
-  con = scheduling.routes("contiguous", n, 16, True)
+  con = routing.routes("contiguous", n, 16, True)
   (stream,) = con.streams
   assert [len(p) for p in stream.arrive] == [0, 7, 6, 5, 4, 3, 2, 1]
   assert stream.home[1:] == tuple(((n - 1, n - 1 - h),) for h in range(1, n))
   assert con.kv_fraction() == 0.5 and con.max_chunks_per_link() == 1.0
-  zig = scheduling.routes("zigzag", n, 16, True)
+  zig = routing.routes("zigzag", n, 16, True)
   early, late = zig.streams
   assert (early.step, late.step) == (-1, -1)
   assert [len(p) for p in early.arrive] == [0] + [n] * (n - 1)
@@ -38,17 +38,17 @@ def test_routes_move_what_the_causal_mask_uses():
              for src, dst in pairs)
   # Both chunks share a link at the first hops (a whole shard, as the full rotation's).
   assert zig.kv_fraction() == 0.75 and zig.max_chunks_per_link() == 1.0
-  assert not scheduling.routes("striped", n, 16, True).routed
-  assert not scheduling.routes("contiguous", n, 16, False).routed
+  assert not routing.routes("striped", n, 16, True).routed
+  assert not routing.routes("contiguous", n, 16, False).routed
   # The default (None): routed for causal contiguous rings only.
-  assert scheduling.check_routing(None, "contiguous", True)
-  assert not any(scheduling.check_routing(None, lay, True) for lay in ("zigzag", "document"))
-  assert not scheduling.check_routing(None, "contiguous", False)
-  assert not scheduling.check_routing(None, "striped", True)
-  assert scheduling.check_routing(True, "striped", True)
-  assert not scheduling.check_routing(False, "contiguous", True)
+  assert routing.check_routing(None, "contiguous", True)
+  assert not any(routing.check_routing(None, lay, True) for lay in ("zigzag", "document"))
+  assert not routing.check_routing(None, "contiguous", False)
+  assert not routing.check_routing(None, "striped", True)
+  assert routing.check_routing(True, "striped", True)
+  assert not routing.check_routing(False, "contiguous", True)
   with pytest.raises(TypeError, match="causal_routing must be None"):
-    scheduling.check_routing("yes", "contiguous", True)
+    routing.check_routing("yes", "contiguous", True)
   default = ring_jax.schedule("contiguous", n, 16, 4, 4, True)
   assert default.routes is not None and default.routes.streams == con.streams
 
@@ -114,7 +114,7 @@ def _permute_bytes(hlo: str, scope: str = ""):
   counted ``known_trip_count`` times; only those whose op name holds ``scope``.
 
   A routed ring's loop picks each hop's transfer with a ``lax.switch`` on the loop counter,
-  one branch per trip (ring_jax.ring._hop_send): a conditional with collective-permutes in
+  one branch per trip (ring_jax.ring.hop_send): a conditional with collective-permutes in
   its branches must sit in a loop with as many trips as branches, and each branch is
   counted once per execution of that loop (anything else fails here, not silently)."""
   comps, name = {}, None

@@ -14,7 +14,7 @@ from jax.sharding import PartitionSpec as P
 import ring_jax
 from benchmarks import two_level as bench
 from attn_utils import assert_close, grads, make_mesh, packed_segments, qkv
-from ring_jax import scheduling
+from ring_jax import routing
 from ring_jax.two_level import two_level_ring_attention
 
 AXES = ("outer", "inner")
@@ -104,22 +104,22 @@ def test_group_routes():
   """The outer ring's routes (groups as members): contiguous buffer j goes to groups
   j+1..n_o-1 and its dK/dV home from group n_o-1; zigzag both chunks backward, early ones
   around the whole outer ring, the late chunk of group j to groups 0..j only."""
-  con = scheduling.group_routes("contiguous", 4, 2, 16, True)
+  con = routing.group_routes("contiguous", 4, 2, 16, True)
   (stream,) = con.streams
   assert stream.step == 1 and [p for p in stream.arrive] == [
       (), ((0, 1), (1, 2), (2, 3)), ((1, 2), (2, 3)), ((2, 3),)]
   assert stream.home == ((), ((3, 2),), ((3, 1),), ((3, 0),)) and stream.done_home[0] == (3,)
   assert con.kv_fraction() == 0.5 and con.dkv_fraction() == 9 / 16
-  early, late = scheduling.group_routes("zigzag", 4, 2, 16, True).streams
+  early, late = routing.group_routes("zigzag", 4, 2, 16, True).streams
   assert (early.step, late.step) == (-1, -1)
   assert [len(p) for p in early.arrive] == [0, 4, 4, 4]
   assert late.arrive == ((), ((1, 0), (2, 1), (3, 2)), ((1, 0), (2, 1)), ((1, 0),))
   assert late.home == ((), ((0, 1),), ((0, 2),), ((0, 3),)) and late.done_home[0] == (0,)
-  assert scheduling.group_routes("zigzag", 2, 4, 16, True).kv_fraction() == 0.75
+  assert routing.group_routes("zigzag", 2, 4, 16, True).kv_fraction() == 0.75
   # Nothing to drop: striped, or no causal mask; routed=False is the full rotation.
-  assert not scheduling.group_routes("striped", 4, 2, 16, True).routed
-  assert not scheduling.group_routes("contiguous", 4, 2, 16, False).routed
-  full = scheduling.group_routes("zigzag", 4, 2, 16, True, routed=False)
+  assert not routing.group_routes("striped", 4, 2, 16, True).routed
+  assert not routing.group_routes("contiguous", 4, 2, 16, False).routed
+  full = routing.group_routes("zigzag", 4, 2, 16, True, routed=False)
   assert not full.routed and full.kv_fraction() == 1 and full.dkv_fraction() == 1
 
 
@@ -159,7 +159,7 @@ def test_routed_matches_float64_oracle(split, layout, window):
 def test_routed_outer_bytes_from_hlo():
   """4 x 2, causal: the bytes the compiled program sends over the outer axis (all outer
   links together), routed and in full rotation, forward (the ops named two_level_fwd) and
-  forward + backward, are exactly what the outer routes move (scheduling.group_routes):
+  forward + backward, are exactly what the outer routes move (routing.group_routes):
   K/V at steps 1..3 forward, 2..3 backward (step 1's parts are the forward's, kept), the
   dK/dV on with their parts and home. Routed over full: contiguous 0.5 and 0.5, zigzag
   0.75 and 0.75. The inner bytes do not change. (The full rotation moves the same in
@@ -168,16 +168,16 @@ def test_routed_outer_bytes_from_hlo():
   shard = length // 8 * 2 * 8 * 4  # one device's K (or V): 16 tokens, 2 heads of 8, float32
   group = 2 * shard  # over the 2 device pairs of a group pair
 
-  def measured(layout, routing):
+  def measured(layout, routed):
     text = bench.compiled_text(split, two_level=True, backward=True, is_causal=True,
                                length=length, heads=2, kv_heads=2, head_dim=8, layout=layout,
-                               causal_routing=routing)
+                               causal_routing=routed)
     ops = bench.permute_traffic(text, split)
     return (bench.outer_total(ops, "/two_level_fwd/"), bench.outer_total(ops),
             bench.axis_summary(ops)["inner_bytes"])
 
-  def derived(layout, routing):
-    route = scheduling.group_routes(layout, 4, 2, length // 8, True, routed=routing)
+  def derived(layout, routed):
+    route = routing.group_routes(layout, 4, 2, length // 8, True, routed=routed)
 
     def moved(hops, kind="arrive"):  # whole group buffers moved over these steps
       return sum(len(getattr(s, kind)[h]) * (s.stop - s.start) for s in route.streams

@@ -23,7 +23,7 @@ attention needs):
   kernel: ``q_pos`` ``[T, 128]`` / ``kv_pos`` ``[8, S]`` (lane/sublane
   broadcasts, the layout splash and flash attention use for segment ids).
   Nothing of size ``T x S`` exists.
-* Block skipping: the hop's :class:`ring_jax.scheduling.BlockTable`
+* Block skipping: the hop's :class:`ring_jax.masking.BlockTable`
   (``masks.blocks``, built once per hop by the ring) gives one range of kv
   blocks per (batch row, q block) and of q blocks per (batch row, kv block),
   with its fully visible run. The ranges are scalar-prefetched (SMEM, one flat
@@ -46,6 +46,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from ring_jax import hop
+from ring_jax import masking
 
 NUM_LANES = 128
 NUM_SUBLANES = 8
@@ -107,7 +108,7 @@ def _split_refs(refs, has_seg: bool, n_in: int):
 def _pair_flags(ranges, r, step):
   """(run, full) of the current grid step from the scalar-prefetched block table.
 
-  ``ranges``: a :class:`ring_jax.scheduling.BlockTable` direction flattened to int32
+  ``ranges``: a :class:`ring_jax.masking.BlockTable` direction flattened to int32
   ``[rows * 4]`` (row ``r`` = ``(lo, full_lo, full_hi, hi)``): ``run`` when ``step`` is
   in the row's range, ``full`` when in its fully visible run (no element mask needed).
   """
@@ -270,7 +271,7 @@ def _dkv_kernel(ranges, *refs, may_mask, specialize, has_seg, scale, causal, win
 
 
 def _flat_ranges(ranges, batch: int):
-  """A :class:`~ring_jax.scheduling.BlockTable` direction ``[R, n, 4]`` as the int32
+  """A :class:`~ring_jax.masking.BlockTable` direction ``[R, n, 4]`` as the int32
   ``[B * n * 4]`` scalar-prefetch operand (row ``b * n + x``; SMEM holds 1-D arrays best)."""
   return jnp.broadcast_to(ranges, (batch, *ranges.shape[1:])).reshape(-1).astype(jnp.int32)
 
@@ -368,7 +369,7 @@ class PallasTpuHopKernel:
     arrays = [qpos, kpos]
     has_seg = masks.q_segment_ids is not None
     if has_seg:
-      qs, ks = _segment_ids_int32(masks.q_segment_ids, masks.kv_segment_ids)
+      qs, ks = masking.segment_ids_int32(masks.q_segment_ids, masks.kv_segment_ids)
       arrays += [jax.lax.broadcast_in_dim(qs, (batch, t, NUM_LANES), (0, 1)),
                  jax.lax.broadcast_in_dim(ks, (batch, NUM_SUBLANES, s), (0, 2))]
     return arrays, has_seg
@@ -568,27 +569,6 @@ class PallasTpuHopKernel:
     return hop.HopGrads(acc.dq + dq, acc.dk + dk, acc.dv + dv)
 
 
-def _segment_ids_int32(q_seg, kv_seg):
-  """Segment ids as int32 for the kernel, keeping equality and the 0 = padding rule.
-
-  Ids that already fit int32 are cast. Wider ids (int64 / uint32 / uint64 values
-  outside int32) are remapped to dense int32 codes by rank over the union of both
-  arrays (0 stays 0), which preserves exactly which pairs are equal.
-  """
-  q_seg, kv_seg = jnp.asarray(q_seg), jnp.asarray(kv_seg)
-  dt = jnp.promote_types(q_seg.dtype, kv_seg.dtype)
-  if jnp.iinfo(dt).bits <= 32 and jnp.iinfo(dt).max <= _I32_MAX:
-    return q_seg.astype(jnp.int32), kv_seg.astype(jnp.int32)
-  both = jnp.concatenate([q_seg.reshape(-1), kv_seg.reshape(-1)]).astype(dt)
-  # Padded with the largest id so that `uniq` stays sorted for searchsorted.
-  uniq = jnp.unique(both, size=both.size, fill_value=both.max())
-  # 0 maps to 0; any other id to 1 + its rank among the distinct ids (ids can be negative).
-  def code(x):
-    rank = jnp.searchsorted(uniq, x.astype(dt)).astype(jnp.int32)
-    return jnp.where(x == 0, 0, rank + 1)
-  return code(q_seg), code(kv_seg)
-
-
 def takes_tpu_block(block: int) -> bool:
   """The blocks every TPU hop kernel here takes: multiples of 128 (the lane width)."""
   return block > 0 and block % NUM_LANES == 0
@@ -630,7 +610,7 @@ def interpret_mode(interpret: bool, *arrays):
   axis (see :meth:`PallasTpuHopKernel._interpret_mode`)."""
   if not interpret:
     return False
-  if frozenset().union(*(hop._varying_axes(a) for a in arrays)):
+  if frozenset().union(*(hop.varying_axes(a) for a in arrays)):
     return pltpu.InterpretParams()
   return True
 

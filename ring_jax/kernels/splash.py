@@ -10,7 +10,7 @@ under the hop-kernel seam (:mod:`ring_jax.hop`):
 * **The hop's mask, block-sparse, built per hop from traced positions.** Splash's
   ``MaskInfo`` is arrays, not Python: ``block_mask`` ``[1, nq, nk]`` (0 empty, 1 partly
   visible, 2 visible everywhere) and ``data_next`` (the block each grid step fetches)
-  come from the hop's :class:`ring_jax.scheduling.BlockTable`, so splash skips exactly
+  come from the hop's :class:`ring_jax.masking.BlockTable`, so splash skips exactly
   the blocks the other kernels skip, whatever the hop's offset (causal diagonal, zigzag
   chunks, striped, windows). No dense ``[heads, T, S]`` mask exists: inside a block the
   element mask comes from splash's ``mask_function`` path, which compares each key's
@@ -53,7 +53,7 @@ from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_ke
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask_info as smi
 
 from ring_jax import hop
-from ring_jax import scheduling
+from ring_jax import masking
 from ring_jax.kernels import pallas_tpu
 from ring_jax.kernels.xla import XlaHopKernel
 
@@ -98,7 +98,7 @@ def splash_segment_ids(q_seg, kv_seg):
   """int32 ``(q [B, T], kv [B, S])`` for splash (which compares ids for equality only):
   our ids (any integer dtype; 0 = padding) with query padding and key padding mapped
   to two ids that no document uses and that differ, so padding sees nothing."""
-  qs, ks = pallas_tpu._segment_ids_int32(q_seg, kv_seg)  # 0 stays 0; equality kept
+  qs, ks = masking.segment_ids_int32(q_seg, kv_seg)  # 0 stays 0; equality kept
   low = jnp.minimum(jnp.minimum(qs.min(), ks.min()), 0)
 
   def below(codes):  # pads just below every id: low - 1 and low - 2
@@ -150,7 +150,7 @@ class SplashHopKernel:
   def _mask(self, masks: hop.HopMasks, spec: hop.HopSpec, t: int, s: int):
     """``(fwd/dq MaskInfo, dK/dV MaskInfo, mask_function)`` of this hop."""
     nq, nk = t // spec.block_q, s // spec.block_kv
-    rows = scheduling.merge_rows(masks.table().q_ranges)  # [nq, 4], over the batch rows
+    rows = masking.merge_rows(masks.table().q_ranges)  # [nq, 4], over the batch rows
     lo, full_lo, full_hi, hi = (rows[:, i:i + 1] for i in range(4))
     kv_block = jnp.arange(nk, dtype=jnp.int32)[None, :]
     q_block = jnp.arange(nq, dtype=jnp.int32)[:, None]

@@ -3,7 +3,7 @@
 See :mod:`ring_jax.hop` for the protocol, shapes and non-finite rules.
 
 Loop structure (FlashAttention-2, Dao 2023, Alg. 1-2), over the hop's
-:class:`ring_jax.scheduling.BlockTable` (``masks.blocks``):
+:class:`ring_jax.masking.BlockTable` (``masks.blocks``):
 
 * forward: an outer ``fori_loop`` over query blocks whose body keeps the
   block's own ``(o, m, l)`` online-softmax state, and inner ``fori_loop`` loops
@@ -16,59 +16,26 @@ Loop structure (FlashAttention-2, Dao 2023, Alg. 1-2), over the hop's
 Pairs in the table's fully visible run are computed without the elementwise
 mask; the others with it. The batch rows of a block are computed together, so
 with segment ids (one range per row) the rows' ranges are merged
-(:func:`ring_jax.scheduling.merge_rows`) and a masked pair that no row's range
+(:func:`ring_jax.masking.merge_rows`) and a masked pair that no row's range
 holds (blocks sharing no document in any row) is skipped.
 
 Blocks are sliced from the operands in place and rearranged per block to
 ``[B, K, G, bq, H]`` / ``[B, K, bk, H]``, so every block matmul is a plain
 batched matmul over ``(B, K)``; outputs are written back block by block
 (no full-size rearranged copies, which would cost memory).
-
-Test hook: inside ``with record_pairs() as log:`` the loops of functions traced
-there report every block pair they compute (``tests/test_ring.py`` checks them
-against :func:`ring_jax.schedule`); outside it they hold no callback.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
 
-from ring_jax import scheduling
+from ring_jax import masking
 from ring_jax.hop import (HopGrads, HopMasks, HopResiduals, HopSpec, backward_delta,
                           fold_blocks, v_is_finite, varying_like)
-
-
-_PAIR_LOG: list | None = None  # set by record_pairs(); read at trace time
-
-
-@contextlib.contextmanager
-def record_pairs():
-  """Test hook: ``with record_pairs() as log:`` makes the kernel's loops, in functions traced
-  inside the block, append ``(phase, q_pos0, kv_pos0, a, b)`` to ``log`` for every block pair
-  ``(a, b)`` they compute when they run (``phase`` ``"fwd"``/``"bwd"``; the first query and
-  key positions of the hop identify device and shard). Call ``jax.effects_barrier()`` before
-  reading ``log``. Outside the block nothing is recorded and the loops hold no callback."""
-  global _PAIR_LOG
-  previous, _PAIR_LOG = _PAIR_LOG, []
-  try:
-    yield _PAIR_LOG
-  finally:
-    _PAIR_LOG = previous
-
-
-def _record(phase: str, masks: HopMasks, a, b) -> None:
-  log = _PAIR_LOG
-  if log is None:
-    return
-
-  def append(qp, kp, a, b):
-    log.append((phase, int(qp), int(kp), int(a), int(b)))
-  jax.debug.callback(append, masks.q_positions[0], masks.kv_positions[0], a, b)
 
 
 def _pair_mask(masks: HopMasks, spec: HopSpec, a, b):
@@ -76,11 +43,11 @@ def _pair_mask(masks: HopMasks, spec: HopSpec, a, b):
   bq, bk = spec.block_q, spec.block_kv
   qp = jax.lax.dynamic_slice_in_dim(masks.q_positions, a * bq, bq)
   kp = jax.lax.dynamic_slice_in_dim(masks.kv_positions, b * bk, bk)
-  mask = scheduling.position_mask(qp, kp, spec.is_causal, spec.window)[None]  # [1, bq, bk]
+  mask = masking.position_mask(qp, kp, spec.is_causal, spec.window)[None]  # [1, bq, bk]
   if masks.q_segment_ids is not None:
     qs = jax.lax.dynamic_slice_in_dim(masks.q_segment_ids, a * bq, bq, axis=1)
     ks = jax.lax.dynamic_slice_in_dim(masks.kv_segment_ids, b * bk, bk, axis=1)
-    mask = mask & scheduling.segment_mask(qs, ks)
+    mask = mask & masking.segment_mask(qs, ks)
   return mask[:, None, None]
 
 
@@ -89,7 +56,7 @@ def _unless_uncovered(skip: bool, ranges, i, j, compute, carry):
   unchanged when no row's range of block ``i`` holds block ``j`` (``ranges`` ``[R, n, 4]``)."""
   if not skip:
     return compute(carry)
-  return jax.lax.cond(scheduling.rows_cover(ranges, i, j), compute, lambda c: c, carry)
+  return jax.lax.cond(masking.rows_cover(ranges, i, j), compute, lambda c: c, carry)
 
 
 def _masked_pv(p_blk, v_blk, mask, precision):
@@ -180,13 +147,12 @@ class XlaHopKernel:
   def forward(self, q, k, v, masks: HopMasks, spec: HopSpec):
     bq, bk, prec, scale = spec.block_q, spec.block_kv, spec.precision, spec.scale
     table = masks.table()  # rows with their own ranges (skip): merged, skip what none holds
-    q_ranges, skip = scheduling.merge_rows(table.q_ranges), table.q_ranges.shape[0] > 1
+    q_ranges, skip = masking.merge_rows(table.q_ranges), table.q_ranges.shape[0] > 1
     b, t, kh, g, h = q.shape
     nq = t // bq
 
     def fold(guard_v: bool):
       def update(q_blk, a, bb, c, masked: bool):
-        _record("fwd", masks, a, bb)
         o, m, l = c
         k_blk = _kv_block(k, bb, bk)                           # [B, K, bk, H]
         v_blk = _kv_block(v, bb, bk)
@@ -244,7 +210,7 @@ class XlaHopKernel:
                acc: HopGrads) -> HopGrads:
     bq, bk, prec, scale = spec.block_q, spec.block_kv, spec.precision, spec.scale
     table = masks.table()
-    kv_ranges, skip = scheduling.merge_rows(table.kv_ranges), table.kv_ranges.shape[0] > 1
+    kv_ranges, skip = masking.merge_rows(table.kv_ranges), table.kv_ranges.shape[0] > 1
     # The gradient matmuls (dP = dO V^T, dQ = dS K, dK = dS^T Q) read their right operand
     # at masked pairs too (0 * NaN = NaN), so they read its finite part, per block. Who
     # sees a non-finite value still gets non-finite gradients: through the scores (raw
@@ -259,7 +225,6 @@ class XlaHopKernel:
 
     def update(kv_blks, a, bb, c, masked: bool):
       """``(dq_blk, dk_blk, dv_blk)``: this pair's dQ block and the updated dK/dV blocks."""
-      _record("bwd", masks, a, bb)
       k_blk, kf_blk, vf_blk = kv_blks                          # [B, K, bk, H]
       _, dk_blk, dv_blk = c
       row = lambda x: jax.lax.dynamic_index_in_dim(x, a, keepdims=False)

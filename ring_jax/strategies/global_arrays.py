@@ -246,7 +246,7 @@ def run(strategy: Strategy, query, key, value, segment_ids, *, mesh, seq_axis, b
     options, natural = dataclasses.replace(options, layout="contiguous"), False
   strategy.check(where, length, kv_len, *where.per_device(n, kh), options)
   if segment_ids is not None:
-    segment_ids = jnp.asarray(segment_ids)  # ids keep their dtype (0 = padding, see scheduling)
+    segment_ids = jnp.asarray(segment_ids)  # ids keep their dtype (0 = padding, see masking)
 
   # Natural-order inputs are reordered shard by shard with collectives inside the shard_map
   # (O(L/n) memory) when the layout allows, else as global arrays.

@@ -86,7 +86,7 @@ def _bwd(cfg, res, do):
     with jax.named_scope("scatter_dkv"):  # transpose of the all_gather: sum, keep own shard
       dk, dv = (jax.lax.psum_scatter(x, cfg.gather_axis, scatter_dimension=1, tiled=True)
                 for x in (dk, dv))
-  extra = tuple(sorted(hop_lib._varying_axes(dk) - hop_lib._varying_axes(k_local), key=str))
+  extra = tuple(sorted(hop_lib.varying_axes(dk) - hop_lib.varying_axes(k_local), key=str))
   if extra:  # K/V replicated over axes the queries are split over (MQA on a tensor axis)
     dk, dv = jax.lax.psum((dk, dv), extra)
   return (dq.astype(q.dtype), dk.astype(k_local.dtype), dv.astype(v_local.dtype), None, None,

@@ -6,7 +6,7 @@ import dataclasses
 from typing import Any
 
 from ring_jax import layouts
-from ring_jax import scheduling
+from ring_jax import masking
 from ring_jax import validation
 from ring_jax.hop import HopKernel, HopSpec
 from ring_jax.ring import default_block
@@ -70,7 +70,7 @@ class AttentionOptions:
     (the :class:`ring_jax.hop.HopKernel` that runs) takes (:func:`ring_jax.ring
     .default_block`), and every block must divide ``block_length``, the length the
     blocks tile."""
-    window = scheduling.normalize_window(self.local_window_size)
+    window = masking.normalize_window(self.local_window_size)
     scale = validation.check_scale(self.scale, head_dim, "float32")
     block_q = (default_block(self.layout, local_len, kernel=kernel) if self.block_q is None
                else self.block_q)
