@@ -77,7 +77,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from ring_jax import hop, scheduling
+from ring_jax import hop, scheduling, topology
 
 _DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 _MAX_HEAD_DIM = 256
@@ -429,7 +429,7 @@ class PallasGpuHopKernel:
   def _interpret(self) -> bool:
     if self.interpret is not None:
       return self.interpret
-    return jax.default_backend() == "cpu"
+    return topology.target_platform() == "cpu"
 
   def _compiler_params(self, head_dim):
     num_warps = self.num_warps if self.num_warps is not None else (4 if head_dim <= 64 else 8)
