@@ -303,7 +303,8 @@ def compile_only(config, topology: str | None = None, slices: int = 1) -> list[d
   attached devices or for ``slices`` slices of TPU ``topology`` (compile-only devices,
   :mod:`ring_jax.topology`), from abstract values only; logs per device the memory against
   the chip's HBM, the compile seconds, the hop kernel and the overlap summary, and returns
-  one row per stage (:func:`training.compile_only.memory_lines`' dict, with ``seq_len``).
+  one row per stage (:func:`training.compile_only.memory_lines`' dict, with ``seq_len`` and
+  ``overlap``, the summary's lines).
 
   Raises:
     ConfigError: before anything compiles: an unknown topology, libtpu missing or not the
@@ -337,16 +338,18 @@ def compile_only(config, topology: str | None = None, slices: int = 1) -> list[d
           f"{setup.train_shape[1]} tokens, attention={m.attention} layout={m.layout} "
           f"remat_policy={m.remat_policy}")
       t0 = time.perf_counter()
-      compiled = setup.train_step.compile(setup.train_shape)
+      with compile_lib.compiling(where):
+        compiled = setup.train_step.compile(setup.train_shape)
       lines, row = compile_lib.memory_lines(compiled, where, time.perf_counter() - t0)
       for line in lines:
         log(line)
       if m.attention != "dense":
         log(ring_jax.kernels.describe(m.hop_kernel, platform=where.platform))
         log(attn_lib.describe_routing(m, mesh))
-      for line in compile_lib.overlap_lines(compiled):
+      overlap = compile_lib.overlap_lines(compiled)
+      for line in overlap:
         log(line)
-      rows.append(dict(row, seq_len=c.data.seq_len))
+      rows.append(dict(row, seq_len=c.data.seq_len, overlap=overlap))
   return rows
 
 

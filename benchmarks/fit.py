@@ -55,6 +55,7 @@ CPU-only transformation).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -283,6 +284,7 @@ def run(config, *, devices: int = 1, memory_gib: float | None = None,
     compile_lib.check_libtpu(where)
     where = where.resolve()
     target_devices = list(where.devices)
+    quiet = compile_lib.compiling(where)
     if memory_gib is None and where.hbm_bytes is not None:
       memory_gib = where.hbm_bytes / GIB
   else:
@@ -291,6 +293,7 @@ def run(config, *, devices: int = 1, memory_gib: float | None = None,
       raise FitError(f"--devices={devices} but JAX has {len(jax.devices())} devices; run "
                      "benchmarks/fit.py as a script (it creates the fake CPU devices).")
     target_devices = jax.devices()
+    quiet = contextlib.nullcontext()
   memory_gib = 128.0 if memory_gib is None else memory_gib
   limit = int(memory_gib * GIB)
   planner = Planner(config, sizes, limit, collectives=collectives, devices=target_devices)
@@ -304,24 +307,25 @@ def run(config, *, devices: int = 1, memory_gib: float | None = None,
         f"{device.platform} ({device.device_kind}"
         + (f", TPU slice {topology} x {topology_slices}" if topology else "") + ")", flush=True)
   print(header(planner.unit), flush=True)
-  if seq_len is not None:
-    row, bounded = planner.check(seq_len), True
-    result = dict(seq_len=seq_len, per_device_bytes=row["per_device_bytes"], fits=row["fits"])
-  else:
-    row, bounded = planner.search(start, max_len, resolution)
-    if row is None:  # nothing fits: report the shortest length tried
-      row = planner.rows_by_length[min(planner.rows_by_length)]
-    result = dict(seq_len=row["seq_len"], per_device_bytes=row["per_device_bytes"],
-                  fits=row["fits"])
-    if not bounded and row["fits"]:
-      print(f"note: every length up to --max_len={max_len} fits; the answer is a lower bound",
-            flush=True)
-  result.update(memory_bytes=limit, devices=devices, mesh=sizes, batch_rows=planner.rows,
-                remat_policy=m.remat_policy, platform=device.platform,
-                topology=topology, topology_slices=topology_slices if topology else None,
-                xla_flags=os.environ.get("XLA_FLAGS", ""), upper_bounded=bounded,
-                checked=sorted(planner.rows_by_length.values(), key=lambda r: r["seq_len"]))
-  return result
+  with quiet:  # the whole search
+    if seq_len is not None:
+      row, bounded = planner.check(seq_len), True
+      result = dict(seq_len=seq_len, per_device_bytes=row["per_device_bytes"], fits=row["fits"])
+    else:
+      row, bounded = planner.search(start, max_len, resolution)
+      if row is None:  # nothing fits: report the shortest length tried
+        row = planner.rows_by_length[min(planner.rows_by_length)]
+      result = dict(seq_len=row["seq_len"], per_device_bytes=row["per_device_bytes"],
+                    fits=row["fits"])
+      if not bounded and row["fits"]:
+        print(f"note: every length up to --max_len={max_len} fits; the answer is a lower bound",
+              flush=True)
+    result.update(memory_bytes=limit, devices=devices, mesh=sizes, batch_rows=planner.rows,
+                  remat_policy=m.remat_policy, platform=device.platform,
+                  topology=topology, topology_slices=topology_slices if topology else None,
+                  xla_flags=os.environ.get("XLA_FLAGS", ""), upper_bounded=bounded,
+                  checked=sorted(planner.rows_by_length.values(), key=lambda r: r["seq_len"]))
+    return result
 
 
 def set_up_devices(devices: int, extra_xla_flags: str) -> None:

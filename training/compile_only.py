@@ -11,8 +11,10 @@ compiles for TPU), both before anything is compiled; each error is one line
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
+import warnings
 
 import jax
 
@@ -123,6 +125,17 @@ def check_kernel(hop_kernel: str, where: Target) -> None:
     raise ConfigError(
         f"model.hop_kernel={hop_kernel!r} is a {kernel_platform.upper()} kernel and --topology "
         f"compiles for TPU: use --config.model.hop_kernel=auto (splash on TPU), splash or xla.")
+
+
+@contextlib.contextmanager
+def compiling(where: Target):
+  """Around a compile for ``where``: for a topology, without the warning JAX gives when its
+  persistent compilation cache (if one is set) holds the program: a compile-only executable
+  cannot be loaded back without its devices, so it is compiled again, as without a cache."""
+  with warnings.catch_warnings():
+    if where.name is not None:
+      warnings.filterwarnings("ignore", message="Error reading persistent compilation cache")
+    yield
 
 
 def overlap_lines(compiled) -> list[str]:
