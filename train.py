@@ -334,7 +334,7 @@ def compile_only(config, topology: str | None = None, slices: int = 1) -> list[d
           log(line)
       m = setup.model_cfg
       log(f"{stage.describe() + ': ' if len(stages_lib.plan(config)) > 1 else ''}train step of "
-          f"{m.num_params() / 1e6:,.1f}M params, batch {setup.train_shape[0]} x "
+          f"{m.num_params() / 1e6:,.2f}M params, batch {setup.train_shape[0]} x "
           f"{setup.train_shape[1]} tokens, attention={m.attention} layout={m.layout} "
           f"remat_policy={m.remat_policy}")
       t0 = time.perf_counter()
