@@ -108,14 +108,18 @@ def check_libtpu(where: Target) -> None:
 
 
 def check_config(config, where: Target) -> dict[str, int]:
-  """The config's mesh on ``where``'s chips, and for a topology a hop kernel that compiles
-  for TPU (:func:`check_kernel`); returns the mesh sizes. Needs no devices.
+  """The config's mesh on ``where``'s chips (and split over its slices,
+  :func:`training.mesh.dcn_shape`), and for a topology a hop kernel that compiles for TPU
+  (:func:`check_kernel`); returns the mesh sizes. Needs no devices.
 
   Raises:
     ConfigError: one line naming the fix.
   """
   check_kernel(config.model.get("hop_kernel", "auto"), where)
-  return mesh_lib.mesh_shape(config.mesh, where.chips, where=where.label)
+  sizes = mesh_lib.mesh_shape(config.mesh, where.chips, where=where.label)
+  if where.slices > 1:
+    mesh_lib.dcn_shape(sizes, where.slices)  # the slices split the mesh
+  return sizes
 
 
 def check_kernel(hop_kernel: str, where: Target) -> None:
