@@ -40,7 +40,7 @@ GENERATIONS: dict[str, int] = {"v5e": 2, "v6e": 2, "v5p": 3}
 
 #: What :func:`parse` accepts, for error messages.
 FORMS = ("v5e:AxB and v6e:AxB (2D, e.g. v5e:2x2, v6e:16x16) or v5p:AxBxC (3D, e.g. "
-         "v5p:2x2x1, v5p:4x4x4); A, B, C chips per dimension, each a multiple of 2 or 1")
+         "v5p:2x2x1, v5p:4x4x4); chips per dimension, A and B each 1 or even")
 
 #: The pip extra that installs the TPU compiler matching the installed jax.
 EXTRA = "ring_jax[tpu]"

@@ -105,6 +105,8 @@ SLOW_FILES = {
     "test_docs.py": 115, "test_generate.py": 110, "test_convert_hf.py": 50,
     "test_notebook.py": 50, "test_benchmarks.py": 50, "test_stages.py": 40,
     "test_checkpoint.py": 20,
+    # with libtpu (leg 1): the TPU compiles of the tpu_compiler tests
+    "test_compile_only.py": 90, "test_topology.py": 40,
 }
 
 
