@@ -134,6 +134,7 @@ EXIT_USAGE = errors.EXIT_USAGE  # bad flag, config, gin binding, data, or no che
 EXIT_DIVERGED = 3  # non-finite loss or gradient norm
 EXIT_CHECKPOINT_WRITE = 4  # a checkpoint could not be written (disk full, quota, I/O)
 EXIT_PEER_LOST = distributed_lib.EXIT_PEER_LOST  # 75: another process of the run died
+EXIT_COMPILE_FAILED = 1  # --compile_only: the compiler refused the step
 
 # Which launchers make this a multi-process run (training/supervisor.py, imported above).
 multiprocess_launch_detected = supervisor_lib.multiprocess_launch_detected
@@ -310,6 +311,7 @@ def compile_only(config, topology: str | None = None, slices: int = 1) -> list[d
     ConfigError: before anything compiles: an unknown topology, libtpu missing or not the
       one jax pins, a mesh that does not fit the chips, a kernel that cannot compile there,
       or any check :func:`train` makes.
+    training.compile_only.CompileFailed: the compiler refused the step (one line).
   """
   log = metrics_lib.log
   where = compile_lib.target(topology, slices)
@@ -781,6 +783,8 @@ def main(argv) -> None:
       compile_only(config, _TOPOLOGY.value, _TOPOLOGY_SLICES.value)
     except errors.ConfigError as e:
       _fail(EXIT_USAGE, f"config error: {e}")
+    except compile_lib.CompileFailed as e:  # e.g. a kernel's VMEM: the step cannot run there
+      _fail(EXIT_COMPILE_FAILED, f"error: {e}")
     return
   num_processes = initialize_distributed(_DISTRIBUTED.value, config.distributed)
   mesh_lib.simulate_cpu_devices(config, num_processes)

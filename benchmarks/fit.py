@@ -346,6 +346,7 @@ def main(argv) -> None:
   if f["config"] is None:
     raise app.UsageError("--config is required, e.g. --config configs/llama_1b.py:long")
   set_up_devices(f["devices"], f["xla_flags"])
+  from training import compile_only as compile_lib
   from training.errors import ConfigError
 
   try:
@@ -356,6 +357,9 @@ def main(argv) -> None:
   except (FitError, ConfigError) as e:  # FitError is a setting of this tool, ConfigError one
     print(f"error: {e}", file=sys.stderr, flush=True)  # of the config: both name the fix
     sys.exit(2)
+  except compile_lib.CompileFailed as e:  # the TPU compiler refused a step (e.g. VMEM)
+    print(f"error: {e}", file=sys.stderr, flush=True)
+    sys.exit(1)
   line = json.dumps(result, separators=(",", ":"))
   if f["out"]:
     with open(f["out"], "w") as out:

@@ -14,6 +14,7 @@ from benchmarks import fit as fit_lib
 from configs import tiny
 from ring_jax import hardware
 from ring_jax import topology
+from training import compile_only as compile_lib
 from training import mesh as mesh_lib
 from training.errors import ConfigError
 
@@ -153,3 +154,23 @@ def test_tiny_step_compiles_for_v5e_with_train_py_and_fit_py_alike(capsys):
   found = fit_lib.run(tiny_config(), topology="v5e:2x2", seq_len=128)
   assert found["platform"] == "tpu" and found["memory_bytes"] == int(hbm)
   assert found["per_device_bytes"] == row["per_chip_bytes"] and found["fits"] is True
+
+
+def test_a_compiler_refusal_is_one_line():
+  """What the TPU compiler said for configs/llama_7b.py at 1M tokens on v5p:4x4x4 (splash's
+  forward at block 2048 over its VMEM), abridged: one line with the allocation and the op."""
+  error = jax.errors.JaxRuntimeError(
+      "RESOURCE_EXHAUSTED: E1001: CompileTimeScopedVmemOom:\nRan out of memory in memory "
+      "space vmem while allocating on stack for %splash_mha_fwd.8 = custom-call(%a), "
+      'metadata={op_name="jit(train_step)/layer/attention/hop/splash_mha_fwd/pallas_call" '
+      "stack_frame_id=668}. Scoped allocation with size 27.81M and limit 16.00M exceeded "
+      "scoped vmem limit by 11.81M and 0.5K.\nSee https://openxla.org/xla/errors/error_1001")
+  where = compile_lib.Target(name="v5p:4x4x4", slices=1, chips=64)
+  with pytest.raises(compile_lib.CompileFailed) as e:
+    with compile_lib.compiling(where):
+      raise error
+  assert str(e.value) == (
+      "the compiler refused the train step for TPU slice v5p:4x4x4 (64 chips): "
+      "RESOURCE_EXHAUSTED: E1001: CompileTimeScopedVmemOom; Scoped allocation with size "
+      "27.81M and limit 16.00M exceeded scoped vmem limit by 11.81M; in "
+      "splash_mha_fwd/pallas_call")

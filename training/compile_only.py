@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import importlib
+import re
 import warnings
 
 import jax
@@ -131,15 +132,40 @@ def check_kernel(hop_kernel: str, where: Target) -> None:
         f"compiles for TPU: use --config.model.hop_kernel=auto (splash on TPU), splash or xla.")
 
 
+class CompileFailed(RuntimeError):
+  """The compiler refused the train step (e.g. a Mosaic kernel's VMEM); the message is one
+  line: the compiler's error and, where it names them, the allocation and the op."""
+
+
+def compile_failure(error: Exception, where: Target) -> CompileFailed:
+  """``error`` from the compiler as a :class:`CompileFailed` of one line."""
+  text = str(error)
+  lines = [line.strip() for line in text.splitlines() if line.strip()]
+  parts = [lines[0].rstrip(":") if lines else type(error).__name__]
+  scoped = re.search(r"Scoped allocation with size \S+ and limit \S+ exceeded .*? by "
+                     r"[\d.]+[KMG]?", text)
+  if scoped:
+    parts.append(scoped.group(0))
+  op = re.search(r'op_name="([^"]+)"', text)
+  if op:  # the op's last two name scopes, e.g. splash_mha_fwd/pallas_call
+    parts.append("in " + "/".join(op.group(1).split("/")[-2:]))
+  return CompileFailed(f"the compiler refused the train step for {where.label}: "
+                       + "; ".join(parts))
+
+
 @contextlib.contextmanager
 def compiling(where: Target):
-  """Around a compile for ``where``: for a topology, without the warning JAX gives when its
-  persistent compilation cache (if one is set) holds the program: a compile-only executable
-  cannot be loaded back without its devices, so it is compiled again, as without a cache."""
+  """Around a compile for ``where``: the compiler's refusal as :class:`CompileFailed` (one
+  line); for a topology, without the warning JAX gives when its persistent compilation cache
+  (if one is set) holds the program: a compile-only executable cannot be loaded back without
+  its devices, so it is compiled again, as without a cache."""
   with warnings.catch_warnings():
     if where.name is not None:
       warnings.filterwarnings("ignore", message="Error reading persistent compilation cache")
-    yield
+    try:
+      yield
+    except jax.errors.JaxRuntimeError as e:
+      raise compile_failure(e, where) from None
 
 
 def overlap_lines(compiled) -> list[str]:
