@@ -7,6 +7,7 @@ ring over ``sequence_outer`` x ``sequence`` when ``mesh.sequence_outer > 1``).
       --gin_param='optim.lr = 1e-3' --gin_file=overrides.gin
   python train.py --config configs/llama_1b.py --workdir /mnt/shared/run1   # accelerators
   python train.py --config configs/tiny.py --config.mesh.data=1 --config.mesh.sequence_outer=2
+  python train.py --config configs/llama_7b.py --compile_only --topology v5p:4x4x4  # fits?
 
 The workdir is a local or shared-filesystem path (e.g. NFS or a gcsfuse mount on
 multi-host runs); object-store URLs such as gs:// are not supported.
@@ -18,6 +19,13 @@ compile, (6) the loop (step, log, eval, checkpoint; ``training.metrics``
 fetches metrics one step behind and checks them for divergence, and traces
 ``config.profile_steps``); sections 3-6 are the methods of ``_Run``, in that order.
 Helpers live in ``training/``.
+
+``--compile_only`` (:func:`compile_only`) stops after (5): it builds and compiles each
+stage's train step as the run would, from abstract values only, and prints per device its
+memory against the chip's HBM, the compile time, the hop kernel and the overlap of its
+transfers; with ``--topology v5p:4x4x4`` (``--topology_slices N``) it compiles for that TPU
+slice with the real TPU compiler and no TPU attached (the ``[tpu]`` extra,
+:mod:`training.compile_only`).
 
 Re-running the same command with the same ``--workdir`` resumes from the
 latest checkpoint there, including the data iterator position, so the loss
@@ -69,6 +77,7 @@ from models import pipeline as pipeline_lib
 from models import sharding as shd
 from training import batch as batch_lib
 from training import checkpoint as ckpt_lib
+from training import compile_only as compile_lib
 from training import data as data_lib
 from training import distributed as distributed_lib
 from training import errors
@@ -110,12 +119,24 @@ _DISTRIBUTED = flags.DEFINE_enum(
 _STOP_AT_STEP = flags.DEFINE_integer(
     "stop_at_step", None, "Stop (with a checkpoint) after this step although the schedule "
     "runs to total_steps: simulates preemption; rerun to resume.", lower_bound=1)
+_COMPILE_ONLY = flags.DEFINE_bool(
+    "compile_only", False, "Build and compile each stage's train step as the run would, print "
+    "its memory per device against the chip's HBM, the compile time and the overlap of its "
+    "transfers, and exit: nothing is allocated or run, no workdir is written.")
+_TOPOLOGY = flags.DEFINE_string(
+    "topology", None, "With --compile_only: compile for this TPU slice instead of the attached "
+    "devices, with the real TPU compiler and no TPU (needs the [tpu] extra): "
+    f"{ring_jax.topology.FORMS}.")
+_TOPOLOGY_SLICES = flags.DEFINE_integer(
+    "topology_slices", 1, "With --topology: this many such slices, over the data center "
+    "network (config.mesh's sequence_outer, data, pipeline axes span them, in that order).")
 
 # Exit statuses besides 0 (done, or stopped cleanly by a signal / --stop_at_step).
 EXIT_USAGE = errors.EXIT_USAGE  # bad flag, config, gin binding, data, or no checkpoint restores
 EXIT_DIVERGED = 3  # non-finite loss or gradient norm
 EXIT_CHECKPOINT_WRITE = 4  # a checkpoint could not be written (disk full, quota, I/O)
 EXIT_PEER_LOST = distributed_lib.EXIT_PEER_LOST  # 75: another process of the run died
+EXIT_COMPILE_FAILED = 1  # --compile_only: the compiler refused the step
 
 # Which launchers make this a multi-process run (training/supervisor.py, imported above).
 multiprocess_launch_detected = supervisor_lib.multiprocess_launch_detected
@@ -281,6 +302,62 @@ def train(config, workdir: str, *, stop_at_step: int | None = None) -> TrainResu
     return _train(config, workdir, stop_at_step, stop, mesh, ring_size)
   finally:
     stop.uninstall()
+
+
+def compile_only(config, topology: str | None = None, slices: int = 1) -> list[dict]:
+  """Builds and compiles each stage's train step (:func:`build_stage`, the run's) for the
+  attached devices or for ``slices`` slices of TPU ``topology`` (compile-only devices,
+  :mod:`ring_jax.topology`), from abstract values only; logs per device the memory against
+  the chip's HBM, the compile seconds, the hop kernel and the overlap summary, and returns
+  one row per stage (:func:`training.compile_only.memory_lines`' dict, with ``seq_len`` and
+  ``overlap``, the summary's lines).
+
+  Raises:
+    ConfigError: before anything compiles: an unknown topology, libtpu missing or not the
+      one jax pins, a mesh that does not fit the chips, a kernel that cannot compile there,
+      or any check :func:`train` makes.
+    training.compile_only.CompileFailed: the compiler refused the step (one line).
+  """
+  log = metrics_lib.log
+  where = compile_lib.target(topology, slices)
+  config = hf_init_lib.resolve_hf_init(config)
+  config = stages_lib.resolve(config)
+  compile_lib.check_config(config, where)  # the mesh on the chips, the kernel's platform
+  compile_lib.check_libtpu(where)
+  where = where.resolve()
+  config = resolve_layout(config, where.chips)
+  sizes = val_lib.validate_config(config, where.chips)
+  mesh = mesh_lib.make_mesh(config.mesh, where.devices)
+  log(f"compile only, for {where.label} ({where.devices[0].device_kind}): mesh {sizes}"
+      + (f"; libtpu {ring_jax.topology.check_libtpu()}" if where.name else ""))
+  rows = []
+  with jax.set_mesh(mesh):
+    for stage in stages_lib.plan(config):
+      setup = build_stage(stage, mesh)
+      c = stage.config
+      if stage.index == 0:
+        _, line = val_lib.resolve_attention(c, val_lib.llama_config(c), mesh)
+        if line:
+          log(line)
+      m = setup.model_cfg
+      log(f"{stage.describe() + ': ' if len(stages_lib.plan(config)) > 1 else ''}train step of "
+          f"{m.num_params() / 1e6:,.2f}M params, batch {setup.train_shape[0]} x "
+          f"{setup.train_shape[1]} tokens, attention={m.attention} layout={m.layout} "
+          f"remat_policy={m.remat_policy}")
+      t0 = time.perf_counter()
+      with compile_lib.compiling(where):
+        compiled = setup.train_step.compile(setup.train_shape)
+      lines, row = compile_lib.memory_lines(compiled, where, time.perf_counter() - t0)
+      for line in lines:
+        log(line)
+      if m.attention != "dense":
+        log(ring_jax.kernels.describe(m.hop_kernel, platform=where.platform))
+        log(attn_lib.describe_routing(m, mesh))
+      overlap = compile_lib.overlap_lines(compiled)
+      for line in overlap:
+        log(line)
+      rows.append(dict(row, seq_len=c.data.seq_len, overlap=overlap))
+  return rows
 
 
 def resolve_layout(config, num_devices: int):
@@ -752,9 +829,22 @@ def main(argv) -> None:
     config = hf_init_lib.resolve_hf_init(config)
     config = stages_lib.resolve(config)  # config.stages explicit; top level = the last stage
     val_lib.validate_distributed(config)  # Needed before the processes connect.
+    if (_TOPOLOGY.value or _TOPOLOGY_SLICES.present) and not _COMPILE_ONLY.value:
+      raise errors.ConfigError("--topology names devices that are not attached: it needs "
+                               "--compile_only.")
   except Exception as e:  # ConfigError, or gin's parser on bad syntax (SyntaxError, ...)
     prefix = "" if isinstance(e, errors.ConfigError) else f"gin: {type(e).__name__}: "
     _fail(EXIT_USAGE, f"config error: {prefix}{' '.join(str(e).split())}")
+  if _COMPILE_ONLY.value:
+    if not _TOPOLOGY.value:
+      mesh_lib.simulate_cpu_devices(config)
+    try:
+      compile_only(config, _TOPOLOGY.value, _TOPOLOGY_SLICES.value)
+    except errors.ConfigError as e:
+      _fail(EXIT_USAGE, f"config error: {e}")
+    except compile_lib.CompileFailed as e:  # e.g. a kernel's VMEM: the step cannot run there
+      _fail(EXIT_COMPILE_FAILED, f"error: {e}")
+    return
   num_processes = initialize_distributed(_DISTRIBUTED.value, config.distributed)
   mesh_lib.simulate_cpu_devices(config, num_processes)
   workdir = _WORKDIR.value or os.path.join(

@@ -97,32 +97,8 @@ def median(times: Sequence[float]) -> float:
 # Compiled memory
 # ----------------------------------------------------------------------------
 
-MEMORY_FIELDS = ("temp_size_in_bytes", "argument_size_in_bytes", "output_size_in_bytes",
-                 "alias_size_in_bytes", "peak_memory_in_bytes")
-
-
-def compiled_memory(compiled, fields: Sequence[str] = MEMORY_FIELDS) -> dict[str, int]:
-  """``fields`` of ``compiled.memory_analysis()`` (bytes per device) that the backend
-  reports; ``{}`` when it reports none."""
-  try:
-    ma = compiled.memory_analysis()
-  except Exception:  # noqa: BLE001  (some backends raise instead of returning None)
-    return {}
-  if ma is None:
-    return {}
-  return {f: int(getattr(ma, f)) for f in fields if getattr(ma, f, None) is not None}
-
-
-def per_device_bytes(memory) -> int | None:
-  """Bytes one device holds while the program runs: arguments + outputs + temporaries,
-  minus outputs that alias (donated) arguments. ``memory``: a compiled program or
-  :func:`compiled_memory`'s dict; None when the backend reports no analysis."""
-  if not isinstance(memory, dict):
-    memory = compiled_memory(memory)
-  if not memory:
-    return None
-  return (memory["argument_size_in_bytes"] + memory["output_size_in_bytes"]
-          + memory["temp_size_in_bytes"] - memory.get("alias_size_in_bytes", 0))
+# One definition, in the library: the bytes a compiled program holds per device.
+from ring_jax.topology import MEMORY_FIELDS, compiled_memory, per_device_bytes  # noqa: E402,F401
 
 
 def host_memory_available() -> int | None:

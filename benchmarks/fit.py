@@ -6,6 +6,7 @@ r"""How long a context fits: the longest ``seq_len`` whose train step fits in me
       --seq_len 1048576 --config.model.remat_policy=full --config.batch_size=1
   python benchmarks/fit.py --config configs/llama_7b.py --devices 8 \
       --mesh data=1,sequence=2,tensor=4 --config.batch_size=1 --seq_len 65536 --collectives
+  python benchmarks/fit.py --config configs/llama_7b.py --topology v5p:4x4x4  # a TPU slice
 
 Compiles the real train step (``training.step.build_train_step``: the model,
 optimizer, shardings and ``jit_train_step`` that ``train.py`` compiles) ahead of time
@@ -30,7 +31,14 @@ The mesh is the config's ``config.mesh`` with its ``-1`` axis filling
 ``pipeline``, ``sequence``, ``tensor``; e.g. ``--mesh pipeline=2,sequence=4``). The batch is the
 config's global ``batch_size`` (``--config.batch_size=1`` for one row).
 
-What this can and cannot show (docs/performance.md, "How long a context
+``--topology v5p:4x4x4`` (``--topology_slices N``) compiles for that TPU slice instead, with
+the real TPU compiler and no TPU attached (``train.py --compile_only --topology``, the
+``[tpu]`` extra, :mod:`training.compile_only`): the mesh fills the slice's chips, the limit
+is the chip's HBM (:mod:`ring_jax.hardware`) unless ``--memory_gib`` is given, the hop
+kernel is the one a TPU run resolves (``auto``: splash, its self-check skipped), and the
+memory is the TPU compiler's plan (offloaded activations already in host memory).
+
+What this can and cannot show on CPU devices (docs/performance.md, "How long a context
 fits"): XLA:CPU's buffer assignment of the same program approximates an
 accelerator's. It emulates bfloat16 arithmetic in float32 and schedules and
 fuses differently, and it ignores memory kinds: activations a remat policy
@@ -47,6 +55,7 @@ CPU-only transformation).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -70,7 +79,14 @@ def define_flags() -> dict:
           "fields with --config.<field>=<value>, as for train.py.", lock_config=True),
       devices=flags.DEFINE_integer("devices", 1, "Devices of the mesh (fake CPU devices).",
                                    lower_bound=1),
-      memory_gib=flags.DEFINE_float("memory_gib", 128.0, "Memory per device, GiB."),
+      memory_gib=flags.DEFINE_float("memory_gib", None, "Memory per device, GiB (default: "
+                                    "128, or the HBM of a --topology's chip)."),
+      topology=flags.DEFINE_string(
+          "topology", None, "Compile for this TPU slice (e.g. v5p:4x4x4) with the real TPU "
+          "compiler instead of --devices CPU devices (needs the [tpu] extra)."),
+      topology_slices=flags.DEFINE_integer(
+          "topology_slices", 1, "With --topology: this many slices over the data center "
+          "network.", lower_bound=1),
       seq_len=flags.DEFINE_integer("seq_len", None,
                                    "Check this one length instead of searching."),
       mesh=flags.DEFINE_string(
@@ -103,24 +119,27 @@ def parse_mesh(text: str) -> dict[str, int]:
     raise FitError(f"--{e}") from None
 
 
-def resolve_mesh(config, devices: int, mesh_text: str | None) -> dict[str, int]:
-  """The mesh sizes for ``devices``: ``--mesh`` or config.mesh; errors name the override."""
+def resolve_mesh(config, devices: int, mesh_text: str | None,
+                 where: str | None = None) -> dict[str, int]:
+  """The mesh sizes for ``devices``: ``--mesh`` or config.mesh; errors name the override.
+  ``where``: what the devices are (a topology), for the error."""
   from training import errors
   from training import mesh as mesh_lib
 
   mesh_config = parse_mesh(mesh_text) if mesh_text else dict(config.mesh)
   try:
-    return mesh_lib.mesh_shape(mesh_config, devices)
+    return mesh_lib.mesh_shape(mesh_config, devices, where=where)
   except errors.ConfigError as e:
-    raise FitError(f"{e} For --devices={devices} pass e.g. --mesh data=1,sequence={devices} "
-                   f"or --config.mesh.sequence={devices} --config.mesh.data=-1.") from None
+    flag = "the topology's" if where else f"--devices={devices}"
+    raise FitError(f"{e} For {flag} {devices} devices pass e.g. --mesh data=1,sequence="
+                   f"{devices} or --config.mesh.sequence={devices} --config.mesh.data=-1.") from None
 
 
 class Planner:
   """Compiles the config's train step at given lengths and records the memory of each."""
 
   def __init__(self, config, sizes: dict[str, int], limit_bytes: int,
-               collectives: bool = False):
+               collectives: bool = False, devices=None):
     import jax
 
     from models import lengths
@@ -136,7 +155,9 @@ class Planner:
     config, _ = val_lib.resolve_config(config, self.ring)
     self.config, self.sizes, self.limit = config, sizes, limit_bytes
     self.collectives = collectives
-    self.mesh = mesh_lib.make_mesh(sizes, jax.devices()[:math.prod(sizes.values())])
+    devices = jax.devices() if devices is None else devices
+    self.mesh = mesh_lib.make_mesh(sizes, devices[:math.prod(sizes.values())])
+    self.platform = self.mesh.devices.flat[0].platform
     # attention="auto" stays: its backend asks ring_jax.plan at each compiled length, what
     # train.py would decide at startup for that data.seq_len.
     self.model_cfg = val_lib.llama_config(config)
@@ -178,7 +199,7 @@ class Planner:
     ma = common.compiled_memory(compiled, common.MEMORY_FIELDS + ("host_temp_size_in_bytes",))
     total = common.per_device_bytes(ma)
     offloaded = 0
-    if "offload" in self.model_cfg.remat_policy and jax_platform() == "cpu":
+    if "offload" in self.model_cfg.remat_policy and self.platform == "cpu":
       m = self.model_cfg
       offloaded = self.step.offloaded_bytes((self.rows, length),
                                             layers=m.num_layers if m.scan_layers else 1)
@@ -234,11 +255,6 @@ COLUMNS = (("argument", "argument_bytes"), ("temp", "temp_bytes"), ("output", "o
            ("per-device", "per_device_bytes"))
 
 
-def jax_platform() -> str:
-  import jax
-  return jax.devices()[0].platform
-
-
 def header(unit: str) -> str:
   return (f"{'seq_len':>10} " + " ".join(f"{f'{name} {unit}':>16}" for name, _ in COLUMNS) +
           f" {'fits':>5} {'compile s':>10}")
@@ -250,43 +266,67 @@ def print_row(row: dict, unit: str) -> None:
         + f" {'yes' if row['fits'] else 'no':>5} {row['compile_s']:>10.1f}", flush=True)
 
 
-def run(config, *, devices: int, memory_gib: float, seq_len: int | None = None,
-        mesh: str | None = None, start: int = 131072, max_len: int = 2 ** 26,
-        resolution: float = 0.125, collectives: bool = False) -> dict:
-  """The planner on the current JAX backend; returns the final JSON object as a dict."""
+def run(config, *, devices: int = 1, memory_gib: float | None = None,
+        seq_len: int | None = None, mesh: str | None = None, start: int = 131072,
+        max_len: int = 2 ** 26, resolution: float = 0.125, collectives: bool = False,
+        topology: str | None = None, topology_slices: int = 1) -> dict:
+  """The planner on the current JAX backend's devices, or on the compile-only devices of
+  ``topology_slices`` slices of TPU ``topology``; returns the final JSON object as a dict.
+  ``memory_gib`` defaults to the topology chip's HBM, else 128."""
   import jax
 
-  sizes = resolve_mesh(config, devices, mesh)
-  if len(jax.devices()) < devices:
-    raise FitError(f"--devices={devices} but JAX has {len(jax.devices())} devices; run "
-                   "benchmarks/fit.py as a script (it creates the fake CPU devices).")
+  from training import compile_only as compile_lib
+
+  if topology is not None:  # every check before the first compile
+    where = compile_lib.target(topology, topology_slices)
+    devices = where.chips
+    sizes = resolve_mesh(config, devices, mesh, where=where.label)
+    compile_lib.check_kernel(config.model.get("hop_kernel", "auto"), where)
+    compile_lib.check_libtpu(where)
+    where = where.resolve()
+    target_devices = list(where.devices)
+    quiet = compile_lib.compiling(where)
+    if memory_gib is None and where.hbm_bytes is not None:
+      memory_gib = where.hbm_bytes / GIB
+  else:
+    sizes = resolve_mesh(config, devices, mesh)
+    if len(jax.devices()) < devices:
+      raise FitError(f"--devices={devices} but JAX has {len(jax.devices())} devices; run "
+                     "benchmarks/fit.py as a script (it creates the fake CPU devices).")
+    target_devices = jax.devices()
+    quiet = contextlib.nullcontext()
+  memory_gib = 128.0 if memory_gib is None else memory_gib
   limit = int(memory_gib * GIB)
-  planner = Planner(config, sizes, limit, collectives=collectives)
+  planner = Planner(config, sizes, limit, collectives=collectives, devices=target_devices)
+  device = target_devices[0]
   m = planner.model_cfg
   print(f"train step of {m.num_params() / 1e9:.3f}B params (remat_policy={m.remat_policy}, "
         f"layout={m.layout}, attention={m.attention}, tensor_sequence_parallel="
         f"{m.tensor_sequence_parallel}, dtype={m.dtype}, param_dtype="
         f"{m.param_dtype}); mesh {sizes}; batch {planner.rows} rows; lengths in multiples of "
         f"{planner.multiple}; limit {memory_gib:g} GiB per device; compiled for "
-        f"{jax.devices()[0].platform} ({jax.devices()[0].device_kind})", flush=True)
+        f"{device.platform} ({device.device_kind}"
+        + (f", TPU slice {topology} x {topology_slices}" if topology else "") + ")", flush=True)
   print(header(planner.unit), flush=True)
-  if seq_len is not None:
-    row, bounded = planner.check(seq_len), True
-    result = dict(seq_len=seq_len, per_device_bytes=row["per_device_bytes"], fits=row["fits"])
-  else:
-    row, bounded = planner.search(start, max_len, resolution)
-    if row is None:  # nothing fits: report the shortest length tried
-      row = planner.rows_by_length[min(planner.rows_by_length)]
-    result = dict(seq_len=row["seq_len"], per_device_bytes=row["per_device_bytes"],
-                  fits=row["fits"])
-    if not bounded and row["fits"]:
-      print(f"note: every length up to --max_len={max_len} fits; the answer is a lower bound",
-            flush=True)
-  result.update(memory_bytes=limit, devices=devices, mesh=sizes, batch_rows=planner.rows,
-                remat_policy=m.remat_policy, platform=jax.devices()[0].platform,
-                xla_flags=os.environ.get("XLA_FLAGS", ""), upper_bounded=bounded,
-                checked=sorted(planner.rows_by_length.values(), key=lambda r: r["seq_len"]))
-  return result
+  with quiet:  # the whole search
+    if seq_len is not None:
+      row, bounded = planner.check(seq_len), True
+      result = dict(seq_len=seq_len, per_device_bytes=row["per_device_bytes"], fits=row["fits"])
+    else:
+      row, bounded = planner.search(start, max_len, resolution)
+      if row is None:  # nothing fits: report the shortest length tried
+        row = planner.rows_by_length[min(planner.rows_by_length)]
+      result = dict(seq_len=row["seq_len"], per_device_bytes=row["per_device_bytes"],
+                    fits=row["fits"])
+      if not bounded and row["fits"]:
+        print(f"note: every length up to --max_len={max_len} fits; the answer is a lower bound",
+              flush=True)
+    result.update(memory_bytes=limit, devices=devices, mesh=sizes, batch_rows=planner.rows,
+                  remat_policy=m.remat_policy, platform=device.platform,
+                  topology=topology, topology_slices=topology_slices if topology else None,
+                  xla_flags=os.environ.get("XLA_FLAGS", ""), upper_bounded=bounded,
+                  checked=sorted(planner.rows_by_length.values(), key=lambda r: r["seq_len"]))
+    return result
 
 
 def set_up_devices(devices: int, extra_xla_flags: str) -> None:
@@ -307,15 +347,20 @@ def main(argv) -> None:
   if f["config"] is None:
     raise app.UsageError("--config is required, e.g. --config configs/llama_1b.py:long")
   set_up_devices(f["devices"], f["xla_flags"])
+  from training import compile_only as compile_lib
   from training.errors import ConfigError
 
   try:
     result = run(f["config"], devices=f["devices"], memory_gib=f["memory_gib"],
                  seq_len=f["seq_len"], mesh=f["mesh"], start=f["start"], max_len=f["max_len"],
-                 resolution=f["resolution"], collectives=f["collectives"])
+                 resolution=f["resolution"], collectives=f["collectives"],
+                 topology=f["topology"], topology_slices=f["topology_slices"])
   except (FitError, ConfigError) as e:  # FitError is a setting of this tool, ConfigError one
     print(f"error: {e}", file=sys.stderr, flush=True)  # of the config: both name the fix
     sys.exit(2)
+  except compile_lib.CompileFailed as e:  # the TPU compiler refused a step (e.g. VMEM)
+    print(f"error: {e}", file=sys.stderr, flush=True)
+    sys.exit(1)
   line = json.dumps(result, separators=(",", ":"))
   if f["out"]:
     with open(f["out"], "w") as out:

@@ -40,11 +40,12 @@ from ring_jax import kernels
 from ring_jax import layouts
 from ring_jax import masking
 from ring_jax import routing
+from ring_jax import topology
 from ring_jax import validation
 from ring_jax.hop import (HopGrads, HopKernel, HopMasks, HopResiduals, HopSpec, varying_axes,
                           empty_result, lse_for_backward, merge, takes_block, varying_like)
 
-# The largest block default_block picks, per platform (jax.default_backend()): a block size,
+# The largest block default_block picks, per platform (topology.target_platform()): a block size,
 # or ((up to this local length, block), ..., (None, block)) steps. Each hop holds a few
 # [B, N, block, block] float32 score blocks, so a block is also a memory choice. cpu: from the
 # block sweep (docs/performance.md, "Block sizes"); gpu, tpu: the maintained fused kernels'
@@ -67,10 +68,11 @@ class RingConfig:
 
 
 def block_target(platform: str | None = None, local_len: int | None = None) -> int:
-  """The largest default block on ``platform`` (default ``jax.default_backend()``) for shards
+  """The largest default block on ``platform`` (default: the one compiled for,
+  :func:`ring_jax.topology.target_platform`) for shards
   of ``local_len`` tokens (None: the longest): :data:`BLOCK_TARGETS`, else
   :data:`DEFAULT_BLOCK`."""
-  rule = BLOCK_TARGETS.get(platform or jax.default_backend(), DEFAULT_BLOCK)
+  rule = BLOCK_TARGETS.get(platform or topology.target_platform(), DEFAULT_BLOCK)
   if isinstance(rule, int):
     return rule
   for up_to, block in rule:
@@ -158,8 +160,9 @@ def ring_attention(query, key, value, *, axis_name, is_causal: bool = False, seg
       names) or ``"auto"`` (the platform's maintained fused kernel once it
       passed its self-check on the device, else XLA; see
       :mod:`ring_jax.kernels`), or an object
-      implementing :class:`ring_jax.hop.HopKernel`. The platform is
-      ``jax.default_backend()``.
+      implementing :class:`ring_jax.hop.HopKernel`. The platform is the one
+      compiled for (:func:`ring_jax.topology.target_platform`: the current mesh's
+      devices', else ``jax.default_backend()``).
     return_lse: also return the float32 log-sum-exp of each query row's
       scaled visible scores, ``[B, T, N]`` (``-inf`` for rows that attend
       nothing), differentiable like the output: with it, ring attention can

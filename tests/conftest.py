@@ -78,6 +78,15 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:  # the first process of the ru
 # Every program, however fast to compile (JAX's defaults keep only those of >= 1 s).
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
+# libtpu (the TPU compiler of the tpu_compiler tests) takes a lock file per process unless
+# told that several processes may load it: the xdist workers do (TPU-COMPILE-NOTES).
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+
+# The tpu_compiler tests compile for TPU topologies with the real TPU compiler (libtpu, the
+# [tpu] extra) and no TPU. Without a matching libtpu they are skipped, except where
+# REQUIRE_TPU_COMPILER is set (.ci/run's leg 1, which installs the extra): there a missing
+# or mismatched libtpu fails them, so CI cannot skip them silently.
+REQUIRE_TPU_COMPILER = "RING_JAX_REQUIRE_TPU_COMPILER"
 
 
 # About how many CPU seconds the slowest files take (user+sys of `pytest -n 0 FILE` on 2
@@ -90,6 +99,8 @@ SLOW_FILES = {
     "test_docs.py": 115, "test_generate.py": 110, "test_convert_hf.py": 50,
     "test_notebook.py": 50, "test_benchmarks.py": 50, "test_stages.py": 40,
     "test_checkpoint.py": 20,
+    # with libtpu (leg 1): the TPU compiles of the tpu_compiler tests
+    "test_compile_only.py": 90, "test_topology.py": 40,
 }
 
 
@@ -110,7 +121,7 @@ NEWEST_JAX = {
     "test_layouts.py", "test_schedule.py", "test_routing.py", "test_sharded.py",
     "test_strategies.py", "test_two_level.py", "test_plan.py", "test_ffn.py",
     "test_documents.py", "test_flax_attention.py", "test_pallas_tpu.py",
-    "test_splash.py", "test_selfcheck.py",
+    "test_splash.py", "test_selfcheck.py", "test_topology.py",
     "test_tokamax_gpu.py",  # tokamax needs jax >= 0.11.1: leg 2 is where it runs (the [gpu] extra)
     # models/
     "test_llama.py", "test_sharding.py", "test_inference.py", "test_pipeline.py",
@@ -129,6 +140,22 @@ NOT_NEWEST_JAX = {
 def pytest_configure(config):
   config.addinivalue_line(
       "markers", "newest_jax: what leg 2 of .ci/run runs on the newest jax (tests/conftest.py)")
+  config.addinivalue_line(
+      "markers", "tpu_compiler: compiles for a TPU topology with libtpu (the [tpu] extra); "
+      f"skipped without it unless {REQUIRE_TPU_COMPILER}=1 (tests/conftest.py)")
+
+
+def pytest_runtest_setup(item):
+  """A tpu_compiler test without a matching libtpu: skipped, or failed where CI requires it."""
+  if item.get_closest_marker("tpu_compiler") is None:
+    return
+  from ring_jax import topology
+  try:
+    topology.check_libtpu()
+  except topology.TopologyError as e:
+    if os.environ.get(REQUIRE_TPU_COMPILER) == "1":
+      pytest.fail(f"{REQUIRE_TPU_COMPILER}=1 but {e}", pytrace=False)
+    pytest.skip(str(e))
 
 
 def _mark_newest_jax(items):
@@ -141,7 +168,8 @@ def _mark_newest_jax(items):
       used |= names & NOT_NEWEST_JAX
     elif names & NEWEST_JAX:
       used |= names & NEWEST_JAX
-      item.add_marker(pytest.mark.newest_jax)
+      if item.get_closest_marker("tpu_compiler") is None:  # those run on leg 1 (its libtpu)
+        item.add_marker(pytest.mark.newest_jax)
   collected = {item.path.name for item in items}
   stale = {n for n in (NEWEST_JAX | NOT_NEWEST_JAX) - used if n.split("::")[0] in collected}
   if stale:

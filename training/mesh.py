@@ -12,14 +12,14 @@ import os
 import sys
 
 import jax
-import numpy as np
 
 from models.sharding import MESH_AXES
 from training.errors import ConfigError
 
 
-def mesh_shape(mesh_config, num_devices: int) -> dict[str, int]:
-  """Resolves the ``config.mesh`` sizes; one axis may be -1 (= the remaining devices)."""
+def mesh_shape(mesh_config, num_devices: int, where: str | None = None) -> dict[str, int]:
+  """Resolves the ``config.mesh`` sizes; one axis may be -1 (= the remaining devices).
+  ``where``: what the devices are, for the error (default: the JAX backend's name)."""
   sizes = {axis: int(mesh_config.get(axis, 1)) for axis in MESH_AXES}
   unknown = set(mesh_config.keys()) - set(MESH_AXES)
   if unknown:
@@ -35,12 +35,13 @@ def mesh_shape(mesh_config, num_devices: int) -> dict[str, int]:
     if num_devices % fixed:
       raise ConfigError(
           f"config.mesh={sizes}: the fixed axes multiply to {fixed}, which does not divide "
-          f"the {num_devices} devices, so '{fill[0]}=-1' cannot fill the rest.")
+          f"the {num_devices} devices ({where or jax.default_backend()}), so '{fill[0]}=-1' "
+          "cannot fill the rest.")
     sizes[fill[0]] = num_devices // fixed
   if math.prod(sizes.values()) != num_devices:
     raise ConfigError(
         f"config.mesh={sizes} needs {math.prod(sizes.values())} devices but "
-        f"{num_devices} are available ({jax.default_backend()}). Set one axis to -1 to "
+        f"{num_devices} are available ({where or jax.default_backend()}). Set one axis to -1 to "
         "use all devices, or change the sizes.")
   return sizes
 
@@ -51,17 +52,57 @@ def make_mesh(mesh_config, devices=None) -> jax.sharding.Mesh:
 
   Auto (not Explicit) axes: the trainer states shardings at the jit boundary
   and lets XLA propagate inside; the model adds its own constraints.
+  ``devices``: default ``jax.devices()``; any others (a subset, or the compile-only devices
+  of a TPU slice, :func:`ring_jax.topology.devices`) are laid out by the same rules.
   ``jax.make_mesh`` orders devices for the physical topology (ICI rings on
   TPU), so ring neighbours on ``sequence`` are physical neighbours, and the
   ``sequence_outer`` groups (the two-level ring's outer level) the farther devices.
+  Devices of several TPU slices (``device.slice_index``) are split over the data center
+  network by :func:`dcn_shape` (``mesh_utils.create_hybrid_device_mesh``).
+
+  Raises:
+    ConfigError: the sizes do not fit the devices, or the slices cannot split the mesh.
   """
   devices = jax.devices() if devices is None else list(devices)
   sizes = mesh_shape(mesh_config, len(devices))
   shape = tuple(sizes[a] for a in MESH_AXES)
   auto = (jax.sharding.AxisType.Auto,) * len(MESH_AXES)
-  if devices == jax.devices():
-    return jax.make_mesh(shape, MESH_AXES, axis_types=auto)
-  return jax.sharding.Mesh(np.asarray(devices).reshape(shape), MESH_AXES, axis_types=auto)
+  slices = len({getattr(d, "slice_index", 0) for d in devices})
+  if slices == 1:
+    return jax.make_mesh(shape, MESH_AXES, axis_types=auto, devices=devices)
+  from jax.experimental import mesh_utils
+  dcn = dcn_shape(sizes, slices)
+  ici = tuple(s // d for s, d in zip(shape, dcn))
+  return jax.sharding.Mesh(
+      mesh_utils.create_hybrid_device_mesh(ici, dcn, devices=devices,
+                                           allow_split_physical_axes=True),
+      MESH_AXES, axis_types=auto)
+
+
+#: The axes that may span slices (the data center network), in the order they take them:
+#: the two-level ring's outer level is meant for the slower links, then data parallelism
+#: (one gradient reduction per step), then pipeline stages (one activation send per stage).
+DCN_AXES = ("sequence_outer", "data", "pipeline")
+
+
+def dcn_shape(sizes: dict[str, int], slices: int) -> tuple[int, ...]:
+  """How many slices each of :data:`MESH_AXES` spans: :data:`DCN_AXES` in order, each taking
+  the largest share of the remaining slices its size allows; the other axes stay within a
+  slice (their collectives on the chips' links).
+
+  Raises:
+    ConfigError: the sizes of :data:`DCN_AXES` cannot absorb ``slices``.
+  """
+  left, dcn = slices, dict.fromkeys(MESH_AXES, 1)
+  for axis in DCN_AXES:
+    share = math.gcd(left, sizes[axis])
+    dcn[axis], left = share, left // share
+  if left != 1:
+    raise ConfigError(
+        f"config.mesh={sizes} cannot span {slices} slices: only the axes {DCN_AXES} may "
+        f"cross slices, and their sizes do not split into {slices} equal parts; e.g. "
+        f"--config.mesh.data={slices} or --config.mesh.sequence_outer={slices}.")
+  return tuple(dcn[a] for a in MESH_AXES)
 
 
 def simulate_cpu_devices(config, num_processes: int = 1) -> None:

@@ -67,11 +67,16 @@ def make_optimizer(optim_config, total_steps: int) -> optax.GradientTransformati
 
 
 def opt_state_shardings(tx: optax.GradientTransformation, params, param_shardings, mesh):
-  """Moments share their parameter's sharding; counters and scalars are replicated."""
+  """Moments share their parameter's sharding; counters and scalars are replicated.
+
+  Abstract only: ``tree_map_params`` runs ``tx.init`` on a placeholder to find where the
+  parameter trees sit in the state, and here that runs under ``jax.eval_shape``, so no
+  counter is created on ``mesh`` (whose devices may be compile-only, a TPU topology's)."""
   abstract = jax.eval_shape(tx.init, params)
   replicated = NamedSharding(mesh, P())
   return optax.tree_utils.tree_map_params(
-      tx, lambda _, sharding: sharding, abstract, param_shardings,
+      lambda placeholder: jax.eval_shape(lambda: tx.init(placeholder)),
+      lambda _, sharding: sharding, abstract, param_shardings,
       transform_non_params=lambda _: replicated)
 
 

@@ -32,6 +32,7 @@ from typing import Callable, ClassVar
 
 import jax
 
+from ring_jax import topology
 from ring_jax.hop import HopKernel
 from ring_jax.kernels import selfcheck
 from ring_jax.kernels.xla import XlaHopKernel
@@ -53,6 +54,10 @@ HOP_KERNELS: dict[str, Callable[[str], HopKernel]] = {
     "splash": _lazy("ring_jax.kernels.splash", "make_kernel"),
     "tokamax": _lazy("ring_jax.kernels.tokamax_gpu", "make_kernel"),
 }
+
+#: The platform each fused kernel compiles for (anywhere else only Pallas' interpret mode runs
+#: it, for tests); "xla" compiles for every platform.
+PLATFORM: dict[str, str] = {"splash": "tpu", "pallas_tpu": "tpu", "tokamax": "gpu"}
 
 # platform -> the maintained fused kernel "auto" tries there (after its self-check on the
 # device, selfcheck.py); absent platforms get "xla".
@@ -121,7 +126,8 @@ def check_name(name: str) -> None:
 
 def get_hop_kernel(name_or_instance, platform: str | None = None) -> HopKernel:
   """The kernel to run: a name (``None`` means ``"auto"``) resolved for ``platform``
-  (default ``jax.default_backend()``), or a :class:`~ring_jax.hop.HopKernel` instance
+  (default :func:`ring_jax.topology.target_platform`: the current mesh's, else
+  ``jax.default_backend()``), or a :class:`~ring_jax.hop.HopKernel` instance
   returned as is.
 
   Raises ``ValueError`` for an unknown name (listing the known ones) and
@@ -131,7 +137,7 @@ def get_hop_kernel(name_or_instance, platform: str | None = None) -> HopKernel:
     name_or_instance = "auto"
   if isinstance(name_or_instance, str):
     check_name(name_or_instance)
-    platform = jax.default_backend() if platform is None else platform
+    platform = topology.target_platform() if platform is None else platform
     name = name_or_instance
     if name == "auto":
       if platform not in AUTO:
@@ -150,7 +156,7 @@ def get_hop_kernel(name_or_instance, platform: str | None = None) -> HopKernel:
 def describe(name_or_instance, platform: str | None = None) -> str:
   """One line: which hop kernel ``hop_kernel=name_or_instance`` ran on ``platform`` in this
   process, and for ``"auto"`` why (the self-check's verdicts; train.py prints it)."""
-  platform = jax.default_backend() if platform is None else platform
+  platform = topology.target_platform() if platform is None else platform
   if not (name_or_instance is None or name_or_instance == "auto"):
     return f"hop kernel: {getattr(name_or_instance, 'name', name_or_instance)}"
   fused = AUTO.get(platform)
@@ -164,12 +170,13 @@ def describe(name_or_instance, platform: str | None = None) -> str:
       return f"hop kernel: xla (auto on {platform}: {fused} cannot run: {why})"
     return (f"hop kernel: xla (auto: {fused} not tried on {platform}: these shapes or this "
             "dtype do not suit it, see its check())")
-  parts = [f"{v.dtype}: {'self-check passed' if v.ok else 'self-check FAILED: ' + v.reason}"
-           for v in seen]
+  parts = [f"{v.dtype}: " + ("self-check skipped: no device attached, compile only" if v.skipped
+                            else "self-check passed" if v.ok else
+                            "self-check FAILED: " + v.reason) for v in seen]
   chosen = fused if all(v.ok for v in seen) else (
       "xla" if not any(v.ok for v in seen) else f"{fused} where it passed, else xla")
   return f"hop kernel: {chosen} (auto on {platform}: {fused} " + "; ".join(parts) + ")"
 
 
-__all__ = ["AUTO", "HOP_KERNELS", "AutoHopKernel", "XlaHopKernel", "check_name", "describe",
+__all__ = ["AUTO", "HOP_KERNELS", "PLATFORM", "AutoHopKernel", "XlaHopKernel", "check_name", "describe",
            "get_hop_kernel", "kernel_names"]

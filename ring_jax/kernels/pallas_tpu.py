@@ -47,6 +47,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from ring_jax import hop
 from ring_jax import masking
+from ring_jax import topology
 
 NUM_LANES = 128
 NUM_SUBLANES = 8
@@ -309,7 +310,7 @@ class PallasTpuHopKernel:
 
   Attributes:
     interpret: run the kernels in Pallas interpret mode. ``None`` (default):
-      interpret exactly when the default backend is not a TPU, so the kernel
+      interpret exactly when the platform compiled for is not a TPU, so the kernel
       runs (slowly) on CPU for tests.
     specialize: compile, besides the masked body, an unmasked one for block pairs
       visible everywhere, and a forward without the non-finite-V guard chosen at run
@@ -337,7 +338,7 @@ class PallasTpuHopKernel:
 
   def _interpret(self) -> bool:
     if self.interpret is None:
-      return jax.default_backend() != "tpu"
+      return topology.target_platform() != "tpu"
     return bool(self.interpret)
 
   def _interpret_mode(self, *arrays):

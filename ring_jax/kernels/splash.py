@@ -54,6 +54,7 @@ from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_ma
 
 from ring_jax import hop
 from ring_jax import masking
+from ring_jax import topology
 from ring_jax.kernels import pallas_tpu
 from ring_jax.kernels.xla import XlaHopKernel
 
@@ -123,7 +124,8 @@ class SplashHopKernel:
 
   Attributes:
     interpret: run splash in Pallas interpret mode. ``None`` (default): exactly when
-      the default backend is not a TPU (tests on CPU).
+      the platform compiled for (:func:`ring_jax.topology.target_platform`) is not a TPU
+      (tests on CPU).
   """
   name: ClassVar[str] = "splash"
   interpret: bool | None = None
@@ -143,7 +145,9 @@ class SplashHopKernel:
           "shards) or hop_kernel='xla'.")
 
   def _interpret(self) -> bool:
-    return jax.default_backend() != "tpu" if self.interpret is None else bool(self.interpret)
+    if self.interpret is None:
+      return topology.target_platform() != "tpu"
+    return bool(self.interpret)
 
   # ---- the hop's mask as splash's MaskInfo ----------------------------------------------
 

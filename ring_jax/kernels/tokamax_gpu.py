@@ -57,6 +57,7 @@ import jax
 import jax.numpy as jnp
 
 from ring_jax import hop
+from ring_jax import topology
 from ring_jax.kernels.xla import XlaHopKernel
 
 TOKAMAX_VERSION = "0.0.17"   # the one the [gpu] extra pins (private op modules)
@@ -85,7 +86,7 @@ def unavailable_reason(platform: str | None = None, *, device_check: bool = True
             f"tokamax=={TOKAMAX_VERSION} exactly: pip install 'ring_jax[gpu]'")
   if not device_check:
     return None
-  platform = jax.default_backend() if platform is None else platform
+  platform = topology.target_platform() if platform is None else platform
   if platform != "gpu":
     return f"tokamax's Mosaic GPU kernels run on NVIDIA GPUs; this backend is {platform}"
   device = jax.devices("gpu")[0]

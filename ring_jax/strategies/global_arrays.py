@@ -22,6 +22,7 @@ from jax.sharding import PartitionSpec as P
 
 from ring_jax import kernels
 from ring_jax import layouts
+from ring_jax import topology
 from ring_jax import validation
 from ring_jax.strategies.options import AttentionOptions
 
@@ -183,7 +184,7 @@ def platform(mesh) -> str:
   """Platform of the mesh's devices; the default backend's for an abstract mesh."""
   if isinstance(mesh, jax.sharding.Mesh) and mesh.devices.size:
     return mesh.devices.flat[0].platform
-  return jax.default_backend()  # an AbstractMesh has no devices
+  return topology.target_platform()  # an AbstractMesh has no devices
 
 
 def device_kind(mesh) -> str:

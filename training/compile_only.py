@@ -1,0 +1,206 @@
+"""What ``train.py --compile_only`` and ``benchmarks/fit.py`` compile for: the attached
+devices, or a named TPU slice (``--topology v5p:4x4x4``, ``--topology_slices N``) compiled
+with the real TPU compiler and nothing run (:mod:`ring_jax.topology`); and the per-chip
+report of a compiled train step.
+
+:func:`target` checks everything about the slice that needs no config (its name, libtpu),
+:func:`check_config` what the config asks of it (a mesh of its chip count, a kernel that
+compiles for TPU), both before anything is compiled; each error is one line
+(:class:`training.errors.ConfigError`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib
+import re
+import warnings
+
+import jax
+
+import ring_jax
+from ring_jax import topology as topo_lib
+from training import mesh as mesh_lib
+from training.errors import ConfigError
+
+GIB = 2 ** 30
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+  """The devices a step is compiled for.
+
+  Attributes:
+    name: the TPU topology (``"v5p:4x4x4"``), or None for the attached devices.
+    slices: slices of ``name`` (over the data center network).
+    chips: device count.
+    devices: the devices, compile-only for a topology (None until :meth:`resolve`).
+  """
+  name: str | None
+  slices: int
+  chips: int
+  devices: tuple | None = None
+
+  @property
+  def platform(self) -> str:
+    return "tpu" if self.name else jax.default_backend()
+
+  @property
+  def label(self) -> str:
+    """``"TPU slice v5p:4x4x4 (64 chips)"``, ``"2 slices of v5e:2x2 (8 chips)"``, ``"cpu"``."""
+    if self.name is None:
+      return jax.default_backend()
+    slices = "TPU slice" if self.slices == 1 else f"{self.slices} slices of"
+    return f"{slices} {self.name} ({self.chips} chips)"
+
+  def resolve(self) -> "Target":
+    """This target with its devices (a topology's need libtpu: checked here)."""
+    if self.devices is not None:
+      return self
+    if self.name is None:
+      return dataclasses.replace(self, devices=tuple(jax.devices()))
+    try:
+      return dataclasses.replace(self, devices=topo_lib.devices(self.name, self.slices))
+    except topo_lib.TopologyError as e:
+      raise ConfigError(f"--topology: {e}") from None
+
+  @property
+  def hbm_bytes(self) -> int | None:
+    """HBM per chip (:mod:`ring_jax.hardware`); None for devices the table lacks (CPU)."""
+    devices = self.resolve().devices
+    return topo_lib.hbm_bytes(devices[0]) if self.name else _attached_hbm(devices[0])
+
+
+def _attached_hbm(device) -> int | None:
+  if device.platform == "cpu":
+    return None
+  return topo_lib.hbm_bytes(device)
+
+
+def target(topology: str | None, slices: int = 1) -> Target:
+  """The target of ``--topology`` / ``--topology_slices`` (devices not yet created).
+
+  Raises:
+    ConfigError: an unknown topology name (listing the forms that work), ``slices < 1``, or
+      slices without a topology.
+  """
+  if slices < 1:
+    raise ConfigError(f"--topology_slices must be >= 1, got {slices}.")
+  if topology is None:
+    if slices != 1:
+      raise ConfigError("--topology_slices needs --topology (the slices' TPU topology).")
+    return Target(name=None, slices=1, chips=jax.device_count())
+  try:
+    name = topology.strip().lower()
+    return Target(name=name, slices=slices, chips=topo_lib.chips(name, slices))
+  except topo_lib.TopologyError as e:
+    raise ConfigError(f"--topology: {e}") from None
+
+
+def check_libtpu(where: Target) -> None:
+  """For a topology: libtpu installed and the one jax pins (ConfigError naming the extra)."""
+  if where.name is None:
+    return
+  try:
+    topo_lib.check_libtpu()
+  except topo_lib.TopologyError as e:
+    raise ConfigError(f"--topology: {e}") from None
+
+
+def check_config(config, where: Target) -> dict[str, int]:
+  """The config's mesh on ``where``'s chips (and split over its slices,
+  :func:`training.mesh.dcn_shape`), and for a topology a hop kernel that compiles for TPU
+  (:func:`check_kernel`); returns the mesh sizes. Needs no devices.
+
+  Raises:
+    ConfigError: one line naming the fix.
+  """
+  check_kernel(config.model.get("hop_kernel", "auto"), where)
+  sizes = mesh_lib.mesh_shape(config.mesh, where.chips, where=where.label)
+  if where.slices > 1:
+    mesh_lib.dcn_shape(sizes, where.slices)  # the slices split the mesh
+  return sizes
+
+
+def check_kernel(hop_kernel: str, where: Target) -> None:
+  """For a topology: ``hop_kernel`` compiles for TPU (:data:`ring_jax.kernels.PLATFORM`)."""
+  kernel_platform = ring_jax.kernels.PLATFORM.get(hop_kernel)
+  if where.name is not None and kernel_platform not in (None, "tpu"):
+    raise ConfigError(
+        f"model.hop_kernel={hop_kernel!r} is a {kernel_platform.upper()} kernel and --topology "
+        f"compiles for TPU: use --config.model.hop_kernel=auto (splash on TPU), splash or xla.")
+
+
+class CompileFailed(RuntimeError):
+  """The compiler refused the train step (e.g. a Mosaic kernel's VMEM); the message is one
+  line: the compiler's error and, where it names them, the allocation and the op."""
+
+
+def compile_failure(error: Exception, where: Target) -> CompileFailed:
+  """``error`` from the compiler as a :class:`CompileFailed` of one line."""
+  text = str(error)
+  lines = [line.strip() for line in text.splitlines() if line.strip()]
+  parts = [lines[0].rstrip(":") if lines else type(error).__name__]
+  scoped = re.search(r"Scoped allocation with size \S+ and limit \S+ exceeded .*? by "
+                     r"[\d.]+[KMG]?", text)
+  if scoped:
+    parts.append(scoped.group(0))
+  op = re.search(r'op_name="([^"]+)"', text)
+  if op:  # the op's last two name scopes, e.g. splash_mha_fwd/pallas_call
+    parts.append("in " + "/".join(op.group(1).split("/")[-2:]))
+  return CompileFailed(f"the compiler refused the train step for {where.label}: "
+                       + "; ".join(parts))
+
+
+@contextlib.contextmanager
+def compiling(where: Target):
+  """Around a compile for ``where``: the compiler's refusal as :class:`CompileFailed` (one
+  line); for a topology, without the warning JAX gives when its persistent compilation cache
+  (if one is set) holds the program: a compile-only executable cannot be loaded back without
+  its devices, so it is compiled again, as without a cache."""
+  with warnings.catch_warnings():
+    if where.name is not None:
+      warnings.filterwarnings("ignore", message="Error reading persistent compilation cache")
+    try:
+      yield
+    except jax.errors.JaxRuntimeError as e:
+      raise compile_failure(e, where) from None
+
+
+def overlap_lines(compiled) -> list[str]:
+  """The overlap summary of ``compiled`` (``ring_jax.analysis.overlap_report``): which
+  asynchronous transfers have compute in flight; ``["overlap report: unavailable"]``
+  where this ring_jax has no analysis module."""
+  try:
+    analysis = importlib.import_module("ring_jax.analysis")
+  except ModuleNotFoundError as e:
+    if e.name != "ring_jax.analysis":
+      raise
+    return ["overlap report: unavailable"]
+  return list(analysis.overlap_report(compiled).summary_lines())
+
+
+def memory_lines(compiled, where: Target, compile_s: float) -> tuple[list[str], dict]:
+  """Lines and a dict: per chip arguments, temporaries, total (:func:`ring_jax.topology.
+  per_device_bytes`) against the chip's HBM, fits or not, compile seconds."""
+  memory = topo_lib.compiled_memory(compiled)
+  total = topo_lib.per_device_bytes(memory)
+  hbm = where.hbm_bytes
+  row = dict(argument_bytes=memory.get("argument_size_in_bytes"),
+             temp_bytes=memory.get("temp_size_in_bytes"),
+             output_bytes=memory.get("output_size_in_bytes"),
+             alias_bytes=memory.get("alias_size_in_bytes"), per_chip_bytes=total,
+             hbm_bytes=hbm, fits=None if total is None or hbm is None else bool(total <= hbm),
+             compile_s=round(compile_s, 1))
+  if total is None:
+    return [f"compiled in {compile_s:.1f}s; the compiler reports no memory analysis"], row
+  kind = where.resolve().devices[0].device_kind
+  against = ("no HBM figure for this device kind" if hbm is None else
+             f"of {hbm / GIB:.2f} GiB HBM ({kind}): "
+             f"{'fits' if row['fits'] else 'does NOT fit'} ({100 * total / hbm:.0f}%)")
+  return [f"per chip: arguments {row['argument_bytes'] / GIB:.3f} GiB, temporaries "
+          f"{row['temp_bytes'] / GIB:.3f} GiB, outputs not aliasing arguments "
+          f"{(row['output_bytes'] - row['alias_bytes']) / GIB:.3f} GiB; total "
+          f"{total / GIB:.3f} GiB {against}",
+          f"compiled in {compile_s:.1f}s"], row
