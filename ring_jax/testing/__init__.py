@@ -30,12 +30,13 @@ Docs: docs/conformance.md. This package needs JAX and numpy only (no Flax, no py
 """
 
 from ring_jax.testing.cases import CASES, CI_CASES, GROWTH, Case, case_names, select
+from ring_jax.testing.hop import HOP_CASES, HOP_SHARDS, run_hop, run_hop_case
 from ring_jax.testing.oracle import attention as oracle_attention
 from ring_jax.testing.runner import (FAIL, NOT_SUPPORTED, PASS, Report, Row,
                                      hop_kernel_attention, run, run_case, tolerance)
 
 __all__ = [
-    "CASES", "CI_CASES", "FAIL", "GROWTH", "NOT_SUPPORTED", "PASS", "Case", "Report", "Row",
-    "case_names", "hop_kernel_attention", "oracle_attention", "run", "run_case", "select",
-    "tolerance",
+    "CASES", "CI_CASES", "FAIL", "GROWTH", "HOP_CASES", "HOP_SHARDS", "NOT_SUPPORTED", "PASS", "Case",
+    "Report", "Row", "case_names", "hop_kernel_attention", "oracle_attention", "run",
+    "run_case", "run_hop", "run_hop_case", "select", "tolerance",
 ]

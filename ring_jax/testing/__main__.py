@@ -78,8 +78,8 @@ def main(argv=None) -> int:
   if args.json:
     with open(args.json, "w") as f:
       json.dump(report.to_dict(), f, indent=1)
-  for row in report.failed:
-    print(f"FAIL {row.case} (ring {row.ring}): {row.message}", file=sys.stderr)
+  if report.failed:
+    print(report.failures(), file=sys.stderr)
   return 0 if report.ok else 1
 
 

@@ -64,16 +64,20 @@ class Report:
   def ok(self) -> bool:
     return not self.failed
 
+  def failures(self) -> str:
+    """One line per failed case: ``FAIL <case> (ring <n>): <what was wrong>``."""
+    return "\n".join(f"FAIL {r.case} (ring {r.ring}): {r.message}" for r in self.failed)
+
   def table(self) -> str:
     """A plain-text table: case, ring, status, each quantity's error, the bound, the reason."""
-    head = (f"{'case':24s} {'ring':>5s} {'status':13s} " +
+    head = (f"{'case':30s} {'ring':>5s} {'status':13s} " +
             " ".join(f"{q:>8s}" for q in QUANTITIES) + f" {'tol':>8s}  message")
     lines = [f"# {self.function}", head]
     for r in self.rows:
       errs = " ".join(f"{r.errors[q]:8.1e}" if q in r.errors else f"{'-':>8s}"
                       for q in QUANTITIES)
       tol = f"{r.tolerance:8.1e}" if r.tolerance else f"{'-':>8s}"
-      lines.append(f"{r.case:24s} {r.ring:>5s} {r.status:13s} {errs} {tol}  {r.message}")
+      lines.append(f"{r.case:30s} {r.ring:>5s} {r.status:13s} {errs} {tol}  {r.message}")
     n = {s: sum(r.status == s for r in self.rows) for s in (PASS, FAIL, NOT_SUPPORTED)}
     lines.append(f"{n[PASS]} passed, {n[FAIL]} failed, {n[NOT_SUPPORTED]} not supported")
     return "\n".join(lines)
