@@ -176,3 +176,12 @@ def test_cli_sets_devices_exits_nonzero_on_failure_and_needs_no_flax():
   assert "RESULT 0 1 8" in proc.stdout, proc.stdout[-3000:]
   assert "soft-cap" in proc.stdout and "takes no logits_soft_cap" in proc.stdout
   assert "FAIL causal (ring 4): out " in proc.stderr
+
+
+def test_a_hop_kernel_runs_as_the_ring():
+  """run() takes a HopKernel: the ring with that kernel at every hop (here with lse)."""
+  report = testing.run(ring_jax.XlaHopKernel(), ["ring2-t-ne-s"])
+  assert report.function == "HopKernel xla"
+  [row] = report.rows
+  assert row.status == testing.PASS, row
+  assert set(row.errors) == {"out", "lse", "dq", "dk", "dv"}
