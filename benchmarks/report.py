@@ -941,6 +941,47 @@ def _headline_rows():
   ]
 
 
+# ----------------------------------------------------------------------------
+# Conformance: benchmarks/conformance.py (the kit, ring_jax.testing)
+# ----------------------------------------------------------------------------
+
+CONFORMANCE = {"ring_jax ring": "conformance_ring.json",
+               "ring_jax all_gather": "conformance_all_gather.json",
+               "ring_jax ulysses": "conformance_ulysses.json",
+               "ringattention 0.1.2": "conformance_ringattention-0.1.2.json",
+               "ejkernel 0.0.80.3 (XLA)": "conformance_ejkernel-0.0.80.3-xla.json",
+               "ejkernel, GQA as is": "conformance_ejkernel-0.0.80.3-xla-native-gqa.json"}
+
+
+def _verdict(row) -> str:
+  if row["status"] == "not supported":
+    return "n/s"
+  worst = max(row["errors"].items(), key=lambda kv: kv[1]) if row["errors"] else None
+  if row["status"] == "pass":
+    return f"pass {sci(worst[1])}"
+  if worst is None:  # raised: the exception's type
+    return "fail: " + row["message"].split(":")[0]
+  return f"**fail** {worst[0]} {sci(worst[1]) if worst[1] != float('inf') else 'non-finite'}"
+
+
+@block("conformance", *CONFORMANCE.values())
+def conformance() -> str:
+  data = {name: load(f) for name, f in CONFORMANCE.items()}
+  cases = [r["case"] for r in next(iter(data.values()))["rows"]]
+  by = {name: {r["case"]: r for r in d["rows"]} for name, d in data.items()}
+  summary = table(
+      ["function", "pass", "fail", "not supported"],
+      [[name, *(sum(r["status"] == s for r in d["rows"]) for s in ("pass", "fail", "not supported"))]
+       for name, d in data.items()], "-rrr")
+  matrix = table(["case", *data],
+                 [[f"`{c}`", *(_verdict(by[n][c]) if c in by[n] else "-" for n in data)]
+                  for c in cases])
+  return (summary + "\n\nPer case: the worst quantity's error against the float64 oracle "
+          "(max |error| / max |oracle|; bound 1.5e-5 in float32, 7.8e-3 in bfloat16), or why it "
+          "failed; n/s: the signature takes no keyword the case needs.\n\n" + matrix + "\n\n" +
+          caption(*CONFORMANCE.values()))
+
+
 @block("headline", CORE, PAPER_4K, MEMSCAN, BALANCE, PACKED, FIT_1, FIT_8,
        DECODE_FIT, TWO_LEVEL)
 def headline() -> str:

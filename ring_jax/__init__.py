@@ -4,10 +4,11 @@ Entry points: ``ring_attention_sharded`` (global arrays), ``ring_attention`` (in
 ``jax.shard_map``), ``attention_sharded`` (any strategy: ring, all-gather, Ulysses, hybrid,
 two-level, or ``plan()``'s pick). Every public name is in ``__all__``; docs/api.md lists each
 with its signature and what it computes (generated from this package by scripts/api_doc.py).
-
 Map (docs/design.md, "Where things live"): the ring's loop and its custom backward in
 ring.py (two_level.py for two mesh axes), the kernel seam in hop.py (HopKernel; kernels/),
 the K/V routes in routing.py, the masks and block table in masking.py.
+``ring_jax.testing`` (not imported here; docs/conformance.md) is the conformance kit: any
+context-parallel attention against a float64 oracle on fake CPU devices.
 """
 
 from ring_jax.documents import DocumentLayout, document_layout

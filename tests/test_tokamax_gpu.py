@@ -33,7 +33,7 @@ import ring_jax
 from ring_jax import hop
 from ring_jax.hop import HopMasks, HopSpec
 from ring_jax.kernels import tokamax_gpu
-from test_hop import visibility
+from ring_jax.testing.oracle import visibility
 
 HAVE_TOKAMAX = importlib.util.find_spec("tokamax") is not None
 needs_tokamax = pytest.mark.skipif(

@@ -1,0 +1,93 @@
+"""The conformance kit's full matrix (ring_jax.testing) on ring_jax and on its peers.
+
+    python benchmarks/conformance.py                 # ring_jax's ring, all-gather, Ulysses
+    python benchmarks/conformance.py --peers         # + ringattention 0.1.2, ejkernel (if importable)
+    python benchmarks/conformance.py --targets ring --cases causal,gqa
+
+Each target is a function of the kit's calling convention; its table (pass / fail / not
+supported per case, each quantity's error against the float64 oracle) is printed and
+written, with the date, jax version and machine, to
+``benchmarks/results/conformance_<target>.json`` (docs/conformance.md summarises them).
+8 fake CPU devices; CI runs a fixed subset of these cases (tests/test_hop.py).
+"""
+
+import argparse
+import datetime
+import functools
+import os
+import platform
+import sys
+
+if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                             " --xla_force_host_platform_device_count=8").strip()
+# A correctness run of ~100 small programs: compile at LLVM -O0, as tests/conftest.py does
+# (the same HLO and arithmetic, machine code that is slower to run and faster to produce).
+if "xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
+  os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import jax  # noqa: E402
+
+import ring_jax  # noqa: E402
+from benchmarks import common  # noqa: E402
+from ring_jax import testing  # noqa: E402
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+
+#: ring_jax's own entry points in the kit's convention (blocks of 16: 4 per shard at the
+#: kit's 64 tokens per device).
+OWN = {
+    "ring": functools.partial(ring_jax.ring_attention_sharded, block_q=16, block_kv=16),
+    "all_gather": functools.partial(ring_jax.attention_sharded, strategy="all_gather",
+                                    block_q=16, block_kv=16),
+    "ulysses": functools.partial(ring_jax.attention_sharded, strategy="ulysses",
+                                 block_q=16, block_kv=16),
+}
+
+
+def targets(names, peers: bool) -> dict:
+  found = {n: OWN[n] for n in names}
+  if peers:
+    from benchmarks import conformance_peers  # noqa: PLC0415
+    found.update(conformance_peers.available())
+    missing = set(conformance_peers.PEERS) - set(found)
+    for name in sorted(missing):
+      print(f"# {name}: not importable here, not run", flush=True)
+  return found
+
+
+def meta(argv) -> dict:
+  return dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              command="python benchmarks/conformance.py" + " ".join([""] + list(argv)),
+              jax=jax.__version__, platform=jax.devices()[0].platform,
+              num_devices=jax.device_count(), machine=platform.machine(),
+              cpu_count=os.cpu_count(), python=platform.python_version())
+
+
+def main(argv=None):
+  argv = sys.argv[1:] if argv is None else argv
+  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  ap.add_argument("--targets", default=",".join(OWN), help=f"of {list(OWN)}")
+  ap.add_argument("--peers", action="store_true", help="also the peers' adapters")
+  ap.add_argument("--cases", help="comma-separated case names (default: all)")
+  ap.add_argument("--out-dir", default=RESULTS, help="'' to write nothing")
+  args = ap.parse_args(argv)
+  cases = args.cases.split(",") if args.cases else None
+  failed = {}
+  for name, fn in targets([t for t in args.targets.split(",") if t], args.peers).items():
+    report = testing.run(fn, cases, name=name,
+                         progress=lambda r: print(f"  {r.case:24s} {r.status}", flush=True))
+    print(report.table(), flush=True)
+    failed[name] = [r.case for r in report.failed]
+    if args.out_dir:
+      path = os.path.join(args.out_dir, f"conformance_{name}.json")
+      common.write_result(path, dict(meta=meta(argv), **report.to_dict()))
+      print(f"wrote {path}")
+  print("\nfailed cases:", failed)
+  return failed
+
+
+if __name__ == "__main__":
+  main()
