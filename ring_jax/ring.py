@@ -259,6 +259,22 @@ def _shift(cfg: _RingConfig, by: int, *xs):
   return tuple(None if x is None else jax.lax.ppermute(x, cfg.axis_name, perm) for x in xs)
 
 
+def _in_flight_during(transfers, compute):
+  """``(transfers, compute)`` unchanged, with nothing reading a transfer's result before
+  ``compute`` is done (one ``lax.optimization_barrier`` over both).
+
+  Each hop issues its transfers (the next shard, arriving accumulators) before its block
+  compute and reads them only after. A latency-hiding scheduler (the TPU compiler's) places
+  a transfer's start just far enough before its done to cover the latency it estimates, and
+  fills that span with whatever is independent of it: the hop's small merge or accumulator
+  additions rather than its block loops. Tied to the hop's results, a transfer's done can
+  only come after the block compute, so the start goes before it and the transfer is in
+  flight while the blocks compute (the paper's double buffering: Liu et al. 2023, Sec. 3).
+  The receive buffers are then live during the compute, which overlapping needs anyway.
+  """
+  return jax.lax.optimization_barrier((transfers, compute))
+
+
 def _over_hops(cfg: _RingConfig, step, state, *, peel_first: bool):
   """Runs ``step(h, state, name=, first=, last=)`` for the hops ``first..last`` the ring runs.
 
@@ -360,14 +376,17 @@ def _forward_routed(cfg: _RingConfig, q, k, v, seg):
   if first != 0:
     with jax.named_scope("send_kv"):
       held = [_send(s.arrive[0], cfg.axis_name, *p) for s, p in zip(routes.streams, held)]
-  def compute(i, held, acc, name):
+  def compute(i, held, acc, name, nxt=None):
     # The parts side by side, one kernel call: a call per part measured 1.11x the time of
     # this concatenation on CPU (ring of 8, 4K; docs/performance.md), and the block table
     # skips what the causal mask hides in either part.
     kh, vh, segh = (_joined(x) for x in zip(*held))
     with jax.named_scope(name):
       masks = _routed_masks(cfg, device, first + i, q_pos, seg, segh, v_finite)
-      return merge(*acc, *cfg.kernel.forward(q, kh, vh, masks, cfg.spec))
+      hop = cfg.kernel.forward(q, kh, vh, masks, cfg.spec)
+      if nxt is not None:
+        nxt, hop = _in_flight_during(nxt, hop)
+      return nxt, merge(*acc, *hop)
 
   # rows[i]: per stream, the pairs that deliver hop i + 1's parts
   rows = [[s.arrive[i + 1] for s in routes.streams] for i in range(len(hops) - 1)]
@@ -376,13 +395,13 @@ def _forward_routed(cfg: _RingConfig, q, k, v, seg):
     held, acc = state
     with jax.named_scope("send_kv"):
       nxt = _hop_send(i, rows, (0, len(hops) - 1), cfg.axis_name, held)
-    return nxt, compute(i, held, acc, "hop")
+    return compute(i, held, acc, "hop", nxt)
 
   if len(hops) == 2:  # one trip: inline, as _over_hops does
     held, acc = body(0, (held, acc))
   elif len(hops) > 2:
     held, acc = jax.lax.fori_loop(0, len(hops) - 1, body, (held, acc))
-  out, lse = compute(len(hops) - 1, held, acc, "last_hop")
+  _, (out, lse) = compute(len(hops) - 1, held, acc, "last_hop")
   return out.astype(q.dtype), lse
 
 
@@ -434,11 +453,9 @@ def _backward_routed(cfg: _RingConfig, q, k, v, seg, res):
     dk, dv = _joined([a[0] for a in acc]), _joined([a[1] for a in acc])
     with jax.named_scope(name):
       masks = _routed_masks(cfg, device, first + i, q_pos, seg, segh)
-      if cfg.overlap_dkv and not (isinstance(i, int) and i == 0):
-        g = cfg.kernel.backward(q, kh, vh, masks, cfg.spec, res, HopGrads(dq, zeros(kh), zeros(vh)))
-        dq, dk, dv = g.dq, dk + g.dk, dv + g.dv
-      else:
-        dq, dk, dv = cfg.kernel.backward(q, kh, vh, masks, cfg.spec, res, HopGrads(dq, dk, dv))
+      nxt, (dq, dk, dv) = _backward_hop(cfg, q, kh, vh, masks, res, (dq, dk, dv), nxt,
+                                        arriving=not (isinstance(i, int) and i == 0),
+                                        last=isinstance(i, int) and i + 1 == count)
     acc = _parts(routes, dk, dv)
     with jax.named_scope("dkv_home"):  # accumulators whose last use was this hop
       sent = _hop_send(i, go_home, span, axis, acc, reverse=True)
@@ -498,7 +515,10 @@ def _forward(cfg: _RingConfig, q, k, v, seg):
         nxt = _shift(cfg, 1, k, v, kv_seg)
     with jax.named_scope(name):
       masks = _hop_masks(cfg, device, h, q_pos, s, seg, kv_seg, v_finite)
-      acc = merge(*acc, *cfg.kernel.forward(q, k, v, masks, cfg.spec))
+      hop = cfg.kernel.forward(q, k, v, masks, cfg.spec)
+      if not last:
+        nxt, hop = _in_flight_during(nxt, hop)
+      acc = merge(*acc, *hop)
     return (*nxt, acc)
 
   *_, (out, lse) = _over_hops(cfg, step, (k, v, kv_seg, acc), peel_first=False)
@@ -552,11 +572,8 @@ def _backward(cfg: _RingConfig, q, k, v, seg, out, lse, do, dlse):
         dk, dv = _shift(cfg, 1, dk, dv)
     with jax.named_scope(name):
       masks = _hop_masks(cfg, device, h, q_pos, s, seg, kv_seg)
-      if cfg.overlap_dkv and not first:
-        g = cfg.kernel.backward(q, k, v, masks, cfg.spec, res, HopGrads(dq, zeros(k), zeros(v)))
-        dq, dk, dv = g.dq, dk + g.dk, dv + g.dv
-      else:
-        dq, dk, dv = cfg.kernel.backward(q, k, v, masks, cfg.spec, res, HopGrads(dq, dk, dv))
+      nxt, (dq, dk, dv) = _backward_hop(cfg, q, k, v, masks, res, (dq, dk, dv), nxt,
+                                        arriving=not first, last=last)
     return (*nxt, dq, dk, dv)
 
   *_, dq, dk, dv = _over_hops(cfg, step, (k, v, kv_seg, zeros(q), zeros(k), zeros(v)),
@@ -564,6 +581,27 @@ def _backward(cfg: _RingConfig, q, k, v, seg, out, lse, do, dlse):
   with jax.named_scope("dkv_home"):
     dk, dv = _shift(cfg, -last, dk, dv)  # the accumulator of shard d - last goes home
   return _finish_grads(q, k_own, v_own, dq, dk, dv)
+
+
+def _backward_hop(cfg: _RingConfig, q, k, v, masks, res, grads, nxt, *, arriving: bool,
+                  last: bool):
+  """One hop of the backward: ``(nxt, (dq, dk, dv))`` after the kernel's backward on the
+  shard ``k, v`` held now; ``nxt`` (the next shard, in flight) tied to the hop's compute.
+
+  ``grads = (dq, dk, dv)``: ``dk, dv`` are the accumulators of the shard held now, still in
+  flight when ``arriving``. By default the kernel adds into them in place, so it waits for
+  them; with ``cfg.overlap_dkv`` it computes the hop's dK/dV into fresh buffers while they
+  are in flight too, and adds them after."""
+  dq, dk, dv = grads
+  zeros = lambda x: varying_like(jnp.zeros(x.shape, jnp.float32), q, k, v)  # noqa: E731
+  if cfg.overlap_dkv and arriving:
+    g = cfg.kernel.backward(q, k, v, masks, cfg.spec, res, HopGrads(dq, zeros(k), zeros(v)))
+    (nxt, dk, dv), g = _in_flight_during((nxt, dk, dv), g)
+    return nxt, (g.dq, dk + g.dk, dv + g.dv)
+  g = cfg.kernel.backward(q, k, v, masks, cfg.spec, res, HopGrads(dq, dk, dv))
+  if not last:
+    nxt, g = _in_flight_during(nxt, g)
+  return nxt, tuple(g)
 
 
 def _finish_grads(q, k_own, v_own, dq, dk, dv):
