@@ -72,10 +72,11 @@ import numpy as np
 from ring_jax import layouts
 from ring_jax import scheduling
 from ring_jax import validation
-from ring_jax.hop import (HopGrads, HopMasks, HopResiduals, empty_result,
+from ring_jax.hop import (HopMasks, HopResiduals, empty_result,
                           lse_for_backward, merge, varying_like)
-from ring_jax.ring import (_finish_grads, _grouped, _hop_send, _hops_of, _joined, _make_config,
-                           _over_hops, _parts, _RingConfig, _shift)
+from ring_jax.ring import (_backward_hop, _finish_grads, _grouped, _hop_send, _hops_of,
+                           _in_flight_during, _joined, _make_config, _over_hops, _parts,
+                           _RingConfig, _shift, platform_defaults)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,7 +101,8 @@ def two_level_ring_attention(query, key, value, *, axis_name, is_causal: bool = 
                              local_window_size=None, layout: str = "contiguous",
                              block_q: int | None = None, block_kv: int | None = None,
                              precision=None, hop_kernel="auto", return_lse: bool = False,
-                             overlap_dkv: bool = False, causal_routing: bool | None = None):
+                             overlap_dkv: bool | None = None,
+                             causal_routing: bool | None = None):
   """Exact attention over a sequence sharded over two mesh axes ``(outer, inner)``.
 
   Call inside ``jax.shard_map`` on the local shards of a sequence split over
@@ -115,9 +117,10 @@ def two_level_ring_attention(query, key, value, *, axis_name, is_causal: bool = 
 
   ``causal_routing`` routes the outer transfers (the slow links) as the flat ring routes
   its hops (:func:`ring_jax.scheduling.group_routes`), with the same rule
-  (:func:`ring_jax.scheduling.check_routing`: ``None`` the flat ring's default, on for
-  causal rings in :data:`ring_jax.scheduling.ROUTED_BY_DEFAULT`, contiguous today;
-  ``True`` / ``False`` force it), so one or two sequence axes behave alike: each part
+  (:func:`ring_jax.scheduling.check_routing`: ``None`` the flat ring's default, off on TPU
+  (:data:`ring_jax.ring.PLATFORM_DEFAULTS`), elsewhere on for causal rings in
+  :data:`ring_jax.scheduling.ROUTED_BY_DEFAULT`, contiguous today; ``True`` / ``False``
+  force it), so one or two sequence axes behave alike: each part
   of a group's K/V goes only to the groups that see it, and its dK/dV comes home from
   the last group that uses it. Causal contiguous: half the outer K/V bytes; zigzag and
   document: 0.75x (both chunks backward over the outer axis, the late chunk of group
@@ -127,6 +130,8 @@ def two_level_ring_attention(query, key, value, *, axis_name, is_causal: bool = 
   """
   outer, inner = split_axes(axis_name)
   layout = layouts.check_attention_layout(layout, segment_ids, local_window_size)
+  causal_routing = platform_defaults(causal_routing=causal_routing,
+                                     overlap_dkv=overlap_dkv)["causal_routing"]
   n_o = validation.axis_size(outer, "two_level_ring_attention")
   n_i = validation.axis_size(inner, "two_level_ring_attention")
   cfg = _make_config(query, key, value, axis_name=(outer, inner), is_causal=is_causal,
@@ -243,10 +248,15 @@ def _forward(tl: _TwoLevelConfig, q, k, v, seg):
           nxt = _shift(tl.inner, 1, k, v, kv_seg)
       with jax.named_scope(name):
         masks = _masks(tl, g, r, i, h, q_pos, seg, kv_seg, v_finite)
-        acc = merge(*acc, *cfg.kernel.forward(q, k, v, masks, cfg.spec))
+        hop = cfg.kernel.forward(q, k, v, masks, cfg.spec)
+        if not last:
+          nxt, hop = _in_flight_during(nxt, hop)
+        acc = merge(*acc, *hop)
       return (*nxt, acc)
 
     *_, acc = _over_hops(tl.inner, hop, (ko, vo, sego, acc), peel_first=False)
+    if not (isinstance(i, int) and i == n_o - 1):  # the outer parts arrive during the inner ring
+      nxt, acc = _in_flight_during(nxt, acc)
     return nxt, acc
 
   state = outer_step(0, (_parts(routes, k, v, seg), acc))
@@ -316,16 +326,14 @@ def _backward(tl: _TwoLevelConfig, q, k, v, seg, out, lse, do, dlse, received):
           dk, dv = _shift(tl.inner, 1, dk, dv)
       with jax.named_scope(name):
         masks = _masks(tl, g, r, i, h, q_pos, seg, kv_seg)
-        if cfg.overlap_dkv and not first:
-          gr = cfg.kernel.backward(q, k, v, masks, cfg.spec, res,
-                                   HopGrads(dq, zeros(k), zeros(v)))
-          dq, dk, dv = gr.dq, dk + gr.dk, dv + gr.dv
-        else:
-          dq, dk, dv = cfg.kernel.backward(q, k, v, masks, cfg.spec, res, HopGrads(dq, dk, dv))
+        nxt, (dq, dk, dv) = _backward_hop(cfg, q, k, v, masks, res, (dq, dk, dv), nxt,
+                                          arriving=not first, last=last)
       return (*nxt, dq, dk, dv)
 
     *_, dq, dk, dv = _over_hops(tl.inner, hop, (kh, vh, segh, dq, zeros(kh), zeros(vh)),
                                 peel_first=True)
+    # the outer transfers of this step arrive during the inner ring
+    (nxt, arrived, home), (dq, dk, dv) = _in_flight_during((nxt, arrived, home), (dq, dk, dv))
     # (g, r) now holds this group's part of the dK/dV of the buffer's shard r + 1.
     if not last:
       with jax.named_scope("dkv_home"):  # to the holder of the outer buffer, (g, r)
