@@ -55,6 +55,15 @@ from ring_jax.hop import (HopGrads, HopKernel, HopMasks, HopResiduals, HopSpec, 
 BLOCK_TARGETS = {"cpu": ((512, 64), (None, 128)), "gpu": 128, "tpu": 512}
 DEFAULT_BLOCK = 256  # platforms the table does not name
 
+# What ``causal_routing=None`` and ``overlap_dkv=None`` mean per platform where it differs from
+# the layout rule (:func:`ring_jax.scheduling.check_routing`) and in-place dK/dV
+# (docs/performance.md, "Ring transfers on the TPU compiler"). tpu: its compiler runs each
+# transfer asynchronously beside the block compute, so the full rotation (a routed hop picks
+# its transfers in a ``lax.switch``, whose branches start and finish them) and fresh dK/dV
+# buffers (the hop need not wait for the arriving accumulators) keep every ring transfer in
+# flight; the full rotation also takes less temp memory there.
+PLATFORM_DEFAULTS = {"tpu": {"causal_routing": False, "overlap_dkv": True}}
+
 
 @dataclasses.dataclass(frozen=True)
 class _RingConfig:
@@ -67,6 +76,23 @@ class _RingConfig:
   hops: tuple[int, int] = (0, 0)  # (first, last) hops run (scheduling.hop_range)
   overlap_dkv: bool = False
   routes: scheduling.Routes | None = None  # None: every shard goes all the way round
+
+
+def platform_defaults(platform: str | None = None, *, causal_routing=None,
+                      overlap_dkv=None) -> dict:
+  """``{"causal_routing", "overlap_dkv"}`` with ``None`` resolved for ``platform`` (default
+  ``jax.default_backend()``) by :data:`PLATFORM_DEFAULTS`: ``overlap_dkv`` becomes a bool
+  (``False`` where the table says nothing), ``causal_routing`` stays ``None`` (the layout
+  rule of :func:`ring_jax.scheduling.check_routing`) where the table says nothing."""
+  rule = PLATFORM_DEFAULTS.get(platform or jax.default_backend(), {})
+  if causal_routing is None:
+    causal_routing = rule.get("causal_routing")
+  if overlap_dkv is None:
+    overlap_dkv = rule.get("overlap_dkv", False)
+  if not isinstance(overlap_dkv, (bool, np.bool_)):
+    raise TypeError(f"overlap_dkv must be None (the platform's default), True or False, got "
+                    f"{overlap_dkv!r}.")
+  return {"causal_routing": causal_routing, "overlap_dkv": bool(overlap_dkv)}
 
 
 def block_target(platform: str | None = None, local_len: int | None = None) -> int:
@@ -102,7 +128,7 @@ def ring_attention(query, key, value, *, axis_name, is_causal: bool = False, seg
                    layout: str = "contiguous", block_q: int | None = None,
                    block_kv: int | None = None, precision=None,
                    hop_kernel: str | HopKernel = "auto", return_lse: bool = False,
-                   overlap_dkv: bool = False, causal_routing: bool | None = None):
+                   overlap_dkv: bool | None = None, causal_routing: bool | None = None):
   """Exact attention over a sequence sharded along mesh axis ``axis_name``.
 
   Call inside ``jax.shard_map`` (or any context where ``axis_name`` is bound)
@@ -148,22 +174,26 @@ def ring_attention(query, key, value, *, axis_name, is_causal: bool = False, seg
       scaled visible scores, ``[B, T, N]`` (``-inf`` for rows that attend
       nothing), differentiable like the output: with it, ring attention can
       be merged exactly with other attention over other keys.
-    overlap_dkv: backward only. ``False`` (default): each hop adds its dK/dV
+    overlap_dkv: backward only. ``False``: each hop adds its dK/dV
       into the float32 accumulator that arrives with the K/V shard, in place
       (as the paper's code does): leanest, but the hop waits for that
       accumulator's transfer. ``True``: each hop computes dK/dV into fresh
       float32 buffers and adds the arriving accumulator afterwards, so the
       transfer overlaps the hop's compute, for two more K/V-sized float32
-      buffers per device (worth it where a hop's compute is short next to
-      the transfer: small local lengths on fast chips).
+      buffers per device. ``None`` (default): ``True`` on TPU, ``False``
+      elsewhere (:data:`PLATFORM_DEFAULTS`; the platform is
+      ``jax.default_backend()``, a mesh's devices' for
+      :func:`ring_jax.ring_attention_sharded`).
     causal_routing: move each K/V part only to the devices that can see it
       (:func:`ring_jax.scheduling.routes`), forward and backward (dK/dV then
       go home straight from the last device that uses them). Contiguous
       causal: half the K/V bytes; zigzag (and document): 0.75x, both chunks
       going backward; both with the same work at every hop as the full
       rotation; striped: nothing to drop (every device sees every shard).
-      Exact in every case. ``None`` (default): on for causal contiguous rings,
-      off otherwise (:func:`ring_jax.scheduling.check_routing`,
+      Exact in every case. ``None`` (default): off on TPU
+      (:data:`PLATFORM_DEFAULTS`: there the full rotation keeps every transfer
+      in flight and takes less memory), elsewhere on for causal contiguous
+      rings and off otherwise (:func:`ring_jax.scheduling.check_routing`,
       docs/performance.md); ``True`` / ``False`` force it.
 
   Returns:
@@ -198,9 +228,11 @@ def _grouped(attend, cfg, query, key, value, segment_ids, return_lse: bool):
 
 def _make_config(query, key, value, *, axis_name, is_causal, segment_ids, scale,
                  local_window_size, layout, block_q, block_kv, precision,
-                 hop_kernel, return_lse=False, overlap_dkv=False,
+                 hop_kernel, return_lse=False, overlap_dkv=None,
                  causal_routing=None) -> _RingConfig:
   layouts.check_layout(layout)
+  defaults = platform_defaults(causal_routing=causal_routing, overlap_dkv=overlap_dkv)
+  causal_routing, overlap_dkv = defaults["causal_routing"], defaults["overlap_dkv"]
   window = scheduling.normalize_window(local_window_size)
   validation.check_qkv(query, key, value, is_causal=is_causal or window is not None,
                        segment_ids=segment_ids)
