@@ -288,3 +288,16 @@ def test_tpu_compiled_ring_transfers_overlap_block_compute():
   for kind in ("ring K/V", "ring dK/dV"):
     hidden, total = kinds[kind]
     assert hidden == total, report.summary_lines()
+
+
+def test_cpu_compiled_layout_reorder_is_its_own_kind():
+  """Natural-order inputs: the zigzag reorder's transfers (two per array and direction) are
+  counted as ``layout reorder``, not as ring transfers."""
+  mesh = make_mesh((4,), ("sequence",))
+  x = jnp.zeros((1, 64, 2, 8), jnp.float32)
+  report = analysis.overlap_report(_ring_loss(mesh, layout="zigzag").lower(x, x, x).compile())
+  kinds = report.kinds()
+  # q, k, v in and the output back (forward); their transposes (backward)
+  assert kinds["layout reorder"] == (0, 16)
+  assert report.ring() == (0, 12)
+  assert "collective-permute" not in kinds
