@@ -295,12 +295,13 @@ def _backward(tl: _TwoLevelConfig, q, k, v, seg, out, lse, do, dlse, received):
     # home (dkv_home) while this step's inner ring runs, and are read after it.
     held, acc, home, dq = state
     first, last = isinstance(i, int) and i == 0, isinstance(i, int) and i == n_o - 1
-    nxt = held
+    nxt, sent_outer = held, False
     if first and received is not None:  # step 1's parts: kept from the forward
       nxt = [(jnp.stack(p[:2]), p[2]) for p in received]
     elif not last:
       with jax.named_scope("send_outer"):
         nxt = _step_send(i, arrive_next, span, outer, held, reverse=True)
+      sent_outer = True
     arrived = None
     if not first:
       with jax.named_scope("outer_dkv"):
@@ -332,8 +333,8 @@ def _backward(tl: _TwoLevelConfig, q, k, v, seg, out, lse, do, dlse, received):
 
     *_, dq, dk, dv = _over_hops(tl.inner, hop, (kh, vh, segh, dq, zeros(kh), zeros(vh)),
                                 peel_first=True)
-    # the outer transfers of this step arrive during the inner ring
-    (nxt, arrived, home), (dq, dk, dv) = _in_flight_during((nxt, arrived, home), (dq, dk, dv))
+    if sent_outer:  # the next step's parts arrive during the inner ring
+      nxt, (dq, dk, dv) = _in_flight_during(nxt, (dq, dk, dv))
     # (g, r) now holds this group's part of the dK/dV of the buffer's shard r + 1.
     if not last:
       with jax.named_scope("dkv_home"):  # to the holder of the outer buffer, (g, r)
