@@ -6,13 +6,11 @@ reader matching substrings (``dot`` in ``%not_a_dot_fusion``, ``send_kv`` in an 
 that only starts with it) gets them wrong.
 """
 
-import functools
 import importlib.util
 import os
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
 import ring_jax
