@@ -303,8 +303,27 @@ def _in_flight_during(transfers, compute):
   only come after the block compute, so the start goes before it and the transfer is in
   flight while the blocks compute (the paper's double buffering: Liu et al. 2023, Sec. 3).
   The receive buffers are then live during the compute, which overlapping needs anyway.
+
+  Inside ``shard_map`` a barrier makes its operands vary over the union of their mesh axes,
+  so arrays are tied only to results that vary over the same axes (one barrier per set of
+  axes); a transfer with no such result (K/V replicated over an axis the queries are split
+  over) is left untied rather than changed.
   """
-  return jax.lax.optimization_barrier((transfers, compute))
+  t_leaves, t_tree = jax.tree.flatten(transfers)
+  c_leaves, c_tree = jax.tree.flatten(compute)
+  groups: dict = {}
+  for side, leaves in enumerate((t_leaves, c_leaves)):
+    for i, x in enumerate(leaves):
+      groups.setdefault(_varying_axes(x), ([], []))[side].append(i)
+  for t_idx, c_idx in groups.values():
+    if t_idx and c_idx:
+      tied = jax.lax.optimization_barrier(([t_leaves[i] for i in t_idx],
+                                           [c_leaves[i] for i in c_idx]))
+      for i, x in zip(t_idx, tied[0]):
+        t_leaves[i] = x
+      for i, x in zip(c_idx, tied[1]):
+        c_leaves[i] = x
+  return jax.tree.unflatten(t_tree, t_leaves), jax.tree.unflatten(c_tree, c_leaves)
 
 
 def _over_hops(cfg: _RingConfig, step, state, *, peel_first: bool):
