@@ -238,6 +238,7 @@ def _forward(tl: _TwoLevelConfig, q, k, v, seg):
       with jax.named_scope("send_outer"):
         nxt = _step_send(i, rows, (1, n_o - 1), tl.outer.axis_name, held)
     ko, vo, sego = (_joined(x) for x in zip(*held))
+    outer = {"nxt": nxt}
 
     def hop(h, state, *, name, first, last):
       del first
@@ -251,13 +252,13 @@ def _forward(tl: _TwoLevelConfig, q, k, v, seg):
         hop = cfg.kernel.forward(q, k, v, masks, cfg.spec)
         if not last:
           nxt, hop = _in_flight_during(nxt, hop)
+        elif outer["nxt"] is not held:  # the outer parts arrive during the inner ring's blocks
+          outer["nxt"], hop = _in_flight_during(outer["nxt"], hop)
         acc = merge(*acc, *hop)
       return (*nxt, acc)
 
     *_, acc = _over_hops(tl.inner, hop, (ko, vo, sego, acc), peel_first=False)
-    if not (isinstance(i, int) and i == n_o - 1):  # the outer parts arrive during the inner ring
-      nxt, acc = _in_flight_during(nxt, acc)
-    return nxt, acc
+    return outer["nxt"], acc
 
   state = outer_step(0, (_parts(routes, k, v, seg), acc))
   received = state[0] if n_o > 1 else None
