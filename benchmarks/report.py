@@ -769,6 +769,40 @@ def strategy_memory() -> str:
                  "compiled / plan"], rows, "-rrrr") + "\n\n" + caption(STRATEGY_MEM))
 
 
+TPU_OVERLAP = "tpu_overlap_v5p.json"
+TPU_OVERLAP_BEFORE = "tpu_overlap_v5p_before.json"
+
+
+def _ring_kinds(row) -> str:
+  return ", ".join(f"{kind.removeprefix('ring ')} {h}/{t}" for kind, (h, t) in row["kinds"].items())
+
+
+@block("tpu_overlap", TPU_OVERLAP, TPU_OVERLAP_BEFORE)
+def tpu_overlap() -> str:
+  after, before = load(TPU_OVERLAP), load(TPU_OVERLAP_BEFORE)
+  old = {r["config"]: r for r in before["rows"] if "error" not in r}
+  rows = []
+  for r in after["rows"]:
+    if "error" in r:
+      continue
+    b = old.get(r["config"])
+    rows.append([f"`{r['config']}`",
+                 f"{b['ring_in_flight']} of {b['ring_transfers']}" if b else "",
+                 mib(b["temp_mib"] * MIB) if b else "",
+                 f"{r['ring_in_flight']} of {r['ring_transfers']}", _ring_kinds(r),
+                 mib(r["temp_mib"] * MIB)])
+  return (f"`ring_attention_sharded` fwd+bwd compiled for {after['topology']} (no TPU attached), "
+          f"ring of 4, {length(after['length'])} tokens, {after['heads']} x {after['head_dim']} "
+          f"heads, {after['dtype']}, xla hop (splash where named), default blocks; ring "
+          f"transfers with block compute in flight / all (`ring_jax.analysis.overlap_report`, a loop body's pair counted "
+          f"once) and temp per chip; {before['label']}, with its defaults (in-place dK/dV; "
+          f"causal contiguous routed):\n\n" +
+          table(["configuration", "before: in flight", "before: temp MiB", "after: in flight",
+                 "after, per kind", "after: temp MiB"], rows, "-rrr-r") + "\n\n" +
+          caption(TPU_OVERLAP, TPU_OVERLAP_BEFORE,
+                  note=f"Deviceless compiles with libtpu {after['libtpu']}."))
+
+
 COMPILE = "compile_time_cpu.json"
 
 

@@ -245,14 +245,18 @@ def shard_to_layout(x, layout: str, axis_name, axis: int = 1):
   sharded over ``axis_name``: zigzag moves the two half-shards with two
   ``ppermute``s, striped with one ``all_to_all``; memory stays O(local
   length), whereas reordering the global array gathers it. Striped needs the
-  local length divisible by the ring size (:func:`can_reorder_shards`).
+  local length divisible by the ring size (:func:`can_reorder_shards`). Profiles and
+  :mod:`ring_jax.analysis` name its transfers ``to_layout``.
   """
-  return _reorder_shard(x, layout, axis_name, axis, inverse=False)
+  with jax.named_scope("to_layout"):
+    return _reorder_shard(x, layout, axis_name, axis, inverse=False)
 
 
 def shard_from_layout(x, layout: str, axis_name, axis: int = 1):
-  """Inverse of :func:`shard_to_layout`: this device's layout shard -> its contiguous shard."""
-  return _reorder_shard(x, layout, axis_name, axis, inverse=True)
+  """Inverse of :func:`shard_to_layout`: this device's layout shard -> its contiguous shard
+  (transfers named ``from_layout``)."""
+  with jax.named_scope("from_layout"):
+    return _reorder_shard(x, layout, axis_name, axis, inverse=True)
 
 
 def _reorder_shard(x, layout, axis_name, axis, inverse):

@@ -53,6 +53,15 @@ from ring_jax.hop import (HopGrads, HopKernel, HopMasks, HopResiduals, HopSpec, 
 BLOCK_TARGETS = {"cpu": ((512, 64), (None, 128)), "gpu": 128, "tpu": 512}
 DEFAULT_BLOCK = 256  # platforms the table does not name
 
+# What ``causal_routing=None`` and ``overlap_dkv=None`` mean per platform where it differs from
+# the layout rule (:func:`ring_jax.routing.check_routing`) and in-place dK/dV
+# (docs/performance.md, "Ring transfers on the TPU compiler"). tpu: its compiler runs each
+# transfer asynchronously beside the block compute, so the full rotation (a routed hop picks
+# its transfers in a ``lax.switch``, whose branches start and finish them) and fresh dK/dV
+# buffers (the hop need not wait for the arriving accumulators) keep every ring transfer in
+# flight; the full rotation also takes less temp memory there.
+PLATFORM_DEFAULTS = {"tpu": {"causal_routing": False, "overlap_dkv": True}}
+
 
 @dataclasses.dataclass(frozen=True)
 class RingConfig:
@@ -65,6 +74,23 @@ class RingConfig:
   hops: tuple[int, int] = (0, 0)  # (first, last) hops run (routing.hop_range)
   overlap_dkv: bool = False
   routes: routing.Routes | None = None  # None: every shard goes all the way round
+
+
+def platform_defaults(platform: str | None = None, *, causal_routing=None,
+                      overlap_dkv=None) -> dict:
+  """``{"causal_routing", "overlap_dkv"}`` with ``None`` resolved for ``platform`` (default:
+  the one compiled for, :func:`ring_jax.topology.target_platform`) by :data:`PLATFORM_DEFAULTS`: ``overlap_dkv`` becomes a bool
+  (``False`` where the table says nothing), ``causal_routing`` stays ``None`` (the layout
+  rule of :func:`ring_jax.routing.check_routing`) where the table says nothing."""
+  rule = PLATFORM_DEFAULTS.get(platform or topology.target_platform(), {})
+  if causal_routing is None:
+    causal_routing = rule.get("causal_routing")
+  if overlap_dkv is None:
+    overlap_dkv = rule.get("overlap_dkv", False)
+  if not isinstance(overlap_dkv, (bool, np.bool_)):
+    raise TypeError(f"overlap_dkv must be None (the platform's default), True or False, got "
+                    f"{overlap_dkv!r}.")
+  return {"causal_routing": causal_routing, "overlap_dkv": bool(overlap_dkv)}
 
 
 def block_target(platform: str | None = None, local_len: int | None = None) -> int:
@@ -119,7 +145,7 @@ def ring_attention(query, key, value, *, axis_name, is_causal: bool = False, seg
                    layout: str = "contiguous", block_q: int | None = None,
                    block_kv: int | None = None, precision=None,
                    hop_kernel: str | HopKernel = "auto", return_lse: bool = False,
-                   overlap_dkv: bool = False, causal_routing: bool | None = None):
+                   overlap_dkv: bool | None = None, causal_routing: bool | None = None):
   """Exact attention over a sequence sharded along mesh axis ``axis_name``.
 
   Call inside ``jax.shard_map`` (or any context where ``axis_name`` is bound)
@@ -167,22 +193,26 @@ def ring_attention(query, key, value, *, axis_name, is_causal: bool = False, seg
       scaled visible scores, ``[B, T, N]`` (``-inf`` for rows that attend
       nothing), differentiable like the output: with it, ring attention can
       be merged exactly with other attention over other keys.
-    overlap_dkv: backward only. ``False`` (default): each hop adds its dK/dV
+    overlap_dkv: backward only. ``False``: each hop adds its dK/dV
       into the float32 accumulator that arrives with the K/V shard, in place
       (as the paper's code does): leanest, but the hop waits for that
       accumulator's transfer. ``True``: each hop computes dK/dV into fresh
       float32 buffers and adds the arriving accumulator afterwards, so the
       transfer overlaps the hop's compute, for two more K/V-sized float32
-      buffers per device (worth it where a hop's compute is short next to
-      the transfer: small local lengths on fast chips).
+      buffers per device. ``None`` (default): ``True`` on TPU, ``False``
+      elsewhere (:data:`PLATFORM_DEFAULTS`; the platform is
+      ``jax.default_backend()``, a mesh's devices' for
+      :func:`ring_jax.ring_attention_sharded`).
     causal_routing: move each K/V part only to the devices that can see it
       (:func:`ring_jax.routing.routes`), forward and backward (dK/dV then
       go home straight from the last device that uses them). Contiguous
       causal: half the K/V bytes; zigzag (and document): 0.75x, both chunks
       going backward; both with the same work at every hop as the full
       rotation; striped: nothing to drop (every device sees every shard).
-      Exact in every case. ``None`` (default): on for causal contiguous rings,
-      off otherwise (:func:`ring_jax.routing.check_routing`,
+      Exact in every case. ``None`` (default): off on TPU
+      (:data:`PLATFORM_DEFAULTS`: there the full rotation keeps every transfer
+      in flight and takes less memory), elsewhere on for causal contiguous
+      rings and off otherwise (:func:`ring_jax.routing.check_routing`,
       docs/performance.md); ``True`` / ``False`` force it.
 
   Returns:
@@ -217,9 +247,11 @@ def attend_grouped(attend, cfg, query, key, value, segment_ids, return_lse: bool
 
 def make_config(query, key, value, *, axis_name, is_causal, segment_ids, scale,
                 local_window_size, layout, block_q, block_kv, precision,
-                hop_kernel, return_lse=False, overlap_dkv=False,
+                hop_kernel, return_lse=False, overlap_dkv=None,
                 causal_routing=None) -> RingConfig:
   layouts.check_layout(layout)
+  defaults = platform_defaults(causal_routing=causal_routing, overlap_dkv=overlap_dkv)
+  causal_routing, overlap_dkv = defaults["causal_routing"], defaults["overlap_dkv"]
   window = masking.normalize_window(local_window_size)
   validation.check_qkv(query, key, value, is_causal=is_causal or window is not None,
                        segment_ids=segment_ids)
@@ -280,6 +312,41 @@ def shift(cfg: RingConfig, by: int, *xs):
     return xs
   perm = [(j, (j + by) % n) for j in range(n)]
   return tuple(None if x is None else jax.lax.ppermute(x, cfg.axis_name, perm) for x in xs)
+
+
+def in_flight_during(transfers, compute):
+  """``(transfers, compute)`` unchanged, with nothing reading a transfer's result before
+  ``compute`` is done (one ``lax.optimization_barrier`` over both).
+
+  Each hop issues its transfers (the next shard, arriving accumulators) before its block
+  compute and reads them only after. A latency-hiding scheduler (the TPU compiler's) places
+  a transfer's start just far enough before its done to cover the latency it estimates, and
+  fills that span with whatever is independent of it: the hop's small merge or accumulator
+  additions rather than its block loops. Tied to the hop's results, a transfer's done can
+  only come after the block compute, so the start goes before it and the transfer is in
+  flight while the blocks compute (the paper's double buffering: Liu et al. 2023, Sec. 3).
+  The receive buffers are then live during the compute, which overlapping needs anyway.
+
+  Inside ``shard_map`` a barrier makes its operands vary over the union of their mesh axes,
+  so arrays are tied only to results that vary over the same axes (one barrier per set of
+  axes); a transfer with no such result (K/V replicated over an axis the queries are split
+  over) is left untied rather than changed.
+  """
+  t_leaves, t_tree = jax.tree.flatten(transfers)
+  c_leaves, c_tree = jax.tree.flatten(compute)
+  groups: dict = {}
+  for side, leaves in enumerate((t_leaves, c_leaves)):
+    for i, x in enumerate(leaves):
+      groups.setdefault(varying_axes(x), ([], []))[side].append(i)
+  for t_idx, c_idx in groups.values():
+    if t_idx and c_idx:
+      tied = jax.lax.optimization_barrier(([t_leaves[i] for i in t_idx],
+                                           [c_leaves[i] for i in c_idx]))
+      for i, x in zip(t_idx, tied[0]):
+        t_leaves[i] = x
+      for i, x in zip(c_idx, tied[1]):
+        c_leaves[i] = x
+  return jax.tree.unflatten(t_tree, t_leaves), jax.tree.unflatten(c_tree, c_leaves)
 
 
 def over_hops(cfg: RingConfig, step, state, *, peel_first: bool):
@@ -394,13 +461,16 @@ def _forward_routed(cfg: RingConfig, q, k, v, seg):
   if first != 0:
     with jax.named_scope("send_kv"):
       held = [send(s.arrive[0], cfg.axis_name, *p) for s, p in zip(routes.streams, held)]
-  def compute(i, held, acc, name):
+  def compute(i, held, acc, name, nxt=None):
     # The parts side by side, one kernel call (docs/performance.md): the block table skips
     # what the causal mask hides in either part.
     kh, vh, segh = (join_streams(x) for x in zip(*held))
     with jax.named_scope(name):
       masks = _routed_masks(cfg, device, first + i, q_pos, seg, segh, v_finite)
-      return merge(*acc, *cfg.kernel.forward(q, kh, vh, masks, cfg.spec))
+      hop = cfg.kernel.forward(q, kh, vh, masks, cfg.spec)
+      if nxt is not None:
+        nxt, hop = in_flight_during(nxt, hop)
+      return nxt, merge(*acc, *hop)
 
   # rows[i]: per stream, the pairs that deliver hop i + 1's parts
   rows = [[s.arrive[i + 1] for s in routes.streams] for i in range(len(hops) - 1)]
@@ -409,13 +479,13 @@ def _forward_routed(cfg: RingConfig, q, k, v, seg):
     held, acc = state
     with jax.named_scope("send_kv"):
       nxt = hop_send(i, rows, (0, len(hops) - 1), cfg.axis_name, held)
-    return nxt, compute(i, held, acc, "hop")
+    return compute(i, held, acc, "hop", nxt)
 
   if len(hops) == 2:  # one trip: inline, as over_hops does
     held, acc = body(0, (held, acc))
   elif len(hops) > 2:
     held, acc = jax.lax.fori_loop(0, len(hops) - 1, body, (held, acc))
-  out, lse = compute(len(hops) - 1, held, acc, "last_hop")
+  _, (out, lse) = compute(len(hops) - 1, held, acc, "last_hop")
   return out.astype(q.dtype), lse
 
 
@@ -465,11 +535,9 @@ def _backward_routed(cfg: RingConfig, q, k, v, seg, res):
     dk, dv = join_streams([a[0] for a in acc]), join_streams([a[1] for a in acc])
     with jax.named_scope(name):
       masks = _routed_masks(cfg, device, first + i, q_pos, seg, segh)
-      if cfg.overlap_dkv and not (isinstance(i, int) and i == 0):
-        g = cfg.kernel.backward(q, kh, vh, masks, cfg.spec, res, HopGrads(dq, zeros(kh), zeros(vh)))
-        dq, dk, dv = g.dq, dk + g.dk, dv + g.dv
-      else:
-        dq, dk, dv = cfg.kernel.backward(q, kh, vh, masks, cfg.spec, res, HopGrads(dq, dk, dv))
+      nxt, (dq, dk, dv) = backward_hop(cfg, q, kh, vh, masks, res, (dq, dk, dv), nxt,
+                                       arriving=not (isinstance(i, int) and i == 0),
+                                       last=isinstance(i, int) and i + 1 == count)
     acc = split_streams(routes, dk, dv)
     with jax.named_scope("dkv_home"):  # accumulators whose last use was this hop
       sent = hop_send(i, go_home, span, axis, acc, send=send_distinct)
@@ -528,7 +596,10 @@ def _forward(cfg: RingConfig, q, k, v, seg):
         nxt = shift(cfg, 1, k, v, kv_seg)
     with jax.named_scope(name):
       masks = _hop_masks(cfg, device, h, q_pos, s, seg, kv_seg, v_finite)
-      acc = merge(*acc, *cfg.kernel.forward(q, k, v, masks, cfg.spec))
+      hop = cfg.kernel.forward(q, k, v, masks, cfg.spec)
+      if not last:
+        nxt, hop = in_flight_during(nxt, hop)
+      acc = merge(*acc, *hop)
     return (*nxt, acc)
 
   *_, (out, lse) = over_hops(cfg, step, (k, v, kv_seg, acc), peel_first=False)
@@ -582,11 +653,8 @@ def _backward(cfg: RingConfig, q, k, v, seg, out, lse, do, dlse):
         dk, dv = shift(cfg, 1, dk, dv)
     with jax.named_scope(name):
       masks = _hop_masks(cfg, device, h, q_pos, s, seg, kv_seg)
-      if cfg.overlap_dkv and not first:
-        g = cfg.kernel.backward(q, k, v, masks, cfg.spec, res, HopGrads(dq, zeros(k), zeros(v)))
-        dq, dk, dv = g.dq, dk + g.dk, dv + g.dv
-      else:
-        dq, dk, dv = cfg.kernel.backward(q, k, v, masks, cfg.spec, res, HopGrads(dq, dk, dv))
+      nxt, (dq, dk, dv) = backward_hop(cfg, q, k, v, masks, res, (dq, dk, dv), nxt,
+                                       arriving=not first, last=last)
     return (*nxt, dq, dk, dv)
 
   *_, dq, dk, dv = over_hops(cfg, step, (k, v, kv_seg, zeros(q), zeros(k), zeros(v)),
@@ -594,6 +662,27 @@ def _backward(cfg: RingConfig, q, k, v, seg, out, lse, do, dlse):
   with jax.named_scope("dkv_home"):
     dk, dv = shift(cfg, -last, dk, dv)  # the accumulator of shard d - last goes home
   return finish_grads(q, k_own, v_own, dq, dk, dv)
+
+
+def backward_hop(cfg: RingConfig, q, k, v, masks, res, grads, nxt, *, arriving: bool,
+                  last: bool):
+  """One hop of the backward: ``(nxt, (dq, dk, dv))`` after the kernel's backward on the
+  shard ``k, v`` held now; ``nxt`` (the next shard, in flight) tied to the hop's compute.
+
+  ``grads = (dq, dk, dv)``: ``dk, dv`` are the accumulators of the shard held now, still in
+  flight when ``arriving``. By default the kernel adds into them in place, so it waits for
+  them; with ``cfg.overlap_dkv`` it computes the hop's dK/dV into fresh buffers while they
+  are in flight too, and adds them after."""
+  dq, dk, dv = grads
+  zeros = lambda x: varying_like(jnp.zeros(x.shape, jnp.float32), q, k, v)  # noqa: E731
+  if cfg.overlap_dkv and arriving:
+    g = cfg.kernel.backward(q, k, v, masks, cfg.spec, res, HopGrads(dq, zeros(k), zeros(v)))
+    (nxt, dk, dv), g = in_flight_during((nxt, dk, dv), g)
+    return nxt, (g.dq, dk + g.dk, dv + g.dv)
+  g = cfg.kernel.backward(q, k, v, masks, cfg.spec, res, HopGrads(dq, dk, dv))
+  if not last:
+    nxt, g = in_flight_during(nxt, g)
+  return nxt, tuple(g)
 
 
 def finish_grads(q, k_own, v_own, dq, dk, dv):

@@ -18,7 +18,7 @@ def ring_attention_sharded(query, key, value, *, mesh=None, seq_axis="sequence",
                            local_window_size=None, layout: str = "contiguous",
                            inputs_in_layout: bool = False, block_q: int | None = None,
                            block_kv: int | None = None, precision=None, hop_kernel="auto",
-                           return_lse: bool = False, overlap_dkv: bool = False,
+                           return_lse: bool = False, overlap_dkv: bool | None = None,
                            causal_routing: bool | None = None):
   """Ring attention on global ``[B, L, N, H]`` arrays: builds the ``shard_map`` for you.
 

@@ -72,11 +72,11 @@ import numpy as np
 from ring_jax import layouts
 from ring_jax import routing
 from ring_jax import validation
-from ring_jax.hop import (HopGrads, HopMasks, HopResiduals, empty_result,
+from ring_jax.hop import (HopMasks, HopResiduals, empty_result,
                           lse_for_backward, merge, varying_like)
-from ring_jax.ring import (RingConfig, attend_grouped, finish_grads, hop_send, hops_of,
-                           join_streams, make_config, over_hops, send, send_distinct, shift,
-                           split_streams)
+from ring_jax.ring import (RingConfig, attend_grouped, backward_hop, finish_grads, hop_send,
+                           hops_of, in_flight_during, join_streams, make_config, over_hops,
+                           platform_defaults, send, send_distinct, shift, split_streams)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,7 +101,8 @@ def two_level_ring_attention(query, key, value, *, axis_name, is_causal: bool = 
                              local_window_size=None, layout: str = "contiguous",
                              block_q: int | None = None, block_kv: int | None = None,
                              precision=None, hop_kernel="auto", return_lse: bool = False,
-                             overlap_dkv: bool = False, causal_routing: bool | None = None):
+                             overlap_dkv: bool | None = None,
+                             causal_routing: bool | None = None):
   """Exact attention over a sequence sharded over two mesh axes ``(outer, inner)``.
 
   Call inside ``jax.shard_map`` on the local shards of a sequence split over
@@ -116,9 +117,10 @@ def two_level_ring_attention(query, key, value, *, axis_name, is_causal: bool = 
 
   ``causal_routing`` routes the outer transfers (the slow links) as the flat ring routes
   its hops (:func:`ring_jax.routing.group_routes`), with the same rule
-  (:func:`ring_jax.routing.check_routing`: ``None`` the flat ring's default, on for
-  causal rings in :data:`ring_jax.routing.ROUTED_BY_DEFAULT`, contiguous today;
-  ``True`` / ``False`` force it), so one or two sequence axes behave alike: each part
+  (:func:`ring_jax.routing.check_routing`: ``None`` the flat ring's default, off on TPU
+  (:data:`ring_jax.ring.PLATFORM_DEFAULTS`), elsewhere on for causal rings in
+  :data:`ring_jax.routing.ROUTED_BY_DEFAULT`, contiguous today; ``True`` / ``False``
+  force it), so one or two sequence axes behave alike: each part
   of a group's K/V goes only to the groups that see it, and its dK/dV comes home from
   the last group that uses it. Causal contiguous: half the outer K/V bytes; zigzag and
   document: 0.75x (both chunks backward over the outer axis, the late chunk of group
@@ -128,6 +130,8 @@ def two_level_ring_attention(query, key, value, *, axis_name, is_causal: bool = 
   """
   outer, inner = split_axes(axis_name)
   layout = layouts.check_attention_layout(layout, segment_ids, local_window_size)
+  causal_routing = platform_defaults(causal_routing=causal_routing,
+                                     overlap_dkv=overlap_dkv)["causal_routing"]
   n_o = validation.axis_size(outer, "two_level_ring_attention")
   n_i = validation.axis_size(inner, "two_level_ring_attention")
   cfg = make_config(query, key, value, axis_name=(outer, inner), is_causal=is_causal,
@@ -234,6 +238,7 @@ def _forward(tl: _TwoLevelConfig, q, k, v, seg):
       with jax.named_scope("send_outer"):
         nxt = _step_send(i, rows, (1, n_o - 1), tl.outer.axis_name, held)
     ko, vo, sego = (join_streams(x) for x in zip(*held))
+    outer = {"nxt": nxt}
 
     def hop(h, state, *, name, last):
       k, v, kv_seg, acc = state
@@ -243,11 +248,16 @@ def _forward(tl: _TwoLevelConfig, q, k, v, seg):
           nxt = shift(tl.inner, 1, k, v, kv_seg)
       with jax.named_scope(name):
         masks = _masks(tl, g, r, i, h, q_pos, seg, kv_seg, v_finite)
-        acc = merge(*acc, *cfg.kernel.forward(q, k, v, masks, cfg.spec))
+        hop = cfg.kernel.forward(q, k, v, masks, cfg.spec)
+        if not last:
+          nxt, hop = in_flight_during(nxt, hop)
+        elif outer["nxt"] is not held:  # the outer parts arrive during the inner ring's blocks
+          outer["nxt"], hop = in_flight_during(outer["nxt"], hop)
+        acc = merge(*acc, *hop)
       return (*nxt, acc)
 
     *_, acc = over_hops(tl.inner, hop, (ko, vo, sego, acc), peel_first=False)
-    return nxt, acc
+    return outer["nxt"], acc
 
   state = outer_step(0, (split_streams(routes, k, v, seg), acc))
   received = state[0] if n_o > 1 else None
@@ -285,12 +295,13 @@ def _backward(tl: _TwoLevelConfig, q, k, v, seg, out, lse, do, dlse, received):
     # home (dkv_home) while this step's inner ring runs, and are read after it.
     held, acc, home, dq = state
     first, last = isinstance(i, int) and i == 0, isinstance(i, int) and i == n_o - 1
-    nxt = held
+    nxt, sent_outer = held, False
     if first and received is not None:  # step 1's parts: kept from the forward
       nxt = [(jnp.stack(p[:2]), p[2]) for p in received]
     elif not last:
       with jax.named_scope("send_outer"):
         nxt = _step_send(i, arrive_next, span, outer, held, send=send_distinct)
+      sent_outer = True
     arrived = None
     if not first:
       with jax.named_scope("outer_dkv"):
@@ -316,16 +327,14 @@ def _backward(tl: _TwoLevelConfig, q, k, v, seg, out, lse, do, dlse, received):
           dk, dv = shift(tl.inner, 1, dk, dv)
       with jax.named_scope(name):
         masks = _masks(tl, g, r, i, h, q_pos, seg, kv_seg)
-        if cfg.overlap_dkv and not first:
-          gr = cfg.kernel.backward(q, k, v, masks, cfg.spec, res,
-                                   HopGrads(dq, zeros(k), zeros(v)))
-          dq, dk, dv = gr.dq, dk + gr.dk, dv + gr.dv
-        else:
-          dq, dk, dv = cfg.kernel.backward(q, k, v, masks, cfg.spec, res, HopGrads(dq, dk, dv))
+        nxt, (dq, dk, dv) = backward_hop(cfg, q, k, v, masks, res, (dq, dk, dv), nxt,
+                                         arriving=not first, last=last)
       return (*nxt, dq, dk, dv)
 
     *_, dq, dk, dv = over_hops(tl.inner, hop, (kh, vh, segh, dq, zeros(kh), zeros(vh)),
                                peel_first=True)
+    if sent_outer:  # the next step's parts arrive during the inner ring
+      nxt, (dq, dk, dv) = in_flight_during(nxt, (dq, dk, dv))
     # (g, r) now holds this group's part of the dK/dV of the buffer's shard r + 1.
     if not last:
       with jax.named_scope("dkv_home"):  # to the holder of the outer buffer, (g, r)

@@ -394,3 +394,32 @@ def test_default_block_follows_the_platforms_table():
   assert default_block("contiguous", 300, platform="cpu") == 60  # a divisor, not 64
   assert default_block("contiguous", 4096, 64) == 64              # an explicit target
   assert default_block("contiguous", 4096, platform="metal") == DEFAULT_BLOCK
+
+
+def test_platform_defaults_resolve_none_per_platform():
+  """``causal_routing=None`` / ``overlap_dkv=None``: the full rotation and fresh dK/dV buffers
+  on TPU, elsewhere the layout rule (None) and in-place dK/dV; explicit values are kept."""
+  from ring_jax.ring import platform_defaults
+  assert platform_defaults("tpu") == {"causal_routing": False, "overlap_dkv": True}
+  assert platform_defaults("cpu") == {"causal_routing": None, "overlap_dkv": False}
+  assert platform_defaults("gpu") == {"causal_routing": None, "overlap_dkv": False}
+  assert platform_defaults("tpu", causal_routing=True, overlap_dkv=False) == {
+      "causal_routing": True, "overlap_dkv": False}
+  assert platform_defaults() == platform_defaults(jax.default_backend())
+  with pytest.raises(TypeError, match="overlap_dkv must be None"):
+    platform_defaults("cpu", overlap_dkv="yes")
+
+
+def test_default_overlap_dkv_and_routing_on_cpu_are_unchanged():
+  """On CPU the defaults compile the program ``overlap_dkv=False`` and the layout's routing
+  rule give (same HLO)."""
+  mesh = make_mesh((4,), ("sequence",))
+  x = jnp.zeros((1, 32, 2, 8), jnp.float32)
+
+  def hlo(**kw):
+    fn = functools.partial(ring_jax.ring_attention_sharded, mesh=mesh, is_causal=True,
+                           batch_axis=None, hop_kernel="xla", **kw)
+    return jax.jit(jax.grad(lambda q, k, v: fn(q, k, v).sum())).lower(x, x, x).as_text()
+
+  assert hlo() == hlo(overlap_dkv=False, causal_routing=True)
+  assert hlo() != hlo(overlap_dkv=True, causal_routing=True)

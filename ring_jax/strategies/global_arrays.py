@@ -24,6 +24,7 @@ from ring_jax import kernels
 from ring_jax import layouts
 from ring_jax import topology
 from ring_jax import validation
+from ring_jax.ring import platform_defaults
 from ring_jax.strategies.options import AttentionOptions
 
 #: Default axis names: a mesh without them leaves that dimension unsharded.
@@ -241,7 +242,9 @@ def run(strategy: Strategy, query, key, value, segment_ids, *, mesh, seq_axis, b
     raise ValueError(f"strategy={strategy.name!r} needs equal query and key/value lengths, got "
                      f"{length}, {kv_len}; use strategy='ring'.")
   options = dataclasses.replace(
-      options, hop_kernel=kernels.get_hop_kernel(options.hop_kernel, platform(mesh)))
+      options, hop_kernel=kernels.get_hop_kernel(options.hop_kernel, platform(mesh)),
+      **platform_defaults(platform(mesh), causal_routing=options.causal_routing,
+                          overlap_dkv=options.overlap_dkv))
   natural = not inputs_in_layout
   if natural and strategy.whole_sequence:
     options, natural = dataclasses.replace(options, layout="contiguous"), False

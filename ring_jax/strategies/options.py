@@ -30,7 +30,7 @@ class AttentionOptions:
   precision: Any = None
   hop_kernel: str | HopKernel = "auto"
   return_lse: bool = False
-  overlap_dkv: bool = False
+  overlap_dkv: bool | None = None
   causal_routing: bool | None = None
 
   @classmethod

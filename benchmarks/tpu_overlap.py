@@ -1,0 +1,141 @@
+"""Ring transfers in flight during block compute, in the TPU compiler's schedule (no TPU needed).
+
+Compiles ``ring_attention_sharded`` forward+backward (``jax.value_and_grad`` of a sum of
+squares) deviceless for a TPU slice (``jax.experimental.topologies``, libtpu from PyPI:
+docs/performance.md, "Ring transfers on the TPU compiler") and reads, per ring
+configuration, from the compiled program: the ring's transfers and how many of them have
+block compute scheduled while in flight (:func:`ring_jax.analysis.overlap_report`), the
+temp bytes per chip (``memory_analysis``), the compile seconds and the scheduled HLO's size.
+Nothing runs; compile seconds are this host's (shared CPUs: indicative only).
+
+    ALLOW_MULTIPLE_LIBTPU_LOAD=1 python benchmarks/tpu_overlap.py \\
+        --topology v5p:2x2x1 --length 32768 --out benchmarks/results/tpu_overlap_v5p.json
+
+Configurations (``--configs``, comma-separated; default all): ``<layout>-<causal|full>``
+with suffixes ``+routed`` (``causal_routing=True``), ``+unrouted`` (False),
+``+overlap_dkv`` / ``+inplace_dkv`` (``overlap_dkv=True`` / False) and ``+splash`` (the
+splash hop kernel; default ``xla``); without them the defaults apply. And
+``two_level-<layout>-<causal|full>`` (outer 2 x inner ring over the rest of the chips).
+Mesh: data=1 x sequence=chips (two-level: data=1 x outer=2 x inner=chips/2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import sys
+import time
+
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import ring_jax  # noqa: E402
+from benchmarks import common  # noqa: E402
+from ring_jax import analysis  # noqa: E402
+
+CONFIGS = ("zigzag-causal", "zigzag-causal+inplace_dkv", "zigzag-full", "contiguous-causal",
+           "contiguous-causal+routed", "zigzag-causal+splash", "zigzag-causal+routed",
+           "two_level-zigzag-causal", "two_level-zigzag-causal+inplace_dkv")
+
+
+def topology_devices(name: str):
+  """The compile-only devices of TPU slice ``name`` (e.g. ``v5p:2x2x1``), one slice."""
+  from jax.experimental import topologies
+  chips = tuple(int(x) for x in name.split(":")[1].split("x"))
+  topo = topologies.get_topology_desc(
+      platform="tpu", topology_name=name, chip_config_name="default",
+      chips_per_host_bounds=chips if len(chips) == 3 else (*chips, 1), num_slices=1,
+      wrap=(False,) * 3)
+  return topo.devices
+
+
+def compile_config(config: str, devices, length: int, heads: int, head_dim: int):
+  """``(compiled, seconds)`` of one configuration's fwd+bwd."""
+  parts = config.split("+")
+  words = parts[0].split("-")
+  two_level = words[0] == "two_level"
+  layout, mask = words[-2], words[-1]
+  kw = dict(is_causal=mask == "causal", layout=layout,
+            hop_kernel="splash" if "splash" in parts else "xla",
+            overlap_dkv=True if "overlap_dkv" in parts else False if "inplace_dkv" in parts
+            else None)
+  if "routed" in parts:
+    kw["causal_routing"] = True
+  if "unrouted" in parts:
+    kw["causal_routing"] = False
+  n = len(devices)
+  if two_level:
+    shape, axes, seq = (1, 2, n // 2), ("data", "outer", "inner"), ("outer", "inner")
+  else:
+    shape, axes, seq = (1, n), ("data", "sequence"), "sequence"
+  mesh = jax.sharding.Mesh(np.asarray(devices).reshape(shape), axes)
+  spec = jax.sharding.NamedSharding(mesh, jax.P("data", seq, None, None))
+  x = jax.ShapeDtypeStruct((1, length, heads, head_dim), jnp.bfloat16, sharding=spec)
+
+  def loss(q, k, v):
+    out = ring_jax.ring_attention_sharded(q, k, v, mesh=mesh, seq_axis=seq, **kw)
+    return jnp.sum(out.astype(jnp.float32) ** 2)
+
+  start = time.perf_counter()
+  compiled = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))).lower(x, x, x).compile()
+  return compiled, time.perf_counter() - start
+
+
+def measure(config: str, devices, length: int, heads: int, head_dim: int) -> dict:
+  compiled, seconds = compile_config(config, devices, length, heads, head_dim)
+  report = analysis.overlap_report(compiled)
+  hidden, total = report.ring()
+  return {
+      "config": config,
+      "compile_s": round(seconds, 1),
+      "temp_mib": round(compiled.memory_analysis().temp_size_in_bytes / common.MIB, 1),
+      "hlo_chars": len(compiled.as_text()),
+      "ring_in_flight": hidden,
+      "ring_transfers": total,
+      "kinds": {k: list(v) for k, v in report.kinds().items() if k.startswith("ring")},
+      "exposed": sorted({f"{t.kind}: {t.scope}" for t in report.exposed()
+                         if t.kind.startswith("ring")}),
+  }
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p.add_argument("--topology", default="v5p:2x2x1")
+  p.add_argument("--length", type=int, default=32768)
+  p.add_argument("--heads", type=int, default=8)
+  p.add_argument("--head_dim", type=int, default=128)
+  p.add_argument("--configs", default=",".join(CONFIGS))
+  p.add_argument("--label", default="", help="recorded with the rows (e.g. a commit)")
+  p.add_argument("--out", default=None, help="result file (default: print only)")
+  args = p.parse_args(argv)
+  devices = topology_devices(args.topology)
+  rows = []
+  for config in args.configs.split(","):
+    try:
+      row = measure(config, devices, args.length, args.heads, args.head_dim)
+    except Exception as e:  # one failed configuration is reported, the next one runs
+      row = {"config": config, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
+    rows.append(row)
+    print(row, flush=True)
+  if args.out:
+    import libtpu
+    common.write_result(args.out, {
+        "about": "ring_attention_sharded fwd+bwd compiled deviceless for a TPU slice: ring "
+                 "transfers with block compute in flight (ring_jax.analysis), temp per chip",
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
+        "jax": jax.__version__, "libtpu": getattr(libtpu, "__version__", "?"),
+        "machine": f"CPU host, deviceless TPU compile ({args.topology}, libtpu "
+                   f"{getattr(libtpu, '__version__', '?')})",
+        "topology": args.topology, "length": args.length, "heads": args.heads,
+        "head_dim": args.head_dim, "dtype": "bfloat16", "batch": 1, "label": args.label,
+        "command": "python benchmarks/tpu_overlap.py " + " ".join(argv or sys.argv[1:]),
+        "rows": rows})
+
+
+if __name__ == "__main__":
+  main()
