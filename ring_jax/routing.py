@@ -139,7 +139,8 @@ class Routes:
 #: The layouts whose causal rings route K/V by default (``causal_routing=None``): contiguous
 #: routing drops half the K/V bytes at no measured cost in time; zigzag's (and the document
 #: layout's, which runs as zigzag) drops a quarter but measured slower than the full rotation
-#: on CPU (docs/performance.md, "Defaults"): opt-in until a measurement shows it no slower.
+#: on CPU (docs/performance.md, "Routing: moving only what a causal mask uses"): opt-in until
+#: a measurement shows it no slower.
 ROUTED_BY_DEFAULT: tuple[str, ...] = ("contiguous",)
 
 

@@ -27,11 +27,13 @@ import re
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import ring_jax
 from attn_utils import make_mesh
 from ring_jax import testing
+from ring_jax.hop import HopSpec
 
 # Kernel names run by this suite.
 KERNELS_UNDER_TEST = ["xla", "pallas_tpu", "splash"]
