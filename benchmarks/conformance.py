@@ -50,11 +50,12 @@ OWN = {
 
 
 def targets(names, peers: bool) -> dict:
-  """``{name: (fn, tokens per device)}``."""
-  found = {n: (OWN[n], LOCAL_LEN) for n in names}
+  """``{name: (fn, tokens per device, declared features)}``."""
+  found = {n: (OWN[n], LOCAL_LEN, ()) for n in names}
   if peers:
     from benchmarks import conformance_peers  # noqa: PLC0415
-    found.update({n: (fn, conformance_peers.LOCAL_LEN.get(n, LOCAL_LEN))
+    found.update({n: (fn, conformance_peers.LOCAL_LEN.get(n, LOCAL_LEN),
+                      conformance_peers.FEATURES.get(n, ()))
                   for n, fn in conformance_peers.available().items()})
     missing = set(conformance_peers.PEERS) - set(found)
     for name in sorted(missing):
@@ -81,9 +82,9 @@ def main(argv=None):
   args = ap.parse_args(argv)
   cases = args.cases.split(",") if args.cases else None
   failed = {}
-  for name, (fn, local_len) in targets([t for t in args.targets.split(",") if t],
-                                       args.peers).items():
-    report = testing.run(fn, cases, name=name, local_len=local_len,
+  for name, (fn, local_len, features) in targets([t for t in args.targets.split(",") if t],
+                                                 args.peers).items():
+    report = testing.run(fn, cases, name=name, local_len=local_len, features=features,
                          progress=lambda r: print(f"  {r.case:24s} {r.status}", flush=True))
     print(report.table(), flush=True)
     failed[name] = [r.case for r in report.failed]

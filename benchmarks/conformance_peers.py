@@ -31,7 +31,8 @@ besides, stated here because it decides what the kit measures:
   them. It works on ``[heads, length, head_dim]`` with no batch and no scale: the adapter
   multiplies ``q`` by ``scale``, ``jax.vmap``s over the batch, and for GQA over the K/V heads
   with ``is_mqa=True`` (its one-K/V-head mode; each group's query heads against one K/V
-  head). It raises ``NotImplementedError`` for sinks, so the adapter takes no ``sinks=``.
+  head). It raises ``NotImplementedError`` for sinks, so the adapter takes no ``sinks=``;
+  it takes V's own head size (declared in ``FEATURES``).
 
 The adapters place global arrays on an Explicit-axes mesh (``jax.reshard``) before their
 ``shard_map``.
@@ -210,6 +211,8 @@ PEERS = {
 TOKAMAX_BLOCK = 128
 #: Tokens per device where a peer needs other than the kit's default (64).
 LOCAL_LEN = {"tokamax-0.0.17-ring-interpret": 2 * TOKAMAX_BLOCK}
+#: Capabilities no keyword announces (``testing.run(features=)``), declared where checked.
+FEATURES = {"tokamax-0.0.17-ring-interpret": ("value_head_dim",)}
 
 
 def available() -> dict:
