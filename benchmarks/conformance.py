@@ -1,7 +1,7 @@
 """The conformance kit's full matrix (ring_jax.testing) on ring_jax and on its peers.
 
     python benchmarks/conformance.py                 # ring_jax's ring, all-gather, Ulysses
-    python benchmarks/conformance.py --peers         # + ringattention 0.1.2, ejkernel (if importable)
+    python benchmarks/conformance.py --peers         # + ringattention, ejkernel, tokamax (if importable)
     python benchmarks/conformance.py --targets ring --cases causal,gqa
 
 Each target is a function of the kit's calling convention; its table (pass / fail / not
@@ -34,6 +34,8 @@ import ring_jax  # noqa: E402
 from benchmarks import common  # noqa: E402
 from ring_jax import testing  # noqa: E402
 
+#: The kit's tokens per device (a peer whose kernels need more says so in its adapter).
+LOCAL_LEN = 64
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 #: ring_jax's own entry points in the kit's convention (blocks of 16: 4 per shard at the
@@ -48,18 +50,22 @@ OWN = {
 
 
 def targets(names, peers: bool) -> dict:
-  found = {n: OWN[n] for n in names}
+  """``{name: (fn, tokens per device, declared features)}``."""
+  found = {n: (OWN[n], LOCAL_LEN, ()) for n in names}
   if peers:
     from benchmarks import conformance_peers  # noqa: PLC0415
-    found.update(conformance_peers.available())
+    found.update({n: (fn, conformance_peers.LOCAL_LEN.get(n, LOCAL_LEN),
+                      conformance_peers.FEATURES.get(n, ()))
+                  for n, fn in conformance_peers.available().items()})
     missing = set(conformance_peers.PEERS) - set(found)
     for name in sorted(missing):
       print(f"# {name}: not importable here, not run", flush=True)
   return found
 
 
-def meta(argv) -> dict:
+def meta(argv, local_len: int) -> dict:
   return dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              local_len=local_len,
               command="python benchmarks/conformance.py" + " ".join([""] + list(argv)),
               jax=jax.__version__, platform=jax.devices()[0].platform,
               num_devices=jax.device_count(), machine=platform.machine(),
@@ -76,14 +82,15 @@ def main(argv=None):
   args = ap.parse_args(argv)
   cases = args.cases.split(",") if args.cases else None
   failed = {}
-  for name, fn in targets([t for t in args.targets.split(",") if t], args.peers).items():
-    report = testing.run(fn, cases, name=name,
+  for name, (fn, local_len, features) in targets([t for t in args.targets.split(",") if t],
+                                                 args.peers).items():
+    report = testing.run(fn, cases, name=name, local_len=local_len, features=features,
                          progress=lambda r: print(f"  {r.case:24s} {r.status}", flush=True))
     print(report.table(), flush=True)
     failed[name] = [r.case for r in report.failed]
     if args.out_dir:
       path = os.path.join(args.out_dir, f"conformance_{name}.json")
-      common.write_result(path, dict(meta=meta(argv), **report.to_dict()))
+      common.write_result(path, dict(meta=meta(argv, local_len), **report.to_dict()))
       print(f"wrote {path}")
   print("\nfailed cases:", failed)
   return failed

@@ -19,19 +19,37 @@ besides, stated here because it decides what the kit measures:
   heads, but under grad it raises a reshape ``TypeError`` whenever they differ
   (``-native-gqa``: as is), so ``ejkernel_ring`` repeats K/V heads like the paper's adapter.
 
-Both adapters place global arrays on an Explicit-axes mesh (``jax.reshard``) before their
+* ``tokamax_ring`` -- tokamax 0.0.17's TPU ring attention,
+  ``tokamax._src.ops.experimental.tpu.splash_attention.ring_attention_kernel``
+  (``make_ring_attention``: splash-attention Pallas/Mosaic TPU kernels at every hop), run in
+  Pallas interpret mode (``SplashConfig(interpret=True)``) on CPU. Config: blocks of 128 (its
+  kernels need multiples of 128, so the kit runs it at ``LOCAL_LEN`` = 256 tokens per device)
+  and, as tokamax's own ring test sets, ``use_base2_exp=False``, ``fuse_reciprocal=True``;
+  ``attn_logits_soft_cap`` for the soft-cap. The mask is the global ``[T, S]`` numpy mask
+  it takes (``NumpyMask``: causal ``t >= s`` and the window ``-right <= t - s <= left``, or
+  ``FullMask``), built by the adapter; segment ids go in as ``SegmentIds(q, kv)`` as it takes
+  them. It works on ``[heads, length, head_dim]`` with no batch and no scale: the adapter
+  multiplies ``q`` by ``scale``, ``jax.vmap``s over the batch, and for GQA over the K/V heads
+  with ``is_mqa=True`` (its one-K/V-head mode; each group's query heads against one K/V
+  head). It raises ``NotImplementedError`` for sinks, so the adapter takes no ``sinks=``;
+  it takes V's own head size (declared in ``FEATURES``).
+
+The adapters place global arrays on an Explicit-axes mesh (``jax.reshard``) before their
 ``shard_map``.
 
 Run them with ``python benchmarks/conformance.py --peers`` in an environment that has them
-(``pip install ringattention==0.1.2 ejkernel==0.0.80.3``; docs/conformance.md).
+(``pip install ringattention==0.1.2 ejkernel==0.0.80.3``; tokamax 0.0.17 needs Python >= 3.12
+and jax >= 0.11.1: a separate environment; docs/conformance.md).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -116,11 +134,85 @@ def ejkernel_ring(query, key, value, *, is_causal=False, segment_ids=None, scale
                        check_vma=False)(*args)
 
 
+def _tokamax_mask(t_len, s_len, is_causal, window):
+  """The global ``[T, S]`` mask tokamax's ring takes: a ``FullMask`` or a boolean ``NumpyMask``."""
+  from tokamax._src.ops.experimental.tpu.splash_attention import splash_attention_mask  # noqa: PLC0415
+  if not is_causal and window is None:
+    return splash_attention_mask.FullMask(_shape=(t_len, s_len))
+  d = np.arange(t_len)[:, None] - np.arange(s_len)[None, :]
+  vis = np.ones((t_len, s_len), bool)
+  if is_causal:
+    vis &= d >= 0
+  if window is not None:
+    vis &= (d <= window[0]) & (d >= -window[1])
+  return splash_attention_mask.NumpyMask(vis)
+
+
+def tokamax_ring(query, key, value, *, is_causal=False, segment_ids=None, scale=None,
+                 mesh=None, local_window_size=None, logits_soft_cap=None):
+  """tokamax 0.0.17's TPU ring attention (splash kernels, Pallas interpret mode) over
+  ``mesh``'s sequence axis."""
+  from tokamax._src.ops.experimental.tpu.splash_attention import base  # noqa: PLC0415
+  from tokamax._src.ops.experimental.tpu.splash_attention import ring_attention_kernel  # noqa: PLC0415
+  from tokamax._src.ops.experimental.tpu.splash_attention import splash_attention_kernel  # noqa: PLC0415
+  ring = mesh.shape["sequence"]
+  t_len, n, h = query.shape[1:]
+  s_len, kh = key.shape[1:3]
+  scale = h ** -0.5 if scale is None else scale
+  config = dataclasses.replace(
+      splash_attention_kernel.SplashConfig.get_default(), interpret=True,
+      block_q=TOKAMAX_BLOCK, block_kv=TOKAMAX_BLOCK, block_kv_compute=TOKAMAX_BLOCK,
+      block_q_dkv=TOKAMAX_BLOCK, block_kv_dkv=TOKAMAX_BLOCK, block_kv_dkv_compute=TOKAMAX_BLOCK,
+      use_base2_exp=False, fuse_reciprocal=True, attn_logits_soft_cap=logits_soft_cap)
+  is_mqa = kh != n
+  kernel = ring_attention_kernel.make_ring_attention(
+      _tokamax_mask(t_len, s_len, is_causal, local_window_size), config=config,
+      is_mqa=is_mqa, ring_axis="sequence", q_seq_shards=ring, kv_seq_shards=ring)
+  kernel_spec = kernel.manual_sharding_spec()
+
+  def one(kern, q_NTH, k_KSH, v_KSH, seg):
+    """One batch row: q ``[N, t, H]``, K/V ``[K, s, H]`` (local), segment ids ``[t]``."""
+    ids = None if seg is None else base.SegmentIds(q=seg, kv=seg)
+    if not is_mqa:
+      return kern(q_NTH, k_KSH, v_KSH, ids)
+    q_KGTH = q_NTH.reshape(kh, n // kh, *q_NTH.shape[1:])
+    out = jax.vmap(lambda q, k, v: kern(q, k, v, ids))(q_KGTH, k_KSH, v_KSH)
+    return out.reshape(n, *out.shape[2:])
+
+  has_seg = segment_ids is not None
+
+  def call(kern, q, k, v, *seg):
+    q, k, v = (jnp.swapaxes(x, 1, 2) for x in (q * jnp.asarray(scale, q.dtype), k, v))
+    per_row = functools.partial(one, kern)
+    out = (jax.vmap(per_row)(q, k, v, seg[0]) if has_seg else
+           jax.vmap(lambda a, b, c: per_row(a, b, c, None))(q, k, v))
+    return jnp.swapaxes(out, 1, 2)
+
+  args = [query, key, value] + ([segment_ids] if has_seg else [])
+  specs = [SEQ] * len(args)
+  args = _place(mesh, args, specs)
+  if any(t == AxisType.Explicit for t in mesh.axis_types):
+    # The spec tree names a spec where the dK/dV mask info has None: map over the specs.
+    kernel = jax.tree.map(
+        lambda s, x: None if x is None else jax.reshard(x, NamedSharding(mesh, s)),
+        kernel_spec, kernel, is_leaf=lambda x: isinstance(x, P))
+  return jax.shard_map(call, mesh=mesh, in_specs=(kernel_spec, *specs), out_specs=SEQ,
+                       check_vma=False)(kernel, *args)
+
+
 PEERS = {
     "ringattention-0.1.2": paper_ringattention,
     "ejkernel-0.0.80.3-xla": ejkernel_ring,
     "ejkernel-0.0.80.3-xla-native-gqa": functools.partial(ejkernel_ring, repeat_kv=False),
+    "tokamax-0.0.17-ring-interpret": tokamax_ring,
 }
+
+#: tokamax's splash kernels take blocks of multiples of 128 (the TPU lane width).
+TOKAMAX_BLOCK = 128
+#: Tokens per device where a peer needs other than the kit's default (64).
+LOCAL_LEN = {"tokamax-0.0.17-ring-interpret": 2 * TOKAMAX_BLOCK}
+#: Capabilities no keyword announces (``testing.run(features=)``), declared where checked.
+FEATURES = {"tokamax-0.0.17-ring-interpret": ("value_head_dim",)}
 
 
 def available() -> dict:
@@ -130,6 +222,8 @@ def available() -> dict:
     try:
       if name.startswith("ringattention"):
         _import_ringattention()
+      elif name.startswith("tokamax"):
+        from tokamax._src.ops.experimental.tpu.splash_attention import ring_attention_kernel  # noqa: F401, PLC0415
       else:
         import ejkernel.kernels._xla.ring_attention  # noqa: F401, PLC0415
     except Exception:  # noqa: BLE001 -- not installed or not importable: not run

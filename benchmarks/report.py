@@ -984,7 +984,9 @@ CONFORMANCE = {"ring_jax ring": "conformance_ring.json",
                "ring_jax ulysses": "conformance_ulysses.json",
                "ringattention 0.1.2": "conformance_ringattention-0.1.2.json",
                "ejkernel 0.0.80.3 (XLA)": "conformance_ejkernel-0.0.80.3-xla.json",
-               "ejkernel, GQA as is": "conformance_ejkernel-0.0.80.3-xla-native-gqa.json"}
+               "ejkernel, GQA as is": "conformance_ejkernel-0.0.80.3-xla-native-gqa.json",
+               "tokamax 0.0.17 ring (interpret)":
+                   "conformance_tokamax-0.0.17-ring-interpret.json"}
 
 
 def _verdict(row) -> str:
