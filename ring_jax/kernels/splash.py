@@ -225,13 +225,8 @@ class SplashHopKernel:
 
   def backward(self, q, k, v, masks, spec, res: hop.HopResiduals,
                acc: hop.HopGrads) -> hop.HopGrads:
-    """``acc`` plus this hop's (dq, dk, dv), from splash's dQ and dK/dV kernels.
-
-    The non-finite guard's ``lax.cond`` returns this hop's gradients only; ``acc`` is added
-    after it. Passed through the ``cond``, the accumulators would be live beside the XLA
-    fallback's own float32 block-loop carries (a ``cond`` operand is not updated in place).
-    """
-    def fused(q, k, v, res):
+    """``acc`` plus this hop's (dq, dk, dv), from splash's dQ and dK/dV kernels."""
+    def fused(q, k, v, res, acc):
       b, t, kh, g, h = q.shape
       dq_info, dkv_info, mask_function = self._mask(masks, spec, t, k.shape[1])
       q_bnth, k_bksh, v_bksh, seg = self._operands(q, k, v, masks, spec)
@@ -263,16 +258,11 @@ class SplashHopKernel:
                                   do_bnth, di_bnt)
       dq = jnp.transpose(dq.astype(jnp.float32), (0, 2, 1, 3)).reshape(q.shape) * spec.scale
       dk, dv = (jnp.transpose(x.astype(jnp.float32), (0, 2, 1, 3)) for x in (dk, dv))
-      return hop.HopGrads(dq, dk, dv)
+      return hop.HopGrads(acc.dq + dq, acc.dk + dk, acc.dv + dv)
 
-    def guarded(q, k, v, res):
-      zeros = lambda x: hop.varying_like(jnp.zeros(x.shape, jnp.float32), q, k, v)
-      return XlaHopKernel().backward(q, k, v, masks, spec, res,
-                                     hop.HopGrads(zeros(q), zeros(k), zeros(v)))
-
+    guarded = lambda q, k, v, res, acc: XlaHopKernel().backward(q, k, v, masks, spec, res, acc)
     finite = hop.v_is_finite(masks, v) & jnp.isfinite(q).all() & jnp.isfinite(k).all()
-    g = jax.lax.cond(finite, fused, guarded, q, k, v, res)
-    return hop.HopGrads(acc.dq + g.dq, acc.dk + g.dk, acc.dv + g.dv)
+    return jax.lax.cond(finite, fused, guarded, q, k, v, res, acc)
 
 
 def make_kernel(platform: str) -> SplashHopKernel:
