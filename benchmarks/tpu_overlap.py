@@ -142,7 +142,6 @@ def main(argv=None):
   p.add_argument("--label", default="", help="recorded with the rows (e.g. a commit)")
   p.add_argument("--out", default=None, help="result file (default: print only)")
   args = p.parse_args(argv)
-  devices = topology_devices(args.topology)
   configs = args.configs.split(",")
   if args.hop_kernel:
     kernels = args.hop_kernel.split(",")
@@ -150,6 +149,7 @@ def main(argv=None):
     if unknown:
       p.error(f"--hop-kernel: unknown {unknown}; choose from {', '.join(HOP_KERNELS)}")
     configs = [c if k == "xla" else f"{c}+{k}" for c in configs for k in kernels]
+  devices = topology_devices(args.topology)
   rows = []
   for config in configs:
     try:
