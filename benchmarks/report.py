@@ -803,6 +803,51 @@ def tpu_overlap() -> str:
                   note=f"Deviceless compiles with libtpu {after['libtpu']}."))
 
 
+TPU_HOP_MEMORY = "tpu_hop_memory_v5p.json"
+TPU_HOP_MEMORY_TRIED = "tpu_hop_memory_v5p_tried.json"
+
+
+def _hop_case(row) -> tuple[str, str]:
+  """``(configuration without the kernel, kernel)`` of a tpu_overlap.py row."""
+  parts = row["config"].split("+")
+  kernel = next((p for p in parts[1:] if p in ("splash", "pallas_tpu")), "xla")
+  return "+".join(p for p in parts if p != kernel), kernel
+
+
+@block("tpu_hop_memory", TPU_HOP_MEMORY, TPU_HOP_MEMORY_TRIED)
+def tpu_hop_memory() -> str:
+  d, tried = load(TPU_HOP_MEMORY), load(TPU_HOP_MEMORY_TRIED)
+  rows = {_hop_case(r): r for r in d["rows"]}
+  tried_rows = {_hop_case(r): r for r in tried["rows"]}
+
+  def temp(rows, case, kernel):
+    r = rows.get((case, kernel))
+    if r is None:
+      return "", None
+    if "error" in r:
+      return "refused" if r["error"].startswith("ValueError") else "error", None
+    return mib(r["temp_mib"] * MIB), r["temp_mib"]
+
+  out = []
+  for case in dict.fromkeys(c for c, _ in rows):
+    first = rows[(case, "xla")]
+    xla, xla_v = temp(rows, case, "xla")
+    cells = [f"`{case}`", f"{first['heads']}:{first['kv_heads']}", xla]
+    for source, kernel in ((rows, "pallas_tpu"), (rows, "splash"), (tried_rows, "splash")):
+      text, v = temp(source, case, kernel)
+      cells += [text, x(v / xla_v) if v and xla_v else ""]
+    out.append(cells)
+  return (f"`ring_attention_sharded` fwd+bwd compiled for {d['topology']} (no TPU "
+          f"attached), ring of 4, {length(d['length'])} tokens, head dim {d['head_dim']}, "
+          f"{d['dtype']}, default blocks, the TPU defaults (`overlap_dkv=True`, full rotation); "
+          f"temp MiB per chip (`memory_analysis()`), heads query:K/V; the last pair: splash with "
+          f"the guard change of {tried['label']} (reverted):\n\n" +
+          table(["configuration", "heads", "xla", "pallas_tpu", "/ xla", "splash", "/ xla",
+                 "splash, tried", "/ xla"], out, "--rrrrrrr") + "\n\n" +
+          caption(TPU_HOP_MEMORY, TPU_HOP_MEMORY_TRIED,
+                  note=f"Deviceless compiles with libtpu {d['libtpu']}."))
+
+
 COMPILE = "compile_time_cpu.json"
 
 

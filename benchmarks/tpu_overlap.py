@@ -13,10 +13,19 @@ Nothing runs; compile seconds are this host's (shared CPUs: indicative only).
 
 Configurations (``--configs``, comma-separated; default all): ``<layout>-<causal|full>``
 with suffixes ``+routed`` (``causal_routing=True``), ``+unrouted`` (False),
-``+overlap_dkv`` / ``+inplace_dkv`` (``overlap_dkv=True`` / False) and ``+splash`` (the
-splash hop kernel; default ``xla``); without them the defaults apply. And
-``two_level-<layout>-<causal|full>`` (outer 2 x inner ring over the rest of the chips).
-Mesh: data=1 x sequence=chips (two-level: data=1 x outer=2 x inner=chips/2).
+``+overlap_dkv`` / ``+inplace_dkv`` (``overlap_dkv=True`` / False), ``+splash`` (the
+splash hop kernel; default ``xla``), ``+window`` (``local_window_size=(4096, 0)``),
+``+segments`` (packed documents: an int32 ``segment_ids [B, L]`` argument) and ``+gqa``
+(``--heads`` query heads over a quarter as many K/V heads); without them the defaults
+apply. And ``two_level-<layout>-<causal|full>`` (outer 2 x inner ring over the rest of the
+chips). Mesh: data=1 x sequence=chips (two-level: data=1 x outer=2 x inner=chips/2).
+
+``--hop-kernel xla,splash,pallas_tpu`` compiles every configuration once per hop kernel
+named (a row's ``config`` gains ``+<kernel>``), the hop kernels' memory side by side
+(docs/performance.md, "Splash hop memory on the TPU compiler"):
+
+    ALLOW_MULTIPLE_LIBTPU_LOAD=1 python benchmarks/tpu_overlap.py --configs zigzag-causal \
+        --hop-kernel xla,splash,pallas_tpu --out benchmarks/results/tpu_hop_memory_v5p.json
 """
 
 from __future__ import annotations
@@ -38,6 +47,8 @@ import ring_jax  # noqa: E402
 from benchmarks import common  # noqa: E402
 from ring_jax import analysis  # noqa: E402
 
+HOP_KERNELS = ("xla", "splash", "pallas_tpu")
+WINDOW = (4096, 0)
 CONFIGS = ("zigzag-causal", "zigzag-causal+inplace_dkv", "zigzag-full", "contiguous-causal",
            "contiguous-causal+routed", "zigzag-causal+splash", "zigzag-causal+routed",
            "two_level-zigzag-causal", "two_level-zigzag-causal+inplace_dkv")
@@ -54,20 +65,26 @@ def topology_devices(name: str):
   return topo.devices
 
 
+def hop_kernel(config: str) -> str:
+  """The hop kernel a configuration names (``+splash``, ``+pallas_tpu``), else ``xla``."""
+  return next((k for k in HOP_KERNELS if k in config.split("+")[1:]), "xla")
+
+
 def compile_config(config: str, devices, length: int, heads: int, head_dim: int):
   """``(compiled, seconds)`` of one configuration's fwd+bwd."""
   parts = config.split("+")
   words = parts[0].split("-")
   two_level = words[0] == "two_level"
   layout, mask = words[-2], words[-1]
-  kw = dict(is_causal=mask == "causal", layout=layout,
-            hop_kernel="splash" if "splash" in parts else "xla",
+  kw = dict(is_causal=mask == "causal", layout=layout, hop_kernel=hop_kernel(config),
             overlap_dkv=True if "overlap_dkv" in parts else False if "inplace_dkv" in parts
             else None)
   if "routed" in parts:
     kw["causal_routing"] = True
   if "unrouted" in parts:
     kw["causal_routing"] = False
+  if "window" in parts:
+    kw["local_window_size"] = WINDOW
   n = len(devices)
   if two_level:
     shape, axes, seq = (1, 2, n // 2), ("data", "outer", "inner"), ("outer", "inner")
@@ -76,13 +93,20 @@ def compile_config(config: str, devices, length: int, heads: int, head_dim: int)
   mesh = jax.sharding.Mesh(np.asarray(devices).reshape(shape), axes)
   spec = jax.sharding.NamedSharding(mesh, jax.P("data", seq, None, None))
   x = jax.ShapeDtypeStruct((1, length, heads, head_dim), jnp.bfloat16, sharding=spec)
+  kv_heads = heads // 4 if "gqa" in parts else heads
+  xkv = jax.ShapeDtypeStruct((1, length, kv_heads, head_dim), jnp.bfloat16, sharding=spec)
+  args = [x, xkv, xkv]
+  if "segments" in parts:
+    seg_spec = jax.sharding.NamedSharding(mesh, jax.P("data", seq))
+    args.append(jax.ShapeDtypeStruct((1, length), jnp.int32, sharding=seg_spec))
 
-  def loss(q, k, v):
-    out = ring_jax.ring_attention_sharded(q, k, v, mesh=mesh, seq_axis=seq, **kw)
+  def loss(q, k, v, seg=None):
+    out = ring_jax.ring_attention_sharded(q, k, v, mesh=mesh, seq_axis=seq, segment_ids=seg,
+                                          **kw)
     return jnp.sum(out.astype(jnp.float32) ** 2)
 
   start = time.perf_counter()
-  compiled = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))).lower(x, x, x).compile()
+  compiled = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))).lower(*args).compile()
   return compiled, time.perf_counter() - start
 
 
@@ -92,6 +116,8 @@ def measure(config: str, devices, length: int, heads: int, head_dim: int) -> dic
   hidden, total = report.ring()
   return {
       "config": config,
+      "hop_kernel": hop_kernel(config),
+      "heads": heads, "kv_heads": heads // 4 if "gqa" in config.split("+") else heads,
       "compile_s": round(seconds, 1),
       "temp_mib": round(compiled.memory_analysis().temp_size_in_bytes / common.MIB, 1),
       "hlo_chars": len(compiled.as_text()),
@@ -110,12 +136,22 @@ def main(argv=None):
   p.add_argument("--heads", type=int, default=8)
   p.add_argument("--head_dim", type=int, default=128)
   p.add_argument("--configs", default=",".join(CONFIGS))
+  p.add_argument("--hop-kernel", default=None,
+                 help=f"comma-separated hop kernels ({', '.join(HOP_KERNELS)}): each "
+                      "configuration compiled once per kernel (default: as the config says)")
   p.add_argument("--label", default="", help="recorded with the rows (e.g. a commit)")
   p.add_argument("--out", default=None, help="result file (default: print only)")
   args = p.parse_args(argv)
+  configs = args.configs.split(",")
+  if args.hop_kernel:
+    kernels = args.hop_kernel.split(",")
+    unknown = sorted(set(kernels) - set(HOP_KERNELS))
+    if unknown:
+      p.error(f"--hop-kernel: unknown {unknown}; choose from {', '.join(HOP_KERNELS)}")
+    configs = [c if k == "xla" else f"{c}+{k}" for c in configs for k in kernels]
   devices = topology_devices(args.topology)
   rows = []
-  for config in args.configs.split(","):
+  for config in configs:
     try:
       row = measure(config, devices, args.length, args.heads, args.head_dim)
     except Exception as e:  # one failed configuration is reported, the next one runs
