@@ -55,11 +55,7 @@ def resolve_hf_init(config: ml_collections.ConfigDict, log=None) -> ml_collectio
     raise ConfigError(f"init.hf_dir={hf_dir!r} holds neither {convert_hf.SINGLE_FILE} nor "
                       f"{convert_hf.INDEX_FILE}; save the model with "
                       "save_pretrained(..., safe_serialization=True).")
-  try:
-    fields = convert_hf.hf_model_fields(hf_dir)
-  except (OSError, ValueError, KeyError) as e:
-    what = f"config.json lacks {e}" if isinstance(e, KeyError) else str(e)
-    raise ConfigError(f"init.hf_dir={hf_dir!r}: {what}") from None
+  fields = _model_fields(hf_dir, f"init.hf_dir={hf_dir!r}")
   config = config.copy_and_resolve_references()
   if config.data.get("tokenizer") is None:
     config.data.tokenizer = hf_dir
@@ -81,6 +77,18 @@ def resolve_hf_init(config: ml_collections.ConfigDict, log=None) -> ml_collectio
   return config
 
 
+def _model_fields(hf_dir: str, who: str) -> dict:
+  """:func:`models.convert_hf.hf_model_fields` of ``hf_dir``; a missing or foreign config.json
+  is a one-line ``ConfigError`` starting with ``who`` (the flag that named the directory)."""
+  from models import convert_hf  # Local: keeps this module importable without Flax.
+
+  try:
+    return convert_hf.hf_model_fields(hf_dir)
+  except (OSError, ValueError, KeyError) as e:
+    what = f"config.json lacks {e}" if isinstance(e, KeyError) else str(e)
+    raise ConfigError(f"{who}: {what}") from None
+
+
 def with_hf_model(config: ml_collections.ConfigDict, hf_dir: str) -> ml_collections.ConfigDict:
   """``config`` (a copy) whose model fields of :data:`models.convert_hf.HF_FIELDS` are those
   of ``hf_dir/config.json``: the model a script's ``--hf_dir`` loads (:func:`training.loading
@@ -91,13 +99,7 @@ def with_hf_model(config: ml_collections.ConfigDict, hf_dir: str) -> ml_collecti
   Raises:
     ConfigError: ``hf_dir`` has no config.json, or one this LLaMA family is not.
   """
-  from models import convert_hf  # Local: keeps this module importable without Flax.
-
-  try:
-    fields = convert_hf.hf_model_fields(hf_dir)
-  except (OSError, ValueError, KeyError) as e:
-    what = f"config.json lacks {e}" if isinstance(e, KeyError) else str(e)
-    raise ConfigError(f"--hf_dir {hf_dir}: {what}") from None
+  fields = _model_fields(hf_dir, f"--hf_dir {hf_dir}")
   config = config.copy_and_resolve_references()
   # A new model dict: config.json's values replace --config's whatever their type (a float
   # rope_theta over an int one, a dict over None).
