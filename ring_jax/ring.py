@@ -73,7 +73,7 @@ class RingConfig:
   return_lse: bool = False
   hops: tuple[int, int] = (0, 0)  # (first, last) hops run (routing.hop_range)
   overlap_dkv: bool = False
-  routes: routing.Routes | None = None  # None: every shard goes all the way round
+  routes: routing.Routes | None = None  # the route plan the loop runs (make_config sets it)
 
 
 def platform_defaults(platform: str | None = None, *, causal_routing=None,
@@ -274,35 +274,18 @@ def make_config(query, key, value, *, axis_name, is_causal, segment_ids, scale,
   kh = key.shape[2]
   kernel.check((b, t, kh, n // kh, h), tuple(key.shape), query.dtype, spec)
   hops = routing.hop_range(layout, ring_size, s, bool(is_causal), window)
-  routes = None
+  routes = routing.rotation(layout, ring_size, s, hops)
   if routing.check_routing(causal_routing, layout, is_causal) and t == s and ring_size > 1:
-    routes = routing.routes(layout, ring_size, s, bool(is_causal), window)
-    routes = routes if routes.routed else None
+    routed = routing.routes(layout, ring_size, s, bool(is_causal), window)
+    routes = routed if routed.routed else routes
   return RingConfig(axis_name=axis_name, ring_size=ring_size, layout=layout, spec=spec,
                     kernel=kernel, return_lse=bool(return_lse),
                     hops=hops,
                     overlap_dkv=bool(overlap_dkv), routes=routes)
 
 
-def _hop_masks(cfg: RingConfig, device, hop, q_pos, s, q_seg, kv_seg,
-               v_finite=None) -> HopMasks:
-  """Masks and block table of the K/V shard held at ``hop`` (it started on device
-  ``device - hop``); ``v_finite``: the per-device flags of :func:`_v_finite`, or None."""
-  src = (device - hop) % cfg.ring_size
-  kv_pos = layouts.local_positions(cfg.layout, cfg.ring_size, s, src)
-  return HopMasks.build(cfg.spec, q_pos, kv_pos, q_seg, kv_seg,
-                        v_finite=None if v_finite is None else v_finite[src])
-
-
-def _v_finite(cfg: RingConfig, v):
-  """bool ``[n]``: device ``i``'s V shard holds no NaN/inf. One pass over the local V and one
-  gather of ``n`` flags per forward, instead of a pass over V at every hop (the kernels'
-  non-finite-V guard reads the flag of the shard they hold)."""
-  return jax.lax.all_gather(jnp.isfinite(v).all(), cfg.axis_name)
-
-
 # ----------------------------------------------------------------------------
-# Shared with ring_jax.two_level (package-internal: not exported from ring_jax)
+# The loop: one forward and one backward over a route plan (also ring_jax.two_level's)
 # ----------------------------------------------------------------------------
 
 def shift(cfg: RingConfig, by: int, *xs):
@@ -349,31 +332,29 @@ def in_flight_during(transfers, compute):
   return jax.tree.unflatten(t_tree, t_leaves), jax.tree.unflatten(c_tree, c_leaves)
 
 
-def over_hops(cfg: RingConfig, step, state, *, peel_first: bool):
-  """Runs ``step(h, state, name=, last=)`` for the hops ``first..last`` the ring runs.
+def loop_span(count: int, peel_first: bool) -> tuple[int, int]:
+  """The steps ``(lo, hi)`` that :func:`over_hops` runs in its loop (the rest are peeled)."""
+  return (1 if peel_first else 0), count - 1
 
-  The whole ring is ``(0, n - 1)``; a window on the contiguous layout runs fewer
-  (:func:`ring_jax.routing.hop_range`). ``last`` (nothing left to send) is
-  peeled off the loop; with ``peel_first`` the first hop too, and every call then also
-  gets ``first=`` (True: nothing has arrived yet). The hops between run in one
-  ``fori_loop`` (inline when there is one), named ``hop``. Profiles name the peeled ones
-  ``hop_0`` and ``last_hop``.
+
+def over_hops(count: int, step, state, *, peel_first: bool):
+  """Runs ``step(i, state, name=, first=, last=)`` for the steps ``i = 0..count-1`` of a ring.
+
+  The last step (nothing left to send) is peeled off the loop, with ``peel_first`` the first
+  too (nothing has arrived yet); peeled steps get ``i`` as a Python int (static transfers),
+  the ones between (:func:`loop_span`) run in one ``fori_loop`` with ``i`` traced (inline,
+  ``i`` an int, when there is one), named ``hop``; profiles name the peeled ones ``hop_0``
+  and ``last_hop``. ``first=`` / ``last=`` say whether ``i`` is the first / last step.
   """
-  first, last = cfg.hops
-
-  def flag(is_first):  # first= only for the steps of a ring that peels its first hop
-    return {"first": is_first} if peel_first else {}
-
-  start = first
-  if peel_first and first < last:
-    state = step(first, state, name="hop_0", last=False, **flag(True))
-    start += 1
-  body = lambda h, state: step(h, state, name="hop", last=False, **flag(False))  # noqa: E731
-  if last - start == 1:
-    state = body(start, state)
-  elif last - start > 1:
-    state = jax.lax.fori_loop(start, last, body, state)
-  return step(last, state, name="last_hop", last=True, **flag(first == last))
+  lo, hi = loop_span(count, peel_first)
+  if peel_first and count > 1:
+    state = step(0, state, name="hop_0", first=True, last=False)
+  body = lambda i, state: step(i, state, name="hop", first=False, last=False)  # noqa: E731
+  if hi - lo == 1:
+    state = body(lo, state)
+  elif hi - lo > 1:
+    state = jax.lax.fori_loop(lo, hi, body, state)
+  return step(count - 1, state, name="last_hop", first=count == 1, last=True)
 
 
 def send(pairs, axis_name, *xs):
@@ -396,16 +377,17 @@ def hop_send(i, rows, span, axis_name, parts, send=send):
   """``parts`` (per stream, a tuple of arrays) sent over ``rows[i][stream]``'s pairs by
   ``send`` (:func:`send` or :func:`send_distinct`).
 
-  ``i`` a Python int: static sends. ``i`` traced (a loop over the hops ``span = (lo, hi)``):
-  a ``lax.switch`` on ``i - lo`` with one branch per hop ``lo..hi-1``, each its hop's
-  static ppermutes, so only that hop's pairs move and the loop keeps one hop's parts in
-  flight (unrolled hops let XLA:CPU issue every transfer up front, holding them all)."""
+  ``i`` a Python int: static sends. ``i`` traced (a loop over the steps ``span = (lo,
+  hi)``): when every step of the span moves the same pairs (the full rotation), one static
+  send; else a ``lax.switch`` on ``i - lo`` with one branch per step, each its step's static
+  ppermutes, so only that step's pairs move and the loop keeps one step's parts in flight
+  (unrolled steps let XLA:CPU issue every transfer up front, holding them all)."""
   def branch(row):
     return lambda parts: [send(p, axis_name, *x) for p, x in zip(row, parts)]
   if isinstance(i, int):
     return branch(rows[i])(parts)
   lo, hi = span
-  if hi - lo == 1:
+  if all(rows[h] == rows[lo] for h in range(lo, hi)):
     return branch(rows[lo])(parts)
   return jax.lax.switch(i - lo, [branch(rows[h]) for h in range(lo, hi)], parts)
 
@@ -423,11 +405,20 @@ def join_streams(xs):
 
 
 def hops_of(i, span):
-  """The hops step ``i`` may be: ``(i,)`` for a Python int, else the loop's ``span``."""
+  """The steps ``i`` may be: ``(i,)`` for a Python int, else the loop's ``span``."""
   return (i,) if isinstance(i, int) else range(*span)
 
 
-def _routed_masks(cfg: RingConfig, device, hop, q_pos, seg, kv_seg, v_finite=None):
+def v_finite_flags(routes: routing.Routes, axis_name, v):
+  """bool ``[n, streams]``: device ``d``'s part of each stream of its V shard holds no
+  NaN/inf. One pass over the local V and one gather per forward, instead of a pass over V
+  at every hop (the kernels' non-finite-V guard reads the flag of the part they hold)."""
+  finite = jnp.isfinite(v)
+  return jax.lax.all_gather(
+      jnp.stack([finite[:, s.start:s.stop].all() for s in routes.streams]), axis_name)
+
+
+def _masks(cfg: RingConfig, device, hop, q_pos, seg, kv_seg, v_finite=None):
   """Masks of the parts held at ``hop`` (stream ``i``'s part from device ``source``): their
   positions and ids side by side, and (forward) the AND of their non-finite-V flags."""
   routes, n = cfg.routes, cfg.ring_size
@@ -442,232 +433,143 @@ def _routed_masks(cfg: RingConfig, device, hop, q_pos, seg, kv_seg, v_finite=Non
   return HopMasks.build(cfg.spec, q_pos, kv_pos, seg, kv_seg, v_finite=finite)
 
 
-def _forward_routed(cfg: RingConfig, q, k, v, seg):
-  """:func:`_forward` on the routes of :func:`ring_jax.routing.routes`: the hops in one
-  ``fori_loop`` (the last peeled; inline when one is left), each hop's own transfers
-  (:attr:`ring_jax.routing.Stream.arrive`) picked by :func:`hop_send`."""
-  routes = cfg.routes
-  first, last = cfg.hops
-  hops = list(range(first, last + 1))
-  device = jax.lax.axis_index(cfg.axis_name)
-  q_pos = layouts.local_positions(cfg.layout, cfg.ring_size, q.shape[1], device)
-  finite = jnp.isfinite(v)  # one pass over V; a flag per stream's part
-  v_finite = jax.lax.all_gather(
-      jnp.stack([finite[:, s.start:s.stop].all() for s in routes.streams]), cfg.axis_name)
-  # As in _forward: the gather runs before the first K/V transfer on every device.
-  v_finite, k, v, seg = jax.lax.optimization_barrier((v_finite, k, v, seg))
-  acc = tuple(varying_like(x, q, k, v) for x in empty_result(q))
-  held = split_streams(routes, k, v, seg)
+def forward_loop(cfg: RingConfig, q, held, acc, masks_at, *, also=None):
+  """The forward over the hops of ``cfg.routes``: ``(acc, also)`` after folding every hop.
+
+  ``held``: per stream of the routes, this device's ``(k, v, seg)`` parts before the first
+  hop's transfer; ``acc``: the float32 ``(out, lse)`` carry, merged with each hop's result
+  (:func:`ring_jax.hop.merge`); ``masks_at(hop, kv_seg)``: the :class:`HopMasks` of the
+  parts held at ``hop`` (``kv_seg``: their segment ids). Each hop issues the transfer of the
+  next hop's parts (:func:`hop_send`, named ``send_kv``) before its block compute and reads
+  it after (:func:`in_flight_during`); ``also`` (transfers the caller issued, or None) is
+  tied to the last hop's compute in the same way. The hops run in one loop
+  (:func:`over_hops`, the last peeled).
+  """
+  routes, axis = cfg.routes, cfg.axis_name
+  first, last = routes.hops
+  count = last - first + 1
   if first != 0:
     with jax.named_scope("send_kv"):
-      held = [send(s.arrive[0], cfg.axis_name, *p) for s, p in zip(routes.streams, held)]
-  def compute(i, held, acc, name, nxt=None):
-    # The parts side by side, one kernel call (docs/performance.md): the block table skips
-    # what the causal mask hides in either part.
+      held = [send(s.arrive[0], axis, *p) for s, p in zip(routes.streams, held)]
+  rows = [[s.arrive[i + 1] if i + 1 < count else () for s in routes.streams]
+          for i in range(count)]
+  span = loop_span(count, peel_first=False)
+
+  tied = {"also": also}  # read at the last hop only, which runs outside the loop
+
+  def step(i, state, *, name, first, last):
+    del first  # the forward's first hop needs nothing the others do not
+    held, acc = state
+    nxt = tied["also"] if last else None
+    if not last:
+      with jax.named_scope("send_kv"):
+        nxt = hop_send(i, rows, span, axis, held)
     kh, vh, segh = (join_streams(x) for x in zip(*held))
     with jax.named_scope(name):
-      masks = _routed_masks(cfg, device, first + i, q_pos, seg, segh, v_finite)
+      masks = masks_at(routes.hops[0] + i, segh)
       hop = cfg.kernel.forward(q, kh, vh, masks, cfg.spec)
       if nxt is not None:
         nxt, hop = in_flight_during(nxt, hop)
-      return nxt, merge(*acc, *hop)
+      acc = merge(*acc, *hop)
+    if last:
+      tied["also"] = nxt
+      return held, acc
+    return nxt, acc
 
-  # rows[i]: per stream, the pairs that deliver hop i + 1's parts
-  rows = [[s.arrive[i + 1] for s in routes.streams] for i in range(len(hops) - 1)]
-
-  def body(i, state):  # hop i; sends the parts of hop i + 1
-    held, acc = state
-    with jax.named_scope("send_kv"):
-      nxt = hop_send(i, rows, (0, len(hops) - 1), cfg.axis_name, held)
-    return compute(i, held, acc, "hop", nxt)
-
-  if len(hops) == 2:  # one trip: inline, as over_hops does
-    held, acc = body(0, (held, acc))
-  elif len(hops) > 2:
-    held, acc = jax.lax.fori_loop(0, len(hops) - 1, body, (held, acc))
-  _, (out, lse) = compute(len(hops) - 1, held, acc, "last_hop")
-  return out.astype(q.dtype), lse
+  _, acc = over_hops(count, step, (held, acc), peel_first=False)
+  return acc, tied["also"]
 
 
-def _backward_routed(cfg: RingConfig, q, k, v, seg, res):
-  """:func:`_backward` on the routes: each part's float32 dK/dV accumulator follows the part
-  along its path and goes home from the last device that uses it
-  (:attr:`ring_jax.routing.Stream.home`); returns float32 ``(dq, dk, dv)``."""
+def backward_loop(cfg: RingConfig, q, held, res, dq, masks_at, *, also=None,
+                  home: bool = True):
+  """The backward over the hops of ``cfg.routes``: ``(dq, dk, dv, also)``, float32.
+
+  dQ stays here (``dq``: the accumulator to add to). Each part's float32 dK/dV accumulator
+  follows the part along its route (``send_dkv``: it arrives with the part, updated at the
+  hop before) and goes home from the last device that uses it (``dkv_home``,
+  :attr:`ring_jax.routing.Stream.home`); ``dk, dv`` are this device's own shard's.
+  ``home=False`` (the full rotation only): the accumulators stay where the last hop left
+  them, ``dk, dv`` are those of the parts held at the last hop. ``held``, ``masks_at`` and
+  ``also`` as in :func:`forward_loop`; every transfer is a :func:`send_distinct` (the K/V
+  ones equal the forward's). The first and last hops are peeled (:func:`over_hops`).
+  """
   routes, axis = cfg.routes, cfg.axis_name
-  first, last = cfg.hops
-  hops = list(range(first, last + 1))
+  first, last = routes.hops
+  count = last - first + 1
   device = jax.lax.axis_index(axis)
-  q_pos = layouts.local_positions(cfg.layout, cfg.ring_size, q.shape[1], device)
+  streams = routes.streams
 
   def zeros(x):
-    return varying_like(jnp.zeros(x.shape, jnp.float32), q, k, v)
+    return varying_like(jnp.zeros(x.shape, jnp.float32), q, x)
 
-  # Every transfer here is a send_distinct: the K/V ones equal the forward's.
-  held = split_streams(routes, k, v, seg)
   if first != 0:
     with jax.named_scope("send_kv"):
-      held = [send_distinct(s.arrive[0], axis, *p) for s, p in zip(routes.streams, held)]
+      held = [send_distinct(s.arrive[0], axis, *p) for s, p in zip(streams, held)]
   acc = [(zeros(p[0]), zeros(p[1])) for p in held]
-  # home[j]: stream j's finished accumulators of this device's own part, None until one can
-  # arrive (zigzag's early chunks come home only at the last hop: no buffer before it).
-  home = [None] * len(held)
-  dq = zeros(q)
-  count = len(hops)
-  span = (1, count - 1)  # the hops the loop runs (0 and the last are peeled)
-  arrive_next = [[s.arrive[i + 1] if i + 1 < count else () for s in routes.streams]
+  span = loop_span(count, peel_first=True)
+  arrive_next = [[s.arrive[i + 1] if i + 1 < count else () for s in streams]
                  for i in range(count)]
-  arrive_now = [[s.arrive[i] for s in routes.streams] for i in range(count)]
-  go_home = [[s.home[i] for s in routes.streams] for i in range(count)]
+  arrive_now = [[s.arrive[i] for s in streams] for i in range(count)]
+  go_home = [[s.home[i] for s in streams] for i in range(count)]
   # kept_home[j][i, d]: device d's own part of stream j has its last use on itself at hop i
   kept_home = [np.array([np.isin(np.arange(cfg.ring_size), d) for d in s.done_home])
-               for s in routes.streams]
+               for s in streams]
+  if not home and any(s.home[i] or s.done_home[i] for s in streams for i in range(count - 1)):
+    raise ValueError("backward_loop(home=False) needs a route whose parts all end at the "
+                     "last hop (the full rotation).")
+  # dkv[j]: stream j's finished accumulators of this device's own part, None until one can
+  # arrive (zigzag's early chunks come home only at the last hop: no buffer before it).
+  dkv = [None] * len(streams)
+  for i in range(*span):  # a loop carry needs a buffer from the start
+    if home and any(s.home[i] or s.done_home[i] for s in streams):
+      dkv = [(zeros(p[0]), zeros(p[1])) if any(s.home[h] or s.done_home[h]
+                                                for h in range(*span)) else None
+             for s, p in zip(streams, held)]
+      break
 
-  def step(i, state, name):  # i: a Python int (peeled hops) or traced (the loop)
-    held, acc, home, dq = state
-    nxt = held
-    if not (isinstance(i, int) and i + 1 == count):
+  tied = {"also": also}  # read at the last hop only, which runs outside the loop
+
+  def step(i, state, *, name, first, last):
+    held, acc, dkv, dq = state
+    nxt = tied["also"] if last else None
+    if not last:
       with jax.named_scope("send_kv"):
         nxt = hop_send(i, arrive_next, span, axis, held, send=send_distinct)
-    if not (isinstance(i, int) and i == 0):  # the parts held now arrive with their accumulators
+    if not first:  # the parts held now arrive with their accumulators
       with jax.named_scope("send_dkv"):
         acc = hop_send(i, arrive_now, span, axis, acc, send=send_distinct)
     kh, vh, segh = (join_streams(x) for x in zip(*held))
     dk, dv = join_streams([a[0] for a in acc]), join_streams([a[1] for a in acc])
     with jax.named_scope(name):
-      masks = _routed_masks(cfg, device, first + i, q_pos, seg, segh)
+      masks = masks_at(routes.hops[0] + i, segh)
       nxt, (dq, dk, dv) = backward_hop(cfg, q, kh, vh, masks, res, (dq, dk, dv), nxt,
-                                       arriving=not (isinstance(i, int) and i == 0),
-                                       last=isinstance(i, int) and i + 1 == count)
+                                       arriving=not first)
     acc = split_streams(routes, dk, dv)
-    with jax.named_scope("dkv_home"):  # accumulators whose last use was this hop
-      sent = hop_send(i, go_home, span, axis, acc, send=send_distinct)
-      new_home = list(home)
-      for j, s in enumerate(routes.streams):
-        if not any(s.home[h] or s.done_home[h] for h in hops_of(i, span)):
-          continue  # nothing of this stream comes home at this hop
-        got = sent[j]
-        if any(s.done_home):
-          mine = jnp.asarray(kept_home[j])[i, device]
-          got = tuple(x + jnp.where(mine, a, 0.0) for x, a in zip(got, acc[j]))
-        new_home[j] = got if home[j] is None else tuple(x + y for x, y in zip(home[j], got))
-    return nxt, acc, new_home, dq
+    if home:
+      with jax.named_scope("dkv_home"):  # accumulators whose last use was this hop
+        sent = hop_send(i, go_home, span, axis, acc, send=send_distinct)
+        dkv = list(dkv)
+        for j, s in enumerate(streams):
+          if not any(s.home[h] or s.done_home[h] for h in hops_of(i, span)):
+            continue  # nothing of this stream comes home at this hop
+          got = sent[j]
+          if any(s.done_home):
+            mine = jnp.asarray(kept_home[j])[i, device]
+            got = tuple(x + jnp.where(mine, a, 0.0) for x, a in zip(got, acc[j]))
+          dkv[j] = got if dkv[j] is None else tuple(x + y for x, y in zip(dkv[j], got))
+    if last:
+      tied["also"] = nxt
+      return held, acc, dkv, dq
+    return nxt, acc, dkv, dq
 
-  state = step(0, (held, acc, home, dq), "hop_0" if count > 1 else "last_hop")
-  if count > 2:
-    held, acc, home, dq = state
-    home = [h if h is not None or not any(s.home[i] or s.done_home[i] for i in range(*span))
-            else (zeros(p[0]), zeros(p[1])) for h, s, p in zip(home, routes.streams, held)]
-    state = jax.lax.fori_loop(1, count - 1, lambda i, st: step(i, st, "hop"),
-                              (held, acc, home, dq))
-  if count > 1:
-    state = step(count - 1, state, "last_hop")
-  _, _, home, dq = state
-  return dq, join_streams([x[0] for x in home]), join_streams([x[1] for x in home])
+  _, acc, dkv, dq = over_hops(count, step, (held, acc, dkv, dq), peel_first=True)
+  out = dkv if home else acc
+  return dq, join_streams([x[0] for x in out]), join_streams([x[1] for x in out]), tied["also"]
 
 
-def _forward(cfg: RingConfig, q, k, v, seg):
-  """Returns ``(out [B,T,K,G,H] input dtype, lse [B,T,K,G] f32, -inf where no key was seen)``.
-
-  Each hop's ``(out_h, lse_h)`` is merged into a float32 ``(out, lse)`` with
-  :func:`ring_jax.hop.merge`; the next shard's transfer is issued before the
-  hop's compute. Profiles name the parts ``ring_fwd/hop`` (the loop body),
-  ``ring_fwd/last_hop`` and ``ring_fwd/send_kv`` (the K/V transfer).
-  """
-  if cfg.routes is not None:
-    return _forward_routed(cfg, q, k, v, seg)
-  first = cfg.hops[0]
-  device = jax.lax.axis_index(cfg.axis_name)
-  s = k.shape[1]
-  q_pos = layouts.local_positions(cfg.layout, cfg.ring_size, q.shape[1], device)
-  v_finite = _v_finite(cfg, v)
-  # The gather of the flags must run before the first K/V transfer on every device: XLA:CPU
-  # may start independent collectives in a different order per device, and an all-gather on
-  # some devices waiting for a ppermute on the others deadlocks (seen under jax.profiler).
-  v_finite, k, v, seg = jax.lax.optimization_barrier((v_finite, k, v, seg))
-  acc = tuple(varying_like(x, q, k, v) for x in empty_result(q))
-  with jax.named_scope("send_kv"):
-    k, v, kv_seg = shift(cfg, first, k, v, seg)  # device d now holds shard d - first
-
-  def step(h, state, *, name, last):
-    k, v, kv_seg, acc = state
-    nxt = (k, v, kv_seg)
-    if not last:
-      with jax.named_scope("send_kv"):
-        nxt = shift(cfg, 1, k, v, kv_seg)
-    with jax.named_scope(name):
-      masks = _hop_masks(cfg, device, h, q_pos, s, seg, kv_seg, v_finite)
-      hop = cfg.kernel.forward(q, k, v, masks, cfg.spec)
-      if not last:
-        nxt, hop = in_flight_during(nxt, hop)
-      acc = merge(*acc, *hop)
-    return (*nxt, acc)
-
-  *_, (out, lse) = over_hops(cfg, step, (k, v, kv_seg, acc), peel_first=False)
-  return out.astype(q.dtype), lse
-
-
-def _backward(cfg: RingConfig, q, k, v, seg, out, lse, do, dlse):
-  """dQ stays home; each shard's float32 dK/dV accumulator follows the shard around the ring.
-
-  The kernel adds every hop's dQ into one float32 accumulator in place. By
-  default it adds the hop's dK/dV in place too, into the accumulator of the
-  shard held now, which arrives from the previous device (updated there at
-  the previous hop): two K/V-sized float32 buffers fewer than fresh
-  per-hop buffers, but the hop waits for that transfer. With
-  ``cfg.overlap_dkv`` the hop computes dK/dV into fresh buffers while the
-  accumulator is still in flight and adds the two afterwards, so neither the
-  K/V transfer for the next hop nor the accumulator transfer sits on the
-  critical path in front of the hop's compute. After the last hop each
-  accumulator goes home to its shard's owner (one transfer).
-
-  Profiles name the parts ``ring_bwd/hop_0``, ``ring_bwd/hop`` (the loop
-  body), ``ring_bwd/last_hop``, and the transfers ``ring_bwd/send_kv``,
-  ``ring_bwd/send_dkv`` and ``ring_bwd/dkv_home``.
-  """
-  first, last = cfg.hops
-  device = jax.lax.axis_index(cfg.axis_name)
-  s = k.shape[1]
-  q_pos = layouts.local_positions(cfg.layout, cfg.ring_size, q.shape[1], device)
-  res = HopResiduals(out=out, lse=lse_for_backward(lse), do=do, dlse=dlse)
-  k_own, v_own = k, v
-  if cfg.routes is not None:
-    dq, dk, dv = _backward_routed(cfg, q, k, v, seg, res)
-    return finish_grads(q, k_own, v_own, dq, dk, dv)
-
-  def zeros(x):
-    return varying_like(jnp.zeros(x.shape, jnp.float32), q, k, v)
-
-  with jax.named_scope("send_kv"):
-    k, v, kv_seg = shift(cfg, first, k, v, seg)
-
-  def step(h, state, *, name, first, last):
-    # dk/dv: at the first hop the zero accumulators of the shard held now; later the
-    # accumulators of the shard this device held at hop h-1, which travel on.
-    k, v, kv_seg, dq, dk, dv = state
-    nxt = (k, v, kv_seg)
-    if not last:
-      with jax.named_scope("send_kv"):
-        nxt = shift(cfg, 1, k, v, kv_seg)
-    if not first:  # the shard held now arrives with its own accumulators
-      with jax.named_scope("send_dkv"):
-        dk, dv = shift(cfg, 1, dk, dv)
-    with jax.named_scope(name):
-      masks = _hop_masks(cfg, device, h, q_pos, s, seg, kv_seg)
-      nxt, (dq, dk, dv) = backward_hop(cfg, q, k, v, masks, res, (dq, dk, dv), nxt,
-                                       arriving=not first, last=last)
-    return (*nxt, dq, dk, dv)
-
-  *_, dq, dk, dv = over_hops(cfg, step, (k, v, kv_seg, zeros(q), zeros(k), zeros(v)),
-                             peel_first=True)
-  with jax.named_scope("dkv_home"):
-    dk, dv = shift(cfg, -last, dk, dv)  # the accumulator of shard d - last goes home
-  return finish_grads(q, k_own, v_own, dq, dk, dv)
-
-
-def backward_hop(cfg: RingConfig, q, k, v, masks, res, grads, nxt, *, arriving: bool,
-                  last: bool):
+def backward_hop(cfg: RingConfig, q, k, v, masks, res, grads, nxt, *, arriving: bool):
   """One hop of the backward: ``(nxt, (dq, dk, dv))`` after the kernel's backward on the
-  shard ``k, v`` held now; ``nxt`` (the next shard, in flight) tied to the hop's compute.
+  shard ``k, v`` held now; ``nxt`` (transfers in flight, or None) tied to the hop's compute.
 
   ``grads = (dq, dk, dv)``: ``dk, dv`` are the accumulators of the shard held now, still in
   flight when ``arriving``. By default the kernel adds into them in place, so it waits for
@@ -680,7 +582,7 @@ def backward_hop(cfg: RingConfig, q, k, v, masks, res, grads, nxt, *, arriving: 
     (nxt, dk, dv), g = in_flight_during((nxt, dk, dv), g)
     return nxt, (g.dq, dk + g.dk, dv + g.dv)
   g = cfg.kernel.backward(q, k, v, masks, cfg.spec, res, HopGrads(dq, dk, dv))
-  if not last:
+  if nxt is not None:
     nxt, g = in_flight_during(nxt, g)
   return nxt, tuple(g)
 
@@ -690,6 +592,42 @@ def finish_grads(q, k_own, v_own, dq, dk, dv):
   if extra:  # K/V replicated over axes the queries are split over: add the parts
     dk, dv = jax.lax.psum((dk, dv), extra)
   return dq.astype(q.dtype), dk.astype(k_own.dtype), dv.astype(v_own.dtype)
+
+
+# ----------------------------------------------------------------------------
+# The flat ring
+# ----------------------------------------------------------------------------
+
+def _forward(cfg: RingConfig, q, k, v, seg):
+  """Returns ``(out [B,T,K,G,H] input dtype, lse [B,T,K,G] f32, -inf where no key was seen)``:
+  :func:`forward_loop` over the ring's routes. Profiles name the parts ``ring_fwd/hop``
+  (the loop body), ``ring_fwd/last_hop`` and ``ring_fwd/send_kv`` (the K/V transfer)."""
+  device = jax.lax.axis_index(cfg.axis_name)
+  q_pos = layouts.local_positions(cfg.layout, cfg.ring_size, q.shape[1], device)
+  v_finite = v_finite_flags(cfg.routes, cfg.axis_name, v)
+  # The gather of the flags must run before the first K/V transfer on every device: XLA:CPU
+  # may start independent collectives in a different order per device, and an all-gather on
+  # some devices waiting for a ppermute on the others deadlocks (seen under jax.profiler).
+  v_finite, k, v, seg = jax.lax.optimization_barrier((v_finite, k, v, seg))
+  acc = tuple(varying_like(x, q, k, v) for x in empty_result(q))
+  masks_at = lambda hop, kv_seg: _masks(cfg, device, hop, q_pos, seg, kv_seg, v_finite)  # noqa: E731
+  (out, lse), _ = forward_loop(cfg, q, split_streams(cfg.routes, k, v, seg), acc, masks_at)
+  return out.astype(q.dtype), lse
+
+
+def _backward(cfg: RingConfig, q, k, v, seg, out, lse, do, dlse):
+  """``(dq, dk, dv)`` in the inputs' dtypes: :func:`backward_loop` over the ring's routes.
+  Profiles name the parts ``ring_bwd/hop_0``, ``ring_bwd/hop`` (the loop body),
+  ``ring_bwd/last_hop``, and the transfers ``ring_bwd/send_kv``, ``ring_bwd/send_dkv`` and
+  ``ring_bwd/dkv_home``."""
+  device = jax.lax.axis_index(cfg.axis_name)
+  q_pos = layouts.local_positions(cfg.layout, cfg.ring_size, q.shape[1], device)
+  res = HopResiduals(out=out, lse=lse_for_backward(lse), do=do, dlse=dlse)
+  masks_at = lambda hop, kv_seg: _masks(cfg, device, hop, q_pos, seg, kv_seg)  # noqa: E731
+  dq = varying_like(jnp.zeros(q.shape, jnp.float32), q, k, v)
+  dq, dk, dv, _ = backward_loop(cfg, q, split_streams(cfg.routes, k, v, seg), res, dq,
+                                masks_at)
+  return finish_grads(q, k, v, dq, dk, dv)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))

@@ -163,6 +163,19 @@ def check_routing(causal_routing, layout: str | None = None, is_causal: bool = T
 
 
 @functools.lru_cache(maxsize=256)
+def rotation(layout: str, ring_size: int, local_len: int,
+             hops: tuple[int, int] | None = None) -> Routes:
+  """The full rotation as :class:`Routes`: one stream, the whole shard, forward (``d ->
+  d+1``) at every hop of ``hops`` (default: the whole ring ``(0, n - 1)``; the first hop's
+  transfer, when it is not 0, moves every shard ``first`` devices on), every accumulator
+  home after the last hop. The plan of a ring that does not route."""
+  n = ring_size
+  hops = (0, n - 1) if hops is None else tuple(hops)
+  return Routes(layout=layout, ring_size=n, local_len=local_len, hops=hops,
+                streams=(_stream(0, local_len, 1, np.ones((n, n), bool), hops),))
+
+
+@functools.lru_cache(maxsize=256)
 def routes(layout: str, ring_size: int, local_len: int, is_causal: bool,
            local_window_size=None) -> Routes:
   """The :class:`Routes` of a ring pass: per stream and hop, the transfers that are used.
@@ -259,8 +272,7 @@ def group_routes(layout: str, n_outer: int, n_inner: int, local_len: int, is_cau
   n_o, n_i, s = n_outer, n_inner, local_len
   hops = (0, n_o - 1)
   if not routed:
-    return Routes(layout=layout, ring_size=n_o, local_len=s, hops=hops,
-                  streams=(_stream(0, s, 1, np.ones((n_o, n_o), bool), hops),))
+    return rotation(layout, n_o, s, hops)
   if layout == "zigzag":
     half = s // 2
     parts, q_chunk = ((0, half, -1), (half, s, -1)), half

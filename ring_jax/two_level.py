@@ -73,10 +73,11 @@ from ring_jax import layouts
 from ring_jax import routing
 from ring_jax import validation
 from ring_jax.hop import (HopMasks, HopResiduals, empty_result,
-                          lse_for_backward, merge, varying_like)
-from ring_jax.ring import (RingConfig, attend_grouped, backward_hop, finish_grads, hop_send,
-                           hops_of, in_flight_during, join_streams, make_config, over_hops,
-                           platform_defaults, send, send_distinct, shift, split_streams)
+                          lse_for_backward, varying_like)
+from ring_jax.ring import (RingConfig, attend_grouped, backward_loop, finish_grads,
+                           forward_loop, hop_send, hops_of, join_streams, loop_span,
+                           make_config, over_hops, platform_defaults, send_distinct, shift,
+                           split_streams, v_finite_flags)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,7 +150,8 @@ def two_level_ring_attention(query, key, value, *, axis_name, is_causal: bool = 
   tl = _TwoLevelConfig(
       ring=cfg,
       outer=dataclasses.replace(cfg, axis_name=outer, ring_size=n_o, hops=(0, n_o - 1)),
-      inner=dataclasses.replace(cfg, axis_name=inner, ring_size=n_i, hops=(0, n_i - 1)),
+      inner=dataclasses.replace(cfg, axis_name=inner, ring_size=n_i, hops=(0, n_i - 1),
+                                routes=routing.rotation(layout, n_i, key.shape[1])),
       routes=routes)
   return attend_grouped(_two_level, tl, query, key, value, segment_ids, return_lse)
 
@@ -185,36 +187,14 @@ def _masks(tl: _TwoLevelConfig, g, r, step, hop, q_pos, q_seg, kv_seg, v_finite=
   return HopMasks.build(cfg.spec, q_pos, kv_pos, q_seg, kv_seg, v_finite=finite)
 
 
-def _step_send(i, rows, span, axis_name, parts, send=send):
-  """:func:`ring_jax.ring.hop_send` of step ``i``'s ``rows``; when every step the loop runs
-  (``span``) moves the same pairs (the full rotation), one static send without a switch."""
-  lo, hi = span
-  if not isinstance(i, int) and all(rows[h] == rows[lo] for h in range(lo, hi)):
-    i = lo
-  return hop_send(i, rows, span, axis_name, parts, send=send)
-
-
-def _outer_steps(n_o: int, step, state, *, start: int = 0):
-  """Runs ``step(i, state)`` for the outer steps ``start..n_o-1`` (``start`` 0 or 1): the
-  first and the last peeled (Python ints: their transfers are static), the ones between in
-  one ``fori_loop`` (``i`` traced; each step's own outer transfers picked by
-  :func:`ring_jax.ring.hop_send`'s ``lax.switch``), inline when there is one."""
-  if start == 0:
-    state = step(0, state)
-  if n_o > 3:
-    state = jax.lax.fori_loop(1, n_o - 1, step, state)
-  elif n_o == 3:
-    state = step(1, state)
-  if n_o > 1:
-    state = step(n_o - 1, state)
-  return state
-
-
 def _forward(tl: _TwoLevelConfig, q, k, v, seg):
   """``(out [B,T,K,G,H] input dtype, lse [B,T,K,G] f32, received)``, as
-  :func:`ring_jax.ring._forward`; ``received``: per stream, the ``(k, v, seg)`` parts the
-  first outer transfer delivered (held at step 1; None on one group), which the backward
-  reads instead of sending them again."""
+  :func:`ring_jax.ring._forward`: per outer step (:func:`ring_jax.ring.over_hops` over the
+  outer routes) the transfer of the next step's parts (``send_outer``), then the inner ring
+  (:func:`ring_jax.ring.forward_loop`, the full rotation over the inner axis) on the
+  group's buffer, the outer transfer tied to its last hop. ``received``: per stream, the
+  ``(k, v, seg)`` parts the first outer transfer delivered (held at step 1; None on one
+  group), which the backward reads instead of sending them again."""
   cfg, routes = tl.ring, tl.routes
   n_o = tl.outer.ring_size
   g, r = _where(tl)
@@ -223,46 +203,31 @@ def _forward(tl: _TwoLevelConfig, q, k, v, seg):
   # Flags per device (ring-index order: all_gather over (outer, inner) is outer-major) and
   # stream part. As in the flat ring, the gather runs before any K/V transfer on every
   # device (XLA:CPU deadlock otherwise).
-  finite = jnp.isfinite(v)
-  v_finite = jax.lax.all_gather(
-      jnp.stack([finite[:, s.start:s.stop].all() for s in routes.streams]), cfg.axis_name)
+  v_finite = v_finite_flags(routes, cfg.axis_name, v)
   v_finite, k, v, seg = jax.lax.optimization_barrier((v_finite, k, v, seg))
   acc = tuple(varying_like(x, q, k, v) for x in empty_result(q))
   # rows[i]: per stream, the outer pairs that deliver step i + 1's parts
-  rows = [[s.arrive[i + 1] for s in routes.streams] for i in range(n_o - 1)]
+  rows = [[s.arrive[i + 1] if i + 1 < n_o else () for s in routes.streams] for i in range(n_o)]
+  span = loop_span(n_o, peel_first=True)
+  received = {}
 
-  def outer_step(i, state):
+  def outer_step(i, state, *, name, first, last):
+    del name
     held, acc = state
-    nxt = held
-    if not (isinstance(i, int) and i == n_o - 1):  # issued before the inner ring, read at i + 1
+    nxt = None
+    if not last:  # issued before the inner ring, read at i + 1
       with jax.named_scope("send_outer"):
-        nxt = _step_send(i, rows, (1, n_o - 1), tl.outer.axis_name, held)
+        nxt = hop_send(i, rows, span, tl.outer.axis_name, held)
     ko, vo, sego = (join_streams(x) for x in zip(*held))
-    outer = {"nxt": nxt}
+    masks_at = lambda h, kv_seg: _masks(tl, g, r, i, h, q_pos, seg, kv_seg, v_finite)  # noqa: E731
+    acc, nxt = forward_loop(tl.inner, q, [(ko, vo, sego)], acc, masks_at, also=nxt)
+    if first and not last:
+      received["parts"] = nxt
+    return (held if last else nxt), acc
 
-    def hop(h, state, *, name, last):
-      k, v, kv_seg, acc = state
-      nxt = (k, v, kv_seg)
-      if not last:
-        with jax.named_scope("send_kv"):
-          nxt = shift(tl.inner, 1, k, v, kv_seg)
-      with jax.named_scope(name):
-        masks = _masks(tl, g, r, i, h, q_pos, seg, kv_seg, v_finite)
-        hop = cfg.kernel.forward(q, k, v, masks, cfg.spec)
-        if not last:
-          nxt, hop = in_flight_during(nxt, hop)
-        elif outer["nxt"] is not held:  # the outer parts arrive during the inner ring's blocks
-          outer["nxt"], hop = in_flight_during(outer["nxt"], hop)
-        acc = merge(*acc, *hop)
-      return (*nxt, acc)
-
-    *_, acc = over_hops(tl.inner, hop, (ko, vo, sego, acc), peel_first=False)
-    return outer["nxt"], acc
-
-  state = outer_step(0, (split_streams(routes, k, v, seg), acc))
-  received = state[0] if n_o > 1 else None
-  _, (out, lse) = _outer_steps(n_o, outer_step, state, start=1)
-  return out.astype(q.dtype), lse, received
+  _, (out, lse) = over_hops(n_o, outer_step, (split_streams(routes, k, v, seg), acc),
+                            peel_first=True)
+  return out.astype(q.dtype), lse, received.get("parts")
 
 
 def _backward(tl: _TwoLevelConfig, q, k, v, seg, out, lse, do, dlse, received):
@@ -281,7 +246,7 @@ def _backward(tl: _TwoLevelConfig, q, k, v, seg, out, lse, do, dlse, received):
   def zeros(x):
     return varying_like(jnp.zeros(x.shape, jnp.float32), q, k, v)
 
-  span = (1, n_o - 1)  # the steps the loop runs (0 and the last are peeled)
+  span = loop_span(n_o, peel_first=True)  # the steps the loop runs (0 and the last peeled)
   arrive_next = [[s.arrive[i + 1] if i + 1 < n_o else () for s in streams] for i in range(n_o)]
   arrive_now = [[s.arrive[i] for s in streams] for i in range(n_o)]
   home_prev = [[s.home[i - 1] if i else () for s in streams] for i in range(n_o)]
@@ -289,56 +254,39 @@ def _backward(tl: _TwoLevelConfig, q, k, v, seg, out, lse, do, dlse, received):
   kept = [np.array([[d in s.done_home[h] for d in range(n_o)] for h in range(n_o)])
           for s in streams]
 
-  def outer_step(i, state):
+  def outer_step(i, state, *, name, first, last):
     # acc: per stream, the outer dK/dV accumulators of the parts held at step i - 1 (by
     # then at this device, their holder); they travel on with the parts (outer_dkv) or go
     # home (dkv_home) while this step's inner ring runs, and are read after it.
+    del name
     held, acc, home, dq = state
-    first, last = isinstance(i, int) and i == 0, isinstance(i, int) and i == n_o - 1
-    nxt, sent_outer = held, False
+    nxt, sent_outer = held, None
     if first and received is not None:  # step 1's parts: kept from the forward
       nxt = [(jnp.stack(p[:2]), p[2]) for p in received]
     elif not last:
       with jax.named_scope("send_outer"):
-        nxt = _step_send(i, arrive_next, span, outer, held, send=send_distinct)
-      sent_outer = True
+        sent_outer = hop_send(i, arrive_next, span, outer, held, send=send_distinct)
     arrived = None
     if not first:
       with jax.named_scope("outer_dkv"):
-        arrived = _step_send(i, arrive_now, span, outer, acc, send=send_distinct)
+        arrived = hop_send(i, arrive_now, span, outer, acc, send=send_distinct)
       steps = hops_of(i, span)
       if any(s.home[h - 1] or s.done_home[h - 1] for s in streams for h in steps):
         with jax.named_scope("dkv_home"):  # parts whose last use was step i - 1
-          sent = _step_send(i, home_prev, span, outer, acc, send=send_distinct)
+          sent = hop_send(i, home_prev, span, outer, acc, send=send_distinct)
           mine = [jnp.asarray(kept_j)[i - 1, g] for kept_j in kept]
           home = [tuple(h_ + s_ + jnp.where(m, a, 0.0) for h_, s_, a in zip(hj, sj, aj))
                   for hj, sj, aj, m in zip(home, sent, acc, mine)]
     kh, vh = (join_streams([p[0][m] for p in held]) for m in (0, 1))
     segh = join_streams([p[1] for p in held])
-
-    def hop(h, state, *, name, first, last):
-      k, v, kv_seg, dq, dk, dv = state
-      nxt = (k, v, kv_seg)
-      if not last:
-        with jax.named_scope("send_kv"):
-          nxt = shift(tl.inner, 1, k, v, kv_seg)
-      if not first:
-        with jax.named_scope("send_dkv"):
-          dk, dv = shift(tl.inner, 1, dk, dv)
-      with jax.named_scope(name):
-        masks = _masks(tl, g, r, i, h, q_pos, seg, kv_seg)
-        nxt, (dq, dk, dv) = backward_hop(cfg, q, k, v, masks, res, (dq, dk, dv), nxt,
-                                         arriving=not first, last=last)
-      return (*nxt, dq, dk, dv)
-
-    *_, dq, dk, dv = over_hops(tl.inner, hop, (kh, vh, segh, dq, zeros(kh), zeros(vh)),
-                               peel_first=True)
-    if sent_outer:  # the next step's parts arrive during the inner ring
-      nxt, (dq, dk, dv) = in_flight_during(nxt, (dq, dk, dv))
-    # (g, r) now holds this group's part of the dK/dV of the buffer's shard r + 1.
+    # The inner ring; its accumulators go home to the holder of the outer buffer, (g, r),
+    # except at the last step, where they stay one device on (the outer ones move there).
+    masks_at = lambda h, kv_seg: _masks(tl, g, r, i, h, q_pos, seg, kv_seg)  # noqa: E731
+    dq, dk, dv, sent_outer = backward_loop(tl.inner, q, [(kh, vh, segh)], res, dq, masks_at,
+                                           also=sent_outer, home=not last)
+    if sent_outer is not None:  # the next step's parts, in flight during the inner ring
+      nxt = sent_outer
     if not last:
-      with jax.named_scope("dkv_home"):  # to the holder of the outer buffer, (g, r)
-        dk, dv = shift(tl.inner, -(n_i - 1), dk, dv)
       if arrived is not None:
         dk = dk + join_streams([a[0] for a in arrived])
         dv = dv + join_streams([a[1] for a in arrived])
@@ -355,7 +303,7 @@ def _backward(tl: _TwoLevelConfig, q, k, v, seg, out, lse, do, dlse, received):
   held = [(jnp.stack(p[:2]), p[2]) for p in split_streams(routes, k, v, seg)]
   acc = [(zeros(p[0]), zeros(p[1])) for p in split_streams(routes, k, v)]
   home = [(zeros(p[0]), zeros(p[1])) for p in split_streams(routes, k, v)]
-  _, acc, home, dq = _outer_steps(n_o, outer_step, (held, acc, home, zeros(q)))
+  _, acc, home, dq = over_hops(n_o, outer_step, (held, acc, home, zeros(q)), peel_first=True)
   with jax.named_scope("dkv_home"):  # the parts last used at the last step: one transfer
     last = n_o - 1
     for j, s in enumerate(streams):

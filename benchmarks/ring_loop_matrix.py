@@ -1,0 +1,190 @@
+"""The rings' compiled footprint over a fixed matrix, to compare two versions of the ring loop.
+
+For every ring of the matrix (flat rings of 2, 4 and 8 devices, two-level rings 2x2 and 4x2;
+layouts contiguous, zigzag, striped and document; causal, full and causal with a window;
+causal routing on and off; forward and forward+backward) it compiles the ring on its local
+shards (``jax.shard_map`` of :func:`ring_jax.ring_attention` or
+:func:`ring_jax.two_level_ring_attention`, inputs already in the layout) and records from
+the compiled program: the collective-permutes it executes per run (loop trip counts, a
+``lax.switch`` branch per trip: :func:`benchmarks.two_level.permute_traffic`) and the bytes
+they move over all devices' links together (each executed permute's operand times its
+source-target pairs), ``memory_analysis()`` temp bytes and the scheduled HLO's size; compiled for a TPU
+slice (``--topology``, no TPU attached) also the ring transfers in flight during block
+compute (:func:`ring_jax.analysis.overlap_report`). Nothing runs.
+
+    PYTHONPATH=. python benchmarks/ring_loop_matrix.py --label before --out /tmp/before.json
+    ALLOW_MULTIPLE_LIBTPU_LOAD=1 PYTHONPATH=. python benchmarks/ring_loop_matrix.py \\
+        --topology v5p:2x2x2 --passes fwd+bwd --out /tmp/before_tpu.json
+    PYTHONPATH=. python benchmarks/ring_loop_matrix.py --compare /tmp/before.json /tmp/after.json
+
+``--compare`` prints one line per cell whose figures differ and exits non-zero when any
+figure got worse (more permutes, bytes, temp or HLO, fewer transfers in flight).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import json
+import math
+import os
+import sys
+
+if "--topology" not in sys.argv and "--compare" not in sys.argv and (
+    "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")):
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                             " --xla_force_host_platform_device_count=8").strip()
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import ring_jax  # noqa: E402
+from benchmarks import two_level  # noqa: E402
+
+RINGS = ("2", "4", "8", "2x2", "4x2")
+LAYOUTS = ("contiguous", "zigzag", "striped", "document")
+MASKS = ("causal", "full", "window")
+PASSES = ("fwd", "fwd+bwd")
+LOCAL_LEN = 128   # tokens per device
+BLOCK = 32
+WINDOW = (160, 0)  # causal, reaching a bit over one shard back
+HEADS, KV_HEADS, HEAD_DIM = 4, 2, 32
+# (figure, better when) compared by --compare
+FIGURES = (("permutes", "lower"), ("permute_bytes", "lower"), ("temp_bytes", "lower"),
+           ("hlo_chars", "lower"), ("ring_in_flight", "higher"))
+
+
+def cells(rings, layouts, masks, passes):
+  """The matrix's cells as dicts (document: no window, the layout takes none)."""
+  for ring in rings:
+    for layout in layouts:
+      for mask in masks:
+        if layout == "document" and mask == "window":
+          continue
+        for routed in (False, True):
+          for pass_ in passes:
+            yield dict(ring=ring, layout=layout, mask=mask, routed=routed, pass_=pass_)
+
+
+def compile_cell(cell, devices):
+  """The compiled program of one cell on the first devices of ``devices``."""
+  split = tuple(int(x) for x in cell["ring"].split("x"))
+  n = math.prod(split)
+  axes = ("outer", "inner") if len(split) == 2 else ("sequence",)
+  mesh = jax.sharding.Mesh(np.asarray(devices[:n]).reshape(split), axes)
+  seq = axes if len(axes) == 2 else axes[0]
+  attend = ring_jax.two_level_ring_attention if len(split) == 2 else ring_jax.ring_attention
+  kw = dict(axis_name=seq, is_causal=cell["mask"] != "full", layout=cell["layout"],
+            causal_routing=cell["routed"], block_q=BLOCK, block_kv=BLOCK, hop_kernel="xla",
+            local_window_size=WINDOW if cell["mask"] == "window" else None)
+  length = LOCAL_LEN * n
+  qkv = [jax.ShapeDtypeStruct((1, length, h, HEAD_DIM), jnp.float32)
+         for h in (HEADS, KV_HEADS, KV_HEADS)]
+  x_spec = P(None, seq)
+  if cell["layout"] == "document":
+    local = lambda q, k, v, seg: attend(q, k, v, segment_ids=seg, **kw)  # noqa: E731
+    args = [*qkv, jax.ShapeDtypeStruct((1, length), jnp.int32)]
+    specs = (x_spec,) * 4
+  else:
+    local = functools.partial(attend, **kw)
+    args, specs = qkv, (x_spec,) * 3
+  fn = jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=x_spec)
+  if cell["pass_"] == "fwd+bwd":
+    fwd = fn
+    fn = lambda *a: jax.grad(lambda q, k, v: jnp.sum(fwd(q, k, v, *a[3:]) ** 2),  # noqa: E731
+                             (0, 1, 2))(*a[:3])
+  return jax.jit(fn).lower(*args).compile(), split
+
+
+def measure(cell, devices, tpu: bool) -> dict:
+  compiled, split = compile_cell(cell, devices)
+  text = compiled.as_text()
+  ops = two_level.permute_traffic(text, split)
+  row = dict(cell, permutes=sum(op["runs"] for op in ops),
+             permute_bytes=sum(op["bytes"] * op["runs"] * op["pairs"] for op in ops),
+             temp_bytes=int(compiled.memory_analysis().temp_size_in_bytes),
+             hlo_chars=len(text))
+  if tpu:
+    from ring_jax import analysis
+    row["ring_in_flight"], row["ring_transfers"] = analysis.overlap_report(compiled).ring()
+  return row
+
+
+def key(row) -> str:
+  return (f"{row['ring']} {row['layout']}-{row['mask']}{'+routed' if row['routed'] else ''} "
+          f"{row['pass_']}")
+
+
+def compare(before_path, after_path) -> int:
+  """Prints the cells whose figures differ; 1 when one got worse, else 0."""
+  load = lambda p: {key(r): r for r in json.load(open(p))["rows"]}  # noqa: E731
+  before, after = load(before_path), load(after_path)
+  worse = better = same = 0
+  for k, b in before.items():
+    a = after.get(k)
+    if a is None:
+      print(f"{k}: missing after")
+      worse += 1
+      continue
+    notes, cell_worse, cell_better = [], False, False
+    for fig, good in FIGURES:
+      if fig not in b or fig not in a or a[fig] == b[fig]:
+        continue
+      up = a[fig] > b[fig]
+      bad = up if good == "lower" else not up
+      cell_worse |= bad
+      cell_better |= not bad
+      notes.append(f"{fig} {b[fig]} -> {a[fig]}{' WORSE' if bad else ''}")
+    worse += cell_worse
+    better += cell_better and not cell_worse
+    same += not notes
+    if notes:
+      print(f"{k}: " + "; ".join(notes))
+  print(f"{len(before)} cells: {same} equal, {better} better, {worse} worse")
+  return 1 if worse else 0
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p.add_argument("--topology", default=None, help="compile for this TPU slice (8 chips)")
+  p.add_argument("--rings", default=",".join(RINGS))
+  p.add_argument("--layouts", default=",".join(LAYOUTS))
+  p.add_argument("--masks", default=",".join(MASKS))
+  p.add_argument("--passes", default=",".join(PASSES))
+  p.add_argument("--label", default="")
+  p.add_argument("--out", default=None)
+  p.add_argument("--compare", nargs=2, metavar=("BEFORE", "AFTER"))
+  args = p.parse_args(argv)
+  if args.compare:
+    return compare(*args.compare)
+  if args.topology:
+    from benchmarks.tpu_overlap import topology_devices
+    devices = topology_devices(args.topology)
+  else:
+    devices = jax.devices()
+  rows = []
+  for cell in cells(args.rings.split(","), args.layouts.split(","), args.masks.split(","),
+                    args.passes.split(",")):
+    row = measure(cell, devices, tpu=bool(args.topology))
+    rows.append(row)
+    print(f"{key(row):45s} permutes {row['permutes']:4d} bytes {row['permute_bytes']:10d} "
+          f"temp {row['temp_bytes']:10d} hlo {row['hlo_chars']:9d}"
+          + (f" in flight {row['ring_in_flight']}/{row['ring_transfers']}"
+             if args.topology else ""), flush=True)
+  if args.out:
+    with open(args.out, "w") as f:
+      json.dump(dict(label=args.label, date=datetime.date.today().isoformat(),
+                     jax=jax.__version__, platform=args.topology or jax.default_backend(),
+                     shapes=dict(local_len=LOCAL_LEN, block=BLOCK, window=WINDOW, heads=HEADS,
+                                 kv_heads=KV_HEADS, head_dim=HEAD_DIM, dtype="float32"),
+                     rows=rows), f, indent=1)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
