@@ -109,7 +109,7 @@ OVERLAP_SUFFIX = "overlap"
 
 def ring_variant(name):
   """``"ring-<layout>[+routed|+full][+overlap][:<hop kernel>]"`` -> ``(layout, hop kernel name,
-  causal_routing)`` (kernel default ``"auto"``; e.g. ``ring-zigzag:pallas_tpu``, which runs
+  causal_routing)`` (kernel default ``"auto"``; e.g. ``ring-zigzag:splash``, which runs
   in interpret mode on CPU; ``+routed`` / ``+full``: ``causal_routing=True`` / ``False``,
   no suffix: ``None``, the default)."""
   layout, _, kernel = name[len("ring-"):].partition(":")

@@ -721,7 +721,7 @@ def tensor_sp() -> str:
 # ----------------------------------------------------------------------------
 
 KERNELS_MEM = "attention_cpu_memscan_kernels.json"
-KERNEL_NAMES = (("ring-zigzag:xla", "`xla`"), ("ring-zigzag:pallas_tpu", "`pallas_tpu` (interpret)"),
+KERNEL_NAMES = (("ring-zigzag:xla", "`xla`"),
                 ("paper", "paper's code (`ringattention` 0.1.2), for scale"))
 OVERLAP = "ring-zigzag+overlap:xla"
 
@@ -808,7 +808,8 @@ TPU_HOP_MEMORY_TRIED = "tpu_hop_memory_v5p_tried.json"
 
 
 def _hop_case(row) -> tuple[str, str]:
-  """``(configuration without the kernel, kernel)`` of a tpu_overlap.py row."""
+  """``(configuration without the kernel, kernel)`` of a tpu_overlap.py row (``pallas_tpu``:
+  the fused TPU kernel since removed, whose rows the result files keep)."""
   parts = row["config"].split("+")
   kernel = next((p for p in parts[1:] if p in ("splash", "pallas_tpu")), "xla")
   return "+".join(p for p in parts if p != kernel), kernel
@@ -842,7 +843,7 @@ def tpu_hop_memory() -> str:
           f"{d['dtype']}, default blocks, the TPU defaults (`overlap_dkv=True`, full rotation); "
           f"temp MiB per chip (`memory_analysis()`), heads query:K/V; the last pair: splash with "
           f"the guard change of {tried['label']} (reverted):\n\n" +
-          table(["configuration", "heads", "xla", "pallas_tpu", "/ xla", "splash", "/ xla",
+          table(["configuration", "heads", "xla", "pallas_tpu (removed)", "/ xla", "splash", "/ xla",
                  "splash, tried", "/ xla"], out, "--rrrrrrr") + "\n\n" +
           caption(TPU_HOP_MEMORY, TPU_HOP_MEMORY_TRIED,
                   note=f"Deviceless compiles with libtpu {d['libtpu']}."))

@@ -1,22 +1,20 @@
-"""One-TPU-chip check of the fused hop kernel: TFLOP/s against splash attention and XLA.
+"""One-TPU-chip check of the splash hop kernel: TFLOP/s against splash attention and XLA.
 
 Run through ``benchmarks/tpu_check.sh`` (``PYTHONPATH=.``). On one chip (ring
 size 1), bf16, causal and non-causal, at 8K / 16K / 32K / 64K tokens:
 
-* ``pallas_tpu hop``: :class:`ring_jax.kernels.pallas_tpu.PallasTpuHopKernel`
-  called as the ring calls it with one device: ``forward`` -> ``(out_h,
-  lse_h)``, then (for fwd+bwd) ``backward`` with that final ``out``/``lse``
-  (``lse = +inf`` on empty rows).
 * ``splash``: the splash attention kernel bundled with JAX
   (``make_splash_mha``, ``CausalMask``/``FullMask``, fused backward), through
-  its own VJP. Queries pre-scaled (splash has no scale argument).
+  its own VJP: the single-chip ceiling. Queries pre-scaled (splash has no scale
+  argument).
 * ``ring_jax ring=1 [<kernel>]``: ``ring_jax.ring_attention`` on a 1-device
-  mesh with ``hop_kernel="xla"``, ``"pallas_tpu"`` and ``"splash"`` (our hop on
-  splash's kernels, ``ring_jax/kernels/splash.py``; rows say "n/a" where this
-  checkout's ``ring_attention`` lacks the kernel).
+  mesh with ``hop_kernel="xla"`` and ``"splash"`` (our hop on splash's kernels,
+  ``ring_jax/kernels/splash.py``; rows say "n/a" where this checkout's
+  ``ring_attention`` lacks the kernel).
 
 At the smallest length it also prints the largest difference between the
-pallas_tpu and splash outputs (a hardware correctness check), and at the end what
+``ring_jax ring=1 [splash]`` and ``splash`` outputs (a hardware correctness check),
+then the splash hop's fwd+bwd ratios to splash and to the XLA ring, and at the end what
 ``hop_kernel="auto"`` resolved to with splash's self-check verdict
 (``ring_jax.kernels.describe``). A short table is
 printed; all rows go to ``benchmarks/results/tpu_check.json`` (or
@@ -27,7 +25,7 @@ runs) and the run keeps to ``TPU_CHECK_BUDGET_S`` (default 450 s).
 (a smoke test of the script; its timings mean nothing).
 
 FLOPs: forward 4*B*N*L^2*H (x0.5 causal); fwd+bwd 3.5x forward (FlashAttention-2
-convention, recomputation not counted). Target (issue 8): pallas_tpu >= 0.9x splash.
+convention, recomputation not counted).
 """
 
 from __future__ import annotations
@@ -46,8 +44,6 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import ring_jax  # noqa: E402
 from benchmarks import common  # noqa: E402
-from ring_jax.hop import HopMasks, HopResiduals, HopSpec, zero_grads  # noqa: E402
-from ring_jax.kernels.pallas_tpu import PallasTpuHopKernel  # noqa: E402
 
 DRY = os.environ.get("TPU_CHECK_DRY", "0") not in ("", "0")
 BUDGET_S = float(os.environ.get("TPU_CHECK_BUDGET_S", "450"))
@@ -60,6 +56,7 @@ OUT = os.environ.get("TPU_CHECK_OUT") or os.path.join(
     os.path.dirname(os.path.abspath(__file__)), "results",
     "tpu_check_dry.json" if DRY else "tpu_check.json")
 T0 = time.perf_counter()
+SPLASH, RING_XLA, RING_SPLASH = "splash", "ring_jax ring=1 [xla]", "ring_jax ring=1 [splash]"
 
 
 def say(*a):
@@ -70,36 +67,6 @@ def bench(fn, args, repeats):
   """Median seconds of a compiled call (after one warm-up call; none in a dry run, whose
   timings mean nothing and whose interpreted kernels take seconds a call)."""
   return common.median(common.time_calls(fn, args, repeats, warmup=0 if DRY else 1))
-
-
-def _masks(length, spec):
-  """Hop masks of a ring of one: positions 0..L-1, no segment ids."""
-  pos = jnp.arange(length, dtype=jnp.int32)
-  return HopMasks.build(spec, pos, pos)
-
-
-def pallas_impl(length, causal):
-  """(fwd, fwd+bwd) on q [B, L, N, H], k/v [B, L, K, H] -> out [B, L, N, H]."""
-  kern = PallasTpuHopKernel()
-  spec = HopSpec(scale=H ** -0.5, is_causal=causal, window=None, block_q=BLOCK,
-                 block_kv=BLOCK)
-  masks = _masks(length, spec)
-  g = N // K
-
-  def fwd(q, k, v):
-    out_h, lse_h = kern.forward(q.reshape(B, length, K, g, H), k, v, masks, spec)
-    return out_h.astype(q.dtype).reshape(q.shape), lse_h
-
-  def fwd_bwd(q, k, v, do):
-    out, lse_h = fwd(q, k, v)
-    lse = jnp.where(lse_h == -jnp.inf, jnp.inf, lse_h)       # the ring's finalize
-    q5 = q.reshape(B, length, K, g, H)
-    dq, dk, dv = kern.backward(q5, k, v, masks, spec,
-                               HopResiduals(out.reshape(q5.shape), lse, do.reshape(q5.shape)),
-                               zero_grads(q5, k, v))
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
-
-  return (lambda q, k, v: fwd(q, k, v)[0]), fwd_bwd
 
 
 def splash_impl(length, causal):
@@ -157,11 +124,9 @@ def main():
   say(f"devices: {jax.devices()}; jax {jax.__version__}; dry={DRY}")
   say(f"B={B} N={N} K={K} H={H} {jnp.dtype(DTYPE).name}, block {BLOCK}, lengths {LENGTHS}")
   impls = {
-      "pallas_tpu hop": pallas_impl,
-      "splash": splash_impl,
-      "ring_jax ring=1 [xla]": functools.partial(ring_impl, hop_kernel="xla"),
-      "ring_jax ring=1 [pallas_tpu]": functools.partial(ring_impl, hop_kernel="pallas_tpu"),
-      "ring_jax ring=1 [splash]": functools.partial(ring_impl, hop_kernel="splash"),
+      SPLASH: splash_impl,
+      RING_XLA: functools.partial(ring_impl, hop_kernel="xla"),
+      RING_SPLASH: functools.partial(ring_impl, hop_kernel="splash"),
   }
   rows, checks = [], []
   header = (f"{'L':>6} {'mask':<6} {'impl':<30} {'fwd ms':>9} {'fwd TF/s':>9} {'f+b ms':>9} "
@@ -208,19 +173,20 @@ def main():
         print(f"{length:>6} {'causal' if causal else 'full':<6} {name:<30} {cell('fwd')} "
               f"{cell('fb')}  {row['note']}", flush=True)
         rows.append(row)
-      if "pallas_tpu hop" in outs and "splash" in outs:
-        diff = float(np.abs(outs["pallas_tpu hop"] - outs["splash"]).max())
-        checks.append(dict(L=length, causal=causal, max_abs_diff_pallas_vs_splash=diff))
-        say(f"L={length} {'causal' if causal else 'full'}: max |pallas_tpu - splash| = "
+      if RING_SPLASH in outs and SPLASH in outs:
+        diff = float(np.abs(outs[RING_SPLASH] - outs[SPLASH]).max())
+        checks.append(dict(L=length, causal=causal, impl=RING_SPLASH, against=SPLASH,
+                           max_abs_diff=diff))
+        say(f"L={length} {'causal' if causal else 'full'}: max |{RING_SPLASH} - {SPLASH}| = "
             f"{diff:.3e} (bf16 outputs)")
 
-  print("\nratios (pallas_tpu hop / splash, fwd+bwd TF/s; target >= 0.9):", flush=True)
+  print(f"\nratios ({RING_SPLASH} / {SPLASH}, and / {RING_XLA}; TF/s):", flush=True)
   by = {(r["L"], r["causal"], r["impl"]): r for r in rows}
   ratios = []
   for length in LENGTHS:
     for causal in (True, False):
-      a, b = by.get((length, causal, "pallas_tpu hop")), by.get((length, causal, "splash"))
-      x = by.get((length, causal, "ring_jax ring=1 [xla]"))
+      a, b = by.get((length, causal, RING_SPLASH)), by.get((length, causal, SPLASH))
+      x = by.get((length, causal, RING_XLA))
       for mode in ("fwd", "fb"):
         key = f"{mode}_tflops"
         if a and b and key in a and key in b:

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# One-TPU-chip check of the fused hop kernel (pallas_tpu) against splash attention and the
-# XLA kernel: TFLOP/s, bf16, causal and non-causal, 8K-64K, ring size 1. Finishes in < 8 min.
+# One-TPU-chip check of the splash hop kernel (hop_kernel="splash") against splash attention
+# and the XLA kernel: TFLOP/s, bf16, causal and non-causal, 8K-64K, ring size 1. Finishes in < 8 min.
 # Run from anywhere:                bash benchmarks/tpu_check.sh
 # CPU smoke test (tiny, interpret): TPU_CHECK_DRY=1 bash benchmarks/tpu_check.sh
 # Knobs: TPU_CHECK_LENGTHS (comma list), TPU_CHECK_BLOCK (default 512), TPU_CHECK_BUDGET_S

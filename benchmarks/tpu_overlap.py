@@ -20,12 +20,12 @@ splash hop kernel; default ``xla``), ``+window`` (``local_window_size=(4096, 0)`
 apply. And ``two_level-<layout>-<causal|full>`` (outer 2 x inner ring over the rest of the
 chips). Mesh: data=1 x sequence=chips (two-level: data=1 x outer=2 x inner=chips/2).
 
-``--hop-kernel xla,splash,pallas_tpu`` compiles every configuration once per hop kernel
+``--hop-kernel xla,splash`` compiles every configuration once per hop kernel
 named (a row's ``config`` gains ``+<kernel>``), the hop kernels' memory side by side
 (docs/performance.md, "Splash hop memory on the TPU compiler"):
 
     ALLOW_MULTIPLE_LIBTPU_LOAD=1 python benchmarks/tpu_overlap.py --configs zigzag-causal \
-        --hop-kernel xla,splash,pallas_tpu --out benchmarks/results/tpu_hop_memory_v5p.json
+        --hop-kernel xla,splash --out benchmarks/results/tpu_hop_memory_v5p.json
 """
 
 from __future__ import annotations
@@ -47,7 +47,8 @@ import ring_jax  # noqa: E402
 from benchmarks import common  # noqa: E402
 from ring_jax import analysis  # noqa: E402
 
-HOP_KERNELS = ("xla", "splash", "pallas_tpu")
+#: The hop kernels that compile for a TPU: "xla" and the registry's TPU kernels.
+HOP_KERNELS = ("xla", *(k for k, p in ring_jax.kernels.PLATFORM.items() if p == "tpu"))
 WINDOW = (4096, 0)
 CONFIGS = ("zigzag-causal", "zigzag-causal+inplace_dkv", "zigzag-full", "contiguous-causal",
            "contiguous-causal+routed", "zigzag-causal+splash", "zigzag-causal+routed",
@@ -66,7 +67,7 @@ def topology_devices(name: str):
 
 
 def hop_kernel(config: str) -> str:
-  """The hop kernel a configuration names (``+splash``, ``+pallas_tpu``), else ``xla``."""
+  """The hop kernel a configuration names (``+splash``), else ``xla``."""
   return next((k for k in HOP_KERNELS if k in config.split("+")[1:]), "xla")
 
 

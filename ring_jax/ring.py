@@ -177,8 +177,8 @@ def ring_attention(query, key, value, *, axis_name, is_causal: bool = False, seg
     block_q, block_kv: query / key block sizes of the blockwise computation;
       must divide the local length. Default: the largest divisor of the layout's chunk
       up to the platform's :func:`block_target` (CPU 64 up to 512-token shards, else
-      128; GPU 128; TPU 512) that the hop kernel takes (its ``takes_block``: splash and
-      pallas_tpu multiples of 128), else the smallest divisor it takes (:func:`default_block`).
+      128; GPU 128; TPU 512) that the hop kernel takes (its ``takes_block``: splash
+      multiples of 128), else the smallest divisor it takes (:func:`default_block`).
     precision: matmul precision (e.g. ``jax.lax.Precision.HIGHEST`` for
       float32 on TPU).
     hop_kernel: the per-hop kernel: a name from

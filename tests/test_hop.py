@@ -36,7 +36,7 @@ from ring_jax import testing
 from ring_jax.hop import HopSpec
 
 # Kernel names run by this suite.
-KERNELS_UNDER_TEST = ["xla", "pallas_tpu", "splash"]
+KERNELS_UNDER_TEST = ["xla", "splash"]
 # tokamax (the [gpu] extra: Python >= 3.12, leg 2 of CI) runs here with its own XLA forward
 # and a reference of its Mosaic VJP's contract (tests/test_tokamax_gpu.py, cpu_kernel()).
 if importlib.util.find_spec("tokamax") is not None:
@@ -101,15 +101,15 @@ SMALL = {"in-layout-zigzag", "first-last-hop", "window-short", "segments-crossin
 FUSED_RING_CASES = ["ring2-causal-zigzag", "segments-zigzag"]
 
 # TPU kernels (Mosaic) run here in a Pallas interpreter. Inside ``shard_map(check_vma=True)``
-# that is the TPU interpreter (``pltpu.InterpretParams``; see pallas_tpu.interpret_mode),
-# which runs every load and store as a host callback: 3.5-6x the time of the generic
-# interpreter that ``check_vma=False`` allows (ring of 4 below: splash 42 -> 12 s, pallas_tpu
-# 36 -> 6 s). What check_vma changes is the varying-axes typing at trace time and which
-# interpreter runs, not the kernel's arithmetic. So their rings test the numerics at
-# check_vma=False, and test_tpu_kernels_under_check_vma runs the smallest ring as a CPU user
-# calls it (check_vma=True). On a TPU the kernels lower to Mosaic under check_vma=True:
-# test_splash.py / test_pallas_tpu.py export a ring fwd+bwd for "tpu".
-TPU_INTERPRETED = {"pallas_tpu", "splash"}
+# that is the TPU interpreter (``pltpu.InterpretParams``; see SplashHopKernel._interpret_mode),
+# which runs every load and store as a host callback: 3.5x the time of the generic
+# interpreter that ``check_vma=False`` allows (ring of 4 below: splash 42 -> 12 s). What
+# check_vma changes is the varying-axes typing at trace time and which interpreter runs, not
+# the kernel's arithmetic. So their rings test the numerics at check_vma=False, and
+# test_tpu_kernels_under_check_vma runs the smallest ring as a CPU user calls it
+# (check_vma=True). On a TPU the kernels lower to Mosaic under check_vma=True:
+# test_splash.py exports a ring fwd+bwd for "tpu".
+TPU_INTERPRETED = {"splash"}
 
 
 def ring_function(kernel_name, block=BLOCK, check_vma=None):
@@ -249,8 +249,7 @@ def test_registry_names_and_errors():
 @pytest.mark.parametrize("layout, local, kernel_name, want", [
     ("contiguous", 256, "xla", 64),          # the CPU table's 64 up to 512-token shards
     ("contiguous", 256, "splash", 128),      # multiples of 128: the smallest, nearest 64
-    ("contiguous", 256, "pallas_tpu", 128),
-    ("zigzag", 256, "pallas_tpu", 128),      # the chunk is 128 tokens
+    ("zigzag", 256, "splash", 128),          # the chunk is 128 tokens
     ("contiguous", 1024, "splash", 128),     # the table's 128 above 512-token shards
     ("contiguous", 48, "xla", 48),
 ])

@@ -148,7 +148,7 @@ def test_causal_routing_reaches_the_ring_and_keeps_values(baseline):
   assert permutes(cfgs[None]) == permutes(dataclasses.replace(cfgs[None], causal_routing=False))
 
 
-@pytest.mark.parametrize("kernel", ["pallas_tpu", "splash"])
+@pytest.mark.parametrize("kernel", ["splash"])
 def test_fused_hop_kernels_run_in_the_model(kernel):
   """The model with each fused hop kernel (Pallas interpret mode on CPU) equals the dense
   model on one device: logits and parameter gradients. One layer, packed documents with

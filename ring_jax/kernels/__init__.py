@@ -11,7 +11,7 @@ Names: ``"xla"`` (:class:`ring_jax.kernels.xla.XlaHopKernel`, every
 platform); ``"splash"`` (JAX's splash attention on TPU,
 :mod:`ring_jax.kernels.splash`); ``"tokamax"`` (tokamax's Mosaic GPU flash
 attention on sm90/sm100, :mod:`ring_jax.kernels.tokamax_gpu`, the ``[gpu]``
-extra); ``"pallas_tpu"`` (our own fused TPU kernel).
+extra).
 A kernel class's ``name`` (a ``ClassVar``) is its key here.
 
 ``"auto"`` (the default) means the platform's maintained fused kernel,
@@ -19,7 +19,7 @@ A kernel class's ``name`` (a ``ClassVar``) is its key here.
 self-check on the device (:mod:`ring_jax.kernels.selfcheck`), and only where it
 runs and for shapes and dtypes it takes (its ``check()``: tokamax needs the
 extra, an sm90/sm100 GPU and bfloat16/float16); otherwise, and on platforms
-without an entry, ``"xla"``. ``auto`` never picks our own kernel.
+without an entry, ``"xla"``.
 It is :class:`AutoHopKernel`, which makes that choice per call (cached) and
 runs the chosen kernel.
 """
@@ -50,14 +50,13 @@ def _lazy(module: str, attr: str) -> Callable[[str], HopKernel]:
 HOP_KERNELS: dict[str, Callable[[str], HopKernel]] = {
     "xla": lambda platform: XlaHopKernel(),
     # Fused kernels: one line each.
-    "pallas_tpu": _lazy("ring_jax.kernels.pallas_tpu", "make_kernel"),
     "splash": _lazy("ring_jax.kernels.splash", "make_kernel"),
     "tokamax": _lazy("ring_jax.kernels.tokamax_gpu", "make_kernel"),
 }
 
 #: The platform each fused kernel compiles for (anywhere else only Pallas' interpret mode runs
 #: it, for tests); "xla" compiles for every platform.
-PLATFORM: dict[str, str] = {"splash": "tpu", "pallas_tpu": "tpu", "tokamax": "gpu"}
+PLATFORM: dict[str, str] = {"splash": "tpu", "tokamax": "gpu"}
 
 # platform -> the maintained fused kernel "auto" tries there (after its self-check on the
 # device, selfcheck.py); absent platforms get "xla".

@@ -49,13 +49,13 @@ from typing import ClassVar
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask_info as smi
 
 from ring_jax import hop
 from ring_jax import masking
 from ring_jax import topology
-from ring_jax.kernels import pallas_tpu
 from ring_jax.kernels.xla import XlaHopKernel
 
 NUM_LANES = 128
@@ -131,13 +131,35 @@ class SplashHopKernel:
   interpret: bool | None = None
 
   def takes_block(self, block: int) -> bool:
-    """Multiples of 128 (:func:`ring_jax.kernels.pallas_tpu.takes_tpu_block`)."""
-    return pallas_tpu.takes_tpu_block(block)
+    """Multiples of 128 (the TPU lane width)."""
+    return block > 0 and block % NUM_LANES == 0
 
   def check(self, q_shape, kv_shape, dtype, spec) -> None:
-    """Raises ``ValueError`` naming the fix when splash cannot run this hop."""
-    pallas_tpu.check_tpu_shapes("splash", "splash", q_shape, kv_shape, dtype, spec)
-    s = kv_shape[1]
+    """Raises ``ValueError`` naming the fix when splash cannot run this hop: q
+    ``[B, T, K, G, H]`` against k/v ``[B, S, K, H]``, blocks that are multiples of 128
+    dividing the shard, float32 or bfloat16, and a window's key shard below 2**15."""
+    if len(q_shape) != 5 or len(kv_shape) != 4:
+      raise ValueError(f"splash: expected q [B, T, K, G, H] and k/v [B, S, K, H], got "
+                       f"{tuple(q_shape)} and {tuple(kv_shape)}.")
+    _, t, k, _, h = q_shape
+    _, s, kk, hh = kv_shape
+    if (kk, hh) != (k, h):
+      raise ValueError(f"splash: k/v {tuple(kv_shape)} do not match q {tuple(q_shape)} "
+                       "(kv heads and head dim must agree).")
+    for what_block, blk, length, what in (("block_q", spec.block_q, t, "T (local query length)"),
+                                          ("block_kv", spec.block_kv, s, "S (local key length)")):
+      if not self.takes_block(blk):
+        raise ValueError(
+            f"{what_block}={blk}: splash needs multiples of {NUM_LANES}; pass "
+            f"{what_block}={max(NUM_LANES, -(-max(blk, 1) // NUM_LANES) * NUM_LANES)} or "
+            "hop_kernel='xla'.")
+      if length % blk:
+        raise ValueError(
+            f"{what_block}={blk} does not divide {what}={length}; pick a {what_block} that "
+            f"divides it (a multiple of {NUM_LANES}) or hop_kernel='xla'.")
+    if jnp.dtype(dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
+      raise ValueError(f"splash: dtype {jnp.dtype(dtype)} is not supported (float32 or "
+                       "bfloat16); cast the inputs or use hop_kernel='xla'.")
     if spec.window is not None and s > _MAX_WINDOW_KV:
       raise ValueError(
           f"splash: a local window with a key shard of S={s} > {_MAX_WINDOW_KV} tokens does "
@@ -192,7 +214,17 @@ class SplashHopKernel:
     return q_bnth, k_bksh, v_bksh, seg
 
   def _interpret_mode(self, *arrays):
-    return pallas_tpu.interpret_mode(self._interpret(), *arrays)
+    """The ``interpret`` argument of a splash call on ``arrays``: False on a TPU. Off a TPU,
+    outside ``shard_map`` (or with ``check_vma=False``), the generic interpreter (``True``,
+    fast to run); where some operand varies over a manual mesh axis
+    (``shard_map(check_vma=True)``) the mask metadata varies while grid indices do not, a mix
+    the generic interpreter rejects ("dynamic_slice requires varying manual axes to match"),
+    so the TPU interpreter (``pltpu.InterpretParams()``, slower) runs the kernels."""
+    if not self._interpret():
+      return False
+    if frozenset().union(*(hop.varying_axes(a) for a in arrays)):
+      return pltpu.InterpretParams()
+    return True
 
   # ---- forward ----------------------------------------------------------------------------
 
