@@ -8,7 +8,8 @@ shards (``jax.shard_map`` of :func:`ring_jax.ring_attention` or
 the compiled program: the collective-permutes it executes per run (loop trip counts, a
 ``lax.switch`` branch per trip: :func:`benchmarks.two_level.permute_traffic`) and the bytes
 they move over all devices' links together (each executed permute's operand times its
-source-target pairs), ``memory_analysis()`` temp bytes and the scheduled HLO's size; compiled for a TPU
+source-target pairs), ``memory_analysis()`` temp bytes and the scheduled HLO's size (its text without the
+``metadata={...}`` of each instruction: source lines and scope names are not program); compiled for a TPU
 slice (``--topology``, no TPU attached) also the ring transfers in flight during block
 compute (:func:`ring_jax.analysis.overlap_report`). Nothing runs.
 
@@ -29,6 +30,7 @@ import functools
 import json
 import math
 import os
+import re
 import sys
 
 if "--topology" not in sys.argv and "--compare" not in sys.argv and (
@@ -108,11 +110,14 @@ def measure(cell, devices, tpu: bool) -> dict:
   row = dict(cell, permutes=sum(op["runs"] for op in ops),
              permute_bytes=sum(op["bytes"] * op["runs"] * op["pairs"] for op in ops),
              temp_bytes=int(compiled.memory_analysis().temp_size_in_bytes),
-             hlo_chars=len(text))
+             hlo_chars=len(_METADATA.sub("", text)))
   if tpu:
     from ring_jax import analysis
     row["ring_in_flight"], row["ring_transfers"] = analysis.overlap_report(compiled).ring()
   return row
+
+
+_METADATA = re.compile(r",? ?metadata=\{[^}]*\}")
 
 
 def key(row) -> str:
@@ -167,6 +172,10 @@ def main(argv=None):
     devices = topology_devices(args.topology)
   else:
     devices = jax.devices()
+  header = dict(label=args.label, date=datetime.date.today().isoformat(),
+                jax=jax.__version__, platform=args.topology or jax.default_backend(),
+                shapes=dict(local_len=LOCAL_LEN, block=BLOCK, window=WINDOW, heads=HEADS,
+                            kv_heads=KV_HEADS, head_dim=HEAD_DIM, dtype="float32"))
   rows = []
   for cell in cells(args.rings.split(","), args.layouts.split(","), args.masks.split(","),
                     args.passes.split(",")):
@@ -176,13 +185,9 @@ def main(argv=None):
           f"temp {row['temp_bytes']:10d} hlo {row['hlo_chars']:9d}"
           + (f" in flight {row['ring_in_flight']}/{row['ring_transfers']}"
              if args.topology else ""), flush=True)
-  if args.out:
-    with open(args.out, "w") as f:
-      json.dump(dict(label=args.label, date=datetime.date.today().isoformat(),
-                     jax=jax.__version__, platform=args.topology or jax.default_backend(),
-                     shapes=dict(local_len=LOCAL_LEN, block=BLOCK, window=WINDOW, heads=HEADS,
-                                 kv_heads=KV_HEADS, head_dim=HEAD_DIM, dtype="float32"),
-                     rows=rows), f, indent=1)
+    if args.out:  # after every cell: a long run stopped early keeps what it measured
+      with open(args.out, "w") as f:
+        json.dump(dict(header, rows=rows), f, indent=1)
   return 0
 
 

@@ -71,15 +71,17 @@ def hop_kernel(config: str) -> str:
   return next((k for k in HOP_KERNELS if k in config.split("+")[1:]), "xla")
 
 
-def compile_config(config: str, devices, length: int, heads: int, head_dim: int):
-  """``(compiled, seconds)`` of one configuration's fwd+bwd."""
+def compile_config(config: str, devices, length: int, heads: int, head_dim: int,
+                   block: int | None = None):
+  """``(compiled, seconds)`` of one configuration's fwd+bwd (``block``: block_q = block_kv,
+  None: the default)."""
   parts = config.split("+")
   words = parts[0].split("-")
   two_level = words[0] == "two_level"
   layout, mask = words[-2], words[-1]
   kw = dict(is_causal=mask == "causal", layout=layout, hop_kernel=hop_kernel(config),
             overlap_dkv=True if "overlap_dkv" in parts else False if "inplace_dkv" in parts
-            else None)
+            else None, block_q=block, block_kv=block)
   if "routed" in parts:
     kw["causal_routing"] = True
   if "unrouted" in parts:
@@ -111,14 +113,16 @@ def compile_config(config: str, devices, length: int, heads: int, head_dim: int)
   return compiled, time.perf_counter() - start
 
 
-def measure(config: str, devices, length: int, heads: int, head_dim: int) -> dict:
-  compiled, seconds = compile_config(config, devices, length, heads, head_dim)
+def measure(config: str, devices, length: int, heads: int, head_dim: int,
+            block: int | None = None) -> dict:
+  compiled, seconds = compile_config(config, devices, length, heads, head_dim, block)
   report = analysis.overlap_report(compiled)
   hidden, total = report.ring()
   return {
       "config": config,
       "hop_kernel": hop_kernel(config),
-      "heads": heads, "kv_heads": heads // 4 if "gqa" in config.split("+") else heads,
+      "block": block, "heads": heads,
+      "kv_heads": heads // 4 if "gqa" in config.split("+") else heads,
       "compile_s": round(seconds, 1),
       "temp_mib": round(compiled.memory_analysis().temp_size_in_bytes / common.MIB, 1),
       "hlo_chars": len(compiled.as_text()),
@@ -136,6 +140,8 @@ def main(argv=None):
   p.add_argument("--length", type=int, default=32768)
   p.add_argument("--heads", type=int, default=8)
   p.add_argument("--head_dim", type=int, default=128)
+  p.add_argument("--block", type=int, default=None,
+                 help="block_q = block_kv of the ring (default: the ring's default)")
   p.add_argument("--configs", default=",".join(CONFIGS))
   p.add_argument("--hop-kernel", default=None,
                  help=f"comma-separated hop kernels ({', '.join(HOP_KERNELS)}): each "
@@ -154,7 +160,7 @@ def main(argv=None):
   rows = []
   for config in configs:
     try:
-      row = measure(config, devices, args.length, args.heads, args.head_dim)
+      row = measure(config, devices, args.length, args.heads, args.head_dim, args.block)
     except Exception as e:  # one failed configuration is reported, the next one runs
       row = {"config": config, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
     rows.append(row)

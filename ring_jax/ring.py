@@ -5,25 +5,26 @@ Near-Infinite Context" (2023), Alg. 1. Device ``i`` of an ``n``-device ring
 starts with its own K/V shard and, at hop ``h``, holds the shard of device
 ``(i - h) mod n``. Each hop folds blockwise attention against that shard into
 a float32 online-softmax carry (:mod:`ring_jax.hop`); the next shard's
-transfer is issued before the hop's compute so XLA can overlap the two. Only
-the hops ``first..last`` of :func:`ring_jax.routing.hop_range` run (a
-local window on the contiguous layout needs a few neighbouring shards; the
-whole ring is ``0..n-1``), both passes in one loop (:func:`over_hops`).
+transfer is issued before the hop's compute and read after it, so the two
+overlap (:func:`in_flight_during`). Only the hops ``first..last`` of
+:func:`ring_jax.routing.hop_range` run (a local window on the contiguous layout
+needs a few neighbouring shards; the whole ring is ``0..n-1``).
+
+One loop runs every ring: :func:`forward_loop` and :func:`backward_loop` run a route plan
+(:class:`ring_jax.routing.Routes`: per stream of a shard's parts and per hop, the pairs
+that deliver them and where each accumulator goes home), the full rotation
+(:func:`ring_jax.routing.rotation`) or, with causal routing (the default for causal
+contiguous rings, ``causal_routing=True`` for the others), the routes of
+:func:`ring_jax.routing.routes`, where each part travels only to the devices that can see
+it and each dK/dV accumulator goes home from the last device that uses it. The
+two-level ring (:mod:`ring_jax.two_level`) runs the same loops as its inner rings.
 
 The backward pass is a hand-written ``custom_vjp`` that goes around the ring
 again: K, V and their float32 gradient accumulators dK, dV travel together,
-each device adding its queries' contribution; after ``n`` transfers every dK/dV
-is back on the device that owns the shard. Nothing per hop is stored, so memory
+each device adding its queries' contribution; after the last hop every dK/dV
+goes home to the device that owns the shard. Nothing per hop is stored, so memory
 is linear in the local length (autodiff through the loop would keep every
 hop's scores).
-
-With causal routing (:func:`_forward_routed`, :func:`_backward_routed`; the
-default for causal contiguous rings, ``causal_routing=True`` for the others)
-each part of a shard travels only to the devices that can see it, along the
-routes of :func:`ring_jax.routing.routes` (zigzag: both chunks backward, the
-late ones only as far as they are seen), and each dK/dV accumulator goes home
-from the last device that uses it; each hop's own transfers are picked in the
-hop loop by a ``lax.switch`` (:func:`hop_send`).
 """
 
 from __future__ import annotations

@@ -36,7 +36,10 @@ block table skips every pair and the zeros are never read. Each step's pairs dif
 so the steps between the first and the last run in a ``fori_loop`` whose transfers are
 picked by a ``lax.switch`` on the step (:func:`ring_jax.ring.hop_send`, as the flat
 routed ring's hops; unrolled steps hold more temp memory and a larger program,
-docs/performance.md). The inner rings rotate the group's whole buffer as before.
+docs/performance.md). The inner rings rotate the group's whole buffer: they are
+:func:`ring_jax.ring.forward_loop` / :func:`ring_jax.ring.backward_loop` on the full
+rotation over the inner axis, the outer transfer tied to their last hop, and the outer
+steps run on the same driver (:func:`ring_jax.ring.over_hops`).
 
 The backward (a ``custom_vjp``) mirrors it: in each outer step the inner ring
 carries K/V with fresh float32 dK/dV accumulators (as :mod:`ring_jax.ring`,
@@ -189,7 +192,7 @@ def _masks(tl: _TwoLevelConfig, g, r, step, hop, q_pos, q_seg, kv_seg, v_finite=
 
 def _forward(tl: _TwoLevelConfig, q, k, v, seg):
   """``(out [B,T,K,G,H] input dtype, lse [B,T,K,G] f32, received)``, as
-  :func:`ring_jax.ring._forward`: per outer step (:func:`ring_jax.ring.over_hops` over the
+  :mod:`ring_jax.ring`'s forward: per outer step (:func:`ring_jax.ring.over_hops` over the
   outer routes) the transfer of the next step's parts (``send_outer``), then the inner ring
   (:func:`ring_jax.ring.forward_loop`, the full rotation over the inner axis) on the
   group's buffer, the outer transfer tied to its last hop. ``received``: per stream, the

@@ -5,6 +5,7 @@ and lowering for a TPU target on this CPU machine."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -107,6 +108,36 @@ def test_non_finite_v_reaches_exactly_the_rows_that_see_it():
     g, w = np.asarray(g), np.asarray(w)
     np.testing.assert_array_equal(np.isnan(g), np.isnan(w))
     np.testing.assert_allclose(np.nan_to_num(g), np.nan_to_num(w), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("segments", [False, True])
+def test_blocks_above_the_largest_tile_run_at_splash_tiles(monkeypatch, segments):
+  """A ring block above :data:`splash.MAX_TILE` (2048 overflows v5p's VMEM) runs splash at
+  the largest tile that divides it (here MAX_TILE 128 under 256-token blocks), its block
+  mask rebuilt at those tiles: outputs and gradients equal the XLA kernel's at the ring's
+  blocks."""
+  monkeypatch.setattr(splash, "MAX_TILE", 128)
+  q, k, v, _, spec = _hop(segments=segments)
+  spec = dataclasses.replace(spec, block_q=256, block_kv=256)
+  seg = None
+  if segments:
+    seg = jnp.asarray(np.repeat(np.arange(1, 5), q.shape[1] // 4)[None].repeat(q.shape[0], 0),
+                      jnp.int32)
+  masks = HopMasks.build(spec, jnp.asarray(ring_jax.local_positions("zigzag", 4, 256, 2)),
+                         jnp.asarray(ring_jax.local_positions("zigzag", 4, 256, 1)), seg, seg)
+  tiled_masks, tiled = KERNEL._tiled(masks, spec)
+  assert (tiled.block_q, tiled.block_kv) == (128, 128)
+  assert tiled_masks.table().q_ranges.shape[-2] == 2  # two 128-query tiles, one table row each
+  got = jax.jit(KERNEL.forward, static_argnums=4)(q, k, v, masks, spec)
+  want = jax.jit(XlaHopKernel().forward, static_argnums=4)(q, k, v, masks, spec)
+  for g, w in zip(got, want):
+    np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5)
+  out, lse = want
+  res = HopResiduals(out, lse_for_backward(lse), jnp.asarray(q), None)
+  bwd = lambda kern: jax.jit(kern.backward, static_argnums=4)(  # noqa: E731
+      q, k, v, masks, spec, res, zero_grads(q, k, v))
+  for g, w in zip(bwd(KERNEL), bwd(XlaHopKernel())):
+    np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5)
 
 
 def test_no_t_by_s_arrays():

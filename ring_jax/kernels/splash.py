@@ -36,7 +36,8 @@ under the hop-kernel seam (:mod:`ring_jax.hop`):
 * Outputs come back in the input dtype (bf16 for bf16 inputs); they are merged and
   accumulated in float32.
 
-Block sizes are the ring's ``block_q`` / ``block_kv`` (multiples of 128). Off a TPU the
+Block sizes are the ring's ``block_q`` / ``block_kv`` (multiples of 128), each cut to its
+largest divisor up to :data:`MAX_TILE` for splash's kernels (their VMEM). Off a TPU the
 kernels run in Pallas interpret mode (slow; for tests). Not yet run on a TPU: see the
 kernels table in docs/performance.md ("Hop kernels: which runs where").
 """
@@ -60,6 +61,10 @@ from ring_jax.kernels.xla import XlaHopKernel
 
 NUM_LANES = 128
 MASK_VALUE = sk.DEFAULT_MASK_VALUE
+# The largest splash tile (block_q, block_kv of its kernels): 1024 x 1024 compiles for v5p at
+# head dims 128 and 256; a 2048 tile in either dimension overflows the 16 MiB scoped VMEM of
+# v5e and v5p (docs/performance.md, "Splash tiles and VMEM").
+MAX_TILE = 1024
 # A window's q_sequence packs (start, end) into one int32: end in the low 16 bits.
 _RANGE_BITS = 16
 _MAX_WINDOW_KV = (1 << (_RANGE_BITS - 1)) - 1
@@ -226,15 +231,29 @@ class SplashHopKernel:
       return pltpu.InterpretParams()
     return True
 
+  def _tiled(self, masks: hop.HopMasks, spec: hop.HopSpec):
+    """``(masks, spec)`` at splash's tiles: the ring's blocks, each cut to its largest
+    divisor that is a multiple of 128 and at most :data:`MAX_TILE` (the block table rebuilt
+    at those tiles), so any block the ring takes fits the kernels' VMEM."""
+    tq, tk = (max(d for d in range(NUM_LANES, min(b, MAX_TILE) + 1, NUM_LANES) if b % d == 0)
+              for b in (spec.block_q, spec.block_kv))
+    if (tq, tk) == (spec.block_q, spec.block_kv):
+      return masks, spec
+    spec = dataclasses.replace(spec, block_q=tq, block_kv=tk)
+    return hop.HopMasks.build(spec, masks.q_positions, masks.kv_positions, masks.q_segment_ids,
+                              masks.kv_segment_ids, v_finite=masks.v_finite), spec
+
   # ---- forward ----------------------------------------------------------------------------
 
   def forward(self, q, k, v, masks, spec):
     """``(out_h [B,T,K,G,H] f32, lse_h [B,T,K,G] f32)`` of this hop."""
+    tmasks, tspec = self._tiled(masks, spec)
+
     def fused(q, k, v):
       b, t, kh, g, h = q.shape
-      info, _, mask_function = self._mask(masks, spec, t, k.shape[1])
-      q_bnth, k_bksh, v_bksh, seg = self._operands(q, k, v, masks, spec)
-      sizes = sk.BlockSizes(block_q=spec.block_q, block_kv=spec.block_kv)
+      info, _, mask_function = self._mask(tmasks, tspec, t, k.shape[1])
+      q_bnth, k_bksh, v_bksh, seg = self._operands(q, k, v, tmasks, tspec)
+      sizes = sk.BlockSizes(block_q=tspec.block_q, block_kv=tspec.block_kv)
       interpret = self._interpret_mode(q_bnth, k_bksh, v_bksh, *jax.tree.leaves(info),
                                        *jax.tree.leaves(seg))
 
@@ -258,10 +277,12 @@ class SplashHopKernel:
   def backward(self, q, k, v, masks, spec, res: hop.HopResiduals,
                acc: hop.HopGrads) -> hop.HopGrads:
     """``acc`` plus this hop's (dq, dk, dv), from splash's dQ and dK/dV kernels."""
+    tmasks, tspec = self._tiled(masks, spec)
+
     def fused(q, k, v, res, acc):
       b, t, kh, g, h = q.shape
-      dq_info, dkv_info, mask_function = self._mask(masks, spec, t, k.shape[1])
-      q_bnth, k_bksh, v_bksh, seg = self._operands(q, k, v, masks, spec)
+      dq_info, dkv_info, mask_function = self._mask(tmasks, tspec, t, k.shape[1])
+      q_bnth, k_bksh, v_bksh, seg = self._operands(q, k, v, tmasks, tspec)
       heads_first = lambda x: jnp.transpose(x.reshape(b, t, kh * g, *x.shape[4:]),
                                             (0, 2, 1, *range(3, x.ndim - 1)))
       lse_bnt = heads_first(res.lse.astype(jnp.float32))
@@ -270,7 +291,7 @@ class SplashHopKernel:
       interpret = self._interpret_mode(q_bnth, k_bksh, v_bksh, lse_bnt, do_bnth,
                                        *jax.tree.leaves(dq_info), *jax.tree.leaves(seg))
       layout = sk.QKVLayout.HEAD_DIM_MINOR
-      bq, bk = spec.block_q, spec.block_kv
+      bq, bk = tspec.block_q, tspec.block_kv
 
       def one_row(q1, k1, v1, seg1, lse1, do1, di1):
         dq1 = sk._splash_attention_bwd_dq(
@@ -288,7 +309,7 @@ class SplashHopKernel:
 
       dq, dk, dv = hop.call_unchecked_vma(_over_rows(one_row), q_bnth, k_bksh, v_bksh, seg, lse_bnt,
                                   do_bnth, di_bnt)
-      dq = jnp.transpose(dq.astype(jnp.float32), (0, 2, 1, 3)).reshape(q.shape) * spec.scale
+      dq = jnp.transpose(dq.astype(jnp.float32), (0, 2, 1, 3)).reshape(q.shape) * tspec.scale
       dk, dv = (jnp.transpose(x.astype(jnp.float32), (0, 2, 1, 3)) for x in (dk, dv))
       return hop.HopGrads(acc.dq + dq, acc.dk + dk, acc.dv + dv)
 
