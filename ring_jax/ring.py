@@ -45,7 +45,6 @@ from ring_jax import topology
 from ring_jax import validation
 from ring_jax.hop import (HopGrads, HopKernel, HopMasks, HopResiduals, HopSpec, varying_axes,
                           empty_result, lse_for_backward, merge, takes_block, varying_like)
-from ring_jax.kernels.xla import XlaHopKernel
 
 # The largest block default_block picks, per platform (topology.target_platform()): a block size,
 # or ((up to this local length, block), ..., (None, block)) steps. Each hop holds a few
@@ -596,19 +595,6 @@ def finish_grads(q, k_own, v_own, dq, dk, dv):
   return dq.astype(q.dtype), dk.astype(k_own.dtype), dv.astype(v_own.dtype)
 
 
-def split_on_finite(cfg, finite, run):
-  unguarded = getattr(cfg.kernel, "unguarded", None)
-  if unguarded is None:
-    return run(cfg)
-  return jax.lax.cond(finite, lambda: run(dataclasses.replace(cfg, kernel=unguarded())),
-                      lambda: run(dataclasses.replace(cfg, kernel=XlaHopKernel())))
-
-
-def all_finite(axis_name, *xs):
-  local = functools.reduce(jnp.logical_and, [jnp.isfinite(x).all() for x in xs])
-  return jax.lax.all_gather(local, axis_name).all()
-
-
 # ----------------------------------------------------------------------------
 # The flat ring
 # ----------------------------------------------------------------------------
@@ -626,9 +612,7 @@ def _forward(cfg: RingConfig, q, k, v, seg):
   v_finite, k, v, seg = jax.lax.optimization_barrier((v_finite, k, v, seg))
   acc = tuple(varying_like(x, q, k, v) for x in empty_result(q))
   masks_at = lambda hop, kv_seg: _masks(cfg, device, hop, q_pos, seg, kv_seg, v_finite)  # noqa: E731
-  run = lambda cfg: forward_loop(cfg, q, split_streams(cfg.routes, k, v, seg), acc,  # noqa: E731
-                                 masks_at)[0]
-  out, lse = split_on_finite(cfg, v_finite.all(), run)
+  (out, lse), _ = forward_loop(cfg, q, split_streams(cfg.routes, k, v, seg), acc, masks_at)
   return out.astype(q.dtype), lse
 
 
@@ -642,11 +626,8 @@ def _backward(cfg: RingConfig, q, k, v, seg, out, lse, do, dlse):
   res = HopResiduals(out=out, lse=lse_for_backward(lse), do=do, dlse=dlse)
   masks_at = lambda hop, kv_seg: _masks(cfg, device, hop, q_pos, seg, kv_seg)  # noqa: E731
   dq = varying_like(jnp.zeros(q.shape, jnp.float32), q, k, v)
-  finite = (all_finite(cfg.axis_name, q, k, v)
-            if getattr(cfg.kernel, "unguarded", None) is not None else None)
-  run = lambda cfg: backward_loop(cfg, q, split_streams(cfg.routes, k, v, seg), res, dq,  # noqa: E731
-                                  masks_at)[:3]
-  dq, dk, dv = split_on_finite(cfg, finite, run)
+  dq, dk, dv, _ = backward_loop(cfg, q, split_streams(cfg.routes, k, v, seg), res, dq,
+                                masks_at)
   return finish_grads(q, k, v, dq, dk, dv)
 
 

@@ -134,10 +134,6 @@ class SplashHopKernel:
   """
   name: ClassVar[str] = "splash"
   interpret: bool | None = None
-  guard: bool = True
-
-  def unguarded(self) -> "SplashHopKernel":
-    return dataclasses.replace(self, guard=False)
 
   def takes_block(self, block: int) -> bool:
     """Multiples of 128 (the TPU lane width)."""
@@ -273,8 +269,6 @@ class SplashHopKernel:
       empty = lse < 0.5 * MASK_VALUE
       return jnp.where(empty[..., None], 0.0, out), jnp.where(empty, -jnp.inf, lse)
 
-    if not self.guard:
-      return fused(q, k, v)
     guarded = lambda q, k, v: XlaHopKernel().forward(q, k, v, masks, spec)
     return jax.lax.cond(hop.v_is_finite(masks, v), fused, guarded, q, k, v)
 
@@ -319,8 +313,6 @@ class SplashHopKernel:
       dk, dv = (jnp.transpose(x.astype(jnp.float32), (0, 2, 1, 3)) for x in (dk, dv))
       return hop.HopGrads(acc.dq + dq, acc.dk + dk, acc.dv + dv)
 
-    if not self.guard:
-      return fused(q, k, v, res, acc)
     guarded = lambda q, k, v, res, acc: XlaHopKernel().backward(q, k, v, masks, spec, res, acc)
     finite = hop.v_is_finite(masks, v) & jnp.isfinite(q).all() & jnp.isfinite(k).all()
     return jax.lax.cond(finite, fused, guarded, q, k, v, res, acc)
