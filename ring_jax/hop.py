@@ -21,7 +21,8 @@ K/V head ``n // G``):
 Backward: FlashAttention-2 (Dao 2023, Alg. 2) with the global ``out``/``lse``:
 ``P = exp(s - lse)`` at visible pairs, ``dP = dO V^T``, ``dS = P * (dP - delta)`` with
 ``delta = rowsum(dO * out) - dlse``, ``dQ = scale dS K``, ``dK = scale dS^T Q``,
-``dV = P^T dO``.
+``dV = P^T dO``. With ``spec.logits_soft_cap = c`` the scores are ``s = c tanh(r / c)`` of
+the scaled raw scores ``r``, and ``dS`` is multiplied by ``ds/dr = 1 - tanh(r / c)^2``.
 
 Visibility of (query ``i``, key ``j``) (:class:`HopMasks`): equal nonzero segment ids (when
 given; 0 is padding), ``kv_pos[j] <= q_pos[i]`` when causal, ``q_pos[i] - left <= kv_pos[j]
@@ -106,13 +107,15 @@ class HopGrads(NamedTuple):
 @dataclasses.dataclass(frozen=True)
 class HopSpec:
   """Static parameters of one hop's computation, fixed at trace time: score scale, causal
-  mask, window, block sizes and matmul precision."""
+  mask, window, block sizes, matmul precision, and ``logits_soft_cap`` (``c``: scores
+  become ``c * tanh(s / c)`` before masking and softmax, Gemma 2's attention; None: off)."""
   scale: float
   is_causal: bool
   window: tuple[int, int] | None
   block_q: int
   block_kv: int
   precision: jax.lax.Precision | None = None
+  logits_soft_cap: float | None = None
 
 
 @runtime_checkable
@@ -186,6 +189,21 @@ def fold_blocks(row, step, carry, may_mask: bool = True, num_blocks: int | None 
 
   carry = jax.lax.fori_loop(0, before + (hi - full_hi), masked_step, carry)
   return jax.lax.fori_loop(full_lo, full_hi, functools.partial(step, masked=False), carry)
+
+
+def add_sinks(out, lse, sinks):
+  """``(out', lse')``: attention with one more logit per query head that has no value
+  (attention sinks, as in GPT-OSS), from the attention ``(out, lse)`` over the keys:
+  ``lse' = logaddexp(lse, z_n)``, ``out' = out * exp(lse - lse')`` (a row with no visible key
+  stays 0, its ``lse'`` is ``z_n``). ``out`` ``[..., N, H]`` (any float dtype, kept),
+  ``lse`` ``[..., N]`` float32 (``-inf``: no key), ``sinks`` ``[N]``. Applied once to the
+  whole ring's result, so the sink is in the global softmax denominator once; its
+  gradient, by autodiff, is ``dz_n = -sum over rows of exp(z_n - lse') * (rowsum(dO * out')
+  - dlse')``, summed over every device's rows."""
+  z = sinks.astype(jnp.float32)
+  total = jnp.logaddexp(lse, z)
+  weight = jnp.exp(lse - total)
+  return (out.astype(jnp.float32) * weight[..., None]).astype(out.dtype), total
 
 
 def empty_result(q):

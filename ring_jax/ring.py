@@ -43,8 +43,9 @@ from ring_jax import masking
 from ring_jax import routing
 from ring_jax import topology
 from ring_jax import validation
-from ring_jax.hop import (HopGrads, HopKernel, HopMasks, HopResiduals, HopSpec, varying_axes,
-                          empty_result, lse_for_backward, merge, takes_block, varying_like)
+from ring_jax.hop import (HopGrads, HopKernel, HopMasks, HopResiduals, HopSpec, add_sinks,
+                          varying_axes, empty_result, lse_for_backward, merge, takes_block,
+                          varying_like)
 
 # The largest block default_block picks, per platform (topology.target_platform()): a block size,
 # or ((up to this local length, block), ..., (None, block)) steps. Each hop holds a few
@@ -146,7 +147,8 @@ def ring_attention(query, key, value, *, axis_name, is_causal: bool = False, seg
                    layout: str = "contiguous", block_q: int | None = None,
                    block_kv: int | None = None, precision=None,
                    hop_kernel: str | HopKernel = "auto", return_lse: bool = False,
-                   overlap_dkv: bool | None = None, causal_routing: bool | None = None):
+                   overlap_dkv: bool | None = None, causal_routing: bool | None = None,
+                   sinks=None, logits_soft_cap: float | None = None):
   """Exact attention over a sequence sharded along mesh axis ``axis_name``.
 
   Call inside ``jax.shard_map`` (or any context where ``axis_name`` is bound)
@@ -215,6 +217,13 @@ def ring_attention(query, key, value, *, axis_name, is_causal: bool = False, seg
       in flight and takes less memory), elsewhere on for causal contiguous
       rings and off otherwise (:func:`ring_jax.routing.check_routing`,
       docs/performance.md); ``True`` / ``False`` force it.
+    sinks: attention sinks, ``[N]`` floats (this device's query heads): one more logit
+      per query head with no value, in every row's softmax denominator once (GPT-OSS;
+      :func:`ring_jax.hop.add_sinks`); differentiable. ``lse`` (``return_lse``) then
+      includes it, and a row with no visible key has output 0 and ``lse = sinks[n]``.
+    logits_soft_cap: ``c > 0``: scores become ``c * tanh(score / c)`` before masking and
+      softmax (Gemma 2), forward and backward, in every hop kernel that can (xla,
+      splash; the others refuse it in ``check``).
 
   Returns:
     local ``[B, T, N, H]`` in ``query.dtype``, equal to dense attention over
@@ -225,12 +234,24 @@ def ring_attention(query, key, value, *, axis_name, is_causal: bool = False, seg
     :func:`ring_jax.reference_attention`; everything else stays exact.
   """
   layout = layouts.check_attention_layout(layout, segment_ids, local_window_size)
+  sinks = validation.check_sinks(sinks, query.shape[2])
   cfg = make_config(query, key, value, axis_name=axis_name, is_causal=is_causal,
                     segment_ids=segment_ids, scale=scale, local_window_size=local_window_size,
                     layout=layout, block_q=block_q, block_kv=block_kv, precision=precision,
-                    hop_kernel=hop_kernel, return_lse=return_lse, overlap_dkv=overlap_dkv,
-                    causal_routing=causal_routing)
-  return attend_grouped(_ring, cfg, query, key, value, segment_ids, return_lse)
+                    hop_kernel=hop_kernel, return_lse=return_lse or sinks is not None,
+                    overlap_dkv=overlap_dkv, causal_routing=causal_routing,
+                    logits_soft_cap=logits_soft_cap)
+  result = attend_grouped(_ring, cfg, query, key, value, segment_ids, cfg.return_lse)
+  return with_sinks(result, sinks, return_lse)
+
+
+def with_sinks(result, sinks, return_lse: bool):
+  """``result`` (``(out, lse)`` when ``sinks`` is given) with the sinks applied
+  (:func:`ring_jax.hop.add_sinks`), as ``(out, lse)`` with ``return_lse``, else ``out``."""
+  if sinks is None:
+    return result
+  out, lse = add_sinks(*result, sinks)
+  return (out, lse) if return_lse else out
 
 
 def attend_grouped(attend, cfg, query, key, value, segment_ids, return_lse: bool):
@@ -249,7 +270,7 @@ def attend_grouped(attend, cfg, query, key, value, segment_ids, return_lse: bool
 def make_config(query, key, value, *, axis_name, is_causal, segment_ids, scale,
                 local_window_size, layout, block_q, block_kv, precision,
                 hop_kernel, return_lse=False, overlap_dkv=None,
-                causal_routing=None) -> RingConfig:
+                causal_routing=None, logits_soft_cap=None) -> RingConfig:
   layouts.check_layout(layout)
   defaults = platform_defaults(causal_routing=causal_routing, overlap_dkv=overlap_dkv)
   causal_routing, overlap_dkv = defaults["causal_routing"], defaults["overlap_dkv"]
@@ -270,7 +291,8 @@ def make_config(query, key, value, *, axis_name, is_causal, segment_ids, scale,
   validation.check_block("block_kv", block_kv, s)
   spec = HopSpec(scale=scale,
                  is_causal=bool(is_causal), window=window, block_q=int(block_q),
-                 block_kv=int(block_kv), precision=precision)
+                 block_kv=int(block_kv), precision=precision,
+                 logits_soft_cap=validation.check_soft_cap(logits_soft_cap))
   b, _, n, h = query.shape
   kh = key.shape[2]
   kernel.check((b, t, kh, n // kh, h), tuple(key.shape), query.dtype, spec)

@@ -7,6 +7,10 @@ other strategies; the ring itself is :func:`ring_jax.ring_attention`.
 
 from __future__ import annotations
 
+import dataclasses
+
+from ring_jax import validation
+from ring_jax.ring import with_sinks
 from ring_jax.strategies import global_arrays
 from ring_jax.strategies import ring as ring_strategy
 from ring_jax.strategies.options import AttentionOptions
@@ -19,7 +23,8 @@ def ring_attention_sharded(query, key, value, *, mesh=None, seq_axis="sequence",
                            inputs_in_layout: bool = False, block_q: int | None = None,
                            block_kv: int | None = None, precision=None, hop_kernel="auto",
                            return_lse: bool = False, overlap_dkv: bool | None = None,
-                           causal_routing: bool | None = None):
+                           causal_routing: bool | None = None, sinks=None,
+                           logits_soft_cap: float | None = None):
   """Ring attention on global ``[B, L, N, H]`` arrays: builds the ``shard_map`` for you.
 
   The sequence axis is sharded over ``seq_axis`` (the ring; a pair ``(outer,
@@ -33,7 +38,8 @@ def ring_attention_sharded(query, key, value, *, mesh=None, seq_axis="sequence",
 
   Args:
     query, key, value, segment_ids, is_causal, scale, local_window_size,
-    block_q, block_kv, precision, hop_kernel, overlap_dkv, causal_routing: as in
+    block_q, block_kv, precision, hop_kernel, overlap_dkv, causal_routing,
+    logits_soft_cap: as in
       :func:`ring_jax.ring_attention`, but global (natural token order unless
       ``inputs_in_layout``). A ``hop_kernel`` name is resolved for the
       platform of the mesh's devices.
@@ -46,11 +52,18 @@ def ring_attention_sharded(query, key, value, *, mesh=None, seq_axis="sequence",
       way in and the output restored to natural order.
     return_lse: also return the float32 log-sum-exp ``[B, L, N]`` (as
       :func:`ring_jax.ring_attention`), sharded and ordered like the output.
+    sinks: ``[N]`` attention sinks (global: one per query head), as in
+      :func:`ring_jax.ring_attention`: applied once to the ring's result
+      (:func:`ring_jax.hop.add_sinks`), differentiable.
 
   Returns:
     ``[B, L, N, H]`` in ``query.dtype``, or ``(out, lse)`` with ``return_lse``.
   """
   options = AttentionOptions.from_keywords(locals())
-  return global_arrays.run(ring_strategy.STRATEGY, query, key, value, segment_ids, mesh=mesh,
-                           seq_axis=seq_axis, batch_axis=batch_axis, head_axis=head_axis,
-                           inputs_in_layout=inputs_in_layout, options=options)
+  sinks = validation.check_sinks(sinks, query.shape[2])
+  if sinks is not None:
+    options = dataclasses.replace(options, return_lse=True)
+  result = global_arrays.run(ring_strategy.STRATEGY, query, key, value, segment_ids, mesh=mesh,
+                             seq_axis=seq_axis, batch_axis=batch_axis, head_axis=head_axis,
+                             inputs_in_layout=inputs_in_layout, options=options)
+  return with_sinks(result, sinks, return_lse)

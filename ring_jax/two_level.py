@@ -80,7 +80,7 @@ from ring_jax.hop import (HopMasks, HopResiduals, empty_result,
 from ring_jax.ring import (RingConfig, attend_grouped, backward_loop, finish_grads,
                            forward_loop, hop_send, hops_of, join_streams, loop_span,
                            make_config, over_hops, platform_defaults, send_distinct, shift,
-                           split_streams, v_finite_flags)
+                           split_streams, v_finite_flags, with_sinks)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,7 +106,8 @@ def two_level_ring_attention(query, key, value, *, axis_name, is_causal: bool = 
                              block_q: int | None = None, block_kv: int | None = None,
                              precision=None, hop_kernel="auto", return_lse: bool = False,
                              overlap_dkv: bool | None = None,
-                             causal_routing: bool | None = None):
+                             causal_routing: bool | None = None, sinks=None,
+                             logits_soft_cap: float | None = None):
   """Exact attention over a sequence sharded over two mesh axes ``(outer, inner)``.
 
   Call inside ``jax.shard_map`` on the local shards of a sequence split over
@@ -115,7 +116,8 @@ def two_level_ring_attention(query, key, value, *, axis_name, is_causal: bool = 
   ``ring_size = n_outer * n_inner``). The inner ring runs over ``inner`` (the
   fast links), the outer transfers over ``outer`` are issued a whole inner
   ring ahead of their use (module docstring). Every other argument and the
-  result as in :func:`ring_jax.ring_attention`; with the same inputs the two
+  result as in :func:`ring_jax.ring_attention` (``sinks`` and ``logits_soft_cap``
+  included); with the same inputs the two
   compute the same attention (``ring_attention(axis_name=(outer, inner))`` is
   the flat ring over both axes).
 
@@ -138,10 +140,12 @@ def two_level_ring_attention(query, key, value, *, axis_name, is_causal: bool = 
                                      overlap_dkv=overlap_dkv)["causal_routing"]
   n_o = validation.axis_size(outer, "two_level_ring_attention")
   n_i = validation.axis_size(inner, "two_level_ring_attention")
+  sinks = validation.check_sinks(sinks, query.shape[2])
   cfg = make_config(query, key, value, axis_name=(outer, inner), is_causal=is_causal,
                     segment_ids=segment_ids, scale=scale, local_window_size=local_window_size,
                     layout=layout, block_q=block_q, block_kv=block_kv, precision=precision,
-                    hop_kernel=hop_kernel, return_lse=return_lse, overlap_dkv=overlap_dkv,
+                    hop_kernel=hop_kernel, return_lse=return_lse or sinks is not None,
+                    overlap_dkv=overlap_dkv, logits_soft_cap=logits_soft_cap,
                     causal_routing=False)  # the flat ring's routes do not apply (below)
   routed = (routing.check_routing(causal_routing, layout, is_causal) and n_o > 1
             and query.shape[1] == key.shape[1])
@@ -156,7 +160,8 @@ def two_level_ring_attention(query, key, value, *, axis_name, is_causal: bool = 
       inner=dataclasses.replace(cfg, axis_name=inner, ring_size=n_i, hops=(0, n_i - 1),
                                 routes=routing.rotation(layout, n_i, key.shape[1])),
       routes=routes)
-  return attend_grouped(_two_level, tl, query, key, value, segment_ids, return_lse)
+  result = attend_grouped(_two_level, tl, query, key, value, segment_ids, cfg.return_lse)
+  return with_sinks(result, sinks, return_lse)
 
 
 def _where(tl: _TwoLevelConfig):

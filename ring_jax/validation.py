@@ -101,6 +101,35 @@ def check_scale(scale, head_dim: int, score_dtype) -> float:
   return value
 
 
+def check_soft_cap(cap) -> float | None:
+  """``logits_soft_cap`` as a Python float (None: off): finite and > 0."""
+  if cap is None:
+    return None
+  try:
+    value = float(cap)
+  except TypeError:
+    raise TypeError(f"logits_soft_cap must be None or a Python float (a static value), got "
+                    f"{cap!r}.") from None
+  if not (math.isfinite(value) and value > 0):
+    raise ValueError(f"logits_soft_cap={cap!r} must be a finite number > 0 (scores become "
+                     "cap * tanh(score / cap)), or None for no cap.")
+  return value
+
+
+def check_sinks(sinks, heads: int):
+  """``sinks`` (one logit per query head) as a float32 ``[heads]`` array; ValueError naming
+  the shape otherwise. None stays None."""
+  if sinks is None:
+    return None
+  shape = getattr(sinks, "shape", None)
+  if shape is None or tuple(shape) != (heads,):
+    raise ValueError(f"sinks must be one float logit per query head, shape ({heads},), got "
+                     f"{shape if shape is not None else type(sinks).__name__}.")
+  if not jnp.issubdtype(sinks.dtype, jnp.floating):
+    raise ValueError(f"sinks must be floating point (float32 recommended), got {sinks.dtype}.")
+  return jnp.asarray(sinks).astype(jnp.float32)
+
+
 def check_split(layout: str, ring_size: int, length: int, *, ulysses: int = 1,
                 what: str = "sequence length") -> int:
   """The length rule of every strategy: returns the ring's local length ``length // ring_size``.

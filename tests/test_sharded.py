@@ -411,3 +411,24 @@ def test_bad_window_is_a_value_error(window, match):
     ring_jax.ring_attention_sharded(q, k, v, mesh=mesh, local_window_size=window)
   with pytest.raises(ValueError, match=match):
     ring_jax.reference_attention(q, k, v, local_window_size=window)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(sinks=np.zeros((3,), np.float32)), r"sinks must be one float logit per query head, shape \(4,\)"),
+    (dict(sinks=np.zeros((4,), np.int32)), "sinks must be floating point"),
+    (dict(logits_soft_cap=0.0), "logits_soft_cap=0.0 must be a finite number > 0"),
+    (dict(logits_soft_cap=float("inf")), "must be a finite number > 0"),
+])
+def test_sinks_and_soft_cap_bad_input_is_one_clear_error(kwargs, match):
+  mesh = make_mesh((4,), ("sequence",))
+  q, k, v = qkv(0, 1, 32, 4, 2, 8)
+  with pytest.raises(ValueError, match=match):
+    ring_jax.ring_attention_sharded(q, k, v, mesh=mesh, **kwargs)
+
+
+def test_sinks_with_a_strategy_without_lse_is_refused():
+  mesh = make_mesh((4,), ("sequence",))
+  q, k, v = qkv(0, 1, 32, 4, 4, 8)
+  with pytest.raises(ValueError, match="sinks= runs with strategy='ring' only"):
+    ring_jax.attention_sharded(q, k, v, mesh=mesh, strategy="ulysses",
+                               sinks=jnp.zeros((4,), jnp.float32))

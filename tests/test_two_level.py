@@ -260,3 +260,29 @@ def test_same_as_the_flat_ring_with_window_and_lse():
   want = ring_jax.reference_attention(*(ring_jax.from_layout(x, "striped", 8) for x in (q, k, v)),
                                       is_causal=True, local_window_size=9)
   assert_close(ring_jax.from_layout(out2, "striped", 8), want, what="vs reference")
+
+
+@pytest.mark.parametrize("routed", [False, True])
+def test_sinks_and_soft_cap_same_as_the_flat_ring(routed):
+  """Sinks (one logit per query head, counted once) and a logit soft-cap on the two-level
+  ring (2 x 2, causal zigzag, routed or not) give the flat ring's output, lse and gradients
+  of q, k, v and the sinks (the flat ring meets the float64 oracle in test_hop.py)."""
+  mesh = make_mesh((2, 2), AXES)
+  q, k, v = (ring_jax.to_layout(x, "zigzag", 4) for x in qkv(17, 1, 32, 4, 2, 8))
+  sinks = jnp.asarray(np.random.default_rng(3).normal(3.0, 1.0, size=4), jnp.float32)
+  spec, lse_spec = P(None, AXES), P(None, AXES, None)
+  kw = dict(axis_name=AXES, is_causal=True, layout="zigzag", return_lse=True,
+            logits_soft_cap=2.0, causal_routing=routed, block_q=4, block_kv=4)
+
+  def run(attend):
+    fn = jax.shard_map(lambda q, k, v, z: attend(q, k, v, sinks=z, **kw), mesh=mesh,
+                       in_specs=(spec,) * 3 + (P(),), out_specs=(spec, lse_spec))
+    loss = lambda *a: (lambda o: jnp.sum(o[0] ** 2) + jnp.sum(jnp.sin(o[1])))(fn(*a))  # noqa: E731
+    return jax.jit(fn)(q, k, v, sinks), jax.jit(jax.grad(loss, (0, 1, 2, 3)))(q, k, v, sinks)
+
+  ((out2, lse2), g2), ((out1, lse1), g1) = run(two_level_ring_attention), run(ring_jax.ring_attention)
+  assert_close(out2, out1, what="out")
+  assert_close(lse2, lse1, what="lse")
+  for name, a, b in zip(("dq", "dk", "dv", "dsinks"), g2, g1):
+    assert_close(a, b, what=name)
+  assert float(jnp.abs(g1[3]).min()) > 1e-3  # the sinks' gradient is not trivially zero

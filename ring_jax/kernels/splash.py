@@ -260,7 +260,7 @@ class SplashHopKernel:
       def one_row(q1, k1, v1, seg1):
         return sk._splash_attention_forward(
             info, q1, k1, v1, seg1, None, MASK_VALUE, False, sizes, None, True,
-            mask_function, None, interpret)
+            mask_function, tspec.logits_soft_cap, interpret)
 
       out, (lse,) = hop.call_unchecked_vma(_over_rows(one_row), q_bnth, k_bksh, v_bksh, seg)
       out = jnp.transpose(out.astype(jnp.float32), (0, 2, 1, 3)).reshape(q.shape)
@@ -291,18 +291,18 @@ class SplashHopKernel:
       interpret = self._interpret_mode(q_bnth, k_bksh, v_bksh, lse_bnt, do_bnth,
                                        *jax.tree.leaves(dq_info), *jax.tree.leaves(seg))
       layout = sk.QKVLayout.HEAD_DIM_MINOR
-      bq, bk = tspec.block_q, tspec.block_kv
+      bq, bk, cap = tspec.block_q, tspec.block_kv, tspec.logits_soft_cap
 
       def one_row(q1, k1, v1, seg1, lse1, do1, di1):
         dq1 = sk._splash_attention_bwd_dq(
             q1, k1, v1, seg1, None, lse1, do1, di1, bq=bq, bkv=bk, is_mqa=False,
-            mask_info=dq_info, mask_value=MASK_VALUE, attn_logits_soft_cap=None,
+            mask_info=dq_info, mask_value=MASK_VALUE, attn_logits_soft_cap=cap,
             q_layout=layout, k_layout=layout, v_layout=layout, mask_function=mask_function,
             interpret=interpret)
         _, dk1, dv1 = sk._splash_attention_bwd_dkv(
             q1, k1, v1, seg1, None, lse1, do1, di1, bq=bq, bkv=bk, bkv_compute=bk,
             is_mqa=False, mask_info=dkv_info, mask_value=MASK_VALUE,
-            attn_logits_soft_cap=None, use_fused_bwd_kernel=False, q_layout=layout,
+            attn_logits_soft_cap=cap, use_fused_bwd_kernel=False, q_layout=layout,
             k_layout=layout, v_layout=layout, mask_function=mask_function,
             interpret=interpret)
         return dq1, dk1, dv1

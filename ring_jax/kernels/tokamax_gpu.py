@@ -176,6 +176,9 @@ class TokamaxHopKernel:
     if q_shape[-1] != kv_shape[-1]:
       raise ValueError(f"hop_kernel='tokamax': q head dim {q_shape[-1]} != k/v head dim "
                        f"{kv_shape[-1]}.")
+    if spec.logits_soft_cap is not None:
+      raise ValueError("hop_kernel='tokamax' does not apply a logits soft-cap here (not "
+                       f"wired or tested); {_FALLBACK}.")
 
   def _call_kwargs(self, q4, k, v, range_arrays, scale):
     """tokamax's canonical keyword arguments of this hop (``bind`` fills its defaults);

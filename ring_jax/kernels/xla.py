@@ -95,6 +95,14 @@ def _scores(q_blk, k_blk, scale, precision):
                     preferred_element_type=jnp.float32) * scale
 
 
+def _soft_cap(s, cap):
+  """``(cap * tanh(s / cap), tanh(s / cap))`` of float32 scores (``cap`` None: ``(s, None)``)."""
+  if cap is None:
+    return s, None
+  t = jnp.tanh(s / cap)
+  return cap * t, t
+
+
 def _q_blocks(x, block):
   """``[B, T, K, G]`` -> block-major ``[nq, B, K, G, bq]`` (row statistics; small)."""
   b, t, k, g = x.shape
@@ -156,7 +164,7 @@ class XlaHopKernel:
         o, m, l = c
         k_blk = _kv_block(k, bb, bk)                           # [B, K, bk, H]
         v_blk = _kv_block(v, bb, bk)
-        s = _scores(q_blk, k_blk, scale, prec)
+        s, _ = _soft_cap(_scores(q_blk, k_blk, scale, prec), spec.logits_soft_cap)
         mask = _pair_mask(masks, spec, a, bb) if masked else None
         if mask is not None:
           s = jnp.where(mask, s, -jnp.inf)
@@ -229,7 +237,7 @@ class XlaHopKernel:
       _, dk_blk, dv_blk = c
       row = lambda x: jax.lax.dynamic_index_in_dim(x, a, keepdims=False)
       q_blk, do_blk = _q_block(q, a, bq), _q_block(do, a, bq)  # [B, K, G, bq, H]
-      s = _scores(q_blk, k_blk, scale, prec)
+      s, tanh = _soft_cap(_scores(q_blk, k_blk, scale, prec), spec.logits_soft_cap)
       p = jnp.exp(s - row(lseB)[..., None])                    # softmax probabilities
       if masked:
         p = jnp.where(_pair_mask(masks, spec, a, bb), p, 0.0)
@@ -237,7 +245,10 @@ class XlaHopKernel:
                                    precision=prec, preferred_element_type=jnp.float32)
       dp = jnp.einsum("bkgqh,bksh->bkgqs", do_blk, vf_blk, precision=prec,
                       preferred_element_type=jnp.float32)
-      ds = (p * (dp - row(deltaB)[..., None]) * scale).astype(q.dtype)
+      ds = p * (dp - row(deltaB)[..., None])
+      if tanh is not None:  # through the cap: d(c tanh(r / c)) / dr
+        ds = ds * (1.0 - tanh * tanh)
+      ds = (ds * scale).astype(q.dtype)
       dk_blk = dk_blk + jnp.einsum("bkgqs,bkgqh->bksh", ds, finite(q_blk), precision=prec,
                                    preferred_element_type=jnp.float32)
       dq_blk = jnp.einsum("bkgqs,bksh->bkgqh", ds, kf_blk, precision=prec,

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import functools
 
-import jax
-
 from ring_jax import layouts
 from ring_jax import validation
 from ring_jax.hop import HopKernel

@@ -32,6 +32,7 @@ class AttentionOptions:
   return_lse: bool = False
   overlap_dkv: bool | None = None
   causal_routing: bool | None = None
+  logits_soft_cap: float | None = None
 
   @classmethod
   def from_keywords(cls, keywords: dict) -> "AttentionOptions":
@@ -40,6 +41,7 @@ class AttentionOptions:
 
   def __post_init__(self):
     layouts.check_layout(self.layout)
+    object.__setattr__(self, "logits_soft_cap", validation.check_soft_cap(self.logits_soft_cap))
     if isinstance(self.local_window_size, list):  # hashable, as the other fields
       object.__setattr__(self, "local_window_size", tuple(self.local_window_size))
 
@@ -61,7 +63,8 @@ class AttentionOptions:
                 local_window_size=self.local_window_size, layout=self.layout,
                 block_q=self.block_q, block_kv=self.block_kv, precision=self.precision,
                 hop_kernel=self.hop_kernel, return_lse=self.return_lse,
-                overlap_dkv=self.overlap_dkv, causal_routing=self.causal_routing)
+                overlap_dkv=self.overlap_dkv, causal_routing=self.causal_routing,
+                logits_soft_cap=self.logits_soft_cap)
 
   def hop_spec(self, head_dim: int, local_len: int, block_length: int,
                kernel=None) -> HopSpec:
@@ -79,4 +82,5 @@ class AttentionOptions:
     validation.check_block("block_q", block_q, block_length)
     validation.check_block("block_kv", block_kv, block_length)
     return HopSpec(scale=scale, is_causal=bool(self.is_causal), window=window,
-                   block_q=int(block_q), block_kv=int(block_kv), precision=self.precision)
+                   block_q=int(block_q), block_kv=int(block_kv), precision=self.precision,
+                   logits_soft_cap=self.logits_soft_cap)

@@ -348,13 +348,14 @@ def hop_kernel_attention(kernel, *, block: int | None = None, check_vma: bool = 
 
   def attention(query, key, value, *, is_causal=False, segment_ids=None, scale=None,
                 mesh=None, local_window_size=None, layout="contiguous",
-                inputs_in_layout=False, return_lse=False):
+                inputs_in_layout=False, return_lse=False, sinks=None, logits_soft_cap=None):
     common = dict(is_causal=is_causal, scale=scale, local_window_size=local_window_size,
                   layout=layout, block_q=block, block_kv=block, hop_kernel=kernel,
-                  return_lse=return_lse)
+                  logits_soft_cap=logits_soft_cap)
     if check_vma:
       return ring_jax.ring_attention_sharded(query, key, value, mesh=mesh,
-                                             segment_ids=segment_ids,
+                                             segment_ids=segment_ids, sinks=sinks,
+                                             return_lse=return_lse,
                                              inputs_in_layout=inputs_in_layout, **common)
     ring = mesh.shape["sequence"]
     order = (lambda x: x) if inputs_in_layout else functools.partial(
@@ -366,10 +367,13 @@ def hop_kernel_attention(kernel, *, block: int | None = None, check_vma: bool = 
     if segment_ids is not None:
       args.append(order(segment_ids))
     local = lambda q, k, v, *s: ring_jax.ring_attention(
-        q, k, v, axis_name="sequence", segment_ids=s[0] if s else None, **common)
+        q, k, v, axis_name="sequence", segment_ids=s[0] if s else None,
+        return_lse=return_lse or sinks is not None, **common)
     out = jax.shard_map(local, mesh=mesh, in_specs=(spec,) * len(args),
-                        out_specs=(spec, spec) if return_lse else spec, check_vma=False)(*args)
-    return tuple(map(back, out)) if return_lse else back(out)
+                        out_specs=(spec, spec) if return_lse or sinks is not None else spec,
+                        check_vma=False)(*args)
+    out = tuple(map(back, out)) if return_lse or sinks is not None else back(out)
+    return ring_jax.ring.with_sinks(out, sinks, return_lse)
 
   attention.__qualname__ = f"hop_kernel_attention({getattr(kernel, 'name', kernel)!r})"
   return attention
