@@ -49,9 +49,14 @@ OWN = {
 }
 
 
+#: What ring_jax's own entry points declare beyond their keywords (the ring takes V's own
+#: head size; all-gather and Ulysses refuse it).
+OWN_FEATURES = {"ring": ("value_head_dim",)}
+
+
 def targets(names, peers: bool) -> dict:
   """``{name: (fn, tokens per device, declared features)}``."""
-  found = {n: (OWN[n], LOCAL_LEN, ()) for n in names}
+  found = {n: (OWN[n], LOCAL_LEN, OWN_FEATURES.get(n, ())) for n in names}
   if peers:
     from benchmarks import conformance_peers  # noqa: PLC0415
     found.update({n: (fn, conformance_peers.LOCAL_LEN.get(n, LOCAL_LEN),

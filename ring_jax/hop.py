@@ -107,8 +107,10 @@ class HopGrads(NamedTuple):
 @dataclasses.dataclass(frozen=True)
 class HopSpec:
   """Static parameters of one hop's computation, fixed at trace time: score scale, causal
-  mask, window, block sizes, matmul precision, and ``logits_soft_cap`` (``c``: scores
-  become ``c * tanh(s / c)`` before masking and softmax, Gemma 2's attention; None: off)."""
+  mask, window, block sizes, matmul precision, ``logits_soft_cap`` (``c``: scores
+  become ``c * tanh(s / c)`` before masking and softmax, Gemma 2's attention; None: off)
+  and ``value_head_dim`` (V's head size ``Hv`` when it differs from Q/K's ``H``, as in MLA;
+  None: equal; kernels that cannot refuse it in ``check``)."""
   scale: float
   is_causal: bool
   window: tuple[int, int] | None
@@ -116,6 +118,7 @@ class HopSpec:
   block_kv: int
   precision: jax.lax.Precision | None = None
   logits_soft_cap: float | None = None
+  value_head_dim: int | None = None  # V's head size where it differs from Q/K's (MLA)
 
 
 @runtime_checkable
@@ -206,10 +209,12 @@ def add_sinks(out, lse, sinks):
   return (out.astype(jnp.float32) * weight[..., None]).astype(out.dtype), total
 
 
-def empty_result(q):
-  """``(out, lse)`` of attention over no key: zeros and ``-inf`` (float32)."""
+def empty_result(q, value_head_dim: int | None = None):
+  """``(out, lse)`` of attention over no key: zeros ``[B, T, K, G, Hv]`` (``Hv`` V's head
+  size, default Q's) and ``-inf`` (float32)."""
   b, t, k, g, h = q.shape
-  return (jnp.zeros((b, t, k, g, h), jnp.float32),
+  hv = h if value_head_dim is None else value_head_dim
+  return (jnp.zeros((b, t, k, g, hv), jnp.float32),
           jnp.full((b, t, k, g), -jnp.inf, jnp.float32))
 
 

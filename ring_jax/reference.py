@@ -20,7 +20,8 @@ def reference_attention(query, key, value, *, is_causal: bool = False, segment_i
 
   Args:
     query: ``[B, T, N, H]``.
-    key, value: ``[B, S, K, H]`` with ``N % K == 0`` (GQA/MQA share K/V heads).
+    key, value: ``[B, S, K, H]`` and ``[B, S, K, Hv]`` with ``N % K == 0`` (GQA/MQA share
+      K/V heads; ``Hv``, V's head size, may differ from ``H``, as in MLA).
     is_causal: key position must not exceed query position.
     segment_ids: integer ``[B, T]`` (requires ``T == S``): tokens attend only
       within equal ids; id 0 is padding (its queries output 0, its keys are
@@ -34,14 +35,14 @@ def reference_attention(query, key, value, *, is_causal: bool = False, segment_i
       :func:`ring_jax.layout_positions` to attend over a layout-ordered sequence.
 
   Returns:
-    ``[B, T, N, H]`` in ``query.dtype``. Rows that attend nothing are 0.
+    ``[B, T, N, Hv]`` in ``query.dtype``. Rows that attend nothing are 0.
     Masked (including padding) keys are never read: a non-finite value there
     changes nothing. A non-finite value in a visible score makes its row
     non-finite (as dense IEEE arithmetic would), and an output element that
     reads a non-finite value of ``value`` through a visible pair is NaN.
   """
   validation.check_qkv(query, key, value, is_causal=is_causal or local_window_size is not None,
-                       segment_ids=segment_ids)
+                       segment_ids=segment_ids, value_head_dim=True)
   window = masking.normalize_window(local_window_size)
   scale = validation.check_scale(scale, query.shape[-1], _score_dtype(query.dtype))
   # One compiled program per shape and static choice: called eagerly (a test's oracle, a
@@ -92,4 +93,4 @@ def _dense(query, key, value, segment_ids, q_positions, kv_positions, *, is_caus
 
   # The second matmul only when V holds a non-finite value (the dense model path runs this).
   out = jax.lax.cond(jnp.isfinite(v).all(), p_at_v, p_at_finite_v)
-  return out.reshape(b, t, n, h).astype(query.dtype)
+  return out.reshape(b, t, n, v.shape[-1]).astype(query.dtype)

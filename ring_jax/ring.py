@@ -159,8 +159,10 @@ def ring_attention(query, key, value, *, axis_name, is_causal: bool = False, seg
 
   Args:
     query: local ``[B, T, N, H]``.
-    key, value: local ``[B, S, K, H]``; ``N % K == 0``. Only the ``K`` heads
-      travel around the ring (GQA/MQA without repeating K/V).
+    key, value: local ``[B, S, K, H]`` and ``[B, S, K, Hv]``; ``N % K == 0``. Only the
+      ``K`` heads travel around the ring (GQA/MQA without repeating K/V), K and V as two
+      buffers. V's head size ``Hv`` may differ from ``H`` (MLA: 192 / 128): the output is
+      ``[B, T, N, Hv]`` (the xla hop kernel; the fused ones refuse it in ``check``).
     axis_name: mesh axis the sequence is sharded over (the ring).
     is_causal: causal mask over global positions.
     segment_ids: local integer ``[B, T]`` (any integer dtype, compared as
@@ -226,7 +228,7 @@ def ring_attention(query, key, value, *, axis_name, is_causal: bool = False, seg
       splash; the others refuse it in ``check``).
 
   Returns:
-    local ``[B, T, N, H]`` in ``query.dtype``, equal to dense attention over
+    local ``[B, T, N, Hv]`` in ``query.dtype``, equal to dense attention over
     the global sequence, or ``(out, lse)`` with ``return_lse``. Rows that
     attend nothing (padding, or a window and mask that leave no key) are 0.
     A non-finite value in q, k or v makes the outputs that read it (through a
@@ -257,14 +259,14 @@ def with_sinks(result, sinks, return_lse: bool):
 def attend_grouped(attend, cfg, query, key, value, segment_ids, return_lse: bool):
   """``attend(cfg, q, k, v, seg)`` (a ring's ``custom_vjp``) on the query heads grouped by
   their key/value head (``[B, T, K, N/K, H]``: GQA/MQA without repeating K/V), the result
-  back as ``[B, T, N, H]`` (and the lse ``[B, T, N]`` with ``return_lse``)."""
+  back as ``[B, T, N, Hv]`` (and the lse ``[B, T, N]`` with ``return_lse``)."""
   b, t, n, h = query.shape
-  kh = key.shape[2]
+  kh, hv = key.shape[2], value.shape[-1]
   q = query.reshape(b, t, kh, n // kh, h)
   if not return_lse:
-    return attend(cfg, q, key, value, segment_ids).reshape(b, t, n, h)
+    return attend(cfg, q, key, value, segment_ids).reshape(b, t, n, hv)
   out, lse = attend(cfg, q, key, value, segment_ids)
-  return out.reshape(b, t, n, h), lse.reshape(b, t, n)
+  return out.reshape(b, t, n, hv), lse.reshape(b, t, n)
 
 
 def make_config(query, key, value, *, axis_name, is_causal, segment_ids, scale,
@@ -276,7 +278,7 @@ def make_config(query, key, value, *, axis_name, is_causal, segment_ids, scale,
   causal_routing, overlap_dkv = defaults["causal_routing"], defaults["overlap_dkv"]
   window = masking.normalize_window(local_window_size)
   validation.check_qkv(query, key, value, is_causal=is_causal or window is not None,
-                       segment_ids=segment_ids)
+                       segment_ids=segment_ids, value_head_dim=True)
   scale = validation.check_scale(scale, query.shape[-1], "float32")
   ring_size = validation.axis_size(axis_name, "ring_attention", "ring_attention_sharded")
   t, s = query.shape[1], key.shape[1]
@@ -292,7 +294,8 @@ def make_config(query, key, value, *, axis_name, is_causal, segment_ids, scale,
   spec = HopSpec(scale=scale,
                  is_causal=bool(is_causal), window=window, block_q=int(block_q),
                  block_kv=int(block_kv), precision=precision,
-                 logits_soft_cap=validation.check_soft_cap(logits_soft_cap))
+                 logits_soft_cap=validation.check_soft_cap(logits_soft_cap),
+                 value_head_dim=value.shape[-1] if value.shape[-1] != key.shape[-1] else None)
   b, _, n, h = query.shape
   kh = key.shape[2]
   kernel.check((b, t, kh, n // kh, h), tuple(key.shape), query.dtype, spec)
@@ -381,10 +384,10 @@ def over_hops(count: int, step, state, *, peel_first: bool):
 
 
 def send(pairs, axis_name, *xs):
-  """``ppermute`` of each array over the ``(source, destination)`` ``pairs`` (devices that
-  receive nothing get zeros)."""
+  """``ppermute`` of each array (or pytree of arrays) over the ``(source, destination)``
+  ``pairs`` (devices that receive nothing get zeros)."""
   if not pairs:
-    return tuple(None if x is None else jnp.zeros_like(x) for x in xs)
+    return tuple(None if x is None else jax.tree.map(jnp.zeros_like, x) for x in xs)
   return tuple(None if x is None else jax.lax.ppermute(x, axis_name, list(pairs)) for x in xs)
 
 
@@ -632,7 +635,7 @@ def _forward(cfg: RingConfig, q, k, v, seg):
   # may start independent collectives in a different order per device, and an all-gather on
   # some devices waiting for a ppermute on the others deadlocks (seen under jax.profiler).
   v_finite, k, v, seg = jax.lax.optimization_barrier((v_finite, k, v, seg))
-  acc = tuple(varying_like(x, q, k, v) for x in empty_result(q))
+  acc = tuple(varying_like(x, q, k, v) for x in empty_result(q, v.shape[-1]))
   masks_at = lambda hop, kv_seg: _masks(cfg, device, hop, q_pos, seg, kv_seg, v_finite)  # noqa: E731
   (out, lse), _ = forward_loop(cfg, q, split_streams(cfg.routes, k, v, seg), acc, masks_at)
   return out.astype(q.dtype), lse

@@ -213,7 +213,7 @@ def _forward(tl: _TwoLevelConfig, q, k, v, seg):
   # device (XLA:CPU deadlock otherwise).
   v_finite = v_finite_flags(routes, cfg.axis_name, v)
   v_finite, k, v, seg = jax.lax.optimization_barrier((v_finite, k, v, seg))
-  acc = tuple(varying_like(x, q, k, v) for x in empty_result(q))
+  acc = tuple(varying_like(x, q, k, v) for x in empty_result(q, v.shape[-1]))
   # rows[i]: per stream, the outer pairs that deliver step i + 1's parts
   rows = [[s.arrive[i + 1] if i + 1 < n_o else () for s in routes.streams] for i in range(n_o)]
   span = loop_span(n_o, peel_first=True)
@@ -270,7 +270,7 @@ def _backward(tl: _TwoLevelConfig, q, k, v, seg, out, lse, do, dlse, received):
     held, acc, home, dq = state
     nxt, sent_outer = held, None
     if first and received is not None:  # step 1's parts: kept from the forward
-      nxt = [(jnp.stack(p[:2]), p[2]) for p in received]
+      nxt = [_pack(*p) for p in received]
     elif not last:
       with jax.named_scope("send_outer"):
         sent_outer = hop_send(i, arrive_next, span, outer, held, send=send_distinct)
@@ -286,7 +286,7 @@ def _backward(tl: _TwoLevelConfig, q, k, v, seg, out, lse, do, dlse, received):
           home = [tuple(h_ + s_ + jnp.where(m, a, 0.0) for h_, s_, a in zip(hj, sj, aj))
                   for hj, sj, aj, m in zip(home, sent, acc, mine)]
     kh, vh = (join_streams([p[0][m] for p in held]) for m in (0, 1))
-    segh = join_streams([p[1] for p in held])
+    segh = join_streams([p[-1] for p in held])
     # The inner ring; its accumulators go home to the holder of the outer buffer, (g, r),
     # except at the last step, where they stay one device on (the outer ones move there).
     masks_at = lambda h, kv_seg: _masks(tl, g, r, i, h, q_pos, seg, kv_seg)  # noqa: E731
@@ -308,7 +308,7 @@ def _backward(tl: _TwoLevelConfig, q, k, v, seg, out, lse, do, dlse, received):
   # Each part's K and V travel stacked, one array: a routed step that sends one pair sends
   # what the forward sent (send_distinct cannot reorder one pair), and XLA would merge equal
   # transfers of the two passes; the stacked array's shape keeps them apart.
-  held = [(jnp.stack(p[:2]), p[2]) for p in split_streams(routes, k, v, seg)]
+  held = [_pack(*p) for p in split_streams(routes, k, v, seg)]
   acc = [(zeros(p[0]), zeros(p[1])) for p in split_streams(routes, k, v)]
   home = [(zeros(p[0]), zeros(p[1])) for p in split_streams(routes, k, v)]
   _, acc, home, dq = over_hops(n_o, outer_step, (held, acc, home, zeros(q)), peel_first=True)
@@ -326,6 +326,14 @@ def _backward(tl: _TwoLevelConfig, q, k, v, seg, out, lse, do, dlse, received):
         home[j] = tuple(h_ + jnp.where(mine, a, 0.0) for h_, a in zip(home[j], acc[j]))
   dk, dv = join_streams([h_[0] for h_ in home]), join_streams([h_[1] for h_ in home])
   return finish_grads(q, k_own, v_own, dq, dk, dv)
+
+
+def _pack(k, v, seg):
+  """A part's K and V as one stacked array (``(kv, seg)``), or as two when V's head size
+  differs (``(k, v, seg)``); ``part[0][m]`` is K (m = 0) or V (m = 1) either way."""
+  if k.shape == v.shape:
+    return jnp.stack((k, v)), seg
+  return (k, v), seg
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))

@@ -15,8 +15,10 @@ import numpy as np
 from ring_jax import layouts
 
 
-def check_qkv(query, key, value, *, is_causal: bool, segment_ids) -> None:
-  """Shapes ``[B,T,N,H]``, ``[B,S,K,H]``, ``[B,S,K,H]``; same float dtype; ``N % K == 0``."""
+def check_qkv(query, key, value, *, is_causal: bool, segment_ids,
+              value_head_dim: bool = False) -> None:
+  """Shapes ``[B,T,N,H]``, ``[B,S,K,H]``, ``[B,S,K,Hv]``; same float dtype; ``N % K == 0``;
+  ``Hv == H`` unless ``value_head_dim`` (the caller takes V's own head size)."""
   for name, x in (("query", query), ("key", key), ("value", value)):
     if getattr(x, "ndim", None) != 4:
       raise ValueError(
@@ -28,8 +30,14 @@ def check_qkv(query, key, value, *, is_causal: bool, segment_ids) -> None:
         f"{value.dtype}; cast them (e.g. all to bfloat16) before calling.")
   if not jnp.issubdtype(query.dtype, jnp.floating):
     raise TypeError(f"attention inputs must be floating point, got {query.dtype}.")
-  if key.shape != value.shape:
-    raise ValueError(f"key and value shapes differ: {key.shape} vs {value.shape}.")
+  if key.shape[:3] != value.shape[:3]:
+    raise ValueError(f"key and value shapes differ: {key.shape} vs {value.shape} (they may "
+                     "differ in the head size only).")
+  if key.shape != value.shape and not value_head_dim:
+    raise ValueError(
+        f"key and value shapes differ: {key.shape} vs {value.shape}; V's own head size "
+        "(Dv != D) runs with ring_jax.ring_attention / ring_attention_sharded / "
+        "two_level_ring_attention / reference_attention and the xla hop kernel.")
   b, t, n, h = query.shape
   bk, s, k, hk = key.shape
   if b != bk or h != hk:

@@ -432,3 +432,19 @@ def test_sinks_with_a_strategy_without_lse_is_refused():
   with pytest.raises(ValueError, match="sinks= runs with strategy='ring' only"):
     ring_jax.attention_sharded(q, k, v, mesh=mesh, strategy="ulysses",
                                sinks=jnp.zeros((4,), jnp.float32))
+
+
+def test_value_head_dim_is_refused_where_it_does_not_run():
+  """V's own head size runs with the ring (tests/test_hop.py, value-head-dim); the other
+  strategies and the fused hop kernels refuse it, naming what does."""
+  mesh = make_mesh((4,), ("sequence",))
+  q, k, v = qkv(0, 1, 512, 4, 4, 8)
+  v = v[..., :4]
+  with pytest.raises(ValueError, match="V's own head size"):
+    ring_jax.attention_sharded(q, k, v, mesh=mesh, strategy="ulysses")
+  with pytest.raises(ValueError, match="V's head size 4 differs"):
+    ring_jax.ring_attention_sharded(q, k, v, mesh=mesh, hop_kernel="splash", block_q=128,
+                                    block_kv=128)
+  out = ring_jax.ring_attention_sharded(q, k, v, mesh=mesh, is_causal=True)
+  assert out.shape == (1, 512, 4, 4)
+  assert_close(out, ring_jax.reference_attention(q, k, v, is_causal=True), what="Dv")

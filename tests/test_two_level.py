@@ -262,13 +262,15 @@ def test_same_as_the_flat_ring_with_window_and_lse():
   assert_close(ring_jax.from_layout(out2, "striped", 8), want, what="vs reference")
 
 
-@pytest.mark.parametrize("routed", [False, True])
-def test_sinks_and_soft_cap_same_as_the_flat_ring(routed):
-  """Sinks (one logit per query head, counted once) and a logit soft-cap on the two-level
-  ring (2 x 2, causal zigzag, routed or not) give the flat ring's output, lse and gradients
-  of q, k, v and the sinks (the flat ring meets the float64 oracle in test_hop.py)."""
+@pytest.mark.parametrize("routed,value_head_dim", [(False, 8), (True, 8), (True, 4)])
+def test_sinks_and_soft_cap_same_as_the_flat_ring(routed, value_head_dim):
+  """Sinks (one logit per query head, counted once), a logit soft-cap and V's own head size
+  on the two-level ring (2 x 2, causal zigzag, routed or not) give the flat ring's output,
+  lse and gradients of q, k, v and the sinks (the flat ring meets the float64 oracle in
+  test_hop.py)."""
   mesh = make_mesh((2, 2), AXES)
   q, k, v = (ring_jax.to_layout(x, "zigzag", 4) for x in qkv(17, 1, 32, 4, 2, 8))
+  v = v[..., :value_head_dim]
   sinks = jnp.asarray(np.random.default_rng(3).normal(3.0, 1.0, size=4), jnp.float32)
   spec, lse_spec = P(None, AXES), P(None, AXES, None)
   kw = dict(axis_name=AXES, is_causal=True, layout="zigzag", return_lse=True,

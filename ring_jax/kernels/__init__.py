@@ -30,8 +30,6 @@ import dataclasses
 import importlib
 from typing import Callable, ClassVar
 
-import jax
-
 from ring_jax import topology
 from ring_jax.hop import HopKernel
 from ring_jax.kernels import selfcheck

@@ -165,6 +165,9 @@ class SplashHopKernel:
     if jnp.dtype(dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
       raise ValueError(f"splash: dtype {jnp.dtype(dtype)} is not supported (float32 or "
                        "bfloat16); cast the inputs or use hop_kernel='xla'.")
+    if spec.value_head_dim is not None:
+      raise ValueError(f"splash: V's head size {spec.value_head_dim} differs from Q/K's {h} "
+                       "(not wired or tested here); use hop_kernel='xla'.")
     if spec.window is not None and s > _MAX_WINDOW_KV:
       raise ValueError(
           f"splash: a local window with a key shard of S={s} > {_MAX_WINDOW_KV} tokens does "

@@ -176,6 +176,9 @@ class TokamaxHopKernel:
     if q_shape[-1] != kv_shape[-1]:
       raise ValueError(f"hop_kernel='tokamax': q head dim {q_shape[-1]} != k/v head dim "
                        f"{kv_shape[-1]}.")
+    if spec.value_head_dim is not None:
+      raise ValueError(f"hop_kernel='tokamax': V's head size {spec.value_head_dim} differs "
+                       f"from Q/K's {q_shape[-1]}; {_FALLBACK}.")
     if spec.logits_soft_cap is not None:
       raise ValueError("hop_kernel='tokamax' does not apply a logits soft-cap here (not "
                        f"wired or tested); {_FALLBACK}.")

@@ -156,8 +156,8 @@ class XlaHopKernel:
     bq, bk, prec, scale = spec.block_q, spec.block_kv, spec.precision, spec.scale
     table = masks.table()  # rows with their own ranges (skip): merged, skip what none holds
     q_ranges, skip = masking.merge_rows(table.q_ranges), table.q_ranges.shape[0] > 1
-    b, t, kh, g, h = q.shape
-    nq = t // bq
+    b, t, kh, g, _ = q.shape
+    nq, hv = t // bq, v.shape[-1]
 
     def fold(guard_v: bool):
       def update(q_blk, a, bb, c, masked: bool):
@@ -186,7 +186,7 @@ class XlaHopKernel:
         out_full, lse_full = acc
         q_blk = _q_block(q, a, bq)                             # [B, K, G, bq, H]
         init = tuple(varying_like(x, q, k, v) for x in (
-            jnp.zeros((b, kh, g, bq, h), jnp.float32),
+            jnp.zeros((b, kh, g, bq, hv), jnp.float32),
             jnp.full((b, kh, g, bq), -jnp.inf, jnp.float32),
             jnp.zeros((b, kh, g, bq), jnp.float32)))
 
@@ -204,7 +204,8 @@ class XlaHopKernel:
         return (_put_q_block(out_full, out, a, bq), _put_q_block(lse_full, lse, a, bq))
 
       init = tuple(varying_like(x, q, k, v) for x in (
-          jnp.zeros(q.shape, jnp.float32), jnp.full(q.shape[:4], -jnp.inf, jnp.float32)))
+          jnp.zeros((*q.shape[:4], hv), jnp.float32),
+          jnp.full(q.shape[:4], -jnp.inf, jnp.float32)))
       with jax.named_scope("xla_hop_fwd_blocks"):
         return jax.lax.fori_loop(0, nq, q_block, init)
 
