@@ -24,7 +24,9 @@ Search: powers of two (times the length granularity the config allows, see
 fit (or down until one does), then bisection on that granularity until the
 gap is below ``--resolution`` of the length. ``--seq_len L`` checks one length.
 Prints one table row per compiled length and, as the LAST line, one JSON
-object with ``seq_len``, ``per_device_bytes`` and ``fits`` (and the details).
+object with ``seq_len``, ``per_device_bytes`` and ``fits`` (and the details; compiled for a
+TPU slice also ``ring_in_flight`` / ``ring_transfers`` of each row, the ring transfers with
+block compute in flight in the compiled schedule, :func:`ring_jax.analysis.overlap_report`).
 
 The mesh is the config's ``config.mesh`` with its ``-1`` axis filling
 ``--devices``; ``--mesh data=1,sequence=8`` replaces it (axes ``data``,
@@ -213,6 +215,9 @@ class Planner:
                compile_s=round(time.perf_counter() - t0, 1))
     if counts is not None:
       row["collectives"] = counts
+    if self.platform == "tpu":  # the TPU compiler's schedule: ring transfers in flight
+      from ring_jax import analysis
+      row["ring_in_flight"], row["ring_transfers"] = analysis.overlap_report(compiled).ring()
     self.rows_by_length[length] = row
     print_row(row, self.unit)
     return row

@@ -160,15 +160,20 @@ class TestErrors:
     kw.setdefault("mesh", self.mesh)
     return ring_jax.ring_attention_sharded(q, k, v, **kw)
 
-  def test_length_not_divisible_by_ring(self):
+  def test_inputs_in_layout_must_split(self):
+    """Inputs already in layout order cannot be padded at their end: the length must split."""
     q, k, v = qkv(0, 2, 30, 2, 2, 8)
     with pytest.raises(ValueError, match="not divisible by the ring size"):
-      self.call(q, k, v)
-
-  def test_zigzag_needs_even_local_length(self):
+      self.call(q, k, v, inputs_in_layout=True)
     q, k, v = qkv(0, 2, 12, 2, 2, 8)  # local length 3
     with pytest.raises(ValueError, match="must be even"):
-      self.call(q, k, v, layout="zigzag")
+      self.call(q, k, v, layout="zigzag", inputs_in_layout=True)
+
+  def test_cross_attention_lengths_that_do_not_split(self):
+    q, _, _ = qkv(0, 2, 30, 2, 2, 8)
+    _, k, v = qkv(1, 2, 16, 2, 2, 8)
+    with pytest.raises(ValueError, match="padding is automatic for equal lengths only"):
+      self.call(q, k, v)
 
   def test_bad_layout(self):
     q, k, v = qkv(0, 2, 16, 2, 2, 8)

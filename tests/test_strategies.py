@@ -210,9 +210,11 @@ def test_plan_and_hybrid_share_the_length_rule():
                what="hybrid at 12 tokens")
   with pytest.raises(ValueError, match="no strategy can run"):
     ring_jax.plan(seq_len=10, **kw)
-  q, k, v = qkv(13, 1, 10, 2, 2, 8)
+  q, k, v = qkv(13, 1, 10, 2, 2, 8)  # padded to 16 inside (any length, test_any_length.py)
+  assert_close(jax.jit(run)(q, k, v), ring_jax.reference_attention(q, k, v, is_causal=True),
+               what="hybrid at 10 tokens")
   with pytest.raises(ValueError, match="must be even"):
-    run(q, k, v)
+    run(q, k, v, inputs_in_layout=True)
 
 
 @pytest.mark.parametrize("strategy,seq_axis", [

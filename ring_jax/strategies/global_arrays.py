@@ -24,6 +24,7 @@ from ring_jax import kernels
 from ring_jax import layouts
 from ring_jax import topology
 from ring_jax import validation
+from ring_jax.hop import takes_block
 from ring_jax.ring import platform_defaults
 from ring_jax.strategies.options import AttentionOptions
 
@@ -249,6 +250,16 @@ def run(strategy: Strategy, query, key, value, segment_ids, *, mesh, seq_axis, b
   natural = not inputs_in_layout
   if natural and strategy.whole_sequence:
     options, natural = dataclasses.replace(options, layout="contiguous"), False
+  padded = padded_length(strategy, where, options, length) if not inputs_in_layout else length
+  if padded != length:
+    if kv_len != length:
+      raise ValueError(
+          f"query length {length} does not split over the sequence devices and differs from "
+          f"the key/value length {kv_len}: padding is automatic for equal lengths only; pad "
+          f"both yourself (to {padded} tokens, say) and mask the padding.")
+    return _padded_run(strategy, query, key, value, segment_ids, padded, mesh=mesh,
+                       seq_axis=seq_axis, batch_axis=batch_axis, head_axis=head_axis,
+                       options=options)
   strategy.check(where, length, kv_len, *where.per_device(n, kh), options)
   if segment_ids is not None:
     segment_ids = jnp.asarray(segment_ids)  # ids keep their dtype (0 = padding, see masking)
@@ -275,6 +286,48 @@ def run(strategy: Strategy, query, key, value, segment_ids, *, mesh, seq_axis, b
   if natural and not in_shards:
     out = jax.tree.map(lambda x: layouts.from_layout(x, layout, ring, axis=1), out)
   return out
+
+
+def padded_length(strategy: Strategy, where: Placement, options: AttentionOptions,
+                  length: int) -> int:
+  """The length ``strategy`` runs a natural-order sequence of ``length`` tokens at: the
+  smallest multiple of what its split needs (:func:`ring_jax.layouts.length_multiple` of
+  its ring, times the Ulysses axis for the hybrid, and for the ring its hop kernel's
+  smallest block per layout chunk: 128 for splash) that is ``>= length``. Blocks the
+  caller names must divide the padded shards (as they must divide any length)."""
+  sizes = where.seq_sizes
+  if strategy.two_axes:  # hybrid: the layout over the ring axis, each shard over Ulysses
+    ring, extra = sizes[0], sizes[1]
+  else:
+    ring, extra = (math.prod(sizes) if strategy.one_ring_over_pair else sizes[0]), 1
+  multiple = math.lcm(layouts.length_multiple(options.layout, ring), ring * extra)
+  if strategy.name == "ring":  # the kernel's blocks tile each layout chunk of the shards
+    chunks = ring * (2 if layouts.mask_layout(options.layout) == "zigzag" else 1)
+    grain = next(b for b in range(1, 1025) if takes_block(options.hop_kernel, b))
+    multiple = math.lcm(multiple, chunks * grain)
+  return -(-length // multiple) * multiple
+
+
+def _padded_run(strategy, query, key, value, segment_ids, padded: int, *, options, **where):
+  """:func:`run` on the sequence padded to ``padded`` tokens at its end: the padding's
+  segment id is 0 (padding: it attends nothing and is never attended; real tokens get id 1
+  when the call had no ids), the result sliced back to the call's length (on a mesh with
+  Explicit axes with its sequence dimension unsharded: an uneven length cannot be split)."""
+  b, length = query.shape[:2]
+  pad = lambda x: jnp.pad(x, [(0, 0), (0, padded - length)] + [(0, 0)] * (x.ndim - 2))  # noqa: E731
+  ids = (jnp.ones((b, length), jnp.int32) if segment_ids is None
+         else jnp.asarray(segment_ids))
+  out = run(strategy, pad(query), pad(key), pad(value), pad(ids), inputs_in_layout=False,
+            options=options, **where)
+  mesh = current_mesh(where["mesh"])
+
+  def cut(x):
+    if has_explicit_axes(mesh):  # an uneven length cannot stay split over the sequence axes
+      spec = jax.typeof(x).sharding.spec
+      x = place(mesh, x, P(spec[0], None, *spec[2:]))
+    return x[:, :length]
+
+  return jax.tree.map(cut, out)
 
 
 def _in_layout(local, q, k, v, seg, *, layout, axis_name):
