@@ -8,8 +8,8 @@ shards (``jax.shard_map`` of :func:`ring_jax.ring_attention` or
 the compiled program: the collective-permutes it executes per run (loop trip counts, a
 ``lax.switch`` branch per trip: :func:`benchmarks.two_level.permute_traffic`) and the bytes
 they move over all devices' links together (each executed permute's operand times its
-source-target pairs), ``memory_analysis()`` temp bytes and the scheduled HLO's size (its text without the
-``metadata={...}`` of each instruction: source lines and scope names are not program); compiled for a TPU
+source-target pairs), ``memory_analysis()`` temp bytes and the scheduled HLO's size (:func:`program_chars`: its
+computations without debug information, source lines and scope names are not program); compiled for a TPU
 slice (``--topology``, no TPU attached) also the ring transfers in flight during block
 compute (:func:`ring_jax.analysis.overlap_report`). Nothing runs.
 
@@ -110,7 +110,7 @@ def measure(cell, devices, tpu: bool) -> dict:
   row = dict(cell, permutes=sum(op["runs"] for op in ops),
              permute_bytes=sum(op["bytes"] * op["runs"] * op["pairs"] for op in ops),
              temp_bytes=int(compiled.memory_analysis().temp_size_in_bytes),
-             hlo_chars=len(_METADATA.sub("", text)))
+             hlo_chars=program_chars(text))
   if tpu:
     from ring_jax import analysis
     row["ring_in_flight"], row["ring_transfers"] = analysis.overlap_report(compiled).ring()
@@ -118,6 +118,16 @@ def measure(cell, devices, tpu: bool) -> dict:
 
 
 _METADATA = re.compile(r",? ?metadata=\{[^}]*\}")
+
+
+def program_chars(text: str) -> int:
+  """Characters of an HLO module's computations without their debug information: from the
+  first computation on (the stack-frame tables before it name source files and lines) and
+  without each instruction's ``metadata={...}``."""
+  lines = text.splitlines()
+  start = next((i for i, line in enumerate(lines)
+                if line.startswith(("%", "ENTRY"))), 0)
+  return len(_METADATA.sub("", "\n".join(lines[start:])))
 
 
 def key(row) -> str:
