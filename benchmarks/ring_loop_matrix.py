@@ -9,7 +9,7 @@ the compiled program: the collective-permutes it executes per run (loop trip cou
 ``lax.switch`` branch per trip: :func:`benchmarks.two_level.permute_traffic`) and the bytes
 they move over all devices' links together (each executed permute's operand times its
 source-target pairs), ``memory_analysis()`` temp bytes and the scheduled HLO's size (:func:`program_chars`: its
-computations without debug information, source lines and scope names are not program); compiled for a TPU
+computations without debug information and name numbering); compiled for a TPU
 slice (``--topology``, no TPU attached) also the ring transfers in flight during block
 compute (:func:`ring_jax.analysis.overlap_report`). Nothing runs.
 
@@ -120,14 +120,19 @@ def measure(cell, devices, tpu: bool) -> dict:
 _METADATA = re.compile(r",? ?metadata=\{[^}]*\}")
 
 
+_NUMBERING = re.compile(r"(?<=[A-Za-z_])\.\d+|\.clone|(?<=region)_\d+")
+
+
 def program_chars(text: str) -> int:
   """Characters of an HLO module's computations without their debug information: from the
-  first computation on (the stack-frame tables before it name source files and lines) and
-  without each instruction's ``metadata={...}``."""
+  first computation on (the stack-frame tables before it name source files and lines),
+  without each instruction's ``metadata={...}``, and with the compiler's numbering of names
+  dropped (``%fusion.123`` counts as ``%fusion``, ``region_7.clone.clone`` as ``region``: the
+  same program numbered from another counter is the same size)."""
   lines = text.splitlines()
   start = next((i for i, line in enumerate(lines)
                 if line.startswith(("%", "ENTRY"))), 0)
-  return len(_METADATA.sub("", "\n".join(lines[start:])))
+  return len(_NUMBERING.sub("", _METADATA.sub("", "\n".join(lines[start:]))))
 
 
 def key(row) -> str:

@@ -436,10 +436,12 @@ def hops_of(i, span):
 
 
 def v_finite_flags(routes: routing.Routes, axis_name, v):
-  """bool ``[n, streams]``: device ``d``'s part of each stream of its V shard holds no
-  NaN/inf. One pass over the local V and one gather per forward, instead of a pass over V
+  """bool ``[n, streams]`` (``[n]`` when one stream is the whole shard): device ``d``'s
+  part of each stream of its V shard holds no NaN/inf. One pass over the local V and one gather per forward, instead of a pass over V
   at every hop (the kernels' non-finite-V guard reads the flag of the part they hold)."""
   finite = jnp.isfinite(v)
+  if len(routes.streams) == 1 and routes.streams[0].stop - routes.streams[0].start == v.shape[1]:
+    return jax.lax.all_gather(finite.all(), axis_name)  # [n]: one stream, the whole shard
   return jax.lax.all_gather(
       jnp.stack([finite[:, s.start:s.stop].all() for s in routes.streams]), axis_name)
 
@@ -453,7 +455,7 @@ def _masks(cfg: RingConfig, device, hop, q_pos, seg, kv_seg, v_finite=None):
     src = stream.source(device, hop, n)
     pos.append(layouts.local_positions(cfg.layout, n, routes.local_len, src)[stream.start:stream.stop])
     if v_finite is not None:
-      flags.append(v_finite[src, i])
+      flags.append(v_finite[src] if v_finite.ndim == 1 else v_finite[src, i])
   finite = None if v_finite is None else functools.reduce(jnp.logical_and, flags)
   kv_pos = pos[0] if len(pos) == 1 else jnp.concatenate(pos)
   return HopMasks.build(cfg.spec, q_pos, kv_pos, seg, kv_seg, v_finite=finite)
@@ -516,8 +518,11 @@ def backward_loop(cfg: RingConfig, q, held, res, dq, masks_at, *, also=None,
   :attr:`ring_jax.routing.Stream.home`); ``dk, dv`` are this device's own shard's.
   ``home=False`` (the full rotation only): the accumulators stay where the last hop left
   them, ``dk, dv`` are those of the parts held at the last hop. ``held``, ``masks_at`` and
-  ``also`` as in :func:`forward_loop`; every transfer is a :func:`send_distinct` (the K/V
-  ones equal the forward's). The first and last hops are peeled (:func:`over_hops`).
+  ``also`` as in :func:`forward_loop`. The first and last hops are peeled
+  (:func:`over_hops`). A routed plan's transfers are :func:`send_distinct` (its K/V ones
+  equal the forward's, whose received parts XLA would otherwise keep alive into the
+  backward); the full rotation's are plain sends, so a K/V transfer outside the loops that
+  equals the forward's (a ring of 2) is one transfer for both passes.
   """
   routes, axis = cfg.routes, cfg.axis_name
   first, last = routes.hops
@@ -528,9 +533,10 @@ def backward_loop(cfg: RingConfig, q, held, res, dq, masks_at, *, also=None,
   def zeros(x):
     return varying_like(jnp.zeros(x.shape, jnp.float32), q, x)
 
+  move = send_distinct if routes.routed else send
   if first != 0:
     with jax.named_scope("send_kv"):
-      held = [send_distinct(s.arrive[0], axis, *p) for s, p in zip(streams, held)]
+      held = [move(s.arrive[0], axis, *p) for s, p in zip(streams, held)]
   acc = [(zeros(p[0]), zeros(p[1])) for p in held]
   span = loop_span(count, peel_first=True)
   arrive_next = [[s.arrive[i + 1] if i + 1 < count else () for s in streams]
@@ -546,12 +552,9 @@ def backward_loop(cfg: RingConfig, q, held, res, dq, masks_at, *, also=None,
   # dkv[j]: stream j's finished accumulators of this device's own part, None until one can
   # arrive (zigzag's early chunks come home only at the last hop: no buffer before it).
   dkv = [None] * len(streams)
-  for i in range(*span):  # a loop carry needs a buffer from the start
-    if home and any(s.home[i] or s.done_home[i] for s in streams):
-      dkv = [(zeros(p[0]), zeros(p[1])) if any(s.home[h] or s.done_home[h]
-                                                for h in range(*span)) else None
-             for s, p in zip(streams, held)]
-      break
+  # The streams with something coming home at a hop of the loop: their buffers enter it.
+  home_in_loop = [home and any(s.home[h] or s.done_home[h] for h in range(*span))
+                  for s in streams]
 
   tied = {"also": also}  # read at the last hop only, which runs outside the loop
 
@@ -560,10 +563,10 @@ def backward_loop(cfg: RingConfig, q, held, res, dq, masks_at, *, also=None,
     nxt = tied["also"] if last else None
     if not last:
       with jax.named_scope("send_kv"):
-        nxt = hop_send(i, arrive_next, span, axis, held, send=send_distinct)
+        nxt = hop_send(i, arrive_next, span, axis, held, send=move)
     if not first:  # the parts held now arrive with their accumulators
       with jax.named_scope("send_dkv"):
-        acc = hop_send(i, arrive_now, span, axis, acc, send=send_distinct)
+        acc = hop_send(i, arrive_now, span, axis, acc, send=move)
     kh, vh, segh = (join_streams(x) for x in zip(*held))
     dk, dv = join_streams([a[0] for a in acc]), join_streams([a[1] for a in acc])
     with jax.named_scope(name):
@@ -573,7 +576,7 @@ def backward_loop(cfg: RingConfig, q, held, res, dq, masks_at, *, also=None,
     acc = split_streams(routes, dk, dv)
     if home:
       with jax.named_scope("dkv_home"):  # accumulators whose last use was this hop
-        sent = hop_send(i, go_home, span, axis, acc, send=send_distinct)
+        sent = hop_send(i, go_home, span, axis, acc, send=move)
         dkv = list(dkv)
         for j, s in enumerate(streams):
           if not any(s.home[h] or s.done_home[h] for h in hops_of(i, span)):
@@ -586,6 +589,9 @@ def backward_loop(cfg: RingConfig, q, held, res, dq, masks_at, *, also=None,
     if last:
       tied["also"] = nxt
       return held, acc, dkv, dq
+    if first:  # a loop carry needs a buffer from its start
+      dkv = [(zeros(a[0]), zeros(a[1])) if d is None and in_loop else d
+             for d, a, in_loop in zip(dkv, acc, home_in_loop)]
     return nxt, acc, dkv, dq
 
   _, acc, dkv, dq = over_hops(count, step, (held, acc, dkv, dq), peel_first=True)

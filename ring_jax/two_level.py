@@ -189,7 +189,7 @@ def _masks(tl: _TwoLevelConfig, g, r, step, hop, q_pos, q_seg, kv_seg, v_finite=
     pos.append(layouts.local_positions(cfg.layout, cfg.ring_size, routes.local_len,
                                        src)[stream.start:stream.stop])
     if v_finite is not None:
-      flags.append(v_finite[src, i])
+      flags.append(v_finite[src] if v_finite.ndim == 1 else v_finite[src, i])
   finite = None if v_finite is None else functools.reduce(jnp.logical_and, flags)
   kv_pos = pos[0] if len(pos) == 1 else jnp.concatenate(pos)
   return HopMasks.build(cfg.spec, q_pos, kv_pos, q_seg, kv_seg, v_finite=finite)

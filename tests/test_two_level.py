@@ -76,7 +76,7 @@ def test_errors():
     document(True, local_window_size=2)
   with pytest.raises(ValueError, match="zigzag"):  # the layout spans the ring of 8
     ring_jax.attention_sharded(q[:, :8], k[:, :8], v[:, :8], mesh=mesh, strategy="ring",
-                               seq_axis=AXES, layout="zigzag")
+                               seq_axis=AXES, layout="zigzag", inputs_in_layout=True)
   with pytest.raises(TypeError, match="causal_routing must be None"):
     ring_jax.attention_sharded(q, k, v, mesh=mesh, strategy="ring", seq_axis=AXES,
                                is_causal=True, causal_routing="yes")
