@@ -63,6 +63,8 @@ def test_segments_window_blocks_lse_and_sinks_at_any_length():
     ("all_gather", (4,), ("sequence",)),
     ("ulysses", (4,), ("sequence",)),
     ("hybrid", (2, 2), ("ring", "ulysses")),
+    ("auto", (4,), ("sequence",)),             # planned at the length every strategy splits
+    ("auto", (2, 2), ("outer", "inner")),
 ])
 def test_every_strategy_any_length(strategy, shape, axes):
   mesh = make_mesh(shape, axes)
