@@ -61,9 +61,8 @@ from ring_jax.kernels.xla import XlaHopKernel
 
 NUM_LANES = 128
 MASK_VALUE = sk.DEFAULT_MASK_VALUE
-# The largest splash tile (block_q, block_kv of its kernels): 1024 x 1024 compiles for v5p at
-# head dims 128 and 256; a 2048 tile in either dimension overflows the 16 MiB scoped VMEM of
-# v5e and v5p (docs/performance.md, "Splash tiles and VMEM").
+# The largest splash tile (block_q, block_kv of its kernels): the largest that fits the scoped
+# VMEM of every TPU generation compiled for (docs/performance.md, "Splash tiles and VMEM").
 MAX_TILE = 1024
 # A window's q_sequence packs (start, end) into one int32: end in the low 16 bits.
 _RANGE_BITS = 16

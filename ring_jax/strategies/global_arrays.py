@@ -303,7 +303,7 @@ def padded_length(strategy: Strategy, where: Placement, options: AttentionOption
   multiple = math.lcm(layouts.length_multiple(options.layout, ring), ring * extra)
   if strategy.name == "ring":  # the kernel's blocks tile each layout chunk of the shards
     chunks = ring * (2 if layouts.mask_layout(options.layout) == "zigzag" else 1)
-    grain = next(b for b in range(1, 1025) if takes_block(options.hop_kernel, b))
+    grain = next((b for b in range(1, 1025) if takes_block(options.hop_kernel, b)), 1)
     multiple = math.lcm(multiple, chunks * grain)
   return -(-length // multiple) * multiple
 
