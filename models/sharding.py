@@ -13,7 +13,7 @@ makes it the table the helpers here use while a model traces. (The same idea as
 
 Mesh axes a rule names but the current mesh lacks are dropped, as are axes
 that do not divide the dimension (e.g. 1 key/value head over ``tensor=2``
-stays replicated), and, of a rule naming several axes, the leading ones of
+stays replicated), and, of a rule naming several axes, those of
 size 1 (they split nothing: with ``sequence_outer=1`` the sequence is over
 ``sequence`` alone, exactly as on a mesh without that axis), so the same model runs on a
 1-device mesh, on a ``(data, sequence)`` mesh, or with no mesh at all.
@@ -71,9 +71,12 @@ LOGICAL_RULES: Rules = (
     ("vocab", "tensor"),
     # The model dimension stays whole: it is contracted by every matmul.
     ("embed", None),
-    # The model dimension of weights when LlamaConfig.fsdp is set: sharded over data (ZeRO-3
-    # style) and gathered by the model just before each use.
-    ("embed_fsdp", "data"),
+    # The model dimension of weights when LlamaConfig.fsdp is set: sharded (ZeRO-3 style) over
+    # every device that holds a different slice of the tokens, data-major: the data replicas
+    # and the ring's devices (as MaxText shards its weights over "fsdp" and "context"), and
+    # gathered by the model just before each use. Weights replicated over the ring would cost
+    # each ring device the whole model and its optimizer state.
+    ("embed_fsdp", ("data", "sequence_outer", "sequence")),
     ("head_dim", None),
     # The stacked-layer axis: contiguous blocks of layers per 'pipeline' device, so stage s
     # holds layers [s L/S, (s+1) L/S) and the stage view [stages, L/S] (models/pipeline.py)
@@ -173,8 +176,8 @@ def logical_to_spec(names: Sequence[str | None], rules: Rules | None = None, *, 
     shape: if given, a mesh axis is dropped from a dimension it does not divide.
 
   A name mapped to several mesh axes splits its dimension outer-major over them;
-  leading (outer) axes of size 1 split nothing and are dropped, so with
-  ``sequence_outer=1`` ``length`` is ``"sequence"`` as on a mesh without that axis.
+  axes of size 1 among them split nothing and are dropped (the last is kept if all are 1),
+  so with ``sequence_outer=1`` ``length`` is ``"sequence"`` as on a mesh without that axis.
   Each mesh axis is used at most once per spec (first dimension wins), as
   ``PartitionSpec`` requires. Axes that are ``Manual`` on ``mesh`` (inside a
   ``shard_map`` over them, e.g. the pipeline schedule's) are dropped: there each
@@ -206,8 +209,8 @@ def logical_to_spec(names: Sequence[str | None], rules: Rules | None = None, *, 
           continue
         size *= axis_size
       kept.append(axis)
-    while mesh is not None and len(kept) > 1 and mesh.shape[kept[0]] == 1:
-      kept.pop(0)  # an outer level of size 1 splits nothing
+    if mesh is not None and len(kept) > 1:  # an axis of size 1 splits nothing: drop it,
+      kept = [a for a in kept if mesh.shape[a] > 1] or kept[-1:]  # keep one if all are 1
     used.update(kept)
     spec.append(None if not kept else kept[0] if len(kept) == 1 else tuple(kept))
   return P(*spec)
