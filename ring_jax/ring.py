@@ -76,6 +76,8 @@ class RingConfig:
   hops: tuple[int, int] = (0, 0)  # (first, last) hops run (routing.hop_range)
   overlap_dkv: bool = False
   routes: routing.Routes | None = None  # the route plan the loop runs (make_config sets it)
+  # the backward's plan: routing.backward_rotation where routes is the whole ring's rotation
+  backward_routes: routing.Routes | None = None
 
 
 def platform_defaults(platform: str | None = None, *, causal_routing=None,
@@ -304,10 +306,13 @@ def make_config(query, key, value, *, axis_name, is_causal, segment_ids, scale,
   if routing.check_routing(causal_routing, layout, is_causal) and t == s and ring_size > 1:
     routed = routing.routes(layout, ring_size, s, bool(is_causal), window)
     routes = routed if routed.routed else routes
+  backward_routes = (routing.backward_rotation(layout, ring_size, s)
+                     if not routes.routed and routes.hops == (0, ring_size - 1) else routes)
   return RingConfig(axis_name=axis_name, ring_size=ring_size, layout=layout, spec=spec,
                     kernel=kernel, return_lse=bool(return_lse),
                     hops=hops,
-                    overlap_dkv=bool(overlap_dkv), routes=routes)
+                    overlap_dkv=bool(overlap_dkv), routes=routes,
+                    backward_routes=backward_routes)
 
 
 # ----------------------------------------------------------------------------
@@ -462,7 +467,8 @@ def _masks(cfg: RingConfig, device, hop, q_pos, seg, kv_seg, v_finite=None):
 
 
 def forward_loop(cfg: RingConfig, q, held, acc, masks_at, *, also=None):
-  """The forward over the hops of ``cfg.routes``: ``(acc, also)`` after folding every hop.
+  """The forward over the hops of ``cfg.routes``: ``(acc, also, held)`` after folding every
+  hop (``held``: the parts held at the last hop, as the argument).
 
   ``held``: per stream of the routes, this device's ``(k, v, seg)`` parts before the first
   hop's transfer; ``acc``: the float32 ``(out, lse)`` carry, merged with each hop's result
@@ -504,12 +510,12 @@ def forward_loop(cfg: RingConfig, q, held, acc, masks_at, *, also=None):
       return held, acc
     return nxt, acc
 
-  _, acc = over_hops(count, step, (held, acc), peel_first=False)
-  return acc, tied["also"]
+  held, acc = over_hops(count, step, (held, acc), peel_first=False)
+  return acc, tied["also"], held
 
 
 def backward_loop(cfg: RingConfig, q, held, res, dq, masks_at, *, also=None,
-                  home: bool = True):
+                  home: bool = True, arrived: bool = False):
   """The backward over the hops of ``cfg.routes``: ``(dq, dk, dv, also)``, float32.
 
   dQ stays here (``dq``: the accumulator to add to). Each part's float32 dK/dV accumulator
@@ -518,7 +524,8 @@ def backward_loop(cfg: RingConfig, q, held, res, dq, masks_at, *, also=None,
   :attr:`ring_jax.routing.Stream.home`); ``dk, dv`` are this device's own shard's.
   ``home=False`` (the full rotation only): the accumulators stay where the last hop left
   them, ``dk, dv`` are those of the parts held at the last hop. ``held``, ``masks_at`` and
-  ``also`` as in :func:`forward_loop`. The first and last hops are peeled
+  ``also`` as in :func:`forward_loop`; ``arrived``: ``held`` are already the parts of the
+  first hop (its transfer is not sent). The first and last hops are peeled
   (:func:`over_hops`). A routed plan's transfers are :func:`send_distinct` (its K/V ones
   equal the forward's, whose received parts XLA would otherwise keep alive into the
   backward); the full rotation's are plain sends, so a K/V transfer outside the loops that
@@ -534,7 +541,7 @@ def backward_loop(cfg: RingConfig, q, held, res, dq, masks_at, *, also=None,
     return varying_like(jnp.zeros(x.shape, jnp.float32), q, x)
 
   move = send_distinct if routes.routed else send
-  if first != 0:
+  if first != 0 and not arrived:
     with jax.named_scope("send_kv"):
       held = [move(s.arrive[0], axis, *p) for s, p in zip(streams, held)]
   acc = [(zeros(p[0]), zeros(p[1])) for p in held]
@@ -576,15 +583,23 @@ def backward_loop(cfg: RingConfig, q, held, res, dq, masks_at, *, also=None,
     acc = split_streams(routes, dk, dv)
     if home:
       with jax.named_scope("dkv_home"):  # accumulators whose last use was this hop
-        sent = hop_send(i, go_home, span, axis, acc, send=move)
+        sent = (hop_send(i, go_home, span, axis, acc, send=move)
+                if any(s.home[h] for s in streams for h in hops_of(i, span))
+                else [None] * len(streams))
         dkv = list(dkv)
         for j, s in enumerate(streams):
           if not any(s.home[h] or s.done_home[h] for h in hops_of(i, span)):
             continue  # nothing of this stream comes home at this hop
           got = sent[j]
-          if any(s.done_home):
+          if isinstance(i, int) and kept_home[j][i].all():  # every device holds its own
+            kept = acc[j]
+          elif any(s.done_home):
             mine = jnp.asarray(kept_home[j])[i, device]
-            got = tuple(x + jnp.where(mine, a, 0.0) for x, a in zip(got, acc[j]))
+            kept = tuple(jnp.where(mine, a, 0.0) for a in acc[j])
+          else:
+            kept = None
+          if kept is not None:
+            got = kept if got is None else tuple(x + y for x, y in zip(got, kept))
           dkv[j] = got if dkv[j] is None else tuple(x + y for x, y in zip(dkv[j], got))
     if last:
       tied["also"] = nxt
@@ -630,10 +645,19 @@ def finish_grads(q, k_own, v_own, dq, dk, dv):
 # The flat ring
 # ----------------------------------------------------------------------------
 
+def _hands_over(cfg: RingConfig) -> bool:
+  """Whether the backward starts on the parts the forward ends on: the full rotation forward
+  (device ``d`` holds shard ``d + 1`` at its last hop) and
+  :func:`ring_jax.routing.backward_rotation` backward (shard ``d + 1`` at its first hop)."""
+  bwd = cfg.backward_routes
+  return bwd is not None and bwd is not cfg.routes and bwd.hops == (1, cfg.ring_size)
+
+
 def _forward(cfg: RingConfig, q, k, v, seg):
-  """Returns ``(out [B,T,K,G,H] input dtype, lse [B,T,K,G] f32, -inf where no key was seen)``:
-  :func:`forward_loop` over the ring's routes. Profiles name the parts ``ring_fwd/hop``
-  (the loop body), ``ring_fwd/last_hop`` and ``ring_fwd/send_kv`` (the K/V transfer)."""
+  """Returns ``(out [B,T,K,G,H] input dtype, lse [B,T,K,G] f32, -inf where no key was seen,
+  held)``: :func:`forward_loop` over the ring's routes; ``held``: the ``(k, v, seg)`` parts of
+  its last hop. Profiles name the parts ``ring_fwd/hop`` (the loop body),
+  ``ring_fwd/last_hop`` and ``ring_fwd/send_kv`` (the K/V transfer)."""
   device = jax.lax.axis_index(cfg.axis_name)
   q_pos = layouts.local_positions(cfg.layout, cfg.ring_size, q.shape[1], device)
   v_finite = v_finite_flags(cfg.routes, cfg.axis_name, v)
@@ -643,22 +667,27 @@ def _forward(cfg: RingConfig, q, k, v, seg):
   v_finite, k, v, seg = jax.lax.optimization_barrier((v_finite, k, v, seg))
   acc = tuple(varying_like(x, q, k, v) for x in empty_result(q, v.shape[-1]))
   masks_at = lambda hop, kv_seg: _masks(cfg, device, hop, q_pos, seg, kv_seg, v_finite)  # noqa: E731
-  (out, lse), _ = forward_loop(cfg, q, split_streams(cfg.routes, k, v, seg), acc, masks_at)
-  return out.astype(q.dtype), lse
+  (out, lse), _, held = forward_loop(cfg, q, split_streams(cfg.routes, k, v, seg), acc,
+                                     masks_at)
+  return out.astype(q.dtype), lse, held
 
 
-def _backward(cfg: RingConfig, q, k, v, seg, out, lse, do, dlse):
-  """``(dq, dk, dv)`` in the inputs' dtypes: :func:`backward_loop` over the ring's routes.
-  Profiles name the parts ``ring_bwd/hop_0``, ``ring_bwd/hop`` (the loop body),
-  ``ring_bwd/last_hop``, and the transfers ``ring_bwd/send_kv``, ``ring_bwd/send_dkv`` and
-  ``ring_bwd/dkv_home``."""
+def _backward(cfg: RingConfig, q, k, v, seg, out, lse, do, dlse, held=None):
+  """``(dq, dk, dv)`` in the inputs' dtypes: :func:`backward_loop` over the ring's backward
+  routes (``cfg.backward_routes``: the whole ring's rotation runs own shard last,
+  :func:`ring_jax.routing.backward_rotation`; a routed or windowed plan runs as forward).
+  ``held``: the forward's last parts where :func:`_hands_over` (the first hop's, not sent
+  again), else None. Profiles name the parts ``ring_bwd/hop_0``, ``ring_bwd/hop`` (the loop
+  body), ``ring_bwd/last_hop``, and the transfers ``ring_bwd/send_kv``,
+  ``ring_bwd/send_dkv`` and ``ring_bwd/dkv_home``."""
+  cfg = dataclasses.replace(cfg, routes=cfg.backward_routes or cfg.routes)
   device = jax.lax.axis_index(cfg.axis_name)
   q_pos = layouts.local_positions(cfg.layout, cfg.ring_size, q.shape[1], device)
   res = HopResiduals(out=out, lse=lse_for_backward(lse), do=do, dlse=dlse)
   masks_at = lambda hop, kv_seg: _masks(cfg, device, hop, q_pos, seg, kv_seg)  # noqa: E731
   dq = varying_like(jnp.zeros(q.shape, jnp.float32), q, k, v)
-  dq, dk, dv, _ = backward_loop(cfg, q, split_streams(cfg.routes, k, v, seg), res, dq,
-                                masks_at)
+  first = split_streams(cfg.routes, k, v, seg) if held is None else held
+  dq, dk, dv, _ = backward_loop(cfg, q, first, res, dq, masks_at, arrived=held is not None)
   return finish_grads(q, k, v, dq, dk, dv)
 
 
@@ -666,21 +695,22 @@ def _backward(cfg: RingConfig, q, k, v, seg, out, lse, do, dlse):
 def _ring(cfg: RingConfig, q, k, v, seg):
   """``out``, or ``(out, lse)`` when ``cfg.return_lse``."""
   with jax.named_scope("ring_fwd"):
-    out, lse = _forward(cfg, q, k, v, seg)
+    out, lse, _ = _forward(cfg, q, k, v, seg)
   return (out, lse) if cfg.return_lse else out
 
 
 def _ring_fwd(cfg: RingConfig, q, k, v, seg):
   with jax.named_scope("ring_fwd"):
-    out, lse = _forward(cfg, q, k, v, seg)
-  return ((out, lse) if cfg.return_lse else out), (q, k, v, seg, out, lse)
+    out, lse, held = _forward(cfg, q, k, v, seg)
+  held = held if _hands_over(cfg) else None
+  return ((out, lse) if cfg.return_lse else out), (q, k, v, seg, out, lse, held)
 
 
 def _ring_bwd(cfg: RingConfig, res, cotangent):
-  q, k, v, seg, out, lse = res
+  q, k, v, seg, out, lse, held = res
   do, dlse = cotangent if cfg.return_lse else (cotangent, None)
   with jax.named_scope("ring_bwd"):
-    dq, dk, dv = _backward(cfg, q, k, v, seg, out, lse, do, dlse)
+    dq, dk, dv = _backward(cfg, q, k, v, seg, out, lse, do, dlse, held)
   return dq, dk, dv, None
 
 

@@ -164,15 +164,29 @@ def check_routing(causal_routing, layout: str | None = None, is_causal: bool = T
 
 @functools.lru_cache(maxsize=256)
 def rotation(layout: str, ring_size: int, local_len: int,
-             hops: tuple[int, int] | None = None) -> Routes:
+             hops: tuple[int, int] | None = None, step: int = 1) -> Routes:
   """The full rotation as :class:`Routes`: one stream, the whole shard, forward (``d ->
-  d+1``) at every hop of ``hops`` (default: the whole ring ``(0, n - 1)``; the first hop's
-  transfer, when it is not 0, moves every shard ``first`` devices on), every accumulator
-  home after the last hop. The plan of a ring that does not route."""
+  d+1``; ``step=-1``: ``d -> d-1``) at every hop of ``hops`` (default: the whole ring ``(0, n -
+  1)``; the first hop's transfer, when it is not 0, moves every shard ``first`` devices on),
+  every accumulator home after the last hop. The plan of a ring that does not route."""
   n = ring_size
   hops = (0, n - 1) if hops is None else tuple(hops)
   return Routes(layout=layout, ring_size=n, local_len=local_len, hops=hops,
-                streams=(_stream(0, local_len, 1, np.ones((n, n), bool), hops),))
+                streams=(_stream(0, local_len, step, np.ones((n, n), bool), hops),))
+
+
+def backward_rotation(layout: str, ring_size: int, local_len: int) -> Routes:
+  """The full rotation for the backward pass, its own shard last: every shard travels
+  ``d -> d-1`` (device ``d`` holds shard ``d + h`` at hop ``h``) over the hops ``1..n``,
+  so each shard's dK/dV accumulator ends its last hop on its owner and no transfer home
+  follows the last hop's compute (the rotation of :func:`rotation` sends every
+  accumulator home after it, with no compute left to hide it). In its place one K/V
+  transfer precedes the first hop, which depends on nothing the backward computes (a
+  compiler can start it during the forward); K/V are half the bytes of the float32
+  accumulators in bf16. ``n = 1``: the plain rotation (nothing travels)."""
+  if ring_size == 1:
+    return rotation(layout, 1, local_len)
+  return rotation(layout, ring_size, local_len, (1, ring_size), step=-1)
 
 
 @functools.lru_cache(maxsize=256)

@@ -228,7 +228,7 @@ def _forward(tl: _TwoLevelConfig, q, k, v, seg):
         nxt = hop_send(i, rows, span, tl.outer.axis_name, held)
     ko, vo, sego = (join_streams(x) for x in zip(*held))
     masks_at = lambda h, kv_seg: _masks(tl, g, r, i, h, q_pos, seg, kv_seg, v_finite)  # noqa: E731
-    acc, nxt = forward_loop(tl.inner, q, [(ko, vo, sego)], acc, masks_at, also=nxt)
+    acc, nxt, _ = forward_loop(tl.inner, q, [(ko, vo, sego)], acc, masks_at, also=nxt)
     if first and not last:
       received["parts"] = nxt
     return (held if last else nxt), acc

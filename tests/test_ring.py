@@ -273,18 +273,23 @@ def test_float64_inputs():
   assert_close(dq, dq_want, rtol=1e-4, atol=1e-4)
 
 
-def test_hops_are_named_in_profiles():
-  """The ring's hops, transfers and block loops carry jax.named_scope names in the HLO."""
+@pytest.mark.parametrize("routed", [False, True])
+def test_hops_are_named_in_profiles(routed):
+  """The ring's hops, transfers and block loops carry jax.named_scope names in the HLO; the
+  full rotation's backward ends on each shard's owner (no ``dkv_home``), a routed one sends
+  accumulators home."""
   mesh = make_mesh((4,), ("sequence",))
   q, k, v = qkv(0, 1, 32, 2, 2, 8)
-  fn = shard_mapped(mesh, is_causal=True, layout="zigzag", block_q=4, block_kv=4)
+  fn = shard_mapped(mesh, is_causal=True, layout="zigzag", block_q=4, block_kv=4,
+                    causal_routing=routed)
   hlo = jax.jit(jax.grad(lambda q, k, v: fn(q, k, v).sum(), argnums=(0, 1, 2))).lower(
       q, k, v).as_text(debug_info=True)
   # Loop bodies carry names relative to their loop (a profile shows the whole path).
   scopes = {part for loc in re.findall(r'loc\("([^"]*)"', hlo) for part in loc.split("/")}
   for name in ("ring_fwd", "ring_bwd", "hop", "last_hop", "hop_0", "send_kv", "send_dkv",
-               "dkv_home", "xla_hop_fwd_blocks", "xla_hop_bwd_blocks"):
+               "xla_hop_fwd_blocks", "xla_hop_bwd_blocks"):
     assert name in scopes, name
+  assert ("dkv_home" in scopes) == routed
   assert re.search(r'"ring_fwd/last_hop/[^"]*xla_hop_fwd_blocks/', hlo)
   assert re.search(r'"ring_bwd/last_hop/xla_hop_bwd_blocks/', hlo)
 

@@ -53,6 +53,27 @@ def test_routes_move_what_the_causal_mask_uses():
   assert default.routes is not None and default.routes.streams == con.streams
 
 
+@pytest.mark.parametrize("n", [1, 2, 4, 8])
+def test_backward_rotation_ends_on_each_owner(n):
+  """The full rotation's backward: every shard moves d -> d-1 at each of the hops 1..n (n
+  K/V transfers, the first before any compute), device d holds shard d + h at hop h, and the
+  last hop holds each device's own shard: its dK/dV accumulators need no transfer home."""
+  bwd = routing.backward_rotation("zigzag", n, 16)
+  (stream,) = bwd.streams
+  if n == 1:
+    assert bwd == routing.rotation("zigzag", 1, 16)
+    return
+  assert bwd.hops == (1, n) and stream.step == -1 and not bwd.routed
+  ring = tuple(sorted((j, (j - 1) % n) for j in range(n)))
+  assert stream.arrive == (ring,) * n
+  assert [stream.source(d, h, n) for h in range(1, n + 1) for d in range(n)] == [
+      (d + h) % n for h in range(1, n + 1) for d in range(n)]
+  assert stream.home == ((),) * n
+  assert stream.done_home == ((),) * (n - 1) + (tuple(range(n)),)
+  # The float32 accumulators: n - 1 transfers travel with K/V, none goes home.
+  assert bwd.dkv_fraction() == (n - 1) / n and bwd.kv_fraction() == 1.0
+
+
 def test_routed_zigzag_schedule_keeps_every_hops_work():
   """The routed zigzag schedule computes every device's causal pairs once, and at every hop
   each device does the work it does in the full rotation: device d holds the chunks of
@@ -155,6 +176,30 @@ def _permute_bytes(hlo: str, scope: str = ""):
     return out
 
   return run(entry, 1)
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_full_rotation_backward_starts_where_the_forward_ends(n):
+  """The full rotation's compiled fwd+bwd: the forward moves K/V n - 1 times; the backward
+  starts on the parts the forward's last hop held (no K/V transfer before its first hop),
+  moves them n - 1 times with their dK/dV accumulators, and sends none home: exactly
+  (n - 1) x (K/V + dK/dV) bytes per device in the backward (float32 inputs: XLA:CPU would
+  move bfloat16 as float32)."""
+  mesh = make_mesh((n,), ("sequence",))
+  length, heads, dim = 8 * n, 2, 8
+  q, k, v = qkv(0, 1, length, heads, heads, dim)
+  spec = P(None, "sequence", None, None)
+  fn = jax.shard_map(functools.partial(
+      ring_jax.ring_attention, axis_name="sequence", is_causal=True, layout="zigzag",
+      block_q=4, block_kv=4, causal_routing=False), mesh=mesh, in_specs=(spec,) * 3,
+      out_specs=spec)
+  loss = lambda q, k, v: fn(q, k, v).sum()  # noqa: E731
+  hlo = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, k, v).compile().as_text()
+  shard = length // n * heads * dim  # elements of one device's K (or V) shard
+  fwd, bwd = _permute_bytes(hlo, "/ring_fwd/"), _permute_bytes(hlo, "/ring_bwd/")
+  assert sum(fwd) == (n - 1) * n * 2 * shard * 4  # K and V, every device
+  assert sum(bwd) == (n - 1) * n * 2 * shard * (4 + 4)  # K/V and dK/dV
+  assert _permute_bytes(hlo, "dkv_home") == []
 
 
 @pytest.mark.parametrize("layout,limit", [("contiguous", 0.55), ("zigzag", 0.80)])
