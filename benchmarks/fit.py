@@ -26,7 +26,9 @@ gap is below ``--resolution`` of the length. ``--seq_len L`` checks one length.
 Prints one table row per compiled length and, as the LAST line, one JSON
 object with ``seq_len``, ``per_device_bytes`` and ``fits`` (and the details; compiled for a
 TPU slice also ``ring_in_flight`` / ``ring_transfers`` of each row, the ring transfers with
-block compute in flight in the compiled schedule, :func:`ring_jax.analysis.overlap_report`).
+block compute in flight in the compiled schedule, :func:`ring_jax.analysis.overlap_report`;
+``transfers``: ``[in flight, all]`` per kind of transfer, and ``exposed``: the kind and name
+scope of each transfer with none).
 
 The mesh is the config's ``config.mesh`` with its ``-1`` axis filling
 ``--devices``; ``--mesh data=1,sequence=8`` replaces it (axes ``data``,
@@ -217,7 +219,10 @@ class Planner:
       row["collectives"] = counts
     if self.platform == "tpu":  # the TPU compiler's schedule: ring transfers in flight
       from ring_jax import analysis
-      row["ring_in_flight"], row["ring_transfers"] = analysis.overlap_report(compiled).ring()
+      report = analysis.overlap_report(compiled)
+      row["ring_in_flight"], row["ring_transfers"] = report.ring()
+      row["transfers"] = {k: list(v) for k, v in report.kinds().items()}
+      row["exposed"] = sorted({f"{t.kind}: {t.scope}" for t in report.exposed()})
     self.rows_by_length[length] = row
     print_row(row, self.unit)
     return row

@@ -15,8 +15,10 @@ Configurations (``--configs``, comma-separated; default all): ``<layout>-<causal
 with suffixes ``+routed`` (``causal_routing=True``), ``+unrouted`` (False),
 ``+overlap_dkv`` / ``+inplace_dkv`` (``overlap_dkv=True`` / False), ``+splash`` (the
 splash hop kernel; default ``xla``), ``+window`` (``local_window_size=(4096, 0)``),
-``+segments`` (packed documents: an int32 ``segment_ids [B, L]`` argument) and ``+gqa``
-(``--heads`` query heads over a quarter as many K/V heads); without them the defaults
+``+segments`` (packed documents: an int32 ``segment_ids [B, L]`` argument), ``+gqa``
+(``--heads`` query heads over a quarter as many K/V heads), ``+sinks`` (a float32 ``sinks
+[heads]`` argument, differentiated too), ``+softcap`` (``logits_soft_cap=50``) and ``+dv``
+(V and the output with head dim ``--value_head_dim``, default 128); without them the defaults
 apply. And ``two_level-<layout>-<causal|full>`` (outer 2 x inner ring over the rest of the
 chips). Mesh: data=1 x sequence=chips (two-level: data=1 x outer=2 x inner=chips/2).
 
@@ -50,6 +52,7 @@ from ring_jax import analysis  # noqa: E402
 #: The hop kernels that compile for a TPU: "xla" and the registry's TPU kernels.
 HOP_KERNELS = ("xla", *(k for k, p in ring_jax.kernels.PLATFORM.items() if p == "tpu"))
 WINDOW = (4096, 0)
+SOFT_CAP = 50.0
 CONFIGS = ("zigzag-causal", "zigzag-causal+inplace_dkv", "zigzag-full", "contiguous-causal",
            "contiguous-causal+routed", "zigzag-causal+splash", "zigzag-causal+routed",
            "two_level-zigzag-causal", "two_level-zigzag-causal+inplace_dkv")
@@ -72,7 +75,7 @@ def hop_kernel(config: str) -> str:
 
 
 def compile_config(config: str, devices, length: int, heads: int, head_dim: int,
-                   block: int | None = None):
+                   block: int | None = None, value_head_dim: int = 128):
   """``(compiled, seconds)`` of one configuration's fwd+bwd (``block``: block_q = block_kv,
   None: the default)."""
   parts = config.split("+")
@@ -88,6 +91,8 @@ def compile_config(config: str, devices, length: int, heads: int, head_dim: int,
     kw["causal_routing"] = False
   if "window" in parts:
     kw["local_window_size"] = WINDOW
+  if "softcap" in parts:
+    kw["logits_soft_cap"] = SOFT_CAP
   n = len(devices)
   if two_level:
     shape, axes, seq = (1, 2, n // 2), ("data", "outer", "inner"), ("outer", "inner")
@@ -98,30 +103,38 @@ def compile_config(config: str, devices, length: int, heads: int, head_dim: int,
   x = jax.ShapeDtypeStruct((1, length, heads, head_dim), jnp.bfloat16, sharding=spec)
   kv_heads = heads // 4 if "gqa" in parts else heads
   xkv = jax.ShapeDtypeStruct((1, length, kv_heads, head_dim), jnp.bfloat16, sharding=spec)
-  args = [x, xkv, xkv]
-  if "segments" in parts:
-    seg_spec = jax.sharding.NamedSharding(mesh, jax.P("data", seq))
-    args.append(jax.ShapeDtypeStruct((1, length), jnp.int32, sharding=seg_spec))
+  xv = jax.ShapeDtypeStruct((1, length, kv_heads, value_head_dim if "dv" in parts else
+                             head_dim), jnp.bfloat16, sharding=spec)
+  sinks = (jax.ShapeDtypeStruct((heads,), jnp.float32,
+                                sharding=jax.sharding.NamedSharding(mesh, jax.P()))
+           if "sinks" in parts else None)
+  seg = (jax.ShapeDtypeStruct((1, length), jnp.int32,
+                              sharding=jax.sharding.NamedSharding(mesh, jax.P("data", seq)))
+         if "segments" in parts else None)
 
-  def loss(q, k, v, seg=None):
+  def loss(q, k, v, sinks, seg):
     out = ring_jax.ring_attention_sharded(q, k, v, mesh=mesh, seq_axis=seq, segment_ids=seg,
-                                          **kw)
+                                          sinks=sinks, **kw)
     return jnp.sum(out.astype(jnp.float32) ** 2)
 
+  argnums = (0, 1, 2, 3) if sinks is not None else (0, 1, 2)
   start = time.perf_counter()
-  compiled = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))).lower(*args).compile()
+  compiled = jax.jit(jax.value_and_grad(loss, argnums=argnums)).lower(
+      x, xkv, xv, sinks, seg).compile()
   return compiled, time.perf_counter() - start
 
 
 def measure(config: str, devices, length: int, heads: int, head_dim: int,
-            block: int | None = None) -> dict:
-  compiled, seconds = compile_config(config, devices, length, heads, head_dim, block)
+            block: int | None = None, value_head_dim: int = 128) -> dict:
+  compiled, seconds = compile_config(config, devices, length, heads, head_dim, block,
+                                     value_head_dim)
   report = analysis.overlap_report(compiled)
   hidden, total = report.ring()
   return {
       "config": config,
       "hop_kernel": hop_kernel(config),
-      "block": block, "heads": heads,
+      "block": block, "heads": heads, "head_dim": head_dim,
+      "value_head_dim": value_head_dim if "dv" in config.split("+") else head_dim,
       "kv_heads": heads // 4 if "gqa" in config.split("+") else heads,
       "compile_s": round(seconds, 1),
       "temp_mib": round(compiled.memory_analysis().temp_size_in_bytes / common.MIB, 1),
@@ -142,6 +155,8 @@ def main(argv=None):
   p.add_argument("--length", type=int, default=32768)
   p.add_argument("--heads", type=int, default=8)
   p.add_argument("--head_dim", type=int, default=128)
+  p.add_argument("--value_head_dim", type=int, default=128,
+                 help="V's head dim in configurations with +dv")
   p.add_argument("--block", type=int, default=None,
                  help="block_q = block_kv of the ring (default: the ring's default)")
   p.add_argument("--configs", default=",".join(CONFIGS))
@@ -162,7 +177,8 @@ def main(argv=None):
   rows = []
   for config in configs:
     try:
-      row = measure(config, devices, args.length, args.heads, args.head_dim, args.block)
+      row = measure(config, devices, args.length, args.heads, args.head_dim, args.block,
+                    args.value_head_dim)
     except Exception as e:  # one failed configuration is reported, the next one runs
       row = {"config": config, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
     rows.append(row)
