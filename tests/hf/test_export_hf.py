@@ -29,7 +29,7 @@ from training import mesh as mesh_lib
 from training import validation as val_lib
 import train_procs
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 MESH = dict(data=2, sequence=4, tensor=1)
 TINY = dict(vocab_size=256, dim=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
             mlp_dim=128)  # head_dim explicit: config.json states it

@@ -15,7 +15,7 @@ import pytest
 import train_procs
 from benchmarks import fit as fit_lib
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 GIB = 2 ** 30
 TINY = os.path.join(ROOT, "configs", "tiny.py")
 SMALL = ["--config", TINY, "--devices", "2",

@@ -13,7 +13,7 @@ from training import flags as flags_lib
 from training import mesh as mesh_lib
 from training import validation as val_lib
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 
 
 def load_config(name: str, arg=None) -> ml_collections.ConfigDict:
@@ -348,7 +348,7 @@ def test_bad_profile_steps_is_a_config_error(text, match):
 ])
 def test_resolve_layout_picks_by_the_data_and_the_ring(overrides, ring, want, why):
   """model.layout="auto" -> (a copy naming the layout, the startup line saying why); the
-  rule itself is ring_jax.planning.choose_layout (tests/test_plan.py: each branch)."""
+  rule itself is ring_jax.planning.choose_layout (tests/ring_jax/test_plan.py: each branch)."""
   config = tiny(**{"model.layout": "auto", **overrides})
   resolved, line = val_lib.resolve_layout(config, ring)
   assert resolved.model.layout == want and config.model.layout == "auto"

@@ -18,7 +18,7 @@ from training import compile_only as compile_lib
 from training import mesh as mesh_lib
 from training.errors import ConfigError
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 
 
 def tiny_config(**fields):
