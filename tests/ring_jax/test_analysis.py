@@ -17,10 +17,6 @@ import ring_jax
 from ring_jax import analysis
 from attn_utils import make_mesh
 
-# Leg 1 only, as when tests/conftest.py kept leg 2's selection as a list that did not
-# name this file.
-pytestmark = pytest.mark.leg1_only
-
 _SEND_KV = 'op_name="jit(f)/shard_map/ring_fwd/while/body/closed_call/send_kv/ppermute"'
 _SEND_DKV = 'op_name="jit(f)/transpose(jvp(f))/shard_map/ring_bwd/send_dkv/ppermute"'
 

@@ -15,10 +15,6 @@ from ring_jax.strategies import global_arrays
 from ring_jax.strategies import ring as ring_strategy
 from ring_jax.strategies.options import AttentionOptions
 
-# Leg 1 only, as when tests/conftest.py kept leg 2's selection as a list that did not
-# name this file.
-pytestmark = pytest.mark.leg1_only
-
 
 def _check(fn, q, k, v, **kw):
   ref = lambda q, k, v: ring_jax.reference_attention(q, k, v, **kw)  # noqa: E731
