@@ -69,9 +69,10 @@ def test_finetune_config_has_every_common_field():
                                        if isinstance(v, dict) for j in v}
   assert flat(base) <= flat(ft)
   assert ft.init.hf_dir == "" and tiny.get_config().init.hf_dir == ""
-  # The fields left None are exactly the ones config.json determines.
-  assert set(finetune._HF_FIELD_TYPES) == set(convert_hf.HF_FIELDS)
+  # The fields config.json determines are left None; the others are common.py's.
   assert all(ft.model[name] is None for name in convert_hf.HF_FIELDS)
+  assert {n: v for n, v in ft.model.items() if n not in convert_hf.HF_FIELDS} == {
+      n: v for n, v in base.model.items() if n not in convert_hf.HF_FIELDS}
 
 
 def test_resolve_hf_init(tmp_path):
