@@ -36,14 +36,19 @@ MODEL = dict(
 LONG_MODEL = dict(remat_policy="offload_layer_in")
 
 
+def _model_values(arg: str | None) -> dict:
+  """The model fields variant ``arg`` sets."""
+  if arg and arg not in VARIANTS:
+    raise ValueError(f"unknown llama_1b.py variant {arg!r}; known: 'text', 'long'")
+  return {**MODEL, **(LONG_MODEL if arg == "long" else {})}
+
+
 def model_fields(arg: str | None = None) -> dict:
   """Every ``LlamaConfig`` field of variant ``arg``: the class's defaults, updated with this
   config's (plain data; no ml_collections needed)."""
   from models.llama import LlamaConfig
 
-  if arg and arg not in VARIANTS:
-    raise ValueError(f"unknown llama_1b.py variant {arg!r}; known: 'text', 'long'")
-  return {**LlamaConfig().to_dict(), **MODEL, **(LONG_MODEL if arg == "long" else {})}
+  return {**LlamaConfig().to_dict(), **_model_values(arg)}
 
 
 def get_config(arg: str | None = None):
@@ -52,7 +57,7 @@ def get_config(arg: str | None = None):
 
   config = common.base_config()
   config.mesh.update(dict(data=-1, sequence=16, tensor=1))
-  config.model = common.model_config(**{**MODEL, **(LONG_MODEL if arg == "long" else {})})
+  config.model = common.model_config(**_model_values(arg))
   config.data.seq_len = 131_072
   config.data.kv.update(dict(num_pairs=64, num_queries=32, num_keys=4096, num_values=4096,
                              num_filler=8192))
