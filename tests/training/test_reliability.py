@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import train_procs as tp
+from messages import assert_states
 from training import checkpoint as ckpt_lib
 
 
@@ -256,15 +257,6 @@ class FakeCoordinationClient:
     return [(k, v) for k, v in sorted(self.store.items()) if k.startswith(prefix)]
 
 
-def assert_states(line: str, *facts: str, ends_with: str):
-  """``line`` is one ``error:`` line that names each of ``facts`` (a process, a step, a
-  path: whole words, in this order) and ends with ``ends_with`` (the command to paste),
-  however the sentence around them is worded."""
-  assert line.startswith("error: ") and "\n" not in line, line
-  pattern = ".*".join(rf"(?<![\w/]){re.escape(f)}(?![\w/])" for f in facts)
-  assert re.search(pattern, line) and line.endswith(ends_with), (facts, line)
-
-
 def _watchdog(client, process_id, num_processes, exits, timeout_s=1.0):
   from training import distributed as dist_lib
 
@@ -298,7 +290,7 @@ def test_peer_watchdog_names_the_silent_process_and_every_survivor_exits_75(caps
   # checkpoint (of [4, 6]) and where, how many processes to restart, and the command.
   assert_states(lines[0], "process 2", "3", "no heartbeat for 1 s", "step 7", "step 6",
                 "/w/checkpoints", "all 3 processes",
-                ends_with=": python train.py --workdir=/w")
+                starts_with="error: ", ends_with=": python train.py --workdir=/w")
 
 
 def test_after_a_verdict_the_main_thread_waits_for_the_exit(capsys):
@@ -379,7 +371,8 @@ def test_a_collective_that_lost_its_peer_ends_the_process_at_once_with_one_line(
   # the collective's own words for the failure, then the step, checkpoint and command.
   assert_states(line, "process 1", "2", dist_lib.COLLECTIVE_CLOSED, "Gloo AllGather",
                 "Connection reset by peer", "step 7", "step 6", "/w/checkpoints",
-                "all 2 processes", ends_with=": python train.py --workdir=/w")
+                "all 2 processes", starts_with="error: ",
+                ends_with=": python train.py --workdir=/w")
 
 
 def test_the_lost_peer_line_lists_checkpoints_after_python_began_its_shutdown(tmp_path):
@@ -406,7 +399,7 @@ def test_lost_peer_message_before_the_first_step_and_without_checkpoints():
                                     "python t.py")
   assert_states(line, "process 1", "2", "no heartbeat for 60 s", "before the first step",
                 "no complete checkpoint", "/w/checkpoints", "starts afresh", "all 2 processes",
-                ends_with=": python t.py")
+                starts_with="error: ", ends_with=": python t.py")
   assert not re.search(r"\bstep \d", line), line  # no step reached, none to resume from
 
 
