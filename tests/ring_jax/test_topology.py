@@ -15,7 +15,7 @@ import ring_jax
 from ring_jax import hardware
 from ring_jax import topology
 from ring_jax.kernels import selfcheck
-from messages import assert_states
+from message_utils import assert_states
 
 
 @pytest.mark.parametrize("name, generation, dims, chips", [

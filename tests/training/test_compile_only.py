@@ -17,7 +17,7 @@ from ring_jax import topology
 from training import compile_only as compile_lib
 from training import mesh as mesh_lib
 from training.errors import ConfigError
-from messages import assert_states
+from message_utils import assert_states
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 

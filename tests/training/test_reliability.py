@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import train_procs as tp
-from messages import assert_states
+from message_utils import assert_states
 from training import checkpoint as ckpt_lib
 
 
