@@ -22,7 +22,7 @@ restores) of ``--workdir`` onto the host, with the model config the run saved
   ``AutoTokenizer`` encodes a text to the ids the run trained on.
 
 ``transformers.AutoModelForCausalLM.from_pretrained(out)`` loads the result
-(tests/test_export_hf.py checks its logits against ours, and that import ->
+(tests/hf/test_export_hf.py checks its logits against ours, and that import ->
 export without training reproduces every tensor of the original bit for bit).
 Run it as one process: the whole model passes through this host's memory.
 """

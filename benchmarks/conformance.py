@@ -8,7 +8,7 @@ Each target is a function of the kit's calling convention; its table (pass / fai
 supported per case, each quantity's error against the float64 oracle) is printed and
 written, with the date, jax version and machine, to
 ``benchmarks/results/conformance_<target>.json`` (docs/conformance.md summarises them).
-8 fake CPU devices; CI runs a fixed subset of these cases (tests/test_hop.py).
+8 fake CPU devices; CI runs a fixed subset of these cases (tests/ring_jax/test_hop.py).
 """
 
 import argparse

@@ -97,7 +97,7 @@ def ring_impl(length, causal, hop_kernel):
   kwargs = dict(axis_name="sequence", is_causal=causal, block_q=BLOCK, block_kv=BLOCK,
                 hop_kernel=hop_kernel)
   # Dry (CPU): check_vma=False lets Pallas run its generic interpreter, 3.5-6x faster than
-  # the TPU interpreter check_vma=True takes on CPU (tests/test_hop.py runs both); on a TPU
+  # the TPU interpreter check_vma=True takes on CPU (tests/ring_jax/test_hop.py runs both); on a TPU
   # the kernels compile under check_vma=True, as users call them.
   fn = jax.shard_map(functools.partial(ring_jax.ring_attention, **kwargs), mesh=mesh,
                      in_specs=(spec,) * 3, out_specs=spec, check_vma=not DRY)

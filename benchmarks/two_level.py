@@ -78,7 +78,7 @@ def _executions(comps, entry) -> dict[str, int]:
   times per run of its caller (a loop without one counts once); a conditional's branches in
   a loop body of as many trips as branches once per run of that loop each (the routed
   rings' ``lax.switch`` on the step, ``ring_jax.ring.hop_send``, as
-  ``tests/test_routing.py`` counts them); anything else called (other conditionals'
+  ``tests/ring_jax/test_routing.py`` counts them); anything else called (other conditionals'
   branches too: an upper bound) once per run of its caller."""
   runs = collections.Counter({entry: 1})
   loop_trips = {}  # while body -> its known_trip_count

@@ -6,8 +6,34 @@ and gin bindings can address any of them). The valid range of each numeric field
 ``training/validation.py:NUMERIC_RANGES``, checked before anything compiles.
 """
 
+import types
+import typing
+
 import ml_collections
 from ml_collections import config_dict
+
+from models.llama import LlamaConfig
+
+_MODEL_TYPES = typing.get_type_hints(LlamaConfig)
+
+
+def model_field_type(name: str) -> type:
+  """The type of ``LlamaConfig``'s field ``name`` (``int`` for ``int | None``, ``tuple`` for
+  ``tuple[str, ...] | None``)."""
+  hint = _MODEL_TYPES[name]
+  if typing.get_origin(hint) in (typing.Union, types.UnionType):
+    (hint,) = (t for t in typing.get_args(hint) if t is not type(None))
+  return typing.get_origin(hint) or hint
+
+
+def model_config(**values) -> ml_collections.ConfigDict:
+  """``config.model``: every field of ``models.llama.LlamaConfig``, its default or ``values``'s;
+  a None is a placeholder of the field's type, so ``--config.model.<field>=`` and gin
+  bindings parse to it."""
+  fields = {**LlamaConfig().to_dict(), **values}
+  return ml_collections.ConfigDict({
+      name: config_dict.placeholder(model_field_type(name)) if value is None else value
+      for name, value in fields.items()})
 
 
 def base_config() -> ml_collections.ConfigDict:
@@ -26,53 +52,11 @@ def base_config() -> ml_collections.ConfigDict:
                                                tensor=1))
   config.cpu_devices = 8
 
-  # Fields of models.llama.LlamaConfig, passed through unchanged.
-  config.model = ml_collections.ConfigDict(dict(
-      vocab_size=72,  # the kv task's 67 ids, rounded up to a multiple of 8
-      dim=64,
-      num_layers=2,
-      num_heads=4,
-      num_kv_heads=2,
-      head_dim=config_dict.placeholder(int),  # None: dim // num_heads
-      mlp_dim=128,
-      rope_theta=10_000.0,
-      rope_scaling=config_dict.placeholder(dict),
-      norm_eps=1e-5,
-      tie_embeddings=False,
-      # Sequence-parallel strategy (models/attention.py): "ring", "all_gather", "ulysses",
-      # "hybrid" (ring over hybrid_axes[0] x Ulysses over hybrid_axes[1]), "auto"
-      # (ring_jax.plan's pick, decided and printed at startup), or "dense" (the O(L^2) oracle).
-      attention="ring",
-      hybrid_axes=("sequence", "tensor"),
-      # "auto" (decided once at startup for the data and ring, and printed: "document" for
-      # rows packing several documents, "zigzag" for one sequence per row, "contiguous" on
-      # a ring of 1; training/validation.py:resolve_layout), or a name to pin one:
-      # "contiguous" | "zigzag" | "striped" | "document" (packed rows balanced per
-      # document, ring_jax.document_layout).
-      layout="auto",
-      block_q=config_dict.placeholder(int),  # None: the ring picks block sizes
-      block_kv=config_dict.placeholder(int),
-      hop_kernel="auto",  # ring's per-hop kernel: "auto" (TPU: splash, GPU sm90+ with the
-                          # [gpu] extra: tokamax, each once it passes its self-check on the
-                          # device; else "xla"), "xla", or a kernel's name
-      # The ring's K/V routing under the causal mask: None = the library's default (routed
-      # for contiguous rings), True/False to force it (train.py prints which runs).
-      causal_routing=config_dict.placeholder(bool),
-      ffn_chunk_size=config_dict.placeholder(int),  # blockwise FFN chunk (tokens)
-      loss_chunk_size=config_dict.placeholder(int),  # output head + NLL chunk (tokens)
-      remat_policy="none",
-      scan_layers=True,
-      dtype="float32",
-      param_dtype="float32",
-      fsdp=False,
-      # Megatron-style sequence parallelism on 'tensor' (docs/performance.md): the residual
-      # stream split over sequence x tensor. None: on when mesh.tensor > 1; False: off.
-      tensor_sequence_parallel=config_dict.placeholder(bool),
-      # Pipeline microbatches per (gradient-accumulation) batch when mesh.pipeline > 1;
-      # None: 2 x pipeline when the batch allows (models/pipeline.py:default_microbatches).
-      pipeline_microbatches=config_dict.placeholder(int),
-      init_std=0.02,
-  ))
+  # models.llama.LlamaConfig's fields with its defaults (the model's schema lives there), but
+  # for a model of the tiny CPU size and the layout train.py decides at startup ("auto":
+  # training/validation.py:resolve_layout).
+  config.model = model_config(vocab_size=72,  # the kv task's 67 ids, rounded up to 8
+                              dim=64, mlp_dim=128, layout="auto")
 
   # Where the parameters of a fresh run come from (a resumed run restores its checkpoint).
   # init.hf_dir: a local Hugging Face LLaMA directory (config.json + *.safetensors); empty:

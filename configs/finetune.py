@@ -8,10 +8,8 @@ Every field of ``configs/common.py`` is here (``--config.mesh.*``,
 ``--config.data.seq_len``, ``--config.batch_size``, ``--config.optim.*`` work
 as in the other configs). The model's shape and RoPE come from
 ``init.hf_dir/config.json``: the fields of
-:data:`models.convert_hf.HF_FIELDS` (vocab_size, dim, num_layers, num_heads,
-num_kv_heads, head_dim, mlp_dim, rope_theta, rope_scaling, norm_eps,
-tie_embeddings, and the architecture fields qkv_bias, qk_norm, sliding_window, layer_types,
-family) are None here, which means "take config.json's value".
+:data:`models.convert_hf.HF_FIELDS` (the shape, RoPE and architecture fields) are
+None here, which means "take config.json's value".
 Setting one is an override: ``--config.model.rope_theta=5e6`` trains with that
 RoPE base (context extension), and export_hf.py writes it into the exported
 config.json. The shape fields must equal config.json's (the weights fix them),
@@ -31,12 +29,7 @@ import ml_collections
 from ml_collections import config_dict
 
 from configs import common
-
-# The types of models.convert_hf.HF_FIELDS (kept here: configs import no model code).
-_HF_FIELD_TYPES = dict(vocab_size=int, dim=int, num_layers=int, num_heads=int, num_kv_heads=int,
-                       head_dim=int, mlp_dim=int, rope_theta=float, rope_scaling=dict,
-                       norm_eps=float, tie_embeddings=bool, qkv_bias=bool, qk_norm=bool,
-                       sliding_window=int, layer_types=tuple, family=str)
+from models.convert_hf import HF_FIELDS
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
@@ -57,8 +50,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     rope_scaling = dict(rope_type="yarn", factor=factor,
                         original_max_position_embeddings=original)
   config = common.base_config()
-  for name, kind in _HF_FIELD_TYPES.items():
-    config.model[name] = config_dict.placeholder(kind)
+  for name in HF_FIELDS:  # None: config.json's value (training/hf_init.py)
+    config.model[name] = config_dict.placeholder(common.model_field_type(name))
   if rope_scaling is not None:
     config.model.rope_scaling = rope_scaling
   config.data.kind = "text"  # needs --config.data.path

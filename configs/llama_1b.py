@@ -11,17 +11,17 @@ the byte tokenizer. ``model.layout="auto"`` resolves at startup to
 ``"document"`` for both (the kv task's two documents per row, packed text). Peak
 FLOP/s for MFU come from the device-kind table.
 
-:func:`model_fields` gives the model of a variant as a plain dict, for code
-without ml_collections (``benchmarks/gpu_check.py`` measures the ``long``
-variant on one GPU with it; a test checks it equals ``get_config``'s model).
+:func:`model_fields` gives the model of a variant as a plain dict of every
+``models.llama.LlamaConfig`` field, for code without ml_collections
+(``benchmarks/gpu_check.py`` measures the ``long`` variant on one GPU with it; a test
+checks it equals ``get_config``'s model).
 """
 
 from __future__ import annotations
 
 VARIANTS = ("text", "long")
 
-# The model fields this config sets (the others keep configs/common.py's defaults, which
-# equal models.llama.LlamaConfig's).
+# The model fields this config sets (the others keep models.llama.LlamaConfig's defaults).
 MODEL = dict(
     vocab_size=128_256,  # LLaMA-3 vocabulary, so converted HF weights fit
     dim=2048, num_layers=16, num_heads=32, num_kv_heads=8, head_dim=64, mlp_dim=8192,
@@ -36,22 +36,28 @@ MODEL = dict(
 LONG_MODEL = dict(remat_policy="offload_layer_in")
 
 
-def model_fields(arg: str | None = None) -> dict:
-  """The model fields of variant ``arg`` (plain data; no ml_collections needed)."""
+def _model_values(arg: str | None) -> dict:
+  """The model fields variant ``arg`` sets."""
   if arg and arg not in VARIANTS:
     raise ValueError(f"unknown llama_1b.py variant {arg!r}; known: 'text', 'long'")
   return {**MODEL, **(LONG_MODEL if arg == "long" else {})}
+
+
+def model_fields(arg: str | None = None) -> dict:
+  """Every ``LlamaConfig`` field of variant ``arg``: the class's defaults, updated with this
+  config's (plain data; no ml_collections needed)."""
+  from models.llama import LlamaConfig
+
+  return {**LlamaConfig().to_dict(), **_model_values(arg)}
 
 
 def get_config(arg: str | None = None):
   """The ``ml_collections.ConfigDict`` of variant ``arg`` (None, 'text' or 'long')."""
   from configs import common  # ml_collections: imported here, so model_fields() needs none
 
-  fields = model_fields(arg)
   config = common.base_config()
   config.mesh.update(dict(data=-1, sequence=16, tensor=1))
-  config.model.update({k: v for k, v in fields.items() if k != "rope_scaling"})
-  config.model.rope_scaling = dict(fields["rope_scaling"])
+  config.model = common.model_config(**_model_values(arg))
   config.data.seq_len = 131_072
   config.data.kv.update(dict(num_pairs=64, num_queries=32, num_keys=4096, num_values=4096,
                              num_filler=8192))

@@ -32,7 +32,7 @@ cache shard locally, the partial results merge exactly by log-sum-exp over
 ``sequence`` (:mod:`ring_jax.decode`; only ``[B, 1, N, H]`` crosses devices),
 plus the token's own key, then its key and value are written to the owner's
 slot. Greedy decoding gives the tokens of recomputing the whole sequence with
-dense attention at every step (``tests/test_inference.py``).
+dense attention at every step (``tests/models/test_inference.py``).
 
 **Padding.** Rows may be padded on the left or the right
 (:func:`prepare_prompts`); pads are segment 0 and invisible. A row may pack

@@ -27,7 +27,7 @@ positions and segment ids are inputs every stage holds for all microbatches
 microbatch it is working on. At the ends, one all-reduce of all ``M``
 microbatches' activations brings the last stage's outputs to every stage (the
 head runs on each), and one in the backward sums the stages' cotangents of the
-inputs (stage 0's). ``tests/test_pipeline.py`` counts these in the compiled
+inputs (stage 0's). ``tests/models/test_pipeline.py`` counts these in the compiled
 program. On an ``Explicit`` mesh the schedule runs with the other axes made
 ``Auto`` (:func:`gpipe`): jax 0.10 would otherwise all-gather its inputs and
 saved activations over ``sequence`` at the ``shard_map`` boundary.

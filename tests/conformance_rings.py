@@ -5,7 +5,7 @@ keeps its query shard, K/V shards (with their segment ids) travel one device per
 softmax is summed across hops (no max subtraction: the kit's inputs keep scores small), with
 the sink logit added once to the denominator. Gradients come from autodiff through the hops.
 Each ``BUGS`` entry is the same ring with one known bug class of context-parallel attention;
-``tests/test_conformance.py`` checks the kit catches each one and names the case.
+``tests/ring_jax/test_conformance.py`` checks the kit catches each one and names the case.
 """
 
 from __future__ import annotations

@@ -26,12 +26,13 @@ plan: ``memory_analysis`` and ``as_text`` read the same).
 Runs of several ``jax.distributed`` processes use a cache directory of their own
 (``train_procs.env``): on CPU, JAX's cache key does not tell a 2-process program on 2x4
 devices from a 1-process one on 8 (same HLO, same device ids), and
-``tests/test_multiprocess.py`` runs both of one config, so a shared cache would hand a
+``tests/training/test_multiprocess.py`` runs both of one config, so a shared cache would hand a
 2-process ``train.py`` run the 1-process train step. Among themselves the 2-process runs share theirs as a multi-host job shares one
 (process 0 writes, every process reads), so a resumed 2-process run loads its step.
 """
 import atexit
 import os
+import pathlib
 import shutil
 import subprocess
 import sys
@@ -104,41 +105,29 @@ SLOW_FILES = {
 }
 
 
-# Leg 2 of .ci/run (Python 3.12, the newest jax on PyPI) runs `pytest -m newest_jax`: this
-# selection, the tests whose outcome depends on the JAX version. Leg 1 (Python 3.11, jax
-# 0.10) runs every test. Selected: every test of the pure-JAX library ring_jax/ (the kernels
-# in interpret mode included), of the model and its sharding (models/), the docs' and the
-# notebook's code, the hardware-check scripts the accelerator image runs, one end-to-end
-# `python train.py` and the checkpoint round trips. Not selected: the trainer's scenarios
-# (resume, signals, divergence, several processes, stages, fit.py, Hugging Face
-# import/export, generation), which test our own control flow on top of the same compiled
-# step and the same checkpoints; they run on leg 1. A test that needs a newer jax than leg
-# 1's (say tokamax, jax >= 0.11) belongs here too.
-# Entries are file names or "file::test" names; NOT_NEWEST_JAX takes tests back out.
-NEWEST_JAX = {
-    # ring_jax/
-    "test_reference.py", "test_ring.py", "test_hop.py", "test_hop_pruning.py",
-    "test_layouts.py", "test_schedule.py", "test_routing.py", "test_sharded.py",
-    "test_strategies.py", "test_two_level.py", "test_plan.py", "test_ffn.py",
-    "test_documents.py", "test_flax_attention.py", "test_splash.py", "test_selfcheck.py", "test_topology.py", "test_conformance.py",
-    "test_tokamax_gpu.py",  # tokamax needs jax >= 0.11.1: leg 2 is where it runs (the [gpu] extra)
-    # models/
-    "test_llama.py", "test_sharding.py", "test_inference.py", "test_pipeline.py",
-    # docs/, notebooks/, benchmarks/{gpu,tpu}_check (what the accelerator image runs)
-    "test_docs.py", "test_notebook.py", "test_tpu_check.py",
-    # one end-to-end train.py run, and save/restore of the train state across meshes (Orbax
-    # on the newest jax's arrays and shardings; the end-to-end run only saves)
-    "test_train.py::test_train_py_end_to_end", "test_checkpoint.py",
-}
-NOT_NEWEST_JAX = {
-    # four resumed training runs; the pipelined step itself is compared in the same file.
-    "test_pipeline.py::test_train_py_on_each_pipeline_mesh_follows_one_device",
-}
+# Leg 2 of .ci/run (Python 3.12, the newest jax on PyPI) runs `pytest -m newest_jax`: the
+# tests whose outcome depends on the JAX version. Leg 1 (Python 3.11, jax 0.10) runs every
+# test. The layout says which: every test under these folders of tests/ -- the pure-JAX
+# library (ring_jax/, the kernels in interpret mode included), the model and its sharding
+# (models/), the docs' and the notebook's code (docs/) -- is marked newest_jax here, except
+# the tpu_compiler tests (leg 1 has the libtpu that runs them) and a test marked leg1_only,
+# which says why next to it. Elsewhere a test joins leg 2 with its own
+# @pytest.mark.newest_jax: one end-to-end `python train.py`, the checkpoint round trips, the
+# hardware-check script the accelerator image runs. The trainer's scenarios (resume,
+# signals, divergence, several processes, stages, fit.py, Hugging Face import/export,
+# generation) test our own control flow on top of the same compiled step and the same
+# checkpoints; they run on leg 1. A test that needs a newer jax than leg 1's (say tokamax,
+# jax >= 0.11) belongs on leg 2 too.
+TESTS = pathlib.Path(__file__).resolve().parent
+NEWEST_JAX_FOLDERS = ("ring_jax", "models", "docs")
 
 
 def pytest_configure(config):
   config.addinivalue_line(
-      "markers", "newest_jax: what leg 2 of .ci/run runs on the newest jax (tests/conftest.py)")
+      "markers", "newest_jax: what leg 2 of .ci/run runs on the newest jax: every test under "
+      f"tests/{{{','.join(NEWEST_JAX_FOLDERS)}}}/, and those marked elsewhere (tests/conftest.py)")
+  config.addinivalue_line(
+      "markers", "leg1_only: a test of a newest_jax folder that leg 2 of .ci/run leaves out")
   config.addinivalue_line(
       "markers", "tpu_compiler: compiles for a TPU topology with libtpu (the [tpu] extra); "
       f"skipped without it unless {REQUIRE_TPU_COMPILER}=1 (tests/conftest.py)")
@@ -158,26 +147,27 @@ def pytest_runtest_setup(item):
 
 
 def _mark_newest_jax(items):
-  """Marks the NEWEST_JAX selection; a name in either set that matches no test is an error
-  (a renamed test would otherwise leave leg 2 silently)."""
-  used = set()
+  """Marks leg 2's selection: the tests under NEWEST_JAX_FOLDERS but for tpu_compiler and
+  leg1_only ones. A newest_jax marker inside those folders or a leg1_only one outside them
+  says nothing and is an error (the folder decides there, the test elsewhere)."""
+  misplaced = []
   for item in items:
-    names = {item.path.name, f"{item.path.name}::{item.originalname}"}
-    if names & NOT_NEWEST_JAX:
-      used |= names & NOT_NEWEST_JAX
-    elif names & NEWEST_JAX:
-      used |= names & NEWEST_JAX
-      if item.get_closest_marker("tpu_compiler") is None:  # those run on leg 1 (its libtpu)
-        item.add_marker(pytest.mark.newest_jax)
-  collected = {item.path.name for item in items}
-  stale = {n for n in (NEWEST_JAX | NOT_NEWEST_JAX) - used if n.split("::")[0] in collected}
-  if stale:
-    raise pytest.UsageError(f"tests/conftest.py names tests that do not exist: {sorted(stale)}")
+    path = item.path.resolve()
+    inside = TESTS in path.parents and path.relative_to(TESTS).parts[0] in NEWEST_JAX_FOLDERS
+    leg1_only = item.get_closest_marker("leg1_only") is not None
+    if inside and item.get_closest_marker("newest_jax") or not inside and leg1_only:
+      misplaced.append(item.nodeid)
+    elif inside and not leg1_only and item.get_closest_marker("tpu_compiler") is None:
+      item.add_marker(pytest.mark.newest_jax)
+  if misplaced:
+    raise pytest.UsageError(
+        f"newest_jax inside tests/{{{','.join(NEWEST_JAX_FOLDERS)}}}/ or leg1_only outside "
+        f"them (tests/conftest.py): {misplaced[:5]}")
 
 
 @pytest.hookimpl(tryfirst=True)  # before -m deselects by the markers set here
 def pytest_collection_modifyitems(items):
-  """Marks leg 2's selection (NEWEST_JAX), then orders whole files (a module's fixtures stay set up once) for pytest-xdist's
+  """Marks leg 2's selection (NEWEST_JAX_FOLDERS), then orders whole files (a module's fixtures stay set up once) for pytest-xdist's
   ``--dist worksteal`` with 2 workers: worker 0 starts with the first half of the list,
   worker 1 with the second, and an idle worker steals the end of the other's queue. So
   the slow files, split between the halves by time (longest first), start each half and

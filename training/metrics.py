@@ -17,9 +17,11 @@ fetched one step behind, the divergence check) and :class:`Profile` (a
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import math
 import os
+import sys
 import time
 from typing import Any, Callable
 
@@ -27,7 +29,6 @@ import jax
 import numpy as np
 
 from ring_jax import hardware
-from training import event_file
 
 
 def peak_flops_per_device(config, device=None) -> tuple[float, str]:
@@ -85,15 +86,38 @@ class Throughput:
     return out
 
 
+def _tensorboardx():
+  """tensorboardX's event writer and protocol buffers, imported on first use without torch:
+  the package's import tries ``import torch`` (for torch.Tensor arguments; scalars need
+  none), which where torch is installed costs each train.py process about 2.5 s of CPU."""
+  blocked = "torch" not in sys.modules
+  if blocked:
+    sys.modules["torch"] = None  # `import torch` raises ImportError while tensorboardX loads
+  try:
+    from tensorboardX import event_file_writer
+    from tensorboardX.proto import event_pb2, summary_pb2
+  finally:
+    if blocked:
+      del sys.modules["torch"]
+  return event_file_writer, event_pb2, summary_pb2
+
+
+_WRITERS = itertools.count()  # one event file per MetricWriter of a process
+
+
 class MetricWriter:
   """TensorBoard event files + ``metrics.jsonl`` in the workdir; only process 0 writes.
 
   One curve per workdir: a run resumed from step ``resume_step`` first drops
   the ``metrics.jsonl`` rows past that step (rows of steps the resumed run
   does again, written before the stop), and TensorBoard is told to purge its
-  events from ``resume_step + 1`` on (``purge_step``), so neither holds two
-  values for one step. A fresh run (``resume_step=0``) in a workdir with old
-  rows but no checkpoint starts both afresh the same way.
+  events from ``resume_step + 1`` on (a ``SessionLog.START`` at that step, as
+  ``SummaryWriter(purge_step=)`` writes), so neither holds two values for one
+  step. A fresh run (``resume_step=0``) in a workdir with old rows but no
+  checkpoint starts both afresh the same way. TensorBoard gets one event per
+  :meth:`write` (its scalars at that step, float32) in a new
+  ``tensorboard/events.out.tfevents.<time>.<host>.<pid>.<n>`` file, written by
+  tensorboardX's TFRecord writer and on disk when :meth:`write` returns.
   """
 
   def __init__(self, workdir: str, *, resume_step: int = 0, enabled: bool | None = None):
@@ -104,15 +128,26 @@ class MetricWriter:
       os.makedirs(workdir, exist_ok=True)
       path = os.path.join(workdir, "metrics.jsonl")
       dropped = truncate_jsonl(path, resume_step)
-      self._tb = event_file.EventFileWriter(os.path.join(workdir, "tensorboard"),
-                                            purge_step=resume_step + 1 if dropped else None)
+      event_file_writer, event_pb2, self._summary_pb2 = _tensorboardx()
+      self._Event = event_pb2.Event
+      os.makedirs(os.path.join(workdir, "tensorboard"), exist_ok=True)
+      self._tb = event_file_writer.EventsWriter(  # writes the file-version event first
+          os.path.join(workdir, "tensorboard", "events"), f".{os.getpid()}.{next(_WRITERS)}")
+      if dropped:
+        self._tb.write_event(self._Event(wall_time=time.time(), step=resume_step + 1,
+                                         session_log=event_pb2.SessionLog(
+                                             status=event_pb2.SessionLog.START)))
+        self._tb.flush()
       self._jsonl = open(path, "a")  # Rows carry their step; a resumed run appends.
 
   def write(self, step: int, metrics: dict[str, Any], prefix: str = "") -> None:
     if not self.enabled:
       return
     scalars = {f"{prefix}{k}": float(v) for k, v in metrics.items()}
-    self._tb.add_scalars(step, scalars)
+    Summary = self._summary_pb2.Summary
+    self._tb.write_event(self._Event(wall_time=time.time(), step=step, summary=Summary(
+        value=[Summary.Value(tag=tag, simple_value=v) for tag, v in scalars.items()])))
+    self._tb.flush()
     self._jsonl.write(json.dumps({"step": step, **scalars}) + "\n")
     self._jsonl.flush()
 

@@ -7,9 +7,15 @@ import json
 import os
 import subprocess
 import sys
+
+import pytest
+
 import train_procs
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# What the accelerator image runs, on leg 2 of .ci/run too (tests/conftest.py).
+pytestmark = pytest.mark.newest_jax
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 IMPLS = ["splash", "ring_jax ring=1 [xla]", "ring_jax ring=1 [splash]"]
 
 

@@ -28,7 +28,7 @@ from training import step as step_lib
 from training import validation as val_lib
 import train_procs
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 
 # The train.py runs: --stop_at_step=N of a schedule longer than any run (so no run ends a
 # stage: no eval to compile), and no checkpoint but the one each stop writes.
@@ -383,6 +383,9 @@ TRAIN_PY_MESHES = [
 ]
 
 
+# Four resumed training runs: a trainer scenario (leg 1); the pipelined step itself is compared
+# above.
+@pytest.mark.leg1_only
 def test_train_py_on_each_pipeline_mesh_follows_one_device(tmp_path, capsys):
   """The trainer for 2 steps on each pipeline mesh of the issue -- pipeline=2 x
   sequence=2 x tensor=2, pipeline=2 x data=2 x sequence=2, pipeline=4 x sequence=2 -- each

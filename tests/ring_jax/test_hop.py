@@ -38,7 +38,7 @@ from ring_jax.hop import HopSpec
 # Kernel names run by this suite.
 KERNELS_UNDER_TEST = ["xla", "splash"]
 # tokamax (the [gpu] extra: Python >= 3.12, leg 2 of CI) runs here with its own XLA forward
-# and a reference of its Mosaic VJP's contract (tests/test_tokamax_gpu.py, cpu_kernel()).
+# and a reference of its Mosaic VJP's contract (tests/ring_jax/test_tokamax_gpu.py, cpu_kernel()).
 if importlib.util.find_spec("tokamax") is not None:
   KERNELS_UNDER_TEST.append("tokamax")
 

@@ -15,6 +15,7 @@ import ring_jax
 from ring_jax import hardware
 from ring_jax import topology
 from ring_jax.kernels import selfcheck
+from message_utils import assert_states
 
 
 @pytest.mark.parametrize("name, generation, dims, chips", [
@@ -71,9 +72,9 @@ def test_missing_libtpu_names_the_extra(monkeypatch):
   for call in (topology.check_libtpu, lambda: topology.devices("v5e:2x2")):
     with pytest.raises(topology.TopologyError) as e:
       call()
-    assert str(e.value) == (
-        "compiling for a TPU topology needs libtpu, the TPU compiler, which is not installed: "
-        f"pip install \"ring_jax[tpu]\" (the libtpu jax {jax.__version__} pins).")
+    # What is missing, the command that installs it, and which libtpu that installs.
+    assert_states(str(e.value), "libtpu", "not installed", 'pip install "ring_jax[tpu]"',
+                  f"jax {jax.__version__}")
 
 
 def test_mismatched_libtpu_names_the_extra(monkeypatch):
@@ -81,9 +82,9 @@ def test_mismatched_libtpu_names_the_extra(monkeypatch):
   monkeypatch.setattr(topology, "_pinned_libtpu", lambda: "==0.0.42.*")
   with pytest.raises(topology.TopologyError) as e:
     topology.check_libtpu()
-  assert str(e.value) == (
-      f"libtpu 0.0.1 does not match jax {jax.__version__}, which pins libtpu==0.0.42.*: pip "
-      f"install \"ring_jax[tpu]\" (or pip install \"jax[tpu]=={jax.__version__}\").")
+  # The installed libtpu, the jax and the libtpu it pins, and both commands that fix it.
+  assert_states(str(e.value), "libtpu 0.0.1", f"jax {jax.__version__}", "libtpu==0.0.42.*",
+                'pip install "ring_jax[tpu]"', f'pip install "jax[tpu]=={jax.__version__}"')
 
 
 def test_target_platform_follows_the_mesh():

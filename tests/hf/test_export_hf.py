@@ -29,7 +29,7 @@ from training import mesh as mesh_lib
 from training import validation as val_lib
 import train_procs
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 MESH = dict(data=2, sequence=4, tensor=1)
 TINY = dict(vocab_size=256, dim=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
             mlp_dim=128)  # head_dim explicit: config.json states it
@@ -69,9 +69,10 @@ def test_finetune_config_has_every_common_field():
                                        if isinstance(v, dict) for j in v}
   assert flat(base) <= flat(ft)
   assert ft.init.hf_dir == "" and tiny.get_config().init.hf_dir == ""
-  # The fields left None are exactly the ones config.json determines.
-  assert set(finetune._HF_FIELD_TYPES) == set(convert_hf.HF_FIELDS)
+  # The fields config.json determines are left None; the others are common.py's.
   assert all(ft.model[name] is None for name in convert_hf.HF_FIELDS)
+  assert {n: v for n, v in ft.model.items() if n not in convert_hf.HF_FIELDS} == {
+      n: v for n, v in base.model.items() if n not in convert_hf.HF_FIELDS}
 
 
 def test_resolve_hf_init(tmp_path):

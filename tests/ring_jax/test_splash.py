@@ -1,5 +1,5 @@
 """The hop on JAX's splash attention (ring_jax/kernels/splash.py), beyond the conformance
-suite (tests/test_hop.py runs it against the float64 oracle, one hop and rings of 2 and 4,
+suite (tests/ring_jax/test_hop.py runs it against the float64 oracle, one hop and rings of 2 and 4,
 in interpret mode): the mask translation, padding ids, non-finite inputs, the refusals,
 and lowering for a TPU target on this CPU machine."""
 

@@ -19,7 +19,7 @@ import pytest
 jupytext = pytest.importorskip("jupytext", reason="pip install -e '.[dev]' (jupytext)")
 nbformat = pytest.importorskip("nbformat", reason="pip install -e '.[dev]' (nbformat)")
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 NB_DIR = os.path.join(ROOT, "notebooks")
 PY = os.path.join(NB_DIR, "ring_attention_colab.py")
 IPYNB = os.path.join(NB_DIR, "ring_attention_colab.ipynb")

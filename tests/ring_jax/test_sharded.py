@@ -440,7 +440,7 @@ def test_sinks_with_a_strategy_without_lse_is_refused():
 
 
 def test_value_head_dim_is_refused_where_it_does_not_run():
-  """V's own head size runs with the ring (tests/test_hop.py, value-head-dim); the other
+  """V's own head size runs with the ring (tests/ring_jax/test_hop.py, value-head-dim); the other
   strategies and the fused hop kernels refuse it, naming what does."""
   mesh = make_mesh((4,), ("sequence",))
   q, k, v = qkv(0, 1, 512, 4, 4, 8)

@@ -25,7 +25,7 @@ from training import step as step_lib
 from training import validation as val_lib
 import train_procs
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 
 
 def small_config(**overrides):
@@ -217,6 +217,7 @@ def test_distributed_launch_detection():
   assert detect({"TPU_WORKER_HOSTNAMES": "a"}) is None
 
 
+@pytest.mark.newest_jax  # one end-to-end train.py on leg 2 of .ci/run (tests/conftest.py)
 def test_train_py_end_to_end(tmp_path):
   """`python train.py` with config-file, --config.* and gin overrides, on simulated devices:
   the two-level ring (mesh.sequence_outer=2 groups of sequence=4), striped over the ring of 8."""

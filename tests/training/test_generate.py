@@ -15,7 +15,7 @@ import generate
 import train as train_script
 from model_utils import tiny_config
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 TEXT = ("def add(a, b):\n    return a + b\n\n\nclass Point:\n    def __init__(self, x, y):\n"
         "        self.x = x\n        self.y = y\n") * 40
 

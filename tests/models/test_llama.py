@@ -4,7 +4,10 @@ Tiny float32 models on the 8 fake CPU devices of conftest.py. The oracle for
 every sharded run is the dense backend on one device in natural token order.
 """
 
+import collections
+import contextlib
 import dataclasses
+import io
 import math
 import re
 
@@ -14,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from jax.ad_checkpoint import print_saved_residuals
 
 import ring_jax
 from model_utils import graphdef as _graphdef
@@ -208,14 +212,76 @@ def test_remat_policy_keeps_values(baseline):
   _assert_tree_close(grads, want_grads)
 
 
+def _remat_policies(jaxpr) -> list:
+  """The policy of every jax.checkpoint (primitive ``remat2``) in ``jaxpr`` and in the jaxprs
+  of its equations (scan bodies, jitted calls), outermost first."""
+  found = []
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "remat2":
+      found.append(eqn.params["policy"])
+    for value in eqn.params.values():
+      for sub in value if isinstance(value, (tuple, list)) else (value,):
+        sub = getattr(sub, "jaxpr", sub)  # a ClosedJaxpr's Jaxpr
+        if hasattr(sub, "eqns"):
+          found += _remat_policies(sub)
+  return found
+
+
+def _saved_residuals(fn, *args) -> list[tuple[str, str]]:
+  """``(type, what it is)`` of each value the backward pass of ``fn`` reads, as
+  jax.ad_checkpoint.print_saved_residuals prints them (``f32[2,16,32] named 'query' from
+  ...``, ``f32<host>[...]`` for a value in host memory)."""
+  out = io.StringIO()
+  with contextlib.redirect_stdout(out):
+    print_saved_residuals(fn, *args)
+  return [tuple(line.split(" ", 1)) for line in out.getvalue().splitlines()]
+
+
+# What each policy makes the backward pass of two unrolled TINY layers read, beyond the
+# layers' inputs and weights: checkpoint names, projection (dot_general) outputs, the
+# attention einsums' outputs (the dense backend's jitted "_dense"), elementwise MLP values
+# (silu) and values in host memory. Per layer: 6 projections (q, k, v, o, gate, up) and
+# 3 attention einsums. "mlp_out" only feeds the residual add, so no policy needs to keep it.
+REMAT_EFFECTS = {
+    # No jax.checkpoint: autodiff keeps what the backward pass needs (which of the other
+    # values exactly is jax's choice), the elementwise MLP values included.
+    "none": dict(silu=6, host=0),
+    "full": dict(named={}, dots=0, attention=0, silu=0, host=0),
+    "save_dots": dict(named={}, dots=12, attention=6, silu=0, host=0),
+    "save_dots_no_batch": dict(named={}, dots=12, attention=0, silu=0, host=0),
+    "save_qkv_attn_out": dict(named={"query": 2, "key": 2, "value": 2, "attn_out": 2},
+                              dots=0, attention=0, silu=0, host=0),
+    "save_attn_mlp_out": dict(named={"attn_out": 2}, dots=0, attention=0, silu=0, host=0),
+    "offload_layer_in": dict(named={}, dots=0, attention=0, silu=0, host=2),
+}
+
+
 @pytest.mark.parametrize("policy", sorted(REMAT_POLICIES))
 def test_remat_policy_is_applied(baseline, policy):
-  """Every policy name traces; all but "none" put the layer under jax.checkpoint."""
+  """Each layer runs under jax.checkpoint with the named policy (none for "none"), scanned
+  or unrolled, and the backward pass then reads what that policy saves."""
+  assert set(REMAT_EFFECTS) == set(REMAT_POLICIES)
   params, (tokens, pos, segs, _), _, _ = baseline
   for scan in (True, False):
     model = nnx.merge(_graphdef(_cfg(remat_policy=policy, scan_layers=scan)), params)
-    jaxpr = str(jax.make_jaxpr(lambda t: model(t, pos, segs))(tokens))
-    assert (policy != "none") == ("checkpoint" in jaxpr or "remat" in jaxpr)
+    jaxpr = jax.make_jaxpr(lambda t: model(t, pos, segs))(tokens).jaxpr
+    layers = 1 if scan else TINY["num_layers"]  # one scan body, or each unrolled layer
+    want = [] if policy == "none" else [REMAT_POLICIES[policy]] * layers
+    got = _remat_policies(jaxpr)
+    assert len(got) == len(want) and all(g is w for g, w in zip(got, want)), (got, want)
+
+  model = nnx.merge(_graphdef(_cfg(remat_policy=policy, scan_layers=False)), params)
+  saved = _saved_residuals(lambda m: jnp.sum(m(tokens, pos, segs)), model)
+  named = collections.Counter(m[1] for _, what in saved
+                              if (m := re.match(r"named '(\w+)'", what)))
+  got = dict(named=dict(named),
+             dots=sum(what.startswith("output of dot_general") for _, what in saved),
+             attention=sum("'_dense'" in what for _, what in saved),
+             silu=sum("'silu'" in what for _, what in saved),
+             host=sum("<host>" in aval for aval, _ in saved))
+  want = REMAT_EFFECTS[policy]
+  assert {k: got[k] for k in want} == want, got
+  assert policy != "none" or got["attention"] > 0  # the attention's internals too
 
 
 def test_bf16_compute(baseline):

@@ -170,8 +170,9 @@ def test_cli_sets_devices_exits_nonzero_on_failure_and_needs_no_flax():
                               if "force_host_platform_device_count" not in f)
   env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(os.path.dirname(ring_jax.__file__)),
                                        env.get("PYTHONPATH", "")])
-  proc = subprocess.run([sys.executable, "-c", script], cwd=os.path.dirname(__file__),
-                        env=env, capture_output=True, text=True, timeout=300)
+  proc = subprocess.run([sys.executable, "-c", script],
+                        cwd=os.path.dirname(conformance_rings.__file__), env=env,
+                        capture_output=True, text=True, timeout=300)
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert "RESULT 0 1 8" in proc.stdout, proc.stdout[-3000:]
   assert "soft-cap" in proc.stdout and "takes no logits_soft_cap" in proc.stdout

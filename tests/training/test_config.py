@@ -2,6 +2,7 @@
 
 import importlib.util
 import os
+import sys
 
 import jax
 import ml_collections
@@ -13,7 +14,7 @@ from training import flags as flags_lib
 from training import mesh as mesh_lib
 from training import validation as val_lib
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 
 
 def load_config(name: str, arg=None) -> ml_collections.ConfigDict:
@@ -38,6 +39,47 @@ def test_shipped_configs_build_a_model_config(name, arg):
   model_cfg = val_lib.llama_config(config)
   assert model_cfg.num_params() > 0
   assert model_cfg.flops_per_token(config.data.seq_len) > 6 * model_cfg.num_params(False)
+
+
+@pytest.mark.parametrize("name,arg", [("tiny", None), ("llama_1b", "long"), ("llama_7b", None),
+                                      ("finetune", None)])
+def test_config_model_has_llama_configs_fields(name, arg):
+  """config.model is models.llama.LlamaConfig's schema, read from the class (a field added
+  there is in every config); tiny keeps its defaults but for the tiny sizes and "auto"."""
+  from models.llama import LlamaConfig
+
+  model = load_config(name, arg).model
+  defaults = LlamaConfig().to_dict()
+  assert set(model) == set(defaults)
+  if name == "tiny":
+    assert {n for n in defaults if model[n] != defaults[n]} == {
+        "vocab_size", "dim", "mlp_dim", "layout"}
+
+
+def test_command_line_and_gin_set_model_fields_with_their_types(monkeypatch):
+  """--config.model.<field>=<text> and gin bindings parse to the LlamaConfig field's type,
+  for fields whose default is None too (the ConfigDict holds a typed placeholder)."""
+  from absl import flags
+  from ml_collections import config_flags
+
+  argv = ["train.py", f"--config={os.path.join(ROOT, 'configs', 'tiny.py')}",
+          "--config.model.sliding_window=8", "--config.model.head_dim=16",
+          "--config.model.qkv_bias=True", "--config.model.rope_theta=5e5",
+          "--config.model.family=qwen2", "--config.model.causal_routing=False"]
+  monkeypatch.setattr(sys, "argv", argv)  # config_flags finds the overrides in sys.argv
+  values = flags.FlagValues()
+  config_flags.DEFINE_config_file("config", flag_values=values)
+  values(argv)
+  model = values.config.model
+  assert (model.sliding_window, model.head_dim, model.qkv_bias, model.rope_theta,
+          model.family, model.causal_routing) == (8, 16, True, 5e5, "qwen2", False)
+  assert type(model.sliding_window) is int and type(model.rope_theta) is float
+  config = flags_lib.apply_gin(tiny(), gin_params=[
+      "model.sliding_window = 4", "model.qk_norm = True", "model.block_q = 32"])
+  assert (config.model.sliding_window, config.model.qk_norm, config.model.block_q) == (
+      4, True, 32)
+  with pytest.raises(ConfigError):
+    flags_lib.apply_gin(tiny(), gin_params=["model.sliding_window = 'eight'"])
 
 
 def test_tiny_validates_on_eight_devices():
@@ -348,7 +390,7 @@ def test_bad_profile_steps_is_a_config_error(text, match):
 ])
 def test_resolve_layout_picks_by_the_data_and_the_ring(overrides, ring, want, why):
   """model.layout="auto" -> (a copy naming the layout, the startup line saying why); the
-  rule itself is ring_jax.planning.choose_layout (tests/test_plan.py: each branch)."""
+  rule itself is ring_jax.planning.choose_layout (tests/ring_jax/test_plan.py: each branch)."""
   config = tiny(**{"model.layout": "auto", **overrides})
   resolved, line = val_lib.resolve_layout(config, ring)
   assert resolved.model.layout == want and config.model.layout == "auto"

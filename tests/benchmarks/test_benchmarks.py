@@ -23,7 +23,7 @@ from models.llama import LlamaConfig
 from ring_jax import hardware
 import train_procs
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 
 
 @pytest.mark.parametrize("layout,is_causal,segments", [("contiguous", True, False),

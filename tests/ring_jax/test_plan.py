@@ -10,7 +10,7 @@ import pytest
 import ring_jax
 from ring_jax import hardware
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 GQA = dict(batch=1, heads=32, kv_heads=8, head_dim=128, dtype="bfloat16", is_causal=True,
            layout="zigzag")
 
@@ -78,7 +78,7 @@ def test_choice_reasons_and_constraints():
   p = ring_jax.plan(seq_len=1 << 20, sequence=8, device="NVIDIA H200", **GQA)
   assert p.strategy == "ring" and "hides behind compute" in " ".join(p.reasons)
   # A pair is a two-axis mesh: the two-level ring, the flat ring and all-gather over both
-  # axes, and the hybrid (tests/test_two_level.py checks the choice).
+  # axes, and the hybrid (tests/ring_jax/test_two_level.py checks the choice).
   p = ring_jax.plan(seq_len=65536, sequence=(2, 4), device="TPU v5p", **GQA)
   assert [e.name for e in p.estimates] == ["ring2x4", "ring", "all_gather", "hybrid2x4"]
 

@@ -15,7 +15,7 @@ import pytest
 import train_procs
 from benchmarks import fit as fit_lib
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 GIB = 2 ** 30
 TINY = os.path.join(ROOT, "configs", "tiny.py")
 SMALL = ["--config", TINY, "--devices", "2",
@@ -173,23 +173,44 @@ def test_long_variant_validates(devices):
   assert config.model.remat_policy == "offload_layer_in" and config.batch_size == 1
 
 
-@pytest.mark.parametrize("attention", ["ring", "all_gather", "ulysses", "hybrid", "auto",
-                                       "dense"])
+# The attention's own transfers in test_every_strategy_compiles's step (batch 2, seq_len 128,
+# one layer, float32, data=1 x sequence=2 x tensor=2): a K or V shard is [2, 64, 1, 16] (64
+# tokens of the sequence split, 1 of the 2 KV heads per tensor shard, head_dim 16), its
+# segment ids [2, 64] int32; bytes are per device, of each op's result.
+KV, IDS = 2 * 64 * 1 * 16 * 4, 2 * 64 * 4
+# The ring of 2, one hop: forward K, V, ids; backward K, V, ids again, dK and dV along the
+# ring, dK and dV home.
+RING_PERMUTES = dict(count=3 + 3 + 2 + 2, bytes=8 * KV + 2 * IDS)
+# Ulysses over sequence=2: q, k, v to heads and the output back, then the gradients the other
+# way; each a [2, 64, 2, 16] exchange (K/V repeated to the 2 query heads per device).
+ULYSSES_ALL_TO_ALL = dict(count=4 + 4, bytes=8 * 2 * KV)
+# The hybrid's Ulysses over tensor=2 (q and the output 2 KV each, k and v 1 KV each, then
+# their gradients: 12 KV), and 6 reshards of q, k, v into its layout and of their gradients
+# out of it (8 KV).
+HYBRID_ALL_TO_ALL = dict(count=8 + 6, bytes=12 * KV + 8 * KV)
+NONE = dict(count=0, bytes=0)
+ATTENTION_COLLECTIVES = {  # strategy: (collective-permute, all-to-all)
+    "ring": (RING_PERMUTES, NONE), "auto": (RING_PERMUTES, NONE),  # auto picks the ring here
+    "all_gather": (NONE, NONE), "ulysses": (NONE, ULYSSES_ALL_TO_ALL),
+    "hybrid": (RING_PERMUTES, HYBRID_ALL_TO_ALL), "dense": (NONE, NONE)}
+
+
+@pytest.mark.parametrize("attention", sorted(ATTENTION_COLLECTIVES))
 def test_every_strategy_compiles(attention):
   """model.attention=<strategy> compiles on data=1 x sequence=2 x tensor=2 (the hybrid: ring
   over sequence x Ulysses over tensor); collectives=True counts the step's collectives: the
-  ring and the hybrid pass K/V with collective-permute, Ulysses exchanges with all-to-all."""
+  ring's K/V collective-permutes, Ulysses' all-to-alls, each exactly as the strategy sends
+  them and none elsewhere, and the reduce-scatters of tensor sequence parallelism."""
   result = fit(tiny(**{"batch_size": 2, "model.num_layers": 1, "model.attention": attention}),
                devices=4, mesh="data=1,sequence=2,tensor=2", seq_len=128, memory_gib=1,
                collectives=True)
   (row,) = result["checked"]
   check_row(row)
-  counts = {kind: c["count"] for kind, c in row["collectives"].items()}
-  assert counts["reduce-scatter"] > 0  # tensor sequence parallelism is on (tensor=2)
-  if attention in ("ring", "hybrid"):
-    assert counts["collective-permute"] > 0
-  if attention in ("ulysses", "hybrid"):
-    assert counts["all-to-all"] > 0
+  got = row["collectives"]
+  assert (got["collective-permute"], got["all-to-all"]) == ATTENTION_COLLECTIVES[attention]
+  # Tensor sequence parallelism (tensor=2): 8 reduce-scatters into the split residual stream;
+  # all_gather adds its backward's 2, dK and dV scattered back to their sequence shards.
+  assert got["reduce-scatter"]["count"] == 8 + 2 * (attention == "all_gather")
 
 
 def test_planner_plans_the_init_hf_dir_model_with_a_layout_it_runs(tmp_path):

@@ -10,7 +10,7 @@ the exactness and non-finite guards) runs here with:
   VJP computes from the residuals it is handed (read from
   ``pallas_mosaic_gpu_vjp_kernel_sm90.py``; tokamax's XLA VJP recomputes the softmax from
   the inputs instead, so it cannot stand in for a ring's hop).
-With that kernel (:func:`cpu_kernel`) tests/test_hop.py runs its whole conformance suite
+With that kernel (:func:`cpu_kernel`) tests/ring_jax/test_hop.py runs its whole conformance suite
 (every case at one hop, rings of 2 and 4 against the float64 oracle, the bf16 ring). On a
 GPU, ``hop_kernel="auto"`` runs tokamax only after its self-check on the device.
 

@@ -342,7 +342,7 @@ def test_ring_jax_imports_without_flax():
       assert not any(m == "flax" or m.startswith("flax.") for m in sys.modules)
       print("ok")
   """)
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  root = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
   env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
   proc = subprocess.run([sys.executable, "-c", script], cwd=root, env=env, capture_output=True,
                         text=True, timeout=120)

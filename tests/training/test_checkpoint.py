@@ -12,6 +12,10 @@ from training import checkpoint as ckpt_lib
 from training import mesh as mesh_lib
 from training import step as step_lib
 
+# Save/restore of the train state across meshes: Orbax on the newest jax's arrays and
+# shardings, so leg 2 of .ci/run runs them too (tests/conftest.py).
+pytestmark = pytest.mark.newest_jax
+
 MODEL = llama.LlamaConfig(vocab_size=64, dim=32, num_layers=2, num_heads=4, num_kv_heads=2,
                           mlp_dim=64, fsdp=True)
 OPTIM = ml_collections.ConfigDict(dict(lr=1e-3, warmup_steps=1, min_lr_ratio=0.1,
