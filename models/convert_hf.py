@@ -375,8 +375,8 @@ def check_family(cfg: LlamaConfig) -> Family:
                      f"{cfg.sliding_window} (mistral, qwen2 and qwen3 have one).")
   if cfg.layer_types is not None and family.window != "layer_types":
     raise ValueError(f"family {cfg.family!r} has one window for all layers, but layer_types="
-                     f"{list(cfg.layer_types)} (qwen2, qwen3, gemma2 and gemma3 take per-layer "
-                     "types).")
+                     f"{list(cfg.layer_types)} (qwen2 and qwen3 take per-layer types, as do gemma2 "
+                     "and gemma3).")
   gemma = {"mlp_activation": "gelu_tanh", "norm_unit_offset": True, "post_norms": True,
            "scale_embeddings": True}
   for name, value in gemma.items():
