@@ -11,6 +11,8 @@ as in the other configs). The model's shape and RoPE come from
 :data:`models.convert_hf.HF_FIELDS` (vocab_size, dim, num_layers, num_heads,
 num_kv_heads, head_dim, mlp_dim, rope_theta, rope_scaling, norm_eps,
 tie_embeddings, and the architecture fields qkv_bias, qk_norm, sliding_window, layer_types,
+the Gemma fields mlp_activation, norm_unit_offset, post_norms, scale_embeddings,
+query_pre_attn_scalar, attn_logits_soft_cap, final_logits_soft_cap, rope_local_theta, and
 family) are None here, which means "take config.json's value".
 Setting one is an override: ``--config.model.rope_theta=5e6`` trains with that
 RoPE base (context extension), and export_hf.py writes it into the exported
@@ -36,7 +38,10 @@ from configs import common
 _HF_FIELD_TYPES = dict(vocab_size=int, dim=int, num_layers=int, num_heads=int, num_kv_heads=int,
                        head_dim=int, mlp_dim=int, rope_theta=float, rope_scaling=dict,
                        norm_eps=float, tie_embeddings=bool, qkv_bias=bool, qk_norm=bool,
-                       sliding_window=int, layer_types=tuple, family=str)
+                       sliding_window=int, layer_types=tuple, mlp_activation=str,
+                       norm_unit_offset=bool, post_norms=bool, scale_embeddings=bool,
+                       query_pre_attn_scalar=float, attn_logits_soft_cap=float,
+                       final_logits_soft_cap=float, rope_local_theta=float, family=str)
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
