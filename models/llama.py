@@ -338,6 +338,36 @@ class LlamaConfig:
     return tuple(groups)
 
   @property
+  def layer_segments(self) -> tuple[tuple[int, int, tuple[int | None, ...]], ...]:
+    """``(start, stop, pattern)``: layers ``start..stop`` repeat the windows ``pattern``
+    (``(stop - start) / len(pattern)`` times); the stack runs one scan per segment whose
+    body is one ``pattern`` of layers, each with its window static.
+
+    The runs of :attr:`layer_groups` when there are at most two (a uniform stack, Qwen2's
+    ``max_window_layers``); else the shortest pattern that repeats at least twice from the
+    first layer (Gemma 2: ``(w, None)``, Gemma 3: five ``w`` and a ``None``), the layers
+    after its last whole repetition as runs. So an interleaved stack of any depth traces
+    one pattern of layers, not one scan per layer.
+    """
+    windows, n = self.layer_windows, self.num_layers
+    groups = self.layer_groups
+    runs = tuple((a, b, (w,)) for a, b, w in groups)
+    if len(groups) <= 2:
+      return runs
+    for period in range(2, n // 2 + 1):
+      reps = n // period
+      if all(windows[i] == windows[i % period] for i in range(reps * period)):
+        stop = reps * period
+        tail = []
+        for i in range(stop, n):
+          if tail and tail[-1][2] == (windows[i],):
+            tail[-1] = (tail[-1][0], i + 1, (windows[i],))
+          else:
+            tail.append((i, i + 1, (windows[i],)))
+        return ((0, stop, tuple(windows[:period])), *tail)
+    return runs
+
+  @property
   def resolved_head_dim(self) -> int:
     return self.head_dim if self.head_dim is not None else self.dim // self.num_heads
 
@@ -900,9 +930,10 @@ class Llama(nnx.Module):
     attends' ``aux`` come back stacked along a leading layers axis. Inference
     (:mod:`models.inference`) uses it to collect and update the KV cache.
 
-    The layers run as :attr:`LlamaConfig.layer_groups`: one scan (or loop) per
-    run of layers sharing a window, so a window is static where the ring
-    prunes hops by it; a uniform stack (every family's default) is one scan.
+    The layers run as :attr:`LlamaConfig.layer_segments`: one scan (or loop) per
+    run of layers sharing a window, or per repeating pattern of windows (Gemma's
+    interleaved local and global layers: the scan body is one pattern), so a
+    window is static where the ring prunes hops by it; a uniform stack is one scan.
 
     ``rope_length``: the sequence length dynamic-NTK RoPE is computed at
     (:func:`rope_inv_freq`); None: ``L``, the length of the rows given (training).
@@ -933,7 +964,7 @@ class Llama(nnx.Module):
                     else _base_inv_freq(cfg.rope_local_theta, cfg.resolved_head_dim))
 
     graphdef, stacked = nnx.split(self.layers)
-    groups = cfg.layer_groups
+    groups, segments = cfg.layer_groups, cfg.layer_segments
 
     def make_layer(window):
       def layer(x_BLD, layer_state, layer_x, rows):
@@ -957,6 +988,31 @@ class Llama(nnx.Module):
         auxes.append(aux)
       return x_BLD, jax.tree.map(lambda *a: jnp.stack(a), *auxes)
 
+    def pattern_layer(pattern, rows_of):
+      """One repetition of ``pattern`` as one layer over weights ``[len(pattern), ...]``."""
+      layers = [make_layer(window) for window in pattern]
+
+      def layer(x_BLD, layer_state, layer_x, _):
+        auxes = []
+        for j, (one, window) in enumerate(zip(layers, pattern)):
+          x_BLD, aux = one(x_BLD, *jax.tree.map(lambda a, j=j: a[j], (layer_state, layer_x)),
+                           rows_of(window))
+          auxes.append(aux)
+        return x_BLD, jax.tree.map(lambda *a: jnp.stack(a), *auxes)
+
+      return layer
+
+    def run_segment(pattern, x_BLD, stacked, layer_xs, rows_of):
+      if len(pattern) == 1:
+        return run_group(make_layer(pattern[0]), x_BLD, stacked, layer_xs, rows_of(pattern[0]))
+      # [reps * p, ...] -> [reps, p, ...]: the scan walks repetitions of the pattern.
+      p = len(pattern)
+      fold = lambda tree: jax.tree.map(lambda t: t.reshape(t.shape[0] // p, p, *t.shape[1:]),
+                                       tree)
+      x_BLD, aux = run_group(pattern_layer(pattern, rows_of), x_BLD, fold(stacked),
+                             fold(layer_xs), None)
+      return x_BLD, jax.tree.map(lambda t: t.reshape(-1, *t.shape[2:]), aux)
+
     def layer_stack(x_BLD, stacked, layer_xs, positions_BL, segment_ids_BL):
       rows = (*rope_tables(positions_BL, inv_freq_K, attention_factor), positions_BL,
               segment_ids_BL)
@@ -964,16 +1020,15 @@ class Llama(nnx.Module):
       local_rows = rows if local_freq_K is None else (
           *rope_tables(positions_BL, local_freq_K), positions_BL, segment_ids_BL)
       rows_of = lambda window: rows if window is None else local_rows
-      if len(groups) == 1:
-        window = groups[0][2]
-        return run_group(make_layer(window), x_BLD, stacked, layer_xs, rows_of(window))
-      # A mixed stack (e.g. Qwen2 with max_window_layers < num_layers): one scan per group
-      # over its slice of the stacked weights (and cache); the auxes are joined back.
+      if len(segments) == 1:
+        return run_segment(segments[0][2], x_BLD, stacked, layer_xs, rows_of)
+      # A mixed stack (Qwen2 with max_window_layers < num_layers, Gemma's interleaved local
+      # and global layers): one scan per segment over its slice of the stacked weights (and
+      # cache); the auxes are joined back.
       auxes = []
-      for start, stop, window in groups:
+      for start, stop, pattern in segments:
         part = lambda tree, a=start, b=stop: jax.tree.map(lambda t: t[a:b], tree)
-        x_BLD, aux = run_group(make_layer(window), x_BLD, part(stacked), part(layer_xs),
-                               rows_of(window))
+        x_BLD, aux = run_segment(pattern, x_BLD, part(stacked), part(layer_xs), rows_of)
         auxes.append(aux)
       return x_BLD, jax.tree.map(lambda *a: jnp.concatenate(a), *auxes)
 

@@ -31,7 +31,7 @@ GEMMA_CASES = {
     # Alternating windows of 8 (layers 0, 2), attention soft-cap 5, final soft-cap 3,
     # query_pre_attn_scalar 24 != head_dim 16.
     "gemma2": dict(attn_logit_softcapping=5.0, final_logit_softcapping=3.0),
-    # 2 local : 1 global (sliding_window_pattern 3), the local layers' own RoPE base (1e4)
+    # 7 layers of 2 local : 1 global (sliding_window_pattern 3), the local layers' own RoPE base (1e4)
     # against the global layers' 1e6 with linear scaling x4, q/k norms, final soft-cap 3.
     "gemma3": dict(sliding_window_pattern=3, final_logit_softcapping=3.0, rope_parameters={
         "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6},
@@ -43,7 +43,8 @@ def hf_gemma_model(family: str, path: str, seed: int = 0):
   """A random ``Gemma2ForCausalLM`` / ``Gemma3ForCausalLM`` of :data:`GEMMA_CASES` saved at
   ``path`` (norm weights perturbed off 0, so a lost ``1 + w`` shows)."""
   torch.manual_seed(seed)
-  kwargs = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+  kwargs = dict(vocab_size=256, hidden_size=64, intermediate_size=128,
+                num_hidden_layers=4 if family == "gemma2" else 7,
                 num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                 max_position_embeddings=128, initializer_range=0.1, sliding_window=8,
                 query_pre_attn_scalar=24, **GEMMA_CASES[family])
@@ -76,10 +77,13 @@ def test_gemma_fields(gemmas):
   assert (g2.query_pre_attn_scalar, g2.attn_logits_soft_cap, g2.final_logits_soft_cap) == (
       24.0, 5.0, 3.0)
   assert g2.layer_windows == (8, None, 8, None) and g2.rope_local_theta is None
+  # One scan over two repetitions of (local, global), not one scan per layer.
+  assert g2.layer_segments == ((0, 4, (8, None)),)
   g3 = convert_hf.load_hf_config(gemmas["gemma3"][1])
   assert (g3.family, g3.qk_norm, g3.attn_logits_soft_cap, g3.final_logits_soft_cap) == (
       "gemma3", True, None, 3.0)
-  assert g3.layer_windows == (8, 8, None, 8) and len(g3.layer_groups) == 3
+  assert g3.layer_windows == (8, 8, None, 8, 8, None, 8) and len(g3.layer_groups) == 5
+  assert g3.layer_segments == ((0, 6, (8, 8, None)), (6, 7, (8,)))
   assert (g3.rope_theta, g3.rope_local_theta) == (1e6, 1e4)
   assert g3.rope_scaling == {"rope_type": "linear", "factor": 4.0}
   # transformers' model has the same per-layer windows.
@@ -88,22 +92,23 @@ def test_gemma_fields(gemmas):
       w is not None for w in g3.layer_windows]
 
 
-@pytest.mark.parametrize("family,attention,layout", [
-    ("gemma2", "dense", "contiguous"),
-    ("gemma2", "ring", "zigzag"),
-    ("gemma3", "dense", "contiguous"),
-    ("gemma3", "ring", "contiguous"),
+@pytest.mark.parametrize("family,attention,layout,scan", [
+    ("gemma2", "dense", "contiguous", True),
+    ("gemma2", "ring", "zigzag", True),
+    ("gemma3", "dense", "contiguous", False),
+    ("gemma3", "ring", "contiguous", True),
 ])
-def test_gemma_logits_match_transformers(gemmas, family, attention, layout):
+def test_gemma_logits_match_transformers(gemmas, family, attention, layout, scan):
   """float32 logits of a 64-token batch equal transformers' (rtol/atol 1e-4): dense on one
-  device, or ring attention (windows on the ring's local window) with the weights loaded
-  straight into a data=2 x sequence=4 mesh's shardings."""
+  device (the layers scanned by pattern, or a Python loop), or ring attention (windows on the
+  ring's local window) with the weights loaded straight into a data=2 x sequence=4 mesh's
+  shardings."""
   model, path = gemmas[family]
   tokens_BL = np.random.default_rng(1).integers(0, 256, size=(2, 64))
   expected = _hf_logits(model, tokens_BL)
   assert np.abs(expected).max() > 1.0
   if attention == "dense":
-    cfg = convert_hf.load_hf_config(path, attention="dense")
+    cfg = convert_hf.load_hf_config(path, attention="dense", scan_layers=scan)
     ours = convert_hf.load_hf_checkpoint(path, cfg)
     got = np.asarray(jax.jit(lambda m, t, p: m(t, p))(ours, tokens_BL, np.arange(64)))
   else:
@@ -143,6 +148,36 @@ def test_each_gemma_feature_matters(gemmas, family, change):
   graphdef = nnx.graphdef(nnx.eval_shape(lambda: Llama(wrong, rngs=nnx.Rngs(0))))
   got = np.asarray(nnx.merge(graphdef, params)(tokens_BL, np.arange(64)))
   assert np.abs(got - _hf_logits(model, tokens_BL)).max() > 1e-2
+
+
+def test_interleaved_stack_scans_by_pattern():
+  """Gemma 3's 5 local : 1 global over 14 layers scans a 6-layer pattern twice, then a run of 2:
+  logits and gradients equal the Python loop over the layers, and under full remat."""
+  from flax import nnx
+
+  from model_utils import random_params
+  from models.llama import Llama
+
+  types = tuple("full_attention" if (i + 1) % 6 == 0 else "sliding_attention"
+                for i in range(14))
+  cfg = LlamaConfig(vocab_size=64, dim=32, num_layers=14, num_heads=4, num_kv_heads=2,
+                    mlp_dim=64, attention="dense", sliding_window=4, layer_types=types,
+                    rope_local_theta=1e4, rope_theta=1e6, init_std=0.3)
+  assert cfg.layer_segments == ((0, 12, (4,) * 5 + (None,)), (12, 14, (4,)))
+  params = random_params(cfg)
+  tokens = np.random.default_rng(0).integers(0, 64, size=(2, 16))
+
+  def loss_and_grads(c):
+    graphdef = nnx.graphdef(nnx.eval_shape(lambda: Llama(c, rngs=nnx.Rngs(0))))
+    loss = lambda p: jnp.sum(nnx.merge(graphdef, p)(tokens, np.arange(16)) ** 2)
+    return jax.jit(jax.value_and_grad(loss))(params)
+
+  import jax.numpy as jnp
+  want = loss_and_grads(dataclasses.replace(cfg, scan_layers=False))
+  for variant in (cfg, dataclasses.replace(cfg, remat_policy="full")):
+    got = loss_and_grads(variant)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+      np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("family", ["gemma2", "gemma3"])

@@ -227,20 +227,21 @@ def test_decode_sinks_and_soft_cap_equal_the_reference():
 
 def test_model_with_sinks_decodes_as_it_recomputes():
   """A model with every score option (sinks of up to |4|, soft-cap, query_pre_attn_scalar,
-  a 16-token window on every other layer) prefills with ring attention on data=2 x
+  a 16-token window on every other layer of 4, scanned as one pattern) prefills with ring attention on data=2 x
   sequence=4, decodes from the sharded KV cache, and its greedy tokens equal the dense
   full recompute at every step."""
   from models import inference
   from test_inference import _dense_greedy
   from tests import model_utils
 
-  cfg = LlamaConfig(vocab_size=64, dim=64, num_layers=2, num_heads=4, num_kv_heads=2,
+  cfg = LlamaConfig(vocab_size=64, dim=64, num_layers=4, num_heads=4, num_kv_heads=2,
                     mlp_dim=128, init_std=0.3, attn_sinks=True, attn_logits_soft_cap=8.0,
                     query_pre_attn_scalar=24.0, sliding_window=16,
-                    layer_types=("sliding_attention", "full_attention"), layout="zigzag")
+                    layer_types=("sliding_attention", "full_attention") * 2, layout="zigzag")
+  assert cfg.layer_segments == ((0, 4, (16, None)),)  # the cache folds into the pattern scan
   params = model_utils.random_params(cfg, seed=3)
   sinks = params["layers"]["attn"]["sinks"]
-  sinks.set_value(jnp.asarray([[-4.0, -1.0, 1.0, 4.0], [3.0, -3.0, 0.0, 2.0]]))
+  sinks.set_value(jnp.asarray([[-4.0, -1.0, 1.0, 4.0], [3.0, -3.0, 0.0, 2.0]] * 2))
   rng = np.random.default_rng(5)
   prompts = [rng.integers(3, 64, 21).tolist(), rng.integers(3, 64, 9).tolist()]
   want = _dense_greedy(cfg, params, prompts, 24)
