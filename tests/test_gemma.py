@@ -297,3 +297,16 @@ def test_gemma_finetune_export_generate(tmp_path, family):
                            max_new_tokens=12, temperature=0.0, top_p=1.0, seed=0,
                            tokenizer="ids", out=io.StringIO(), log=lambda _: None)
   assert [int(t) for t in texts_out[0].split()] == _hf_greedy(reloaded, prompt, 12)
+
+
+@pytest.mark.parametrize("fields,match", [
+    (dict(mlp_activation="relu"), "mlp_activation must be one of"),
+    (dict(query_pre_attn_scalar=0.0), "query_pre_attn_scalar must be None or a finite"),
+    (dict(rope_local_theta=float("inf")), "rope_local_theta must be None or a finite"),
+    (dict(attn_logits_soft_cap=-1.0), "attn_logits_soft_cap must be None"),
+    (dict(final_logits_soft_cap=float("nan")), "final_logits_soft_cap must be None"),
+    (dict(attn_sinks=True, attention="ulysses"), "attn_sinks runs with attention='ring'"),
+])
+def test_bad_gemma_fields_are_one_error(fields, match):
+  with pytest.raises(ValueError, match=match):
+    LlamaConfig(**fields)

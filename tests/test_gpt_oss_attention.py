@@ -69,12 +69,12 @@ def _hf_forward_and_grads(torch, config, module, rotary, x_BLD, g_BLD):
   return (out.detach().numpy(), x.grad.numpy(), module.sinks.grad.numpy().copy())
 
 
-def _ours(module, window):
+def _ours(module, window, attention="ring"):
   """Our attention layer (``attn_sinks``, ``qkv_bias``, GPT-OSS's YaRN) holding
   ``module``'s weights."""
   cfg = LlamaConfig(dim=64, num_heads=4, num_kv_heads=2, head_dim=16, qkv_bias=True,
                     attn_sinks=True, rope_theta=150000.0, rope_scaling=GPT_OSS_ROPE,
-                    attention="ring", layout="zigzag", block_q=16, block_kv=16)
+                    attention=attention, layout="zigzag", block_q=16, block_kv=16)
   attn = Attention(cfg, rngs=nnx.Rngs(0))
   w = lambda p: np.asarray(p.detach().numpy(), np.float32)
   d, n, k, h = 64, 4, 2, 16
@@ -117,11 +117,17 @@ def _ours_forward_and_grads(cfg, attn, window, x_BLD, g_BLD, mesh):
   return back(out), back(dx), np.asarray(d_state["sinks"][...])
 
 
-@pytest.mark.parametrize("layer_idx", [0, 1], ids=["sliding128", "full"])
-def test_gpt_oss_attention_layer_matches_transformers(layer_idx):
+@pytest.mark.parametrize("layer_idx,attention,mesh_shape", [
+    (0, "ring", dict(data=2, sequence=4, tensor=1)),
+    (1, "ring", dict(data=2, sequence=4, tensor=1)),
+    (0, "ring", dict(data=2, sequence=2, tensor=2)),  # sinks split with their heads
+    (0, "dense", dict(data=2, sequence=2, tensor=2)),
+], ids=["sliding128-ring4", "full-ring4", "sliding128-ring2-tensor2", "sliding128-dense"])
+def test_gpt_oss_attention_layer_matches_transformers(layer_idx, attention, mesh_shape):
   """Our attention layer with GPT-OSS's sinks (and, on layer 0, its 128-token window) equals
   transformers' GptOssAttention on a 256-token batch: output, d input and d sinks (float32,
-  rtol/atol 1e-4), the ring running over a data=2 x sequence=4 mesh in zigzag order."""
+  rtol/atol 1e-4), the ring running over the mesh's sequence axis in zigzag order (or the
+  dense backend), heads split over tensor where it is 2."""
   torch, config, module, rotary = _hf_attention(layer_idx)
   window = module.sliding_window
   assert window == (WINDOW if layer_idx == 0 else None)
@@ -130,8 +136,8 @@ def test_gpt_oss_attention_layer_matches_transformers(layer_idx):
   g_BLD = rng.normal(size=(2, LENGTH, 64)).astype(np.float32)
   want_out, want_dx, want_dsinks = _hf_forward_and_grads(torch, config, module, rotary,
                                                          x_BLD, g_BLD)
-  cfg, attn = _ours(module, window)
-  mesh = mesh_lib.make_mesh(dict(data=2, sequence=4, tensor=1))
+  cfg, attn = _ours(module, window, attention)
+  mesh = mesh_lib.make_mesh(mesh_shape)
   out, dx, dsinks = _ours_forward_and_grads(cfg, attn, window, x_BLD, g_BLD, mesh)
   np.testing.assert_allclose(out, want_out, rtol=1e-4, atol=1e-4)
   np.testing.assert_allclose(dx, want_dx, rtol=1e-4, atol=1e-4)
