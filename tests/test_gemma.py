@@ -151,19 +151,24 @@ def test_each_gemma_feature_matters(gemmas, family, change):
 
 
 def test_interleaved_stack_scans_by_pattern():
-  """Gemma 3's 5 local : 1 global over 14 layers scans a 6-layer pattern twice, then a run of 2:
-  logits and gradients equal the Python loop over the layers, and under full remat."""
+  """An interleaved stack of 7 layers, 2 local : 1 global (Gemma 3's pattern with
+  ``sliding_window_pattern=3``), scans a 3-layer pattern twice, then a run of 1: logits and
+  gradients equal the Python loop over the layers, and under full remat."""
   from flax import nnx
 
   from model_utils import random_params
   from models.llama import Llama
 
-  types = tuple("full_attention" if (i + 1) % 6 == 0 else "sliding_attention"
-                for i in range(14))
-  cfg = LlamaConfig(vocab_size=64, dim=32, num_layers=14, num_heads=4, num_kv_heads=2,
+  types = tuple("full_attention" if (i + 1) % 3 == 0 else "sliding_attention"
+                for i in range(7))
+  cfg = LlamaConfig(vocab_size=64, dim=32, num_layers=7, num_heads=4, num_kv_heads=2,
                     mlp_dim=64, attention="dense", sliding_window=4, layer_types=types,
                     rope_local_theta=1e4, rope_theta=1e6, init_std=0.3)
-  assert cfg.layer_segments == ((0, 12, (4,) * 5 + (None,)), (12, 14, (4,)))
+  assert cfg.layer_segments == ((0, 6, (4, 4, None)), (6, 7, (4,)))
+  # Gemma 3's own 5 : 1 over 26 layers (its 1B): four 6-layer patterns and a run of 2.
+  gemma3_1b = LlamaConfig(num_layers=26, sliding_window=512, layer_types=tuple(
+      "full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(26)))
+  assert gemma3_1b.layer_segments == ((0, 24, (512,) * 5 + (None,)), (24, 26, (512,)))
   params = random_params(cfg)
   tokens = np.random.default_rng(0).integers(0, 64, size=(2, 16))
 
