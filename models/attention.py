@@ -15,8 +15,10 @@ padding). ``cfg`` is the :class:`models.llama.LlamaConfig` (``layout``,
 with one more keyword, ``local_window_size=(w - 1, 0)`` (``ring_jax``'s
 meaning, keys in ``[p - left, p + right]``; :func:`ring_window` converts
 Hugging Face's ``sliding_window`` ``w``); the built-in backends take it, a
-registered one without that keyword serves windowless models only. The mesh is the context mesh (``jax.set_mesh``),
-or none.
+registered one without that keyword serves windowless models only. Likewise a model
+with a query scale, a logit soft-cap or attention sinks (Gemma, GPT-OSS) passes
+``scale=``, ``logits_soft_cap=`` and ``sinks=`` (:func:`score_options`), each only when
+set. The mesh is the context mesh (``jax.set_mesh``), or none.
 
 The registered backends: ``"ring"``, ``"all_gather"``, ``"ulysses"``,
 ``"hybrid"`` and ``"auto"``, each :func:`ring_jax.attention_sharded` with that
