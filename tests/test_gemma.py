@@ -315,3 +315,24 @@ def test_gemma_finetune_export_generate(tmp_path, family):
 def test_bad_gemma_fields_are_one_error(fields, match):
   with pytest.raises(ValueError, match=match):
     LlamaConfig(**fields)
+
+
+def test_run_saved_before_the_gemma_fields_exports(tmp_path):
+  """A train.py run whose saved config.json predates the Gemma fields (and whose
+  init.hf_dir is gone) still reads: the missing fields take LlamaConfig's defaults
+  instead of sending export_hf.py back to the source directory."""
+  from configs import tiny
+  from training import validation as val_lib
+
+  config = tiny.get_config()
+  saved = config.to_dict()
+  saved["init"]["hf_dir"] = str(tmp_path / "gone")
+  saved["model"]["layout"] = "zigzag"
+  for name in ("mlp_activation", "norm_unit_offset", "post_norms", "scale_embeddings",
+               "query_pre_attn_scalar", "attn_logits_soft_cap", "final_logits_soft_cap",
+               "rope_local_theta", "attn_sinks"):
+    saved["model"].pop(name, None)
+  (tmp_path / "config.json").write_text(json.dumps(saved))
+  model_cfg = val_lib.llama_config(export_hf.read_run_config(str(tmp_path)))
+  assert (model_cfg.mlp_activation, model_cfg.post_norms, model_cfg.family) == (
+      "silu", False, "llama")
