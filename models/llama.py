@@ -262,17 +262,13 @@ class LlamaConfig:
     if self.mlp_activation not in MLP_ACTIVATIONS:
       raise ValueError(f"mlp_activation must be one of {MLP_ACTIVATIONS}, got "
                        f"{self.mlp_activation!r}.")
-    for name in ("query_pre_attn_scalar", "rope_local_theta"):
+    for name in ("query_pre_attn_scalar", "rope_local_theta", "attn_logits_soft_cap",
+                 "final_logits_soft_cap"):
       value = getattr(self, name)
       if value is not None and not (isinstance(value, (int, float, np.number))
                                     and math.isfinite(value) and value > 0):
-        raise ValueError(f"{name} must be None or a finite number > 0, got {value!r}.")
-    for name in ("attn_logits_soft_cap", "final_logits_soft_cap"):
-      value = getattr(self, name)
-      if value is not None and not (isinstance(value, (int, float, np.number))
-                                    and math.isfinite(value) and value > 0):
-        raise ValueError(f"{name} must be None (no cap) or a finite number > 0 (c in "
-                         f"c * tanh(x / c)), got {value!r}.")
+        cap = " (no cap)" if name.endswith("soft_cap") else ""
+        raise ValueError(f"{name} must be None{cap} or a finite number > 0, got {value!r}.")
     window = self.sliding_window
     if window is not None and (not isinstance(window, (int, np.integer)) or window < 1):
       raise ValueError(f"sliding_window must be None or a positive int, got {window!r}.")
