@@ -951,7 +951,7 @@ class Llama(nnx.Module):
       # Vocabulary-parallel lookup (partial sums over the tensor peers), reduce-scattered into
       # the residual stream's split (looked up straight into it, GSPMD gathered the table).
       x_BLD = shd.logical_take(_weight(self.embed, cfg), tokens_BL, ("batch", "length", "embed"))
-      if cfg.scale_embeddings:  # Gemma: sqrt(dim), rounded to the compute dtype as transformers
+      if cfg.scale_embeddings:  # Gemma: sqrt(dim), rounded to the compute dtype
         x_BLD = x_BLD * jnp.asarray(math.sqrt(cfg.dim), cfg.compute_dtype)
       x_BLD = shd.with_logical_constraint(x_BLD, ("batch", "residual_length", "embed"))
     inv_freq_K = rope_inv_freq(cfg, tokens_BL.shape[1] if rope_length is None else rope_length)
