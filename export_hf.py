@@ -83,8 +83,10 @@ def read_run_config(workdir: str) -> ml_collections.ConfigDict:
     raise UsageError(f"{workdir} has no config.json; pass the --workdir of a train.py run.")
   with open(path) as f:
     config = ml_collections.ConfigDict(json.load(f))
-  if any(config.model.get(name) is None for name in convert_hf.HF_SHAPE_FIELDS
-         if name != "head_dim"):  # saved unresolved: fill them from init.hf_dir
+  # Saved unresolved (a field present and None): fill them from init.hf_dir. A field the
+  # saved config lacks (a run saved before the field existed) keeps LlamaConfig's default.
+  if any(name in config.model and config.model[name] is None
+         for name in convert_hf.HF_SHAPE_FIELDS if name != "head_dim"):
     config = hf_init_lib.resolve_hf_init(config)
   return config
 

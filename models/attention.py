@@ -15,8 +15,10 @@ padding). ``cfg`` is the :class:`models.llama.LlamaConfig` (``layout``,
 with one more keyword, ``local_window_size=(w - 1, 0)`` (``ring_jax``'s
 meaning, keys in ``[p - left, p + right]``; :func:`ring_window` converts
 Hugging Face's ``sliding_window`` ``w``); the built-in backends take it, a
-registered one without that keyword serves windowless models only. The mesh is the context mesh (``jax.set_mesh``),
-or none.
+registered one without that keyword serves windowless models only. Likewise a model
+with a query scale, a logit soft-cap or attention sinks (Gemma, GPT-OSS) passes
+``scale=``, ``logits_soft_cap=`` and ``sinks=`` (:func:`score_options`), each only when
+set. The mesh is the context mesh (``jax.set_mesh``), or none.
 
 The registered backends: ``"ring"``, ``"all_gather"``, ``"ulysses"``,
 ``"hybrid"`` and ``"auto"``, each :func:`ring_jax.attention_sharded` with that
@@ -83,11 +85,31 @@ def ring_window(sliding_window: int | None) -> tuple[int, int] | None:
   return (int(sliding_window) - 1, 0)
 
 
-def attention(cfg, q_BLNH, k_BLKH, v_BLKH, positions_BL, segment_ids_BL, window=None):
+def score_options(cfg, sinks=None) -> dict[str, Any]:
+  """The keywords beyond the contract that ``cfg``'s attention passes its backend: ``scale``
+  (``query_pre_attn_scalar ** -0.5``, Gemma), ``logits_soft_cap`` (``attn_logits_soft_cap``,
+  Gemma 2) and ``sinks`` (the layer's ``[N]`` sink logits, GPT-OSS), each only when set, so a
+  registered backend without them serves the models that do not use them."""
+  extra: dict[str, Any] = {}
+  if cfg.query_pre_attn_scalar is not None:
+    extra["scale"] = float(cfg.query_pre_attn_scalar) ** -0.5
+  if cfg.attn_logits_soft_cap is not None:
+    extra["logits_soft_cap"] = float(cfg.attn_logits_soft_cap)
+  if sinks is not None:
+    extra["sinks"] = sinks
+  return extra
+
+
+def attention(cfg, q_BLNH, k_BLKH, v_BLKH, positions_BL, segment_ids_BL, window=None,
+              sinks=None):
   """Runs the backend ``cfg.attention`` names (see the module docstring for the contract);
-  ``window``: the layer's Hugging Face ``sliding_window`` (None: full causal attention)."""
+  ``window``: the layer's Hugging Face ``sliding_window`` (None: full causal attention);
+  ``sinks``: the layer's ``[N]`` sink logits (``cfg.attn_sinks``), or None. The score
+  options of ``cfg`` (:func:`score_options`) go to the backend as keywords."""
   check_backend(cfg.attention)
-  extra = {} if window is None else {"local_window_size": ring_window(window)}
+  extra = score_options(cfg, sinks)
+  if window is not None:
+    extra["local_window_size"] = ring_window(window)
   with jax.named_scope(cfg.attention):
     return ATTENTION_BACKENDS[cfg.attention](cfg, q_BLNH, k_BLKH, v_BLKH, positions_BL,
                                              segment_ids_BL, **extra)
@@ -194,7 +216,9 @@ def plan_attention(cfg, mesh, batch: int, seq_len: int):
       batch=batch, seq_len=seq_len, heads=cfg.num_heads, kv_heads=cfg.num_kv_heads,
       head_dim=cfg.resolved_head_dim, dtype=cfg.dtype, is_causal=True, layout=cfg.layout,
       sequence=tuple(mesh.shape[a] for a in seq_axis) if pair else mesh.shape[seq_axis],
-      strategies=[s for s in AUTO_CANDIDATES if not pair or s in PAIR_BACKENDS],
+      # Sinks merge with the ring's log-sum-exp: the ring strategy only.
+      strategies=[s for s in AUTO_CANDIDATES if (not pair or s in PAIR_BACKENDS)
+                  and (not cfg.attn_sinks or s == "ring")],
       tensor=mesh.shape[head_axis] if head_axis else 1,
       data=mesh.shape[batch_axis] if batch_axis else 1, device=device,
       causal_routing=cfg.causal_routing)
@@ -238,12 +262,13 @@ def _sharded_strategy(strategy: str) -> AttentionBackend:
   """The backend running ``ring_jax.attention_sharded(..., strategy=strategy)``."""
 
   def backend(cfg, q_BLNH, k_BLKH, v_BLKH, positions_BL, segment_ids_BL,
-              local_window_size=None):
+              local_window_size=None, scale=None, logits_soft_cap=None, sinks=None):
     mesh = shd.current_mesh()
     seq_axis = sequence_axis(mesh)
     if seq_axis is None:  # no ring to run on: the same values, densely
       return dense(cfg, q_BLNH, k_BLKH, v_BLKH, positions_BL, segment_ids_BL,
-                   local_window_size=local_window_size)
+                   local_window_size=local_window_size, scale=scale,
+                   logits_soft_cap=logits_soft_cap, sinks=sinks)
     name = strategy
     if name == "auto":
       name = plan_attention(cfg, mesh, q_BLNH.shape[0], q_BLNH.shape[1]).strategy
@@ -261,7 +286,8 @@ def _sharded_strategy(strategy: str) -> AttentionBackend:
         batch_axis=batch_axis, head_axis=head_axis, is_causal=True, segment_ids=segment_ids_BL,
         layout=cfg.layout, inputs_in_layout=True, block_q=cfg.block_q, block_kv=cfg.block_kv,
         hop_kernel=cfg.hop_kernel, causal_routing=cfg.causal_routing,
-        local_window_size=local_window_size)
+        local_window_size=local_window_size, scale=scale, logits_soft_cap=logits_soft_cap,
+        sinks=sinks)
 
   backend.__name__ = strategy
   backend.__qualname__ = strategy
@@ -276,19 +302,22 @@ def _sharded_strategy(strategy: str) -> AttentionBackend:
   return backend
 
 
-def dense(cfg, q_BLNH, k_BLKH, v_BLKH, positions_BL, segment_ids_BL, local_window_size=None):
+def dense(cfg, q_BLNH, k_BLKH, v_BLKH, positions_BL, segment_ids_BL, local_window_size=None,
+          scale=None, logits_soft_cap=None, sinks=None):
   """:func:`ring_jax.reference_attention`, causal over ``positions`` (so any layout order),
-  within ``local_window_size`` if given.
+  within ``local_window_size`` if given, with the ``scale``, ``logits_soft_cap`` and
+  ``sinks`` given (:func:`score_options`).
 
   On a mesh it runs under ``shard_map`` per (batch, head) shard with the
   whole sequence gathered: a reference, not a long-context path.
   """
   del cfg  # Masks come from the positions: the layout order needs no special case.
 
-  def local(q, k, v, pos, seg):
+  def local(q, k, v, pos, seg, sinks=sinks):
     return ring_jax.reference_attention(q, k, v, is_causal=True, segment_ids=seg,
                                         q_positions=pos, kv_positions=pos,
-                                        local_window_size=local_window_size)
+                                        local_window_size=local_window_size, scale=scale,
+                                        logits_soft_cap=logits_soft_cap, sinks=sinks)
 
   mesh = shd.current_mesh()
   if mesh is None:
@@ -307,15 +336,24 @@ def dense(cfg, q_BLNH, k_BLKH, v_BLKH, positions_BL, segment_ids_BL, local_windo
   k = shd.with_logical_constraint(k_BLKH, kv_names)
   v = shd.with_logical_constraint(v_BLKH, kv_names)
   pos = shd.with_logical_constraint(positions_BL, ("batch", None))
-  if segment_ids_BL is None:
-    fn = jax.shard_map(lambda q, k, v, p: local(q, k, v, p, None), mesh=mesh,
-                       in_specs=(q_spec, kv_spec, kv_spec, row_spec), out_specs=q_spec)
-    out = fn(q, k, v, pos)
-  else:
-    seg = shd.with_logical_constraint(segment_ids_BL, ("batch", None))
-    fn = jax.shard_map(local, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec, row_spec, row_spec),
-                       out_specs=q_spec)
-    out = fn(q, k, v, pos, seg)
+  # Optional operands travel as shard_map arguments (sinks split with their query heads).
+  extra, extra_specs = [], []
+  if segment_ids_BL is not None:
+    extra.append(shd.with_logical_constraint(segment_ids_BL, ("batch", None)))
+    extra_specs.append(row_spec)
+  if sinks is not None:
+    extra.append(sinks)
+    extra_specs.append(jax.sharding.PartitionSpec(q_spec[2]))
+
+  def shard(q, k, v, p, *rest):
+    rest = list(rest)
+    seg = rest.pop(0) if segment_ids_BL is not None else None
+    return local(q, k, v, p, seg, sinks=rest.pop(0) if sinks is not None else None)
+
+  fn = jax.shard_map(shard, mesh=mesh,
+                     in_specs=(q_spec, kv_spec, kv_spec, row_spec, *extra_specs),
+                     out_specs=q_spec)
+  out = fn(q, k, v, pos, *extra)
   return shd.with_logical_constraint(out, ("batch", "length", "heads", "head_dim"))
 
 

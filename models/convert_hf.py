@@ -1,7 +1,7 @@
-"""Hugging Face LLaMA, Mistral, Qwen2/2.5 and Qwen3 checkpoints <-> :class:`models.llama.Llama`,
-local directories only.
+"""Hugging Face LLaMA, Mistral, Qwen2/2.5, Qwen3, Gemma 2 and Gemma 3 (text) checkpoints <->
+:class:`models.llama.Llama`, local directories only.
 
-The four families are one model with a few fields (:class:`models.llama.LlamaConfig`):
+The six families are one model with a few fields (:class:`models.llama.LlamaConfig`):
 ``config.json``'s ``model_type`` (and ``architectures``, when present) picks the
 family in :data:`FAMILIES`, which says how its fields map:
 
@@ -12,6 +12,19 @@ family in :data:`FAMILIES`, which says how its fields map:
   as transformers does: with ``use_sliding_window``, layers ``i >= max_window_layers``).
 * ``qwen3`` (``Qwen3ForCausalLM``): RMSNorm on q and k per head (``qk_norm``),
   ``head_dim`` independent of ``hidden_size / heads``; windows as qwen2.
+* ``gemma2`` (``Gemma2ForCausalLM``): the Gemma block (``mlp_activation="gelu_tanh"``
+  from ``hidden_activation="gelu_pytorch_tanh"``, ``norm_unit_offset``, ``post_norms``,
+  ``scale_embeddings``), ``query_pre_attn_scalar``, ``attn_logit_softcapping`` ->
+  ``attn_logits_soft_cap``, ``final_logit_softcapping`` -> ``final_logits_soft_cap``,
+  ``sliding_window`` on the ``"sliding_attention"`` layers of ``layer_types``
+  (default: every other layer, starting with the first).
+* ``gemma3`` (``model_type`` ``gemma3_text``, ``Gemma3ForCausalLM``): the Gemma block,
+  q/k norms, ``layer_types`` (default: 5 sliding to 1 full, ``sliding_window_pattern``),
+  the full layers' RoPE (``rope_parameters["full_attention"]`` or ``rope_theta`` +
+  ``rope_scaling``) and the sliding layers' base (``rope_parameters["sliding_attention"]``
+  or ``rope_local_base_freq``) -> ``rope_local_theta``; ``final_logit_softcapping``
+  (transformers' Gemma 3 does not read ``attn_logit_softcapping``; neither does this).
+  The multimodal ``gemma3`` checkpoints (``Gemma3ForConditionalGeneration``) are not read.
 
 RoPE: ``rope_type`` ``default``, ``linear``, ``llama3``, ``yarn`` and ``dynamic``
 (``rope_parameters`` of transformers >= 5 or ``rope_theta`` + ``rope_scaling``).
@@ -45,14 +58,18 @@ HF                                                      ours
 ``model.layers.i.mlp.{gate,up}_proj.weight [F, D]``     ``layers.mlp.w_{gate,up}[i] [D, F]``
 ``model.layers.i.mlp.down_proj.weight [D, F]``          ``layers.mlp.w_down[i] [F, D]``
 ``model.layers.i.input_layernorm.weight``               ``layers.attn_norm.scale[i]``
-``model.layers.i.post_attention_layernorm.weight``      ``layers.mlp_norm.scale[i]``
+``model.layers.i.post_attention_layernorm.weight``      ``layers.mlp_norm.scale[i]`` (not gemma)
+``model.layers.i.post_attention_layernorm.weight``      ``layers.post_attn_norm.scale[i]`` (gemma)
+``model.layers.i.pre_feedforward_layernorm.weight``     ``layers.mlp_norm.scale[i]`` (gemma)
+``model.layers.i.post_feedforward_layernorm.weight``    ``layers.post_mlp_norm.scale[i]`` (gemma)
 ``model.norm.weight``                                   ``final_norm.scale``
 ``lm_head.weight [V, D]``                               ``lm_head [D, V]`` (absent if tied)
 ======================================================  ==============================
 
 Each row is a reshape (splitting an HF axis, e.g. ``N*H -> N, H``) and a
 transpose: exact in both directions, so import -> export reproduces the
-original tensors bit for bit.
+original tensors bit for bit. (Gemma's norm weights are ``w`` of ``1 + w`` on both sides:
+``norm_unit_offset`` keeps them as stored.)
 
 No q/k permutation: HF ``LlamaAttention`` applies RoPE with ``rotate_half``
 (first half / second half of each head), which is the convention of
@@ -82,12 +99,16 @@ from models.llama import Llama, LlamaConfig
 HF_FIELDS: tuple[str, ...] = ("vocab_size", "dim", "num_layers", "num_heads", "num_kv_heads",
                               "head_dim", "mlp_dim", "rope_theta", "rope_scaling", "norm_eps",
                               "tie_embeddings", "qkv_bias", "qk_norm", "sliding_window",
-                              "layer_types", "family")
+                              "layer_types", "mlp_activation", "norm_unit_offset", "post_norms",
+                              "scale_embeddings", "query_pre_attn_scalar",
+                              "attn_logits_soft_cap", "final_logits_soft_cap",
+                              "rope_local_theta", "family")
 #: Of those, the ones fixed by the weights (their shapes, which tensors exist, and the
 #: architecture they are exported as): they cannot be overridden.
 HF_SHAPE_FIELDS: tuple[str, ...] = ("vocab_size", "dim", "num_layers", "num_heads",
                                     "num_kv_heads", "head_dim", "mlp_dim", "tie_embeddings",
-                                    "qkv_bias", "qk_norm", "family")
+                                    "qkv_bias", "qk_norm", "mlp_activation", "norm_unit_offset",
+                                    "post_norms", "scale_embeddings", "family")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,15 +119,30 @@ class Family:
   qkv_bias: bool  # q/k/v_proj carry biases (always, for this family)
   qk_norm: bool  # q_norm/k_norm (always, for this family)
   window: str  # "none", "all" (one sliding_window for every layer) or "layer_types"
+  # The Gemma block: GeGLU, (1 + w) norms, post-norms, sqrt(dim) embedding scale,
+  # query_pre_attn_scalar and a final-logit soft-cap.
+  gemma: bool = False
+  attn_soft_cap: bool = False  # reads attn_logit_softcapping (Gemma 2)
+  local_rope: bool = False  # the sliding layers' own RoPE base (Gemma 3)
 
 
-#: ``model_type`` -> :class:`Family`: the families import and export cover.
+#: ``LlamaConfig.family`` -> :class:`Family`: the families import and export cover.
 FAMILIES: dict[str, Family] = {
     "llama": Family("llama", "LlamaForCausalLM", False, False, "none"),
     "mistral": Family("mistral", "MistralForCausalLM", False, False, "all"),
     "qwen2": Family("qwen2", "Qwen2ForCausalLM", True, False, "layer_types"),
     "qwen3": Family("qwen3", "Qwen3ForCausalLM", False, True, "layer_types"),
+    "gemma2": Family("gemma2", "Gemma2ForCausalLM", False, False, "layer_types", gemma=True,
+                     attn_soft_cap=True),
+    "gemma3": Family("gemma3_text", "Gemma3ForCausalLM", False, True, "layer_types",
+                     gemma=True, local_rope=True),
 }
+
+#: ``config.json``'s ``model_type`` -> the family name (its key in :data:`FAMILIES`).
+MODEL_TYPES: dict[str, str] = {f.model_type: name for name, f in FAMILIES.items()}
+
+#: Gemma's ``hidden_activation`` (transformers' name of the tanh-approximated GELU).
+GEMMA_ACTIVATION = "gelu_pytorch_tanh"
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -158,10 +194,12 @@ def _rope_fields(hf: Mapping[str, Any], where: str) -> tuple[float, dict | None]
 
 def _family(hf: Mapping[str, Any], where: str) -> Family:
   model_type = hf.get("model_type", "llama")
-  if model_type not in FAMILIES:
-    raise ValueError(f"{where}: model_type {model_type!r} is not supported (supported: "
-                     f"{', '.join(FAMILIES)}).")
-  family = FAMILIES[model_type]
+  if model_type not in MODEL_TYPES:
+    hint = (" (the multimodal Gemma 3; its text model is model_type 'gemma3_text', "
+            "Gemma3ForCausalLM)" if model_type == "gemma3" else "")
+    raise ValueError(f"{where}: model_type {model_type!r} is not supported{hint} (supported: "
+                     f"{', '.join(MODEL_TYPES)}).")
+  family = FAMILIES[MODEL_TYPES[model_type]]
   for arch in hf.get("architectures") or []:
     if arch != family.architecture:
       raise ValueError(f"{where}: architecture {arch!r} is not supported for model_type "
@@ -186,6 +224,8 @@ def hf_model_fields(path: str) -> dict[str, Any]:
   if hf.get("attention_bias") and family.model_type != "qwen2":
     raise ValueError(f"{path}: attention_bias=True is not supported for {family.model_type!r} "
                      "(it biases o_proj too; only qwen2's q/k/v biases are).")
+  if family.gemma:
+    return _gemma_fields(hf, family, path)
   act = hf.get("hidden_act", hf.get("hidden_activation", "silu"))
   if act != "silu":
     raise ValueError(f"{path}: hidden_act {act!r} is not supported (only 'silu', SwiGLU).")
@@ -223,7 +263,100 @@ def hf_model_fields(path: str) -> dict[str, Any]:
       qk_norm=family.qk_norm,
       sliding_window=None if window is None else int(window),
       layer_types=layer_types,
+      mlp_activation="silu",
+      norm_unit_offset=False,
+      post_norms=False,
+      scale_embeddings=False,
+      query_pre_attn_scalar=None,
+      attn_logits_soft_cap=None,
+      final_logits_soft_cap=None,
+      rope_local_theta=None,
       family=family.model_type,
+  )
+
+
+def _gemma_rope(hf: Mapping[str, Any], family: Family, where: str):
+  """``(rope_theta, rope_scaling, rope_local_theta)`` of a Gemma config.json.
+
+  Gemma 2: one RoPE (:func:`_rope_fields`). Gemma 3: ``rope_parameters`` per layer type
+  (transformers >= 5: ``{"full_attention": {...}, "sliding_attention": {...}}``) or
+  ``rope_theta`` + ``rope_scaling`` (the full layers) and ``rope_local_base_freq`` (the
+  sliding layers' base); defaults 1e6 and 1e4 as ``Gemma3TextConfig``.
+  """
+  if not family.local_rope:
+    rope_theta, rope_scaling = _rope_fields(hf, where)
+    return rope_theta, rope_scaling, None
+  params = hf.get("rope_parameters") or {}
+  if "full_attention" in params or "sliding_attention" in params:
+    full = dict(params.get("full_attention") or {})
+    local = dict(params.get("sliding_attention") or {})
+  else:
+    full = dict(hf.get("rope_scaling") or {})
+    if hf.get("rope_theta") is not None:
+      full["rope_theta"] = hf["rope_theta"]
+    local = {"rope_type": "default"}
+    if hf.get("rope_local_base_freq") is not None:
+      local["rope_theta"] = hf["rope_local_base_freq"]
+  local_type = local.get("rope_type", local.get("type", "default"))
+  if local_type != "default":
+    raise ValueError(f"{where}: the sliding layers' rope_type {local_type!r} is not supported "
+                     "(the sliding layers take the default RoPE with their own base).")
+  full.setdefault("rope_theta", 1_000_000.0)
+  rope_theta, rope_scaling = _rope_fields(
+      {**hf, "rope_parameters": full, "rope_scaling": None}, where)
+  return rope_theta, rope_scaling, float(local.get("rope_theta", 10_000.0))
+
+
+def _gemma_fields(hf: Mapping[str, Any], family: Family, where: str) -> dict[str, Any]:
+  """:func:`hf_model_fields` of a Gemma 2 / Gemma 3 text config.json (the module docstring;
+  defaults as transformers' ``Gemma2Config`` / ``Gemma3TextConfig``)."""
+  act = hf.get("hidden_activation") or GEMMA_ACTIVATION
+  if act != GEMMA_ACTIVATION:
+    raise ValueError(f"{where}: hidden_activation {act!r} is not supported (only "
+                     f"{GEMMA_ACTIVATION!r}, GeGLU with the tanh GELU).")
+  if hf.get("use_bidirectional_attention"):
+    raise ValueError(f"{where}: use_bidirectional_attention=True is not supported (causal "
+                     "attention only).")
+  rope_theta, rope_scaling, rope_local_theta = _gemma_rope(hf, family, where)
+  n = hf["num_hidden_layers"]
+  num_heads = hf["num_attention_heads"]
+  # Gemma2Config / Gemma3TextConfig.__post_init__: sliding unless (i + 1) % pattern == 0.
+  pattern = 2 if family.model_type == "gemma2" else int(hf.get("sliding_window_pattern") or 6)
+  types = tuple(hf.get("layer_types") or [
+      "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n)])
+  window = hf.get("sliding_window", 4096)
+  if window is None or "sliding_attention" not in types:
+    window, types = None, None
+  elif "full_attention" not in types:
+    types = None  # one window on every layer
+  soft_cap = hf.get("attn_logit_softcapping", 50.0) if family.attn_soft_cap else None
+  final_cap = hf.get("final_logit_softcapping", 30.0 if family.attn_soft_cap else None)
+  scalar = hf.get("query_pre_attn_scalar", 256)
+  return dict(
+      vocab_size=hf["vocab_size"],
+      dim=hf["hidden_size"],
+      num_layers=n,
+      num_heads=num_heads,
+      num_kv_heads=hf.get("num_key_value_heads") or num_heads,
+      head_dim=hf.get("head_dim") or hf["hidden_size"] // num_heads,
+      mlp_dim=hf["intermediate_size"],
+      rope_theta=rope_theta,
+      rope_scaling=rope_scaling,
+      norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+      tie_embeddings=bool(hf.get("tie_word_embeddings", True)),
+      qkv_bias=False,
+      qk_norm=family.qk_norm,
+      sliding_window=None if window is None else int(window),
+      layer_types=types,
+      mlp_activation="gelu_tanh",
+      norm_unit_offset=True,
+      post_norms=True,
+      scale_embeddings=True,
+      query_pre_attn_scalar=None if scalar is None else float(scalar),
+      attn_logits_soft_cap=None if soft_cap is None else float(soft_cap),
+      final_logits_soft_cap=None if final_cap is None else float(final_cap),
+      rope_local_theta=rope_local_theta,
+      family=MODEL_TYPES[family.model_type],
   )
 
 
@@ -242,7 +375,32 @@ def check_family(cfg: LlamaConfig) -> Family:
                      f"{cfg.sliding_window} (mistral, qwen2 and qwen3 have one).")
   if cfg.layer_types is not None and family.window != "layer_types":
     raise ValueError(f"family {cfg.family!r} has one window for all layers, but layer_types="
-                     f"{list(cfg.layer_types)} (qwen2 and qwen3 take per-layer types).")
+                     f"{list(cfg.layer_types)} (qwen2 and qwen3 take per-layer types, as do gemma2 "
+                     "and gemma3).")
+  gemma = {"mlp_activation": "gelu_tanh", "norm_unit_offset": True, "post_norms": True,
+           "scale_embeddings": True}
+  for name, value in gemma.items():
+    if (getattr(cfg, name) == value) != family.gemma:
+      raise ValueError(f"family {cfg.family!r} {'has' if family.gemma else 'does not have'} "
+                       f"{name}={value!r}, but the config has {getattr(cfg, name)!r} (gemma2 "
+                       "and gemma3 have the Gemma block).")
+  if cfg.query_pre_attn_scalar is not None and not family.gemma:
+    raise ValueError(f"family {cfg.family!r} has no query_pre_attn_scalar, but the config sets "
+                     f"{cfg.query_pre_attn_scalar} (gemma2 and gemma3 have one).")
+  if cfg.final_logits_soft_cap is not None and not family.gemma:
+    raise ValueError(f"family {cfg.family!r} has no final-logit soft-cap, but "
+                     f"final_logits_soft_cap={cfg.final_logits_soft_cap} (gemma2 and gemma3 "
+                     "have one).")
+  if cfg.attn_logits_soft_cap is not None and not family.attn_soft_cap:
+    raise ValueError(f"family {cfg.family!r} has no attention soft-cap, but "
+                     f"attn_logits_soft_cap={cfg.attn_logits_soft_cap} (gemma2 has one).")
+  if (cfg.rope_local_theta is not None) != family.local_rope:
+    raise ValueError(f"family {cfg.family!r} {'needs' if family.local_rope else 'has no'} "
+                     f"a RoPE base of its own for the sliding layers, but rope_local_theta="
+                     f"{cfg.rope_local_theta} (gemma3 has one).")
+  if cfg.attn_sinks:
+    raise ValueError(f"family {cfg.family!r} has no attention sinks, but attn_sinks=True (no "
+                     "family this exports to has them).")
   return family
 
 
@@ -260,7 +418,8 @@ def load_hf_config(path: str, **overrides: Any) -> LlamaConfig:
 def hf_config_dict(cfg: LlamaConfig, base: Mapping[str, Any] | None = None, *,
                    max_position_embeddings: int | None = None) -> dict[str, Any]:
   """The ``config.json`` of ``cfg``'s family (``LlamaForCausalLM``, ``MistralForCausalLM``,
-  ``Qwen2ForCausalLM`` or ``Qwen3ForCausalLM``; the inverse of :func:`hf_model_fields`).
+  ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``, ``Gemma2ForCausalLM`` or ``Gemma3ForCausalLM``;
+  the inverse of :func:`hf_model_fields`).
 
   RoPE is written as ``rope_theta`` + ``rope_scaling`` (what transformers 4.x
   reads; 5.x converts it to ``rope_parameters``). ``torch_dtype`` is the
@@ -274,7 +433,8 @@ def hf_config_dict(cfg: LlamaConfig, base: Mapping[str, Any] | None = None, *,
   the scaling factor (and warns when it is not ``factor``): ``original * factor``, the
   context the scaling extends to (as Qwen2.5's configs write it). Windows: mistral's
   ``sliding_window``; qwen2/qwen3's ``use_sliding_window``, ``sliding_window``,
-  ``max_window_layers`` (the leading full layers) and ``layer_types``.
+  ``max_window_layers`` (the leading full layers) and ``layer_types``; Gemma's as
+  :func:`_gemma_config_dict` writes them.
   """
   family = check_family(cfg)
   base = dict(base or {})
@@ -287,6 +447,8 @@ def hf_config_dict(cfg: LlamaConfig, base: Mapping[str, Any] | None = None, *,
   elif rope_type == "yarn" and rope_scaling.get("factor"):
     max_positions = int(round(rope_scaling["original_max_position_embeddings"]
                               * rope_scaling["factor"]))
+  if family.gemma:
+    return _gemma_config_dict(cfg, family, base, rope_scaling, max_positions)
   out = {
       "architectures": [family.architecture],
       "model_type": family.model_type,
@@ -324,9 +486,67 @@ def hf_config_dict(cfg: LlamaConfig, base: Mapping[str, Any] | None = None, *,
         max_window_layers=leading if leading < cfg.num_layers and not any(full[leading:])
         else base.get("max_window_layers", cfg.num_layers),
         layer_types=["full_attention" if f else "sliding_attention" for f in full])
+  _keep_base(out, base)
+  return out
+
+
+def _keep_base(out: dict[str, Any], base: Mapping[str, Any]) -> None:
+  """The source config.json's token ids and ``initializer_range`` (:func:`hf_config_dict`)."""
   for key in ("bos_token_id", "eos_token_id", "pad_token_id", "initializer_range"):
     if key in base:
       out[key] = base[key]
+
+
+def _number(x: float) -> float | int:
+  """``x`` as an int where it is one (transformers types ``query_pre_attn_scalar`` int)."""
+  return int(x) if float(x).is_integer() else float(x)
+
+
+def _gemma_config_dict(cfg: LlamaConfig, family: Family, base: Mapping[str, Any],
+                       rope_scaling: dict | None, max_positions: int) -> dict[str, Any]:
+  """:func:`hf_config_dict` of a Gemma 2 / Gemma 3 text model: its fields, ``layer_types``
+  for every layer (and Gemma 3's ``sliding_window_pattern`` where the types follow one),
+  RoPE as ``rope_theta`` + ``rope_scaling`` (+ ``rope_local_base_freq``, Gemma 3: the keys
+  both transformers 4.x and 5.x read)."""
+  windows = cfg.layer_windows
+  out = {
+      "architectures": [family.architecture],
+      "model_type": family.model_type,
+      "vocab_size": cfg.vocab_size,
+      "hidden_size": cfg.dim,
+      "intermediate_size": cfg.mlp_dim,
+      "num_hidden_layers": cfg.num_layers,
+      "num_attention_heads": cfg.num_heads,
+      "num_key_value_heads": cfg.num_kv_heads,
+      "head_dim": cfg.resolved_head_dim,
+      "hidden_activation": GEMMA_ACTIVATION,
+      "rms_norm_eps": cfg.norm_eps,
+      "rope_theta": cfg.rope_theta,
+      "rope_scaling": rope_scaling,
+      "tie_word_embeddings": cfg.tie_embeddings,
+      "max_position_embeddings": max_positions,
+      "torch_dtype": cfg.param_dtype,
+      "attention_bias": False,
+      "query_pre_attn_scalar": _number(cfg.query_pre_attn_scalar
+                                       if cfg.query_pre_attn_scalar is not None
+                                       else cfg.resolved_head_dim),
+      # transformers' default window (4096) stands in where no layer has one: every layer
+      # is then "full_attention" and reads none.
+      "sliding_window": cfg.sliding_window if cfg.sliding_window is not None else 4096,
+      "layer_types": ["full_attention" if w is None else "sliding_attention" for w in windows],
+      "final_logit_softcapping": cfg.final_logits_soft_cap,
+  }
+  if family.attn_soft_cap:
+    out["attn_logit_softcapping"] = cfg.attn_logits_soft_cap
+  if family.local_rope:
+    out["rope_local_base_freq"] = cfg.rope_local_theta
+    types = out["layer_types"]
+    for pattern in range(1, cfg.num_layers + 1):  # transformers 4.x derives the types from it
+      if types == ["sliding_attention" if (i + 1) % pattern else "full_attention"
+                   for i in range(cfg.num_layers)]:
+        out["sliding_window_pattern"] = pattern
+        break
+  _keep_base(out, base)
   return out
 
 
@@ -409,9 +629,17 @@ def _layouts(cfg: LlamaConfig) -> dict[str, _Layout]:
       "layers.mlp.w_up": _Layout(layer + "mlp.up_proj.weight", ((f,), (d,)), (1, 0)),
       "layers.mlp.w_down": _Layout(layer + "mlp.down_proj.weight", ((d,), (f,)), (1, 0)),
       "layers.attn_norm.scale": _Layout(layer + "input_layernorm.weight", ((d,),), (0,)),
-      "layers.mlp_norm.scale": _Layout(layer + "post_attention_layernorm.weight", ((d,),),
-                                       (0,)),
   }
+  if cfg.post_norms:  # Gemma's four norms: HF's post_attention_layernorm is the post-norm
+    table["layers.post_attn_norm.scale"] = _Layout(layer + "post_attention_layernorm.weight",
+                                                   ((d,),), (0,))
+    table["layers.mlp_norm.scale"] = _Layout(layer + "pre_feedforward_layernorm.weight",
+                                             ((d,),), (0,))
+    table["layers.post_mlp_norm.scale"] = _Layout(layer + "post_feedforward_layernorm.weight",
+                                                  ((d,),), (0,))
+  else:
+    table["layers.mlp_norm.scale"] = _Layout(layer + "post_attention_layernorm.weight",
+                                             ((d,),), (0,))
   if cfg.qkv_bias:  # [N*H] -> [N, H]
     table["layers.attn.bq"] = _Layout(layer + "self_attn.q_proj.bias", ((n, h),), (0, 1))
     table["layers.attn.bk"] = _Layout(layer + "self_attn.k_proj.bias", ((k, h),), (0, 1))

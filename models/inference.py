@@ -365,12 +365,19 @@ def decode_step(model: Llama, cache: KVCache, tokens_B):
   q_spec, new_spec = P(batch, None, head, None), P(batch, None, kv_head, None)
   kv_spec, row_spec, one_spec = P(batch, seq, kv_head, None), P(batch, seq), P(batch, None)
 
-  def kernel(q, k_new, v_new, k_cache, v_cache, kv_pos, kv_seg, q_pos, q_seg):
-    return decode_lib.cache_attention(q, k_cache, v_cache, q_pos, q_seg, kv_pos, kv_seg,
-                                      new_kv=(k_new, v_new), axis_name=seq)
+  # The model's score scale and soft-cap (Gemma), as its training backend gets them.
+  options = attn_lib.score_options(cfg)
 
-  attend_cache = _map(kernel, mesh, (q_spec, new_spec, new_spec, kv_spec, kv_spec, row_spec,
-                                     row_spec, one_spec, one_spec), q_spec)
+  def kernel(q, k_new, v_new, k_cache, v_cache, kv_pos, kv_seg, q_pos, q_seg, *sinks):
+    return decode_lib.cache_attention(q, k_cache, v_cache, q_pos, q_seg, kv_pos, kv_seg,
+                                      new_kv=(k_new, v_new), axis_name=seq,
+                                      sinks=sinks[0] if sinks else None, **options)
+
+  in_specs = (q_spec, new_spec, new_spec, kv_spec, kv_spec, row_spec, row_spec, one_spec,
+              one_spec)
+  attend_cache = _map(kernel, mesh, in_specs, q_spec)
+  # With sinks: one more operand, the layer's [N] sink logits split with the query heads.
+  attend_cache_sinks = _map(kernel, mesh, in_specs + (P(head),), q_spec)
 
   def make_attend(_, _seg, layer_cache, window):
     k_cache, v_cache = layer_cache
@@ -380,12 +387,15 @@ def decode_step(model: Llama, cache: KVCache, tokens_B):
       # query (transformers' sliding_window_overlay); the others read as empty (segment 0).
       kv_seg_BS = jnp.where(q_pos_B1 - cache.positions < window, kv_seg_BS, 0)
 
-    def attend(q, k_new, v_new):
+    def attend(q, k_new, v_new, sinks=None):
       c = _constrain
-      o = attend_cache(c(q, q_spec), c(k_new, new_spec), c(v_new, new_spec),
-                       c(k_cache, kv_spec), c(v_cache, kv_spec), c(cache.positions, row_spec),
-                       c(kv_seg_BS, row_spec), c(q_pos_B1, one_spec),
-                       c(q_seg_B1, one_spec))
+      args = (c(q, q_spec), c(k_new, new_spec), c(v_new, new_spec), c(k_cache, kv_spec),
+              c(v_cache, kv_spec), c(cache.positions, row_spec), c(kv_seg_BS, row_spec),
+              c(q_pos_B1, one_spec), c(q_seg_B1, one_spec))
+      if sinks is None:
+        o = attend_cache(*args)
+      else:
+        o = attend_cache_sinks(*args, c(sinks, P(head)))
       return o, (k_new, v_new)
 
     return attend

@@ -89,7 +89,12 @@ LAYER_TYPES = ("full_attention", "sliding_attention")
 
 #: The Hugging Face architectures this model covers (``LlamaConfig.family``); the mapping of
 #: each one's config.json and weight names is :mod:`models.convert_hf`'s.
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3")
+
+#: The MLP activations of ``LlamaConfig.mlp_activation``: the gate's nonlinearity of the gated
+#: MLP, ``"silu"`` (SwiGLU, LLaMA) or ``"gelu_tanh"`` (GeGLU with the tanh approximation of
+#: GELU, Gemma; Hugging Face's ``gelu_pytorch_tanh``).
+MLP_ACTIVATIONS = ("silu", "gelu_tanh")
 
 
 def _freeze(value):
@@ -123,9 +128,25 @@ class LlamaConfig:
   ``sliding_window - 1`` tokens before it) applies to every layer, or with
   ``layer_types`` (one of :data:`LAYER_TYPES` per layer, as transformers'
   ``config.layer_types``) to the ``"sliding_attention"`` layers only.
+  The Gemma fields (Gemma 2 and Gemma 3 are this model with them set, Gemma Team
+  2024, arXiv:2408.00118 and arXiv:2503.19786): ``mlp_activation="gelu_tanh"``
+  (GeGLU, :data:`MLP_ACTIVATIONS`); ``norm_unit_offset`` stores each RMSNorm scale
+  as ``w`` and multiplies by ``1 + w`` (initialised to 0); ``post_norms`` adds an
+  RMSNorm on the attention output and on the MLP output before each residual add
+  (with the pre-norms, four per layer); ``scale_embeddings`` multiplies the
+  embedding output by ``sqrt(dim)`` (in the compute dtype); ``query_pre_attn_scalar``
+  ``s`` sets the attention scale to ``s ** -0.5`` (None: ``head_dim ** -0.5``);
+  ``attn_logits_soft_cap`` ``c`` caps every attention score as ``c * tanh(score / c)``
+  (Gemma 2) and ``final_logits_soft_cap`` the output logits likewise; ``rope_local_theta``
+  is the RoPE base of the sliding-window layers (Gemma 3's ``rope_local_base_freq``,
+  default RoPE there: ``rope_scaling`` applies to the full layers only; None: the
+  sliding layers use ``rope_theta`` and ``rope_scaling`` as the others). ``attn_sinks``
+  gives each layer a learned float32 sink logit per query head (GPT-OSS; ``sinks`` of
+  :func:`ring_jax.ring_attention`): the ``"ring"`` and ``"dense"`` backends run it
+  (``"auto"`` then plans the ring only).
   ``family`` names the Hugging Face architecture the weights came from and
-  are exported to (``"llama"``, ``"mistral"``, ``"qwen2"``, ``"qwen3"``); the
-  computation never reads it. ``attention`` is a key of
+  are exported to (``"llama"``, ``"mistral"``, ``"qwen2"``, ``"qwen3"``, ``"gemma2"``,
+  ``"gemma3"``); the computation never reads it. ``attention`` is a key of
   :data:`models.attention.ATTENTION_BACKENDS` (``"ring"``, ``"all_gather"``,
   ``"ulysses"``, ``"hybrid"`` over ``hybrid_axes``, ``"auto"``, ``"dense"``);
   ``tensor_sequence_parallel`` picks the rules table (:func:`models.sharding.rules`);
@@ -150,6 +171,15 @@ class LlamaConfig:
   qk_norm: bool = False
   sliding_window: int | None = None
   layer_types: tuple[str, ...] | None = None
+  mlp_activation: str = "silu"
+  norm_unit_offset: bool = False
+  post_norms: bool = False
+  scale_embeddings: bool = False
+  query_pre_attn_scalar: float | None = None
+  attn_logits_soft_cap: float | None = None
+  final_logits_soft_cap: float | None = None
+  rope_local_theta: float | None = None
+  attn_sinks: bool = False
   family: str = "llama"
   attention: str = "ring"
   layout: str = "contiguous"
@@ -229,6 +259,16 @@ class LlamaConfig:
       rope_inv_freq(self)  # validates the scaling dict
     if self.family not in FAMILIES:
       raise ValueError(f"family must be one of {FAMILIES}, got {self.family!r}.")
+    if self.mlp_activation not in MLP_ACTIVATIONS:
+      raise ValueError(f"mlp_activation must be one of {MLP_ACTIVATIONS}, got "
+                       f"{self.mlp_activation!r}.")
+    for name in ("query_pre_attn_scalar", "rope_local_theta", "attn_logits_soft_cap",
+                 "final_logits_soft_cap"):
+      value = getattr(self, name)
+      if value is not None and not (isinstance(value, (int, float, np.number))
+                                    and math.isfinite(value) and value > 0):
+        cap = " (no cap)" if name.endswith("soft_cap") else ""
+        raise ValueError(f"{name} must be None{cap} or a finite number > 0, got {value!r}.")
     window = self.sliding_window
     if window is not None and (not isinstance(window, (int, np.integer)) or window < 1):
       raise ValueError(f"sliding_window must be None or a positive int, got {window!r}.")
@@ -241,6 +281,10 @@ class LlamaConfig:
       if "sliding_attention" in types and window is None:
         raise ValueError("layer_types has 'sliding_attention' layers but sliding_window is "
                          "None; set sliding_window.")
+    if self.attn_sinks and self.attention in ("all_gather", "ulysses", "hybrid"):
+      raise ValueError(f"attn_sinks runs with attention='ring', 'auto' (which then plans the "
+                       f"ring) or 'dense', not {self.attention!r}: the sink merges with the "
+                       "ring's log-sum-exp.")
     if self.layout == ring_jax.layouts.DOCUMENT and any(
         w is not None for w in self.layer_windows):
       raise ValueError(f"layout='document' does not keep the distances between tokens, so it "
@@ -290,6 +334,36 @@ class LlamaConfig:
     return tuple(groups)
 
   @property
+  def layer_segments(self) -> tuple[tuple[int, int, tuple[int | None, ...]], ...]:
+    """``(start, stop, pattern)``: layers ``start..stop`` repeat the windows ``pattern``
+    (``(stop - start) / len(pattern)`` times); the stack runs one scan per segment whose
+    body is one ``pattern`` of layers, each with its window static.
+
+    The runs of :attr:`layer_groups` when there are at most two (a uniform stack, Qwen2's
+    ``max_window_layers``); else the shortest pattern that repeats at least twice from the
+    first layer (Gemma 2: ``(w, None)``, Gemma 3: five ``w`` and a ``None``), the layers
+    after its last whole repetition as runs. So an interleaved stack of any depth traces
+    one pattern of layers, not one scan per layer.
+    """
+    windows, n = self.layer_windows, self.num_layers
+    groups = self.layer_groups
+    runs = tuple((a, b, (w,)) for a, b, w in groups)
+    if len(groups) <= 2:
+      return runs
+    for period in range(2, n // 2 + 1):
+      reps = n // period
+      if all(windows[i] == windows[i % period] for i in range(reps * period)):
+        stop = reps * period
+        tail = []
+        for i in range(stop, n):
+          if tail and tail[-1][2] == (windows[i],):
+            tail[-1] = (tail[-1][0], i + 1, (windows[i],))
+          else:
+            tail.append((i, i + 1, (windows[i],)))
+        return ((0, stop, tuple(windows[:period])), *tail)
+    return runs
+
+  @property
   def resolved_head_dim(self) -> int:
     return self.head_dim if self.head_dim is not None else self.dim // self.num_heads
 
@@ -313,6 +387,8 @@ class LlamaConfig:
     per_layer = d * h * (2 * self.num_heads + 2 * self.num_kv_heads) + 3 * d * f + 2 * d
     per_layer += (self.num_heads + 2 * self.num_kv_heads) * h if self.qkv_bias else 0
     per_layer += 2 * h if self.qk_norm else 0
+    per_layer += 2 * d if self.post_norms else 0
+    per_layer += self.num_heads if self.attn_sinks else 0
     head = 0 if self.tie_embeddings else d * v
     embedding = d * v if include_embedding or self.tie_embeddings else 0
     return self.num_layers * per_layer + d + head + embedding
@@ -508,12 +584,14 @@ def apply_rope(x_BLNH, cos_BL1H, sin_BL1H):
 
 
 def _param(rngs: nnx.Rngs | None, shape, names, cfg: LlamaConfig, stack: int | None,
-           init: str = "normal") -> nnx.Param:
-  """A Param of ``shape`` (with a leading ``layers`` axis of size ``stack`` if given).
+           init: str = "normal", dtype=None) -> nnx.Param:
+  """A Param of ``shape`` (with a leading ``layers`` axis of size ``stack`` if given), stored
+  in ``dtype`` (default ``cfg.param_dtype``).
 
   ``init="normal"``: N(0, cfg.init_std^2) as HF LLaMA; ``"ones"`` for norm scales;
-  ``"zeros"`` for biases (as transformers' ``_init_weights``).
+  ``"zeros"`` for biases, sinks and offset norm scales (as transformers' ``_init_weights``).
   """
+  dtype = cfg.weight_dtype if dtype is None else dtype
   if stack is not None:
     shape, names = (stack, *shape), ("layers", *names)
   # Under a mesh, create the value sharded: on Explicit axes the random draw itself gets the
@@ -525,10 +603,10 @@ def _param(rngs: nnx.Rngs | None, shape, names, cfg: LlamaConfig, stack: int | N
   if mesh is not None and shd.is_explicit_mesh(mesh):
     kwargs["out_sharding"] = shd.logical_to_spec(names, mesh=mesh, shape=shape)
   if init in ("ones", "zeros"):
-    value = (jnp.ones if init == "ones" else jnp.zeros)(shape, cfg.weight_dtype, **kwargs)
+    value = (jnp.ones if init == "ones" else jnp.zeros)(shape, dtype, **kwargs)
   else:
     value = (cfg.init_std * jax.random.normal(rngs.params(), shape, jnp.float32, **kwargs)
-             ).astype(cfg.weight_dtype)
+             ).astype(dtype)
   value = shd.with_logical_constraint(value, names)
   return nnx.Param(value, **{shd.LOGICAL_AXES_KEY: tuple(names)})
 
@@ -556,16 +634,22 @@ def _weight(param: nnx.Param, cfg: LlamaConfig):
 
 class RMSNorm(nnx.Module):
   """``x / sqrt(mean(x^2) + eps) * scale`` over the last axis (``size`` channels, default
-  ``dim``; Qwen3's q/k norms have ``head_dim``), in float32."""
+  ``dim``; Qwen3's and Gemma 3's q/k norms have ``head_dim``), in float32 (Zhang & Sennrich
+  2019). With ``cfg.norm_unit_offset`` (Gemma) the parameter is ``w`` and the scale
+  ``1 + w`` (``w`` starts at 0), as transformers' ``Gemma2RMSNorm``."""
 
   def __init__(self, cfg: LlamaConfig, *, stack: int | None = None, size: int | None = None):
     self.cfg = cfg
-    self.scale = _param(None, (size or cfg.dim,), ("norm",), cfg, stack, init="ones")
+    self.scale = _param(None, (size or cfg.dim,), ("norm",), cfg, stack,
+                        init="zeros" if cfg.norm_unit_offset else "ones")
 
   def __call__(self, x_BLD):
     x = x_BLD.astype(jnp.float32)
     x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.cfg.norm_eps)
-    return (x * self.scale[...].astype(jnp.float32)).astype(self.cfg.compute_dtype)
+    scale = self.scale[...].astype(jnp.float32)
+    if self.cfg.norm_unit_offset:
+      scale = 1.0 + scale
+    return (x * scale).astype(self.cfg.compute_dtype)
 
 
 class Attention(nnx.Module):
@@ -576,8 +660,9 @@ class Attention(nnx.Module):
   nothing is repeated). With ``cfg.qkv_bias`` the projections add ``bq [N, H]``,
   ``bk, bv [K, H]`` (Qwen2's ``q/k/v_proj.bias``); with ``cfg.qk_norm`` q and k
   are RMS-normalised per head over ``H`` (``q_norm``, ``k_norm``: Qwen3's
-  ``Qwen3RMSNorm(head_dim)``) after the bias and before RoPE, as
-  transformers' ``Qwen3Attention``.
+  ``Qwen3RMSNorm(head_dim)``, Gemma 3's with ``1 + w``) after the bias and before RoPE, as
+  transformers' ``Qwen3Attention``. With ``cfg.attn_sinks`` the layer holds ``sinks [N]``
+  (float32, initialised to 0), one sink logit per query head passed to the backend.
   """
 
   def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs, stack: int | None = None):
@@ -595,6 +680,9 @@ class Attention(nnx.Module):
     if cfg.qk_norm:
       self.q_norm = RMSNorm(cfg, stack=stack, size=h)
       self.k_norm = RMSNorm(cfg, stack=stack, size=h)
+    if cfg.attn_sinks:  # float32 whatever param_dtype: a logit, as ring_jax takes it
+      self.sinks = _param(None, (n,), ("heads",), cfg, stack, init="zeros",
+                          dtype=jnp.float32)
 
   def __call__(self, x_BLD, cos_BL1H, sin_BL1H, positions_BL, segment_ids_BL):
     return self.forward(x_BLD, cos_BL1H, sin_BL1H,
@@ -604,11 +692,13 @@ class Attention(nnx.Module):
   def forward(self, x_BLD, cos_BL1H, sin_BL1H, attend):
     """``(output [B, L, D], aux)``: the projections around ``attend(q, k, v) -> (o, aux)``.
 
-    ``attend`` gets the RoPE'd ``q [B, L, N, H]``, ``k, v [B, L, K, H]`` and
+    ``attend`` gets the RoPE'd ``q [B, L, N, H]``, ``k, v [B, L, K, H]`` and the
+    keyword ``sinks`` (the layer's ``[N]`` float32 sink logits, or None) and
     returns the attention output ``[B, L, N, H]`` and anything else (``aux``,
     passed through): the training backend (:func:`backend_attend`), or the
     KV-cache attention of :mod:`models.inference`, which returns the updated
-    cache as ``aux``.
+    cache as ``aux``. The score scale and soft-cap are ``cfg``'s
+    (:func:`models.attention.score_options`).
     """
     cfg = self.cfg
     cp = checkpoint_name
@@ -630,7 +720,8 @@ class Attention(nnx.Module):
     q_BLNH = shd.with_logical_constraint(q_BLNH, ("batch", "length", "heads", "head_dim"))
     k_BLKH = shd.with_logical_constraint(k_BLKH, ("batch", "length", "kv_heads", "head_dim"))
     v_BLKH = shd.with_logical_constraint(v_BLKH, ("batch", "length", "kv_heads", "head_dim"))
-    o_BLNH, aux = attend(q_BLNH, k_BLKH, v_BLKH)
+    sinks_N = self.sinks[...] if cfg.attn_sinks else None
+    o_BLNH, aux = attend(q_BLNH, k_BLKH, v_BLKH, sinks=sinks_N)
     o_BLNH = cp(o_BLNH, "attn_out")
     # Row-parallel: the partial sums over heads are reduce-scattered into the residual's split.
     return shd.logical_einsum("BLNH,NHD->BLD", o_BLNH, _weight(self.wo, cfg),
@@ -646,16 +737,18 @@ def backend_attend(cfg: LlamaConfig, positions_BL, segment_ids_BL, keep_kv: bool
   ``window``: the layer's sliding window (:attr:`LlamaConfig.layer_windows`), or None.
   """
 
-  def attend(q_BLNH, k_BLKH, v_BLKH):
+  def attend(q_BLNH, k_BLKH, v_BLKH, sinks=None):
     o_BLNH = attn_lib.attention(cfg, q_BLNH, k_BLKH, v_BLKH, positions_BL, segment_ids_BL,
-                                window=window)
+                                window=window, sinks=sinks)
     return o_BLNH, ((k_BLKH, v_BLKH) if keep_kv else None)
 
   return attend
 
 
 class MLP(nnx.Module):
-  """SwiGLU: ``(silu(x @ w_gate) * (x @ w_up)) @ w_down`` (Shazeer 2020)."""
+  """A gated MLP (Shazeer 2020): ``(act(x @ w_gate) * (x @ w_up)) @ w_down`` with ``act``
+  SiLU (SwiGLU) or, with ``cfg.mlp_activation="gelu_tanh"``, the tanh approximation of GELU
+  (GeGLU, Gemma)."""
 
   def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs, stack: int | None = None):
     self.cfg = cfg
@@ -679,7 +772,11 @@ class MLP(nnx.Module):
     hidden = lambda h: shd.with_logical_constraint(h, (*lead_names, "mlp"))
     gate_XF = hidden(jnp.einsum("...D,DF->...F", x_XD, _weight(self.w_gate, cfg)))
     up_XF = hidden(jnp.einsum("...D,DF->...F", x_XD, _weight(self.w_up, cfg)))
-    h_XF = jax.nn.silu(gate_XF) * up_XF
+    if cfg.mlp_activation == "gelu_tanh":
+      act_XF = jax.nn.gelu(gate_XF.astype(jnp.float32), approximate=True).astype(gate_XF.dtype)
+    else:
+      act_XF = jax.nn.silu(gate_XF)
+    h_XF = act_XF * up_XF
     return shd.logical_einsum("...F,FD->...D", h_XF, _weight(self.w_down, cfg),
                               (*out_lead_names, "embed"))
 
@@ -698,7 +795,10 @@ class Block(nnx.Module):
   """One pre-norm transformer layer; built with ``stack=L`` it holds all L layers' weights.
 
   A stacked Block is not called directly: :class:`Llama` scans (or loops) over
-  its layer slices, each merged back into a Block with unstacked arrays.
+  its layer slices, each merged back into a Block with unstacked arrays. With
+  ``cfg.post_norms`` (Gemma 2/3) the attention and MLP outputs are RMS-normed
+  (``post_attn_norm``, ``post_mlp_norm``) before their residual adds:
+  ``x + post_norm(f(pre_norm(x)))``.
   """
 
   def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs, stack: int | None = None):
@@ -707,6 +807,9 @@ class Block(nnx.Module):
     self.attn = Attention(cfg, rngs=rngs, stack=stack)
     self.mlp_norm = RMSNorm(cfg, stack=stack)
     self.mlp = MLP(cfg, rngs=rngs, stack=stack)
+    if cfg.post_norms:
+      self.post_attn_norm = RMSNorm(cfg, stack=stack)
+      self.post_mlp_norm = RMSNorm(cfg, stack=stack)
 
   def __call__(self, x_BLD, cos_BL1H, sin_BL1H, positions_BL, segment_ids_BL):
     return self.forward(x_BLD, cos_BL1H, sin_BL1H,
@@ -719,12 +822,16 @@ class Block(nnx.Module):
     # Named so a remat policy can offload the one activation "full" remat keeps per layer.
     x_BLD = checkpoint_name(x_BLD, "layer_in")
     attn_BLD, aux = self.attn.forward(self.attn_norm(x_BLD), cos_BL1H, sin_BL1H, attend)
+    if cfg.post_norms:
+      attn_BLD = self.post_attn_norm(attn_BLD)
     x_BLD = shd.with_logical_constraint(x_BLD + attn_BLD, ("batch", "residual_length", "embed"))
     h_BLD = self.mlp_norm(x_BLD)
     if cfg.ffn_chunk_size is None:
       mlp_BLD = self.mlp(h_BLD)
     else:
       mlp_BLD = self._blockwise_mlp(h_BLD)
+    if cfg.post_norms:
+      mlp_BLD = self.post_mlp_norm(mlp_BLD)
     mlp_BLD = checkpoint_name(mlp_BLD, "mlp_out")
     return shd.with_logical_constraint(x_BLD + mlp_BLD,
                                        ("batch", "residual_length", "embed")), aux
@@ -819,9 +926,10 @@ class Llama(nnx.Module):
     attends' ``aux`` come back stacked along a leading layers axis. Inference
     (:mod:`models.inference`) uses it to collect and update the KV cache.
 
-    The layers run as :attr:`LlamaConfig.layer_groups`: one scan (or loop) per
-    run of layers sharing a window, so a window is static where the ring
-    prunes hops by it; a uniform stack (every family's default) is one scan.
+    The layers run as :attr:`LlamaConfig.layer_segments`: one scan (or loop) per
+    run of layers sharing a window, or per repeating pattern of windows (Gemma's
+    interleaved local and global layers: the scan body is one pattern), so a
+    window is static where the ring prunes hops by it; a uniform stack is one scan.
 
     ``rope_length``: the sequence length dynamic-NTK RoPE is computed at
     (:func:`rope_inv_freq`); None: ``L``, the length of the rows given (training).
@@ -843,12 +951,16 @@ class Llama(nnx.Module):
       # Vocabulary-parallel lookup (partial sums over the tensor peers), reduce-scattered into
       # the residual stream's split (looked up straight into it, GSPMD gathered the table).
       x_BLD = shd.logical_take(_weight(self.embed, cfg), tokens_BL, ("batch", "length", "embed"))
+      if cfg.scale_embeddings:  # Gemma: sqrt(dim), rounded to the compute dtype
+        x_BLD = x_BLD * jnp.asarray(math.sqrt(cfg.dim), cfg.compute_dtype)
       x_BLD = shd.with_logical_constraint(x_BLD, ("batch", "residual_length", "embed"))
     inv_freq_K = rope_inv_freq(cfg, tokens_BL.shape[1] if rope_length is None else rope_length)
     attention_factor = rope_attention_factor(cfg)
+    local_freq_K = (None if cfg.rope_local_theta is None
+                    else _base_inv_freq(cfg.rope_local_theta, cfg.resolved_head_dim))
 
     graphdef, stacked = nnx.split(self.layers)
-    groups = cfg.layer_groups
+    groups, segments = cfg.layer_groups, cfg.layer_segments
 
     def make_layer(window):
       def layer(x_BLD, layer_state, layer_x, rows):
@@ -872,17 +984,47 @@ class Llama(nnx.Module):
         auxes.append(aux)
       return x_BLD, jax.tree.map(lambda *a: jnp.stack(a), *auxes)
 
+    def pattern_layer(pattern, rows_of):
+      """One repetition of ``pattern`` as one layer over weights ``[len(pattern), ...]``."""
+      layers = [make_layer(window) for window in pattern]
+
+      def layer(x_BLD, layer_state, layer_x, _):
+        auxes = []
+        for j, (one, window) in enumerate(zip(layers, pattern)):
+          x_BLD, aux = one(x_BLD, *jax.tree.map(lambda a, j=j: a[j], (layer_state, layer_x)),
+                           rows_of(window))
+          auxes.append(aux)
+        return x_BLD, jax.tree.map(lambda *a: jnp.stack(a), *auxes)
+
+      return layer
+
+    def run_segment(pattern, x_BLD, stacked, layer_xs, rows_of):
+      if len(pattern) == 1:
+        return run_group(make_layer(pattern[0]), x_BLD, stacked, layer_xs, rows_of(pattern[0]))
+      # [reps * p, ...] -> [reps, p, ...]: the scan walks repetitions of the pattern.
+      p = len(pattern)
+      fold = lambda tree: jax.tree.map(lambda t: t.reshape(t.shape[0] // p, p, *t.shape[1:]),
+                                       tree)
+      x_BLD, aux = run_group(pattern_layer(pattern, rows_of), x_BLD, fold(stacked),
+                             fold(layer_xs), None)
+      return x_BLD, jax.tree.map(lambda t: t.reshape(-1, *t.shape[2:]), aux)
+
     def layer_stack(x_BLD, stacked, layer_xs, positions_BL, segment_ids_BL):
       rows = (*rope_tables(positions_BL, inv_freq_K, attention_factor), positions_BL,
               segment_ids_BL)
-      if len(groups) == 1:
-        return run_group(make_layer(groups[0][2]), x_BLD, stacked, layer_xs, rows)
-      # A mixed stack (e.g. Qwen2 with max_window_layers < num_layers): one scan per group
-      # over its slice of the stacked weights (and cache); the auxes are joined back.
+      # Gemma 3: the sliding-window layers rotate by their own base (default RoPE).
+      local_rows = rows if local_freq_K is None else (
+          *rope_tables(positions_BL, local_freq_K), positions_BL, segment_ids_BL)
+      rows_of = lambda window: rows if window is None else local_rows
+      if len(segments) == 1:
+        return run_segment(segments[0][2], x_BLD, stacked, layer_xs, rows_of)
+      # A mixed stack (Qwen2 with max_window_layers < num_layers, Gemma's interleaved local
+      # and global layers): one scan per segment over its slice of the stacked weights (and
+      # cache); the auxes are joined back.
       auxes = []
-      for start, stop, window in groups:
+      for start, stop, pattern in segments:
         part = lambda tree, a=start, b=stop: jax.tree.map(lambda t: t[a:b], tree)
-        x_BLD, aux = run_group(make_layer(window), x_BLD, part(stacked), part(layer_xs), rows)
+        x_BLD, aux = run_segment(pattern, x_BLD, part(stacked), part(layer_xs), rows_of)
         auxes.append(aux)
       return x_BLD, jax.tree.map(lambda *a: jnp.concatenate(a), *auxes)
 
@@ -946,8 +1088,12 @@ class Llama(nnx.Module):
       w, eq = _weight(self.embed, cfg), "...D,VD->...V"
     else:
       w, eq = _weight(self.lm_head, cfg), "...D,DV->...V"
-    return shd.logical_einsum(eq, x_XD, w, (*lead_names, "vocab"),
-                              preferred_element_type=jnp.float32)
+    logits_XV = shd.logical_einsum(eq, x_XD, w, (*lead_names, "vocab"),
+                                   preferred_element_type=jnp.float32)
+    if cfg.final_logits_soft_cap is not None:  # Gemma 2: c * tanh(logits / c)
+      cap = float(cfg.final_logits_soft_cap)
+      logits_XV = cap * jnp.tanh(logits_XV / cap)
+    return logits_XV
 
   @_under_rules
   def nll_sums(self, tokens_BL, positions_BL, segment_ids_BL, labels_BL, mask_BL):
@@ -1013,17 +1159,19 @@ class Llama(nnx.Module):
 
 
 def weight_decay_mask(params):
-  """``True`` for weight matrices and embeddings, ``False`` for RMSNorm scales (optax ``mask=``).
+  """``True`` for weight matrices and embeddings, ``False`` for RMSNorm scales and attention
+  sinks (optax ``mask=``).
 
   Decided by the ``logical_axes`` metadata, not by ``ndim``: the stacked norm
-  scales are ``[layers, dim]``, 2-D like a matrix. Takes a Module, a State or
+  scales are ``[layers, dim]``, 2-D like a matrix; a parameter whose last axis is
+  ``heads`` is a sink logit per head (every weight's last axis is ``head_dim`` or ``embed``). Takes a Module, a State or
   any pytree of Variables and returns the same structure holding bools.
   """
   if isinstance(params, nnx.Module):
     params = nnx.state(params)
 
   def one(var):
-    return var.replace(var.get_metadata()[shd.LOGICAL_AXES_KEY][-1] != "norm")
+    return var.replace(var.get_metadata()[shd.LOGICAL_AXES_KEY][-1] not in ("norm", "heads"))
 
   return jax.tree.map(one, params, is_leaf=lambda x: isinstance(x, nnx.Variable))
 

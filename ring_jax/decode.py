@@ -29,10 +29,15 @@ import jax
 import jax.numpy as jnp
 
 from ring_jax import validation
+from ring_jax.hop import add_sinks
 
 
-def partial_attention(q_BTNH, k_BSKH, v_BSKH, mask_BTS, scale: float | None = None):
+def partial_attention(q_BTNH, k_BSKH, v_BSKH, mask_BTS, scale: float | None = None,
+                      logits_soft_cap: float | None = None):
   """``(o [B, T, N, H] float32, lse [B, T, N] float32)`` of queries over local keys.
+
+  ``logits_soft_cap`` ``c``: scores become ``c * tanh(score / c)`` before masking (as
+  :func:`ring_jax.ring_attention`'s).
 
   GQA: query head ``n`` uses key/value head ``n // (N // K)``. ``o`` is
   normalised over the visible keys (0 where none is visible, with
@@ -45,11 +50,14 @@ def partial_attention(q_BTNH, k_BSKH, v_BSKH, mask_BTS, scale: float | None = No
   if n % kh:
     raise ValueError(f"query heads {n} are not a multiple of key/value heads {kh}.")
   scale = validation.check_scale(scale, h, jnp.float32)
+  cap = validation.check_soft_cap(logits_soft_cap)
   # The cache stays in its dtype: matmuls accumulate in float32 without a float32 copy of
   # the keys/values (a bf16 product is exact in float32, as in the float32 oracle).
   q = q_BTNH.astype(k_BSKH.dtype).reshape(b, t, kh, n // kh, h)
   s_BKGTS = jnp.einsum("btkgh,bskh->bkgts", q, k_BSKH,
                        preferred_element_type=jnp.float32) * scale
+  if cap is not None:
+    s_BKGTS = cap * jnp.tanh(s_BKGTS / cap)
   visible = mask_BTS[:, None, None]
   s_BKGTS = jnp.where(visible, s_BKGTS, -jnp.inf)
   m = jnp.max(s_BKGTS, axis=-1, keepdims=True)
@@ -100,7 +108,8 @@ def combine(o1_BTNH, lse1_BTN, o2_BTNH, lse2_BTN):
 
 def cache_attention(q_BTNH, k_BSKH, v_BSKH, q_positions_BT, q_segment_ids_BT,
                     kv_positions_BS, kv_segment_ids_BS, *, new_kv=None, axis_name=None,
-                    scale: float | None = None):
+                    scale: float | None = None, logits_soft_cap: float | None = None,
+                    sinks=None):
   """Causal attention of a few queries over a KV cache sharded over ``axis_name``.
 
   Inside ``shard_map`` (``axis_name`` the sequence axis the cache is sharded
@@ -108,17 +117,21 @@ def cache_attention(q_BTNH, k_BSKH, v_BSKH, q_positions_BT, q_segment_ids_BT,
   with ``axis_name=None``. ``new_kv=(k [B, T, K, H], v)``: the queries' own
   keys and values, not in the cache (yet); they share the queries' positions
   and segment ids, are attended causally among themselves on every device
-  (no communication) and merged into the result exactly. Returns
+  (no communication) and merged into the result exactly. ``logits_soft_cap``
+  caps every score (:func:`partial_attention`); ``sinks`` ``[N]`` (this device's query
+  heads) join the merged result once (:func:`ring_jax.hop.add_sinks`). Returns
   ``[B, T, N, H]`` in ``q``'s dtype.
   """
   mask = cache_mask(q_positions_BT, q_segment_ids_BT, kv_positions_BS, kv_segment_ids_BS)
-  o, lse = partial_attention(q_BTNH, k_BSKH, v_BSKH, mask, scale)
+  o, lse = partial_attention(q_BTNH, k_BSKH, v_BSKH, mask, scale, logits_soft_cap)
   if axis_name is not None:
     o, lse = merge_partials(o, lse, axis_name)
   if new_kv is not None:
     own_mask = cache_mask(q_positions_BT, q_segment_ids_BT, q_positions_BT, q_segment_ids_BT)
-    o_own, lse_own = partial_attention(q_BTNH, *new_kv, own_mask, scale)
+    o_own, lse_own = partial_attention(q_BTNH, *new_kv, own_mask, scale, logits_soft_cap)
     o, lse = combine(o, lse, o_own, lse_own)
+  if sinks is not None:
+    o, lse = add_sinks(o, lse, validation.check_sinks(sinks, q_BTNH.shape[2]))
   return o.astype(q_BTNH.dtype)
 
 

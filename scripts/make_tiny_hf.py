@@ -1,5 +1,5 @@
-r"""Writes a tiny random Hugging Face LLaMA (or Qwen2, Qwen3, Mistral), its BPE tokenizer and
-a small JSONL corpus.
+r"""Writes a tiny random Hugging Face LLaMA (or Qwen2, Qwen3, Mistral, Gemma 2, Gemma 3), its BPE
+tokenizer and a small JSONL corpus.
 
   python scripts/make_tiny_hf.py --out /tmp/tiny_hf --corpus /tmp/tiny_corpus.jsonl
   python scripts/make_tiny_hf.py --family qwen3 --out /tmp/tiny_qwen3 --corpus /tmp/c.jsonl
@@ -7,7 +7,10 @@ a small JSONL corpus.
 ``--family`` picks the architecture (:data:`FAMILY_FIELDS`): ``llama``
 (untied), ``qwen2`` (q/k/v biases, tied, a 64-token window on the second
 layer), ``qwen3`` (q/k norms, ``head_dim`` 32 != dim / heads, tied),
-``mistral`` (a 64-token window on every layer).
+``mistral`` (a 64-token window on every layer), ``gemma2`` (the Gemma block, soft-caps
+50 / 30 as Gemma 2's, a 32-token window on every other layer, tied), ``gemma3`` (the Gemma
+block, q/k norms, a 32-token window on the local layers with their own RoPE base 1e4, global
+base 1e6, final soft-cap 30 (as Gemma 2's, so that path runs too), tied).
 
 For trying the fine-tuning path (the README's step 3, which runs this script) on a
 CPU with nothing downloaded: ``--out`` gets ``config.json``,
@@ -89,6 +92,9 @@ def write_tokenizer(directory: str, texts: list[str], vocab_size: int) -> str:
   return directory
 
 
+_GEMMA = dict(mlp_activation="gelu_tanh", norm_unit_offset=True, post_norms=True,
+              scale_embeddings=True, tie_embeddings=True, query_pre_attn_scalar=16.0)
+
 #: ``--family`` -> the :class:`models.llama.LlamaConfig` fields that make the family
 #: (besides the shape): what transformers' Qwen2/Qwen3/Mistral classes hold by default
 #: for small checkpoints (tied heads for the small Qwens), with short windows so a
@@ -99,7 +105,17 @@ FAMILY_FIELDS = {
                   layer_types=("full_attention", "sliding_attention")),
     "qwen3": dict(family="qwen3", qk_norm=True, head_dim=32, tie_embeddings=True),
     "mistral": dict(family="mistral", sliding_window=64),
+    "gemma2": dict(family="gemma2", **_GEMMA, attn_logits_soft_cap=50.0,
+                   final_logits_soft_cap=30.0, sliding_window=32,
+                   layer_types=("sliding_attention", "full_attention")),
+    "gemma3": dict(family="gemma3", **_GEMMA, qk_norm=True, final_logits_soft_cap=30.0,
+                   rope_theta=1e6, rope_local_theta=1e4, sliding_window=32,
+                   layer_types=("sliding_attention", "full_attention")),
 }
+
+#: Gemma's layer pattern (``--family gemma2|gemma3`` with more layers): Gemma 2 alternates
+#: local and global layers, Gemma 3 has 5 local to 1 global (as transformers' defaults).
+GEMMA_PATTERN = {"gemma2": 2, "gemma3": 6}
 
 
 def write_model(directory: str, *, vocab_size: int, dim: int = 64, num_layers: int = 2,
@@ -118,7 +134,13 @@ def write_model(directory: str, *, vocab_size: int, dim: int = 64, num_layers: i
     raise ValueError(f"family must be one of {sorted(FAMILY_FIELDS)}, got {family!r}.")
   fields = dict(FAMILY_FIELDS[family])
   if fields.get("layer_types") is not None and num_layers != len(fields["layer_types"]):
-    fields["layer_types"] = ("full_attention",) + ("sliding_attention",) * (num_layers - 1)
+    if family in GEMMA_PATTERN:  # sliding unless (i + 1) % pattern == 0; the last layer global
+      pattern = GEMMA_PATTERN[family]
+      fields["layer_types"] = tuple(
+          "sliding_attention" if (i + 1) % pattern and i + 1 < num_layers else "full_attention"
+          for i in range(num_layers))
+    else:
+      fields["layer_types"] = ("full_attention",) + ("sliding_attention",) * (num_layers - 1)
   cfg = LlamaConfig(vocab_size=vocab_size, dim=dim, num_layers=num_layers, num_heads=num_heads,
                     num_kv_heads=num_kv_heads, mlp_dim=mlp_dim, init_std=0.1,
                     attention="dense", **fields)
@@ -138,7 +160,7 @@ def main(argv=None) -> None:
   p.add_argument("--vocab_size", type=int, default=320)
   p.add_argument("--docs", type=int, default=400)
   p.add_argument("--family", choices=sorted(FAMILY_FIELDS), default="llama",
-                 help="the architecture: llama, qwen2, qwen3 or mistral")
+                 help="the architecture: llama, qwen2, qwen3, mistral, gemma2 or gemma3")
   args = p.parse_args(argv)
   if os.path.isdir(args.out) and os.listdir(args.out):
     sys.exit(f"error: --out {args.out} exists and is not empty; pass a new directory.")

@@ -22,7 +22,8 @@ def resolve_hf_init(config: ml_collections.ConfigDict, log=None) -> ml_collectio
   For each field of :data:`models.convert_hf.HF_FIELDS` (vocabulary, dims,
   heads, kv heads, head_dim, mlp_dim, rope_theta, rope_scaling, norm_eps,
   tie_embeddings, and the architecture fields qkv_bias, qk_norm,
-  sliding_window, layer_types, family of Qwen2/Qwen3/Mistral checkpoints),
+  sliding_window, layer_types, family of Qwen2/Qwen3/Mistral checkpoints, and the Gemma
+  fields of Gemma 2/3 ones),
   ``config.model``'s value decides (a field the config does not have is added):
 
   * None ("not set", as ``configs/finetune.py`` leaves them all): config.json's value;

@@ -44,7 +44,7 @@ Not run on a GPU yet (no sm90 machine in this project's sessions so far); ``"aut
 on sm90/sm100 only after it passed its self-check on the device against the XLA kernel
 (:mod:`ring_jax.kernels.selfcheck`). On CPU the tests drive the same translation with
 tokamax's own XLA implementation of the forward, and the backward with a reference of the
-VJP contract above (tests/test_tokamax_gpu.py).
+VJP contract above (tests/ring_jax/test_tokamax_gpu.py).
 """
 
 from __future__ import annotations
