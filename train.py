@@ -392,17 +392,24 @@ class StageSetup:
 
 def build_stage(stage: stages_lib.Stage, mesh) -> StageSetup:
   """The train step of ``stage``: its model (RoPE) and an optimizer whose warmup + cosine
-  schedule spans the stage's steps. Abstract only; parameter shapes are the same in
-  every stage, so any stage's step restores a checkpoint of any other."""
+  schedule spans the stage's steps, its batches ``[rows, run length]``
+  (:func:`training.validation.run_length`: ``data.seq_len`` padded to what the ring splits;
+  logged when it pads). Abstract only; parameter shapes are the same in every stage, so any
+  stage's step restores a checkpoint of any other."""
   c = stage.config
   model_cfg, attention_line = val_lib.resolve_attention(c, val_lib.llama_config(c), mesh)
   if attention_line and stage.index > 0:  # train() logs the first stage's
     metrics_lib.log(attention_line)
+  ring = shd.ring_size(mesh.shape)
+  padding_line = val_lib.padding_line(model_cfg, ring, c.data.seq_len)
+  if padding_line:
+    metrics_lib.log(padding_line)
+  run_len = val_lib.run_length(model_cfg, ring, c.data.seq_len)  # data.seq_len, padded
   train_step = _train_step(model_cfg, mesh, c.optim, stage.steps, c.microbatches, c.seed)
   return StageSetup(stage=stage, model_cfg=model_cfg, train_step=train_step,
                     schedule=step_lib.make_schedule(c.optim, stage.steps),
-                    train_shape=(c.batch_size, c.data.seq_len),
-                    eval_shape=(c.eval_batch_size, c.data.seq_len))
+                    train_shape=(c.batch_size, run_len),
+                    eval_shape=(c.eval_batch_size, run_len))
 
 
 # The train steps of the last few (model, mesh, optimizer) triples this process built. A
