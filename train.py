@@ -76,6 +76,7 @@ from models import attention as attn_lib
 from models import pipeline as pipeline_lib
 from models import sharding as shd
 from training import batch as batch_lib
+from training import buckets as buckets_lib
 from training import checkpoint as ckpt_lib
 from training import compile_only as compile_lib
 from training import data as data_lib
@@ -350,6 +351,12 @@ def compile_only(config, topology: str | None = None, slices: int = 1) -> list[d
       lines, row = compile_lib.memory_lines(compiled, where, time.perf_counter() - t0)
       for line in lines:
         log(line)
+      buckets = buckets_lib.plan(c, m, mesh)
+      if buckets:  # every bucket's program, as the run compiles them
+        log(buckets_lib.describe(buckets))
+        with compile_lib.compiling(where):
+          count = len(buckets_lib.compile_steps(setup.train_step, buckets[:-1], c.microbatches))
+        log(buckets_lib.compiled_count_line(count + 1))
       if m.attention != "dense":
         log(ring_jax.kernels.describe(m.hop_kernel, platform=where.platform))
         log(attn_lib.describe_routing(m, mesh))
@@ -535,8 +542,18 @@ class _Run:
                                                self.setup.train_step.opt_shardings)
 
     # --- 4. Data: this process's rows, in the ring's layout, sharded (data, sequence) -------
-    self.train_iter = data_lib.make_iterator(
-        data_lib.make_dataset(c, self.batch_sharding, self.ring_size, split="train"))
+    # With data.length_buckets: whole batches per bucket, each on its own re-split mesh.
+    self.buckets = buckets_lib.plan(c, self.setup.model_cfg, self.mesh)
+    if self.buckets:
+      if jax.process_count() > 1:
+        raise errors.ConfigError("data.length_buckets run in one process (every process would "
+                                 "have to fill the same bucket first); drop the buckets.")
+      log(buckets_lib.describe(self.buckets))
+      self.train_iter = buckets_lib.BucketedBatches(data_lib.text_documents(c, "train"),
+                                                    self.buckets, c.model.layout)
+    else:
+      self.train_iter = data_lib.make_iterator(
+          data_lib.make_dataset(c, self.batch_sharding, self.ring_size, split="train"))
     if self.data_state is not None and self.step > stage.start:  # the checkpoint's stage
       self.train_iter.set_state(self.data_state)
     self.data_state = None
@@ -547,6 +564,11 @@ class _Run:
     t0 = time.perf_counter()
     self.compiled_step = self.setup.train_step.compile(self.setup.train_shape, self.params,
                                                        self.opt_state)
+    if self.buckets:  # one program per bucket (the full ring's is compiled_step's own)
+      self.bucket_steps = buckets_lib.compile_steps(
+          self.setup.train_step, self.buckets[:-1], c.microbatches, self.params,
+          self.opt_state) + [self.compiled_step]
+      log(buckets_lib.compiled_count_line(len(self.bucket_steps)))
     self.eval_step = self.setup.train_step.eval_step()
     memory = self.compiled_step.memory_analysis()
     log(f"compiled train step in {time.perf_counter() - t0:.1f}s"
@@ -590,10 +612,14 @@ class _Run:
     device keeps a step queued, and a failed background save stops the run here."""
     distributed_lib.note_step(step)  # For the line if a peer process dies.
     with self.profile.step(step) as outputs:
-      batch = data_lib.to_global(next(self.train_iter), self.batch_sharding,
-                                 self.setup.train_shape)
-      self.params, self.opt_state, metrics = self.compiled_step(self.params, self.opt_state,
-                                                                batch)
+      compiled, sharding, shape = self.compiled_step, self.batch_sharding, self.setup.train_shape
+      local = next(self.train_iter)
+      if self.buckets:  # (bucket, batch): that bucket's program, batch split and shape
+        index, local = local
+        bucket = self.buckets[index]
+        compiled, sharding, shape = self.bucket_steps[index], bucket.sharding, bucket.shape
+      batch = data_lib.to_global(local, sharding, shape)
+      self.params, self.opt_state, metrics = compiled(self.params, self.opt_state, batch)
       outputs.append(metrics)
     throughput.tick()
     self.step_metrics.add(step, metrics)

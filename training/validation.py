@@ -24,6 +24,7 @@ from models.attention import ATTENTION_BACKENDS
 from models import sharding as shd
 from ring_jax import kernels, layouts, planning
 from ring_jax.strategies import attention_axes
+from training import buckets as buckets_lib
 from training import hf_init as hf_init_lib
 from training import mesh as mesh_lib
 from training import stages as stages_lib
@@ -357,6 +358,7 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int) -> dict
     # No rule per process: each process loads the rectangular (rows x sequence)
     # block its devices hold (data.process_slices), so hosts may share rows.
   check_pipeline(config, sizes)
+  buckets_lib.check(config, sizes)
 
   if d.kind not in DATA_KINDS:
     raise ConfigError(f"data.kind={d.kind!r} is unknown; choose one of {DATA_KINDS}.")
