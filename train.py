@@ -278,6 +278,9 @@ def train(config, workdir: str, *, stop_at_step: int | None = None) -> TrainResu
     log(warmup_line)
   config = resolve_layout(config, jax.device_count())  # "auto": every reader sees the name
   sizes = val_lib.validate_config(config, jax.device_count())  # and each stage's
+  if buckets_lib.lengths_of(config) and jax.process_count() > 1:
+    raise errors.ConfigError("data.length_buckets run in one process (every process would "
+                             "have to fill the same bucket first); drop the buckets.")
   mesh = mesh_lib.make_mesh(config.mesh)
   ring_size = shd.ring_size(sizes)  # sequence_outer x sequence: the layouts span both
   first = stages_lib.plan(config)[0].config  # attention="auto" is decided per stage's shapes
@@ -545,9 +548,6 @@ class _Run:
     # With data.length_buckets: whole batches per bucket, each on its own re-split mesh.
     self.buckets = buckets_lib.plan(c, self.setup.model_cfg, self.mesh)
     if self.buckets:
-      if jax.process_count() > 1:
-        raise errors.ConfigError("data.length_buckets run in one process (every process would "
-                                 "have to fill the same bucket first); drop the buckets.")
       log(buckets_lib.describe(self.buckets))
       self.train_iter = buckets_lib.BucketedBatches(data_lib.text_documents(c, "train"),
                                                     self.buckets, c.model.layout)
