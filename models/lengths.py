@@ -39,7 +39,7 @@ def padded_length(cfg, ring: int, length: int) -> int:
   multiple of :func:`length_multiple` that is ``>= length`` (``length`` itself when it
   passes :func:`check_length`). The ``padded_length - length`` tokens at the row's end are
   padding (segment 0, loss mask 0): they cost compute and memory like real tokens, and
-  change no result."""
+  change no result (but dynamic-NTK RoPE's, computed at the length the rows run at)."""
   if length < 1:
     raise ValueError(f"a sequence length must be >= 1, got {length}.")
   multiple = length_multiple(cfg, ring)
