@@ -25,11 +25,11 @@ model's attention: the ring over the mesh's ``sequence`` axis, rows over
 
 Prints a table (length x task) to stdout, and writes ``eval_lengths.jsonl``
 (one row per length and task) and ``eval_lengths.png`` (accuracy vs length,
-with chance level) to the workdir. Every length must pass the model's length
-rule (``models/lengths.py``: it splits over the ring in the model's layout, e.g.
-a multiple of 8 for zigzag on 4 devices, and the ring blocks, FFN chunk and loss
-chunk divide each device's share), checked before anything loads: a bad one is
-one error line, exit status 2.
+with chance level) to the workdir. Any length >= 1 runs: a row of ``length``
+tokens runs padded at its end to the model's length rule
+(:func:`models.lengths.padded_length`: e.g. the next multiple of 8 for zigzag on
+4 devices), the padding masked (segment 0, no answer), so each answer is
+predicted from the ``length`` tokens alone.
 """
 
 from __future__ import annotations
@@ -157,15 +157,11 @@ def make_rows(config, task: str, length: int, rows: int, seed: int, tokenizer=No
 # ----------------------------------------------------------------------------------------------
 
 
-def check_lengths(model_cfg, mesh, lengths) -> None:
-  """The model's length rule (:mod:`models.lengths`: layout, ring blocks, FFN and loss
-  chunks) for every length, before anything loads or compiles."""
-  ring = shd.ring_size(mesh.shape)
+def check_lengths(lengths) -> None:
+  """Every length is a positive int (each one runs padded to the model's length rule)."""
   for length in lengths:
-    try:
-      lengths_lib.check_length(model_cfg, ring, length, what="length")
-    except ValueError as e:
-      raise UsageError(f"--lengths: {e}") from None
+    if not isinstance(length, (int, np.integer)) or length < 1:
+      raise UsageError(f"--lengths: every length must be a positive int, got {length!r}.")
 
 
 def evaluate(config, workdir: str | None, lengths, tasks=TASKS, *, hf_dir: str | None = None,
@@ -190,8 +186,7 @@ def evaluate(config, workdir: str | None, lengths, tasks=TASKS, *, hf_dir: str |
   # init.hf_dir's shape (configs/finetune.py), --hf_dir's model, the last stage's RoPE and
   # length, and model.layout="auto" as train.py resolves it for this data and ring.
   config, _ = val_lib.resolve_config(config, shd.ring_size(mesh.shape), hf_dir=hf_dir)
-  if not hf_dir:  # checked before anything loads; an HF model is checked once loaded
-    check_lengths(val_lib.llama_config(config), mesh, lengths)
+  check_lengths(lengths)  # before anything loads
   tokenizer = (loading.load_run_tokenizer(config, workdir=workdir, hf_dir=hf_dir, log=log)
                if text else None)
   rows = batch_size or config.eval_batch_size
@@ -200,7 +195,6 @@ def evaluate(config, workdir: str | None, lengths, tasks=TASKS, *, hf_dir: str |
     raise UsageError(f"--batch_size={rows} is not divisible by the mesh 'data' axis "
                               f"({data}).")
   model_cfg, params = loading.load_model(config, mesh, workdir=workdir, hf_dir=hf_dir, log=log)
-  check_lengths(model_cfg, mesh, lengths)
   graphdef, _, _ = step_lib.abstract_model(model_cfg, mesh)
   ring = shd.ring_size(mesh.shape)
 
@@ -214,14 +208,16 @@ def evaluate(config, workdir: str | None, lengths, tasks=TASKS, *, hf_dir: str |
   results = []
   with jax.set_mesh(mesh):
     for length in lengths:
+      run_len = lengths_lib.padded_length(model_cfg, ring, length)  # padded at each row's end
       sharding = NamedSharding(mesh, shd.logical_to_spec(("batch", "length"), mesh=mesh,
-                                                         shape=(rows, length)))
+                                                         shape=(rows, run_len)))
       for task in tasks:
         correct = answers = 0.0
         chance = None
         for k in range(batches):
           batch, chance = make_rows(config, task, length, rows, seed * 1000 + k, tokenizer)
-          batch = data_lib.to_layout_np(batch, model_cfg.layout, ring)
+          batch = data_lib.to_layout_np(data_lib.pad_rows(batch, run_len), model_cfg.layout,
+                                        ring)
           answers += float(batch["loss_mask"].sum())
           correct += float(hits(params, jax.device_put(batch, sharding)))
         row = dict(task=task, length=length, accuracy=correct / max(answers, 1.0),

@@ -76,6 +76,7 @@ from models import attention as attn_lib
 from models import pipeline as pipeline_lib
 from models import sharding as shd
 from training import batch as batch_lib
+from training import buckets as buckets_lib
 from training import checkpoint as ckpt_lib
 from training import compile_only as compile_lib
 from training import data as data_lib
@@ -277,6 +278,9 @@ def train(config, workdir: str, *, stop_at_step: int | None = None) -> TrainResu
     log(warmup_line)
   config = resolve_layout(config, jax.device_count())  # "auto": every reader sees the name
   sizes = val_lib.validate_config(config, jax.device_count())  # and each stage's
+  if buckets_lib.lengths_of(config) and jax.process_count() > 1:
+    raise errors.ConfigError("data.length_buckets run in one process (every process would "
+                             "have to fill the same bucket first); drop the buckets.")
   mesh = mesh_lib.make_mesh(config.mesh)
   ring_size = shd.ring_size(sizes)  # sequence_outer x sequence: the layouts span both
   first = stages_lib.plan(config)[0].config  # attention="auto" is decided per stage's shapes
@@ -350,6 +354,12 @@ def compile_only(config, topology: str | None = None, slices: int = 1) -> list[d
       lines, row = compile_lib.memory_lines(compiled, where, time.perf_counter() - t0)
       for line in lines:
         log(line)
+      buckets = buckets_lib.plan(c, m, mesh)
+      if buckets:  # every bucket's program, as the run compiles them
+        log(buckets_lib.describe(buckets))
+        with compile_lib.compiling(where):
+          count = len(buckets_lib.compile_steps(setup.train_step, buckets[:-1], c.microbatches))
+        log(buckets_lib.compiled_count_line(count + 1))
       if m.attention != "dense":
         log(ring_jax.kernels.describe(m.hop_kernel, platform=where.platform))
         log(attn_lib.describe_routing(m, mesh))
@@ -392,17 +402,24 @@ class StageSetup:
 
 def build_stage(stage: stages_lib.Stage, mesh) -> StageSetup:
   """The train step of ``stage``: its model (RoPE) and an optimizer whose warmup + cosine
-  schedule spans the stage's steps. Abstract only; parameter shapes are the same in
-  every stage, so any stage's step restores a checkpoint of any other."""
+  schedule spans the stage's steps, its batches ``[rows, run length]``
+  (:func:`training.validation.run_length`: ``data.seq_len`` padded to what the ring splits;
+  logged when it pads). Abstract only; parameter shapes are the same in every stage, so any
+  stage's step restores a checkpoint of any other."""
   c = stage.config
   model_cfg, attention_line = val_lib.resolve_attention(c, val_lib.llama_config(c), mesh)
   if attention_line and stage.index > 0:  # train() logs the first stage's
     metrics_lib.log(attention_line)
+  ring = shd.ring_size(mesh.shape)
+  padding_line = val_lib.padding_line(model_cfg, ring, c.data.seq_len)
+  if padding_line:
+    metrics_lib.log(padding_line)
+  run_len = val_lib.run_length(model_cfg, ring, c.data.seq_len)  # data.seq_len, padded
   train_step = _train_step(model_cfg, mesh, c.optim, stage.steps, c.microbatches, c.seed)
   return StageSetup(stage=stage, model_cfg=model_cfg, train_step=train_step,
                     schedule=step_lib.make_schedule(c.optim, stage.steps),
-                    train_shape=(c.batch_size, c.data.seq_len),
-                    eval_shape=(c.eval_batch_size, c.data.seq_len))
+                    train_shape=(c.batch_size, run_len),
+                    eval_shape=(c.eval_batch_size, run_len))
 
 
 # The train steps of the last few (model, mesh, optimizer) triples this process built. A
@@ -528,8 +545,15 @@ class _Run:
                                                self.setup.train_step.opt_shardings)
 
     # --- 4. Data: this process's rows, in the ring's layout, sharded (data, sequence) -------
-    self.train_iter = data_lib.make_iterator(
-        data_lib.make_dataset(c, self.batch_sharding, self.ring_size, split="train"))
+    # With data.length_buckets: whole batches per bucket, each on its own re-split mesh.
+    self.buckets = buckets_lib.plan(c, self.setup.model_cfg, self.mesh)
+    if self.buckets:
+      log(buckets_lib.describe(self.buckets))
+      self.train_iter = buckets_lib.BucketedBatches(data_lib.text_documents(c, "train"),
+                                                    self.buckets, c.model.layout)
+    else:
+      self.train_iter = data_lib.make_iterator(
+          data_lib.make_dataset(c, self.batch_sharding, self.ring_size, split="train"))
     if self.data_state is not None and self.step > stage.start:  # the checkpoint's stage
       self.train_iter.set_state(self.data_state)
     self.data_state = None
@@ -540,6 +564,11 @@ class _Run:
     t0 = time.perf_counter()
     self.compiled_step = self.setup.train_step.compile(self.setup.train_shape, self.params,
                                                        self.opt_state)
+    if self.buckets:  # one program per bucket (the full ring's is compiled_step's own)
+      self.bucket_steps = buckets_lib.compile_steps(
+          self.setup.train_step, self.buckets[:-1], c.microbatches, self.params,
+          self.opt_state) + [self.compiled_step]
+      log(buckets_lib.compiled_count_line(len(self.bucket_steps)))
     self.eval_step = self.setup.train_step.eval_step()
     memory = self.compiled_step.memory_analysis()
     log(f"compiled train step in {time.perf_counter() - t0:.1f}s"
@@ -583,10 +612,14 @@ class _Run:
     device keeps a step queued, and a failed background save stops the run here."""
     distributed_lib.note_step(step)  # For the line if a peer process dies.
     with self.profile.step(step) as outputs:
-      batch = data_lib.to_global(next(self.train_iter), self.batch_sharding,
-                                 self.setup.train_shape)
-      self.params, self.opt_state, metrics = self.compiled_step(self.params, self.opt_state,
-                                                                batch)
+      compiled, sharding, shape = self.compiled_step, self.batch_sharding, self.setup.train_shape
+      local = next(self.train_iter)
+      if self.buckets:  # (bucket, batch): that bucket's program, batch split and shape
+        index, local = local
+        bucket = self.buckets[index]
+        compiled, sharding, shape = self.bucket_steps[index], bucket.sharding, bucket.shape
+      batch = data_lib.to_global(local, sharding, shape)
+      self.params, self.opt_state, metrics = compiled(self.params, self.opt_state, batch)
       outputs.append(metrics)
     throughput.tick()
     self.step_metrics.add(step, metrics)

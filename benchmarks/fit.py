@@ -22,7 +22,9 @@ named ``offload_*``), which XLA:CPU keeps on the device.
 Search: powers of two (times the length granularity the config allows, see
 ``models.lengths.length_multiple``) from ``--start`` up until one does not
 fit (or down until one does), then bisection on that granularity until the
-gap is below ``--resolution`` of the length. ``--seq_len L`` checks one length.
+gap is below ``--resolution`` of the length. ``--seq_len L`` checks one length
+(any: one the granularity does not divide compiles padded to the next multiple, as
+train.py runs it; its row's ``run_len`` says the length compiled).
 Prints one table row per compiled length and, as the LAST line, one JSON
 object with ``seq_len``, ``per_device_bytes`` and ``fits`` (and the details; compiled for a
 TPU slice also ``ring_in_flight`` / ``ring_transfers`` of each row, the ring transfers with
@@ -183,32 +185,33 @@ class Planner:
     self.unit = "GiB" if limit_bytes >= GIB else "MiB"  # of the printed table
 
   def check(self, length: int) -> dict:
-    """Compiles the step at ``length``; returns (and prints) its row of the table."""
+    """Compiles the step at ``length`` (padded to :func:`training.validation.run_length`,
+    the row's ``run_len``); returns (and prints) its row of the table."""
     from training import errors
     from training import validation as val_lib
 
     if length in self.rows_by_length:
       return self.rows_by_length[length]
-    try:
-      val_lib.check_seq_len(self.model_cfg, self.ring, length)
+    try:  # a length the ring does not split runs padded, as train.py runs it
+      run_len = val_lib.run_length(self.model_cfg, self.ring, length)
     except errors.ConfigError as e:
-      raise FitError(f"{e} Lengths here are multiples of {self.multiple}.") from None
+      raise FitError(str(e)) from None
     t0 = time.perf_counter()
     counts = None
     if self.collectives:
-      compiled, hlo = common.compile_partitioned(self.step.lower((self.rows, length)))
+      compiled, hlo = common.compile_partitioned(self.step.lower((self.rows, run_len)))
       counts = common.count_collectives(hlo)
     else:
-      compiled = self.step.compile((self.rows, length))
+      compiled = self.step.compile((self.rows, run_len))
     ma = common.compiled_memory(compiled, common.MEMORY_FIELDS + ("host_temp_size_in_bytes",))
     total = common.per_device_bytes(ma)
     offloaded = 0
     if "offload" in self.model_cfg.remat_policy and self.platform == "cpu":
       m = self.model_cfg
-      offloaded = self.step.offloaded_bytes((self.rows, length),
+      offloaded = self.step.offloaded_bytes((self.rows, run_len),
                                             layers=m.num_layers if m.scan_layers else 1)
     device = total - offloaded
-    row = dict(seq_len=length, argument_bytes=ma["argument_size_in_bytes"],
+    row = dict(seq_len=length, run_len=run_len, argument_bytes=ma["argument_size_in_bytes"],
                temp_bytes=ma["temp_size_in_bytes"], output_bytes=ma["output_size_in_bytes"],
                alias_bytes=ma["alias_size_in_bytes"],
                host_temp_bytes=ma.get("host_temp_size_in_bytes", 0),

@@ -76,6 +76,9 @@ def base_config() -> ml_collections.ConfigDict:
       # Hugging Face model dir); training/tokenizer.py:load_tokenizer.
       tokenizer="byte",
       strict=False,  # text: stop at the first bad record instead of counting and skipping it
+      # text: rows of these lengths (sorted, <= seq_len) on rings of sequence * L_b / seq_len
+      # devices, the rest data parallel (training/buckets.py); () = one ring of seq_len.
+      length_buckets=(),
       # kind="kv_retrieval": see training/data.py:KVRetrievalTask.
       kv=dict(num_pairs=8, num_queries=8, num_keys=32, num_values=16, num_filler=16,
               docs_per_row=2),

@@ -82,6 +82,10 @@ class Estimate:
       with the backward the larger ``ℓ*_bwd``; without a window).
     memory_bytes: predicted peak bytes per device of the call (inputs, outputs,
       residuals, temporaries).
+    padding: tokens of padding per row: a length the strategy does not split runs padded at
+      its end to the next one it does (``attention_sharded`` pads natural-order inputs so,
+      :func:`ring_jax.strategies.global_arrays.padded_length`), and every figure above is
+      for ``seq_len + padding`` tokens.
   """
   strategy: str
   split: tuple[int, ...]
@@ -96,6 +100,7 @@ class Estimate:
   hidden: bool | None
   min_local_len: float | None
   memory_bytes: float
+  padding: int = 0
 
   @property
   def name(self) -> str:
@@ -138,6 +143,8 @@ class Plan:
       hidden = "-" if e.hidden is None else ("yes" if e.hidden else "no")
       lstar = "-" if e.min_local_len is None else f"{e.min_local_len:,.0f}"
       note = "" if e.feasible and e.why_not is None else f"[{e.why_not}]"
+      if e.padding:
+        note = f"pads +{e.padding} tokens/row " + note
       if e.flops == 0 and not e.feasible:
         rows.append(f"{e.name:12s} {'-':>8s} {'-':>9s} {'-':>9s} {'-':>9s} {'-':>9s} "
                     f"{'-':>9s} {'-':>6s} {'-':>7s} {'-':>8s}  {note}")
@@ -516,17 +523,17 @@ def _hybrid_cost(s: _Setting, r: int, u: int) -> dict:
   return res
 
 
-#: strategy -> (its cost function, why it cannot run or None); both take (setting, *split).
+#: strategy -> (its cost function, the step between the lengths it splits, why it cannot run
+#: or None); each takes (setting, *split). A length it does not split is costed padded.
 _COSTS = {
-    "ring": (_ring_cost, lambda s, n: validation.split_problem(s.layout, n, s.seq_len)),
-    "all_gather": (_all_gather_cost,
-                   lambda s, n: validation.split_problem(s.layout, n, s.seq_len)),
+    "ring": (_ring_cost, lambda s, n: validation.split_multiple(s.layout, n), lambda s, n: None),
+    "all_gather": (_all_gather_cost, lambda s, n: validation.split_multiple(s.layout, n),
+                   lambda s, n: None),
     # Natural-order inputs run Ulysses in natural order (attention_sharded): no layout rule.
-    "ulysses": (_ulysses_cost, lambda s, u: (
-        validation.split_problem("contiguous", u, s.seq_len) or _heads_problem(s.nh, s.kh, u))),
-    "hybrid": (_hybrid_cost, lambda s, r, u: (
-        validation.split_problem(s.layout, r, s.seq_len, ulysses=u)
-        or _heads_problem(s.nh, s.kh, u))),
+    "ulysses": (_ulysses_cost, lambda s, u: validation.split_multiple("contiguous", u),
+                lambda s, u: _heads_problem(s.nh, s.kh, u)),
+    "hybrid": (_hybrid_cost, lambda s, r, u: validation.split_multiple(s.layout, r, ulysses=u),
+               lambda s, r, u: _heads_problem(s.nh, s.kh, u)),
 }
 assert tuple(_COSTS) == STRATEGIES
 
@@ -578,7 +585,10 @@ def plan(*, batch: int, seq_len: int, heads: int, head_dim: int, kv_heads: int |
 
   Returns:
     a :class:`Plan`: ``strategy`` (and ``split`` for the hybrid), the reasons,
-    and every candidate's :class:`Estimate`; ``print(plan)`` shows a table.
+    and every candidate's :class:`Estimate`; ``print(plan)`` shows a table. Any
+    ``seq_len >= 1``: a strategy that does not split it is costed at the next length it
+    splits, the padding its :attr:`Estimate.padding` (the table's note, and a reason when
+    the chosen one pads).
   """
   wanted = tuple(STRATEGIES if strategies is None else strategies)
   for name in wanted:
@@ -595,6 +605,8 @@ def plan(*, batch: int, seq_len: int, heads: int, head_dim: int, kv_heads: int |
     n = int(sequence)
     candidates = [(name, (n,)) for name in ("ring", "all_gather", "ulysses")]
     candidates += [("hybrid", (n // u, u)) for u in range(2, n) if n % u == 0]
+  if seq_len < 1:
+    raise ValueError(f"seq_len must be >= 1, got {seq_len}.")
   if batch % data:
     raise ValueError(f"batch {batch} is not divisible by data={data}.")
   if heads % tensor:
@@ -615,12 +627,16 @@ def plan(*, batch: int, seq_len: int, heads: int, head_dim: int, kv_heads: int |
   for name, split in candidates:
     if name not in wanted:
       continue
-    cost, problem = _COSTS[name]
+    cost, multiple, problem = _COSTS[name]
     if name == "ring" and len(split) == 2:
-      cost, problem = _two_level_cost, lambda s, o, i: _COSTS["ring"][1](s, o * i)
+      cost, multiple = _two_level_cost, lambda s, o, i: _COSTS["ring"][1](s, o * i)
+      problem = lambda s, o, i: None  # noqa: E731
     why = problem(s, *split)
+    step = multiple(s, *split)
+    padded = dataclasses.replace(s, seq_len=-(-seq_len // step) * step)
     estimates.append(_infeasible(name, split, why) if why else
-                     _fit(_estimate(name, split, cost(s, *split)), budget))
+                     _fit(_estimate(name, split, cost(padded, *split),
+                                    padding=padded.seq_len - seq_len), budget))
   setting = (f"{spec.label}: B={batch} L={seq_len:,} N={heads} K={kv_heads} d={head_dim} "
              f"{_dtype_name(dtype)}, {_mask_name(is_causal, window)}, layout={layout}, "
              f"sequence={sequence} tensor={tensor} data={data}, "
@@ -717,8 +733,8 @@ def _infeasible(strategy, split, why) -> Estimate:
                   time_s=math.inf, hidden=None, min_local_len=None, memory_bytes=0.0)
 
 
-def _estimate(strategy, split, r) -> Estimate:
-  return Estimate(strategy=strategy, split=split, feasible=True, why_not=None,
+def _estimate(strategy, split, r, padding: int = 0) -> Estimate:
+  return Estimate(strategy=strategy, split=split, feasible=True, why_not=None, padding=padding,
                   flops=r["flops"], bytes_moved=r["bytes_moved"], compute_s=r["compute_s"],
                   comm_s=r["comm_s"], exposed_comm_s=max(0.0, r["time_s"] - r["compute_s"]),
                   time_s=r["time_s"], hidden=r["hidden"], min_local_len=r["min_local_len"],
@@ -743,6 +759,9 @@ def _choose(estimates, spec, setting) -> Plan:
   best = min(ok, key=lambda e: (round(e.time_s, 12), order[e.strategy], -len(e.split)))
   reasons = [f"fastest predicted ({best.time_s * 1e3:.2f} ms per device, "
              f"{best.exposed_comm_s * 1e3:.2f} ms of it exposed transfer)"]
+  if best.padding:
+    reasons.append(f"pads each row by {best.padding} tokens to the next length it splits "
+                   "(costed in)")
   if best.hidden is not None:
     reasons.append("the ring's transfer hides behind compute" if best.hidden else
                    f"the ring's transfer is exposed (local length below l* = "

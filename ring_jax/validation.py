@@ -151,11 +151,17 @@ def check_split(layout: str, ring_size: int, length: int, *, ulysses: int = 1,
   """
   local_len = layouts.check_length(layout, ring_size, length, what)
   if local_len % ulysses:
-    multiple = math.lcm(layouts.length_multiple(layout, ring_size), ring_size * ulysses)
+    multiple = split_multiple(layout, ring_size, ulysses=ulysses)
     raise ValueError(
         f"{what} {length}: each ring shard of {local_len} tokens must split over the "
         f"{ulysses} devices of the Ulysses axis; pad it to a multiple of {multiple}.")
   return local_len
+
+
+def split_multiple(layout: str, ring_size: int, *, ulysses: int = 1) -> int:
+  """The step between the lengths :func:`check_split` accepts: the layout's multiple of the
+  ring (:func:`ring_jax.layouts.length_multiple`) and ``ring_size * ulysses``."""
+  return math.lcm(layouts.length_multiple(layout, ring_size), ring_size * ulysses)
 
 
 def split_problem(layout: str, ring_size: int, length: int, *, ulysses: int = 1) -> str | None:

@@ -11,6 +11,13 @@ the sequence axis evenly over the mesh's ``sequence`` axis hands every device
 exactly the tokens the ring kernel expects. The loss is a masked sum, so it is
 computed in layout order without undoing the permutation.
 
+Any ``data.seq_len`` runs: rows of ``seq_len`` tokens are built (and packed) as
+they are, then padded at their end to the run length
+(:func:`training.validation.run_length`, the next length the model's length rule
+accepts on the ring) with :func:`pad_rows` before the reordering: the padding is
+segment 0 (attends nothing, never attended) with no loss target, so it changes
+neither the loss nor its gradients.
+
 Two pipelines, both checkpointable (``get_state()/set_state()``, JSON-able):
 
 * ``kv_retrieval``: a ``grain.MapDataset`` indexed by *batch number*: batch ``k``
@@ -35,6 +42,7 @@ import grain
 import jax
 import numpy as np
 
+from models import lengths
 from ring_jax import documents, layouts
 from training import sources
 from training.batch import DTYPES, FIELDS
@@ -81,6 +89,18 @@ def to_layout_np(batch: dict[str, np.ndarray], layout: str, ring_size: int) -> d
   return {k: np.ascontiguousarray(v[:, perm]) for k, v in batch.items()}
 
 
+def pad_rows(batch: dict[str, np.ndarray], length: int) -> dict[str, np.ndarray]:
+  """``[rows, L]`` natural-order fields -> ``[rows, length]`` (``length >= L``), the new
+  tokens at each row's end all zero: token ``PAD_ID``, position 0, segment 0 (padding:
+  masked in attention), label 0, loss mask 0 (no target)."""
+  have = batch["tokens"].shape[1]
+  if length < have:
+    raise ValueError(f"cannot pad rows of {have} tokens to {length}.")
+  if length == have:
+    return batch
+  return {k: np.pad(v, [(0, 0), (0, length - have)]) for k, v in batch.items()}
+
+
 def segment_positions(segment_ids: np.ndarray) -> np.ndarray:
   """Position of each token inside its segment (restarts at 0 per document), natural order."""
   rows, length = segment_ids.shape
@@ -111,8 +131,9 @@ def next_token_targets(tokens: np.ndarray, segment_ids: np.ndarray):
 class KVRetrievalTask:
   """Key/value pairs at the start of a document, queries for them at its end.
 
-  A row of ``seq_len`` tokens packs ``docs_per_row`` independent documents
-  (segment ids 1, 2, ...; positions restart per document), each::
+  A row of ``seq_len`` tokens packs ``docs_per_row`` independent documents of
+  ``seq_len // docs_per_row`` tokens (segment ids 1, 2, ...; positions restart per
+  document; the ``seq_len % docs_per_row`` tokens left at the end are padding), each::
 
     BOS k1 v1 k2 v2 ... kP vP  f f f ... f  QUERY kq1 vq1 kq2 vq2 ... kqQ vqQ
 
@@ -181,9 +202,8 @@ class KVRetrievalTask:
     if self.num_queries > self.num_pairs:
       raise ValueError(f"data.kv.num_queries={self.num_queries} exceeds "
                         f"num_pairs={self.num_pairs}.")
-    if self.docs_per_row < 1 or self.seq_len % self.docs_per_row:
-      raise ValueError(f"data.kv.docs_per_row={self.docs_per_row} must be >= 1 and divide "
-                        f"data.seq_len={self.seq_len}.")
+    if self.docs_per_row < 1:
+      raise ValueError(f"data.kv.docs_per_row={self.docs_per_row} must be >= 1.")
     used = 1 + 2 * self.num_pairs + 1 + 2 * self.num_queries
     if used > self.doc_len:
       raise ValueError(
@@ -210,11 +230,15 @@ class KVRetrievalTask:
     """Row ``index`` of the stream ``seed`` (natural order, ``[seq_len]`` fields)."""
     rng = np.random.default_rng([seed, index])
     docs = [self._document(rng) for _ in range(self.docs_per_row)]
-    tokens = np.concatenate([t for t, _ in docs]).astype(np.int32)
-    is_query = np.concatenate([m for _, m in docs])
-    segment_ids = np.repeat(np.arange(1, self.docs_per_row + 1, dtype=np.int32), self.doc_len)
+    rest = self.seq_len - self.docs_per_row * self.doc_len  # padding (segment 0) at the end
+    tokens = np.concatenate([t for t, _ in docs] + [np.full(rest, PAD_ID)]).astype(np.int32)
+    is_query = np.concatenate([m for _, m in docs] + [np.zeros(rest, bool)])
+    segment_ids = np.repeat(np.arange(self.docs_per_row + 1, dtype=np.int32),
+                            [rest] + [self.doc_len] * self.docs_per_row)
+    segment_ids = np.roll(segment_ids, -rest)  # documents 1..docs_per_row, then the padding
     labels, _ = next_token_targets(tokens[None], segment_ids[None])
-    return dict(tokens=tokens, positions=segment_positions(segment_ids[None])[0],
+    positions = np.where(segment_ids > 0, segment_positions(segment_ids[None])[0], 0)
+    return dict(tokens=tokens, positions=positions,
                 segment_ids=segment_ids, labels=labels[0],
                 loss_mask=is_query.astype(np.float32))
 
@@ -372,7 +396,8 @@ class BatchSource:
 
 def make_dataset(config, sharding: jax.sharding.Sharding, ring_size: int, *,
                  split: str) -> grain.MapDataset | grain.IterDataset:
-  """The Grain dataset of this process's batches for ``split`` in {'train', 'eval'}.
+  """The Grain dataset of this process's batches for ``split`` in {'train', 'eval'}: rows of
+  ``data.seq_len`` tokens padded to :func:`models.lengths.padded_length` (:func:`pad_rows`).
 
   kv task: a ``MapDataset`` (random access by batch number); text: an ``IterDataset``
   stream of this process's data shard (:func:`data_shard`). Eval streams use a
@@ -387,21 +412,22 @@ def make_dataset(config, sharding: jax.sharding.Sharding, ring_size: int, *,
                      f"{layouts.ALL_LAYOUTS} ('auto' is resolved first: "
                      "training.validation.resolve_layout).")
   batch = config.batch_size if split == "train" else config.eval_batch_size
-  rows, cols = process_slices(sharding, (batch, d.seq_len))
+  run_len = lengths.padded_length(config.model, ring_size, d.seq_len)
+  rows, cols = process_slices(sharding, (batch, run_len))
   seed = config.seed + (0 if split == "train" else 1_000_003)
   if d.kind == "kv_retrieval":
     task = KVRetrievalTask.from_config(d)
-    make_rows = lambda first, count: task.rows(seed, first, count)
+    make_rows = lambda first, count: pad_rows(task.rows(seed, first, count), run_len)
     source = BatchSource(make_rows, batch, config.model.layout, ring_size, rows, cols)
     return grain.MapDataset.source(source)
   if d.kind != "text":
     raise ValueError(f"unknown data.kind {d.kind!r}")
-  shard_index, shard_count = data_shard(sharding, (batch, d.seq_len))
+  shard_index, shard_count = data_shard(sharding, (batch, run_len))
   documents = text_documents(config, split, shard_index, shard_count)
   layout = config.model.layout
 
   def finish(packed):
-    natural = finish_rows(packed)
+    natural = pad_rows(finish_rows(packed), run_len)
     return {k: v[:, cols] for k, v in to_layout_np(natural, layout, ring_size).items()}
 
   return (pack_stream(documents, d.seq_len)

@@ -24,6 +24,7 @@ from models.attention import ATTENTION_BACKENDS
 from models import sharding as shd
 from ring_jax import kernels, layouts, planning
 from ring_jax.strategies import attention_axes
+from training import buckets as buckets_lib
 from training import hf_init as hf_init_lib
 from training import mesh as mesh_lib
 from training import stages as stages_lib
@@ -37,18 +38,41 @@ LAYOUT_CHOICES: tuple[str, ...] = (AUTO_LAYOUT,) + layouts.ALL_LAYOUTS
 
 
 def check_seq_len(model_config, ring: int, seq_len: int) -> int:
-  """:func:`models.lengths.check_length` for ``data.seq_len``; returns the local length.
+  """The per-device length ``data.seq_len`` runs at: :func:`run_length` over ``ring``.
 
-  ``model_config``: ``config.model`` or a ``LlamaConfig`` (the same fields).
+  Any ``seq_len >= 1`` runs (a row is padded at its end to the model's length rule,
+  :func:`models.lengths.padded_length`). ``model_config``: ``config.model`` or a
+  ``LlamaConfig`` (the same fields).
 
   Raises:
-    ConfigError: naming the field and the fix.
+    ConfigError: ``seq_len < 1``.
+  """
+  return run_length(model_config, ring, seq_len) // ring
+
+
+def run_length(model_config, ring: int, seq_len: int) -> int:
+  """The row length a batch of ``data.seq_len`` tokens per row runs at on a ring of ``ring``
+  devices (:func:`models.lengths.padded_length`: ``seq_len`` itself when the model's length
+  rule accepts it); the data pipeline pads each row's end to it (segment 0, no loss target).
+
+  Raises:
+    ConfigError: ``seq_len < 1``.
   """
   try:
-    return lengths.check_length(model_config, ring, seq_len, what="data.seq_len")
+    return lengths.padded_length(model_config, ring, int(seq_len))
   except ValueError as e:
-    raise ConfigError(f"data.seq_len={seq_len} with model.layout={model_config.layout!r} on the "
-                      f"ring of {ring} devices (mesh sequence_outer x sequence): {e}") from None
+    raise ConfigError(f"data.seq_len: {e}") from None
+
+
+def padding_line(model_config, ring: int, seq_len: int) -> str | None:
+  """The startup line saying how ``data.seq_len`` is padded on this ring (None: it is not)."""
+  run = run_length(model_config, ring, seq_len)
+  if run == seq_len:
+    return None
+  return (f"data.seq_len={seq_len} runs as rows of {run} tokens on the ring of {ring} "
+          f"(model.layout={model_config.layout!r} and the model's blocks split multiples of "
+          f"{lengths.length_multiple(model_config, ring)}): {run - seq_len} padding tokens per "
+          f"row ({(run - seq_len) / run:.1%} of each row), masked out of attention and the loss")
 
 
 def check_model_parallelism(model_config, sizes: dict[str, int], seq_len: int) -> None:
@@ -90,7 +114,7 @@ def check_model_parallelism(model_config, sizes: dict[str, int], seq_len: int) -
     if local % m.ffn_chunk_size:
       raise ConfigError(
           f"model.ffn_chunk_size={m.ffn_chunk_size} must divide the residual stream's local "
-          f"length {local} (data.seq_len {seq_len} / sequence {ring} / tensor {tensor}: tensor "
+          f"length {local} (row length {seq_len} / sequence {ring} / tensor {tensor}: tensor "
           "sequence parallelism splits it over both); use a divisor of it, or "
           "model.tensor_sequence_parallel=False.")
 
@@ -319,9 +343,9 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int) -> dict
     raise ConfigError(f"model.mlp_dim={m.mlp_dim} and model.vocab_size={m.vocab_size} must be "
                       f"divisible by the mesh 'tensor' axis ({tensor}).")
 
-  check_seq_len(m, ring, d.seq_len)
+  run_len = run_length(m, ring, d.seq_len)
   validate_distributed(config)
-  check_model_parallelism(m, sizes, d.seq_len)
+  check_model_parallelism(m, sizes, run_len)
 
   for name in ("batch_size", "eval_batch_size"):
     batch, micro = config[name], (config.microbatches if name == "batch_size" else 1)
@@ -334,6 +358,7 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int) -> dict
     # No rule per process: each process loads the rectangular (rows x sequence)
     # block its devices hold (data.process_slices), so hosts may share rows.
   check_pipeline(config, sizes)
+  buckets_lib.check(config, sizes)
 
   if d.kind not in DATA_KINDS:
     raise ConfigError(f"data.kind={d.kind!r} is unknown; choose one of {DATA_KINDS}.")
@@ -420,10 +445,11 @@ def llama_config(config: ml_collections.ConfigDict):
 def resolve_attention(config: ml_collections.ConfigDict, model_cfg, mesh):
   """``(model_cfg, line)``: ``model.attention="auto"`` decided once for the run's shapes
   (:func:`models.attention.resolve_attention`: ``ring_jax.plan`` for a microbatch of
-  ``batch_size / microbatches`` rows of ``data.seq_len`` tokens on ``mesh``) and the startup
+  ``batch_size / microbatches`` rows of :func:`run_length` tokens on ``mesh``) and the startup
   line saying what it chose and why; any other strategy: unchanged, ``line=None``."""
   rows = config.batch_size // config.microbatches
-  resolved, chosen = attn_lib.resolve_attention(model_cfg, mesh, rows, config.data.seq_len)
+  run_len = run_length(model_cfg, shd.ring_size(mesh.shape), config.data.seq_len)
+  resolved, chosen = attn_lib.resolve_attention(model_cfg, mesh, rows, run_len)
   if resolved is model_cfg:
     return model_cfg, None
   why = ("no sequence axis (falls back to dense)" if chosen is None
@@ -493,7 +519,7 @@ def resolve_layout(config: ml_collections.ConfigDict,
   layout, why = planning.choose_layout(
       ring_size, packed=packed, is_causal=True,
       local_window_size=None if window is None else (int(window) - 1, 0),
-      local_len=int(config.data.seq_len) // ring_size)
+      local_len=-(-int(config.data.seq_len) // ring_size))
   config = config.copy_and_resolve_references()
   config.model.layout = layout
   return config, f"layout: auto -> {layout} ({why}; {what}; ring of {ring_size})"

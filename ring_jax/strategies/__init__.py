@@ -34,9 +34,7 @@ in device order).
 from __future__ import annotations
 
 import dataclasses
-import math
 
-from ring_jax import layouts
 from ring_jax import planning
 from ring_jax import validation
 from ring_jax.hop import HopKernel
@@ -102,7 +100,7 @@ def attention_sharded(query, key, value, *, mesh=None, strategy: str = "auto",
   mesh = global_arrays.current_mesh(mesh)
   if strategy == "auto":
     strategy = _planned(mesh, global_arrays.seq_axes(mesh, seq_axis), batch_axis, head_axis,
-                        query, key, options, inputs_in_layout)
+                        query, key, options)
   if strategy not in TABLE:
     raise ValueError(f"strategy must be one of {STRATEGIES + ('auto',)}, got {strategy!r}.")
   sinks = validation.check_sinks(sinks, query.shape[2])
@@ -118,18 +116,13 @@ def attention_sharded(query, key, value, *, mesh=None, strategy: str = "auto",
   return with_sinks(result, sinks, return_lse=False)
 
 
-def _planned(mesh, seq, batch_axis, head_axis, query, key, options,
-             inputs_in_layout: bool = False) -> str:
+def _planned(mesh, seq, batch_axis, head_axis, query, key, options) -> str:
   """The strategy :func:`ring_jax.plan` picks for this call (a pair of axes: the two-level
   ring, all-gather over both or the hybrid; the flat ring over both is only compared, it
-  is never faster than the two-level one in the model). A natural-order length no strategy
-  splits is planned at the next length every candidate splits (the layout's multiple of all
-  the sequence devices), which the chosen one then pads to its own
-  (:func:`ring_jax.strategies.global_arrays.padded_length`)."""
+  is never faster than the two-level one in the model). A natural-order length a strategy
+  does not split is costed at the length it pads to (:attr:`ring_jax.Estimate.padding`,
+  :func:`ring_jax.strategies.global_arrays.padded_length`)."""
   b, length, n, h = query.shape
-  if not inputs_in_layout:
-    multiple = layouts.length_multiple(options.layout, math.prod(mesh.shape[a] for a in seq))
-    length = -(-length // multiple) * multiple
   size = lambda axis: mesh.shape[axis] if axis in mesh.axis_names else 1
   return planning.plan(
       batch=b, seq_len=length, heads=n, kv_heads=key.shape[2], head_dim=h, dtype=query.dtype,

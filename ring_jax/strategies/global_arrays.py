@@ -300,7 +300,7 @@ def padded_length(strategy: Strategy, where: Placement, options: AttentionOption
     ring, extra = sizes[0], sizes[1]
   else:
     ring, extra = (math.prod(sizes) if strategy.one_ring_over_pair else sizes[0]), 1
-  multiple = math.lcm(layouts.length_multiple(options.layout, ring), ring * extra)
+  multiple = validation.split_multiple(options.layout, ring, ulysses=extra)
   if strategy.name == "ring":  # the kernel's blocks tile each layout chunk of the shards
     chunks = ring * (2 if layouts.mask_layout(options.layout) == "zigzag" else 1)
     grain = next((b for b in range(1, 1025) if takes_block(options.hop_kernel, b)), 1)

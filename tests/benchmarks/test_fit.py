@@ -98,7 +98,7 @@ def test_cli_one_length_then_search_finds_it(tmp_path):
 
 @pytest.mark.parametrize("kw,message", [
     (dict(devices=3), "--mesh data=1,sequence=3"),
-    (dict(devices=2, mesh="data=1,sequence=2", seq_len=102), "multiples of"),
+    (dict(devices=2, mesh="data=1,sequence=2", seq_len=0), "data.seq_len"),
 ])
 def test_bad_mesh_or_length_names_the_fix(kw, message):
   with pytest.raises(fit_lib.FitError, match=message):
@@ -106,7 +106,8 @@ def test_bad_mesh_or_length_names_the_fix(kw, message):
 
 
 def test_length_multiple_matches_the_config_check():
-  """Every multiple of length_multiple passes check_seq_len; smaller steps do not."""
+  """Every multiple of length_multiple runs as it is; any other length runs padded to the
+  next multiple."""
   from configs import llama_1b
   from models import lengths
   from training import errors
@@ -117,9 +118,11 @@ def test_length_multiple_matches_the_config_check():
     g = lengths.length_multiple(model, ring)
     for k in (1, 3, 128):
       assert val_lib.check_seq_len(model, ring, k * g) == k * g // ring
-    for bad in (g // 2, g + ring * 2):
-      with pytest.raises(errors.ConfigError):
-        val_lib.check_seq_len(model, ring, bad)
+    for odd, padded in ((g // 2, g), (g + ring * 2, 2 * g)):
+      assert val_lib.run_length(model, ring, odd) == padded
+      assert val_lib.check_seq_len(model, ring, odd) == padded // ring
+    with pytest.raises(errors.ConfigError, match="data.seq_len"):
+      val_lib.check_seq_len(model, ring, 0)
 
 
 def _tiny_step(policy):

@@ -96,3 +96,27 @@ def test_explicit_mesh_any_length():
       q, k, v, mesh=mesh, is_causal=True, layout="zigzag")
   with jax.set_mesh(mesh):
     _check(fn, q, k, v, is_causal=True)
+
+
+@pytest.mark.parametrize("sequence,length,padding", [
+    (4, 37, {"ring": 3, "all_gather": 3, "ulysses": 3, "hybrid2x2": 3}),
+    (4, 100, {"ring": 4, "all_gather": 4, "ulysses": 0, "hybrid2x2": 0}),
+    ((2, 4), 100, {"ring2x4": 12, "ring": 12, "all_gather": 12, "hybrid2x4": 4}),
+])
+def test_plan_costs_a_length_at_the_length_it_pads_to(sequence, length, padding):
+  """plan() at a length a strategy does not split: its estimate is the one at the padded
+  length (zigzag: multiples of 2n; Ulysses: of u; the hybrid: of 2r and r*u), padding told."""
+  kw = dict(batch=2, heads=8, kv_heads=4, head_dim=64, layout="zigzag", sequence=sequence,
+            device="TPU v5p")
+  plan = ring_jax.plan(seq_len=length, **kw)
+  assert {e.name: e.padding for e in plan.estimates} == padding
+  for e in plan.estimates:
+    at = ring_jax.plan(seq_len=length + e.padding, **kw).estimate(e.name)
+    assert at.padding == 0
+    assert (e.flops, e.memory_bytes, e.time_s, e.bytes_moved) == (
+        at.flops, at.memory_bytes, at.time_s, at.bytes_moved)
+  chosen = plan.estimate(ring_jax.planning._name(plan.strategy, plan.split))
+  table = plan.table()
+  assert f"pads +{padding['ring' if 'ring' in padding else 'ring2x4']} tokens/row" in table
+  if chosen.padding:
+    assert f"pads each row by {chosen.padding} tokens to the next length it splits" in table

@@ -221,7 +221,7 @@ def test_kv_task_errors_are_value_errors():
 
   for task, match in ((dict(seq_len=64, num_pairs=2, num_queries=3), "num_queries"),
                       (dict(seq_len=64, num_pairs=8, num_queries=8), "too short"),
-                      (dict(seq_len=128, docs_per_row=3), "docs_per_row=3")):
+                      (dict(seq_len=128, docs_per_row=0), "docs_per_row=0")):
     with pytest.raises(ValueError, match=match) as raised:
       data_lib.KVRetrievalTask(**task).check()
     assert not isinstance(raised.value, ConfigError)

@@ -162,34 +162,21 @@ def test_evaluate_kv_task(tmp_path):
   answers = {(r["task"], r["length"]): r["answers"] for r in results}
   assert answers[("kv", 64)] == 2 * 2 * 4  # rows x docs_per_row x num_queries
   assert answers[("passkey", 128)] == 2
-  with pytest.raises(generate.UsageError, match="multiple of 8"):
-    evaluate.evaluate(config, workdir, [60], ["kv"], log=lambda m: None)
-
-
-@pytest.mark.parametrize("field", ["block_q", "ffn_chunk_size", "loss_chunk_size"])
-def test_evaluate_checks_the_models_length_rule_before_loading(tmp_path, field):
-  """A length whose per-device share a ring block, the FFN chunk or the loss chunk does not
-  divide is one UsageError naming the field, before any checkpoint is read or compiled."""
-  config = tiny_config(**{f"model.{field}": 32})  # mesh data=2 x sequence=4: 64 -> 16 each
-  with pytest.raises(generate.UsageError,
-                     match=rf"--lengths: model\.{field}=32 must divide the per-device "
-                           r"sequence length 16 \(= length 64 / ring 4\); use a multiple of 128"):
-    evaluate.evaluate(config, str(tmp_path / "no_run"), [256, 64], ["kv"], log=lambda m: None)
+  with pytest.raises(generate.UsageError, match="positive int, got 0"):
+    evaluate.evaluate(config, workdir, [60, 0], ["kv"], log=lambda m: None)
 
 
 def test_evaluate_cli_bad_length_is_one_line(tmp_path):
-  """evaluate.py at a length the loss chunk does not divide: exit 2 with one error line
-  (it used to die mid-trace with a traceback)."""
+  """evaluate.py at a length below 1: exit 2 with one error line, before anything loads (any
+  length >= 1 runs: padded to the model's length rule, tests/training/test_trainer_any_length.py)."""
   cmd = [sys.executable, "evaluate.py", "--config", "configs/tiny.py",
-         "--config.model.loss_chunk_size=32", f"--workdir={tmp_path}", "--lengths=256,64"]
+         f"--workdir={tmp_path}", "--lengths=256,0"]
   proc = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT),
                         capture_output=True, text=True, timeout=300)
   assert proc.returncode == generate.EXIT_USAGE, proc.stderr[-2000:]
   assert "Traceback" not in proc.stderr and proc.stdout == ""
   errors = [l for l in proc.stderr.splitlines() if l.startswith("error:")]
-  assert errors == ["error: --lengths: model.loss_chunk_size=32 must divide the per-device "
-                    "sequence length 16 (= length 64 / ring 4); use a multiple of 128 for "
-                    "length, or change model.loss_chunk_size."], proc.stderr
+  assert errors == ["error: --lengths needs positive lengths, got '256,0'."], proc.stderr
 
 
 def test_hf_dir_greedy_matches_transformers_generate(tmp_path):

@@ -59,8 +59,6 @@ def test_bad_stages_are_config_errors(stages, message):
 
 
 @pytest.mark.parametrize("stages, message", [
-    # zigzag on a ring of 4 splits a row into 8 chunks: 260 is no multiple of 8.
-    ("256:2,260:2", "config.stages stage 2 (seq_len=260, steps=2): data.seq_len=260"),
     ("256:2,512:2:batch_size=3", "stage 2 (seq_len=512, steps=2): batch_size=3"),
     ("256:2,512:2:warmup_steps=5", "warmup_steps=5 exceeds the stage's steps=2"),
     ("256:2,512:2:rope_theta=-1", "model.rope_theta=-1.0 must be > 0."),

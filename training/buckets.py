@@ -1,0 +1,244 @@
+"""Length buckets: each batch on the ring its longest row needs (``data.length_buckets``).
+
+With ``data.length_buckets = (L_1, ..., L_k)`` (sorted, each ``<= data.seq_len = L``; ``L``
+itself is always the last bucket) bucket ``b`` holds rows of ``L_b`` tokens on a ring of
+``n_b = n * L_b / L`` devices (``n``: the mesh's ring) and ``B * L / L_b`` rows per batch
+(``B = batch_size``): the same tokens per step and per device as the one-ring run, the other
+``n / n_b`` factor of the sequence devices joining the data parallelism. The devices are the
+same, re-split: :func:`bucket_mesh` reshapes the mesh's ``data x sequence`` block into
+``(data * n / n_b) x n_b`` keeping the device order, so the parameters and the optimizer state
+keep their one sharding (every bucket's step takes and returns them with the run's shardings)
+and a bucket's ring is ``n_b`` consecutive devices of the run's ring.
+
+The data (:class:`BucketedBatches`): each document goes to the shortest bucket it fits
+(a document longer than ``L`` is cut into pieces of ``L``, as the one-ring packer cuts it),
+each bucket packs its rows greedily without cutting a document (a document that does not fit
+the rest of the row starts the next row; the rest is padding, segment 0), and whichever
+bucket fills its batch first is yielded. Attention never crosses a document and a row's
+loss is the sum of its documents', so packing a set of documents for a shorter ring changes
+no summed loss or gradient (``tests/training/test_length_buckets.py``). Text data, one process.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding
+
+from models import lengths
+from models import sharding as shd
+from training import batch as batch_lib
+from training.errors import ConfigError
+
+
+@dataclasses.dataclass(frozen=True)
+class Bucket:
+  """One length bucket: rows of ``length`` tokens (run at ``run_length``, padded to the
+  model's length rule on its ring), ``rows`` per batch, on ``mesh`` (ring ``ring``)."""
+  index: int
+  length: int
+  ring: int
+  rows: int
+  run_length: int
+  mesh: jax.sharding.Mesh
+
+  @property
+  def shape(self) -> tuple[int, int]:
+    """The global batch shape ``[rows, run_length]``."""
+    return (self.rows, self.run_length)
+
+  @property
+  def sharding(self) -> NamedSharding:
+    """The batch fields' sharding on the bucket's mesh (rows over data, tokens over its ring)."""
+    return batch_lib.sharding(self.mesh)
+
+  def describe(self) -> str:
+    s = self.mesh.shape
+    return (f"{self.length} tokens x {self.rows} rows on a ring of {self.ring} "
+            f"(data {s['data']} x sequence {s['sequence']})")
+
+
+def lengths_of(config) -> tuple[int, ...]:
+  """``data.length_buckets`` as a tuple of ints with ``data.seq_len`` last (empty: one ring)."""
+  buckets = tuple(config.data.get("length_buckets", None) or ())
+  if not buckets:
+    return ()
+  seq_len = int(config.data.seq_len)
+  return tuple(int(b) for b in buckets) + (() if int(buckets[-1]) == seq_len else (seq_len,))
+
+
+def check(config, sizes: dict[str, int]) -> None:
+  """``data.length_buckets`` against the run (one line naming the fix, before compiling).
+
+  Raises:
+    ConfigError: buckets not sorted ascending, not positive ints, longer than
+      ``data.seq_len``, a bucket whose ring ``n * L_b / L`` is not a whole divisor of the
+      ring ``n``, or a setting buckets do not run with (kv task, pipeline or two-level
+      mesh). A bucket's ``B * n / n_b`` rows always split over its ``data * n / n_b`` data
+      devices (and microbatches) when the run's ``B`` rows split over ``data``.
+  """
+  raw = tuple(config.data.get("length_buckets", None) or ())
+  if not raw:
+    return
+  where = f"data.length_buckets={raw}"
+  if any(not isinstance(b, (int, np.integer)) or isinstance(b, bool) or b < 1 for b in raw):
+    raise ConfigError(f"{where}: buckets are token counts >= 1.")
+  if list(raw) != sorted(set(raw)):
+    raise ConfigError(f"{where}: buckets must be sorted ascending without repeats; pass "
+                      f"{tuple(sorted(set(raw)))}.")
+  seq_len, n = int(config.data.seq_len), shd.ring_size(sizes)
+  if raw[-1] > seq_len:
+    raise ConfigError(f"{where}: bucket {raw[-1]} is longer than data.seq_len={seq_len}; "
+                      f"buckets are at most data.seq_len (drop it or raise data.seq_len).")
+  if config.data.kind != "text":
+    raise ConfigError(f"{where}: length buckets pack documents of text data "
+                      f"(data.kind='text'), got data.kind={config.data.kind!r}.")
+  if sizes["pipeline"] > 1 or sizes["sequence_outer"] > 1:
+    raise ConfigError(f"{where}: buckets re-split the mesh's data x sequence devices; they "
+                      "run with mesh.pipeline=1 and mesh.sequence_outer=1.")
+  fits = [seq_len * r // n for r in range(1, n + 1) if n % r == 0 and (seq_len * r) % n == 0]
+  for length in lengths_of(config):
+    ring = length * n / seq_len
+    if ring != int(ring) or n % int(ring):
+      raise ConfigError(
+          f"{where}: bucket {length} needs a ring of {n} x {length} / {seq_len} = {ring:g} "
+          f"devices, which does not divide the ring of {n}; use buckets from {fits}.")
+
+
+def bucket_mesh(mesh: jax.sharding.Mesh, ring: int) -> jax.sharding.Mesh:
+  """``mesh`` with its ``data x sequence`` devices re-split as ``(data * sequence / ring) x
+  ring`` in the same device order: a ring of ``ring`` consecutive devices of the mesh's ring,
+  the same flat device assignment (so shardings of the mesh stay valid)."""
+  sizes = dict(mesh.shape)
+  factor = sizes["sequence"] // ring
+  shape = dict(sizes, data=sizes["data"] * factor, sequence=ring)
+  devices = mesh.devices.reshape(tuple(shape[a] for a in mesh.axis_names))
+  return jax.sharding.Mesh(devices, mesh.axis_names, axis_types=mesh.axis_types)
+
+
+def plan(config, model_cfg, mesh) -> tuple[Bucket, ...]:
+  """The run's buckets (empty without ``data.length_buckets``), the last one the full ring."""
+  seq_len, n = int(config.data.seq_len), shd.ring_size(mesh.shape)
+  out = []
+  for i, length in enumerate(lengths_of(config)):
+    ring = length * n // seq_len
+    out.append(Bucket(index=i, length=length, ring=ring,
+                      rows=config.batch_size * seq_len // length,
+                      run_length=lengths.padded_length(model_cfg, ring, length),
+                      mesh=bucket_mesh(mesh, ring)))
+  return tuple(out)
+
+
+class BucketedBatches:
+  """Batches of documents packed per length bucket: ``next()`` is ``(bucket index, batch)``,
+  the batch's fields natural-order rows padded to the bucket's run length and reordered into
+  ``layout`` for its ring. Checkpointable: ``get_state()`` is the document stream's position
+  plus every bucket's rows not yet yielded (JSON-able), ``set_state()`` takes it back.
+  """
+
+  def __init__(self, documents, buckets: tuple[Bucket, ...], layout: str):
+    self._it = iter(documents)
+    self._buckets = buckets
+    self._layout = layout
+    self._pending: list[list[list[list[int]]]] = [[] for _ in buckets]  # bucket, row, doc
+    self._full: list[list] = []  # [bucket, rows] of batches filled, not yet yielded
+
+  def __iter__(self):
+    return self
+
+  def _add(self, doc: list[int]) -> None:
+    """Packs one document (at most the last bucket's length) into the shortest bucket it
+    fits; a batch whose rows are all taken is full when a document opens one more row."""
+    bucket = next(b for b in self._buckets if len(doc) <= b.length)
+    rows = self._pending[bucket.index]
+    if not rows or sum(map(len, rows[-1])) + len(doc) > bucket.length:
+      if len(rows) == bucket.rows:
+        self._full.append([bucket.index, rows])
+        rows = self._pending[bucket.index] = []
+      rows.append([])
+    rows[-1].append(doc)
+
+  def __next__(self) -> tuple[int, dict[str, np.ndarray]]:
+    from training import data as data_lib  # the one-ring run's padding and layout
+    top = self._buckets[-1].length
+    while not self._full:
+      tokens = np.asarray(next(self._it)["tokens"]).tolist()
+      for start in range(0, len(tokens), top):  # longer than seq_len: cut, as the packer does
+        self._add(tokens[start:start + top])
+    index, rows = self._full.pop(0)
+    bucket = self._buckets[index]
+    batch = data_lib.pad_rows(pack_rows(rows, bucket.length), bucket.run_length)
+    return index, data_lib.to_layout_np(batch, self._layout, bucket.ring)
+
+  def get_state(self) -> dict[str, Any]:
+    rows = lambda rs: [[list(doc) for doc in row] for row in rs]  # noqa: E731 (a copy)
+    return dict(source=self._it.get_state(), pending=[rows(r) for r in self._pending],
+                full=[[b, rows(r)] for b, r in self._full])
+
+  def set_state(self, state: dict[str, Any]) -> None:
+    from training import data as data_lib
+    self._it.set_state(data_lib._fix_json_state(state["source"]))
+    self._pending = [[list(map(list, row)) for row in rows] for rows in state["pending"]]
+    self._full = [[int(b), [list(map(list, row)) for row in rows]] for b, rows in state["full"]]
+
+
+def pack_rows(rows: list[list[list[int]]], length: int) -> dict[str, np.ndarray]:
+  """Rows of whole documents -> ``[len(rows), length]`` natural-order batch fields: segment
+  ids 1, 2, ... per document, positions restarting at 0, labels inside each document, the
+  rest of each row padding (segment 0, no target)."""
+  from training import data as data_lib
+  tokens = np.zeros((len(rows), length), np.int32)
+  segments = np.zeros((len(rows), length), np.int32)
+  positions = np.zeros((len(rows), length), np.int32)
+  for r, docs in enumerate(rows):
+    start = 0
+    for d, doc in enumerate(docs):
+      tokens[r, start:start + len(doc)] = doc
+      segments[r, start:start + len(doc)] = d + 1
+      positions[r, start:start + len(doc)] = np.arange(len(doc))
+      start += len(doc)
+  labels, loss_mask = data_lib.next_token_targets(tokens, segments)
+  out = dict(tokens=tokens, positions=positions, segment_ids=segments, labels=labels,
+             loss_mask=loss_mask)
+  return {k: np.asarray(out[k], batch_lib.DTYPES[k]) for k in batch_lib.FIELDS}
+
+
+def jit_step(train_step, bucket: Bucket, microbatches: int):
+  """``train_step``'s update on ``bucket``'s mesh: its batch split (data x its ring), the
+  parameters and optimizer state in and out with ``train_step``'s shardings (the run's
+  mesh, the same devices in the same order), so no bucket reshards them."""
+  from training import step as step_lib
+  return step_lib.jit_train_step(
+      graphdef=train_step.graphdef, rest=train_step.rest, tx=train_step.tx,
+      microbatches=microbatches, mesh=bucket.mesh, param_shardings=train_step.param_shardings,
+      opt_shardings=train_step.opt_shardings)
+
+
+def compile_steps(train_step, buckets: tuple[Bucket, ...], microbatches: int, params=None,
+                  opt_state=None) -> list:
+  """Every bucket's step compiled ahead of time (state defaults to the abstract one)."""
+  params = train_step.abstract_params if params is None else params
+  opt_state = train_step.abstract_opt_state if opt_state is None else opt_state
+  out = []
+  for bucket in buckets:
+    with jax.set_mesh(bucket.mesh):
+      out.append(jit_step(train_step, bucket, microbatches).lower(
+          params, opt_state, batch_lib.abstract(bucket.shape, bucket.mesh)).compile())
+  return out
+
+
+def describe(buckets: tuple[Bucket, ...]) -> str:
+  """The startup line: which ring each bucket uses."""
+  return "length buckets: " + "; ".join(b.describe() for b in buckets)
+
+
+def compiled_count_line(count: int) -> str:
+  return (f"compiled {count} train-step program{'s' if count != 1 else ''} (one per length "
+          "bucket, cached for the run)")
+
+
+__all__ = ["Bucket", "BucketedBatches", "bucket_mesh", "check", "compile_steps", "jit_step",
+           "lengths_of", "pack_rows", "plan"]
