@@ -181,9 +181,10 @@ def test_long_variant_validates(devices):
 # tokens of the sequence split, 1 of the 2 KV heads per tensor shard, head_dim 16), its
 # segment ids [2, 64] int32; bytes are per device, of each op's result.
 KV, IDS = 2 * 64 * 1 * 16 * 4, 2 * 64 * 4
-# The ring of 2, one hop: forward K, V, ids; backward K, V, ids again, dK and dV along the
-# ring, dK and dV home.
-RING_PERMUTES = dict(count=3 + 3 + 2 + 2, bytes=8 * KV + 2 * IDS)
+# The ring of 2, one hop: forward K, V, ids; the backward starts on the shard the forward
+# ended on (ring_jax.routing.backward_rotation), then K, V, ids again with dK and dV along
+# the ring, ending on their owner (none sent home).
+RING_PERMUTES = dict(count=3 + 3 + 2, bytes=6 * KV + 2 * IDS)
 # Ulysses over sequence=2: q, k, v to heads and the output back, then the gradients the other
 # way; each a [2, 64, 2, 16] exchange (K/V repeated to the 2 query heads per device).
 ULYSSES_ALL_TO_ALL = dict(count=4 + 4, bytes=8 * 2 * KV)
