@@ -40,11 +40,15 @@ def hybrid_attention(query, key, value, *, axis_name, is_causal: bool = False,
   position ``i``'s shard for ``N/u`` heads, :func:`ring_jax.ring_attention`
   runs over ``ring_axis`` on it, and a second ``all_to_all`` restores the
   sequence shards. Head rules as in :func:`ring_jax.ulysses_attention`;
-  ``block_q`` / ``block_kv`` must divide the ring's local length ``u*T``. Other
-  arguments as in :func:`ring_jax.ring_attention`.
+  ``block_q`` / ``block_kv`` must divide the ring's local length ``u*T``. ``sinks``:
+  ``[N]`` of this device's query heads; the ring over ``ring_axis`` applies those of the
+  ``N/u`` heads it attends once to its result. Other arguments (``return_lse``,
+  ``logits_soft_cap``, ``overlap_dkv``, ``causal_routing``) as in
+  :func:`ring_jax.ring_attention`.
   """
   options = AttentionOptions.from_keywords(locals()).with_attention_layout(segment_ids)
-  return _local(query, key, value, segment_ids, axis_name=axis_name, options=options)
+  return _local(query, key, value, segment_ids, axis_name=axis_name, options=options,
+                sinks=sinks)
 
 
 def _split_pair(axis_name):
