@@ -216,9 +216,7 @@ def plan_attention(cfg, mesh, batch: int, seq_len: int):
       batch=batch, seq_len=seq_len, heads=cfg.num_heads, kv_heads=cfg.num_kv_heads,
       head_dim=cfg.resolved_head_dim, dtype=cfg.dtype, is_causal=True, layout=cfg.layout,
       sequence=tuple(mesh.shape[a] for a in seq_axis) if pair else mesh.shape[seq_axis],
-      # Sinks merge with the ring's log-sum-exp: the ring strategy only.
-      strategies=[s for s in AUTO_CANDIDATES if (not pair or s in PAIR_BACKENDS)
-                  and (not cfg.attn_sinks or s == "ring")],
+      strategies=[s for s in AUTO_CANDIDATES if not pair or s in PAIR_BACKENDS],
       tensor=mesh.shape[head_axis] if head_axis else 1,
       data=mesh.shape[batch_axis] if batch_axis else 1, device=device,
       causal_routing=cfg.causal_routing)

@@ -142,8 +142,7 @@ class LlamaConfig:
   default RoPE there: ``rope_scaling`` applies to the full layers only; None: the
   sliding layers use ``rope_theta`` and ``rope_scaling`` as the others). ``attn_sinks``
   gives each layer a learned float32 sink logit per query head (GPT-OSS; ``sinks`` of
-  :func:`ring_jax.ring_attention`): the ``"ring"`` and ``"dense"`` backends run it
-  (``"auto"`` then plans the ring only).
+  :func:`ring_jax.attention_sharded`): every backend runs it.
   ``family`` names the Hugging Face architecture the weights came from and
   are exported to (``"llama"``, ``"mistral"``, ``"qwen2"``, ``"qwen3"``, ``"gemma2"``,
   ``"gemma3"``); the computation never reads it. ``attention`` is a key of
@@ -281,10 +280,6 @@ class LlamaConfig:
       if "sliding_attention" in types and window is None:
         raise ValueError("layer_types has 'sliding_attention' layers but sliding_window is "
                          "None; set sliding_window.")
-    if self.attn_sinks and self.attention in ("all_gather", "ulysses", "hybrid"):
-      raise ValueError(f"attn_sinks runs with attention='ring', 'auto' (which then plans the "
-                       f"ring) or 'dense', not {self.attention!r}: the sink merges with the "
-                       "ring's log-sum-exp.")
     if self.layout == ring_jax.layouts.DOCUMENT and any(
         w is not None for w in self.layer_windows):
       raise ValueError(f"layout='document' does not keep the distances between tokens, so it "

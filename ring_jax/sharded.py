@@ -7,10 +7,6 @@ other strategies; the ring itself is :func:`ring_jax.ring_attention`.
 
 from __future__ import annotations
 
-import dataclasses
-
-from ring_jax import validation
-from ring_jax.ring import with_sinks
 from ring_jax.strategies import global_arrays
 from ring_jax.strategies import ring as ring_strategy
 from ring_jax.strategies.options import AttentionOptions
@@ -53,17 +49,13 @@ def ring_attention_sharded(query, key, value, *, mesh=None, seq_axis="sequence",
     return_lse: also return the float32 log-sum-exp ``[B, L, N]`` (as
       :func:`ring_jax.ring_attention`), sharded and ordered like the output.
     sinks: ``[N]`` attention sinks (global: one per query head), as in
-      :func:`ring_jax.ring_attention`: applied once to the ring's result
-      (:func:`ring_jax.hop.add_sinks`), differentiable.
+      :func:`ring_jax.ring_attention`: split with the query heads, each device's applied
+      once to its ring's result (:func:`ring_jax.hop.add_sinks`), differentiable.
 
   Returns:
     ``[B, L, N, H]`` in ``query.dtype``, or ``(out, lse)`` with ``return_lse``.
   """
   options = AttentionOptions.from_keywords(locals())
-  sinks = validation.check_sinks(sinks, query.shape[2])
-  if sinks is not None:
-    options = dataclasses.replace(options, return_lse=True)
-  result = global_arrays.run(ring_strategy.STRATEGY, query, key, value, segment_ids, mesh=mesh,
-                             seq_axis=seq_axis, batch_axis=batch_axis, head_axis=head_axis,
-                             inputs_in_layout=inputs_in_layout, options=options)
-  return with_sinks(result, sinks, return_lse)
+  return global_arrays.run(ring_strategy.STRATEGY, query, key, value, segment_ids, mesh=mesh,
+                           seq_axis=seq_axis, batch_axis=batch_axis, head_axis=head_axis,
+                           inputs_in_layout=inputs_in_layout, options=options, sinks=sinks)

@@ -33,12 +33,8 @@ in device order).
 
 from __future__ import annotations
 
-import dataclasses
-
 from ring_jax import planning
-from ring_jax import validation
 from ring_jax.hop import HopKernel
-from ring_jax.ring import with_sinks
 from ring_jax.strategies import all_gather, global_arrays, hybrid, ring, ulysses
 from ring_jax.strategies.all_gather import all_gather_attention
 from ring_jax.strategies.global_arrays import AttentionAxes, attention_axes
@@ -62,7 +58,8 @@ def attention_sharded(query, key, value, *, mesh=None, strategy: str = "auto",
                       layout: str = "contiguous", inputs_in_layout: bool = False,
                       block_q: int | None = None, block_kv: int | None = None, precision=None,
                       hop_kernel: str | HopKernel = "auto", causal_routing: bool | None = None,
-                      sinks=None, logits_soft_cap: float | None = None):
+                      return_lse: bool = False, sinks=None,
+                      logits_soft_cap: float | None = None):
   """Sequence-parallel attention on global ``[B, L, N, H]`` arrays, by any strategy.
 
   Args:
@@ -82,9 +79,12 @@ def attention_sharded(query, key, value, *, mesh=None, strategy: str = "auto",
       :func:`ring_jax.to_layout` with that ``ring_size``).
     causal_routing: the ring's (``"ring"`` and ``"hybrid"``; see
       :func:`ring_jax.ring_attention`); the other strategies move no K/V around a ring.
-    sinks: ``[N]`` attention sinks (:func:`ring_jax.ring_attention_sharded`); the ring
-      strategy only (it returns the log-sum-exp the sink merges with): another strategy
-      with sinks is refused.
+    return_lse: also return the float32 log-sum-exp ``[B, L, N]``, sharded and ordered
+      like the output, differentiable (every strategy; with ``sinks`` it includes them).
+    sinks: ``[N]`` attention sinks (one float32 logit per query head, differentiable), in
+      every strategy: each applies them once to its whole-sequence result
+      (:func:`ring_jax.hop.add_sinks`; Ulysses and the hybrid to the ``N/u`` heads a
+      device attends), so ``"auto"`` picks among all of them as without sinks.
     Everything else (``logits_soft_cap`` in every strategy): as in
     :func:`ring_jax.ring_attention_sharded`. Layouts
     balance causal work across the sequence devices for ring and all_gather;
@@ -94,7 +94,8 @@ def attention_sharded(query, key, value, *, mesh=None, strategy: str = "auto",
     natural-order inputs stay in natural order for it (no reordering at all).
 
   Returns:
-    ``[B, L, N, H]`` in ``query.dtype`` (in layout order iff ``inputs_in_layout``).
+    ``[B, L, N, H]`` in ``query.dtype`` (in layout order iff ``inputs_in_layout``), or
+    ``(out, lse)`` with ``return_lse``.
   """
   options = AttentionOptions.from_keywords(locals())
   mesh = global_arrays.current_mesh(mesh)
@@ -103,17 +104,9 @@ def attention_sharded(query, key, value, *, mesh=None, strategy: str = "auto",
                         query, key, options)
   if strategy not in TABLE:
     raise ValueError(f"strategy must be one of {STRATEGIES + ('auto',)}, got {strategy!r}.")
-  sinks = validation.check_sinks(sinks, query.shape[2])
-  if sinks is not None:
-    if strategy != "ring":
-      raise ValueError(f"sinks= runs with strategy='ring' only (the ring returns the "
-                       f"log-sum-exp the sink merges with), got strategy={strategy!r}; pass "
-                       "strategy='ring'.")
-    options = dataclasses.replace(options, return_lse=True)
-  result = global_arrays.run(TABLE[strategy], query, key, value, segment_ids, mesh=mesh,
-                             seq_axis=seq_axis, batch_axis=batch_axis, head_axis=head_axis,
-                             inputs_in_layout=inputs_in_layout, options=options)
-  return with_sinks(result, sinks, return_lse=False)
+  return global_arrays.run(TABLE[strategy], query, key, value, segment_ids, mesh=mesh,
+                           seq_axis=seq_axis, batch_axis=batch_axis, head_axis=head_axis,
+                           inputs_in_layout=inputs_in_layout, options=options, sinks=sinks)
 
 
 def _planned(mesh, seq, batch_axis, head_axis, query, key, options) -> str:

@@ -109,8 +109,9 @@ class Strategy:
 
   Attributes:
     name: its name in :data:`ring_jax.STRATEGIES`.
-    local: ``local(q, k, v, segment_ids, *, axis_name, options)`` on the local shards
-      inside ``shard_map`` (inputs in ``options.layout`` order); with
+    local: ``local(q, k, v, segment_ids, *, axis_name, options, sinks)`` on the local
+      shards inside ``shard_map`` (inputs in ``options.layout`` order; ``sinks``: the
+      device's query heads' ``[N]`` sink logits or None, applied once to its result); with
       ``reorders_itself``, also ``natural=`` (inputs in natural order: it reorders them).
     check: ``check(placement, q_len, kv_len, heads, kv_heads, options)`` on global
       lengths and per-device heads; raises ValueError naming the fix.
@@ -212,13 +213,15 @@ def placement(mesh, seq_axis, batch_axis, head_axis, *, batch: int, heads: int,
 
 
 def run(strategy: Strategy, query, key, value, segment_ids, *, mesh, seq_axis, batch_axis,
-        head_axis, inputs_in_layout: bool, options: AttentionOptions):
+        head_axis, inputs_in_layout: bool, options: AttentionOptions, sinks=None):
   """``strategy`` on global arrays: checks, reorders, places, runs its ``shard_map``.
 
   Inputs and output are in natural token order unless ``inputs_in_layout``
   (then in ``options.layout`` order for a ring of the first sequence axis's
   size, or of both axes' product for ``strategy.one_ring_over_pair``). With
-  ``options.return_lse`` the result is ``(out, lse)``.
+  ``options.return_lse`` the result is ``(out, lse)``. ``sinks``: ``[N]`` sink logits
+  (one per query head, or None), split over the devices with their query heads and
+  applied by the strategy once to its result (:func:`ring_jax.hop.add_sinks`).
   """
   mesh = current_mesh(mesh)
   pair = len(seq_axes(mesh, seq_axis)) == 2
@@ -230,6 +233,7 @@ def run(strategy: Strategy, query, key, value, segment_ids, *, mesh, seq_axis, b
         f"seq_axis={seq_axis!r}).")
   validation.check_qkv(query, key, value, is_causal=options.masked, segment_ids=segment_ids,
                        value_head_dim=strategy.name == "ring")
+  sinks = validation.check_sinks(sinks, query.shape[2])
   if options.layout == layouts.DOCUMENT:
     if not inputs_in_layout:
       raise ValueError(
@@ -259,7 +263,7 @@ def run(strategy: Strategy, query, key, value, segment_ids, *, mesh, seq_axis, b
           f"both yourself (to {padded} tokens, say) and mask the padding.")
     return _padded_run(strategy, query, key, value, segment_ids, padded, mesh=mesh,
                        seq_axis=seq_axis, batch_axis=batch_axis, head_axis=head_axis,
-                       options=options)
+                       options=options, sinks=sinks)
   strategy.check(where, length, kv_len, *where.per_device(n, kh), options)
   if segment_ids is not None:
     segment_ids = jnp.asarray(segment_ids)  # ids keep their dtype (0 = padding, see masking)
@@ -282,7 +286,7 @@ def run(strategy: Strategy, query, key, value, segment_ids, *, mesh, seq_axis, b
     local = functools.partial(local, natural=in_shards)
   elif in_shards:
     local = functools.partial(_in_layout, local, layout=layout, axis_name=layout_axis)
-  out = _shard_map(local, where, query, key, value, segment_ids, options.return_lse)
+  out = _shard_map(local, where, query, key, value, segment_ids, sinks, options.return_lse)
   if natural and not in_shards:
     out = jax.tree.map(lambda x: layouts.from_layout(x, layout, ring, axis=1), out)
   return out
@@ -308,7 +312,8 @@ def padded_length(strategy: Strategy, where: Placement, options: AttentionOption
   return -(-length // multiple) * multiple
 
 
-def _padded_run(strategy, query, key, value, segment_ids, padded: int, *, options, **where):
+def _padded_run(strategy, query, key, value, segment_ids, padded: int, *, options, sinks,
+                **where):
   """:func:`run` on the sequence padded to ``padded`` tokens at its end: the padding's
   segment id is 0 (padding: it attends nothing and is never attended; real tokens get id 1
   when the call had no ids), the result sliced back to the call's length (on a mesh with
@@ -318,7 +323,7 @@ def _padded_run(strategy, query, key, value, segment_ids, padded: int, *, option
   ids = (jnp.ones((b, length), jnp.int32) if segment_ids is None
          else jnp.asarray(segment_ids))
   out = run(strategy, pad(query), pad(key), pad(value), pad(ids), inputs_in_layout=False,
-            options=options, **where)
+            options=options, sinks=sinks, **where)
   mesh = current_mesh(where["mesh"])
 
   def cut(x):
@@ -330,15 +335,18 @@ def _padded_run(strategy, query, key, value, segment_ids, padded: int, *, option
   return jax.tree.map(cut, out)
 
 
-def _in_layout(local, q, k, v, seg, *, layout, axis_name):
+def _in_layout(local, q, k, v, seg, *, layout, axis_name, sinks=None):
   """``local`` on natural-order shards: reordered into ``layout`` and back with collectives."""
   to = functools.partial(layouts.shard_to_layout, layout=layout, axis_name=axis_name)
-  result = local(to(q), to(k), to(v), None if seg is None else to(seg))
+  result = local(to(q), to(k), to(v), None if seg is None else to(seg), sinks=sinks)
   return jax.tree.map(lambda x: layouts.shard_from_layout(x, layout, axis_name), result)
 
 
-def _shard_map(local, where: Placement, query, key, value, segment_ids, return_lse: bool):
-  """``local(q, k, v, seg)`` under ``jax.shard_map`` with the placement's specs."""
+def _shard_map(local, where: Placement, query, key, value, segment_ids, sinks,
+               return_lse: bool):
+  """``local(q, k, v, seg, sinks=)`` under ``jax.shard_map`` with the placement's specs (the
+  optional ``segment_ids`` and ``sinks`` are operands only when given; sinks split with
+  the query heads)."""
   seq, (batch, heads, kv_heads) = where.axis_name, where.axes
   q_spec = P(batch, seq, heads, None)
   kv_spec = P(batch, seq, kv_heads, None)
@@ -347,12 +355,16 @@ def _shard_map(local, where: Placement, query, key, value, segment_ids, return_l
   put = functools.partial(place, where.mesh)
   args = [put(query, q_spec), put(key, kv_spec), put(value, kv_spec)]
   specs = [q_spec, kv_spec, kv_spec]
-  if segment_ids is None:
-    fn = lambda q, k, v: local(q, k, v, None)
-  else:
-    fn = local
-    args.append(put(segment_ids, seg_spec))
-    specs.append(seg_spec)
+  optional = [(x, spec) for x, spec in ((segment_ids, seg_spec), (sinks, P(heads)))
+              if x is not None]
+  args += [put(x, spec) for x, spec in optional]
+  specs += [spec for _, spec in optional]
+
+  def fn(q, k, v, *rest):
+    rest = list(rest)
+    seg = rest.pop(0) if segment_ids is not None else None
+    return local(q, k, v, seg, sinks=rest.pop(0) if sinks is not None else None)
+
   mapped = jax.shard_map(fn, mesh=where.mesh, in_specs=tuple(specs), out_specs=out_spec)
   # Under jit: one compiled program (inside a caller's jit it is inlined). Called eagerly,
   # a bare shard_map runs its body op by op, each operation compiled on its own (the four

@@ -10,20 +10,24 @@ from __future__ import annotations
 
 import functools
 
+import jax
+
 from ring_jax import layouts
 from ring_jax import validation
 from ring_jax.hop import HopKernel
 from ring_jax.ring import ring_attention
 from ring_jax.strategies import global_arrays
 from ring_jax.strategies.options import AttentionOptions
-from ring_jax.strategies.ulysses import gather_heads, to_sequence
+from ring_jax.strategies.ulysses import gather_heads, local_heads, to_sequence
 
 
 def hybrid_attention(query, key, value, *, axis_name, is_causal: bool = False,
                      segment_ids=None, scale: float | None = None, local_window_size=None,
                      layout: str = "contiguous", block_q: int | None = None,
                      block_kv: int | None = None, precision=None,
-                     hop_kernel: str | HopKernel = "auto"):
+                     hop_kernel: str | HopKernel = "auto", return_lse: bool = False,
+                     overlap_dkv: bool | None = None, causal_routing: bool | None = None,
+                     sinks=None, logits_soft_cap: float | None = None):
   """Exact attention over a sequence sharded over two mesh axes, Ulysses inside
   ``ulysses_axis`` and a ring across ``ring_axis`` (USP). Call inside ``jax.shard_map`` on
   the local shards, with ``axis_name=(ring_axis, ulysses_axis)``.
@@ -36,11 +40,15 @@ def hybrid_attention(query, key, value, *, axis_name, is_causal: bool = False,
   position ``i``'s shard for ``N/u`` heads, :func:`ring_jax.ring_attention`
   runs over ``ring_axis`` on it, and a second ``all_to_all`` restores the
   sequence shards. Head rules as in :func:`ring_jax.ulysses_attention`;
-  ``block_q`` / ``block_kv`` must divide the ring's local length ``u*T``. Other
-  arguments as in :func:`ring_jax.ring_attention`.
+  ``block_q`` / ``block_kv`` must divide the ring's local length ``u*T``. ``sinks``:
+  ``[N]`` of this device's query heads; the ring over ``ring_axis`` applies those of the
+  ``N/u`` heads it attends once to its result. Other arguments (``return_lse``,
+  ``logits_soft_cap``, ``overlap_dkv``, ``causal_routing``) as in
+  :func:`ring_jax.ring_attention`.
   """
   options = AttentionOptions.from_keywords(locals()).with_attention_layout(segment_ids)
-  return _local(query, key, value, segment_ids, axis_name=axis_name, options=options)
+  return _local(query, key, value, segment_ids, axis_name=axis_name, options=options,
+                sinks=sinks)
 
 
 def _split_pair(axis_name):
@@ -52,22 +60,25 @@ def _split_pair(axis_name):
 
 
 def _local(query, key, value, segment_ids, *, axis_name, options: AttentionOptions,
-           natural: bool = False):
+           natural: bool = False, sinks=None):
   """``natural``: the shards are in natural order; the ring's shards are reordered into
   the layout (and back) with collectives over the ring axis after the Ulysses exchange."""
   ring_axis, uly_axis = _split_pair(axis_name)
   validation.check_qkv(query, key, value, is_causal=options.masked, segment_ids=segment_ids)
   validation.axis_size(ring_axis, "hybrid_attention")
   validation.axis_size(uly_axis, "hybrid_attention")
+  sinks = validation.check_sinks(sinks, query.shape[2])
   q, k, v, seg = gather_heads(query, key, value, segment_ids, uly_axis)
   if natural:
     to = functools.partial(layouts.shard_to_layout, layout=options.layout, axis_name=ring_axis)
     q, k, v = to(q), to(k), to(v)
     seg = None if seg is None else to(seg)
-  out = ring_attention(q, k, v, axis_name=ring_axis, segment_ids=seg, **options.ring_kwargs())
+  result = ring_attention(q, k, v, axis_name=ring_axis, segment_ids=seg,
+                          sinks=local_heads(sinks, uly_axis), **options.ring_kwargs())
   if natural:
-    out = layouts.shard_from_layout(out, options.layout, ring_axis)
-  return to_sequence(out, uly_axis)
+    result = jax.tree.map(lambda x: layouts.shard_from_layout(x, options.layout, ring_axis),
+                          result)
+  return jax.tree.map(lambda x: to_sequence(x, uly_axis), result)
 
 
 def _check(where: global_arrays.Placement, length, kv_len, heads, kv_heads, options):

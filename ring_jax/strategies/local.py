@@ -26,6 +26,7 @@ class LocalConfig:
   spec: HopSpec
   kernel: HopKernel
   gather_axis: object = None  # all_gather: K/V (and kv ids) are gathered over this axis
+  return_lse: bool = False  # local_attention returns (out, lse), both differentiable
 
 
 # --- the hop-kernel call sites -------------------------------------------------------------
@@ -38,10 +39,12 @@ def _kernel_forward(cfg: LocalConfig, q, k, v, q_pos, kv_pos, q_seg, kv_seg):
   return cfg.kernel.forward(q, k, v, masks, cfg.spec)  # empty rows: (0, -inf)
 
 
-def _kernel_backward(cfg: LocalConfig, q, k, v, q_pos, kv_pos, q_seg, kv_seg, out, lse, do):
-  """float32 ``(dq, dk, dv)`` of one whole-K/V call, from zero accumulators."""
+def _kernel_backward(cfg: LocalConfig, q, k, v, q_pos, kv_pos, q_seg, kv_seg, out, lse, do,
+                     dlse=None):
+  """float32 ``(dq, dk, dv)`` of one whole-K/V call, from zero accumulators (``dlse``: the
+  lse's cotangent, or None)."""
   masks = HopMasks.build(cfg.spec, q_pos, kv_pos, q_seg, kv_seg)
-  res = hop_lib.HopResiduals(out, hop_lib.lse_for_backward(lse), do)
+  res = hop_lib.HopResiduals(out, hop_lib.lse_for_backward(lse), do, dlse)
   dq, dk, dv = cfg.kernel.backward(q, k, v, masks, cfg.spec, res, hop_lib.zero_grads(q, k, v))
   return dq, dk, dv
 
@@ -67,21 +70,27 @@ def _forward(cfg: LocalConfig, q, k, v, q_pos, kv_pos, q_seg, kv_seg):
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def local_attention(cfg: LocalConfig, q, k, v, q_pos, kv_pos, q_seg, kv_seg):
   """Attention of ``q [B,T,K,G,H]`` at ``q_pos`` to ``k``/``v [B,S,K,H]`` at ``kv_pos``
-  (gathered over ``cfg.gather_axis`` first when set); ``[B,T,K,G,H]`` in ``q.dtype``."""
-  return _forward(cfg, q, k, v, q_pos, kv_pos, q_seg, kv_seg)[0]
+  (gathered over ``cfg.gather_axis`` first when set); ``[B,T,K,G,H]`` in ``q.dtype``, or
+  with ``cfg.return_lse`` ``(out, lse)``, ``lse [B,T,K,G]`` float32 (``-inf`` in rows that
+  see no key), both differentiable."""
+  out, lse = _forward(cfg, q, k, v, q_pos, kv_pos, q_seg, kv_seg)
+  return (out, lse) if cfg.return_lse else out
 
 
 def _fwd(cfg, q, k, v, q_pos, kv_pos, q_seg, kv_seg):
   out, lse = _forward(cfg, q, k, v, q_pos, kv_pos, q_seg, kv_seg)
   # Residuals hold the *local* K/V: the all-gather variant gathers again in the backward
   # rather than keeping the whole sequence's K/V alive between the passes.
-  return out, (q, k, v, q_pos, kv_pos, q_seg, kv_seg, out, lse)
+  result = (out, lse) if cfg.return_lse else out
+  return result, (q, k, v, q_pos, kv_pos, q_seg, kv_seg, out, lse)
 
 
-def _bwd(cfg, res, do):
+def _bwd(cfg, res, cotangent):
   q, k_local, v_local, q_pos, kv_pos, q_seg, kv_seg_local, out, lse = res
+  do, dlse = cotangent if cfg.return_lse else (cotangent, None)
   k, v, kv_seg = _gather(cfg, k_local, v_local, kv_seg_local)
-  dq, dk, dv = _kernel_backward(cfg, q, k, v, q_pos, kv_pos, q_seg, kv_seg, out, lse, do)
+  dq, dk, dv = _kernel_backward(cfg, q, k, v, q_pos, kv_pos, q_seg, kv_seg, out, lse, do,
+                                dlse)
   if cfg.gather_axis is not None:
     with jax.named_scope("scatter_dkv"):  # transpose of the all_gather: sum, keep own shard
       dk, dv = (jax.lax.psum_scatter(x, cfg.gather_axis, scatter_dimension=1, tiled=True)
@@ -94,6 +103,15 @@ def _bwd(cfg, res, do):
 
 
 local_attention.defvjp(_fwd, _bwd)
+
+
+def heads_last(result, heads: int):
+  """:func:`local_attention`'s ``out [B,T,K,G,H]`` (and ``lse [B,T,K,G]``) with the query
+  heads as one axis: ``[B,T,N,H]`` (``[B,T,N]``), ``N = heads``."""
+  if isinstance(result, tuple):
+    out, lse = result
+    return heads_last(out, heads), lse.reshape(*lse.shape[:2], heads)
+  return result.reshape(*result.shape[:2], heads, result.shape[-1])
 
 
 def check_self_attention(query, key, value, segment_ids, axis_name, options, who: str) -> int:

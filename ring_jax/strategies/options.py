@@ -18,8 +18,9 @@ class AttentionOptions:
 
   The fields are the public keywords of :func:`ring_jax.ring_attention` (see
   its docstring); the public entry points build one from their keywords and
-  pass it on. ``return_lse``, ``overlap_dkv`` and ``causal_routing`` are the ring's only
-  (the hybrid's ring takes them too).
+  pass it on. ``overlap_dkv`` and ``causal_routing`` are the ring's only (the hybrid's
+  ring takes them too). ``sinks`` are an operand, not an option: each strategy's ``local``
+  takes them (:class:`ring_jax.strategies.global_arrays.Strategy`).
   """
   is_causal: bool = False
   scale: float | None = None

@@ -20,9 +20,10 @@ from ring_jax.strategies.options import AttentionOptions
 from ring_jax.two_level import two_level_ring_attention
 
 
-def _local(query, key, value, segment_ids, *, axis_name, options: AttentionOptions):
+def _local(query, key, value, segment_ids, *, axis_name, options: AttentionOptions,
+           sinks=None):
   attend = two_level_ring_attention if isinstance(axis_name, tuple) else ring_attention
-  return attend(query, key, value, axis_name=axis_name, segment_ids=segment_ids,
+  return attend(query, key, value, axis_name=axis_name, segment_ids=segment_ids, sinks=sinks,
                 **options.ring_kwargs())
 
 

@@ -310,11 +310,25 @@ def test_gemma_finetune_export_generate(tmp_path, family):
     (dict(rope_local_theta=float("inf")), "rope_local_theta must be None or a finite"),
     (dict(attn_logits_soft_cap=-1.0), "attn_logits_soft_cap must be None"),
     (dict(final_logits_soft_cap=float("nan")), "final_logits_soft_cap must be None"),
-    (dict(attn_sinks=True, attention="ulysses"), "attn_sinks runs with attention='ring'"),
 ])
 def test_bad_gemma_fields_are_one_error(fields, match):
   with pytest.raises(ValueError, match=match):
     LlamaConfig(**fields)
+
+
+def test_sinks_run_with_every_attention_backend_and_auto_plans_them_all():
+  """attn_sinks is a field of the model whatever its attention (every strategy applies the
+  sinks, tests/ring_jax/test_sinks_strategies.py), and "auto" plans among every candidate
+  with them as without them."""
+  from models import attention as attn_lib
+
+  for name in attn_lib.ATTENTION_BACKENDS:
+    assert LlamaConfig(attn_sinks=True, attention=name).attention == name
+  mesh = mesh_lib.make_mesh(dict(data=2, sequence=4, tensor=1))
+  plans = [attn_lib.plan_attention(LlamaConfig(attn_sinks=sinks, attention="auto"), mesh,
+                                   batch=2, seq_len=4096) for sinks in (True, False)]
+  assert [{e.strategy for e in p.estimates} for p in plans] == [set(attn_lib.AUTO_CANDIDATES)] * 2
+  assert plans[0].strategy == plans[1].strategy
 
 
 def test_run_saved_before_the_gemma_fields_exports(tmp_path):

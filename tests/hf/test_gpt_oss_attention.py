@@ -122,12 +122,19 @@ def _ours_forward_and_grads(cfg, attn, window, x_BLD, g_BLD, mesh):
     (1, "ring", dict(data=2, sequence=4, tensor=1)),
     (0, "ring", dict(data=2, sequence=2, tensor=2)),  # sinks split with their heads
     (0, "dense", dict(data=2, sequence=2, tensor=2)),
-], ids=["sliding128-ring4", "full-ring4", "sliding128-ring2-tensor2", "sliding128-dense"])
+    # sinks in the other strategies: sliced to the heads each device attends after Ulysses'
+    # all_to_all (heads over tensor=2 too), and in the hybrid over (sequence, tensor)
+    (0, "ulysses", dict(data=2, sequence=2, tensor=2)),
+    (1, "hybrid", dict(data=2, sequence=2, tensor=2)),
+    (0, "all_gather", dict(data=2, sequence=4, tensor=1)),
+], ids=["sliding128-ring4", "full-ring4", "sliding128-ring2-tensor2", "sliding128-dense",
+        "sliding128-ulysses2-tensor2", "full-hybrid2x2", "sliding128-all_gather4"])
 def test_gpt_oss_attention_layer_matches_transformers(layer_idx, attention, mesh_shape):
   """Our attention layer with GPT-OSS's sinks (and, on layer 0, its 128-token window) equals
   transformers' GptOssAttention on a 256-token batch: output, d input and d sinks (float32,
   rtol/atol 1e-4), the ring running over the mesh's sequence axis in zigzag order (or the
-  dense backend), heads split over tensor where it is 2."""
+  dense backend, or the Ulysses, hybrid and all-gather strategies), heads split over tensor
+  where it is 2."""
   torch, config, module, rotary = _hf_attention(layer_idx)
   window = module.sliding_window
   assert window == (WINDOW if layer_idx == 0 else None)

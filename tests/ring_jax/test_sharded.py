@@ -431,14 +431,6 @@ def test_sinks_and_soft_cap_bad_input_is_one_clear_error(kwargs, match):
     ring_jax.ring_attention_sharded(q, k, v, mesh=mesh, **kwargs)
 
 
-def test_sinks_with_a_strategy_without_lse_is_refused():
-  mesh = make_mesh((4,), ("sequence",))
-  q, k, v = qkv(0, 1, 32, 4, 4, 8)
-  with pytest.raises(ValueError, match="sinks= runs with strategy='ring' only"):
-    ring_jax.attention_sharded(q, k, v, mesh=mesh, strategy="ulysses",
-                               sinks=jnp.zeros((4,), jnp.float32))
-
-
 def test_value_head_dim_is_refused_where_it_does_not_run():
   """V's own head size runs with the ring (tests/ring_jax/test_hop.py, value-head-dim); the other
   strategies and the fused hop kernels refuse it, naming what does."""
