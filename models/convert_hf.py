@@ -73,7 +73,7 @@ original tensors bit for bit. (Gemma's norm weights are ``w`` of ``1 + w`` on bo
 
 No q/k permutation: HF ``LlamaAttention`` applies RoPE with ``rotate_half``
 (first half / second half of each head), which is the convention of
-:func:`models.llama.apply_rope`. (Meta's original checkpoints use interleaved
+:func:`models.rope.apply_rope`. (Meta's original checkpoints use interleaved
 pairs; HF's conversion script permutes q/k rows into halves, so HF-format
 weights are already in our convention.)
 """
@@ -165,7 +165,7 @@ def read_hf_config_json(path: str) -> dict[str, Any]:
 
 def _rope_fields(hf: Mapping[str, Any], where: str) -> tuple[float, dict | None]:
   """``(rope_theta, rope_scaling)`` of a config.json, checked (ValueError naming the field)."""
-  from models.llama import ROPE_TYPES
+  from models.rope import ROPE_TYPES
 
   rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
   rope_theta = rope.pop("rope_theta", hf.get("rope_theta", 10000.0))

@@ -43,7 +43,6 @@ explicit ``ppermute``) the nested ring ``shard_map`` differentiates correctly.
 
 from __future__ import annotations
 
-import math
 from typing import Callable
 
 import jax
@@ -59,17 +58,7 @@ def bubble_fraction(stages: int, microbatches: int) -> float:
 
 def num_stages(mesh=None) -> int:
   """Size of the mesh axis the ``stages`` rule names (1 without a mesh or such an axis)."""
-  return rule_shards("stages", mesh)
-
-
-def rule_shards(name: str, mesh=None) -> int:
-  """How many devices the rule of logical axis ``name`` shards over (1 without a mesh)."""
-  mesh = shd.current_mesh() if mesh is None else mesh
-  if mesh is None:
-    return 1
-  entry = shd.logical_to_spec((name,), mesh=mesh)[0]
-  axes = () if entry is None else (entry,) if isinstance(entry, str) else entry
-  return int(math.prod(mesh.shape[a] for a in axes))
+  return shd.rule_shards("stages", mesh)
 
 
 def stage_axis(mesh=None) -> str | None:
@@ -247,3 +236,58 @@ def gpipe(stage_fn: Callable, stage_params, x, x_names, rows, *, stages: int):
   # another collective-permute.)
   last = (jnp.arange(stages) == stages - 1).reshape((stages,) + (1,) * (outs.ndim - 1))
   return jnp.sum(jnp.where(last, outs, jnp.zeros((), outs.dtype)), axis=0, dtype=outs.dtype)
+
+
+def run_layers(cfg, layer_stack, stacked, x_BLD, positions_BL, segment_ids_BL, layer_xs):
+  """``(x, aux)`` of the model's layers, run as pipeline stages on a mesh with ``pipeline > 1``.
+
+  ``layer_stack(x, stacked, layer_xs, positions, segment_ids) -> (x, aux)`` runs the stacked
+  layers' State ``stacked`` (:meth:`models.llama.Llama.forward_layers`). With one stage it
+  runs once over all layers (:func:`unstaged`); with ``S > 1`` as :func:`pipelined` over
+  ``cfg.pipeline_microbatches``, and ``aux`` is None. Every stage runs the same program, so
+  a stack mixing windowed and full layers is refused there (ValueError), as are per-layer
+  inputs ``layer_xs`` (e.g. a KV cache).
+  """
+  stages = num_stages()
+  if stages > 1 and len(cfg.layer_groups) > 1:
+    raise ValueError(
+        f"layers with and without a sliding window ({cfg.layer_types}) cannot run as "
+        f"pipeline stages (every stage runs one program); use a mesh with pipeline=1, or "
+        "one window for all layers (model.sliding_window / model.layer_types).")
+  if stages == 1:
+    return layer_stack(x_BLD, unstaged(stacked), layer_xs, positions_BL, segment_ids_BL)
+  if layer_xs is not None:
+    raise ValueError("per-layer inputs (e.g. a KV cache for decoding) are not supported on "
+                     f"a mesh with pipeline={stages}; use a mesh with pipeline=1.")
+  return pipelined(layer_stack, stacked, x_BLD, positions_BL, segment_ids_BL, stages,
+                   cfg.pipeline_microbatches), None
+
+
+def pipelined(layer_stack, stacked, x_BLD, positions_BL, segment_ids_BL, stages: int,
+              microbatches: int | None):
+  """The layer stack as ``stages`` pipeline stages over microbatches (:func:`gpipe`);
+  ``microbatches``: ``LlamaConfig.pipeline_microbatches`` (None: :func:`default_microbatches`)."""
+  batch = x_BLD.shape[0]
+  data = shd.rule_shards("batch")
+  micro = resolve_microbatches(microbatches, batch, stages, data)
+  # Only the activations travel from stage to stage; every stage reads the positions and
+  # segment ids of the microbatch it is working on from its own copy.
+  split = lambda a, n: shd.with_logical_constraint(split_microbatches(a, micro), (None, *n))
+  x_names = ("batch", "residual_length", "embed")
+  rows = dict(positions=split(positions_BL, ("batch", "length")))
+  if segment_ids_BL is not None:
+    rows["segment_ids"] = split(segment_ids_BL, ("batch", "length"))
+
+  def stage(stage_state, x_BLD, rows):
+    x_BLD, aux = layer_stack(x_BLD, stage_state, None, rows["positions"],
+                             rows.get("segment_ids"))
+    if jax.tree.leaves(aux):
+      raise ValueError("attention outputs carried out of the layers (e.g. a prefill's KV "
+                       f"cache) are not supported on a mesh with pipeline={stages}; use "
+                       "a mesh with pipeline=1.")
+    return x_BLD
+
+  stage_params = to_stages(stacked, stages)
+  with jax.named_scope("pipeline"):
+    out = gpipe(stage, stage_params, split(x_BLD, x_names), x_names, rows, stages=stages)
+  return shd.with_logical_constraint(merge_microbatches(out), x_names)

@@ -216,6 +216,16 @@ def logical_to_spec(names: Sequence[str | None], rules: Rules | None = None, *, 
   return P(*spec)
 
 
+def rule_shards(name: str, mesh=None) -> int:
+  """How many devices the rule of logical axis ``name`` shards over (1 without a mesh)."""
+  mesh = current_mesh() if mesh is None else mesh
+  if mesh is None:
+    return 1
+  entry = logical_to_spec((name,), mesh=mesh)[0]
+  axes = () if entry is None else (entry,) if isinstance(entry, str) else entry
+  return int(math.prod(mesh.shape[a] for a in axes))
+
+
 def _all_explicit(mesh, spec: P) -> bool:
   """True if the spec's mesh axes are Explicit (change with reshard), False if Auto (use wsc)."""
   axes = [a for entry in spec if entry is not None
