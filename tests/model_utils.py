@@ -7,11 +7,14 @@ the model's own sharded initialiser).
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from models import inference
 from models import sharding as shd
 from models.llama import Llama
 
@@ -87,3 +90,25 @@ def tiny_config(**overrides):
 
   return flags_lib.apply_overrides(tiny.get_config(),
                                    {"model.layout": "zigzag", **overrides}.items())
+
+
+def dense_greedy(cfg, params, prompts, steps):
+  """Greedy tokens ``[B, steps]``: the full forward pass (dense, one device) at every step."""
+  dense_cfg = dataclasses.replace(cfg, attention="dense", layout="contiguous")
+  gdef = graphdef(dense_cfg)
+  length = max(sum(len(d) for d in inference._documents(p)) for p in prompts) + steps
+
+  @jax.jit
+  def last_logits(params, tokens, positions, segments, last):
+    logits = nnx.merge(gdef, params)(tokens, positions, segments)
+    return jnp.take_along_axis(logits, last[:, None, None], axis=1)[:, 0]
+
+  out = np.zeros((len(prompts), steps), np.int32)
+  for s in range(steps):
+    batch = inference.prepare_prompts(
+        [list(inference._documents(p)[:-1]) + [inference._documents(p)[-1] + out[b, :s].tolist()]
+         for b, p in enumerate(prompts)], length, "right")
+    logits = last_logits(params, batch["tokens"], batch["positions"], batch["segment_ids"],
+                         batch["last"])
+    out[:, s] = np.argmax(np.asarray(logits), axis=-1)
+  return out

@@ -244,7 +244,6 @@ def test_model_with_sinks_decodes_as_it_recomputes():
   sequence=4, decodes from the sharded KV cache, and its greedy tokens equal the dense
   full recompute at every step."""
   from models import inference
-  from test_inference import _dense_greedy
   from tests import model_utils
 
   cfg = LlamaConfig(vocab_size=64, dim=64, num_layers=4, num_heads=4, num_kv_heads=2,
@@ -257,7 +256,7 @@ def test_model_with_sinks_decodes_as_it_recomputes():
   sinks.set_value(jnp.asarray([[-4.0, -1.0, 1.0, 4.0], [3.0, -3.0, 0.0, 2.0]] * 2))
   rng = np.random.default_rng(5)
   prompts = [rng.integers(3, 64, 21).tolist(), rng.integers(3, 64, 9).tolist()]
-  want = _dense_greedy(cfg, params, prompts, 24)
+  want = model_utils.dense_greedy(cfg, params, prompts, 24)
   mesh = model_utils.make_mesh(auto=True, data=2, sequence=4)
   gen = inference.Generator(cfg, shd.shard_params(params, mesh), mesh, 64)
   tokens = np.stack(list(gen.generate(prompts, 24)), axis=1)

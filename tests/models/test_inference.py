@@ -49,31 +49,9 @@ def params():
   return model_utils.random_params(_cfg(), seed=3)
 
 
-def _dense_greedy(cfg, params, prompts, steps):
-  """Greedy tokens ``[B, steps]``: the full forward pass (dense, one device) at every step."""
-  dense_cfg = dataclasses.replace(cfg, attention="dense", layout="contiguous")
-  graphdef = model_utils.graphdef(dense_cfg)
-  length = max(sum(len(d) for d in inference._documents(p)) for p in prompts) + steps
-
-  @jax.jit
-  def last_logits(params, tokens, positions, segments, last):
-    logits = nnx.merge(graphdef, params)(tokens, positions, segments)
-    return jnp.take_along_axis(logits, last[:, None, None], axis=1)[:, 0]
-
-  out = np.zeros((len(prompts), steps), np.int32)
-  for s in range(steps):
-    batch = inference.prepare_prompts(
-        [list(inference._documents(p)[:-1]) + [inference._documents(p)[-1] + out[b, :s].tolist()]
-         for b, p in enumerate(prompts)], length, "right")
-    logits = last_logits(params, batch["tokens"], batch["positions"], batch["segment_ids"],
-                         batch["last"])
-    out[:, s] = np.argmax(np.asarray(logits), axis=-1)
-  return out
-
-
 @pytest.fixture(scope="module")
 def oracle(params):
-  return _dense_greedy(_cfg(), params, PROMPTS, STEPS)
+  return model_utils.dense_greedy(_cfg(), params, PROMPTS, STEPS)
 
 
 SEQ_TENSOR = dict(sequence=4, tensor=2)

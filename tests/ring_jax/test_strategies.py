@@ -196,8 +196,9 @@ def test_attention_axes():
 
 
 def test_plan_and_hybrid_share_the_length_rule():
-  """plan() calls a hybrid length feasible exactly when the strategy runs it: 12 tokens over a
-  zigzag ring of 2 (local 6, even) and Ulysses 2 (3 each) run; 10 (local 5) do not."""
+  """plan() costs a hybrid length at the length the strategy runs it: 12 tokens over a
+  zigzag ring of 2 (local 6, even) and Ulysses 2 (3 each) run as they are; 10 (local 5) run
+  padded to 12 (any length, test_any_length.py), and plan() counts those 2 tokens."""
   mesh = make_mesh((2, 2), ("ring", "ulysses"))
   kw = dict(batch=1, heads=2, kv_heads=2, head_dim=8, is_causal=True, layout="zigzag",
             sequence=(2, 2), device="cpu")
@@ -208,9 +209,10 @@ def test_plan_and_hybrid_share_the_length_rule():
                           block_q=1, block_kv=1)
   assert_close(jax.jit(run)(q, k, v), ring_jax.reference_attention(q, k, v, is_causal=True),
                what="hybrid at 12 tokens")
-  with pytest.raises(ValueError, match="no strategy can run"):
-    ring_jax.plan(seq_len=10, **kw)
-  q, k, v = qkv(13, 1, 10, 2, 2, 8)  # padded to 16 inside (any length, test_any_length.py)
+  assert ring_jax.plan(seq_len=12, **kw).estimate("hybrid").padding == 0
+  padded = ring_jax.plan(seq_len=10, **kw).estimate("hybrid")
+  assert padded.feasible and padded.padding == 2
+  q, k, v = qkv(13, 1, 10, 2, 2, 8)  # padded to 12 inside
   assert_close(jax.jit(run)(q, k, v), ring_jax.reference_attention(q, k, v, is_causal=True),
                what="hybrid at 10 tokens")
   with pytest.raises(ValueError, match="must be even"):
