@@ -50,6 +50,8 @@ import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from absl import logging as absl_logging
 
+from training.metrics import Diverged
+
 CORRUPT_DIRNAME = "checkpoints_corrupt"
 
 
@@ -404,3 +406,56 @@ class Checkpointer:
       multihost_utils.sync_global_devices(f"ring_jax_move_aside_{step}")
     self.manager.reload()  # Forget the step: no save or retention may touch it again.
     return target
+
+
+def resume_or_init(checkpointer, train_step, hf_dir: str = "", log=print):
+  """``(step, params, opt_state, data_state)`` of the newest checkpoint that restores (onto
+  the step's shardings), else step 0 with a fresh state and no data state: the weights of
+  ``hf_dir`` (``config.init.hf_dir``) if given, else initialised from the step's seed."""
+  restored = checkpointer.restore_latest(train_step.abstract_params,
+                                         train_step.abstract_opt_state, warn=log)
+  if restored is not None:
+    log(f"resumed from step {restored[0]} in {checkpointer.directory}")
+    return restored
+  if not hf_dir:
+    return (0, *train_step.init_state(), None)
+  from models import convert_hf
+  from training import step as step_lib
+  t0 = time.perf_counter()
+  with jax.set_mesh(train_step.mesh):
+    params = convert_hf.load_hf_params(hf_dir, train_step.model_cfg,
+                                       shardings=train_step.param_shardings)
+    opt_state = step_lib.init_opt_state(train_step.tx, params, train_step.opt_shardings)
+  log(f"initialised from {hf_dir} in {time.perf_counter() - t0:.1f}s")
+  return 0, params, opt_state, None
+
+
+def save(config, checkpointer, step_metrics, step: int, params, opt_state, train_iter, *,
+         force: bool = False) -> None:
+  """Checkpoints ``step`` if it is on the interval (or ``force``), never a diverged state.
+
+  Raises:
+    Diverged: the step's metrics, or the state itself, are non-finite (nothing written).
+  """
+  if force or step % config.checkpoint_every == 0:
+    step_metrics.fetch(step)  # Never save the state of a diverged step.
+  try:
+    checkpointer.save(step, params, opt_state, train_iter.get_state(), force=force)
+  except NonFiniteStateError:  # Finite metrics, non-finite state: still diverged.
+    raise Diverged(divergence_message(config, step_metrics.last_row, checkpointer,
+                                                  state=True)) from None
+
+
+def divergence_message(config, row, checkpointer, state=False) -> str:
+  """What diverged, what was kept, and which settings to change."""
+  what = ("the parameters or optimizer state became non-finite" if state else
+          f"loss {row['loss']:.4g}, grad_norm {row['grad_norm']:.4g}")
+  last_saved = checkpointer.last_saved
+  kept = (f"the newest checkpoint is step {last_saved} in {checkpointer.directory}; rerunning "
+          f"resumes from it" if last_saved else "no checkpoint was written; rerunning starts "
+          "afresh")
+  o = config.optim
+  return (f"training diverged at step {row['step']} ({what}). No checkpoint of a diverged "
+          f"state is written; {kept}. Lower --config.optim.lr (now {o.lr:g}), tighten "
+          f"--config.optim.grad_clip (now {o.grad_clip:g}) or lengthen "
+          f"--config.optim.warmup_steps (now {o.warmup_steps}).")

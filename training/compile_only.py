@@ -15,13 +15,20 @@ import contextlib
 import dataclasses
 import importlib
 import re
+import time
 import warnings
 
 import jax
 
 import ring_jax
 from ring_jax import topology as topo_lib
+from models import attention as attn_lib
+from training import buckets as buckets_lib
+from training import hf_init as hf_init_lib
 from training import mesh as mesh_lib
+from training import metrics as metrics_lib
+from training import stages as stages_lib
+from training import validation as val_lib
 from training.errors import ConfigError
 
 GIB = 2 ** 30
@@ -204,3 +211,65 @@ def memory_lines(compiled, where: Target, compile_s: float) -> tuple[list[str], 
           f"{(row['output_bytes'] - row['alias_bytes']) / GIB:.3f} GiB; total "
           f"{total / GIB:.3f} GiB {against}",
           f"compiled in {compile_s:.1f}s"], row
+
+
+def compile_stages(config, topology: str | None = None, slices: int = 1) -> list[dict]:
+  """``train.py --compile_only``: builds and compiles each stage's train step
+  (:func:`training.stages.build_stage`, the run's) for the attached devices or for
+  ``slices`` slices of TPU ``topology`` (compile-only devices, :mod:`ring_jax.topology`),
+  from abstract values only; logs per device the memory against the chip's HBM, the compile
+  seconds, the hop kernel and the overlap summary, and returns one row per stage
+  (:func:`memory_lines`' dict, with ``seq_len`` and ``overlap``, the summary's lines).
+
+  Raises:
+    ConfigError: before anything compiles: an unknown topology, libtpu missing or not the
+      one jax pins, a mesh that does not fit the chips, a kernel that cannot compile there,
+      or any check :func:`train.train` makes.
+    CompileFailed: the compiler refused the step (one line).
+  """
+  log = metrics_lib.log
+  where = target(topology, slices)
+  config = hf_init_lib.resolve_hf_init(config)
+  config = stages_lib.resolve(config)
+  check_config(config, where)  # the mesh on the chips, the kernel's platform
+  check_libtpu(where)
+  where = where.resolve()
+  config = val_lib.resolve_layout_for(config, where.chips, metrics_lib.log)
+  sizes = val_lib.validate_config(config, where.chips)
+  mesh = mesh_lib.make_mesh(config.mesh, where.devices)
+  log(f"compile only, for {where.label} ({where.devices[0].device_kind}): mesh {sizes}"
+      + (f"; libtpu {ring_jax.topology.check_libtpu()}" if where.name else ""))
+  rows = []
+  with jax.set_mesh(mesh):
+    for stage in stages_lib.plan(config):
+      setup = stages_lib.build_stage(stage, mesh)
+      c = stage.config
+      if stage.index == 0:
+        _, line = val_lib.resolve_attention(c, val_lib.llama_config(c), mesh)
+        if line:
+          log(line)
+      m = setup.model_cfg
+      log(f"{stage.describe() + ': ' if len(stages_lib.plan(config)) > 1 else ''}train step of "
+          f"{m.num_params() / 1e6:,.2f}M params, batch {setup.train_shape[0]} x "
+          f"{setup.train_shape[1]} tokens, attention={m.attention} layout={m.layout} "
+          f"remat_policy={m.remat_policy}")
+      t0 = time.perf_counter()
+      with compiling(where):
+        compiled = setup.train_step.compile(setup.train_shape)
+      lines, row = memory_lines(compiled, where, time.perf_counter() - t0)
+      for line in lines:
+        log(line)
+      buckets = buckets_lib.plan(c, m, mesh)
+      if buckets:  # every bucket's program, as the run compiles them
+        log(buckets_lib.describe(buckets))
+        with compiling(where):
+          count = len(buckets_lib.compile_steps(setup.train_step, buckets[:-1], c.microbatches))
+        log(buckets_lib.compiled_count_line(count + 1))
+      if m.attention != "dense":
+        log(ring_jax.kernels.describe(m.hop_kernel, platform=where.platform))
+        log(attn_lib.describe_routing(m, mesh))
+      overlap = overlap_lines(compiled)
+      for line in overlap:
+        log(line)
+      rows.append(dict(row, seq_len=c.data.seq_len, overlap=overlap))
+  return rows

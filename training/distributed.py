@@ -51,12 +51,14 @@ import atexit
 import inspect
 import os
 import re
+import signal
 import sys
 import threading
 import time
-from typing import Callable
+from typing import Any, Callable
 
 import jax
+import numpy as np
 
 from training import supervisor
 
@@ -114,6 +116,34 @@ def initialize(distributed_config, **kwargs) -> None:
           "a process that dies may end the others with JAX's abort instead of status 75",
           file=sys.stderr, flush=True)
   jax.distributed.initialize(**kwargs)
+
+
+def start(mode: str, distributed_config) -> int:
+  """train.py's ``--distributed`` (``mode``): :func:`initialize` if asked or detected;
+  returns the process count.
+
+  Starts no backend (so the CPU device count can still be set afterwards). On a
+  CPU-only multi-process run (``JAX_PLATFORMS=cpu``) cross-process collectives
+  go through gloo. ``distributed_config`` (``config.distributed``) sets the
+  heartbeat and start-up timeouts.
+  """
+  launcher = supervisor.multiprocess_launch_detected()
+  if mode == "off" or (mode == "auto" and launcher is None):
+    return 1
+  kwargs = {}
+  if os.environ.get("JAX_NUM_PROCESSES"):
+    kwargs["num_processes"] = int(os.environ["JAX_NUM_PROCESSES"])
+  if os.environ.get("JAX_PROCESS_ID"):
+    kwargs["process_id"] = int(os.environ["JAX_PROCESS_ID"])
+  if os.environ.get("JAX_PLATFORMS", "") == "cpu":
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  initialize(distributed_config, **kwargs)
+  print(f"jax.distributed initialised ({launcher or 'forced by --distributed=on'})",
+        flush=True)
+  for name in ("JAX_NUM_PROCESSES", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE"):
+    if os.environ.get(name):
+      return int(os.environ[name])
+  return 1  # Unknown here (e.g. TPU metadata): only used to size simulated CPU devices.
 
 
 def start_watchdog(distributed_config, checkpoint_dir: str, resume_command: str,
@@ -366,3 +396,67 @@ class PeerWatchdog:
     """The processes with a key under ``<prefix>/<kind>/`` ("done", "exiting")."""
     return {int(k.rsplit("/", 1)[-1])
             for k, _ in self._client.key_value_dir_get(f"{_PREFIX}/{kind}/")}
+
+
+class StopRequest:
+  """SIGTERM / SIGINT -> finish the current step, agree on it, save, exit cleanly.
+
+  One process: our own handler sets a flag that the loop reads after each step.
+  Several processes (``jax.distributed``): JAX's coordination service already
+  listens to SIGTERM (its preemption notifier) and propagates the notice to
+  every process; :meth:`reached` is then
+  ``multihost_utils.reached_preemption_sync_point(step)``, True on every process
+  at the same step (the largest step any process had reached, plus one). A
+  SIGINT there is forwarded to ourselves as SIGTERM so it takes the same path.
+  A second signal of the same kind (that reaches our handler: SIGINT, or SIGTERM
+  on one process) restores the previous handler and re-sends it, so a second
+  Ctrl-C exits at once.
+  """
+
+  SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+  def __init__(self):
+    self.received: str | None = None
+    self._previous: dict[int, Any] = {}
+    self._multi = jax.process_count() > 1
+    self._jax_notice = self._multi and bool(jax.config.jax_enable_preemption_service)
+
+  def install(self) -> "StopRequest":
+    if threading.current_thread() is not threading.main_thread():
+      return self  # signal.signal only works there (e.g. train() called from a worker thread)
+    for sig in self.SIGNALS:
+      if self._jax_notice and sig == signal.SIGTERM:
+        continue  # JAX's C++ handler; replacing it would hide the notice from other processes.
+      self._previous[sig] = signal.signal(sig, self._handle)
+    return self
+
+  def uninstall(self) -> None:
+    for sig, handler in self._previous.items():
+      signal.signal(sig, handler)
+    self._previous.clear()
+
+  def _handle(self, signum, frame) -> None:
+    name = signal.Signals(signum).name
+    if self.received is not None:  # Second signal: give up on the clean stop.
+      signal.signal(signum, self._previous.pop(signum, signal.SIG_DFL))
+      os.kill(os.getpid(), signum)
+      return
+    self.received = name
+    print(f"{name} received: finishing the current step, then saving a checkpoint and "
+          f"exiting (send {name} again to exit at once without saving)", file=sys.stderr,
+          flush=True)
+    if self._jax_notice:
+      os.kill(os.getpid(), signal.SIGTERM)  # Hand it to JAX's preemption notifier.
+
+  def reached(self, step: int) -> bool:
+    """Whether to stop after ``step`` (called once per step, same steps on every process)."""
+    if self._jax_notice:
+      from jax.experimental import multihost_utils
+      if multihost_utils.reached_preemption_sync_point(step):
+        self.received = self.received or "SIGTERM (preemption notice)"
+        return True
+      return False
+    if self._multi:  # Preemption service disabled: agree through a collective each step.
+      from jax.experimental import multihost_utils
+      return bool(np.max(multihost_utils.process_allgather(np.int32(self.received is not None))))
+    return self.received is not None

@@ -127,3 +127,87 @@ def start_script(argv: Sequence[str], script_flags: dict) -> dict:
   values = {name: flag.value for name, flag in script_flags.items()}
   mesh_lib.simulate_cpu_devices(values["config"])
   return values
+
+
+def fail(status: int, message: str) -> None:
+  """Ends the script with ``message``, one line on stderr, and exit status ``status``."""
+  print(message, file=sys.stderr, flush=True)
+  sys.exit(status)
+
+
+def quiet_orbax() -> None:
+  """train.py without ``-v``: Orbax's INFO logs (a line per save step) off; a failed
+  background save makes Orbax log a traceback from each of its threads, and the run reports
+  the failure itself in one line (``CheckpointWriteError``): those tracebacks off too."""
+  from absl import flags
+  from absl import logging
+
+  if not flags.FLAGS["verbosity"].present:
+    logging.set_verbosity(logging.WARNING)
+    logging.get_absl_logger().addFilter(_drop_orbax_tracebacks)
+    sys.unraisablehook = _drop_closed_loop_callbacks
+
+
+def _drop_orbax_tracebacks(record) -> bool:
+  """Logging filter: keep Orbax's error lines, drop the tracebacks attached to them."""
+  if record.exc_info and f"{os.sep}orbax{os.sep}" in record.pathname:
+    record.exc_info, record.exc_text = None, None
+  return True
+
+
+def _drop_closed_loop_callbacks(unraisable) -> None:
+  """``sys.unraisablehook``: drops the leftovers of a failed Orbax read
+  (:func:`training.checkpoint.is_failed_read_leftover`), passes others on; ``-v`` shows
+  them too."""
+  from training import checkpoint as ckpt_lib  # Local: Orbax only where a run needs it.
+
+  if not ckpt_lib.is_failed_read_leftover(unraisable):
+    sys.__unraisablehook__(unraisable)
+
+
+def _config_path(argv) -> str | None:
+  for i, arg in enumerate(argv):
+    if arg.startswith("--config="):
+      return arg.split("=", 1)[1]
+    if arg == "--config" and i + 1 < len(argv):
+      return argv[i + 1]
+  return None
+
+
+def _unknown_field(argv, name: str) -> str:
+  """The dotted path, as the command line wrote it, of the unknown config field ``name``."""
+  for arg in argv:
+    if arg.startswith("--config."):
+      parts = arg[len("--config."):].split("=", 1)[0].split(".")
+      if name in parts:
+        return ".".join(parts[:parts.index(name) + 1])
+  return name
+
+
+def parse_flags(argv: list[str], default_config: str) -> list[str]:
+  """absl flag parsing that reports a bad flag or config in one line, exit status 2
+  (``--config`` is ``default_config`` when not given)."""
+  from absl import flags
+
+  argv = list(argv)
+  if _config_path(argv) is None:  # The default, before any --config.* override.
+    argv[1:1] = ["--config", default_config]
+    sys.argv[:] = argv  # ml_collections reads its overrides from sys.argv.
+  path = _config_path(argv).split(":", 1)[0]
+  if not os.path.isfile(path):
+    fail(EXIT_USAGE, f"config error: --config file {path!r} does not exist; pass a config "
+                     "file such as configs/tiny.py.")
+  try:
+    return flags.FLAGS(argv)
+  except Exception as e:  # absl flag errors, and whatever the config file or an override raised
+    if isinstance(e, AttributeError) and e.args and isinstance(e.args[0], KeyError):
+      e = e.args[0]  # ml_collections: an unknown field below the top (--config.data.seqlen)
+    text = str(e.args[0]) if isinstance(e, KeyError) and e.args else str(e)
+    lines = [l.strip() for l in text.strip().splitlines() if l.strip()]
+    if isinstance(e, KeyError) and lines:  # ConfigDict: "'modell'\nDid you mean ...?"
+      field = _unknown_field(argv, lines[0].strip("'"))
+      lines[0] = f"the config has no field {field!r}."
+    # Tracebacks embedded in the message (ml_collections does that): keep the last line.
+    message = lines[-1] if any(l.startswith("Traceback") for l in lines) else " ".join(lines)
+    fail(EXIT_USAGE, f"config error: {message} (see --helpfull for the flags; config fields "
+                     "are listed in configs/common.py)")

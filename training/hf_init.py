@@ -35,8 +35,8 @@ def resolve_hf_init(config: ml_collections.ConfigDict, log=None) -> ml_collectio
   ``data.tokenizer`` None (``configs/finetune.py``'s default) becomes ``init.hf_dir``:
   the tokenizer files of the Hugging Face directory.
 
-  Idempotent (a resolved config resolves to itself), so train.py can resolve
-  before saving the run's config and again inside :func:`train.train`.
+  Idempotent (a resolved config resolves to itself), so a resolved config may be passed to
+  any entry point that resolves it.
   Without ``init.hf_dir`` the config is returned unchanged.
 
   Raises:

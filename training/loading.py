@@ -15,6 +15,8 @@ import os
 import sys
 from typing import Callable
 
+import jax
+
 from training import checkpoint as ckpt_lib
 from training import errors
 from training import step as step_lib
@@ -161,3 +163,36 @@ def load_run_tokenizer(config, *, workdir: str | None = None, hf_dir: str | None
                             f"(pip install -e '.[hf]'): {e}") from None
   except Exception as e:  # ValueError naming the fix, or the package's own parse error.
     raise errors.UsageError(f"tokenizer {spec!r} does not load: {e}") from None
+
+
+def save_run_config(config, workdir: str) -> None:
+  """Writes ``config`` to the run's ``config.json`` (:func:`training.loading.run_config_path`;
+  on process 0, replacing the file in one rename). Called once the workdir's checkpoint has
+  restored under ``config`` (or there was none), so a run that cannot resume leaves the
+  config its checkpoints were written under as it was (export_hf.py, generate.py and
+  evaluate.py read it)."""
+  if jax.process_index() != 0:
+    return
+  path = run_config_path(workdir)
+  os.makedirs(workdir, exist_ok=True)
+  with open(path + ".tmp", "w") as f:
+    f.write(config.to_json_best_effort(indent=2))
+  os.replace(path + ".tmp", path)
+
+
+def saved_config_hint(config, workdir: str) -> str:
+  """The end of the error of a run whose workdir holds no checkpoint that restores: the
+  saved config the checkpoints were written under, what differs, and how to rerun with it."""
+  path = run_config_path(workdir)
+  diffs = model_differences(config, workdir)
+  if not diffs:
+    return f"This run wrote nothing into {workdir}."
+  scalar = (bool, int, float, str)
+  flags = " ".join(f"--config.model.{name}={saved}" for name, saved, _ in diffs
+                   if isinstance(saved, scalar))
+  return (f"The checkpoints were written under the config saved in {path}, which differs in "
+          + ", ".join(f"model.{name} ({saved!r} there, {value!r} here)"
+                      for name, saved, value in diffs)
+          + ": rerunning with the saved values resumes"
+          + (f" (e.g. add {flags})" if flags else "")
+          + f". This run wrote nothing into {workdir}.")

@@ -309,3 +309,28 @@ class Profile:
       self._tracing = False
       jax.profiler.stop_trace()
       log(f"wrote the profile to {self.logdir} (tensorboard --logdir {self.logdir})")
+
+
+def evaluate(eval_step, params, dataset, config, sharding, shape) -> dict[str, float]:
+  """Loss / perplexity / accuracy over the first ``config.eval_batches`` held-out batches.
+
+  For the kv task the loss mask covers only answer tokens, so the accuracy is
+  the retrieval accuracy (``retrieval_accuracy``, next to ``chance_accuracy``);
+  for text it is next-byte ``accuracy``.
+  """
+  from training import data as data_lib  # Local: Grain only where a run evaluates.
+
+  iterator = data_lib.make_iterator(dataset, prefetch=0)  # Fresh: same batches every eval.
+  totals = {"loss_sum": 0.0, "tokens": 0.0, "correct": 0.0}
+  for _ in range(config.eval_batches):
+    out = jax.device_get(eval_step(params, data_lib.to_global(next(iterator), sharding, shape)))
+    for k in totals:
+      totals[k] += float(out[k])
+  tokens = max(totals["tokens"], 1.0)
+  loss = totals["loss_sum"] / tokens
+  result = dict(loss=loss, perplexity=float(np.exp(min(loss, 50.0))),
+                accuracy=totals["correct"] / tokens)
+  if config.data.kind == "kv_retrieval":  # The loss mask covers exactly the answers.
+    result["retrieval_accuracy"] = result.pop("accuracy")
+    result["chance_accuracy"] = data_lib.KVRetrievalTask.from_config(config.data).chance_accuracy
+  return result

@@ -47,6 +47,7 @@ so the run's saved ``config.json`` describes the model the run ends with
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from typing import Any
 
@@ -252,3 +253,67 @@ def stage_of(stages: list[Stage], step: int) -> Stage:
     if step < stage.end:
       return stage
   return stages[-1]
+
+
+@dataclasses.dataclass
+class StageSetup:
+  """What one stage builds (:func:`build_stage`): its step, schedule and batch shapes."""
+  stage: Stage
+  model_cfg: Any
+  train_step: Any  # training.step.TrainStep
+  schedule: Any  # learning rate at the stage's update count (0 at its first step)
+  train_shape: tuple[int, int]
+  eval_shape: tuple[int, int]
+
+
+def build_stage(stage: Stage, mesh) -> StageSetup:
+  """The train step of ``stage``: its model (RoPE) and an optimizer whose warmup + cosine
+  schedule spans the stage's steps, its batches ``[rows, run length]``
+  (:func:`training.validation.run_length`: ``data.seq_len`` padded to what the ring splits;
+  logged when it pads). Abstract only; parameter shapes are the same in every stage, so any
+  stage's step restores a checkpoint of any other."""
+  from models import sharding as shd  # Local: this module's config code needs no JAX.
+  from training import metrics as metrics_lib
+  from training import step as step_lib
+  from training import validation as val_lib
+
+  c = stage.config
+  model_cfg, attention_line = val_lib.resolve_attention(c, val_lib.llama_config(c), mesh)
+  if attention_line and stage.index > 0:  # train.py logs the first stage's
+    metrics_lib.log(attention_line)
+  ring = shd.ring_size(mesh.shape)
+  padding_line = val_lib.padding_line(model_cfg, ring, c.data.seq_len)
+  if padding_line:
+    metrics_lib.log(padding_line)
+  run_len = val_lib.run_length(model_cfg, ring, c.data.seq_len)  # data.seq_len, padded
+  train_step = cached_train_step(model_cfg, mesh, c.optim, stage.steps, c.microbatches, c.seed)
+  return StageSetup(stage=stage, model_cfg=model_cfg, train_step=train_step,
+                    schedule=step_lib.make_schedule(c.optim, stage.steps),
+                    train_shape=(c.batch_size, run_len),
+                    eval_shape=(c.eval_batch_size, run_len))
+
+
+# The train steps of the last few (model, mesh, optimizer) triples this process built. A
+# second train() of the same setup in one process (a resumed run in a notebook, the next stage
+# of a schedule seen before, a sweep over data) reuses the jitted step, so JAX's caches hand
+# back its compiled program instead of compiling it again.
+_TRAIN_STEPS: collections.OrderedDict = collections.OrderedDict()
+_TRAIN_STEPS_KEPT = 4
+
+
+def cached_train_step(model_cfg, mesh, optim, steps: int, microbatches: int, seed: int):
+  """``build_train_step`` with an optimizer over ``steps``, or the same one built before:
+  the key holds everything the step's program depends on (the model config and mesh are
+  hashable values; the optimizer by its settings)."""
+  from training import step as step_lib
+
+  key = (model_cfg, mesh, optim.to_json(), steps, microbatches, seed)
+  if key in _TRAIN_STEPS:
+    _TRAIN_STEPS.move_to_end(key)
+    return _TRAIN_STEPS[key]
+  tx = step_lib.make_optimizer(optim, steps)
+  built = step_lib.build_train_step(model_cfg, mesh, tx, microbatches=microbatches, seed=seed)
+  _TRAIN_STEPS[key] = built
+  while len(_TRAIN_STEPS) > _TRAIN_STEPS_KEPT:
+    _TRAIN_STEPS.popitem(last=False)
+  return built

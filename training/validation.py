@@ -5,7 +5,8 @@ config fails with a message naming the fix before anything is traced or
 compiled; :func:`validate_stages` runs it for each of ``config.stages``.
 :func:`resolve_layout` decides ``model.layout="auto"`` once for the run's data and
 ring, before anything reads the layout; :func:`resolve_config` is every entry point's one
-call that decides the model that will run (Hugging Face fields, stages, then the layout).
+call that decides the model that will run (Hugging Face fields, stages, then the layout);
+:func:`resolve_run` is train.py's, for the ring of the devices the run has.
 :func:`llama_config` turns ``config.model`` into the model's frozen
 ``LlamaConfig`` (its own field checks raise :class:`ConfigError` too), and
 :func:`resolve_attention` decides ``model.attention="auto"`` for the run's shapes.
@@ -523,3 +524,33 @@ def resolve_layout(config: ml_collections.ConfigDict,
   config = config.copy_and_resolve_references()
   config.model.layout = layout
   return config, f"layout: auto -> {layout} ({why}; {what}; ring of {ring_size})"
+
+
+def resolve_layout_for(config: ml_collections.ConfigDict, num_devices: int,
+                       log=None) -> ml_collections.ConfigDict:
+  """:func:`resolve_layout` on the ring that ``config.mesh`` makes of ``num_devices`` devices,
+  its line to ``log``; a named layout: ``config`` unchanged.
+
+  Raises:
+    ConfigError: ``config.mesh`` does not fit ``num_devices`` devices.
+  """
+  if config.model.layout != AUTO_LAYOUT:
+    return config
+  sizes = mesh_lib.mesh_shape(config.mesh, num_devices)
+  config, line = resolve_layout(config, shd.ring_size(sizes))
+  if log is not None:
+    log(line)
+  return config
+
+
+def resolve_run(config: ml_collections.ConfigDict, num_devices: int,
+                log=None) -> ml_collections.ConfigDict:
+  """The config a run of ``num_devices`` devices trains, resolved once (train.py's
+  ``train``): ``init.hf_dir``'s model fields (``log`` gets its overrides), then
+  ``config.stages``, then ``model.layout="auto"`` (:func:`resolve_layout_for`). Idempotent.
+
+  Raises:
+    ConfigError: from any of the steps, naming the fix.
+  """
+  config = stages_lib.resolve(hf_init_lib.resolve_hf_init(config, log=log))
+  return resolve_layout_for(config, num_devices, log)

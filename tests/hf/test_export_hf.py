@@ -457,7 +457,7 @@ def test_qwen3_yarn_finetune_export_generate(tmp_path, hf):
   config.model.rope_scaling = yarn  # the context-extension switch: YaRN on a plain-RoPE model
   workdir, out = str(tmp_path / "run"), str(tmp_path / "export")
   # What train.py's main does before training: resolve, then save the run's config.json.
-  config = train_script.resolve_layout(hf_init_lib.resolve_hf_init(config), jax.device_count())
+  config = val_lib.resolve_run(hf_init_lib.resolve_hf_init(config), jax.device_count())
   os.makedirs(workdir)
   with open(os.path.join(workdir, "config.json"), "w") as f:
     f.write(config.to_json_best_effort(indent=2))

@@ -269,7 +269,7 @@ def test_gemma_finetune_export_generate(tmp_path, family):
       "eval_batch_size": 4, "eval_batches": 1, "total_steps": 2, "optim.warmup_steps": 1,
       "optim.lr": 1e-2, "log_every": 1, "async_checkpointing": False}.items())
   workdir, out = str(tmp_path / "run"), str(tmp_path / "export")
-  config = train_script.resolve_layout(hf_init_lib.resolve_hf_init(config), jax.device_count())
+  config = val_lib.resolve_run(hf_init_lib.resolve_hf_init(config), jax.device_count())
   os.makedirs(workdir)
   with open(os.path.join(workdir, "config.json"), "w") as f:
     f.write(config.to_json_best_effort(indent=2))

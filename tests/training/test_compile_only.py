@@ -9,13 +9,13 @@ import sys
 import jax
 import pytest
 
-import train
 from benchmarks import fit as fit_lib
 from configs import tiny
 from ring_jax import hardware
 from ring_jax import topology
 from training import compile_only as compile_lib
 from training import mesh as mesh_lib
+from training import stages as stages_lib
 from training.errors import ConfigError
 from message_utils import assert_states
 
@@ -38,7 +38,7 @@ def no_compile(monkeypatch):
   """Makes any train-step build fail loudly: the errors under test come before it."""
   def fail(*args, **kwargs):
     raise AssertionError("a train step was built before the bad input was reported")
-  monkeypatch.setattr(train, "build_stage", fail)
+  monkeypatch.setattr(stages_lib, "build_stage", fail)
 
 
 # Each bad input's line: the setting at fault as given, the numbers and names that make it
@@ -60,7 +60,7 @@ def no_compile(monkeypatch):
 def test_bad_input_is_one_line_before_any_compile(no_compile, topology_name, slices, fields,
                                                   facts):
   with pytest.raises(ConfigError) as e:
-    train.compile_only(tiny_config(**fields), topology_name, slices)
+    compile_lib.compile_stages(tiny_config(**fields), topology_name, slices)
   assert_states(str(e.value), *facts)
 
 
@@ -69,7 +69,7 @@ def test_missing_libtpu_is_reported_before_any_compile(no_compile, monkeypatch):
     raise topology.TopologyError("libtpu is missing (stand-in)")
   monkeypatch.setattr(topology, "check_libtpu", missing)
   with pytest.raises(ConfigError, match=r"^--topology: libtpu is missing \(stand-in\)$"):
-    train.compile_only(tiny_config(), "v5e:2x2")
+    compile_lib.compile_stages(tiny_config(), "v5e:2x2")
 
 
 def test_cli_bad_topology_is_one_line_status_2():
@@ -106,7 +106,7 @@ def test_dcn_shape_spans_slices_outer_axes_first(sizes, slices, dcn):
 
 def test_compile_only_on_attached_devices_has_no_hbm_figure(capsys):
   """Without --topology: the CPU devices this process simulates (no HBM figure for them)."""
-  rows = train.compile_only(tiny_config(**{"mesh.data": 2}))
+  rows = compile_lib.compile_stages(tiny_config(**{"mesh.data": 2}))
   assert len(rows) == 1 and rows[0]["hbm_bytes"] is None and rows[0]["fits"] is None
   assert rows[0]["per_chip_bytes"] == (rows[0]["argument_bytes"] + rows[0]["output_bytes"]
                                        + rows[0]["temp_bytes"] - rows[0]["alias_bytes"])
@@ -130,7 +130,7 @@ def test_tiny_step_compiles_for_v5e_with_train_py_and_fit_py_alike(capsys):
   """``train.py --compile_only --topology v5e:2x2`` on the tiny config (one layer), and
   ``fit.py --topology`` at the same length: the same step, the same bytes per chip."""
   config = tiny_config()
-  rows = train.compile_only(config, "v5e:2x2")
+  rows = compile_lib.compile_stages(config, "v5e:2x2")
   out = capsys.readouterr().out.splitlines()
   assert len(rows) == 1
   row = rows[0]

@@ -436,14 +436,12 @@ def test_shipped_configs_resolve_auto(name, arg, devices, want):
   """Every shipped config leaves model.layout to "auto"; on its mesh it resolves to the
   document layout (each trains on packed rows), and the :long variant with one document
   per row resolves to zigzag by itself."""
-  import train as train_script
-
   config = load_config(name, arg)
   assert config.model.layout == "auto"
-  assert train_script.resolve_layout(config, devices).model.layout == want
+  assert val_lib.resolve_run(config, devices).model.layout == want
   if arg == "long":
     config.data.kv.docs_per_row = 1
-    assert train_script.resolve_layout(config, devices).model.layout == "zigzag"
+    assert val_lib.resolve_run(config, devices).model.layout == "zigzag"
 
 
 def _tiny_hf_dir(tmp_path_factory, family: str) -> str:

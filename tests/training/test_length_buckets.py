@@ -161,11 +161,11 @@ def test_summed_loss_and_grads_equal_on_the_full_ring_and_a_buckets_ring(tmp_pat
   """16 documents of <= 16 tokens: packed into 4 rows of 64 on the ring of 4, or into 16 rows
   of 16 on rings of 1 (the same 8 devices as data 8 x sequence 1): equal summed loss and
   gradients (rtol 1e-5), and the same update."""
-  config = train_script.resolve_layout(_config(tmp_path), 8)
+  config = val_lib.resolve_run(_config(tmp_path), 8)
   val_lib.validate_config(config, 8)
   mesh = mesh_lib.make_mesh(config.mesh)
   with jax.set_mesh(mesh):
-    setup = train_script.build_stage(stages_lib.plan(config)[0], mesh)
+    setup = stages_lib.build_stage(stages_lib.plan(config)[0], mesh)
   buckets = buckets_lib.plan(config, setup.model_cfg, mesh)
   short, full = buckets
   (b_full, batch_full), = _batches(_docs(), (dataclasses_replace(full, index=0),))

@@ -170,8 +170,10 @@ def test_failing_background_save_stops_the_run_with_one_error(tmp_path):
     # A field below the top level: the same line as a top-level typo, with its path.
     (("--config.data.seqlen=64",), "config error: the config has no field 'data.seqlen'. "
                                    'Did you mean "seq_len" instead of "seqlen"? (see'),
+    # data.length_buckets exists (training/buckets.py) and needs text data.
     (("--config.data.length_buckets=3",),
-     "config error: the config has no field 'data.length_buckets'. (see"),
+     "config error: data.length_buckets=(3,): length buckets pack documents of text data "
+     "(data.kind='text'), got data.kind='kv_retrieval'."),
 ])
 def test_bad_command_lines_give_one_line_and_exit_2(tmp_path, flags, expected):
   proc = tp.run(tmp_path / "run", *flags)

@@ -21,7 +21,9 @@ from training import data as data_lib
 from training import errors
 from training import flags as flags_lib
 from training import mesh as mesh_lib
+from training import stages as stages_lib
 from training import step as step_lib
+from training import supervisor as supervisor_lib
 from training import validation as val_lib
 import train_procs
 
@@ -207,7 +209,7 @@ def test_resume_matches_uninterrupted_run_even_on_another_mesh(tmp_path):
 
 
 def test_distributed_launch_detection():
-  detect = train_script.multiprocess_launch_detected
+  detect = supervisor_lib.multiprocess_launch_detected
   assert detect({}) is None
   assert detect({"JAX_COORDINATOR_ADDRESS": "10.0.0.1:1234"}) == "JAX_COORDINATOR_ADDRESS"
   assert detect({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "1"}) is None  # single task: no init
@@ -370,18 +372,18 @@ def test_mesh_dependent_model_fields_fail_before_compiling(overrides, match):
 
 
 def test_a_second_train_of_the_same_setup_reuses_the_jitted_step():
-  """train._train_step: the same model, mesh, optimizer settings and schedule length give the
-  same TrainStep (so JAX reuses its compiled programs, eval step included); any change in
-  them builds a new one."""
+  """training.stages.cached_train_step: the same model, mesh, optimizer settings and
+  schedule length give the same TrainStep (so JAX reuses its compiled programs, eval step
+  included); any change in them builds a new one."""
   config = small_config()
   mesh = mesh_lib.make_mesh(config.mesh)
   model_cfg = val_lib.llama_config(config)
   args = (model_cfg, mesh, config.optim, 6, config.microbatches, config.seed)
-  first = train_script._train_step(*args)
-  assert train_script._train_step(*args) is first
+  first = stages_lib.cached_train_step(*args)
+  assert stages_lib.cached_train_step(*args) is first
   assert first.eval_step() is first.eval_step()
-  assert train_script._train_step(model_cfg, mesh, config.optim, 7, config.microbatches,
+  assert stages_lib.cached_train_step(model_cfg, mesh, config.optim, 7, config.microbatches,
                                   config.seed) is not first  # another schedule length
   other_optim = flags_lib.apply_overrides(small_config(), [("optim.lr", 5e-4)]).optim
-  assert train_script._train_step(model_cfg, mesh, other_optim, 6, config.microbatches,
+  assert stages_lib.cached_train_step(model_cfg, mesh, other_optim, 6, config.microbatches,
                                   config.seed) is not first

@@ -67,14 +67,14 @@ def _passes(cfg, ring, length) -> bool:
 
 
 def _step_and_grads(config):
-  """The trainer's own stage (:func:`train.build_stage`) and data pipeline on ``config``'s
+  """The trainer's own stage (:func:`training.stages.build_stage`) and data pipeline on ``config``'s
   mesh: ``(batch shape, step metrics, params after the step, gradient of the summed loss)``."""
   devices = jax.devices()[:config.mesh.data * config.mesh.sequence]
-  config = train_script.resolve_layout(config, len(devices))
+  config = val_lib.resolve_run(config, len(devices))
   val_lib.validate_config(config, len(devices))
   mesh = mesh_lib.make_mesh(config.mesh, devices)
   with jax.set_mesh(mesh):
-    setup = train_script.build_stage(stages_lib.plan(config)[0], mesh)
+    setup = stages_lib.build_stage(stages_lib.plan(config)[0], mesh)
     step = setup.train_step
     params, opt_state = step.init_state()
     sharding = shd_batch_sharding(mesh)
