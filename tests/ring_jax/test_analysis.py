@@ -254,9 +254,10 @@ def test_cpu_compiled_ring_transfers_are_synchronous():
   compiled = _ring_loss(mesh, layout="zigzag", inputs_in_layout=True).lower(x, x, x).compile()
   report = analysis.overlap_report(compiled)
   kinds = report.kinds()
-  # forward: K and V in the loop body; backward: K/V of hop 0 and of the loop body, dK/dV of
-  # the loop body and the last hop, and the accumulators' way home (one pair each)
-  assert kinds == {"ring K/V": (0, 6), "ring dK/dV": (0, 4), "ring dK/dV home": (0, 2),
+  # forward: K and V in the loop body; backward (it starts on the forward's last parts and
+  # ends on each owner: routing.backward_rotation): K/V sent at its first hop and in the
+  # loop body, dK/dV arriving in the loop body and at the last hop (one pair each)
+  assert kinds == {"ring K/V": (0, 6), "ring dK/dV": (0, 4),
                    **{k: v for k, v in kinds.items() if not k.startswith("ring")}}
   assert all(not t.asynchronous for t in report.transfers)
 
@@ -297,5 +298,5 @@ def test_cpu_compiled_layout_reorder_is_its_own_kind():
   kinds = report.kinds()
   # q, k, v in and the output back (forward); their transposes (backward)
   assert kinds["layout reorder"] == (0, 16)
-  assert report.ring() == (0, 12)
+  assert report.ring() == (0, 10)
   assert "collective-permute" not in kinds
