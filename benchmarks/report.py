@@ -803,6 +803,34 @@ def tpu_overlap() -> str:
                   note=f"Deviceless compiles with libtpu {after['libtpu']}."))
 
 
+TPU_BACKWARD = "tpu_backward_rotation_v5p.json"
+TPU_BACKWARD_BEFORE = "tpu_backward_rotation_v5p_before.json"
+
+
+@block("tpu_backward_rotation", TPU_BACKWARD, TPU_BACKWARD_BEFORE)
+def tpu_backward_rotation() -> str:
+  after, before = load(TPU_BACKWARD), load(TPU_BACKWARD_BEFORE)
+  old = {r["config"]: r for r in before["rows"] if "error" not in r}
+  rows = []
+  for r in after["rows"]:
+    b = old.get(r["config"])
+    if "error" in r or b is None:
+      continue
+    rows.append([f"`{r['config']}`", f"{b['ring_in_flight']} of {b['ring_transfers']}",
+                 _ring_kinds(b), mib(b["temp_mib"] * MIB),
+                 f"{r['ring_in_flight']} of {r['ring_transfers']}", _ring_kinds(r),
+                 mib(r["temp_mib"] * MIB)])
+  return (f"`ring_attention_sharded` fwd+bwd compiled for {after['topology']} (no TPU attached), "
+          f"ring of 4 (two-level: 2 x 2), {length(after['length'])} tokens, {after['heads']} x "
+          f"{after['head_dim']} heads, {after['dtype']}, xla hop (splash where named), the TPU "
+          f"defaults; ring transfers with block compute in flight / all, per kind, and temp per "
+          f"chip; {before['label']} against {after['label']}:\n\n" +
+          table(["configuration", "before: in flight", "before, per kind", "before: temp MiB",
+                 "after: in flight", "after, per kind", "after: temp MiB"], rows, "-r-rr-r") +
+          "\n\n" + caption(TPU_BACKWARD, TPU_BACKWARD_BEFORE,
+                            note=f"Deviceless compiles with libtpu {after['libtpu']}."))
+
+
 TPU_HOP_MEMORY = "tpu_hop_memory_v5p.json"
 TPU_HOP_MEMORY_TRIED = "tpu_hop_memory_v5p_tried.json"
 
