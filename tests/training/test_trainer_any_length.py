@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -187,27 +186,6 @@ def test_evaluate_at_lengths_the_ring_does_not_divide(tmp_path):
   assert again == results
 
 
-def _dense_greedy(cfg, params, prompts, steps):
-  """Greedy tokens ``[B, steps]``: the full forward pass (dense, one device) at every step."""
-  dense_cfg = dataclasses.replace(cfg, attention="dense", layout="contiguous")
-  graphdef = model_utils.graphdef(dense_cfg)
-  length = max(len(p) for p in prompts) + steps
-
-  @jax.jit
-  def last_logits(params, tokens, positions, segments, last):
-    logits = nnx.merge(graphdef, params)(tokens, positions, segments)
-    return jnp.take_along_axis(logits, last[:, None, None], axis=1)[:, 0]
-
-  out = np.zeros((len(prompts), steps), np.int32)
-  for s in range(steps):
-    batch = inference.prepare_prompts([p + out[b, :s].tolist() for b, p in enumerate(prompts)],
-                                      length, "right")
-    logits = last_logits(params, batch["tokens"], batch["positions"], batch["segment_ids"],
-                         batch["last"])
-    out[:, s] = np.argmax(np.asarray(logits), axis=-1)
-  return out
-
-
 @pytest.mark.parametrize("prompt_lengths,cache_len", [((3,), 13), ((5, 11), 29)],
                          ids=["prompt_shorter_than_the_ring", "cache_of_29"])
 def test_generate_at_lengths_the_ring_does_not_divide_equals_dense(prompt_lengths, cache_len):
@@ -224,4 +202,4 @@ def test_generate_at_lengths_the_ring_does_not_divide_equals_dense(prompt_length
   assert padded == 8 if max(prompt_lengths) <= 8 else padded == 16  # zigzag on 4: 8 per step
   steps = gen.cache_len - padded
   tokens = np.stack(list(gen.generate(prompts, steps)), axis=1)
-  np.testing.assert_array_equal(tokens, _dense_greedy(cfg, params, prompts, steps))
+  np.testing.assert_array_equal(tokens, model_utils.dense_greedy(cfg, params, prompts, steps))
