@@ -90,6 +90,19 @@ class _TwoLevelConfig:
   inner: RingConfig   # ... and over the inner axis (n_i devices, all hops)
   routes: routing.Routes  # the outer ring's (routing.group_routes; full or routed)
 
+  def backward(self) -> "_TwoLevelConfig | None":
+    """The backward's plan where the outer ring runs the full rotation: both rings rotated
+    own shard last (:func:`ring_jax.routing.backward_rotation` over each axis), so every
+    dK/dV accumulator ends its last hop on its owner; None for a routed outer ring."""
+    if self.routes.routed:
+      return None
+    s = self.routes.local_len
+    n_o, n_i = self.outer.ring_size, self.inner.ring_size
+    return dataclasses.replace(
+        self, routes=routing.backward_rotation(self.ring.layout, n_o, s),
+        inner=dataclasses.replace(self.inner,
+                                  routes=routing.backward_rotation(self.ring.layout, n_i, s)))
+
 
 def split_axes(axis_name) -> tuple[str, str]:
   """``axis_name`` as ``(outer, inner)``; ValueError unless it is a pair of axis names."""
@@ -171,9 +184,11 @@ def _where(tl: _TwoLevelConfig):
 
 def _source(tl: _TwoLevelConfig, stream: routing.Stream, g, r, step, hop):
   """Ring index of the device whose ``stream`` part ``(g, r)`` holds at outer ``step``,
-  inner ``hop`` (int or traced): group ``stream.source(g, step)``, member ``r - hop``."""
+  inner ``hop`` (int or traced): group ``stream.source(g, step)``, member
+  ``inner_stream.source(r, hop)`` (``r - hop``; ``r + hop`` in the backward's rotation)."""
   n_o, n_i = tl.outer.ring_size, tl.inner.ring_size
-  return stream.source(g, step, n_o) * n_i + (r - hop) % n_i
+  inner = tl.inner.routes.streams[0]
+  return stream.source(g, step, n_o) * n_i + inner.source(r, hop, n_i)
 
 
 def _masks(tl: _TwoLevelConfig, g, r, step, hop, q_pos, q_seg, kv_seg, v_finite=None):
@@ -200,9 +215,11 @@ def _forward(tl: _TwoLevelConfig, q, k, v, seg):
   :mod:`ring_jax.ring`'s forward: per outer step (:func:`ring_jax.ring.over_hops` over the
   outer routes) the transfer of the next step's parts (``send_outer``), then the inner ring
   (:func:`ring_jax.ring.forward_loop`, the full rotation over the inner axis) on the
-  group's buffer, the outer transfer tied to its last hop. ``received``: per stream, the
-  ``(k, v, seg)`` parts the first outer transfer delivered (held at step 1; None on one
-  group), which the backward reads instead of sending them again."""
+  group's buffer, the outer transfer tied to its last hop. ``received``: what the backward
+  reads instead of sending it again: with a routed outer ring, per stream the ``(k, v,
+  seg)`` parts the first outer transfer delivered (held at step 1; None on one group); with
+  the full rotation (:meth:`_TwoLevelConfig.backward`) the parts the last inner hop held
+  (device ``(g + 1, r + 1)``'s shard: the backward's first).""" 
   cfg, routes = tl.ring, tl.routes
   n_o = tl.outer.ring_size
   g, r = _where(tl)
@@ -218,6 +235,7 @@ def _forward(tl: _TwoLevelConfig, q, k, v, seg):
   rows = [[s.arrive[i + 1] if i + 1 < n_o else () for s in routes.streams] for i in range(n_o)]
   span = loop_span(n_o, peel_first=True)
   received = {}
+  rotates = tl.backward() is not None
 
   def outer_step(i, state, *, name, first, last):
     del name
@@ -228,8 +246,11 @@ def _forward(tl: _TwoLevelConfig, q, k, v, seg):
         nxt = hop_send(i, rows, span, tl.outer.axis_name, held)
     ko, vo, sego = (join_streams(x) for x in zip(*held))
     masks_at = lambda h, kv_seg: _masks(tl, g, r, i, h, q_pos, seg, kv_seg, v_finite)  # noqa: E731
-    acc, nxt, _ = forward_loop(tl.inner, q, [(ko, vo, sego)], acc, masks_at, also=nxt)
-    if first and not last:
+    acc, nxt, inner_held = forward_loop(tl.inner, q, [(ko, vo, sego)], acc, masks_at,
+                                        also=nxt)
+    if rotates and last:
+      received["parts"] = inner_held
+    elif first and not last and not rotates:
       received["parts"] = nxt
     return (held if last else nxt), acc
 
@@ -328,6 +349,55 @@ def _backward(tl: _TwoLevelConfig, q, k, v, seg, out, lse, do, dlse, received):
   return finish_grads(q, k_own, v_own, dq, dk, dv)
 
 
+def _backward_rotation(tl: _TwoLevelConfig, q, k, v, seg, out, lse, do, dlse, held):
+  """The backward of the full rotation, both rings run own shard last (``tl``:
+  :meth:`_TwoLevelConfig.backward`): at outer step ``s = 1..n_o`` device ``(g, r)``'s outer
+  buffer is device ``(g + s, r + 1)``'s shard, and its inner ring (:func:`ring_jax.ring.
+  backward_loop` over :func:`ring_jax.routing.backward_rotation`) holds ``(g + s, r + h)``
+  at inner hop ``h = 1..n_i``, ending on ``(g + s, r)`` with that shard's float32 dK/dV
+  accumulator: no transfer home inside a step. The outer buffer goes on to ``(g - 1, r)``
+  (``send_outer``, issued before the inner ring) and so does the step's accumulator
+  (``outer_dkv``, issued at the next step's start and added after its inner ring): device
+  ``(g - 1, r)`` ends step ``s + 1`` on the same shard. At ``s = n_o`` every device ends on
+  its own shard: no transfer follows the last hop's compute. ``held``: the first step's
+  buffer, the forward's last inner hop's parts (not sent again)."""
+  cfg, routes = tl.ring, tl.routes
+  outer = tl.outer.axis_name
+  g, r = _where(tl)
+  n_o, n_i = tl.outer.ring_size, tl.inner.ring_size
+  q_pos = layouts.local_positions(cfg.layout, cfg.ring_size, q.shape[1], g * n_i + r)
+  res = HopResiduals(out=out, lse=lse_for_backward(lse), do=do, dlse=dlse)
+  (stream,) = routes.streams
+  first = routes.hops[0]
+  span = loop_span(n_o, peel_first=True)
+  arrive_next = [[stream.arrive[i + 1]] if i + 1 < n_o else [()] for i in range(n_o)]
+  arrive_now = [[stream.arrive[i]] for i in range(n_o)]
+
+  def outer_step(i, state, *, name, first_step, last):
+    del name
+    held, acc, dq = state
+    nxt = None
+    if not last:  # read at the next step
+      with jax.named_scope("send_outer"):
+        (nxt,) = hop_send(i, arrive_next, span, outer, [held])
+    arrived = None
+    if not first_step:  # the previous step's accumulators, in flight during the inner ring
+      with jax.named_scope("outer_dkv"):
+        (arrived,) = hop_send(i, arrive_now, span, outer, [acc])
+    masks_at = lambda h, kv_seg: _masks(tl, g, r, first + i, h, q_pos, seg, kv_seg)  # noqa: E731
+    dq, dk, dv, nxt = backward_loop(tl.inner, q, [held], res, dq, masks_at, also=nxt,
+                                    arrived=True)
+    if arrived is not None:
+      dk, dv = dk + arrived[0], dv + arrived[1]
+    return (held if last else nxt), (dk, dv), dq
+
+  dq = varying_like(jnp.zeros(q.shape, jnp.float32), q, k, v)
+  step = lambda i, state, *, name, first, last: outer_step(  # noqa: E731
+      i, state, name=name, first_step=first, last=last)
+  _, (dk, dv), dq = over_hops(n_o, step, (held[0], None, dq), peel_first=True)
+  return finish_grads(q, k, v, dq, dk, dv)
+
+
 def _pack(k, v, seg):
   """A part's K and V as one stacked array (``(kv, seg)``), or as two when V's head size
   differs (``(k, v, seg)``); ``part[0][m]`` is K (m = 0) or V (m = 1) either way."""
@@ -356,7 +426,11 @@ def _two_level_bwd(tl: _TwoLevelConfig, res, cotangent):
   q, k, v, seg, out, lse, received = res
   do, dlse = cotangent if tl.ring.return_lse else (cotangent, None)
   with jax.named_scope("two_level_bwd"):
-    dq, dk, dv = _backward(tl, q, k, v, seg, out, lse, do, dlse, received)
+    if tl.backward() is None:
+      dq, dk, dv = _backward(tl, q, k, v, seg, out, lse, do, dlse, received)
+    else:
+      dq, dk, dv = _backward_rotation(tl.backward(), q, k, v, seg, out, lse, do, dlse,
+                                      received)
   return dq, dk, dv, None
 
 

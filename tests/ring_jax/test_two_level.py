@@ -162,8 +162,11 @@ def test_routed_outer_bytes_from_hlo():
   forward + backward, are exactly what the outer routes move (routing.group_routes):
   K/V at steps 1..3 forward, 2..3 backward (step 1's parts are the forward's, kept), the
   dK/dV on with their parts and home. Routed over full: contiguous 0.5 and 0.5, zigzag
-  0.75 and 0.75. The inner bytes do not change. (The full rotation moves the same in
-  every layout: compiled once, zigzag.)"""
+  0.75 and 0.75. The full rotation's backward runs both rings own shard last: over the
+  outer links K/V at steps 2..4 and dK/dV on with them (the same outer bytes), over the
+  inner links per step one K/V and one dK/dV transfer and none home, fewer than the routed
+  rings' (which send each step's inner accumulators home). (The full rotation moves the
+  same in every layout: compiled once, zigzag.)"""
   split, length = (4, 2), 128
   shard = length // 8 * 2 * 8 * 4  # one device's K (or V): 16 tokens, 2 heads of 8, float32
   group = 2 * shard  # over the 2 device pairs of a group pair
@@ -190,11 +193,15 @@ def test_routed_outer_bytes_from_hlo():
   full = measured("zigzag", False)
   assert full[:2] == derived("zigzag", False) == (2 * 12 * group,
                                                   (2 * 12 + 2 * 8 + 2 * 16) * group)
+  n_o, n_i = split  # inner: n_i - 1 K/V transfers (K and V) per step forward, K/V + dK/dV back
+  assert full[2] == n_o * (n_i - 1) * (2 + 2 + 2) * shard
+  inner_routed = set()
   for layout, frac in (("contiguous", 0.5), ("zigzag", 0.75)):
     routed = measured(layout, True)
     assert routed[:2] == derived(layout, True), layout
-    assert routed[2] == full[2], layout
+    inner_routed.add(routed[2])
     assert (routed[0] / full[0], routed[1] / full[1]) == (frac, frac), layout
+  assert len(inner_routed) == 1 and inner_routed.pop() > full[2]
 
 
 GQA = dict(batch=1, heads=32, kv_heads=8, head_dim=128)
