@@ -41,8 +41,19 @@ docs/performance.md). The inner rings rotate the group's whole buffer: they are
 rotation over the inner axis, the outer transfer tied to their last hop, and the outer
 steps run on the same driver (:func:`ring_jax.ring.over_hops`).
 
-The backward (a ``custom_vjp``) mirrors it: in each outer step the inner ring
-carries K/V with fresh float32 dK/dV accumulators (as :mod:`ring_jax.ring`,
+The backward (a ``custom_vjp``) of the full rotation (no routing: striped and non-causal
+rings, and every ring on TPU, :data:`ring_jax.ring.PLATFORM_DEFAULTS`) runs both rings the
+other way round, own shard last (:func:`ring_jax.routing.backward_rotation` over each axis;
+:func:`_backward_rotation`): at outer step ``s = 1..n_o`` the outer buffer is device
+``(g + s, r + 1)``'s shard and the inner ring ends on ``(g + s, r)`` with that shard's
+float32 dK/dV accumulator, which travels on over the outer axis (issued at the next step's
+start, added after its inner ring) to the device that ends the next step on the same shard;
+at the last step every device ends on its own shard, so no accumulator goes home and no
+transfer follows the last hop's compute. The first step's buffer is what the forward's last
+inner hop held (a residual: nothing is sent before the backward's first hop).
+
+With routed outer transfers the backward follows the forward's routes: in each outer step
+the inner ring carries K/V with fresh float32 dK/dV accumulators (as :mod:`ring_jax.ring`,
 ``overlap_dkv`` applies there) that return to the holder of the outer buffer
 after the last inner hop; the group's contribution is added to the outer
 accumulator of that buffer, which travels on with it, its transfer issued at
@@ -52,8 +63,7 @@ from that group over the outer axis in the same way (routed contiguous: from gro
 ``n_o - 1``, one transfer per buffer instead of the rest of the way round). In the
 last outer step the inner accumulators stay where the inner ring left them (one device
 on), the outer one moves there instead (off the critical path), and their sum goes
-home in one transfer over both axes: the last step exposes one transfer, as the flat
-ring's last hop does.
+home in one transfer over both axes: the last step exposes one transfer.
 
 Masks, the block table (causal, window and document skipping of block pairs,
 whole hops included) and the hop kernels are those of :mod:`ring_jax.ring`;
