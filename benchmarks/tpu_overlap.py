@@ -19,8 +19,14 @@ splash hop kernel; default ``xla``), ``+window`` (``local_window_size=(4096, 0)`
 (``--heads`` query heads over a quarter as many K/V heads), ``+sinks`` (a float32 ``sinks
 [heads]`` argument, differentiated too), ``+softcap`` (``logits_soft_cap=50``) and ``+dv``
 (V and the output with head dim ``--value_head_dim``, default 128); without them the defaults
-apply. And ``two_level-<layout>-<causal|full>`` (outer 2 x inner ring over the rest of the
-chips). Mesh: data=1 x sequence=chips (two-level: data=1 x outer=2 x inner=chips/2).
+apply; ``+inlayout``: inputs already in the layout's order (``inputs_in_layout=True``, as
+the model calls it). And ``two_level-<layout>-<causal|full>`` (outer 2 x inner ring over the
+rest of the chips). Mesh: data=1 x sequence=chips (two-level: data=1 x outer=2 x
+inner=chips/2). A peer on the same compiler: ``tokamax_ring-<causal|full>`` (tokamax's TPU
+ring splash, ``tokamax.._src.ops.experimental.tpu.splash_attention.ring_attention_kernel``,
+needs jax >= 0.11 and ``pip install tokamax==0.0.17``), ``+block512`` (its blocks 512) and
+``+dq3`` (``dq_reduction_steps=3``); its compile is timed as ours (``lower().compile()``).
+``--repeats N`` compiles each configuration N times and records the median seconds.
 
 ``--hop-kernel xla,splash`` compiles every configuration once per hop kernel
 named (a row's ``config`` gains ``+<kernel>``), the hop kernels' memory side by side
@@ -80,9 +86,12 @@ def compile_config(config: str, devices, length: int, heads: int, head_dim: int,
   None: the default)."""
   parts = config.split("+")
   words = parts[0].split("-")
+  if words[0] == "tokamax_ring":
+    return compile_tokamax_ring(parts, words[-1] == "causal", devices, length, heads, head_dim)
   two_level = words[0] == "two_level"
   layout, mask = words[-2], words[-1]
   kw = dict(is_causal=mask == "causal", layout=layout, hop_kernel=hop_kernel(config),
+            inputs_in_layout="inlayout" in parts,
             overlap_dkv=True if "overlap_dkv" in parts else False if "inplace_dkv" in parts
             else None, block_q=block, block_kv=block)
   if "routed" in parts:
@@ -124,15 +133,54 @@ def compile_config(config: str, devices, length: int, heads: int, head_dim: int,
   return compiled, time.perf_counter() - start
 
 
+def compile_tokamax_ring(parts, is_causal: bool, devices, length: int, heads: int,
+                         head_dim: int):
+  """``(compiled, seconds)`` of tokamax's TPU ring fwd+bwd over all ``devices`` (its layout:
+  ``[heads, L, head_dim]``, the sequence split over the ring), as its own test builds it."""
+  import dataclasses
+  from tokamax._src.ops.experimental.tpu.splash_attention import (
+      ring_attention_kernel, splash_attention_kernel as splash, splash_attention_mask as masks)
+  n = len(devices)
+  mesh = jax.sharding.Mesh(np.asarray(devices).reshape(1, n), ("heads", "ring"))
+  mask = (masks.make_causal_mask((length, length)) if is_causal
+          else masks.FullMask(_shape=(length, length)))
+  config = dataclasses.replace(splash.SplashConfig.get_default(), use_base2_exp=False,
+                               fuse_reciprocal=True)
+  if "block512" in parts:
+    config = dataclasses.replace(config, block_q=512, block_kv=512, block_kv_compute=512,
+                                 block_q_dkv=512, block_kv_dkv=512, block_kv_dkv_compute=512)
+  if "dq3" in parts:
+    config = dataclasses.replace(config, dq_reduction_steps=3)
+  kernel = ring_attention_kernel.make_ring_attention(
+      mask, is_mqa=False, ring_axis="ring", config=config, q_seq_shards=n, kv_seq_shards=n)
+  spec = jax.P(None, "ring", None)
+  attend = jax.shard_map(lambda kernel, q, k, v: kernel(q, k, v, None), mesh=mesh,
+                         in_specs=(kernel.manual_sharding_spec(), spec, spec, spec),
+                         out_specs=spec, check_vma=False)
+  x = jax.ShapeDtypeStruct((heads, length, head_dim), jnp.bfloat16,
+                           sharding=jax.sharding.NamedSharding(mesh, spec))
+
+  def loss(q, k, v):
+    return jnp.sum(attend(kernel, q, k, v).astype(jnp.float32) ** 2)
+
+  start = time.perf_counter()
+  compiled = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))).lower(x, x, x).compile()
+  return compiled, time.perf_counter() - start
+
+
 def measure(config: str, devices, length: int, heads: int, head_dim: int,
-            block: int | None = None, value_head_dim: int = 128) -> dict:
-  compiled, seconds = compile_config(config, devices, length, heads, head_dim, block,
-                                     value_head_dim)
+            block: int | None = None, value_head_dim: int = 128, repeats: int = 1) -> dict:
+  times = []
+  for _ in range(repeats):
+    compiled, seconds = compile_config(config, devices, length, heads, head_dim, block,
+                                       value_head_dim)
+    times.append(seconds)
+  seconds = common.median(times)
   report = analysis.overlap_report(compiled)
   hidden, total = report.ring()
   return {
       "config": config,
-      "hop_kernel": hop_kernel(config),
+      "hop_kernel": "tokamax" if config.startswith("tokamax_ring") else hop_kernel(config),
       "block": block, "heads": heads, "head_dim": head_dim,
       "value_head_dim": value_head_dim if "dv" in config.split("+") else head_dim,
       "kv_heads": heads // 4 if "gqa" in config.split("+") else heads,
@@ -163,6 +211,8 @@ def main(argv=None):
   p.add_argument("--hop-kernel", default=None,
                  help=f"comma-separated hop kernels ({', '.join(HOP_KERNELS)}): each "
                       "configuration compiled once per kernel (default: as the config says)")
+  p.add_argument("--repeats", type=int, default=1,
+                 help="compiles per configuration; compile_s is their median")
   p.add_argument("--label", default="", help="recorded with the rows (e.g. a commit)")
   p.add_argument("--out", default=None, help="result file (default: print only)")
   args = p.parse_args(argv)
@@ -178,7 +228,7 @@ def main(argv=None):
   for config in configs:
     try:
       row = measure(config, devices, args.length, args.heads, args.head_dim, args.block,
-                    args.value_head_dim)
+                    args.value_head_dim, args.repeats)
     except Exception as e:  # one failed configuration is reported, the next one runs
       row = {"config": config, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
     rows.append(row)
