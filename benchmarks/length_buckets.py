@@ -12,9 +12,9 @@ from the same initial parameters and the same document stream:
 
 (exactly what ``train.py`` runs: ``training.stages.build_stage``'s train step and state,
 AdamW, params and optimizer state donated). Recorded per configuration: the number of
-compiled programs; per bucket its ring, rows and the collective bytes one step moves per
-device, read from the compiled program's HLO (every loop body counted once per iteration:
-the layer scan, the ring's hop loop), the ring's collective-permutes separate from the rest;
+compiled programs; per bucket its ring, rows and the ring's collective-permute bytes one step
+moves per device, read from the compiled program's HLO (every loop body counted once per
+iteration: the layer scan, the ring's hop loop);
 per step the bucket, the real tokens (segment ids > 0) and the loss; the padding fraction;
 and unless ``--no-timing``, each step's wall and CPU seconds and tokens/s over the timed
 steps (real tokens and all token slots). The loss curves of the two configurations are the
@@ -34,7 +34,6 @@ import collections
 import datetime
 import json
 import os
-import re
 import sys
 import tempfile
 
@@ -48,12 +47,13 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks import common  # noqa: E402
+from benchmarks import two_level  # noqa: E402
 from ring_jax import analysis  # noqa: E402
 
 # A tiny LLaMA over the byte tokenizer's ids (configs/tiny.py:text's vocabulary).
 MODEL = {"model.vocab_size": 264, "model.dim": 64, "model.mlp_dim": 128, "model.num_heads": 4,
          "model.num_kv_heads": 2, "model.num_layers": 2}
-RING_SCOPES = tuple(scope for scope, kind in analysis.SCOPE_KINDS if kind.startswith("ring"))
+RING_SCOPES = frozenset(scope for scope, kind in analysis.SCOPE_KINDS if kind.startswith("ring"))
 
 
 # ----------------------------------------------------------------------------
@@ -94,88 +94,18 @@ def write_corpus(path: str, seed: int, docs: int, seq_len: int, short_fraction: 
 # Collectives per step, from the compiled program
 # ----------------------------------------------------------------------------
 
-_HEADER = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s*\(.*\{\s*$")
-_COMMENT = re.compile(r"/\*.*?\*/")
-_NAME = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=")
-_TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
-
-
-def collectives_per_step(hlo: str) -> dict[str, dict[str, int]]:
-  """``{"ring collective-permute": {count, bytes}, kind: {count, bytes}, ...}`` per device
-  for one run of the program ``hlo`` (a compiled module's text): each computation's
-  collectives (:func:`benchmarks.common.count_collectives`) times the number of times it
-  runs, a ``while`` body once per iteration of its known trip count (the layer scan, the
-  ring's hop loop). A collective-permute under one of ``ring_jax.ring``'s hop scopes
-  (:data:`ring_jax.analysis.SCOPE_KINDS`) is the ring's, counted apart from the others.
-
-  Raises:
-    ValueError: collectives under a ``while`` loop whose trip count the compiler did not
-      record, or in a conditional's branch.
-  """
-  hlo = _COMMENT.sub("", hlo)  # a tuple shape's /*index=5*/ would end count_collectives' match
-  bodies: dict[str, list[str]] = {}
-  entry, name = None, None
-  for line in hlo.splitlines():
-    m = _HEADER.match(line)
-    if m:
-      name = m.group(1)
-      bodies[name] = []
-      if line.startswith("ENTRY"):
-        entry = name
-    elif name is not None and line.strip() and line.strip() != "}":
-      bodies[name].append(line)
-  line_of = {m.group(1): ln for ln in hlo.splitlines() if (m := _NAME.match(ln))}
-  # callee -> [(caller, runs per run of the caller)]: a loop body once per iteration; None
-  # where that is not known (a trip count the compiler did not record, a conditional branch)
-  calls: dict[str, list[tuple[str, int | None]]] = collections.defaultdict(list)
-  for caller, insts in analysis.parse_module(hlo).items():
-    for inst in insts:
-      runs_each = 1
-      if inst.opcode == "while":
-        found = _TRIP.search(line_of.get(inst.name, ""))
-        runs_each = int(found.group(1)) if found else None
-      elif inst.opcode == "conditional":
-        runs_each = None
-      for callee in inst.called:
-        calls[callee].append((caller, runs_each))
-  runs: dict[str, int | None] = {}
-
-  def times(comp: str) -> int | None:
-    if comp not in runs:
-      total = 1 if comp == entry else 0
-      for caller, each in calls.get(comp, ()):
-        k = times(caller)
-        if k == 0:
-          continue
-        if k is None or each is None:
-          total = None
-          break
-        total += k * each
-      runs[comp] = total
-    return runs[comp]
-
-  out = {kind: {"count": 0, "bytes": 0} for kind in ("ring collective-permute",
-                                                     *common.COLLECTIVES)}
-  for comp, lines in bodies.items():
-    counts = common.count_collectives("\n".join(lines))
-    if not any(v["count"] for v in counts.values()):
-      continue
-    k = times(comp)
-    if k is None:
-      raise ValueError(f"collectives in {comp}, which runs an unknown number of times per "
-                       "step (a loop without a known trip count, or a conditional)")
-    ring = [ln for ln in lines if "collective-permute" in ln and _in_ring_scope(ln)]
-    for field, v in common.count_collectives("\n".join(ring))["collective-permute"].items():
-      out["ring collective-permute"][field] += k * v
-    for kind, c in counts.items():
-      for field, v in c.items():
-        out[kind][field] += k * v
+def permutes_per_step(hlo: str, num_devices: int) -> dict[str, dict[str, int]]:
+  """``{"ring": {count, bytes}, "other": {count, bytes}}``: the collective-permutes one run
+  of the compiled program ``hlo`` executes, per device, loop trip counts included
+  (:func:`benchmarks.two_level.permute_traffic`: the layer scan, the ring's hop loop); a
+  permute under one of ``ring_jax.ring``'s hop scopes (:data:`ring_jax.analysis.SCOPE_KINDS`)
+  is the ring's, any other (e.g. a layout reorder) counts apart."""
+  out = {k: {"count": 0, "bytes": 0} for k in ("ring", "other")}
+  for op in two_level.permute_traffic(hlo, (num_devices,)):
+    kind = "ring" if RING_SCOPES & set(op["scope"].split("/")) else "other"
+    out[kind]["count"] += op["runs"]
+    out[kind]["bytes"] += op["runs"] * op["bytes"]
   return out
-
-
-def _in_ring_scope(line: str) -> bool:
-  op_name = re.search(r'op_name="([^"]*)"', line)
-  return bool(op_name) and any(part in RING_SCOPES for part in op_name.group(1).split("/"))
 
 
 # ----------------------------------------------------------------------------
@@ -231,19 +161,18 @@ def run_config(args, corpus: str, buckets: tuple[int, ...]) -> dict:
                            batch_lib.abstract(shape, bmesh))
       exe = lowered.compile()
     hlo = exe.as_text()
-    per_step = collectives_per_step(hlo)
+    per_step = permutes_per_step(hlo, bmesh.devices.size)
     compiled.append(exe)
     rows.append(dict(length=length, ring=ring_b, rows=shape[0], run_length=shape[1],
                      mesh=dict(data=int(bmesh.shape["data"]),
                                sequence=int(bmesh.shape["sequence"])),
-                     ring_permute_bytes_per_step=per_step["ring collective-permute"]["bytes"],
-                     ring_permutes_per_step=per_step["ring collective-permute"]["count"],
-                     collectives_per_step=per_step,
+                     ring_permute_bytes_per_step=per_step["ring"]["bytes"],
+                     ring_permutes_per_step=per_step["ring"]["count"],
+                     other_permute_bytes_per_step=per_step["other"]["bytes"],
                      temp_bytes_per_device=common.compiled_memory(exe).get("temp_size_in_bytes")))
     print(f"  bucket {length:>6} on a ring of {ring_b}: {shape[0]} x {shape[1]}, ring "
-          f"collective-permutes {per_step['ring collective-permute']['count']} per step, "
-          f"{per_step['ring collective-permute']['bytes'] / common.MIB:.2f} MiB/device/step",
-          flush=True)
+          f"collective-permutes {per_step['ring']['count']} per step, "
+          f"{per_step['ring']['bytes'] / common.MIB:.2f} MiB/device/step", flush=True)
   result = dict(length_buckets=list(buckets), compiled_programs=len(compiled), buckets=rows)
   if args.no_steps:
     return result

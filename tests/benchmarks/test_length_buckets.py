@@ -1,7 +1,5 @@
-"""benchmarks/length_buckets.py: the corpus it trains on and the collectives per step it reads
+"""benchmarks/length_buckets.py: the corpus it trains on and the ring permutes per step it reads
 from a compiled program (every loop body once per iteration)."""
-
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -41,15 +39,7 @@ def _program(outer: int, inner: int):
 
 
 @pytest.mark.parametrize("outer,inner", [(3, 5), (2, 7)])
-def test_collectives_per_step_count_every_iteration(outer, inner):
-  per_step = lb.collectives_per_step(_program(outer, inner))
-  assert per_step["ring collective-permute"] == {"count": outer * inner,
-                                                 "bytes": outer * inner * 8 * 4}
-  assert per_step["collective-permute"] == {"count": outer * inner + 1,
-                                            "bytes": outer * inner * 8 * 4 + 16 * 4}
-
-
-def test_collectives_under_an_unknown_trip_count_are_refused():
-  hlo = _program(3, 5).replace('"known_trip_count"', '"unknown_trip_count"')
-  with pytest.raises(ValueError, match="unknown number of times per step"):
-    lb.collectives_per_step(hlo)
+def test_permutes_per_step_count_every_iteration(outer, inner):
+  assert lb.permutes_per_step(_program(outer, inner), 4) == {
+      "ring": {"count": outer * inner, "bytes": outer * inner * 8 * 4},
+      "other": {"count": 1, "bytes": 16 * 4}}
