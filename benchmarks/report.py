@@ -986,6 +986,57 @@ def layout_host_time() -> str:
           caption(LAYOUT_HOST))
 
 
+LENGTH_BUCKETS = "length_buckets_cpu.json"
+
+
+@block("length_buckets", LENGTH_BUCKETS)
+def length_buckets() -> str:
+  d = load(LENGTH_BUCKETS)
+  st, corpus = d["settings"], d["corpus"]
+  one, bucketed = d["results"]
+  rings = [[f"{b['length']:,} x {b['rows']}", b["ring"],
+            f"data {b['mesh']['data']} x sequence {b['mesh']['sequence']}",
+            bucketed["steps_per_bucket"].get(str(b["length"]), 0) if "steps" in bucketed else "",
+            b["ring_permutes_per_step"], f"{b['ring_permute_bytes_per_step'] / MIB:.2f}"]
+           for b in bucketed["buckets"]]
+  head = ["", "one ring", f"`length_buckets={tuple(bucketed['length_buckets'])}`"]
+  both = (one, bucketed)
+  rows = [["compiled train-step programs"] + [r["compiled_programs"] for r in both]]
+  if "steps" in one:
+    last = min(10, one["steps"])
+    at = sorted({1, *range(one["steps"] // 4, one["steps"] + 1, one["steps"] // 4)})
+    rows += [
+        ["steps"] + [r["steps"] for r in both],
+        ["real tokens (token slots)"] + [f"{r['real_tokens']:,} ({r['token_slots']:,})"
+                                         for r in both],
+        ["padding"] + [pct(r["padding_fraction"]) for r in both],
+        ["ring MiB per device, whole run"] + [mib(r["ring_permute_bytes"]) for r in both],
+        ["ring bytes per real token"] + [f"{r['ring_permute_bytes'] / r['real_tokens']:.0f}"
+                                         for r in both],
+        [f"loss at steps {', '.join(map(str, at))}"] + [
+            " / ".join(f"{r['step_rows'][i - 1]['loss']:.3f}" for i in at) for r in both],
+        [f"mean loss, last {last} steps"] + [
+            f"{sum(s['loss'] for s in r['step_rows'][-last:]) / last:.3f}" for r in both]]
+    if "real_tokens_per_s" in one:
+      ratio = bucketed["real_tokens_per_s"] / one["real_tokens_per_s"]
+      rows += [["real tokens/s (all token slots/s)"] + [
+                   f"{r['real_tokens_per_s']:.0f} ({r['tokens_per_s']:.0f})" for r in both],
+               ["real tokens/s vs one ring", "1.00x", f"**{x(ratio)}**"]]
+    else:
+      rows += [["tokens/s", "not timed (`--no-timing`: the host was not quiet)", ""]]
+  return (f"`benchmarks/length_buckets.py`: {corpus['documents']:,} documents "
+          f"({pct(corpus['short_fraction'])} of them <= `seq_len / 8`), `seq_len` "
+          f"{st['seq_len']:,}, the one ring of {st['ring']} fake CPU devices, "
+          f"{st['batch'] * st['seq_len']:,} token slots per step, a "
+          f"{st['model']['model.num_layers']}-layer "
+          f"dim-{st['model']['model.dim']} LLaMA, the same initial parameters and document "
+          "stream. Per bucket, read from its compiled program (loop bodies times their trip "
+          "counts), per device:\n\n" +
+          table(["bucket (tokens x rows)", "ring", "mesh", "steps", "ring permutes per step",
+                 "ring MiB per step"], rings, "-r-rrr") + "\n\n" +
+          table(head, rows, "-rr") + "\n\n" + caption(LENGTH_BUCKETS))
+
+
 # ----------------------------------------------------------------------------
 # The README's headline table
 # ----------------------------------------------------------------------------

@@ -1,0 +1,282 @@
+"""Length buckets vs one ring: the shipped train step on a fixed mixed-length corpus.
+
+One corpus of documents (``--docs``, made here from ``--seed``: ``--short-fraction`` of them
+at most ``seq_len / 8`` tokens, the rest longer, up to ``seq_len``), written as a JSON-lines
+text file and read by the trainer's own text pipeline (byte tokenizer), is trained on twice
+from the same initial parameters and the same document stream:
+
+  one ring   ``data.length_buckets=()``: rows of ``seq_len`` packed by concat-and-split
+             (``training.data.make_dataset``), every step on the full ring
+  buckets    ``data.length_buckets=--buckets``: ``training.buckets.BucketedBatches`` and one
+             program per bucket (``training.buckets.jit_step``), each on its ring
+
+(exactly what ``train.py`` runs: ``training.stages.build_stage``'s train step and state,
+AdamW, params and optimizer state donated). Recorded per configuration: the number of
+compiled programs; per bucket its ring, rows and the ring's collective-permute bytes one step
+moves per device, read from the compiled program's HLO (every loop body counted once per
+iteration: the layer scan, the ring's hop loop);
+per step the bucket, the real tokens (segment ids > 0) and the loss; the padding fraction;
+and unless ``--no-timing``, each step's wall and CPU seconds and tokens/s over the timed
+steps (real tokens and all token slots). The loss curves of the two configurations are the
+evidence that a bucketed run trains like the one-ring run on the same documents.
+
+Batches are built on the host before the timed loop (the data pipeline is measured by
+``benchmarks/data_pipeline.py``); a timed step is the batch's transfer plus the step.
+
+CPU (8 fake devices, tiny model; a few minutes on 2 quiet cores):
+  PYTHONPATH=. python benchmarks/length_buckets.py --out benchmarks/results/length_buckets_cpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import datetime
+import json
+import os
+import sys
+import tempfile
+
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                             " --xla_force_host_platform_device_count=8").strip()
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks import common  # noqa: E402
+from benchmarks import two_level  # noqa: E402
+from ring_jax import analysis  # noqa: E402
+
+# A tiny LLaMA over the byte tokenizer's ids (configs/tiny.py:text's vocabulary).
+MODEL = {"model.vocab_size": 264, "model.dim": 64, "model.mlp_dim": 128, "model.num_heads": 4,
+         "model.num_kv_heads": 2, "model.num_layers": 2}
+RING_SCOPES = frozenset(scope for scope, kind in analysis.SCOPE_KINDS if kind.startswith("ring"))
+
+
+# ----------------------------------------------------------------------------
+# The corpus
+# ----------------------------------------------------------------------------
+
+
+def document_lengths(rng: np.random.Generator, docs: int, seq_len: int,
+                     short_fraction: float) -> np.ndarray:
+  """Token counts: ``short_fraction`` of ``docs`` uniform in ``[16, seq_len / 8]``, the rest
+  uniform in ``(seq_len / 8, seq_len]``, shuffled."""
+  short = int(round(short_fraction * docs))
+  cut = seq_len // 8
+  out = np.concatenate([rng.integers(16, cut + 1, short),
+                        rng.integers(cut + 1, seq_len + 1, docs - short)])
+  return rng.permutation(out)
+
+
+def write_corpus(path: str, seed: int, docs: int, seq_len: int, short_fraction: float) -> list[int]:
+  """A JSON-lines corpus at ``path``; returns each document's token count (byte tokenizer:
+  its characters plus BOS and EOS). A document is words drawn from its own few of a shared
+  word list, so attention back into the document predicts what comes."""
+  rng = np.random.default_rng(seed)
+  letters = np.array(list("abcdefghijklmnopqrstuvwxyz"))
+  words = ["".join(rng.choice(letters, int(rng.integers(2, 8)))) for _ in range(256)]
+  lengths = document_lengths(rng, docs, seq_len, short_fraction)
+  with open(path, "w") as fh:
+    for n in lengths:
+      own = rng.choice(len(words), 8, replace=False)
+      text = ""
+      while len(text) < n - 2:
+        text += words[own[int(rng.integers(0, 8))]] + " "
+      fh.write(json.dumps({"text": text[:n - 2]}) + "\n")
+  return [int(n) for n in lengths]
+
+
+# ----------------------------------------------------------------------------
+# Collectives per step, from the compiled program
+# ----------------------------------------------------------------------------
+
+def permutes_per_step(hlo: str, num_devices: int) -> dict[str, dict[str, int]]:
+  """``{"ring": {count, bytes}, "other": {count, bytes}}``: the collective-permutes one run
+  of the compiled program ``hlo`` executes, per device, loop trip counts included
+  (:func:`benchmarks.two_level.permute_traffic`: the layer scan, the ring's hop loop); a
+  permute under one of ``ring_jax.ring``'s hop scopes (:data:`ring_jax.analysis.SCOPE_KINDS`)
+  is the ring's, any other (e.g. a layout reorder) counts apart."""
+  out = {k: {"count": 0, "bytes": 0} for k in ("ring", "other")}
+  for op in two_level.permute_traffic(hlo, (num_devices,)):
+    kind = "ring" if RING_SCOPES & set(op["scope"].split("/")) else "other"
+    out[kind]["count"] += op["runs"]
+    out[kind]["bytes"] += op["runs"] * op["bytes"]
+  return out
+
+
+# ----------------------------------------------------------------------------
+# One configuration
+# ----------------------------------------------------------------------------
+
+
+def make_config(args, corpus: str, buckets: tuple[int, ...]):
+  from configs import tiny
+  from training import flags as flags_lib
+
+  overrides = dict(MODEL, **{
+      "data.path": corpus, "data.seq_len": args.seq_len, "data.length_buckets": buckets,
+      "batch_size": args.batch, "eval_batch_size": args.batch,
+      "mesh.data": 1, "mesh.sequence": args.ring, "model.layout": args.layout,
+      "optim.warmup_steps": 0, "optim.lr": args.lr, "total_steps": args.steps + 1,
+      "seed": args.seed})
+  return flags_lib.apply_overrides(tiny.get_config("text"), overrides.items())
+
+
+def run_config(args, corpus: str, buckets: tuple[int, ...]) -> dict:
+  """Compiles the configuration's programs, draws its batches, runs its steps."""
+  from training import batch as batch_lib
+  from training import buckets as buckets_lib
+  from training import data as data_lib
+  from training import mesh as mesh_lib
+  from training import stages as stages_lib
+  from training import validation as val_lib
+
+  config = val_lib.resolve_run(make_config(args, corpus, buckets), jax.device_count())
+  sizes = val_lib.validate_config(config, jax.device_count())
+  mesh = mesh_lib.make_mesh(config.mesh)
+  with jax.set_mesh(mesh):
+    setup = stages_lib.build_stage(stages_lib.plan(config)[0], mesh)
+  train_step = setup.train_step
+  plan = buckets_lib.plan(config, setup.model_cfg, mesh)
+  ring = sizes["sequence"]
+  if plan:
+    programs = [(b.length, b.ring, b.shape, b.mesh, b.sharding,
+                 buckets_lib.jit_step(train_step, b, config.microbatches)) for b in plan]
+    batches = buckets_lib.BucketedBatches(data_lib.text_documents(config, "train"), plan,
+                                          config.model.layout)
+  else:
+    programs = [(config.data.seq_len, ring, setup.train_shape, mesh, batch_lib.sharding(mesh),
+                 train_step.step)]
+    dataset = data_lib.make_dataset(config, batch_lib.sharding(mesh), ring, split="train")
+    batches = ((0, b) for b in data_lib.make_iterator(dataset, prefetch=0))
+
+  rows, compiled = [], []
+  for length, ring_b, shape, bmesh, _, step in programs:
+    with jax.set_mesh(bmesh):
+      lowered = step.lower(train_step.abstract_params, train_step.abstract_opt_state,
+                           batch_lib.abstract(shape, bmesh))
+      exe = lowered.compile()
+    hlo = exe.as_text()
+    per_step = permutes_per_step(hlo, bmesh.devices.size)
+    compiled.append(exe)
+    rows.append(dict(length=length, ring=ring_b, rows=shape[0], run_length=shape[1],
+                     mesh=dict(data=int(bmesh.shape["data"]),
+                               sequence=int(bmesh.shape["sequence"])),
+                     ring_permute_bytes_per_step=per_step["ring"]["bytes"],
+                     ring_permutes_per_step=per_step["ring"]["count"],
+                     other_permute_bytes_per_step=per_step["other"]["bytes"],
+                     temp_bytes_per_device=common.compiled_memory(exe).get("temp_size_in_bytes")))
+    print(f"  bucket {length:>6} on a ring of {ring_b}: {shape[0]} x {shape[1]}, ring "
+          f"collective-permutes {per_step['ring']['count']} per step, "
+          f"{per_step['ring']['bytes'] / common.MIB:.2f} MiB/device/step", flush=True)
+  result = dict(length_buckets=list(buckets), compiled_programs=len(compiled), buckets=rows)
+  if args.no_steps:
+    return result
+
+  host = [next(batches) for _ in range(args.steps)]
+  params, opt_state = train_step.init_state()
+  for exe, (_, _, shape, bmesh, sharding, _) in zip(compiled, programs):  # each program's
+    with jax.set_mesh(bmesh):  # first call, untimed, on a copy of the state (discarded)
+      empty = {k: np.zeros(shape, v.dtype) for k, v in host[0][1].items()}
+      jax.block_until_ready(exe(jax.tree.map(jnp.copy, params),
+                                jax.tree.map(jnp.copy, opt_state),
+                                data_lib.to_global(empty, sharding, shape)))
+  steps = []
+  for index, batch in host:
+    _, _, shape, bmesh, sharding, _ = programs[index]
+    real = int((batch["segment_ids"] > 0).sum())
+    with jax.set_mesh(bmesh):
+      wall, cpu, (params, opt_state, metrics) = common.timed_call(
+          lambda b: compiled[index](params, opt_state, data_lib.to_global(b, sharding, shape)),
+          batch)
+    steps.append(dict(bucket=programs[index][0], real_tokens=real, slots=int(np.prod(shape)),
+                      loss=float(metrics["loss"]), target_tokens=int(metrics["target_tokens"]),
+                      **({} if args.no_timing else dict(wall_s=wall, cpu_s=cpu))))
+  timed = steps
+  real, slots = sum(s["real_tokens"] for s in timed), sum(s["slots"] for s in timed)
+  result.update(steps=len(timed), step_rows=steps,
+                steps_per_bucket=dict(collections.Counter(str(s["bucket"]) for s in timed)),
+                real_tokens=real, token_slots=slots, padding_fraction=1 - real / slots,
+                ring_permute_bytes=sum(rows[[r["length"] for r in rows].index(s["bucket"])]
+                                       ["ring_permute_bytes_per_step"] for s in timed))
+  if not args.no_timing:
+    wall, cpu = sum(s["wall_s"] for s in timed), sum(s["cpu_s"] for s in timed)
+    result.update(wall_s=wall, cpu_s=cpu, real_tokens_per_s=real / wall,
+                  tokens_per_s=slots / wall, real_tokens_per_cpu_s=real / cpu)
+  return result
+
+
+def main(argv=None):
+  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  ap.add_argument("--seq-len", type=int, default=2048)
+  ap.add_argument("--ring", type=int, default=8, help="the one ring: mesh data=1 x sequence=N")
+  ap.add_argument("--buckets", default=None,
+                  help="comma-separated bucket lengths (default seq_len/8, /4, /2)")
+  ap.add_argument("--batch", type=int, default=1, help="rows of seq_len per step")
+  ap.add_argument("--layout", default="zigzag")
+  ap.add_argument("--docs", type=int, default=2000)
+  ap.add_argument("--short-fraction", type=float, default=0.8)
+  ap.add_argument("--steps", type=int, default=60, help="steps per configuration (each "
+                  "compiled program is first run once on a copy of the state, untimed)")
+  ap.add_argument("--lr", type=float, default=1e-3)
+  ap.add_argument("--seed", type=int, default=0)
+  ap.add_argument("--no-timing", action="store_true",
+                  help="run the steps (losses, tokens) but record no times: a host that is "
+                       "not quiet")
+  ap.add_argument("--no-steps", action="store_true",
+                  help="compile only: programs, ring bytes per step")
+  ap.add_argument("--out", default=None, help="write the results as JSON here")
+  args = ap.parse_args(argv)
+  if args.buckets is None:
+    args.buckets = ",".join(str(args.seq_len // d) for d in (8, 4, 2))
+  buckets = tuple(int(b) for b in args.buckets.split(",") if b)
+
+  with tempfile.TemporaryDirectory(prefix="length_buckets_") as tmp:
+    corpus = os.path.join(tmp, "corpus.jsonl")
+    lengths = np.asarray(write_corpus(corpus, args.seed, args.docs, args.seq_len,
+                                      args.short_fraction))
+    print(f"jax {jax.__version__} {jax.default_backend()}, {jax.device_count()} devices; "
+          f"seq_len {args.seq_len}, ring {args.ring}, buckets {buckets}; corpus {args.docs} "
+          f"documents, {np.mean(lengths <= args.seq_len // 8):.0%} <= seq_len/8, "
+          f"{lengths.sum()} tokens", flush=True)
+    results = []
+    for name, b in (("one ring", ()), ("buckets", buckets)):
+      print(f"{name}:", flush=True)
+      r = dict(config=name, **run_config(args, corpus, b))
+      if "steps" in r:
+        print(f"  {r['compiled_programs']} compiled programs, {r['steps']} steps "
+              f"{r['steps_per_bucket']}, padding {r['padding_fraction']:.1%}, loss "
+              f"{r['step_rows'][0]['loss']:.3f} -> {r['step_rows'][-1]['loss']:.3f}"
+              + ("" if args.no_timing else
+                 f", {r['real_tokens_per_s']:.0f} real tokens/s, {r['tokens_per_s']:.0f} "
+                 f"tokens/s"), flush=True)
+      results.append(r)
+  if "steps" in results[0]:
+    last = min(10, args.steps)
+    print("mean loss of the last {} steps: ".format(last) + ", ".join(
+        f"{r['config']} {np.mean([s['loss'] for s in r['step_rows'][-last:]]):.3f}"
+        for r in results), flush=True)
+  if "steps" in results[0] and "tokens_per_s" in results[0]:
+    print(f"buckets / one ring: real tokens/s "
+          f"{results[1]['real_tokens_per_s'] / results[0]['real_tokens_per_s']:.2f}x", flush=True)
+  if args.out:
+    common.write_result(args.out, dict(
+        meta=dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                  jax=jax.__version__, platform=jax.default_backend(),
+                  cpu_count=os.cpu_count(), num_devices=jax.device_count(),
+                  command="PYTHONPATH=. python benchmarks/length_buckets.py " +
+                          " ".join(sys.argv[1:] if argv is None else argv)),
+        settings=dict(vars(args), model=MODEL),
+        corpus=dict(documents=args.docs, tokens=int(lengths.sum()),
+                    short_fraction=float(np.mean(lengths <= args.seq_len // 8)),
+                    max_length=int(lengths.max())),
+        results=results))
+  return results
+
+
+if __name__ == "__main__":
+  main()
