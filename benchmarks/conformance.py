@@ -49,9 +49,9 @@ OWN = {
 }
 
 
-#: What ring_jax's own entry points declare beyond their keywords (the ring takes V's own
-#: head size; all-gather and Ulysses refuse it).
-OWN_FEATURES = {"ring": ("value_head_dim",)}
+#: What ring_jax's own entry points declare beyond their keywords (each takes V's own head
+#: size).
+OWN_FEATURES = {name: ("value_head_dim",) for name in OWN}
 
 
 def targets(names, peers: bool) -> dict:

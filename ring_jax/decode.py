@@ -34,9 +34,10 @@ from ring_jax.hop import add_sinks
 
 def partial_attention(q_BTNH, k_BSKH, v_BSKH, mask_BTS, scale: float | None = None,
                       logits_soft_cap: float | None = None):
-  """``(o [B, T, N, H] float32, lse [B, T, N] float32)`` of queries over local keys.
+  """``(o [B, T, N, Hv] float32, lse [B, T, N] float32)`` of queries over local keys.
 
-  ``logits_soft_cap`` ``c``: scores become ``c * tanh(score / c)`` before masking (as
+  ``v`` ``[B, S, K, Hv]``: V's head size ``Hv`` may differ from Q/K's ``H`` (MLA); K and V
+  stay two arrays. ``logits_soft_cap`` ``c``: scores become ``c * tanh(score / c)`` before masking (as
   :func:`ring_jax.ring_attention`'s).
 
   GQA: query head ``n`` uses key/value head ``n // (N // K)``. ``o`` is
@@ -49,6 +50,9 @@ def partial_attention(q_BTNH, k_BSKH, v_BSKH, mask_BTS, scale: float | None = No
   kh = k_BSKH.shape[2]
   if n % kh:
     raise ValueError(f"query heads {n} are not a multiple of key/value heads {kh}.")
+  if k_BSKH.shape[-1] != h or v_BSKH.shape[:3] != k_BSKH.shape[:3]:
+    raise ValueError(f"keys {k_BSKH.shape} must be [B, S, K, {h}] (the query's head size) and "
+                     f"values {v_BSKH.shape} [B, S, K, Hv] (the keys' B, S, K; any Hv).")
   scale = validation.check_scale(scale, h, jnp.float32)
   cap = validation.check_soft_cap(logits_soft_cap)
   # The cache stays in its dtype: matmuls accumulate in float32 without a float32 copy of
@@ -69,7 +73,7 @@ def partial_attention(q_BTNH, k_BSKH, v_BSKH, mask_BTS, scale: float | None = No
   o = jnp.einsum("bkgts,bskh->btkgh", p, v_BSKH, preferred_element_type=jnp.float32)
   lse = jnp.where(denom[..., 0] == 0, -jnp.inf, m_safe[..., 0] + jnp.log(denom[..., 0]))
   lse_BTN = jnp.moveaxis(lse.reshape(b, n, t), 1, 2)
-  return o.reshape(b, t, n, h), lse_BTN
+  return o.reshape(b, t, n, v_BSKH.shape[-1]), lse_BTN
 
 
 def merge_partials(o_BTNH, lse_BTN, axis_name):
@@ -119,8 +123,9 @@ def cache_attention(q_BTNH, k_BSKH, v_BSKH, q_positions_BT, q_segment_ids_BT,
   and segment ids, are attended causally among themselves on every device
   (no communication) and merged into the result exactly. ``logits_soft_cap``
   caps every score (:func:`partial_attention`); ``sinks`` ``[N]`` (this device's query
-  heads) join the merged result once (:func:`ring_jax.hop.add_sinks`). Returns
-  ``[B, T, N, H]`` in ``q``'s dtype.
+  heads) join the merged result once (:func:`ring_jax.hop.add_sinks`). Values may have
+  their own head size ``Hv`` (:func:`partial_attention`). Returns ``[B, T, N, Hv]`` in
+  ``q``'s dtype.
   """
   mask = cache_mask(q_positions_BT, q_segment_ids_BT, kv_positions_BS, kv_segment_ids_BS)
   o, lse = partial_attention(q_BTNH, k_BSKH, v_BSKH, mask, scale, logits_soft_cap)

@@ -12,7 +12,9 @@ and ``ring_jax`` stays importable without it.
 What a dense mask would express goes to the adapter instead (ring attention
 never builds the ``[q_length, kv_length]`` matrix a mask or bias lives on):
 ``is_causal=True``, ``segment_ids=`` (packed documents and padding) and
-``local_window_size=``. A module that passes a ``mask``, a ``bias``, active
+``local_window_size=``; so do attention sinks (``sinks=``, GPT-OSS) and a logit soft-cap
+(``logits_soft_cap=``, Gemma 2), which Flax's signature has no place for.
+V's head size may differ from Q/K's (MLA) where a module passes such values. A module that passes a ``mask``, a ``bias``, active
 dropout or ``sow_weights=True`` is refused with a ``ValueError`` naming that fix.
 """
 
@@ -71,7 +73,8 @@ def flax_attention_fn(*, mesh=None, is_causal: bool = False, layout: str = "cont
                       head_axis: str | None = "tensor", segment_ids=None,
                       scale: float | None = None, local_window_size=None,
                       inputs_in_layout: bool = False, block_q: int | None = None,
-                      block_kv: int | None = None, hop_kernel="auto"):
+                      block_kv: int | None = None, hop_kernel="auto", sinks=None,
+                      logits_soft_cap: float | None = None):
   """An ``attention_fn`` for Flax attention modules that runs ring attention.
 
   Usage::
@@ -104,6 +107,11 @@ def flax_attention_fn(*, mesh=None, is_causal: bool = False, layout: str = "cont
       from the batch's ids (a tracer there is fine) and set it on the module
       for that call (see ``docs/using_the_kernel.md``). Requires self-attention
       (query length == key length).
+    sinks: ``[heads]`` attention sinks (one float32 logit per query head, GPT-OSS), in
+      each row's softmax denominator once (:func:`ring_jax.hop.add_sinks`). Bound here
+      like ``segment_ids``: a module that learns them builds the ``attention_fn`` from its
+      sinks parameter in its ``__call__`` (a tracer is fine); gradients reach it.
+    logits_soft_cap: ``c > 0``: scores become ``c * tanh(score / c)`` (Gemma 2).
 
   Returns:
     ``attention_fn(query, key, value, bias=None, mask=None,
@@ -111,7 +119,8 @@ def flax_attention_fn(*, mesh=None, is_causal: bool = False, layout: str = "cont
     deterministic=False, dtype=None, precision=None, module=None, *,
     is_causal=False, ...)`` with Flax's ``dot_product_attention`` signature
     (and the extra keywords nnx and linen modules pass). Query/key/value are
-    ``[batch..., length, heads, head_dim]``; leading batch dimensions are
+    ``[batch..., length, heads, head_dim]`` (values and the result may have a head size
+    of their own); leading batch dimensions are
     flattened into one for the ring and restored; without any batch
     dimension a batch of 1 is used (pass ``batch_axis=None`` then, unless the
     batch axis has size 1). Inputs are promoted to ``dtype`` (default: their
@@ -123,7 +132,8 @@ def flax_attention_fn(*, mesh=None, is_causal: bool = False, layout: str = "cont
   sharded_kwargs = dict(mesh=mesh, seq_axis=seq_axis, batch_axis=batch_axis,
                         head_axis=head_axis, scale=scale, local_window_size=local_window_size,
                         layout=layout, inputs_in_layout=inputs_in_layout, block_q=block_q,
-                        block_kv=block_kv, hop_kernel=hop_kernel)
+                        block_kv=block_kv, hop_kernel=hop_kernel,
+                        logits_soft_cap=logits_soft_cap)
 
   def attention_fn(query, key, value, bias=None, mask=None, broadcast_dropout=True,
                    dropout_rng=None, dropout_rate=0.0, deterministic=False, dtype=None,
@@ -144,7 +154,8 @@ def flax_attention_fn(*, mesh=None, is_causal: bool = False, layout: str = "cont
       query, key, value = (jnp.asarray(x, dtype) for x in (query, key, value))
     batch_dims, (q, k, v, seg) = _one_batch_dim(query, key, value, segment_ids)
     out = sharded.ring_attention_sharded(q, k, v, is_causal=adapter_causal or bool(is_causal),
-                                         segment_ids=seg, precision=precision, **sharded_kwargs)
+                                         segment_ids=seg, precision=precision, sinks=sinks,
+                                         **sharded_kwargs)
     out = out.reshape(*batch_dims, *out.shape[1:]).astype(query.dtype)
     return _like_query_sharding(out, query, mesh)
 

@@ -12,7 +12,9 @@ Per device (after ``data``/``tensor`` sharding), with ``n`` sequence devices,
 local length ``ℓ = L/n``, ``N``/``K`` query/key-value heads, head dim ``d``,
 ``e`` bytes per element, ``c`` the fraction of (query, key) pairs computed on
 the busiest device (1 without a mask; ½ causal with a balanced layout, ``1 -
-1/(2n)`` causal contiguous; window width / L with a window):
+1/(2n)`` causal contiguous; window width / L with a window). With V's own head size
+``d_v`` (``value_head_dim``, MLA) every ``2·d`` below reads ``d + d_v`` (one score and one
+value matmul; K and V, or Q and the output, side by side):
 
 * compute: forward ``4·B·ℓ·L·N·d·c`` FLOPs, backward 2.5x that (FlashAttention-2).
 * ring: ``n-1`` hops, each moving ``2·B·ℓ·K·d·e`` bytes over one link while a
@@ -267,6 +269,17 @@ class _Setting:
   block: int | None         # None: the ring's default for each strategy's local length
   fast_domain: int | None = None  # devices on the fast links (None: the device table's)
   causal_routing: bool = False  # the ring's K/V routing (routing.routes)
+  dv: int | None = None     # V's (and the output's) head size where it differs from d
+
+  @property
+  def hv(self) -> int:
+    """V's and the output's head size (``d`` unless ``value_head_dim``)."""
+    return self.d if self.dv is None else self.dv
+
+  @property
+  def dd(self) -> int:
+    """``d + hv``: the head sizes of one score matmul and one value matmul together."""
+    return self.d + self.hv
 
   @property
   def platform(self) -> str:
@@ -278,11 +291,12 @@ class _Setting:
     return 2.5 if self.backward else 0.0  # backward FLOPs / forward (FlashAttention-2)
 
   def kv_bytes(self, tokens, k_heads) -> float:
-    return 2 * self.b * tokens * k_heads * self.d * self.e
+    """K and V (two buffers: head sizes ``d`` and ``hv``)."""
+    return self.b * tokens * k_heads * self.dd * self.e
 
   def act_bytes(self, tokens, q_heads, k_heads) -> float:
     """q, k, v, out (and with backward: dout, dq, dk, dv) in the input dtype."""
-    per = self.b * tokens * self.d * self.e * (2 * q_heads + 2 * k_heads)
+    per = self.b * tokens * self.e * (q_heads + k_heads) * self.dd
     return per * (2 if self.backward else 1)
 
   def tile_bytes(self, q_heads, local_len) -> float:
@@ -299,7 +313,7 @@ class _Setting:
 def _ring_like(s: _Setting, r, tokens, q_heads, k_heads, links_ring) -> dict:
   """A ring of ``r`` over shards of ``tokens`` with ``q_heads``/``k_heads`` per device."""
   c = _coverage(s.seq_len, r, s.is_causal, s.window, s.layout)
-  fwd = 4 * s.b * tokens * s.seq_len * q_heads * s.d * c
+  fwd = 2 * s.b * tokens * s.seq_len * q_heads * s.dd * c
   hop_fwd = fwd / r
   active = r
   if s.window is not None:
@@ -351,7 +365,7 @@ def _ring_like(s: _Setting, r, tokens, q_heads, k_heads, links_ring) -> dict:
   # whose hops are not pruned (zigzag, striped) most hops only pass K/V on.
   hidden = runs == 1 or (active == runs and hop_fwd >= t_fwd * link * s.flops_s and (
       not s.backward or hop_fwd * s.bwd >= t_bwd * link * s.flops_s))
-  mem = (s.act_bytes(tokens, q_heads, k_heads) + 2 * kv + s.b * tokens * q_heads * s.d * 4
+  mem = (s.act_bytes(tokens, q_heads, k_heads) + 2 * kv + s.b * tokens * q_heads * s.hv * 4
          + s.tile_bytes(q_heads, tokens))
   if s.backward:
     mem += s.b * tokens * q_heads * s.d * 4 + 4 * kv * 4 / s.e
@@ -415,7 +429,7 @@ def _two_level_cost(s: _Setting, n_o: int, n_i: int) -> dict:
   inner = s.links(n_i * s.tensor)
   outer = s.links(n * s.tensor)
   c = _coverage(s.seq_len, n, s.is_causal, s.window, s.layout)
-  fwd = 4 * s.b * tokens * s.seq_len * s.nh * s.d * c
+  fwd = 2 * s.b * tokens * s.seq_len * s.nh * s.dd * c
   hop = fwd / n / s.flops_s
   kv = s.kv_bytes(tokens, s.kh)
   grad = 4 / s.e  # float32 dK/dV per byte of K/V
@@ -457,7 +471,7 @@ def _two_level_cost(s: _Setting, n_o: int, n_i: int) -> dict:
     hidden = hidden and (hop * s.bwd >= kv * (1 + grad) / inner.p2p
                          and n_i * hop * s.bwd >= kv * (1 + grad) / outer.p2p)
   # The flat ring's buffers plus the outer buffer in flight (and its dK/dV accumulators).
-  mem = (s.act_bytes(tokens, s.nh, s.kh) + 4 * kv + s.b * tokens * s.nh * s.d * 4
+  mem = (s.act_bytes(tokens, s.nh, s.kh) + 4 * kv + s.b * tokens * s.nh * s.hv * 4
          + s.tile_bytes(s.nh, tokens))
   if s.backward:
     mem += s.b * tokens * s.nh * s.d * 4 + 6 * kv * grad
@@ -472,7 +486,7 @@ def _all_gather_cost(s: _Setting, n: int) -> dict:
   local = s.seq_len / n
   links = s.links(n * s.tensor)
   c = _coverage(s.seq_len, n, s.is_causal, s.window, s.layout)
-  fwd = 4 * s.b * local * s.seq_len * s.nh * s.d * c
+  fwd = 2 * s.b * local * s.seq_len * s.nh * s.dd * c
   gather = (n - 1) * s.kv_bytes(local, s.kh)
   comm, moved = gather / links.gather, gather
   if s.backward:
@@ -480,7 +494,7 @@ def _all_gather_cost(s: _Setting, n: int) -> dict:
     moved += gather + gather * 4 / s.e
   comp = fwd * (1 + s.bwd) / s.flops_s
   mem = (s.act_bytes(local, s.nh, s.kh) + s.kv_bytes(s.seq_len, s.kh)
-         + s.b * local * s.nh * s.d * 4 + s.tile_bytes(s.nh, local))
+         + s.b * local * s.nh * s.hv * 4 + s.tile_bytes(s.nh, local))
   if s.backward:
     mem += s.kv_bytes(s.seq_len, s.kh) * 4 / s.e + s.b * local * s.nh * s.d * 4
   return dict(flops=fwd * (1 + s.bwd), bytes_moved=moved, compute_s=comp, comm_s=comm,
@@ -493,15 +507,15 @@ def _ulysses_cost(s: _Setting, u: int) -> dict:
   links = s.links(u * s.tensor)
   kr = max(s.kh, u)
   c = _coverage(s.seq_len, 1, s.is_causal, s.window, "zigzag")  # whole sequence: balanced
-  fwd = 4 * s.b * s.seq_len * s.seq_len * (s.nh / u) * s.d * c
-  exchange = s.b * local * s.d * s.e * (2 * s.nh + 2 * kr)  # q, k, v in; out back
+  fwd = 2 * s.b * s.seq_len * s.seq_len * (s.nh / u) * s.dd * c
+  exchange = s.b * local * s.e * (s.nh + kr) * s.dd  # q, k, v in; out back
   ways = 2 if s.backward else 1
   comm = ways * _a2a_time(exchange, u, links)
   comp = fwd * (1 + s.bwd) / s.flops_s
   mem = (s.act_bytes(local, s.nh, kr) + s.act_bytes(s.seq_len, s.nh / u, kr / u)
-         + s.b * s.seq_len * (s.nh / u) * s.d * 4 + s.tile_bytes(s.nh / u, local))
+         + s.b * s.seq_len * (s.nh / u) * s.hv * 4 + s.tile_bytes(s.nh / u, local))
   if s.backward:
-    mem += s.b * s.seq_len * s.d * 4 * (s.nh + 2 * kr) / u
+    mem += s.b * s.seq_len * 4 * (s.nh * s.d + kr * s.dd) / u
   return dict(flops=fwd * (1 + s.bwd), bytes_moved=exchange * (u - 1) / u * ways,
               compute_s=comp, comm_s=comm, time_s=comp + comm, hidden=None,
               min_local_len=None, memory_bytes=mem)
@@ -513,7 +527,7 @@ def _hybrid_cost(s: _Setting, r: int, u: int) -> dict:
   kr = max(s.kh, u)
   res = _ring_like(s, r, s.seq_len / r, s.nh / u, kr / u, s.links(r * u * s.tensor))
   local = s.seq_len / (r * u)
-  exchange = s.b * local * s.d * s.e * (2 * s.nh + 2 * kr)
+  exchange = s.b * local * s.e * (s.nh + kr) * s.dd
   ways = 2 if s.backward else 1
   a2a = _a2a_time(exchange, u, s.links(u * s.tensor)) * ways
   res["comm_s"] += a2a
@@ -539,7 +553,7 @@ assert tuple(_COSTS) == STRATEGIES
 
 
 def plan(*, batch: int, seq_len: int, heads: int, head_dim: int, kv_heads: int | None = None,
-         dtype="bfloat16", is_causal: bool = True, local_window_size=None,
+         value_head_dim: int | None = None, dtype="bfloat16", is_causal: bool = True, local_window_size=None,
          layout: str = "zigzag", sequence=8, tensor: int = 1, data: int = 1,
          device: str | None = None, peak_flops: float | None = None,
          link_bandwidth: float | None = None, network_bandwidth: float | None = None,
@@ -551,6 +565,9 @@ def plan(*, batch: int, seq_len: int, heads: int, head_dim: int, kv_heads: int |
   Args:
     batch, seq_len, heads, head_dim, kv_heads: global shapes (``kv_heads``
       defaults to ``heads``).
+    value_head_dim: V's (and the output's) head size where it differs from ``head_dim``
+      (MLA: 192 and 128); the FLOPs, bytes moved and memory follow it (K and V as two
+      buffers). None: ``head_dim``.
     dtype: of q/k/v (a numpy/JAX dtype, its name, or bytes per element).
     is_causal, local_window_size, layout: the mask and the sequence layout.
     sequence: devices the sequence is split over: an int ``n`` (ring,
@@ -621,6 +638,7 @@ def plan(*, batch: int, seq_len: int, heads: int, head_dim: int, kv_heads: int |
                d=head_dim, e=_dtype_bytes(dtype), seq_len=seq_len, is_causal=is_causal,
                window=window, layout=layout, backward=backward, block=block,
                fast_domain=fast_domain,
+               dv=None if value_head_dim in (None, head_dim) else int(value_head_dim),
                causal_routing=routing.check_routing(causal_routing, layout, is_causal))
   budget = float(memory_bytes or spec.memory_bytes or math.inf)
   estimates = []
@@ -638,6 +656,7 @@ def plan(*, batch: int, seq_len: int, heads: int, head_dim: int, kv_heads: int |
                      _fit(_estimate(name, split, cost(padded, *split),
                                     padding=padded.seq_len - seq_len), budget))
   setting = (f"{spec.label}: B={batch} L={seq_len:,} N={heads} K={kv_heads} d={head_dim} "
+             f"{'' if s.dv is None else f'dv={s.dv} '}"
              f"{_dtype_name(dtype)}, {_mask_name(is_causal, window)}, layout={layout}, "
              f"sequence={sequence} tensor={tensor} data={data}, "
              f"{_block_note(s, seq_len // max(1, math.prod(np.atleast_1d(sequence))))}, "

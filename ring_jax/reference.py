@@ -47,7 +47,7 @@ def reference_attention(query, key, value, *, is_causal: bool = False, segment_i
     reads a non-finite value of ``value`` through a visible pair is NaN.
   """
   validation.check_qkv(query, key, value, is_causal=is_causal or local_window_size is not None,
-                       segment_ids=segment_ids, value_head_dim=True)
+                       segment_ids=segment_ids)
   window = masking.normalize_window(local_window_size)
   scale = validation.check_scale(scale, query.shape[-1], _score_dtype(query.dtype))
   cap = validation.check_soft_cap(logits_soft_cap)

@@ -280,7 +280,7 @@ def make_config(query, key, value, *, axis_name, is_causal, segment_ids, scale,
   causal_routing, overlap_dkv = defaults["causal_routing"], defaults["overlap_dkv"]
   window = masking.normalize_window(local_window_size)
   validation.check_qkv(query, key, value, is_causal=is_causal or window is not None,
-                       segment_ids=segment_ids, value_head_dim=True)
+                       segment_ids=segment_ids)
   scale = validation.check_scale(scale, query.shape[-1], "float32")
   ring_size = validation.axis_size(axis_name, "ring_attention", "ring_attention_sharded")
   t, s = query.shape[1], key.shape[1]

@@ -15,10 +15,9 @@ import numpy as np
 from ring_jax import layouts
 
 
-def check_qkv(query, key, value, *, is_causal: bool, segment_ids,
-              value_head_dim: bool = False) -> None:
-  """Shapes ``[B,T,N,H]``, ``[B,S,K,H]``, ``[B,S,K,Hv]``; same float dtype; ``N % K == 0``;
-  ``Hv == H`` unless ``value_head_dim`` (the caller takes V's own head size)."""
+def check_qkv(query, key, value, *, is_causal: bool, segment_ids) -> None:
+  """Shapes ``[B,T,N,H]``, ``[B,S,K,H]``, ``[B,S,K,Hv]`` (V's head size ``Hv`` its own, as
+  in MLA); same float dtype; ``N % K == 0``."""
   for name, x in (("query", query), ("key", key), ("value", value)):
     if getattr(x, "ndim", None) != 4:
       raise ValueError(
@@ -33,11 +32,6 @@ def check_qkv(query, key, value, *, is_causal: bool, segment_ids,
   if key.shape[:3] != value.shape[:3]:
     raise ValueError(f"key and value shapes differ: {key.shape} vs {value.shape} (they may "
                      "differ in the head size only).")
-  if key.shape != value.shape and not value_head_dim:
-    raise ValueError(
-        f"key and value shapes differ: {key.shape} vs {value.shape}; V's own head size "
-        "(Dv != D) runs with ring_jax.ring_attention / ring_attention_sharded / "
-        "two_level_ring_attention / reference_attention and the xla hop kernel.")
   b, t, n, h = query.shape
   bk, s, k, hk = key.shape
   if b != bk or h != hk:

@@ -21,6 +21,8 @@ under the hop-kernel seam (:mod:`ring_jax.hop`):
 * **Segment ids** are splash's own ``SegmentIds(q, kv)`` (equality); our 0 = padding
   rule becomes two pad ids that match nothing (:func:`splash_segment_ids`).
 * **GQA** as splash does it (query head ``n`` reads K/V head ``n // G``), no repeat.
+* **V's own head size** (MLA: ``Hv != H``): splash's kernels size their output, dO and dV
+  blocks by V's head size, so K and V go in as they are.
 * **lse and empty rows.** Splash masks with a finite value (``mask_value``, -0.7 x
   float32 max), so a row with no visible key in this hop comes back with an lse near
   ``mask_value`` (or ``-inf`` and a NaN output when no block of it ran); those rows
@@ -164,9 +166,6 @@ class SplashHopKernel:
     if jnp.dtype(dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
       raise ValueError(f"splash: dtype {jnp.dtype(dtype)} is not supported (float32 or "
                        "bfloat16); cast the inputs or use hop_kernel='xla'.")
-    if spec.value_head_dim is not None:
-      raise ValueError(f"splash: V's head size {spec.value_head_dim} differs from Q/K's {h} "
-                       "(not wired or tested here); use hop_kernel='xla'.")
     if spec.window is not None and s > _MAX_WINDOW_KV:
       raise ValueError(
           f"splash: a local window with a key shard of S={s} > {_MAX_WINDOW_KV} tokens does "
@@ -248,7 +247,8 @@ class SplashHopKernel:
   # ---- forward ----------------------------------------------------------------------------
 
   def forward(self, q, k, v, masks, spec):
-    """``(out_h [B,T,K,G,H] f32, lse_h [B,T,K,G] f32)`` of this hop."""
+    """``(out_h [B,T,K,G,Hv] f32, lse_h [B,T,K,G] f32)`` of this hop (``Hv``: V's head
+    size, which splash takes apart from Q/K's)."""
     tmasks, tspec = self._tiled(masks, spec)
 
     def fused(q, k, v):
@@ -265,7 +265,8 @@ class SplashHopKernel:
             mask_function, tspec.logits_soft_cap, interpret)
 
       out, (lse,) = hop.call_unchecked_vma(_over_rows(one_row), q_bnth, k_bksh, v_bksh, seg)
-      out = jnp.transpose(out.astype(jnp.float32), (0, 2, 1, 3)).reshape(q.shape)
+      out = jnp.transpose(out.astype(jnp.float32), (0, 2, 1, 3)).reshape(*q.shape[:-1],
+                                                                          v.shape[-1])
       lse = jnp.transpose(lse.astype(jnp.float32), (0, 2, 1)).reshape(q.shape[:-1])
       # Rows that saw no key here: splash's finite mask value (or no block at all).
       empty = lse < 0.5 * MASK_VALUE

@@ -101,7 +101,7 @@ def attention_sharded(query, key, value, *, mesh=None, strategy: str = "auto",
   mesh = global_arrays.current_mesh(mesh)
   if strategy == "auto":
     strategy = _planned(mesh, global_arrays.seq_axes(mesh, seq_axis), batch_axis, head_axis,
-                        query, key, options)
+                        query, key, value, options)
   if strategy not in TABLE:
     raise ValueError(f"strategy must be one of {STRATEGIES + ('auto',)}, got {strategy!r}.")
   return global_arrays.run(TABLE[strategy], query, key, value, segment_ids, mesh=mesh,
@@ -109,7 +109,7 @@ def attention_sharded(query, key, value, *, mesh=None, strategy: str = "auto",
                            inputs_in_layout=inputs_in_layout, options=options, sinks=sinks)
 
 
-def _planned(mesh, seq, batch_axis, head_axis, query, key, options) -> str:
+def _planned(mesh, seq, batch_axis, head_axis, query, key, value, options) -> str:
   """The strategy :func:`ring_jax.plan` picks for this call (a pair of axes: the two-level
   ring, all-gather over both or the hybrid; the flat ring over both is only compared, it
   is never faster than the two-level one in the model). A natural-order length a strategy
@@ -118,7 +118,8 @@ def _planned(mesh, seq, batch_axis, head_axis, query, key, options) -> str:
   b, length, n, h = query.shape
   size = lambda axis: mesh.shape[axis] if axis in mesh.axis_names else 1
   return planning.plan(
-      batch=b, seq_len=length, heads=n, kv_heads=key.shape[2], head_dim=h, dtype=query.dtype,
+      batch=b, seq_len=length, heads=n, kv_heads=key.shape[2], head_dim=h,
+      value_head_dim=value.shape[-1], dtype=query.dtype,
       is_causal=options.is_causal, local_window_size=options.local_window_size,
       layout=options.layout,
       sequence=tuple(mesh.shape[a] for a in seq) if len(seq) > 1 else mesh.shape[seq[0]],

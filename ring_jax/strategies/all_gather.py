@@ -61,7 +61,8 @@ def _local(query, key, value, segment_ids, *, axis_name, options: AttentionOptio
   layout = options.layout
   validation.check_split(layout, n, n * t, what="query length")
   kernel = kernels.get_hop_kernel(options.hop_kernel)
-  cfg = LocalConfig(spec=options.hop_spec(h, local_len=t, block_length=t, kernel=kernel),
+  cfg = LocalConfig(spec=options.hop_spec(h, local_len=t, block_length=t, kernel=kernel,
+                                          value_head_dim=value.shape[-1]),
                     kernel=kernel, gather_axis=axis_name,
                     return_lse=options.return_lse or sinks is not None)
   q_pos = layouts.local_positions(layout, n, t, jax.lax.axis_index(axis_name))

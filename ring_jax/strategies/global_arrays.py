@@ -231,8 +231,7 @@ def run(strategy: Strategy, query, key, value, segment_ids, *, mesh, seq_axis, b
         "strategy='ring' takes one axis or a pair (outer, inner) (the two-level ring); the "
         f"other strategies take a single axis (got strategy={strategy.name!r}, "
         f"seq_axis={seq_axis!r}).")
-  validation.check_qkv(query, key, value, is_causal=options.masked, segment_ids=segment_ids,
-                       value_head_dim=strategy.name == "ring")
+  validation.check_qkv(query, key, value, is_causal=options.masked, segment_ids=segment_ids)
   sinks = validation.check_sinks(sinks, query.shape[2])
   if options.layout == layouts.DOCUMENT:
     if not inputs_in_layout:

@@ -68,12 +68,13 @@ class AttentionOptions:
                 logits_soft_cap=self.logits_soft_cap)
 
   def hop_spec(self, head_dim: int, local_len: int, block_length: int,
-               kernel=None) -> HopSpec:
+               kernel=None, value_head_dim: int | None = None) -> HopSpec:
     """The hop kernel's static spec; default blocks divide the layout's chunk of
     ``local_len`` (so they never straddle two chunks of the sequence), are ones ``kernel``
     (the :class:`ring_jax.hop.HopKernel` that runs) takes (:func:`ring_jax.ring
     .default_block`), and every block must divide ``block_length``, the length the
-    blocks tile."""
+    blocks tile. ``value_head_dim``: V's head size (the spec records it where it differs
+    from ``head_dim``)."""
     window = masking.normalize_window(self.local_window_size)
     scale = validation.check_scale(self.scale, head_dim, "float32")
     block_q = (default_block(self.layout, local_len, kernel=kernel) if self.block_q is None
@@ -84,4 +85,6 @@ class AttentionOptions:
     validation.check_block("block_kv", block_kv, block_length)
     return HopSpec(scale=scale, is_causal=bool(self.is_causal), window=window,
                    block_q=int(block_q), block_kv=int(block_kv), precision=self.precision,
-                   logits_soft_cap=self.logits_soft_cap)
+                   logits_soft_cap=self.logits_soft_cap,
+                   value_head_dim=None if value_head_dim in (None, head_dim)
+                   else int(value_head_dim))

@@ -93,7 +93,8 @@ def _local(query, key, value, segment_ids, *, axis_name, options: AttentionOptio
   layout = options.layout
   validation.check_split(layout, u, u * t, what="query length")
   kernel = kernels.get_hop_kernel(options.hop_kernel)
-  cfg = LocalConfig(spec=options.hop_spec(h, local_len=t, block_length=u * t, kernel=kernel),
+  cfg = LocalConfig(spec=options.hop_spec(h, local_len=t, block_length=u * t, kernel=kernel,
+                                          value_head_dim=value.shape[-1]),
                     kernel=kernel, return_lse=options.return_lse or sinks is not None)
   q, k, v, seg = gather_heads(query, key, value, segment_ids, axis_name)
   pos = jnp.asarray(layouts.layout_positions(layout, u, u * t), jnp.int32)

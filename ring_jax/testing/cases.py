@@ -164,6 +164,14 @@ _ALL = [
           is_causal=True, sinks=2.0, segments="pad-rows"),
     _case("soft-cap", "logit soft-cap c*tanh(s/c) before the mask, large scores",
           is_causal=True, soft_cap=5.0, input_scale=4.0),
+    # V's own head size with the rest.
+    _case("value-head-dim-sinks-cap", "V's head size of its own with sinks and a soft-cap, "
+          "causal zigzag, packed documents (each correction on [.., Dv] outputs)",
+          is_causal=True, layout="zigzag", segments="packed", value_head_dim=16, sinks=3.0,
+          soft_cap=5.0),
+    _case("value-head-dim-ring8", "V's head size larger than Q/K's on a ring of eight, "
+          "documents crossing shards (K and V travel as two buffers of different sizes)",
+          ring=8, is_causal=True, segments="crossing", head_dim=16, value_head_dim=48),
     # Precision.
     _case("bf16", "bfloat16 inputs: error at the dtype's level", is_causal=True,
           segments="packed", dtype="bfloat16"),

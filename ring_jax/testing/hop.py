@@ -24,15 +24,14 @@ HOP_RING = 4
 #: The cases that differ at one hop (ring size, mesh and input order do not reach a hop).
 HOP_CASES = ("full", "causal", "causal-zigzag", "zigzag", "causal-striped", "striped",
              "window-short", "window-zigzag", "window-two-sided", "segments-zigzag",
-             "segments-striped", "masked-rows", "gqa", "mqa-causal", "t-ne-s", "soft-cap")
+             "segments-striped", "masked-rows", "gqa", "mqa-causal", "t-ne-s", "value-head-dim",
+             "soft-cap")
 
 
 def unsupported(case: cases_lib.Case) -> str:
   """Why one hop cannot run ``case`` (its variant is a ring-level keyword), or ''."""
   if case.sinks is not None:
     return "a ring-level case (sinks apply once to the ring's result, not per hop)"
-  if case.value_head_dim:
-    return "HopSpec has no value head size of its own"
   if case.growth or case.dtype != "float32" or case.inputs_in_layout:
     return "a ring-level case (growth, dtype or input order)"
   if case.segments == "crossing":
@@ -61,9 +60,10 @@ def run_hop_case(kernel, case: cases_lib.Case | str, shards=(0, 0), *, local_len
   local_q = int(round(local_len * case.q_len))
   n, kh = case.heads
   b, h = case.batch, case.head_dim
+  hv = case.value_head_dim or h
   normal = lambda *shape: rng.standard_normal(shape).astype(np.float32)
-  q, k, v = normal(b, local_q, n, h), normal(b, local_kv, kh, h), normal(b, local_kv, kh, h)
-  do, dlse = normal(b, local_q, n, h), normal(b, local_q, n)
+  q, k, v = normal(b, local_q, n, h), normal(b, local_kv, kh, h), normal(b, local_kv, kh, hv)
+  do, dlse = normal(b, local_q, n, hv), normal(b, local_q, n)
   layout = case.layout or "contiguous"
   pos = lambda length, d: oracle.layout_permutation(layout, HOP_RING, HOP_RING * length)[
       d * length:(d + 1) * length]
@@ -77,7 +77,8 @@ def run_hop_case(kernel, case: cases_lib.Case | str, shards=(0, 0), *, local_len
   q = q * np.float32(case.input_scale)  # large scores (as the ring cases draw them)
   want = oracle.attention(q, k, v, vis, scale, do, dlse, soft_cap=case.soft_cap)
   spec = HopSpec(scale=scale, is_causal=case.is_causal, window=window, block_q=block,
-                 block_kv=block, logits_soft_cap=case.soft_cap)
+                 block_kv=block, logits_soft_cap=case.soft_cap,
+                 value_head_dim=case.value_head_dim)
   q5 = q.reshape(b, local_q, kh, n // kh, h)
   try:
     kernel.check(q5.shape, k.shape, jnp.float32, spec)
@@ -91,13 +92,14 @@ def run_hop_case(kernel, case: cases_lib.Case | str, shards=(0, 0), *, local_len
     if out_h.dtype != jnp.float32 or lse_h.dtype != jnp.float32:
       raise ValueError(f"forward returned {out_h.dtype} / {lse_h.dtype}, expected float32")
     lse = want["lse"]
-    out_final = jnp.asarray(want["out"].reshape(q5.shape), jnp.float32)
+    out_final = jnp.asarray(want["out"].reshape(*q5.shape[:-1], hv), jnp.float32)
     lse_final = lse_for_backward(jnp.asarray(lse.reshape(b, local_q, kh, n // kh), jnp.float32))
     dlse5 = jnp.asarray(np.where(np.isfinite(lse), dlse, 0.0).reshape(lse_final.shape),
                         jnp.float32)
     accs = [rng.standard_normal(x.shape).astype(np.float32) for x in (q5, k, v)]
     grads = jax.jit(kernel.backward, static_argnums=4)(
-        q5, k, v, masks, spec, HopResiduals(out_final, lse_final, do.reshape(q5.shape), dlse5),
+        q5, k, v, masks, spec, HopResiduals(out_final, lse_final, do.reshape(out_final.shape),
+                                            dlse5),
         HopGrads(*map(jnp.asarray, accs)))
     if not isinstance(grads, HopGrads):
       raise TypeError(f"backward returned {type(grads).__name__}, expected HopGrads")

@@ -38,7 +38,8 @@ def test_case_names_are_stable_and_listed():
       "segments-striped", "masked-rows", "gqa", "mqa-causal", "t-ne-s", "value-head-dim",
       "ring1", "ring2-causal-zigzag", "ring2-segments-striped", "ring2-t-ne-s", "odd-ring",
       "odd-ring-zigzag", "ring8", "tensor2", "explicit-mesh", "sinks+10", "sinks-10",
-      "sinks-masked-rows", "soft-cap", "bf16", "bf16-growth", "f32-growth"]
+      "sinks-masked-rows", "soft-cap", "value-head-dim-sinks-cap", "value-head-dim-ring8",
+      "bf16", "bf16-growth", "f32-growth"]
   assert set(testing.CI_CASES) <= set(testing.CASES)
   assert set(testing.HOP_CASES) <= set(testing.CASES)
   assert all(c.catches for c in testing.CASES.values())

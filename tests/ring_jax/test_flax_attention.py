@@ -149,6 +149,55 @@ def test_batch_dims_flattened_or_added():
   chex.assert_trees_all_close(out2, dense(x2, mask=nnx.make_causal_mask(jnp.zeros((L,)))), **TOL)
 
 
+class SinkAttention(nnx.Module):
+  """An nnx attention layer with learned sinks (GPT-OSS style): q/k/v projections, V with a
+  head size of its own (``dv``), the sinks a parameter bound into the ``attention_fn`` at
+  each call. ``mesh=None``: dense attention (``reference_attention``) with the same sinks."""
+
+  def __init__(self, mesh, *, heads=4, dk=8, dv=4, cap=None, rngs):
+    self.mesh, self.heads, self.dk, self.dv, self.cap = mesh, heads, dk, dv, cap
+    self.q = nnx.Linear(F, heads * dk, rngs=rngs)
+    self.k = nnx.Linear(F, heads * dk, rngs=rngs)
+    self.v = nnx.Linear(F, heads * dv, rngs=rngs)
+    self.sinks = nnx.Param(jnp.array([6.0, -6.0, 1.5, -0.5])[:heads])
+
+  def __call__(self, x, seg):
+    split = lambda y, d: y.reshape(*y.shape[:-1], self.heads, d)  # noqa: E731
+    q, k, v = split(self.q(x), self.dk), split(self.k(x), self.dk), split(self.v(x), self.dv)
+    if self.mesh is None:
+      return ring_jax.reference_attention(q, k, v, is_causal=True, segment_ids=seg,
+                                          sinks=self.sinks[...], logits_soft_cap=self.cap)
+    attend = ring_jax.flax_attention_fn(mesh=self.mesh, is_causal=True, segment_ids=seg,
+                                        sinks=self.sinks[...], logits_soft_cap=self.cap)
+    return attend(q, k, v)
+
+
+@pytest.mark.parametrize("cap", [None, 3.0])
+def test_sinks_and_value_head_dim_in_a_module_match_dense(cap):
+  """Sinks (a learned parameter, |s| up to 6) and V's own head size through the adapter, with
+  padding (sink-only rows) and a soft-cap: output and every parameter's gradient, the sinks'
+  included, equal the same module on dense attention (ring_jax.reference_attention)."""
+  mesh = mesh_of("auto")
+  ring = SinkAttention(mesh, cap=cap, rngs=nnx.Rngs(0))
+  dense = SinkAttention(None, cap=cap, rngs=nnx.Rngs(0))
+  x, _ = inputs(7)
+  seg = packed_segments(B, L, seed=7).at[0, -4:].set(0)
+
+  def loss(module, x):
+    out = module(x, seg)
+    assert out.shape == (B, L, 4, 4)
+    return jnp.sum(jnp.sin(out) * jnp.arange(out.size).reshape(out.shape) / out.size), out
+
+  (_, out_r), g_r = jax.jit(nnx.value_and_grad(loss, has_aux=True))(ring, x)
+  (_, out_d), g_d = nnx.value_and_grad(loss, has_aux=True)(dense, x)
+  chex.assert_trees_all_close(out_r, out_d, **TOL)
+  pad = (seg == 0)
+  assert pad.any()
+  chex.assert_trees_all_close(out_r[pad], jnp.zeros_like(out_r[pad]))  # sink-only rows
+  chex.assert_trees_all_close(nnx.state(g_r), nnx.state(g_d), atol=1e-5, rtol=1e-4)
+  assert float(jnp.abs(g_r.sinks[...]).min()) > 0  # the sinks do get a gradient
+
+
 def test_inputs_in_layout():
   """A model that reorders once per batch: module inputs and outputs in zigzag order."""
   mesh = mesh_of("auto")

@@ -431,17 +431,11 @@ def test_sinks_and_soft_cap_bad_input_is_one_clear_error(kwargs, match):
     ring_jax.ring_attention_sharded(q, k, v, mesh=mesh, **kwargs)
 
 
-def test_value_head_dim_is_refused_where_it_does_not_run():
-  """V's own head size runs with the ring (tests/ring_jax/test_hop.py, value-head-dim); the other
-  strategies and the fused hop kernels refuse it, naming what does."""
+def test_value_head_dim_in_ring_attention_sharded():
+  """V's own head size (every strategy and kernel: tests/ring_jax/test_value_head_dim.py)."""
   mesh = make_mesh((4,), ("sequence",))
   q, k, v = qkv(0, 1, 512, 4, 4, 8)
   v = v[..., :4]
-  with pytest.raises(ValueError, match="V's own head size"):
-    ring_jax.attention_sharded(q, k, v, mesh=mesh, strategy="ulysses")
-  with pytest.raises(ValueError, match="V's head size 4 differs"):
-    ring_jax.ring_attention_sharded(q, k, v, mesh=mesh, hop_kernel="splash", block_q=128,
-                                    block_kv=128)
   out = ring_jax.ring_attention_sharded(q, k, v, mesh=mesh, is_causal=True)
   assert out.shape == (1, 512, 4, 4)
   assert_close(out, ring_jax.reference_attention(q, k, v, is_causal=True), what="Dv")

@@ -1,0 +1,131 @@
+"""What attention sinks and the logit soft-cap cost the xla hop: ring fwd+bwd, interleaved.
+
+Times ``ring_attention_sharded(hop_kernel="xla")`` forward + backward (the gradients of q, k,
+v, and of the sinks where given) on a ring of ``--ring`` fake CPU devices, in four
+configurations compiled once each and then called in turn, ``--repeats`` rounds (so a
+busy machine slows every configuration alike): ``plain``, ``+sinks`` (one logit per query
+head, applied once to the ring's result), ``+softcap`` (``c * tanh(s / c)`` on every score)
+and ``+both``. Each row records the best and the median process CPU seconds and wall seconds
+(:func:`benchmarks.common.timed_call`) and their ratio to ``plain`` in the same run; the
+issue's bound is ``ratio <= --bound`` (1.10) for each. Inputs in the layout's order
+(``inputs_in_layout=True``), so only the attention is timed.
+
+    python benchmarks/sinks_softcap_cost.py                       # 4K tokens, ring of 8
+    python benchmarks/sinks_softcap_cost.py --length 512 --repeats 2 --out ''   # a smoke run
+
+Writes ``benchmarks/results/sinks_softcap_cost.json`` (``--out``). Run it on a quiet
+machine: the figures are times.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import sys
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+CONFIGS = ("plain", "+sinks", "+softcap", "+both")
+
+
+def parse_args(argv):
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("--length", type=int, default=4096, help="global tokens per row")
+  p.add_argument("--ring", type=int, default=8, help="fake CPU devices on the ring")
+  p.add_argument("--heads", type=int, default=8)
+  p.add_argument("--kv-heads", type=int, default=8)
+  p.add_argument("--head-dim", type=int, default=64)
+  p.add_argument("--layout", default="zigzag")
+  p.add_argument("--no-causal", dest="causal", action="store_false")
+  p.add_argument("--soft-cap", type=float, default=50.0, help="logits_soft_cap of +softcap")
+  p.add_argument("--repeats", type=int, default=7, help="interleaved rounds")
+  p.add_argument("--bound", type=float, default=1.10, help="the issue's bound on each ratio")
+  p.add_argument("--out", default=os.path.join(RESULTS, "sinks_softcap_cost.json"),
+                 help="result file ('' to write nothing)")
+  return p.parse_args(argv)
+
+
+def main(argv=None):
+  argv = sys.argv[1:] if argv is None else argv
+  args = parse_args(argv)
+  os.environ.setdefault("JAX_PLATFORMS", "cpu")
+  if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                               f" --xla_force_host_platform_device_count={args.ring}").strip()
+  sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+  import jax  # noqa: PLC0415
+  import jax.numpy as jnp  # noqa: PLC0415
+  import numpy as np  # noqa: PLC0415
+
+  import ring_jax  # noqa: PLC0415
+  from benchmarks import common  # noqa: PLC0415
+
+  if jax.device_count() < args.ring:
+    raise SystemExit(f"needs {args.ring} devices, have {jax.device_count()} (XLA_FLAGS set "
+                     "before jax was imported?)")
+  mesh = common.make_mesh((args.ring,), ("sequence",))
+  rng = np.random.default_rng(0)
+  normal = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)  # noqa: E731
+  b, length, n, kh, h = 1, args.length, args.heads, args.kv_heads, args.head_dim
+  q, k, v, do = normal(b, length, n, h), normal(b, length, kh, h), normal(b, length, kh, h), \
+      normal(b, length, n, h)
+  sinks = normal(n) * 3.0
+
+  def step(config):
+    cap = args.soft_cap if config in ("+softcap", "+both") else None
+    with_sinks = config in ("+sinks", "+both")
+
+    def loss(q, k, v, z):
+      out = ring_jax.ring_attention_sharded(
+          q, k, v, mesh=mesh, is_causal=args.causal, layout=args.layout,
+          inputs_in_layout=True, hop_kernel="xla", sinks=z if with_sinks else None,
+          logits_soft_cap=cap)
+      return jnp.sum(out * do)
+
+    return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))
+
+  fns = {c: step(c) for c in CONFIGS}
+  for c, f in fns.items():  # compile + warm up; every configuration must give finite grads
+    grads = jax.block_until_ready(f(q, k, v, sinks))
+    if not all(bool(jnp.isfinite(g).all()) for g in grads):
+      raise SystemExit(f"{c}: non-finite gradients")
+  cpu = {c: [] for c in CONFIGS}
+  wall = {c: [] for c in CONFIGS}
+  for _ in range(args.repeats):
+    for c, f in fns.items():
+      w, s, _ = common.timed_call(f, q, k, v, sinks)
+      wall[c].append(w)
+      cpu[c].append(s)
+
+  rows = []
+  for c in CONFIGS:
+    row = dict(config=c, best_cpu_s=min(cpu[c]), median_cpu_s=common.median(cpu[c]),
+               best_wall_s=min(wall[c]), median_wall_s=common.median(wall[c]),
+               cpu_s=cpu[c], wall_s=wall[c])
+    row["ratio_cpu"] = row["best_cpu_s"] / min(cpu["plain"])
+    row["ratio_wall"] = row["best_wall_s"] / min(wall["plain"])
+    row["within_bound"] = row["ratio_cpu"] <= args.bound
+    rows.append(row)
+    print(f"{c:9s} best cpu {row['best_cpu_s']:.3f}s (x{row['ratio_cpu']:.3f})  "
+          f"best wall {row['best_wall_s']:.3f}s (x{row['ratio_wall']:.3f})  "
+          f"{'within' if row['within_bound'] else 'OVER'} {args.bound}", flush=True)
+
+  result = dict(
+      about="ring_attention_sharded(hop_kernel='xla') fwd+bwd with sinks / soft-cap vs "
+            "without, interleaved in one process; ratios to 'plain' of the best process CPU "
+            "(and wall) seconds",
+      date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+      command="python benchmarks/sinks_softcap_cost.py" + "".join(f" {a}" for a in argv),
+      jax=jax.__version__, machine=f"{platform.machine()}, {os.cpu_count()} CPUs, "
+      f"{args.ring} fake devices", length=length, ring=args.ring, heads=n, kv_heads=kh,
+      head_dim=h, dtype="float32", layout=args.layout, is_causal=args.causal,
+      soft_cap=args.soft_cap, repeats=args.repeats, bound=args.bound, rows=rows)
+  if args.out:
+    common.write_result(args.out, result)
+    print(f"wrote {args.out}")
+  return result
+
+
+if __name__ == "__main__":
+  main()
