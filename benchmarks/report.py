@@ -274,7 +274,7 @@ def core_work() -> str:
 # Against the paper's code: benchmarks/attention.py
 # ----------------------------------------------------------------------------
 
-PAPER_4K = "attention_cpu_4k_issue32.json"
+PAPER_4K = "attention_cpu_4k.json"
 MEMSCAN = "attention_cpu_memscan_scan.json"  # ring zigzag, paper and all-gather in one run
 BF16 = "attention_cpu_bf16.json"
 
