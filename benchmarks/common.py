@@ -193,16 +193,20 @@ def time_calls(fn: Callable, args: Sequence = (), repeats: int = 5, *,
 
 
 def interleaved(cases: dict[str, tuple[Callable, Sequence]], repeats: int, warmup: int = 1,
-                on_error: Callable[[str, Exception], None] | None = None) -> dict[str, dict]:
+                on_error: Callable[[str, Exception], None] | None = None,
+                before: Callable[[str, int], None] | None = None) -> dict[str, dict]:
   """``{name: {"wall": [s, ...], "cpu": [s, ...]}}`` of ``repeats`` calls ``fn(*args)`` per
   case after ``warmup`` untimed ones, timed round-robin (call 1 of every case, then call 2,
   ...), so a shared host's slow phases spread over all cases instead of penalising whichever
   ran then. A case that raises is dropped from later rounds (``on_error(name, exc)``; without
-  it the exception propagates)."""
+  it the exception propagates). ``before(name, round)`` runs before each call, untimed (e.g.
+  a barrier across processes)."""
   out = {name: {"wall": [], "cpu": []} for name in cases}
   live = dict(cases)
   for it in range(warmup + repeats):
     for name, (fn, args) in list(live.items()):
+      if before is not None:
+        before(name, it)
       try:
         wall, cpu, _ = timed_call(fn, *args)
       except Exception as e:  # noqa: BLE001  (a real OOM on an accelerator, ...)
