@@ -16,9 +16,9 @@ warm-up) and the per-device compiled temporary memory
 
 Every implementation's output and gradients are checked against
 ``ring_jax.reference_attention`` in the same run (``--check-length``). Extra
-sections: bf16 error vs a float64 oracle for ring sizes 1/2/4/8, causal work
-per device from ``ring_jax.schedule``, and an optional block-size sweep.
-Results: a printed table, ``<out>/attention_<platform>.json`` and PNG plots.
+sections: bf16 error vs a float64 oracle for ring sizes 1/2/4/8, a fixed-block memory scan
+and a block-size sweep (causal work per device: ``core_report.py``).
+Results: a line per case, ``<out>/attention_<platform>.json`` and PNG plots.
 
 CPU (8 fake devices, f32):
   PYTHONPATH=. python benchmarks/attention.py --lengths 2048,4096,8192,16384 --repeats 5
@@ -30,20 +30,12 @@ On GPU/TPU the same command uses the real devices and bfloat16.
 from __future__ import annotations
 
 import argparse
-import datetime
 import functools
 import json
 import os
-import platform as _platform
 import sys
 import time
 import types
-
-# 8 fake CPU devices unless the caller already chose (harmless on GPU/TPU: only the CPU
-# client is affected).
-if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                             " --xla_force_host_platform_device_count=8").strip()
 
 import jax
 import jax.numpy as jnp
@@ -54,15 +46,17 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import ring_jax  # noqa: E402
 from ring_jax.ring import default_block  # noqa: E402
 from benchmarks import common  # noqa: E402
-from benchmarks.common import GIB, MIB  # noqa: E402
+from benchmarks.common import GIB, MIB, fwd_bwd, ints, strs  # noqa: E402
+
+common.fake_cpu_devices()
 
 AXIS = "sequence"
 
 CPU_NOTE = (
     "CPU caveat: the fake devices are threads sharing this machine's cores, so wall time "
     "measures the TOTAL work of all devices, not the busiest device. Causal load balancing "
-    "(zigzag/striped vs contiguous) changes the per-device critical path (see the schedule "
-    "table), which only shows up in time on real accelerators; on CPU all layouts do about "
+    "(zigzag/striped vs contiguous) changes the per-device critical path ("
+    "benchmarks/core_report.py), which only shows up in time on real accelerators; on CPU all layouts do about "
     "the same total work. Likewise ppermute/all-gather are memcpys here, so communication "
     "overlap is not measured.")
 
@@ -162,13 +156,6 @@ def make_impl(name, *, mesh, is_causal, dtype, block, paper_fn=None):
   raise ValueError(f"unknown implementation {name!r}")
 
 
-def fwd_bwd(f):
-  def g(q, k, v, do):
-    out, vjp = jax.vjp(f, q, k, v)
-    return (out,) + tuple(vjp(do))
-  return g
-
-
 def block_for(name, local_len, args_block):
   """Block size an implementation uses at this local length."""
   if args_block:
@@ -183,20 +170,6 @@ def inputs(key, b, length, heads, hd, dtype, sharding):
   ks = jax.random.split(key, 4)
   xs = [jax.random.normal(k_, (b, length, heads, hd), jnp.float32).astype(dtype) for k_ in ks]
   return [jax.device_put(x, sharding) for x in xs]
-
-
-def git_state():
-  """Commit of the checkout (and whether ring_jax/ had local edits) for the record."""
-  import subprocess
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  try:
-    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True,
-                          text=True, timeout=10).stdout.strip()
-    dirty = subprocess.run(["git", "status", "--porcelain", "ring_jax"], cwd=root,
-                           capture_output=True, text=True, timeout=10).stdout.strip()
-    return head + (" (ring_jax/ modified)" if dirty else "")
-  except Exception:  # noqa: BLE001
-    return None
 
 
 def device_mem_budget(args):
@@ -308,24 +281,22 @@ def run_group(names, *, mesh, length, is_causal, args, dtype, paper_fn, budget, 
     c, a, flops = matmul_case(mesh, useful_flops(length, is_causal, args, "fwdbwd"), dtype)
     peak = dict(impl="matmul", flops=flops, fwdbwd_times_s=[], fwdbwd_status="pending")
     todo.append((peak, "fwdbwd", c, a))
-  for it in range(warmup + repeats):
-    for row, mode, c, a in todo:
-      if row[f"{mode}_status"].startswith("failed"):
-        continue
-      try:
-        dt, dc, _ = common.timed_call(c, *a)
-        if it >= warmup:
-          row[f"{mode}_times_s"].append(round(dt, 5))
-          row.setdefault(f"{mode}_cpu_s", []).append(round(dc, 4))
-      except Exception as e:  # noqa: BLE001  (real OOM on an accelerator, ...)
-        row[f"{mode}_status"] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:160]}"
+
+  def failed(i, e):
+    row, mode = todo[i][:2]
+    row[f"{mode}_status"] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:160]}"
+
+  times = common.interleaved({i: (c, a) for i, (_, _, c, a) in enumerate(todo)}, repeats,
+                             warmup, on_error=failed)
+  for i, (row, mode, _, _) in enumerate(todo):
+    if row[f"{mode}_status"] == "pending":
+      wall, cpu = times[i]["wall"], times[i]["cpu"]
+      row.update({f"{mode}_times_s": [round(t, 5) for t in wall],
+                  f"{mode}_cpu_s": [round(t, 4) for t in cpu],
+                  f"{mode}_median_s": float(np.median(wall)),
+                  f"{mode}_cpu_median_s": float(np.median(cpu)), f"{mode}_status": "ok"})
   for row in rows + ([peak] if peak else []):
     row["repeats"], row["warmup"] = repeats, warmup
-    for mode in ("fwd", "fwdbwd"):
-      if row.get(f"{mode}_status") == "pending":
-        row[f"{mode}_median_s"] = float(np.median(row[f"{mode}_times_s"]))
-        row[f"{mode}_cpu_median_s"] = float(np.median(row[f"{mode}_cpu_s"]))
-        row[f"{mode}_status"] = "ok"
   peak_rate = (peak["flops"] / peak["fwdbwd_median_s"]
                if peak and peak.get("fwdbwd_status") == "ok" else None)
   for row in rows:
@@ -371,23 +342,13 @@ def check_case(name, *, mesh, length, is_causal, args, dtype, paper_fn):
 # ----------------------------------------------------------------------------
 
 def oracle_f64(q, k, v, do, is_causal):
-  """Dense attention and its VJP in float64 numpy. Shapes [B, L, N, H]."""
-  q, k, v, do = (np.asarray(x, np.float64).transpose(0, 2, 1, 3) for x in (q, k, v, do))
-  scale = q.shape[-1] ** -0.5
-  s = (q @ k.transpose(0, 1, 3, 2)) * scale
-  if is_causal:
-    l_ = s.shape[-1]
-    s = np.where(np.tril(np.ones((l_, l_), bool)), s, -np.inf)
-  s -= s.max(-1, keepdims=True)
-  p = np.exp(s)
-  p /= p.sum(-1, keepdims=True)
-  out = p @ v
-  dv = p.transpose(0, 1, 3, 2) @ do
-  dp = do @ v.transpose(0, 1, 3, 2)
-  ds = p * (dp - (do * out).sum(-1, keepdims=True))
-  dq = (ds @ k) * scale
-  dk = (ds.transpose(0, 1, 3, 2) @ q) * scale
-  return [x.transpose(0, 2, 1, 3) for x in (out, dq, dk, dv)]
+  """Dense attention and its VJP in float64 (``ring_jax.testing.oracle``): out, dq, dk, dv."""
+  from ring_jax.testing import oracle  # noqa: PLC0415
+
+  pos = np.arange(q.shape[1])
+  r = oracle.attention(q, k, v, oracle.visibility(pos, pos, is_causal), q.shape[-1] ** -0.5,
+                       np.asarray(do, np.float64))
+  return [r[name] for name in ("out", "dq", "dk", "dv")]
 
 
 def bf16_error_table(args, paper_fn):
@@ -423,6 +384,19 @@ def bf16_error_table(args, paper_fn):
       print_err_row(rows[-1], flush=True)
   return dict(length=length, causal=is_causal, heads=args.heads, head_dim=args.head_dim,
               rows=rows)
+
+
+def row_line(row):
+  """One timed row as a line of text (the per-row log and ``--render``)."""
+  return (f"  L={row['length']:<6} {'causal' if row['causal'] else 'full':<7} {row['impl']:<16} "
+          f"fwd {fmt_ms(row, 'fwd'):>9} ms  fwd+bwd {fmt_ms(row, 'fwdbwd'):>9} ms  "
+          f"temp {fmt_mem(row, 'fwd'):>8} / {fmt_mem(row, 'fwdbwd'):>8} MiB  "
+          f"[{row.get('fwd_status')}; {row.get('fwdbwd_status')}]" +
+          (f"  fwd+bwd {row['fwdbwd_useful_gflops']:.1f} useful GFLOP/s"
+           if "fwdbwd_useful_gflops" in row else "") +
+          (f" = {100 * row['fwdbwd_peak_fraction']:.1f}% of a same-size f32 matmul "
+           f"({row['matmul_gflops']:.1f} GFLOP/s, same run)"
+           if "fwdbwd_peak_fraction" in row else ""))
 
 
 def print_err_row(r, flush=False):
@@ -492,28 +466,6 @@ def sweep_markdown(rows) -> str:
   return report.sweep_markdown(rows)
 
 
-# ----------------------------------------------------------------------------
-# Causal work per device from the schedule
-# ----------------------------------------------------------------------------
-
-def schedule_table(lengths, ring, block):
-  rows = []
-  for length in lengths:
-    t = length // ring
-    for layout in ring_jax.LAYOUTS:
-      b = min(block, t) if block else default_block(layout, t)
-      s = ring_jax.schedule(layout, ring, t, b, b, True)
-      unit = (t * t) / (b * b)  # block pairs in one full (unmasked) hop
-      work = s.work_per_device() / unit
-      rows.append(dict(length=length, layout=layout, block=b,
-                       pairs_per_device=[int(x) for x in s.work_per_device()],
-                       work_per_device_hops=[round(float(x), 3) for x in work],
-                       total_hops=round(float(work.sum()), 3),
-                       critical_path_hops=round(s.critical_path() / unit, 3),
-                       imbalance=round(float(work.max() / work.mean()), 3)))
-  return rows
-
-
 def memory_scan(names, mesh, lengths, block, is_causal, dtype, args, paper_fn):
   """Compiled fwd+bwd temp memory per device at a FIXED block size (compile only, no run).
 
@@ -565,104 +517,6 @@ def fmt_mem(r, mode):
   return "-" if m is None else f"{m / MIB:.1f}"
 
 
-def ratio(a, b, key):
-  if a.get(key) is None or b is None or b.get(key) is None:
-    return "-"
-  return f"{a[key] / b[key]:.2f}"
-
-
-def print_table(rows, out=sys.stdout):
-  hdr = (f"{'L':>6} {'mask':<7} {'impl':<16} {'dev':>3} {'blk':>5} {'fwd ms':>9} "
-         f"{'fwd+bwd ms':>11} {'reps':>4} {'f+b cpu s':>9} {'fwd MiB':>8} {'f+b MiB':>8} "
-         f"{'t/paper':>8} {'c/paper':>8} {'t/allg':>7} {'m/paper':>8} {'m/allg':>7}")
-  print(hdr, file=out)
-  print("-" * len(hdr), file=out)
-  for r in rows:
-    grp = [x for x in rows if x["length"] == r["length"] and x["causal"] == r["causal"]]
-    paper = next((x for x in grp if x["impl"] == "paper"), None)
-    allg = next((x for x in grp if x["impl"] == "allgather"), None)
-    mem = lambda x: None if x is None else {"m": x["fwdbwd_mem"].get("temp_size_in_bytes")}
-    cpu_cell = (f"{r['fwdbwd_cpu_median_s']:.2f}" if "fwdbwd_cpu_median_s" in r else "-")
-    print(f"{r['length']:>6} {'causal' if r['causal'] else 'full':<7} {r['impl']:<16} "
-          f"{r['devices']:>3} {str(r['block'] or '-'):>5} {fmt_ms(r, 'fwd'):>9} "
-          f"{fmt_ms(r, 'fwdbwd'):>11} {len(r.get('fwdbwd_times_s', [])):>4} "
-          f"{cpu_cell:>9} "
-          f"{fmt_mem(r, 'fwd'):>8} {fmt_mem(r, 'fwdbwd'):>8} "
-          f"{ratio(r, paper, 'fwdbwd_median_s'):>8} {ratio(r, paper, 'fwdbwd_cpu_median_s'):>8} "
-          f"{ratio(r, allg, 'fwdbwd_median_s'):>7} "
-          f"{ratio(mem(r), mem(paper), 'm'):>8} {ratio(mem(r), mem(allg), 'm'):>7}", file=out)
-
-
-def targets(result):
-  """Checks the published targets; returns lines of text."""
-  rows = result["rows"]
-  lines = []
-  get = lambda impl, length, causal: next(
-      (r for r in rows if r["impl"] == impl and r["length"] == length and r["causal"] == causal),
-      None)
-  lengths = sorted({r["length"] for r in rows})
-  ring_impls = sorted({r["impl"] for r in rows if r["impl"].startswith("ring-")})
-  for causal in sorted({r["causal"] for r in rows}):
-    tag = "causal" if causal else "full"
-    for impl in ring_impls:
-      mems = [(L, get(impl, L, causal)) for L in lengths]
-      mems = [(L, r["fwdbwd_mem"].get("temp_size_in_bytes")) for L, r in mems if r]
-      growth = [(b / a) for (l1, a), (l2, b) in zip(mems, mems[1:]) if l2 == 2 * l1 and a]
-      if growth:
-        ok = max(growth) <= 2.1
-        lines.append(f"[{'MET' if ok else 'MISSED'}] {tag} {impl}: fwd+bwd temp memory growth "
-                     f"per doubling of L = {', '.join(f'{g:.2f}x' for g in growth)} (target <= 2.1x)")
-    top = lengths[-1]
-    for impl in ring_impls:
-      r = get(impl, top, causal)
-      for other in ("paper", "allgather"):
-        o = get(other, top, causal)
-        if r and o:
-          a = r["fwdbwd_mem"].get("temp_size_in_bytes")
-          b = o["fwdbwd_mem"].get("temp_size_in_bytes")
-          if a and b:
-            lines.append(f"[{'MET' if a < b else 'MISSED'}] {tag} L={top} {impl} fwd+bwd memory "
-                         f"{a / MIB:.1f} MiB vs {other} {b / MIB:.1f} MiB ({a / b:.2f}x)")
-    for L in lengths:
-      p = get("paper", L, causal)
-      impls = ["ring-zigzag"] if causal else ring_impls
-      for impl in impls:
-        r = get(impl, L, causal)
-        if r and p and "fwdbwd_median_s" in r and "fwdbwd_median_s" in p:
-          x = r["fwdbwd_median_s"] / p["fwdbwd_median_s"]
-          lim = 0.85 if causal else 1.0  # one process: total work (balance: balance.py)
-          cpu = ""
-          if "fwdbwd_cpu_median_s" in r and "fwdbwd_cpu_median_s" in p:
-            cpu = (f"; process CPU time {r['fwdbwd_cpu_median_s'] / p['fwdbwd_cpu_median_s']:.2f}x")
-          lines.append(f"[{'MET' if x <= lim else 'MISSED'}] {tag} L={L} {impl} fwd+bwd time "
-                       f"{x:.2f}x the paper code (target <= {lim}){cpu}")
-  by = {}
-  for r in result.get("memscan", []):
-    if "fwdbwd_temp" in r:
-      by.setdefault((r["impl"], r["causal"], r["block"]), []).append((r["length"], r["fwdbwd_temp"]))
-  for (impl, causal, block), pts in sorted(by.items()):
-    pts.sort()
-    g = [b / a for (l1, a), (l2, b) in zip(pts, pts[1:]) if l2 == 2 * l1]
-    if g:
-      lines.append(f"[{'MET' if max(g) <= 2.1 else 'MISSED'}] fixed block {block}, "
-                   f"{'causal' if causal else 'full'} {impl}: fwd+bwd temp memory growth per "
-                   f"doubling {pts[0][0]}..{pts[-1][0]} = {', '.join(f'{x:.2f}x' for x in g)} "
-                   f"(target <= 2.1x; {pts[-1][1] / MIB:.0f} MiB at L={pts[-1][0]})")
-  err = result.get("bf16_error")
-  if err:
-    for impl in sorted({r["impl"] for r in err["rows"] if r.get("ring")}):
-      rs = [r for r in err["rows"] if r["impl"] == impl and "rel_err" in r]
-      if len(rs) >= 2:
-        e = {r["ring"]: max(r["rel_err"].values()) for r in rs}
-        first, last = e[min(e)], e[max(e)]
-        ok = last <= 1.25 * first
-        lines.append(f"[{'MET' if ok else 'MISSED'}] bf16 {impl}: worst relative error over "
-                     f"out/dq/dk/dv by ring size " +
-                     ", ".join(f"{k}: {v:.2e}" for k, v in sorted(e.items())) +
-                     " (target: no growth, <= 1.25x of ring size 1)")
-  return lines
-
-
 def plot(result, path_prefix):
   try:
     import matplotlib
@@ -712,11 +566,7 @@ def plot(result, path_prefix):
 # ----------------------------------------------------------------------------
 
 def parse_args(argv=None):
-  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  ints = lambda s: [int(x) for x in s.split(",") if x]
-  strs = lambda s: [x for x in s.split(",") if x]
-  ap.add_argument("--lengths", type=ints, default=[2048, 4096, 8192, 16384])
-  ap.add_argument("--repeats", type=int, default=5)
+  ap = common.parser(__doc__, repeats=5, lengths=[2048, 4096, 8192, 16384], dtype="auto")
   ap.add_argument("--large-repeats", type=int, default=None,
                   help="repeats for lengths >= --large-from (default: --repeats)")
   ap.add_argument("--large-from", type=int, default=16384)
@@ -736,15 +586,14 @@ def parse_args(argv=None):
   ap.add_argument("--heads", type=int, default=8)
   ap.add_argument("--head-dim", type=int, default=64)
   ap.add_argument("--ring", type=int, default=8, help="devices on the sequence axis")
-  ap.add_argument("--dtype", default="auto", help="auto (f32 on CPU, bf16 else), float32, bfloat16")
   ap.add_argument("--masks", type=strs, default=["causal", "full"])
   ap.add_argument("--variants", type=strs, default=["ring", "allgather", "dense", "paper"])
   ap.add_argument("--layouts", type=strs, default=list(ring_jax.LAYOUTS))
   ap.add_argument("--block", type=int, default=None,
                   help="block_q = block_kv for ring/all-gather and the paper's chunk size "
                        "(default: ring_jax's default block per layout)")
-  ap.add_argument("--sections", type=strs, default=["check", "main", "bf16", "schedule"],
-                  help="subset of check,main,bf16,schedule,sweep")
+  ap.add_argument("--sections", type=strs, default=["check", "main", "bf16"],
+                  help="subset of check,main,bf16,memscan,sweep")
   ap.add_argument("--check-length", type=int, default=None,
                   help="length for correctness checks (default: min(lengths), at most 4096)")
   ap.add_argument("--err-length", type=int, default=2048)
@@ -765,7 +614,7 @@ def parse_args(argv=None):
                                                 "results"))
   ap.add_argument("--tag", default=None, help="output file stem (default attention_<platform>)")
   ap.add_argument("--render", default=None,
-                  help="re-print the table/targets and redraw the plots of an existing JSON")
+                  help="re-print the rows and redraw the plots of an existing JSON")
   return ap.parse_args(argv)
 
 
@@ -774,9 +623,8 @@ def render(path):
     result = json.load(fh)
   print(f"{result['meta'].get('command')}  ({result['meta'].get('date')})")
   if result["rows"]:
-    print_table(result["rows"])
+    print("\n".join(row_line(r) for r in result["rows"]))
     plot(result, os.path.splitext(path)[0])
-    print("\n".join(targets(result)))
   if result.get("sweep"):
     print(sweep_markdown(result["sweep"]))
   return result
@@ -811,24 +659,18 @@ def main(argv=None):
       names.append(v)
   budget = device_mem_budget(args)
   masks = [m == "causal" for m in args.masks]
-  meta = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              command="python " + " ".join([os.path.relpath(__file__)] + sys.argv[1:]),
-              jax=jax.__version__, platform=platform, device_kind=jax.devices()[0].device_kind,
-              num_devices=len(jax.devices()), ring=ring, dtype=jnp.dtype(dtype).name,
+  meta = common.run_meta(argv, __file__, ring=ring, dtype=jnp.dtype(dtype).name,
               batch=args.batch, heads=args.heads, head_dim=args.head_dim,
               repeats=args.repeats, large_repeats=args.large_repeats,
               large_from=args.large_from, block=args.block, paper=paper_note,
-              single_device_budget_gib=round(budget / GIB, 2), host=_platform.node(),
-              cpu_count=os.cpu_count(), git=git_state(),
-              note=CPU_NOTE if platform == "cpu" else "")
+              single_device_budget_gib=round(budget / GIB, 2), note=CPU_NOTE if platform == "cpu" else "")
   os.makedirs(args.out, exist_ok=True)
   stem = os.path.join(args.out, args.tag or f"attention_{platform}")
   result = dict(meta=meta, checks=[], rows=[])
 
   def save():
     result["meta"]["elapsed_s"] = round(time.perf_counter() - t_start, 1)
-    with open(stem + ".json", "w") as fh:
-      json.dump(result, fh, indent=1)
+    common.write_result(stem + ".json", result)
 
   print(f"jax {jax.__version__} on {platform} ({meta['device_kind']}), ring={ring}, "
         f"{meta['dtype']}, B={args.batch} N={args.heads} H={args.head_dim}", flush=True)
@@ -867,19 +709,6 @@ def main(argv=None):
     print_err_row(result["bf16_error"]["rows"][0])
     save()
 
-  if "schedule" in args.sections:
-    result["schedule"] = schedule_table(args.lengths, args.ring, args.block)
-    print(f"\n== causal work per device from ring_jax.schedule (ring={args.ring}; units: one "
-          f"full local hop = (L/n)^2 token pairs; the paper code computes the contiguous "
-          f"schedule) ==", flush=True)
-    print(f"  {'L':>6} {'layout':<11} {'block':>5} {'min/dev':>8} {'max/dev':>8} {'total':>7} "
-          f"{'crit.path':>9} {'max/mean':>8}")
-    for r in result["schedule"]:
-      w = r["work_per_device_hops"]
-      print(f"  {r['length']:>6} {r['layout']:<11} {r['block']:>5} {min(w):>8.2f} {max(w):>8.2f} "
-            f"{r['total_hops']:>7.2f} {r['critical_path_hops']:>9.2f} {r['imbalance']:>8.2f}")
-    save()
-
   if "memscan" in args.sections:
     print(f"\n== compiled temp memory per device at a fixed block of {args.memscan_block} "
           f"(compile only) ==", flush=True)
@@ -909,22 +738,12 @@ def main(argv=None):
         for row in rows:
           row["loadavg_1min"] = [round(load0, 2), round(os.getloadavg()[0], 2)]
           result["rows"].append(row)
-          print(f"  L={length:<6} {'causal' if causal else 'full':<7} {row['impl']:<16} "
-                f"fwd {fmt_ms(row, 'fwd'):>9} ms  fwd+bwd {fmt_ms(row, 'fwdbwd'):>9} ms  "
-                f"temp {fmt_mem(row, 'fwd'):>8} / {fmt_mem(row, 'fwdbwd'):>8} MiB  "
-                f"[{row.get('fwd_status')}; {row.get('fwdbwd_status')}]" +
-                (f"  fwd+bwd {row['fwdbwd_useful_gflops']:.1f} useful GFLOP/s"
-                 if "fwdbwd_useful_gflops" in row else "") +
-                (f" = {100 * row['fwdbwd_peak_fraction']:.1f}% of a same-size f32 matmul "
-                 f"({row['matmul_gflops']:.1f} GFLOP/s, same run)"
-                 if "fwdbwd_peak_fraction" in row else ""), flush=True)
+          print(row_line(row), flush=True)
         print(f"  (t={time.perf_counter() - t_start:.0f}s, load average {load0:.1f} -> "
               f"{os.getloadavg()[0]:.1f})", flush=True)
         save()
 
   if result["rows"]:
-    print("\n== results ==")
-    print_table(result["rows"])
     if platform == "cpu":
       print("\n" + CPU_NOTE)
     reduced = sorted({(r["length"], r.get("repeats"), r.get("warmup")) for r in result["rows"]
@@ -935,11 +754,6 @@ def main(argv=None):
             (f"; at L >= {args.large_from} only {','.join(args.large_variants)} are timed "
              f"(the rest: compiled memory only)" if args.large_variants else ""))
     result["plots"] = [os.path.relpath(p, args.out) for p in plot(result, stem)]
-  lines = targets(result)
-  if lines:
-    print("\n== targets ==")
-    print("\n".join(lines))
-  result["targets"] = lines
   save()
   print(f"\nwrote {stem}.json ({time.perf_counter() - t_start:.0f}s)")
   return result

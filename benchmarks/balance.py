@@ -159,13 +159,13 @@ def worker(args) -> None:
       cases.append(dict(impl=name, layout=layout, block=block, length=length, compiled=compiled,
                         compile_s=round(time.perf_counter() - t0, 2), times_s=[], cpu_s=[],
                         temp_bytes=common.compiled_memory(compiled).get("temp_size_in_bytes")))
-    for it in range(args.warmup + args.repeats):
-      for case in cases:  # round-robin: a slow phase of the machine hits every impl alike
-        multihost_utils.sync_global_devices(f"{length}-{it}-{case['impl']}")
-        dt, dc, _ = common.timed_call(case["compiled"], q, k, v, do)
-        if it >= args.warmup:
-          case["times_s"].append(round(dt, 5))
-          case["cpu_s"].append(round(dc, 4))
+    # Round-robin (a slow phase of the machine hits every impl alike), all processes in step.
+    times = common.interleaved(
+        {c["impl"]: (c["compiled"], (q, k, v, do)) for c in cases}, args.repeats, args.warmup,
+        before=lambda name, it: multihost_utils.sync_global_devices(f"{length}-{it}-{name}"))
+    for case in cases:
+      case["times_s"] = [round(t, 5) for t in times[case["impl"]]["wall"]]
+      case["cpu_s"] = [round(t, 4) for t in times[case["impl"]]["cpu"]]
     rows.extend({k: v for k, v in case.items() if k != "compiled"} for case in cases)
   out = dict(process=args.worker, core=core, affinity=sorted(os.sched_getaffinity(0)),
              rows=rows, paper_note=paper_note)

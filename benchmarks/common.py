@@ -1,6 +1,12 @@
-"""What every benchmark measures the same way: call times, compiled memory, meshes.
+"""The benchmarks' one harness: flags, call times, compiled memory, meshes, result files.
 
-* Timing: :func:`time_calls` (wall seconds of repeated calls after a warm-up,
+* Runs: :func:`fake_cpu_devices` (8 fake CPU devices unless the caller chose),
+  :func:`parser` (the shared flags ``--out``, ``--repeats``, ``--length(s)``, ``--mesh``,
+  ``--dtype``; ``ints`` / ``strs`` for comma lists), :func:`run_meta` (the provenance every
+  result file records: date, command, jax, platform, devices, host, git commit) and
+  :func:`write_result` (the JSON that ``benchmarks/report.py`` renders).
+* Timing: :func:`interleaved` (cases timed round-robin after a warm-up: a shared host's slow
+  phases spread over all of them),  :func:`time_calls` (wall seconds of repeated calls after a warm-up,
   each waited for with ``jax.block_until_ready``) and :func:`timed_call` (one
   call: wall and process CPU seconds, for interleaved timings on a shared
   host, where CPU time is steadier than wall time).
@@ -12,7 +18,8 @@
   partitioner's HLO) and :func:`count_collectives` (count and bytes per kind).
 * Meshes: :func:`parse_mesh` (``"data=1,sequence=8"``) and :func:`make_mesh`
   (Auto axes over the first devices, the trainer's axis names by default).
-* Result files: :func:`write_result` (the JSON that ``benchmarks/report.py`` renders).
+* Budgeted checks: :class:`Clock` (``say`` with the elapsed time, a global time budget,
+  sections that print a failure and go on), for ``gpu_check.py`` / ``tpu_check.py``.
 
 Needs only JAX and NumPy (the model's axis names come from
 ``models.sharding``, which imports without Flax), so every benchmark, on
@@ -21,17 +28,24 @@ every accelerator image, uses it.
 
 from __future__ import annotations
 
+import argparse
 import collections
 import contextlib
+import datetime
+import functools
 import glob
 import json
 import math
 import os
+import platform
 import re
 import resource
 import shutil
+import subprocess
+import sys
 import tempfile
 import time
+import traceback
 import types
 from typing import Any, Callable, Sequence
 
@@ -45,6 +59,103 @@ MIB = 2 ** 20
 # (every timed step does a full AdamW update; the schedule does not change the cost).
 OPTIM = types.SimpleNamespace(lr=3e-4, warmup_steps=0, min_lr_ratio=0.1, weight_decay=0.1,
                               b1=0.9, b2=0.95, eps=1e-8, grad_clip=1.0)
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULTS = os.path.join(ROOT, "benchmarks", "results")
+
+
+# ----------------------------------------------------------------------------
+# Runs: devices, flags, provenance, result files
+# ----------------------------------------------------------------------------
+
+
+def fake_cpu_devices(n: int = 8) -> None:
+  """``n`` fake CPU devices, unless ``XLA_FLAGS`` already sets a count (the caller's wins;
+  harmless on GPU/TPU, where only the CPU client is affected). Call before JAX's backend
+  starts (the first ``jax.devices()``)."""
+  flags = os.environ.get("XLA_FLAGS", "")
+  if "xla_force_host_platform_device_count" not in flags:
+    os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
+
+
+def ints(text: str) -> list[int]:
+  return [int(x) for x in text.split(",") if x]
+
+
+def strs(text: str) -> list[str]:
+  return [x for x in text.split(",") if x]
+
+
+def parser(doc: str | None, *, out: str | None = None, repeats: int | None = None,
+           lengths: Sequence[int] | None = None, length: int | None = None,
+           mesh: str | None = None, dtype: str | None = None) -> argparse.ArgumentParser:
+  """An ``ArgumentParser`` (described by ``doc``'s first line) with the shared flags whose
+  defaults are given: ``--out`` (a result file name resolves into ``benchmarks/results``),
+  ``--repeats``, ``--lengths`` / ``--length``, ``--mesh`` (parsed by :func:`parse_mesh`),
+  ``--dtype``."""
+  ap = argparse.ArgumentParser(description=(doc or "").strip().split("\n")[0])
+  if out is not None:
+    ap.add_argument("--out", default=out if os.path.dirname(out) or not out
+                    else os.path.join(RESULTS, out), help="result file (JSON)")
+  if repeats is not None:
+    ap.add_argument("--repeats", type=int, default=repeats, help="timed calls per case")
+  if lengths is not None:
+    ap.add_argument("--lengths", type=ints, default=list(lengths), help="sequence lengths")
+  if length is not None:
+    ap.add_argument("--length", type=int, default=length, help="global sequence length")
+  if mesh is not None:
+    ap.add_argument("--mesh", type=mesh_arg, default=mesh,
+                    help="axis=size pairs, e.g. data=1,sequence=8")
+  if dtype is not None:
+    ap.add_argument("--dtype", default=dtype, help="float32 or bfloat16")
+  return ap
+
+
+def mesh_arg(text: str) -> dict[str, int]:
+  """:func:`parse_mesh` for argparse (a bad mesh is a usage error, one line)."""
+  try:
+    return parse_mesh(text)
+  except ValueError as e:
+    raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def git_state() -> str | None:
+  """Commit of the checkout (and whether ring_jax/ had local edits) for the record."""
+  try:
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=10).stdout.strip()
+    dirty = subprocess.run(["git", "status", "--porcelain", "ring_jax"], cwd=ROOT,
+                           capture_output=True, text=True, timeout=10).stdout.strip()
+    return head + (" (ring_jax/ modified)" if dirty else "")
+  except Exception:  # noqa: BLE001
+    return None
+
+
+def run_meta(argv: Sequence[str] | None = None, script: str | None = None, *,
+             devices: bool = True, **fields) -> dict:
+  """What a result file records of its run: UTC date, the command (``python <script>
+  <argv>``; default the running script and ``sys.argv``), jax, platform, device kind and
+  count (``devices=False``: none of these, for a run that uses no JAX), CPU count and
+  architecture, Python, host, git commit, then ``fields``."""
+  script = os.path.relpath(os.path.abspath(script or sys.argv[0]), ROOT)
+  argv = sys.argv[1:] if argv is None else list(argv)
+  out = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+             command=" ".join(["python", script, *argv]))
+  if devices:
+    dev = jax.devices()[0]
+    out.update(jax=jax.__version__, platform=dev.platform, device_kind=dev.device_kind,
+               num_devices=jax.device_count())
+  return dict(out, cpu_count=os.cpu_count(), machine=platform.machine(),
+              python=platform.python_version(), host=platform.node(), git=git_state(), **fields)
+
+
+def write_result(path: str, result: dict) -> None:
+  """Write a benchmark's result file (``benchmarks/results/*.json``), creating its folder."""
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  with open(path, "w") as fh:
+    json.dump(result, fh, indent=1)
+    fh.write("\n")
 
 
 # ----------------------------------------------------------------------------
@@ -81,12 +192,41 @@ def time_calls(fn: Callable, args: Sequence = (), repeats: int = 5, *,
   return [timed_call(fn, *args)[0] for _ in range(repeats)]
 
 
-def write_result(path: str, result: dict) -> None:
-  """Write a benchmark's result file (``benchmarks/results/*.json``), creating its folder."""
-  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-  with open(path, "w") as fh:
-    json.dump(result, fh, indent=1)
-    fh.write("\n")
+def interleaved(cases: dict[str, tuple[Callable, Sequence]], repeats: int, warmup: int = 1,
+                on_error: Callable[[str, Exception], None] | None = None,
+                before: Callable[[str, int], None] | None = None) -> dict[str, dict]:
+  """``{name: {"wall": [s, ...], "cpu": [s, ...]}}`` of ``repeats`` calls ``fn(*args)`` per
+  case after ``warmup`` untimed ones, timed round-robin (call 1 of every case, then call 2,
+  ...), so a shared host's slow phases spread over all cases instead of penalising whichever
+  ran then. A case that raises is dropped from later rounds (``on_error(name, exc)``; without
+  it the exception propagates). ``before(name, round)`` runs before each call, untimed (e.g.
+  a barrier across processes)."""
+  out = {name: {"wall": [], "cpu": []} for name in cases}
+  live = dict(cases)
+  for it in range(warmup + repeats):
+    for name, (fn, args) in list(live.items()):
+      if before is not None:
+        before(name, it)
+      try:
+        wall, cpu, _ = timed_call(fn, *args)
+      except Exception as e:  # noqa: BLE001  (a real OOM on an accelerator, ...)
+        if on_error is None:
+          raise
+        on_error(name, e)
+        del live[name]
+        continue
+      if it >= warmup:
+        out[name]["wall"].append(wall)
+        out[name]["cpu"].append(cpu)
+  return out
+
+
+def fwd_bwd(f: Callable) -> Callable:
+  """``(q, k, v, do) -> (out, dq, dk, dv)``: ``f``'s output and its VJP at ``do``."""
+  def g(q, k, v, do):
+    out, vjp = jax.vjp(f, q, k, v)
+    return (out,) + tuple(vjp(do))
+  return g
 
 
 def median(times: Sequence[float]) -> float:
@@ -262,3 +402,38 @@ def _only_sliced(name: str, ops, users, depth: int = 0) -> bool:
     return False
   return all(ops[u][1] == "dynamic-slice" or (
       ops[u][1] in _PASS_THROUGH and _only_sliced(u, ops, users, depth + 1)) for u in found)
+
+
+# ----------------------------------------------------------------------------
+# Budgeted checks (one accelerator slot)
+# ----------------------------------------------------------------------------
+
+
+class Clock:
+  """A run's clock against a time budget: :meth:`say` prints with the elapsed seconds,
+  :meth:`left` the seconds left, :meth:`section` wraps a function so a failure is printed
+  (with a short traceback) and the run goes on."""
+
+  def __init__(self, budget_s: float):
+    self.t0, self.budget_s = time.perf_counter(), budget_s
+
+  def elapsed(self) -> float:
+    return time.perf_counter() - self.t0
+
+  def left(self) -> float:
+    return self.budget_s - self.elapsed()
+
+  def say(self, *a) -> None:
+    print(f"[{self.elapsed():6.1f}s]", *a, flush=True)
+
+  def section(self, fn: Callable) -> Callable:
+    @functools.wraps(fn)
+    def wrapped(*a, **k):
+      self.say(f"===== {fn.__name__} =====")
+      try:
+        return fn(*a, **k)
+      except Exception as e:  # noqa: BLE001
+        self.say(f"SECTION FAILED: {type(e).__name__}: {e}")
+        traceback.print_exc(limit=3)
+        return None
+    return wrapped

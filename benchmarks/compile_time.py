@@ -19,19 +19,12 @@ figures. Compile only: nothing runs.
 
 from __future__ import annotations
 
-import argparse
-import datetime
 import functools
 import os
-import platform as _platform
 import re
 import statistics
 import sys
 import time
-
-if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                             " --xla_force_host_platform_device_count=8").strip()
 
 import jax
 import jax.numpy as jnp
@@ -42,6 +35,8 @@ sys.path.insert(0, ROOT)
 import ring_jax  # noqa: E402
 from benchmarks import common  # noqa: E402
 from ring_jax.routing import check_routing  # noqa: E402
+
+common.fake_cpu_devices()
 
 #: (causal, layout, causal_routing); None: the library's default.
 CASES = ((True, "zigzag", None), (True, "zigzag", True), (True, "contiguous", None),
@@ -76,15 +71,8 @@ def attention_case(mesh, causal, layout, routing, args):
     return functools.partial(ring_jax.ring_attention_sharded, mesh=mesh, is_causal=causal,
                              layout=layout, causal_routing=routing)
 
-  def fwd_bwd():
-    f = attn()
-
-    def g(q, k, v, do):
-      out, vjp = jax.vjp(f, q, k, v)
-      return (out,) + tuple(vjp(do))
-    return jax.jit(g).lower(x, x, x, x)
-
-  compiled, times = timed_compiles(fwd_bwd, args.repeats)
+  compiled, times = timed_compiles(
+      lambda: jax.jit(common.fwd_bwd(attn())).lower(x, x, x, x), args.repeats)
   lines, instructions = program_size(compiled)
   fwd = jax.jit(attn()).lower(x, x, x).compile()
   return dict(causal=causal, layout=layout, causal_routing=routing,
@@ -115,17 +103,13 @@ def train_step_case(args):
 
 
 def main(argv=None) -> dict:
-  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  ap.add_argument("--length", type=int, default=4096)
+  ap = common.parser(__doc__, out="compile_time_cpu.json", length=4096, repeats=3)
   ap.add_argument("--ring", type=int, default=8)
   ap.add_argument("--heads", type=int, default=8)
   ap.add_argument("--head-dim", type=int, default=64)
-  ap.add_argument("--repeats", type=int, default=3)
   ap.add_argument("--no-train-step", action="store_true", help="only the attention cases")
   ap.add_argument("--dry-run", action="store_true",
                   help="smoke test: 256 tokens, one compile each, two cases, no train step")
-  ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results",
-                                                "compile_time_cpu.json"))
   args = ap.parse_args(argv)
   args.argv = sys.argv[1:] if argv is None else list(argv)
   cases = CASES
@@ -144,12 +128,8 @@ def _run(args, cases) -> dict:
   mesh = jax.make_mesh((args.ring,), ("sequence",),
                        axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:args.ring])
   t_start = time.perf_counter()
-  result = dict(meta=dict(
-      date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-      command="python " + " ".join([os.path.relpath(os.path.abspath(__file__), ROOT)] +
-                                   args.argv),
-      jax=jax.__version__, platform=jax.devices()[0].platform, num_devices=len(jax.devices()),
-      cpu_count=os.cpu_count(), host=_platform.node(), dry_run=args.dry_run,
+  result = dict(meta=common.run_meta(
+      args.argv, __file__, dry_run=args.dry_run,
       ring=args.ring, length=args.length, heads=args.heads, head_dim=args.head_dim,
       dtype="float32", repeats=args.repeats, persistent_cache=False), attention=[])
   for causal, layout, routing in cases:

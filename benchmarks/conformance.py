@@ -11,32 +11,25 @@ written, with the date, jax version and machine, to
 8 fake CPU devices; CI runs a fixed subset of these cases (tests/ring_jax/test_hop.py).
 """
 
-import argparse
-import datetime
 import functools
 import os
-import platform
 import sys
 
-if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                             " --xla_force_host_platform_device_count=8").strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")  # read when jax is imported
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from benchmarks import common  # noqa: E402
+
+common.fake_cpu_devices()
 # A correctness run of ~100 small programs: compile at LLVM -O0, as tests/conftest.py does
 # (the same HLO and arithmetic, machine code that is slower to run and faster to produce).
 if "xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
   os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-import jax  # noqa: E402
 
 import ring_jax  # noqa: E402
-from benchmarks import common  # noqa: E402
 from ring_jax import testing  # noqa: E402
 
 #: The kit's tokens per device (a peer whose kernels need more says so in its adapter).
 LOCAL_LEN = 64
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 #: ring_jax's own entry points in the kit's convention (blocks of 16: 4 per shard at the
 #: kit's 64 tokens per device).
@@ -68,22 +61,13 @@ def targets(names, peers: bool) -> dict:
   return found
 
 
-def meta(argv, local_len: int) -> dict:
-  return dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              local_len=local_len,
-              command="python benchmarks/conformance.py" + " ".join([""] + list(argv)),
-              jax=jax.__version__, platform=jax.devices()[0].platform,
-              num_devices=jax.device_count(), machine=platform.machine(),
-              cpu_count=os.cpu_count(), python=platform.python_version())
-
-
 def main(argv=None):
   argv = sys.argv[1:] if argv is None else argv
-  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  ap = common.parser(__doc__)
   ap.add_argument("--targets", default=",".join(OWN), help=f"of {list(OWN)}")
   ap.add_argument("--peers", action="store_true", help="also the peers' adapters")
   ap.add_argument("--cases", help="comma-separated case names (default: all)")
-  ap.add_argument("--out-dir", default=RESULTS, help="'' to write nothing")
+  ap.add_argument("--out-dir", default=common.RESULTS, help="'' to write nothing")
   args = ap.parse_args(argv)
   cases = args.cases.split(",") if args.cases else None
   failed = {}
@@ -95,7 +79,8 @@ def main(argv=None):
     failed[name] = [r.case for r in report.failed]
     if args.out_dir:
       path = os.path.join(args.out_dir, f"conformance_{name}.json")
-      common.write_result(path, dict(meta=meta(argv, local_len), **report.to_dict()))
+      common.write_result(path, dict(meta=common.run_meta(argv, __file__, local_len=local_len),
+                                            **report.to_dict()))
       print(f"wrote {path}")
   print("\nfailed cases:", failed)
   return failed

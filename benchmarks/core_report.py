@@ -14,16 +14,10 @@ and writes them, with the date, jax version and machine, as JSON to ``--out`` (t
 docs/benchmarks.md quotes through ``benchmarks/report.py``).
 """
 
-import argparse
-import datetime
 import functools
 import os
-import platform
 import sys
 
-if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                             " --xla_force_host_platform_device_count=8").strip()
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import jax  # noqa: E402
@@ -33,6 +27,8 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import ring_jax  # noqa: E402
 from benchmarks import common  # noqa: E402
+
+common.fake_cpu_devices()
 
 
 def mesh_of(n, names=("sequence",), shape=None):
@@ -134,19 +130,10 @@ def work_table():
 
 
 def main(argv=None):
-  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)),
-                                                "results", "core_report_cpu.json"),
-                  help="JSON file for the three tables ('' to write none)")
-  args = ap.parse_args(argv)
+  args = common.parser(__doc__, out="core_report_cpu.json").parse_args(argv)
   print(f"jax {jax.__version__}, {jax.device_count()} {jax.devices()[0].platform} devices")
   result = dict(
-      meta=dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                command="python benchmarks/core_report.py" + " ".join([""] + (argv or sys.argv[1:])),
-                jax=jax.__version__, platform=jax.devices()[0].platform,
-                device_kind=jax.devices()[0].device_kind, num_devices=jax.device_count(),
-                machine=platform.machine(), cpu_count=os.cpu_count(),
-                python=platform.python_version()),
+      meta=common.run_meta(argv, __file__),
       accuracy=accuracy_table(), memory=memory_table(), work=work_table())
   if args.out:
     common.write_result(args.out, result)

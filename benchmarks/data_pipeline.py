@@ -114,10 +114,10 @@ def _config(path: str, tokenizer: str, seq_len: int, batch: int, vocab: int):
 
 def measure(path: str, tokenizer: str, seq_len: int, batch: int, batches: int) -> dict:
   """One (corpus, tokenizer) in this process: RSS, time to the first batch, tokens/s."""
-  if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                               " --xla_force_host_platform_device_count=8").strip()
   sys.path.insert(0, ROOT)
+  from benchmarks import common
+
+  common.fake_cpu_devices()
   import jax
   import numpy as np
 
@@ -220,9 +220,10 @@ def main(argv=None) -> dict:
     if args.dir is None:
       shutil.rmtree(base, ignore_errors=True)
   if args.out:
-    with open(args.out, "w") as f:
-      json.dump(results, f, indent=2)
-      f.write("\n")
+    sys.path.insert(0, ROOT)
+    from benchmarks import common
+
+    common.write_result(args.out, dict(results, meta=common.run_meta(argv, __file__)))
   return results
 
 

@@ -31,10 +31,11 @@ import sys
 
 
 def _setup(devices: int):
-  os.environ.setdefault("JAX_PLATFORMS", "cpu")
-  if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                               f" --xla_force_host_platform_device_count={devices}").strip()
+  os.environ.setdefault("JAX_PLATFORMS", "cpu")  # before jax is imported
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  from benchmarks import common
+
+  common.fake_cpu_devices(devices)
 
 
 def _abstract_step(cfg, mesh, cache_len: int, batch: int = 1):
@@ -174,14 +175,13 @@ def main():
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("mode", choices=["time", "fit"])
   parser.add_argument("--devices", type=int, default=8)
-  parser.add_argument("--lengths", default="1024,4096,16384,65536")
+  parser.add_argument("--lengths", default=[1024, 4096, 16384, 65536],
+                      type=lambda s: [int(x) for x in s.split(",") if x])
   parser.add_argument("--steps", type=int, default=10)
   parser.add_argument("--config", default="configs/llama_7b.py")
   parser.add_argument("--budget_gib", type=float, default=80.0)
   args = parser.parse_args()
-  args.lengths = [int(x) for x in args.lengths.split(",")]
   _setup(args.devices)
-  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   (run_time if args.mode == "time" else run_fit)(args)
 
 

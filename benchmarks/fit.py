@@ -376,8 +376,7 @@ def main(argv) -> None:
     sys.exit(1)
   line = json.dumps(result, separators=(",", ":"))
   if f["out"]:
-    with open(f["out"], "w") as out:
-      json.dump(result, out, indent=1)
+    common.write_result(f["out"], dict(result, meta=common.run_meta(script=__file__)))
   print(line, flush=True)
 
 

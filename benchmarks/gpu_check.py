@@ -48,12 +48,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import math
 import os
 import sys
 import time
-import traceback
 
 import jax
 import jax.numpy as jnp
@@ -73,8 +71,9 @@ RUN_MAX = int(os.environ.get("GPU_CHECK_RUN_MAX", 1024 if DRY else 65536))
 DTYPE = jnp.float32 if DRY else jnp.bfloat16
 # Section 1 starts no new case after this many seconds, leaving time for sections 2-3.
 ATTN_DEADLINE_S = float(os.environ.get("GPU_CHECK_ATTN_S", 0.5 * BUDGET_S))
-T0 = time.perf_counter()
 GIB = 2 ** 30
+CLOCK = common.Clock(BUDGET_S)
+say, left, elapsed, section = CLOCK.say, CLOCK.left, CLOCK.elapsed, CLOCK.section
 
 
 def peak_flops() -> tuple[float | None, str]:
@@ -86,31 +85,6 @@ def peak_flops() -> tuple[float | None, str]:
   if spec is None:
     return None, f"no peak known for {kind!r} (set GPU_PEAK_TFLOPS)"
   return spec.peak_bf16_flops, spec.source
-
-
-def elapsed():
-  return time.perf_counter() - T0
-
-
-def left():
-  return BUDGET_S - elapsed()
-
-
-def say(*a):
-  print(f"[{elapsed():6.1f}s]", *a, flush=True)
-
-
-def section(fn):
-  @functools.wraps(fn)
-  def wrapped(*a, **k):
-    say(f"===== {fn.__name__} =====")
-    try:
-      return fn(*a, **k)
-    except Exception as e:  # noqa: BLE001
-      say(f"SECTION FAILED: {type(e).__name__}: {e}")
-      traceback.print_exc(limit=3)
-      return None
-  return wrapped
 
 
 def gib(x):
@@ -201,8 +175,7 @@ def attention_tflops():
         row = dict(L=length, causal=causal, impl=name)
         cells = {}
         for mode, fn, a in (("fwd", f, (q, k, v)),
-                            ("fb", lambda q, k, v, do, f=f: jax.vjp(f, q, k, v)[1](do),
-                             (q, k, v, do))):
+                            ("fb", common.fwd_bwd(f), (q, k, v, do))):
           if left() < 20 or elapsed() > ATTN_DEADLINE_S:
             cells[mode] = "skipped (time budget)"
             continue
@@ -253,15 +226,12 @@ def attention_tflops():
                   f"x{x:.2f}", flush=True)
   auto = auto_verdict(mesh, b, n, h, block)
   say(auto)
-  os.makedirs(os.path.dirname(OUT), exist_ok=True)
-  with open(OUT, "w") as fh:
-    json.dump(dict(device=str(jax.devices()[0].device_kind), backend=jax.default_backend(),
-                   jax=jax.__version__, dry=DRY,
-                   date=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
-                   shape=dict(B=b, N=n, H=h, dtype=jnp.dtype(dtype).name, block=block),
-                   rows=[{k_: (list(v_) if isinstance(v_, tuple) else v_) for k_, v_ in r.items()}
-                         for r in results], ratios=ratios, checks=checks, auto=auto),
-              fh, indent=1)
+  common.write_result(OUT, dict(
+      device=str(jax.devices()[0].device_kind), backend=jax.default_backend(),
+      jax=jax.__version__, dry=DRY, date=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+      meta=common.run_meta([], __file__), shape=dict(B=b, N=n, H=h, dtype=jnp.dtype(dtype).name,
+                                                     block=block),
+      rows=results, ratios=ratios, checks=checks, auto=auto))
   say(f"wrote {OUT}")
   return results
 

@@ -29,7 +29,6 @@ shares, not the absolute times, and use ``--ring 2`` (one device per core here).
 
 from __future__ import annotations
 
-import argparse
 import collections
 import glob
 import gzip
@@ -39,16 +38,15 @@ import re
 import sys
 import tempfile
 
-if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                             " --xla_force_host_platform_device_count=8").strip()
-
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import ring_jax  # noqa: E402
+from benchmarks import common  # noqa: E402
+
+common.fake_cpu_devices()
 
 KINDS = ("matmul", "exp", "select/compare", "layout copies", "transfer", "other")
 PARTS = ("xla_hop_fwd_blocks", "xla_hop_bwd_blocks", "merge")
@@ -195,8 +193,7 @@ def print_profile(r: dict) -> None:
 
 
 def main(argv=None):
-  ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  ap.add_argument("--length", type=int, default=4096)
+  ap = common.parser(__doc__, length=4096)
   ap.add_argument("--layout", default="zigzag")
   ap.add_argument("--mask", choices=("causal", "full"), default="causal")
   ap.add_argument("--block", type=int, default=None, help="default: the ring's default block")
@@ -210,8 +207,7 @@ def main(argv=None):
               args.heads, args.head_dim, args.steps)
   print_profile(r)
   if args.json:
-    with open(args.json, "w") as fh:
-      json.dump(r, fh, indent=1)
+    common.write_result(args.json, dict(r, meta=common.run_meta(argv, __file__)))
   return r
 
 

@@ -25,11 +25,7 @@ with the date, machine and command.
 
 from __future__ import annotations
 
-import argparse
-import datetime
-import json
 import os
-import platform as _platform
 import statistics
 import sys
 import time
@@ -39,6 +35,7 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from benchmarks import common  # noqa: E402
 from benchmarks.packed_balance import packed_rows  # noqa: E402
 from training import batch as batch_lib  # noqa: E402
 from training import data as data_lib  # noqa: E402
@@ -64,7 +61,7 @@ def time_layout(batches: list[dict], layout: str, ring: int) -> list[float]:
 
 
 def main(argv=None) -> list[dict]:
-  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p = common.parser(__doc__, out="")
   p.add_argument("--shapes", default="1x131072,8x16384",
                  help="batches as ROWSxLENGTH, comma-separated")
   p.add_argument("--ring", default="8", help="ring size(s), comma-separated")
@@ -73,7 +70,6 @@ def main(argv=None) -> list[dict]:
   p.add_argument("--reps", type=int, default=9)
   p.add_argument("--layouts", default="zigzag,document")
   p.add_argument("--seed", type=int, default=0)
-  p.add_argument("--out", default=None, help="also write the rows to this JSON file")
   args = p.parse_args(argv)
   t_start = time.perf_counter()
 
@@ -99,16 +95,9 @@ def main(argv=None) -> list[dict]:
                 f"(min {row['min_ms']:.2f}) over {args.reps}, "
                 f"{row['tokens_per_s'] / 1e6:.1f}M tokens/s", flush=True)
   if args.out:
-    meta = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                command="PYTHONPATH=. python " + " ".join(
-                    [os.path.relpath(os.path.abspath(__file__), ROOT)] +
-                    (sys.argv[1:] if argv is None else list(argv))),
-                cpu_count=os.cpu_count(), machine=_platform.machine(), host=_platform.node(),
-                numpy=np.__version__, reps=args.reps, seed=args.seed,
-                elapsed_s=round(time.perf_counter() - t_start, 1))
-    with open(args.out, "w") as fh:
-      json.dump(dict(meta=meta, rows=results), fh, indent=1)
-      fh.write("\n")
+    meta = common.run_meta(argv, __file__, devices=False, numpy=np.__version__, reps=args.reps,
+                           seed=args.seed, elapsed_s=round(time.perf_counter() - t_start, 1))
+    common.write_result(args.out, dict(meta=meta, rows=results))
   return results
 
 

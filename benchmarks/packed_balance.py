@@ -24,8 +24,6 @@ Writes ``<out>/packed_balance.json`` and ``.log``. ``--dry-run``: small rows.
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import sys
 import time
@@ -34,9 +32,9 @@ import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-RESULTS = os.path.join(ROOT, "benchmarks", "results")
 
 import ring_jax  # noqa: E402
+from benchmarks import common  # noqa: E402
 from ring_jax import documents  # noqa: E402
 
 LAYOUTS = ("zigzag", "document")
@@ -84,16 +82,15 @@ def measure(seg: np.ndarray, ring: int, block: int) -> dict:
 
 
 def parse_args(argv=None):
-  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  ap = common.parser(__doc__, length=131072)
   ap.add_argument("--ring", type=int, default=8)
-  ap.add_argument("--length", type=int, default=131072)
   ap.add_argument("--means", default="2048,4096,8192,16384,32768")
   ap.add_argument("--sigma", type=float, default=1.0)
   ap.add_argument("--rows", type=int, default=20)
   ap.add_argument("--block", type=int, default=256)
   ap.add_argument("--seed", type=int, default=0)
   ap.add_argument("--dry-run", action="store_true", help="4K rows, 2 per mean")
-  ap.add_argument("--out", default=RESULTS)
+  ap.add_argument("--out", default=common.RESULTS)
   ap.add_argument("--tag", default="packed_balance")
   args = ap.parse_args(argv)
   if args.dry_run:
@@ -105,7 +102,7 @@ def main(argv=None) -> dict:
   args = parse_args(argv)
   rng = np.random.default_rng(args.seed)
   start = time.perf_counter()
-  result = {"ring": args.ring, "length": args.length, "sigma": args.sigma, "rows": args.rows,
+  result = {"meta": common.run_meta(argv, __file__, devices=False), "ring": args.ring, "length": args.length, "sigma": args.sigma, "rows": args.rows,
             "block": args.block, "seed": args.seed, "means": {}}
   lines = [f"ring {args.ring}, {args.length}-token rows, lognormal sigma {args.sigma}, "
            f"{args.rows} rows per mean, blocks of {args.block}; max/mean work per device "
@@ -129,9 +126,7 @@ def main(argv=None) -> dict:
   result["seconds"] = time.perf_counter() - start
   text = "\n".join(lines)
   print(text)
-  os.makedirs(args.out, exist_ok=True)
-  with open(os.path.join(args.out, f"{args.tag}.json"), "w") as fh:
-    json.dump(result, fh, indent=1)
+  common.write_result(os.path.join(args.out, f"{args.tag}.json"), result)
   with open(os.path.join(args.out, f"{args.tag}.log"), "w") as fh:
     fh.write(text + "\n")
   return result

@@ -213,6 +213,23 @@ def table(head: list[str], rows: list[list], align: str | None = None) -> str:
   return "\n".join(lines)
 
 
+def tabled(intro: str, head: list[str], rows: list[list], align: str | None, *files: str,
+           note: str = "") -> str:
+  """A block's usual text: ``intro`` (none if empty), the table, the caption of ``files``."""
+  return ((intro + "\n\n" if intro else "") + table(head, rows, align) + "\n\n" +
+          caption(*files, note=note))
+
+
+def columns(spec: list[tuple[str, Callable]], records) -> tuple[list[str], list[list]]:
+  """``(head, rows)`` of a table declared column by column: ``[(header, cell(record))]``."""
+  return [h for h, _ in spec], [[cell(r) for _, cell in spec] for r in records]
+
+
+def _mesh(sizes: dict, sep: str, keep: str = "") -> str:
+  """The axes of a mesh larger than 1 (and ``keep``): ``data=2 x sequence=4``."""
+  return sep.join(f"{k}={v}" for k, v in sizes.items() if v != 1 or k == keep)
+
+
 def section(anchor: str) -> str:
   return f"{DOC}#{anchor}"
 
@@ -226,16 +243,12 @@ CORE = "core_report_cpu.json"
 
 @block("core_accuracy", CORE)
 def core_accuracy() -> str:
-  d = load(CORE)
-  rows = d["accuracy"]
-  body = table(["case", "out", "dQ", "dK", "dV"],
-               [[f"`{r['case']}`", *(sci(r[k]) for k in ("out", "dq", "dk", "dv"))]
-                for r in rows], "-rrrr")
-  worst_out = max(r["out"] for r in rows)
-  worst_grad = max(max(r[k] for k in ("dq", "dk", "dv")) for r in rows)
-  summary = (f"Worst of the {len(rows)} cases: **{sci(worst_out)}** on outputs, "
-             f"**{sci(worst_grad)}** on dQ/dK/dV (max |error| / max |reference|).")
-  return f"{summary}\n\n{body}\n\n{caption(CORE)}"
+  rows = load(CORE)["accuracy"]
+  keys = ("out", "dq", "dk", "dv")
+  return tabled(f"Worst of the {len(rows)} cases: **{sci(max(r['out'] for r in rows))}** on "
+                f"outputs, **{sci(max(r[k] for r in rows for k in keys[1:]))}** on dQ/dK/dV "
+                "(max |error| / max |reference|).", ["case", "out", "dQ", "dK", "dV"],
+                [[f"`{r['case']}`", *(sci(r[k]) for k in keys)] for r in rows], "-rrrr", CORE)
 
 
 @block("core_memory", CORE)
@@ -247,34 +260,33 @@ def core_memory() -> str:
     rows.append([f"{r['local_len']:,}", f"{r['global_len']:,}", mib(r["temp_bytes"]),
                  x(r["temp_bytes"] / prev) if prev else "", f"{mib(score)} x {d['heads']} heads"])
     prev = r["temp_bytes"]
-  body = table(["local length", "global length", "fwd+bwd temp MiB/device", "vs previous",
-                "one [L/n, L/n] f32 score matrix per head, MiB"], rows, "rrrrr")
-  return (f"Ring of {d['ring']}, {d['heads']} heads x {d['head_dim']}, causal {d['layout']}, "
-          f"{d['dtype']}, blocks of {d['block']}:\n\n{body}\n\n{caption(CORE)}")
+  return tabled(f"Ring of {d['ring']}, {d['heads']} heads x {d['head_dim']}, causal "
+                f"{d['layout']}, {d['dtype']}, blocks of {d['block']}:",
+                ["local length", "global length", "fwd+bwd temp MiB/device", "vs previous",
+                 "one [L/n, L/n] f32 score matrix per head, MiB"], rows, "rrrrr", CORE)
 
 
 @block("core_work", CORE)
 def core_work() -> str:
   d = load(CORE)["work"]
-  by = {r["layout"]: r for r in d["rows"]}
-  base = by["contiguous"]["critical_path"]
-  rows = []
-  for r in d["rows"]:
-    w = r["work_per_device"]
-    mean = sum(w) / len(w)
-    rows.append([r["layout"], f"{min(w)} ... {max(w)}", f"{max(w) / mean:.2f}",
-                 r["critical_path"], x(r["critical_path"] / base), sum(w)])
-  body = table(["layout", "block pairs per device (min ... max)", "max / mean",
-                "critical path (pairs)", "vs contiguous", "total"], rows, "-rrrrr")
-  return (f"Causal, ring of {d['ring']}, {d['local_len']} tokens per device, blocks of "
-          f"{d['block']} (`ring_jax.schedule`, no timing):\n\n{body}\n\n{caption(CORE)}")
+  base = next(r for r in d["rows"] if r["layout"] == "contiguous")["critical_path"]
+  head, rows = columns([
+      ("layout", lambda r: r["layout"]),
+      ("block pairs per device (min ... max)",
+       lambda r: f"{min(r['work_per_device'])} ... {max(r['work_per_device'])}"),
+      ("max / mean", lambda r: f"{max(w := r['work_per_device']) / (sum(w) / len(w)):.2f}"),
+      ("critical path (pairs)", lambda r: r["critical_path"]),
+      ("vs contiguous", lambda r: x(r["critical_path"] / base)),
+      ("total", lambda r: sum(r["work_per_device"]))], d["rows"])
+  return tabled(f"Causal, ring of {d['ring']}, {d['local_len']} tokens per device, blocks of "
+                f"{d['block']} (`ring_jax.schedule`, no timing):", head, rows, "-rrrrr", CORE)
 
 
 # ----------------------------------------------------------------------------
 # Against the paper's code: benchmarks/attention.py
 # ----------------------------------------------------------------------------
 
-PAPER_4K = "attention_cpu_4k_issue32.json"
+PAPER_4K = "attention_cpu_4k.json"
 MEMSCAN = "attention_cpu_memscan_scan.json"  # ring zigzag, paper and all-gather in one run
 BF16 = "attention_cpu_bf16.json"
 
@@ -328,23 +340,20 @@ def memory_fixed_block() -> str:
     ag = cur.get(("allgather", n))
     rows.append([length(n), mib(r), mib(p), f"**{x(r / p)}**",
                  mib(ag["fwdbwd_temp"]) if ag else "-"])
-  block_ = cur[(ring, lengths[0])]["block"]
-  body = table([f"L ({ring}, causal, blocks of {block_})", "ring MiB/device", "paper MiB/device",
-                "ring / paper", "all-gather MiB/device"], rows, "-rrrr")
-  return body + "\n\n" + caption(MEMSCAN)
+  return tabled("", [f"L ({ring}, causal, blocks of {cur[(ring, lengths[0])]['block']})",
+                     "ring MiB/device", "paper MiB/device", "ring / paper",
+                     "all-gather MiB/device"], rows, "-rrrr", MEMSCAN)
 
 
 @block("memory_scan_allgather", MEMSCAN)
 def memory_scan_allgather() -> str:
-  old = _memscan(MEMSCAN)
-  lengths = sorted({k[1] for k in old})
-  rows, prev = [], None
-  for n in lengths:
-    v = old[("allgather", n)]["fwdbwd_temp"]
-    rows.append([length(n), mib(v), x(v / prev) if prev else ""])
-    prev = v
-  return (table(["L", "all-gather fwd+bwd temp MiB/device", "vs previous"], rows, "-rr") +
-          "\n\n" + caption(MEMSCAN))
+  temps = [v["fwdbwd_temp"] for (i, _), v in sorted(_memscan(MEMSCAN).items(),
+                                                    key=lambda kv: kv[0][1]) if i == "allgather"]
+  lengths = sorted(n for i, n in _memscan(MEMSCAN) if i == "allgather")
+  rows = [[length(n), mib(v), x(v / temps[j - 1]) if j else ""]
+          for j, (n, v) in enumerate(zip(lengths, temps))]
+  return tabled("", ["L", "all-gather fwd+bwd temp MiB/device", "vs previous"], rows, "-rr",
+                MEMSCAN)
 
 
 @block("bf16_error", BF16)
@@ -497,27 +506,28 @@ DECODE_FIT = "decode_fit_cpu.jsonl"
 
 @block("decode_time", DECODE_TIME)
 def decode_time() -> str:
-  rows = [[f"{r['length']:,}", mib(r["cache_mib_per_device"] * MIB),
-           mib(r["step_temp_mib_per_device"] * MIB), f"{r['step_ms_median']:.0f}"]
-          for r in load(DECODE_TIME)]
-  return (table(["context", "KV cache MiB/device", "step temp MiB/device",
-                 "decode step ms (median of 10)"], rows, "rrrr") + "\n\n" + caption(DECODE_TIME))
+  head, rows = columns([
+      ("context", lambda r: f"{r['length']:,}"),
+      ("KV cache MiB/device", lambda r: mib(r["cache_mib_per_device"] * MIB)),
+      ("step temp MiB/device", lambda r: mib(r["step_temp_mib_per_device"] * MIB)),
+      ("decode step ms (median of 10)", lambda r: f"{r['step_ms_median']:.0f}")],
+      load(DECODE_TIME))
+  return tabled("", head, rows, "rrrr", DECODE_TIME)
 
 
 @block("decode_fit", DECODE_FIT)
 def decode_fit() -> str:
-  rows = []
-  for r in load(DECODE_FIT):
-    mesh = ", ".join(f"{k}={v}" for k, v in r["mesh"].items() if v != 1)
-    rows.append([r["config"].removesuffix(".py"), f"{r['devices']} ({mesh})",
-                 f"{r['fixed_gib_per_device']:.1f} GiB", f"{r['bytes_per_token_per_device']:,.0f}",
-                 f"**{tokens(r['longest_cache_tokens'])}** ({r['peak_gib_at_longest']:.2f} GiB)",
-                 tokens(r["longest_bf16_cache_tokens_derived"])])
-  budget = load(DECODE_FIT)[0]["budget_gib"]
-  return (f"Budget {budget:g} GiB per device:\n\n" +
-          table(["model", "devices (mesh)", "fixed per device", "bytes/token/device",
-                 "longest f32 cache (compiled peak)", "bf16 cache (derived)"], rows, "--rrrr") +
-          "\n\n" + caption(DECODE_FIT))
+  head, rows = columns([
+      ("model", lambda r: r["config"].removesuffix(".py")),
+      ("devices (mesh)", lambda r: f"{r['devices']} ({_mesh(r['mesh'], ', ')})"),
+      ("fixed per device", lambda r: f"{r['fixed_gib_per_device']:.1f} GiB"),
+      ("bytes/token/device", lambda r: f"{r['bytes_per_token_per_device']:,.0f}"),
+      ("longest f32 cache (compiled peak)", lambda r: f"**{tokens(r['longest_cache_tokens'])}** "
+                                                      f"({r['peak_gib_at_longest']:.2f} GiB)"),
+      ("bf16 cache (derived)", lambda r: tokens(r["longest_bf16_cache_tokens_derived"]))],
+      load(DECODE_FIT))
+  return tabled(f"Budget {load(DECODE_FIT)[0]['budget_gib']:g} GiB per device:", head, rows,
+                "--rrrr", DECODE_FIT)
 
 
 PIPELINE = "data_pipeline_cpu.json"
@@ -526,15 +536,18 @@ PIPELINE = "data_pipeline_cpu.json"
 @block("data_pipeline", PIPELINE)
 def data_pipeline() -> str:
   d = load(PIPELINE)
-  rows = []
-  for r in sorted(d["runs"], key=lambda r: (r["tokenizer"], r["corpus_mb"])):
-    tok = "byte" if r["tokenizer"] == "byte" else f"BPE, vocab {r['vocab_size']} (`tokenizers`)"
-    rows.append([f"{r['corpus_mb']} MiB", r["files"], tok,
-                 f"{r['peak_rss_mib']:.1f} ({r['rss_before_mib']:.1f})",
-                 f"{r['first_batch_s']:.3f}", f"{r['tokens_per_s']:,}"])
   t = d["train_step"]
-  return (table(["corpus", "files", "tokenizer", "peak RSS MiB (before pipeline)",
-                 "first batch s", "tokens/s"], rows, "rr-rrr") +
+  head, rows = columns([
+      ("corpus", lambda r: f"{r['corpus_mb']} MiB"),
+      ("files", lambda r: r["files"]),
+      ("tokenizer", lambda r: "byte" if r["tokenizer"] == "byte"
+       else f"BPE, vocab {r['vocab_size']} (`tokenizers`)"),
+      ("peak RSS MiB (before pipeline)",
+       lambda r: f"{r['peak_rss_mib']:.1f} ({r['rss_before_mib']:.1f})"),
+      ("first batch s", lambda r: f"{r['first_batch_s']:.3f}"),
+      ("tokens/s", lambda r: f"{r['tokens_per_s']:,}")],
+      sorted(d["runs"], key=lambda r: (r["tokenizer"], r["corpus_mb"])))
+  return (table(head, rows, "rr-rrr") +
           f"\n\nThe consumer, `train.py` with {t['config']}, {t['steps']} steps: "
           f"**{t['tokens_per_s']:,} tokens/s** ({t['step_time_s']:.2f} s/step).\n\n" +
           caption(PIPELINE))
@@ -759,14 +772,16 @@ STRATEGY_MEM = "strategy_memory_cpu.json"
 @block("strategy_memory", STRATEGY_MEM)
 def strategy_memory() -> str:
   d = load(STRATEGY_MEM)
-  rows = [[f"`{r['strategy']}`", mib(r["fwd_temp_bytes"]), mib(r["fwdbwd_temp_bytes"]),
-           mib(r["plan_memory_bytes"]), x(r["fwdbwd_temp_bytes"] / r["plan_memory_bytes"])]
-          for r in d["rows"]]
-  return (f"Compiled on CPU, {length(d['length'])} tokens over {d['meta']['num_devices']} "
-          f"devices, {d['heads']} x {d['head_dim']} heads, {d['dtype']}, causal {d['layout']}, "
-          "default blocks, per device:\n\n" +
-          table(["strategy", "fwd temp MiB", "fwd+bwd temp MiB", "`plan()` memory MiB",
-                 "compiled / plan"], rows, "-rrrr") + "\n\n" + caption(STRATEGY_MEM))
+  head, rows = columns([
+      ("strategy", lambda r: f"`{r['strategy']}`"),
+      ("fwd temp MiB", lambda r: mib(r["fwd_temp_bytes"])),
+      ("fwd+bwd temp MiB", lambda r: mib(r["fwdbwd_temp_bytes"])),
+      ("`plan()` memory MiB", lambda r: mib(r["plan_memory_bytes"])),
+      ("compiled / plan", lambda r: x(r["fwdbwd_temp_bytes"] / r["plan_memory_bytes"]))],
+      d["rows"])
+  return tabled(f"Compiled on CPU, {length(d['length'])} tokens over {d['meta']['num_devices']} "
+                f"devices, {d['heads']} x {d['head_dim']} heads, {d['dtype']}, causal "
+                f"{d['layout']}, default blocks, per device:", head, rows, "-rrrr", STRATEGY_MEM)
 
 
 TPU_OVERLAP = "tpu_overlap_v5p.json"
@@ -952,17 +967,18 @@ FIT_PIPELINE = "fit_llama_1b_pipeline_cpu.jsonl"
 
 @block("fit_pipeline", FIT_PIPELINE)
 def fit_pipeline() -> str:
-  rows = []
-  for d in sorted(load(FIT_PIPELINE), key=lambda d: -d["per_device_bytes"]):
-    c = d["checked"][0]
-    mesh = " x ".join(f"{k}={v}" for k, v in d["mesh"].items() if v != 1 or k == "data")
-    rows.append([f"`{mesh}`", d["devices"], gib(c["argument_bytes"]), gib(c["temp_bytes"]),
-                 f"**{gib(d['per_device_bytes'])}**"])
-  d = load(FIT_PIPELINE)[0]
-  return (f"`configs/llama_1b.py`, {d['seq_len']:,} tokens x {d['batch_rows']} rows, remat "
-          f"`{d['remat_policy']}`, compiled on fake CPU devices, per device:\n\n" +
-          table(["mesh", "devices", "arguments GiB", "temp GiB", "per device GiB"], rows,
-                "-rrrr") + "\n\n" + caption(FIT_PIPELINE))
+  runs = load(FIT_PIPELINE)
+  head, rows = columns([
+      ("mesh", lambda d: f"`{_mesh(d['mesh'], ' x ', keep='data')}`"),
+      ("devices", lambda d: d["devices"]),
+      ("arguments GiB", lambda d: gib(d["checked"][0]["argument_bytes"])),
+      ("temp GiB", lambda d: gib(d["checked"][0]["temp_bytes"])),
+      ("per device GiB", lambda d: f"**{gib(d['per_device_bytes'])}**")],
+      sorted(runs, key=lambda d: -d["per_device_bytes"]))
+  d = runs[0]
+  return tabled(f"`configs/llama_1b.py`, {d['seq_len']:,} tokens x {d['batch_rows']} rows, remat "
+                f"`{d['remat_policy']}`, compiled on fake CPU devices, per device:", head, rows,
+                "-rrrr", FIT_PIPELINE)
 
 
 LAYOUT_HOST = "layout_host_time_cpu.json"

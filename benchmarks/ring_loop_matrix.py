@@ -24,7 +24,6 @@ figure got worse (more permutes, bytes, temp or HLO, fewer transfers in flight).
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import functools
 import json
@@ -33,10 +32,6 @@ import os
 import re
 import sys
 
-if "--topology" not in sys.argv and "--compare" not in sys.argv and (
-    "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")):
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                             " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 import jax  # noqa: E402
@@ -46,7 +41,10 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import ring_jax  # noqa: E402
-from benchmarks import two_level  # noqa: E402
+from benchmarks import common, two_level  # noqa: E402
+
+if "--topology" not in sys.argv and "--compare" not in sys.argv:
+  common.fake_cpu_devices()
 
 RINGS = ("2", "4", "8", "2x2", "4x2")
 LAYOUTS = ("contiguous", "zigzag", "striped", "document")
@@ -170,14 +168,13 @@ def compare(before_path, after_path) -> int:
 
 
 def main(argv=None):
-  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p = common.parser(__doc__, out="")
   p.add_argument("--topology", default=None, help="compile for this TPU slice (8 chips)")
   p.add_argument("--rings", default=",".join(RINGS))
   p.add_argument("--layouts", default=",".join(LAYOUTS))
   p.add_argument("--masks", default=",".join(MASKS))
   p.add_argument("--passes", default=",".join(PASSES))
   p.add_argument("--label", default="")
-  p.add_argument("--out", default=None)
   p.add_argument("--compare", nargs=2, metavar=("BEFORE", "AFTER"))
   args = p.parse_args(argv)
   if args.compare:
@@ -201,8 +198,7 @@ def main(argv=None):
           + (f" in flight {row['ring_in_flight']}/{row['ring_transfers']}"
              if args.topology else ""), flush=True)
     if args.out:  # after every cell: a long run stopped early keeps what it measured
-      with open(args.out, "w") as f:
-        json.dump(dict(header, rows=rows), f, indent=1)
+      common.write_result(args.out, dict(header, rows=rows))
   return 0
 
 

@@ -11,17 +11,10 @@ for the same call (``Estimate.memory_bytes``, fwd+bwd). Compile only: nothing ru
 
 from __future__ import annotations
 
-import argparse
-import datetime
 import functools
 import os
-import platform as _platform
 import sys
 import time
-
-if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                             " --xla_force_host_platform_device_count=8").strip()
 
 import jax
 import jax.numpy as jnp
@@ -32,19 +25,18 @@ sys.path.insert(0, ROOT)
 import ring_jax  # noqa: E402
 from benchmarks import common  # noqa: E402
 
+common.fake_cpu_devices()
+
 STRATEGIES = ("ring", "ulysses", "all_gather")
 
 
 def main(argv=None) -> dict:
-  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  ap.add_argument("--length", type=int, default=16384)
+  ap = common.parser(__doc__, out="strategy_memory_cpu.json", length=16384)
   ap.add_argument("--devices", type=int, default=8)
   ap.add_argument("--heads", type=int, default=8)
   ap.add_argument("--head-dim", type=int, default=64)
   ap.add_argument("--layout", default="zigzag")
   ap.add_argument("--strategies", default=",".join(STRATEGIES))
-  ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results",
-                                                "strategy_memory_cpu.json"))
   args = ap.parse_args(argv)
   t0 = time.perf_counter()
   n = args.devices
@@ -61,12 +53,8 @@ def main(argv=None) -> dict:
                           seq_axis="sequence", batch_axis=None, is_causal=True,
                           layout=args.layout)
 
-    def g(q, k, v, do, f=f):
-      out, vjp = jax.vjp(f, q, k, v)
-      return (out,) + tuple(vjp(do))
-
     fwd = jax.jit(f).lower(x, x, x).compile()
-    both = jax.jit(g).lower(x, x, x, x).compile()
+    both = jax.jit(common.fwd_bwd(f)).lower(x, x, x, x).compile()
     rows.append(dict(strategy=strategy,
                      fwd_temp_bytes=common.compiled_memory(fwd)["temp_size_in_bytes"],
                      fwdbwd_temp_bytes=common.compiled_memory(both)["temp_size_in_bytes"],
@@ -76,12 +64,7 @@ def main(argv=None) -> dict:
           f"{r['fwdbwd_temp_bytes'] / 2**20:7.1f} MiB; plan() counts "
           f"{r['plan_memory_bytes'] / 2**20:7.1f} MiB", flush=True)
   result = dict(
-      meta=dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                command="python " + " ".join([os.path.relpath(os.path.abspath(__file__), ROOT)] +
-                                             (sys.argv[1:] if argv is None else list(argv))),
-                jax=jax.__version__, platform=jax.devices()[0].platform, num_devices=n,
-                cpu_count=os.cpu_count(), host=_platform.node(),
-                elapsed_s=round(time.perf_counter() - t0, 1)),
+      meta=common.run_meta(argv, __file__, elapsed_s=round(time.perf_counter() - t0, 1)),
       length=args.length, heads=args.heads, head_dim=args.head_dim, dtype="float32",
       layout=args.layout, is_causal=True, rows=rows)
   if args.out:

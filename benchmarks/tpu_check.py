@@ -31,7 +31,6 @@ convention, recomputation not counted).
 from __future__ import annotations
 
 import functools
-import json
 import os
 import sys
 import time
@@ -55,12 +54,9 @@ DTYPE = jnp.bfloat16
 OUT = os.environ.get("TPU_CHECK_OUT") or os.path.join(
     os.path.dirname(os.path.abspath(__file__)), "results",
     "tpu_check_dry.json" if DRY else "tpu_check.json")
-T0 = time.perf_counter()
+CLOCK = common.Clock(BUDGET_S)
+say = CLOCK.say
 SPLASH, RING_XLA, RING_SPLASH = "splash", "ring_jax ring=1 [xla]", "ring_jax ring=1 [splash]"
-
-
-def say(*a):
-  print(f"[{time.perf_counter() - T0:6.1f}s]", *a, flush=True)
 
 
 def bench(fn, args, repeats):
@@ -85,10 +81,7 @@ def splash_impl(length, causal):
     o = jax.vmap(kern)(t(q * jnp.asarray(H ** -0.5, q.dtype)), t(k), t(v))
     return jnp.swapaxes(o, 1, 2)
 
-  def fwd_bwd(q, k, v, do):
-    return jax.vjp(fwd, q, k, v)[1](do)
-
-  return fwd, fwd_bwd
+  return fwd, common.fwd_bwd(fwd)
 
 
 def ring_impl(length, causal, hop_kernel):
@@ -101,11 +94,7 @@ def ring_impl(length, causal, hop_kernel):
   # the kernels compile under check_vma=True, as users call them.
   fn = jax.shard_map(functools.partial(ring_jax.ring_attention, **kwargs), mesh=mesh,
                      in_specs=(spec,) * 3, out_specs=spec, check_vma=not DRY)
-
-  def fwd_bwd(q, k, v, do):
-    return jax.vjp(fn, q, k, v)[1](do)
-
-  return fn, fwd_bwd
+  return fn, common.fwd_bwd(fn)
 
 
 def auto_verdict() -> str:
@@ -152,7 +141,7 @@ def main():
         for mode, fn, args in (("fwd", fwd, (q, k, v)), ("fb", fwd_bwd, (q, k, v, do))):
           if fn is None:
             continue
-          if time.perf_counter() - T0 > BUDGET_S:
+          if CLOCK.left() < 0:
             notes.append(f"{mode} skipped (time budget)")
             continue
           try:
@@ -199,12 +188,10 @@ def main():
                    if ratio["vs_xla_ring"] else ""), flush=True)
   auto = auto_verdict()
   say(auto)
-  os.makedirs(os.path.dirname(OUT), exist_ok=True)
-  with open(OUT, "w") as f:
-    json.dump(dict(device=str(jax.devices()[0].device_kind), backend=jax.default_backend(),
-                   jax=jax.__version__, dry=DRY, date=time.strftime("%Y-%m-%d %H:%M:%S UTC",
-                                                                     time.gmtime()),
-                   rows=rows, ratios=ratios, checks=checks, auto=auto), f, indent=1)
+  common.write_result(OUT, dict(
+      device=str(jax.devices()[0].device_kind), backend=jax.default_backend(),
+      jax=jax.__version__, dry=DRY, date=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+      meta=common.run_meta([], __file__), rows=rows, ratios=ratios, checks=checks, auto=auto))
   say(f"wrote {OUT}")
   return 0
 

@@ -27,15 +27,9 @@ CPU example (8 fake devices, tiny model):
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import sys
 import time
-
-if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                             " --xla_force_host_platform_device_count=8").strip()
 
 import jax
 import jax.numpy as jnp
@@ -44,6 +38,8 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks import common  # noqa: E402
 from ring_jax import hardware  # noqa: E402
+
+common.fake_cpu_devices()
 
 PRESETS = {
     "tiny": dict(vocab_size=256, dim=256, num_layers=2, num_heads=8, num_kv_heads=8,
@@ -132,31 +128,22 @@ def run_one(backend, args, mesh, peak):
               params=cfg.num_params(), config=cfg.to_dict())
 
 
-def parse_mesh(text):
-  try:
-    return common.parse_mesh(text)
-  except ValueError as e:
-    raise argparse.ArgumentTypeError(str(e)) from None
-
-
 def main(argv=None):
-  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  ap = common.parser(__doc__, out="", mesh="data=1,sequence=8,tensor=1")
+  ap.add_argument("--dtype", default=None, help="compute dtype (default f32 on CPU, bf16 else)")
   ap.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
   for k in ("vocab_size", "dim", "num_layers", "num_heads", "num_kv_heads", "mlp_dim"):
     ap.add_argument(f"--{k.replace('_', '-')}", type=int, default=None)
   ap.add_argument("--seq-len", type=int, default=2048)
   ap.add_argument("--batch", type=int, default=1)
-  ap.add_argument("--mesh", type=parse_mesh, default=parse_mesh("data=1,sequence=8,tensor=1"))
   ap.add_argument("--attention", default="ring,dense,all_gather")
   ap.add_argument("--layout", default="zigzag")
   ap.add_argument("--remat", default="full")
   ap.add_argument("--ffn-chunk", type=int, default=None)
   ap.add_argument("--loss-chunk", type=int, default=None)
   ap.add_argument("--block", type=int, default=None)
-  ap.add_argument("--dtype", default=None, help="compute dtype (default f32 on CPU, bf16 else)")
   ap.add_argument("--steps", type=int, default=3)
   ap.add_argument("--peak-tflops", type=float, default=None, help="per device")
-  ap.add_argument("--out", default=None, help="write the results as JSON here")
   args = ap.parse_args(argv)
   if args.dtype is None:
     args.dtype = "float32" if jax.default_backend() == "cpu" else "bfloat16"
@@ -181,11 +168,9 @@ def main(argv=None):
       print(f"{backend:<10} FAILED: {r['error']}", flush=True)
     results.append(r)
   if args.out:
-    with open(args.out, "w") as fh:
-      json.dump(dict(meta=dict(jax=jax.__version__, platform=jax.default_backend(),
-                               mesh=shape, peak_per_device=peak, peak_source=peak_src,
-                               command="python " + " ".join(sys.argv)),
-                     results=results), fh, indent=1)
+    common.write_result(args.out, dict(meta=common.run_meta(
+        argv, __file__, mesh=shape, peak_per_device=peak, peak_source=peak_src),
+        results=results))
   return results
 
 

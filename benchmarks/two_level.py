@@ -23,18 +23,12 @@ axis, and multiplies by the trip counts of the ``while`` loops around it
 
 from __future__ import annotations
 
-import argparse
 import collections
 import functools
-import json
 import math
 import os
 import re
 import sys
-
-if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                             " --xla_force_host_platform_device_count=8").strip()
 
 import jax
 import jax.numpy as jnp
@@ -43,7 +37,10 @@ from jax.sharding import PartitionSpec as P
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import ring_jax  # noqa: E402
+from benchmarks import common  # noqa: E402
 from benchmarks.common import _ARRAY, _ITEM_BYTES  # noqa: E402
+
+common.fake_cpu_devices()
 
 AXES = ("outer", "inner")
 _COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%([\w.\-]+)\s.*\{\s*$")
@@ -209,18 +206,15 @@ def print_table(rows, out=sys.stdout):
 
 
 def main(argv=None):
-  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  ap.add_argument("--length", type=int, default=8192, help="global sequence length")
+  ap = common.parser(__doc__, out="two_level_cpu.json", length=8192)
   ap.add_argument("--non-causal", action="store_true")
   ap.add_argument("--layout", default="zigzag")
-  ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results",
-                                                "two_level_cpu.json"))
   args = ap.parse_args(argv)
   rows = measure(length=args.length, is_causal=not args.non_causal, layout=args.layout)
   print_table(rows)
-  with open(args.out, "w") as f:
-    json.dump(dict(jax=jax.__version__, heads=4, kv_heads=2, head_dim=64, dtype="float32",
-                   layout=args.layout, is_causal=not args.non_causal, rows=rows), f, indent=1)
+  common.write_result(args.out, dict(
+      meta=common.run_meta(argv, __file__), jax=jax.__version__, heads=4, kv_heads=2,
+      head_dim=64, dtype="float32", layout=args.layout, is_causal=not args.non_causal, rows=rows))
   return rows
 
 

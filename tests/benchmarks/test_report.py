@@ -2,6 +2,7 @@
 strings: no jax, nothing compiled)."""
 
 import os
+import re
 import shutil
 
 import pytest
@@ -85,8 +86,8 @@ def test_edited_number_is_caught_and_rewritten(tmp_path, capsys):
 def test_links_are_relative_to_the_file(tmp_path):
   root = report.render_block("paper_4k", os.path.join(ROOT, "README.md"))
   docs = report.render_block("paper_4k", os.path.join(ROOT, "docs", "benchmarks.md"))
-  assert "](benchmarks/results/attention_cpu_4k_issue32.json)" in root
-  assert "](../benchmarks/results/attention_cpu_4k_issue32.json)" in docs
+  assert "](benchmarks/results/attention_cpu_4k.json)" in root
+  assert "](../benchmarks/results/attention_cpu_4k.json)" in docs
 
 
 def test_figures_come_from_the_numbers():
@@ -106,3 +107,29 @@ def test_captions_say_where_and_when(name):
   assert "benchmarks/results/" in text
   if name != "headline":
     assert "<sub>Source" in text and ("jax " in text)
+
+
+def _named_in_docs() -> str:
+  text = []
+  for path in report.markdown_files():
+    with open(path) as fh:
+      text.append(fh.read())
+  return "\n".join(text)
+
+
+def test_every_result_file_is_named_by_a_doc_or_a_block():
+  """A file in benchmarks/results is quoted: named in a *.md or read by a report block (a
+  run's console ``.log`` goes with its named ``.json``); provenance.json is report.py's own."""
+  docs = _named_in_docs()
+  read = {f for _, files in report.BLOCKS.values() for f in files}
+  named = lambda f: f in read or re.search(rf"\b{re.escape(f)}\b", docs) is not None
+  unnamed = [f for f in sorted(os.listdir(report.RESULTS)) if f != "provenance.json"
+             and not named(f) and not (f.endswith(".log") and named(f[:-4] + ".json"))]
+  assert unnamed == []
+
+
+def test_every_result_file_the_docs_name_exists():
+  """Every ``benchmarks/results/NAME`` in a *.md (a pattern like ``NAME_{a,b}.json`` aside)."""
+  names = set(re.findall(r"benchmarks/results/([\w.\-]+\w)(?![\w{])", _named_in_docs()))
+  missing = sorted(n for n in names if not os.path.exists(os.path.join(report.RESULTS, n)))
+  assert missing == []
