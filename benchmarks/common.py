@@ -314,8 +314,9 @@ def _trainer_axes() -> tuple[str, ...]:
 
 COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
 # "%name = shape op(operands), attributes"; a tuple shape has spaces, so it is matched whole.
-_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=\s*(\([^=]*?\)|\S+)\s+"
-                          r"([\w\-]+)\((.*?)\)")
+# A tuple shape may carry index comments (``/*index=5*/``) from its sixth element on.
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=\s*"
+                          r"(\((?:/\*index=\d+\*/|[^=])*?\)|\S+)\s+([\w\-]+)\((.*?)\)")
 _ARRAY = re.compile(r"\b([a-z]+\d*)\[([\d,]*)\]")
 _ITEM_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "f32": 4, "s32": 4,
                "u32": 4, "f64": 8, "s64": 8, "u64": 8}
