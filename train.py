@@ -378,7 +378,7 @@ def main(argv) -> None:
   flags_lib.quiet_orbax()  # unless -v
   try:  # Gin is only another syntax for the same ConfigDict fields (applied after --config.*).
     config = flags_lib.apply_gin(_CONFIG.value, _GIN_FILE.value, _GIN_PARAM.value)
-    val_lib.validate_distributed(config)  # Needed before the processes connect.
+    val_lib.check_ranges(config, prefix="distributed.")  # Before the processes connect.
     if (_TOPOLOGY.value or _TOPOLOGY_SLICES.present) and not _COMPILE_ONLY.value:
       raise errors.ConfigError("--topology names devices that are not attached: it needs "
                                "--compile_only.")
