@@ -156,87 +156,84 @@ def train(config, workdir: str, *, stop_at_step: int | None = None) -> TrainResu
   config, mesh = _config_and_mesh(config)  # resolved once: fails before anything compiles
   stages = stages_lib.plan(config)  # one stage unless config.stages
   end_step = min(stop_at_step or config.total_steps, config.total_steps)
-  stop = distributed_lib.StopRequest().install()  # a signal while compiling: a clean stop
-  try:
-    with jax.set_mesh(mesh):
-      setup = stages_lib.build_stage(stages[0], mesh)  # abstract: the state's shardings
-      log(f"model: {setup.model_cfg.num_params() / 1e6:.2f}M params, "
-          f"{setup.model_cfg.flops_per_token(config.data.seq_len) / 1e6:.2f} "
-          f"MFLOP/token at {config.data.seq_len} tokens (train, with attention)")
-      checkpointer = ckpt_lib.Checkpointer(workdir, every=config.checkpoint_every,
-                                           keep=config.keep_checkpoints,
-                                           async_save=config.async_checkpointing)
-      profile = metrics_lib.Profile(val_lib.profile_steps(config), os.path.join(workdir, "profile"))
-      writer = None
-      try:  # Orbax runs threads from here on: every exit path closes the checkpointer.
-        start_step, params, opt_state, data_state = _resume_or_init(config, workdir,
-                                                                    checkpointer, setup)
-        peak_flops, peak_source = metrics_lib.peak_flops_per_device(config)
-        log(f"MFU counted against {peak_flops:.3g} FLOP/s per device: {peak_source}")
-        writer = metrics_lib.MetricWriter(workdir, resume_step=start_step)
-        progress = metrics_lib.Progress(end_step, start_step)
-        step, stage_config, evals, stopped_by = start_step, config, [], None
-        step_metrics = metrics_lib.StepMetrics(  # the running stage's settings in its message
-            explain=lambda row: ckpt_lib.divergence_message(stage_config, row, checkpointer))
+  # Installed first: a signal while compiling still ends in a clean stop after one step.
+  with distributed_lib.StopRequest() as stop, jax.set_mesh(mesh):
+    setup = stages_lib.build_stage(stages[0], mesh)  # abstract: the state's shardings
+    log(f"model: {setup.model_cfg.num_params() / 1e6:.2f}M params, "
+        f"{setup.model_cfg.flops_per_token(config.data.seq_len) / 1e6:.2f} "
+        f"MFLOP/token at {config.data.seq_len} tokens (train, with attention)")
+    checkpointer = ckpt_lib.Checkpointer(workdir, every=config.checkpoint_every,
+                                         keep=config.keep_checkpoints,
+                                         async_save=config.async_checkpointing)
+    profile = metrics_lib.Profile(val_lib.profile_steps(config), os.path.join(workdir, "profile"))
+    writer = None
+    try:  # Orbax runs threads from here on: every exit path closes the checkpointer.
+      start_step, params, opt_state, data_state = _resume_or_init(config, workdir,
+                                                                  checkpointer, setup)
+      peak_flops, peak_source = metrics_lib.peak_flops_per_device(config)
+      log(f"MFU counted against {peak_flops:.3g} FLOP/s per device: {peak_source}")
+      writer = metrics_lib.MetricWriter(workdir, resume_step=start_step)
+      progress = metrics_lib.Progress(end_step, start_step)
+      step, stage_config, evals, stopped_by = start_step, config, [], None
+      step_metrics = metrics_lib.StepMetrics(  # the running stage's settings in its message
+          explain=lambda row: ckpt_lib.divergence_message(stage_config, row, checkpointer))
 
-        for stage in stages:  # the outer loop: each stage's step, data and programs
-          if stage.end <= step or step >= end_step or stopped_by is not None:
-            continue  # done before this call, or this call stops before it
-          c = stage_config = stage.config
-          setup, opt_state, run = _start_stage(stage, setup, len(stages), mesh, step, params,
-                                               opt_state, data_state, peak_flops)
-          data_state, stage_end = None, min(stage.end, end_step)
-          for step in range(step + 1, stage_end + 1):  # run, log, eval, checkpoint
-            distributed_lib.note_step(step)  # For the line if a peer process dies.
-            with profile.step(step) as outputs:
-              params, opt_state, metrics = run.step(params, opt_state)
-              outputs.append(metrics)
-            step_metrics.add(step, metrics)
-            checkpointer.check_for_errors()  # A failed background save stops the run here.
-            step_metrics.fetch(step - 1)  # One step behind: the device keeps a step queued.
-            stopping = stop.reached(step)  # Exactly once per step, on every process.
-            logged = step % config.log_every == 0 or step == stage_end or stopping
-            if logged:
-              window = step_metrics.window(step)  # Blocks on this step: times are real.
-              window.update(run.throughput.window(),
-                            learning_rate=float(setup.schedule(step - 1 - stage.start)))
-              window.update(data_lib.bad_record_counts(run.batches.get_state()))
-              writer.write(step, window, prefix="train/")
-              progress.log(step, window)
-            if stopping:
-              stopped_by = stop.received
-              break
-            if step % config.eval_every == 0 or step == stage.end:  # also each stage's end
-              result = metrics_lib.evaluate(run.eval_step, params, run.eval_dataset, c,
-                                            run.batch_sharding, setup.eval_shape)
-              evals.append(dict(step=step, **result))
-              writer.write(step, result, prefix="eval/")
-              log(f"eval @ {step}: " + " | ".join(f"{k} {v:.4f}" for k, v in result.items()))
-            # On its interval, and at each stage's last step but the run's (the next starts there).
-            ckpt_lib.save(c, checkpointer, step_metrics, step, params, opt_state, run.batches,
-                          force=step == stage.end and step != config.total_steps)
-            if logged:
-              run.throughput.reset()  # Exclude eval/checkpoint time from the next window.
+      for stage in stages:  # the outer loop: each stage's step, data and programs
+        if stage.end <= step or step >= end_step or stopped_by is not None:
+          continue  # done before this call, or this call stops before it
+        c = stage_config = stage.config
+        setup, opt_state, run = _start_stage(stage, setup, len(stages), mesh, step, params,
+                                             opt_state, data_state, peak_flops)
+        data_state, stage_end = None, min(stage.end, end_step)
+        for step in range(step + 1, stage_end + 1):  # run, log, eval, checkpoint
+          distributed_lib.note_step(step)  # For the line if a peer process dies.
+          with profile.step(step) as outputs:
+            params, opt_state, metrics = run.step(params, opt_state)
+            outputs.append(metrics)
+          step_metrics.add(step, metrics)
+          checkpointer.check_for_errors()  # A failed background save stops the run here.
+          step_metrics.fetch(step - 1)  # One step behind: the device keeps a step queued.
+          stopping = stop.reached(step)  # Exactly once per step, on every process.
+          logged = step % config.log_every == 0 or step == stage_end or stopping
+          if logged:
+            window = step_metrics.window(step)  # Blocks on this step: times are real.
+            window.update(run.throughput.window(),
+                          learning_rate=float(setup.schedule(step - 1 - stage.start)))
+            window.update(data_lib.bad_record_counts(run.batches.get_state()))
+            writer.write(step, window, prefix="train/")
+            progress.log(step, window)
+          if stopping:
+            stopped_by = stop.received
+            break
+          if step % config.eval_every == 0 or step == stage.end:  # also each stage's end
+            result = metrics_lib.evaluate(run.eval_step, params, run.eval_dataset, c,
+                                          run.batch_sharding, setup.eval_shape)
+            evals.append(dict(step=step, **result))
+            writer.write(step, result, prefix="eval/")
+            log(f"eval @ {step}: " + " | ".join(f"{k} {v:.4f}" for k, v in result.items()))
+          # On its interval, and at each stage's last step but the run's (the next starts there).
+          ckpt_lib.save(c, checkpointer, step_metrics, step, params, opt_state, run.batches,
+                        force=step == stage.end and step != config.total_steps)
+          if logged:
+            run.throughput.reset()  # Exclude eval/checkpoint time from the next window.
 
-        step_metrics.fetch(step)  # The final checkpoint (also when stopped early) and its wait.
-        if step > start_step and checkpointer.last_saved != step:
-          ckpt_lib.save(stage_config, checkpointer, step_metrics, step, params, opt_state,
-                        run.batches, force=True)
-        checkpointer.close()
-      except BaseException as e:
-        # A collective that lost a peer: main() ends the process; closing would wait on it.
-        if distributed_lib.collective_lost_peer(e) is None:
-          try:  # Lets good in-flight saves land; their errors are secondary.
-            checkpointer.close()
-          except Exception:
-            pass
-        raise
-      finally:  # The profile and the metric writers, on every exit path.
-        profile.close()
-        if writer is not None:
-          writer.close()
-  finally:
-    stop.uninstall()
+      step_metrics.fetch(step)  # The final checkpoint (also when stopped early) and its wait.
+      if step > start_step and checkpointer.last_saved != step:
+        ckpt_lib.save(stage_config, checkpointer, step_metrics, step, params, opt_state,
+                      run.batches, force=True)
+      checkpointer.close()
+    except BaseException as e:
+      # A collective that lost a peer: main() ends the process; closing would wait on it.
+      if distributed_lib.collective_lost_peer(e) is None:
+        try:  # Lets good in-flight saves land; their errors are secondary.
+          checkpointer.close()
+        except Exception:
+          pass
+      raise
+    finally:  # The profile and the metric writers, on every exit path.
+      profile.close()
+      if writer is not None:
+        writer.close()
   return TrainResult(history=step_metrics.history, evals=evals, params=params,
                      opt_state=opt_state, step=step, mesh=mesh, stopped_by=stopped_by,
                      checkpoint_dir=checkpointer.directory)

@@ -361,6 +361,12 @@ class StopRequest:
       signal.signal(sig, handler)
     self._previous.clear()
 
+  def __enter__(self) -> "StopRequest":
+    return self.install()
+
+  def __exit__(self, *exc_info) -> None:
+    self.uninstall()
+
   def _handle(self, signum, frame) -> None:
     name = signal.Signals(signum).name
     if self.received is not None:  # Second signal: give up on the clean stop.
