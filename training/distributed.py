@@ -21,7 +21,6 @@ docs/training.md, "When a process dies". The survivors learn of it in one of thr
 from __future__ import annotations
 
 import atexit
-import inspect
 import os
 import re
 import signal
@@ -61,23 +60,6 @@ PEER_CONNECTION_CLOSED = (
 COLLECTIVE_CLOSED = "its connection closed in a collective"
 
 
-def initialize(distributed_config, **kwargs) -> None:
-  """``jax.distributed.initialize(**kwargs)`` with the heartbeat and start-up timeouts of
-  ``config.distributed``, passing only the arguments the installed JAX accepts."""
-  accepted = inspect.signature(jax.distributed.initialize).parameters
-  timeouts = {
-      "heartbeat_timeout_seconds": JAX_HEARTBEAT_FACTOR * int(
-          distributed_config.heartbeat_timeout_s),
-      "initialization_timeout": int(distributed_config.initialization_timeout_s),
-  }
-  kwargs.update({k: v for k, v in timeouts.items() if k in accepted})
-  if "heartbeat_timeout_seconds" not in accepted:  # JAX's default (100 s) may then fire first.
-    print("warning: this JAX's jax.distributed.initialize takes no heartbeat_timeout_seconds; "
-          "a process that dies may end the others with JAX's abort instead of status 75",
-          file=sys.stderr, flush=True)
-  jax.distributed.initialize(**kwargs)
-
-
 def start(mode: str, distributed_config) -> int:
   """train.py's ``--distributed`` (``mode``): :func:`initialize` if asked or detected (gloo
   collectives on CPU); returns the process count. Starts no backend."""
@@ -91,7 +73,9 @@ def start(mode: str, distributed_config) -> int:
     kwargs["process_id"] = int(os.environ["JAX_PROCESS_ID"])
   if os.environ.get("JAX_PLATFORMS", "") == "cpu":
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-  initialize(distributed_config, **kwargs)
+  jax.distributed.initialize(  # the heartbeat and start-up timeouts of config.distributed
+      heartbeat_timeout_seconds=JAX_HEARTBEAT_FACTOR * int(distributed_config.heartbeat_timeout_s),
+      initialization_timeout=int(distributed_config.initialization_timeout_s), **kwargs)
   print(f"jax.distributed initialised ({launcher or 'forced by --distributed=on'})",
         flush=True)
   for name in ("JAX_NUM_PROCESSES", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE"):

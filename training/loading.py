@@ -138,12 +138,9 @@ def load_run_tokenizer(config, *, workdir: str | None = None, hf_dir: str | None
   from training import tokenizer as tok_lib
   spec = run_tokenizer_spec(config, workdir=workdir, hf_dir=hf_dir, log=log)
   try:
-    return tok_lib.load_tokenizer(spec)
-  except ImportError as e:
-    raise errors.UsageError(f"tokenizer {spec!r} needs the `hf` extra "
-                            f"(pip install -e '.[hf]'): {e}") from None
-  except Exception as e:  # ValueError naming the fix, or the package's own parse error.
-    raise errors.UsageError(f"tokenizer {spec!r} does not load: {e}") from None
+    return tok_lib.load_explained(spec)
+  except ValueError as e:
+    raise errors.UsageError(f"tokenizer {spec!r} {e}") from None
 
 
 def save_run_config(config, workdir: str) -> None:

@@ -209,6 +209,17 @@ def load_tokenizer(spec: str | None) -> Tokenizer:
   return _load(spec if spec == BYTE else os.path.abspath(os.path.expanduser(spec)))
 
 
+def load_explained(spec: str) -> Tokenizer:
+  """:func:`load_tokenizer`, or a ValueError whose message (to follow the spec) says why not:
+  the `hf` extra missing, or the file's own error."""
+  try:
+    return load_tokenizer(spec)
+  except ImportError as e:
+    raise ValueError(f"needs the `hf` extra (pip install -e '.[hf]'): {e}") from None
+  except Exception as e:  # ValueError naming the fix, or the package's own parse error.
+    raise ValueError(f"does not load: {e}") from None
+
+
 def write_hf_tokenizer_json(spec: str, out_path: str) -> None:
   """Writes the ``tokenizer.json`` of ``spec`` (a ``tokenizers`` tokenizer) to ``out_path``
   so that ``transformers`` (which adds what the post-processor adds) encodes a text to the

@@ -20,6 +20,7 @@ from training import hf_init as hf_init_lib
 from training import mesh as mesh_lib
 from training import stages as stages_lib
 from training.errors import ConfigError
+from training.tokenizer import load_explained
 
 DATA_KINDS: tuple[str, ...] = ("kv_retrieval", "text")
 #: ``model.layout="auto"``: :func:`resolve_layout` picks one of ``ring_jax``'s layouts.
@@ -132,12 +133,9 @@ def check_text_data(d: ml_collections.ConfigDict, m: ml_collections.ConfigDict) 
                       "init.hf_dir): pass --config.init.hf_dir=DIR or --config.data.tokenizer="
                       "(a tokenizer.json, a SentencePiece .model, a directory, or 'byte').")
   try:
-    tokenizer = data_lib.load_tokenizer(d.tokenizer)
-  except ImportError as e:
-    raise ConfigError(f"data.tokenizer={d.tokenizer!r} needs the `hf` extra "
-                      f"(pip install -e '.[hf]'): {e}") from None
-  except Exception as e:  # ValueError naming the fix, or the package's own parse error.
-    raise ConfigError(f"data.tokenizer={d.tokenizer!r} does not load: {e}") from None
+    tokenizer = load_explained(d.tokenizer)
+  except ValueError as e:
+    raise ConfigError(f"data.tokenizer={d.tokenizer!r} {e}") from None
   if tokenizer.vocab_size > m.vocab_size:
     raise ConfigError(f"the {tokenizer.name} tokenizer needs model.vocab_size >= "
                       f"{tokenizer.vocab_size}, got {m.vocab_size}: raise "
