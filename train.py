@@ -9,39 +9,20 @@ ring over ``sequence_outer`` x ``sequence`` when ``mesh.sequence_outer > 1``).
   python train.py --config configs/tiny.py --config.mesh.data=1 --config.mesh.sequence_outer=2
   python train.py --config configs/llama_7b.py --compile_only --topology v5p:4x4x4  # fits?
 
-The workdir is a local or shared-filesystem path (e.g. NFS or a gcsfuse mount on
-multi-host runs); object-store URLs such as gs:// are not supported.
+The workdir is a local or shared-filesystem path (NFS, a gcsfuse mount), not a gs:// URL.
+Rerunning the same command resumes from its newest checkpoint, data iterator included, so
+the loss curve continues as if the run had not stopped. :func:`train` is the loop: the config
+and mesh, the state (resumed or initialised), then per stage its step, data and compiled
+programs and its steps, then the final checkpoint. ``--compile_only``
+(:func:`training.compile_only.compile_stages`) compiles each stage's step from abstract
+values for the attached devices or a TPU slice (``--topology``) and reports its memory.
 
-Reading order: flags, the exit status of each error (:data:`EXIT_STATUS`), then
-:func:`train`: (1) the config, resolved once, and the mesh; then the loop
-(:func:`_train`, a screen per section): (2) the first stage's train step
-(``training.stages.build_stage``), (3) resume from the newest checkpoint or initialise,
-then per stage (the outer loop) (4) its step, data and compiled program and (5) its steps
-(step, log, eval, checkpoint; ``training.metrics`` fetches metrics one step behind and
-checks them for divergence, and traces ``config.profile_steps``), then (6) the final
-checkpoint. Helpers live in ``training/``.
-
-``--compile_only`` (:func:`training.compile_only.compile_stages`) stops after (4): it
-builds and compiles each stage's train step as the run would, from abstract values only,
-and prints per device its memory against the chip's HBM, the compile time, the hop kernel
-and the overlap of its transfers; with ``--topology v5p:4x4x4`` (``--topology_slices N``)
-it compiles for that TPU slice with the real TPU compiler and no TPU attached (the
-``[tpu]`` extra, :mod:`training.compile_only`).
-
-Re-running the same command with the same ``--workdir`` resumes from the
-latest checkpoint there, including the data iterator position, so the loss
-curve continues exactly as if the run had not stopped.
-
-Stopping and failing (docs/training.md, "When things go wrong"): SIGTERM or
-SIGINT finishes the current step on every process, saves, and exits 0 with the
-command that resumes; a non-finite loss or gradient norm stops the run with
-exit status 3 and no checkpoint of the diverged state; a checkpoint that cannot
-be written stops it with status 4; a corrupt newest checkpoint is moved aside
-and the one before it restored; config and flag errors are one line, status 2;
-on a multi-process run, a process that dies makes every survivor exit with
-status 75 and one line naming it and the command that resumes
-(``training.distributed``; docs/training.md, "When a process dies"), process 0
-included: each process of such a run is a child of ``training.supervisor``.
+Stopping and failing (docs/training.md, "When things go wrong"): SIGTERM/SIGINT finishes
+the step on every process, saves and exits 0 with the command that resumes; the other ends
+are :data:`EXIT_STATUS`'s one line; a corrupt newest checkpoint is moved aside and the one
+before it restored; on a multi-process run each process is a child of
+``training.supervisor``, and a dead process makes every survivor exit 75 with one line
+(``training.distributed``).
 """
 
 from __future__ import annotations
@@ -161,7 +142,7 @@ class TrainResult:
 
 
 def train(config, workdir: str, *, stop_at_step: int | None = None) -> TrainResult:
-  """Trains (or resumes) per ``config`` in ``workdir``; see the module docstring.
+  """Trains (or resumes) per ``config`` in ``workdir``, up to ``stop_at_step`` if given.
 
   Raises:
     ConfigError: a setting that cannot work (before anything compiles).
@@ -172,151 +153,43 @@ def train(config, workdir: str, *, stop_at_step: int | None = None) -> TrainResu
   log = metrics_lib.log
   if stop_at_step is not None and stop_at_step < 1:
     raise errors.ConfigError(f"stop_at_step must be >= 1, got {stop_at_step}.")
-
-  # --- 1. The config, resolved once, and the mesh: fail before anything is compiled ---------
-  # init.hf_dir's model fields, explicit stages (total_steps = their sum), layout "auto".
-  config = val_lib.resolve_run(config, jax.device_count(), log)
-  config, warmup_line = val_lib.clamp_warmup(config)  # a run shorter than its warmup
-  if warmup_line:
-    log(warmup_line)
-  sizes = val_lib.validate_config(config, jax.device_count())  # and each stage's
-  if buckets_lib.lengths_of(config) and jax.process_count() > 1:
-    raise errors.ConfigError("data.length_buckets run in one process (every process would "
-                             "have to fill the same bucket first); drop the buckets.")
-  mesh = mesh_lib.make_mesh(config.mesh)
-  ring_size = shd.ring_size(sizes)  # sequence_outer x sequence: the layouts span both
-  first = stages_lib.plan(config)[0].config  # attention="auto" is decided per stage's shapes
-  model_cfg, attention_line = val_lib.resolve_attention(first, val_lib.llama_config(first), mesh)
-  log(f"devices: {jax.device_count()} x {jax.devices()[0].device_kind} "
-      f"({jax.process_count()} process(es)); mesh {sizes}; attention={model_cfg.attention} "
-      f"layout={model_cfg.layout} ring={ring_size}"
-      + (f" (two-level: {sizes['sequence_outer']} groups of {sizes['sequence']})"
-         if sizes["sequence_outer"] > 1 else ""))
-  if attention_line:
-    log(attention_line)
-  if sizes["pipeline"] > 1:
-    micro = pipeline_lib.resolve_microbatches(
-        model_cfg.pipeline_microbatches, config.batch_size // config.microbatches,
-        sizes["pipeline"], sizes["data"])
-    log(f"pipeline: {sizes['pipeline']} stages x {model_cfg.num_layers // sizes['pipeline']} "
-        f"layers, GPipe over {micro} microbatches, bubble fraction "
-        f"{pipeline_lib.bubble_fraction(sizes['pipeline'], micro):.3f}")
-
-  # Installed early: a signal during compilation still ends in a clean stop after one step.
-  stop = distributed_lib.StopRequest().install()
-  try:
-    return _train(config, workdir, stop_at_step, stop, mesh, ring_size)
-  finally:
-    stop.uninstall()
-
-
-def _train(config, workdir, stop_at_step, stop, mesh, ring_size) -> TrainResult:
-  """Sections 2-6 of :func:`train` under ``mesh``: the first stage's step, then resume or
-  initialise, then each stage that is left (its step, data, compiled program and steps),
-  then the final checkpoint. Every exit path closes the checkpointer and the writers, but
-  one: a collective that lost a peer process's connection (main() then ends the process with
-  the lost-peer line), where closing would wait on the dead peer's save barrier."""
-  log, stages = metrics_lib.log, stages_lib.plan(config)  # one stage unless config.stages
-  with jax.set_mesh(mesh):
-    # --- 2. Model and optimizer: the step and its state's shapes and shardings -------------
-    # Built from abstract values, as benchmarks/fit.py builds it to plan context lengths.
-    setup = stages_lib.build_stage(stages[0], mesh)
+  config, mesh = _config_and_mesh(config)  # resolved once: fails before anything compiles
+  stages = stages_lib.plan(config)  # one stage unless config.stages
+  end_step = min(stop_at_step or config.total_steps, config.total_steps)
+  # Installed first: a signal while compiling still ends in a clean stop after one step.
+  with distributed_lib.StopRequest() as stop, jax.set_mesh(mesh):
+    setup = stages_lib.build_stage(stages[0], mesh)  # abstract: the state's shardings
     log(f"model: {setup.model_cfg.num_params() / 1e6:.2f}M params, "
         f"{setup.model_cfg.flops_per_token(config.data.seq_len) / 1e6:.2f} "
         f"MFLOP/token at {config.data.seq_len} tokens (train, with attention)")
     checkpointer = ckpt_lib.Checkpointer(workdir, every=config.checkpoint_every,
                                          keep=config.keep_checkpoints,
                                          async_save=config.async_checkpointing)
-    # Orbax runs background threads from here on: every exit path closes the checkpointer.
     profile = metrics_lib.Profile(val_lib.profile_steps(config), os.path.join(workdir, "profile"))
     writer = None
-    try:
-      # --- 3. Resume or initialise: the newest checkpoint that restores, else a fresh (or
-      # init.hf_dir) state; the step this call ends at; the writers continue the run's.
-      try:
-        start_step, params, opt_state, data_state = ckpt_lib.resume_or_init(
-            checkpointer, setup.train_step, hf_init_lib.hf_init_dir(config), log)
-      except ckpt_lib.NoRestorableCheckpointError as e:
-        raise ckpt_lib.NoRestorableCheckpointError(
-            f"{e} {loading_lib.saved_config_hint(config, workdir)}") from None
-      if start_step:  # a config that differs from the saved one, yet restores
-        loading_lib.warn_model_differences(config, workdir, log)
-      loading_lib.save_run_config(config, workdir)  # now that the checkpoint restored under it
-      step, stage_config, evals, stopped_by = start_step, config, [], None
-      end_step = config.total_steps if stop_at_step is None else min(stop_at_step,
-                                                                     config.total_steps)
+    try:  # Orbax runs threads from here on: every exit path closes the checkpointer.
+      start_step, params, opt_state, data_state = _resume_or_init(config, workdir,
+                                                                  checkpointer, setup)
       peak_flops, peak_source = metrics_lib.peak_flops_per_device(config)
       log(f"MFU counted against {peak_flops:.3g} FLOP/s per device: {peak_source}")
       writer = metrics_lib.MetricWriter(workdir, resume_step=start_step)
       progress = metrics_lib.Progress(end_step, start_step)
+      step, stage_config, evals, stopped_by = start_step, config, [], None
       step_metrics = metrics_lib.StepMetrics(  # the running stage's settings in its message
           explain=lambda row: ckpt_lib.divergence_message(stage_config, row, checkpointer))
-      batch_sharding, train_iter = batch_lib.sharding(mesh), None
 
-      for stage in stages:
+      for stage in stages:  # the outer loop: each stage's step, data and programs
         if stage.end <= step or step >= end_step or stopped_by is not None:
           continue  # done before this call, or this call stops before it
-        # --- 4. The stage: its train step (fresh AdamW state when the stage starts now), its
-        # data (resumed inside the stage from the checkpoint's iterator state), compiled.
         c = stage_config = stage.config
-        if setup.stage is not stage:
-          setup = stages_lib.build_stage(stage, mesh)
-        if len(stages) > 1:
-          log(stage.describe())
-        if stage.index > 0 and step == stage.start:  # training/stages.py says why
-          opt_state = step_lib.init_opt_state(setup.train_step.tx, params,
-                                              setup.train_step.opt_shardings)
-        # This process's rows, in the ring's layout, sharded (data, sequence); with
-        # data.length_buckets whole batches per bucket, each on its own re-split mesh.
-        buckets = buckets_lib.plan(c, setup.model_cfg, mesh)
-        if buckets:
-          log(buckets_lib.describe(buckets))
-          train_iter = buckets_lib.BucketedBatches(data_lib.text_documents(c, "train"),
-                                                   buckets, c.model.layout)
-        else:
-          train_iter = data_lib.make_iterator(
-              data_lib.make_dataset(c, batch_sharding, ring_size, split="train"))
-        if data_state is not None and step > stage.start:  # the checkpoint's stage
-          train_iter.set_state(data_state)
-        data_state = None
-        eval_dataset = data_lib.make_dataset(c, batch_sharding, ring_size, split="eval")
-        # Compiled ahead of time: clean step timings, the memory report.
-        t0 = time.perf_counter()
-        compiled_step = setup.train_step.compile(setup.train_shape, params, opt_state)
-        if buckets:  # one program per bucket (the full ring's is compiled_step's own)
-          bucket_steps = buckets_lib.compile_steps(setup.train_step, buckets[:-1],
-                                                   c.microbatches, params, opt_state)
-          bucket_steps.append(compiled_step)
-          log(buckets_lib.compiled_count_line(len(bucket_steps)))
-        eval_step = setup.train_step.eval_step()
-        memory = compiled_step.memory_analysis()
-        log(f"compiled train step in {time.perf_counter() - t0:.1f}s"
-            + (f"; per-device temp {memory.temp_size_in_bytes / 2**20:.1f} MiB, arguments "
-               f"{memory.argument_size_in_bytes / 2**20:.1f} MiB" if memory is not None else ""))
-        if setup.model_cfg.attention != "dense":  # what "auto" chose, and its self-check
-          log(ring_jax.kernels.describe(setup.model_cfg.hop_kernel))
-          log(attn_lib.describe_routing(setup.model_cfg, mesh))
-
-        # --- 5. The stage's steps: each run, logged on the interval, evaluated and
-        # checkpointed; ends after the step in which a stop request (a signal) is agreed on.
-        throughput = metrics_lib.Throughput(
-            tokens_per_step=c.batch_size * c.data.seq_len,
-            flops_per_token=setup.model_cfg.flops_per_token(c.data.seq_len),
-            peak_flops=peak_flops, num_devices=jax.device_count())
-        stage_end = min(stage.end, end_step)
-        for step in range(step + 1, stage_end + 1):
+        setup, opt_state, run = _start_stage(stage, setup, len(stages), mesh, step, params,
+                                             opt_state, data_state, peak_flops)
+        data_state, stage_end = None, min(stage.end, end_step)
+        for step in range(step + 1, stage_end + 1):  # run, log, eval, checkpoint
           distributed_lib.note_step(step)  # For the line if a peer process dies.
           with profile.step(step) as outputs:
-            compiled, sharding, shape = compiled_step, batch_sharding, setup.train_shape
-            local = next(train_iter)
-            if buckets:  # (bucket, batch): that bucket's program, batch split and shape
-              index, local = local
-              compiled, sharding = bucket_steps[index], buckets[index].sharding
-              shape = buckets[index].shape
-            batch = data_lib.to_global(local, sharding, shape)
-            params, opt_state, metrics = compiled(params, opt_state, batch)
+            params, opt_state, metrics = run.step(params, opt_state)
             outputs.append(metrics)
-          throughput.tick()
           step_metrics.add(step, metrics)
           checkpointer.check_for_errors()  # A failed background save stops the run here.
           step_metrics.fetch(step - 1)  # One step behind: the device keeps a step queued.
@@ -324,33 +197,33 @@ def _train(config, workdir, stop_at_step, stop, mesh, ring_size) -> TrainResult:
           logged = step % config.log_every == 0 or step == stage_end or stopping
           if logged:
             window = step_metrics.window(step)  # Blocks on this step: times are real.
-            window.update(throughput.window(),
+            window.update(run.throughput.window(),
                           learning_rate=float(setup.schedule(step - 1 - stage.start)))
-            window.update(data_lib.bad_record_counts(train_iter.get_state()))  # text: skipped
+            window.update(data_lib.bad_record_counts(run.batches.get_state()))
             writer.write(step, window, prefix="train/")
             progress.log(step, window)
           if stopping:
             stopped_by = stop.received
             break
           if step % config.eval_every == 0 or step == stage.end:  # also each stage's end
-            result = metrics_lib.evaluate(eval_step, params, eval_dataset, c, batch_sharding,
-                                          setup.eval_shape)
+            result = metrics_lib.evaluate(run.eval_step, params, run.eval_dataset, c,
+                                          run.batch_sharding, setup.eval_shape)
             evals.append(dict(step=step, **result))
             writer.write(step, result, prefix="eval/")
             log(f"eval @ {step}: " + " | ".join(f"{k} {v:.4f}" for k, v in result.items()))
           # On its interval, and at each stage's last step but the run's (the next starts there).
-          ckpt_lib.save(c, checkpointer, step_metrics, step, params, opt_state, train_iter,
+          ckpt_lib.save(c, checkpointer, step_metrics, step, params, opt_state, run.batches,
                         force=step == stage.end and step != config.total_steps)
           if logged:
-            throughput.reset()  # Exclude eval/checkpoint time from the next window.
+            run.throughput.reset()  # Exclude eval/checkpoint time from the next window.
 
-      # --- 6. The final checkpoint (also when stopped early), then the wait for its writes.
-      step_metrics.fetch(step)
+      step_metrics.fetch(step)  # The final checkpoint (also when stopped early) and its wait.
       if step > start_step and checkpointer.last_saved != step:
         ckpt_lib.save(stage_config, checkpointer, step_metrics, step, params, opt_state,
-                      train_iter, force=True)
+                      run.batches, force=True)
       checkpointer.close()
     except BaseException as e:
+      # A collective that lost a peer: main() ends the process; closing would wait on it.
       if distributed_lib.collective_lost_peer(e) is None:
         try:  # Lets good in-flight saves land; their errors are secondary.
           checkpointer.close()
@@ -366,6 +239,128 @@ def _train(config, workdir, stop_at_step, stop, mesh, ring_size) -> TrainResult:
                      checkpoint_dir=checkpointer.directory)
 
 
+def _config_and_mesh(config):
+  """The config resolved once (``init.hf_dir``, stages, ``"auto"`` fields) and checked, the
+  mesh, and the startup lines that describe them."""
+  log, count = metrics_lib.log, jax.device_count()
+  config = val_lib.resolve_run(config, count, log)
+  config, warmup_line = val_lib.clamp_warmup(config)  # a run shorter than its warmup
+  if warmup_line:
+    log(warmup_line)
+  sizes = val_lib.validate_config(config, count)  # and each stage's
+  if buckets_lib.lengths_of(config) and jax.process_count() > 1:
+    raise errors.ConfigError("data.length_buckets run in one process (every process would "
+                             "have to fill the same bucket first); drop the buckets.")
+  mesh = mesh_lib.make_mesh(config.mesh)
+  first = stages_lib.plan(config)[0].config  # attention="auto" is decided per stage's shapes
+  model_cfg, attention_line = val_lib.resolve_attention(first, val_lib.llama_config(first), mesh)
+  log(f"devices: {count} x {jax.devices()[0].device_kind} "
+      f"({jax.process_count()} process(es)); mesh {sizes}; attention={model_cfg.attention} "
+      f"layout={model_cfg.layout} ring={shd.ring_size(sizes)}"
+      + (f" (two-level: {sizes['sequence_outer']} groups of {sizes['sequence']})"
+         if sizes["sequence_outer"] > 1 else ""))
+  if attention_line:
+    log(attention_line)
+  if sizes["pipeline"] > 1:
+    micro = pipeline_lib.resolve_microbatches(
+        model_cfg.pipeline_microbatches, config.batch_size // config.microbatches,
+        sizes["pipeline"], sizes["data"])
+    log(f"pipeline: {sizes['pipeline']} stages x {model_cfg.num_layers // sizes['pipeline']} "
+        f"layers, GPipe over {micro} microbatches, bubble fraction "
+        f"{pipeline_lib.bubble_fraction(sizes['pipeline'], micro):.3f}")
+  return config, mesh
+
+
+def _resume_or_init(config, workdir, checkpointer, setup):
+  """``(step, params, opt_state, data_state)``: the newest checkpoint that restores, else a
+  fresh (or ``init.hf_dir``) state at step 0; then the run's config is saved beside it."""
+  log = metrics_lib.log
+  try:
+    restored = ckpt_lib.resume_or_init(checkpointer, setup.train_step,
+                                       hf_init_lib.hf_init_dir(config), log)
+  except ckpt_lib.NoRestorableCheckpointError as e:
+    raise ckpt_lib.NoRestorableCheckpointError(
+        f"{e} {loading_lib.saved_config_hint(config, workdir)}") from None
+  if restored[0]:  # a config that differs from the saved one, yet restores
+    loading_lib.warn_model_differences(config, workdir, log)
+  loading_lib.save_run_config(config, workdir)  # now that the checkpoint restored under it
+  return restored
+
+
+@dataclasses.dataclass
+class _StageRun:
+  """A stage's compiled programs and data: ``programs[i]`` runs a batch of bucket ``i`` (one
+  program, ``buckets=()``, without ``data.length_buckets``)."""
+  setup: stages_lib.StageSetup
+  programs: list
+  buckets: tuple
+  batches: Any  # this process's batches (checkpointable); with buckets, (bucket, batch) pairs
+  batch_sharding: Any
+  eval_step: Any
+  eval_dataset: Any
+  throughput: metrics_lib.Throughput
+
+  def step(self, params, opt_state):
+    """One train step on the next batch: ``(params, opt_state, metrics)``."""
+    local, shape, sharding, index = next(self.batches), self.setup.train_shape, None, -1
+    if self.buckets:  # that bucket's program, batch split and shape
+      index, local = local
+      shape, sharding = self.buckets[index].shape, self.buckets[index].sharding
+    batch = data_lib.to_global(local, sharding or self.batch_sharding, shape)
+    self.throughput.tick()
+    return self.programs[index](params, opt_state, batch)
+
+
+def _start_stage(stage, setup, num_stages, mesh, step, params, opt_state, data_state,
+                 peak_flops):
+  """``(setup, opt_state, run)`` of ``stage`` starting after ``step``: its train step (a fresh
+  AdamW state when the stage starts now, training/stages.py says why), its data (resumed from
+  ``data_state`` inside the stage) and its programs, compiled ahead of time."""
+  log, c = metrics_lib.log, stage.config
+  if setup.stage is not stage:
+    setup = stages_lib.build_stage(stage, mesh)
+  if num_stages > 1:
+    log(stage.describe())
+  if stage.index > 0 and step == stage.start:
+    opt_state = step_lib.init_opt_state(setup.train_step.tx, params,
+                                        setup.train_step.opt_shardings)
+  # This process's rows in the ring's layout, sharded (data, sequence); with
+  # data.length_buckets whole batches per bucket, each on its own re-split mesh.
+  batch_sharding, ring_size = batch_lib.sharding(mesh), shd.ring_size(mesh.shape)
+  buckets = buckets_lib.plan(c, setup.model_cfg, mesh)
+  if buckets:
+    log(buckets_lib.describe(buckets))
+    batches = buckets_lib.BucketedBatches(data_lib.text_documents(c, "train"), buckets,
+                                          c.model.layout)
+  else:
+    batches = data_lib.make_iterator(
+        data_lib.make_dataset(c, batch_sharding, ring_size, split="train"))
+  if data_state is not None and step > stage.start:  # the checkpoint's stage
+    batches.set_state(data_state)
+  eval_dataset = data_lib.make_dataset(c, batch_sharding, ring_size, split="eval")
+  t0 = time.perf_counter()
+  programs = [setup.train_step.compile(setup.train_shape, params, opt_state)]
+  if buckets:  # one program per bucket; the full ring's is the run's own
+    programs[:0] = buckets_lib.compile_steps(setup.train_step, buckets[:-1], c.microbatches,
+                                             params, opt_state)
+    log(buckets_lib.compiled_count_line(len(programs)))
+  memory = programs[-1].memory_analysis()
+  log(f"compiled train step in {time.perf_counter() - t0:.1f}s"
+      + (f"; per-device temp {memory.temp_size_in_bytes / 2**20:.1f} MiB, arguments "
+         f"{memory.argument_size_in_bytes / 2**20:.1f} MiB" if memory is not None else ""))
+  if setup.model_cfg.attention != "dense":  # what "auto" chose, and its self-check
+    log(ring_jax.kernels.describe(setup.model_cfg.hop_kernel))
+    log(attn_lib.describe_routing(setup.model_cfg, mesh))
+  throughput = metrics_lib.Throughput(
+      tokens_per_step=c.batch_size * c.data.seq_len,
+      flops_per_token=setup.model_cfg.flops_per_token(c.data.seq_len),
+      peak_flops=peak_flops, num_devices=jax.device_count())
+  return setup, opt_state, _StageRun(
+      setup=setup, programs=programs, buckets=buckets, batches=batches,
+      batch_sharding=batch_sharding, eval_step=setup.train_step.eval_step(),
+      eval_dataset=eval_dataset, throughput=throughput)
+
+
 # ----------------------------------------------------------------------------
 # Entry point
 # ----------------------------------------------------------------------------
@@ -378,7 +373,7 @@ def main(argv) -> None:
   flags_lib.quiet_orbax()  # unless -v
   try:  # Gin is only another syntax for the same ConfigDict fields (applied after --config.*).
     config = flags_lib.apply_gin(_CONFIG.value, _GIN_FILE.value, _GIN_PARAM.value)
-    val_lib.validate_distributed(config)  # Needed before the processes connect.
+    val_lib.check_ranges(config, prefix="distributed.")  # Before the processes connect.
     if (_TOPOLOGY.value or _TOPOLOGY_SLICES.present) and not _COMPILE_ONLY.value:
       raise errors.ConfigError("--topology names devices that are not attached: it needs "
                                "--compile_only.")

@@ -1,7 +1,6 @@
 """The batch the train and eval steps take: its fields, their dtypes and their sharding.
 
-A batch is a dict of ``[rows, seq_len]`` arrays, all in the ring's layout order
-(:mod:`ring_jax.layouts`)::
+A batch is a dict of ``[rows, seq_len]`` arrays in the ring's layout order::
 
   tokens       int32    input ids
   positions    int32    position of each token inside its document (RoPE, causal mask)
@@ -9,10 +8,8 @@ A batch is a dict of ``[rows, seq_len]`` arrays, all in the ring's layout order
   labels       int32    next token of the same document (0 where there is none)
   loss_mask    float32  1 where ``labels`` is a real target
 
-Every field has the logical axes ``("batch", "length")``; its
-``PartitionSpec`` comes from the rules table of :mod:`models.sharding` (rows
-over ``data``, the sequence over ``sequence``), so batch and model activations
-are sharded by the same rule. Needs neither Flax nor Grain.
+Every field has the logical axes ``("batch", "length")``, sharded by the rules table of
+:mod:`models.sharding` as the model's activations are.
 """
 
 from __future__ import annotations
@@ -62,11 +59,8 @@ def abstract(shape: tuple[int, int], mesh) -> dict[str, jax.ShapeDtypeStruct]:
 
 def random_documents(seed: int, rows: int, length: int, vocab_size: int, layout: str,
                      ring_size: int) -> dict[str, np.ndarray]:
-  """A host batch of uniformly random tokens, one document per row, in layout order.
-
-  For benchmarks and smoke tests: every token but the last of each row is a
-  target. ``length`` must split over the ring (:func:`ring_jax.layouts.check_length`).
-  """
+  """A host batch of uniformly random tokens, one document per row, in layout order (for
+  benchmarks and smoke tests); ``length`` must split over the ring."""
   ring_jax.layouts.check_length(layout, ring_size, length)
   rng = np.random.default_rng(seed)
   stream = rng.integers(0, vocab_size, (rows, length + 1)).astype(np.int32)

@@ -1,22 +1,17 @@
 """Length buckets: each batch on the ring its longest row needs (``data.length_buckets``).
 
-With ``data.length_buckets = (L_1, ..., L_k)`` (sorted, each ``<= data.seq_len = L``; ``L``
-itself is always the last bucket) bucket ``b`` holds rows of ``L_b`` tokens on a ring of
-``n_b = n * L_b / L`` devices (``n``: the mesh's ring) and ``B * L / L_b`` rows per batch
-(``B = batch_size``): the same tokens per step and per device as the one-ring run, the other
-``n / n_b`` factor of the sequence devices joining the data parallelism. The devices are the
-same, re-split: :func:`bucket_mesh` reshapes the mesh's ``data x sequence`` block into
-``(data * n / n_b) x n_b`` keeping the device order, so the parameters and the optimizer state
-keep their one sharding (every bucket's step takes and returns them with the run's shardings)
-and a bucket's ring is ``n_b`` consecutive devices of the run's ring.
+With buckets ``(L_1, ..., L_k)`` (sorted, each ``<= data.seq_len = L``, which is always the
+last) bucket ``b`` holds ``B * L / L_b`` rows (``B = batch_size``) of ``L_b`` tokens on a ring
+of ``n_b = n * L_b / L`` devices: the same tokens per step and device as the one-ring run,
+the rest of the sequence devices joining the data parallelism. :func:`bucket_mesh` re-splits
+the mesh's ``data x sequence`` devices in the same order, so parameters and optimizer state
+keep their one sharding in every bucket's step.
 
-The data (:class:`BucketedBatches`): each document goes to the shortest bucket it fits
-(a document longer than ``L`` is cut into pieces of ``L``, as the one-ring packer cuts it),
-each bucket packs its rows greedily without cutting a document (a document that does not fit
-the rest of the row starts the next row; the rest is padding, segment 0), and whichever
-bucket fills its batch first is yielded. Attention never crosses a document and a row's
-loss is the sum of its documents', so packing a set of documents for a shorter ring changes
-no summed loss or gradient (``tests/training/test_length_buckets.py``). Text data, one process.
+:class:`BucketedBatches` puts each document into the shortest bucket it fits (one longer
+than ``L`` is cut into pieces of ``L``), packs each bucket's rows greedily without cutting
+a document, and yields whichever bucket fills its batch first. Attention never crosses a
+document, so the summed loss and gradients are those of any other packing. Text data, one
+process.
 """
 
 from __future__ import annotations
@@ -71,15 +66,9 @@ def lengths_of(config) -> tuple[int, ...]:
 
 
 def check(config, sizes: dict[str, int]) -> None:
-  """``data.length_buckets`` against the run (one line naming the fix, before compiling).
-
-  Raises:
-    ConfigError: buckets not sorted ascending, not positive ints, longer than
-      ``data.seq_len``, a bucket whose ring ``n * L_b / L`` is not a whole divisor of the
-      ring ``n``, or a setting buckets do not run with (kv task, pipeline or two-level
-      mesh). A bucket's ``B * n / n_b`` rows always split over its ``data * n / n_b`` data
-      devices (and microbatches) when the run's ``B`` rows split over ``data``.
-  """
+  """``data.length_buckets`` against the run: sorted positive ints up to ``data.seq_len``,
+  each bucket's ring a divisor of the run's, text data, no pipeline or two-level mesh
+  (ConfigError naming the fix). A bucket's rows then always split over its data devices."""
   raw = tuple(config.data.get("length_buckets", None) or ())
   if not raw:
     return
@@ -134,10 +123,8 @@ def plan(config, model_cfg, mesh) -> tuple[Bucket, ...]:
 
 class BucketedBatches:
   """Batches of documents packed per length bucket: ``next()`` is ``(bucket index, batch)``,
-  the batch's fields natural-order rows padded to the bucket's run length and reordered into
-  ``layout`` for its ring. Checkpointable: ``get_state()`` is the document stream's position
-  plus every bucket's rows not yet yielded (JSON-able), ``set_state()`` takes it back.
-  """
+  rows padded to the bucket's run length in ``layout`` for its ring. Checkpointable: the
+  state is the stream's position plus every bucket's rows not yet yielded (JSON-able)."""
 
   def __init__(self, documents, buckets: tuple[Bucket, ...], layout: str):
     self._it = iter(documents)
@@ -238,7 +225,3 @@ def describe(buckets: tuple[Bucket, ...]) -> str:
 def compiled_count_line(count: int) -> str:
   return (f"compiled {count} train-step program{'s' if count != 1 else ''} (one per length "
           "bucket, cached for the run)")
-
-
-__all__ = ["Bucket", "BucketedBatches", "bucket_mesh", "check", "compile_steps", "jit_step",
-           "lengths_of", "pack_rows", "plan"]

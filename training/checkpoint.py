@@ -1,39 +1,15 @@
 """Orbax checkpoints: train state + data iterator state, restorable onto any mesh.
 
-A checkpoint step holds two items:
-
-* ``state``: ``{"params": ..., "opt_state": ...}`` saved with
-  ``StandardSave`` (each process writes the shards it owns).
-* ``data``: the Grain iterator state (JSON), so a resumed run reads exactly the
-  batches an uninterrupted run would have read next.
-
-Restoring passes ``jax.ShapeDtypeStruct`` targets carrying the shardings of the
-*current* mesh, so a run saved on ``data=2 x sequence=4`` resumes on
-``data=1 x sequence=8`` (or any other shape): Orbax reads each device's slice
-of every array straight from storage.
-
-What this module guarantees beyond Orbax:
-
-* No checkpoint with a non-finite parameter or optimizer value is written
-  (:class:`NonFiniteStateError` instead), so retention (``keep``) can never
-  push the last good checkpoints out in favour of diverged ones.
-* A save that fails in the background (disk full, quota, I/O error) surfaces
-  as one :class:`CheckpointWriteError` at the next :meth:`Checkpointer.save`
-  or :meth:`Checkpointer.check_for_errors`; Orbax deletes old steps only after
-  a save has completed, so earlier checkpoints stay intact.
-* :meth:`Checkpointer.restore_latest` falls back to the newest step that
-  restores; the newer, unrestorable ones are moved (never deleted) to
-  ``<workdir>/checkpoints_corrupt/<step>-<UTC time>``, outside the directory
-  Orbax lists and prunes. If no step restores, nothing is moved and
-  :class:`NoRestorableCheckpointError` lists every step and why.
-* A step is listed (and restored) only once it is complete: Orbax writes each
-  step into ``<step>.orbax-checkpoint-tmp-*`` and renames it to ``<step>`` after
-  every process has written its part, so a process killed mid-save leaves only
-  a temporary directory, which the next writing :class:`Checkpointer` deletes
-  (``cleanup_tmp_directories``); :func:`complete_steps` lists the complete ones.
-* The same :meth:`Checkpointer.restore_latest` on a ``read_only``
-  checkpointer with no optimizer target (generate.py, evaluate.py) reads only
-  the parameters of the newest step that restores, moving nothing.
+A step holds ``state`` (``{"params", "opt_state"}``, ``StandardSave``: each process writes
+the shards it owns) and ``data`` (the Grain iterator state, JSON). Restoring passes
+``ShapeDtypeStruct`` targets with the current mesh's shardings, so a run resumes on any
+mesh shape. Beyond Orbax: no state with a non-finite value is ever written
+(:class:`NonFiniteStateError`), so retention cannot push good checkpoints out; a failed
+background save surfaces as one :class:`CheckpointWriteError` (earlier steps stay intact);
+:meth:`Checkpointer.restore_latest` falls back to the newest step that restores and moves
+the newer, unrestorable ones to ``<workdir>/checkpoints_corrupt/<step>-<UTC time>`` (never
+deleted); only complete steps are listed (Orbax renames a step's temporary directory once
+every process has written its part).
 """
 
 from __future__ import annotations
@@ -56,18 +32,9 @@ CORRUPT_DIRNAME = "checkpoints_corrupt"
 
 
 def _whole_array_saves() -> None:
-  """Orbax writes each replicated array whole, from its first replica (one process only).
-
-  Replica-parallel saving (Orbax's default on TPU and CPU) lets several hosts share the
-  write of a replicated array: each replica writes one slice of it. In one process the
-  same host writes every slice anyway, and each slice shape is an eager program compiled
-  on first use: 84 programs and 3.6 s of CPU on the tiny config's first save, 3.7 s of a
-  4-step run's 21 s. The files and the restore are the same either way. With several
-  processes nothing is changed (each process writes its share, as ``ocdbt.process_<i>``).
-  Orbax reads the option only from the handler registered for ``jax.Array``, so this
-  re-registers that handler, keeping its array-metadata store; Orbax's log line for the
-  override is held back.
-  """
+  """One process: Orbax writes each replicated array whole instead of one slice per replica
+  (each slice shape is an eager program compiled on first use; the files are the same).
+  Orbax reads the option only from the handler registered for ``jax.Array``."""
   current = ocp.type_handlers.get_type_handler(jax.Array)
   if getattr(current, "_use_replica_parallel", None) is False:
     return
@@ -83,14 +50,9 @@ def _whole_array_saves() -> None:
 
 
 def is_failed_read_leftover(unraisable) -> bool:
-  """Whether a ``sys.unraisablehook`` report is the leftover of a failed Orbax read.
-
-  When Orbax fails to read a corrupt checkpoint, its other reads still in flight end after
-  the event loop of that restore has closed: their errors (the same corruption) and their
-  completion callbacks (``RuntimeError('Event loop is closed')``) surface where nothing can
-  catch them, and Python would print each as "Exception ignored" with a traceback. The
-  restore reports the failed step itself (one warning line).
-  """
+  """Whether a ``sys.unraisablehook`` report is the leftover of a failed Orbax read: its
+  other reads in flight end after the restore's event loop closed (``RuntimeError('Event
+  loop is closed')`` or the same corruption); the restore reports the step in one line."""
   return _is_failed_read_error(unraisable.exc_value, unraisable.exc_traceback)
 
 
@@ -104,11 +66,8 @@ def _is_failed_read_error(exc, tb) -> bool:
 
 
 class _FailedReadLogFilter(logging.Filter):
-  """Drops asyncio's "exception was never retrieved" records of a failed Orbax read: the
-  same leftovers (:func:`is_failed_read_leftover`), reported through the ``asyncio``
-  logger when their future is collected, with Orbax's traceback or as TensorStore's own
-  read error ('OUT_OF_RANGE: Error reading "params..." in OCDBT database ...'). Seen in
-  1 run of 3 restoring two corrupt steps; installed only once a restore has failed."""
+  """Drops asyncio's "exception was never retrieved" records of a failed Orbax read (the same
+  leftovers, or TensorStore's own read error); installed once a restore has failed."""
 
   def filter(self, record) -> bool:
     exc_info = record.exc_info
@@ -120,13 +79,11 @@ class _FailedReadLogFilter(logging.Filter):
                 or "TensorStore" in str(exc))
 
 
-def _drop_failed_read_leftovers() -> None:
-  """After a failed restore: from now on ``sys.unraisablehook`` drops its leftovers
-  (:func:`is_failed_read_leftover`; installed once, in front of the hook there was, which
-  gets every other report) and so does the ``asyncio`` logger (:class:`_FailedReadLogFilter`),
-  and the ones already unreachable are collected now, rather than
-  reported at some later garbage collection against unrelated code (in a notebook, under
-  pytest). ``train.py`` installs the same filter for the whole run."""
+def drop_failed_read_leftovers() -> None:
+  """From now on ``sys.unraisablehook`` (in front of the previous one) and the ``asyncio``
+  logger drop the leftovers of a failed Orbax read, and those already unreachable are
+  collected now rather than reported later against unrelated code (after a failed restore,
+  and for the whole of a train.py run without ``-v``)."""
   if not getattr(sys.unraisablehook, "_drops_failed_read_leftovers", False):
     previous = sys.unraisablehook
 
@@ -170,7 +127,7 @@ def all_finite(tree) -> bool:
 
 
 def _one_line(error: BaseException) -> str:
-  """``Type: first line of the message`` (Orbax/TensorStore errors run to many lines)."""
+  """``Type: first line of the message``."""
   lines = [l.strip() for l in str(error).strip().splitlines() if l.strip()]
   return f"{type(error).__name__}: {lines[0] if lines else '(no message)'}"
 
@@ -198,12 +155,8 @@ def complete_steps(directory: str) -> list[int]:
 
 
 class Checkpointer:
-  """Periodic + final saves into ``<workdir>/checkpoints``, keeping the last ``keep``.
-
-  ``read_only=True`` opens an existing run for reading (no saves, nothing moved or
-  created; ``every``/``keep`` unused) and raises :class:`NoCheckpointError` if
-  ``<workdir>/checkpoints`` does not exist.
-  """
+  """Periodic + final saves into ``<workdir>/checkpoints``, keeping the last ``keep``;
+  ``read_only=True`` opens an existing one for reading (nothing saved, moved or created)."""
 
   def __init__(self, workdir: str, *, every: int = 1, keep: int = 1, async_save: bool = True,
                read_only: bool = False):
@@ -217,8 +170,7 @@ class Checkpointer:
     if read_only:
       if not os.path.isdir(self.directory):
         raise NoCheckpointError(f"{workdir} has no checkpoints/ directory")
-      # Orbax warns that a read-only manager saves nothing ("setting save_interval_steps=0",
-      # "Given directory is read only"): what was asked for. Shown with -v.
+      # Orbax warns that a read-only manager saves nothing: what was asked for. Shown with -v.
       verbosity = absl_logging.get_verbosity()
       if verbosity <= absl_logging.WARNING:
         absl_logging.set_verbosity(absl_logging.ERROR)
@@ -229,9 +181,7 @@ class Checkpointer:
       finally:
         absl_logging.set_verbosity(verbosity)
       return
-    # Preemption saves are not an Orbax policy here: train.py decides the stop step
-    # (JAX's preemption sync point on several processes, a signal flag on one) and
-    # calls save(force=True), so one code path serves both.
+    # Preemption saves are train.py's save(force=True) at the agreed stop step.
     options = ocp.CheckpointManagerOptions(
         max_to_keep=keep, create=True, enable_async_checkpointing=async_save,
         cleanup_tmp_directories=True,  # what a process killed mid-save left behind
@@ -267,10 +217,8 @@ class Checkpointer:
 
   def save(self, step: int, params, opt_state, data_state: dict[str, Any], *,
            force: bool = False) -> bool:
-    """Saves if ``step`` is on the interval (or ``force``); returns whether it saved.
-
-    With async saving Orbax copies the arrays to host memory before returning,
-    so the train step may donate (overwrite) them right after.
+    """Saves if ``step`` is on the interval (or ``force``); returns whether it saved. Async
+    saves copy the arrays to host first, so the step may donate them right after.
 
     Raises:
       CheckpointWriteError: this save, or an earlier background one, failed.
@@ -332,21 +280,11 @@ class Checkpointer:
 
   def restore_latest(self, params_target, opt_state_target=None,
                      warn: Callable[[str], None] = print):
-    """Restores the newest step that restores, or returns None if there are no steps.
+    """``(step, params, opt_state, data_state)`` of the newest step that restores (on every
+    process), or None without steps; ``opt_state_target=None`` reads the parameters alone
+    (the others come back None). Each step that fails gets one ``warn`` line; once an older
+    one restores, the bad newer ones are moved to ``checkpoints_corrupt/`` (not read_only).
 
-    The one restore of a run: train.py resumes with it (params, optimizer and
-    data state); generate.py and evaluate.py read the parameters alone with
-    ``opt_state_target=None`` (then ``opt_state`` and ``data_state`` come back
-    None). A step that fails to restore (truncated or missing files, no
-    ``state`` or ``data`` item, non-finite values) gets one ``warn`` line
-    naming the step and the reason, and the previous one is tried; once an
-    older step restores, the bad newer ones are moved to
-    ``<workdir>/checkpoints_corrupt/`` so Orbax neither lists nor prunes them
-    (not by a ``read_only`` checkpointer, which moves nothing). On several
-    processes a step counts as restored only if it restored on every process.
-
-    Returns:
-      ``(step, params, opt_state, data_state)`` or None.
     Raises:
       NoRestorableCheckpointError: there are steps but none restores (nothing moved).
     """
@@ -362,7 +300,7 @@ class Checkpointer:
       except Exception as e:  # Corruption shows as many error types (OSError, ValueError, ...).
         reason = _one_line(e)
         del e
-        _drop_failed_read_leftovers()
+        drop_failed_read_leftovers()
       if not _agree(reason is None):
         reason = reason or "it failed to restore on another process"
         warn(f"warning: checkpoint step {step} in {self.directory} does not restore "

@@ -1,19 +1,12 @@
 """What ``train.py --compile_only`` and ``benchmarks/fit.py`` compile for: the attached
-devices, or a named TPU slice (``--topology v5p:4x4x4``, ``--topology_slices N``) compiled
-with the real TPU compiler and nothing run (:mod:`ring_jax.topology`); and the per-chip
-report of a compiled train step.
-
-:func:`target` checks everything about the slice that needs no config (its name, libtpu),
-:func:`check_config` what the config asks of it (a mesh of its chip count, a kernel that
-compiles for TPU), both before anything is compiled; each error is one line
-(:class:`training.errors.ConfigError`).
-"""
+devices, or a TPU slice (``--topology v5p:4x4x4``, ``--topology_slices N``) compiled with the
+real TPU compiler and nothing run (:mod:`ring_jax.topology`); the per-chip report of a
+compiled train step. Errors before compiling are one-line ConfigErrors."""
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import importlib
 import re
 import time
 import warnings
@@ -21,10 +14,10 @@ import warnings
 import jax
 
 import ring_jax
+from ring_jax import analysis
 from ring_jax import topology as topo_lib
 from models import attention as attn_lib
 from training import buckets as buckets_lib
-from training import hf_init as hf_init_lib
 from training import mesh as mesh_lib
 from training import metrics as metrics_lib
 from training import stages as stages_lib
@@ -36,14 +29,9 @@ GIB = 2 ** 30
 
 @dataclasses.dataclass(frozen=True)
 class Target:
-  """The devices a step is compiled for.
-
-  Attributes:
-    name: the TPU topology (``"v5p:4x4x4"``), or None for the attached devices.
-    slices: slices of ``name`` (over the data center network).
-    chips: device count.
-    devices: the devices, compile-only for a topology (None until :meth:`resolve`).
-  """
+  """The devices a step is compiled for: TPU topology ``name`` (``"v5p:4x4x4"``) times
+  ``slices``, or the attached devices (``name=None``); ``devices`` are set by :meth:`resolve`
+  (compile-only ones for a topology)."""
   name: str | None
   slices: int
   chips: int
@@ -75,23 +63,13 @@ class Target:
   @property
   def hbm_bytes(self) -> int | None:
     """HBM per chip (:mod:`ring_jax.hardware`); None for devices the table lacks (CPU)."""
-    devices = self.resolve().devices
-    return topo_lib.hbm_bytes(devices[0]) if self.name else _attached_hbm(devices[0])
-
-
-def _attached_hbm(device) -> int | None:
-  if device.platform == "cpu":
-    return None
-  return topo_lib.hbm_bytes(device)
+    device = self.resolve().devices[0]
+    return None if not self.name and device.platform == "cpu" else topo_lib.hbm_bytes(device)
 
 
 def target(topology: str | None, slices: int = 1) -> Target:
-  """The target of ``--topology`` / ``--topology_slices`` (devices not yet created).
-
-  Raises:
-    ConfigError: an unknown topology name (listing the forms that work), ``slices < 1``, or
-      slices without a topology.
-  """
+  """The target of ``--topology`` / ``--topology_slices`` (devices not yet created);
+  ConfigError for an unknown topology, ``slices < 1``, or slices without a topology."""
   if slices < 1:
     raise ConfigError(f"--topology_slices must be >= 1, got {slices}.")
   if topology is None:
@@ -116,13 +94,8 @@ def check_libtpu(where: Target) -> None:
 
 
 def check_config(config, where: Target) -> dict[str, int]:
-  """The config's mesh on ``where``'s chips (and split over its slices,
-  :func:`training.mesh.dcn_shape`), and for a topology a hop kernel that compiles for TPU
-  (:func:`check_kernel`); returns the mesh sizes. Needs no devices.
-
-  Raises:
-    ConfigError: one line naming the fix.
-  """
+  """The config's mesh sizes on ``where``'s chips (split over its slices) with a hop kernel
+  that compiles there; needs no devices. ConfigError naming the fix."""
   check_kernel(config.model.get("hop_kernel", "auto"), where)
   sizes = mesh_lib.mesh_shape(config.mesh, where.chips, where=where.label)
   if where.slices > 1:
@@ -162,10 +135,8 @@ def compile_failure(error: Exception, where: Target) -> CompileFailed:
 
 @contextlib.contextmanager
 def compiling(where: Target):
-  """Around a compile for ``where``: the compiler's refusal as :class:`CompileFailed` (one
-  line); for a topology, without the warning JAX gives when its persistent compilation cache
-  (if one is set) holds the program: a compile-only executable cannot be loaded back without
-  its devices, so it is compiled again, as without a cache."""
+  """Around a compile for ``where``: the compiler's refusal as :class:`CompileFailed`; for a
+  topology, without JAX's warning that a cached compile-only program cannot be loaded."""
   with warnings.catch_warnings():
     if where.name is not None:
       warnings.filterwarnings("ignore", message="Error reading persistent compilation cache")
@@ -173,19 +144,6 @@ def compiling(where: Target):
       yield
     except jax.errors.JaxRuntimeError as e:
       raise compile_failure(e, where) from None
-
-
-def overlap_lines(compiled) -> list[str]:
-  """The overlap summary of ``compiled`` (``ring_jax.analysis.overlap_report``): which
-  asynchronous transfers have compute in flight; ``["overlap report: unavailable"]``
-  where this ring_jax has no analysis module."""
-  try:
-    analysis = importlib.import_module("ring_jax.analysis")
-  except ModuleNotFoundError as e:
-    if e.name != "ring_jax.analysis":
-      raise
-    return ["overlap report: unavailable"]
-  return list(analysis.overlap_report(compiled).summary_lines())
 
 
 def memory_lines(compiled, where: Target, compile_s: float) -> tuple[list[str], dict]:
@@ -214,34 +172,29 @@ def memory_lines(compiled, where: Target, compile_s: float) -> tuple[list[str], 
 
 
 def compile_stages(config, topology: str | None = None, slices: int = 1) -> list[dict]:
-  """``train.py --compile_only``: builds and compiles each stage's train step
-  (:func:`training.stages.build_stage`, the run's) for the attached devices or for
-  ``slices`` slices of TPU ``topology`` (compile-only devices, :mod:`ring_jax.topology`),
-  from abstract values only; logs per device the memory against the chip's HBM, the compile
-  seconds, the hop kernel and the overlap summary, and returns one row per stage
-  (:func:`memory_lines`' dict, with ``seq_len`` and ``overlap``, the summary's lines).
+  """``train.py --compile_only``: compiles each stage's train step as the run builds it, from
+  abstract values, for the attached devices or ``slices`` x TPU ``topology``; logs per chip
+  its memory against HBM, the compile time, the hop kernel and the overlap summary, and
+  returns one row per stage (:func:`memory_lines`' dict with ``seq_len`` and ``overlap``).
 
   Raises:
-    ConfigError: before anything compiles: an unknown topology, libtpu missing or not the
-      one jax pins, a mesh that does not fit the chips, a kernel that cannot compile there,
-      or any check :func:`train.train` makes.
-    CompileFailed: the compiler refused the step (one line).
+    ConfigError: before anything compiles (any check :func:`train.train` makes too).
+    CompileFailed: the compiler refused the step.
   """
   log = metrics_lib.log
   where = target(topology, slices)
-  config = hf_init_lib.resolve_hf_init(config)
-  config = stages_lib.resolve(config)
   check_config(config, where)  # the mesh on the chips, the kernel's platform
   check_libtpu(where)
   where = where.resolve()
-  config = val_lib.resolve_layout_for(config, where.chips, metrics_lib.log)
+  config = val_lib.resolve_run(config, where.chips, log)
   sizes = val_lib.validate_config(config, where.chips)
   mesh = mesh_lib.make_mesh(config.mesh, where.devices)
   log(f"compile only, for {where.label} ({where.devices[0].device_kind}): mesh {sizes}"
       + (f"; libtpu {ring_jax.topology.check_libtpu()}" if where.name else ""))
   rows = []
   with jax.set_mesh(mesh):
-    for stage in stages_lib.plan(config):
+    stages = stages_lib.plan(config)
+    for stage in stages:
       setup = stages_lib.build_stage(stage, mesh)
       c = stage.config
       if stage.index == 0:
@@ -249,7 +202,7 @@ def compile_stages(config, topology: str | None = None, slices: int = 1) -> list
         if line:
           log(line)
       m = setup.model_cfg
-      log(f"{stage.describe() + ': ' if len(stages_lib.plan(config)) > 1 else ''}train step of "
+      log(f"{stage.describe() + ': ' if len(stages) > 1 else ''}train step of "
           f"{m.num_params() / 1e6:,.2f}M params, batch {setup.train_shape[0]} x "
           f"{setup.train_shape[1]} tokens, attention={m.attention} layout={m.layout} "
           f"remat_policy={m.remat_policy}")
@@ -268,7 +221,7 @@ def compile_stages(config, topology: str | None = None, slices: int = 1) -> list
       if m.attention != "dense":
         log(ring_jax.kernels.describe(m.hop_kernel, platform=where.platform))
         log(attn_lib.describe_routing(m, mesh))
-      overlap = overlap_lines(compiled)
+      overlap = list(analysis.overlap_report(compiled).summary_lines())
       for line in overlap:
         log(line)
       rows.append(dict(row, seq_len=c.data.seq_len, overlap=overlap))

@@ -1,42 +1,23 @@
 """Input pipeline: a synthetic long-range retrieval task and streamed local text, via Grain.
 
-Everything here is host-side numpy. A batch is a dict of ``[rows, seq_len]``
-arrays with the fields, dtypes and sharding :mod:`training.batch` defines
-(tokens, positions, segment_ids, labels, loss_mask).
+Host-side numpy. A batch is the dict of ``[rows, seq_len]`` fields :mod:`training.batch`
+defines. Rows are built in natural order, padded at their end to the run length
+(:func:`training.validation.run_length`) with :func:`pad_rows` (segment 0, no target: the
+loss and gradients are unchanged), then reordered once into the ring's layout
+(:mod:`ring_jax.layouts`), so an even split of the sequence axis gives each device the
+tokens the ring expects; the loss is a masked sum, computed in layout order.
 
-Examples are built in natural order (labels, per-document positions) and the
-whole batch is then reordered ONCE into the ring's sequence layout
-(contiguous / zigzag / striped / document, see :mod:`ring_jax.layouts`), so that sharding
-the sequence axis evenly over the mesh's ``sequence`` axis hands every device
-exactly the tokens the ring kernel expects. The loss is a masked sum, so it is
-computed in layout order without undoing the permutation.
-
-Any ``data.seq_len`` runs: rows of ``seq_len`` tokens are built (and packed) as
-they are, then padded at their end to the run length
-(:func:`training.validation.run_length`, the next length the model's length rule
-accepts on the ring) with :func:`pad_rows` before the reordering: the padding is
-segment 0 (attends nothing, never attended) with no loss target, so it changes
-neither the loss nor its gradients.
-
-Two pipelines, both checkpointable (``get_state()/set_state()``, JSON-able):
-
-* ``kv_retrieval``: a ``grain.MapDataset`` indexed by *batch number*: batch ``k``
-  is a pure function of ``(seed, k)``, so the iterator state is a single
-  integer, and every process builds just the rows its devices hold.
-* ``text``: a ``grain.IterDataset`` stream (:mod:`training.sources`): this data
-  shard's files/records are read as a stream, tokenised
-  (:mod:`training.tokenizer`), packed by concat-and-split (Grain's
-  ``ConcatThenSplitIterDataset``) into rows with segment ids and per-document
-  positions, batched and reordered. Its state is the source's position (epoch,
-  span, byte/row/record offset) plus the packer's remainder, so a resume seeks
-  to where it stopped and continues exactly.
+Both pipelines are checkpointable (``get_state()/set_state()``, JSON-able): ``kv_retrieval``
+is a ``grain.MapDataset`` whose batch ``k`` is a pure function of ``(seed, k)``; ``text`` is
+a ``grain.IterDataset`` stream of this data shard's documents (:mod:`training.sources`),
+tokenised, packed by concat-and-split into rows with segment ids, batched and reordered.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import weakref
-from typing import Any, Callable
+from typing import Any
 
 import grain
 import jax
@@ -59,17 +40,10 @@ _NUM_BATCHES = 2**50
 
 
 def to_layout_np(batch: dict[str, np.ndarray], layout: str, ring_size: int) -> dict:
-  """Reorders every ``[rows, L]`` field from natural order into ``layout`` order.
-
-  Same permutation as :func:`ring_jax.to_layout` (``layout_positions`` is
-  exactly "natural index of the token at each layout slot"), applied with numpy
-  on the host so no device work or transfer is spent on it. ``"document"``:
-  each row by its own permutation from its segment ids
-  (:func:`ring_jax.document_layout`, which balances causal work per document),
-  and ``segment_ids`` become that layout's renumbered ids (the same documents). A
-  permutation depends on the row's segment ids only, so it is built once per distinct row:
-  the kv task's rows all share theirs (its per-row Python, ~0.5 ms, then runs once a batch).
-  """
+  """Every ``[rows, L]`` field from natural order into ``layout`` order, on the host (the
+  permutation of :func:`ring_jax.to_layout`). ``"document"``: each row by the permutation
+  of its segment ids (:func:`ring_jax.document_layout`, built once per distinct row), and
+  ``segment_ids`` become that layout's renumbered ids."""
   if layout == layouts.DOCUMENT:
     seg = batch["segment_ids"]
     first_row: dict[bytes, int] = {}  # a distinct row's ids -> its index among the distinct
@@ -131,26 +105,16 @@ def next_token_targets(tokens: np.ndarray, segment_ids: np.ndarray):
 class KVRetrievalTask:
   """Key/value pairs at the start of a document, queries for them at its end.
 
-  A row of ``seq_len`` tokens packs ``docs_per_row`` independent documents of
-  ``seq_len // docs_per_row`` tokens (segment ids 1, 2, ...; positions restart per
-  document; the ``seq_len % docs_per_row`` tokens left at the end are padding), each::
+  A row of ``seq_len`` tokens packs ``docs_per_row`` documents of ``seq_len // docs_per_row``
+  tokens (the rest: padding), each::
 
     BOS k1 v1 k2 v2 ... kP vP  f f f ... f  QUERY kq1 vq1 kq2 vq2 ... kqQ vqQ
 
-  ``P = num_pairs`` distinct keys with random values, random filler ``f``, then
-  ``Q = num_queries`` of the keys again, each followed by its value. The loss
-  (and the accuracy) is only on predicting each ``vq`` at its ``kq``.
-
-  Why two documents per row: with ring size ``n`` the zigzag layout puts
-  sequence chunks ``d`` and ``2n-1-d`` on device ``d``, so the very start and
-  the very end of a row share device 0. Splitting the row in two puts each
-  document's pairs and its queries on different devices in the zigzag
-  (first doc: devices 0 -> n-1; second: n-1 -> 0) and contiguous (0 -> n/2-1,
-  n/2 -> n-1) layouts, and striped spreads every document over all devices.
-  Filler and values are random, so beating chance (``1/num_values``) needs
-  attention across the ring. Guessing among the values present in the
-  document scores ~``1/num_distinct_values`` (~0.17 with the tiny defaults);
-  beyond that the model must match keys (an induction-head lookup).
+  ``P = num_pairs`` distinct keys with random values, random filler ``f``, then ``Q =
+  num_queries`` of the keys again, each followed by its value; the loss is only on each
+  ``vq``. With two documents per row, each document's pairs and queries sit on different
+  devices in the zigzag and contiguous layouts, so beating chance (``1/num_values``) needs
+  attention across the ring.
   """
   seq_len: int
   num_pairs: int = 8
@@ -162,6 +126,7 @@ class KVRetrievalTask:
 
   # Token id layout: [PAD, BOS, QUERY, filler..., keys..., values...].
   QUERY_ID = 2
+  filler_start = 3
 
   @classmethod
   def from_config(cls, data_config) -> "KVRetrievalTask":
@@ -169,10 +134,6 @@ class KVRetrievalTask:
     return cls(seq_len=data_config.seq_len, num_pairs=kv.num_pairs,
                num_queries=kv.num_queries, num_keys=kv.num_keys, num_values=kv.num_values,
                num_filler=kv.num_filler, docs_per_row=kv.docs_per_row)
-
-  @property
-  def filler_start(self) -> int:
-    return 3
 
   @property
   def key_start(self) -> int:
@@ -253,11 +214,8 @@ class KVRetrievalTask:
 
 
 def _fix_json_state(state):
-  """Undoes a JSON round trip of Grain's concat-then-split state (tuples became lists).
-
-  Its "no remainder" sentinel is the tuple ``(-1, -1)``, compared with ``!=``: the list
-  ``[-1, -1]`` a JSON checkpoint gives back would read as a remainder.
-  """
+  """Undoes a JSON round trip of Grain's concat-then-split state: its remainder slices are
+  tuples (the sentinel ``(-1, -1)`` is compared with ``!=``), which JSON made lists."""
   if isinstance(state, dict):
     return {k: ({f: tuple(v) for f, v in sl.items()} if k == "remainder_slices" else
                 _fix_json_state(sl)) for k, sl in state.items()}
@@ -267,11 +225,8 @@ def _fix_json_state(state):
 
 
 def finish_rows(packed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-  """Concat-then-split output ``[rows, L]`` -> the batch fields, natural order.
-
-  Labels and the loss mask stop at every segment end (:func:`next_token_targets`),
-  so a document's last token is never asked to predict the next document's first.
-  """
+  """Concat-then-split output ``[rows, L]`` -> the batch fields, natural order; no label
+  crosses a segment end (:func:`next_token_targets`)."""
   tokens, segment_ids = packed["tokens"], packed["tokens_segment_ids"]
   labels, loss_mask = next_token_targets(tokens, segment_ids)
   positions = np.where(segment_ids > 0, packed["tokens_positions"], 0)
@@ -281,34 +236,16 @@ def finish_rows(packed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
 
 
 def pack_stream(documents: grain.IterDataset, seq_len: int) -> grain.IterDataset:
-  """Documents (``{"tokens": int32[n]}``) -> rows of ``seq_len`` by concat-and-split.
-
-  Documents are laid end to end; one that does not fit the rest of a row continues
-  in the next row as a new segment (attention never crosses a row anyway). Segment
-  ids restart at 1 in every row and positions at 0 at every segment start; the tail
-  of a row is padding (segment 0, masked) only when the stream ends.
-  """
+  """Documents (``{"tokens": int32[n]}``) -> rows of ``seq_len`` by concat-and-split: laid
+  end to end, one that does not fit the rest of a row continuing in the next as a new
+  segment; segment ids restart at 1 per row, positions at 0 per segment."""
   return grain.experimental.ConcatThenSplitIterDataset(documents,
                                                        length_struct={"tokens": seq_len})
 
 
-def pack_documents(docs_tokens: list[np.ndarray], seq_len: int) -> dict[str, np.ndarray]:
-  """:func:`pack_stream` + :func:`finish_rows` over a list: ``[rows, seq_len]`` fields."""
-  docs = grain.MapDataset.source([{"tokens": np.asarray(t, np.int32)} for t in docs_tokens])
-  rows = list(pack_stream(docs.to_iter_dataset(), seq_len))
-  if not rows:
-    rows = [dict(tokens=np.zeros(seq_len, np.int32), tokens_segment_ids=np.zeros(seq_len, np.int32),
-                 tokens_positions=np.zeros(seq_len, np.int32))]
-  return finish_rows({k: np.stack([r[k] for r in rows]) for k in rows[0]})
-
-
 def data_shard(sharding: jax.sharding.Sharding, global_shape: tuple[int, int]) -> tuple[int, int]:
-  """(index, count) of this process's data shard: processes holding the same rows share one.
-
-  Processes whose devices hold different columns of the same rows (the sequence axis
-  spans hosts) must build identical rows, so they read the same shard; every distinct
-  row block is its own shard. One process per row block: ``(process_index, process_count)``.
-  """
+  """(index, count) of this process's data shard: one per distinct block of rows, so
+  processes holding columns of the same rows (sequence over hosts) build the same rows."""
   blocks: dict[int, tuple[int, int]] = {}
   for device, idx in sharding.devices_indices_map(global_shape).items():
     start, stop, _ = idx[0].indices(global_shape[0])
@@ -358,13 +295,8 @@ def bad_record_counts(state: dict[str, Any]) -> dict[str, int]:
 
 
 def process_slices(sharding: jax.sharding.Sharding, global_shape: tuple[int, int]):
-  """(row slice, column slice) of the global batch held by this process's devices.
-
-  With several processes each one builds and transfers only that block
-  (:func:`jax.make_array_from_process_local_data` assembles the global array).
-  Assumes the block is a rectangle, which holds for the batch sharding
-  (:func:`training.batch.sharding`) on meshes built by ``jax.make_mesh``.
-  """
+  """(row slice, column slice) of the global batch this process's devices hold (a rectangle
+  for the batch sharding on ``jax.make_mesh`` meshes): the block it builds and transfers."""
   index_map = sharding.addressable_devices_indices_map(global_shape)
   bounds = []
   for axis, size in enumerate(global_shape):
@@ -374,38 +306,12 @@ def process_slices(sharding: jax.sharding.Sharding, global_shape: tuple[int, int
   return tuple(bounds)
 
 
-class BatchSource:
-  """Random-access batches: ``source[k]`` is batch ``k`` (this process's block of it)."""
-
-  def __init__(self, make_rows: Callable[[int, int], dict], global_batch: int, layout: str,
-               ring_size: int, rows: slice, cols: slice):
-    self._make_rows = make_rows
-    self._global_batch = global_batch
-    self._layout, self._ring_size = layout, ring_size
-    self._rows, self._cols = rows, cols
-
-  def __len__(self) -> int:
-    return _NUM_BATCHES
-
-  def __getitem__(self, k: int) -> dict[str, np.ndarray]:
-    first = k * self._global_batch + self._rows.start
-    batch = self._make_rows(first, self._rows.stop - self._rows.start)
-    batch = to_layout_np(batch, self._layout, self._ring_size)
-    return {name: v[:, self._cols] for name, v in batch.items()}
-
-
 def make_dataset(config, sharding: jax.sharding.Sharding, ring_size: int, *,
                  split: str) -> grain.MapDataset | grain.IterDataset:
-  """The Grain dataset of this process's batches for ``split`` in {'train', 'eval'}: rows of
-  ``data.seq_len`` tokens padded to :func:`models.lengths.padded_length` (:func:`pad_rows`).
-
-  kv task: a ``MapDataset`` (random access by batch number); text: an ``IterDataset``
-  stream of this process's data shard (:func:`data_shard`). Eval streams use a
-  different seed (synthetic) or the held-out files/records (text), and always restart
-  at the first batch so every eval sees the same data. ``config.model.layout`` is a
-  layout's name: ``"auto"`` is resolved first (train.py does it at startup,
-  :func:`training.validation.resolve_layout`).
-  """
+  """The Grain dataset of this process's batches for ``split`` in {'train', 'eval'}, rows
+  padded to :func:`models.lengths.padded_length`: kv task, a ``MapDataset`` by batch number
+  (eval: another seed); text, an ``IterDataset`` of this data shard (eval: the held-out
+  files). ``model.layout`` must be resolved (:func:`training.validation.resolve_layout`)."""
   d = config.data
   if config.model.layout not in layouts.ALL_LAYOUTS:
     raise ValueError(f"model.layout={config.model.layout!r}: the data pipeline needs one of "
@@ -417,9 +323,13 @@ def make_dataset(config, sharding: jax.sharding.Sharding, ring_size: int, *,
   seed = config.seed + (0 if split == "train" else 1_000_003)
   if d.kind == "kv_retrieval":
     task = KVRetrievalTask.from_config(d)
-    make_rows = lambda first, count: pad_rows(task.rows(seed, first, count), run_len)
-    source = BatchSource(make_rows, batch, config.model.layout, ring_size, rows, cols)
-    return grain.MapDataset.source(source)
+    layout = config.model.layout
+
+    def make_batch(k):  # this process's block of batch k
+      natural = pad_rows(task.rows(seed, k * batch + rows.start, rows.stop - rows.start), run_len)
+      return {name: v[:, cols] for name, v in to_layout_np(natural, layout, ring_size).items()}
+
+    return grain.MapDataset.range(_NUM_BATCHES).map(make_batch)
   if d.kind != "text":
     raise ValueError(f"unknown data.kind {d.kind!r}")
   shard_index, shard_count = data_shard(sharding, (batch, run_len))
@@ -456,11 +366,8 @@ class StreamIterator:
 
 
 def make_iterator(dataset: grain.MapDataset | grain.IterDataset, prefetch: int = 2):
-  """Checkpointable iterator (``get_state()`` / ``set_state()``) with background prefetch.
-
-  Text streams read, tokenise and pack in one background thread ``prefetch`` batches
-  ahead of the trainer (benchmarks/data_pipeline.py measures it against the step).
-  """
+  """Checkpointable iterator (``get_state()`` / ``set_state()``) prefetching ``prefetch``
+  batches in a background thread."""
   if isinstance(dataset, grain.MapDataset):
     options = grain.ReadOptions(num_threads=1 if prefetch else 0, prefetch_buffer_size=prefetch)
     return iter(dataset.to_iter_dataset(options))

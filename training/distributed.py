@@ -1,54 +1,26 @@
 """Multi-process start-up and the clean exit when a peer process dies.
 
-``jax.distributed.initialize`` connects the processes of a run through JAX's
-coordination service (hosted by process 0). When a process dies (``kill -9``,
-the kernel's OOM killer, a crashed host), the survivors learn of it in one of
-three ways, all of them JAX's own; each ends in the same documented failure:
-one line naming the lost process, the step, the last complete checkpoint and
-the command that resumes (:func:`lost_peer_message`), and exit status
-:data:`EXIT_PEER_LOST` (75, ``EX_TEMPFAIL``: rerunning is the fix).
+When a process of a ``jax.distributed`` run dies, every survivor ends with one line naming
+the lost process, the step, the last complete checkpoint and the command that resumes
+(:func:`lost_peer_message`), and exit status :data:`EXIT_PEER_LOST` (75, ``EX_TEMPFAIL``);
+docs/training.md, "When a process dies". The survivors learn of it in one of three ways:
 
-* **A collective fails.** The collectives' transport is connected to every
-  peer; the kernel closes a dead process's sockets at once, and the survivor's
-  next collective raises within a fraction of a second (gloo on CPUs: "Gloo
-  all-reduce failed: ... Connection reset by peer"; NCCL: "remote process
-  exited or there was a network error"). ``train.py`` hands the exception to
-  :func:`exit_if_peer_lost`, which recognizes exactly these transport errors
-  (:data:`PEER_CONNECTION_CLOSED`) and ends the process with the line and
-  ``os._exit`` at once: an ordinary exit would close the checkpointer and shut
-  JAX down, and both wait on barriers the dead peer never reaches (until JAX's
-  heartbeat timeout, then a C++ abort).
-* **The coordination service goes.** When process 0 dies, the service dies
-  with it, and JAX's client terminates every survivor from C++ within
-  milliseconds, before any Python code runs. ``train.py`` therefore runs each
-  process of a multi-process run as the child of a thin supervisor
-  (``training.supervisor``, which imports no JAX while the child runs);
-  :func:`start_watchdog` and :func:`note_step` tell it the process index, the
-  checkpoint directory, the resume command and the step, and when JAX ends a
-  child because the service is gone, the supervisor prints the same line for
-  process 0 and exits with :data:`EXIT_PEER_LOST` too.
-* **A heartbeat stops.** A process that stops without closing its connections
-  (a host that loses power or its network) or a survivor that is in no
-  collective (waiting in a barrier of the coordination service) is caught by
-  :class:`PeerWatchdog`: a daemon thread in every process bumps a liveness
-  counter in the coordination service's key-value store every
-  ``heartbeat_timeout_s / 5`` seconds; process 0 declares a process lost when
-  its counter has not moved for ``heartbeat_timeout_s`` and publishes the
-  verdict (a key every survivor's watchdog polls). JAX's own heartbeat timeout
-  is :data:`JAX_HEARTBEAT_FACTOR` times ``heartbeat_timeout_s``, so this comes
-  well before JAX's C++ abort, which stays as the backstop (e.g. if a
-  survivor's Python is wedged).
-
-Why a watchdog of our own and not JAX's ``missed_heartbeat_callback``:
-``jax.distributed.initialize`` does not expose it, and on jaxlib 0.10 a Python
-callback passed to the client is never reached (converting its ``absl::Status``
-argument throws ``std::bad_cast``, which terminates the process just the same).
+* a collective fails (the transport's connection to the dead peer closed):
+  :func:`exit_if_peer_lost` recognizes the transport's error (:data:`PEER_CONNECTION_CLOSED`)
+  and ends the process at once with ``os._exit`` (closing the checkpointer or JAX would wait
+  on barriers the dead peer never reaches);
+* the coordination service dies with process 0, and JAX ends each survivor from C++ before
+  any Python runs: the parent :mod:`training.supervisor` prints the line;
+* a heartbeat stops (no collective in flight): :class:`PeerWatchdog` beats a counter in the
+  coordination service's key-value store; process 0 declares a peer lost after
+  ``heartbeat_timeout_s`` without a beat and publishes the verdict for the others. JAX's own
+  heartbeat timeout is :data:`JAX_HEARTBEAT_FACTOR` times longer, a backstop. (JAX's
+  ``missed_heartbeat_callback`` is not exposed by ``jax.distributed.initialize``.)
 """
 
 from __future__ import annotations
 
 import atexit
-import inspect
 import os
 import re
 import signal
@@ -67,33 +39,20 @@ from training import supervisor
 EXIT_PEER_LOST = supervisor.EXIT_PEER_LOST
 lost_peer_message = supervisor.lost_peer_message
 
-#: JAX's coordination-service heartbeat timeout, as a multiple of ``heartbeat_timeout_s``:
-#: it may fire from half its value after a death on, so this keeps the watchdog's verdict
-#: (at most 1.6 x heartbeat_timeout_s, the survivors' acknowledgements included) first.
+#: JAX's coordination-service heartbeat timeout, as a multiple of ``heartbeat_timeout_s``
+#: (it may fire from half its value on): the watchdog's verdict comes first.
 JAX_HEARTBEAT_FACTOR = 4
 
 _PREFIX = "ring_jax/liveness"
 
-#: What a collective's error says when a peer process's connection went away: one pattern
-#: per transport, searched in the message of an exception and of those it was raised from
-#: (a CheckpointWriteError keeps the collective's error as its cause); group 1 names the
-#: collective, group 2 holds the transport's words. Nothing else counts: a timeout is not a
-#: closed connection, and "Connection reset by peer" without the collective's words may be
-#: any socket of the process (a gs:// read, a data download).
+#: What a collective's error says when a peer process's connection went away, searched in an
+#: exception and those it was raised from: group 1 names the collective, group 2 holds the
+#: transport's words. A timeout, or a reset socket outside a collective, does not count.
 PEER_CONNECTION_CLOSED = (
-    # gloo, the CPU collectives of a multi-process run (jax_cpu_collectives_implementation
-    # "gloo"): XLA's gloo_collectives.cc wraps gloo's exception as "Gloo all-reduce failed:
-    # <what>" (also "Gloo AllGather", "Gloo ReduceScatter", "Gloo all-to-all", "Gloo
-    # collective permute"); gloo/transport/tcp/pair.cc's <what> is "Connection closed by
-    # peer [host]:port" when the socket reads EOF, "Read error [host]:port: Connection
-    # reset by peer" on ECONNRESET (the dead process left bytes unread: both seen after a
-    # kill -9, on jax 0.10 and 0.12), and the strerror of EPIPE, "Broken pipe", when a write
-    # meets the closed socket.
+    # gloo (CPU): XLA wraps gloo's pair.cc error as "Gloo <collective> failed: <what>".
     re.compile(r"\b(Gloo [\w -]+?) failed: .*?(Connection closed by peer|Connection reset by "
                r"peer|Broken pipe)", re.S),
-    # NCCL, the GPU collectives: XLA's nccl_errors.h reports "NCCL operation ncclGroupEnd()
-    # failed: <ncclGetErrorString(result)>. Last NCCL warning(error) log entry ...", and the
-    # string of ncclRemoteError is "remote process exited or there was a network error".
+    # NCCL (GPU): nccl_errors.h's report of ncclRemoteError.
     re.compile(r"\b(NCCL operation \w+).*? failed: (remote process exited or there was a "
                r"network error)", re.S),
 )
@@ -101,32 +60,9 @@ PEER_CONNECTION_CLOSED = (
 COLLECTIVE_CLOSED = "its connection closed in a collective"
 
 
-def initialize(distributed_config, **kwargs) -> None:
-  """``jax.distributed.initialize(**kwargs)`` with the heartbeat and start-up timeouts of
-  ``config.distributed``, passing only the arguments the installed JAX accepts."""
-  accepted = inspect.signature(jax.distributed.initialize).parameters
-  timeouts = {
-      "heartbeat_timeout_seconds": JAX_HEARTBEAT_FACTOR * int(
-          distributed_config.heartbeat_timeout_s),
-      "initialization_timeout": int(distributed_config.initialization_timeout_s),
-  }
-  kwargs.update({k: v for k, v in timeouts.items() if k in accepted})
-  if "heartbeat_timeout_seconds" not in accepted:  # JAX's default (100 s) may then fire first.
-    print("warning: this JAX's jax.distributed.initialize takes no heartbeat_timeout_seconds; "
-          "a process that dies may end the others with JAX's abort instead of status 75",
-          file=sys.stderr, flush=True)
-  jax.distributed.initialize(**kwargs)
-
-
 def start(mode: str, distributed_config) -> int:
-  """train.py's ``--distributed`` (``mode``): :func:`initialize` if asked or detected;
-  returns the process count.
-
-  Starts no backend (so the CPU device count can still be set afterwards). On a
-  CPU-only multi-process run (``JAX_PLATFORMS=cpu``) cross-process collectives
-  go through gloo. ``distributed_config`` (``config.distributed``) sets the
-  heartbeat and start-up timeouts.
-  """
+  """train.py's ``--distributed`` (``mode``): :func:`initialize` if asked or detected (gloo
+  collectives on CPU); returns the process count. Starts no backend."""
   launcher = supervisor.multiprocess_launch_detected()
   if mode == "off" or (mode == "auto" and launcher is None):
     return 1
@@ -137,7 +73,9 @@ def start(mode: str, distributed_config) -> int:
     kwargs["process_id"] = int(os.environ["JAX_PROCESS_ID"])
   if os.environ.get("JAX_PLATFORMS", "") == "cpu":
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-  initialize(distributed_config, **kwargs)
+  jax.distributed.initialize(  # the heartbeat and start-up timeouts of config.distributed
+      heartbeat_timeout_seconds=JAX_HEARTBEAT_FACTOR * int(distributed_config.heartbeat_timeout_s),
+      initialization_timeout=int(distributed_config.initialization_timeout_s), **kwargs)
   print(f"jax.distributed initialised ({launcher or 'forced by --distributed=on'})",
         flush=True)
   for name in ("JAX_NUM_PROCESSES", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE"):
@@ -148,15 +86,9 @@ def start(mode: str, distributed_config) -> int:
 
 def start_watchdog(distributed_config, checkpoint_dir: str, resume_command: str,
                    steps: Callable[[str], list[int]]) -> "PeerWatchdog | None":
-  """Starts the :class:`PeerWatchdog` of a multi-process run (None on one process).
-
-  ``steps(checkpoint_dir)`` lists the complete checkpoint steps for the line.
-  :func:`finish` after a clean end tells the others not to expect this process any more;
-  otherwise the watchdog just stops beating at interpreter exit (before JAX's shutdown),
-  so a process that exits with an error is reported by the others like one that died.
-  :func:`note_step`, :func:`exit_if_peer_lost` and :func:`wait_for_verdict` reach it from
-  the loop.
-  """
+  """Starts the :class:`PeerWatchdog` of a multi-process run (None on one process);
+  ``steps(checkpoint_dir)`` lists the complete checkpoint steps for the line. Without
+  :func:`finish` it stops beating at exit, so the others report an error exit as a death."""
   global _ACTIVE
   from jax._src import distributed as jax_distributed
   state = jax_distributed.global_state
@@ -180,14 +112,9 @@ _ACTIVE: "PeerWatchdog | None" = None
 def describer(num_processes: int, checkpoint_dir: str, resume_command: str,
               steps: Callable[[str], list[int]]
               ) -> Callable[[int | None, int | None, str], str]:
-  """The watchdog's ``describe``: the lost-peer line of this run.
-
-  Where ``steps`` raises RuntimeError, the checkpoint steps are listed plainly
-  (``supervisor.complete_steps``): Orbax's listing runs a thread pool, which Python refuses
-  ("cannot schedule new futures after interpreter shutdown") once the main thread has ended
-  (an error it did not recognize as a lost peer) while other threads keep the process alive
-  until the watchdog's verdict; the line must still say which step a rerun resumes from.
-  """
+  """The watchdog's ``describe``: the lost-peer line of this run. Where ``steps`` raises
+  RuntimeError (Orbax's thread pool after interpreter shutdown) the directory is listed
+  plainly (``supervisor.complete_steps``)."""
   def describe(lost: int | None, step: int | None, reason: str) -> str:
     try:
       kept = steps(checkpoint_dir)
@@ -214,10 +141,9 @@ def collective_lost_peer(error: BaseException) -> tuple[str, str] | None:
 
 
 def exit_if_peer_lost(error: BaseException) -> None:
-  """On a multi-process run, where ``error`` says that a collective lost a peer's connection
-  (:func:`collective_lost_peer`): prints the lost-peer line and ends this process with
-  :data:`EXIT_PEER_LOST` at once (``os._exit``: no checkpointer close, no JAX shutdown, whose
-  barriers would wait on the dead peer). Returns for any other error, and on one process."""
+  """Where ``error`` says a collective lost a peer's connection on a multi-process run:
+  prints the lost-peer line and ends the process (``os._exit``) with :data:`EXIT_PEER_LOST`.
+  Returns for any other error, and on one process."""
   found = collective_lost_peer(error)
   if found is not None and _ACTIVE is not None:
     _ACTIVE.collective_failed(*found)
@@ -230,8 +156,7 @@ def finish() -> None:
 
 
 def note_step(step: int) -> None:
-  """Tells the running watchdog and the supervisor (if any) which step the loop is on, for
-  their line."""
+  """Tells the watchdog and the supervisor (if any) the loop's step, for their line."""
   if _ACTIVE is not None:
     _ACTIVE.note_step(step)
     supervisor.report(step=step)
@@ -244,19 +169,10 @@ def wait_for_verdict() -> bool:
 
 
 class PeerWatchdog:
-  """Liveness counters in the coordination service; a lost peer ends every survivor (the
-  module docstring says how), and so does a collective that lost a peer's connection
-  (:meth:`collective_failed`).
-
-  Args:
-    heartbeat_timeout_s: a process whose counter has not moved this long is lost.
-    describe: ``describe(lost_process, step, reason) -> str``, the line printed on stderr
-      (it may read the filesystem; it runs on the watchdog thread or the main thread).
-      ``lost_process`` is None where the survivor cannot tell which process it lost.
-    client: the coordination service's client (``jax._src.distributed.global_state``).
-    exit: called with :data:`EXIT_PEER_LOST` after the line; ``os._exit`` in a run (no
-      atexit handler may wait on the dead peer).
-  """
+  """Liveness counters in the coordination service: a process whose counter has not moved
+  for ``heartbeat_timeout_s`` is lost, and every survivor prints ``describe(lost_process or
+  None, step, reason)`` and calls ``exit(EXIT_PEER_LOST)``; so does a collective that lost
+  a peer's connection (:meth:`collective_failed`). ``client``: JAX's coordination client."""
 
   def __init__(self, heartbeat_timeout_s: float,
                describe: Callable[[int | None, int | None, str], str], *, client,
@@ -401,16 +317,10 @@ class PeerWatchdog:
 class StopRequest:
   """SIGTERM / SIGINT -> finish the current step, agree on it, save, exit cleanly.
 
-  One process: our own handler sets a flag that the loop reads after each step.
-  Several processes (``jax.distributed``): JAX's coordination service already
-  listens to SIGTERM (its preemption notifier) and propagates the notice to
-  every process; :meth:`reached` is then
-  ``multihost_utils.reached_preemption_sync_point(step)``, True on every process
-  at the same step (the largest step any process had reached, plus one). A
-  SIGINT there is forwarded to ourselves as SIGTERM so it takes the same path.
-  A second signal of the same kind (that reaches our handler: SIGINT, or SIGTERM
-  on one process) restores the previous handler and re-sends it, so a second
-  Ctrl-C exits at once.
+  One process: a handler sets a flag the loop reads after each step. Several: JAX's
+  preemption notifier takes SIGTERM to every process (SIGINT is re-sent as SIGTERM) and
+  :meth:`reached` is ``reached_preemption_sync_point(step)``, True everywhere at one step.
+  A second signal of the same kind re-sends it to the previous handler (exits at once).
   """
 
   SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -434,6 +344,12 @@ class StopRequest:
     for sig, handler in self._previous.items():
       signal.signal(sig, handler)
     self._previous.clear()
+
+  def __enter__(self) -> "StopRequest":
+    return self.install()
+
+  def __exit__(self, *exc_info) -> None:
+    self.uninstall()
 
   def _handle(self, signum, frame) -> None:
     name = signal.Signals(signum).name

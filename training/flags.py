@@ -1,12 +1,8 @@
 """Flags and gin syntax onto the run's ConfigDict, and the start of the scripts' ``main``.
 
-There is one source of truth for settings: the ``ml_collections.ConfigDict``
-returned by ``configs/<name>.py:get_config(arg)``. Gin files and ``--gin_param``
-bindings are only another *syntax* for overriding fields of that ConfigDict
-(``model.num_layers = 4`` sets ``config.model.num_layers``); nothing is
-registered as a gin configurable and gin holds no settings of its own.
-:func:`start_script` is what generate.py and evaluate.py do before anything
-else (stray arguments, log verbosity, simulated CPU devices for the mesh).
+The ``ml_collections.ConfigDict`` of ``configs/<name>.py:get_config(arg)`` holds every
+setting: gin files and ``--gin_param`` bindings are only another syntax for overriding its
+fields (``model.num_layers = 4``); nothing is a gin configurable.
 """
 
 from __future__ import annotations
@@ -19,6 +15,7 @@ import ml_collections
 
 from training import mesh as mesh_lib
 from training.errors import EXIT_USAGE, ConfigError
+from training.supervisor import flag_value
 
 
 class _RejectingDelegate:
@@ -36,14 +33,9 @@ class _RejectingDelegate:
 
 
 def parse_gin_bindings(text: str, source: str = "<gin_param>") -> list[tuple[str, Any]]:
-  """Parses gin binding syntax into ``(dotted.config.path, value)`` pairs.
-
-  ``model.num_layers = 4`` -> ``("model.num_layers", 4)``;
-  ``optim.lr = 1e-3`` -> ``("optim.lr", 0.001)``. A top-level field is written
-  with the ``config.`` prefix (``config.total_steps = 100``) because a gin
-  binding always needs a ``selector.name`` pair. ``include 'other.gin'`` is
-  followed relative to the including file.
-  """
+  """Gin bindings -> ``(dotted.config.path, value)`` pairs: ``model.num_layers = 4`` ->
+  ``("model.num_layers", 4)``; a top-level field is ``config.total_steps = 100``;
+  ``include 'other.gin'`` is read relative to the including file."""
   from gin import config_parser  # Imported lazily: only needed when gin is used.
 
   parser = config_parser.ConfigParser(text, _RejectingDelegate())
@@ -112,9 +104,8 @@ def apply_gin(config: ml_collections.ConfigDict, gin_files: Sequence[str] = (),
 
 
 def start_script(argv: Sequence[str], script_flags: dict) -> dict:
-  """The start of generate.py's and evaluate.py's ``main``: no stray arguments (else one
-  line, exit :data:`EXIT_USAGE`), Orbax's INFO logs off unless ``-v``, and enough CPU
-  devices for ``--config``'s mesh. Returns ``{flag name: value}`` of ``script_flags``."""
+  """The start of generate.py's and evaluate.py's ``main``: no stray arguments, INFO logs
+  off unless ``-v``, CPU devices for ``--config``'s mesh; returns ``{flag name: value}``."""
   from absl import flags
   from absl import logging
 
@@ -136,16 +127,16 @@ def fail(status: int, message: str) -> None:
 
 
 def quiet_orbax() -> None:
-  """train.py without ``-v``: Orbax's INFO logs (a line per save step) off; a failed
-  background save makes Orbax log a traceback from each of its threads, and the run reports
-  the failure itself in one line (``CheckpointWriteError``): those tracebacks off too."""
+  """train.py without ``-v``: INFO logs off, and Orbax's tracebacks of a failed background
+  save (the run reports it in one line) and of a failed read."""
   from absl import flags
   from absl import logging
 
   if not flags.FLAGS["verbosity"].present:
     logging.set_verbosity(logging.WARNING)
     logging.get_absl_logger().addFilter(_drop_orbax_tracebacks)
-    sys.unraisablehook = _drop_closed_loop_callbacks
+    from training import checkpoint as ckpt_lib  # Local: Orbax only where a run needs it.
+    ckpt_lib.drop_failed_read_leftovers()
 
 
 def _drop_orbax_tracebacks(record) -> bool:
@@ -153,25 +144,6 @@ def _drop_orbax_tracebacks(record) -> bool:
   if record.exc_info and f"{os.sep}orbax{os.sep}" in record.pathname:
     record.exc_info, record.exc_text = None, None
   return True
-
-
-def _drop_closed_loop_callbacks(unraisable) -> None:
-  """``sys.unraisablehook``: drops the leftovers of a failed Orbax read
-  (:func:`training.checkpoint.is_failed_read_leftover`), passes others on; ``-v`` shows
-  them too."""
-  from training import checkpoint as ckpt_lib  # Local: Orbax only where a run needs it.
-
-  if not ckpt_lib.is_failed_read_leftover(unraisable):
-    sys.__unraisablehook__(unraisable)
-
-
-def _config_path(argv) -> str | None:
-  for i, arg in enumerate(argv):
-    if arg.startswith("--config="):
-      return arg.split("=", 1)[1]
-    if arg == "--config" and i + 1 < len(argv):
-      return argv[i + 1]
-  return None
 
 
 def _unknown_field(argv, name: str) -> str:
@@ -190,10 +162,10 @@ def parse_flags(argv: list[str], default_config: str) -> list[str]:
   from absl import flags
 
   argv = list(argv)
-  if _config_path(argv) is None:  # The default, before any --config.* override.
+  if flag_value(argv, "config") is None:  # The default, before any --config.* override.
     argv[1:1] = ["--config", default_config]
     sys.argv[:] = argv  # ml_collections reads its overrides from sys.argv.
-  path = _config_path(argv).split(":", 1)[0]
+  path = flag_value(argv, "config").split(":", 1)[0]
   if not os.path.isfile(path):
     fail(EXIT_USAGE, f"config error: --config file {path!r} does not exist; pass a config "
                      "file such as configs/tiny.py.")

@@ -17,31 +17,11 @@ def hf_init_dir(config) -> str:
 
 
 def resolve_hf_init(config: ml_collections.ConfigDict, log=None) -> ml_collections.ConfigDict:
-  """``config`` with the model fields of ``init.hf_dir/config.json`` filled in (a copy).
-
-  For each field of :data:`models.convert_hf.HF_FIELDS` (vocabulary, dims,
-  heads, kv heads, head_dim, mlp_dim, rope_theta, rope_scaling, norm_eps,
-  tie_embeddings, and the architecture fields qkv_bias, qk_norm,
-  sliding_window, layer_types, family of Qwen2/Qwen3/Mistral checkpoints, and the Gemma
-  fields of Gemma 2/3 ones),
-  ``config.model``'s value decides (a field the config does not have is added):
-
-  * None ("not set", as ``configs/finetune.py`` leaves them all): config.json's value;
-  * a value: an override of config.json's (``log`` gets one line per differing
-    field), except for the shape fields
-    (:data:`models.convert_hf.HF_SHAPE_FIELDS`), which the weights fix: a
-    different value there is a ConfigError.
-
-  ``data.tokenizer`` None (``configs/finetune.py``'s default) becomes ``init.hf_dir``:
-  the tokenizer files of the Hugging Face directory.
-
-  Idempotent (a resolved config resolves to itself), so a resolved config may be passed to
-  any entry point that resolves it.
-  Without ``init.hf_dir`` the config is returned unchanged.
-
-  Raises:
-    ConfigError: no such directory, no config.json or weights in it, a model
-      this LLaMA is not, or a shape field that contradicts config.json.
+  """``config`` (a copy) with the model fields of ``init.hf_dir/config.json``
+  (:data:`models.convert_hf.HF_FIELDS`): a field that is None takes config.json's value; a
+  set one overrides it (a line to ``log``), except a shape field
+  (:data:`models.convert_hf.HF_SHAPE_FIELDS`), which the weights fix (ConfigError). A None
+  ``data.tokenizer`` becomes ``init.hf_dir``. Idempotent; unchanged without ``init.hf_dir``.
   """
   hf_dir = hf_init_dir(config)
   if not hf_dir:
@@ -91,15 +71,9 @@ def _model_fields(hf_dir: str, who: str) -> dict:
 
 
 def with_hf_model(config: ml_collections.ConfigDict, hf_dir: str) -> ml_collections.ConfigDict:
-  """``config`` (a copy) whose model fields of :data:`models.convert_hf.HF_FIELDS` are those
-  of ``hf_dir/config.json``: the model a script's ``--hf_dir`` loads (:func:`training.loading
-  .load_model`), so whatever reads ``config.model`` before it loads (the layout resolver,
-  ``sliding_window`` included) sees that model, not ``--config``'s. The other model fields
-  (attention, layout, blocks, dtypes) stay ``config``'s.
-
-  Raises:
-    ConfigError: ``hf_dir`` has no config.json, or one this LLaMA family is not.
-  """
+  """``config`` (a copy) whose :data:`models.convert_hf.HF_FIELDS` are ``hf_dir``'s: the model
+  a script's ``--hf_dir`` loads, for whatever reads ``config.model`` before it loads (the
+  layout resolver); the other model fields stay ``config``'s."""
   fields = _model_fields(hf_dir, f"--hf_dir {hf_dir}")
   config = config.copy_and_resolve_references()
   # A new model dict: config.json's values replace --config's whatever their type (a float

@@ -1,11 +1,8 @@
-"""The trained model of a run, for the scripts that read one (generate.py, evaluate.py).
+"""The trained model of a run, for generate.py and evaluate.py, and the run's saved config.
 
-:func:`load_model` restores the parameters of the newest checkpoint in a
-train.py workdir that restores (:meth:`training.checkpoint.Checkpointer.restore_latest`
-without an optimizer target, read only: nothing is moved) onto the shardings of the given mesh, or converts
-a local Hugging Face LLaMA directory (:mod:`models.convert_hf`);
-:func:`load_run_tokenizer` loads the tokenizer that goes with it. Errors are
-:class:`training.errors.UsageError` lines naming the fix.
+:func:`load_model` restores the parameters of a workdir's newest checkpoint that restores
+(read only) onto a mesh, or converts a local Hugging Face directory; :func:`load_run_tokenizer`
+loads the tokenizer that goes with it. Errors are one-line :class:`training.errors.UsageError`\ s.
 """
 
 from __future__ import annotations
@@ -51,12 +48,8 @@ def restore_params(model_cfg, mesh, workdir: str, warn: Callable[[str], None] = 
 
 def load_model(config, mesh, *, workdir: str | None = None, hf_dir: str | None = None,
                log: Callable[[str], None] = _stderr):
-  """``(LlamaConfig, params State sharded on mesh)`` from ``hf_dir`` if given, else ``workdir``.
-
-  With ``workdir`` the model is ``config.model``'s; with ``hf_dir`` it is the
-  Hugging Face config's, run with ``config.model``'s attention, layout, blocks
-  and dtypes.
-  """
+  """``(LlamaConfig, params sharded on mesh)`` from ``hf_dir`` (its model, run with
+  ``config.model``'s attention, layout, blocks and dtypes) if given, else ``workdir``."""
   if hf_dir:
     from flax import nnx
     from models import convert_hf
@@ -84,9 +77,7 @@ _INFERENCE_FIELDS = ("attention", "layout", "block_q", "block_kv", "hop_kernel",
 
 
 def run_config_path(workdir: str) -> str:
-  """Where train.py keeps the config of the run in ``workdir``: the config its checkpoints
-  restore under (train.py writes it only once the checkpoint there restored, or there was
-  none)."""
+  """Where train.py keeps the config its checkpoints in ``workdir`` restore under."""
   return os.path.join(workdir, "config.json")
 
 
@@ -101,9 +92,8 @@ def saved_run_config(workdir: str) -> dict:
 
 
 def model_differences(config, workdir: str) -> list[tuple[str, object, object]]:
-  """``(field, saved value, config's value)`` for each ``config.model`` field (shape, RoPE,
-  norm eps, ...; not the inference choices of :data:`_INFERENCE_FIELDS`) that differs from
-  the one the run in ``workdir`` saved; [] without a saved config."""
+  """``(field, saved value, config's value)`` of each ``config.model`` field but
+  :data:`_INFERENCE_FIELDS` that differs from the run's saved one ([] without one)."""
   saved = saved_run_config(workdir).get("model") or {}
   out = []
   for name, value in config.model.to_dict().items():
@@ -115,8 +105,7 @@ def model_differences(config, workdir: str) -> list[tuple[str, object, object]]:
 
 
 def warn_model_differences(config, workdir: str, log: Callable[[str], None] = _stderr) -> None:
-  """One warning per ``config.model`` field (RoPE, norm eps, ...) that differs from the one
-  the run in ``workdir`` trained with: the weights then compute something else."""
+  """One warning per :func:`model_differences` field: the weights compute something else."""
   for name, saved, value in model_differences(config, workdir):
     log(f"warning: model.{name}={value!r} differs from the run's {saved!r} "
         f"({run_config_path(workdir)}); pass --config.model.{name}=... to match it")
@@ -124,14 +113,8 @@ def warn_model_differences(config, workdir: str, log: Callable[[str], None] = _s
 
 def run_tokenizer_spec(config, *, workdir: str | None = None, hf_dir: str | None = None,
                        log: Callable[[str], None] = _stderr) -> str:
-  """The ``data.tokenizer`` spec of the model :func:`load_model` loads.
-
-  ``hf_dir``: that directory's tokenizer. ``workdir``: the tokenizer the run
-  trained with, as its saved ``config.json`` records it (train.py writes the
-  resolved config, so configs/finetune.py's default names ``init.hf_dir``);
-  without one (a run older than the field), ``config.data.tokenizer``
-  (``config`` resolved by :func:`training.hf_init.resolve_hf_init`).
-  """
+  """The ``data.tokenizer`` spec of the model :func:`load_model` loads: ``hf_dir``'s, else
+  the one the run's saved ``config.json`` records, else ``config.data.tokenizer``."""
   if hf_dir:
     return hf_dir
   spec = config.data.get("tokenizer")
@@ -150,27 +133,19 @@ def run_tokenizer_spec(config, *, workdir: str | None = None, hf_dir: str | None
 
 def load_run_tokenizer(config, *, workdir: str | None = None, hf_dir: str | None = None,
                        log: Callable[[str], None] = _stderr):
-  """The :class:`training.tokenizer.Tokenizer` of :func:`run_tokenizer_spec`.
-
-  Raises UsageError naming the fix when it does not load.
-  """
+  """The :class:`training.tokenizer.Tokenizer` of :func:`run_tokenizer_spec` (UsageError
+  naming the fix when it does not load)."""
   from training import tokenizer as tok_lib
   spec = run_tokenizer_spec(config, workdir=workdir, hf_dir=hf_dir, log=log)
   try:
-    return tok_lib.load_tokenizer(spec)
-  except ImportError as e:
-    raise errors.UsageError(f"tokenizer {spec!r} needs the `hf` extra "
-                            f"(pip install -e '.[hf]'): {e}") from None
-  except Exception as e:  # ValueError naming the fix, or the package's own parse error.
-    raise errors.UsageError(f"tokenizer {spec!r} does not load: {e}") from None
+    return tok_lib.load_explained(spec)
+  except ValueError as e:
+    raise errors.UsageError(f"tokenizer {spec!r} {e}") from None
 
 
 def save_run_config(config, workdir: str) -> None:
-  """Writes ``config`` to the run's ``config.json`` (:func:`training.loading.run_config_path`;
-  on process 0, replacing the file in one rename). Called once the workdir's checkpoint has
-  restored under ``config`` (or there was none), so a run that cannot resume leaves the
-  config its checkpoints were written under as it was (export_hf.py, generate.py and
-  evaluate.py read it)."""
+  """Writes ``config`` to the run's ``config.json`` (process 0, in one rename); train.py calls
+  it once the checkpoint restored under ``config``, so a run that cannot resume leaves it."""
   if jax.process_index() != 0:
     return
   path = run_config_path(workdir)
@@ -181,8 +156,8 @@ def save_run_config(config, workdir: str) -> None:
 
 
 def saved_config_hint(config, workdir: str) -> str:
-  """The end of the error of a run whose workdir holds no checkpoint that restores: the
-  saved config the checkpoints were written under, what differs, and how to rerun with it."""
+  """The end of the error of a run none of whose checkpoints restores: what differs from the
+  saved config and how to rerun with it."""
   path = run_config_path(workdir)
   diffs = model_differences(config, workdir)
   if not diffs:

@@ -1,9 +1,5 @@
-"""The run's device mesh: ``config.mesh`` sizes resolved against the devices, the mesh
-itself, and simulated CPU devices enough to build it on a laptop.
-
-Imports JAX but starts no backend: :func:`simulate_cpu_devices` must run before the
-first JAX operation to take effect.
-"""
+"""The run's device mesh: ``config.mesh`` sizes resolved against the devices, the mesh, and
+enough simulated CPU devices to build it on a laptop (before the first JAX operation)."""
 
 from __future__ import annotations
 
@@ -47,21 +43,10 @@ def mesh_shape(mesh_config, num_devices: int, where: str | None = None) -> dict[
 
 
 def make_mesh(mesh_config, devices=None) -> jax.sharding.Mesh:
-  """A ``(data, pipeline, sequence_outer, sequence, tensor)`` mesh (:data:`MESH_AXES`) with
-  Auto axis types.
-
-  Auto (not Explicit) axes: the trainer states shardings at the jit boundary
-  and lets XLA propagate inside; the model adds its own constraints.
-  ``devices``: default ``jax.devices()``; any others (a subset, or the compile-only devices
-  of a TPU slice, :func:`ring_jax.topology.devices`) are laid out by the same rules.
-  ``jax.make_mesh`` orders devices for the physical topology (ICI rings on
-  TPU), so ring neighbours on ``sequence`` are physical neighbours, and the
-  ``sequence_outer`` groups (the two-level ring's outer level) the farther devices.
-  Devices of several TPU slices (``device.slice_index``) are split over the data center
-  network by :func:`dcn_shape` (``mesh_utils.create_hybrid_device_mesh``).
-
-  Raises:
-    ConfigError: the sizes do not fit the devices, or the slices cannot split the mesh.
+  """The :data:`MESH_AXES` mesh of ``devices`` (default ``jax.devices()``) with Auto axes
+  (shardings are stated at the jit boundary). ``jax.make_mesh`` orders the devices for the
+  physical topology, so ``sequence`` neighbours are physical neighbours; several TPU slices
+  are split over the data center network by :func:`dcn_shape`. ConfigError if they do not fit.
   """
   devices = jax.devices() if devices is None else list(devices)
   sizes = mesh_shape(mesh_config, len(devices))
@@ -79,20 +64,13 @@ def make_mesh(mesh_config, devices=None) -> jax.sharding.Mesh:
       MESH_AXES, axis_types=auto)
 
 
-#: The axes that may span slices (the data center network), in the order they take them:
-#: the two-level ring's outer level is meant for the slower links, then data parallelism
-#: (one gradient reduction per step), then pipeline stages (one activation send per stage).
+#: The axes that may span slices (the data center network), in the order they take them.
 DCN_AXES = ("sequence_outer", "data", "pipeline")
 
 
 def dcn_shape(sizes: dict[str, int], slices: int) -> tuple[int, ...]:
   """How many slices each of :data:`MESH_AXES` spans: :data:`DCN_AXES` in order, each taking
-  the largest share of the remaining slices its size allows; the other axes stay within a
-  slice (their collectives on the chips' links).
-
-  Raises:
-    ConfigError: the sizes of :data:`DCN_AXES` cannot absorb ``slices``.
-  """
+  the largest share of the remaining slices its size allows (ConfigError if they cannot)."""
   left, dcn = slices, dict.fromkeys(MESH_AXES, 1)
   for axis in DCN_AXES:
     share = math.gcd(left, sizes[axis])
@@ -106,16 +84,9 @@ def dcn_shape(sizes: dict[str, int], slices: int) -> tuple[int, ...]:
 
 
 def simulate_cpu_devices(config, num_processes: int = 1) -> None:
-  """Asks the CPU backend for enough devices to build ``config.mesh`` on a laptop.
-
-  ``jax_num_cpu_devices`` only sizes the *CPU* client: on a GPU/TPU host JAX
-  still uses the accelerators as its default devices, so setting it is
-  harmless there and we need not (and cannot, without starting the backends)
-  find out the platform first. An explicit
-  ``--xla_force_host_platform_device_count`` in ``XLA_FLAGS`` wins. With
-  several CPU processes each one simulates its share of the mesh; with an axis
-  of -1, ``config.cpu_devices`` in all.
-  """
+  """Sizes the CPU client (``jax_num_cpu_devices``; harmless on accelerator hosts) for
+  ``config.mesh``, each of ``num_processes`` its share (an axis of -1: ``config.cpu_devices``
+  in all); ``--xla_force_host_platform_device_count`` in ``XLA_FLAGS`` wins."""
   if "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", ""):
     return
   sizes = [int(config.mesh.get(a, 1)) for a in config.mesh.keys()]

@@ -1,17 +1,10 @@
-"""Throughput/MFU accounting and metric sinks (TensorBoard, JSONL, console).
+"""Throughput/MFU accounting, metric sinks (TensorBoard, JSONL, console), the one-step-behind
+step metrics with their divergence check, the profile of ``config.profile_steps``, the eval.
 
-MFU = model FLOPs per second actually achieved / peak FLOPs per second of the
-devices. Model FLOPs come from ``LlamaConfig.flops_per_token(seq_len)``, which
-counts the attention score/value matmuls (causal: half of ``L^2``) as well as
-the dense weights, forward + backward. Peak FLOP/s per device come from
-:mod:`ring_jax.hardware` (dense bf16 tensor-core/MXU peak from vendor data
-sheets, matched by ``device.device_kind``) unless ``config.peak_flops_per_device`` is
-set. A CPU has no meaningful table entry: MFU is then reported against the
-configurable nominal ``config.cpu_peak_flops_per_device`` and labelled as such.
-
-Also the train loop's per-step bookkeeping: :class:`StepMetrics` (metrics
-fetched one step behind, the divergence check) and :class:`Profile` (a
-``jax.profiler`` trace of ``config.profile_steps``).
+MFU = model FLOP/s achieved / peak FLOP/s of the devices: model FLOPs from
+``LlamaConfig.flops_per_token`` (attention included, forward + backward), the peak from
+``config.peak_flops_per_device``, else :mod:`ring_jax.hardware` (dense bf16, by
+``device_kind``); on CPU, the nominal ``config.cpu_peak_flops_per_device``, labelled so.
 """
 
 from __future__ import annotations
@@ -55,11 +48,8 @@ def format_duration(seconds: float) -> str:
 
 
 class Throughput:
-  """Tokens/s, step time and MFU over the window since the last log.
-
-  The caller blocks on the step's outputs before :meth:`window`, so the wall
-  time includes device execution, not just async dispatch.
-  """
+  """Tokens/s, step time and MFU over the window since the last log (the caller blocks on
+  the step's outputs first, so the time includes the device's work)."""
 
   def __init__(self, *, tokens_per_step: int, flops_per_token: float, peak_flops: float,
                num_devices: int):
@@ -87,9 +77,8 @@ class Throughput:
 
 
 def _tensorboardx():
-  """tensorboardX's event writer and protocol buffers, imported on first use without torch:
-  the package's import tries ``import torch`` (for torch.Tensor arguments; scalars need
-  none), which where torch is installed costs each train.py process about 2.5 s of CPU."""
+  """tensorboardX's event writer and protocol buffers, imported without its optional
+  ``import torch`` (scalars need none)."""
   blocked = "torch" not in sys.modules
   if blocked:
     sys.modules["torch"] = None  # `import torch` raises ImportError while tensorboardX loads
@@ -108,16 +97,10 @@ _WRITERS = itertools.count()  # one event file per MetricWriter of a process
 class MetricWriter:
   """TensorBoard event files + ``metrics.jsonl`` in the workdir; only process 0 writes.
 
-  One curve per workdir: a run resumed from step ``resume_step`` first drops
-  the ``metrics.jsonl`` rows past that step (rows of steps the resumed run
-  does again, written before the stop), and TensorBoard is told to purge its
-  events from ``resume_step + 1`` on (a ``SessionLog.START`` at that step, as
-  ``SummaryWriter(purge_step=)`` writes), so neither holds two values for one
-  step. A fresh run (``resume_step=0``) in a workdir with old rows but no
-  checkpoint starts both afresh the same way. TensorBoard gets one event per
-  :meth:`write` (its scalars at that step, float32) in a new
-  ``tensorboard/events.out.tfevents.<time>.<host>.<pid>.<n>`` file, written by
-  tensorboardX's TFRecord writer and on disk when :meth:`write` returns.
+  One curve per workdir: a run resumed from ``resume_step`` drops the JSONL rows past it
+  and tells TensorBoard to purge events from ``resume_step + 1`` on (a ``SessionLog.START``,
+  as ``SummaryWriter(purge_step=)`` writes). Each :meth:`write` is one event of float32
+  scalars in a new ``tensorboard/events.out.tfevents.*`` file, on disk when it returns.
   """
 
   def __init__(self, workdir: str, *, resume_step: int = 0, enabled: bool | None = None):
@@ -158,11 +141,8 @@ class MetricWriter:
 
 
 def truncate_jsonl(path: str, last_step: int) -> int:
-  """Drops the rows of ``path`` whose ``step`` is past ``last_step``; returns how many.
-
-  Lines that do not parse (a row cut short by a kill) are dropped too. The
-  file is replaced atomically, so a crash here leaves the old file.
-  """
+  """Drops the rows of ``path`` past ``last_step`` and those that do not parse (replacing
+  the file in one rename); returns how many."""
   if not os.path.exists(path):
     return 0
   with open(path) as f:
@@ -222,17 +202,9 @@ class Diverged(RuntimeError):
 
 
 class StepMetrics:
-  """The train step's metrics, fetched one step behind and checked as they arrive.
-
-  Fetching a step's metrics waits for that step; fetching the previous step's
-  (``fetch(step - 1)`` right after dispatching ``step``) keeps one step queued
-  on the device, so the host never stalls it. Every fetched row is checked:
-  a non-finite ``loss`` or ``grad_norm`` raises :class:`Diverged` with the
-  message ``explain(row)`` (what diverged, what was kept, what to change).
-
-  ``history`` holds every fetched row of this run; :meth:`window` returns the
-  means since the previous window (one log line) and starts the next.
-  """
+  """The train step's metrics, fetched one step behind (``fetch(step - 1)`` after dispatching
+  ``step`` keeps one step queued on the device); a non-finite ``loss`` or ``grad_norm``
+  raises :class:`Diverged` with ``explain(row)``. ``history``: every fetched row."""
 
   WINDOW_KEYS = ("loss", "accuracy", "grad_norm")
 
@@ -272,17 +244,9 @@ class StepMetrics:
 
 
 class Profile:
-  """A ``jax.profiler`` trace of the train steps in ``steps`` (a ``range``; None: off).
-
-  The loop calls :meth:`step` around each step (a ``StepTraceAnnotation("train",
-  step_num=step)``, so the trace viewer and XProf's step-time view group the
-  work by step): the trace starts before the range's first step and stops
-  after its last one, once that step's outputs are ready (the device work of
-  the last step is in the trace, not only its dispatch). It is written to
-  ``logdir`` as ``plugins/profile/<time>/<host>.xplane.pb``:
-  ``tensorboard --logdir <logdir>`` (profile tab) or XProf opens it. A run
-  that stops inside the range still writes what it traced (:meth:`close`).
-  """
+  """A ``jax.profiler`` trace of the train steps in ``steps`` (a ``range``; None: off) into
+  ``logdir``: :meth:`step` wraps each step in a ``StepTraceAnnotation``; the trace stops once
+  the range's last step's outputs are ready, or at :meth:`close`."""
 
   def __init__(self, steps: range | None, logdir: str):
     self.steps, self.logdir = steps, logdir
@@ -312,12 +276,8 @@ class Profile:
 
 
 def evaluate(eval_step, params, dataset, config, sharding, shape) -> dict[str, float]:
-  """Loss / perplexity / accuracy over the first ``config.eval_batches`` held-out batches.
-
-  For the kv task the loss mask covers only answer tokens, so the accuracy is
-  the retrieval accuracy (``retrieval_accuracy``, next to ``chance_accuracy``);
-  for text it is next-byte ``accuracy``.
-  """
+  """Loss / perplexity / accuracy over the first ``config.eval_batches`` held-out batches
+  (kv task: ``retrieval_accuracy``, the mask covers the answers, and ``chance_accuracy``)."""
   from training import data as data_lib  # Local: Grain only where a run evaluates.
 
   iterator = data_lib.make_iterator(dataset, prefetch=0)  # Fresh: same batches every eval.

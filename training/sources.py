@@ -1,32 +1,18 @@
 """Streamed document sources: ``.jsonl``/``.json``, ``.txt``, ``.parquet`` and ArrayRecord files.
 
-A corpus is a list of files (a file, a directory searched recursively, or a glob). Each
-file is measured in *units* without reading it: bytes for ``.jsonl``/``.txt``, rows for
-``.parquet`` (from its footer), records for ArrayRecord (from its index). The pipeline
-works on :class:`Span`\\ s, half-open unit ranges of one file:
+A corpus (a file, a directory searched recursively, or a glob) is cut into :class:`Span`\ s,
+half-open ranges of one file's *units* (bytes of line files, parquet rows, ArrayRecord
+records), measured without reading the file. Splits: of several files the last
+``max(1, round(eval_fraction * files))`` are eval; one file holds out its last
+``eval_fraction`` of units. Shards: with at least as many spans as shards, span ``i`` of the
+epoch's (reshuffled) list goes to shard ``i % shards``, else each span is cut in ``shards``.
+A byte range owns every line that *starts* inside it, so any cut gives each line to one
+reader, which seeks to its range. A ``.txt`` file (or a range of one) is one document, read
+in pieces of about ``TXT_PIECE_BYTES`` cut at line ends. Parquet is read by row-group
+batches with ``pyarrow`` (Grain's ``ParquetIterDataset`` reads whole files).
 
-* splits: with several files the last ``max(1, round(eval_fraction * files))`` files are
-  held out for eval; a single file holds out its last ``eval_fraction`` of units.
-* shards (processes): with at least as many spans as shards, span ``i`` of the (per epoch
-  reshuffled) list goes to shard ``i % shards``; with fewer, every span is cut into
-  ``shards`` equal unit ranges and shard ``s`` reads range ``s`` of each.
-
-A byte range owns every line that *starts* inside it (a line starts at byte 0 or right
-after a newline), so ranges cut anywhere still give every line to exactly one reader;
-a reader seeks to its range and never reads the rest of the file (one read buffer plus
-one record at a time). A ``.txt`` file is one document, read in pieces of about
-``TXT_PIECE_BYTES`` cut at line ends; a ``.txt`` range that starts mid-file (a shard's or
-the eval split's) is its own document.
-
-Grain's own pieces are used where they fit: ``grain.IterDataset`` / ``DatasetIterator``
-(the checkpointable stream), ``grain.sources.ArrayRecordDataSource`` (ArrayRecord reads).
-Parquet is read with ``pyarrow`` row-group batches directly, because Grain's
-``ParquetIterDataset`` reads whole files (no row ranges to shard one file) and has no
-per-row error reporting.
-
-Bad records are counted by kind with their first locations (``file:line`` for line files,
-``file:row N`` / ``file:record N`` otherwise) and skipped, or raise :class:`DataError`
-when ``strict``. Blank lines of a ``.jsonl`` file are formatting, not records.
+Bad records are counted by kind with their first locations and skipped, or raise
+:class:`DataError` when ``strict``; blank lines of a ``.jsonl`` file are not records.
 """
 
 from __future__ import annotations
@@ -35,6 +21,7 @@ import collections
 import copy
 import dataclasses
 import glob
+import itertools
 import json
 import os
 from typing import Any, Iterator
@@ -53,8 +40,7 @@ READ_BUFFER_BYTES = 1 << 20  # file read buffer of the line readers
 TXT_PIECE_BYTES = 1 << 20  # a .txt document is tokenised in pieces of about this size
 PARQUET_BATCH_ROWS = 1024  # rows decoded at a time from a parquet row group
 ARRAY_RECORD_BATCH = 64  # records fetched at a time from an ArrayRecord file
-# Read ahead and tokenised in one (native, multithreaded) call: this many pieces, or fewer
-# once their text reaches ENCODE_BATCH_BYTES (memory stays bounded by the batch, not the file).
+# Pieces read ahead and tokenised in one native call: this many, or fewer once this much text.
 ENCODE_BATCH, ENCODE_BATCH_BYTES = 32, 1 << 20
 FIRST_LOCATIONS = 3  # locations kept (and printed) per kind of bad record
 
@@ -212,10 +198,8 @@ def _open_at_line(span: Span, offset: int):
 
 
 def _json_text(raw: bytes, field: str, bad: BadRecords, where) -> str | None:
-  """The ``field`` text of one JSON record, or None after counting why it is bad.
-
-  ``where()`` gives the record's location (only computed for a bad one).
-  """
+  """The ``field`` text of one JSON record, or None after counting why it is bad at
+  ``where()`` (computed for a bad one only)."""
   try:
     record = json.loads(raw.decode("utf-8"))
   except UnicodeDecodeError as e:
@@ -293,54 +277,41 @@ def _read_txt(cur: _Cursor, bad: BadRecords) -> Iterator[tuple]:
 
 
 def _read_parquet(cur: _Cursor, bad: BadRecords, field: str):
-  import pyarrow as pa
   import pyarrow.parquet as pq
 
   pf = pq.ParquetFile(cur.span.path)
+  names, meta = pf.schema_arrow.names, pf.metadata
   where = lambda row: f"{cur.span.path}:row {row}"
-  if field not in pf.schema_arrow.names:
-    for row in range(cur.offset, cur.span.stop):  # Each row is a record without the field.
-      cur.offset = row + 1
-      bad.add("missing_field", where(row), f"data.text_field={field!r}; columns "
-              f"{pf.schema_arrow.names}")
-    return
-  is_binary = pa.types.is_binary(pf.schema_arrow.field(field).type) or pa.types.is_large_binary(
-      pf.schema_arrow.field(field).type)
-  first_row = 0
-  for group in range(pf.metadata.num_row_groups):
-    rows = pf.metadata.row_group(group).num_rows
-    lo, hi = max(cur.offset, first_row), min(cur.span.stop, first_row + rows)
-    if lo < hi:
-      batch_start = first_row
-      for batch in pf.iter_batches(batch_size=PARQUET_BATCH_ROWS, row_groups=[group],
-                                   columns=[field]):
-        values = batch.column(0).to_pylist()
-        for i, value in enumerate(values):
-          row = batch_start + i
-          if row < cur.offset:
-            continue
-          if row >= cur.span.stop:
-            return
-          cur.offset = row + 1
-          if is_binary and isinstance(value, bytes):
-            try:
-              value = value.decode("utf-8")
-            except UnicodeDecodeError as e:
-              bad.add("undecodable", where(row), str(e))
-              continue
-          if not isinstance(value, str):
-            bad.add("missing_field", where(row), f"data.text_field={field!r} is {value!r:.40}")
-            continue
-          if not value:
-            bad.add("empty", where(row))
-            continue
-          yield value, True, True, lambda row=row: where(row)
-        batch_start += len(values)
-        if batch_start >= hi:
-          break
-    first_row += rows
-    if first_row >= cur.span.stop:
+  if field in names:  # from the row group holding cur.offset on
+    ends = np.cumsum([meta.row_group(g).num_rows for g in range(meta.num_row_groups)])
+    first = int(np.searchsorted(ends, cur.offset, side="right"))
+    row = int(ends[first - 1]) if first else 0
+    values = (v for g in range(first, meta.num_row_groups)
+              for b in pf.iter_batches(PARQUET_BATCH_ROWS, row_groups=[g], columns=[field])
+              for v in b.column(0).to_pylist())
+  else:  # each row is a record without the field
+    row, values = cur.offset, itertools.repeat(None)
+  for value in values:
+    if row >= cur.span.stop:
       return
+    row += 1
+    if row <= cur.offset:
+      continue  # before where the reader resumes
+    cur.offset, r = row, row - 1
+    if isinstance(value, bytes):
+      try:
+        value = value.decode("utf-8")
+      except UnicodeDecodeError as e:
+        bad.add("undecodable", where(r), str(e))
+        continue
+    if not isinstance(value, str):
+      bad.add("missing_field", where(r), f"data.text_field={field!r}" + (
+          f" is {value!r:.40}" if field in names else f"; columns {names}"))
+      continue
+    if not value:
+      bad.add("empty", where(r))
+      continue
+    yield value, True, True, lambda r=r: where(r)
 
 
 def _read_array_record(cur: _Cursor, bad: BadRecords, field: str):
@@ -373,14 +344,10 @@ def read_span(cur: _Cursor, bad: BadRecords, field: str):
 
 
 class DocumentDataset(grain.IterDataset):
-  """Tokenised documents (``{"tokens": int32[n]}``) of shard ``shard_index`` of ``shard_count``.
-
-  Epoch ``e`` reads this shard's spans of ``spans`` in order (reshuffled with
-  ``(seed, e)`` when ``shuffle``; the same order on every process, so the shards of an
-  epoch partition the corpus), and repeats forever when ``repeat``. The iterator's
-  state (``get_state()``) is a small JSON-able dict: epoch, span, unit offset, and the
-  bad-record counts, so a restore seeks straight to where it left off.
-  """
+  """Tokenised documents (``{"tokens": int32[n]}``) of shard ``shard_index`` of ``shard_count``:
+  epoch ``e`` reads this shard's spans (reshuffled with ``(seed, e)`` when ``shuffle``, the
+  same on every process), forever when ``repeat``. The iterator's state is JSON-able (epoch,
+  span, unit offset, bad-record counts): a restore seeks straight there."""
 
   def __init__(self, spans: list[Span], tokenizer, *, text_field: str = "text",
                shard_index: int = 0, shard_count: int = 1, shuffle: bool = False, seed: int = 0,
@@ -406,11 +373,8 @@ class DocumentDataset(grain.IterDataset):
 
 
 class DocumentIterator(grain.DatasetIterator):
-  """Reads pieces ``ENCODE_BATCH`` at a time, tokenises them in one batch call, yields one by one.
-
-  Every buffered document keeps the reader state from just before it was read, so
-  ``get_state()`` is exact however far the reader has run ahead.
-  """
+  """Reads pieces ``ENCODE_BATCH`` at a time, tokenises them in one call, yields one by one;
+  each buffered document keeps the reader state from before it, so ``get_state()`` is exact."""
 
   def __init__(self, ds: DocumentDataset):
     super().__init__()
@@ -477,11 +441,8 @@ class DocumentIterator(grain.DatasetIterator):
         self._uncount(before["epoch"], first, where(), [b for b, _ in entries[i + 1:]])
 
   def _uncount(self, epoch: int, first: bool, location: str, later: list[dict]) -> None:
-    """A piece read but empty once tokenised: out of the counts, here and in ``later`` states.
-
-    A first piece is an empty document (a bad record); a later one (the rest of a
-    ``.txt`` document) only adds nothing.
-    """
+    """A piece empty once tokenised: out of the counts, here and in ``later`` states; a
+    first piece is an empty document (a bad record)."""
     self._docs -= 1
     self._epoch_docs -= self._epoch == epoch
     if first:

@@ -1,48 +1,26 @@
-"""Progressive context extension: ``config.stages``, run in order in one workdir.
+"""Progressive context extension: ``config.stages``, run in order in one workdir
+(docs/context_extension.md has the recipe).
 
-A stage is a sequence length, a number of steps and optionally the RoPE base
-(``rope_theta``), the RoPE scaling (``rope_scaling``, a Hugging Face dict), the
-global batch size (``batch_size``), the peak learning rate (``lr``) and its
-warmup (``warmup_steps``). Training a model to a long context in stages of
-growing length, raising the RoPE base at each, is how the Large World Model
-took LLaMA-2 7B from 4K to 1M tokens (Liu et al. 2024, "World Model on
-Million-Length Video and Language with Blockwise RingAttention"); the recipe
-is docs/context_extension.md.
+A stage is a sequence length and a number of steps, and optionally the RoPE base
+(``rope_theta``), ``rope_scaling`` (a Hugging Face dict), ``batch_size``, the peak ``lr`` and
+its ``warmup_steps``. Semantics:
 
-Semantics (one definition, used by ``train.py`` and documented there):
+* Steps are global: stage ``i`` runs steps ``start_i + 1 .. start_i + steps_i``;
+  ``total_steps`` is their sum (a checkpoint's step tells a resumed run its stage).
+* Each stage rebuilds its train step, its data pipelines and its learning-rate schedule
+  (warmup over its ``warmup_steps``, cosine over its steps). Parameters carry over; the AdamW
+  state is reset at the start of every stage after the first (its moments belong to the
+  previous length and RoPE base).
+* A checkpoint's data state belongs to its step's stage: a run resumed on a stage boundary
+  starts the next stage's pipeline from its beginning, as an uninterrupted run does.
 
-* Steps are global: stage ``i`` runs global steps ``start_i + 1 .. start_i +
-  steps_i`` with ``start_0 = 0`` and ``start_{i+1} = start_i + steps_i``;
-  ``total_steps`` is the sum. The checkpoint records the global step, so a
-  resumed run finds its stage from it (:func:`stage_of`).
-* Each stage rebuilds what depends on it: the train step (sequence length,
-  RoPE), the data pipelines at the stage's length and batch, and the learning
-  rate schedule, which is per stage: linear warmup over the stage's
-  ``warmup_steps`` then cosine decay over the stage's steps
-  (:func:`training.step.make_schedule`), as if each stage were its own
-  fine-tuning run started from the previous one's weights.
-* Parameters carry over; the AdamW state is reset at the start of every stage
-  after the first. Its moments estimate the gradients of the previous length
-  and RoPE base, and the fresh warmup of the stage is what a fresh state needs.
-* The data iterator's state in a checkpoint belongs to the stage of the
-  checkpoint's step: a run resumed inside a stage continues that stage's
-  stream exactly; a run resumed on a stage boundary starts the next stage's
-  pipeline from its beginning, as an uninterrupted run does.
-
-Where the stages come from: a list of dicts in a config file
-(``config.stages = [dict(seq_len=4096, steps=500), ...]``) or the compact
-string of the command line, stages separated by ``,`` and fields by ``:``,
-the first two being ``seq_len:steps``::
+Stages come from a config file (``config.stages = [dict(seq_len=4096, steps=500), ...]``)
+or the command line's compact form, ``rope_scaling`` excepted::
 
   --config.stages="256:20,512:20:rope_theta=1e6:lr=1e-4"
 
-``rope_scaling`` takes a dict, so it is set in a config file only. Empty or
-None (the default): one stage made of the top-level fields.
-
-:func:`resolve` makes every stage explicit (fields a stage leaves out take
-the top-level value) and sets the top-level fields to those of the last stage,
-so the run's saved ``config.json`` describes the model the run ends with
-(what ``generate.py``, ``evaluate.py`` and ``export_hf.py`` read).
+:func:`resolve` makes every stage explicit and sets the top-level fields to the last
+stage's, so the run's saved ``config.json`` describes the model the run ends with.
 """
 
 from __future__ import annotations
@@ -90,13 +68,6 @@ class Stage:
             f"{c.data.seq_len}, batch {c.batch_size}, lr {c.optim.lr:g}, rope_theta "
             f"{c.model.rope_theta:g}"
             + (f", rope_scaling {dict(c.model.rope_scaling)}" if c.model.rope_scaling else ""))
-
-
-def _get(config, path: str):
-  node = config
-  for name in path.split("."):
-    node = node[name]
-  return node
 
 
 def _set(config, path: str, value) -> None:
@@ -222,7 +193,9 @@ def _set_stages(config, value) -> None:
 
 
 def _top_level(config, path: str):
-  value = _get(config, path)
+  value = config
+  for name in path.split("."):
+    value = value[name]
   return value.to_dict() if isinstance(value, ml_collections.ConfigDict) else value
 
 
@@ -246,15 +219,6 @@ def plan(config: ml_collections.ConfigDict) -> list[Stage]:
   return out
 
 
-def stage_of(stages: list[Stage], step: int) -> Stage:
-  """The stage that runs global step ``step + 1`` (the one after a checkpoint at ``step``);
-  the last stage once ``step`` reaches the end."""
-  for stage in stages:
-    if step < stage.end:
-      return stage
-  return stages[-1]
-
-
 @dataclasses.dataclass
 class StageSetup:
   """What one stage builds (:func:`build_stage`): its step, schedule and batch shapes."""
@@ -267,11 +231,9 @@ class StageSetup:
 
 
 def build_stage(stage: Stage, mesh) -> StageSetup:
-  """The train step of ``stage``: its model (RoPE) and an optimizer whose warmup + cosine
-  schedule spans the stage's steps, its batches ``[rows, run length]``
-  (:func:`training.validation.run_length`: ``data.seq_len`` padded to what the ring splits;
-  logged when it pads). Abstract only; parameter shapes are the same in every stage, so any
-  stage's step restores a checkpoint of any other."""
+  """The train step of ``stage`` (abstract only): its model and an optimizer whose schedule
+  spans the stage's steps, its batch shapes ``[rows, run length]`` (the padding logged).
+  Parameter shapes are the same in every stage, so any stage restores another's checkpoint."""
   from models import sharding as shd  # Local: this module's config code needs no JAX.
   from training import metrics as metrics_lib
   from training import step as step_lib
@@ -293,18 +255,15 @@ def build_stage(stage: Stage, mesh) -> StageSetup:
                     eval_shape=(c.eval_batch_size, run_len))
 
 
-# The train steps of the last few (model, mesh, optimizer) triples this process built. A
-# second train() of the same setup in one process (a resumed run in a notebook, the next stage
-# of a schedule seen before, a sweep over data) reuses the jitted step, so JAX's caches hand
-# back its compiled program instead of compiling it again.
+# The train steps of the last few setups this process built: a second train() of the same
+# setup in one process reuses the jitted step, and so JAX's compiled program.
 _TRAIN_STEPS: collections.OrderedDict = collections.OrderedDict()
 _TRAIN_STEPS_KEPT = 4
 
 
 def cached_train_step(model_cfg, mesh, optim, steps: int, microbatches: int, seed: int):
-  """``build_train_step`` with an optimizer over ``steps``, or the same one built before:
-  the key holds everything the step's program depends on (the model config and mesh are
-  hashable values; the optimizer by its settings)."""
+  """``build_train_step`` with an optimizer over ``steps``, or the same one built before (the
+  key holds everything the step's program depends on)."""
   from training import step as step_lib
 
   key = (model_cfg, mesh, optim.to_json(), steps, microbatches, seed)

@@ -1,25 +1,12 @@
 """The optimizer, the pure train/eval steps, their jit with explicit shardings, and
 :func:`build_train_step`, the one place a train step and its state are assembled.
 
-NNX "tree mode": the model is split once into ``graphdef`` (static structure),
-``params`` (``nnx.Param`` leaves, trained) and ``rest`` (any other state,
-read-only here; empty for :class:`models.llama.Llama`, which holds only
-Params). The jitted step is a pure function
-``(params, opt_state, batch) -> (params, opt_state, metrics)`` that rebuilds
-the module with ``nnx.merge`` inside the trace, so there is no hidden mutable
-state and params/opt_state can be donated. The batch is the one
-:mod:`training.batch` defines (fields, dtypes, sharding).
-
-:func:`build_train_step` gathers what :func:`jit_train_step` needs (graphdef,
-parameter and optimizer-state shapes and shardings) from ``nnx.eval_shape`` and
-``jax.eval_shape``, so building it allocates nothing. ``train.py`` compiles it
-against the real state (:meth:`TrainStep.init_state` or a restored checkpoint);
-``benchmarks/fit.py`` compiles it against ``jax.ShapeDtypeStruct`` inputs at many
-sequence lengths to read ``memory_analysis()`` without running it; the
-benchmarks and tests run it on :meth:`TrainStep.init_state`.
-
-Needs JAX, Flax, Optax and einops only (no ml_collections, no Grain), so the
-benchmarks run this exact step on accelerator images without them.
+The model is split once (NNX) into ``graphdef``, ``params`` (``nnx.Param`` leaves, trained)
+and ``rest`` (other state, read-only); the step is a pure ``(params, opt_state, batch) ->
+(params, opt_state, metrics)`` that merges the module inside the trace, so params and
+opt_state can be donated. :func:`build_train_step` gets every shape and sharding from
+``nnx.eval_shape``/``jax.eval_shape``: building it allocates nothing. Needs JAX, Flax,
+Optax and einops only (the benchmarks run it on accelerator images).
 """
 
 from __future__ import annotations
@@ -68,10 +55,7 @@ def make_optimizer(optim_config, total_steps: int) -> optax.GradientTransformati
 
 def opt_state_shardings(tx: optax.GradientTransformation, params, param_shardings, mesh):
   """Moments share their parameter's sharding; counters and scalars are replicated.
-
-  Abstract only: ``tree_map_params`` runs ``tx.init`` on a placeholder to find where the
-  parameter trees sit in the state, and here that runs under ``jax.eval_shape``, so no
-  counter is created on ``mesh`` (whose devices may be compile-only, a TPU topology's)."""
+  Abstract only (``tx.init`` under ``jax.eval_shape``: ``mesh`` may be compile-only)."""
   abstract = jax.eval_shape(tx.init, params)
   replicated = NamedSharding(mesh, P())
   return optax.tree_utils.tree_map_params(
@@ -86,16 +70,11 @@ def opt_state_shardings(tx: optax.GradientTransformation, params, param_sharding
 
 
 def loss_sums(graphdef, params, rest, batch) -> tuple[jax.Array, dict[str, jax.Array]]:
-  """Summed masked next-token NLL over ``batch`` (any token order: it is a sum).
-
-  Returns the sum (what the gradient is taken of) and the token count and
-  number of argmax-correct targets, so microbatches and devices combine exactly
-  before the single division by the total token count.
-  """
+  """Summed masked next-token NLL over ``batch`` (any token order: it is a sum), and the
+  target and argmax-correct counts, so microbatches combine exactly before one division."""
   model = nnx.merge(graphdef, params, rest)
   mask_BL = batch["loss_mask"]
-  # The model computes the head + NLL itself, chunk by chunk when
-  # model.loss_chunk_size is set, so whole-sequence logits need never exist.
+  # Head + NLL in the model, by chunks with model.loss_chunk_size: no whole-sequence logits.
   loss_sum, correct = model.nll_sums(batch["tokens"], batch["positions"], batch["segment_ids"],
                                      batch["labels"], mask_BL)
   return loss_sum, dict(tokens=jnp.sum(mask_BL.astype(jnp.float32)), correct=correct)
@@ -107,12 +86,8 @@ def loss_sums(graphdef, params, rest, batch) -> tuple[jax.Array, dict[str, jax.A
 
 
 def _split_microbatches(batch, microbatches: int):
-  """``[B, L]`` -> ``[M, B/M, L]`` with microbatch ``m`` = rows ``m::M``.
-
-  Taking strided rows keeps every microbatch spread over all 'data' shards
-  (row ``b = i*M + m``: the ``i`` axis stays contiguous, hence stays sharded),
-  so splitting moves no data between devices.
-  """
+  """``[B, L]`` -> ``[M, B/M, L]`` with microbatch ``m`` = rows ``m::M``: each spread over
+  every 'data' shard, so splitting moves no data between devices."""
   def split(x_BL):
     b, length = x_BL.shape
     x = x_BL.reshape(b // microbatches, microbatches, length).swapaxes(0, 1)
@@ -122,37 +97,22 @@ def _split_microbatches(batch, microbatches: int):
 
 def train_step(params, opt_state, batch, *, graphdef, rest, tx: optax.GradientTransformation,
                microbatches: int = 1):
-  """One optimizer update over ``batch`` (accumulating ``microbatches`` gradients).
+  """One optimizer update over ``batch``: the mean NLL per target token of the whole batch,
+  numerator and denominator summed over ``microbatches`` first (the same update for any M)."""
+  grad_fn = jax.value_and_grad(functools.partial(loss_sums, graphdef), has_aux=True)
 
-  The loss is mean NLL per target token of the whole batch: numerator and
-  denominator are summed over microbatches first, so the update equals the
-  single-batch update regardless of ``microbatches``.
-  """
-  def with_loss(params, mb):
-    loss_sum, aux = loss_sums(graphdef, params, rest, mb)
-    return loss_sum, dict(aux, loss_sum=loss_sum)
-
-  grad_fn = jax.grad(with_loss, has_aux=True)
-
-  def micro(params, mb):
-    grads, aux = grad_fn(params, mb)
-    loss_sum = aux.pop("loss_sum")
+  def micro(mb):
+    (loss_sum, aux), grads = grad_fn(params, rest, mb)
     return grads, loss_sum, aux
 
   if microbatches == 1:
-    grads, loss_sum, aux = micro(params, batch)
+    grads, loss_sum, aux = micro(batch)
   else:
-    def body(carry, mb):
-      grads_acc, loss_acc, aux_acc = carry
-      grads, loss_sum, aux = micro(params, mb)
-      return (jax.tree.map(jnp.add, grads_acc, grads), loss_acc + loss_sum,
-              jax.tree.map(jnp.add, aux_acc, aux)), None
-
-    zeros = jax.tree.map(jnp.zeros_like, params)
-    init = (zeros, jnp.zeros((), jnp.float32),
-            dict(tokens=jnp.zeros((), jnp.float32), correct=jnp.zeros((), jnp.float32)))
-    (grads, loss_sum, aux), _ = jax.lax.scan(body, init,
-                                             _split_microbatches(batch, microbatches))
+    zero = jnp.zeros((), jnp.float32)
+    init = (jax.tree.map(jnp.zeros_like, params), zero, dict(tokens=zero, correct=zero))
+    (grads, loss_sum, aux), _ = jax.lax.scan(
+        lambda carry, mb: (jax.tree.map(jnp.add, carry, micro(mb)), None), init,
+        _split_microbatches(batch, microbatches))
 
   denom = jnp.maximum(aux["tokens"], 1.0)
   grads = jax.tree.map(lambda g: g / denom, grads)
@@ -170,11 +130,6 @@ def eval_step(params, batch, *, graphdef, rest):
   return dict(loss_sum=loss_sum, tokens=aux["tokens"], correct=aux["correct"])
 
 
-def batch_shardings(mesh) -> dict[str, NamedSharding]:
-  """Field name -> sharding of the batch argument (see :func:`training.batch.shardings`)."""
-  return batch_lib.shardings(mesh)
-
-
 def jit_train_step(*, graphdef, rest, tx, microbatches: int, mesh, param_shardings,
                    opt_shardings) -> Callable:
   """``jax.jit`` with explicit in/out shardings; params and opt_state are donated."""
@@ -183,22 +138,14 @@ def jit_train_step(*, graphdef, rest, tx, microbatches: int, mesh, param_shardin
                            microbatches=microbatches)
   return jax.jit(
       step,
-      in_shardings=(param_shardings, opt_shardings, batch_shardings(mesh)),
+      in_shardings=(param_shardings, opt_shardings, batch_lib.shardings(mesh)),
       out_shardings=(param_shardings, opt_shardings, replicated),
       donate_argnames=("params", "opt_state"))
-
-
-def jit_eval_step(*, graphdef, rest, mesh, param_shardings) -> Callable:
-  replicated = NamedSharding(mesh, P())
-  step = functools.partial(eval_step, graphdef=graphdef, rest=rest)
-  return jax.jit(step, in_shardings=(param_shardings, batch_shardings(mesh)),
-                 out_shardings=replicated)
 
 
 def init_opt_state(tx, params, opt_shardings):
   """Optimizer state created directly with its target shardings (never gathered)."""
   return jax.jit(tx.init, out_shardings=opt_shardings)(params)
-
 
 
 # ----------------------------------------------------------------------------
@@ -208,13 +155,8 @@ def init_opt_state(tx, params, opt_shardings):
 
 @dataclasses.dataclass(frozen=True)
 class TrainStep:
-  """The jitted train step of one model config on one mesh, plus its abstract state.
-
-  ``abstract_params`` / ``abstract_opt_state`` are pytrees of
-  ``jax.ShapeDtypeStruct`` carrying their target shardings (what
-  :meth:`lower` compiles against, and what a checkpoint restores into);
-  ``step`` is :func:`jit_train_step` (params and optimizer state donated).
-  """
+  """The jitted train step (:func:`jit_train_step`) of one model config on one mesh, and its
+  abstract state: ``ShapeDtypeStruct`` trees with their target shardings."""
   model_cfg: llama.LlamaConfig
   mesh: jax.sharding.Mesh
   graphdef: Any
@@ -236,12 +178,12 @@ class TrainStep:
       return params, init_opt_state(self.tx, params, self.opt_shardings)
 
   def eval_step(self) -> Callable:
-    """The jitted eval step of the same model (:func:`jit_eval_step`), built once per
-    TrainStep (a reused TrainStep reuses its compiled eval program too)."""
+    """The jitted eval step of the same model, built once per TrainStep."""
     if "_eval_step" not in self.__dict__:  # frozen: set once, bypassing __setattr__
-      object.__setattr__(self, "_eval_step", jit_eval_step(
-          graphdef=self.graphdef, rest=self.rest, mesh=self.mesh,
-          param_shardings=self.param_shardings))
+      step = functools.partial(eval_step, graphdef=self.graphdef, rest=self.rest)
+      object.__setattr__(self, "_eval_step", jax.jit(
+          step, in_shardings=(self.param_shardings, batch_lib.shardings(self.mesh)),
+          out_shardings=NamedSharding(self.mesh, P())))
     return self.__dict__["_eval_step"]
 
   def lower(self, batch_shape: tuple[int, int], params=None, opt_state=None):
@@ -257,17 +199,10 @@ class TrainStep:
 
   def offloaded_bytes(self, batch_shape: tuple[int, int], layers: int,
                       platform: str = "cuda") -> int:
-    """Per-device bytes of saved activations the remat policy places in host memory.
-
-    Read from the step lowered for an accelerator ``platform`` (no device
-    needed): XLA:CPU has no host memory space and keeps them on the device,
-    so ``memory_analysis()`` on CPU counts them there. Each
-    ``annotate_device_placement`` to ``pinned_host`` is one offloaded
-    residual of one layer; the layer scan stacks it ``layers`` times (pass 1
-    when the layers are unrolled: each then appears on its own). Residuals
-    are ``[batch, length, ...]`` activations, so the global size is divided by
-    the devices the batch's ``(batch, length)`` axes are sharded over.
-    """
+    """Per-device bytes of saved activations the remat policy places in host memory, read
+    from the step lowered for ``platform`` (XLA:CPU has no host memory space): each
+    ``pinned_host`` placement is one layer's residual, stacked ``layers`` times by the layer
+    scan (1 when unrolled), divided over the devices of the batch's ``(batch, length)``."""
     with jax.set_mesh(self.mesh):
       text = self.step.trace(self.abstract_params, self.abstract_opt_state,
                              batch_lib.abstract(batch_shape, self.mesh)).lower(
@@ -290,9 +225,8 @@ _DTYPE_BYTES = {"bf16": 2, "f16": 2, "f32": 4, "f64": 8, "i32": 4, "i8": 1}
 
 def build_train_step(model_cfg: llama.LlamaConfig, mesh, tx: optax.GradientTransformation,
                      *, microbatches: int = 1, seed: int = 0) -> TrainStep:
-  """The train step of ``model_cfg`` on ``mesh`` with optimizer ``tx``, built from
-  abstract values only (see the module docstring); :meth:`TrainStep.init_state`
-  makes the concrete state, seeded by ``seed``."""
+  """The train step of ``model_cfg`` on ``mesh`` with optimizer ``tx``, from abstract values
+  only; :meth:`TrainStep.init_state` makes the concrete state, seeded by ``seed``."""
   graphdef, params, rest = abstract_model(model_cfg, mesh, seed=seed)
   param_shardings = jax.tree.map(lambda x: x.sharding, params)
   with jax.set_mesh(mesh):
@@ -309,8 +243,7 @@ def build_train_step(model_cfg: llama.LlamaConfig, mesh, tx: optax.GradientTrans
 
 def abstract_model(model_cfg: llama.LlamaConfig, mesh, *, seed: int = 0):
   """``(graphdef, params, rest)`` of ``model_cfg`` without allocating: ``params`` are
-  ``ShapeDtypeStruct`` leaves carrying their shardings on ``mesh`` (the rules table of
-  :mod:`models.sharding`), what a train step compiles against and a checkpoint restores."""
+  ``ShapeDtypeStruct`` leaves with their shardings on ``mesh`` (:mod:`models.sharding`)."""
   with jax.set_mesh(mesh):
     model = nnx.eval_shape(lambda: llama.Llama(model_cfg, rngs=nnx.Rngs(seed)))
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
@@ -318,7 +251,6 @@ def abstract_model(model_cfg: llama.LlamaConfig, mesh, *, seed: int = 0):
 
 
 def abstract_like(tree, shardings):
-  """``ShapeDtypeStruct`` leaves of ``tree`` with the matching shardings attached (what
-  :meth:`TrainStep.lower` compiles against and a checkpoint restore fills)."""
+  """``ShapeDtypeStruct`` leaves of ``tree`` with the matching shardings attached."""
   return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                       tree, shardings)

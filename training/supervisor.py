@@ -1,42 +1,20 @@
 """A thin parent process around each process of a multi-process ``train.py`` run.
 
-Why: when process 0 dies, JAX's coordination service (which it hosts) dies with it, and
-JAX's C++ client terminates every survivor within milliseconds ("Terminating process
-because the JAX distributed service detected fatal errors", a "Check failure" stack trace,
-"Fatal Python error: Aborted", status 134) before any Python code of theirs can run
-(``training.distributed`` says why no JAX hook reaches Python). So the code that reports it
-has to live in another process: on a multi-process launch ``train.py`` re-executes itself
-(same interpreter, same arguments) as a child under :func:`supervise`, which
+When process 0 dies, the coordination service it hosts dies with it and JAX's C++ client
+aborts every survivor before any of its Python runs, so the report must come from another
+process: ``train.py`` re-executes itself as a child under :func:`supervise`, which imports
+no JAX, forwards :data:`FORWARDED_SIGNALS` (the child, in its own process group, dies with
+it: ``PR_SET_PDEATHSIG``), passes stdout through and stderr line by line except JAX's report
+of a lost service (saved to ``<workdir>/abort_process_<i>.txt``), and learns from the child
+(:func:`report`) its process index, checkpoint directory, resume command and step. Its exit:
 
-* imports nothing of JAX while the child runs (it holds no devices and no connection);
-* forwards SIGTERM, SIGINT, SIGHUP, SIGUSR1 and SIGUSR2 to the child (which runs in its own
-  process group, so a terminal's Ctrl-C reaches it once, through here), and the child gets
-  SIGKILL when this process dies (Linux ``PR_SET_PDEATHSIG``): a ``kill -9`` of this
-  process is a ``kill -9`` of the run's process, as without a supervisor;
-* passes the child's stdout through untouched and its stderr line by line, except JAX's
-  report of a lost coordination service, which it holds back (and saves to
-  ``<workdir>/abort_process_<i>.txt``);
-* learns from the child (JSON lines on a pipe, :func:`report`) its process index, the
-  checkpoint directory, the resume command and the step the loop is on;
-* when the child of a process other than 0 ends because the coordination service is gone
-  (JAX's termination line says so, or it aborted and the coordinator's address refuses
-  connections), prints the one line of :func:`lost_peer_message` for
-  process 0 and exits with ``EXIT_PEER_LOST`` (75);
-* when JAX ends the child because the coordination service propagated another process's
-  failure (its termination line names that task, ``/task:N``), which can beat the
-  watchdog's verdict (seen once in CI: process 1 killed while a checkpoint was being
-  written, process 0 ended by JAX 3 s later), prints the same line for process N and exits
-  with 75;
-* when the child printed the lost-peer line itself (``training.distributed``: a collective
-  lost a peer's connection, or the watchdog's verdict; it sends the line on the pipe first)
-  and was ending with 75, passes that line through (never as part of JAX's held-back lines)
-  and exits with 75 whatever ended the child: JAX's abort can beat the child's own exit
-  when process 0 is the one lost, and a second line for the same loss would follow;
-* otherwise exits with the child's status (``128 + N`` if signal N ended it, after a line
-  that says so: a child killed by the kernel's OOM killer prints nothing itself).
+* the child ended because the service is gone (JAX's line says so, or it aborted and the
+  coordinator refuses connections), or because JAX propagated another task's failure
+  (``/task:N``): the line of :func:`lost_peer_message` for that process, status 75;
+* the child printed the lost-peer line itself and ended: that line once, status 75;
+* otherwise the child's status (``128 + N`` for signal N, after a line that says so).
 
-Set ``RING_JAX_SUPERVISOR=0`` to run without it (a dead process 0 then ends the survivors
-with JAX's abort, status 134).
+``RING_JAX_SUPERVISOR=0`` runs without it (a dead process 0 then aborts the survivors).
 """
 
 from __future__ import annotations
@@ -70,13 +48,8 @@ _TERMINATING = "Terminating process because the JAX distributed service detected
 _SERVICE_GONE = re.compile(r"UNAVAILABLE|Failed to send RPC to coordination service")
 # How the service's errors name a process: its task, "/job:jax_worker/replica:0/task:1".
 _TASK = re.compile(r"/task:(\d+)")
-# The C++ log lines just before it (the agent's "E1201 12:16:11.010197 2745
-# coordination_service_agent.cc:289] Polled an error ...", the service's "coordination_service.cc:
-# 1549] Use error polling to propagate ...", the preemption sync manager's "W1203 ...
-# preemption_sync_manager.cc:147] Failed to retrieve preemption notice from coordination
-# service: UNAVAILABLE ..."), held back until a next line shows whether the termination
-# follows; so are the lines that continue one (gRPC's "Additional GRPC error information ...":
-# any line that is not a log line of its own while one is held).
+# The coordination agent's C++ log lines before it, held back until the next line shows
+# whether the termination follows (and the lines continuing one, e.g. gRPC's details).
 _AGENT_LOG = re.compile(
     r"^[EWF]\d{4} .*(coordination_service|coordination service|preemption_sync_manager)")
 _LOG_LINE = re.compile(r"^[IWEF]\d{4} ")
@@ -84,14 +57,8 @@ _HOLD_S = 1.0  # a held line nothing follows is passed on after this long
 
 
 def multiprocess_launch_detected(environ=os.environ) -> str | None:
-  """Names the launcher whose environment asks for several processes, else None.
-
-  These are exactly the cases ``jax.distributed.initialize()`` can complete
-  from the environment alone: JAX reads ``JAX_COORDINATOR_ADDRESS`` itself;
-  ``JAX_NUM_PROCESSES`` / ``JAX_PROCESS_ID`` are read by train.py (JAX does
-  not read them) and passed on; SLURM, Open MPI and GKE TPU variables are
-  auto-detected by JAX's cluster plugins.
-  """
+  """Names the launcher whose environment asks for several processes (the cases
+  ``jax.distributed.initialize()`` completes from the environment), else None."""
   if environ.get("JAX_COORDINATOR_ADDRESS"):
     return "JAX_COORDINATOR_ADDRESS"
   if int(environ.get("SLURM_NTASKS", "1")) > 1 and "SLURM_JOB_ID" in environ:
@@ -103,13 +70,13 @@ def multiprocess_launch_detected(environ=os.environ) -> str | None:
   return None
 
 
-def _distributed_flag(argv) -> str:
-  """The value of train.py's ``--distributed`` flag in ``argv`` (absl syntax), else auto."""
-  value = "auto"
+def flag_value(argv, name: str, default: str | None = None) -> str | None:
+  """The value of the absl flag ``--name`` in ``argv`` (the last one given), else ``default``."""
+  value = default
   for i, arg in enumerate(argv):
-    if arg.startswith("--distributed="):
+    if arg.startswith(f"--{name}="):
       value = arg.split("=", 1)[1]
-    elif arg == "--distributed" and i + 1 < len(argv):
+    elif arg == f"--{name}" and i + 1 < len(argv):
       value = argv[i + 1]
   return value
 
@@ -119,7 +86,7 @@ def wanted(argv, environ=os.environ) -> bool:
   launch (as ``--distributed`` decides it), not already the supervised child, not off."""
   if environ.get(_CHILD_ENV) or environ.get(SWITCH_ENV, "1") == "0":
     return False
-  mode = _distributed_flag(argv)
+  mode = flag_value(argv, "distributed", "auto")
   return mode == "on" or (mode == "auto" and multiprocess_launch_detected(environ) is not None)
 
 
@@ -295,11 +262,8 @@ def _lost_process(info: dict, swallowed: list[str], aborted: bool) -> tuple[int,
 
 
 def complete_steps(directory: str) -> list[int]:
-  """``training.checkpoint.complete_steps(directory)``, without importing JAX and Orbax
-  (seconds, on a loaded machine more than the rest of the report) where the answer does not
-  need them: on a local filesystem Orbax finalizes a step by renaming its directory from
-  ``<step>.orbax-checkpoint-tmp...`` to ``<step>``, so the directories named by a number
-  are the complete steps. Elsewhere (``gs://``: a commit file finalizes) Orbax decides."""
+  """``training.checkpoint.complete_steps(directory)`` without importing JAX where possible:
+  on a local filesystem Orbax finalizes a step by renaming its directory to ``<step>``."""
   if "://" in directory:
     from training import checkpoint as ckpt_lib  # the child is gone: JAX may load here now
     return ckpt_lib.complete_steps(directory)
@@ -325,10 +289,9 @@ def _save_report(info: dict, swallowed: list[str]) -> str | None:
 
 
 def _declared(info: dict, swallowed: list[str], out) -> int:
-  """The child printed the lost-peer line itself (``info["declared"]``), then ended: by its
-  exit (75) or by JAX's abort, which its line can precede by a moment when process 0 was
-  the one lost. The line stands alone (said here if JAX's report swallowed it: it came
-  after JAX's termination line); JAX's report goes to the file; the status is 75."""
+  """The child printed the lost-peer line itself (``info["declared"]``), then ended (JAX's
+  abort may beat its exit): that line alone (said here if JAX's report swallowed it), the
+  report to the file, status 75."""
   line = info["declared"] + "\n"
   if line in swallowed:
     swallowed.remove(line)
@@ -354,9 +317,8 @@ def _report_lost(info: dict, swallowed: list[str], out, lost: int, reason: str) 
 def lost_peer_message(lost: int | None, num_processes: int, reason: str, step: int | None,
                       checkpoint_steps: list[int], checkpoint_dir: str,
                       resume_command: str) -> str:
-  """The one line a survivor prints (docs/training.md, "When a process dies"); ``reason``
-  says how the loss was noticed ("no heartbeat for 60 s"); ``lost`` None: the survivor
-  cannot tell which process it lost ("another process")."""
+  """The one line a survivor prints; ``reason`` says how the loss was noticed; ``lost``
+  None: the survivor cannot tell which process it lost."""
   who = "another process" if lost is None else f"process {lost}"
   where = f" at step {step}" if step is not None else " before the first step"
   kept = (f"the last complete checkpoint is step {checkpoint_steps[-1]} in {checkpoint_dir}"

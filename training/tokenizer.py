@@ -1,24 +1,11 @@
 """Tokenizers for the text pipeline: bytes, a Hugging Face ``tokenizer.json``, SentencePiece.
 
-``load_tokenizer(spec)`` is the one entry point (``config.data.tokenizer``):
-
-* ``"byte"``: UTF-8 bytes shifted past three special ids (PAD 0, BOS 1, EOS 2), vocab 259.
-* a ``tokenizer.json`` file: the ``tokenizers`` package (a Hugging Face fast tokenizer).
-* a ``*.model`` file: a SentencePiece model (the ``sentencepiece`` package).
-* a directory holding one of them (a Hugging Face model directory): ``tokenizer.json`` is
-  preferred over ``tokenizer.model`` when both exist (it is what ``transformers`` loads).
-
-Every tokenizer encodes a document as ``[BOS] ids [EOS]``, each special added when the
-tokenizer's own configuration says so:
-
-* ``tokenizer_config.json`` / ``special_tokens_map.json`` next to the tokenizer file:
-  ``add_bos_token`` / ``add_eos_token`` and the ``bos_token`` / ``eos_token`` strings;
-* otherwise, for ``tokenizer.json``: what its post-processor adds around a text (a
-  LLaMA-3 style template adds ``<|begin_of_text|>``);
-* otherwise, for SentencePiece: BOS and EOS whenever the model defines them (``bos_id()``,
-  ``eos_id()`` >= 0).
-
-Nothing is fetched: the files are local.
+:func:`load_tokenizer` (``config.data.tokenizer``) takes ``"byte"`` (UTF-8 bytes past three
+special ids, vocab 259), a ``tokenizer.json`` (the ``tokenizers`` package), a SentencePiece
+``*.model``, or a directory holding one (``tokenizer.json`` preferred, as ``transformers``).
+A document is ``[BOS] ids [EOS]``, each special added as ``tokenizer_config.json`` /
+``special_tokens_map.json`` say, else as a ``tokenizer.json``'s post-processor adds it, else
+(SentencePiece) whenever the model defines it. Nothing is fetched.
 """
 
 from __future__ import annotations
@@ -53,13 +40,8 @@ def byte_detokenize(ids) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class Tokenizer:
-  """A loaded tokenizer: ``encode``/``decode`` text, and the ids it wraps documents in.
-
-  ``vocab_size`` is the number of ids the tokenizer can emit (largest id + 1), which
-  must not exceed ``model.vocab_size``. ``bos_id`` / ``eos_id`` are None when the
-  tokenizer has no such token; ``add_bos`` / ``add_eos`` say whether
-  :meth:`encode_document` puts them around every document.
-  """
+  """A loaded tokenizer: ``encode``/``decode`` text, and the ids it wraps documents in
+  (``bos_id``/``eos_id`` None where it has none); ``vocab_size`` is its largest id + 1."""
   spec: str
   kind: str  # "byte" | "tokenizers" | "sentencepiece"
   vocab_size: int
@@ -75,43 +57,26 @@ class Tokenizer:
 
   def encode(self, text: str) -> np.ndarray:
     """Token ids of ``text`` without any special token, int32."""
-    if self.kind == "byte":
-      return (np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int32)
-              + BYTE_OFFSET)
-    if self.kind == "tokenizers":
-      return np.asarray(self._impl.encode(text, add_special_tokens=False).ids, np.int32)
-    return np.asarray(self._impl.encode(text), np.int32)
+    return self.encode_documents([(text, False, False)])[0]
 
   def encode_document(self, text: str, *, bos: bool = True, eos: bool = True) -> np.ndarray:
-    """``[BOS] encode(text) [EOS]`` with each special as the tokenizer adds it.
-
-    ``bos=False`` / ``eos=False`` leave them out for a piece that does not start / end
-    its document (a ``.txt`` file read in several pieces).
-    """
-    return self._wrap(self.encode(text), bos, eos)
+    """``[BOS] encode(text) [EOS]`` with each special as the tokenizer adds it; ``bos`` /
+    ``eos`` False for a piece that does not start / end its document."""
+    return self.encode_documents([(text, bos, eos)])[0]
 
   def encode_documents(self, pieces: list[tuple[str, bool, bool]]) -> list[np.ndarray]:
-    """:meth:`encode_document` of each ``(text, bos, eos)``, in one native batch call.
-
-    ``tokenizers``' ``encode_batch`` and SentencePiece's list ``encode`` tokenise on
-    their own native threads.
-    """
+    """:meth:`encode_document` of each ``(text, bos, eos)``, in one native batch call."""
     texts = [text for text, _, _ in pieces]
     if self.kind == "tokenizers":
       ids = [e.ids for e in self._impl.encode_batch(texts, add_special_tokens=False)]
     elif self.kind == "sentencepiece":
       ids = self._impl.encode(texts)
     else:
-      ids = [self.encode(t) for t in texts]
-    return [self._wrap(np.asarray(i, np.int32), bos, eos)
+      ids = [np.frombuffer(t.encode("utf-8"), np.uint8).astype(np.int32) + BYTE_OFFSET
+             for t in texts]
+    return [np.concatenate([[self.bos_id] * (bos and self.add_bos), np.asarray(i, np.int32),
+                            [self.eos_id] * (eos and self.add_eos)]).astype(np.int32)
             for i, (_, bos, eos) in zip(ids, pieces)]
-
-  def _wrap(self, ids: np.ndarray, bos: bool, eos: bool) -> np.ndarray:
-    head = [self.bos_id] if bos and self.add_bos else []
-    tail = [self.eos_id] if eos and self.add_eos else []
-    if head or tail:
-      ids = np.concatenate([np.asarray(head, np.int32), ids, np.asarray(tail, np.int32)])
-    return ids.astype(np.int32)
 
   def decode(self, ids) -> str:
     """Text of ``ids``; special tokens are dropped."""
@@ -236,30 +201,31 @@ def _load(spec: str) -> Tokenizer:
 
 
 def load_tokenizer(spec: str | None) -> Tokenizer:
-  """The tokenizer ``config.data.tokenizer`` names: "byte", a file, or a model directory.
-
-  Loaded once per spec and process (cached: the trainer, its validation and its eval
-  share one). Raises ValueError naming the fix for a path that holds no tokenizer.
-  """
+  """The tokenizer ``config.data.tokenizer`` names (loaded once per spec and process);
+  ValueError naming the fix for a path that holds no tokenizer."""
   if not spec:
     raise ValueError("data.tokenizer is empty; use 'byte', a tokenizer.json, a SentencePiece "
                      ".model, or a Hugging Face model directory.")
   return _load(spec if spec == BYTE else os.path.abspath(os.path.expanduser(spec)))
 
 
+def load_explained(spec: str) -> Tokenizer:
+  """:func:`load_tokenizer`, or a ValueError whose message (to follow the spec) says why not:
+  the `hf` extra missing, or the file's own error."""
+  try:
+    return load_tokenizer(spec)
+  except ImportError as e:
+    raise ValueError(f"needs the `hf` extra (pip install -e '.[hf]'): {e}") from None
+  except Exception as e:  # ValueError naming the fix, or the package's own parse error.
+    raise ValueError(f"does not load: {e}") from None
+
+
 def write_hf_tokenizer_json(spec: str, out_path: str) -> None:
   """Writes the ``tokenizer.json`` of ``spec`` (a ``tokenizers`` tokenizer) to ``out_path``
-  so that Hugging Face ``transformers`` encodes a text to the ids :meth:`Tokenizer
-  .encode_document` gives: ``AutoTokenizer`` adds the specials the file's post-processor
-  adds, not what ``tokenizer_config.json``'s ``add_bos_token`` / ``add_eos_token`` say. A
-  file whose post-processor already adds exactly ``[BOS]`` / ``[EOS]`` as this tokenizer
-  does is copied as is; otherwise its post-processor becomes a ``TemplateProcessing``
-  adding them (``"<s>:0 $A:0 </s>:0"``, as transformers' LlamaTokenizerFast writes for
-  those flags), after a ``ByteLevel`` one if there is one (offsets only).
-
-  Raises:
-    ValueError: ``spec`` is not a ``tokenizer.json`` tokenizer.
-  """
+  so that ``transformers`` (which adds what the post-processor adds) encodes a text to the
+  ids of :meth:`Tokenizer.encode_document`: copied as is where that holds, else with a
+  ``TemplateProcessing`` post-processor adding them (after a ``ByteLevel`` one, if any).
+  ValueError for another kind of tokenizer."""
   import shutil
 
   import tokenizers

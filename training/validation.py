@@ -1,16 +1,6 @@
-"""Up-front checks of the run's ConfigDict, and the model config made of it.
-
-Every check in :func:`validate_config` looks at static numbers only, so a bad
-config fails with a message naming the fix before anything is traced or
-compiled; :func:`validate_stages` runs it for each of ``config.stages``.
-:func:`resolve_layout` decides ``model.layout="auto"`` once for the run's data and
-ring, before anything reads the layout; :func:`resolve_config` is every entry point's one
-call that decides the model that will run (Hugging Face fields, stages, then the layout);
-:func:`resolve_run` is train.py's, for the ring of the devices the run has.
-:func:`llama_config` turns ``config.model`` into the model's frozen
-``LlamaConfig`` (its own field checks raise :class:`ConfigError` too), and
-:func:`resolve_attention` decides ``model.attention="auto"`` for the run's shapes.
-"""
+"""Up-front checks of the run's ConfigDict (static numbers only: a bad config fails in one
+line naming the fix before anything is traced), the decisions of ``"auto"`` fields, and the
+model's ``LlamaConfig`` made of ``config.model``."""
 
 from __future__ import annotations
 
@@ -30,6 +20,7 @@ from training import hf_init as hf_init_lib
 from training import mesh as mesh_lib
 from training import stages as stages_lib
 from training.errors import ConfigError
+from training.tokenizer import load_explained
 
 DATA_KINDS: tuple[str, ...] = ("kv_retrieval", "text")
 #: ``model.layout="auto"``: :func:`resolve_layout` picks one of ``ring_jax``'s layouts.
@@ -39,26 +30,13 @@ LAYOUT_CHOICES: tuple[str, ...] = (AUTO_LAYOUT,) + layouts.ALL_LAYOUTS
 
 
 def check_seq_len(model_config, ring: int, seq_len: int) -> int:
-  """The per-device length ``data.seq_len`` runs at: :func:`run_length` over ``ring``.
-
-  Any ``seq_len >= 1`` runs (a row is padded at its end to the model's length rule,
-  :func:`models.lengths.padded_length`). ``model_config``: ``config.model`` or a
-  ``LlamaConfig`` (the same fields).
-
-  Raises:
-    ConfigError: ``seq_len < 1``.
-  """
+  """The per-device length ``data.seq_len`` runs at: :func:`run_length` over ``ring``."""
   return run_length(model_config, ring, seq_len) // ring
 
 
 def run_length(model_config, ring: int, seq_len: int) -> int:
-  """The row length a batch of ``data.seq_len`` tokens per row runs at on a ring of ``ring``
-  devices (:func:`models.lengths.padded_length`: ``seq_len`` itself when the model's length
-  rule accepts it); the data pipeline pads each row's end to it (segment 0, no loss target).
-
-  Raises:
-    ConfigError: ``seq_len < 1``.
-  """
+  """The row length ``data.seq_len`` runs at on a ring of ``ring`` devices
+  (:func:`models.lengths.padded_length`); ConfigError for ``seq_len < 1``."""
   try:
     return lengths.padded_length(model_config, ring, int(seq_len))
   except ValueError as e:
@@ -78,11 +56,7 @@ def padding_line(model_config, ring: int, seq_len: int) -> str | None:
 
 def check_model_parallelism(model_config, sizes: dict[str, int], seq_len: int) -> None:
   """The ``config.model`` fields that depend on the mesh beyond the heads: the attention
-  strategy's head and axis rules, and tensor sequence parallelism's local length.
-
-  Raises:
-    ConfigError: naming the field and the fix.
-  """
+  strategy's head and axis rules, and tensor sequence parallelism's local length."""
   m, ring, tensor = model_config, shd.ring_size(sizes), sizes["tensor"]
   if sizes["sequence_outer"] > 1:  # the length rule's pair: the two-level ring
     try:
@@ -121,16 +95,8 @@ def check_model_parallelism(model_config, sizes: dict[str, int], seq_len: int) -
 
 
 def check_pipeline(config: ml_collections.ConfigDict, sizes: dict[str, int]) -> None:
-  """The ``pipeline`` axis must divide the layers, and its microbatches the rows.
-
-  Rows per pipeline microbatch: ``batch_size / microbatches /
-  model.pipeline_microbatches`` (the default number: :func:`models.pipeline.
-  default_microbatches`), which must divide over the ``data`` axis; the eval
-  step pipelines ``eval_batch_size`` rows the same way.
-
-  Raises:
-    ConfigError: naming the field and the fix.
-  """
+  """The ``pipeline`` axis must divide the layers, and its microbatches the rows
+  (``batch_size / microbatches`` and ``eval_batch_size``) over the ``data`` axis."""
   m, stages, data_par = config.model, sizes["pipeline"], sizes["data"]
   micro = m.get("pipeline_microbatches")
   if micro is not None and micro < 1:
@@ -167,24 +133,18 @@ def check_text_data(d: ml_collections.ConfigDict, m: ml_collections.ConfigDict) 
                       "init.hf_dir): pass --config.init.hf_dir=DIR or --config.data.tokenizer="
                       "(a tokenizer.json, a SentencePiece .model, a directory, or 'byte').")
   try:
-    tokenizer = data_lib.load_tokenizer(d.tokenizer)
-  except ImportError as e:
-    raise ConfigError(f"data.tokenizer={d.tokenizer!r} needs the `hf` extra "
-                      f"(pip install -e '.[hf]'): {e}") from None
-  except Exception as e:  # ValueError naming the fix, or the package's own parse error.
-    raise ConfigError(f"data.tokenizer={d.tokenizer!r} does not load: {e}") from None
+    tokenizer = load_explained(d.tokenizer)
+  except ValueError as e:
+    raise ConfigError(f"data.tokenizer={d.tokenizer!r} {e}") from None
   if tokenizer.vocab_size > m.vocab_size:
     raise ConfigError(f"the {tokenizer.name} tokenizer needs model.vocab_size >= "
                       f"{tokenizer.vocab_size}, got {m.vocab_size}: raise "
                       "--config.model.vocab_size (the embedding must cover every token id).")
 
 
-#: The valid range of every numeric config field that has one, checked by
-#: :func:`check_ranges` before anything else: ``"> 0"``, ``">= 0"``, ``"[0, 1)"`` (an
-#: interval), each ``"int ..."`` a whole number. A field that is unset (None) or absent
-#: (``model.sliding_window`` without a Mistral/Qwen source, ``model.rope_scaling``'s keys of
-#: another RoPE type) is not checked. The model's shape fields, blocks and chunk sizes are
-#: ``LlamaConfig``'s to check (:func:`llama_config`), the mesh's :func:`training.mesh.mesh_shape`.
+#: The valid range of each numeric field (``"> 0"``, ``"[0, 1)"``; ``"int ..."``: a whole
+#: number), checked by :func:`check_ranges`; an unset or absent field is not checked. The
+#: model's shape fields are ``LlamaConfig``'s to check, the mesh's :func:`training.mesh.mesh_shape`.
 NUMERIC_RANGES: dict[str, str] = {
     # AdamW with global-norm clipping and warmup + cosine decay (training/step.py).
     "optim.lr": "> 0",
@@ -245,12 +205,8 @@ def _in_range(value: float, rule: str) -> bool:
 
 
 def check_ranges(config: ml_collections.ConfigDict, prefix: str = "") -> None:
-  """Checks each :data:`NUMERIC_RANGES` field (those under ``prefix`` only, if given): a
-  finite number (a whole one for ``int`` rules) in its range.
-
-  Raises:
-    ConfigError: one line naming the first field out of range, its value and the range.
-  """
+  """Each :data:`NUMERIC_RANGES` field (under ``prefix`` only, if given) is a finite number
+  in its range; else ConfigError naming the first field out of range."""
   for path, rule in NUMERIC_RANGES.items():
     if not path.startswith(prefix):
       continue
@@ -272,22 +228,9 @@ def check_ranges(config: ml_collections.ConfigDict, prefix: str = "") -> None:
       raise ConfigError(f"{path}={node!r} must be {what}.")
 
 
-def validate_distributed(config: ml_collections.ConfigDict) -> None:
-  """Checks ``config.distributed`` (read before ``jax.distributed.initialize``).
-
-  Raises:
-    ConfigError: a timeout that is not a whole number of seconds in range.
-  """
-  check_ranges(config, prefix="distributed.")
-
-
 def profile_steps(config: ml_collections.ConfigDict) -> range | None:
   """``config.profile_steps`` (``"START:STOP"``: steps START to STOP-1) as a ``range``;
-  None when unset or empty (no profile).
-
-  Raises:
-    ConfigError: not two integers ``1 <= START < STOP``, or no step of it runs.
-  """
+  None when unset (no profile). ConfigError unless ``1 <= START < STOP <= total_steps``."""
   text = config.get("profile_steps")
   if not text:
     return None
@@ -306,11 +249,7 @@ def profile_steps(config: ml_collections.ConfigDict) -> range | None:
 
 
 def validate_config(config: ml_collections.ConfigDict, num_devices: int) -> dict[str, int]:
-  """Checks everything knowable without tracing; returns the resolved mesh sizes.
-
-  Raises:
-    ConfigError: naming the offending field(s) and how to fix them.
-  """
+  """Checks everything knowable without tracing; returns the resolved mesh sizes."""
   check_ranges(config)
   sizes = mesh_lib.mesh_shape(config.mesh, num_devices)
   ring, tensor, data_par = shd.ring_size(sizes), sizes["tensor"], sizes["data"]
@@ -345,7 +284,6 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int) -> dict
                       f"divisible by the mesh 'tensor' axis ({tensor}).")
 
   run_len = run_length(m, ring, d.seq_len)
-  validate_distributed(config)
   check_model_parallelism(m, sizes, run_len)
 
   for name in ("batch_size", "eval_batch_size"):
@@ -356,8 +294,6 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int) -> dict
       raise ConfigError(
           f"{name}={batch} / microbatches={micro} = {batch // micro} rows per microbatch is not "
           f"divisible by the mesh 'data' axis ({data_par}).")
-    # No rule per process: each process loads the rectangular (rows x sequence)
-    # block its devices hold (data.process_slices), so hosts may share rows.
   check_pipeline(config, sizes)
   buckets_lib.check(config, sizes)
 
@@ -386,10 +322,8 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int) -> dict
 def clamp_warmup(config: ml_collections.ConfigDict
                  ) -> tuple[ml_collections.ConfigDict, str | None]:
   """``(config, line)``: a run of one stage whose ``optim.warmup_steps`` exceeds
-  ``total_steps`` warms up over all of them (a copy of ``config`` saying so) and the startup
-  line that says it; otherwise ``config`` unchanged, ``line=None``. So a short run (a smoke
-  test: ``--config.total_steps=2``) needs no second flag. A stage of ``config.stages`` sets
-  its own warmup; one longer than the stage stays an error (:func:`validate_stages`)."""
+  ``total_steps`` warms up over all of them (a copy, and the line saying so); otherwise
+  ``(config, None)``. A stage's warmup longer than the stage stays an error."""
   warmup, total = config.optim.warmup_steps, config.total_steps
   if stages_lib.stage_dicts(config) or not (isinstance(warmup, int) and isinstance(total, int)
                                             and 1 <= total < warmup):
@@ -401,13 +335,8 @@ def clamp_warmup(config: ml_collections.ConfigDict
 
 
 def validate_stages(config: ml_collections.ConfigDict, num_devices: int) -> None:
-  """Checks each of ``config.stages`` (training/stages.py) as a config of its own: its
-  seq_len obeys :func:`check_seq_len` on the mesh, its batch the mesh's 'data' axis, its
-  RoPE fields the model's rules, and ``steps >= 1``, ``warmup_steps <= steps``.
-
-  Raises:
-    ConfigError: prefixed with the stage (its number and fields) it is about.
-  """
+  """Checks each of ``config.stages`` as a config of its own (and ``warmup_steps <=
+  steps``); the ConfigError names the stage."""
   if not stages_lib.stage_dicts(config):
     return
   for stage in stages_lib.plan(config):
@@ -444,10 +373,9 @@ def llama_config(config: ml_collections.ConfigDict):
 
 
 def resolve_attention(config: ml_collections.ConfigDict, model_cfg, mesh):
-  """``(model_cfg, line)``: ``model.attention="auto"`` decided once for the run's shapes
-  (:func:`models.attention.resolve_attention`: ``ring_jax.plan`` for a microbatch of
-  ``batch_size / microbatches`` rows of :func:`run_length` tokens on ``mesh``) and the startup
-  line saying what it chose and why; any other strategy: unchanged, ``line=None``."""
+  """``(model_cfg, line)``: ``model.attention="auto"`` decided for a microbatch of the run
+  on ``mesh`` (:func:`models.attention.resolve_attention`) and the line saying why; any
+  other strategy: ``(model_cfg, None)``."""
   rows = config.batch_size // config.microbatches
   run_len = run_length(model_cfg, shd.ring_size(mesh.shape), config.data.seq_len)
   resolved, chosen = attn_lib.resolve_attention(model_cfg, mesh, rows, run_len)
@@ -458,34 +386,12 @@ def resolve_attention(config: ml_collections.ConfigDict, model_cfg, mesh):
   return resolved, f"attention=auto -> {resolved.attention} (ring_jax.plan): {why}"
 
 
-def packs_documents(data_config: ml_collections.ConfigDict) -> tuple[bool, str]:
-  """``(packed, what)``: whether ``config.data``'s rows hold several documents (told apart
-  by segment ids), and the phrase saying so. ``text`` packs its stream's documents end to
-  end (concat-and-split, :func:`training.data.pack_stream`); ``kv_retrieval`` builds
-  ``data.kv.docs_per_row`` documents per row."""
-  if data_config.kind == "text":
-    return True, "data.kind='text' packs documents end to end"
-  if data_config.kind == "kv_retrieval":
-    docs = int(data_config.kv.docs_per_row)
-    return docs > 1, f"data.kind='kv_retrieval' with data.kv.docs_per_row={docs}"
-  return False, f"data.kind={data_config.kind!r}"
-
-
 def resolve_config(config: ml_collections.ConfigDict, ring_size: int, *, hf_dir: str | None = None,
                    log=None) -> tuple[ml_collections.ConfigDict, str | None]:
-  """``(config, line)``: ``config`` with the model that will run decided, in the order each
-  step needs the one before: ``init.hf_dir``'s model fields
-  (:func:`training.hf_init.resolve_hf_init`, ``log`` gets its overrides), then a script's
-  ``hf_dir`` (:func:`training.hf_init.with_hf_model`: the model ``--hf_dir`` loads), then
-  ``config.stages`` (:func:`training.stages.resolve`), then ``model.layout="auto"`` on a ring
-  of ``ring_size`` (:func:`resolve_layout`, whose startup ``line`` is returned). The one
-  resolver train.py, generate.py, evaluate.py and benchmarks/fit.py call, so the layout
-  ``auto`` gives is one the loaded model runs (a window rules out ``"document"``).
-  Idempotent.
-
-  Raises:
-    ConfigError: from any of the steps, naming the fix.
-  """
+  """``(config, line)``: the model that will run decided, each step needing the one before:
+  ``init.hf_dir``'s model fields (overrides to ``log``), a script's ``hf_dir`` (the model
+  ``--hf_dir`` loads), ``config.stages``, then ``model.layout="auto"`` on a ring of
+  ``ring_size`` (:func:`resolve_layout`'s line). Idempotent."""
   config = hf_init_lib.resolve_hf_init(config, log=log)
   if hf_dir:
     config = hf_init_lib.with_hf_model(config, hf_dir)
@@ -496,23 +402,20 @@ def resolve_config(config: ml_collections.ConfigDict, ring_size: int, *, hf_dir:
 def resolve_layout(config: ml_collections.ConfigDict,
                    ring_size: int) -> tuple[ml_collections.ConfigDict, str | None]:
   """``(config, line)``: ``model.layout="auto"`` decided for the run's data on a ring of
-  ``ring_size`` devices (a copy of ``config`` naming the layout) and the startup line saying
-  what was chosen and why; a named layout: ``config`` unchanged, ``line=None``.
-
-  The rule is :func:`ring_jax.planning.choose_layout` with :func:`packs_documents`: the
-  LLaMA is causal without a window, so on a ring of more than one device packed rows
-  (text, the kv task's several documents per row) get ``"document"`` and one sequence per
-  row ``"zigzag"``; a ring of 1 gets ``"contiguous"``. Called once at startup (train.py,
-  before the model and data pipeline are built), so every reader of ``model.layout``
-  sees the resolved name. ``config.stages`` change the length, batch, RoPE and learning
-  rate, none of which the rule reads, so every stage (:func:`training.stages.plan` copies
-  the top level's model) runs the layout resolved here. Idempotent.
-  """
+  ``ring_size`` devices by :func:`ring_jax.planning.choose_layout` (a copy naming the
+  layout, and the line saying why); a named layout: ``(config, None)``. Rows of several
+  documents (text; the kv task's ``docs_per_row > 1``) count as packed; attention is causal,
+  with the model's sliding window if a layer has one. Idempotent; stages keep the layout."""
   if config.model.layout != AUTO_LAYOUT:
     return config, None
-  packed, what = packs_documents(config.data)
-  # models.llama: attention is always causal; a sliding window (Mistral, Qwen2/3 fields of
-  # config.model) rules out "document" and may favour "contiguous" (the ring skips hops).
+  d = config.data
+  if d.kind == "text":
+    packed, what = True, "data.kind='text' packs documents end to end"
+  elif d.kind == "kv_retrieval":
+    packed = int(d.kv.docs_per_row) > 1
+    what = f"data.kind='kv_retrieval' with data.kv.docs_per_row={int(d.kv.docs_per_row)}"
+  else:
+    packed, what = False, f"data.kind={d.kind!r}"
   window = config.model.get("sliding_window")
   types = config.model.get("layer_types")
   if types is not None and "sliding_attention" not in tuple(types):
@@ -526,14 +429,11 @@ def resolve_layout(config: ml_collections.ConfigDict,
   return config, f"layout: auto -> {layout} ({why}; {what}; ring of {ring_size})"
 
 
-def resolve_layout_for(config: ml_collections.ConfigDict, num_devices: int,
-                       log=None) -> ml_collections.ConfigDict:
-  """:func:`resolve_layout` on the ring that ``config.mesh`` makes of ``num_devices`` devices,
-  its line to ``log``; a named layout: ``config`` unchanged.
-
-  Raises:
-    ConfigError: ``config.mesh`` does not fit ``num_devices`` devices.
-  """
+def resolve_run(config: ml_collections.ConfigDict, num_devices: int,
+                log=None) -> ml_collections.ConfigDict:
+  """The config a run of ``num_devices`` devices trains: :func:`resolve_config` on the ring
+  ``config.mesh`` makes of them, the layout's line to ``log``. Idempotent."""
+  config = stages_lib.resolve(hf_init_lib.resolve_hf_init(config, log=log))
   if config.model.layout != AUTO_LAYOUT:
     return config
   sizes = mesh_lib.mesh_shape(config.mesh, num_devices)
@@ -541,16 +441,3 @@ def resolve_layout_for(config: ml_collections.ConfigDict, num_devices: int,
   if log is not None:
     log(line)
   return config
-
-
-def resolve_run(config: ml_collections.ConfigDict, num_devices: int,
-                log=None) -> ml_collections.ConfigDict:
-  """The config a run of ``num_devices`` devices trains, resolved once (train.py's
-  ``train``): ``init.hf_dir``'s model fields (``log`` gets its overrides), then
-  ``config.stages``, then ``model.layout="auto"`` (:func:`resolve_layout_for`). Idempotent.
-
-  Raises:
-    ConfigError: from any of the steps, naming the fix.
-  """
-  config = stages_lib.resolve(hf_init_lib.resolve_hf_init(config, log=log))
-  return resolve_layout_for(config, num_devices, log)

@@ -345,9 +345,18 @@ def test_a_run_shorter_than_its_warmup_warms_up_over_all_its_steps(tmp_path, mon
   import train as train_script
   from training import stages as stages_lib
 
-  seen = {}
-  monkeypatch.setattr(train_script, "_train", lambda config, *_: seen.setdefault("c", config))
-  train_script.train(tiny(total_steps=2), str(tmp_path))
+  seen, resolve = {}, train_script._config_and_mesh
+
+  class Resolved(Exception):
+    pass
+
+  def resolve_then_stop(config):  # the config the loop gets, and nothing compiled
+    seen["c"], _ = resolve(config)
+    raise Resolved
+
+  monkeypatch.setattr(train_script, "_config_and_mesh", resolve_then_stop)
+  with pytest.raises(Resolved):
+    train_script.train(tiny(total_steps=2), str(tmp_path))
   assert seen["c"].optim.warmup_steps == 2 and seen["c"].total_steps == 2
   assert ("optim.warmup_steps=40 exceeds total_steps=2: warming up over all 2 steps "
           "(optim.warmup_steps=2)") in capsys.readouterr().out.splitlines()

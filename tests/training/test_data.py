@@ -75,10 +75,18 @@ def test_random_documents_batch(layout):
 # --- packing ---------------------------------------------------------------------------------
 
 
+def _pack_documents(docs_tokens, seq_len):
+  """data.pack_stream + data.finish_rows over a list of documents: ``[rows, seq_len]``."""
+  import grain
+  docs = grain.MapDataset.source([{"tokens": np.asarray(t, np.int32)} for t in docs_tokens])
+  rows = list(data_lib.pack_stream(docs.to_iter_dataset(), seq_len))
+  return data_lib.finish_rows({k: np.stack([r[k] for r in rows]) for k in rows[0]})
+
+
 def test_packing_segments_never_cross_documents():
   docs = ["hello", "a", "the quick brown fox jumps", "", "xyz" * 7, "end"]
   tokens = [data_lib.byte_tokenize(d) for d in docs if d]
-  packed = data_lib.pack_documents(tokens, seq_len=16)
+  packed = _pack_documents(tokens, seq_len=16)
   stream = np.concatenate(tokens)
   doc_of = np.concatenate([np.full(len(t), i) for i, t in enumerate(tokens)])
   n = len(stream)

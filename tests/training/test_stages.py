@@ -80,7 +80,6 @@ def test_resolve_makes_stages_explicit_and_the_top_level_the_last_stage():
   first, second = (s.config for s in plan)
   assert (first.data.seq_len, first.model.rope_theta, first.optim.lr) == (256, 1e4, 1e-3)
   assert (second.data.seq_len, second.model.rope_theta, second.optim.lr) == (512, 1e5, 5e-4)
-  assert [stages_lib.stage_of(plan, s).index for s in range(6)] == [0, 0, 1, 1, 1, 1]
   json.loads(config.to_json_best_effort())  # the saved config.json holds the stages
   # Without stages: one stage of the config as it is.
   plain = small_config(**{"total_steps": 7})
