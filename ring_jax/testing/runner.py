@@ -296,8 +296,9 @@ def run_case(fn, case: cases_lib.Case | str, *, ring: int | None = None, local_l
     last = max(per_ring[-1][0].values())
     ratio = last / first
     errors = {q: per_ring[-1][0][q] for q in per_ring[-1][0]}
-    msg = f"ring {rings[-1]} / ring {rings[0]} error {ratio:.2f} (bound {cases_lib.GROWTH})"
-    if ratio > cases_lib.GROWTH:
+    bound = case.growth_bound or cases_lib.GROWTH
+    msg = f"ring {rings[-1]} / ring {rings[0]} error {ratio:.2f} (bound {bound})"
+    if ratio > bound:
       over.append(msg)
     elif not over:
       notes.append(msg)

@@ -39,7 +39,7 @@ def test_case_names_are_stable_and_listed():
       "ring1", "ring2-causal-zigzag", "ring2-segments-striped", "ring2-t-ne-s", "odd-ring",
       "odd-ring-zigzag", "ring8", "tensor2", "explicit-mesh", "sinks+10", "sinks-10",
       "sinks-masked-rows", "soft-cap", "value-head-dim-sinks-cap", "value-head-dim-ring8",
-      "bf16", "bf16-growth", "f32-growth"]
+      "bf16", "bf16-growth", "f32-growth", "bf16-growth-variants"]
   assert set(testing.CI_CASES) <= set(testing.CASES)
   assert set(testing.HOP_CASES) <= set(testing.CASES)
   assert all(c.catches for c in testing.CASES.values())
