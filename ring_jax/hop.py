@@ -284,6 +284,70 @@ def key_ranges(q_positions, kv_positions, is_causal: bool, window):
   return start, jnp.maximum(end, start)
 
 
+def query_ranges(q_positions, kv_positions, is_causal: bool, window):
+  """int32 ``([S], [S])``: per key, the query indices ``[start, end)`` of this hop whose
+  causal mask and window ``(left, right)`` let them see it (segment ids aside); exact since
+  query positions increase within a shard (the transpose of :func:`key_ranges`)."""
+  q = q_positions.astype(jnp.int32)
+  kv = kv_positions.astype(jnp.int32)
+  start = jnp.zeros_like(kv)
+  end = jnp.full_like(kv, q.shape[0])
+  if window is not None:
+    left, right = window
+    start = jnp.searchsorted(q, kv - right, side="left").astype(jnp.int32)
+    end = jnp.searchsorted(q, kv + left, side="right").astype(jnp.int32)
+  if is_causal:
+    start = jnp.maximum(start, jnp.searchsorted(q, kv, side="left").astype(jnp.int32))
+  return start, jnp.maximum(end, start)
+
+
+def _first_at_least(values, lo, hi, target):
+  """Per entry, the first index ``p`` in ``[lo, hi)`` with ``values[b, p] >= target`` (``hi``
+  if none), where ``values`` ``[B, X]`` increases on each ``[lo, hi)``; ``lo``, ``hi``,
+  ``target`` ``[B, Y]``. A binary search of ``log2(X) + 1`` vectorised steps."""
+  n = values.shape[1]
+  for _ in range(max(1, n.bit_length()) + 1):
+    active = lo < hi
+    mid = (lo + hi) // 2
+    less = jnp.take_along_axis(values, jnp.clip(mid, 0, n - 1), axis=1) < target
+    lo = jnp.where(active & less, mid + 1, lo)
+    hi = jnp.where(active & ~less, mid, hi)
+  return lo
+
+
+def flagged_in_ranges(flags, start, end, x_ids=None, y_ids=None):
+  """bool ``[B, Y, ...]``: per ``y``, whether ``flags[b, x, ...]`` holds for some ``x`` in
+  ``[start[y], end[y])`` whose id ``x_ids[b, x]`` equals ``y_ids[b, y]`` (ids None: every
+  ``x`` of the range). ``flags`` bool ``[B, X, ...]``; ``start``, ``end`` int32 ``[Y]``.
+
+  Which outputs see a flagged input through a visible pair (``y`` a query, ``x`` a key or the
+  reverse, ranges from :func:`key_ranges` / :func:`query_ranges`, ids the segment ids with
+  padding mapped to ids that match nothing), without any ``[Y, X]`` array: with ids the
+  ``x`` are sorted by id (stable, so each id's run keeps index order) and each range is
+  found inside its id's run; then one reverse running minimum of the next flagged index,
+  read once per ``y``.
+  """
+  b, nx = flags.shape[:2]
+  start = jnp.broadcast_to(start, (b, start.shape[-1]))
+  end = jnp.broadcast_to(end, (b, end.shape[-1]))
+  if x_ids is not None:
+    order = jnp.argsort(x_ids, axis=1, stable=True).astype(jnp.int32)          # [B, X]
+    flags = jnp.take_along_axis(flags, order.reshape(b, nx, *(1,) * (flags.ndim - 2)), axis=1)
+    ids = jnp.take_along_axis(x_ids, order, axis=1)
+    search = jax.vmap(lambda a, v, side: jnp.searchsorted(a, v, side=side).astype(jnp.int32),
+                      in_axes=(0, 0, None))
+    lo, hi = search(ids, y_ids, "left"), search(ids, y_ids, "right")
+    start, end = _first_at_least(order, lo, hi, start), _first_at_least(order, lo, hi, end)
+  index = jnp.int16 if nx < jnp.iinfo(jnp.int16).max else jnp.int32
+  here = jnp.arange(nx, dtype=index).reshape(1, nx, *(1,) * (flags.ndim - 2))
+  nxt = jnp.where(flags, here, jnp.asarray(nx, index))
+  nxt = jnp.concatenate([nxt, jnp.full((b, 1, *flags.shape[2:]), nx, index)], axis=1)
+  nxt = jax.lax.cummin(nxt, axis=1, reverse=True)                              # [B, X + 1, ...]
+  at = start.reshape(*start.shape, *(1,) * (flags.ndim - 2))
+  found = jnp.take_along_axis(nxt, at, axis=1)                                 # [B, Y, ...]
+  return found.astype(jnp.int32) < end.reshape(at.shape)
+
+
 def segment_key_ranges(q_segment_ids, kv_segment_ids):
   """int32 ``(start [B, T], end [B, T])`` and a bool scalar ``exact``: per query, the key
   indices ``[first, last + 1)`` of the keys with its segment id (empty for padding and for
