@@ -155,6 +155,32 @@ def test_non_finite_inputs_match_the_xla_kernel(case, segments):
     _same_non_finite(g, w, name)
 
 
+def test_ring_with_a_nan_key_matches_the_xla_ring():
+  """A ring of 2 (causal zigzag, GQA 4:2, blocks of 128) with one NaN in K: splash at
+  every hop gives the XLA ring's outputs and gradients, NaN exactly where it has them (the
+  rows that see the NaN, not the other rows nor the other batch element)."""
+  from ring_jax import testing  # noqa: PLC0415
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("sequence",))
+  rng = np.random.default_rng(3)
+  q = rng.standard_normal((2, 512, 4, 32)).astype(np.float32)
+  k, v = (rng.standard_normal((2, 512, 2, 32)).astype(np.float32) for _ in range(2))
+  at = (0, 300, 1, 2)
+  k[at] = np.nan
+  cot = rng.standard_normal(q.shape).astype(np.float32)
+
+  def run(kernel):
+    ring = testing.hop_kernel_attention(kernel, block=128, check_vma=False)
+    fn = lambda q, k, v: ring(q, k, v, is_causal=True, layout="zigzag", mesh=mesh)  # noqa: E731
+    out, vjp = jax.vjp(fn, q, k, v)
+    return (out, *vjp(jnp.asarray(cot)))
+
+  got, want = jax.jit(lambda: run(KERNEL))(), jax.jit(lambda: run(XlaHopKernel()))()
+  bad = np.isnan(np.asarray(want[0]))
+  assert bad.any() and not bad[1 - at[0]].any() and not bad[at[0], :at[1]].any()
+  for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
+    _same_non_finite(g, w, name)
+
+
 def test_no_branch_in_the_hop():
   """The non-finite handling is arithmetic around splash, not a ``cond`` to another kernel:
   neither pass holds a ``cond`` with splash's kernels in one branch."""
