@@ -304,15 +304,18 @@ def query_ranges(q_positions, kv_positions, is_causal: bool, window):
 def _first_at_least(values, lo, hi, target):
   """Per entry, the first index ``p`` in ``[lo, hi)`` with ``values[b, p] >= target`` (``hi``
   if none), where ``values`` ``[B, X]`` increases on each ``[lo, hi)``; ``lo``, ``hi``,
-  ``target`` ``[B, Y]``. A binary search of ``log2(X) + 1`` vectorised steps."""
+  ``target`` ``[B, Y]``. A binary search of ``log2(X) + 1`` vectorised steps (one loop)."""
   n = values.shape[1]
-  for _ in range(max(1, n.bit_length()) + 1):
+
+  def step(_, bounds):
+    lo, hi = bounds
     active = lo < hi
-    mid = (lo + hi) // 2
-    less = jnp.take_along_axis(values, jnp.clip(mid, 0, n - 1), axis=1) < target
-    lo = jnp.where(active & less, mid + 1, lo)
-    hi = jnp.where(active & ~less, mid, hi)
-  return lo
+    mid = jax.lax.shift_right_logical(lo + hi, 1)
+    less = jnp.take_along_axis(values, jnp.minimum(mid, n - 1), axis=1,
+                               mode="promise_in_bounds") < target
+    return jnp.where(active & less, mid + 1, lo), jnp.where(active & ~less, mid, hi)
+
+  return jax.lax.fori_loop(0, max(1, n.bit_length()) + 1, step, (lo, hi))[0]
 
 
 def flagged_in_ranges(flags, start, end, x_ids=None, y_ids=None):
@@ -332,8 +335,9 @@ def flagged_in_ranges(flags, start, end, x_ids=None, y_ids=None):
   end = jnp.broadcast_to(end, (b, end.shape[-1]))
   if x_ids is not None:
     order = jnp.argsort(x_ids, axis=1, stable=True).astype(jnp.int32)          # [B, X]
-    flags = jnp.take_along_axis(flags, order.reshape(b, nx, *(1,) * (flags.ndim - 2)), axis=1)
-    ids = jnp.take_along_axis(x_ids, order, axis=1)
+    flags = jnp.take_along_axis(flags, order.reshape(b, nx, *(1,) * (flags.ndim - 2)), axis=1,
+                                mode="promise_in_bounds")
+    ids = jnp.take_along_axis(x_ids, order, axis=1, mode="promise_in_bounds")
     search = jax.vmap(lambda a, v, side: jnp.searchsorted(a, v, side=side).astype(jnp.int32),
                       in_axes=(0, 0, None))
     lo, hi = search(ids, y_ids, "left"), search(ids, y_ids, "right")
@@ -344,7 +348,8 @@ def flagged_in_ranges(flags, start, end, x_ids=None, y_ids=None):
   nxt = jnp.concatenate([nxt, jnp.full((b, 1, *flags.shape[2:]), nx, index)], axis=1)
   nxt = jax.lax.cummin(nxt, axis=1, reverse=True)                              # [B, X + 1, ...]
   at = start.reshape(*start.shape, *(1,) * (flags.ndim - 2))
-  found = jnp.take_along_axis(nxt, at, axis=1)                                 # [B, Y, ...]
+  found = jnp.take_along_axis(nxt, jnp.minimum(at, nx), axis=1,
+                              mode="promise_in_bounds")                        # [B, Y, ...]
   return found.astype(jnp.int32) < end.reshape(at.shape)
 
 
