@@ -301,56 +301,25 @@ def query_ranges(q_positions, kv_positions, is_causal: bool, window):
   return start, jnp.maximum(end, start)
 
 
-def _first_at_least(values, lo, hi, target):
-  """Per entry, the first index ``p`` in ``[lo, hi)`` with ``values[b, p] >= target`` (``hi``
-  if none), where ``values`` ``[B, X]`` increases on each ``[lo, hi)``; ``lo``, ``hi``,
-  ``target`` ``[B, Y]``. A binary search of ``log2(X) + 1`` vectorised steps (one loop)."""
-  n = values.shape[1]
-
-  def step(_, bounds):
-    lo, hi = bounds
-    active = lo < hi
-    mid = jax.lax.shift_right_logical(lo + hi, 1)
-    less = jnp.take_along_axis(values, jnp.minimum(mid, n - 1), axis=1,
-                               mode="promise_in_bounds") < target
-    return jnp.where(active & less, mid + 1, lo), jnp.where(active & ~less, mid, hi)
-
-  return jax.lax.fori_loop(0, max(1, n.bit_length()) + 1, step, (lo, hi))[0]
-
-
-def flagged_in_ranges(flags, start, end, x_ids=None, y_ids=None):
+def flagged_in_ranges(flags, start, end):
   """bool ``[B, Y, ...]``: per ``y``, whether ``flags[b, x, ...]`` holds for some ``x`` in
-  ``[start[y], end[y])`` whose id ``x_ids[b, x]`` equals ``y_ids[b, y]`` (ids None: every
-  ``x`` of the range). ``flags`` bool ``[B, X, ...]``; ``start``, ``end`` int32 ``[Y]``.
+  ``[start[y], end[y])``. ``flags`` bool ``[B, X, ...]``; ``start``, ``end`` int32 ``[Y]``.
 
-  Which outputs see a flagged input through a visible pair (``y`` a query, ``x`` a key or the
-  reverse, ranges from :func:`key_ranges` / :func:`query_ranges`, ids the segment ids with
-  padding mapped to ids that match nothing), without any ``[Y, X]`` array: with ids the
-  ``x`` are sorted by id (stable, so each id's run keeps index order) and each range is
-  found inside its id's run; then one reverse running minimum of the next flagged index,
-  read once per ``y``.
+  Which outputs see a flagged input through a visible pair (``y`` a query and ``x`` a key,
+  or the reverse; ranges from :func:`key_ranges` / :func:`query_ranges`) without any
+  ``[Y, X]`` array: one reverse running minimum of the next flagged index, read once per
+  ``y``.
   """
   b, nx = flags.shape[:2]
-  start = jnp.broadcast_to(start, (b, start.shape[-1]))
-  end = jnp.broadcast_to(end, (b, end.shape[-1]))
-  if x_ids is not None:
-    order = jnp.argsort(x_ids, axis=1, stable=True).astype(jnp.int32)          # [B, X]
-    flags = jnp.take_along_axis(flags, order.reshape(b, nx, *(1,) * (flags.ndim - 2)), axis=1,
-                                mode="promise_in_bounds")
-    ids = jnp.take_along_axis(x_ids, order, axis=1, mode="promise_in_bounds")
-    search = jax.vmap(lambda a, v, side: jnp.searchsorted(a, v, side=side).astype(jnp.int32),
-                      in_axes=(0, 0, None))
-    lo, hi = search(ids, y_ids, "left"), search(ids, y_ids, "right")
-    start, end = _first_at_least(order, lo, hi, start), _first_at_least(order, lo, hi, end)
   index = jnp.int16 if nx < jnp.iinfo(jnp.int16).max else jnp.int32
   here = jnp.arange(nx, dtype=index).reshape(1, nx, *(1,) * (flags.ndim - 2))
   nxt = jnp.where(flags, here, jnp.asarray(nx, index))
   nxt = jnp.concatenate([nxt, jnp.full((b, 1, *flags.shape[2:]), nx, index)], axis=1)
   nxt = jax.lax.cummin(nxt, axis=1, reverse=True)                              # [B, X + 1, ...]
-  at = start.reshape(*start.shape, *(1,) * (flags.ndim - 2))
+  at = jnp.broadcast_to(start, (b, start.shape[-1])).reshape(b, -1, *(1,) * (flags.ndim - 2))
   found = jnp.take_along_axis(nxt, jnp.minimum(at, nx), axis=1,
                               mode="promise_in_bounds")                        # [B, Y, ...]
-  return found.astype(jnp.int32) < end.reshape(at.shape)
+  return found.astype(jnp.int32) < end.reshape(1, -1, *(1,) * (flags.ndim - 2))
 
 
 def segment_key_ranges(q_segment_ids, kv_segment_ids):

@@ -29,16 +29,21 @@ under the hop-kernel seam (:mod:`ring_jax.hop`):
   dlse`` is ours (:func:`ring_jax.hop.backward_delta`, so the lse cotangent counts)
   and goes to splash's dQ and dK/dV kernels as their ``di``. Splash takes queries
   pre-scaled (no scale argument): ``q * scale`` in, ``dQ * scale`` out.
-* **Non-finite inputs**, with no branch to another kernel: ``0 * NaN`` inside splash's
-  matmuls would leak a NaN held at a masked key into rows that do not see it, so splash
-  reads V with its non-finite entries as 0 and the outputs that read one through a visible
-  pair are set to NaN afterwards (:func:`ring_jax.hop.flagged_in_ranges` over the per-query
-  key ranges and segment ids: one pass over V, no ``[T, S]`` array). The forward's scores
-  take Q and K as they are (masked scores are selected away). The backward reads Q and K
-  with NaN as 0 and infinities as ``+-2**100`` (a ``-inf`` score stays ``p = 0``), a NaN
-  lse row as ``+inf`` (it adds nothing but its NaN ``delta``, which reaches dQ and dK as in
-  the XLA kernel), and sets dV to NaN for the keys such a row sees. Given the forward's own
-  ``out``/``lse`` the NaN/inf pattern is the XLA kernel's.
+* **Non-finite inputs.** ``0 * NaN`` inside splash's matmuls would leak a NaN held at a
+  masked key into rows that do not see it. Without segment ids this is handled around the
+  kernels, with no branch: splash reads V with its non-finite entries as 0 and the outputs
+  that read one through a visible pair are set to NaN afterwards
+  (:func:`ring_jax.hop.flagged_in_ranges` over the per-query key ranges: one pass over V,
+  no ``[T, S]`` array); the forward's scores take Q and K as they are (masked scores are
+  selected away); the backward reads Q and K with NaN as 0 and infinities as
+  ``+-2**100`` (a ``-inf`` score keeps ``p = 0``), a NaN lse row as ``+inf`` (it adds
+  nothing but its NaN ``delta``, which reaches dQ and dK as in the XLA kernel), and sets
+  dV to NaN for the keys such a row sees (:func:`ring_jax.hop.query_ranges`). Given the
+  forward's own ``out``/``lse`` the NaN/inf pattern is the XLA kernel's. With segment ids
+  a hop whose V (forward) or Q/K/V (backward) holds a non-finite value runs the XLA kernel
+  instead (``lax.cond``; :attr:`ring_jax.hop.HopMasks.v_finite` makes the forward test
+  free): handled around the kernels, that program kept fewer ring transfers in flight on
+  the TPU compiler (docs/performance.md, "Splash hop memory on the TPU compiler").
 * Outputs come back in the input dtype (bf16 for bf16 inputs); they are merged and
   accumulated in float32.
 
@@ -63,6 +68,7 @@ from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_ma
 from ring_jax import hop
 from ring_jax import masking
 from ring_jax import topology
+from ring_jax.kernels.xla import XlaHopKernel
 
 NUM_LANES = 128
 MASK_VALUE = sk.DEFAULT_MASK_VALUE
@@ -228,22 +234,23 @@ class SplashHopKernel:
                                           q_sequence=q_sequence)
     return info(kv_next), info(q_next), mask_function
 
-  def _operands(self, q, k, v, masks, spec, sanitize_qk: bool = False):
-    """Splash's head-major operands: q ``[B, N, T, H]`` (scaled), k/v ``[B, K, S, H]``,
-    ``SegmentIds`` per batch row (or None) and the int32 ids ``(q [B, T], kv [B, S])`` they
-    hold (or None). V's non-finite entries are 0 (:func:`_finite_part`); with
-    ``sanitize_qk`` Q's and K's too, infinities as ``+-`` :data:`_HUGE` (:func:`_huge_part`)."""
+  def _operands(self, q, k, v, masks, spec, finite_v: bool = False, finite_qk: bool = False):
+    """Splash's head-major operands: q ``[B, N, T, H]`` (scaled), k/v ``[B, K, S, H]`` and
+    ``SegmentIds`` per batch row (or None). ``finite_v``: V's non-finite entries read as 0
+    (:func:`_finite_part`); ``finite_qk``: Q's and K's NaN as 0 and infinities as ``+-``
+    :data:`_HUGE` (:func:`_huge_part`)."""
     b, t, kh, g, h = q.shape
     q_scaled = (q * spec.scale).astype(q.dtype)
-    if sanitize_qk:
+    if finite_qk:
       q_scaled, k = _huge_part(q_scaled), _huge_part(k)
+    if finite_v:
+      v = _finite_part(v)
     q_bnth = jnp.transpose(q_scaled.reshape(b, t, kh * g, h), (0, 2, 1, 3))
-    k_bksh, v_bksh = (jnp.transpose(x, (0, 2, 1, 3)) for x in (k, _finite_part(v)))
-    seg, ids = None, None
+    k_bksh, v_bksh = (jnp.transpose(x, (0, 2, 1, 3)) for x in (k, v))
+    seg = None
     if masks.q_segment_ids is not None:
-      ids = splash_segment_ids(masks.q_segment_ids, masks.kv_segment_ids)
-      seg = sk.SegmentIds(*ids)
-    return q_bnth, k_bksh, v_bksh, seg, ids
+      seg = sk.SegmentIds(*splash_segment_ids(masks.q_segment_ids, masks.kv_segment_ids))
+    return q_bnth, k_bksh, v_bksh, seg
 
   def _interpret_mode(self, *arrays):
     """The ``interpret`` argument of a splash call on ``arrays``: False on a TPU. Off a TPU,
@@ -274,10 +281,19 @@ class SplashHopKernel:
 
   def forward(self, q, k, v, masks, spec):
     """``(out_h [B,T,K,G,H] f32, lse_h [B,T,K,G] f32)`` of this hop."""
+    if masks.q_segment_ids is None:
+      return self._forward(q, k, v, masks, spec, repair=True)
+    fused = lambda q, k, v: self._forward(q, k, v, masks, spec, repair=False)  # noqa: E731
+    guarded = lambda q, k, v: XlaHopKernel().forward(q, k, v, masks, spec)  # noqa: E731
+    return jax.lax.cond(hop.v_is_finite(masks, v), fused, guarded, q, k, v)
+
+  def _forward(self, q, k, v, masks, spec, repair: bool):
+    """The forward on splash; ``repair``: V's non-finite values read as 0 and put back as NaN
+    on the outputs that see them (module docstring), else V must be finite."""
     tmasks, tspec = self._tiled(masks, spec)
     b, t, kh, g, h = q.shape
     info, _, mask_function = self._mask(tmasks, tspec, t, k.shape[1])
-    q_bnth, k_bksh, v_bksh, seg, ids = self._operands(q, k, v, tmasks, tspec)
+    q_bnth, k_bksh, v_bksh, seg = self._operands(q, k, v, tmasks, tspec, finite_v=repair)
     sizes = sk.BlockSizes(block_q=tspec.block_q, block_kv=tspec.block_kv)
     interpret = self._interpret_mode(q_bnth, k_bksh, v_bksh, *jax.tree.leaves(info),
                                      *jax.tree.leaves(seg))
@@ -290,12 +306,11 @@ class SplashHopKernel:
     out, (lse,) = hop.call_unchecked_vma(_over_rows(one_row), q_bnth, k_bksh, v_bksh, seg)
     out = jnp.transpose(out.astype(jnp.float32), (0, 2, 1, 3)).reshape(q.shape)
     lse = jnp.transpose(lse.astype(jnp.float32), (0, 2, 1)).reshape(q.shape[:-1])
-    # V's non-finite values, read as 0 above, put back as NaN where a visible pair reads them.
-    start, end = hop.key_ranges(masks.q_positions, masks.kv_positions, spec.is_causal,
-                                spec.window)
-    reads_bad = hop.flagged_in_ranges(~jnp.isfinite(v), start, end,
-                                      *((ids[1], ids[0]) if ids else ()))  # [B, T, K, H]
-    out = jnp.where(reads_bad[:, :, :, None, :], jnp.nan, out)
+    if repair:  # NaN where a visible pair reads a non-finite value of V
+      start, end = hop.key_ranges(masks.q_positions, masks.kv_positions, spec.is_causal,
+                                  spec.window)
+      reads_bad = hop.flagged_in_ranges(~jnp.isfinite(v), start, end)  # [B, T, K, H]
+      out = jnp.where(reads_bad[:, :, :, None, :], jnp.nan, out)
     # Rows that saw no key here: splash's finite mask value (or no block at all).
     empty = lse < 0.5 * MASK_VALUE
     return jnp.where(empty[..., None], 0.0, out), jnp.where(empty, -jnp.inf, lse)
@@ -305,15 +320,30 @@ class SplashHopKernel:
   def backward(self, q, k, v, masks, spec, res: hop.HopResiduals,
                acc: hop.HopGrads) -> hop.HopGrads:
     """``acc`` plus this hop's (dq, dk, dv), from splash's dQ and dK/dV kernels."""
+    if masks.q_segment_ids is None:
+      return self._backward(q, k, v, masks, spec, res, acc, repair=True)
+    fused = lambda q, k, v, res, acc: self._backward(  # noqa: E731
+        q, k, v, masks, spec, res, acc, repair=False)
+    guarded = lambda q, k, v, res, acc: XlaHopKernel().backward(  # noqa: E731
+        q, k, v, masks, spec, res, acc)
+    finite = hop.v_is_finite(masks, v) & jnp.isfinite(q).all() & jnp.isfinite(k).all()
+    return jax.lax.cond(finite, fused, guarded, q, k, v, res, acc)
+
+  def _backward(self, q, k, v, masks, spec, res, acc, repair: bool):
+    """The backward on splash; ``repair``: non-finite inputs handled around the kernels
+    (module docstring), else Q, K and V must be finite."""
     tmasks, tspec = self._tiled(masks, spec)
     b, t, kh, g, h = q.shape
     dq_info, dkv_info, mask_function = self._mask(tmasks, tspec, t, k.shape[1])
-    q_bnth, k_bksh, v_bksh, seg, ids = self._operands(q, k, v, tmasks, tspec, sanitize_qk=True)
+    q_bnth, k_bksh, v_bksh, seg = self._operands(q, k, v, tmasks, tspec, finite_v=repair,
+                                                 finite_qk=repair)
     heads_first = lambda x: jnp.transpose(x.reshape(b, t, kh * g, *x.shape[4:]),  # noqa: E731
                                           (0, 2, 1, *range(3, x.ndim - 1)))
     lse_nan = jnp.isnan(res.lse)
-    # A NaN lse row adds nothing here (p = 0) but NaN through delta; NaN put back on dV below.
-    lse_bnt = heads_first(jnp.where(lse_nan, jnp.inf, res.lse.astype(jnp.float32)))
+    lse = res.lse.astype(jnp.float32)
+    if repair:  # a NaN lse row adds nothing (p = 0) but its NaN delta; dV gets NaN below
+      lse = jnp.where(lse_nan, jnp.inf, lse)
+    lse_bnt = heads_first(lse)
     do_bnth = heads_first(res.do.astype(q.dtype))
     di_bnt = heads_first(hop.backward_delta(res.out, res.do, res.dlse))
     interpret = self._interpret_mode(q_bnth, k_bksh, v_bksh, lse_bnt, do_bnth,
@@ -339,11 +369,11 @@ class SplashHopKernel:
                                         lse_bnt, do_bnth, di_bnt)
     dq = jnp.transpose(dq.astype(jnp.float32), (0, 2, 1, 3)).reshape(q.shape) * tspec.scale
     dk, dv = (jnp.transpose(x.astype(jnp.float32), (0, 2, 1, 3)) for x in (dk, dv))
-    # dV is NaN where a visible pair has p = exp(s - NaN), as in the XLA kernel.
-    start, end = hop.query_ranges(masks.q_positions, masks.kv_positions, spec.is_causal,
-                                  spec.window)
-    sees_nan = hop.flagged_in_ranges(lse_nan.any(axis=-1), start, end, *(ids or ()))
-    dv = jnp.where(sees_nan[..., None], jnp.nan, dv)                 # [B, S, K] over H
+    if repair:  # dV is NaN where a visible pair has p = exp(s - NaN), as in the XLA kernel
+      start, end = hop.query_ranges(masks.q_positions, masks.kv_positions, spec.is_causal,
+                                    spec.window)
+      sees_nan = hop.flagged_in_ranges(lse_nan.any(axis=-1), start, end)  # [B, S, K]
+      dv = jnp.where(sees_nan[..., None], jnp.nan, dv)
     return hop.HopGrads(acc.dq + dq, acc.dk + dk, acc.dv + dv)
 
 

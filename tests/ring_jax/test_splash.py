@@ -96,19 +96,21 @@ def _same_non_finite(got, want, what=""):
   np.testing.assert_allclose(got[fin], want[fin], rtol=1e-5, atol=1e-5, err_msg=what)
 
 
-def test_non_finite_v_reaches_exactly_the_rows_that_see_it():
+@pytest.mark.parametrize("segments", [True, False])
+def test_non_finite_v_reaches_exactly_the_rows_that_see_it(segments):
   """A NaN in V at a key that only some queries of its block pair see: splash's matmuls
-  would spread it (0 * NaN) to the rest, so splash reads V's finite part and the outputs
-  that see it through a visible pair are set to NaN afterwards; outputs and gradients equal
-  the XLA kernel's, NaN exactly where it is (backward: given finite residuals, as a hop
-  after another kernel's output may get them)."""
+  would spread it (0 * NaN) to the rest; outputs and gradients equal the XLA kernel's, NaN
+  exactly where it is (backward: given finite residuals, as a hop after another kernel's
+  output may get them), with segment ids (the branch to the XLA kernel) and without them
+  (V's finite part read, NaN put back where a visible pair reads it)."""
   # Key 100 (document 2 of 4, position 228) is seen by queries 64..127 alone; the other
   # queries of its block pair (documents 1, 2) see other keys of that pair.
-  q, k, v, masks, spec = _hop(nan_at=(1, 100, 0, 5), segments=True)
+  q, k, v, masks, spec = _hop(nan_at=(1, 100, 0, 5), segments=segments)
   got = jax.jit(KERNEL.forward, static_argnums=4)(q, k, v, masks, spec)
   want = jax.jit(XlaHopKernel().forward, static_argnums=4)(q, k, v, masks, spec)
   nan_rows = np.isnan(np.asarray(want[0])).any(axis=(2, 3, 4))
-  assert (np.nonzero(nan_rows[1])[0] == np.arange(64, 128)).all() and not nan_rows[0].any()
+  seen_by = np.arange(64, 128) if segments else np.arange(256)  # causal: every query
+  assert (np.nonzero(nan_rows[1])[0] == seen_by).all() and not nan_rows[0].any()
   for g, w in zip(got, want):
     _same_non_finite(g, w)
   out, lse = want
@@ -131,12 +133,13 @@ NON_FINITE = {
 }
 
 
-@pytest.mark.parametrize("case,segments", [(c, True) for c in NON_FINITE] +
-                         [("nan value", False), ("inf key", False)])
+@pytest.mark.parametrize("case,segments", [(c, False) for c in NON_FINITE] +
+                         [("nan value", True), ("inf key", True)])
 def test_non_finite_inputs_match_the_xla_kernel(case, segments):
-  """No branch to the XLA kernel: with a NaN/inf in q, k or v, splash's forward, and its
-  backward given that forward's own out/lse (as the ring passes them), equal the XLA
-  kernel's, NaN and inf exactly where the XLA kernel has them."""
+  """With a NaN/inf in q, k or v, splash's forward, and its backward given that forward's
+  own out/lse (as the ring passes them), equal the XLA kernel's, NaN and inf exactly where
+  the XLA kernel has them: handled around splash without segment ids, by the branch to the
+  XLA kernel with them."""
   tensor, at, value = NON_FINITE[case]
   q, k, v, masks, spec = _hop(nan_at=at, segments=segments, value=value, tensor=tensor)
   want = jax.jit(XlaHopKernel().forward, static_argnums=4)(q, k, v, masks, spec)
@@ -182,8 +185,8 @@ def test_ring_with_a_nan_key_matches_the_xla_ring():
 
 
 def test_no_branch_in_the_hop():
-  """The non-finite handling is arithmetic around splash, not a ``cond`` to another kernel:
-  neither pass holds a ``cond`` with splash's kernels in one branch."""
+  """Without segment ids the non-finite handling is arithmetic around splash, not a
+  ``cond`` to another kernel: neither pass holds a ``cond``."""
   q, k, v, masks, spec = _hop(segments=False)
   lse = jnp.zeros(q.shape[:4])
   for fn, args in ((lambda q, k, v: KERNEL.forward(q, k, v, masks, spec), (q, k, v)),
