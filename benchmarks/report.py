@@ -903,7 +903,8 @@ def tpu_splash_nonfinite() -> str:
           f"{after['head_dim']}, {after['dtype']}, default blocks, the TPU defaults; temp MiB "
           f"per chip, ring transfers in flight / all and the scheduled HLO's characters; "
           f"splash {before['label']} (a `cond` to the xla hop on non-finite inputs) and "
-          f"{after['label']} (no `cond` without segment ids); the xla column from the before run:\n\n" +
+          f"{after['label']} (no `cond` without segment ids); the xla column from the before "
+          "run:\n\n" +
           table(["configuration", "heads", "xla", "splash before", "/ xla", "in flight",
                  "HLO", "splash after", "/ xla", "in flight", "HLO"], rows, "--rrrrrrrrr") +
           "\n\n" + caption(TPU_SPLASH_NONFINITE, TPU_SPLASH_NONFINITE_BEFORE,
