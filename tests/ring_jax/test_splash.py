@@ -29,8 +29,9 @@ KERNEL = splash.SplashHopKernel(interpret=True)
 @pytest.mark.parametrize("is_causal,window", [(True, None), (True, (150, 0)),
                                               (False, (40, 300)), (False, None)])
 def test_key_ranges_are_each_querys_visible_keys(layout, is_causal, window):
-  """Per query, [start, end) holds exactly the keys the causal mask and window let it see,
-  for every hop of a ring of 4 (positions from the layout itself)."""
+  """Per query, [start, end) holds exactly the keys the causal mask and window let it see
+  (and per key, hop.query_ranges exactly the queries that see it), for every hop of a ring
+  of 4 (positions from the layout itself)."""
   for qd in range(4):
     for kd in range(4):
       q_pos = np.asarray(ring_jax.local_positions(layout, 4, 256, qd))
@@ -45,11 +46,33 @@ def test_key_ranges_are_each_querys_visible_keys(layout, is_causal, window):
                                                     is_causal, window))
       idx = np.arange(len(kv_pos))[None, :]
       np.testing.assert_array_equal((idx >= start[:, None]) & (idx < end[:, None]), vis)
+      q_start, q_end = jax.device_get(hop.query_ranges(jnp.asarray(q_pos), jnp.asarray(kv_pos),
+                                                        is_causal, window))
+      q_idx = np.arange(len(q_pos))[:, None]  # per key, the queries that see it
+      np.testing.assert_array_equal((q_idx >= q_start[None]) & (q_idx < q_end[None]), vis)
       if window is not None:  # the packed code decodes to the same range
         code = (start.astype(np.int64) << 16) | end
         np.testing.assert_array_equal(
             np.asarray(splash._keys_within(jnp.asarray(code, jnp.int32)[:, None],
                                            jnp.asarray(idx))), vis)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_flagged_in_ranges_is_any_flag_in_each_range(seed):
+  """hop.flagged_in_ranges against a dense any(): random flags [B, X, K, H], random ranges
+  (empty, whole, at either end), per batch row."""
+  rng = np.random.default_rng(seed)
+  b, nx, ny = 2, 37, 29
+  flags = rng.random((b, nx, 3, 4)) < 0.05
+  start = rng.integers(0, nx + 1, ny)
+  end = np.minimum(nx, start + rng.integers(0, nx + 1, ny))
+  end[:3], start[3], end[3] = start[:3], 0, nx  # empty ranges and the whole axis
+  got = hop.flagged_in_ranges(jnp.asarray(flags), jnp.asarray(start, jnp.int32),
+                              jnp.asarray(end, jnp.int32))
+  inside = (np.arange(nx)[None] >= start[:, None]) & (np.arange(nx)[None] < end[:, None])
+  want = np.einsum("yx,bxkh->bykh", inside.astype(int), flags.astype(int)) > 0
+  np.testing.assert_array_equal(np.asarray(got), want)
+  assert want.any() and not want.all()
 
 
 @pytest.mark.parametrize("low", [0, -7, np.iinfo(np.int32).min, np.iinfo(np.int32).min + 1])
