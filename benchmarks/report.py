@@ -892,6 +892,40 @@ def tpu_hop_memory() -> str:
                   note=f"Deviceless compiles with libtpu {d['libtpu']}."))
 
 
+TPU_SPLASH_NONFINITE = "tpu_splash_nonfinite_v5p.json"
+TPU_SPLASH_NONFINITE_BEFORE = "tpu_splash_nonfinite_v5p_before.json"
+
+
+@block("tpu_splash_nonfinite", TPU_SPLASH_NONFINITE, TPU_SPLASH_NONFINITE_BEFORE)
+def tpu_splash_nonfinite() -> str:
+  after, before = load(TPU_SPLASH_NONFINITE), load(TPU_SPLASH_NONFINITE_BEFORE)
+  old = {_hop_case(r): r for r in before["rows"] if "error" not in r}
+  rows = []
+  for r in after["rows"]:
+    case, kernel = _hop_case(r)
+    b, xla = old.get((case, kernel)), old.get((case, "xla"))
+    if "error" in r or kernel != "splash" or b is None or xla is None:
+      continue
+    rows.append([f"`{case}`", f"{r['heads']}:{r['kv_heads']}", mib(xla["temp_mib"] * MIB),
+                 mib(b["temp_mib"] * MIB), x(b["temp_mib"] / xla["temp_mib"]),
+                 f"{b['ring_in_flight']} of {b['ring_transfers']}",
+                 f"{b['hlo_chars'] / 1e6:.2f}M", mib(r["temp_mib"] * MIB),
+                 x(r["temp_mib"] / xla["temp_mib"]),
+                 f"{r['ring_in_flight']} of {r['ring_transfers']}",
+                 f"{r['hlo_chars'] / 1e6:.2f}M"])
+  return (f"`ring_attention_sharded` fwd+bwd compiled for {after['topology']} (no TPU "
+          f"attached), ring of 4, {length(after['length'])} tokens, head dim "
+          f"{after['head_dim']}, {after['dtype']}, default blocks, the TPU defaults; temp MiB "
+          f"per chip, ring transfers in flight / all and the scheduled HLO's characters; "
+          f"splash {before['label']} (a `cond` to the xla hop on non-finite inputs) and "
+          f"{after['label']} (no `cond` without segment ids); the xla column from the before "
+          "run:\n\n" +
+          table(["configuration", "heads", "xla", "splash before", "/ xla", "in flight",
+                 "HLO", "splash after", "/ xla", "in flight", "HLO"], rows, "--rrrrrrrrr") +
+          "\n\n" + caption(TPU_SPLASH_NONFINITE, TPU_SPLASH_NONFINITE_BEFORE,
+                            note=f"Deviceless compiles with libtpu {after['libtpu']}."))
+
+
 COMPILE = "compile_time_cpu.json"
 
 

@@ -284,6 +284,44 @@ def key_ranges(q_positions, kv_positions, is_causal: bool, window):
   return start, jnp.maximum(end, start)
 
 
+def query_ranges(q_positions, kv_positions, is_causal: bool, window):
+  """int32 ``([S], [S])``: per key, the query indices ``[start, end)`` of this hop whose
+  causal mask and window ``(left, right)`` let them see it (segment ids aside); exact since
+  query positions increase within a shard (the transpose of :func:`key_ranges`)."""
+  q = q_positions.astype(jnp.int32)
+  kv = kv_positions.astype(jnp.int32)
+  start = jnp.zeros_like(kv)
+  end = jnp.full_like(kv, q.shape[0])
+  if window is not None:
+    left, right = window
+    start = jnp.searchsorted(q, kv - right, side="left").astype(jnp.int32)
+    end = jnp.searchsorted(q, kv + left, side="right").astype(jnp.int32)
+  if is_causal:
+    start = jnp.maximum(start, jnp.searchsorted(q, kv, side="left").astype(jnp.int32))
+  return start, jnp.maximum(end, start)
+
+
+def flagged_in_ranges(flags, start, end):
+  """bool ``[B, Y, ...]``: per ``y``, whether ``flags[b, x, ...]`` holds for some ``x`` in
+  ``[start[y], end[y])``. ``flags`` bool ``[B, X, ...]``; ``start``, ``end`` int32 ``[Y]``.
+
+  Which outputs see a flagged input through a visible pair (``y`` a query and ``x`` a key,
+  or the reverse; ranges from :func:`key_ranges` / :func:`query_ranges`) without any
+  ``[Y, X]`` array: one reverse running minimum of the next flagged index, read once per
+  ``y``.
+  """
+  b, nx = flags.shape[:2]
+  index = jnp.int16 if nx < jnp.iinfo(jnp.int16).max else jnp.int32
+  here = jnp.arange(nx, dtype=index).reshape(1, nx, *(1,) * (flags.ndim - 2))
+  nxt = jnp.where(flags, here, jnp.asarray(nx, index))
+  nxt = jnp.concatenate([nxt, jnp.full((b, 1, *flags.shape[2:]), nx, index)], axis=1)
+  nxt = jax.lax.cummin(nxt, axis=1, reverse=True)                              # [B, X + 1, ...]
+  at = jnp.broadcast_to(start, (b, start.shape[-1])).reshape(b, -1, *(1,) * (flags.ndim - 2))
+  found = jnp.take_along_axis(nxt, jnp.minimum(at, nx), axis=1,
+                              mode="promise_in_bounds")                        # [B, Y, ...]
+  return found.astype(jnp.int32) < end.reshape(1, -1, *(1,) * (flags.ndim - 2))
+
+
 def segment_key_ranges(q_segment_ids, kv_segment_ids):
   """int32 ``(start [B, T], end [B, T])`` and a bool scalar ``exact``: per query, the key
   indices ``[first, last + 1)`` of the keys with its segment id (empty for padding and for

@@ -31,10 +31,21 @@ under the hop-kernel seam (:mod:`ring_jax.hop`):
   dlse`` is ours (:func:`ring_jax.hop.backward_delta`, so the lse cotangent counts)
   and goes to splash's dQ and dK/dV kernels as their ``di``. Splash takes queries
   pre-scaled (no scale argument): ``q * scale`` in, ``dQ * scale`` out.
-* **Non-finite inputs.** ``0 * NaN`` inside splash's matmuls would leak a NaN held at
-  a masked key into rows that do not see it, so a hop whose V (forward) or Q/K/V
-  (backward) holds a non-finite value runs the XLA kernel instead (``lax.cond``;
-  :attr:`ring_jax.hop.HopMasks.v_finite` makes the forward test free).
+* **Non-finite inputs.** ``0 * NaN`` inside splash's matmuls would leak a NaN held at a
+  masked key into rows that do not see it. Without segment ids this is handled around the
+  kernels, with no branch: splash reads V with its non-finite entries as 0 and the outputs
+  that read one through a visible pair are set to NaN afterwards
+  (:func:`ring_jax.hop.flagged_in_ranges` over the per-query key ranges: one pass over V,
+  no ``[T, S]`` array); the forward's scores take Q and K as they are (masked scores are
+  selected away); the backward reads Q and K with NaN as 0 and infinities as
+  ``+-2**100`` (a ``-inf`` score keeps ``p = 0``), a NaN lse row as ``+inf`` (it adds
+  nothing but its NaN ``delta``, which reaches dQ and dK as in the XLA kernel), and sets
+  dV to NaN for the keys such a row sees (:func:`ring_jax.hop.query_ranges`). Given the
+  forward's own ``out``/``lse`` the NaN/inf pattern is the XLA kernel's. With segment ids
+  a hop whose V (forward) or Q/K/V (backward) holds a non-finite value runs the XLA kernel
+  instead (``lax.cond``; :attr:`ring_jax.hop.HopMasks.v_finite` makes the forward test
+  free): handled around the kernels, that program kept fewer ring transfers in flight on
+  the TPU compiler (docs/performance.md, "Splash hop memory on the TPU compiler").
 * Outputs come back in the input dtype (bf16 for bf16 inputs); they are merged and
   accumulated in float32.
 
@@ -70,6 +81,9 @@ MAX_TILE = 1024
 _RANGE_BITS = 16
 _MAX_WINDOW_KV = (1 << (_RANGE_BITS - 1)) - 1
 _I32_MIN = int(np.iinfo(np.int32).min)
+# What an infinite Q or K entry becomes for splash's backward (:func:`_huge_part`): 2**100,
+# finite in bfloat16 and float32, its square not.
+_HUGE = 2.0 ** 100
 
 
 def _over_rows(one_row):
@@ -122,6 +136,18 @@ def splash_segment_ids(q_seg, kv_seg):
             jnp.where(kv_codes == 0, -2, rank(kv_codes)))
 
   return jax.lax.cond(low > _I32_MIN + 1, below, ranked, (qs, ks))
+
+
+def _finite_part(x):
+  """``x`` with its non-finite entries 0."""
+  return jnp.where(jnp.isfinite(x), x, jnp.zeros((), x.dtype))
+
+
+def _huge_part(x):
+  """``x`` with NaN as 0 and ``+-inf`` as ``+-`` :data:`_HUGE` (finite, so ``0 * x`` is 0 in
+  splash's matmuls, while a score that was ``-inf`` stays far below any row's lse)."""
+  huge = jnp.where(x > 0, jnp.asarray(_HUGE, x.dtype), jnp.asarray(-_HUGE, x.dtype))
+  return jnp.where(jnp.isfinite(x), x, jnp.where(jnp.isnan(x), jnp.zeros((), x.dtype), huge))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -207,12 +233,18 @@ class SplashHopKernel:
                                           q_sequence=q_sequence)
     return info(kv_next), info(q_next), mask_function
 
-  def _operands(self, q, k, v, masks, spec):
-    """Splash's head-major operands: q ``[B, N, T, H]`` (scaled), k/v ``[B, K, S, H]``,
-    and ``SegmentIds`` per batch row (or None)."""
+  def _operands(self, q, k, v, masks, spec, finite_v: bool = False, finite_qk: bool = False):
+    """Splash's head-major operands: q ``[B, N, T, H]`` (scaled), k/v ``[B, K, S, H]`` and
+    ``SegmentIds`` per batch row (or None). ``finite_v``: V's non-finite entries read as 0
+    (:func:`_finite_part`); ``finite_qk``: Q's and K's NaN as 0 and infinities as ``+-``
+    :data:`_HUGE` (:func:`_huge_part`)."""
     b, t, kh, g, h = q.shape
-    q_bnth = jnp.transpose((q * spec.scale).astype(q.dtype).reshape(b, t, kh * g, h),
-                           (0, 2, 1, 3))
+    q_scaled = (q * spec.scale).astype(q.dtype)
+    if finite_qk:
+      q_scaled, k = _huge_part(q_scaled), _huge_part(k)
+    if finite_v:
+      v = _finite_part(v)
+    q_bnth = jnp.transpose(q_scaled.reshape(b, t, kh * g, h), (0, 2, 1, 3))
     k_bksh, v_bksh = (jnp.transpose(x, (0, 2, 1, 3)) for x in (k, v))
     seg = None
     if masks.q_segment_ids is not None:
@@ -249,76 +281,101 @@ class SplashHopKernel:
   def forward(self, q, k, v, masks, spec):
     """``(out_h [B,T,K,G,Hv] f32, lse_h [B,T,K,G] f32)`` of this hop (``Hv``: V's head
     size, which splash takes apart from Q/K's)."""
-    tmasks, tspec = self._tiled(masks, spec)
-
-    def fused(q, k, v):
-      b, t, kh, g, h = q.shape
-      info, _, mask_function = self._mask(tmasks, tspec, t, k.shape[1])
-      q_bnth, k_bksh, v_bksh, seg = self._operands(q, k, v, tmasks, tspec)
-      sizes = sk.BlockSizes(block_q=tspec.block_q, block_kv=tspec.block_kv)
-      interpret = self._interpret_mode(q_bnth, k_bksh, v_bksh, *jax.tree.leaves(info),
-                                       *jax.tree.leaves(seg))
-
-      def one_row(q1, k1, v1, seg1):
-        return sk._splash_attention_forward(
-            info, q1, k1, v1, seg1, None, MASK_VALUE, False, sizes, None, True,
-            mask_function, tspec.logits_soft_cap, interpret)
-
-      out, (lse,) = hop.call_unchecked_vma(_over_rows(one_row), q_bnth, k_bksh, v_bksh, seg)
-      out = jnp.transpose(out.astype(jnp.float32), (0, 2, 1, 3)).reshape(*q.shape[:-1],
-                                                                          v.shape[-1])
-      lse = jnp.transpose(lse.astype(jnp.float32), (0, 2, 1)).reshape(q.shape[:-1])
-      # Rows that saw no key here: splash's finite mask value (or no block at all).
-      empty = lse < 0.5 * MASK_VALUE
-      return jnp.where(empty[..., None], 0.0, out), jnp.where(empty, -jnp.inf, lse)
-
-    guarded = lambda q, k, v: XlaHopKernel().forward(q, k, v, masks, spec)
+    if masks.q_segment_ids is None:
+      return self._forward(q, k, v, masks, spec, repair=True)
+    fused = lambda q, k, v: self._forward(q, k, v, masks, spec, repair=False)  # noqa: E731
+    guarded = lambda q, k, v: XlaHopKernel().forward(q, k, v, masks, spec)  # noqa: E731
     return jax.lax.cond(hop.v_is_finite(masks, v), fused, guarded, q, k, v)
+
+  def _forward(self, q, k, v, masks, spec, repair: bool):
+    """The forward on splash; ``repair``: V's non-finite values read as 0 and put back as NaN
+    on the outputs that see them (module docstring), else V must be finite."""
+    tmasks, tspec = self._tiled(masks, spec)
+    b, t, kh, g, h = q.shape
+    info, _, mask_function = self._mask(tmasks, tspec, t, k.shape[1])
+    q_bnth, k_bksh, v_bksh, seg = self._operands(q, k, v, tmasks, tspec, finite_v=repair)
+    sizes = sk.BlockSizes(block_q=tspec.block_q, block_kv=tspec.block_kv)
+    interpret = self._interpret_mode(q_bnth, k_bksh, v_bksh, *jax.tree.leaves(info),
+                                     *jax.tree.leaves(seg))
+
+    def one_row(q1, k1, v1, seg1):
+      return sk._splash_attention_forward(
+          info, q1, k1, v1, seg1, None, MASK_VALUE, False, sizes, None, True,
+          mask_function, tspec.logits_soft_cap, interpret)
+
+    out, (lse,) = hop.call_unchecked_vma(_over_rows(one_row), q_bnth, k_bksh, v_bksh, seg)
+    out = jnp.transpose(out.astype(jnp.float32), (0, 2, 1, 3)).reshape(*q.shape[:-1],
+                                                                        v.shape[-1])
+    lse = jnp.transpose(lse.astype(jnp.float32), (0, 2, 1)).reshape(q.shape[:-1])
+    if repair:  # NaN where a visible pair reads a non-finite value of V
+      start, end = hop.key_ranges(masks.q_positions, masks.kv_positions, spec.is_causal,
+                                  spec.window)
+      reads_bad = hop.flagged_in_ranges(~jnp.isfinite(v), start, end)  # [B, T, K, H]
+      out = jnp.where(reads_bad[:, :, :, None, :], jnp.nan, out)
+    # Rows that saw no key here: splash's finite mask value (or no block at all).
+    empty = lse < 0.5 * MASK_VALUE
+    return jnp.where(empty[..., None], 0.0, out), jnp.where(empty, -jnp.inf, lse)
 
   # ---- backward ---------------------------------------------------------------------------
 
   def backward(self, q, k, v, masks, spec, res: hop.HopResiduals,
                acc: hop.HopGrads) -> hop.HopGrads:
     """``acc`` plus this hop's (dq, dk, dv), from splash's dQ and dK/dV kernels."""
-    tmasks, tspec = self._tiled(masks, spec)
-
-    def fused(q, k, v, res, acc):
-      b, t, kh, g, h = q.shape
-      dq_info, dkv_info, mask_function = self._mask(tmasks, tspec, t, k.shape[1])
-      q_bnth, k_bksh, v_bksh, seg = self._operands(q, k, v, tmasks, tspec)
-      heads_first = lambda x: jnp.transpose(x.reshape(b, t, kh * g, *x.shape[4:]),
-                                            (0, 2, 1, *range(3, x.ndim - 1)))
-      lse_bnt = heads_first(res.lse.astype(jnp.float32))
-      do_bnth = heads_first(res.do.astype(q.dtype))
-      di_bnt = heads_first(hop.backward_delta(res.out, res.do, res.dlse))
-      interpret = self._interpret_mode(q_bnth, k_bksh, v_bksh, lse_bnt, do_bnth,
-                                       *jax.tree.leaves(dq_info), *jax.tree.leaves(seg))
-      layout = sk.QKVLayout.HEAD_DIM_MINOR
-      bq, bk, cap = tspec.block_q, tspec.block_kv, tspec.logits_soft_cap
-
-      def one_row(q1, k1, v1, seg1, lse1, do1, di1):
-        dq1 = sk._splash_attention_bwd_dq(
-            q1, k1, v1, seg1, None, lse1, do1, di1, bq=bq, bkv=bk, is_mqa=False,
-            mask_info=dq_info, mask_value=MASK_VALUE, attn_logits_soft_cap=cap,
-            q_layout=layout, k_layout=layout, v_layout=layout, mask_function=mask_function,
-            interpret=interpret)
-        _, dk1, dv1 = sk._splash_attention_bwd_dkv(
-            q1, k1, v1, seg1, None, lse1, do1, di1, bq=bq, bkv=bk, bkv_compute=bk,
-            is_mqa=False, mask_info=dkv_info, mask_value=MASK_VALUE,
-            attn_logits_soft_cap=cap, use_fused_bwd_kernel=False, q_layout=layout,
-            k_layout=layout, v_layout=layout, mask_function=mask_function,
-            interpret=interpret)
-        return dq1, dk1, dv1
-
-      dq, dk, dv = hop.call_unchecked_vma(_over_rows(one_row), q_bnth, k_bksh, v_bksh, seg, lse_bnt,
-                                  do_bnth, di_bnt)
-      dq = jnp.transpose(dq.astype(jnp.float32), (0, 2, 1, 3)).reshape(q.shape) * tspec.scale
-      dk, dv = (jnp.transpose(x.astype(jnp.float32), (0, 2, 1, 3)) for x in (dk, dv))
-      return hop.HopGrads(acc.dq + dq, acc.dk + dk, acc.dv + dv)
-
-    guarded = lambda q, k, v, res, acc: XlaHopKernel().backward(q, k, v, masks, spec, res, acc)
+    if masks.q_segment_ids is None:
+      return self._backward(q, k, v, masks, spec, res, acc, repair=True)
+    fused = lambda q, k, v, res, acc: self._backward(  # noqa: E731
+        q, k, v, masks, spec, res, acc, repair=False)
+    guarded = lambda q, k, v, res, acc: XlaHopKernel().backward(  # noqa: E731
+        q, k, v, masks, spec, res, acc)
     finite = hop.v_is_finite(masks, v) & jnp.isfinite(q).all() & jnp.isfinite(k).all()
     return jax.lax.cond(finite, fused, guarded, q, k, v, res, acc)
+
+  def _backward(self, q, k, v, masks, spec, res, acc, repair: bool):
+    """The backward on splash; ``repair``: non-finite inputs handled around the kernels
+    (module docstring), else Q, K and V must be finite."""
+    tmasks, tspec = self._tiled(masks, spec)
+    b, t, kh, g, h = q.shape
+    dq_info, dkv_info, mask_function = self._mask(tmasks, tspec, t, k.shape[1])
+    q_bnth, k_bksh, v_bksh, seg = self._operands(q, k, v, tmasks, tspec, finite_v=repair,
+                                                 finite_qk=repair)
+    heads_first = lambda x: jnp.transpose(x.reshape(b, t, kh * g, *x.shape[4:]),  # noqa: E731
+                                          (0, 2, 1, *range(3, x.ndim - 1)))
+    lse_nan = jnp.isnan(res.lse)
+    lse = res.lse.astype(jnp.float32)
+    if repair:  # a NaN lse row adds nothing (p = 0) but its NaN delta; dV gets NaN below
+      lse = jnp.where(lse_nan, jnp.inf, lse)
+    lse_bnt = heads_first(lse)
+    do_bnth = heads_first(res.do.astype(q.dtype))
+    di_bnt = heads_first(hop.backward_delta(res.out, res.do, res.dlse))
+    interpret = self._interpret_mode(q_bnth, k_bksh, v_bksh, lse_bnt, do_bnth,
+                                     *jax.tree.leaves(dq_info), *jax.tree.leaves(seg))
+    layout = sk.QKVLayout.HEAD_DIM_MINOR
+    bq, bk, cap = tspec.block_q, tspec.block_kv, tspec.logits_soft_cap
+
+    def one_row(q1, k1, v1, seg1, lse1, do1, di1):
+      dq1 = sk._splash_attention_bwd_dq(
+          q1, k1, v1, seg1, None, lse1, do1, di1, bq=bq, bkv=bk, is_mqa=False,
+          mask_info=dq_info, mask_value=MASK_VALUE, attn_logits_soft_cap=cap,
+          q_layout=layout, k_layout=layout, v_layout=layout, mask_function=mask_function,
+          interpret=interpret)
+      _, dk1, dv1 = sk._splash_attention_bwd_dkv(
+          q1, k1, v1, seg1, None, lse1, do1, di1, bq=bq, bkv=bk, bkv_compute=bk,
+          is_mqa=False, mask_info=dkv_info, mask_value=MASK_VALUE,
+          attn_logits_soft_cap=cap, use_fused_bwd_kernel=False, q_layout=layout,
+          k_layout=layout, v_layout=layout, mask_function=mask_function,
+          interpret=interpret)
+      return dq1, dk1, dv1
+
+    dq, dk, dv = hop.call_unchecked_vma(_over_rows(one_row), q_bnth, k_bksh, v_bksh, seg,
+                                        lse_bnt, do_bnth, di_bnt)
+    dq = jnp.transpose(dq.astype(jnp.float32), (0, 2, 1, 3)).reshape(q.shape) * tspec.scale
+    dk, dv = (jnp.transpose(x.astype(jnp.float32), (0, 2, 1, 3)) for x in (dk, dv))
+    if repair:  # dV is NaN where a visible pair has p = exp(s - NaN), as in the XLA kernel
+      start, end = hop.query_ranges(masks.q_positions, masks.kv_positions, spec.is_causal,
+                                    spec.window)
+      sees_nan = hop.flagged_in_ranges(lse_nan.any(axis=-1), start, end)  # [B, S, K]
+      dv = jnp.where(sees_nan[..., None], jnp.nan, dv)
+    return hop.HopGrads(acc.dq + dq, acc.dk + dk, acc.dv + dv)
 
 
 def make_kernel(platform: str) -> SplashHopKernel:

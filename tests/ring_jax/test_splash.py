@@ -9,6 +9,7 @@ import dataclasses
 import functools
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -28,8 +29,9 @@ KERNEL = splash.SplashHopKernel(interpret=True)
 @pytest.mark.parametrize("is_causal,window", [(True, None), (True, (150, 0)),
                                               (False, (40, 300)), (False, None)])
 def test_key_ranges_are_each_querys_visible_keys(layout, is_causal, window):
-  """Per query, [start, end) holds exactly the keys the causal mask and window let it see,
-  for every hop of a ring of 4 (positions from the layout itself)."""
+  """Per query, [start, end) holds exactly the keys the causal mask and window let it see
+  (and per key, hop.query_ranges exactly the queries that see it), for every hop of a ring
+  of 4 (positions from the layout itself)."""
   for qd in range(4):
     for kd in range(4):
       q_pos = np.asarray(ring_jax.local_positions(layout, 4, 256, qd))
@@ -44,11 +46,33 @@ def test_key_ranges_are_each_querys_visible_keys(layout, is_causal, window):
                                                     is_causal, window))
       idx = np.arange(len(kv_pos))[None, :]
       np.testing.assert_array_equal((idx >= start[:, None]) & (idx < end[:, None]), vis)
+      q_start, q_end = jax.device_get(hop.query_ranges(jnp.asarray(q_pos), jnp.asarray(kv_pos),
+                                                        is_causal, window))
+      q_idx = np.arange(len(q_pos))[:, None]  # per key, the queries that see it
+      np.testing.assert_array_equal((q_idx >= q_start[None]) & (q_idx < q_end[None]), vis)
       if window is not None:  # the packed code decodes to the same range
         code = (start.astype(np.int64) << 16) | end
         np.testing.assert_array_equal(
             np.asarray(splash._keys_within(jnp.asarray(code, jnp.int32)[:, None],
                                            jnp.asarray(idx))), vis)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_flagged_in_ranges_is_any_flag_in_each_range(seed):
+  """hop.flagged_in_ranges against a dense any(): random flags [B, X, K, H], random ranges
+  (empty, whole, at either end), per batch row."""
+  rng = np.random.default_rng(seed)
+  b, nx, ny = 2, 37, 29
+  flags = rng.random((b, nx, 3, 4)) < 0.05
+  start = rng.integers(0, nx + 1, ny)
+  end = np.minimum(nx, start + rng.integers(0, nx + 1, ny))
+  end[:3], start[3], end[3] = start[:3], 0, nx  # empty ranges and the whole axis
+  got = hop.flagged_in_ranges(jnp.asarray(flags), jnp.asarray(start, jnp.int32),
+                              jnp.asarray(end, jnp.int32))
+  inside = (np.arange(nx)[None] >= start[:, None]) & (np.arange(nx)[None] < end[:, None])
+  want = np.einsum("yx,bxkh->bykh", inside.astype(int), flags.astype(int)) > 0
+  np.testing.assert_array_equal(np.asarray(got), want)
+  assert want.any() and not want.all()
 
 
 @pytest.mark.parametrize("low", [0, -7, np.iinfo(np.int32).min, np.iinfo(np.int32).min + 1])
@@ -64,15 +88,15 @@ def test_segment_ids_padding_sees_nothing_and_equality_is_kept(low):
   np.testing.assert_array_equal(cq[:, :, None] == ck[:, None, :], want)
 
 
-def _hop(nan_at=None, segments=False):
-  """A causal zigzag hop (q shard 2, kv shard 1 of a ring of 4) with GQA; V gets a NaN at
-  ``nan_at`` = (batch, key, head, dim)."""
+def _hop(nan_at=None, segments=False, value=np.nan, tensor="v"):
+  """A causal zigzag hop (q shard 2, kv shard 1 of a ring of 4) with GQA; ``tensor`` (q, k
+  or v) gets ``value`` at ``nan_at`` (its index: (batch, position, head[, group], dim))."""
   rng = np.random.default_rng(0)
   b, t, kh, g, h = 2, 256, 2, 2, 32
   q = rng.standard_normal((b, t, kh, g, h)).astype(np.float32)
   k, v = (rng.standard_normal((b, t, kh, h)).astype(np.float32) for _ in range(2))
   if nan_at is not None:
-    v[nan_at] = np.nan
+    {"q": q, "k": k, "v": v}[tensor][nan_at] = value
   spec = HopSpec(scale=h ** -0.5, is_causal=True, window=None, block_q=128, block_kv=128)
   q_pos = ring_jax.local_positions("zigzag", 4, t, 2)
   kv_pos = ring_jax.local_positions("zigzag", 4, t, 1)
@@ -84,30 +108,125 @@ def _hop(nan_at=None, segments=False):
   return q, k, v, masks, spec
 
 
-def test_non_finite_v_reaches_exactly_the_rows_that_see_it():
+def _same_non_finite(got, want, what=""):
+  """Same NaN and same +-inf entries; the rest equal to float32 rounding."""
+  got, want = np.asarray(got), np.asarray(want)
+  np.testing.assert_array_equal(np.isnan(got), np.isnan(want), err_msg=f"{what}: NaN")
+  np.testing.assert_array_equal(np.isinf(got) * np.sign(np.nan_to_num(got)),
+                                np.isinf(want) * np.sign(np.nan_to_num(want)),
+                                err_msg=f"{what}: inf")
+  fin = np.isfinite(want)
+  np.testing.assert_allclose(got[fin], want[fin], rtol=1e-5, atol=1e-5, err_msg=what)
+
+
+@pytest.mark.parametrize("segments", [True, False])
+def test_non_finite_v_reaches_exactly_the_rows_that_see_it(segments):
   """A NaN in V at a key that only some queries of its block pair see: splash's matmuls
-  would spread it (0 * NaN) to the rest, so such a hop runs the XLA kernel; outputs and
-  gradients equal the XLA kernel's, NaN exactly where it is."""
+  would spread it (0 * NaN) to the rest; outputs and gradients equal the XLA kernel's, NaN
+  exactly where it is (backward: given finite residuals, as a hop after another kernel's
+  output may get them), with segment ids (the branch to the XLA kernel) and without them
+  (V's finite part read, NaN put back where a visible pair reads it)."""
   # Key 100 (document 2 of 4, position 228) is seen by queries 64..127 alone; the other
   # queries of its block pair (documents 1, 2) see other keys of that pair.
-  q, k, v, masks, spec = _hop(nan_at=(1, 100, 0, 5), segments=True)
+  q, k, v, masks, spec = _hop(nan_at=(1, 100, 0, 5), segments=segments)
   got = jax.jit(KERNEL.forward, static_argnums=4)(q, k, v, masks, spec)
   want = jax.jit(XlaHopKernel().forward, static_argnums=4)(q, k, v, masks, spec)
   nan_rows = np.isnan(np.asarray(want[0])).any(axis=(2, 3, 4))
-  assert (np.nonzero(nan_rows[1])[0] == np.arange(64, 128)).all() and not nan_rows[0].any()
+  seen_by = np.arange(64, 128) if segments else np.arange(256)  # causal: every query
+  assert (np.nonzero(nan_rows[1])[0] == seen_by).all() and not nan_rows[0].any()
   for g, w in zip(got, want):
-    g, w = np.asarray(g), np.asarray(w)
-    np.testing.assert_array_equal(np.isnan(g), np.isnan(w))
-    np.testing.assert_allclose(np.nan_to_num(g), np.nan_to_num(w), rtol=1e-5, atol=1e-5)
-  out, lse = (np.nan_to_num(x) for x in want)
-  res = HopResiduals(jnp.asarray(out), lse_for_backward(jnp.asarray(lse)), jnp.asarray(q),
-                     None)
+    _same_non_finite(g, w)
+  out, lse = want
+  res = HopResiduals(jnp.nan_to_num(out), lse_for_backward(lse), jnp.asarray(q), None)
   bwd = lambda kern: jax.jit(kern.backward, static_argnums=4)(  # noqa: E731
       q, k, v, masks, spec, res, zero_grads(q, k, v))
   for g, w in zip(bwd(KERNEL), bwd(XlaHopKernel())):
-    g, w = np.asarray(g), np.asarray(w)
-    np.testing.assert_array_equal(np.isnan(g), np.isnan(w))
-    np.testing.assert_allclose(np.nan_to_num(g), np.nan_to_num(w), rtol=1e-5, atol=1e-5)
+    assert np.isfinite(np.asarray(w)).all()
+    _same_non_finite(g, w)
+
+
+# (tensor, index, value): V's entries reach single columns; K's and Q's whole rows through
+# the scores (an infinite K entry: +inf scores make NaN rows, -inf ones drop the key).
+NON_FINITE = {
+    "nan value": ("v", (1, 100, 0, 5), np.nan),
+    "-inf value": ("v", (0, 20, 1, 3), -np.inf),
+    "nan key": ("k", (1, 100, 0, 5), np.nan),
+    "inf key": ("k", (0, 20, 1, 3), np.inf),
+    "nan query": ("q", (1, 70, 0, 1, 5), np.nan),
+}
+
+
+@pytest.mark.parametrize("case,segments", [(c, False) for c in NON_FINITE] +
+                         [("nan value", True), ("inf key", True)])
+def test_non_finite_inputs_match_the_xla_kernel(case, segments):
+  """With a NaN/inf in q, k or v, splash's forward, and its backward given that forward's
+  own out/lse (as the ring passes them), equal the XLA kernel's, NaN and inf exactly where
+  the XLA kernel has them: handled around splash without segment ids, by the branch to the
+  XLA kernel with them."""
+  tensor, at, value = NON_FINITE[case]
+  q, k, v, masks, spec = _hop(nan_at=at, segments=segments, value=value, tensor=tensor)
+  want = jax.jit(XlaHopKernel().forward, static_argnums=4)(q, k, v, masks, spec)
+  got = jax.jit(KERNEL.forward, static_argnums=4)(q, k, v, masks, spec)
+  assert not np.isfinite(np.asarray(want[0])).all()
+  for name, g, w in zip(("out", "lse"), got, want):
+    _same_non_finite(g, w, name)
+  out, lse = want
+  do = np.random.default_rng(1).standard_normal(q.shape).astype(np.float32)
+  res = HopResiduals(out, lse_for_backward(lse), jnp.asarray(do), None)
+  bwd = lambda kern: jax.jit(kern.backward, static_argnums=4)(  # noqa: E731
+      q, k, v, masks, spec, res, zero_grads(q, k, v))
+  got, want = bwd(KERNEL), bwd(XlaHopKernel())
+  assert not all(np.isfinite(np.asarray(w)).all() for w in want)
+  for name, g, w in zip(("dq", "dk", "dv"), got, want):
+    _same_non_finite(g, w, name)
+
+
+def test_ring_with_a_nan_key_matches_the_xla_ring():
+  """A ring of 2 (causal zigzag, GQA 4:2, blocks of 128) with one NaN in K: splash at
+  every hop gives the XLA ring's outputs and gradients, NaN exactly where it has them (the
+  rows that see the NaN, not the other rows nor the other batch element)."""
+  from ring_jax import testing  # noqa: PLC0415
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("sequence",))
+  rng = np.random.default_rng(3)
+  q = rng.standard_normal((2, 512, 4, 32)).astype(np.float32)
+  k, v = (rng.standard_normal((2, 512, 2, 32)).astype(np.float32) for _ in range(2))
+  at = (0, 300, 1, 2)
+  k[at] = np.nan
+  cot = rng.standard_normal(q.shape).astype(np.float32)
+
+  def run(kernel):
+    ring = testing.hop_kernel_attention(kernel, block=128, check_vma=False)
+    fn = lambda q, k, v: ring(q, k, v, is_causal=True, layout="zigzag", mesh=mesh)  # noqa: E731
+    out, vjp = jax.vjp(fn, q, k, v)
+    return (out, *vjp(jnp.asarray(cot)))
+
+  got, want = jax.jit(lambda: run(KERNEL))(), jax.jit(lambda: run(XlaHopKernel()))()
+  bad = np.isnan(np.asarray(want[0]))
+  assert bad.any() and not bad[1 - at[0]].any() and not bad[at[0], :at[1]].any()
+  for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
+    _same_non_finite(g, w, name)
+
+
+def test_no_branch_in_the_hop():
+  """Without segment ids the non-finite handling is arithmetic around splash, not a
+  ``cond`` to another kernel: neither pass holds a ``cond``."""
+  q, k, v, masks, spec = _hop(segments=False)
+  lse = jnp.zeros(q.shape[:4])
+  for fn, args in ((lambda q, k, v: KERNEL.forward(q, k, v, masks, spec), (q, k, v)),
+                   (lambda q, k, v, o, l, do: KERNEL.backward(
+                       q, k, v, masks, spec, HopResiduals(o, l, do), zero_grads(q, k, v)),
+                    (q, k, v, q, lse, q))):
+    found = list(_primitives(jax.make_jaxpr(fn)(*args).jaxpr))
+    assert "pallas_call" in found and "cond" not in found
+
+
+def _primitives(jaxpr):
+  """Primitive names of ``jaxpr`` and its sub-jaxprs, not looking inside Pallas kernels."""
+  for eqn in jaxpr.eqns:
+    yield eqn.primitive.name
+    if eqn.primitive.name != "pallas_call":
+      for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+        yield from _primitives(sub)
 
 
 @pytest.mark.parametrize("segments", [False, True])
