@@ -6,12 +6,13 @@ Every table of measured figures in a markdown file sits between two markers::
     ... generated text, replaced wholesale ...
     <!-- /report -->
 
-``NAME`` is a block of :data:`BLOCKS`: a function that reads its result files
-(``benchmarks/results/*.json`` / ``*.jsonl``), computes every ratio and percentage
-from the raw numbers there, and returns markdown with a caption line (date,
-machine and jax version as the result file records them, the command that made
-it, a link to the file). Nothing in a block is typed by hand, so no quoted figure
-can drift from the run that made it.
+``NAME`` is a block of :data:`BLOCKS`, declared as data by :func:`table_block`: its result
+files (``benchmarks/results/*.json`` / ``*.jsonl``), an intro, a table's columns (or rows), and
+text after it; every ratio and percentage is computed from the raw numbers there, and a caption
+line follows (date, machine and jax version as the result file records them, the command that
+made it, a link to the file). A block that is not intro, table and caption registers its own
+renderer with :func:`block`. Nothing in a block is typed by hand, so no quoted figure can drift
+from the run that made it.
 
     python benchmarks/report.py              # rewrite every block in every *.md of the repo
     python benchmarks/report.py --check      # exit 1 with a diff if a block is out of date
@@ -135,12 +136,12 @@ def link(name: str) -> str:
   return f"[`{name}`]({LINK_ROOT}benchmarks/results/{name})"
 
 
-def caption(*names: str, command: str | None = None, note: str = "") -> str:
+def caption(*names: str, note: str = "") -> str:
   """One line under a table: per result file its date, machine, jax, a link and the command
-  that made it (``command`` overrides the first file's)."""
+  that made it."""
   parts = []
-  for i, name in enumerate(names):
-    cmd = command if (i == 0 and command is not None) else meta(name)["command"]
+  for name in names:
+    cmd = meta(name)["command"]
     parts.append(f"{link(name)}: {when(name)}" + (f"; `{cmd}`" if cmd else ""))
   line = ("Source: " if len(names) == 1 else "Sources: ") + "; ".join(parts) + "."
   if note:
@@ -206,11 +207,214 @@ def length(n: int) -> str:
 
 
 def table(head: list[str], rows: list[list], align: str | None = None) -> str:
+  """A markdown table; ``align`` has one letter per column, ``r`` for right-aligned."""
   align = align or "-" * len(head)
   sep = ["---:" if a == "r" else "---" for a in align]
   lines = ["| " + " | ".join(head) + " |", "|" + "|".join(sep) + "|"]
   lines += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
   return "\n".join(lines)
+
+
+def _mesh(sizes: dict, sep: str, keep: str = "") -> str:
+  """The axes of a mesh larger than 1 (and ``keep``): ``data=2 x sequence=4``."""
+  return sep.join(f"{k}={v}" for k, v in sizes.items() if v != 1 or k == keep)
+
+
+def _rows_by(rows, *keys) -> dict:
+  """``rows`` by the tuple of their ``keys``."""
+  return {tuple(r[k] for k in keys): r for r in rows}
+
+
+def _pairs(rows) -> list:
+  """``(previous row or None, row)`` for each row."""
+  rows = list(rows)
+  return list(zip([None] + rows[:-1], rows))
+
+
+# ----------------------------------------------------------------------------
+# Blocks declared as data
+# ----------------------------------------------------------------------------
+
+def _text(spec, data: list) -> str:
+  """A declared piece of text: ``spec(*data)``, or a format string over the first file."""
+  if callable(spec):
+    return spec(*data)
+  return spec.format_map(data[0]) if spec else ""
+
+
+def table_block(name: str, *files: str, key: str = "", rows: Callable | None = None, columns=(),
+                head=(), align: str | Callable = "", intro: str | Callable = "",
+                after: str | Callable = "", note: str | Callable = "") -> None:
+  """Registers block ``name``: ``intro``, a table, ``after`` and the caption of ``files``
+  (``note`` at its end), each left out where empty, separated by blank lines.
+
+  ``rows(*data)`` (``data``: the contents of ``files``, or their entry ``key``) gives the
+  table's records; no ``rows``, no table. With ``columns`` (``[(header, cell)]``) a record is
+  one row and ``cell`` is ``cell(record)`` or a format string over the record; without, a
+  record is a list of cells under ``head``. ``intro``, ``after``, ``note``, ``align`` (one letter per column, ``r``:
+  right-aligned) and ``head`` are fixed or functions of ``*data``; text is a format string
+  over the first file's contents."""
+  def render() -> str:
+    data = [load(f)[key] if key else load(f) for f in files]
+    grid = ""
+    if rows is not None:
+      records = list(rows(*data))
+      if columns:
+        hd = [h for h, _ in columns]
+        records = [[c(r) if callable(c) else c.format_map(r) for _, c in columns]
+                   for r in records]
+      else:
+        hd = head(*data) if callable(head) else head
+      grid = table(hd, records, _text(align, data))
+    parts = [_text(intro, data), grid, _text(after, data), caption(*files, note=_text(note, data))]
+    return "\n\n".join(p for p in parts if p)
+  BLOCKS[name] = (render, files)
+
+
+# ----------------------------------------------------------------------------
+# Core figures: benchmarks/core_report.py
+# ----------------------------------------------------------------------------
+
+CORE = "core_report_cpu.json"
+GRADS = ("dq", "dk", "dv")
+
+
+def _worst(rows, *keys) -> float:
+  return max(r[k] for r in rows for k in keys)
+
+
+table_block(
+    "core_accuracy", CORE, key="accuracy", rows=lambda d: d, align="-rrrr",
+    intro=lambda d: (f"Worst of the {len(d)} cases: **{sci(_worst(d, 'out'))}** on outputs, "
+                     f"**{sci(_worst(d, *GRADS))}** on dQ/dK/dV (max |error| / max |reference|)."),
+    columns=[("case", "`{case}`")] + [(h, lambda r, k=h.lower(): sci(r[k]))
+                                      for h in ("out", "dQ", "dK", "dV")])
+
+table_block(
+    "core_memory", CORE, key="memory", align="rrrrr",
+    intro=("Ring of {ring}, {heads} heads x {head_dim}, causal {layout}, {dtype}, blocks of "
+           "{block}:"),
+    head=["local length", "global length", "fwd+bwd temp MiB/device", "vs previous",
+          "one [L/n, L/n] f32 score matrix per head, MiB"],
+    rows=lambda d: [[f"{r['local_len']:,}", f"{r['global_len']:,}", mib(r["temp_bytes"]),
+                     x(r["temp_bytes"] / p["temp_bytes"]) if p else "",
+                     f"{mib(r['local_len'] ** 2 * 4)} x {d['heads']} heads"]
+                    for p, r in _pairs(d["rows"])])
+
+
+def _work_rows(d) -> list:
+  base = next(r for r in d["rows"] if r["layout"] == "contiguous")["critical_path"]
+  return [[r["layout"], f"{min(w)} ... {max(w)}", f"{max(w) / (sum(w) / len(w)):.2f}",
+           r["critical_path"], x(r["critical_path"] / base), sum(w)]
+          for r in d["rows"] for w in [r["work_per_device"]]]
+
+
+table_block(
+    "core_work", CORE, key="work", rows=_work_rows, align="-rrrrr",
+    intro=("Causal, ring of {ring}, {local_len} tokens per device, blocks of {block} "
+           "(`ring_jax.schedule`, no timing):"),
+    head=["layout", "block pairs per device (min ... max)", "max / mean", "critical path (pairs)",
+          "vs contiguous", "total"])
+
+# ----------------------------------------------------------------------------
+# Against the paper's code: benchmarks/attention.py
+# ----------------------------------------------------------------------------
+
+PAPER_4K = "attention_cpu_4k.json"
+MEMSCAN = "attention_cpu_memscan_scan.json"  # ring zigzag, paper and all-gather in one run
+BF16 = "attention_cpu_bf16.json"
+PAPER_IMPLS = {"ring-zigzag": "ring zigzag", "ring-contiguous": "ring contiguous",
+               "paper": "paper"}
+
+
+def _paper_rows(d) -> list:
+  by = _rows_by(d["rows"], "impl", "causal")
+  rows = []
+  for causal, name in ((True, "causal"), (False, "non-causal")):
+    paper = by[("paper", causal)]
+    times = [by[(i, causal)]["fwdbwd_median_s"] / paper["fwdbwd_median_s"] for i in PAPER_IMPLS]
+    rows.append([f"{name}: fwd+bwd time vs paper"] +
+                [f"**{x(t)}**" if t == min(times[:2]) else x(t) for t in times] + [""])
+    rows.append([f"{name}: useful GFLOP/s (fraction of the matmul's)"] +
+                [f"{r['fwdbwd_useful_gflops']:.1f} "
+                 f"({pct(r['fwdbwd_useful_gflops'] / r['matmul_gflops'])})"
+                 for r in (by[(i, causal)] for i in PAPER_IMPLS)] +
+                [f"{paper['matmul_gflops']:.1f}"])
+  temp = lambda i, causal: mib(by[(i, causal)]["fwdbwd_mem"]["temp_size_in_bytes"])
+  rows.append(["fwd+bwd temp MiB per device, causal / non-causal"] +
+              [f"{temp(i, True)} / {temp(i, False)}" for i in PAPER_IMPLS] + [""])
+  return rows
+
+
+table_block(
+    "paper_4k", PAPER_4K, rows=_paper_rows,
+    intro=lambda d: (f"{d['meta']['dtype']}, B={d['meta']['batch']}, {d['meta']['heads']} heads "
+                     f"x {d['meta']['head_dim']}, ring of {d['meta']['ring']} in one process, "
+                     f"blocks of {', '.join(map(str, sorted({r['block'] for r in d['rows']})))}, "
+                     f"median of {d['meta']['repeats']}:"),
+    head=lambda d: ([f"L = {length(d['rows'][0]['length'])}, fwd+bwd", *PAPER_IMPLS.values(),
+                     "same-size f32 matmul"]))
+
+
+def _memscan(d) -> tuple[dict, str, list]:
+  """The memory scan by (impl, length), the ring's impl and the lengths."""
+  by = _rows_by(d["memscan"], "impl", "length")
+  return by, next(i for i, _ in by if i.startswith("ring")), sorted({n for _, n in by})
+
+
+def _fixed_block_rows(d) -> list:
+  by, ring, lengths = _memscan(d)
+  rows = []
+  for n in lengths:
+    r, p = by[(ring, n)]["fwdbwd_temp"], by[("paper", n)]["fwdbwd_temp"]
+    ag = by.get(("allgather", n))
+    rows.append([length(n), mib(r), mib(p), f"**{x(r / p)}**",
+                 mib(ag["fwdbwd_temp"]) if ag else "-"])
+  return rows
+
+
+def _fixed_block_head(d) -> list:
+  by, ring, lengths = _memscan(d)
+  return [f"L ({ring}, causal, blocks of {by[(ring, lengths[0])]['block']})", "ring MiB/device",
+          "paper MiB/device", "ring / paper", "all-gather MiB/device"]
+
+
+table_block("memory_fixed_block", MEMSCAN, rows=_fixed_block_rows, head=_fixed_block_head,
+            align="-rrrr")
+
+table_block(
+    "memory_scan_allgather", MEMSCAN, align="-rr",
+    head=["L", "all-gather fwd+bwd temp MiB/device", "vs previous"],
+    rows=lambda d: [[length(n), mib(v), x(v / p[1]) if p else ""] for p, (n, v) in _pairs(
+        sorted((r["length"], r["fwdbwd_temp"]) for r in d["memscan"] if r["impl"] == "allgather"))])
+
+
+def _bf16_rows(e) -> list:
+  rings = sorted({r["ring"] for r in e["rows"] if r["ring"]})
+  by = {(r["impl"], r["ring"]): r["rel_err"] for r in e["rows"]}
+  errors = lambda v: " / ".join(sci(v[k]) for k in ("out", *GRADS))
+  rows = []
+  for impl in dict.fromkeys(r["impl"] for r in e["rows"]):
+    if (impl, None) in by:
+      rows.append([impl, errors(by[(impl, None)])] + [""] * (len(rings) - 1))
+    else:
+      rows.append([impl] + [errors(by[(impl, n)]) if (impl, n) in by else "-" for n in rings])
+  return rows
+
+
+def _bf16_worst(e) -> float:
+  """The worst error over the ring's layouts and sizes."""
+  return _worst([r["rel_err"] for r in e["rows"] if r["impl"].startswith("ring") and r["ring"]],
+                "out", *GRADS)
+
+
+table_block(
+    "bf16_error", BF16, key="bf16_error", rows=_bf16_rows,
+    head=lambda e: ["impl"] + [f"ring {n}" for n in sorted({r["ring"] for r in e["rows"]
+                                                             if r["ring"]})],
+    intro=lambda e: (f"Relative Frobenius error out / dQ / dK / dV, causal, L={e['length']}, "
+                     f"{e['heads']} heads x {e['head_dim']}; worst over the ring's layouts and "
+                     f"sizes: **{sci(_bf16_worst(e))}**."))
 
 
 def tabled(intro: str, head: list[str], rows: list[list], align: str | None, *files: str,
@@ -225,162 +429,8 @@ def columns(spec: list[tuple[str, Callable]], records) -> tuple[list[str], list[
   return [h for h, _ in spec], [[cell(r) for _, cell in spec] for r in records]
 
 
-def _mesh(sizes: dict, sep: str, keep: str = "") -> str:
-  """The axes of a mesh larger than 1 (and ``keep``): ``data=2 x sequence=4``."""
-  return sep.join(f"{k}={v}" for k, v in sizes.items() if v != 1 or k == keep)
-
-
 def section(anchor: str) -> str:
   return f"{DOC}#{anchor}"
-
-
-# ----------------------------------------------------------------------------
-# Core figures: benchmarks/core_report.py
-# ----------------------------------------------------------------------------
-
-CORE = "core_report_cpu.json"
-
-
-@block("core_accuracy", CORE)
-def core_accuracy() -> str:
-  rows = load(CORE)["accuracy"]
-  keys = ("out", "dq", "dk", "dv")
-  return tabled(f"Worst of the {len(rows)} cases: **{sci(max(r['out'] for r in rows))}** on "
-                f"outputs, **{sci(max(r[k] for r in rows for k in keys[1:]))}** on dQ/dK/dV "
-                "(max |error| / max |reference|).", ["case", "out", "dQ", "dK", "dV"],
-                [[f"`{r['case']}`", *(sci(r[k]) for k in keys)] for r in rows], "-rrrr", CORE)
-
-
-@block("core_memory", CORE)
-def core_memory() -> str:
-  d = load(CORE)["memory"]
-  rows, prev = [], None
-  for r in d["rows"]:
-    score = r["local_len"] ** 2 * 4  # one [L/n, L/n] float32 score matrix, one head
-    rows.append([f"{r['local_len']:,}", f"{r['global_len']:,}", mib(r["temp_bytes"]),
-                 x(r["temp_bytes"] / prev) if prev else "", f"{mib(score)} x {d['heads']} heads"])
-    prev = r["temp_bytes"]
-  return tabled(f"Ring of {d['ring']}, {d['heads']} heads x {d['head_dim']}, causal "
-                f"{d['layout']}, {d['dtype']}, blocks of {d['block']}:",
-                ["local length", "global length", "fwd+bwd temp MiB/device", "vs previous",
-                 "one [L/n, L/n] f32 score matrix per head, MiB"], rows, "rrrrr", CORE)
-
-
-@block("core_work", CORE)
-def core_work() -> str:
-  d = load(CORE)["work"]
-  base = next(r for r in d["rows"] if r["layout"] == "contiguous")["critical_path"]
-  head, rows = columns([
-      ("layout", lambda r: r["layout"]),
-      ("block pairs per device (min ... max)",
-       lambda r: f"{min(r['work_per_device'])} ... {max(r['work_per_device'])}"),
-      ("max / mean", lambda r: f"{max(w := r['work_per_device']) / (sum(w) / len(w)):.2f}"),
-      ("critical path (pairs)", lambda r: r["critical_path"]),
-      ("vs contiguous", lambda r: x(r["critical_path"] / base)),
-      ("total", lambda r: sum(r["work_per_device"]))], d["rows"])
-  return tabled(f"Causal, ring of {d['ring']}, {d['local_len']} tokens per device, blocks of "
-                f"{d['block']} (`ring_jax.schedule`, no timing):", head, rows, "-rrrrr", CORE)
-
-
-# ----------------------------------------------------------------------------
-# Against the paper's code: benchmarks/attention.py
-# ----------------------------------------------------------------------------
-
-PAPER_4K = "attention_cpu_4k.json"
-MEMSCAN = "attention_cpu_memscan_scan.json"  # ring zigzag, paper and all-gather in one run
-BF16 = "attention_cpu_bf16.json"
-
-
-def _rows_by(rows, *keys):
-  return {tuple(r[k] for k in keys): r for r in rows}
-
-
-@block("paper_4k", PAPER_4K)
-def paper_4k() -> str:
-  d = load(PAPER_4K)
-  by = _rows_by(d["rows"], "impl", "causal")
-  impls = [("ring-zigzag", "ring zigzag"), ("ring-contiguous", "ring contiguous"),
-           ("paper", "paper")]
-  length_ = d["rows"][0]["length"]
-  rows = []
-  for causal, name in ((True, "causal"), (False, "non-causal")):
-    paper = by[("paper", causal)]
-    times = [by[(i, causal)]["fwdbwd_median_s"] / paper["fwdbwd_median_s"] for i, _ in impls]
-    best = min(times[:2])
-    rows.append([f"{name}: fwd+bwd time vs paper"] +
-                [f"**{x(t)}**" if t == best else x(t) for t in times] + [""])
-    rows.append([f"{name}: useful GFLOP/s (fraction of the matmul's)"] +
-                [f"{by[(i, causal)]['fwdbwd_useful_gflops']:.1f} "
-                 f"({pct(by[(i, causal)]['fwdbwd_useful_gflops'] / by[(i, causal)]['matmul_gflops'])})"
-                 for i, _ in impls] + [f"{paper['matmul_gflops']:.1f}"])
-  rows.append(["fwd+bwd temp MiB per device, causal / non-causal"] +
-               [f"{mib(by[(i, True)]['fwdbwd_mem']['temp_size_in_bytes'])} / "
-                f"{mib(by[(i, False)]['fwdbwd_mem']['temp_size_in_bytes'])}" for i, _ in impls] +
-               [""])
-  m = d["meta"]
-  blocks = sorted({r["block"] for r in d["rows"]})
-  head = [f"L = {length(length_)}, fwd+bwd"] + [n for _, n in impls] + ["same-size f32 matmul"]
-  return (f"{m['dtype']}, B={m['batch']}, {m['heads']} heads x {m['head_dim']}, ring of "
-          f"{m['ring']} in one process, blocks of {', '.join(map(str, blocks))}, median of "
-          f"{m['repeats']}:\n\n" + table(head, rows) + "\n\n" + caption(PAPER_4K))
-
-
-def _memscan(name):
-  return _rows_by(load(name)["memscan"], "impl", "length")
-
-
-@block("memory_fixed_block", MEMSCAN)
-def memory_fixed_block() -> str:
-  cur = _memscan(MEMSCAN)
-  lengths = sorted({k[1] for k in cur})
-  ring = next(i for i, _ in cur if i.startswith("ring"))
-  rows = []
-  for n in lengths:
-    r, p = cur[(ring, n)]["fwdbwd_temp"], cur[("paper", n)]["fwdbwd_temp"]
-    ag = cur.get(("allgather", n))
-    rows.append([length(n), mib(r), mib(p), f"**{x(r / p)}**",
-                 mib(ag["fwdbwd_temp"]) if ag else "-"])
-  return tabled("", [f"L ({ring}, causal, blocks of {cur[(ring, lengths[0])]['block']})",
-                     "ring MiB/device", "paper MiB/device", "ring / paper",
-                     "all-gather MiB/device"], rows, "-rrrr", MEMSCAN)
-
-
-@block("memory_scan_allgather", MEMSCAN)
-def memory_scan_allgather() -> str:
-  temps = [v["fwdbwd_temp"] for (i, _), v in sorted(_memscan(MEMSCAN).items(),
-                                                    key=lambda kv: kv[0][1]) if i == "allgather"]
-  lengths = sorted(n for i, n in _memscan(MEMSCAN) if i == "allgather")
-  rows = [[length(n), mib(v), x(v / temps[j - 1]) if j else ""]
-          for j, (n, v) in enumerate(zip(lengths, temps))]
-  return tabled("", ["L", "all-gather fwd+bwd temp MiB/device", "vs previous"], rows, "-rr",
-                MEMSCAN)
-
-
-@block("bf16_error", BF16)
-def bf16_error() -> str:
-  e = load(BF16)["bf16_error"]
-  keys = ("out", "dq", "dk", "dv")
-  rings = sorted({r["ring"] for r in e["rows"] if r["ring"]})
-  impls = []
-  for r in e["rows"]:
-    if r["impl"] not in impls:
-      impls.append(r["impl"])
-  by = {(r["impl"], r["ring"]): r["rel_err"] for r in e["rows"]}
-  rows = []
-  for impl in impls:
-    if (impl, None) in by:
-      rows.append([impl] + [" / ".join(sci(by[(impl, None)][k]) for k in keys)] +
-                  [""] * (len(rings) - 1))
-    else:
-      rows.append([impl] + [" / ".join(sci(by[(impl, n)][k]) for k in keys)
-                            if (impl, n) in by else "-" for n in rings])
-  ring_rows = [v for (i, n), v in by.items() if i.startswith("ring") and n]
-  worst = max(v[k] for v in ring_rows for k in keys)
-  return (f"Relative Frobenius error out / dQ / dK / dV, causal, L={e['length']}, "
-          f"{e['heads']} heads x {e['head_dim']}; worst over the ring's layouts and sizes: "
-          f"**{sci(worst)}**.\n\n" +
-          table(["impl"] + [f"ring {n}" for n in rings], rows) + "\n\n" +
-          caption(BF16))
 
 
 # ----------------------------------------------------------------------------
@@ -1062,7 +1112,7 @@ def _headline_rows():
   acc = core["accuracy"]
   p4 = _rows_by(load(PAPER_4K)["rows"], "impl", "causal")
   zz, pa = p4[("ring-zigzag", True)], p4[("paper", True)]
-  cur = old = _memscan(MEMSCAN)
+  cur = old = _memscan(load(MEMSCAN))[0]
   ring = next(i for i, _ in cur if i.startswith("ring"))
   lengths = [n for n in (16384, 65536) if (ring, n) in cur]  # two lengths fit a cell
   bal = load(BALANCE)
