@@ -251,9 +251,9 @@ def table_block(name: str, *files: str, key: str = "", rows: Callable | None = N
   ``rows(*data)`` (``data``: the contents of ``files``, or their entry ``key``) gives the
   table's records; no ``rows``, no table. With ``columns`` (``[(header, cell)]``) a record is
   one row and ``cell`` is ``cell(record)`` or a format string over the record; without, a
-  record is a list of cells under ``head``. ``intro``, ``after``, ``note``, ``align`` (one letter per column, ``r``:
-  right-aligned) and ``head`` are fixed or functions of ``*data``; text is a format string
-  over the first file's contents."""
+  record is a list of cells under ``head``. ``intro``, ``after``, ``note``, ``align`` (one
+  letter per column, ``r``: right-aligned) and ``head`` are fixed or functions of ``*data``;
+  fixed text is a format string over the first file's contents."""
   def render() -> str:
     data = [load(f)[key] if key else load(f) for f in files]
     grid = ""
@@ -417,6 +417,285 @@ table_block(
                      f"sizes: **{sci(_bf16_worst(e))}**."))
 
 
+# ----------------------------------------------------------------------------
+# Load balance: balance.py, packed_balance.py
+# ----------------------------------------------------------------------------
+
+BALANCE = "balance_cpu.json"
+PACKED = "packed_balance.json"
+
+
+def _balance_rows(d) -> list:
+  by = _rows_by(d["rows"], "impl", "length")
+  rows = []
+  for n in d["lengths"]:
+    paper = by.get(("paper", n))
+    ratios = [x(by[(i, n)]["median_s"] / paper["median_s"]) if paper else "-"
+              for i in ("ring-contiguous", "ring-zigzag", "ring-striped")]
+    zz, ct = by[("ring-zigzag", n)], by[("ring-contiguous", n)]
+    rows.append([length(n), *ratios, ms(paper["median_s"]) if paper else "-",
+                 f"{ct['critical_path_hops']:.2f} / {zz['critical_path_hops']:.2f}",
+                 f"{mib(zz['temp_bytes'])} / {mib(paper['temp_bytes']) if paper else '-'}"])
+  return rows
+
+
+table_block(
+    "balance", BALANCE, rows=_balance_rows, align="-rrrrrr",
+    intro=lambda d: (f"Causal fwd+bwd, {d['processes']} processes (ring of {d['processes']}), "
+                     f"{d['dtype']}, B={d['batch']}, {d['heads']} heads x {d['head_dim']}, "
+                     f"blocks of {', '.join(map(str, sorted({r['block'] for r in d['rows']})))}, "
+                     f"median of {d['repeats']} (each repetition: the slowest process); time "
+                     "over the paper's code:"),
+    head=["L", "contiguous", "zigzag", "striped", "paper (ms)",
+          "critical path, hops: contiguous / zigzag", "temp MiB/device: ring / paper"])
+
+
+def _mm(v) -> str:
+  return f"{v['median']:.2f} / {v['max']:.2f}"
+
+
+table_block(
+    "packed_balance", PACKED, align="-rrrrrr",
+    intro=("Ring of {ring}, rows of {length:,} tokens, lognormal document lengths (sigma "
+           "{sigma:g}), {rows} rows per mean, blocks of {block}; max/mean work per device, "
+           "median / max over rows:"),
+    rows=lambda d: sorted(((int(k), v) for k, v in d["means"].items())),
+    columns=[("mean document", lambda m: length(m[0])),
+             ("zigzag, blocks", lambda m: _mm(m[1]["zigzag"]["block_max_over_mean"])),
+             ("`document`, blocks",
+              lambda m: f"**{_mm(m[1]['document']['block_max_over_mean'])}**"),
+             ("zigzag, tokens", lambda m: _mm(m[1]["zigzag"]["token_max_over_mean"])),
+             ("`document`, tokens", lambda m: _mm(m[1]["document"]["token_max_over_mean"])),
+             ("block pairs, document / zigzag",
+              lambda m: x(m[1]["document_block_pairs_over_zigzag"])),
+             ("critical path, document / zigzag",
+              lambda m: x(m[1]["document_critical_path_over_zigzag"]))])
+
+
+# ----------------------------------------------------------------------------
+# How long a context fits: fit.py
+# ----------------------------------------------------------------------------
+
+FIT_1 = "fit_llama_1b_long_1dev.json"
+FIT_8 = "fit_llama_1b_long_8dev.json"
+FIT_NOLICM = "fit_llama_1b_long_1dev_512k_nolicm.json"
+FIT_PIPELINE = "fit_llama_1b_pipeline_cpu.jsonl"
+
+
+def _fit_rows(*runs) -> list:
+  rows = []
+  for d in runs:
+    mesh = _mesh(d["mesh"], ", ") or "sequence=1"
+    for c in d["checked"]:
+      bold = (lambda s: f"**{s}**") if c["seq_len"] == d["seq_len"] else str
+      rows.append([f"{d['devices']} ({mesh})", bold(f"{c['seq_len']:,} ({length(c['seq_len'])})"),
+                   gib(c["compiled_per_device_bytes"]), gib(c["offloaded_bytes"]),
+                   bold(gib(c["per_device_bytes"])), "yes" if c["fits"] else "no"])
+  return rows
+
+
+table_block(
+    "fit", FIT_1, FIT_8, rows=_fit_rows, align="-rrrr-",
+    intro=lambda d, _: (f"`configs/llama_1b.py:long`, remat `{d['remat_policy']}`, batch "
+                        f"{d['batch_rows']}, {d['memory_bytes'] / GIB:g} GiB per device; bold: "
+                        "the longest length that fits. Per device = compiled - to host:"),
+    head=["devices (mesh)", "seq_len", "compiled GiB", "to host GiB", "per device GiB", "fits"])
+
+
+def _nolicm(with_, d) -> str:
+  n = d["checked"][0]["seq_len"]
+  with_ = next(c for c in with_["checked"] if c["seq_len"] == n)
+  without = d["checked"][0].get("compiled_per_device_bytes", d["checked"][0]["per_device_bytes"])
+  return (f"`configs/llama_1b.py:long`, 1 device, {length(n)} tokens, compiled per device "
+          f"(offloads not subtracted): **{gib(with_['compiled_per_device_bytes'])} GiB** with "
+          f"the pass, **{gib(without)} GiB** with `--xla_flags={d['xla_flags']}`.")
+
+
+table_block("fit_nolicm", FIT_1, FIT_NOLICM, intro=_nolicm)
+
+table_block(
+    "fit_pipeline", FIT_PIPELINE, align="-rrrr",
+    intro=lambda runs: (f"`configs/llama_1b.py`, {runs[0]['seq_len']:,} tokens x "
+                        f"{runs[0]['batch_rows']} rows, remat `{runs[0]['remat_policy']}`, "
+                        "compiled on fake CPU devices, per device:"),
+    rows=lambda runs: sorted(runs, key=lambda d: -d["per_device_bytes"]),
+    columns=[("mesh", lambda d: f"`{_mesh(d['mesh'], ' x ', keep='data')}`"),
+             ("devices", "{devices}"),
+             ("arguments GiB", lambda d: gib(d["checked"][0]["argument_bytes"])),
+             ("temp GiB", lambda d: gib(d["checked"][0]["temp_bytes"])),
+             ("per device GiB", lambda d: f"**{gib(d['per_device_bytes'])}**")])
+
+
+# ----------------------------------------------------------------------------
+# Train step, decode, data pipeline, two-level ring
+# ----------------------------------------------------------------------------
+
+TRAIN = ("train_throughput_cpu_2k.json", "train_throughput_cpu.json")
+DECODE_TIME = "decode_time_cpu.jsonl"
+DECODE_FIT = "decode_fit_cpu.jsonl"
+PIPELINE = "data_pipeline_cpu.json"
+TWO_LEVEL = "two_level_cpu.json"
+
+
+def _train_row(r, d) -> list:
+  if "error" in r:  # refused before running, e.g. over the host's memory
+    return [f"{d['results'][0]['seq_len']:,}", r["attention"],
+            f"not run: {r['error'].split(': ', 1)[-1]}", "", "", "", ""]
+  return [f"{r['seq_len']:,}", r["attention"], ms(r["step_s"]), f"{r['tokens_per_s']:.0f}",
+          pct(r["mfu"]), mib(r["temp_bytes_per_device"]), f"{r['loss']:.3f}"]
+
+
+table_block(
+    "train_throughput", *TRAIN, align="r-rrrrr",
+    intro=("**Superseded run**: measured at commit `c5be18c`, when the script still had its own "
+           "train step (plain AdamW, no clipping); the script now runs the shipped step and has "
+           "not been re-timed. MFU against this host's measured f32 matmul rate (only ratios "
+           "mean something):"),
+    head=["L", "attention", "step ms", "tokens/s", "MFU (host-relative)", "temp MiB/device",
+          "loss"],
+    rows=lambda *runs: [_train_row(r, d) for d in runs for r in d["results"]])
+
+table_block(
+    "decode_time", DECODE_TIME, rows=lambda d: d, align="rrrr",
+    columns=[("context", "{length:,}"),
+             ("KV cache MiB/device", lambda r: mib(r["cache_mib_per_device"] * MIB)),
+             ("step temp MiB/device", lambda r: mib(r["step_temp_mib_per_device"] * MIB)),
+             ("decode step ms (median of 10)", "{step_ms_median:.0f}")])
+
+table_block(
+    "decode_fit", DECODE_FIT, rows=lambda d: d, align="--rrrr",
+    intro=lambda d: f"Budget {d[0]['budget_gib']:g} GiB per device:",
+    columns=[("model", lambda r: r["config"].removesuffix(".py")),
+             ("devices (mesh)", lambda r: f"{r['devices']} ({_mesh(r['mesh'], ', ')})"),
+             ("fixed per device", "{fixed_gib_per_device:.1f} GiB"),
+             ("bytes/token/device", "{bytes_per_token_per_device:,.0f}"),
+             ("longest f32 cache (compiled peak)",
+              lambda r: f"**{tokens(r['longest_cache_tokens'])}** "
+                        f"({r['peak_gib_at_longest']:.2f} GiB)"),
+             ("bf16 cache (derived)", lambda r: tokens(r["longest_bf16_cache_tokens_derived"]))])
+
+table_block(
+    "data_pipeline", PIPELINE, align="rr-rrr",
+    rows=lambda d: sorted(d["runs"], key=lambda r: (r["tokenizer"], r["corpus_mb"])),
+    columns=[("corpus", "{corpus_mb} MiB"),
+             ("files", "{files}"),
+             ("tokenizer", lambda r: "byte" if r["tokenizer"] == "byte"
+              else f"BPE, vocab {r['vocab_size']} (`tokenizers`)"),
+             ("peak RSS MiB (before pipeline)", "{peak_rss_mib:.1f} ({rss_before_mib:.1f})"),
+             ("first batch s", "{first_batch_s:.3f}"),
+             ("tokens/s", "{tokens_per_s:,}")],
+    after=("The consumer, `train.py` with {train_step[config]}, {train_step[steps]} steps: "
+           "**{train_step[tokens_per_s]:,} tokens/s** ({train_step[step_time_s]:.2f} s/step)."))
+
+
+def _two_level_rows(d) -> list:
+  flat = {(tuple(r["split"]), r["pass_"]): r for r in d["rows"] if r["ring"] == "flat"}
+  return [["x".join(map(str, r["split"])), r["pass_"], r["ring"], r["outer_transfers"],
+           mib(r["outer_bytes"]), mib(r["outer_total"]),
+           x(r["outer_total"] / flat[(tuple(r["split"]), r["pass_"])]["outer_total"]),
+           r["inner_transfers"], mib(r["inner_bytes"])] for r in d["rows"]]
+
+
+table_block(
+    "two_level", TWO_LEVEL, rows=_two_level_rows, align="---rrrrrr",
+    intro=lambda d: (f"Ring of 8, L = {d['rows'][0]['length']:,}, {d['kv_heads']} K/V heads of "
+                     f"{d['head_dim']}, {d['dtype']}, {'causal ' if d['is_causal'] else ''}"
+                     f"{d['layout']}; per device unless \"all\":"),
+    head=["split (outer x inner)", "pass", "ring", "outer transfers", "outer MiB",
+          "all outer links MiB", "all outer vs flat", "inner transfers", "inner MiB"])
+
+
+# ----------------------------------------------------------------------------
+# docs/performance.md: block sweep, hop profile, routing, tensor sequence parallelism
+# ----------------------------------------------------------------------------
+
+def sweep_markdown(rows) -> str:
+  """A block-size sweep (``attention.py --sections sweep``) as a markdown table: per (length,
+  mask, layout), each block's fwd+bwd time over the best block's and its temp MiB; ``*`` marks
+  the default. The last column: the default against the best block, in time and in temp
+  memory. ``attention.py --render`` prints the same table."""
+  blocks = sorted({r["block"] for r in rows if r.get("block")})
+  temp = lambda r: r["fwdbwd_mem"].get("temp_size_in_bytes", 0)
+  groups = {}
+  for r in rows:
+    groups.setdefault((r["length"], r["causal"], r["layout"]), {})[r["block"]] = r
+  out = []
+  for (n, causal, layout), by_block in groups.items():
+    timed = [by_block.get(b) if "x_best" in by_block.get(b, {}) else None for b in blocks]
+    best = default = None
+    for r in filter(None, timed):
+      best = r if r["x_best"] == 1.0 else best
+      default = r if r.get("is_default") else default
+    verdict = (f"{default['x_best']:.2f}x, {temp(default) / temp(best):.2f}x"
+               if best and default else "")
+    out.append([f"{n // 1024}K" if n % 1024 == 0 else str(n), "causal" if causal else "full",
+                layout, *(f"{r['x_best']:.2f}x, {temp(r) / MIB:.1f}" +
+                          ("*" if r.get("is_default") else "") if r else "" for r in timed),
+                verdict])
+  return table(["L", "mask", "layout", *map(str, blocks),
+                "default: time, temp vs the best block"], out)
+
+
+SWEEP = "block_sweep_cpu.json"
+SWEEP_1K, SWEEP_64_128 = "block_sweep_cpu_1k.json", "block_sweep_cpu_64_128.json"
+HOP_PROFILE = ("hop_profile_cpu_causal.json", "hop_profile_cpu_full.json")
+HOP_KINDS = {"matmul": "matmuls (the block products)", "exp": "exp",
+             "select/compare": "select/compare (masks, the row maxima)",
+             "other": "other elementwise and reductions (scale, rescale, row sums, delta)",
+             "transfer": "transfers (waits included)", "layout copies": "layout copies"}
+
+table_block("block_sweep", SWEEP, after=lambda d: sweep_markdown(d["sweep"]))
+table_block("block_sweep_64_128", SWEEP_1K, SWEEP_64_128,
+            after=lambda a, b: sweep_markdown(a["sweep"] + b["sweep"]))
+
+
+def _hop_profile_rows(*runs) -> list:
+  kind = lambda r, k: pct(r["by_kind_ms"][k] / sum(r["by_kind_ms"].values()))
+  part = lambda r, k: pct(r["by_part_ms"].get(k, 0.0) / sum(r["by_part_ms"].values()))
+  return ([[label] + [kind(r, k) for r in runs]
+           for k, label in HOP_KINDS.items()] +
+          [["by part: backward block loops / forward block loops"] +
+           [f"{part(r, 'bwd: xla_hop_bwd_blocks')} / {part(r, 'fwd: xla_hop_fwd_blocks')}"
+            for r in runs],
+           ["by part: merge of the hops' (out, lse)"] + [part(r, "fwd: merge") for r in runs]])
+
+
+table_block(
+    "hop_profile", *HOP_PROFILE, rows=_hop_profile_rows, align="-rr",
+    intro="Ring of {ring}, L={length}, {layout}, {heads} heads x {head_dim}, default blocks:",
+    head=lambda *runs: ["share of the profiled op time"] + ["causal" if r["causal"] else
+                                                            "non-causal" for r in runs])
+
+
+def _routing_rows(one_proc, procs, full_impl: str, routed_impl: str) -> list:
+  rows = []
+  for d, label in ((one_proc, "8 devices in one process"), (procs, None)):
+    if "rows" in d and "meta" in d:
+      by = {(r["impl"], r["length"]): (r["fwdbwd_median_s"],
+                                       r["fwdbwd_mem"]["temp_size_in_bytes"]) for r in d["rows"]}
+    else:
+      label = f"{d['processes']} processes, one core each"
+      by = {(r["impl"], r["length"]): (r["median_s"], r["temp_bytes"]) for r in d["rows"]}
+    lengths = sorted({n for i, n in by if i == full_impl and (routed_impl, n) in by})
+    for j, n in enumerate(lengths):
+      (tf, mf), (tr, mr) = by[(full_impl, n)], by[(routed_impl, n)]
+      rows.append([label if j == 0 else "", length(n), f"{ms(tf)} ms",
+                   f"{ms(tr)} ms ({x(tr / tf)})", f"{mib(mf)} / {mib(mr)}"])
+  return rows
+
+
+def _routing_head(layout: str) -> list:
+  return ["", "L", f"{layout} full", f"{layout} routed", "fwd+bwd temp MiB/device, full / routed"]
+
+
+table_block("routing_default", "routing_default_cpu.json", "balance_routing_cpu.json",
+            rows=lambda a, b: _routing_rows(a, b, "ring-contiguous+full", "ring-contiguous"),
+            head=_routing_head("contiguous"), align="-rrrr")
+table_block("routing_zigzag", "routing_zigzag_cpu.json", "balance_routing_zigzag_cpu.json",
+            rows=lambda a, b: _routing_rows(a, b, "ring-zigzag+full", "ring-zigzag+routed"),
+            head=_routing_head("zigzag"), align="-rrrr")
+
+
 def tabled(intro: str, head: list[str], rows: list[list], align: str | None, *files: str,
            note: str = "") -> str:
   """A block's usual text: ``intro`` (none if empty), the table, the caption of ``files``."""
@@ -431,317 +710,6 @@ def columns(spec: list[tuple[str, Callable]], records) -> tuple[list[str], list[
 
 def section(anchor: str) -> str:
   return f"{DOC}#{anchor}"
-
-
-# ----------------------------------------------------------------------------
-# Load balance: balance.py, packed_balance.py
-# ----------------------------------------------------------------------------
-
-BALANCE = "balance_cpu.json"
-PACKED = "packed_balance.json"
-
-
-@block("balance", BALANCE)
-def balance() -> str:
-  d = load(BALANCE)
-  by = _rows_by(d["rows"], "impl", "length")
-  rows = []
-  for n in d["lengths"]:
-    paper = by.get(("paper", n))
-    ratios = []
-    for impl in ("ring-contiguous", "ring-zigzag", "ring-striped"):
-      r = by[(impl, n)]
-      ratios.append(x(r["median_s"] / paper["median_s"]) if paper else "-")
-    zz = by[("ring-zigzag", n)]
-    ct = by[("ring-contiguous", n)]
-    rows.append([length(n), *ratios, ms(paper["median_s"]) if paper else "-",
-                 f"{ct['critical_path_hops']:.2f} / {zz['critical_path_hops']:.2f}",
-                 f"{mib(zz['temp_bytes'])} / {mib(paper['temp_bytes']) if paper else '-'}"])
-  blocks = sorted({r["block"] for r in d["rows"]})
-  return (f"Causal fwd+bwd, {d['processes']} processes (ring of {d['processes']}), "
-          f"{d['dtype']}, B={d['batch']}, {d['heads']} heads x {d['head_dim']}, blocks of "
-          f"{', '.join(map(str, blocks))}, median of {d['repeats']} (each repetition: the "
-          "slowest process); time over the paper's code:\n\n" +
-          table(["L", "contiguous", "zigzag", "striped", "paper (ms)",
-                 "critical path, hops: contiguous / zigzag",
-                 "temp MiB/device: ring / paper"], rows, "-rrrrrr") + "\n\n" +
-          caption(BALANCE))
-
-
-def _mm(v):
-  return f"{v['median']:.2f} / {v['max']:.2f}"
-
-
-@block("packed_balance", PACKED)
-def packed_balance() -> str:
-  d = load(PACKED)
-  rows = []
-  for mean, v in sorted(d["means"].items(), key=lambda kv: int(kv[0])):
-    z, doc = v["zigzag"], v["document"]
-    rows.append([length(int(mean)), _mm(z["block_max_over_mean"]),
-                 f"**{_mm(doc['block_max_over_mean'])}**", _mm(z["token_max_over_mean"]),
-                 _mm(doc["token_max_over_mean"]),
-                 x(v["document_block_pairs_over_zigzag"]),
-                 x(v["document_critical_path_over_zigzag"])])
-  return (f"Ring of {d['ring']}, rows of {d['length']:,} tokens, lognormal document lengths "
-          f"(sigma {d['sigma']:g}), {d['rows']} rows per mean, blocks of {d['block']}; "
-          "max/mean work per device, median / max over rows:\n\n" +
-          table(["mean document", "zigzag, blocks", "`document`, blocks", "zigzag, tokens",
-                 "`document`, tokens", "block pairs, document / zigzag",
-                 "critical path, document / zigzag"], rows, "-rrrrrr") + "\n\n" +
-          caption(PACKED))
-
-
-# ----------------------------------------------------------------------------
-# How long a context fits: fit.py
-# ----------------------------------------------------------------------------
-
-FIT_1 = "fit_llama_1b_long_1dev.json"
-FIT_8 = "fit_llama_1b_long_8dev.json"
-
-
-@block("fit", FIT_1, FIT_8)
-def fit() -> str:
-  rows = []
-  for name in (FIT_1, FIT_8):
-    d = load(name)
-    mesh = ", ".join(f"{k}={v}" for k, v in d["mesh"].items() if v != 1) or "sequence=1"
-    for c in d["checked"]:
-      longest = c["seq_len"] == d["seq_len"]
-      rows.append([f"{d['devices']} ({mesh})",
-                   f"**{c['seq_len']:,} ({length(c['seq_len'])})**" if longest
-                   else f"{c['seq_len']:,} ({length(c['seq_len'])})",
-                   gib(c["compiled_per_device_bytes"]), gib(c["offloaded_bytes"]),
-                   f"**{gib(c['per_device_bytes'])}**" if longest else gib(c["per_device_bytes"]),
-                   "yes" if c["fits"] else "no"])
-  d = load(FIT_1)
-  return (f"`configs/llama_1b.py:long`, remat `{d['remat_policy']}`, batch {d['batch_rows']}, "
-          f"{d['memory_bytes'] / GIB:g} GiB per device; bold: the longest length that fits. "
-          "Per device = compiled - to host:\n\n" +
-          table(["devices (mesh)", "seq_len", "compiled GiB", "to host GiB", "per device GiB",
-                 "fits"], rows, "-rrrr-") + "\n\n" + caption(FIT_1, FIT_8))
-
-
-# ----------------------------------------------------------------------------
-# Train step, decode, data pipeline, two-level ring
-# ----------------------------------------------------------------------------
-
-TRAIN = ("train_throughput_cpu_2k.json", "train_throughput_cpu.json")
-
-
-@block("train_throughput", *TRAIN)
-def train_throughput() -> str:
-  rows = []
-  for name in TRAIN:
-    d = load(name)
-    for r in d["results"]:
-      if "error" in r:  # refused before running, e.g. over the host's memory
-        rows.append([f"{d['results'][0]['seq_len']:,}", r["attention"],
-                     f"not run: {r['error'].split(': ', 1)[-1]}", "", "", "", ""])
-        continue
-      rows.append([f"{r['seq_len']:,}", r["attention"], ms(r["step_s"]),
-                   f"{r['tokens_per_s']:.0f}", pct(r["mfu"]),
-                   mib(r["temp_bytes_per_device"]), f"{r['loss']:.3f}"])
-  return ("**Superseded run**: measured at commit `c5be18c`, when the script still had its own "
-          "train step (plain AdamW, no clipping); the script now runs the shipped step and has "
-          "not been re-timed. MFU against this host's measured f32 matmul rate (only ratios "
-          "mean something):\n\n" +
-          table(["L", "attention", "step ms", "tokens/s", "MFU (host-relative)",
-                 "temp MiB/device", "loss"], rows, "r-rrrrr") + "\n\n" + caption(*TRAIN))
-
-
-DECODE_TIME = "decode_time_cpu.jsonl"
-DECODE_FIT = "decode_fit_cpu.jsonl"
-
-
-@block("decode_time", DECODE_TIME)
-def decode_time() -> str:
-  head, rows = columns([
-      ("context", lambda r: f"{r['length']:,}"),
-      ("KV cache MiB/device", lambda r: mib(r["cache_mib_per_device"] * MIB)),
-      ("step temp MiB/device", lambda r: mib(r["step_temp_mib_per_device"] * MIB)),
-      ("decode step ms (median of 10)", lambda r: f"{r['step_ms_median']:.0f}")],
-      load(DECODE_TIME))
-  return tabled("", head, rows, "rrrr", DECODE_TIME)
-
-
-@block("decode_fit", DECODE_FIT)
-def decode_fit() -> str:
-  head, rows = columns([
-      ("model", lambda r: r["config"].removesuffix(".py")),
-      ("devices (mesh)", lambda r: f"{r['devices']} ({_mesh(r['mesh'], ', ')})"),
-      ("fixed per device", lambda r: f"{r['fixed_gib_per_device']:.1f} GiB"),
-      ("bytes/token/device", lambda r: f"{r['bytes_per_token_per_device']:,.0f}"),
-      ("longest f32 cache (compiled peak)", lambda r: f"**{tokens(r['longest_cache_tokens'])}** "
-                                                      f"({r['peak_gib_at_longest']:.2f} GiB)"),
-      ("bf16 cache (derived)", lambda r: tokens(r["longest_bf16_cache_tokens_derived"]))],
-      load(DECODE_FIT))
-  return tabled(f"Budget {load(DECODE_FIT)[0]['budget_gib']:g} GiB per device:", head, rows,
-                "--rrrr", DECODE_FIT)
-
-
-PIPELINE = "data_pipeline_cpu.json"
-
-
-@block("data_pipeline", PIPELINE)
-def data_pipeline() -> str:
-  d = load(PIPELINE)
-  t = d["train_step"]
-  head, rows = columns([
-      ("corpus", lambda r: f"{r['corpus_mb']} MiB"),
-      ("files", lambda r: r["files"]),
-      ("tokenizer", lambda r: "byte" if r["tokenizer"] == "byte"
-       else f"BPE, vocab {r['vocab_size']} (`tokenizers`)"),
-      ("peak RSS MiB (before pipeline)",
-       lambda r: f"{r['peak_rss_mib']:.1f} ({r['rss_before_mib']:.1f})"),
-      ("first batch s", lambda r: f"{r['first_batch_s']:.3f}"),
-      ("tokens/s", lambda r: f"{r['tokens_per_s']:,}")],
-      sorted(d["runs"], key=lambda r: (r["tokenizer"], r["corpus_mb"])))
-  return (table(head, rows, "rr-rrr") +
-          f"\n\nThe consumer, `train.py` with {t['config']}, {t['steps']} steps: "
-          f"**{t['tokens_per_s']:,} tokens/s** ({t['step_time_s']:.2f} s/step).\n\n" +
-          caption(PIPELINE))
-
-
-TWO_LEVEL = "two_level_cpu.json"
-
-
-@block("two_level", TWO_LEVEL)
-def two_level() -> str:
-  d = load(TWO_LEVEL)
-  rows = []
-  flat = {(tuple(r["split"]), r["pass_"]): r for r in d["rows"] if r["ring"] == "flat"}
-  for r in d["rows"]:
-    f = flat[(tuple(r["split"]), r["pass_"])]
-    rows.append(["x".join(map(str, r["split"])), r["pass_"], r["ring"], r["outer_transfers"],
-                 mib(r["outer_bytes"]), mib(r["outer_total"]),
-                 x(r["outer_total"] / f["outer_total"]), r["inner_transfers"],
-                 mib(r["inner_bytes"])])
-  n = d["rows"][0]["length"]
-  return (f"Ring of 8, L = {n:,}, {d['kv_heads']} K/V heads of {d['head_dim']}, {d['dtype']}, "
-          f"{'causal ' if d['is_causal'] else ''}{d['layout']}; per device unless \"all\":\n\n" +
-          table(["split (outer x inner)", "pass", "ring", "outer transfers", "outer MiB",
-                 "all outer links MiB", "all outer vs flat", "inner transfers", "inner MiB"],
-                rows, "---rrrrrr") + "\n\n" + caption(TWO_LEVEL))
-
-
-# ----------------------------------------------------------------------------
-# docs/performance.md: block sweep, hop profile, routing, tensor sequence parallelism
-# ----------------------------------------------------------------------------
-
-def sweep_markdown(rows) -> str:
-  """A block-size sweep (``attention.py --sections sweep``) as a markdown table: per (length,
-  mask, layout), each block's fwd+bwd time over the best block's and its temp MiB; ``*`` marks
-  the default. The last column: the default against the best block, in time and in temp
-  memory. ``attention.py --render`` prints the same table."""
-  blocks = sorted({r["block"] for r in rows if r.get("block")})
-  head = ("| L | mask | layout | " + " | ".join(str(b) for b in blocks) +
-          " | default: time, temp vs the best block |")
-  lines = [head, "|" + "---|" * (len(blocks) + 4)]
-  groups = {}
-  for r in rows:
-    groups.setdefault((r["length"], r["causal"], r["layout"]), {})[r["block"]] = r
-  for (length_, causal, layout), by_block in groups.items():
-    cells, best, default = [], None, None
-    for b in blocks:
-      r = by_block.get(b)
-      if r is None or "x_best" not in r:
-        cells.append("")
-        continue
-      temp = r["fwdbwd_mem"].get("temp_size_in_bytes", 0) / MIB
-      cells.append(f"{r['x_best']:.2f}x, {temp:.1f}" + ("*" if r.get("is_default") else ""))
-      if r["x_best"] == 1.0:
-        best = r
-      if r.get("is_default"):
-        default = r
-    verdict = ""
-    if best and default:
-      mem = (default["fwdbwd_mem"]["temp_size_in_bytes"] /
-             best["fwdbwd_mem"]["temp_size_in_bytes"])
-      verdict = f"{default['x_best']:.2f}x, {mem:.2f}x"
-    name = f"{length_ // 1024}K" if length_ % 1024 == 0 else str(length_)
-    lines.append(f"| {name} | {'causal' if causal else 'full'} | {layout} | " +
-                 " | ".join(cells) + f" | {verdict} |")
-  return "\n".join(lines)
-
-
-SWEEP = "block_sweep_cpu.json"
-SWEEP_1K, SWEEP_64_128 = "block_sweep_cpu_1k.json", "block_sweep_cpu_64_128.json"
-
-
-@block("block_sweep", SWEEP)
-def block_sweep() -> str:
-  return sweep_markdown(load(SWEEP)["sweep"]) + "\n\n" + caption(SWEEP)
-
-
-@block("block_sweep_64_128", SWEEP_1K, SWEEP_64_128)
-def block_sweep_64_128() -> str:
-  rows = load(SWEEP_1K)["sweep"] + load(SWEEP_64_128)["sweep"]
-  return sweep_markdown(rows) + "\n\n" + caption(SWEEP_1K, SWEEP_64_128)
-
-
-HOP_PROFILE = ("hop_profile_cpu_causal.json", "hop_profile_cpu_full.json")
-
-
-@block("hop_profile", *HOP_PROFILE)
-def hop_profile() -> str:
-  runs = [load(n) for n in HOP_PROFILE]
-  kinds = [("matmul", "matmuls (the block products)"), ("exp", "exp"),
-           ("select/compare", "select/compare (masks, the row maxima)"),
-           ("other", "other elementwise and reductions (scale, rescale, row sums, delta)"),
-           ("transfer", "transfers (waits included)"), ("layout copies", "layout copies")]
-  rows = []
-  for key, label in kinds:
-    rows.append([label] + [pct(r["by_kind_ms"][key] / sum(r["by_kind_ms"].values()))
-                           for r in runs])
-
-  def part(r, name):
-    return r["by_part_ms"].get(name, 0.0) / sum(r["by_part_ms"].values())
-
-  rows.append(["by part: backward block loops / forward block loops"] +
-              [f"{pct(part(r, 'bwd: xla_hop_bwd_blocks'))} / {pct(part(r, 'fwd: xla_hop_fwd_blocks'))}"
-               for r in runs])
-  rows.append(["by part: merge of the hops' (out, lse)"] + [pct(part(r, "fwd: merge"))
-                                                             for r in runs])
-  r0 = runs[0]
-  head = ["share of the profiled op time"] + ["causal" if r["causal"] else "non-causal"
-                                              for r in runs]
-  return (f"Ring of {r0['ring']}, L={r0['length']}, {r0['layout']}, {r0['heads']} heads x "
-          f"{r0['head_dim']}, default blocks:\n\n" + table(head, rows, "-rr") + "\n\n" +
-          caption(*HOP_PROFILE))
-
-
-def _routing(one_proc: str, procs: str, full_impl: str, routed_impl: str) -> str:
-  rows = []
-  for name, label in ((one_proc, "8 devices in one process"), (procs, None)):
-    d = load(name)
-    if "rows" in d and "meta" in d:
-      by = {(r["impl"], r["length"]): (r["fwdbwd_median_s"],
-                                       r["fwdbwd_mem"]["temp_size_in_bytes"]) for r in d["rows"]}
-    else:
-      label = f"{d['processes']} processes, one core each"
-      by = {(r["impl"], r["length"]): (r["median_s"], r["temp_bytes"]) for r in d["rows"]}
-    lengths = sorted({n for i, n in by if i == full_impl and (routed_impl, n) in by})
-    for j, n in enumerate(lengths):
-      (tf, mf), (tr, mr) = by[(full_impl, n)], by[(routed_impl, n)]
-      rows.append([label if j == 0 else "", length(n), f"{ms(tf)} ms",
-                   f"{ms(tr)} ms ({x(tr / tf)})", f"{mib(mf)} / {mib(mr)}"])
-  layout = full_impl.split("-")[1].split("+")[0]
-  return (table(["", "L", f"{layout} full", f"{layout} routed",
-                 "fwd+bwd temp MiB/device, full / routed"], rows, "-rrrr") + "\n\n" +
-          caption(one_proc, procs))
-
-
-@block("routing_default", "routing_default_cpu.json", "balance_routing_cpu.json")
-def routing_default() -> str:
-  return _routing("routing_default_cpu.json", "balance_routing_cpu.json",
-                  "ring-contiguous+full", "ring-contiguous")
-
-
-@block("routing_zigzag", "routing_zigzag_cpu.json", "balance_routing_zigzag_cpu.json")
-def routing_zigzag() -> str:
-  return _routing("routing_zigzag_cpu.json", "balance_routing_zigzag_cpu.json",
-                  "ring-zigzag+full", "ring-zigzag+routed")
 
 
 TENSOR_SP = "tensor_sp_cpu.json"
