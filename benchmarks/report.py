@@ -696,55 +696,41 @@ table_block("routing_zigzag", "routing_zigzag_cpu.json", "balance_routing_zigzag
             head=_routing_head("zigzag"), align="-rrrr")
 
 
-def tabled(intro: str, head: list[str], rows: list[list], align: str | None, *files: str,
-           note: str = "") -> str:
-  """A block's usual text: ``intro`` (none if empty), the table, the caption of ``files``."""
-  return ((intro + "\n\n" if intro else "") + table(head, rows, align) + "\n\n" +
-          caption(*files, note=note))
-
-
-def columns(spec: list[tuple[str, Callable]], records) -> tuple[list[str], list[list]]:
-  """``(head, rows)`` of a table declared column by column: ``[(header, cell(record))]``."""
-  return [h for h, _ in spec], [[cell(r) for _, cell in spec] for r in records]
-
-
-def section(anchor: str) -> str:
-  return f"{DOC}#{anchor}"
-
-
-TENSOR_SP = "tensor_sp_cpu.json"
-
-
-@block("tensor_sp", TENSOR_SP)
-def tensor_sp() -> str:
-  d = load(TENSOR_SP)
-  grads = d["num_params"] / d["mesh"]["tensor"] * 4  # float32 gradient buffers per device
+def _tensor_sp_rows(d) -> list:
+  grads = _grads(d)
 
   def coll(side, kind):
     c = side["collectives"][kind]
     return f"{c['count']} ({c['bytes'] / MIB:,.0f})"
 
-  rows, prev = [], None
-  for r in d["rows"]:
-    off, on = r["off"], r["on"]
-    growth = ""
-    if prev:
-      go, gn = off["temp_bytes"] - prev["off"]["temp_bytes"], on["temp_bytes"] - prev["on"]["temp_bytes"]
+  both = lambda r, kind: f"{coll(r['off'], kind)} / {coll(r['on'], kind)}"
+  rows = []
+  for p, r in _pairs(d["rows"]):
+    off, on = r["off"]["temp_bytes"], r["on"]["temp_bytes"]
+    growth = "-"
+    if p:
+      go, gn = off - p["off"]["temp_bytes"], on - p["on"]["temp_bytes"]
       growth = f"{go / GIB:.2f} / {gn / GIB:.2f} ({gn / go:.2f})"
-    rows.append([f"{r['seq_len']:,}", f"{off['temp_bytes'] / GIB:.2f}", f"{on['temp_bytes'] / GIB:.2f}",
-                 f"{on['temp_bytes'] / off['temp_bytes']:.2f}",
-                 f"{(off['temp_bytes'] - grads) / GIB:.2f} / {(on['temp_bytes'] - grads) / GIB:.2f}",
-                 growth or "-", f"{coll(off, 'all-reduce')} / {coll(on, 'all-reduce')}",
-                 coll(on, "reduce-scatter"), f"{coll(off, 'all-gather')} / {coll(on, 'all-gather')}",
-                 f"{coll(off, 'collective-permute')} / {coll(on, 'collective-permute')}"])
-    prev = r
-  return (f"Float32 gradient buffers: {grads / GIB:.2f} GiB per device (in \"temp\", the same "
-          "at every length and either way); collectives: count (MiB of results):\n\n" +
-          table(["seq_len", "temp off GiB", "temp on GiB", "on/off",
-                 "temp - f32 grads off / on GiB", "growth off / on GiB (on/off)",
-                 "all-reduce off / on", "reduce-scatter on", "all-gather off / on",
-                 "collective-permute off / on"], rows, "rrrrrrrrrr") + "\n\n" +
-          caption(TENSOR_SP))
+    rows.append([f"{r['seq_len']:,}", f"{off / GIB:.2f}", f"{on / GIB:.2f}", f"{on / off:.2f}",
+                 f"{(off - grads) / GIB:.2f} / {(on - grads) / GIB:.2f}", growth,
+                 both(r, "all-reduce"), coll(r["on"], "reduce-scatter"), both(r, "all-gather"),
+                 both(r, "collective-permute")])
+  return rows
+
+
+def _grads(d) -> float:
+  """Bytes of float32 gradient buffers per device."""
+  return d["num_params"] / d["mesh"]["tensor"] * 4
+
+
+table_block(
+    "tensor_sp", "tensor_sp_cpu.json", rows=_tensor_sp_rows, align="rrrrrrrrrr",
+    intro=lambda d: (f"Float32 gradient buffers: {_grads(d) / GIB:.2f} GiB per device (in "
+                     "\"temp\", the same at every length and either way); collectives: count "
+                     "(MiB of results):"),
+    head=["seq_len", "temp off GiB", "temp on GiB", "on/off", "temp - f32 grads off / on GiB",
+          "growth off / on GiB (on/off)", "all-reduce off / on", "reduce-scatter on",
+          "all-gather off / on", "collective-permute off / on"])
 
 
 # ----------------------------------------------------------------------------
@@ -752,120 +738,110 @@ def tensor_sp() -> str:
 # ----------------------------------------------------------------------------
 
 KERNELS_MEM = "attention_cpu_memscan_kernels.json"
-KERNEL_NAMES = (("ring-zigzag:xla", "`xla`"),
-                ("paper", "paper's code (`ringattention` 0.1.2), for scale"))
+KERNEL_NAMES = {"ring-zigzag:xla": "`xla`",
+                "paper": "paper's code (`ringattention` 0.1.2), for scale"}
 OVERLAP = "ring-zigzag+overlap:xla"
 
 
-@block("overlap_dkv", KERNELS_MEM)
-def overlap_dkv() -> str:
-  d = load(KERNELS_MEM)
-  by = _rows_by(d["memscan"], "impl", "length")
-  m = d["meta"]
-  n = max(k[1] for k in by)
+def _overlap_dkv(d) -> str:
+  by, _, lengths = _memscan(d)
+  m, n = d["meta"], lengths[-1]
   default, overlap, paper = (by[(i, n)]["fwdbwd_temp"] for i in
                              ("ring-zigzag:xla", OVERLAP, "paper"))
-  block_ = by[(OVERLAP, n)]["block"]
   return (f"Compiled fwd+bwd temp per device at {length(n)} tokens, ring of {m['ring']}, "
-          f"{m['heads']} x {m['head_dim']} heads, {m['dtype']}, blocks of {block_}, causal "
-          f"zigzag: **{mib(default)} MiB** by default, **{mib(overlap)} MiB** with "
-          f"`overlap_dkv=True` ({x(overlap / default)}); the paper's code: {mib(paper)} MiB.\n\n"
-          + caption(KERNELS_MEM))
+          f"{m['heads']} x {m['head_dim']} heads, {m['dtype']}, blocks of "
+          f"{by[(OVERLAP, n)]['block']}, causal zigzag: **{mib(default)} MiB** by default, "
+          f"**{mib(overlap)} MiB** with `overlap_dkv=True` ({x(overlap / default)}); the "
+          f"paper's code: {mib(paper)} MiB.")
 
 
-@block("hop_kernel_memory", KERNELS_MEM)
-def hop_kernel_memory() -> str:
-  d = load(KERNELS_MEM)
-  by = _rows_by(d["memscan"], "impl", "length")
-  lengths = sorted({n for _, n in by})
-  rows = [[label] + [f"{mib(by[(impl, n)][k])} MiB" for n in lengths
-                     for k in ("fwd_temp", "fwdbwd_temp")] for impl, label in KERNEL_NAMES]
-  head = ["kernel"] + [f"{p}, {length(n)}" for n in lengths for p in ("fwd", "fwd+bwd")]
-  return table(head, rows, "-" + "r" * (len(head) - 1)) + "\n\n" + caption(KERNELS_MEM)
+table_block("overlap_dkv", KERNELS_MEM, intro=_overlap_dkv)
+
+def _kernel_rows(d) -> list:
+  by, _, lengths = _memscan(d)
+  return [[label] + [f"{mib(by[(impl, n)][k])} MiB" for n in lengths
+                     for k in ("fwd_temp", "fwdbwd_temp")] for impl, label in KERNEL_NAMES.items()]
 
 
-STRATEGY_MEM = "strategy_memory_cpu.json"
+table_block(
+    "hop_kernel_memory", KERNELS_MEM, rows=_kernel_rows,
+    head=lambda d: ["kernel"] + [f"{p}, {length(n)}" for n in _memscan(d)[2]
+                                 for p in ("fwd", "fwd+bwd")],
+    align=lambda d: "-" + "r" * 2 * len(_memscan(d)[2]))
+
+table_block(
+    "strategy_memory", "strategy_memory_cpu.json", rows=lambda d: d["rows"], align="-rrrr",
+    intro=lambda d: (f"Compiled on CPU, {length(d['length'])} tokens over "
+                     f"{d['meta']['num_devices']} devices, {d['heads']} x {d['head_dim']} heads, "
+                     f"{d['dtype']}, causal {d['layout']}, default blocks, per device:"),
+    columns=[("strategy", "`{strategy}`"),
+             ("fwd temp MiB", lambda r: mib(r["fwd_temp_bytes"])),
+             ("fwd+bwd temp MiB", lambda r: mib(r["fwdbwd_temp_bytes"])),
+             ("`plan()` memory MiB", lambda r: mib(r["plan_memory_bytes"])),
+             ("compiled / plan", lambda r: x(r["fwdbwd_temp_bytes"] / r["plan_memory_bytes"]))])
 
 
-@block("strategy_memory", STRATEGY_MEM)
-def strategy_memory() -> str:
-  d = load(STRATEGY_MEM)
-  head, rows = columns([
-      ("strategy", lambda r: f"`{r['strategy']}`"),
-      ("fwd temp MiB", lambda r: mib(r["fwd_temp_bytes"])),
-      ("fwd+bwd temp MiB", lambda r: mib(r["fwdbwd_temp_bytes"])),
-      ("`plan()` memory MiB", lambda r: mib(r["plan_memory_bytes"])),
-      ("compiled / plan", lambda r: x(r["fwdbwd_temp_bytes"] / r["plan_memory_bytes"]))],
-      d["rows"])
-  return tabled(f"Compiled on CPU, {length(d['length'])} tokens over {d['meta']['num_devices']} "
-                f"devices, {d['heads']} x {d['head_dim']} heads, {d['dtype']}, causal "
-                f"{d['layout']}, default blocks, per device:", head, rows, "-rrrr", STRATEGY_MEM)
+# ----------------------------------------------------------------------------
+# docs/performance.md: deviceless TPU compiles (tpu_overlap.py)
+# ----------------------------------------------------------------------------
 
-
-TPU_OVERLAP = "tpu_overlap_v5p.json"
-TPU_OVERLAP_BEFORE = "tpu_overlap_v5p_before.json"
+TPU_NOTE = "Deviceless compiles with libtpu {libtpu}."
+TPU_INTRO = ("`ring_attention_sharded` fwd+bwd compiled for {topology} (no TPU attached), "
+             "ring of 4")
 
 
 def _ring_kinds(row) -> str:
   return ", ".join(f"{kind.removeprefix('ring ')} {h}/{t}" for kind, (h, t) in row["kinds"].items())
 
 
-@block("tpu_overlap", TPU_OVERLAP, TPU_OVERLAP_BEFORE)
-def tpu_overlap() -> str:
-  after, before = load(TPU_OVERLAP), load(TPU_OVERLAP_BEFORE)
+def _in_flight(r) -> str:
+  return f"{r['ring_in_flight']} of {r['ring_transfers']}"
+
+
+def _overlap_cells(o, r) -> list:
+  """A tpu_overlap row: ring transfers in flight and temp before (``o``) and after."""
+  return [f"`{r['config']}`", _in_flight(o) if o else "", mib(o["temp_mib"] * MIB) if o else "",
+          _in_flight(r), _ring_kinds(r), mib(r["temp_mib"] * MIB)]
+
+
+def _rotation_cells(o, r) -> list:
+  """A tpu_backward_rotation row: in flight, per kind and temp, before (``o``) and after."""
+  return [f"`{r['config']}`"] + [c for s in (o, r) for c in (_in_flight(s), _ring_kinds(s),
+                                                             mib(s["temp_mib"] * MIB))]
+
+
+def _before_after(after, before, cells, skip_new: bool) -> list:
+  """Per configuration of ``after`` (errors left out) its ``cells(before row or None, row)``;
+  ``skip_new``: leave out those ``before`` lacks."""
   old = {r["config"]: r for r in before["rows"] if "error" not in r}
-  rows = []
-  for r in after["rows"]:
-    if "error" in r:
-      continue
-    b = old.get(r["config"])
-    rows.append([f"`{r['config']}`",
-                 f"{b['ring_in_flight']} of {b['ring_transfers']}" if b else "",
-                 mib(b["temp_mib"] * MIB) if b else "",
-                 f"{r['ring_in_flight']} of {r['ring_transfers']}", _ring_kinds(r),
-                 mib(r["temp_mib"] * MIB)])
-  return (f"`ring_attention_sharded` fwd+bwd compiled for {after['topology']} (no TPU attached), "
-          f"ring of 4, {length(after['length'])} tokens, {after['heads']} x {after['head_dim']} "
-          f"heads, {after['dtype']}, xla hop (splash where named), default blocks; ring "
-          f"transfers with block compute in flight / all (`ring_jax.analysis.overlap_report`, a loop body's pair counted "
-          f"once) and temp per chip; {before['label']}, with its defaults (in-place dK/dV; "
-          f"causal contiguous routed):\n\n" +
-          table(["configuration", "before: in flight", "before: temp MiB", "after: in flight",
-                 "after, per kind", "after: temp MiB"], rows, "-rrr-r") + "\n\n" +
-          caption(TPU_OVERLAP, TPU_OVERLAP_BEFORE,
-                  note=f"Deviceless compiles with libtpu {after['libtpu']}."))
+  return [cells(old.get(r["config"]), r) for r in after["rows"]
+          if "error" not in r and (r["config"] in old or not skip_new)]
 
 
-TPU_BACKWARD = "tpu_backward_rotation_v5p.json"
-TPU_BACKWARD_BEFORE = "tpu_backward_rotation_v5p_before.json"
+table_block(
+    "tpu_overlap", "tpu_overlap_v5p.json", "tpu_overlap_v5p_before.json", align="-rrr-r",
+    note=TPU_NOTE,
+    intro=lambda a, b: (TPU_INTRO.format_map(a) + f", {length(a['length'])} tokens, "
+                        f"{a['heads']} x {a['head_dim']} heads, {a['dtype']}, xla hop (splash "
+                        "where named), default blocks; ring transfers with block compute in "
+                        "flight / all (`ring_jax.analysis.overlap_report`, a loop body's pair "
+                        f"counted once) and temp per chip; {b['label']}, with its defaults "
+                        "(in-place dK/dV; causal contiguous routed):"),
+    head=["configuration", "before: in flight", "before: temp MiB", "after: in flight",
+          "after, per kind", "after: temp MiB"],
+    rows=lambda a, b: _before_after(a, b, _overlap_cells, skip_new=False))
 
-
-@block("tpu_backward_rotation", TPU_BACKWARD, TPU_BACKWARD_BEFORE)
-def tpu_backward_rotation() -> str:
-  after, before = load(TPU_BACKWARD), load(TPU_BACKWARD_BEFORE)
-  old = {r["config"]: r for r in before["rows"] if "error" not in r}
-  rows = []
-  for r in after["rows"]:
-    b = old.get(r["config"])
-    if "error" in r or b is None:
-      continue
-    rows.append([f"`{r['config']}`", f"{b['ring_in_flight']} of {b['ring_transfers']}",
-                 _ring_kinds(b), mib(b["temp_mib"] * MIB),
-                 f"{r['ring_in_flight']} of {r['ring_transfers']}", _ring_kinds(r),
-                 mib(r["temp_mib"] * MIB)])
-  return (f"`ring_attention_sharded` fwd+bwd compiled for {after['topology']} (no TPU attached), "
-          f"ring of 4 (two-level: 2 x 2), {length(after['length'])} tokens, {after['heads']} x "
-          f"{after['head_dim']} heads, {after['dtype']}, xla hop (splash where named), the TPU "
-          f"defaults; ring transfers with block compute in flight / all, per kind, and temp per "
-          f"chip; {before['label']} against {after['label']}:\n\n" +
-          table(["configuration", "before: in flight", "before, per kind", "before: temp MiB",
-                 "after: in flight", "after, per kind", "after: temp MiB"], rows, "-r-rr-r") +
-          "\n\n" + caption(TPU_BACKWARD, TPU_BACKWARD_BEFORE,
-                            note=f"Deviceless compiles with libtpu {after['libtpu']}."))
-
-
-TPU_HOP_MEMORY = "tpu_hop_memory_v5p.json"
-TPU_HOP_MEMORY_TRIED = "tpu_hop_memory_v5p_tried.json"
+table_block(
+    "tpu_backward_rotation", "tpu_backward_rotation_v5p.json",
+    "tpu_backward_rotation_v5p_before.json", align="-r-rr-r", note=TPU_NOTE,
+    intro=lambda a, b: (TPU_INTRO.format_map(a) + f" (two-level: 2 x 2), {length(a['length'])} "
+                        f"tokens, {a['heads']} x {a['head_dim']} heads, {a['dtype']}, xla hop "
+                        "(splash where named), the TPU defaults; ring transfers with block "
+                        "compute in flight / all, per kind, and temp per chip; "
+                        f"{b['label']} against {a['label']}:"),
+    head=["configuration", "before: in flight", "before, per kind", "before: temp MiB",
+          "after: in flight", "after, per kind", "after: temp MiB"],
+    rows=lambda a, b: _before_after(a, b, _rotation_cells, skip_new=True))
 
 
 def _hop_case(row) -> tuple[str, str]:
@@ -876,9 +852,7 @@ def _hop_case(row) -> tuple[str, str]:
   return "+".join(p for p in parts if p != kernel), kernel
 
 
-@block("tpu_hop_memory", TPU_HOP_MEMORY, TPU_HOP_MEMORY_TRIED)
-def tpu_hop_memory() -> str:
-  d, tried = load(TPU_HOP_MEMORY), load(TPU_HOP_MEMORY_TRIED)
+def _hop_memory_rows(d, tried) -> list:
   rows = {_hop_case(r): r for r in d["rows"]}
   tried_rows = {_hop_case(r): r for r in tried["rows"]}
 
@@ -899,142 +873,107 @@ def tpu_hop_memory() -> str:
       text, v = temp(source, case, kernel)
       cells += [text, x(v / xla_v) if v and xla_v else ""]
     out.append(cells)
-  return (f"`ring_attention_sharded` fwd+bwd compiled for {d['topology']} (no TPU "
-          f"attached), ring of 4, {length(d['length'])} tokens, head dim {d['head_dim']}, "
-          f"{d['dtype']}, default blocks, the TPU defaults (`overlap_dkv=True`, full rotation); "
-          f"temp MiB per chip (`memory_analysis()`), heads query:K/V; the last pair: splash with "
-          f"the guard change of {tried['label']} (reverted):\n\n" +
-          table(["configuration", "heads", "xla", "pallas_tpu (removed)", "/ xla", "splash", "/ xla",
-                 "splash, tried", "/ xla"], out, "--rrrrrrr") + "\n\n" +
-          caption(TPU_HOP_MEMORY, TPU_HOP_MEMORY_TRIED,
-                  note=f"Deviceless compiles with libtpu {d['libtpu']}."))
+  return out
 
+
+table_block(
+    "tpu_hop_memory", "tpu_hop_memory_v5p.json", "tpu_hop_memory_v5p_tried.json",
+    rows=_hop_memory_rows, align="--rrrrrrr", note=TPU_NOTE,
+    intro=lambda d, tried: (TPU_INTRO.format_map(d) + f", {length(d['length'])} tokens, head "
+                            f"dim {d['head_dim']}, {d['dtype']}, default blocks, the TPU "
+                            "defaults (`overlap_dkv=True`, full rotation); temp MiB per chip "
+                            "(`memory_analysis()`), heads query:K/V; the last pair: splash with "
+                            f"the guard change of {tried['label']} (reverted):"),
+    head=["configuration", "heads", "xla", "pallas_tpu (removed)", "/ xla", "splash", "/ xla",
+          "splash, tried", "/ xla"])
+
+
+# ----------------------------------------------------------------------------
+# docs/performance.md: compile time; docs/training.md: the document layout's host time
+# ----------------------------------------------------------------------------
 
 COMPILE = "compile_time_cpu.json"
 
 
-def _case(r):
-  return (f"{'causal' if r['causal'] else 'non-causal'} {r['layout']}" +
-          (" (routed)" if r["routed"] else ""))
-
-
-@block("compile_time", COMPILE)
-def compile_time() -> str:
-  d = load(COMPILE)
-  m = d["meta"]
-  rows = [[_case(r), f"{r['hlo_lines']:,}", f"{r['hlo_instructions']:,}",
-           f"{r['compile_median_s']:.2f} s"]
-          for r in d["attention"] if r["causal_routing"] is None]
+def _compile_rows(d) -> list:
+  case = lambda r: (f"{'causal' if r['causal'] else 'non-causal'} {r['layout']}" +
+                    (" (routed)" if r["routed"] else ""))
   t = d["train_step"]
-  mesh = " x ".join(f"{k}={v}" for k, v in t["mesh"].items() if v != 1)
-  rows.append([f"the tiny train step (`{t['config']}`, {mesh}, batch {t['batch'][0]} x "
-               f"{t['batch'][1]})", f"{t['hlo_lines']:,}", f"{t['hlo_instructions']:,}",
-               f"{t['compile_median_s']:.2f} s"])
-  return (f"fwd+bwd of `ring_attention_sharded`, ring of {m['ring']}, {m['length']} tokens, "
-          f"{m['heads']} heads x {m['head_dim']}, {m['dtype']}, default blocks and routing; "
-          f"compile: median of {m['repeats']} fresh compiles, persistent cache off:\n\n" +
-          table(["", "compiled HLO lines", "HLO instructions", "compile"], rows, "-rrr") +
-          "\n\n" + caption(COMPILE))
+  step = (f"the tiny train step (`{t['config']}`, {_mesh(t['mesh'], ' x ')}, batch "
+          f"{t['batch'][0]} x {t['batch'][1]})")
+  return [[name, f"{r['hlo_lines']:,}", f"{r['hlo_instructions']:,}",
+           f"{r['compile_median_s']:.2f} s"]
+          for name, r in [(case(r), r) for r in d["attention"] if r["causal_routing"] is None] +
+          [(step, t)]]
 
 
-@block("routing_compile", COMPILE)
-def routing_compile() -> str:
-  d = load(COMPILE)
-  m = d["meta"]
+table_block(
+    "compile_time", COMPILE, rows=_compile_rows, align="-rrr",
+    intro=("fwd+bwd of `ring_attention_sharded`, ring of {meta[ring]}, {meta[length]} tokens, "
+           "{meta[heads]} heads x {meta[head_dim]}, {meta[dtype]}, default blocks and routing; "
+           "compile: median of {meta[repeats]} fresh compiles, persistent cache off:"),
+    head=["", "compiled HLO lines", "HLO instructions", "compile"])
+
+
+def _routing_compile_rows(d) -> list:
   rows = []
   for layout in ("contiguous", "zigzag"):
-    full = next(r for r in d["attention"] if r["causal"] and r["layout"] == layout
-                and not r["routed"])
-    routed = next(r for r in d["attention"] if r["causal"] and r["layout"] == layout
-                  and r["routed"])
+    full, routed = (next(r for r in d["attention"] if r["causal"] and r["layout"] == layout
+                         and r["routed"] == routed) for routed in (False, True))
     for key, label in (("fwd_temp_bytes", "fwd"), ("fwdbwd_temp_bytes", "fwd+bwd")):
       rows.append([f"{layout} {label}", f"{mib(full[key])} MiB", f"{mib(routed[key])} MiB"] +
                   ([f"{full['hlo_lines']:,} / {routed['hlo_lines']:,}",
                     x(routed["compile_median_s"] / full["compile_median_s"])]
                    if label == "fwd+bwd" else ["", ""]))
+  return rows
+
+
+def _routing_compile_intro(m) -> str:
   return (f"Causal, ring of {m['ring']}, {m['length'] // m['ring']} tokens per device, "
           f"{m['heads']} x {m['head_dim']} heads, {m['dtype']}, default blocks; temp per device "
-          "from `memory_analysis()`; compile: median of "
-          f"{m['repeats']} fresh compiles each:\n\n" +
-          table(["causal", "full rotation temp", "routed temp", "fwd+bwd HLO lines, full / routed",
-                 "fwd+bwd compile, routed / full"], rows, "-rrrr") + "\n\n" + caption(COMPILE))
+          f"from `memory_analysis()`; compile: median of {m['repeats']} fresh compiles each:")
 
 
-FIT_NOLICM = "fit_llama_1b_long_1dev_512k_nolicm.json"
+table_block(
+    "routing_compile", COMPILE, rows=_routing_compile_rows, align="-rrrr",
+    intro=lambda d: _routing_compile_intro(d["meta"]),
+    head=["causal", "full rotation temp", "routed temp", "fwd+bwd HLO lines, full / routed",
+          "fwd+bwd compile, routed / full"])
 
 
-@block("fit_nolicm", FIT_1, FIT_NOLICM)
-def fit_nolicm() -> str:
-  d = load(FIT_NOLICM)
-  r = d["checked"][0]
-  n = r["seq_len"]
-  with_ = next(c for c in load(FIT_1)["checked"] if c["seq_len"] == n)
-  without = r.get("compiled_per_device_bytes", r["per_device_bytes"])
-  return (f"`configs/llama_1b.py:long`, 1 device, {length(n)} tokens, compiled per device "
-          f"(offloads not subtracted): **{gib(with_['compiled_per_device_bytes'])} GiB** with "
-          f"the pass, **{gib(without)} GiB** with `--xla_flags={d['xla_flags']}`.\n\n" +
-          caption(FIT_1, FIT_NOLICM))
-
-
-# ----------------------------------------------------------------------------
-# docs/training.md: pipeline fit, the document layout's host time
-# ----------------------------------------------------------------------------
-
-FIT_PIPELINE = "fit_llama_1b_pipeline_cpu.jsonl"
-
-
-@block("fit_pipeline", FIT_PIPELINE)
-def fit_pipeline() -> str:
-  runs = load(FIT_PIPELINE)
-  head, rows = columns([
-      ("mesh", lambda d: f"`{_mesh(d['mesh'], ' x ', keep='data')}`"),
-      ("devices", lambda d: d["devices"]),
-      ("arguments GiB", lambda d: gib(d["checked"][0]["argument_bytes"])),
-      ("temp GiB", lambda d: gib(d["checked"][0]["temp_bytes"])),
-      ("per device GiB", lambda d: f"**{gib(d['per_device_bytes'])}**")],
-      sorted(runs, key=lambda d: -d["per_device_bytes"]))
-  d = runs[0]
-  return tabled(f"`configs/llama_1b.py`, {d['seq_len']:,} tokens x {d['batch_rows']} rows, remat "
-                f"`{d['remat_policy']}`, compiled on fake CPU devices, per device:", head, rows,
-                "-rrrr", FIT_PIPELINE)
-
-
-LAYOUT_HOST = "layout_host_time_cpu.json"
-
-
-@block("layout_host_time", LAYOUT_HOST)
-def layout_host_time() -> str:
-  d = load(LAYOUT_HOST)
-  rows = []
+def _layout_host_rows(d) -> list:
   by = {}
   for r in d["rows"]:
     by.setdefault((r["shape"], r["ring"], r["mean"]), {})[r["layout"]] = r
-  for (shape, ring, mean), v in by.items():
-    z, doc = v["zigzag"], v["document"]
-    rows.append([shape, ring, f"{mean:g}", f"{doc['docs_per_row']:g}",
-                 f"{z['median_ms']:.2f} ms ({tokens(z['tokens_per_s'])} tokens/s)",
-                 f"**{doc['median_ms']:.2f} ms** ({tokens(doc['tokens_per_s'])} tokens/s)"])
-  return (f"`training.data.to_layout_np` per batch, one thread, median of {d['meta']['reps']}:"
-          "\n\n" + table(["batch (rows x length)", "ring", "mean document", "documents per row",
-                           "zigzag", "`document`"], rows, "-rrrrr") + "\n\n" +
-          caption(LAYOUT_HOST))
+  return [[shape, ring, f"{mean:g}", f"{v['document']['docs_per_row']:g}",
+           f"{v['zigzag']['median_ms']:.2f} ms ({tokens(v['zigzag']['tokens_per_s'])} tokens/s)",
+           f"**{v['document']['median_ms']:.2f} ms** "
+           f"({tokens(v['document']['tokens_per_s'])} tokens/s)"]
+          for (shape, ring, mean), v in by.items()]
+
+
+table_block(
+    "layout_host_time", "layout_host_time_cpu.json", rows=_layout_host_rows, align="-rrrrr",
+    intro="`training.data.to_layout_np` per batch, one thread, median of {meta[reps]}:",
+    head=["batch (rows x length)", "ring", "mean document", "documents per row", "zigzag",
+          "`document`"])
 
 
 LENGTH_BUCKETS = "length_buckets_cpu.json"
 
 
-@block("length_buckets", LENGTH_BUCKETS)
-def length_buckets() -> str:
-  d = load(LENGTH_BUCKETS)
-  st, corpus = d["settings"], d["corpus"]
-  one, bucketed = d["results"]
-  rings = [[f"{b['length']:,} x {b['rows']}", b["ring"],
-            f"data {b['mesh']['data']} x sequence {b['mesh']['sequence']}",
-            bucketed["steps_per_bucket"].get(str(b["length"]), 0) if "steps" in bucketed else "",
-            b["ring_permutes_per_step"], f"{b['ring_permute_bytes_per_step'] / MIB:.2f}"]
-           for b in bucketed["buckets"]]
-  head = ["", "one ring", f"`length_buckets={tuple(bucketed['length_buckets'])}`"]
-  both = (one, bucketed)
+def _bucket_rows(d) -> list:
+  bucketed = d["results"][1]
+  return [[f"{b['length']:,} x {b['rows']}", b["ring"],
+           f"data {b['mesh']['data']} x sequence {b['mesh']['sequence']}",
+           bucketed["steps_per_bucket"].get(str(b["length"]), 0) if "steps" in bucketed else "",
+           b["ring_permutes_per_step"], f"{b['ring_permute_bytes_per_step'] / MIB:.2f}"]
+          for b in bucketed["buckets"]]
+
+
+def _buckets_vs_one_ring(d) -> str:
+  """The table of a run with one ring against one with length buckets."""
+  one, bucketed = both = d["results"]
   rows = [["compiled train-step programs"] + [r["compiled_programs"] for r in both]]
   if "steps" in one:
     last = min(10, one["steps"])
@@ -1058,80 +997,25 @@ def length_buckets() -> str:
                ["real tokens/s vs one ring", "1.00x", f"**{x(ratio)}**"]]
     else:
       rows += [["tokens/s", "not timed (`--no-timing`: the host was not quiet)", ""]]
+  return table(["", "one ring", f"`length_buckets={tuple(bucketed['length_buckets'])}`"], rows,
+               "-rr")
+
+
+def _buckets_intro(d) -> str:
+  st, corpus = d["settings"], d["corpus"]
   return (f"`benchmarks/length_buckets.py`: {corpus['documents']:,} documents "
           f"({pct(corpus['short_fraction'])} of them <= `seq_len / 8`), `seq_len` "
           f"{st['seq_len']:,}, the one ring of {st['ring']} fake CPU devices, "
           f"{st['batch'] * st['seq_len']:,} token slots per step, a "
-          f"{st['model']['model.num_layers']}-layer "
-          f"dim-{st['model']['model.dim']} LLaMA, the same initial parameters and document "
-          "stream. Per bucket, read from its compiled program (loop bodies times their trip "
-          "counts), per device:\n\n" +
-          table(["bucket (tokens x rows)", "ring", "mesh", "steps", "ring permutes per step",
-                 "ring MiB per step"], rings, "-r-rrr") + "\n\n" +
-          table(head, rows, "-rr") + "\n\n" + caption(LENGTH_BUCKETS))
+          f"{st['model']['model.num_layers']}-layer dim-{st['model']['model.dim']} LLaMA, the "
+          "same initial parameters and document stream. Per bucket, read from its compiled "
+          "program (loop bodies times their trip counts), per device:")
 
 
-# ----------------------------------------------------------------------------
-# The README's headline table
-# ----------------------------------------------------------------------------
-
-def _headline_rows():
-  core = load(CORE)
-  acc = core["accuracy"]
-  p4 = _rows_by(load(PAPER_4K)["rows"], "impl", "causal")
-  zz, pa = p4[("ring-zigzag", True)], p4[("paper", True)]
-  cur = old = _memscan(load(MEMSCAN))[0]
-  ring = next(i for i, _ in cur if i.startswith("ring"))
-  lengths = [n for n in (16384, 65536) if (ring, n) in cur]  # two lengths fit a cell
-  bal = load(BALANCE)
-  bby = _rows_by(bal["rows"], "impl", "length")
-  bl = 8192 if ("ring-zigzag", 8192) in bby else bal["lengths"][-1]
-  pk = load(PACKED)["means"]
-  doc_worst = max(v["document"]["block_max_over_mean"]["max"] for v in pk.values())
-  zz_med = [v["zigzag"]["block_max_over_mean"]["median"] for v in pk.values()]
-  f1, f8 = load(FIT_1), load(FIT_8)
-  dfit = next(r for r in load(DECODE_FIT) if r["config"] == "llama_1b.py" and r["devices"] == 8)
-  tl = load(TWO_LEVEL)
-  full = next(r for r in tl["rows"] if r["ring"] == "two-level" and r["pass_"] == "fwd+bwd")
-  routed = next(r for r in tl["rows"] if r["ring"] == "routed" and r["pass_"] == "fwd+bwd"
-                and r["split"] == full["split"])
-  return [
-      (f"Max relative error vs a float64 oracle, float32 inputs, {len(acc)} cases "
-       "(layouts, masks, segments, GQA/MQA, ring sizes 1-8): outputs / dQ, dK, dV",
-       f"{sci(max(r['out'] for r in acc))} / "
-       f"{sci(max(max(r[k] for k in ('dq', 'dk', 'dv')) for r in acc))}", [CORE], "exactness"),
-      (f"Causal fwd+bwd time vs the paper's code, zigzag, L={length(zz['length'])}, "
-       "8 fake devices in one process",
-       x(zz["fwdbwd_median_s"] / pa["fwdbwd_median_s"]), [PAPER_4K], "against-the-papers-code"),
-      ("Useful FLOP/s of that causal zigzag fwd+bwd as a fraction of a same-size f32 matmul "
-       f"(paper's code: {pct(pa['fwdbwd_useful_gflops'] / pa['matmul_gflops'])})",
-       pct(zz["fwdbwd_useful_gflops"] / zz["matmul_gflops"]), [PAPER_4K],
-       "against-the-papers-code"),
-      (f"fwd+bwd memory per device, causal zigzag, blocks of 256, "
-       f"{' / '.join(length(n) for n in lengths)}: ring vs the paper's code (all-gather)",
-       " / ".join(f"{mib(cur[(ring, n)]['fwdbwd_temp'])} MiB "
-                  f"({x(cur[(ring, n)]['fwdbwd_temp'] / cur[('paper', n)]['fwdbwd_temp'])})"
-                  for n in lengths) +
-       " (all-gather " + " / ".join(mib(old[("allgather", n)]["fwdbwd_temp"]) for n in lengths)
-       + " MiB)", [MEMSCAN], "memory-per-device"),
-      (f"Causal fwd+bwd wall time vs the paper's code, one process and core per device "
-       f"(ring of {bal['processes']}), zigzag, L={length(bl)}",
-       x(bby[("ring-zigzag", bl)]["median_s"] / bby[("paper", bl)]["median_s"]), [BALANCE],
-       "load-balance-in-wall-time"),
-      ("Packed documents, ring of 8: max/mean causal work per device, `layout=\"document\"` "
-       "(worst row; zigzag's medians)",
-       f"{doc_worst:.2f} ({min(zz_med):.2f}-{max(zz_med):.2f})", [PACKED], "packed-documents"),
-      (f"Longest `configs/llama_1b.py:long` training context within "
-       f"{f1['memory_bytes'] / GIB:g} GiB per device (compiled plan): 1 device / 8 devices",
-       f"{length(f1['seq_len'])} / {length(f8['seq_len'])} tokens", [FIT_1, FIT_8],
-       "how-long-a-context-fits"),
-      (f"Longest llama_1b decode KV cache (f32) within {dfit['budget_gib']:g} GiB per device, "
-       f"{dfit['devices']} devices", f"{tokens(dfit['longest_cache_tokens'])} tokens",
-       [DECODE_FIT], "decode"),
-      ("Two-level ring, causal zigzag, fwd+bwd, split "
-       f"{'x'.join(map(str, full['split']))}: bytes over the outer links, routed / full rotation",
-       x(routed["outer_total"] / full["outer_total"]), [TWO_LEVEL], "two-link-levels"),
-  ]
+table_block(
+    "length_buckets", LENGTH_BUCKETS, intro=_buckets_intro, rows=_bucket_rows, align="-r-rrr",
+    head=["bucket (tokens x rows)", "ring", "mesh", "steps", "ring permutes per step",
+          "ring MiB per step"], after=_buckets_vs_one_ring)
 
 
 # ----------------------------------------------------------------------------
@@ -1146,6 +1030,7 @@ CONFORMANCE = {"ring_jax ring": "conformance_ring.json",
                "ejkernel, GQA as is": "conformance_ejkernel-0.0.80.3-xla-native-gqa.json",
                "tokamax 0.0.17 ring (interpret)":
                    "conformance_tokamax-0.0.17-ring-interpret.json"}
+STATUSES = ("pass", "fail", "not supported")
 
 
 def _verdict(row) -> str:
@@ -1159,32 +1044,94 @@ def _verdict(row) -> str:
   return f"**fail** {worst[0]} {sci(worst[1]) if worst[1] != float('inf') else 'non-finite'}"
 
 
-@block("conformance", *CONFORMANCE.values())
-def conformance() -> str:
-  data = {name: load(f) for name, f in CONFORMANCE.items()}
-  cases = [r["case"] for r in next(iter(data.values()))["rows"]]
-  by = {name: {r["case"]: r for r in d["rows"]} for name, d in data.items()}
-  summary = table(
-      ["function", "pass", "fail", "not supported"],
-      [[name, *(sum(r["status"] == s for r in d["rows"]) for s in ("pass", "fail", "not supported"))]
-       for name, d in data.items()], "-rrr")
-  matrix = table(["case", *data],
-                 [[f"`{c}`", *(_verdict(by[n][c]) if c in by[n] else "-" for n in data)]
-                  for c in cases])
-  return (summary + "\n\nPer case: the worst quantity's error against the float64 oracle "
-          "(max |error| / max |oracle|; bound 1.5e-5 in float32, 7.8e-3 in bfloat16), or why it "
-          "failed; n/s: the signature takes no keyword the case needs.\n\n" + matrix + "\n\n" +
-          caption(*CONFORMANCE.values()))
+def _conformance_matrix(*runs) -> str:
+  """Per case (a row) and function (a column): its verdict."""
+  by = [{r["case"]: r for r in d["rows"]} for d in runs]
+  return table(["case", *CONFORMANCE],
+               [[f"`{c}`", *(_verdict(b[c]) if c in b else "-" for b in by)]
+                for c in (r["case"] for r in runs[0]["rows"])])
 
 
-@block("headline", CORE, PAPER_4K, MEMSCAN, BALANCE, PACKED, FIT_1, FIT_8,
-       DECODE_FIT, TWO_LEVEL)
+table_block(
+    "conformance", *CONFORMANCE.values(), align="-rrr",
+    head=["function", *STATUSES],
+    rows=lambda *runs: [[name, *(sum(r["status"] == s for r in d["rows"]) for s in STATUSES)]
+                        for name, d in zip(CONFORMANCE, runs)],
+    after=lambda *runs: ("Per case: the worst quantity's error against the float64 oracle "
+                         "(max |error| / max |oracle|; bound 1.5e-5 in float32, 7.8e-3 in "
+                         "bfloat16), or why it failed; n/s: the signature takes no keyword the "
+                         "case needs.\n\n" + _conformance_matrix(*runs)))
+
+
+# ----------------------------------------------------------------------------
+# The README's headline table
+# ----------------------------------------------------------------------------
+
+def _headline_rows() -> list[tuple[str, str, list[str], str]]:
+  """Per headline figure: what it measures, the figure, its result files, its docs section."""
+  acc = load(CORE)["accuracy"]
+  p4 = _rows_by(load(PAPER_4K)["rows"], "impl", "causal")
+  zz, pa = p4[("ring-zigzag", True)], p4[("paper", True)]
+  mem, ring, _ = _memscan(load(MEMSCAN))
+  lengths = [n for n in (16384, 65536) if (ring, n) in mem]  # two lengths fit a cell
+  temp = lambda impl, n: mem[(impl, n)]["fwdbwd_temp"]
+  bal = load(BALANCE)
+  bby = _rows_by(bal["rows"], "impl", "length")
+  bl = 8192 if ("ring-zigzag", 8192) in bby else bal["lengths"][-1]
+  pk = load(PACKED)["means"].values()
+  zz_med = [v["zigzag"]["block_max_over_mean"]["median"] for v in pk]
+  f1, f8 = load(FIT_1), load(FIT_8)
+  dfit = next(r for r in load(DECODE_FIT) if r["config"] == "llama_1b.py" and r["devices"] == 8)
+  tl = load(TWO_LEVEL)["rows"]
+  full = next(r for r in tl if r["ring"] == "two-level" and r["pass_"] == "fwd+bwd")
+  routed = next(r for r in tl if r["ring"] == "routed" and r["pass_"] == "fwd+bwd"
+                and r["split"] == full["split"])
+  return [
+      (f"Max relative error vs a float64 oracle, float32 inputs, {len(acc)} cases "
+       "(layouts, masks, segments, GQA/MQA, ring sizes 1-8): outputs / dQ, dK, dV",
+       f"{sci(_worst(acc, 'out'))} / {sci(_worst(acc, *GRADS))}", [CORE], "exactness"),
+      (f"Causal fwd+bwd time vs the paper's code, zigzag, L={length(zz['length'])}, "
+       "8 fake devices in one process",
+       x(zz["fwdbwd_median_s"] / pa["fwdbwd_median_s"]), [PAPER_4K], "against-the-papers-code"),
+      ("Useful FLOP/s of that causal zigzag fwd+bwd as a fraction of a same-size f32 matmul "
+       f"(paper's code: {pct(pa['fwdbwd_useful_gflops'] / pa['matmul_gflops'])})",
+       pct(zz["fwdbwd_useful_gflops"] / zz["matmul_gflops"]), [PAPER_4K],
+       "against-the-papers-code"),
+      (f"fwd+bwd memory per device, causal zigzag, blocks of 256, "
+       f"{' / '.join(length(n) for n in lengths)}: ring vs the paper's code (all-gather)",
+       " / ".join(f"{mib(temp(ring, n))} MiB ({x(temp(ring, n) / temp('paper', n))})"
+                  for n in lengths) +
+       " (all-gather " + " / ".join(mib(temp("allgather", n)) for n in lengths) + " MiB)",
+       [MEMSCAN], "memory-per-device"),
+      (f"Causal fwd+bwd wall time vs the paper's code, one process and core per device "
+       f"(ring of {bal['processes']}), zigzag, L={length(bl)}",
+       x(bby[("ring-zigzag", bl)]["median_s"] / bby[("paper", bl)]["median_s"]), [BALANCE],
+       "load-balance-in-wall-time"),
+      ("Packed documents, ring of 8: max/mean causal work per device, `layout=\"document\"` "
+       "(worst row; zigzag's medians)",
+       f"{max(v['document']['block_max_over_mean']['max'] for v in pk):.2f} "
+       f"({min(zz_med):.2f}-{max(zz_med):.2f})", [PACKED], "packed-documents"),
+      (f"Longest `configs/llama_1b.py:long` training context within "
+       f"{f1['memory_bytes'] / GIB:g} GiB per device (compiled plan): 1 device / 8 devices",
+       f"{length(f1['seq_len'])} / {length(f8['seq_len'])} tokens", [FIT_1, FIT_8],
+       "how-long-a-context-fits"),
+      (f"Longest llama_1b decode KV cache (f32) within {dfit['budget_gib']:g} GiB per device, "
+       f"{dfit['devices']} devices", f"{tokens(dfit['longest_cache_tokens'])} tokens",
+       [DECODE_FIT], "decode"),
+      ("Two-level ring, causal zigzag, fwd+bwd, split "
+       f"{'x'.join(map(str, full['split']))}: bytes over the outer links, routed / full rotation",
+       x(routed["outer_total"] / full["outer_total"]), [TWO_LEVEL], "two-link-levels"),
+  ]
+
+
+@block("headline", CORE, PAPER_4K, MEMSCAN, BALANCE, PACKED, FIT_1, FIT_8, DECODE_FIT, TWO_LEVEL)
 def headline() -> str:
+  """The README's table: per figure its date, machine and jax, its files, its docs section."""
   rows = []
   for what, figure, files, anchor in _headline_rows():
     dated = "; ".join(dict.fromkeys(when(f, short=True) for f in files))
     src = ", ".join(f"[{f}]({LINK_ROOT}benchmarks/results/{f})" for f in files)
-    rows.append([what, f"**{figure}**", dated, f"{src}; [how]({section(anchor)})"])
+    rows.append([what, f"**{figure}**", dated, f"{src}; [how]({DOC}#{anchor})"])
   return (table(["measured", "figure", "date, machine, jax", "result file; command"], rows) +
           "\n\nGenerated by `python benchmarks/report.py` from the result files; every table "
           f"and its command: [docs/benchmarks.md]({DOC}).")
