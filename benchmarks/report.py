@@ -35,6 +35,7 @@ import json
 import math
 import os
 import re
+import string
 import sys
 from typing import Callable
 
@@ -235,11 +236,24 @@ def _pairs(rows) -> list:
 # Blocks declared as data
 # ----------------------------------------------------------------------------
 
+class _Units(string.Formatter):
+  """``str.format`` with the report's units as format specs: ``{temp_bytes:mib}``."""
+  SPECS = {"mib": mib, "gib": gib, "ratio": x, "pct": pct, "sci": sci, "len": length}
+
+  def format_field(self, value, spec: str) -> str:
+    return self.SPECS[spec](value) if spec in self.SPECS else super().format_field(value, spec)
+
+
+def fmt(spec: str, record) -> str:
+  """``spec`` formatted over the mapping ``record``; units as in :class:`_Units`."""
+  return _Units().vformat(spec, (), record)
+
+
 def _text(spec, data: list) -> str:
   """A declared piece of text: ``spec(*data)``, or a format string over the first file."""
   if callable(spec):
     return spec(*data)
-  return spec.format_map(data[0]) if spec else ""
+  return fmt(spec, data[0]) if spec else ""
 
 
 def table_block(name: str, *files: str, key: str = "", rows: Callable | None = None, columns=(),
@@ -250,7 +264,7 @@ def table_block(name: str, *files: str, key: str = "", rows: Callable | None = N
 
   ``rows(*data)`` (``data``: the contents of ``files``, or their entry ``key``) gives the
   table's records; no ``rows``, no table. With ``columns`` (``[(header, cell)]``) a record is
-  one row and ``cell`` is ``cell(record)`` or a format string over the record; without, a
+  one row and ``cell`` is ``cell(record)`` or a format string (:func:`fmt`) over it; without, a
   record is a list of cells under ``head``. ``intro``, ``after``, ``note``, ``align`` (one
   letter per column, ``r``: right-aligned) and ``head`` are fixed or functions of ``*data``;
   fixed text is a format string over the first file's contents."""
@@ -261,7 +275,7 @@ def table_block(name: str, *files: str, key: str = "", rows: Callable | None = N
       records = list(rows(*data))
       if columns:
         hd = [h for h, _ in columns]
-        records = [[c(r) if callable(c) else c.format_map(r) for _, c in columns]
+        records = [[c(r) if callable(c) else fmt(c, r) for _, c in columns]
                    for r in records]
       else:
         hd = head(*data) if callable(head) else head
@@ -287,8 +301,8 @@ table_block(
     "core_accuracy", CORE, key="accuracy", rows=lambda d: d, align="-rrrr",
     intro=lambda d: (f"Worst of the {len(d)} cases: **{sci(_worst(d, 'out'))}** on outputs, "
                      f"**{sci(_worst(d, *GRADS))}** on dQ/dK/dV (max |error| / max |reference|)."),
-    columns=[("case", "`{case}`")] + [(h, lambda r, k=h.lower(): sci(r[k]))
-                                      for h in ("out", "dQ", "dK", "dV")])
+    columns=[("case", "`{case}`"), ("out", "{out:sci}"), ("dQ", "{dq:sci}"), ("dK", "{dk:sci}"),
+             ("dV", "{dv:sci}")])
 
 table_block(
     "core_memory", CORE, key="memory", align="rrrrr",
@@ -521,9 +535,9 @@ table_block(
     rows=lambda runs: sorted(runs, key=lambda d: -d["per_device_bytes"]),
     columns=[("mesh", lambda d: f"`{_mesh(d['mesh'], ' x ', keep='data')}`"),
              ("devices", "{devices}"),
-             ("arguments GiB", lambda d: gib(d["checked"][0]["argument_bytes"])),
-             ("temp GiB", lambda d: gib(d["checked"][0]["temp_bytes"])),
-             ("per device GiB", lambda d: f"**{gib(d['per_device_bytes'])}**")])
+             ("arguments GiB", "{checked[0][argument_bytes]:gib}"),
+             ("temp GiB", "{checked[0][temp_bytes]:gib}"),
+             ("per device GiB", "**{per_device_bytes:gib}**")])
 
 
 # ----------------------------------------------------------------------------
@@ -558,8 +572,8 @@ table_block(
 table_block(
     "decode_time", DECODE_TIME, rows=lambda d: d, align="rrrr",
     columns=[("context", "{length:,}"),
-             ("KV cache MiB/device", lambda r: mib(r["cache_mib_per_device"] * MIB)),
-             ("step temp MiB/device", lambda r: mib(r["step_temp_mib_per_device"] * MIB)),
+             ("KV cache MiB/device", "{cache_mib_per_device:.1f}"),
+             ("step temp MiB/device", "{step_temp_mib_per_device:.1f}"),
              ("decode step ms (median of 10)", "{step_ms_median:.0f}")])
 
 table_block(
@@ -771,13 +785,12 @@ table_block(
 
 table_block(
     "strategy_memory", "strategy_memory_cpu.json", rows=lambda d: d["rows"], align="-rrrr",
-    intro=lambda d: (f"Compiled on CPU, {length(d['length'])} tokens over "
-                     f"{d['meta']['num_devices']} devices, {d['heads']} x {d['head_dim']} heads, "
-                     f"{d['dtype']}, causal {d['layout']}, default blocks, per device:"),
+    intro=("Compiled on CPU, {length:len} tokens over {meta[num_devices]} devices, {heads} x "
+           "{head_dim} heads, {dtype}, causal {layout}, default blocks, per device:"),
     columns=[("strategy", "`{strategy}`"),
-             ("fwd temp MiB", lambda r: mib(r["fwd_temp_bytes"])),
-             ("fwd+bwd temp MiB", lambda r: mib(r["fwdbwd_temp_bytes"])),
-             ("`plan()` memory MiB", lambda r: mib(r["plan_memory_bytes"])),
+             ("fwd temp MiB", "{fwd_temp_bytes:mib}"),
+             ("fwd+bwd temp MiB", "{fwdbwd_temp_bytes:mib}"),
+             ("`plan()` memory MiB", "{plan_memory_bytes:mib}"),
              ("compiled / plan", lambda r: x(r["fwdbwd_temp_bytes"] / r["plan_memory_bytes"]))])
 
 
