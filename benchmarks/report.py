@@ -12,7 +12,11 @@ text after it; every ratio and percentage is computed from the raw numbers there
 line follows (date, machine and jax version as the result file records them, the command that
 made it, a link to the file). A block that is not intro, table and caption registers its own
 renderer with :func:`block`. Nothing in a block is typed by hand, so no quoted figure can drift
-from the run that made it.
+from the run that made it. A new block is one call at module level::
+
+    table_block("my_block", "my_result_cpu.json", rows=lambda d: d["rows"], align="-r",
+                intro="Ring of {ring}, {length:len} tokens:",   # over the file's top level
+                columns=[("config", "`{config}`"), ("temp MiB", "{temp_bytes:mib}")])
 
     python benchmarks/report.py              # rewrite every block in every *.md of the repo
     python benchmarks/report.py --check      # exit 1 with a diff if a block is out of date
@@ -226,6 +230,11 @@ def _rows_by(rows, *keys) -> dict:
   return {tuple(r[k] for k in keys): r for r in rows}
 
 
+def _blocks(rows) -> str:
+  """The block sizes of ``rows``: ``256, 512``."""
+  return ", ".join(map(str, sorted({r["block"] for r in rows})))
+
+
 def _pairs(rows) -> list:
   """``(previous row or None, row)`` for each row."""
   rows = list(rows)
@@ -330,6 +339,7 @@ table_block(
     head=["layout", "block pairs per device (min ... max)", "max / mean", "critical path (pairs)",
           "vs contiguous", "total"])
 
+
 # ----------------------------------------------------------------------------
 # Against the paper's code: benchmarks/attention.py
 # ----------------------------------------------------------------------------
@@ -364,8 +374,7 @@ table_block(
     "paper_4k", PAPER_4K, rows=_paper_rows,
     intro=lambda d: (f"{d['meta']['dtype']}, B={d['meta']['batch']}, {d['meta']['heads']} heads "
                      f"x {d['meta']['head_dim']}, ring of {d['meta']['ring']} in one process, "
-                     f"blocks of {', '.join(map(str, sorted({r['block'] for r in d['rows']})))}, "
-                     f"median of {d['meta']['repeats']}:"),
+                     f"blocks of {_blocks(d['rows'])}, median of {d['meta']['repeats']}:"),
     head=lambda d: ([f"L = {length(d['rows'][0]['length'])}, fwd+bwd", *PAPER_IMPLS.values(),
                      "same-size f32 matmul"]))
 
@@ -457,9 +466,8 @@ table_block(
     "balance", BALANCE, rows=_balance_rows, align="-rrrrrr",
     intro=lambda d: (f"Causal fwd+bwd, {d['processes']} processes (ring of {d['processes']}), "
                      f"{d['dtype']}, B={d['batch']}, {d['heads']} heads x {d['head_dim']}, "
-                     f"blocks of {', '.join(map(str, sorted({r['block'] for r in d['rows']})))}, "
-                     f"median of {d['repeats']} (each repetition: the slowest process); time "
-                     "over the paper's code:"),
+                     f"blocks of {_blocks(d['rows'])}, median of {d['repeats']} (each "
+                     "repetition: the slowest process); time over the paper's code:"),
     head=["L", "contiguous", "zigzag", "striped", "paper (ms)",
           "critical path, hops: contiguous / zigzag", "temp MiB/device: ring / paper"])
 
@@ -473,17 +481,15 @@ table_block(
     intro=("Ring of {ring}, rows of {length:,} tokens, lognormal document lengths (sigma "
            "{sigma:g}), {rows} rows per mean, blocks of {block}; max/mean work per device, "
            "median / max over rows:"),
-    rows=lambda d: sorted(((int(k), v) for k, v in d["means"].items())),
-    columns=[("mean document", lambda m: length(m[0])),
-             ("zigzag, blocks", lambda m: _mm(m[1]["zigzag"]["block_max_over_mean"])),
-             ("`document`, blocks",
-              lambda m: f"**{_mm(m[1]['document']['block_max_over_mean'])}**"),
-             ("zigzag, tokens", lambda m: _mm(m[1]["zigzag"]["token_max_over_mean"])),
-             ("`document`, tokens", lambda m: _mm(m[1]["document"]["token_max_over_mean"])),
-             ("block pairs, document / zigzag",
-              lambda m: x(m[1]["document_block_pairs_over_zigzag"])),
-             ("critical path, document / zigzag",
-              lambda m: x(m[1]["document_critical_path_over_zigzag"]))])
+    rows=lambda d: sorted((dict(v, mean=int(k)) for k, v in d["means"].items()),
+                          key=lambda v: v["mean"]),
+    columns=[("mean document", "{mean:len}"),
+             ("zigzag, blocks", lambda v: _mm(v["zigzag"]["block_max_over_mean"])),
+             ("`document`, blocks", lambda v: f"**{_mm(v['document']['block_max_over_mean'])}**"),
+             ("zigzag, tokens", lambda v: _mm(v["zigzag"]["token_max_over_mean"])),
+             ("`document`, tokens", lambda v: _mm(v["document"]["token_max_over_mean"])),
+             ("block pairs, document / zigzag", "{document_block_pairs_over_zigzag:ratio}"),
+             ("critical path, document / zigzag", "{document_critical_path_over_zigzag:ratio}")])
 
 
 # ----------------------------------------------------------------------------
@@ -630,6 +636,8 @@ def sweep_markdown(rows) -> str:
   memory. ``attention.py --render`` prints the same table."""
   blocks = sorted({r["block"] for r in rows if r.get("block")})
   temp = lambda r: r["fwdbwd_mem"].get("temp_size_in_bytes", 0)
+  cell = lambda r: (f"{r['x_best']:.2f}x, {temp(r) / MIB:.1f}" + ("*" if r.get("is_default")
+                                                                    else "")) if r else ""
   groups = {}
   for r in rows:
     groups.setdefault((r["length"], r["causal"], r["layout"]), {})[r["block"]] = r
@@ -643,9 +651,7 @@ def sweep_markdown(rows) -> str:
     verdict = (f"{default['x_best']:.2f}x, {temp(default) / temp(best):.2f}x"
                if best and default else "")
     out.append([f"{n // 1024}K" if n % 1024 == 0 else str(n), "causal" if causal else "full",
-                layout, *(f"{r['x_best']:.2f}x, {temp(r) / MIB:.1f}" +
-                          ("*" if r.get("is_default") else "") if r else "" for r in timed),
-                verdict])
+                layout, *map(cell, timed), verdict])
   return table(["L", "mask", "layout", *map(str, blocks),
                 "default: time, temp vs the best block"], out)
 
