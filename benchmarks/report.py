@@ -754,7 +754,7 @@ table_block(
 
 
 # ----------------------------------------------------------------------------
-# docs/performance.md: memory per kernel and strategy, compile time, routed rings
+# docs/performance.md: memory per kernel and strategy
 # ----------------------------------------------------------------------------
 
 KERNELS_MEM = "attention_cpu_memscan_kernels.json"
@@ -776,6 +776,7 @@ def _overlap_dkv(d) -> str:
 
 
 table_block("overlap_dkv", KERNELS_MEM, intro=_overlap_dkv)
+
 
 def _kernel_rows(d) -> list:
   by, _, lengths = _memscan(d)
