@@ -133,3 +133,25 @@ def test_every_result_file_the_docs_name_exists():
   names = set(re.findall(r"benchmarks/results/([\w.\-]+\w)(?![\w{])", _named_in_docs()))
   missing = sorted(n for n in names if not os.path.exists(os.path.join(report.RESULTS, n)))
   assert missing == []
+
+
+def test_a_block_declared_as_data(tmp_path, monkeypatch):
+  """table_block: intro and cells as format strings with the report's units, a column as a
+  function, the caption of the file; nothing but the table where no intro is given."""
+  (tmp_path / "run.json").write_text(
+      '{"ring": 8, "length": 65536, "rows": [{"config": "a+b", "temp_bytes": 3145728, "r": 0.5}]}')
+  (tmp_path / "provenance.json").write_text("{}")
+  monkeypatch.setattr(report, "RESULTS", str(tmp_path))
+  monkeypatch.setattr(report, "BLOCKS", {})
+  columns = [("config", "`{config}`"), ("temp MiB", "{temp_bytes:mib}"),
+             ("ratio", lambda r: report.x(r["r"]))]
+  report.table_block("demo", "run.json", rows=lambda d: d["rows"], align="-rr",
+                     intro="Ring of {ring}, {length:len} tokens:", columns=columns)
+  report.table_block("bare", "run.json", rows=lambda d: d["rows"], columns=columns[:1])
+  caption = ("<sub>Source: [`run.json`](benchmarks/results/run.json): date not recorded, "
+             "machine not recorded, jax not recorded.</sub>")
+  readme = os.path.join(ROOT, "README.md")
+  assert report.render_block("demo", readme) == (
+      "Ring of 8, 64K tokens:\n\n| config | temp MiB | ratio |\n|---|---:|---:|\n"
+      "| `a+b` | 3.0 | 0.50x |\n\n" + caption)
+  assert report.render_block("bare", readme) == "| config |\n|---|\n| `a+b` |\n\n" + caption
