@@ -19,7 +19,7 @@
 * Meshes: :func:`parse_mesh` (``"data=1,sequence=8"``) and :func:`make_mesh`
   (Auto axes over the first devices, the trainer's axis names by default).
 * Budgeted checks: :class:`Clock` (``say`` with the elapsed time, a global time budget,
-  sections that print a failure and go on), for ``gpu_check.py`` / ``tpu_check.py``.
+  sections that print a failure and go on), for ``accelerator_check.py``.
 
 Needs only JAX and NumPy (the model's axis names come from
 ``models.sharding``, which imports without Flax), so every benchmark, on
