@@ -79,7 +79,9 @@ BASELINES = {"gpu": (CUDNN, RING_XLA), "tpu": (SPLASH, RING_XLA)}
 
 def settings(platform: str) -> types.SimpleNamespace:
   """The run's sizes and knobs for ``platform`` ("gpu" or "tpu"), from ``<P>_CHECK_*``."""
-  env = lambda name, default: os.environ.get(f"{platform.upper()}_CHECK_{name}") or default  # noqa: E731
+  def env(name, default):
+    return os.environ.get(f"{platform.upper()}_CHECK_{name}") or default
+
   dry = env("DRY", "0") != "0"
   gpu = platform == "gpu"
   budget = float(env("BUDGET_S", "300" if dry and gpu else "450"))
