@@ -117,10 +117,6 @@ def device_limit(s):
   return int(float(s.limit_gib) * GIB) if s.limit_gib else common.device_bytes_limit()
 
 
-def first_line(e: Exception, n: int = 90) -> str:
-  return f"{type(e).__name__}: {str(e).splitlines()[0][:n]}"
-
-
 def bench(s, compiled, args, repeats):
   """Median seconds of ``compiled(*args)`` (after one warm-up call; none in a dry run, whose
   timings mean nothing and whose interpreted kernels take seconds a call)."""
@@ -186,7 +182,7 @@ def auto_verdict(s) -> str:
     jax.block_until_ready(jax.jit(ring_impl(s, True, "auto"))(x, x[:, :, :s.K],
                                                                x[:, :, :s.K]))
   except Exception as e:  # noqa: BLE001
-    return f"auto: the ring call failed: {first_line(e, 120)}"
+    return f"auto: the ring call failed: {common.error_line(e, 120)}"
   return ring_jax.kernels.describe("auto")
 
 
@@ -228,7 +224,7 @@ def attention_tflops(s):
             if mode == "fwd":
               outs[name] = np.asarray(jax.device_get(c(*a)), np.float32)
           except Exception as e:  # noqa: BLE001
-            notes.append(f"{mode}: {first_line(e)}")
+            notes.append(f"{mode}: {common.error_line(e, 90)}")
             if s.traceback:
               traceback.print_exc(limit=4)
         row["note"] = "; ".join(notes)
@@ -340,7 +336,7 @@ def longest_context(s, known_fit=None):
     try:
       c = step.compile(length)
     except Exception as e:  # noqa: BLE001
-      say(f"L={length:>8}: compile failed ({first_line(e, 120)}) -> counted as not fitting")
+      say(f"L={length:>8}: compile failed ({common.error_line(e, 120)}) -> counted as not fitting")
       seen[length] = (None, False)
       return False
     nb = common.per_device_bytes(c)
@@ -357,7 +353,7 @@ def longest_context(s, known_fit=None):
             f"loss {float(metrics['loss']):.3f}")
         del params, opt
       except Exception as e:  # noqa: BLE001
-        say(f"L={length:>8}: RUN FAILED ({first_line(e, 120)})")
+        say(f"L={length:>8}: RUN FAILED ({common.error_line(e, 120)})")
         fits = False
     seen[length] = (nb, fits)
     return fits

@@ -150,12 +150,23 @@ def run_meta(argv: Sequence[str] | None = None, script: str | None = None, *,
               python=platform.python_version(), host=platform.node(), git=git_state(), **fields)
 
 
-def write_result(path: str, result: dict) -> None:
-  """Write a benchmark's result file (``benchmarks/results/*.json``), creating its folder."""
+def write_result(path: str, result: dict, log: str | None = None) -> None:
+  """Write a benchmark's result file (``benchmarks/results/*.json``), creating its folder;
+  ``log``: also the printed table, next to it as ``.log``."""
   os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
   with open(path, "w") as fh:
     json.dump(result, fh, indent=1)
     fh.write("\n")
+  if log is not None:
+    with open(os.path.splitext(path)[0] + ".log", "w") as fh:
+      fh.write(log.rstrip("\n") + "\n")
+
+
+def error_line(e: BaseException, n: int = 200) -> str:
+  """``"Type: first line of the message"`` (at most ``n`` characters of it), for a row that
+  failed."""
+  lines = str(e).splitlines()
+  return f"{type(e).__name__}: {lines[0][:n] if lines else ''}"
 
 
 # ----------------------------------------------------------------------------
@@ -323,7 +334,7 @@ _ITEM_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "f32"
 
 
 @contextlib.contextmanager
-def _without_persistent_cache():
+def without_persistent_cache():
   """JAX's persistent compilation cache off (then back as it was): an executable loaded
   from it (the dump options are not part of its key) ran no XLA passes and dumps
   nothing. ``reset_cache`` makes JAX re-read the setting, which it reads once."""
@@ -345,7 +356,7 @@ def compile_partitioned(lowered):
   compilation cache), the program :func:`count_collectives` reads."""
   directory = tempfile.mkdtemp(prefix="fit_hlo_")
   try:
-    with _without_persistent_cache():
+    with without_persistent_cache():
       compiled = lowered.compile(compiler_options={
           "xla_dump_to": directory, "xla_dump_hlo_pass_re": "spmd-partitioning"})
     found = sorted(glob.glob(os.path.join(directory, "*after_spmd-partitioning*.txt")))

@@ -116,17 +116,12 @@ def main(argv=None) -> dict:
   if args.dry_run:
     args.length, args.repeats, args.no_train_step = 256, 1, True
     cases = (CASES[0], CASES[-1])
-  cache_was = jax.config.jax_enable_compilation_cache
-  jax.config.update("jax_enable_compilation_cache", False)
-  try:
+  with common.without_persistent_cache():
     return _run(args, cases)
-  finally:
-    jax.config.update("jax_enable_compilation_cache", cache_was)
 
 
 def _run(args, cases) -> dict:
-  mesh = jax.make_mesh((args.ring,), ("sequence",),
-                       axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:args.ring])
+  mesh = common.make_mesh((args.ring,), ("sequence",))
   t_start = time.perf_counter()
   result = dict(meta=common.run_meta(
       args.argv, __file__, dry_run=args.dry_run,

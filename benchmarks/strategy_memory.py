@@ -40,8 +40,7 @@ def main(argv=None) -> dict:
   args = ap.parse_args(argv)
   t0 = time.perf_counter()
   n = args.devices
-  mesh = jax.make_mesh((n,), ("sequence",), axis_types=(jax.sharding.AxisType.Auto,),
-                       devices=jax.devices()[:n])
+  mesh = common.make_mesh((n,), ("sequence",))
   x = jax.ShapeDtypeStruct((1, args.length, args.heads, args.head_dim), jnp.float32,
                            sharding=NamedSharding(mesh, P(None, "sequence")))
   plan = ring_jax.plan(batch=1, seq_len=args.length, heads=args.heads, kv_heads=args.heads,

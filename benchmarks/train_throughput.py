@@ -164,7 +164,7 @@ def main(argv=None):
             f"{r['model_tflops_per_s']:>8.3f} {r['mfu']:>7.1%} "
             f"{(r['temp_bytes_per_device'] or 0) / 2**20:>12.1f} {r['loss']:>7.3f}", flush=True)
     except Exception as e:  # noqa: BLE001
-      r = dict(attention=backend, error=f"{type(e).__name__}: {str(e).splitlines()[0][:300]}")
+      r = dict(attention=backend, error=common.error_line(e, 300))
       print(f"{backend:<10} FAILED: {r['error']}", flush=True)
     results.append(r)
   if args.out:
