@@ -563,7 +563,8 @@ def plot(result, path_prefix):
 # ----------------------------------------------------------------------------
 
 def parse_args(argv=None):
-  ap = common.parser(__doc__, repeats=5, lengths=[2048, 4096, 8192, 16384], dtype="auto")
+  ap = common.parser(__doc__, repeats=5, lengths=[2048, 4096, 8192, 16384], dtype="auto",
+                     ring=8, heads=8, head_dim=64)
   ap.add_argument("--large-repeats", type=int, default=None,
                   help="repeats for lengths >= --large-from (default: --repeats)")
   ap.add_argument("--large-from", type=int, default=16384)
@@ -580,9 +581,6 @@ def parse_args(argv=None):
                   help="time a plain batched matmul of the same FLOPs in every group (interleaved) "
                        "and report useful fwd+bwd FLOP/s as a fraction of it")
   ap.add_argument("--batch", type=int, default=1)
-  ap.add_argument("--heads", type=int, default=8)
-  ap.add_argument("--head-dim", type=int, default=64)
-  ap.add_argument("--ring", type=int, default=8, help="devices on the sequence axis")
   ap.add_argument("--masks", type=strs, default=["causal", "full"])
   ap.add_argument("--variants", type=strs, default=["ring", "allgather", "dense", "paper"])
   ap.add_argument("--layouts", type=strs, default=list(ring_jax.LAYOUTS))

@@ -2,7 +2,7 @@
 
 * Runs: :func:`fake_cpu_devices` (8 fake CPU devices unless the caller chose),
   :func:`parser` (the shared flags ``--out``, ``--repeats``, ``--length(s)``, ``--mesh``,
-  ``--dtype``; ``ints`` / ``strs`` for comma lists), :func:`run_meta` (the provenance every
+  ``--dtype``, ``--ring``, ``--heads``, ``--head-dim``; ``ints`` / ``strs`` for comma lists), :func:`run_meta` (the provenance every
   result file records: date, command, jax, platform, devices, host, git commit) and
   :func:`write_result` (the JSON that ``benchmarks/report.py`` renders).
 * Timing: :func:`interleaved` (cases timed round-robin after a warm-up: a shared host's slow
@@ -89,11 +89,13 @@ def strs(text: str) -> list[str]:
 
 def parser(doc: str | None, *, out: str | None = None, repeats: int | None = None,
            lengths: Sequence[int] | None = None, length: int | None = None,
-           mesh: str | None = None, dtype: str | None = None) -> argparse.ArgumentParser:
+           mesh: str | None = None, dtype: str | None = None, ring: int | None = None,
+           heads: int | None = None, head_dim: int | None = None) -> argparse.ArgumentParser:
   """An ``ArgumentParser`` (described by ``doc``'s first line) with the shared flags whose
   defaults are given: ``--out`` (a result file name resolves into ``benchmarks/results``),
   ``--repeats``, ``--lengths`` / ``--length``, ``--mesh`` (parsed by :func:`parse_mesh`),
-  ``--dtype``."""
+  ``--dtype``, and the attention's ``--ring`` (devices on the sequence axis), ``--heads``,
+  ``--head-dim``."""
   ap = argparse.ArgumentParser(description=(doc or "").strip().split("\n")[0])
   if out is not None:
     ap.add_argument("--out", default=out if os.path.dirname(out) or not out
@@ -109,6 +111,11 @@ def parser(doc: str | None, *, out: str | None = None, repeats: int | None = Non
                     help="axis=size pairs, e.g. data=1,sequence=8")
   if dtype is not None:
     ap.add_argument("--dtype", default=dtype, help="float32 or bfloat16")
+  for flag, default, text in (("--ring", ring, "devices on the sequence axis"),
+                              ("--heads", heads, "attention heads"),
+                              ("--head-dim", head_dim, "size of a head")):
+    if default is not None:
+      ap.add_argument(flag, type=int, default=default, help=text)
   return ap
 
 

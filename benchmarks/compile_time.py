@@ -103,10 +103,8 @@ def train_step_case(args):
 
 
 def main(argv=None) -> dict:
-  ap = common.parser(__doc__, out="compile_time_cpu.json", length=4096, repeats=3)
-  ap.add_argument("--ring", type=int, default=8)
-  ap.add_argument("--heads", type=int, default=8)
-  ap.add_argument("--head-dim", type=int, default=64)
+  ap = common.parser(__doc__, out="compile_time_cpu.json", length=4096, repeats=3, ring=8,
+                     heads=8, head_dim=64)
   ap.add_argument("--no-train-step", action="store_true", help="only the attention cases")
   ap.add_argument("--dry-run", action="store_true",
                   help="smoke test: 256 tokens, one compile each, two cases, no train step")

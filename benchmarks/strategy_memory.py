@@ -31,10 +31,9 @@ STRATEGIES = ("ring", "ulysses", "all_gather")
 
 
 def main(argv=None) -> dict:
-  ap = common.parser(__doc__, out="strategy_memory_cpu.json", length=16384)
+  ap = common.parser(__doc__, out="strategy_memory_cpu.json", length=16384, heads=8,
+                     head_dim=64)
   ap.add_argument("--devices", type=int, default=8)
-  ap.add_argument("--heads", type=int, default=8)
-  ap.add_argument("--head-dim", type=int, default=64)
   ap.add_argument("--layout", default="zigzag")
   ap.add_argument("--strategies", default=",".join(STRATEGIES))
   args = ap.parse_args(argv)
