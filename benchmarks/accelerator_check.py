@@ -415,30 +415,18 @@ def peak_flops() -> tuple[float | None, str]:
 
 
 def throughput(s):
-  """Section 3: tokens/s and MFU of the shipped train step at 32K."""
-  cfg = llama_config(s.dry)
+  """Section 3: tokens/s and MFU of the shipped train step at 32K (batch 1, one device)."""
+  from benchmarks import train_throughput  # the backend has started: its fake devices are moot
+
   length = 512 if s.dry else 32768
-  step = TrainStep(cfg)
-  compiled = step.compile(length)
-  params, opt = step.state()
-  batch = step.batch(length)
-  state = {}
-
-  def one_step():
-    nonlocal params, opt
-    params, opt, state["metrics"] = compiled(params, opt, batch)
-    return state["metrics"]
-
-  dt = common.median(common.time_calls(one_step, repeats=2 if s.dry else 5))
-  tps = length / dt
-  fl = cfg.flops_per_token(length)
   peak, source = peak_flops()
-  mfu = fl * tps / peak if peak else None
+  r = train_throughput.time_train_step(llama_config(s.dry), common.make_mesh({}), 1, length,
+                                       2 if s.dry else 5, peak)
+  dt, tps, mfu = r["step_s"], r["tokens_per_s"], r["mfu"]
   s.clock.say(f"L={length}: step {dt * 1e3:.0f} ms, {tps:,.0f} tokens/s, "
-              f"{fl * tps / 1e12:.1f} model TFLOP/s, MFU "
+              f"{r['model_tflops_per_s']:.1f} model TFLOP/s, MFU "
               + (f"{mfu:.1%} (peak {peak / 1e12:g} TFLOP/s bf16 dense: {source}"
-                 if mfu is not None else f"n/a ({source}")
-              + f"; loss {float(state['metrics']['loss']):.3f})")
+                 if mfu is not None else f"n/a ({source}") + f"; loss {r['loss']:.3f})")
   return dict(length=length, step_s=dt, tokens_per_s=tps, mfu=mfu)
 
 
