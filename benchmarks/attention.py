@@ -35,7 +35,6 @@ import json
 import os
 import sys
 import time
-import types
 
 import jax
 import jax.numpy as jnp
@@ -65,29 +64,9 @@ CPU_NOTE = (
 # The paper's implementation
 # ----------------------------------------------------------------------------
 
-def import_paper():
-  """Returns ``ringattention.ringattention_jax`` or raises with a reason.
-
-  ringattention 0.1.2's ``__init__`` calls ``jax.lib.xla_bridge.get_backend()``,
-  removed in jax >= 0.9: alias it to ``jax.extend.backend.get_backend`` first.
-  """
-  import jax.extend.backend
-  if not hasattr(jax.lib, "xla_bridge"):
-    jax.lib.xla_bridge = types.SimpleNamespace(get_backend=jax.extend.backend.get_backend)
-  import ringattention
-  return ringattention.ringattention_jax
-
-
-def paper_local(paper_fn, *, is_causal, chunk, dtype):
-  """Local function for shard_map: the paper's positional signature."""
-  kwargs = dict(causal_block_size=1 if is_causal else None, query_chunk_size=chunk,
-                key_chunk_size=chunk, deterministic=True, dropout_rng=None, attn_pdrop=0.0,
-                dtype=dtype, policy=jax.checkpoint_policies.nothing_saveable, precision=None,
-                prevent_cse=True)
-
-  def f(q, k, v):
-    return paper_fn(q, k, v, None, None, None, AXIS, True, kwargs)
-  return f
+# The conformance kit's adapter of ringattention 0.1.2 (one import, one call).
+from benchmarks.conformance_peers import import_ringattention as import_paper  # noqa: E402,F401
+from benchmarks.conformance_peers import paper_local  # noqa: E402
 
 
 # ----------------------------------------------------------------------------
@@ -143,8 +122,8 @@ def make_impl(name, *, mesh, is_causal, dtype, block, paper_fn=None):
   if name == "paper":
     if paper_fn is None:
       raise RuntimeError("paper code not importable")
-    return (jax.shard_map(lambda q, k, v: paper_local(
-        paper_fn, is_causal=is_causal, chunk=block, dtype=dtype)(q, k, v), mesh=mesh,
+    return (jax.shard_map(paper_local(paper_fn, is_causal=is_causal, chunk=block, dtype=dtype,
+                                      axis_name=AXIS), mesh=mesh,
                           in_specs=(spec,) * 3, out_specs=spec, check_vma=False),
             "contiguous", False)
   if name == "dense":
