@@ -2,9 +2,11 @@
 
 * Runs: :func:`fake_cpu_devices` (8 fake CPU devices unless the caller chose),
   :func:`parser` (the shared flags ``--out``, ``--repeats``, ``--length(s)``, ``--mesh``,
-  ``--dtype``, ``--ring``, ``--heads``, ``--head-dim``; ``ints`` / ``strs`` for comma lists), :func:`run_meta` (the provenance every
-  result file records: date, command, jax, platform, devices, host, git commit) and
-  :func:`write_result` (the JSON that ``benchmarks/report.py`` renders).
+  ``--dtype``, ``--ring``, ``--heads``, ``--head-dim``; ``ints`` / ``strs`` for comma lists),
+  :func:`run_meta` (the provenance every result file records: date, command, jax, platform,
+  devices, host, git commit), :func:`write_result` (the JSON that ``benchmarks/report.py``
+  renders, and optionally the printed table as ``.log``) and :func:`error_line` (a failed
+  case's one line).
 * Timing: :func:`interleaved` (cases timed round-robin after a warm-up: a shared host's slow
   phases spread over all of them),  :func:`time_calls` (wall seconds of repeated calls after a warm-up,
   each waited for with ``jax.block_until_ready``) and :func:`timed_call` (one
