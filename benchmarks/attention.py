@@ -35,7 +35,6 @@ import json
 import os
 import sys
 import time
-import types
 
 import jax
 import jax.numpy as jnp
@@ -65,29 +64,9 @@ CPU_NOTE = (
 # The paper's implementation
 # ----------------------------------------------------------------------------
 
-def import_paper():
-  """Returns ``ringattention.ringattention_jax`` or raises with a reason.
-
-  ringattention 0.1.2's ``__init__`` calls ``jax.lib.xla_bridge.get_backend()``,
-  removed in jax >= 0.9: alias it to ``jax.extend.backend.get_backend`` first.
-  """
-  import jax.extend.backend
-  if not hasattr(jax.lib, "xla_bridge"):
-    jax.lib.xla_bridge = types.SimpleNamespace(get_backend=jax.extend.backend.get_backend)
-  import ringattention
-  return ringattention.ringattention_jax
-
-
-def paper_local(paper_fn, *, is_causal, chunk, dtype):
-  """Local function for shard_map: the paper's positional signature."""
-  kwargs = dict(causal_block_size=1 if is_causal else None, query_chunk_size=chunk,
-                key_chunk_size=chunk, deterministic=True, dropout_rng=None, attn_pdrop=0.0,
-                dtype=dtype, policy=jax.checkpoint_policies.nothing_saveable, precision=None,
-                prevent_cse=True)
-
-  def f(q, k, v):
-    return paper_fn(q, k, v, None, None, None, AXIS, True, kwargs)
-  return f
+# The conformance kit's adapter of ringattention 0.1.2 (one import, one call).
+from benchmarks.conformance_peers import import_ringattention as import_paper  # noqa: E402,F401
+from benchmarks.conformance_peers import paper_local  # noqa: E402
 
 
 # ----------------------------------------------------------------------------
@@ -143,8 +122,8 @@ def make_impl(name, *, mesh, is_causal, dtype, block, paper_fn=None):
   if name == "paper":
     if paper_fn is None:
       raise RuntimeError("paper code not importable")
-    return (jax.shard_map(lambda q, k, v: paper_local(
-        paper_fn, is_causal=is_causal, chunk=block, dtype=dtype)(q, k, v), mesh=mesh,
+    return (jax.shard_map(paper_local(paper_fn, is_causal=is_causal, chunk=block, dtype=dtype,
+                                      axis_name=AXIS), mesh=mesh,
                           in_specs=(spec,) * 3, out_specs=spec, check_vma=False),
             "contiguous", False)
   if name == "dense":
@@ -166,10 +145,20 @@ def block_for(name, local_len, args_block):
   return default_block(layout, local_len)
 
 
-def inputs(key, b, length, heads, hd, dtype, sharding):
-  ks = jax.random.split(key, 4)
-  xs = [jax.random.normal(k_, (b, length, heads, hd), jnp.float32).astype(dtype) for k_ in ks]
-  return [jax.device_put(x, sharding) for x in xs]
+def inputs(key, shape, dtype, sharding=None):
+  """q, k, v, do: standard normal (drawn in float32) ``shape`` arrays in ``dtype``, placed
+  with ``sharding``, else uncommitted (usable on one device or the mesh)."""
+  xs = [jax.random.normal(k_, shape, jnp.float32).astype(dtype)
+        for k_ in jax.random.split(key, 4)]
+  return xs if sharding is None else [jax.device_put(x, sharding) for x in xs]
+
+
+def natural_fwd_bwd(f, layout, ring):
+  """Jitted ``(q, k, v, do) -> [out, dq, dk, dv]`` of ``f`` in natural order: the inputs
+  moved into ``layout`` over a ring of ``ring`` devices, the results moved back."""
+  to = lambda x: ring_jax.to_layout(x, layout, ring)  # noqa: E731
+  back = lambda x: ring_jax.from_layout(x, layout, ring)  # noqa: E731
+  return jax.jit(lambda *a: [back(x) for x in fwd_bwd(f)(*map(to, a))])
 
 
 def device_mem_budget(args):
@@ -197,7 +186,7 @@ def prepare_case(name, *, mesh, length, is_causal, args, dtype, paper_fn, budget
                                  block=block, paper_fn=paper_fn)
   sharding = (jax.sharding.SingleDeviceSharding(jax.devices()[0]) if one_dev else
               NamedSharding(mesh, P(None, AXIS, None, None)))
-  q, k, v, do = inputs(jax.random.key(length), args.batch, length, args.heads, args.head_dim,
+  q, k, v, do = inputs(jax.random.key(length), (args.batch, length, args.heads, args.head_dim),
                        dtype, sharding)
   row = dict(impl=name, length=length, causal=is_causal, layout=layout,
              block=None if one_dev else block, devices=1 if one_dev else ring)
@@ -269,7 +258,7 @@ def run_group(names, *, mesh, length, is_causal, args, dtype, paper_fn, budget, 
     except Exception as e:  # noqa: BLE001
       row, t = dict(impl=name, length=length, causal=is_causal, devices=mesh.shape[AXIS],
                     block=block, fwd_mem={}, fwdbwd_mem={}, fwd_times_s=[], fwdbwd_times_s=[],
-                    fwd_status=f"failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}",
+                    fwd_status=f"failed: {common.error_line(e)}",
                     fwdbwd_status="failed"), {}
     for mode in ("fwd", "fwdbwd"):
       row.setdefault(f"{mode}_status", "not run")
@@ -284,7 +273,7 @@ def run_group(names, *, mesh, length, is_causal, args, dtype, paper_fn, budget, 
 
   def failed(i, e):
     row, mode = todo[i][:2]
-    row[f"{mode}_status"] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:160]}"
+    row[f"{mode}_status"] = f"failed: {common.error_line(e, 160)}"
 
   times = common.interleaved({i: (c, a) for i, (_, _, c, a) in enumerate(todo)}, repeats,
                              warmup, on_error=failed)
@@ -315,18 +304,10 @@ def check_case(name, *, mesh, length, is_causal, args, dtype, paper_fn):
   block = block_for(name, length // ring, args.block)
   f, layout, one_dev = make_impl(name, mesh=mesh, is_causal=is_causal, dtype=dtype,
                                  block=block, paper_fn=paper_fn)
-  ks = jax.random.split(jax.random.key(7), 4)  # uncommitted: usable on one device or the mesh
-  q, k, v, do = [jax.random.normal(k_, (args.batch, length, args.heads, args.head_dim),
-                                   jnp.float32).astype(dtype) for k_ in ks]
+  q, k, v, do = inputs(jax.random.key(7), (args.batch, length, args.heads, args.head_dim), dtype)
   ref = lambda q, k, v: ring_jax.reference_attention(q, k, v, is_causal=is_causal)
   want = jax.jit(fwd_bwd(ref))(q, k, v, do)
-  if one_dev:
-    got = jax.jit(fwd_bwd(f))(q, k, v, do)
-  else:
-    to = lambda x: ring_jax.to_layout(x, layout, ring)
-    back = lambda x: ring_jax.from_layout(x, layout, ring)
-    g = jax.jit(lambda q, k, v, do: [back(x) for x in fwd_bwd(f)(to(q), to(k), to(v), to(do))])
-    got = g(q, k, v, do)
+  got = (jax.jit(fwd_bwd(f)) if one_dev else natural_fwd_bwd(f, layout, ring))(q, k, v, do)
   errs = {}
   for nm, x, y in zip(("out", "dq", "dk", "dv"), got, want):
     x, y = np.asarray(x, np.float32), np.asarray(y, np.float32)
@@ -353,9 +334,7 @@ def oracle_f64(q, k, v, do, is_causal):
 
 def bf16_error_table(args, paper_fn):
   length, is_causal = args.err_length, True
-  ks = jax.random.split(jax.random.key(3), 4)
-  xs = [jax.random.normal(k_, (1, length, args.heads, args.head_dim), jnp.float32)
-        .astype(jnp.bfloat16) for k_ in ks]
+  xs = inputs(jax.random.key(3), (1, length, args.heads, args.head_dim), jnp.bfloat16)
   want = oracle_f64(*xs, is_causal)
   floor = {nm: float(np.linalg.norm(np.asarray(jnp.asarray(w, jnp.bfloat16), np.float64) - w) /
                      np.linalg.norm(w)) for nm, w in zip(("out", "dq", "dk", "dv"), want)}
@@ -364,23 +343,20 @@ def bf16_error_table(args, paper_fn):
   for ring in args.err_rings:
     if ring > len(jax.devices()):
       continue
-    mesh = jax.sharding.Mesh(np.array(jax.devices()[:ring]), (AXIS,))
+    mesh = common.make_mesh((ring,), (AXIS,))
     for name in impls:
       try:
         block = block_for(name, length // ring, args.block)
         f, layout, _ = make_impl(name, mesh=mesh, is_causal=is_causal, dtype=jnp.bfloat16,
                                  block=block, paper_fn=paper_fn)
-        to = lambda x: ring_jax.to_layout(x, layout, ring)
-        back = lambda x: ring_jax.from_layout(x, layout, ring)
-        got = jax.jit(lambda *a: [back(x) for x in fwd_bwd(f)(*(to(y) for y in a))])(*xs)
+        got = natural_fwd_bwd(f, layout, ring)(*xs)
         rel = {nm: float(np.linalg.norm(np.asarray(x, np.float64) - w) / np.linalg.norm(w))
                for nm, x, w in zip(("out", "dq", "dk", "dv"), got, want)}
         mx = {nm: float(np.max(np.abs(np.asarray(x, np.float64) - w)))
               for nm, x, w in zip(("out", "dq", "dk", "dv"), got, want)}
         rows.append(dict(impl=name, ring=ring, rel_err=rel, max_abs_err=mx))
       except Exception as e:  # noqa: BLE001
-        rows.append(dict(impl=name, ring=ring, error=f"{type(e).__name__}: "
-                         f"{str(e).splitlines()[0][:200]}"))
+        rows.append(dict(impl=name, ring=ring, error=common.error_line(e)))
       print_err_row(rows[-1], flush=True)
   return dict(length=length, causal=is_causal, heads=args.heads, head_dim=args.head_dim,
               rows=rows)
@@ -566,7 +542,8 @@ def plot(result, path_prefix):
 # ----------------------------------------------------------------------------
 
 def parse_args(argv=None):
-  ap = common.parser(__doc__, repeats=5, lengths=[2048, 4096, 8192, 16384], dtype="auto")
+  ap = common.parser(__doc__, repeats=5, lengths=[2048, 4096, 8192, 16384], dtype="auto",
+                     ring=8, heads=8, head_dim=64)
   ap.add_argument("--large-repeats", type=int, default=None,
                   help="repeats for lengths >= --large-from (default: --repeats)")
   ap.add_argument("--large-from", type=int, default=16384)
@@ -583,9 +560,6 @@ def parse_args(argv=None):
                   help="time a plain batched matmul of the same FLOPs in every group (interleaved) "
                        "and report useful fwd+bwd FLOP/s as a fraction of it")
   ap.add_argument("--batch", type=int, default=1)
-  ap.add_argument("--heads", type=int, default=8)
-  ap.add_argument("--head-dim", type=int, default=64)
-  ap.add_argument("--ring", type=int, default=8, help="devices on the sequence axis")
   ap.add_argument("--masks", type=strs, default=["causal", "full"])
   ap.add_argument("--variants", type=strs, default=["ring", "allgather", "dense", "paper"])
   ap.add_argument("--layouts", type=strs, default=list(ring_jax.LAYOUTS))
@@ -641,7 +615,7 @@ def main(argv=None):
   else:
     dtype = jnp.dtype(args.dtype).type
   ring = min(args.ring, len(jax.devices()))
-  mesh = jax.sharding.Mesh(np.array(jax.devices()[:ring]), (AXIS,))
+  mesh = common.make_mesh((ring,), (AXIS,))
   try:
     paper_fn = import_paper()
     paper_note = "ringattention 0.1.2 imported (jax.lib.xla_bridge alias installed)"
@@ -685,8 +659,7 @@ def main(argv=None):
           c = check_case(name, mesh=mesh, length=cl, is_causal=causal, args=args, dtype=dtype,
                          paper_fn=paper_fn)
         except Exception as e:  # noqa: BLE001
-          c = dict(impl=name, length=cl, causal=causal, ok=False,
-                   error=f"{type(e).__name__}: {str(e).splitlines()[0][:200]}")
+          c = dict(impl=name, length=cl, causal=causal, ok=False, error=common.error_line(e))
         result["checks"].append(c)
         errs = c.get("max_abs_err")
         print(f"  {'causal' if causal else 'full':<7} {name:<16} "

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import io
 import json
 import os
 import platform as _platform
@@ -298,14 +299,14 @@ def main(argv=None) -> dict | None:
   if args.worker is not None:
     worker(args)
     return None
+  from benchmarks import common  # the launcher only: a worker pins its core before JAX starts
+
   result = launch(args)
-  print_table(result)
-  os.makedirs(args.out, exist_ok=True)
+  table = io.StringIO()
+  print_table(result, out=table)
+  print(table.getvalue(), end="")
   stem = os.path.join(args.out, args.tag)
-  with open(stem + ".json", "w") as f:
-    json.dump(result, f, indent=1)
-  with open(stem + ".log", "w") as f:
-    print_table(result, out=f)
+  common.write_result(stem + ".json", result, log=table.getvalue())
   print(f"wrote {stem}.json and {stem}.log", flush=True)
   return result
 

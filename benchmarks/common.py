@@ -2,9 +2,11 @@
 
 * Runs: :func:`fake_cpu_devices` (8 fake CPU devices unless the caller chose),
   :func:`parser` (the shared flags ``--out``, ``--repeats``, ``--length(s)``, ``--mesh``,
-  ``--dtype``; ``ints`` / ``strs`` for comma lists), :func:`run_meta` (the provenance every
-  result file records: date, command, jax, platform, devices, host, git commit) and
-  :func:`write_result` (the JSON that ``benchmarks/report.py`` renders).
+  ``--dtype``, ``--ring``, ``--heads``, ``--head-dim``; ``ints`` / ``strs`` for comma lists),
+  :func:`run_meta` (the provenance every result file records: date, command, jax, platform,
+  devices, host, git commit), :func:`write_result` (the JSON that ``benchmarks/report.py``
+  renders, and optionally the printed table as ``.log``) and :func:`error_line` (a failed
+  case's one line).
 * Timing: :func:`interleaved` (cases timed round-robin after a warm-up: a shared host's slow
   phases spread over all of them),  :func:`time_calls` (wall seconds of repeated calls after a warm-up,
   each waited for with ``jax.block_until_ready``) and :func:`timed_call` (one
@@ -19,7 +21,7 @@
 * Meshes: :func:`parse_mesh` (``"data=1,sequence=8"``) and :func:`make_mesh`
   (Auto axes over the first devices, the trainer's axis names by default).
 * Budgeted checks: :class:`Clock` (``say`` with the elapsed time, a global time budget,
-  sections that print a failure and go on), for ``gpu_check.py`` / ``tpu_check.py``.
+  sections that print a failure and go on), for ``accelerator_check.py``.
 
 Needs only JAX and NumPy (the model's axis names come from
 ``models.sharding``, which imports without Flax), so every benchmark, on
@@ -89,11 +91,13 @@ def strs(text: str) -> list[str]:
 
 def parser(doc: str | None, *, out: str | None = None, repeats: int | None = None,
            lengths: Sequence[int] | None = None, length: int | None = None,
-           mesh: str | None = None, dtype: str | None = None) -> argparse.ArgumentParser:
+           mesh: str | None = None, dtype: str | None = None, ring: int | None = None,
+           heads: int | None = None, head_dim: int | None = None) -> argparse.ArgumentParser:
   """An ``ArgumentParser`` (described by ``doc``'s first line) with the shared flags whose
   defaults are given: ``--out`` (a result file name resolves into ``benchmarks/results``),
   ``--repeats``, ``--lengths`` / ``--length``, ``--mesh`` (parsed by :func:`parse_mesh`),
-  ``--dtype``."""
+  ``--dtype``, and the attention's ``--ring`` (devices on the sequence axis), ``--heads``,
+  ``--head-dim``."""
   ap = argparse.ArgumentParser(description=(doc or "").strip().split("\n")[0])
   if out is not None:
     ap.add_argument("--out", default=out if os.path.dirname(out) or not out
@@ -109,6 +113,11 @@ def parser(doc: str | None, *, out: str | None = None, repeats: int | None = Non
                     help="axis=size pairs, e.g. data=1,sequence=8")
   if dtype is not None:
     ap.add_argument("--dtype", default=dtype, help="float32 or bfloat16")
+  for flag, default, text in (("--ring", ring, "devices on the sequence axis"),
+                              ("--heads", heads, "attention heads"),
+                              ("--head-dim", head_dim, "size of a head")):
+    if default is not None:
+      ap.add_argument(flag, type=int, default=default, help=text)
   return ap
 
 
@@ -150,12 +159,23 @@ def run_meta(argv: Sequence[str] | None = None, script: str | None = None, *,
               python=platform.python_version(), host=platform.node(), git=git_state(), **fields)
 
 
-def write_result(path: str, result: dict) -> None:
-  """Write a benchmark's result file (``benchmarks/results/*.json``), creating its folder."""
+def write_result(path: str, result: dict, log: str | None = None) -> None:
+  """Write a benchmark's result file (``benchmarks/results/*.json``), creating its folder;
+  ``log``: also the printed table, next to it as ``.log``."""
   os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
   with open(path, "w") as fh:
     json.dump(result, fh, indent=1)
     fh.write("\n")
+  if log is not None:
+    with open(os.path.splitext(path)[0] + ".log", "w") as fh:
+      fh.write(log.rstrip("\n") + "\n")
+
+
+def error_line(e: BaseException, n: int = 200) -> str:
+  """``"Type: first line of the message"`` (at most ``n`` characters of it), for a row that
+  failed."""
+  lines = str(e).splitlines()
+  return f"{type(e).__name__}: {lines[0][:n] if lines else ''}"
 
 
 # ----------------------------------------------------------------------------
@@ -323,7 +343,7 @@ _ITEM_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "f32"
 
 
 @contextlib.contextmanager
-def _without_persistent_cache():
+def without_persistent_cache():
   """JAX's persistent compilation cache off (then back as it was): an executable loaded
   from it (the dump options are not part of its key) ran no XLA passes and dumps
   nothing. ``reset_cache`` makes JAX re-read the setting, which it reads once."""
@@ -345,7 +365,7 @@ def compile_partitioned(lowered):
   compilation cache), the program :func:`count_collectives` reads."""
   directory = tempfile.mkdtemp(prefix="fit_hlo_")
   try:
-    with _without_persistent_cache():
+    with without_persistent_cache():
       compiled = lowered.compile(compiler_options={
           "xla_dump_to": directory, "xla_dump_hlo_pass_re": "spmd-partitioning"})
     found = sorted(glob.glob(os.path.join(directory, "*after_spmd-partitioning*.txt")))

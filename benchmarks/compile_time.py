@@ -103,10 +103,8 @@ def train_step_case(args):
 
 
 def main(argv=None) -> dict:
-  ap = common.parser(__doc__, out="compile_time_cpu.json", length=4096, repeats=3)
-  ap.add_argument("--ring", type=int, default=8)
-  ap.add_argument("--heads", type=int, default=8)
-  ap.add_argument("--head-dim", type=int, default=64)
+  ap = common.parser(__doc__, out="compile_time_cpu.json", length=4096, repeats=3, ring=8,
+                     heads=8, head_dim=64)
   ap.add_argument("--no-train-step", action="store_true", help="only the attention cases")
   ap.add_argument("--dry-run", action="store_true",
                   help="smoke test: 256 tokens, one compile each, two cases, no train step")
@@ -116,17 +114,12 @@ def main(argv=None) -> dict:
   if args.dry_run:
     args.length, args.repeats, args.no_train_step = 256, 1, True
     cases = (CASES[0], CASES[-1])
-  cache_was = jax.config.jax_enable_compilation_cache
-  jax.config.update("jax_enable_compilation_cache", False)
-  try:
+  with common.without_persistent_cache():
     return _run(args, cases)
-  finally:
-    jax.config.update("jax_enable_compilation_cache", cache_was)
 
 
 def _run(args, cases) -> dict:
-  mesh = jax.make_mesh((args.ring,), ("sequence",),
-                       axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:args.ring])
+  mesh = common.make_mesh((args.ring,), ("sequence",))
   t_start = time.perf_counter()
   result = dict(meta=common.run_meta(
       args.argv, __file__, dry_run=args.dry_run,

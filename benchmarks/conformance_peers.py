@@ -64,7 +64,10 @@ def _place(mesh, args, specs):
   return [jax.reshard(x, NamedSharding(mesh, s)) for x, s in zip(args, specs)]
 
 
-def _import_ringattention():
+def import_ringattention():
+  """``ringattention`` 0.1.2's ``ringattention_jax`` (the function), or the ImportError. Its
+  ``__init__`` calls ``jax.lib.xla_bridge.get_backend()``, removed in jax >= 0.9: aliased to
+  ``jax.extend.backend.get_backend`` first."""
   import jax.extend.backend  # noqa: PLC0415
   import jax.lib  # noqa: PLC0415
   if not hasattr(jax.lib, "xla_bridge"):
@@ -74,24 +77,29 @@ def _import_ringattention():
   return ringattention_jax
 
 
-def paper_ringattention(query, key, value, *, is_causal=False, segment_ids=None, scale=None,
-                        mesh=None):
-  """``ringattention`` 0.1.2's ``ring_attention`` (the JAX path) over ``mesh``'s sequence axis."""
-  ring_attention = _import_ringattention()
-  h = query.shape[-1]
-  scale = h ** -0.5 if scale is None else scale
-  group = query.shape[2] // key.shape[2]
-  local = query.shape[1] // mesh.shape["sequence"]
-  chunk = min(local, 64)
+def paper_local(ring_attention, *, is_causal, chunk, dtype, axis_name="sequence"):
+  """The paper's ``ring_attention`` on local shards ``(q, k, v[, segment_ids])``, for a
+  ``shard_map`` over ``axis_name``: query and key chunks of ``chunk``, causal =
+  ``causal_block_size=1``, no dropout, nothing saved for the backward."""
   blockwise = dict(causal_block_size=1 if is_causal else None, query_chunk_size=chunk,
                    key_chunk_size=chunk, deterministic=True, dropout_rng=None, attn_pdrop=0.0,
-                   dtype=jnp.float32, policy=jax.checkpoint_policies.nothing_saveable,
+                   dtype=dtype, policy=jax.checkpoint_policies.nothing_saveable,
                    precision=None, prevent_cse=True)
 
   def body(q, k, v, *seg):
-    return ring_attention(q, k, v, None, seg[0] if seg else None, None, "sequence", True,
-                             blockwise)
+    return ring_attention(q, k, v, None, seg[0] if seg else None, None, axis_name, True,
+                          blockwise)
+  return body
 
+
+def paper_ringattention(query, key, value, *, is_causal=False, segment_ids=None, scale=None,
+                        mesh=None):
+  """``ringattention`` 0.1.2's ``ring_attention`` (the JAX path) over ``mesh``'s sequence axis."""
+  h = query.shape[-1]
+  scale = h ** -0.5 if scale is None else scale
+  group = query.shape[2] // key.shape[2]
+  body = paper_local(import_ringattention(), is_causal=is_causal, dtype=jnp.float32,
+                     chunk=min(query.shape[1] // mesh.shape["sequence"], 64))
   q = query * jnp.asarray(scale * h ** 0.5, query.dtype)
   k, v = (jnp.repeat(x, group, axis=2) for x in (key, value))
   args = (q, k, v) + (() if segment_ids is None else (segment_ids,))
@@ -221,7 +229,7 @@ def available() -> dict:
   for name, fn in PEERS.items():
     try:
       if name.startswith("ringattention"):
-        _import_ringattention()
+        import_ringattention()
       elif name.startswith("tokamax"):
         from tokamax._src.ops.experimental.tpu.splash_attention import ring_attention_kernel  # noqa: F401, PLC0415
       else:

@@ -70,16 +70,12 @@ def accuracy_table():
     ring = functools.partial(ring_jax.ring_attention_sharded, mesh=mesh, is_causal=c["causal"],
                              segment_ids=seg, layout=c["layout"], block_q=8, block_kv=8)
 
-    def with_grads(fn, *args):
-      out, vjp = jax.vjp(fn, *args)
-      return (out, *vjp(jnp.asarray(cot, out.dtype)))
-
-    got = jax.jit(functools.partial(with_grads, ring))(q, k, v)
+    got = jax.jit(common.fwd_bwd(ring))(q, k, v, cot)
     with jax.enable_x64(True):
       ref = functools.partial(ring_jax.reference_attention, is_causal=c["causal"],
                               segment_ids=seg)
-      want = with_grads(ref, *(jnp.asarray(x, jnp.float64) for x in (q, k, v)))
-      want = [np.asarray(w) for w in want]
+      want = [np.asarray(w) for w in common.fwd_bwd(ref)(
+          *(jnp.asarray(x, jnp.float64) for x in (q, k, v, cot)))]
     errs = [np.abs(np.asarray(g, np.float64) - w).max() / np.abs(w).max()
             for g, w in zip(got, want)]
     name = (f"ring={n} tp={tp} {c['layout']} {'causal' if c['causal'] else 'full'}"

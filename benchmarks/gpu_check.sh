@@ -17,7 +17,7 @@ else
   export XLA_PYTHON_CLIENT_MEM_FRACTION="${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.95}"
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || true
 fi
-timeout --signal=INT --kill-after=15 470 python -u benchmarks/gpu_check.py
+timeout --signal=INT --kill-after=15 470 python -u benchmarks/accelerator_check.py gpu
 rc=$?
-echo "gpu_check.py exit code $rc"
+echo "accelerator_check.py gpu exit code $rc"
 exit $rc

@@ -193,13 +193,10 @@ def print_profile(r: dict) -> None:
 
 
 def main(argv=None):
-  ap = common.parser(__doc__, length=4096)
+  ap = common.parser(__doc__, length=4096, ring=8, heads=8, head_dim=64)
   ap.add_argument("--layout", default="zigzag")
   ap.add_argument("--mask", choices=("causal", "full"), default="causal")
   ap.add_argument("--block", type=int, default=None, help="default: the ring's default block")
-  ap.add_argument("--ring", type=int, default=8)
-  ap.add_argument("--heads", type=int, default=8)
-  ap.add_argument("--head-dim", type=int, default=64)
   ap.add_argument("--steps", type=int, default=3)
   ap.add_argument("--json", default=None, help="also write the result here")
   args = ap.parse_args(argv)

@@ -50,16 +50,6 @@ def packed_batch(rng, rows: int, length: int, mean: float) -> dict[str, np.ndarr
               labels=labels, loss_mask=loss_mask)
 
 
-def time_layout(batches: list[dict], layout: str, ring: int) -> list[float]:
-  """Seconds of one :func:`training.data.to_layout_np` call per batch."""
-  out = []
-  for batch in batches:
-    t0 = time.perf_counter()
-    data_lib.to_layout_np(batch, layout, ring)
-    out.append(time.perf_counter() - t0)
-  return out
-
-
 def main(argv=None) -> list[dict]:
   p = common.parser(__doc__, out="")
   p.add_argument("--shapes", default="1x131072,8x16384",
@@ -83,7 +73,8 @@ def main(argv=None) -> list[dict]:
         docs = np.mean([len(np.unique(b["segment_ids"][0])) for b in batches])
         for layout in args.layouts.split(","):
           data_lib.to_layout_np(batches[0], layout, ring)  # warm-up (caches, allocator)
-          seconds = time_layout(batches, layout, ring)
+          seconds = [common.timed_call(data_lib.to_layout_np, b, layout, ring)[0]
+                     for b in batches]
           median = statistics.median(seconds)
           row = dict(shape=shape, layout=layout, ring=ring, mean=mean,
                      docs_per_row=round(docs, 1), median_ms=round(1e3 * median, 2),

@@ -102,8 +102,9 @@ def main(argv=None) -> dict:
   args = parse_args(argv)
   rng = np.random.default_rng(args.seed)
   start = time.perf_counter()
-  result = {"meta": common.run_meta(argv, __file__, devices=False), "ring": args.ring, "length": args.length, "sigma": args.sigma, "rows": args.rows,
-            "block": args.block, "seed": args.seed, "means": {}}
+  result = {"meta": common.run_meta(argv, __file__, devices=False), "ring": args.ring,
+            "length": args.length, "sigma": args.sigma, "rows": args.rows, "block": args.block,
+            "seed": args.seed, "means": {}}
   lines = [f"ring {args.ring}, {args.length}-token rows, lognormal sigma {args.sigma}, "
            f"{args.rows} rows per mean, blocks of {args.block}; max/mean work per device "
            "(median / max over rows)",
@@ -124,11 +125,8 @@ def main(argv=None) -> dict:
                  f"{fig['document_block_pairs_over_zigzag']:>12.2f} | "
                  f"{fig['document_critical_path_over_zigzag']:>12.2f}")
   result["seconds"] = time.perf_counter() - start
-  text = "\n".join(lines)
-  print(text)
-  common.write_result(os.path.join(args.out, f"{args.tag}.json"), result)
-  with open(os.path.join(args.out, f"{args.tag}.log"), "w") as fh:
-    fh.write(text + "\n")
+  print("\n".join(lines))
+  common.write_result(os.path.join(args.out, f"{args.tag}.json"), result, log="\n".join(lines))
   return result
 
 

@@ -31,17 +31,15 @@ STRATEGIES = ("ring", "ulysses", "all_gather")
 
 
 def main(argv=None) -> dict:
-  ap = common.parser(__doc__, out="strategy_memory_cpu.json", length=16384)
+  ap = common.parser(__doc__, out="strategy_memory_cpu.json", length=16384, heads=8,
+                     head_dim=64)
   ap.add_argument("--devices", type=int, default=8)
-  ap.add_argument("--heads", type=int, default=8)
-  ap.add_argument("--head-dim", type=int, default=64)
   ap.add_argument("--layout", default="zigzag")
   ap.add_argument("--strategies", default=",".join(STRATEGIES))
   args = ap.parse_args(argv)
   t0 = time.perf_counter()
   n = args.devices
-  mesh = jax.make_mesh((n,), ("sequence",), axis_types=(jax.sharding.AxisType.Auto,),
-                       devices=jax.devices()[:n])
+  mesh = common.make_mesh((n,), ("sequence",))
   x = jax.ShapeDtypeStruct((1, args.length, args.heads, args.head_dim), jnp.float32,
                            sharding=NamedSharding(mesh, P(None, "sequence")))
   plan = ring_jax.plan(batch=1, seq_len=args.length, heads=args.heads, kv_heads=args.heads,

@@ -11,7 +11,7 @@ export PYTHONPATH="${PYTHONPATH:-}:."
 if [ "${TPU_CHECK_DRY:-0}" != "0" ]; then
   export JAX_PLATFORMS=cpu
 fi
-timeout --signal=INT --kill-after=15 470 python -u benchmarks/tpu_check.py
+timeout --signal=INT --kill-after=15 470 python -u benchmarks/accelerator_check.py tpu
 rc=$?
-echo "tpu_check.py exit code $rc"
+echo "accelerator_check.py tpu exit code $rc"
 exit $rc

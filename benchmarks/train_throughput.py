@@ -85,13 +85,20 @@ def model_config(args, backend):
 
 
 def run_one(backend, args, mesh, peak):
+  return dict(attention=backend, **time_train_step(model_config(args, backend), mesh,
+                                                   args.batch, args.seq_len, args.steps, peak))
+
+
+def time_train_step(cfg, mesh, b, length, steps, peak):
+  """The shipped train step of ``cfg`` on ``mesh`` (``training.step.build_train_step``),
+  ``b`` rows of ``length`` tokens: median step seconds of ``steps`` after a warm-up,
+  tokens/s, model TFLOP/s, MFU against ``peak`` FLOP/s per device (None: no MFU), compile
+  seconds, compiled temp bytes per device, the last loss."""
   from models import sharding as shd
   from training import batch as batch_lib
   from training import step as step_lib
 
-  cfg = model_config(args, backend)
-  b, length = args.batch, args.seq_len
-  tx = step_lib.make_optimizer(common.OPTIM, total_steps=args.steps + 1)
+  tx = step_lib.make_optimizer(common.OPTIM, total_steps=steps + 1)
   train_step = step_lib.build_train_step(cfg, mesh, tx)
   state = dict(zip(("params", "opt_state"), train_step.init_state()))
   host = batch_lib.random_documents(0, b, length, cfg.vocab_size, cfg.layout,
@@ -116,14 +123,14 @@ def run_one(backend, args, mesh, peak):
     return state["metrics"]
 
   with jax.set_mesh(mesh):
-    ts = common.time_calls(one_step, repeats=args.steps)
+    ts = common.time_calls(one_step, repeats=steps)
   dt = common.median(ts)
   tps = b * length / dt
   flops = cfg.flops_per_token(length) * tps
   n_dev = mesh.devices.size
-  return dict(attention=backend, seq_len=length, batch=b, step_s=dt, step_times_s=ts,
+  return dict(seq_len=length, batch=b, step_s=dt, step_times_s=ts,
               tokens_per_s=tps, model_tflops_per_s=flops / 1e12,
-              mfu=flops / (n_dev * peak), compile_s=round(compile_s, 1),
+              mfu=flops / (n_dev * peak) if peak else None, compile_s=round(compile_s, 1),
               temp_bytes_per_device=temp, loss=float(state["metrics"]["loss"]),
               params=cfg.num_params(), config=cfg.to_dict())
 
@@ -164,7 +171,7 @@ def main(argv=None):
             f"{r['model_tflops_per_s']:>8.3f} {r['mfu']:>7.1%} "
             f"{(r['temp_bytes_per_device'] or 0) / 2**20:>12.1f} {r['loss']:>7.3f}", flush=True)
     except Exception as e:  # noqa: BLE001
-      r = dict(attention=backend, error=f"{type(e).__name__}: {str(e).splitlines()[0][:300]}")
+      r = dict(attention=backend, error=common.error_line(e, 300))
       print(f"{backend:<10} FAILED: {r['error']}", flush=True)
     results.append(r)
   if args.out:

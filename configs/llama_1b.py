@@ -13,7 +13,7 @@ FLOP/s for MFU come from the device-kind table.
 
 :func:`model_fields` gives the model of a variant as a plain dict of every
 ``models.llama.LlamaConfig`` field, for code without ml_collections
-(``benchmarks/gpu_check.py`` measures the ``long`` variant on one GPU with it; a test
+(``benchmarks/accelerator_check.py`` measures the ``long`` variant on one GPU with it; a test
 checks it equals ``get_config``'s model).
 """
 

@@ -1,7 +1,6 @@
 """The benchmarks measure shipped code: the all-gather strategy they compare with and its
-model backend (the registry's), the train-throughput script, the GPU check's CPU dry run,
-the peak-FLOP/s table, and the imports the accelerator image (no ml_collections, no grain)
-needs."""
+model backend (the registry's), the train-throughput script, the peak-FLOP/s table, and the
+imports the accelerator image (no ml_collections, no grain) needs."""
 import os
 import subprocess
 import sys
@@ -116,34 +115,6 @@ def test_train_throughput_runs_the_shipped_step():
     assert "error" not in r, r
     assert r["tokens_per_s"] > 0 and 0 < r["mfu"] < 1
   np.testing.assert_allclose([r["loss"] for r in results], results[0]["loss"], rtol=1e-5)
-
-
-def test_gpu_check_dry_run(tmp_path):
-  """`GPU_CHECK_DRY=1 bash benchmarks/gpu_check.sh`: every section on CPU at tiny sizes (the
-  XLA hop kernel and jax's XLA attention; tokamax and cuDNN cannot run there and say so)."""
-  import json
-
-  out_json = tmp_path / "gpu_check.json"
-  env = train_procs.env()
-  env.update(GPU_CHECK_DRY="1", GPU_CHECK_MAX_LEN="1024", GPU_CHECK_OUT=str(out_json),
-             PATH=os.path.dirname(sys.executable) + ":" + env["PATH"])
-  proc = subprocess.run(["bash", os.path.join(ROOT, "benchmarks", "gpu_check.sh")], env=env,
-                        capture_output=True, text=True, timeout=600)
-  out = proc.stdout + proc.stderr
-  assert proc.returncode == 0, out[-3000:]
-  assert "SECTION FAILED" not in out, out[-3000:]
-  assert "models/llama.py" in out and "tokens/s" in out
-  assert "LONGEST CONTEXT THAT FITS (1 GPU, 1B-class, batch 1, compiled memory): 1024" in out
-  result = json.loads(out_json.read_text())
-  timed = {(r["impl"], r["causal"]) for r in result["rows"] if "fb" in r}
-  for causal in (True, False):
-    assert ("ring_jax ring=1 [xla]", causal) in timed
-    assert ("dot_product_attention[xla]", causal) in timed
-  assert result["ratios"] == [] and result["checks"] == []  # no fused GPU kernel runs on CPU
-  # tokamax cannot run on CPU: its row says so (check()'s error); auto says what ran
-  notes = [r["note"] for r in result["rows"] if r["impl"] == "ring_jax ring=1 [tokamax]"]
-  assert len(notes) == 2 and all("ValueError: hop_kernel='tokamax': " in n for n in notes), notes
-  assert result["auto"] == "hop kernel: xla (auto: no fused kernel is picked on cpu)"
 
 
 def test_balance_dry_run(tmp_path):
@@ -288,9 +259,10 @@ def test_trainer_mfu_uses_the_table():
 
 
 def test_gpu_check_measures_the_shipped_long_config():
-  """gpu_check.py's model is configs/llama_1b.py:long's (read without ml_collections), its
+  """accelerator_check.py's model is configs/llama_1b.py:long's (read without ml_collections),
+  its
   layout="auto" resolved as train.py resolves it on one device."""
-  from benchmarks import gpu_check
+  from benchmarks import accelerator_check
   from configs import llama_1b
   from models.llama import LlamaConfig
   from training import validation as val_lib
@@ -301,9 +273,8 @@ def test_gpu_check_measures_the_shipped_long_config():
     assert fields["layout"] == "auto"
     assert (LlamaConfig.from_dict({**fields, "layout": resolved.model.layout})
             == val_lib.llama_config(resolved))
-  if not gpu_check.DRY:
-    one_device, _ = val_lib.resolve_layout(llama_1b.get_config("long"), ring_size=1)
-    assert gpu_check.llama_config() == val_lib.llama_config(one_device)
+  one_device, _ = val_lib.resolve_layout(llama_1b.get_config("long"), ring_size=1)
+  assert accelerator_check.llama_config() == val_lib.llama_config(one_device)
 
 
 def test_models_and_train_step_import_without_ml_collections_and_grain():
@@ -323,10 +294,10 @@ def test_models_and_train_step_import_without_ml_collections_and_grain():
       sys.meta_path.insert(0, Block())
       import models, models.attention, models.convert_hf, models.llama, models.sharding
       import models.lengths, training.batch, training.step
-      import benchmarks.common, benchmarks.gpu_check
+      import benchmarks.common, benchmarks.accelerator_check
       import benchmarks.train_throughput
       from flax import nnx
-      benchmarks.gpu_check.llama_config()  # reads configs/llama_1b.py without ml_collections
+      benchmarks.accelerator_check.llama_config()  # reads configs/llama_1b.py, no ml_collections
       cfg = models.LlamaConfig(vocab_size=16, dim=8, num_layers=1, num_heads=2,
                                num_kv_heads=1, mlp_dim=16)
       nnx.eval_shape(lambda: models.Llama(cfg, rngs=nnx.Rngs(0)))
