@@ -393,7 +393,7 @@ def main(argv) -> None:
             flags.FLAGS["config"])))[0])
     distributed_lib.start_watchdog(  # A no-op on one process.
         config.distributed, ckpt_lib.checkpoint_directory(workdir),
-        shlex.join(_resume_command()), steps=ckpt_lib.complete_steps)
+        shlex.join(_resume_command()))
     t0 = time.perf_counter()
     result = train(config, workdir, stop_at_step=_STOP_AT_STEP.value)
   except Exception as e:

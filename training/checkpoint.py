@@ -49,14 +49,10 @@ def _whole_array_saves() -> None:
     absl_logging.set_verbosity(verbosity)
 
 
-def is_failed_read_leftover(unraisable) -> bool:
-  """Whether a ``sys.unraisablehook`` report is the leftover of a failed Orbax read: its
+def _is_failed_read_error(exc, tb) -> bool:
+  """Whether ``exc`` (raised through ``tb``) is the leftover of a failed Orbax read: its
   other reads in flight end after the restore's event loop closed (``RuntimeError('Event
   loop is closed')`` or the same corruption); the restore reports the step in one line."""
-  return _is_failed_read_error(unraisable.exc_value, unraisable.exc_traceback)
-
-
-def _is_failed_read_error(exc, tb) -> bool:
   files = []
   while tb is not None:
     files.append(tb.tb_frame.f_code.co_filename)
@@ -88,7 +84,7 @@ def drop_failed_read_leftovers() -> None:
     previous = sys.unraisablehook
 
     def hook(unraisable):
-      if not is_failed_read_leftover(unraisable):
+      if not _is_failed_read_error(unraisable.exc_value, unraisable.exc_traceback):
         previous(unraisable)
 
     hook._drops_failed_read_leftovers = True
@@ -144,14 +140,6 @@ def _agree(ok: bool) -> bool:
 def checkpoint_directory(workdir: str) -> str:
   """Where a run in ``workdir`` keeps its checkpoint steps."""
   return os.path.join(os.path.abspath(workdir), "checkpoints")
-
-
-def complete_steps(directory: str) -> list[int]:
-  """The complete (finalized) checkpoint steps in ``directory``, oldest first; [] if it does
-  not exist. Reads only the directory listing: safe from any thread, with no Orbax manager."""
-  if not os.path.isdir(directory):
-    return []
-  return sorted(ocp.path.step.checkpoint_steps(directory))
 
 
 class Checkpointer:
