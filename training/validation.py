@@ -19,7 +19,7 @@ from training import hf_init as hf_init_lib
 from training import mesh as mesh_lib
 from training import stages as stages_lib
 from training.errors import ConfigError
-from training.tokenizer import load_explained
+from training import tokenizer as tokenizer_lib
 
 DATA_KINDS: tuple[str, ...] = ("kv_retrieval", "text")
 #: ``model.layout="auto"``: :func:`resolve_layout` picks one of ``ring_jax``'s layouts.
@@ -126,11 +126,9 @@ def check_text_data(d: ml_collections.ConfigDict, m: ml_collections.ConfigDict) 
     raise ConfigError(f"data.path={d.path!r} matches no "
                       f"{'/'.join(data_lib.sources.DATA_EXTS)} files.")
   if d.tokenizer is None:
-    raise ConfigError("data.tokenizer is unset (configs/finetune.py takes the tokenizer of "
-                      "init.hf_dir): pass --config.init.hf_dir=DIR or --config.data.tokenizer="
-                      "(a tokenizer.json, a SentencePiece .model, a directory, or 'byte').")
+    raise ConfigError(tokenizer_lib.UNSET)
   try:
-    tokenizer = load_explained(d.tokenizer)
+    tokenizer = tokenizer_lib.load_explained(d.tokenizer)
   except ValueError as e:
     raise ConfigError(f"data.tokenizer={d.tokenizer!r} {e}") from None
   if tokenizer.vocab_size > m.vocab_size:
