@@ -28,11 +28,6 @@ AUTO_LAYOUT = "auto"
 LAYOUT_CHOICES: tuple[str, ...] = (AUTO_LAYOUT,) + layouts.ALL_LAYOUTS
 
 
-def check_seq_len(model_config, ring: int, seq_len: int) -> int:
-  """The per-device length ``data.seq_len`` runs at: :func:`run_length` over ``ring``."""
-  return run_length(model_config, ring, seq_len) // ring
-
-
 def run_length(model_config, ring: int, seq_len: int) -> int:
   """The row length ``data.seq_len`` runs at on a ring of ``ring`` devices
   (:func:`models.lengths.padded_length`); ConfigError for ``seq_len < 1``."""
@@ -414,11 +409,8 @@ def resolve_run(config: ml_collections.ConfigDict, num_devices: int,
                 log=None) -> ml_collections.ConfigDict:
   """The config a run of ``num_devices`` devices trains: :func:`resolve_config` on the ring
   ``config.mesh`` makes of them, the layout's line to ``log``. Idempotent."""
-  config = stages_lib.resolve(hf_init_lib.resolve_hf_init(config, log=log))
-  if config.model.layout != AUTO_LAYOUT:
-    return config
-  sizes = mesh_lib.mesh_shape(config.mesh, num_devices)
-  config, line = resolve_layout(config, shd.ring_size(sizes))
-  if log is not None:
+  ring = shd.ring_size(mesh_lib.mesh_shape(config.mesh, num_devices))
+  config, line = resolve_config(config, ring, log=log)
+  if log is not None and line:
     log(line)
   return config
