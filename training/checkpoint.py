@@ -334,28 +334,6 @@ class Checkpointer:
     return target
 
 
-def resume_or_init(checkpointer, train_step, hf_dir: str = "", log=print):
-  """``(step, params, opt_state, data_state)`` of the newest checkpoint that restores (onto
-  the step's shardings), else step 0 with a fresh state and no data state: the weights of
-  ``hf_dir`` (``config.init.hf_dir``) if given, else initialised from the step's seed."""
-  restored = checkpointer.restore_latest(train_step.abstract_params,
-                                         train_step.abstract_opt_state, warn=log)
-  if restored is not None:
-    log(f"resumed from step {restored[0]} in {checkpointer.directory}")
-    return restored
-  if not hf_dir:
-    return (0, *train_step.init_state(), None)
-  from models import convert_hf
-  from training import step as step_lib
-  t0 = time.perf_counter()
-  with jax.set_mesh(train_step.mesh):
-    params = convert_hf.load_hf_params(hf_dir, train_step.model_cfg,
-                                       shardings=train_step.param_shardings)
-    opt_state = step_lib.init_opt_state(train_step.tx, params, train_step.opt_shardings)
-  log(f"initialised from {hf_dir} in {time.perf_counter() - t0:.1f}s")
-  return 0, params, opt_state, None
-
-
 def save(config, checkpointer, step_metrics, step: int, params, opt_state, train_iter, *,
          force: bool = False) -> None:
   """Checkpoints ``step`` if it is on the interval (or ``force``), never a diverged state.
