@@ -272,17 +272,30 @@ def _config_and_mesh(config):
 
 
 def _resume_or_init(config, workdir, checkpointer, setup):
-  """``(step, params, opt_state, data_state)``: the newest checkpoint that restores, else a
-  fresh (or ``init.hf_dir``) state at step 0; then the run's config is saved beside it."""
-  log = metrics_lib.log
+  """``(step, params, opt_state, data_state)``: the newest checkpoint that restores (onto the
+  step's shardings), else step 0 with a fresh state and no data state: the weights of
+  ``init.hf_dir`` if set, else initialised from the step's seed. Then the run's config is
+  saved beside it."""
+  log, train_step, hf_dir = metrics_lib.log, setup.train_step, hf_init_lib.hf_init_dir(config)
   try:
-    restored = ckpt_lib.resume_or_init(checkpointer, setup.train_step,
-                                       hf_init_lib.hf_init_dir(config), log)
+    restored = checkpointer.restore_latest(train_step.abstract_params,
+                                           train_step.abstract_opt_state, warn=log)
   except ckpt_lib.NoRestorableCheckpointError as e:
     raise ckpt_lib.NoRestorableCheckpointError(
         f"{e} {loading_lib.saved_config_hint(config, workdir)}") from None
-  if restored[0]:  # a config that differs from the saved one, yet restores
-    loading_lib.warn_model_differences(config, workdir, log)
+  if restored is not None:
+    log(f"resumed from step {restored[0]} in {checkpointer.directory}")
+    loading_lib.warn_model_differences(config, workdir, log)  # differs, yet restores
+  elif hf_dir:
+    from models import convert_hf  # Local: only a run that starts from Hugging Face weights.
+    t0 = time.perf_counter()
+    params = convert_hf.load_hf_params(hf_dir, train_step.model_cfg,
+                                       shardings=train_step.param_shardings)
+    restored = (0, params, step_lib.init_opt_state(train_step.tx, params,
+                                                   train_step.opt_shardings), None)
+    log(f"initialised from {hf_dir} in {time.perf_counter() - t0:.1f}s")
+  else:
+    restored = (0, *train_step.init_state(), None)
   loading_lib.save_run_config(config, workdir)  # now that the checkpoint restored under it
   return restored
 
@@ -393,7 +406,7 @@ def main(argv) -> None:
             flags.FLAGS["config"])))[0])
     distributed_lib.start_watchdog(  # A no-op on one process.
         config.distributed, ckpt_lib.checkpoint_directory(workdir),
-        shlex.join(_resume_command()), steps=ckpt_lib.complete_steps)
+        shlex.join(_resume_command()))
     t0 = time.perf_counter()
     result = train(config, workdir, stop_at_step=_STOP_AT_STEP.value)
   except Exception as e:

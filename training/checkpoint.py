@@ -49,14 +49,10 @@ def _whole_array_saves() -> None:
     absl_logging.set_verbosity(verbosity)
 
 
-def is_failed_read_leftover(unraisable) -> bool:
-  """Whether a ``sys.unraisablehook`` report is the leftover of a failed Orbax read: its
+def _is_failed_read_error(exc, tb) -> bool:
+  """Whether ``exc`` (raised through ``tb``) is the leftover of a failed Orbax read: its
   other reads in flight end after the restore's event loop closed (``RuntimeError('Event
   loop is closed')`` or the same corruption); the restore reports the step in one line."""
-  return _is_failed_read_error(unraisable.exc_value, unraisable.exc_traceback)
-
-
-def _is_failed_read_error(exc, tb) -> bool:
   files = []
   while tb is not None:
     files.append(tb.tb_frame.f_code.co_filename)
@@ -88,7 +84,7 @@ def drop_failed_read_leftovers() -> None:
     previous = sys.unraisablehook
 
     def hook(unraisable):
-      if not is_failed_read_leftover(unraisable):
+      if not _is_failed_read_error(unraisable.exc_value, unraisable.exc_traceback):
         previous(unraisable)
 
     hook._drops_failed_read_leftovers = True
@@ -144,14 +140,6 @@ def _agree(ok: bool) -> bool:
 def checkpoint_directory(workdir: str) -> str:
   """Where a run in ``workdir`` keeps its checkpoint steps."""
   return os.path.join(os.path.abspath(workdir), "checkpoints")
-
-
-def complete_steps(directory: str) -> list[int]:
-  """The complete (finalized) checkpoint steps in ``directory``, oldest first; [] if it does
-  not exist. Reads only the directory listing: safe from any thread, with no Orbax manager."""
-  if not os.path.isdir(directory):
-    return []
-  return sorted(ocp.path.step.checkpoint_steps(directory))
 
 
 class Checkpointer:
@@ -344,28 +332,6 @@ class Checkpointer:
       multihost_utils.sync_global_devices(f"ring_jax_move_aside_{step}")
     self.manager.reload()  # Forget the step: no save or retention may touch it again.
     return target
-
-
-def resume_or_init(checkpointer, train_step, hf_dir: str = "", log=print):
-  """``(step, params, opt_state, data_state)`` of the newest checkpoint that restores (onto
-  the step's shardings), else step 0 with a fresh state and no data state: the weights of
-  ``hf_dir`` (``config.init.hf_dir``) if given, else initialised from the step's seed."""
-  restored = checkpointer.restore_latest(train_step.abstract_params,
-                                         train_step.abstract_opt_state, warn=log)
-  if restored is not None:
-    log(f"resumed from step {restored[0]} in {checkpointer.directory}")
-    return restored
-  if not hf_dir:
-    return (0, *train_step.init_state(), None)
-  from models import convert_hf
-  from training import step as step_lib
-  t0 = time.perf_counter()
-  with jax.set_mesh(train_step.mesh):
-    params = convert_hf.load_hf_params(hf_dir, train_step.model_cfg,
-                                       shardings=train_step.param_shardings)
-    opt_state = step_lib.init_opt_state(train_step.tx, params, train_step.opt_shardings)
-  log(f"initialised from {hf_dir} in {time.perf_counter() - t0:.1f}s")
-  return 0, params, opt_state, None
 
 
 def save(config, checkpointer, step_metrics, step: int, params, opt_state, train_iter, *,

@@ -84,10 +84,9 @@ def start(mode: str, distributed_config) -> int:
   return 1  # Unknown here (e.g. TPU metadata): only used to size simulated CPU devices.
 
 
-def start_watchdog(distributed_config, checkpoint_dir: str, resume_command: str,
-                   steps: Callable[[str], list[int]]) -> "PeerWatchdog | None":
-  """Starts the :class:`PeerWatchdog` of a multi-process run (None on one process);
-  ``steps(checkpoint_dir)`` lists the complete checkpoint steps for the line. Without
+def start_watchdog(distributed_config, checkpoint_dir: str,
+                   resume_command: str) -> "PeerWatchdog | None":
+  """Starts the :class:`PeerWatchdog` of a multi-process run (None on one process). Without
   :func:`finish` it stops beating at exit, so the others report an error exit as a death."""
   global _ACTIVE
   from jax._src import distributed as jax_distributed
@@ -99,7 +98,7 @@ def start_watchdog(distributed_config, checkpoint_dir: str, resume_command: str,
                     workdir=os.path.dirname(checkpoint_dir), checkpoint_dir=checkpoint_dir,
                     resume_command=resume_command, coordinator=state.coordinator_address)
 
-  describe = describer(state.num_processes, checkpoint_dir, resume_command, steps)
+  describe = describer(state.num_processes, checkpoint_dir, resume_command)
   _ACTIVE = PeerWatchdog(timeout_s, describe, client=state.client,
                          process_id=state.process_id, num_processes=state.num_processes)
   atexit.register(_ACTIVE.stop)
@@ -109,18 +108,14 @@ def start_watchdog(distributed_config, checkpoint_dir: str, resume_command: str,
 _ACTIVE: "PeerWatchdog | None" = None
 
 
-def describer(num_processes: int, checkpoint_dir: str, resume_command: str,
-              steps: Callable[[str], list[int]]
+def describer(num_processes: int, checkpoint_dir: str, resume_command: str
               ) -> Callable[[int | None, int | None, str], str]:
-  """The watchdog's ``describe``: the lost-peer line of this run. Where ``steps`` raises
-  RuntimeError (Orbax's thread pool after interpreter shutdown) the directory is listed
-  plainly (``supervisor.complete_steps``)."""
+  """The watchdog's ``describe``: the lost-peer line of this run, its complete steps listed
+  without Orbax (``supervisor.complete_steps``: its thread pool is gone once Python began
+  its shutdown)."""
   def describe(lost: int | None, step: int | None, reason: str) -> str:
-    try:
-      kept = steps(checkpoint_dir)
-    except RuntimeError:
-      kept = supervisor.complete_steps(checkpoint_dir)
-    return lost_peer_message(lost, num_processes, reason, step, kept, checkpoint_dir,
+    return lost_peer_message(lost, num_processes, reason, step,
+                             supervisor.complete_steps(checkpoint_dir), checkpoint_dir,
                              resume_command)
   return describe
 

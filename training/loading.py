@@ -17,6 +17,7 @@ import jax
 from training import checkpoint as ckpt_lib
 from training import errors
 from training import step as step_lib
+from training import tokenizer as tok_lib
 from training import validation as val_lib
 
 
@@ -125,9 +126,7 @@ def run_tokenizer_spec(config, *, workdir: str | None = None, hf_dir: str | None
           f"--config's {spec}")
     spec = saved
   if not spec:
-    raise errors.UsageError(
-        "no tokenizer: config.data.tokenizer is unset (configs/finetune.py takes it from "
-        "init.hf_dir); pass --config.init.hf_dir=DIR or --config.data.tokenizer=...")
+    raise errors.UsageError(f"no tokenizer: {tok_lib.UNSET}")
   return spec
 
 
@@ -135,7 +134,6 @@ def load_run_tokenizer(config, *, workdir: str | None = None, hf_dir: str | None
                        log: Callable[[str], None] = _stderr):
   """The :class:`training.tokenizer.Tokenizer` of :func:`run_tokenizer_spec` (UsageError
   naming the fix when it does not load)."""
-  from training import tokenizer as tok_lib
   spec = run_tokenizer_spec(config, workdir=workdir, hf_dir=hf_dir, log=log)
   try:
     return tok_lib.load_explained(spec)

@@ -262,11 +262,9 @@ def _lost_process(info: dict, swallowed: list[str], aborted: bool) -> tuple[int,
 
 
 def complete_steps(directory: str) -> list[int]:
-  """``training.checkpoint.complete_steps(directory)`` without importing JAX where possible:
-  on a local filesystem Orbax finalizes a step by renaming its directory to ``<step>``."""
-  if "://" in directory:
-    from training import checkpoint as ckpt_lib  # the child is gone: JAX may load here now
-    return ckpt_lib.complete_steps(directory)
+  """The complete (finalized) checkpoint steps in ``directory``, oldest first; [] if it does
+  not exist. Orbax finalizes a step by renaming its directory to ``<step>``; this reads the
+  listing alone: no JAX, no Orbax threads, safe from any thread and during shutdown."""
   try:
     names = os.listdir(directory)
   except FileNotFoundError:

@@ -23,6 +23,10 @@ BYTE_OFFSET = 3
 BYTE_VOCAB_SIZE = 256 + BYTE_OFFSET
 
 BYTE = "byte"
+#: The error of a run or script without ``data.tokenizer`` (the fix in it).
+UNSET = ("data.tokenizer is unset (configs/finetune.py takes the tokenizer of init.hf_dir): "
+         "pass --config.init.hf_dir=DIR or --config.data.tokenizer=(a tokenizer.json, a "
+         "SentencePiece .model, a directory, or 'byte').")
 _HF_FILE, _SP_FILE = "tokenizer.json", "tokenizer.model"
 
 

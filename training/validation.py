@@ -11,27 +11,21 @@ import ml_collections
 from models import attention as attn_lib
 from models import lengths
 from models import pipeline as pipeline_lib
-from models.attention import ATTENTION_BACKENDS
 from models import sharding as shd
-from ring_jax import kernels, layouts, planning
+from ring_jax import layouts, planning
 from ring_jax.strategies import attention_axes
 from training import buckets as buckets_lib
 from training import hf_init as hf_init_lib
 from training import mesh as mesh_lib
 from training import stages as stages_lib
 from training.errors import ConfigError
-from training.tokenizer import load_explained
+from training import tokenizer as tokenizer_lib
 
 DATA_KINDS: tuple[str, ...] = ("kv_retrieval", "text")
 #: ``model.layout="auto"``: :func:`resolve_layout` picks one of ``ring_jax``'s layouts.
 AUTO_LAYOUT = "auto"
 #: Every value ``model.layout`` takes.
 LAYOUT_CHOICES: tuple[str, ...] = (AUTO_LAYOUT,) + layouts.ALL_LAYOUTS
-
-
-def check_seq_len(model_config, ring: int, seq_len: int) -> int:
-  """The per-device length ``data.seq_len`` runs at: :func:`run_length` over ``ring``."""
-  return run_length(model_config, ring, seq_len) // ring
 
 
 def run_length(model_config, ring: int, seq_len: int) -> int:
@@ -96,12 +90,10 @@ def check_model_parallelism(model_config, sizes: dict[str, int], seq_len: int) -
 
 def check_pipeline(config: ml_collections.ConfigDict, sizes: dict[str, int]) -> None:
   """The ``pipeline`` axis must divide the layers, and its microbatches the rows
-  (``batch_size / microbatches`` and ``eval_batch_size``) over the ``data`` axis."""
+  (``batch_size / microbatches`` and ``eval_batch_size``) over the ``data`` axis
+  (``LlamaConfig`` has checked ``pipeline_microbatches`` is None or >= 1)."""
   m, stages, data_par = config.model, sizes["pipeline"], sizes["data"]
   micro = m.get("pipeline_microbatches")
-  if micro is not None and micro < 1:
-    raise ConfigError(f"model.pipeline_microbatches={micro} must be >= 1 (or None: the "
-                      "default, 2 x mesh.pipeline when the batch allows).")
   if stages == 1:
     return
   if m.num_layers % stages:
@@ -129,11 +121,9 @@ def check_text_data(d: ml_collections.ConfigDict, m: ml_collections.ConfigDict) 
     raise ConfigError(f"data.path={d.path!r} matches no "
                       f"{'/'.join(data_lib.sources.DATA_EXTS)} files.")
   if d.tokenizer is None:
-    raise ConfigError("data.tokenizer is unset (configs/finetune.py takes the tokenizer of "
-                      "init.hf_dir): pass --config.init.hf_dir=DIR or --config.data.tokenizer="
-                      "(a tokenizer.json, a SentencePiece .model, a directory, or 'byte').")
+    raise ConfigError(tokenizer_lib.UNSET)
   try:
-    tokenizer = load_explained(d.tokenizer)
+    tokenizer = tokenizer_lib.load_explained(d.tokenizer)
   except ValueError as e:
     raise ConfigError(f"data.tokenizer={d.tokenizer!r} {e}") from None
   if tokenizer.vocab_size > m.vocab_size:
@@ -260,20 +250,6 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int) -> dict
   m, d = config.model, config.data
   validate_stages(config, num_devices)  # first: its errors name the stage
 
-  if m.attention not in ATTENTION_BACKENDS:
-    raise ConfigError(f"model.attention={m.attention!r} is unknown; choose one of "
-                      f"{sorted(ATTENTION_BACKENDS)}.")
-  hop_kernel = m.get("hop_kernel", "auto")
-  if hop_kernel not in kernels.kernel_names():
-    raise ConfigError(f"model.hop_kernel={hop_kernel!r} is unknown; choose one of "
-                      f"{kernels.kernel_names()}.")
-  routing = m.get("causal_routing")
-  if routing is not None and not isinstance(routing, bool):
-    raise ConfigError(f"model.causal_routing must be unset (the library's default), True or "
-                      f"False, got {routing!r}.")
-  if m.num_heads % m.num_kv_heads:
-    raise ConfigError(f"model.num_heads={m.num_heads} must be a multiple of "
-                      f"model.num_kv_heads={m.num_kv_heads} (GQA groups).")
   try:  # heads are sharded over 'tensor' (a single key/value head, MQA, is replicated)
     attention_axes(sizes, batch=1, heads=m.num_heads, kv_heads=m.num_kv_heads, batch_axis=None,
                    head_axis="tensor", names=("batch", "model.num_heads", "model.num_kv_heads"))
@@ -285,6 +261,7 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int) -> dict
 
   run_len = run_length(m, ring, d.seq_len)
   check_model_parallelism(m, sizes, run_len)
+  llama_config(config)  # the model's own checks (attention, hop kernel, routing, GQA heads)
 
   for name in ("batch_size", "eval_batch_size"):
     batch, micro = config[name], (config.microbatches if name == "batch_size" else 1)
@@ -349,7 +326,6 @@ def validate_stages(config: ml_collections.ConfigDict, num_devices: int) -> None
                           f"steps={stage.steps}; each stage warms up anew (set the stage's "
                           "warmup_steps=, or --config.optim.warmup_steps=).")
       validate_config(c, num_devices)  # c.stages is None: no recursion.
-      llama_config(c)
     except ConfigError as e:
       raise ConfigError(f"{where}: {e}") from None
 
@@ -433,11 +409,8 @@ def resolve_run(config: ml_collections.ConfigDict, num_devices: int,
                 log=None) -> ml_collections.ConfigDict:
   """The config a run of ``num_devices`` devices trains: :func:`resolve_config` on the ring
   ``config.mesh`` makes of them, the layout's line to ``log``. Idempotent."""
-  config = stages_lib.resolve(hf_init_lib.resolve_hf_init(config, log=log))
-  if config.model.layout != AUTO_LAYOUT:
-    return config
-  sizes = mesh_lib.mesh_shape(config.mesh, num_devices)
-  config, line = resolve_layout(config, shd.ring_size(sizes))
-  if log is not None:
+  ring = shd.ring_size(mesh_lib.mesh_shape(config.mesh, num_devices))
+  config, line = resolve_config(config, ring, log=log)
+  if log is not None and line:
     log(line)
   return config

@@ -117,12 +117,11 @@ def test_length_multiple_matches_the_config_check():
     model = val_lib.resolve_layout(llama_1b.get_config("long"), ring)[0].model
     g = lengths.length_multiple(model, ring)
     for k in (1, 3, 128):
-      assert val_lib.check_seq_len(model, ring, k * g) == k * g // ring
+      assert val_lib.run_length(model, ring, k * g) == k * g
     for odd, padded in ((g // 2, g), (g + ring * 2, 2 * g)):
       assert val_lib.run_length(model, ring, odd) == padded
-      assert val_lib.check_seq_len(model, ring, odd) == padded // ring
     with pytest.raises(errors.ConfigError, match="data.seq_len"):
-      val_lib.check_seq_len(model, ring, 0)
+      val_lib.run_length(model, ring, 0)
 
 
 def _tiny_step(policy):

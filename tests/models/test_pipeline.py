@@ -324,7 +324,8 @@ def test_bubble_fraction_and_default_microbatches():
      "2 rows per pipeline microbatch do not divide over the mesh 'data' axis \\(4\\)"),
     ({"mesh.pipeline": 2, "mesh.sequence": 4, "eval_batch_size": 6,
       "model.pipeline_microbatches": 4}, "eval_batch_size=6 on mesh.pipeline=2"),
-    ({"model.pipeline_microbatches": 0}, "model.pipeline_microbatches=0 must be >= 1"),
+    ({"model.pipeline_microbatches": 0},
+     "config.model: pipeline_microbatches must be None or a positive int, got 0"),
 ])
 def test_config_validation_names_the_pipeline_problem(overrides, match):
   config = small_config(**overrides)

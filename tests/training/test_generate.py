@@ -262,7 +262,7 @@ def test_run_tokenizer_and_model_come_from_the_saved_config(tmp_path):
   config = finetune.get_config()
   workdir = tmp_path / "run"
   workdir.mkdir()
-  with pytest.raises(Usage, match="init.hf_dir"):  # finetune.py without init.hf_dir
+  with pytest.raises(Usage, match=r"^no tokenizer: data.tokenizer is unset .*init.hf_dir=DIR"):
     loading.run_tokenizer_spec(config, workdir=str(workdir))
   saved = json.loads(config.to_json_best_effort())
   saved["data"]["tokenizer"] = "/models/llama"
