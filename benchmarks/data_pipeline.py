@@ -223,7 +223,8 @@ def main(argv=None) -> dict:
     sys.path.insert(0, ROOT)
     from benchmarks import common
 
-    common.write_result(args.out, dict(results, meta=common.run_meta(argv, __file__)))
+    results = dict(results, meta=common.run_meta(argv, __file__))
+    common.write_result(args.out, results)
   return results
 
 

@@ -2,7 +2,8 @@
 
 :func:`load_model` restores the parameters of a workdir's newest checkpoint that restores
 (read only) onto a mesh, or converts a local Hugging Face directory; :func:`load_run_tokenizer`
-loads the tokenizer that goes with it. Errors are one-line :class:`training.errors.UsageError`\ s.
+loads the tokenizer that goes with it. Errors are one line each
+(:class:`training.errors.UsageError`).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Streamed document sources: ``.jsonl``/``.json``, ``.txt``, ``.parquet`` and ArrayRecord files.
 
-A corpus (a file, a directory searched recursively, or a glob) is cut into :class:`Span`\ s,
+A corpus (a file, a directory searched recursively, or a glob) is cut into spans (:class:`Span`),
 half-open ranges of one file's *units* (bytes of line files, parquet rows, ArrayRecord
 records), measured without reading the file. Splits: of several files the last
 ``max(1, round(eval_fraction * files))`` are eval; one file holds out its last
