@@ -5,12 +5,13 @@ v, and of the sinks where given) on a ring of ``--ring`` fake CPU devices, in fo
 configurations compiled once each and then called in turn, ``--repeats`` rounds (so a
 busy machine slows every configuration alike): ``plain``, ``+sinks`` (one logit per query
 head, applied once to the ring's result), ``+softcap`` (``c * tanh(s / c)`` on every score)
-and ``+both``. Each row records the best and the median process CPU seconds and wall seconds
-(:func:`benchmarks.common.timed_call`) and their ratio to ``plain`` in the same run; the
-issue's bound is ``ratio <= --bound`` (1.10) for each. Inputs in the layout's order
+and ``+both``, per head dim of ``--head-dim`` (a comma-separated list: each head dim's four
+are interleaved among themselves). Each row records the best and the median process CPU
+seconds and wall seconds (:func:`benchmarks.common.timed_call`) and their ratio to ``plain``
+at its head dim in the same run; the issue's bound is ``ratio <= --bound`` (1.10) for each. Inputs in the layout's order
 (``inputs_in_layout=True``), so only the attention is timed.
 
-    python benchmarks/sinks_softcap_cost.py                       # 4K tokens, ring of 8
+    python benchmarks/sinks_softcap_cost.py --head-dim 64,128,256   # 4K tokens, ring of 8
     python benchmarks/sinks_softcap_cost.py --length 512 --repeats 2 --out ''   # a smoke run
 
 Writes ``benchmarks/results/sinks_softcap_cost.json`` (``--out``). Run it on a quiet
@@ -35,7 +36,8 @@ def parse_args(argv):
   p.add_argument("--ring", type=int, default=8, help="fake CPU devices on the ring")
   p.add_argument("--heads", type=int, default=8)
   p.add_argument("--kv-heads", type=int, default=8)
-  p.add_argument("--head-dim", type=int, default=64)
+  p.add_argument("--head-dim", default="64",
+                 help="comma-separated head dims (each its own interleaved set of four)")
   p.add_argument("--layout", default="zigzag")
   p.add_argument("--no-causal", dest="causal", action="store_false")
   p.add_argument("--soft-cap", type=float, default=50.0, help="logits_soft_cap of +softcap")
@@ -67,60 +69,68 @@ def main(argv=None):
   mesh = common.make_mesh((args.ring,), ("sequence",))
   rng = np.random.default_rng(0)
   normal = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)  # noqa: E731
-  b, length, n, kh, h = 1, args.length, args.heads, args.kv_heads, args.head_dim
-  q, k, v, do = normal(b, length, n, h), normal(b, length, kh, h), normal(b, length, kh, h), \
-      normal(b, length, n, h)
+  b, length, n, kh = 1, args.length, args.heads, args.kv_heads
   sinks = normal(n) * 3.0
+  def time_configs(q, k, v, do) -> list:
+    """The four configurations at ``q``'s head dim, interleaved: their rows."""
+    def step(config):
+      cap = args.soft_cap if config in ("+softcap", "+both") else None
+      with_sinks = config in ("+sinks", "+both")
 
-  def step(config):
-    cap = args.soft_cap if config in ("+softcap", "+both") else None
-    with_sinks = config in ("+sinks", "+both")
+      def loss(q, k, v, z):
+        out = ring_jax.ring_attention_sharded(
+            q, k, v, mesh=mesh, is_causal=args.causal, layout=args.layout,
+            inputs_in_layout=True, hop_kernel="xla", sinks=z if with_sinks else None,
+            logits_soft_cap=cap)
+        return jnp.sum(out * do)
 
-    def loss(q, k, v, z):
-      out = ring_jax.ring_attention_sharded(
-          q, k, v, mesh=mesh, is_causal=args.causal, layout=args.layout,
-          inputs_in_layout=True, hop_kernel="xla", sinks=z if with_sinks else None,
-          logits_soft_cap=cap)
-      return jnp.sum(out * do)
+      return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))
 
-    return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))
+    fns = {c: step(c) for c in CONFIGS}
+    for c, f in fns.items():  # compile + warm up; every configuration must give finite grads
+      grads = jax.block_until_ready(f(q, k, v, sinks))
+      if not all(bool(jnp.isfinite(g).all()) for g in grads):
+        raise SystemExit(f"{c}: non-finite gradients")
+    cpu = {c: [] for c in CONFIGS}
+    wall = {c: [] for c in CONFIGS}
+    for _ in range(args.repeats):
+      for c, f in fns.items():
+        w, s, _ = common.timed_call(f, q, k, v, sinks)
+        wall[c].append(w)
+        cpu[c].append(s)
 
-  fns = {c: step(c) for c in CONFIGS}
-  for c, f in fns.items():  # compile + warm up; every configuration must give finite grads
-    grads = jax.block_until_ready(f(q, k, v, sinks))
-    if not all(bool(jnp.isfinite(g).all()) for g in grads):
-      raise SystemExit(f"{c}: non-finite gradients")
-  cpu = {c: [] for c in CONFIGS}
-  wall = {c: [] for c in CONFIGS}
-  for _ in range(args.repeats):
-    for c, f in fns.items():
-      w, s, _ = common.timed_call(f, q, k, v, sinks)
-      wall[c].append(w)
-      cpu[c].append(s)
+    rows, h = [], q.shape[-1]
+    for c in CONFIGS:
+      row = dict(config=c, head_dim=h, best_cpu_s=min(cpu[c]),
+                 median_cpu_s=common.median(cpu[c]),
+                 best_wall_s=min(wall[c]), median_wall_s=common.median(wall[c]),
+                 cpu_s=cpu[c], wall_s=wall[c])
+      row["ratio_cpu"] = row["best_cpu_s"] / min(cpu["plain"])
+      row["ratio_wall"] = row["best_wall_s"] / min(wall["plain"])
+      row["within_bound"] = row["ratio_cpu"] <= args.bound
+      rows.append(row)
+      print(f"head dim {h:3d} {c:9s} best cpu {row['best_cpu_s']:.3f}s (x{row['ratio_cpu']:.3f})  "
+            f"best wall {row['best_wall_s']:.3f}s (x{row['ratio_wall']:.3f})  "
+            f"{'within' if row['within_bound'] else 'OVER'} {args.bound}", flush=True)
+    return rows
 
   rows = []
-  for c in CONFIGS:
-    row = dict(config=c, best_cpu_s=min(cpu[c]), median_cpu_s=common.median(cpu[c]),
-               best_wall_s=min(wall[c]), median_wall_s=common.median(wall[c]),
-               cpu_s=cpu[c], wall_s=wall[c])
-    row["ratio_cpu"] = row["best_cpu_s"] / min(cpu["plain"])
-    row["ratio_wall"] = row["best_wall_s"] / min(wall["plain"])
-    row["within_bound"] = row["ratio_cpu"] <= args.bound
-    rows.append(row)
-    print(f"{c:9s} best cpu {row['best_cpu_s']:.3f}s (x{row['ratio_cpu']:.3f})  "
-          f"best wall {row['best_wall_s']:.3f}s (x{row['ratio_wall']:.3f})  "
-          f"{'within' if row['within_bound'] else 'OVER'} {args.bound}", flush=True)
+  for h in (int(x) for x in args.head_dim.split(",")):
+    q, k, v, do = (normal(b, length, n, h), normal(b, length, kh, h),
+                   normal(b, length, kh, h), normal(b, length, n, h))
+    rows += time_configs(q, k, v, do)
 
   result = dict(
       about="ring_attention_sharded(hop_kernel='xla') fwd+bwd with sinks / soft-cap vs "
             "without, interleaved in one process; ratios to 'plain' of the best process CPU "
-            "(and wall) seconds",
+            "(and wall) seconds at the same head dim",
       date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
       command="python benchmarks/sinks_softcap_cost.py" + "".join(f" {a}" for a in argv),
       jax=jax.__version__, machine=f"{platform.machine()}, {os.cpu_count()} CPUs, "
       f"{args.ring} fake devices", length=length, ring=args.ring, heads=n, kv_heads=kh,
-      head_dim=h, dtype="float32", layout=args.layout, is_causal=args.causal,
-      soft_cap=args.soft_cap, repeats=args.repeats, bound=args.bound, rows=rows)
+      head_dims=[int(x) for x in args.head_dim.split(",")], dtype="float32",
+      layout=args.layout, is_causal=args.causal, soft_cap=args.soft_cap,
+      repeats=args.repeats, bound=args.bound, rows=rows)
   if args.out:
     common.write_result(args.out, result)
     print(f"wrote {args.out}")
