@@ -21,9 +21,7 @@ machine: the figures are times.
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
-import platform
 import sys
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
@@ -121,13 +119,11 @@ def main(argv=None):
     rows += time_configs(q, k, v, do)
 
   result = dict(
+      common.run_meta(argv, __file__),
       about="ring_attention_sharded(hop_kernel='xla') fwd+bwd with sinks / soft-cap vs "
             "without, interleaved in one process; ratios to 'plain' of the best process CPU "
             "(and wall) seconds at the same head dim",
-      date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-      command="python benchmarks/sinks_softcap_cost.py" + "".join(f" {a}" for a in argv),
-      jax=jax.__version__, machine=f"{platform.machine()}, {os.cpu_count()} CPUs, "
-      f"{args.ring} fake devices", length=length, ring=args.ring, heads=n, kv_heads=kh,
+      length=length, ring=args.ring, heads=n, kv_heads=kh,
       head_dims=[int(x) for x in args.head_dim.split(",")], dtype="float32",
       layout=args.layout, is_causal=args.causal, soft_cap=args.soft_cap,
       repeats=args.repeats, bound=args.bound, rows=rows)

@@ -269,16 +269,23 @@ def _forward(tl: _TwoLevelConfig, q, k, v, seg):
   return out.astype(q.dtype), lse, received.get("parts")
 
 
+def _backward_start(tl: _TwoLevelConfig, q, out, lse, do, dlse):
+  """``(g, r, q_pos, res)``: this device's group and member, its queries' positions in the
+  layout and the backward's :class:`ring_jax.hop.HopResiduals`."""
+  g, r = _where(tl)
+  q_pos = layouts.local_positions(tl.ring.layout, tl.ring.ring_size, q.shape[1],
+                                  g * tl.inner.ring_size + r)
+  return g, r, q_pos, HopResiduals(out=out, lse=lse_for_backward(lse), do=do, dlse=dlse)
+
+
 def _backward(tl: _TwoLevelConfig, q, k, v, seg, out, lse, do, dlse, received):
   """dQ stays home; dK/dV accumulators follow their parts through both rings and go home
   from the last group that uses them (module docstring). ``received``: the forward's
   (:func:`_forward`): the parts of step 1 are not sent again."""
   cfg, routes = tl.ring, tl.routes
   outer = tl.outer.axis_name
-  g, r = _where(tl)
   n_o, n_i = tl.outer.ring_size, tl.inner.ring_size
-  q_pos = layouts.local_positions(cfg.layout, cfg.ring_size, q.shape[1], g * n_i + r)
-  res = HopResiduals(out=out, lse=lse_for_backward(lse), do=do, dlse=dlse)
+  g, r, q_pos, res = _backward_start(tl, q, out, lse, do, dlse)
   k_own, v_own = k, v
   streams = routes.streams
 
@@ -371,12 +378,8 @@ def _backward_rotation(tl: _TwoLevelConfig, q, k, v, seg, out, lse, do, dlse, he
   ``(g - 1, r)`` ends step ``s + 1`` on the same shard. At ``s = n_o`` every device ends on
   its own shard: no transfer follows the last hop's compute. ``held``: the first step's
   buffer, the forward's last inner hop's parts (not sent again)."""
-  cfg, routes = tl.ring, tl.routes
-  outer = tl.outer.axis_name
-  g, r = _where(tl)
-  n_o, n_i = tl.outer.ring_size, tl.inner.ring_size
-  q_pos = layouts.local_positions(cfg.layout, cfg.ring_size, q.shape[1], g * n_i + r)
-  res = HopResiduals(out=out, lse=lse_for_backward(lse), do=do, dlse=dlse)
+  routes, outer, n_o = tl.routes, tl.outer.axis_name, tl.outer.ring_size
+  g, r, q_pos, res = _backward_start(tl, q, out, lse, do, dlse)
   (stream,) = routes.streams
   first = routes.hops[0]
   span = loop_span(n_o, peel_first=True)
