@@ -1,17 +1,11 @@
 """The figures the README and the docs quote, generated from ``benchmarks/results/``.
 
-Every table of measured figures in a markdown file sits between two markers::
-
-    <!-- report: NAME -->
-    ... generated text, replaced wholesale ...
-    <!-- /report -->
-
-``NAME`` is a block of :data:`BLOCKS`, declared as data by :func:`table_block`: its result
-files (``benchmarks/results/*.json`` / ``*.jsonl``), an intro, a table's columns (or rows), and
-text after it; every ratio and percentage is computed from the raw numbers there, and a caption
-line follows (date, machine and jax version as the result file records them, the command that
-made it, a link to the file). A block that is not intro, table and caption registers its own
-renderer with :func:`block`. Nothing in a block is typed by hand, so no quoted figure can drift
+Every table of measured figures in a markdown file sits between two whole-line markers,
+``<!-- report: NAME -->`` and ``<!-- /report -->``, and is replaced wholesale by block ``NAME`` of
+:data:`BLOCKS`. A block, declared as data by :func:`table_block`, is an intro, a table and text
+after it, every figure computed from the raw numbers of its result files
+(``benchmarks/results/*.json`` / ``*.jsonl``), then a caption: per file its date, machine and jax,
+a link, and the command that made it. Nothing is typed by hand, so no quoted figure can drift
 from the run that made it. A new block is one call at module level::
 
     table_block("my_block", "my_result_cpu.json", rows=lambda d: d["rows"], align="-r",
@@ -24,11 +18,9 @@ from the run that made it. A new block is one call at module level::
     python benchmarks/report.py --list       # block names and their result files
     python benchmarks/report.py --print headline   # one block's text (links from the root)
 
-An unknown block name, an unterminated block, or a block whose result file is
-missing is an error (exit 2). Pure Python: no jax, nothing compiled or timed.
-Result files that do not record their date / machine / jax themselves get them
-from ``results/provenance.json`` (established from their ``.log`` or the commit
-that wrote them, and saying so).
+An unknown block, an unterminated block or a missing result file is an error (exit 2). Pure
+Python: no jax, nothing compiled or timed. Files that do not record their date / machine / jax
+get them from ``results/provenance.json`` (from their ``.log`` or the commit that wrote them).
 """
 
 from __future__ import annotations
@@ -50,77 +42,50 @@ GIB = 2 ** 30
 # Links in generated text are written from the repository root with this prefix and made
 # relative to the file that holds the block when it is rendered.
 LINK_ROOT = "@@/"
-DOC = LINK_ROOT + "docs/benchmarks.md"
-
 # Markers are whole lines (a marker quoted inside a line of prose is not one).
 BLOCK_RE = re.compile(r"^<!-- report: (?P<name>[^\s>]+) -->\n(?P<body>.*?)^<!-- /report -->$",
                       re.S | re.M)
 OPEN_RE = re.compile(r"^<!-- report: (?P<name>[^\s>]*) -->$", re.M)
 CLOSE_RE = re.compile(r"^<!-- /report -->$", re.M)
 SKIP_DIRS = {"node_modules", "__pycache__", "build", "dist"}
+# Block name -> (a function that renders it, its result files).
+BLOCKS: dict[str, tuple[Callable[[], str], tuple[str, ...]]] = {}
 
 
 class ReportError(Exception):
   """A block that cannot be rendered: unknown name, missing result file, bad markers."""
 
 
-BLOCKS: dict[str, tuple[Callable[[], str], tuple[str, ...]]] = {}
-
-
-def block(name: str, *files: str):
-  """Registers ``fn() -> markdown`` as block ``name``, made from ``files`` in results/."""
-  def register(fn):
-    BLOCKS[name] = (fn, files)
-    return fn
-  return register
-
-
-# ----------------------------------------------------------------------------
-# Reading result files
-# ----------------------------------------------------------------------------
-
-def _path(name: str) -> str:
-  path = os.path.join(RESULTS, name)
-  if not os.path.exists(path):
-    raise ReportError(f"result file benchmarks/results/{name} is missing")
-  return path
-
+# --- Result files and their provenance -------------------------------------------------------
 
 def load(name: str):
   """A result file: JSON, or JSON lines (a list of records)."""
-  with open(_path(name)) as fh:
+  path = os.path.join(RESULTS, name)
+  if not os.path.exists(path):
+    raise ReportError(f"result file benchmarks/results/{name} is missing")
+  with open(path) as fh:
     if name.endswith(".jsonl"):
       return [json.loads(line) for line in fh if line.strip()]
     return json.load(fh)
-
-
-def provenance(name: str) -> dict:
-  with open(os.path.join(RESULTS, "provenance.json")) as fh:
-    return json.load(fh).get(name, {})
 
 
 def meta(name: str) -> dict:
   """Date, machine, jax and command of a result file, from the file itself where it records
   them (the ``meta`` dict of attention.py / core_report.py, the top level of balance.py),
   else from provenance.json."""
-  data = load(name)
-  rec = data if isinstance(data, dict) else {}
-  m = dict(rec.get("meta", {})) if isinstance(rec.get("meta"), dict) else {}
-  for key in ("date", "jax", "command", "machine", "cpus", "processes"):
-    if key in rec and key not in m:
-      m[key] = rec[key]
-  out = dict(date=None, date_note="", jax=m.get("jax"), command=m.get("command"),
-             machine=None)
-  if m.get("date"):
-    out["date"] = m["date"][:10]
+  rec = load(name)
+  rec = rec if isinstance(rec, dict) else {}
+  m = {k: rec[k] for k in ("date", "jax", "command", "machine", "cpus", "processes") if k in rec}
+  m.update(rec["meta"] if isinstance(rec.get("meta"), dict) else {})
+  out = dict(date=m["date"][:10] if m.get("date") else None, date_note="", jax=m.get("jax"),
+             command=m.get("command"), machine=None)
   if m.get("platform") == "cpu" or m.get("machine"):
     cores = m.get("cpu_count") or m.get("cpus")
-    devices = m.get("num_devices")
     parts = [f"{cores}-core CPU" if cores else "CPU"]
     if m.get("processes"):
       parts.append(f"{m['processes']} processes, one core each")
-    elif devices:
-      parts.append(f"{devices} fake devices")
+    elif m.get("num_devices"):
+      parts.append(f"{m['num_devices']} fake devices")
     out["machine"] = ", ".join(parts)
   if rec.get("benchmark") == "balance" and not out["command"]:  # balance.py records its flags
     stem = os.path.splitext(name)[0]
@@ -128,30 +93,11 @@ def meta(name: str) -> dict:
                       f"--lengths {','.join(map(str, rec['lengths']))} --repeats {rec['repeats']} "
                       f"--impls {','.join(rec['impls'])}" +
                       ("" if stem == "balance_cpu" else f" --tag {stem}"))
-  extra = provenance(name)
+  with open(os.path.join(RESULTS, "provenance.json")) as fh:
+    extra = json.load(fh).get(name, {})
   if out["machine"] == "CPU" and extra.get("machine"):  # the file says no more than "cpu"
     out["machine"] = None
-  for key in ("date", "date_note", "jax", "command", "machine"):
-    if not out.get(key) and extra.get(key):
-      out[key] = extra[key]
-  return out
-
-
-def link(name: str) -> str:
-  return f"[`{name}`]({LINK_ROOT}benchmarks/results/{name})"
-
-
-def caption(*names: str, note: str = "") -> str:
-  """One line under a table: per result file its date, machine, jax, a link and the command
-  that made it."""
-  parts = []
-  for name in names:
-    cmd = meta(name)["command"]
-    parts.append(f"{link(name)}: {when(name)}" + (f"; `{cmd}`" if cmd else ""))
-  line = ("Source: " if len(names) == 1 else "Sources: ") + "; ".join(parts) + "."
-  if note:
-    line += " " + note
-  return f"<sub>{line}</sub>"
+  return {key: value or extra.get(key) for key, value in out.items()}
 
 
 def when(name: str, short: bool = False) -> str:
@@ -164,9 +110,19 @@ def when(name: str, short: bool = False) -> str:
                     f"jax {m['jax']}" if m["jax"] else "jax not recorded"])
 
 
-# ----------------------------------------------------------------------------
-# Formatting (one style everywhere)
-# ----------------------------------------------------------------------------
+def caption(*names: str, note: str = "") -> str:
+  """The line under a table: per result file a link, its date, machine, jax and the command
+  that made it; ``note`` at the end."""
+  parts = []
+  for name in names:
+    cmd = meta(name)["command"]
+    parts.append(f"[`{name}`]({LINK_ROOT}benchmarks/results/{name}): {when(name)}" +
+                 (f"; `{cmd}`" if cmd else ""))
+  line = ("Source: " if len(names) == 1 else "Sources: ") + "; ".join(parts) + "."
+  return f"<sub>{line} {note}</sub>" if note else f"<sub>{line}</sub>"
+
+
+# --- Formatting (one style everywhere) -------------------------------------------------------
 
 def mib(nbytes: float) -> str:
   return f"{nbytes / MIB:.1f}"
@@ -211,13 +167,16 @@ def length(n: int) -> str:
   return str(n)
 
 
+def block_sizes(rows) -> str:
+  """The block sizes of ``rows``: ``256, 512``."""
+  return ", ".join(map(str, sorted({r["block"] for r in rows})))
+
+
 def table(head: list[str], rows: list[list], align: str | None = None) -> str:
   """A markdown table; ``align`` has one letter per column, ``r`` for right-aligned."""
-  align = align or "-" * len(head)
-  sep = ["---:" if a == "r" else "---" for a in align]
+  sep = ["---:" if a == "r" else "---" for a in align or "-" * len(head)]
   lines = ["| " + " | ".join(head) + " |", "|" + "|".join(sep) + "|"]
-  lines += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
-  return "\n".join(lines)
+  return "\n".join(lines + ["| " + " | ".join(str(c) for c in r) + " |" for r in rows])
 
 
 def _mesh(sizes: dict, sep: str, keep: str = "") -> str:
@@ -230,24 +189,16 @@ def _rows_by(rows, *keys) -> dict:
   return {tuple(r[k] for k in keys): r for r in rows}
 
 
-def _blocks(rows) -> str:
-  """The block sizes of ``rows``: ``256, 512``."""
-  return ", ".join(map(str, sorted({r["block"] for r in rows})))
-
-
 def _pairs(rows) -> list:
   """``(previous row or None, row)`` for each row."""
   rows = list(rows)
   return list(zip([None] + rows[:-1], rows))
 
 
-# ----------------------------------------------------------------------------
-# Blocks declared as data
-# ----------------------------------------------------------------------------
-
 class _Units(string.Formatter):
   """``str.format`` with the report's units as format specs: ``{temp_bytes:mib}``."""
-  SPECS = {"mib": mib, "gib": gib, "ratio": x, "pct": pct, "sci": sci, "len": length}
+  SPECS = {"mib": mib, "gib": gib, "ratio": x, "pct": pct, "sci": sci, "len": length,
+           "blocks": block_sizes}
 
   def format_field(self, value, spec: str) -> str:
     return self.SPECS[spec](value) if spec in self.SPECS else super().format_field(value, spec)
@@ -258,18 +209,15 @@ def fmt(spec: str, record) -> str:
   return _Units().vformat(spec, (), record)
 
 
-def _text(spec, data: list) -> str:
-  """A declared piece of text: ``spec(*data)``, or a format string over the first file."""
-  if callable(spec):
-    return spec(*data)
-  return fmt(spec, data[0]) if spec else ""
-
+# --- Blocks declared as data -----------------------------------------------------------------
 
 def table_block(name: str, *files: str, key: str = "", rows: Callable | None = None, columns=(),
                 head=(), align: str | Callable = "", intro: str | Callable = "",
-                after: str | Callable = "", note: str | Callable = "") -> None:
+                after: str | Callable = "", note: str | Callable = "",
+                cite: bool = True) -> None:
   """Registers block ``name``: ``intro``, a table, ``after`` and the caption of ``files``
-  (``note`` at its end), each left out where empty, separated by blank lines.
+  (``note`` at its end; none if not ``cite``), each left out where empty, separated by blank
+  lines.
 
   ``rows(*data)`` (``data``: the contents of ``files``, or their entry ``key``) gives the
   table's records; no ``rows``, no table. With ``columns`` (``[(header, cell)]``) a record is
@@ -277,26 +225,25 @@ def table_block(name: str, *files: str, key: str = "", rows: Callable | None = N
   record is a list of cells under ``head``. ``intro``, ``after``, ``note``, ``align`` (one
   letter per column, ``r``: right-aligned) and ``head`` are fixed or functions of ``*data``;
   fixed text is a format string over the first file's contents."""
+  def text(spec, data: list) -> str:
+    return spec(*data) if callable(spec) else fmt(spec, data[0]) if spec else ""
+
   def render() -> str:
     data = [load(f)[key] if key else load(f) for f in files]
     grid = ""
     if rows is not None:
       records = list(rows(*data))
       if columns:
-        hd = [h for h, _ in columns]
-        records = [[c(r) if callable(c) else fmt(c, r) for _, c in columns]
-                   for r in records]
-      else:
-        hd = head(*data) if callable(head) else head
-      grid = table(hd, records, _text(align, data))
-    parts = [_text(intro, data), grid, _text(after, data), caption(*files, note=_text(note, data))]
+        records = [[c(r) if callable(c) else fmt(c, r) for _, c in columns] for r in records]
+      hd = [h for h, _ in columns] if columns else head(*data) if callable(head) else head
+      grid = table(hd, records, text(align, data))
+    parts = [text(intro, data), grid, text(after, data),
+             caption(*files, note=text(note, data)) if cite else ""]
     return "\n\n".join(p for p in parts if p)
   BLOCKS[name] = (render, files)
 
 
-# ----------------------------------------------------------------------------
-# Core figures: benchmarks/core_report.py
-# ----------------------------------------------------------------------------
+# --- Core figures: benchmarks/core_report.py ---------------------------------------------------
 
 CORE = "core_report_cpu.json"
 GRADS = ("dq", "dk", "dv")
@@ -340,13 +287,10 @@ table_block(
           "vs contiguous", "total"])
 
 
-# ----------------------------------------------------------------------------
-# Against the paper's code: benchmarks/attention.py
-# ----------------------------------------------------------------------------
+# --- Against the paper's code: benchmarks/attention.py -----------------------------------------
 
 PAPER_4K = "attention_cpu_4k.json"
 MEMSCAN = "attention_cpu_memscan_scan.json"  # ring zigzag, paper and all-gather in one run
-BF16 = "attention_cpu_bf16.json"
 PAPER_IMPLS = {"ring-zigzag": "ring zigzag", "ring-contiguous": "ring contiguous",
                "paper": "paper"}
 
@@ -355,15 +299,14 @@ def _paper_rows(d) -> list:
   by = _rows_by(d["rows"], "impl", "causal")
   rows = []
   for causal, name in ((True, "causal"), (False, "non-causal")):
-    paper = by[("paper", causal)]
-    times = [by[(i, causal)]["fwdbwd_median_s"] / paper["fwdbwd_median_s"] for i in PAPER_IMPLS]
+    runs = [by[(i, causal)] for i in PAPER_IMPLS]  # the paper's last
+    times = [r["fwdbwd_median_s"] / runs[-1]["fwdbwd_median_s"] for r in runs]
     rows.append([f"{name}: fwd+bwd time vs paper"] +
                 [f"**{x(t)}**" if t == min(times[:2]) else x(t) for t in times] + [""])
     rows.append([f"{name}: useful GFLOP/s (fraction of the matmul's)"] +
                 [f"{r['fwdbwd_useful_gflops']:.1f} "
-                 f"({pct(r['fwdbwd_useful_gflops'] / r['matmul_gflops'])})"
-                 for r in (by[(i, causal)] for i in PAPER_IMPLS)] +
-                [f"{paper['matmul_gflops']:.1f}"])
+                 f"({pct(r['fwdbwd_useful_gflops'] / r['matmul_gflops'])})" for r in runs] +
+                [f"{runs[-1]['matmul_gflops']:.1f}"])
   temp = lambda i, causal: mib(by[(i, causal)]["fwdbwd_mem"]["temp_size_in_bytes"])
   rows.append(["fwd+bwd temp MiB per device, causal / non-causal"] +
               [f"{temp(i, True)} / {temp(i, False)}" for i in PAPER_IMPLS] + [""])
@@ -372,38 +315,30 @@ def _paper_rows(d) -> list:
 
 table_block(
     "paper_4k", PAPER_4K, rows=_paper_rows,
-    intro=lambda d: (f"{d['meta']['dtype']}, B={d['meta']['batch']}, {d['meta']['heads']} heads "
-                     f"x {d['meta']['head_dim']}, ring of {d['meta']['ring']} in one process, "
-                     f"blocks of {_blocks(d['rows'])}, median of {d['meta']['repeats']}:"),
-    head=lambda d: ([f"L = {length(d['rows'][0]['length'])}, fwd+bwd", *PAPER_IMPLS.values(),
-                     "same-size f32 matmul"]))
+    intro=("{meta[dtype]}, B={meta[batch]}, {meta[heads]} heads x {meta[head_dim]}, ring of "
+           "{meta[ring]} in one process, blocks of {rows:blocks}, median of {meta[repeats]}:"),
+    head=lambda d: [f"L = {length(d['rows'][0]['length'])}, fwd+bwd", *PAPER_IMPLS.values(),
+                    "same-size f32 matmul"])
 
 
 def _memscan(d) -> tuple[dict, str, list]:
-  """The memory scan by (impl, length), the ring's impl and the lengths."""
-  by = _rows_by(d["memscan"], "impl", "length")
-  return by, next(i for i, _ in by if i.startswith("ring")), sorted({n for _, n in by})
+  """Compiled fwd+bwd temp bytes by (impl, length), the ring's impl, the lengths."""
+  temp = {(r["impl"], r["length"]): r["fwdbwd_temp"] for r in d["memscan"]}
+  return temp, next(i for i, _ in temp if i.startswith("ring")), sorted({n for _, n in temp})
 
 
 def _fixed_block_rows(d) -> list:
-  by, ring, lengths = _memscan(d)
-  rows = []
-  for n in lengths:
-    r, p = by[(ring, n)]["fwdbwd_temp"], by[("paper", n)]["fwdbwd_temp"]
-    ag = by.get(("allgather", n))
-    rows.append([length(n), mib(r), mib(p), f"**{x(r / p)}**",
-                 mib(ag["fwdbwd_temp"]) if ag else "-"])
-  return rows
+  temp, ring, lengths = _memscan(d)
+  return [[length(n), mib(temp[ring, n]), mib(temp["paper", n]),
+           f"**{x(temp[ring, n] / temp['paper', n])}**",
+           mib(temp["allgather", n]) if ("allgather", n) in temp else "-"] for n in lengths]
 
 
-def _fixed_block_head(d) -> list:
-  by, ring, lengths = _memscan(d)
-  return [f"L ({ring}, causal, blocks of {by[(ring, lengths[0])]['block']})", "ring MiB/device",
-          "paper MiB/device", "ring / paper", "all-gather MiB/device"]
-
-
-table_block("memory_fixed_block", MEMSCAN, rows=_fixed_block_rows, head=_fixed_block_head,
-            align="-rrrr")
+table_block(
+    "memory_fixed_block", MEMSCAN, rows=_fixed_block_rows, align="-rrrr",
+    head=lambda d: [f"L ({_memscan(d)[1]}, causal, blocks of {block_sizes(d['memscan'])})",
+                    "ring MiB/device", "paper MiB/device", "ring / paper",
+                    "all-gather MiB/device"])
 
 table_block(
     "memory_scan_allgather", MEMSCAN, align="-rr",
@@ -413,36 +348,32 @@ table_block(
 
 
 def _bf16_rows(e) -> list:
-  rings = sorted({r["ring"] for r in e["rows"] if r["ring"]})
   by = {(r["impl"], r["ring"]): r["rel_err"] for r in e["rows"]}
   errors = lambda v: " / ".join(sci(v[k]) for k in ("out", *GRADS))
   rows = []
   for impl in dict.fromkeys(r["impl"] for r in e["rows"]):
     if (impl, None) in by:
-      rows.append([impl, errors(by[(impl, None)])] + [""] * (len(rings) - 1))
+      rows.append([impl, errors(by[(impl, None)])] + [""] * (len(_rings(e)) - 1))
     else:
-      rows.append([impl] + [errors(by[(impl, n)]) if (impl, n) in by else "-" for n in rings])
+      rows.append([impl] + [errors(by[(impl, n)]) if (impl, n) in by else "-" for n in _rings(e)])
   return rows
 
 
-def _bf16_worst(e) -> float:
-  """The worst error over the ring's layouts and sizes."""
-  return _worst([r["rel_err"] for r in e["rows"] if r["impl"].startswith("ring") and r["ring"]],
-                "out", *GRADS)
+def _rings(e) -> list:
+  return sorted({r["ring"] for r in e["rows"] if r["ring"]})
 
 
 table_block(
-    "bf16_error", BF16, key="bf16_error", rows=_bf16_rows,
-    head=lambda e: ["impl"] + [f"ring {n}" for n in sorted({r["ring"] for r in e["rows"]
-                                                             if r["ring"]})],
+    "bf16_error", "attention_cpu_bf16.json", key="bf16_error", rows=_bf16_rows,
+    head=lambda e: ["impl"] + [f"ring {n}" for n in _rings(e)],
     intro=lambda e: (f"Relative Frobenius error out / dQ / dK / dV, causal, L={e['length']}, "
                      f"{e['heads']} heads x {e['head_dim']}; worst over the ring's layouts and "
-                     f"sizes: **{sci(_bf16_worst(e))}**."))
+                     "sizes: **" + sci(_worst([r["rel_err"] for r in e["rows"] if r["ring"] and
+                                               r["impl"].startswith("ring")], "out", *GRADS)) +
+                     "**."))
 
 
-# ----------------------------------------------------------------------------
-# Load balance: balance.py, packed_balance.py
-# ----------------------------------------------------------------------------
+# --- Load balance: balance.py, packed_balance.py -----------------------------------------------
 
 BALANCE = "balance_cpu.json"
 PACKED = "packed_balance.json"
@@ -452,11 +383,10 @@ def _balance_rows(d) -> list:
   by = _rows_by(d["rows"], "impl", "length")
   rows = []
   for n in d["lengths"]:
-    paper = by.get(("paper", n))
-    ratios = [x(by[(i, n)]["median_s"] / paper["median_s"]) if paper else "-"
-              for i in ("ring-contiguous", "ring-zigzag", "ring-striped")]
-    zz, ct = by[("ring-zigzag", n)], by[("ring-contiguous", n)]
-    rows.append([length(n), *ratios, ms(paper["median_s"]) if paper else "-",
+    paper, zz, ct = by.get(("paper", n)), by[("ring-zigzag", n)], by[("ring-contiguous", n)]
+    rows.append([length(n)] + [x(by[(i, n)]["median_s"] / paper["median_s"]) if paper else "-"
+                               for i in ("ring-contiguous", "ring-zigzag", "ring-striped")] +
+                [ms(paper["median_s"]) if paper else "-",
                  f"{ct['critical_path_hops']:.2f} / {zz['critical_path_hops']:.2f}",
                  f"{mib(zz['temp_bytes'])} / {mib(paper['temp_bytes']) if paper else '-'}"])
   return rows
@@ -464,10 +394,9 @@ def _balance_rows(d) -> list:
 
 table_block(
     "balance", BALANCE, rows=_balance_rows, align="-rrrrrr",
-    intro=lambda d: (f"Causal fwd+bwd, {d['processes']} processes (ring of {d['processes']}), "
-                     f"{d['dtype']}, B={d['batch']}, {d['heads']} heads x {d['head_dim']}, "
-                     f"blocks of {_blocks(d['rows'])}, median of {d['repeats']} (each "
-                     "repetition: the slowest process); time over the paper's code:"),
+    intro=("Causal fwd+bwd, {processes} processes (ring of {processes}), {dtype}, B={batch}, "
+           "{heads} heads x {head_dim}, blocks of {rows:blocks}, median of {repeats} (each "
+           "repetition: the slowest process); time over the paper's code:"),
     head=["L", "contiguous", "zigzag", "striped", "paper (ms)",
           "critical path, hops: contiguous / zigzag", "temp MiB/device: ring / paper"])
 
@@ -492,23 +421,19 @@ table_block(
              ("critical path, document / zigzag", "{document_critical_path_over_zigzag:ratio}")])
 
 
-# ----------------------------------------------------------------------------
-# How long a context fits: fit.py
-# ----------------------------------------------------------------------------
+# --- How long a context fits: fit.py -----------------------------------------------------------
 
 FIT_1 = "fit_llama_1b_long_1dev.json"
 FIT_8 = "fit_llama_1b_long_8dev.json"
-FIT_NOLICM = "fit_llama_1b_long_1dev_512k_nolicm.json"
-FIT_PIPELINE = "fit_llama_1b_pipeline_cpu.jsonl"
 
 
 def _fit_rows(*runs) -> list:
   rows = []
   for d in runs:
-    mesh = _mesh(d["mesh"], ", ") or "sequence=1"
     for c in d["checked"]:
       bold = (lambda s: f"**{s}**") if c["seq_len"] == d["seq_len"] else str
-      rows.append([f"{d['devices']} ({mesh})", bold(f"{c['seq_len']:,} ({length(c['seq_len'])})"),
+      rows.append([f"{d['devices']} ({_mesh(d['mesh'], ', ') or 'sequence=1'})",
+                   bold(f"{c['seq_len']:,} ({length(c['seq_len'])})"),
                    gib(c["compiled_per_device_bytes"]), gib(c["offloaded_bytes"]),
                    bold(gib(c["per_device_bytes"])), "yes" if c["fits"] else "no"])
   return rows
@@ -531,10 +456,10 @@ def _nolicm(with_, d) -> str:
           f"the pass, **{gib(without)} GiB** with `--xla_flags={d['xla_flags']}`.")
 
 
-table_block("fit_nolicm", FIT_1, FIT_NOLICM, intro=_nolicm)
+table_block("fit_nolicm", FIT_1, "fit_llama_1b_long_1dev_512k_nolicm.json", intro=_nolicm)
 
 table_block(
-    "fit_pipeline", FIT_PIPELINE, align="-rrrr",
+    "fit_pipeline", "fit_llama_1b_pipeline_cpu.jsonl", align="-rrrr",
     intro=lambda runs: (f"`configs/llama_1b.py`, {runs[0]['seq_len']:,} tokens x "
                         f"{runs[0]['batch_rows']} rows, remat `{runs[0]['remat_policy']}`, "
                         "compiled on fake CPU devices, per device:"),
@@ -546,14 +471,9 @@ table_block(
              ("per device GiB", "**{per_device_bytes:gib}**")])
 
 
-# ----------------------------------------------------------------------------
-# Train step, decode, data pipeline, two-level ring
-# ----------------------------------------------------------------------------
+# --- Train step, decode, data pipeline, two-level ring -----------------------------------------
 
-TRAIN = ("train_throughput_cpu_2k.json", "train_throughput_cpu.json")
-DECODE_TIME = "decode_time_cpu.jsonl"
 DECODE_FIT = "decode_fit_cpu.jsonl"
-PIPELINE = "data_pipeline_cpu.json"
 TWO_LEVEL = "two_level_cpu.json"
 
 
@@ -566,7 +486,8 @@ def _train_row(r, d) -> list:
 
 
 table_block(
-    "train_throughput", *TRAIN, align="r-rrrrr",
+    "train_throughput", "train_throughput_cpu_2k.json", "train_throughput_cpu.json",
+    align="r-rrrrr",
     intro=("**Superseded run**: measured at commit `c5be18c`, when the script still had its own "
            "train step (plain AdamW, no clipping); the script now runs the shipped step and has "
            "not been re-timed. MFU against this host's measured f32 matmul rate (only ratios "
@@ -576,7 +497,7 @@ table_block(
     rows=lambda *runs: [_train_row(r, d) for d in runs for r in d["results"]])
 
 table_block(
-    "decode_time", DECODE_TIME, rows=lambda d: d, align="rrrr",
+    "decode_time", "decode_time_cpu.jsonl", rows=lambda d: d, align="rrrr",
     columns=[("context", "{length:,}"),
              ("KV cache MiB/device", "{cache_mib_per_device:.1f}"),
              ("step temp MiB/device", "{step_temp_mib_per_device:.1f}"),
@@ -595,7 +516,7 @@ table_block(
              ("bf16 cache (derived)", lambda r: tokens(r["longest_bf16_cache_tokens_derived"]))])
 
 table_block(
-    "data_pipeline", PIPELINE, align="rr-rrr",
+    "data_pipeline", "data_pipeline_cpu.json", align="rr-rrr",
     rows=lambda d: sorted(d["runs"], key=lambda r: (r["tokenizer"], r["corpus_mb"])),
     columns=[("corpus", "{corpus_mb} MiB"),
              ("files", "{files}"),
@@ -608,33 +529,34 @@ table_block(
            "**{train_step[tokens_per_s]:,} tokens/s** ({train_step[step_time_s]:.2f} s/step)."))
 
 
-def _two_level_rows(d) -> list:
-  flat = {(tuple(r["split"]), r["pass_"]): r for r in d["rows"] if r["ring"] == "flat"}
-  return [["x".join(map(str, r["split"])), r["pass_"], r["ring"], r["outer_transfers"],
-           mib(r["outer_bytes"]), mib(r["outer_total"]),
-           x(r["outer_total"] / flat[(tuple(r["split"]), r["pass_"])]["outer_total"]),
-           r["inner_transfers"], mib(r["inner_bytes"])] for r in d["rows"]]
+def _vs_flat(d) -> dict:
+  """Per row of two_level.py, its bytes over all outer links over the flat ring's."""
+  flat = {(tuple(r["split"]), r["pass_"]): r["outer_total"] for r in d["rows"]
+          if r["ring"] == "flat"}
+  return [dict(r, vs_flat=r["outer_total"] / flat[(tuple(r["split"]), r["pass_"])])
+          for r in d["rows"]]
 
 
 table_block(
-    "two_level", TWO_LEVEL, rows=_two_level_rows, align="---rrrrrr",
+    "two_level", TWO_LEVEL, rows=_vs_flat, align="---rrrrrr",
     intro=lambda d: (f"Ring of 8, L = {d['rows'][0]['length']:,}, {d['kv_heads']} K/V heads of "
                      f"{d['head_dim']}, {d['dtype']}, {'causal ' if d['is_causal'] else ''}"
                      f"{d['layout']}; per device unless \"all\":"),
-    head=["split (outer x inner)", "pass", "ring", "outer transfers", "outer MiB",
-          "all outer links MiB", "all outer vs flat", "inner transfers", "inner MiB"])
+    columns=[("split (outer x inner)", lambda r: "x".join(map(str, r["split"]))),
+             ("pass", "{pass_}"), ("ring", "{ring}"), ("outer transfers", "{outer_transfers}"),
+             ("outer MiB", "{outer_bytes:mib}"), ("all outer links MiB", "{outer_total:mib}"),
+             ("all outer vs flat", "{vs_flat:ratio}"), ("inner transfers", "{inner_transfers}"),
+             ("inner MiB", "{inner_bytes:mib}")])
 
 
-# ----------------------------------------------------------------------------
-# docs/performance.md: block sweep, hop profile, routing, tensor sequence parallelism
-# ----------------------------------------------------------------------------
+# --- docs/performance.md: block sweep, hop profile, routing, tensor sequence parallelism -------
 
 def sweep_markdown(rows) -> str:
   """A block-size sweep (``attention.py --sections sweep``) as a markdown table: per (length,
   mask, layout), each block's fwd+bwd time over the best block's and its temp MiB; ``*`` marks
   the default. The last column: the default against the best block, in time and in temp
   memory. ``attention.py --render`` prints the same table."""
-  blocks = sorted({r["block"] for r in rows if r.get("block")})
+  sizes = sorted({r["block"] for r in rows if r.get("block")})
   temp = lambda r: r["fwdbwd_mem"].get("temp_size_in_bytes", 0)
   cell = lambda r: (f"{r['x_best']:.2f}x, {temp(r) / MIB:.1f}" + ("*" if r.get("is_default")
                                                                     else "")) if r else ""
@@ -643,37 +565,31 @@ def sweep_markdown(rows) -> str:
     groups.setdefault((r["length"], r["causal"], r["layout"]), {})[r["block"]] = r
   out = []
   for (n, causal, layout), by_block in groups.items():
-    timed = [by_block.get(b) if "x_best" in by_block.get(b, {}) else None for b in blocks]
-    best = default = None
-    for r in filter(None, timed):
-      best = r if r["x_best"] == 1.0 else best
-      default = r if r.get("is_default") else default
+    timed = [by_block.get(b) if "x_best" in by_block.get(b, {}) else None for b in sizes]
+    best = next((r for r in timed if r and r["x_best"] == 1.0), None)
+    default = next((r for r in timed if r and r.get("is_default")), None)
     verdict = (f"{default['x_best']:.2f}x, {temp(default) / temp(best):.2f}x"
                if best and default else "")
     out.append([f"{n // 1024}K" if n % 1024 == 0 else str(n), "causal" if causal else "full",
                 layout, *map(cell, timed), verdict])
-  return table(["L", "mask", "layout", *map(str, blocks),
+  return table(["L", "mask", "layout", *map(str, sizes),
                 "default: time, temp vs the best block"], out)
 
 
-SWEEP = "block_sweep_cpu.json"
-SWEEP_1K, SWEEP_64_128 = "block_sweep_cpu_1k.json", "block_sweep_cpu_64_128.json"
-HOP_PROFILE = ("hop_profile_cpu_causal.json", "hop_profile_cpu_full.json")
+table_block("block_sweep", "block_sweep_cpu.json", after=lambda d: sweep_markdown(d["sweep"]))
+table_block("block_sweep_64_128", "block_sweep_cpu_1k.json", "block_sweep_cpu_64_128.json",
+            after=lambda a, b: sweep_markdown(a["sweep"] + b["sweep"]))
+
 HOP_KINDS = {"matmul": "matmuls (the block products)", "exp": "exp",
              "select/compare": "select/compare (masks, the row maxima)",
              "other": "other elementwise and reductions (scale, rescale, row sums, delta)",
              "transfer": "transfers (waits included)", "layout copies": "layout copies"}
 
-table_block("block_sweep", SWEEP, after=lambda d: sweep_markdown(d["sweep"]))
-table_block("block_sweep_64_128", SWEEP_1K, SWEEP_64_128,
-            after=lambda a, b: sweep_markdown(a["sweep"] + b["sweep"]))
-
 
 def _hop_profile_rows(*runs) -> list:
   kind = lambda r, k: pct(r["by_kind_ms"][k] / sum(r["by_kind_ms"].values()))
   part = lambda r, k: pct(r["by_part_ms"].get(k, 0.0) / sum(r["by_part_ms"].values()))
-  return ([[label] + [kind(r, k) for r in runs]
-           for k, label in HOP_KINDS.items()] +
+  return ([[label] + [kind(r, k) for r in runs] for k, label in HOP_KINDS.items()] +
           [["by part: backward block loops / forward block loops"] +
            [f"{part(r, 'bwd: xla_hop_bwd_blocks')} / {part(r, 'fwd: xla_hop_fwd_blocks')}"
             for r in runs],
@@ -681,48 +597,48 @@ def _hop_profile_rows(*runs) -> list:
 
 
 table_block(
-    "hop_profile", *HOP_PROFILE, rows=_hop_profile_rows, align="-rr",
+    "hop_profile", "hop_profile_cpu_causal.json", "hop_profile_cpu_full.json",
+    rows=_hop_profile_rows, align="-rr",
     intro="Ring of {ring}, L={length}, {layout}, {heads} heads x {head_dim}, default blocks:",
     head=lambda *runs: ["share of the profiled op time"] + ["causal" if r["causal"] else
                                                             "non-causal" for r in runs])
 
 
-def _routing_rows(one_proc, procs, full_impl: str, routed_impl: str) -> list:
+def _routing_rows(one_proc, procs, full: str, routed: str) -> list:
+  """Per run (attention.py's, 8 devices in one process; balance.py's, a process per device)
+  and length: fwd+bwd time and temp of the full rotation, then of the routed one."""
   rows = []
-  for d, label in ((one_proc, "8 devices in one process"), (procs, None)):
-    if "rows" in d and "meta" in d:
-      by = {(r["impl"], r["length"]): (r["fwdbwd_median_s"],
-                                       r["fwdbwd_mem"]["temp_size_in_bytes"]) for r in d["rows"]}
-    else:
-      label = f"{d['processes']} processes, one core each"
-      by = {(r["impl"], r["length"]): (r["median_s"], r["temp_bytes"]) for r in d["rows"]}
-    lengths = sorted({n for i, n in by if i == full_impl and (routed_impl, n) in by})
-    for j, n in enumerate(lengths):
-      (tf, mf), (tr, mr) = by[(full_impl, n)], by[(routed_impl, n)]
+  for label, by in (
+      ("8 devices in one process", {(r["impl"], r["length"]): (
+          r["fwdbwd_median_s"], r["fwdbwd_mem"]["temp_size_in_bytes"]) for r in one_proc["rows"]}),
+      (f"{procs['processes']} processes, one core each",
+       {(r["impl"], r["length"]): (r["median_s"], r["temp_bytes"]) for r in procs["rows"]})):
+    for j, n in enumerate(sorted(n for i, n in by if i == full and (routed, n) in by)):
+      (tf, mf), (tr, mr) = by[(full, n)], by[(routed, n)]
       rows.append([label if j == 0 else "", length(n), f"{ms(tf)} ms",
                    f"{ms(tr)} ms ({x(tr / tf)})", f"{mib(mf)} / {mib(mr)}"])
   return rows
 
 
-def _routing_head(layout: str) -> list:
-  return ["", "L", f"{layout} full", f"{layout} routed", "fwd+bwd temp MiB/device, full / routed"]
+for _layout, _full, _routed in (("contiguous", "ring-contiguous+full", "ring-contiguous"),
+                                ("zigzag", "ring-zigzag+full", "ring-zigzag+routed")):
+  table_block(
+      "routing_default" if _layout == "contiguous" else "routing_zigzag",
+      f"routing_{'default' if _layout == 'contiguous' else 'zigzag'}_cpu.json",
+      f"balance_routing{'' if _layout == 'contiguous' else '_zigzag'}_cpu.json",
+      rows=lambda a, b, full=_full, routed=_routed: _routing_rows(a, b, full, routed),
+      head=["", "L", f"{_layout} full", f"{_layout} routed",
+            "fwd+bwd temp MiB/device, full / routed"], align="-rrrr")
 
 
-table_block("routing_default", "routing_default_cpu.json", "balance_routing_cpu.json",
-            rows=lambda a, b: _routing_rows(a, b, "ring-contiguous+full", "ring-contiguous"),
-            head=_routing_head("contiguous"), align="-rrrr")
-table_block("routing_zigzag", "routing_zigzag_cpu.json", "balance_routing_zigzag_cpu.json",
-            rows=lambda a, b: _routing_rows(a, b, "ring-zigzag+full", "ring-zigzag+routed"),
-            head=_routing_head("zigzag"), align="-rrrr")
+def _grads(d) -> float:
+  """Bytes of float32 gradient buffers per device."""
+  return d["num_params"] / d["mesh"]["tensor"] * 4
 
 
 def _tensor_sp_rows(d) -> list:
-  grads = _grads(d)
-
-  def coll(side, kind):
-    c = side["collectives"][kind]
-    return f"{c['count']} ({c['bytes'] / MIB:,.0f})"
-
+  coll = lambda side, kind: (f"{side['collectives'][kind]['count']} "
+                             f"({side['collectives'][kind]['bytes'] / MIB:,.0f})")
   both = lambda r, kind: f"{coll(r['off'], kind)} / {coll(r['on'], kind)}"
   rows = []
   for p, r in _pairs(d["rows"]):
@@ -732,15 +648,10 @@ def _tensor_sp_rows(d) -> list:
       go, gn = off - p["off"]["temp_bytes"], on - p["on"]["temp_bytes"]
       growth = f"{go / GIB:.2f} / {gn / GIB:.2f} ({gn / go:.2f})"
     rows.append([f"{r['seq_len']:,}", f"{off / GIB:.2f}", f"{on / GIB:.2f}", f"{on / off:.2f}",
-                 f"{(off - grads) / GIB:.2f} / {(on - grads) / GIB:.2f}", growth,
+                 f"{(off - _grads(d)) / GIB:.2f} / {(on - _grads(d)) / GIB:.2f}", growth,
                  both(r, "all-reduce"), coll(r["on"], "reduce-scatter"), both(r, "all-gather"),
                  both(r, "collective-permute")])
   return rows
-
-
-def _grads(d) -> float:
-  """Bytes of float32 gradient buffers per device."""
-  return d["num_params"] / d["mesh"]["tensor"] * 4
 
 
 table_block(
@@ -753,34 +664,31 @@ table_block(
           "all-gather off / on", "collective-permute off / on"])
 
 
-# ----------------------------------------------------------------------------
-# docs/performance.md: memory per kernel and strategy
-# ----------------------------------------------------------------------------
+# --- docs/performance.md: memory per kernel and strategy ---------------------------------------
 
 KERNELS_MEM = "attention_cpu_memscan_kernels.json"
 KERNEL_NAMES = {"ring-zigzag:xla": "`xla`",
                 "paper": "paper's code (`ringattention` 0.1.2), for scale"}
-OVERLAP = "ring-zigzag+overlap:xla"
 
 
 def _overlap_dkv(d) -> str:
-  by, _, lengths = _memscan(d)
-  m, n = d["meta"], lengths[-1]
+  n, m = _memscan(d)[2][-1], d["meta"]
+  by = _rows_by(d["memscan"], "impl", "length")
   default, overlap, paper = (by[(i, n)]["fwdbwd_temp"] for i in
-                             ("ring-zigzag:xla", OVERLAP, "paper"))
+                             ("ring-zigzag:xla", "ring-zigzag+overlap:xla", "paper"))
   return (f"Compiled fwd+bwd temp per device at {length(n)} tokens, ring of {m['ring']}, "
           f"{m['heads']} x {m['head_dim']} heads, {m['dtype']}, blocks of "
-          f"{by[(OVERLAP, n)]['block']}, causal zigzag: **{mib(default)} MiB** by default, "
-          f"**{mib(overlap)} MiB** with `overlap_dkv=True` ({x(overlap / default)}); the "
-          f"paper's code: {mib(paper)} MiB.")
+          f"{by[('ring-zigzag+overlap:xla', n)]['block']}, causal zigzag: **{mib(default)} MiB** "
+          f"by default, **{mib(overlap)} MiB** with `overlap_dkv=True` ({x(overlap / default)}); "
+          f"the paper's code: {mib(paper)} MiB.")
 
 
 table_block("overlap_dkv", KERNELS_MEM, intro=_overlap_dkv)
 
 
 def _kernel_rows(d) -> list:
-  by, _, lengths = _memscan(d)
-  return [[label] + [f"{mib(by[(impl, n)][k])} MiB" for n in lengths
+  by = _rows_by(d["memscan"], "impl", "length")
+  return [[label] + [f"{mib(by[(impl, n)][k])} MiB" for n in _memscan(d)[2]
                      for k in ("fwd_temp", "fwdbwd_temp")] for impl, label in KERNEL_NAMES.items()]
 
 
@@ -801,41 +709,34 @@ table_block(
              ("compiled / plan", lambda r: x(r["fwdbwd_temp_bytes"] / r["plan_memory_bytes"]))])
 
 
-# ----------------------------------------------------------------------------
-# docs/performance.md: deviceless TPU compiles (tpu_overlap.py)
-# ----------------------------------------------------------------------------
+# --- docs/performance.md: deviceless TPU compiles (tpu_overlap.py) -----------------------------
 
 TPU_NOTE = "Deviceless compiles with libtpu {libtpu}."
 TPU_INTRO = ("`ring_attention_sharded` fwd+bwd compiled for {topology} (no TPU attached), "
              "ring of 4")
 
 
-def _ring_kinds(row) -> str:
-  return ", ".join(f"{kind.removeprefix('ring ')} {h}/{t}" for kind, (h, t) in row["kinds"].items())
-
-
 def _in_flight(r) -> str:
+  """Ring transfers with block compute in flight / all."""
   return f"{r['ring_in_flight']} of {r['ring_transfers']}"
 
 
-def _overlap_cells(o, r) -> list:
-  """A tpu_overlap row: ring transfers in flight and temp before (``o``) and after."""
-  return [f"`{r['config']}`", _in_flight(o) if o else "", mib(o["temp_mib"] * MIB) if o else "",
-          _in_flight(r), _ring_kinds(r), mib(r["temp_mib"] * MIB)]
+def _kinds(r) -> str:
+  """The same per kind of transfer."""
+  return ", ".join(f"{kind.removeprefix('ring ')} {h}/{t}" for kind, (h, t) in r["kinds"].items())
 
 
-def _rotation_cells(o, r) -> list:
-  """A tpu_backward_rotation row: in flight, per kind and temp, before (``o``) and after."""
-  return [f"`{r['config']}`"] + [c for s in (o, r) for c in (_in_flight(s), _ring_kinds(s),
-                                                             mib(s["temp_mib"] * MIB))]
+def _temp(r) -> str:
+  return f"{r['temp_mib']:.1f}"
 
 
-def _before_after(after, before, cells, skip_new: bool) -> list:
-  """Per configuration of ``after`` (errors left out) its ``cells(before row or None, row)``;
-  ``skip_new``: leave out those ``before`` lacks."""
+def _before_after(after, before, *before_cells) -> list:
+  """Per configuration of ``after`` (errors left out): ``before_cells`` of the same one in
+  ``before`` (blank where it has none), then its transfers in flight, per kind and temp."""
   old = {r["config"]: r for r in before["rows"] if "error" not in r}
-  return [cells(old.get(r["config"]), r) for r in after["rows"]
-          if "error" not in r and (r["config"] in old or not skip_new)]
+  return [[f"`{r['config']}`", *(f(o) if o else "" for f in before_cells), _in_flight(r),
+           _kinds(r), _temp(r)]
+          for r in after["rows"] if "error" not in r for o in [old.get(r["config"])]]
 
 
 table_block(
@@ -849,7 +750,7 @@ table_block(
                         "(in-place dK/dV; causal contiguous routed):"),
     head=["configuration", "before: in flight", "before: temp MiB", "after: in flight",
           "after, per kind", "after: temp MiB"],
-    rows=lambda a, b: _before_after(a, b, _overlap_cells, skip_new=False))
+    rows=lambda a, b: _before_after(a, b, _in_flight, _temp))
 
 table_block(
     "tpu_backward_rotation", "tpu_backward_rotation_v5p.json",
@@ -861,7 +762,7 @@ table_block(
                         f"{b['label']} against {a['label']}:"),
     head=["configuration", "before: in flight", "before, per kind", "before: temp MiB",
           "after: in flight", "after, per kind", "after: temp MiB"],
-    rows=lambda a, b: _before_after(a, b, _rotation_cells, skip_new=True))
+    rows=lambda a, b: _before_after(a, b, _in_flight, _kinds, _temp))
 
 
 def _hop_case(row) -> tuple[str, str]:
@@ -873,25 +774,19 @@ def _hop_case(row) -> tuple[str, str]:
 
 
 def _hop_memory_rows(d, tried) -> list:
-  rows = {_hop_case(r): r for r in d["rows"]}
-  tried_rows = {_hop_case(r): r for r in tried["rows"]}
-
-  def temp(rows, case, kernel):
-    r = rows.get((case, kernel))
-    if r is None:
-      return "", None
-    if "error" in r:
-      return "refused" if r["error"].startswith("ValueError") else "error", None
-    return mib(r["temp_mib"] * MIB), r["temp_mib"]
-
+  """Per configuration: its heads, the xla hop's temp, then per other kernel its temp and the
+  ratio to the xla hop's."""
+  runs = [{_hop_case(r): r for r in f["rows"]} for f in (d, tried)]
+  mib_of = lambda r: None if r is None or "error" in r else r["temp_mib"]
+  cell = lambda r: ("" if r is None else _temp(r) if "error" not in r else
+                    "refused" if r["error"].startswith("ValueError") else "error")
   out = []
-  for case in dict.fromkeys(c for c, _ in rows):
-    first = rows[(case, "xla")]
-    xla, xla_v = temp(rows, case, "xla")
-    cells = [f"`{case}`", f"{first['heads']}:{first['kv_heads']}", xla]
-    for source, kernel in ((rows, "pallas_tpu"), (rows, "splash"), (tried_rows, "splash")):
-      text, v = temp(source, case, kernel)
-      cells += [text, x(v / xla_v) if v and xla_v else ""]
+  for case in dict.fromkeys(c for c, _ in runs[0]):
+    xla = runs[0][(case, "xla")]
+    cells = [f"`{case}`", f"{xla['heads']}:{xla['kv_heads']}", cell(xla)]
+    for run, kernel in ((runs[0], "pallas_tpu"), (runs[0], "splash"), (runs[1], "splash")):
+      r = run.get((case, kernel))
+      cells += [cell(r), x(mib_of(r) / mib_of(xla)) if mib_of(r) and mib_of(xla) else ""]
     out.append(cells)
   return out
 
@@ -908,57 +803,47 @@ table_block(
           "splash, tried", "/ xla"])
 
 
-
-TPU_SPLASH_NONFINITE = "tpu_splash_nonfinite_v5p.json"
-TPU_SPLASH_NONFINITE_BEFORE = "tpu_splash_nonfinite_v5p_before.json"
-
-
-@block("tpu_splash_nonfinite", TPU_SPLASH_NONFINITE, TPU_SPLASH_NONFINITE_BEFORE)
-def tpu_splash_nonfinite() -> str:
-  after, before = load(TPU_SPLASH_NONFINITE), load(TPU_SPLASH_NONFINITE_BEFORE)
+def _splash_rows(after, before) -> list:
+  """Per splash configuration in both runs: its heads, the xla hop's temp (before), then per
+  run the splash temp, its ratio to the xla hop's, transfers in flight and HLO characters."""
   old = {_hop_case(r): r for r in before["rows"] if "error" not in r}
   rows = []
   for r in after["rows"]:
     case, kernel = _hop_case(r)
     b, xla = old.get((case, kernel)), old.get((case, "xla"))
-    if "error" in r or kernel != "splash" or b is None or xla is None:
-      continue
-    rows.append([f"`{case}`", f"{r['heads']}:{r['kv_heads']}", mib(xla["temp_mib"] * MIB),
-                 mib(b["temp_mib"] * MIB), x(b["temp_mib"] / xla["temp_mib"]),
-                 f"{b['ring_in_flight']} of {b['ring_transfers']}",
-                 f"{b['hlo_chars'] / 1e6:.2f}M", mib(r["temp_mib"] * MIB),
-                 x(r["temp_mib"] / xla["temp_mib"]),
-                 f"{r['ring_in_flight']} of {r['ring_transfers']}",
-                 f"{r['hlo_chars'] / 1e6:.2f}M"])
-  return (f"`ring_attention_sharded` fwd+bwd compiled for {after['topology']} (no TPU "
-          f"attached), ring of 4, {length(after['length'])} tokens, head dim "
-          f"{after['head_dim']}, {after['dtype']}, default blocks, the TPU defaults; temp MiB "
-          f"per chip, ring transfers in flight / all and the scheduled HLO's characters; "
-          f"splash {before['label']} (a `cond` to the xla hop on non-finite inputs) and "
-          f"{after['label']} (no `cond` without segment ids); the xla column from the before "
-          "run:\n\n" +
-          table(["configuration", "heads", "xla", "splash before", "/ xla", "in flight",
-                 "HLO", "splash after", "/ xla", "in flight", "HLO"], rows, "--rrrrrrrrr") +
-          "\n\n" + caption(TPU_SPLASH_NONFINITE, TPU_SPLASH_NONFINITE_BEFORE,
-                            note=f"Deviceless compiles with libtpu {after['libtpu']}."))
+    if "error" not in r and kernel == "splash" and b and xla:
+      rows.append([f"`{case}`", f"{r['heads']}:{r['kv_heads']}", _temp(xla)] +
+                  [c for s in (b, r) for c in (_temp(s), x(s["temp_mib"] / xla["temp_mib"]),
+                                               _in_flight(s), f"{s['hlo_chars'] / 1e6:.2f}M")])
+  return rows
 
-# ----------------------------------------------------------------------------
-# docs/performance.md: compile time; docs/training.md: the document layout's host time
-# ----------------------------------------------------------------------------
+
+table_block(
+    "tpu_splash_nonfinite", "tpu_splash_nonfinite_v5p.json",
+    "tpu_splash_nonfinite_v5p_before.json", rows=_splash_rows, align="--rrrrrrrrr",
+    note=TPU_NOTE,
+    intro=lambda a, b: (TPU_INTRO.format_map(a) + f", {length(a['length'])} tokens, head dim "
+                        f"{a['head_dim']}, {a['dtype']}, default blocks, the TPU defaults; temp "
+                        "MiB per chip, ring transfers in flight / all and the scheduled HLO's "
+                        f"characters; splash {b['label']} (a `cond` to the xla hop on non-finite "
+                        f"inputs) and {a['label']} (no `cond` without segment ids); the xla "
+                        "column from the before run:"),
+    head=["configuration", "heads", "xla", "splash before", "/ xla", "in flight", "HLO",
+          "splash after", "/ xla", "in flight", "HLO"])
+
+
+# --- docs/performance.md: compile time; docs/training.md: the document layout's host time ------
 
 COMPILE = "compile_time_cpu.json"
 
 
 def _compile_rows(d) -> list:
-  case = lambda r: (f"{'causal' if r['causal'] else 'non-causal'} {r['layout']}" +
-                    (" (routed)" if r["routed"] else ""))
   t = d["train_step"]
-  step = (f"the tiny train step (`{t['config']}`, {_mesh(t['mesh'], ' x ')}, batch "
-          f"{t['batch'][0]} x {t['batch'][1]})")
-  return [[name, f"{r['hlo_lines']:,}", f"{r['hlo_instructions']:,}",
-           f"{r['compile_median_s']:.2f} s"]
-          for name, r in [(case(r), r) for r in d["attention"] if r["causal_routing"] is None] +
-          [(step, t)]]
+  return [dict(r, name=f"{'causal' if r['causal'] else 'non-causal'} {r['layout']}" +
+               (" (routed)" if r["routed"] else ""))
+          for r in d["attention"] if r["causal_routing"] is None] + [
+              dict(t, name=f"the tiny train step (`{t['config']}`, {_mesh(t['mesh'], ' x ')}, "
+                   f"batch {t['batch'][0]} x {t['batch'][1]})")]
 
 
 table_block(
@@ -966,7 +851,8 @@ table_block(
     intro=("fwd+bwd of `ring_attention_sharded`, ring of {meta[ring]}, {meta[length]} tokens, "
            "{meta[heads]} heads x {meta[head_dim]}, {meta[dtype]}, default blocks and routing; "
            "compile: median of {meta[repeats]} fresh compiles, persistent cache off:"),
-    head=["", "compiled HLO lines", "HLO instructions", "compile"])
+    columns=[("", "{name}"), ("compiled HLO lines", "{hlo_lines:,}"),
+             ("HLO instructions", "{hlo_instructions:,}"), ("compile", "{compile_median_s:.2f} s")])
 
 
 def _routing_compile_rows(d) -> list:
@@ -974,23 +860,21 @@ def _routing_compile_rows(d) -> list:
   for layout in ("contiguous", "zigzag"):
     full, routed = (next(r for r in d["attention"] if r["causal"] and r["layout"] == layout
                          and r["routed"] == routed) for routed in (False, True))
-    for key, label in (("fwd_temp_bytes", "fwd"), ("fwdbwd_temp_bytes", "fwd+bwd")):
-      rows.append([f"{layout} {label}", f"{mib(full[key])} MiB", f"{mib(routed[key])} MiB"] +
-                  ([f"{full['hlo_lines']:,} / {routed['hlo_lines']:,}",
-                    x(routed["compile_median_s"] / full["compile_median_s"])]
-                   if label == "fwd+bwd" else ["", ""]))
+    rows.append([f"{layout} fwd", f"{mib(full['fwd_temp_bytes'])} MiB",
+                 f"{mib(routed['fwd_temp_bytes'])} MiB", "", ""])
+    rows.append([f"{layout} fwd+bwd", f"{mib(full['fwdbwd_temp_bytes'])} MiB",
+                 f"{mib(routed['fwdbwd_temp_bytes'])} MiB",
+                 f"{full['hlo_lines']:,} / {routed['hlo_lines']:,}",
+                 x(routed["compile_median_s"] / full["compile_median_s"])])
   return rows
-
-
-def _routing_compile_intro(m) -> str:
-  return (f"Causal, ring of {m['ring']}, {m['length'] // m['ring']} tokens per device, "
-          f"{m['heads']} x {m['head_dim']} heads, {m['dtype']}, default blocks; temp per device "
-          f"from `memory_analysis()`; compile: median of {m['repeats']} fresh compiles each:")
 
 
 table_block(
     "routing_compile", COMPILE, rows=_routing_compile_rows, align="-rrrr",
-    intro=lambda d: _routing_compile_intro(d["meta"]),
+    intro=lambda d: fmt("Causal, ring of {ring}, {local} tokens per device, {heads} x {head_dim} "
+                        "heads, {dtype}, default blocks; temp per device from "
+                        "`memory_analysis()`; compile: median of {repeats} fresh compiles each:",
+                        dict(d["meta"], local=d["meta"]["length"] // d["meta"]["ring"])),
     head=["causal", "full rotation temp", "routed temp", "fwd+bwd HLO lines, full / routed",
           "fwd+bwd compile, routed / full"])
 
@@ -1011,9 +895,6 @@ table_block(
     intro="`training.data.to_layout_np` per batch, one thread, median of {meta[reps]}:",
     head=["batch (rows x length)", "ring", "mean document", "documents per row", "zigzag",
           "`document`"])
-
-
-LENGTH_BUCKETS = "length_buckets_cpu.json"
 
 
 def _bucket_rows(d) -> list:
@@ -1055,26 +936,21 @@ def _buckets_vs_one_ring(d) -> str:
                "-rr")
 
 
-def _buckets_intro(d) -> str:
-  st, corpus = d["settings"], d["corpus"]
-  return (f"`benchmarks/length_buckets.py`: {corpus['documents']:,} documents "
-          f"({pct(corpus['short_fraction'])} of them <= `seq_len / 8`), `seq_len` "
-          f"{st['seq_len']:,}, the one ring of {st['ring']} fake CPU devices, "
-          f"{st['batch'] * st['seq_len']:,} token slots per step, a "
-          f"{st['model']['model.num_layers']}-layer dim-{st['model']['model.dim']} LLaMA, the "
-          "same initial parameters and document stream. Per bucket, read from its compiled "
-          "program (loop bodies times their trip counts), per device:")
-
-
 table_block(
-    "length_buckets", LENGTH_BUCKETS, intro=_buckets_intro, rows=_bucket_rows, align="-r-rrr",
+    "length_buckets", "length_buckets_cpu.json", rows=_bucket_rows, align="-r-rrr",
+    intro=lambda d: fmt(
+        "`benchmarks/length_buckets.py`: {corpus[documents]:,} documents "
+        "({corpus[short_fraction]:pct} of them <= `seq_len / 8`), `seq_len` {settings[seq_len]:,}, "
+        "the one ring of {settings[ring]} fake CPU devices, {slots:,} token slots per step, a "
+        "{settings[model][model.num_layers]}-layer dim-{settings[model][model.dim]} LLaMA, the "
+        "same initial parameters and document stream. Per bucket, read from its compiled program "
+        "(loop bodies times their trip counts), per device:",
+        dict(d, slots=d["settings"]["batch"] * d["settings"]["seq_len"])),
     head=["bucket (tokens x rows)", "ring", "mesh", "steps", "ring permutes per step",
           "ring MiB per step"], after=_buckets_vs_one_ring)
 
 
-# ----------------------------------------------------------------------------
-# Conformance: benchmarks/conformance.py (the kit, ring_jax.testing)
-# ----------------------------------------------------------------------------
+# --- Conformance: benchmarks/conformance.py (the kit, ring_jax.testing) ------------------------
 
 CONFORMANCE = {"ring_jax ring": "conformance_ring.json",
                "ring_jax all_gather": "conformance_all_gather.json",
@@ -1117,33 +993,32 @@ table_block(
                          "case needs.\n\n" + _conformance_matrix(*runs)))
 
 
-# ----------------------------------------------------------------------------
-# The README's headline table
-# ----------------------------------------------------------------------------
+# --- The README's headline table ---------------------------------------------------------------
 
-def _headline_rows() -> list[tuple[str, str, list[str], str]]:
-  """Per headline figure: what it measures, the figure, its result files, its docs section."""
-  acc = load(CORE)["accuracy"]
-  p4 = _rows_by(load(PAPER_4K)["rows"], "impl", "causal")
+DOC = LINK_ROOT + "docs/benchmarks.md"
+HEADLINE = (CORE, PAPER_4K, MEMSCAN, BALANCE, PACKED, FIT_1, FIT_8, DECODE_FIT, TWO_LEVEL)
+
+
+def _headline_rows(core, paper, memscan, bal, packed, fit_1, fit_8, decode_fit, two_level):
+  """Per headline figure: what it measures, the figure, the date, machine and jax of its result
+  files, links to them and to its section of the docs."""
+  p4 = _rows_by(paper["rows"], "impl", "causal")
   zz, pa = p4[("ring-zigzag", True)], p4[("paper", True)]
-  mem, ring, _ = _memscan(load(MEMSCAN))
-  lengths = [n for n in (16384, 65536) if (ring, n) in mem]  # two lengths fit a cell
-  temp = lambda impl, n: mem[(impl, n)]["fwdbwd_temp"]
-  bal = load(BALANCE)
+  temp, ring, _ = _memscan(memscan)
+  lengths = [n for n in (16384, 65536) if (ring, n) in temp]  # two lengths fit a cell
   bby = _rows_by(bal["rows"], "impl", "length")
   bl = 8192 if ("ring-zigzag", 8192) in bby else bal["lengths"][-1]
-  pk = load(PACKED)["means"].values()
+  pk = packed["means"].values()
   zz_med = [v["zigzag"]["block_max_over_mean"]["median"] for v in pk]
-  f1, f8 = load(FIT_1), load(FIT_8)
-  dfit = next(r for r in load(DECODE_FIT) if r["config"] == "llama_1b.py" and r["devices"] == 8)
-  tl = load(TWO_LEVEL)["rows"]
-  full = next(r for r in tl if r["ring"] == "two-level" and r["pass_"] == "fwd+bwd")
-  routed = next(r for r in tl if r["ring"] == "routed" and r["pass_"] == "fwd+bwd"
-                and r["split"] == full["split"])
-  return [
-      (f"Max relative error vs a float64 oracle, float32 inputs, {len(acc)} cases "
+  dfit = next(r for r in decode_fit if r["config"] == "llama_1b.py" and r["devices"] == 8)
+  pairs = [r for r in two_level["rows"] if r["pass_"] == "fwd+bwd"]
+  full = next(r for r in pairs if r["ring"] == "two-level")
+  routed = next(r for r in pairs if r["ring"] == "routed" and r["split"] == full["split"])
+  figures = [
+      (f"Max relative error vs a float64 oracle, float32 inputs, {len(core['accuracy'])} cases "
        "(layouts, masks, segments, GQA/MQA, ring sizes 1-8): outputs / dQ, dK, dV",
-       f"{sci(_worst(acc, 'out'))} / {sci(_worst(acc, *GRADS))}", [CORE], "exactness"),
+       f"{sci(_worst(core['accuracy'], 'out'))} / {sci(_worst(core['accuracy'], *GRADS))}",
+       [CORE], "exactness"),
       (f"Causal fwd+bwd time vs the paper's code, zigzag, L={length(zz['length'])}, "
        "8 fake devices in one process",
        x(zz["fwdbwd_median_s"] / pa["fwdbwd_median_s"]), [PAPER_4K], "against-the-papers-code"),
@@ -1153,9 +1028,9 @@ def _headline_rows() -> list[tuple[str, str, list[str], str]]:
        "against-the-papers-code"),
       (f"fwd+bwd memory per device, causal zigzag, blocks of 256, "
        f"{' / '.join(length(n) for n in lengths)}: ring vs the paper's code (all-gather)",
-       " / ".join(f"{mib(temp(ring, n))} MiB ({x(temp(ring, n) / temp('paper', n))})"
+       " / ".join(f"{mib(temp[ring, n])} MiB ({x(temp[ring, n] / temp['paper', n])})"
                   for n in lengths) +
-       " (all-gather " + " / ".join(mib(temp("allgather", n)) for n in lengths) + " MiB)",
+       " (all-gather " + " / ".join(mib(temp["allgather", n]) for n in lengths) + " MiB)",
        [MEMSCAN], "memory-per-device"),
       (f"Causal fwd+bwd wall time vs the paper's code, one process and core per device "
        f"(ring of {bal['processes']}), zigzag, L={length(bl)}",
@@ -1166,8 +1041,8 @@ def _headline_rows() -> list[tuple[str, str, list[str], str]]:
        f"{max(v['document']['block_max_over_mean']['max'] for v in pk):.2f} "
        f"({min(zz_med):.2f}-{max(zz_med):.2f})", [PACKED], "packed-documents"),
       (f"Longest `configs/llama_1b.py:long` training context within "
-       f"{f1['memory_bytes'] / GIB:g} GiB per device (compiled plan): 1 device / 8 devices",
-       f"{length(f1['seq_len'])} / {length(f8['seq_len'])} tokens", [FIT_1, FIT_8],
+       f"{fit_1['memory_bytes'] / GIB:g} GiB per device (compiled plan): 1 device / 8 devices",
+       f"{length(fit_1['seq_len'])} / {length(fit_8['seq_len'])} tokens", [FIT_1, FIT_8],
        "how-long-a-context-fits"),
       (f"Longest llama_1b decode KV cache (f32) within {dfit['budget_gib']:g} GiB per device, "
        f"{dfit['devices']} devices", f"{tokens(dfit['longest_cache_tokens'])} tokens",
@@ -1176,57 +1051,56 @@ def _headline_rows() -> list[tuple[str, str, list[str], str]]:
        f"{'x'.join(map(str, full['split']))}: bytes over the outer links, routed / full rotation",
        x(routed["outer_total"] / full["outer_total"]), [TWO_LEVEL], "two-link-levels"),
   ]
+  return [[what, f"**{figure}**", "; ".join(dict.fromkeys(when(f, short=True) for f in files)),
+           ", ".join(f"[{f}]({LINK_ROOT}benchmarks/results/{f})" for f in files) +
+           f"; [how]({DOC}#{anchor})"] for what, figure, files, anchor in figures]
 
 
-@block("headline", CORE, PAPER_4K, MEMSCAN, BALANCE, PACKED, FIT_1, FIT_8, DECODE_FIT, TWO_LEVEL)
-def headline() -> str:
-  """The README's table: per figure its date, machine and jax, its files, its docs section."""
-  rows = []
-  for what, figure, files, anchor in _headline_rows():
-    dated = "; ".join(dict.fromkeys(when(f, short=True) for f in files))
-    src = ", ".join(f"[{f}]({LINK_ROOT}benchmarks/results/{f})" for f in files)
-    rows.append([what, f"**{figure}**", dated, f"{src}; [how]({DOC}#{anchor})"])
-  return (table(["measured", "figure", "date, machine, jax", "result file; command"], rows) +
-          "\n\nGenerated by `python benchmarks/report.py` from the result files; every table "
-          f"and its command: [docs/benchmarks.md]({DOC}).")
+table_block(
+    "headline", *HEADLINE, rows=_headline_rows, cite=False,
+    head=["measured", "figure", "date, machine, jax", "result file; command"],
+    after=("Generated by `python benchmarks/report.py` from the result files; every table and its "
+           f"command: [docs/benchmarks.md]({DOC})."))
 
 
-# ----------------------------------------------------------------------------
-# Rendering into markdown files
-# ----------------------------------------------------------------------------
+# --- Rendering into markdown files -------------------------------------------------------------
 
 def render_block(name: str, md_path: str) -> str:
   """Block ``name``'s text with links made relative to the directory of ``md_path``."""
   if name not in BLOCKS:
     raise ReportError(f"unknown block {name!r} (known: {', '.join(sorted(BLOCKS))})")
-  text = BLOCKS[name][0]()
   rel = os.path.relpath(ROOT, os.path.dirname(os.path.abspath(md_path)))
   prefix = "" if rel == "." else rel.replace(os.sep, "/") + "/"
-  return text.replace(LINK_ROOT, prefix).rstrip("\n")
+  return BLOCKS[name][0]().replace(LINK_ROOT, prefix).rstrip("\n")
 
 
-def rewrite(text: str, md_path: str, cache: dict | None = None) -> tuple[str, list[str]]:
-  """``text`` with every block regenerated; the names of the blocks that changed."""
-  opens = [m.group("name") for m in OPEN_RE.finditer(text)]
-  found = BLOCK_RE.findall(text)
-  closes = len(CLOSE_RE.findall(text))
-  if len(opens) != len(found) or closes != len(found):
-    raise ReportError(f"{os.path.relpath(md_path, ROOT)}: unbalanced <!-- report: NAME --> / "
-                      "<!-- /report --> markers")
+def rewrite(text: str, md_path: str) -> tuple[str, list[tuple[str, str, str]]]:
+  """``text`` with every block regenerated; per block that changed, its name, old and new text."""
+  rel = os.path.relpath(md_path, ROOT)
+  if not len(OPEN_RE.findall(text)) == len(CLOSE_RE.findall(text)) == len(BLOCK_RE.findall(text)):
+    raise ReportError(f"{rel}: unbalanced <!-- report: NAME --> / <!-- /report --> markers")
   changed = []
 
   def sub(m):
-    name = m.group("name")
     try:
-      body = render_block(name, md_path)
+      body = render_block(m["name"], md_path) + "\n"
     except ReportError as e:
-      raise ReportError(f"{os.path.relpath(md_path, ROOT)}: block {name!r}: {e}") from None
-    new = f"<!-- report: {name} -->\n{body}\n<!-- /report -->"
-    if new != m.group(0):
-      changed.append(name)
-    return new
+      raise ReportError(f"{rel}: block {m['name']!r}: {e}") from None
+    if body != m["body"]:
+      changed.append((m["name"], m["body"], body))
+    return f"<!-- report: {m['name']} -->\n{body}<!-- /report -->"
 
   return BLOCK_RE.sub(sub, text), changed
+
+
+def block_diff(rel: str, changed: list[tuple[str, str, str]]) -> str:
+  """Per block that changed: its name and a unified diff of its old text to the generated."""
+  out = []
+  for name, old, new in changed:
+    out.append(f"{rel}: block '{name}' differs from its result files:")
+    out += difflib.unified_diff(old.splitlines(), new.splitlines(), f"{rel} [{name}]",
+                                "generated", lineterm="")
+  return "\n".join(out)
 
 
 def markdown_files(root: str = ROOT) -> list[str]:
@@ -1239,20 +1113,6 @@ def markdown_files(root: str = ROOT) -> list[str]:
   return out
 
 
-def block_diff(old: str, new: str, md_path: str) -> str:
-  """A unified diff per block that differs, headed by the file and the block's name."""
-  old_blocks = {m.start(): m for m in BLOCK_RE.finditer(old)}
-  new_blocks = list(BLOCK_RE.finditer(new))
-  out = []
-  for o, n in zip(old_blocks.values(), new_blocks):
-    if o.group(0) != n.group(0):
-      rel = os.path.relpath(md_path, ROOT)
-      out.append(f"{rel}: block '{o.group('name')}' differs from its result files:")
-      out += list(difflib.unified_diff(o.group("body").splitlines(), n.group("body").splitlines(),
-                                       f"{rel} [{o.group('name')}]", "generated", lineterm=""))
-  return "\n".join(out)
-
-
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--check", action="store_true",
@@ -1263,6 +1123,7 @@ def main(argv=None) -> int:
   ap.add_argument("--print", dest="print_block", default=None, metavar="NAME",
                   help="print one block (links relative to the repository root)")
   args = ap.parse_args(argv)
+  stale, blocks = [], 0
   try:
     if args.list:
       for name, (_, files) in sorted(BLOCKS.items()):
@@ -1271,22 +1132,17 @@ def main(argv=None) -> int:
     if args.print_block:
       print(render_block(args.print_block, os.path.join(ROOT, "README.md")))
       return 0
-    stale, blocks = [], 0
     for path in args.files or markdown_files():
       with open(path) as fh:
-        old = fh.read()
-      if "<!-- report:" not in old and "<!-- /report" not in old:
-        continue
-      new, changed = rewrite(old, path)
+        new, changed = rewrite(fh.read(), path)
       blocks += len(BLOCK_RE.findall(new))
-      if not changed:
-        continue
-      if args.check:
-        stale.append(block_diff(old, new, path))
-      else:
+      rel = os.path.relpath(path, ROOT)
+      if changed and args.check:
+        stale.append(block_diff(rel, changed))
+      elif changed:
         with open(path, "w") as fh:
           fh.write(new)
-        print(f"{os.path.relpath(path, ROOT)}: rewrote {', '.join(changed)}")
+        print(f"{rel}: rewrote {', '.join(name for name, _, _ in changed)}")
   except ReportError as e:
     print(f"report.py: error: {e}", file=sys.stderr)
     return 2
