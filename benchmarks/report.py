@@ -6,7 +6,8 @@ Every table of measured figures in a markdown file sits between two whole-line m
 after it, every figure computed from the raw numbers of its result files
 (``benchmarks/results/*.json`` / ``*.jsonl``), then a caption: per file its date, machine and jax,
 a link, and the command that made it. Nothing is typed by hand, so no quoted figure can drift
-from the run that made it. A new block is one call at module level::
+from the run that made it. A new block is one call at module level (or ``@block(...)`` with the
+same arguments above the function that gives its rows)::
 
     table_block("my_block", "my_result_cpu.json", rows=lambda d: d["rows"], align="-r",
                 intro="Ring of {ring}, {length:len} tokens:",   # over the file's top level
@@ -243,6 +244,14 @@ def table_block(name: str, *files: str, key: str = "", rows: Callable | None = N
   BLOCKS[name] = (render, files)
 
 
+def block(name: str, *files: str, **spec):
+  """Decorator: the function is the ``rows`` of ``table_block(name, *files, **spec)``."""
+  def register(rows: Callable) -> Callable:
+    table_block(name, *files, rows=rows, **spec)
+    return rows
+  return register
+
+
 # --- Core figures: benchmarks/core_report.py ---------------------------------------------------
 
 CORE = "core_report_cpu.json"
@@ -272,19 +281,17 @@ table_block(
                     for p, r in _pairs(d["rows"])])
 
 
+@block(
+    "core_work", CORE, key="work", align="-rrrrr",
+    intro=("Causal, ring of {ring}, {local_len} tokens per device, blocks of {block} "
+           "(`ring_jax.schedule`, no timing):"),
+    head=["layout", "block pairs per device (min ... max)", "max / mean", "critical path (pairs)",
+          "vs contiguous", "total"])
 def _work_rows(d) -> list:
   base = next(r for r in d["rows"] if r["layout"] == "contiguous")["critical_path"]
   return [[r["layout"], f"{min(w)} ... {max(w)}", f"{max(w) / (sum(w) / len(w)):.2f}",
            r["critical_path"], x(r["critical_path"] / base), sum(w)]
           for r in d["rows"] for w in [r["work_per_device"]]]
-
-
-table_block(
-    "core_work", CORE, key="work", rows=_work_rows, align="-rrrrr",
-    intro=("Causal, ring of {ring}, {local_len} tokens per device, blocks of {block} "
-           "(`ring_jax.schedule`, no timing):"),
-    head=["layout", "block pairs per device (min ... max)", "max / mean", "critical path (pairs)",
-          "vs contiguous", "total"])
 
 
 # --- Against the paper's code: benchmarks/attention.py -----------------------------------------
@@ -295,6 +302,12 @@ PAPER_IMPLS = {"ring-zigzag": "ring zigzag", "ring-contiguous": "ring contiguous
                "paper": "paper"}
 
 
+@block(
+    "paper_4k", PAPER_4K,
+    intro=("{meta[dtype]}, B={meta[batch]}, {meta[heads]} heads x {meta[head_dim]}, ring of "
+           "{meta[ring]} in one process, blocks of {rows:blocks}, median of {meta[repeats]}:"),
+    head=lambda d: [f"L = {length(d['rows'][0]['length'])}, fwd+bwd", *PAPER_IMPLS.values(),
+                    "same-size f32 matmul"])
 def _paper_rows(d) -> list:
   by = _rows_by(d["rows"], "impl", "causal")
   rows = []
@@ -313,20 +326,17 @@ def _paper_rows(d) -> list:
   return rows
 
 
-table_block(
-    "paper_4k", PAPER_4K, rows=_paper_rows,
-    intro=("{meta[dtype]}, B={meta[batch]}, {meta[heads]} heads x {meta[head_dim]}, ring of "
-           "{meta[ring]} in one process, blocks of {rows:blocks}, median of {meta[repeats]}:"),
-    head=lambda d: [f"L = {length(d['rows'][0]['length'])}, fwd+bwd", *PAPER_IMPLS.values(),
-                    "same-size f32 matmul"])
-
-
 def _memscan(d) -> tuple[dict, str, list]:
   """Compiled fwd+bwd temp bytes by (impl, length), the ring's impl, the lengths."""
   temp = {(r["impl"], r["length"]): r["fwdbwd_temp"] for r in d["memscan"]}
   return temp, next(i for i, _ in temp if i.startswith("ring")), sorted({n for _, n in temp})
 
 
+@block(
+    "memory_fixed_block", MEMSCAN, align="-rrrr",
+    head=lambda d: [f"L ({_memscan(d)[1]}, causal, blocks of {block_sizes(d['memscan'])})",
+                    "ring MiB/device", "paper MiB/device", "ring / paper",
+                    "all-gather MiB/device"])
 def _fixed_block_rows(d) -> list:
   temp, ring, lengths = _memscan(d)
   return [[length(n), mib(temp[ring, n]), mib(temp["paper", n]),
@@ -335,18 +345,24 @@ def _fixed_block_rows(d) -> list:
 
 
 table_block(
-    "memory_fixed_block", MEMSCAN, rows=_fixed_block_rows, align="-rrrr",
-    head=lambda d: [f"L ({_memscan(d)[1]}, causal, blocks of {block_sizes(d['memscan'])})",
-                    "ring MiB/device", "paper MiB/device", "ring / paper",
-                    "all-gather MiB/device"])
-
-table_block(
     "memory_scan_allgather", MEMSCAN, align="-rr",
     head=["L", "all-gather fwd+bwd temp MiB/device", "vs previous"],
     rows=lambda d: [[length(n), mib(v), x(v / p[1]) if p else ""] for p, (n, v) in _pairs(
         sorted((r["length"], r["fwdbwd_temp"]) for r in d["memscan"] if r["impl"] == "allgather"))])
 
 
+def _rings(e) -> list:
+  return sorted({r["ring"] for r in e["rows"] if r["ring"]})
+
+
+@block(
+    "bf16_error", "attention_cpu_bf16.json", key="bf16_error",
+    head=lambda e: ["impl"] + [f"ring {n}" for n in _rings(e)],
+    intro=lambda e: (f"Relative Frobenius error out / dQ / dK / dV, causal, L={e['length']}, "
+                     f"{e['heads']} heads x {e['head_dim']}; worst over the ring's layouts and "
+                     "sizes: **" + sci(_worst([r["rel_err"] for r in e["rows"] if r["ring"] and
+                                               r["impl"].startswith("ring")], "out", *GRADS)) +
+                     "**."))
 def _bf16_rows(e) -> list:
   by = {(r["impl"], r["ring"]): r["rel_err"] for r in e["rows"]}
   errors = lambda v: " / ".join(sci(v[k]) for k in ("out", *GRADS))
@@ -359,26 +375,19 @@ def _bf16_rows(e) -> list:
   return rows
 
 
-def _rings(e) -> list:
-  return sorted({r["ring"] for r in e["rows"] if r["ring"]})
-
-
-table_block(
-    "bf16_error", "attention_cpu_bf16.json", key="bf16_error", rows=_bf16_rows,
-    head=lambda e: ["impl"] + [f"ring {n}" for n in _rings(e)],
-    intro=lambda e: (f"Relative Frobenius error out / dQ / dK / dV, causal, L={e['length']}, "
-                     f"{e['heads']} heads x {e['head_dim']}; worst over the ring's layouts and "
-                     "sizes: **" + sci(_worst([r["rel_err"] for r in e["rows"] if r["ring"] and
-                                               r["impl"].startswith("ring")], "out", *GRADS)) +
-                     "**."))
-
-
 # --- Load balance: balance.py, packed_balance.py -----------------------------------------------
 
 BALANCE = "balance_cpu.json"
 PACKED = "packed_balance.json"
 
 
+@block(
+    "balance", BALANCE, align="-rrrrrr",
+    intro=("Causal fwd+bwd, {processes} processes (ring of {processes}), {dtype}, B={batch}, "
+           "{heads} heads x {head_dim}, blocks of {rows:blocks}, median of {repeats} (each "
+           "repetition: the slowest process); time over the paper's code:"),
+    head=["L", "contiguous", "zigzag", "striped", "paper (ms)",
+          "critical path, hops: contiguous / zigzag", "temp MiB/device: ring / paper"])
 def _balance_rows(d) -> list:
   by = _rows_by(d["rows"], "impl", "length")
   rows = []
@@ -390,15 +399,6 @@ def _balance_rows(d) -> list:
                  f"{ct['critical_path_hops']:.2f} / {zz['critical_path_hops']:.2f}",
                  f"{mib(zz['temp_bytes'])} / {mib(paper['temp_bytes']) if paper else '-'}"])
   return rows
-
-
-table_block(
-    "balance", BALANCE, rows=_balance_rows, align="-rrrrrr",
-    intro=("Causal fwd+bwd, {processes} processes (ring of {processes}), {dtype}, B={batch}, "
-           "{heads} heads x {head_dim}, blocks of {rows:blocks}, median of {repeats} (each "
-           "repetition: the slowest process); time over the paper's code:"),
-    head=["L", "contiguous", "zigzag", "striped", "paper (ms)",
-          "critical path, hops: contiguous / zigzag", "temp MiB/device: ring / paper"])
 
 
 def _mm(v) -> str:
@@ -427,6 +427,12 @@ FIT_1 = "fit_llama_1b_long_1dev.json"
 FIT_8 = "fit_llama_1b_long_8dev.json"
 
 
+@block(
+    "fit", FIT_1, FIT_8, align="-rrrr-",
+    intro=lambda d, _: (f"`configs/llama_1b.py:long`, remat `{d['remat_policy']}`, batch "
+                        f"{d['batch_rows']}, {d['memory_bytes'] / GIB:g} GiB per device; bold: "
+                        "the longest length that fits. Per device = compiled - to host:"),
+    head=["devices (mesh)", "seq_len", "compiled GiB", "to host GiB", "per device GiB", "fits"])
 def _fit_rows(*runs) -> list:
   rows = []
   for d in runs:
@@ -437,14 +443,6 @@ def _fit_rows(*runs) -> list:
                    gib(c["compiled_per_device_bytes"]), gib(c["offloaded_bytes"]),
                    bold(gib(c["per_device_bytes"])), "yes" if c["fits"] else "no"])
   return rows
-
-
-table_block(
-    "fit", FIT_1, FIT_8, rows=_fit_rows, align="-rrrr-",
-    intro=lambda d, _: (f"`configs/llama_1b.py:long`, remat `{d['remat_policy']}`, batch "
-                        f"{d['batch_rows']}, {d['memory_bytes'] / GIB:g} GiB per device; bold: "
-                        "the longest length that fits. Per device = compiled - to host:"),
-    head=["devices (mesh)", "seq_len", "compiled GiB", "to host GiB", "per device GiB", "fits"])
 
 
 def _nolicm(with_, d) -> str:
@@ -529,16 +527,8 @@ table_block(
            "**{train_step[tokens_per_s]:,} tokens/s** ({train_step[step_time_s]:.2f} s/step)."))
 
 
-def _vs_flat(d) -> dict:
-  """Per row of two_level.py, its bytes over all outer links over the flat ring's."""
-  flat = {(tuple(r["split"]), r["pass_"]): r["outer_total"] for r in d["rows"]
-          if r["ring"] == "flat"}
-  return [dict(r, vs_flat=r["outer_total"] / flat[(tuple(r["split"]), r["pass_"])])
-          for r in d["rows"]]
-
-
-table_block(
-    "two_level", TWO_LEVEL, rows=_vs_flat, align="---rrrrrr",
+@block(
+    "two_level", TWO_LEVEL, align="---rrrrrr",
     intro=lambda d: (f"Ring of 8, L = {d['rows'][0]['length']:,}, {d['kv_heads']} K/V heads of "
                      f"{d['head_dim']}, {d['dtype']}, {'causal ' if d['is_causal'] else ''}"
                      f"{d['layout']}; per device unless \"all\":"),
@@ -547,6 +537,12 @@ table_block(
              ("outer MiB", "{outer_bytes:mib}"), ("all outer links MiB", "{outer_total:mib}"),
              ("all outer vs flat", "{vs_flat:ratio}"), ("inner transfers", "{inner_transfers}"),
              ("inner MiB", "{inner_bytes:mib}")])
+def _vs_flat(d) -> list:
+  """Per row of two_level.py, its bytes over all outer links over the flat ring's."""
+  flat = {(tuple(r["split"]), r["pass_"]): r["outer_total"] for r in d["rows"]
+          if r["ring"] == "flat"}
+  return [dict(r, vs_flat=r["outer_total"] / flat[(tuple(r["split"]), r["pass_"])])
+          for r in d["rows"]]
 
 
 # --- docs/performance.md: block sweep, hop profile, routing, tensor sequence parallelism -------
@@ -586,6 +582,11 @@ HOP_KINDS = {"matmul": "matmuls (the block products)", "exp": "exp",
              "transfer": "transfers (waits included)", "layout copies": "layout copies"}
 
 
+@block(
+    "hop_profile", "hop_profile_cpu_causal.json", "hop_profile_cpu_full.json", align="-rr",
+    intro="Ring of {ring}, L={length}, {layout}, {heads} heads x {head_dim}, default blocks:",
+    head=lambda *runs: ["share of the profiled op time"] + ["causal" if r["causal"] else
+                                                            "non-causal" for r in runs])
 def _hop_profile_rows(*runs) -> list:
   kind = lambda r, k: pct(r["by_kind_ms"][k] / sum(r["by_kind_ms"].values()))
   part = lambda r, k: pct(r["by_part_ms"].get(k, 0.0) / sum(r["by_part_ms"].values()))
@@ -594,14 +595,6 @@ def _hop_profile_rows(*runs) -> list:
            [f"{part(r, 'bwd: xla_hop_bwd_blocks')} / {part(r, 'fwd: xla_hop_fwd_blocks')}"
             for r in runs],
            ["by part: merge of the hops' (out, lse)"] + [part(r, "fwd: merge") for r in runs]])
-
-
-table_block(
-    "hop_profile", "hop_profile_cpu_causal.json", "hop_profile_cpu_full.json",
-    rows=_hop_profile_rows, align="-rr",
-    intro="Ring of {ring}, L={length}, {layout}, {heads} heads x {head_dim}, default blocks:",
-    head=lambda *runs: ["share of the profiled op time"] + ["causal" if r["causal"] else
-                                                            "non-causal" for r in runs])
 
 
 def _routing_rows(one_proc, procs, full: str, routed: str) -> list:
@@ -620,15 +613,14 @@ def _routing_rows(one_proc, procs, full: str, routed: str) -> list:
   return rows
 
 
-for _layout, _full, _routed in (("contiguous", "ring-contiguous+full", "ring-contiguous"),
-                                ("zigzag", "ring-zigzag+full", "ring-zigzag+routed")):
-  table_block(
-      "routing_default" if _layout == "contiguous" else "routing_zigzag",
-      f"routing_{'default' if _layout == 'contiguous' else 'zigzag'}_cpu.json",
-      f"balance_routing{'' if _layout == 'contiguous' else '_zigzag'}_cpu.json",
-      rows=lambda a, b, full=_full, routed=_routed: _routing_rows(a, b, full, routed),
-      head=["", "L", f"{_layout} full", f"{_layout} routed",
-            "fwd+bwd temp MiB/device, full / routed"], align="-rrrr")
+table_block("routing_default", "routing_default_cpu.json", "balance_routing_cpu.json",
+            rows=lambda a, b: _routing_rows(a, b, "ring-contiguous+full", "ring-contiguous"),
+            head=["", "L", "contiguous full", "contiguous routed",
+                  "fwd+bwd temp MiB/device, full / routed"], align="-rrrr")
+table_block("routing_zigzag", "routing_zigzag_cpu.json", "balance_routing_zigzag_cpu.json",
+            rows=lambda a, b: _routing_rows(a, b, "ring-zigzag+full", "ring-zigzag+routed"),
+            head=["", "L", "zigzag full", "zigzag routed",
+                  "fwd+bwd temp MiB/device, full / routed"], align="-rrrr")
 
 
 def _grads(d) -> float:
@@ -636,6 +628,14 @@ def _grads(d) -> float:
   return d["num_params"] / d["mesh"]["tensor"] * 4
 
 
+@block(
+    "tensor_sp", "tensor_sp_cpu.json", align="rrrrrrrrrr",
+    intro=lambda d: (f"Float32 gradient buffers: {_grads(d) / GIB:.2f} GiB per device (in "
+                     "\"temp\", the same at every length and either way); collectives: count "
+                     "(MiB of results):"),
+    head=["seq_len", "temp off GiB", "temp on GiB", "on/off", "temp - f32 grads off / on GiB",
+          "growth off / on GiB (on/off)", "all-reduce off / on", "reduce-scatter on",
+          "all-gather off / on", "collective-permute off / on"])
 def _tensor_sp_rows(d) -> list:
   coll = lambda side, kind: (f"{side['collectives'][kind]['count']} "
                              f"({side['collectives'][kind]['bytes'] / MIB:,.0f})")
@@ -652,16 +652,6 @@ def _tensor_sp_rows(d) -> list:
                  both(r, "all-reduce"), coll(r["on"], "reduce-scatter"), both(r, "all-gather"),
                  both(r, "collective-permute")])
   return rows
-
-
-table_block(
-    "tensor_sp", "tensor_sp_cpu.json", rows=_tensor_sp_rows, align="rrrrrrrrrr",
-    intro=lambda d: (f"Float32 gradient buffers: {_grads(d) / GIB:.2f} GiB per device (in "
-                     "\"temp\", the same at every length and either way); collectives: count "
-                     "(MiB of results):"),
-    head=["seq_len", "temp off GiB", "temp on GiB", "on/off", "temp - f32 grads off / on GiB",
-          "growth off / on GiB (on/off)", "all-reduce off / on", "reduce-scatter on",
-          "all-gather off / on", "collective-permute off / on"])
 
 
 # --- docs/performance.md: memory per kernel and strategy ---------------------------------------
@@ -686,17 +676,16 @@ def _overlap_dkv(d) -> str:
 table_block("overlap_dkv", KERNELS_MEM, intro=_overlap_dkv)
 
 
+@block(
+    "hop_kernel_memory", KERNELS_MEM,
+    head=lambda d: ["kernel"] + [f"{p}, {length(n)}" for n in _memscan(d)[2]
+                                 for p in ("fwd", "fwd+bwd")],
+    align=lambda d: "-" + "r" * 2 * len(_memscan(d)[2]))
 def _kernel_rows(d) -> list:
   by = _rows_by(d["memscan"], "impl", "length")
   return [[label] + [f"{mib(by[(impl, n)][k])} MiB" for n in _memscan(d)[2]
                      for k in ("fwd_temp", "fwdbwd_temp")] for impl, label in KERNEL_NAMES.items()]
 
-
-table_block(
-    "hop_kernel_memory", KERNELS_MEM, rows=_kernel_rows,
-    head=lambda d: ["kernel"] + [f"{p}, {length(n)}" for n in _memscan(d)[2]
-                                 for p in ("fwd", "fwd+bwd")],
-    align=lambda d: "-" + "r" * 2 * len(_memscan(d)[2]))
 
 table_block(
     "strategy_memory", "strategy_memory_cpu.json", rows=lambda d: d["rows"], align="-rrrr",
@@ -773,6 +762,16 @@ def _hop_case(row) -> tuple[str, str]:
   return "+".join(p for p in parts if p != kernel), kernel
 
 
+@block(
+    "tpu_hop_memory", "tpu_hop_memory_v5p.json", "tpu_hop_memory_v5p_tried.json",
+    align="--rrrrrrr", note=TPU_NOTE,
+    intro=lambda d, tried: (TPU_INTRO.format_map(d) + f", {length(d['length'])} tokens, head "
+                            f"dim {d['head_dim']}, {d['dtype']}, default blocks, the TPU "
+                            "defaults (`overlap_dkv=True`, full rotation); temp MiB per chip "
+                            "(`memory_analysis()`), heads query:K/V; the last pair: splash with "
+                            f"the guard change of {tried['label']} (reverted):"),
+    head=["configuration", "heads", "xla", "pallas_tpu (removed)", "/ xla", "splash", "/ xla",
+          "splash, tried", "/ xla"])
 def _hop_memory_rows(d, tried) -> list:
   """Per configuration: its heads, the xla hop's temp, then per other kernel its temp and the
   ratio to the xla hop's."""
@@ -791,18 +790,18 @@ def _hop_memory_rows(d, tried) -> list:
   return out
 
 
-table_block(
-    "tpu_hop_memory", "tpu_hop_memory_v5p.json", "tpu_hop_memory_v5p_tried.json",
-    rows=_hop_memory_rows, align="--rrrrrrr", note=TPU_NOTE,
-    intro=lambda d, tried: (TPU_INTRO.format_map(d) + f", {length(d['length'])} tokens, head "
-                            f"dim {d['head_dim']}, {d['dtype']}, default blocks, the TPU "
-                            "defaults (`overlap_dkv=True`, full rotation); temp MiB per chip "
-                            "(`memory_analysis()`), heads query:K/V; the last pair: splash with "
-                            f"the guard change of {tried['label']} (reverted):"),
-    head=["configuration", "heads", "xla", "pallas_tpu (removed)", "/ xla", "splash", "/ xla",
-          "splash, tried", "/ xla"])
-
-
+@block(
+    "tpu_splash_nonfinite", "tpu_splash_nonfinite_v5p.json",
+    "tpu_splash_nonfinite_v5p_before.json", align="--rrrrrrrrr",
+    note=TPU_NOTE,
+    intro=lambda a, b: (TPU_INTRO.format_map(a) + f", {length(a['length'])} tokens, head dim "
+                        f"{a['head_dim']}, {a['dtype']}, default blocks, the TPU defaults; temp "
+                        "MiB per chip, ring transfers in flight / all and the scheduled HLO's "
+                        f"characters; splash {b['label']} (a `cond` to the xla hop on non-finite "
+                        f"inputs) and {a['label']} (no `cond` without segment ids); the xla "
+                        "column from the before run:"),
+    head=["configuration", "heads", "xla", "splash before", "/ xla", "in flight", "HLO",
+          "splash after", "/ xla", "in flight", "HLO"])
 def _splash_rows(after, before) -> list:
   """Per splash configuration in both runs: its heads, the xla hop's temp (before), then per
   run the splash temp, its ratio to the xla hop's, transfers in flight and HLO characters."""
@@ -818,25 +817,18 @@ def _splash_rows(after, before) -> list:
   return rows
 
 
-table_block(
-    "tpu_splash_nonfinite", "tpu_splash_nonfinite_v5p.json",
-    "tpu_splash_nonfinite_v5p_before.json", rows=_splash_rows, align="--rrrrrrrrr",
-    note=TPU_NOTE,
-    intro=lambda a, b: (TPU_INTRO.format_map(a) + f", {length(a['length'])} tokens, head dim "
-                        f"{a['head_dim']}, {a['dtype']}, default blocks, the TPU defaults; temp "
-                        "MiB per chip, ring transfers in flight / all and the scheduled HLO's "
-                        f"characters; splash {b['label']} (a `cond` to the xla hop on non-finite "
-                        f"inputs) and {a['label']} (no `cond` without segment ids); the xla "
-                        "column from the before run:"),
-    head=["configuration", "heads", "xla", "splash before", "/ xla", "in flight", "HLO",
-          "splash after", "/ xla", "in flight", "HLO"])
-
-
 # --- docs/performance.md: compile time; docs/training.md: the document layout's host time ------
 
 COMPILE = "compile_time_cpu.json"
 
 
+@block(
+    "compile_time", COMPILE, align="-rrr",
+    intro=("fwd+bwd of `ring_attention_sharded`, ring of {meta[ring]}, {meta[length]} tokens, "
+           "{meta[heads]} heads x {meta[head_dim]}, {meta[dtype]}, default blocks and routing; "
+           "compile: median of {meta[repeats]} fresh compiles, persistent cache off:"),
+    columns=[("", "{name}"), ("compiled HLO lines", "{hlo_lines:,}"),
+             ("HLO instructions", "{hlo_instructions:,}"), ("compile", "{compile_median_s:.2f} s")])
 def _compile_rows(d) -> list:
   t = d["train_step"]
   return [dict(r, name=f"{'causal' if r['causal'] else 'non-causal'} {r['layout']}" +
@@ -846,15 +838,14 @@ def _compile_rows(d) -> list:
                    f"batch {t['batch'][0]} x {t['batch'][1]})")]
 
 
-table_block(
-    "compile_time", COMPILE, rows=_compile_rows, align="-rrr",
-    intro=("fwd+bwd of `ring_attention_sharded`, ring of {meta[ring]}, {meta[length]} tokens, "
-           "{meta[heads]} heads x {meta[head_dim]}, {meta[dtype]}, default blocks and routing; "
-           "compile: median of {meta[repeats]} fresh compiles, persistent cache off:"),
-    columns=[("", "{name}"), ("compiled HLO lines", "{hlo_lines:,}"),
-             ("HLO instructions", "{hlo_instructions:,}"), ("compile", "{compile_median_s:.2f} s")])
-
-
+@block(
+    "routing_compile", COMPILE, align="-rrrr",
+    intro=lambda d: fmt("Causal, ring of {ring}, {local} tokens per device, {heads} x {head_dim} "
+                        "heads, {dtype}, default blocks; temp per device from "
+                        "`memory_analysis()`; compile: median of {repeats} fresh compiles each:",
+                        dict(d["meta"], local=d["meta"]["length"] // d["meta"]["ring"])),
+    head=["causal", "full rotation temp", "routed temp", "fwd+bwd HLO lines, full / routed",
+          "fwd+bwd compile, routed / full"])
 def _routing_compile_rows(d) -> list:
   rows = []
   for layout in ("contiguous", "zigzag"):
@@ -869,16 +860,11 @@ def _routing_compile_rows(d) -> list:
   return rows
 
 
-table_block(
-    "routing_compile", COMPILE, rows=_routing_compile_rows, align="-rrrr",
-    intro=lambda d: fmt("Causal, ring of {ring}, {local} tokens per device, {heads} x {head_dim} "
-                        "heads, {dtype}, default blocks; temp per device from "
-                        "`memory_analysis()`; compile: median of {repeats} fresh compiles each:",
-                        dict(d["meta"], local=d["meta"]["length"] // d["meta"]["ring"])),
-    head=["causal", "full rotation temp", "routed temp", "fwd+bwd HLO lines, full / routed",
-          "fwd+bwd compile, routed / full"])
-
-
+@block(
+    "layout_host_time", "layout_host_time_cpu.json", align="-rrrrr",
+    intro="`training.data.to_layout_np` per batch, one thread, median of {meta[reps]}:",
+    head=["batch (rows x length)", "ring", "mean document", "documents per row", "zigzag",
+          "`document`"])
 def _layout_host_rows(d) -> list:
   by = {}
   for r in d["rows"]:
@@ -888,22 +874,6 @@ def _layout_host_rows(d) -> list:
            f"**{v['document']['median_ms']:.2f} ms** "
            f"({tokens(v['document']['tokens_per_s'])} tokens/s)"]
           for (shape, ring, mean), v in by.items()]
-
-
-table_block(
-    "layout_host_time", "layout_host_time_cpu.json", rows=_layout_host_rows, align="-rrrrr",
-    intro="`training.data.to_layout_np` per batch, one thread, median of {meta[reps]}:",
-    head=["batch (rows x length)", "ring", "mean document", "documents per row", "zigzag",
-          "`document`"])
-
-
-def _bucket_rows(d) -> list:
-  bucketed = d["results"][1]
-  return [[f"{b['length']:,} x {b['rows']}", b["ring"],
-           f"data {b['mesh']['data']} x sequence {b['mesh']['sequence']}",
-           bucketed["steps_per_bucket"].get(str(b["length"]), 0) if "steps" in bucketed else "",
-           b["ring_permutes_per_step"], f"{b['ring_permute_bytes_per_step'] / MIB:.2f}"]
-          for b in bucketed["buckets"]]
 
 
 def _buckets_vs_one_ring(d) -> str:
@@ -936,8 +906,8 @@ def _buckets_vs_one_ring(d) -> str:
                "-rr")
 
 
-table_block(
-    "length_buckets", "length_buckets_cpu.json", rows=_bucket_rows, align="-r-rrr",
+@block(
+    "length_buckets", "length_buckets_cpu.json", align="-r-rrr",
     intro=lambda d: fmt(
         "`benchmarks/length_buckets.py`: {corpus[documents]:,} documents "
         "({corpus[short_fraction]:pct} of them <= `seq_len / 8`), `seq_len` {settings[seq_len]:,}, "
@@ -948,6 +918,13 @@ table_block(
         dict(d, slots=d["settings"]["batch"] * d["settings"]["seq_len"])),
     head=["bucket (tokens x rows)", "ring", "mesh", "steps", "ring permutes per step",
           "ring MiB per step"], after=_buckets_vs_one_ring)
+def _bucket_rows(d) -> list:
+  bucketed = d["results"][1]
+  return [[f"{b['length']:,} x {b['rows']}", b["ring"],
+           f"data {b['mesh']['data']} x sequence {b['mesh']['sequence']}",
+           bucketed["steps_per_bucket"].get(str(b["length"]), 0) if "steps" in bucketed else "",
+           b["ring_permutes_per_step"], f"{b['ring_permute_bytes_per_step'] / MIB:.2f}"]
+          for b in bucketed["buckets"]]
 
 
 # --- Conformance: benchmarks/conformance.py (the kit, ring_jax.testing) ------------------------
@@ -999,6 +976,11 @@ DOC = LINK_ROOT + "docs/benchmarks.md"
 HEADLINE = (CORE, PAPER_4K, MEMSCAN, BALANCE, PACKED, FIT_1, FIT_8, DECODE_FIT, TWO_LEVEL)
 
 
+@block(
+    "headline", *HEADLINE, cite=False,
+    head=["measured", "figure", "date, machine, jax", "result file; command"],
+    after=("Generated by `python benchmarks/report.py` from the result files; every table and its "
+           f"command: [docs/benchmarks.md]({DOC})."))
 def _headline_rows(core, paper, memscan, bal, packed, fit_1, fit_8, decode_fit, two_level):
   """Per headline figure: what it measures, the figure, the date, machine and jax of its result
   files, links to them and to its section of the docs."""
@@ -1054,13 +1036,6 @@ def _headline_rows(core, paper, memscan, bal, packed, fit_1, fit_8, decode_fit, 
   return [[what, f"**{figure}**", "; ".join(dict.fromkeys(when(f, short=True) for f in files)),
            ", ".join(f"[{f}]({LINK_ROOT}benchmarks/results/{f})" for f in files) +
            f"; [how]({DOC}#{anchor})"] for what, figure, files, anchor in figures]
-
-
-table_block(
-    "headline", *HEADLINE, rows=_headline_rows, cite=False,
-    head=["measured", "figure", "date, machine, jax", "result file; command"],
-    after=("Generated by `python benchmarks/report.py` from the result files; every table and its "
-           f"command: [docs/benchmarks.md]({DOC})."))
 
 
 # --- Rendering into markdown files -------------------------------------------------------------
