@@ -351,13 +351,10 @@ table_block(
         sorted((r["length"], r["fwdbwd_temp"]) for r in d["memscan"] if r["impl"] == "allgather"))])
 
 
-def _rings(e) -> list:
-  return sorted({r["ring"] for r in e["rows"] if r["ring"]})
-
-
 @block(
     "bf16_error", "attention_cpu_bf16.json", key="bf16_error",
-    head=lambda e: ["impl"] + [f"ring {n}" for n in _rings(e)],
+    head=lambda e: ["impl"] + [f"ring {n}" for n in sorted({r["ring"] for r in e["rows"]
+                                                            if r["ring"]})],
     intro=lambda e: (f"Relative Frobenius error out / dQ / dK / dV, causal, L={e['length']}, "
                      f"{e['heads']} heads x {e['head_dim']}; worst over the ring's layouts and "
                      "sizes: **" + sci(_worst([r["rel_err"] for r in e["rows"] if r["ring"] and
@@ -365,13 +362,14 @@ def _rings(e) -> list:
                      "**."))
 def _bf16_rows(e) -> list:
   by = {(r["impl"], r["ring"]): r["rel_err"] for r in e["rows"]}
+  rings = sorted({n for _, n in by if n})
   errors = lambda v: " / ".join(sci(v[k]) for k in ("out", *GRADS))
   rows = []
   for impl in dict.fromkeys(r["impl"] for r in e["rows"]):
     if (impl, None) in by:
-      rows.append([impl, errors(by[(impl, None)])] + [""] * (len(_rings(e)) - 1))
+      rows.append([impl, errors(by[(impl, None)])] + [""] * (len(rings) - 1))
     else:
-      rows.append([impl] + [errors(by[(impl, n)]) if (impl, n) in by else "-" for n in _rings(e)])
+      rows.append([impl] + [errors(by[(impl, n)]) if (impl, n) in by else "-" for n in rings])
   return rows
 
 
