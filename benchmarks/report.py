@@ -227,7 +227,9 @@ def table_block(name: str, *files: str, key: str = "", rows: Callable | None = N
   letter per column, ``r``: right-aligned) and ``head`` are fixed or functions of ``*data``;
   fixed text is a format string over the first file's contents."""
   def text(spec, data: list) -> str:
-    return spec(*data) if callable(spec) else fmt(spec, data[0]) if spec else ""
+    if callable(spec):
+      return spec(*data)
+    return fmt(spec, data[0]) if spec else ""
 
   def render() -> str:
     data = [load(f)[key] if key else load(f) for f in files]
@@ -235,8 +237,10 @@ def table_block(name: str, *files: str, key: str = "", rows: Callable | None = N
     if rows is not None:
       records = list(rows(*data))
       if columns:
+        hd = [h for h, _ in columns]
         records = [[c(r) if callable(c) else fmt(c, r) for _, c in columns] for r in records]
-      hd = [h for h, _ in columns] if columns else head(*data) if callable(head) else head
+      else:
+        hd = head(*data) if callable(head) else head
       grid = table(hd, records, text(align, data))
     parts = [text(intro, data), grid, text(after, data),
              caption(*files, note=text(note, data)) if cite else ""]
