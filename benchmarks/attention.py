@@ -310,7 +310,7 @@ def sweep(s, names, masks, args, save, rows):
         default = default_block(impl_layout(name), local)
         group = run_group(s, [(name, b) for b in sweep_blocks(name, local, args.sweep_blocks)],
                           length=length, causal=causal, repeats=args.sweep_repeats, warmup=1,
-                          timed_names={name}, modes=("fwdbwd",))
+                          timed_names={name}, modes=("fwdbwd",), matmul_peak=args.matmul_peak)
         best = min((r["fwdbwd_median_s"] for r in group if r["fwdbwd_status"] == "ok"),
                    default=None)
         for r in group:
