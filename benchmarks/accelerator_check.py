@@ -2,48 +2,35 @@
 trainable context and train-step MFU.
 
 Run through ``benchmarks/gpu_check.sh`` (``python benchmarks/accelerator_check.py gpu``) or
-``benchmarks/tpu_check.sh`` (``... tpu``), ``PYTHONPATH=.``. Knobs are environment variables
-``GPU_CHECK_*`` / ``TPU_CHECK_*`` (below: ``<P>_CHECK_*``). Every section is wrapped in
-try/except (a failure is printed and the next section runs) and the whole script keeps to a
-global time budget (``<P>_CHECK_BUDGET_S``, default 450 s): cases that would start after the
-budget are skipped and say so. ``<P>_CHECK_DRY=1`` runs everything at tiny sizes on CPU (CI
-smoke test; TPU kernels in Pallas interpret mode; timings mean nothing).
+``benchmarks/tpu_check.sh`` (``... tpu``), ``PYTHONPATH=.``; knobs are environment variables
+``GPU_CHECK_*`` / ``TPU_CHECK_*`` (``<P>_CHECK_*``, :func:`settings`). A failing section
+is printed and the next one runs (``common.Clock``); cases that would start after the global
+budget (``<P>_CHECK_BUDGET_S``, default 450 s) are skipped and say so. ``<P>_CHECK_DRY=1``
+runs everything at tiny sizes on CPU (TPU kernels in Pallas interpret mode; timings mean
+nothing).
 
-Sections:
-  1. Per-device blockwise attention (``ring_jax.ring_attention`` on a 1-device mesh, i.e.
-     ring size 1) with the XLA hop kernel and the platform's fused one, forward and
-     forward+backward TFLOP/s, bf16, causal and non-causal, next to the single-device
-     ceiling (cases whose compiled memory exceeds the device are reported, not run):
+1. Per-device blockwise attention (``ring_jax.ring_attention`` on a ring of one) with the XLA
+   hop kernel and the platform's fused one, fwd and fwd+bwd TFLOP/s, bf16, causal and not,
+   next to the single-device ceiling (cases whose compiled memory exceeds the device are
+   reported, not run). GPU, 8K / 32K / 64K, 16 heads x 128: tokamax's Mosaic GPU flash
+   attention (``hop_kernel="tokamax"``, the ``[gpu]`` extra; offline: ``pip install
+   --no-index --find-links DIR tokamax==0.0.17``) against ``jax.nn.dot_product_attention``
+   with ``implementation="cudnn"`` and ``"xla"``. TPU, 8K-64K, 16 query / 8 kv heads: the
+   splash hop (``hop_kernel="splash"``) against JAX's bundled splash attention
+   (``make_splash_mha``, fused backward, queries pre-scaled). Then each fused kernel's
+   ratios to the ceiling and to the XLA hop, its output's largest distance from the first
+   baseline that ran, and what ``hop_kernel="auto"`` resolved to
+   (``ring_jax.kernels.describe``). Writes ``results/gpu_check_h200.json`` /
+   ``tpu_check.json`` (``<P>_CHECK_OUT``).
+2. (GPU) The longest context at which ``configs/llama_1b.py:long``'s train step
+   (``training.step.build_train_step``, as ``train.py`` runs it) fits one device: compiled
+   memory against ``bytes_limit``, by doubling from 32K; contexts up to
+   ``GPU_CHECK_RUN_MAX`` (64K) also run once. Needs jax, flax, optax and einops only.
+3. (GPU) Tokens/s and MFU of that train step at 32K.
 
-     * GPU, 8K / 32K / 64K, B=1, 16 heads, head_dim 128: tokamax's Mosaic GPU flash
-       attention (``hop_kernel="tokamax"``: needs the ``[gpu]`` extra; the accelerator image
-       lacks it and has no network, so carry a wheel directory and ``pip install --no-index
-       --find-links DIR tokamax==0.0.17``) against
-       ``jax.nn.dot_product_attention(implementation="cudnn")`` and ``"xla"``.
-     * TPU, 8K-64K (``TPU_CHECK_LENGTHS``), 16 query / 8 kv heads: our hop on splash's
-       kernels (``hop_kernel="splash"``, ``ring_jax/kernels/splash.py``) against the splash
-       attention kernel bundled with JAX (``make_splash_mha``, fused backward, queries
-       pre-scaled: splash has no scale argument).
-
-     Then each fused kernel's ratios to the ceiling and to the XLA hop kernel, its output's
-     largest distance from the ceiling's (the XLA ring's where the ceiling cannot run), and
-     what ``hop_kernel="auto"`` resolved to with its self-check verdict
-     (``ring_jax.kernels.describe``). Writes ``benchmarks/results/gpu_check_h200.json`` /
-     ``tpu_check.json`` (``<P>_CHECK_OUT``).
-  2. (GPU) Longest context at which the shipped train step fits, by doubling from 32K:
-     compiled memory (``memory_analysis``) against the device's ``bytes_limit``; contexts up
-     to ``GPU_CHECK_RUN_MAX`` (default 64K) are also run once to confirm. The model is
-     ``configs/llama_1b.py:long`` (LLaMA-3.2-1B at long context: offload_layer_in remat,
-     blockwise FFN, chunked loss) on one device, with ``training.step.build_train_step``
-     (AdamW + clipping, donated state), as ``train.py`` runs it. Needs jax, flax, optax and
-     einops, not ml_collections or grain.
-  3. (GPU) Tokens/s and MFU of that train step at 32K.
-
-FLOP conventions: attention forward = 4*B*N*L^2*H (x0.5 causal), fwd+bwd = 3.5x forward
-(FlashAttention-2 convention; recomputation not counted). Train step:
-``LlamaConfig.flops_per_token`` (6*params_matmul + 6*layers*L*N*H per token, causal-halved
-attention, PaLM App. B); remat recomputation not counted (MFU, not HFU). Peak FLOP/s:
-``ring_jax.hardware`` by device kind, or ``GPU_PEAK_TFLOPS``.
+FLOPs: attention forward = 4*B*N*L^2*H (x0.5 causal), fwd+bwd = 3.5x forward
+(FlashAttention-2's convention). Train step: ``LlamaConfig.flops_per_token`` (PaLM App. B;
+MFU, not HFU). Peak FLOP/s: ``ring_jax.hardware`` by device kind, or ``GPU_PEAK_TFLOPS``.
 """
 
 from __future__ import annotations
@@ -54,7 +41,6 @@ import math
 import os
 import sys
 import time
-import traceback
 import types
 
 import jax
@@ -78,7 +64,8 @@ BASELINES = {"gpu": (CUDNN, RING_XLA), "tpu": (SPLASH, RING_XLA)}
 
 
 def settings(platform: str) -> types.SimpleNamespace:
-  """The run's sizes and knobs for ``platform`` ("gpu" or "tpu"), from ``<P>_CHECK_*``."""
+  """The run's sizes and knobs for ``platform`` ("gpu" or "tpu"), from ``<P>_CHECK_`` + DRY,
+  BUDGET_S, LENGTHS, BLOCK, MAX_LEN (longest context tried), RUN_MAX and OUT."""
   def env(name, default):
     return os.environ.get(f"{platform.upper()}_CHECK_{name}") or default
 
@@ -97,13 +84,9 @@ def settings(platform: str) -> types.SimpleNamespace:
       # bf16 on the accelerator; the GPU dry run uses float32 (XLA:CPU bf16 matmuls are slow).
       dtype=jnp.float32 if dry and gpu else jnp.bfloat16,
       # Section 1 starts no new case after this many seconds, leaving time for sections 2-3.
-      attn_deadline_s=float(env("ATTN_S", 0.5 * budget if gpu else budget - 20)),
+      attn_deadline_s=0.5 * budget if gpu else budget - 20,
       max_len=int(env("MAX_LEN", 1024 if dry else 4 * 2 ** 20)),
       run_max=int(env("RUN_MAX", 1024 if dry else 65536)),
-      limit_gib=env("LIMIT_GIB", None),  # testing the longest-context search on CPU
-      traceback=bool(env("TRACEBACK", "")),
-      sections=common.strs(env("SECTIONS", "attention,throughput,longest" if gpu
-                               else "attention")),
       out=env("OUT", os.path.join(common.RESULTS, out)))
 
 
@@ -111,16 +94,6 @@ def gib(x):
   if x is None:
     return "n/a"
   return f"{x / GIB:.1f} GiB" if x >= GIB else f"{x / 2 ** 20:.1f} MiB"
-
-
-def device_limit(s):
-  return int(float(s.limit_gib) * GIB) if s.limit_gib else common.device_bytes_limit()
-
-
-def bench(s, compiled, args, repeats):
-  """Median seconds of ``compiled(*args)`` (after one warm-up call; none in a dry run, whose
-  timings mean nothing and whose interpreted kernels take seconds a call)."""
-  return common.median(common.time_calls(compiled, args, repeats, warmup=0 if s.dry else 1))
 
 
 # ----------------------------------------------------------------------------
@@ -191,7 +164,7 @@ def attention_tflops(s):
   ratios to the ceiling and to the XLA hop kernel (targets at 32K causal: >= 0.9x the ceiling,
   >= 3x the XLA kernel); max |difference| of its outputs from the first baseline that ran.
   JSON to ``s.out``."""
-  clock, limit, fused = s.clock, device_limit(s), FUSED[s.platform]
+  clock, limit, fused = s.clock, common.device_bytes_limit(), FUSED[s.platform]
   shape = dict(B=s.B, N=s.N, K=s.K, H=s.H, dtype=jnp.dtype(s.dtype).name, block=s.block)
   clock.say(f"{shape}, lengths {s.lengths}; device limit {gib(limit)}")
   print(f"{'L':>7} {'mask':<7} {'impl':<30} {'fwd ms':>9} {'fwd TF/s':>9} "
@@ -218,15 +191,14 @@ def attention_tflops(s):
             if limit and nb and nb > limit:
               notes.append(f"{mode}: OOM (compiled needs {nb / GIB:.0f} GiB)")
               continue
-            t = bench(s, c, a, reps)
+            # No warm-up in a dry run: its interpreted kernels take seconds a call.
+            t = common.median(common.time_calls(c, a, reps, warmup=0 if s.dry else 1))
             row[f"{mode}_ms"] = 1e3 * t
             row[f"{mode}_tflops"] = fwd_flops * (1 if mode == "fwd" else 3.5) / t / 1e12
             if mode == "fwd":
               outs[name] = np.asarray(jax.device_get(c(*a)), np.float32)
           except Exception as e:  # noqa: BLE001
             notes.append(f"{mode}: {common.error_line(e, 90)}")
-            if s.traceback:
-              traceback.print_exc(limit=4)
         row["note"] = "; ".join(notes)
         cell = lambda m: (f"{row[m + '_ms']:9.1f} {row[m + '_tflops']:9.2f}"  # noqa: E731
                           if m + "_ms" in row else f"{'-':>9} {'-':>9}")
@@ -291,42 +263,22 @@ def llama_config(dry: bool = False):
   return cfg
 
 
-class TrainStep:
-  """The shipped train step for ``cfg`` on one device (batch 1), built once for all lengths."""
-
-  def __init__(self, cfg):
-    from training import batch as batch_lib
-    from training import step as step_lib
-
-    self.cfg, self.batch_lib = cfg, batch_lib
-    self.mesh = common.make_mesh({})  # the trainer's axes, all of size 1: a ring of one
-    tx = step_lib.make_optimizer(common.OPTIM, total_steps=100)
-    self.built = step_lib.build_train_step(cfg, self.mesh, tx)
-
-  def compile(self, length):
-    return self.built.compile((1, length))
-
-  def state(self):
-    """Fresh sharded params and optimizer state."""
-    return self.built.init_state()
-
-  def batch(self, length):
-    host = self.batch_lib.random_documents(1, 1, length, self.cfg.vocab_size, self.cfg.layout,
-                                           1)
-    return jax.device_put(host, self.batch_lib.shardings(self.mesh))
-
-
 def longest_context(s, known_fit=None):
   """Doubling from 32K over powers of two; after two compiled points, compiled memory
   (linear in L) is extrapolated to jump to the first power of two predicted not to fit,
-  and the answer is confirmed by compiling it and its neighbour (compiles are the cost)."""
+  and the answer is confirmed by compiling it and its neighbour (compiles are the cost).
+  The step: the shipped one (batch 1, one device), built once for all lengths."""
+  from training import batch as batch_lib
+  from training import step as step_lib
+
   say, left = s.clock.say, s.clock.left
   cfg = llama_config(s.dry)
-  limit = device_limit(s)
+  limit = common.device_bytes_limit()
   say(f"1B-class LLaMA (models/llama.py, configs/llama_1b.py:{VARIANT}"
       f"{'; tiny sizes in the dry run' if s.dry else ''}): {cfg.num_params() / 1e9:.2f}B "
       f"params, {cfg}; device limit {gib(limit)}; f32 params + AdamW, {cfg.dtype} compute")
-  step = TrainStep(cfg)
+  mesh = common.make_mesh({})  # the trainer's axes, all of size 1: a ring of one
+  step = step_lib.build_train_step(cfg, mesh, step_lib.make_optimizer(common.OPTIM, 100))
   seen = {}  # length -> (needed bytes or None, fits)
 
   def check(length):
@@ -334,7 +286,7 @@ def longest_context(s, known_fit=None):
       return seen[length][1]
     t = time.perf_counter()
     try:
-      c = step.compile(length)
+      c = step.compile((1, length))
     except Exception as e:  # noqa: BLE001
       say(f"L={length:>8}: compile failed ({common.error_line(e, 120)}) -> counted as not fitting")
       seen[length] = (None, False)
@@ -345,8 +297,10 @@ def longest_context(s, known_fit=None):
         f"-> {'fits' if fits else 'does NOT fit'}")
     if fits and length <= s.run_max and left() > 60:
       try:
-        params, opt = step.state()
-        batch = step.batch(length)
+        params, opt = step.init_state()
+        batch = jax.device_put(batch_lib.random_documents(1, 1, length, cfg.vocab_size,
+                                                          cfg.layout, 1),
+                               batch_lib.shardings(mesh))
         t = time.perf_counter()
         params, opt, metrics = c(params, opt, batch)
         say(f"L={length:>8}: ran one step in {time.perf_counter() - t:.1f}s, "
@@ -438,10 +392,9 @@ def main(argv=None):
   section = s.clock.section
   s.clock.say(f"jax {jax.__version__}, backend {jax.default_backend()}, devices "
               f"{jax.devices()}, dry={s.dry}, budget {s.budget_s:.0f}s")
-  if "attention" in s.sections:
-    section(attention_tflops)(s)
-  tp = section(throughput)(s) if "throughput" in s.sections else None
-  if "longest" in s.sections:
+  section(attention_tflops)(s)
+  if s.platform == "gpu":
+    tp = section(throughput)(s)
     section(longest_context)(s, tp["length"] if tp else None)
   s.clock.say("done")
 

@@ -1,45 +1,12 @@
 """Adapters: peer ring attentions in the conformance kit's calling convention.
 
-Each adapter only translates the call (global arrays -> ``jax.shard_map`` over the kit's
-"sequence" axis, keyword names); the peers' code is not edited. What each adapter does
-besides, stated here because it decides what the kit measures:
-
-* ``paper_ringattention`` -- ``ringattention`` 0.1.2 (Liu et al., the paper's package),
-  ``ringattention_jax``. Imports on jax 0.10 only after aliasing
-  ``jax.lib.xla_bridge.get_backend`` (JAX-NOTES); runs under ``shard_map(check_vma=False)``.
-  It has no scale argument and scales scores by ``1/sqrt(H)``, so the adapter multiplies
-  ``q`` by ``scale * sqrt(H)`` first; it needs as many K/V heads as query heads, so the
-  adapter repeats K/V heads for GQA (``jnp.repeat``; autodiff sums their gradients). Causal
-  = ``causal_block_size=1``. Segment ids are passed as it takes them.
-* ``ejkernel_ring`` -- ejkernel 0.0.80.3, ``ejkernel.kernels._xla.ring_attention``
-  (the XLA backend: CPU). Called inside ``shard_map(check_vma=False)`` with
-  ``axis_name="sequence"``; the kit's keywords map one to one (``causal``,
-  ``q_segment_ids``/``kv_segment_ids``, ``sliding_window``, ``softmax_aux`` for sinks,
-  ``logits_soft_cap``, ``softmax_scale``). Its signature takes fewer K/V heads than query
-  heads, but under grad it raises a reshape ``TypeError`` whenever they differ
-  (``-native-gqa``: as is), so ``ejkernel_ring`` repeats K/V heads like the paper's adapter.
-
-* ``tokamax_ring`` -- tokamax 0.0.17's TPU ring attention,
-  ``tokamax._src.ops.experimental.tpu.splash_attention.ring_attention_kernel``
-  (``make_ring_attention``: splash-attention Pallas/Mosaic TPU kernels at every hop), run in
-  Pallas interpret mode (``SplashConfig(interpret=True)``) on CPU. Config: blocks of 128 (its
-  kernels need multiples of 128, so the kit runs it at ``LOCAL_LEN`` = 256 tokens per device)
-  and, as tokamax's own ring test sets, ``use_base2_exp=False``, ``fuse_reciprocal=True``;
-  ``attn_logits_soft_cap`` for the soft-cap. The mask is the global ``[T, S]`` numpy mask
-  it takes (``NumpyMask``: causal ``t >= s`` and the window ``-right <= t - s <= left``, or
-  ``FullMask``), built by the adapter; segment ids go in as ``SegmentIds(q, kv)`` as it takes
-  them. It works on ``[heads, length, head_dim]`` with no batch and no scale: the adapter
-  multiplies ``q`` by ``scale``, ``jax.vmap``s over the batch, and for GQA over the K/V heads
-  with ``is_mqa=True`` (its one-K/V-head mode; each group's query heads against one K/V
-  head). It raises ``NotImplementedError`` for sinks, so the adapter takes no ``sinks=``;
-  it takes V's own head size (declared in ``FEATURES``).
-
-The adapters place global arrays on an Explicit-axes mesh (``jax.reshard``) before their
-``shard_map``.
-
-Run them with ``python benchmarks/conformance.py --peers`` in an environment that has them
-(``pip install ringattention==0.1.2 ejkernel==0.0.80.3``; tokamax 0.0.17 needs Python >= 3.12
-and jax >= 0.11.1: a separate environment; docs/conformance.md).
+Each adapter only translates the call (global arrays, placed on an Explicit-axes mesh with
+``jax.reshard`` where the mesh has one, -> ``jax.shard_map`` over the kit's "sequence" axis,
+keyword names); no peer's code is edited. What each adapter does besides, which decides what
+the kit measures, is stated in its docstring. Run them with ``python
+benchmarks/conformance.py --peers`` where they are installed (``pip install
+ringattention==0.1.2 ejkernel==0.0.80.3``; tokamax 0.0.17 needs Python >= 3.12 and jax >=
+0.11.1: a separate environment; docs/conformance.md).
 """
 
 from __future__ import annotations
@@ -57,11 +24,19 @@ SEQ = P(None, "sequence")
 
 
 def _place(mesh, args, specs):
-  """On a mesh with Explicit axes, the arrays resharded to their shard_map specs (the
-  adapter's job: the peers take local shards)."""
+  """On a mesh with Explicit axes, ``args`` (a pytree; None stays None) resharded to their
+  shard_map ``specs`` (the adapter's job: the peers take local shards)."""
   if not any(t == AxisType.Explicit for t in mesh.axis_types):
     return args
-  return [jax.reshard(x, NamedSharding(mesh, s)) for x, s in zip(args, specs)]
+  return jax.tree.map(lambda s, x: None if x is None else jax.reshard(x, NamedSharding(mesh, s)),
+                      list(specs), list(args), is_leaf=lambda x: isinstance(x, P))
+
+
+def _sharded(body, mesh, args, specs):
+  """``body`` on ``args`` (placed: :func:`_place`) under ``shard_map(check_vma=False)`` over
+  ``mesh``, its output sharded over the sequence."""
+  return jax.shard_map(body, mesh=mesh, in_specs=tuple(specs), out_specs=SEQ,
+                       check_vma=False)(*_place(mesh, args, specs))
 
 
 def import_ringattention():
@@ -94,7 +69,12 @@ def paper_local(ring_attention, *, is_causal, chunk, dtype, axis_name="sequence"
 
 def paper_ringattention(query, key, value, *, is_causal=False, segment_ids=None, scale=None,
                         mesh=None):
-  """``ringattention`` 0.1.2's ``ring_attention`` (the JAX path) over ``mesh``'s sequence axis."""
+  """``ringattention`` 0.1.2 (Liu et al., the paper's package), ``ringattention_jax``, over
+  ``mesh``'s sequence axis, under ``shard_map(check_vma=False)``. It has no scale argument and
+  scales scores by ``1/sqrt(H)``, so ``q`` is multiplied by ``scale * sqrt(H)`` first; it needs
+  as many K/V heads as query heads, so K/V heads are repeated for GQA (``jnp.repeat``;
+  autodiff sums their gradients). Causal = ``causal_block_size=1``; segment ids as it takes
+  them."""
   h = query.shape[-1]
   scale = h ** -0.5 if scale is None else scale
   group = query.shape[2] // key.shape[2]
@@ -103,16 +83,19 @@ def paper_ringattention(query, key, value, *, is_causal=False, segment_ids=None,
   q = query * jnp.asarray(scale * h ** 0.5, query.dtype)
   k, v = (jnp.repeat(x, group, axis=2) for x in (key, value))
   args = (q, k, v) + (() if segment_ids is None else (segment_ids,))
-  args = _place(mesh, args, (SEQ,) * len(args))
-  return jax.shard_map(body, mesh=mesh, in_specs=(SEQ,) * len(args), out_specs=SEQ,
-                       check_vma=False)(*args)
+  return _sharded(body, mesh, args, (SEQ,) * len(args))
 
 
 def ejkernel_ring(query, key, value, *, is_causal=False, segment_ids=None, scale=None,
                   mesh=None, local_window_size=None, sinks=None, logits_soft_cap=None,
                   repeat_kv=True):
-  """ejkernel 0.0.80.3's XLA ring attention over ``mesh``'s sequence axis (K/V heads
-  repeated to the query heads by the adapter unless ``repeat_kv=False``)."""
+  """ejkernel 0.0.80.3's XLA ring attention (``ejkernel.kernels._xla.ring_attention``, CPU)
+  over ``mesh``'s sequence axis, under ``shard_map(check_vma=False)``; the kit's keywords map
+  one to one (``causal``, ``q_segment_ids``/``kv_segment_ids``, ``sliding_window``,
+  ``softmax_aux`` for sinks, ``logits_soft_cap``, ``softmax_scale``). Its signature takes
+  fewer K/V heads than query heads, but under grad it raises a reshape ``TypeError`` whenever
+  they differ, so K/V heads are repeated to the query heads unless ``repeat_kv=False``
+  (``-native-gqa``: as is)."""
   from ejkernel.kernels._xla.ring_attention import _interface  # noqa: PLC0415
   if repeat_kv:
     group = query.shape[2] // key.shape[2]
@@ -120,26 +103,17 @@ def ejkernel_ring(query, key, value, *, is_causal=False, segment_ids=None, scale
   kw = dict(causal=is_causal, softmax_scale=scale, axis_name="sequence",
             sliding_window=None if local_window_size is None else tuple(local_window_size),
             logits_soft_cap=logits_soft_cap)
-
-  has_seg, has_sinks = segment_ids is not None, sinks is not None
-  args, specs = [query, key, value], [SEQ, SEQ, SEQ]
-  if has_seg:
-    args.append(segment_ids)
-    specs.append(SEQ)
-  if has_sinks:
-    args.append(sinks)
-    specs.append(P())
-
-  args = _place(mesh, args, specs)
+  extra = {name: (x, spec) for name, x, spec in (("seg", segment_ids, SEQ), ("aux", sinks, P()))
+           if x is not None}  # the optional arguments, sharded as given
 
   def call(q, k, v, *rest):
-    seg = rest[0] if has_seg else None
-    aux = rest[-1] if has_sinks else None
-    return _interface.ring_attention(q, k, v, q_segment_ids=seg, kv_segment_ids=seg,
-                                     softmax_aux=aux, **kw)
+    got = dict(zip(extra, rest))
+    return _interface.ring_attention(q, k, v, q_segment_ids=got.get("seg"),
+                                     kv_segment_ids=got.get("seg"), softmax_aux=got.get("aux"),
+                                     **kw)
 
-  return jax.shard_map(call, mesh=mesh, in_specs=tuple(specs), out_specs=SEQ,
-                       check_vma=False)(*args)
+  return _sharded(call, mesh, [query, key, value, *(x for x, _ in extra.values())],
+                  [SEQ] * 3 + [spec for _, spec in extra.values()])
 
 
 def _tokamax_mask(t_len, s_len, is_causal, window):
@@ -158,8 +132,16 @@ def _tokamax_mask(t_len, s_len, is_causal, window):
 
 def tokamax_ring(query, key, value, *, is_causal=False, segment_ids=None, scale=None,
                  mesh=None, local_window_size=None, logits_soft_cap=None):
-  """tokamax 0.0.17's TPU ring attention (splash kernels, Pallas interpret mode) over
-  ``mesh``'s sequence axis."""
+  """tokamax 0.0.17's TPU ring attention (``ring_attention_kernel.make_ring_attention``:
+  splash-attention Pallas/Mosaic kernels at every hop) in Pallas interpret mode
+  (``SplashConfig(interpret=True)``) over ``mesh``'s sequence axis. Blocks of
+  ``TOKAMAX_BLOCK`` (hence ``LOCAL_LEN``) and, as tokamax's own ring test sets,
+  ``use_base2_exp=False``, ``fuse_reciprocal=True``. The mask is the global ``[T, S]`` one
+  it takes (:func:`_tokamax_mask`); segment ids go in as ``SegmentIds(q, kv)``. It works on
+  ``[heads, length, head_dim]`` with no batch and no scale: ``q`` is multiplied by ``scale``,
+  the batch ``jax.vmap``-ed, and for GQA the K/V heads too with ``is_mqa=True`` (each group's
+  query heads against one K/V head). It raises ``NotImplementedError`` for sinks, so it takes
+  no ``sinks=``; it takes V's own head size (declared in ``FEATURES``)."""
   from tokamax._src.ops.experimental.tpu.splash_attention import base  # noqa: PLC0415
   from tokamax._src.ops.experimental.tpu.splash_attention import ring_attention_kernel  # noqa: PLC0415
   from tokamax._src.ops.experimental.tpu.splash_attention import splash_attention_kernel  # noqa: PLC0415
@@ -176,7 +158,6 @@ def tokamax_ring(query, key, value, *, is_causal=False, segment_ids=None, scale=
   kernel = ring_attention_kernel.make_ring_attention(
       _tokamax_mask(t_len, s_len, is_causal, local_window_size), config=config,
       is_mqa=is_mqa, ring_axis="sequence", q_seq_shards=ring, kv_seq_shards=ring)
-  kernel_spec = kernel.manual_sharding_spec()
 
   def one(kern, q_NTH, k_KSH, v_KSH, seg):
     """One batch row: q ``[N, t, H]``, K/V ``[K, s, H]`` (local), segment ids ``[t]``."""
@@ -187,26 +168,15 @@ def tokamax_ring(query, key, value, *, is_causal=False, segment_ids=None, scale=
     out = jax.vmap(lambda q, k, v: kern(q, k, v, ids))(q_KGTH, k_KSH, v_KSH)
     return out.reshape(n, *out.shape[2:])
 
-  has_seg = segment_ids is not None
-
   def call(kern, q, k, v, *seg):
     q, k, v = (jnp.swapaxes(x, 1, 2) for x in (q * jnp.asarray(scale, q.dtype), k, v))
-    per_row = functools.partial(one, kern)
-    out = (jax.vmap(per_row)(q, k, v, seg[0]) if has_seg else
-           jax.vmap(lambda a, b, c: per_row(a, b, c, None))(q, k, v))
+    out = jax.vmap(lambda *a: one(kern, *a[:3], a[3] if seg else None))(q, k, v, *seg)
     return jnp.swapaxes(out, 1, 2)
 
-  args = [query, key, value] + ([segment_ids] if has_seg else [])
-  specs = [SEQ] * len(args)
-  args = _place(mesh, args, specs)
-  if any(t == AxisType.Explicit for t in mesh.axis_types):
-    # The spec tree names a spec where the dK/dV mask info has None: map over the specs.
-    kernel = jax.tree.map(
-        lambda s, x: None if x is None else jax.reshard(x, NamedSharding(mesh, s)),
-        kernel_spec, kernel, is_leaf=lambda x: isinstance(x, P))
-  return jax.shard_map(call, mesh=mesh, in_specs=(kernel_spec, *specs), out_specs=SEQ,
-                       check_vma=False)(kernel, *args)
-
+  args = [query, key, value] + ([] if segment_ids is None else [segment_ids])
+  # The kernel is an argument too; its spec tree names a spec where its dK/dV mask info is None.
+  return _sharded(call, mesh, [kernel, *args],
+                  [kernel.manual_sharding_spec()] + [SEQ] * len(args))
 
 PEERS = {
     "ringattention-0.1.2": paper_ringattention,

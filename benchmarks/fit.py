@@ -8,55 +8,21 @@ r"""How long a context fits: the longest ``seq_len`` whose train step fits in me
       --mesh data=1,sequence=2,tensor=4 --config.batch_size=1 --seq_len 65536 --collectives
   python benchmarks/fit.py --config configs/llama_7b.py --topology v5p:4x4x4  # a TPU slice
 
-Compiles the real train step (``training.step.build_train_step``: the model,
-optimizer, shardings and ``jit_train_step`` that ``train.py`` compiles) ahead of time
-against abstract inputs (``jax.ShapeDtypeStruct`` with shardings, parameters
-from ``nnx.eval_shape``) on ``--devices`` fake CPU devices, and reads
-``memory_analysis()`` of the compiled program: nothing is allocated and
-nothing runs. Per-device bytes = arguments + outputs + temporaries - outputs
-aliasing donated arguments (``benchmarks.common.per_device_bytes``) - the saved
-activations a remat policy offloads to host memory ("to host", from the step
-lowered for a GPU: ``TrainStep.offloaded_bytes``; only for policies
-named ``offload_*``), which XLA:CPU keeps on the device.
-
-Search: powers of two (times the length granularity the config allows, see
-``models.lengths.length_multiple``) from ``--start`` up until one does not
-fit (or down until one does), then bisection on that granularity until the
-gap is below ``--resolution`` of the length. ``--seq_len L`` checks one length
-(any: one the granularity does not divide compiles padded to the next multiple, as
-train.py runs it; its row's ``run_len`` says the length compiled).
-Prints one table row per compiled length and, as the LAST line, one JSON
-object with ``seq_len``, ``per_device_bytes`` and ``fits`` (and the details; compiled for a
-TPU slice also ``ring_in_flight`` / ``ring_transfers`` of each row, the ring transfers with
-block compute in flight in the compiled schedule, :func:`ring_jax.analysis.overlap_report`;
-``transfers``: ``[in flight, all]`` per kind of transfer, and ``exposed``: the kind and name
-scope of each transfer with none).
-
-The mesh is the config's ``config.mesh`` with its ``-1`` axis filling
-``--devices``; ``--mesh data=1,sequence=8`` replaces it (axes ``data``,
-``pipeline``, ``sequence``, ``tensor``; e.g. ``--mesh pipeline=2,sequence=4``). The batch is the
-config's global ``batch_size`` (``--config.batch_size=1`` for one row).
-
-``--topology v5p:4x4x4`` (``--topology_slices N``) compiles for that TPU slice instead, with
-the real TPU compiler and no TPU attached (``train.py --compile_only --topology``, the
-``[tpu]`` extra, :mod:`training.compile_only`): the mesh fills the slice's chips, the limit
-is the chip's HBM (:mod:`ring_jax.hardware`) unless ``--memory_gib`` is given, the hop
-kernel is the one a TPU run resolves (``auto``: splash, its self-check skipped), and the
-memory is the TPU compiler's plan (offloaded activations already in host memory).
-
-What this can and cannot show on CPU devices (docs/performance.md, "How long a context
-fits"): XLA:CPU's buffer assignment of the same program approximates an
-accelerator's. It emulates bfloat16 arithmetic in float32 and schedules and
-fuses differently, and it ignores memory kinds: activations a remat policy
-offloads to ``pinned_host`` stay in device memory in XLA:CPU's plan. The
-planner subtracts them ("to host" column: the placements the step has when
-lowered for a GPU, one stacked residual per layer), so for offloading
-policies the figure is the compiled CPU plan minus what an accelerator holds
-in host memory, which assumes the rest of the plan does not change when the
-offload happens. ``--collectives`` adds each row's collectives (count and bytes per
-kind, :func:`benchmarks.common.count_collectives`) read from the HLO the SPMD
-partitioner wrote during the same compile. ``--xla_flags`` passes extra XLA flags (e.g. to switch off a
-CPU-only transformation).
+Compiles the train step ``train.py`` compiles (``training.step.build_train_step``) ahead of
+time against abstract inputs on ``--devices`` fake CPU devices, or for a TPU slice's
+compile-only devices (``--topology``, :mod:`training.compile_only`; the limit: the chip's
+HBM), and reads ``memory_analysis()``: per device, arguments + outputs + temporaries -
+outputs aliasing donated arguments - what an ``offload_*`` remat policy places in host memory
+(``TrainStep.offloaded_bytes``, which XLA:CPU keeps on the device). Nothing is allocated and
+nothing runs. The search doubles from ``--start`` on the config's length granularity
+(``models.lengths.length_multiple``) until a length does not fit (or halves until one does),
+then bisects; ``--seq_len`` checks one length (padded to the granularity as train.py runs
+it: the row's ``run_len``). Prints a table row per compiled length and, as the LAST line, one
+JSON object (``seq_len``, ``per_device_bytes``, ``fits``, every row checked; ``--collectives``:
+each row's collectives, :func:`benchmarks.common.count_collectives`; on a TPU slice each row's
+ring transfers in flight, :func:`ring_jax.analysis.overlap_report`). The mesh is
+``config.mesh`` with its ``-1`` axis filling the devices, or ``--mesh``. What the CPU plan can
+and cannot show: docs/performance.md, "How long a context fits".
 """
 
 from __future__ import annotations
@@ -75,6 +41,7 @@ from ml_collections import config_flags
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks import common  # noqa: E402  (imports JAX but starts no backend)
 from benchmarks.common import GIB, MIB  # noqa: E402
+
 
 def define_flags() -> dict:
   """The command-line flags, defined only when run as a script (tests import this module
@@ -101,15 +68,11 @@ def define_flags() -> dict:
       start=flags.DEFINE_integer("start", 131072, "First length of the power-of-two search "
                                  "(rounded to the length granularity).", lower_bound=1),
       max_len=flags.DEFINE_integer("max_len", 2 ** 26, "Longest length the search tries."),
-      resolution=flags.DEFINE_float(
-          "resolution", 0.125, "Stop bisecting when the gap between the longest fitting and "
-          "the shortest non-fitting length is below this fraction of the former."),
       xla_flags=flags.DEFINE_string("xla_flags", "", "Extra XLA flags for the compile."),
       out=flags.DEFINE_string("out", None, "Also write the final JSON object to this file."),
       collectives=flags.DEFINE_bool(
-          "collectives", False, "Also count each compiled step's collectives in its "
-          "partitioned HLO (benchmarks.common.count_collectives: all-gather, reduce-scatter, "
-          "all-reduce, all-to-all, collective-permute) into the rows."),
+          "collectives", False, "Also count each compiled step's collectives (count and "
+          "bytes per kind, read from its partitioned HLO) into the rows."),
   )
 
 
@@ -117,22 +80,17 @@ class FitError(ValueError):
   """A setting the planner cannot use; the message names the fix."""
 
 
-def parse_mesh(text: str) -> dict[str, int]:
-  """``'data=1,sequence=8'`` -> ``{'data': 1, 'sequence': 8, 'tensor': 1}``."""
-  try:
-    return common.parse_mesh(text)
-  except ValueError as e:
-    raise FitError(f"--{e}") from None
-
-
 def resolve_mesh(config, devices: int, mesh_text: str | None,
                  where: str | None = None) -> dict[str, int]:
-  """The mesh sizes for ``devices``: ``--mesh`` or config.mesh; errors name the override.
-  ``where``: what the devices are (a topology), for the error."""
+  """The mesh sizes for ``devices``: ``--mesh`` (e.g. ``'data=1,sequence=8'``) or config.mesh;
+  errors name the override. ``where``: what the devices are (a topology), for the error."""
   from training import errors
   from training import mesh as mesh_lib
 
-  mesh_config = parse_mesh(mesh_text) if mesh_text else dict(config.mesh)
+  try:
+    mesh_config = common.parse_mesh(mesh_text) if mesh_text else dict(config.mesh)
+  except ValueError as e:
+    raise FitError(f"--{e}") from None
   try:
     return mesh_lib.mesh_shape(mesh_config, devices, where=where)
   except errors.ConfigError as e:
@@ -324,22 +282,19 @@ def run(config, *, devices: int = 1, memory_gib: float | None = None,
   with quiet:  # the whole search
     if seq_len is not None:
       row, bounded = planner.check(seq_len), True
-      result = dict(seq_len=seq_len, per_device_bytes=row["per_device_bytes"], fits=row["fits"])
     else:
       row, bounded = planner.search(start, max_len, resolution)
       if row is None:  # nothing fits: report the shortest length tried
         row = planner.rows_by_length[min(planner.rows_by_length)]
-      result = dict(seq_len=row["seq_len"], per_device_bytes=row["per_device_bytes"],
-                    fits=row["fits"])
       if not bounded and row["fits"]:
         print(f"note: every length up to --max_len={max_len} fits; the answer is a lower bound",
               flush=True)
-    result.update(memory_bytes=limit, devices=devices, mesh=sizes, batch_rows=planner.rows,
-                  remat_policy=m.remat_policy, platform=device.platform,
-                  topology=topology, topology_slices=topology_slices if topology else None,
-                  xla_flags=os.environ.get("XLA_FLAGS", ""), upper_bounded=bounded,
-                  checked=sorted(planner.rows_by_length.values(), key=lambda r: r["seq_len"]))
-    return result
+    return dict(seq_len=row["seq_len"], per_device_bytes=row["per_device_bytes"],
+                fits=row["fits"], memory_bytes=limit, devices=devices, mesh=sizes,
+                batch_rows=planner.rows, remat_policy=m.remat_policy, platform=device.platform,
+                topology=topology, topology_slices=topology_slices if topology else None,
+                xla_flags=os.environ.get("XLA_FLAGS", ""), upper_bounded=bounded,
+                checked=sorted(planner.rows_by_length.values(), key=lambda r: r["seq_len"]))
 
 
 def set_up_devices(devices: int, extra_xla_flags: str) -> None:
@@ -356,28 +311,25 @@ def set_up_devices(devices: int, extra_xla_flags: str) -> None:
 def main(argv) -> None:
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments {argv[1:]}")
-  f = {name: flag.value for name, flag in _FLAGS.items()}
-  if f["config"] is None:
+  kw = {name: flag.value for name, flag in _FLAGS.items()}
+  xla_flags, out = kw.pop("xla_flags"), kw.pop("out")
+  if kw["config"] is None:
     raise app.UsageError("--config is required, e.g. --config configs/llama_1b.py:long")
-  set_up_devices(f["devices"], f["xla_flags"])
+  set_up_devices(kw["devices"], xla_flags)
   from training import compile_only as compile_lib
   from training.errors import ConfigError
 
   try:
-    result = run(f["config"], devices=f["devices"], memory_gib=f["memory_gib"],
-                 seq_len=f["seq_len"], mesh=f["mesh"], start=f["start"], max_len=f["max_len"],
-                 resolution=f["resolution"], collectives=f["collectives"],
-                 topology=f["topology"], topology_slices=f["topology_slices"])
+    result = run(**kw)
   except (FitError, ConfigError) as e:  # FitError is a setting of this tool, ConfigError one
     print(f"error: {e}", file=sys.stderr, flush=True)  # of the config: both name the fix
     sys.exit(2)
   except compile_lib.CompileFailed as e:  # the TPU compiler refused a step (e.g. VMEM)
     print(f"error: {e}", file=sys.stderr, flush=True)
     sys.exit(1)
-  line = json.dumps(result, separators=(",", ":"))
-  if f["out"]:
-    common.write_result(f["out"], dict(result, meta=common.run_meta(script=__file__)))
-  print(line, flush=True)
+  if out:
+    common.write_result(out, dict(result, meta=common.run_meta(script=__file__)))
+  print(json.dumps(result, separators=(",", ":")), flush=True)
 
 
 if __name__ == "__main__":
