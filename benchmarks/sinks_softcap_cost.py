@@ -8,8 +8,8 @@ head, applied once to the ring's result), ``+softcap`` (``c * tanh(s / c)`` on e
 and ``+both``, per head dim of ``--head-dim`` (a comma-separated list: each head dim's four
 are interleaved among themselves). Each row records the best and the median process CPU
 seconds and wall seconds (:func:`benchmarks.common.timed_call`) and their ratio to ``plain``
-at its head dim in the same run; the issue's bound is ``ratio <= --bound`` (1.10) for each. Inputs in the layout's order
-(``inputs_in_layout=True``), so only the attention is timed.
+at its head dim in the same run; the issue's bound is ``ratio <= --bound`` (1.10) for each.
+Inputs in the layout's order (``inputs_in_layout=True``), so only the attention is timed.
 
     python benchmarks/sinks_softcap_cost.py --head-dim 64,128,256   # 4K tokens, ring of 8
     python benchmarks/sinks_softcap_cost.py --length 512 --repeats 2 --out ''   # a smoke run
