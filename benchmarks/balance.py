@@ -85,6 +85,7 @@ def parse_args(argv=None):
   ap.add_argument("--port", type=int, default=None, help=argparse.SUPPRESS)
   ap.add_argument("--workdir", default=None, help=argparse.SUPPRESS)
   args = ap.parse_args(argv)
+  args.argv = sys.argv[1:] if argv is None else list(argv)
   if args.dry_run:
     args.lengths = (args.lengths or [256])[:1]
     args.repeats, args.warmup = 1, 0
@@ -173,13 +174,9 @@ def free_port() -> int:
 
 
 def worker_command(args, i: int, port: int, workdir: str) -> list[str]:
-  cmd = [sys.executable, os.path.abspath(__file__), "--worker", str(i), "--port", str(port),
-         "--workdir", workdir, "--processes", str(args.processes),
-         "--cores", ",".join(map(str, args.cores)), "--lengths", ",".join(map(str, args.lengths)),
-         "--impls", ",".join(args.impls), "--repeats", str(args.repeats),
-         "--warmup", str(args.warmup), "--batch", str(args.batch), "--heads", str(args.heads),
-         "--head-dim", str(args.head_dim)]
-  return cmd + (["--block", str(args.block)] if args.block else [])
+  """This script with the run's own flags, as worker ``i`` on the cores chosen."""
+  return [sys.executable, os.path.abspath(__file__), *args.argv, "--worker", str(i),
+          "--port", str(port), "--workdir", workdir, "--cores", ",".join(map(str, args.cores))]
 
 
 def launch(args) -> dict:
