@@ -248,6 +248,12 @@ def median(times: Sequence[float]) -> float:
 from ring_jax.topology import MEMORY_FIELDS, compiled_memory, per_device_bytes  # noqa: E402,F401
 
 
+def temp_bytes(fn: Callable, *args) -> int:
+  """Compiled temporary memory per device (``memory_analysis()``) of ``jax.jit(fn)`` at
+  ``args`` (arrays or ``jax.ShapeDtypeStruct``s)."""
+  return compiled_memory(jax.jit(fn).lower(*args).compile())["temp_size_in_bytes"]
+
+
 def host_memory_available() -> int | None:
   """``MemAvailable`` of ``/proc/meminfo`` in bytes (None where there is none)."""
   try:

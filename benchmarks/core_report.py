@@ -98,8 +98,8 @@ def memory_table():
                                          block_kv=256),
                        mesh=mesh, in_specs=(spec,) * 3, out_specs=spec)
     shape = jax.ShapeDtypeStruct((1, n * local, 4, 64), jnp.float32)
-    grad = jax.jit(jax.grad(lambda q, k, v: fn(q, k, v).sum(), argnums=(0, 1, 2)))
-    temp = common.compiled_memory(grad.lower(shape, shape, shape).compile())["temp_size_in_bytes"]
+    temp = common.temp_bytes(jax.grad(lambda q, k, v: fn(q, k, v).sum(), argnums=(0, 1, 2)),
+                             shape, shape, shape)
     ratio = f"{temp / prev:7.2f}" if prev else f"{'':7s}"
     print(f"{local:10d} {n * local:11d} {temp / 2**20:9.2f} {ratio} "
           f"{local * local * 4 / 2**20:24.1f}")

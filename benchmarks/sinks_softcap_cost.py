@@ -82,7 +82,8 @@ def time_configs(args, mesh, q, k, v, do, sinks) -> list[dict]:
 def main(argv=None):
   argv = sys.argv[1:] if argv is None else argv
   args = parse_args(argv)
-  os.environ.setdefault("JAX_PLATFORMS", "cpu")
+  if "JAX_PLATFORMS" not in os.environ:  # fake CPU devices, also on an accelerator host
+    jax.config.update("jax_platforms", "cpu")
   common.fake_cpu_devices(args.ring)
   if jax.device_count() < args.ring:
     raise SystemExit(f"needs {args.ring} devices, have {jax.device_count()} (XLA_FLAGS set "

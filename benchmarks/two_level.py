@@ -193,7 +193,7 @@ def measure(splits=((2, 4), (4, 2)), length: int = 8192, is_causal: bool = True,
 
 
 def print_table(rows, out=sys.stdout):
-  mib = 2 ** 20
+  mib = common.MIB
   print(f"{'split':>6} {'pass':>8} {'ring':>10} {'outer xfers':>12} {'outer MiB':>10} "
         f"{'all outer MiB':>14} {'inner xfers':>12} {'inner MiB':>10}", file=out)
   for r in rows:
