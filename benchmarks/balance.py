@@ -2,33 +2,20 @@ r"""Causal load balance in wall time: one process per device, each on its own co
 
   PYTHONPATH=. python benchmarks/balance.py --processes 2 --lengths 4096,8192,16384 --repeats 5
 
-With all fake devices in one process (benchmarks/attention.py) the devices
-share the cores, so time measures the total work and zigzag's shorter
-critical path cannot show. Here each device is its own process: process ``i``
-is pinned to core ``cores[i]`` (``os.sched_setaffinity``, before JAX starts,
-so every thread it makes inherits the mask), XLA:CPU runs single-threaded
-(``--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1`` and
-one-thread BLAS/OpenMP pools), and the processes form one JAX system through
-``jax.distributed`` on localhost with gloo collectives. A ring step then waits
-for the slowest device, as on accelerators.
+With all fake devices in one process (benchmarks/attention.py) the devices share the cores,
+so time measures the total work and zigzag's shorter critical path cannot show. Here each
+device is its own process, pinned to its own core before JAX starts, XLA:CPU and BLAS/OpenMP
+single-threaded, the processes one JAX system over ``jax.distributed`` with gloo collectives,
+so a ring step waits for the slowest device as on accelerators. Per length: causal fwd+bwd of
+each of ``--impls`` (built by ``benchmarks/attention.py``'s helpers; ``ring-<layout>`` with
+``+full`` / ``+routed``: ``causal_routing=False`` / ``True``, no suffix the default; and the
+paper's code, ``ringattention==0.1.2``, left out with a note when it does not import), timed
+round-robin after a warm-up; a repetition's time is the slowest process's, the figure their
+median, beside each layout's critical path from ``ring_jax.schedule`` (in full local hops).
+benchmarks/README.md, "Load balance in wall time", has the commands the docs quote.
 
-Measured in the same run, for each length: causal fwd+bwd of
-``ring_jax.ring_attention`` in the contiguous, zigzag and striped layouts and
-of the paper's code (``ringattention==0.1.2``, the optional ``bench`` extra;
-left out with a note when it does not import), built by the helpers of
-``benchmarks/attention.py`` (same shapes, blocks and call). Repetitions run
-round-robin over the implementations after a warm-up; a repetition's time is
-the slowest process's, the reported figure the median over repetitions. The
-table also shows each layout's critical path from ``ring_jax.schedule`` (in
-full local hops), the work the slowest device does.
-
-``--impls ring-contiguous+full,ring-contiguous,ring-zigzag,ring-zigzag+routed,...`` compares
-the full rotation with the routed one (``+full`` / ``+routed``: ``causal_routing=False`` /
-``True``; no suffix: the default, routed for contiguous only; the critical path column is
-the schedule of the ring that ran).
-
-Writes ``<out>/balance_cpu.json`` and ``.log``. ``--dry-run``: one short
-length, one repetition, no warm-up (a smoke test; the numbers mean nothing).
+Writes ``<out>/<tag>.json`` and ``.log``. ``--dry-run``: one short length, one repetition,
+no warm-up (a smoke test; the numbers mean nothing).
 """
 
 from __future__ import annotations
@@ -98,6 +85,7 @@ def parse_args(argv=None):
   ap.add_argument("--port", type=int, default=None, help=argparse.SUPPRESS)
   ap.add_argument("--workdir", default=None, help=argparse.SUPPRESS)
   args = ap.parse_args(argv)
+  args.argv = sys.argv[1:] if argv is None else list(argv)
   if args.dry_run:
     args.lengths = (args.lengths or [256])[:1]
     args.repeats, args.warmup = 1, 0
@@ -186,13 +174,9 @@ def free_port() -> int:
 
 
 def worker_command(args, i: int, port: int, workdir: str) -> list[str]:
-  cmd = [sys.executable, os.path.abspath(__file__), "--worker", str(i), "--port", str(port),
-         "--workdir", workdir, "--processes", str(args.processes),
-         "--cores", ",".join(map(str, args.cores)), "--lengths", ",".join(map(str, args.lengths)),
-         "--impls", ",".join(args.impls), "--repeats", str(args.repeats),
-         "--warmup", str(args.warmup), "--batch", str(args.batch), "--heads", str(args.heads),
-         "--head-dim", str(args.head_dim)]
-  return cmd + (["--block", str(args.block)] if args.block else [])
+  """This script with the run's own flags, as worker ``i`` on the cores chosen."""
+  return [sys.executable, os.path.abspath(__file__), *args.argv, "--worker", str(i),
+          "--port", str(port), "--workdir", workdir, "--cores", ",".join(map(str, args.cores))]
 
 
 def launch(args) -> dict:

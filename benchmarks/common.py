@@ -1,31 +1,16 @@
-"""The benchmarks' one harness: flags, call times, compiled memory, meshes, result files.
+"""The benchmarks' one harness: flags, timing, compiled memory, meshes, HLO, result files.
 
-* Runs: :func:`fake_cpu_devices` (8 fake CPU devices unless the caller chose),
-  :func:`parser` (the shared flags ``--out``, ``--repeats``, ``--length(s)``, ``--mesh``,
-  ``--dtype``, ``--ring``, ``--heads``, ``--head-dim``; ``ints`` / ``strs`` for comma lists),
-  :func:`run_meta` (the provenance every result file records: date, command, jax, platform,
-  devices, host, git commit), :func:`write_result` (the JSON that ``benchmarks/report.py``
-  renders, and optionally the printed table as ``.log``) and :func:`error_line` (a failed
-  case's one line).
-* Timing: :func:`interleaved` (cases timed round-robin after a warm-up: a shared host's slow
-  phases spread over all of them),  :func:`time_calls` (wall seconds of repeated calls after a warm-up,
-  each waited for with ``jax.block_until_ready``) and :func:`timed_call` (one
-  call: wall and process CPU seconds, for interleaved timings on a shared
-  host, where CPU time is steadier than wall time).
-* Compiled memory: :func:`compiled_memory` (the fields of
-  ``compiled.memory_analysis()``, per device) and :func:`per_device_bytes`
-  (arguments + outputs + temporaries - outputs aliasing donated arguments:
-  what one device holds while the program runs).
-* Collectives: :func:`compile_partitioned` (a compile that also returns the SPMD
-  partitioner's HLO) and :func:`count_collectives` (count and bytes per kind).
-* Meshes: :func:`parse_mesh` (``"data=1,sequence=8"``) and :func:`make_mesh`
-  (Auto axes over the first devices, the trainer's axis names by default).
-* Budgeted checks: :class:`Clock` (``say`` with the elapsed time, a global time budget,
-  sections that print a failure and go on), for ``accelerator_check.py``.
+Runs (:func:`fake_cpu_devices`, :func:`parser` with the shared flags, :func:`run_meta`: the
+provenance every result file records, :func:`write_result`, :func:`error_line`); timing
+(:func:`interleaved`: cases round-robin so a shared host's slow phases hit all alike,
+:func:`time_calls`, :func:`timed_call`: wall and process CPU seconds); compiled memory
+(:func:`compiled_memory`, :func:`per_device_bytes`, from ``ring_jax.topology``); meshes
+(:func:`parse_mesh`, :func:`make_mesh`); collectives of a compiled program
+(:func:`compile_partitioned`, :func:`count_collectives`, :func:`shape_bytes`); and
+:class:`Clock`, a time budget for ``accelerator_check.py``.
 
-Needs only JAX and NumPy (the model's axis names come from
-``models.sharding``, which imports without Flax), so every benchmark, on
-every accelerator image, uses it.
+Needs only JAX and NumPy (the model's axis names come from ``models.sharding``, which imports
+without Flax), so every benchmark, on every accelerator image, uses it.
 """
 
 from __future__ import annotations
@@ -53,6 +38,8 @@ from typing import Any, Callable, Sequence
 
 import jax
 import numpy as np
+
+from ring_jax import analysis
 
 GIB = 2 ** 30
 MIB = 2 ** 20
@@ -261,6 +248,12 @@ def median(times: Sequence[float]) -> float:
 from ring_jax.topology import MEMORY_FIELDS, compiled_memory, per_device_bytes  # noqa: E402,F401
 
 
+def temp_bytes(fn: Callable, *args) -> int:
+  """Compiled temporary memory per device (``memory_analysis()``) of ``jax.jit(fn)`` at
+  ``args`` (arrays or ``jax.ShapeDtypeStruct``s)."""
+  return compiled_memory(jax.jit(fn).lower(*args).compile())["temp_size_in_bytes"]
+
+
 def host_memory_available() -> int | None:
   """``MemAvailable`` of ``/proc/meminfo`` in bytes (None where there is none)."""
   try:
@@ -333,13 +326,17 @@ def _trainer_axes() -> tuple[str, ...]:
 # ----------------------------------------------------------------------------
 
 COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
-# "%name = shape op(operands), attributes"; a tuple shape has spaces, so it is matched whole.
-# A tuple shape may carry index comments (``/*index=5*/``) from its sixth element on.
-_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=\s*"
-                          r"(\((?:/\*index=\d+\*/|[^=])*?\)|\S+)\s+([\w\-]+)\((.*?)\)")
 _ARRAY = re.compile(r"\b([a-z]+\d*)\[([\d,]*)\]")
 _ITEM_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "f32": 4, "s32": 4,
                "u32": 4, "f64": 8, "s64": 8, "u64": 8}
+
+
+def shape_bytes(shape: str, first: bool = False) -> int:
+  """Bytes of an HLO shape's arrays (``f32[4,8]{1,0}``, a tuple of them); ``first``: of its
+  first array only (an async op's operand)."""
+  arrays = _ARRAY.findall(shape)[:1] if first else _ARRAY.findall(shape)
+  return sum(_ITEM_BYTES.get(t, 4) * math.prod(int(d) for d in dims.split(",") if d)
+             for t, dims in arrays)
 
 
 @contextlib.contextmanager
@@ -391,13 +388,10 @@ def count_collectives(hlo: str) -> dict[str, dict[str, int]]:
   body (the layer scan) is counted once, not once per iteration.
   """
   ops, users = {}, collections.defaultdict(list)
-  for line in hlo.splitlines():
-    m = _INSTRUCTION.match(line)
-    if m:
-      name, shape, op, operands = m.groups()
-      ops[name] = (shape, op)
-      for operand in re.findall(r"%([\w.\-]+)", operands):
-        users[operand].append(name)
+  for inst in filter(None, map(analysis.parse_instruction, hlo.splitlines())):
+    ops[inst.name] = (inst.shape, inst.opcode)
+    for operand in inst.operands:
+      users[operand].append(inst.name)
   out = {kind: {"count": 0, "bytes": 0} for kind in COLLECTIVES}
   for name, (shape, op) in ops.items():
     kind = op.removesuffix("-start")
@@ -406,9 +400,7 @@ def count_collectives(hlo: str) -> dict[str, dict[str, int]]:
     if kind == "all-reduce" and _only_sliced(name, ops, users):
       kind = "reduce-scatter"
     out[kind]["count"] += 1
-    out[kind]["bytes"] += sum(_ITEM_BYTES.get(t, 4) * math.prod(int(d) for d in dims.split(",")
-                                                                if d)
-                              for t, dims in _ARRAY.findall(shape))
+    out[kind]["bytes"] += shape_bytes(shape)
   return out
 
 

@@ -44,11 +44,13 @@ CASES = ((True, "zigzag", None), (True, "zigzag", True), (True, "contiguous", No
 INSTRUCTION = re.compile(r"^\s+(ROOT )?%?[\w.\-]+ = ")
 
 
-def program_size(compiled) -> tuple[int, int]:
-  """``(lines, instructions)`` of the compiled module's text."""
-  text = compiled.as_text()
-  lines = text.splitlines()
-  return len(lines), sum(1 for line in lines if INSTRUCTION.match(line))
+def program_figures(compiled, times) -> dict:
+  """The compiled module's text in lines and HLO instructions, and the compile seconds."""
+  lines = compiled.as_text().splitlines()
+  return dict(hlo_lines=len(lines),
+              hlo_instructions=sum(1 for line in lines if INSTRUCTION.match(line)),
+              compile_s=[round(t, 3) for t in times],
+              compile_median_s=round(statistics.median(times), 3))
 
 
 def timed_compiles(lower, repeats: int):
@@ -73,14 +75,9 @@ def attention_case(mesh, causal, layout, routing, args):
 
   compiled, times = timed_compiles(
       lambda: jax.jit(common.fwd_bwd(attn())).lower(x, x, x, x), args.repeats)
-  lines, instructions = program_size(compiled)
-  fwd = jax.jit(attn()).lower(x, x, x).compile()
   return dict(causal=causal, layout=layout, causal_routing=routing,
-              routed=check_routing(routing, layout, causal),
-              hlo_lines=lines, hlo_instructions=instructions,
-              compile_s=[round(t, 3) for t in times],
-              compile_median_s=round(statistics.median(times), 3),
-              fwd_temp_bytes=common.compiled_memory(fwd)["temp_size_in_bytes"],
+              routed=check_routing(routing, layout, causal), **program_figures(compiled, times),
+              fwd_temp_bytes=common.temp_bytes(attn(), x, x, x),
               fwdbwd_temp_bytes=common.compiled_memory(compiled)["temp_size_in_bytes"])
 
 
@@ -93,12 +90,9 @@ def train_step_case(args):
   planner = fit.Planner(config, sizes, limit_bytes=2 ** 40)
   shape = (config.batch_size, config.data.seq_len)
   compiled, times = timed_compiles(lambda: planner.step.lower(shape), args.repeats)
-  lines, instructions = program_size(compiled)
   return dict(config="configs/tiny.py", mesh=sizes, batch=list(shape),
               attention=planner.model_cfg.attention, layout=planner.model_cfg.layout,
-              hlo_lines=lines, hlo_instructions=instructions,
-              compile_s=[round(t, 3) for t in times],
-              compile_median_s=round(statistics.median(times), 3),
+              **program_figures(compiled, times),
               temp_bytes=common.compiled_memory(compiled)["temp_size_in_bytes"])
 
 

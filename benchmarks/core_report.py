@@ -31,10 +31,6 @@ from benchmarks import common  # noqa: E402
 common.fake_cpu_devices()
 
 
-def mesh_of(n, names=("sequence",), shape=None):
-  return common.make_mesh(shape or (n,), names)
-
-
 def segments(b, length, rng):
   seg = np.zeros((b, length), np.int32)
   for r in range(b):
@@ -63,7 +59,8 @@ def accuracy_table():
   for c in cases:
     n, (nh, kh), tp = c["n"], c["heads"], c.get("tp", 1)
     length, b = 48 * n, 2
-    mesh = (mesh_of(n * tp, ("tensor", "sequence"), (tp, n)) if tp > 1 else mesh_of(n))
+    mesh = (common.make_mesh((tp, n), ("tensor", "sequence")) if tp > 1
+            else common.make_mesh((n,), ("sequence",)))
     q, k, v = (rng.normal(size=(b, length, h, 16)).astype(np.float32) for h in (nh, kh, kh))
     cot = rng.normal(size=q.shape).astype(np.float32)
     seg = segments(b, length, rng) if c["seg"] else None
@@ -93,7 +90,7 @@ def memory_table():
   print(f"{'local len':>10s} {'global len':>11s} {'temp MiB':>9s} {'x prev':>7s} "
         f"{'[L/n]^2 scores/head MiB':>24s}")
   n, prev, rows = 8, None, []
-  mesh = mesh_of(n)
+  mesh = common.make_mesh((n,), ("sequence",))
   spec = P(None, "sequence", None, None)
   for local in (512, 1024, 2048):
     fn = jax.shard_map(functools.partial(ring_jax.ring_attention, axis_name="sequence",
@@ -101,10 +98,11 @@ def memory_table():
                                          block_kv=256),
                        mesh=mesh, in_specs=(spec,) * 3, out_specs=spec)
     shape = jax.ShapeDtypeStruct((1, n * local, 4, 64), jnp.float32)
-    grad = jax.jit(jax.grad(lambda q, k, v: fn(q, k, v).sum(), argnums=(0, 1, 2)))
-    temp = common.compiled_memory(grad.lower(shape, shape, shape).compile())["temp_size_in_bytes"]
+    temp = common.temp_bytes(jax.grad(lambda q, k, v: fn(q, k, v).sum(), argnums=(0, 1, 2)),
+                             shape, shape, shape)
     ratio = f"{temp / prev:7.2f}" if prev else f"{'':7s}"
-    print(f"{local:10d} {n * local:11d} {temp / 2**20:9.2f} {ratio} {local * local * 4 / 2**20:24.1f}")
+    print(f"{local:10d} {n * local:11d} {temp / 2**20:9.2f} {ratio} "
+          f"{local * local * 4 / 2**20:24.1f}")
     rows.append(dict(local_len=local, global_len=n * local, temp_bytes=int(temp)))
     prev = temp
   return dict(ring=n, heads=4, head_dim=64, layout="zigzag", causal=True, dtype="float32",

@@ -1,28 +1,19 @@
 """The streamed text pipeline: host memory and time to the first batch vs corpus size, tokens/s.
 
-Writes its own JSONL corpus (made-up words, documents of 20..2000 words, files of at most
-``--file-mb``) at each ``--sizes-mb``, then, in a fresh process per (size, tokenizer) so
-the peak RSS is that run's alone, builds ``training.data.make_dataset`` exactly as
-``train.py`` does (configs/tiny.py:text, the data=2 x sequence=4 mesh on 8 fake CPU
-devices, zigzag layout) and reports
-
-* ``peak_rss_mib``: ``resource.getrusage(RUSAGE_SELF).ru_maxrss`` at the end (imports
-  included; ``rss_before_mib`` is the same figure before the pipeline was built);
-* ``first_batch_s``: building the pipeline (listing and sizing the files, opening the
-  first, tokenising, packing) up to the first batch;
-* ``tokens_per_s``: packed tokens per second of the pipeline alone (no prefetch thread,
-  one process) over ``--batches`` batches after the first.
-
-Both should stay flat when the corpus grows 10x: the reader streams. Tokenizers: the
-byte tokenizer, and a byte-level BPE (``tokenizers``, vocab ``--bpe-vocab``) trained here on
-a sample of the corpus. With ``--train-steps N`` it also runs ``train.py --config
-configs/tiny.py:text`` on the corpus (byte tokenizer) for N steps and reads the trainer's
-consumption (``train/tokens_per_s`` of its last logged window) from ``metrics.jsonl``.
-
   PYTHONPATH=. python benchmarks/data_pipeline.py --sizes-mb 100,1000 --train-steps 40 \\
       --out benchmarks/results/data_pipeline_cpu.json
 
-The corpus is written under ``--dir`` (default: a new directory in /tmp) and deleted after.
+Writes its own JSONL corpus (made-up words, documents of 20..2000 words, files of at most
+``--file-mb``) under ``--dir`` (default: a new /tmp directory, deleted after) at each
+``--sizes-mb``, then, in a fresh process per (size, tokenizer) so the peak RSS is that run's
+alone, builds ``training.data.make_dataset`` as ``train.py`` does (configs/tiny.py:text, data=2
+x sequence=4 on 8 fake CPU devices, zigzag) and reports ``peak_rss_mib`` (``ru_maxrss`` at the
+end, imports included; ``rss_before_mib`` before the pipeline), ``first_batch_s`` (building
+the pipeline up to the first batch) and ``tokens_per_s`` (packed tokens per second of the
+pipeline alone over ``--batches`` batches). Both should stay flat when the corpus grows 10x:
+the reader streams. Tokenizers: bytes, and a byte-level BPE (``tokenizers``, vocab
+``--bpe-vocab``) trained on a sample. ``--train-steps N`` also runs ``train.py`` on the corpus
+for N steps and reads its ``train/tokens_per_s`` from ``metrics.jsonl``.
 """
 
 from __future__ import annotations
@@ -38,6 +29,8 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+from benchmarks import common  # noqa: E402
 
 
 def write_corpus(directory: str, size_mb: int, file_mb: int, seed: int = 0) -> list[str]:
@@ -99,7 +92,6 @@ def train_bpe(corpus_file: str, out_dir: str, vocab: int) -> str:
 
 
 def _config(path: str, tokenizer: str, seq_len: int, batch: int, vocab: int):
-  sys.path.insert(0, ROOT)
   from configs import tiny
 
   config = tiny.get_config("text")
@@ -114,12 +106,8 @@ def _config(path: str, tokenizer: str, seq_len: int, batch: int, vocab: int):
 
 def measure(path: str, tokenizer: str, seq_len: int, batch: int, batches: int) -> dict:
   """One (corpus, tokenizer) in this process: RSS, time to the first batch, tokens/s."""
-  sys.path.insert(0, ROOT)
-  from benchmarks import common
-
   common.fake_cpu_devices()
   import jax
-  import numpy as np
 
   from training import batch as batch_lib
   from training import data as data_lib
@@ -169,7 +157,7 @@ def train_consumption(path: str, steps: int, workdir: str) -> dict:
 
 
 def main(argv=None) -> dict:
-  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p = common.parser(__doc__, out="")
   p.add_argument("--sizes-mb", default="10,100", help="corpus sizes (MiB), comma-separated")
   p.add_argument("--file-mb", type=int, default=100, help="largest corpus file (MiB)")
   p.add_argument("--seq-len", type=int, default=2048)
@@ -180,7 +168,6 @@ def main(argv=None) -> dict:
   p.add_argument("--train-steps", type=int, default=0,
                  help="also run train.py on configs/tiny.py:text for this many steps")
   p.add_argument("--dir", default=None, help="where the corpus is written (deleted after)")
-  p.add_argument("--out", default=None, help="write the results as JSON here")
   p.add_argument("--_measure", nargs=2, metavar=("PATH", "TOKENIZER"), help=argparse.SUPPRESS)
   args = p.parse_args(argv)
 
@@ -220,9 +207,6 @@ def main(argv=None) -> dict:
     if args.dir is None:
       shutil.rmtree(base, ignore_errors=True)
   if args.out:
-    sys.path.insert(0, ROOT)
-    from benchmarks import common
-
     results = dict(results, meta=common.run_meta(argv, __file__))
     common.write_result(args.out, results)
   return results

@@ -4,49 +4,39 @@ r"""Decode-step figures for the README: step time and cache memory vs context le
   python benchmarks/decode.py fit --devices 8 --config configs/llama_7b.py --budget_gib 80
 
 ``time``: a small model (dim 256, 4 layers, 8 heads, 4 key/value heads) on a
-``sequence=<devices>`` mesh, batch 1: per-device KV cache bytes (from the
-cache's sharding, and the compiled step's argument size) and the median
-wall time of the decode step, with a cache filled to ``length`` tokens.
-
-``fit``: the longest cache (batch 1) whose compiled decode step fits
-``--budget_gib`` per device, by compile-time memory analysis on fake CPU
-devices with abstract inputs (nothing is allocated): the step's peak memory
-is linear in the cache length, so two compiles give the line, and a third
-confirms the answer. Mesh: the config's ``tensor``, the rest on ``sequence``,
-``data=1``; parameters in the config's ``param_dtype``. Compiled with a float32
-cache (XLA:CPU upcasts bfloat16 and would report a float32 copy of a bf16
-cache that accelerators do not make); the bf16-cache length is derived from
-the same fit with half the cache bytes per token.
-
-Results are printed as JSON lines.
+``sequence=<devices>`` mesh, batch 1: per-device KV cache bytes (from the cache's sharding,
+and the compiled step's argument size) and the median wall time of the decode step with a
+cache filled to each length. ``fit``: the longest cache (batch 1) whose compiled decode step
+fits ``--budget_gib`` per device, from the memory analysis of compiles on fake CPU devices
+with abstract inputs: the step's peak is linear in the cache length, so two compiles give
+the line and a third confirms the answer (mesh: the config's ``tensor``, the rest on
+``sequence``). Prints JSON lines.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
+import importlib.util
 import json
 import os
 import sys
 
+os.environ.setdefault("JAX_PLATFORMS", "cpu")  # read when jax is imported
 
-def _setup(devices: int):
-  os.environ.setdefault("JAX_PLATFORMS", "cpu")  # before jax is imported
-  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-  from benchmarks import common
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from flax import nnx  # noqa: E402
 
-  common.fake_cpu_devices(devices)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks import common  # noqa: E402
+from models import inference, llama  # noqa: E402
+from models import sharding as shd  # noqa: E402
+from training import mesh as mesh_lib  # noqa: E402
+from training import validation as val_lib  # noqa: E402
 
 
 def _abstract_step(cfg, mesh, cache_len: int, batch: int = 1):
   """The decode step lowered with abstract params and cache (donated)."""
-  import jax
-  import jax.numpy as jnp
-  from flax import nnx
-
-  from models import inference, llama
-  from models import sharding as shd
-
   abstract = nnx.eval_shape(lambda: llama.Llama(cfg, rngs=nnx.Rngs(0)))
   graphdef, params, _ = nnx.split(abstract, nnx.Param, ...)
   shardings = shd.param_shardings(params, mesh)
@@ -67,21 +57,11 @@ def _abstract_step(cfg, mesh, cache_len: int, batch: int = 1):
 def _peak(compiled) -> int:
   """Bytes one device holds: XLA's peak where it reports one, at least args + outputs +
   temporaries - aliased outputs (:func:`benchmarks.common.per_device_bytes`)."""
-  from benchmarks import common
-
   memory = common.compiled_memory(compiled)
   return max(memory.get("peak_memory_in_bytes", 0), common.per_device_bytes(memory))
 
 
 def run_time(args):
-  import jax
-  import jax.numpy as jnp
-  from flax import nnx
-
-  from benchmarks import common
-  from models import inference, llama
-  from training import mesh as mesh_lib
-
   mesh = mesh_lib.make_mesh({"data": 1, "sequence": args.devices, "tensor": 1})
   cfg = llama.LlamaConfig(vocab_size=256, dim=256, num_layers=4, num_heads=8, num_kv_heads=4,
                           mlp_dim=512)
@@ -123,12 +103,6 @@ def run_time(args):
 
 
 def run_fit(args):
-  import importlib.util
-
-  from models import inference
-  from training import mesh as mesh_lib
-  from training import validation as val_lib
-
   spec = importlib.util.spec_from_file_location("cfgmod", args.config)
   mod = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(mod)
@@ -171,17 +145,15 @@ def run_fit(args):
       // (n * 1024) * (n * 1024))), flush=True)
 
 
-def main():
-  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def main(argv=None):
+  parser = common.parser(__doc__, lengths=(1024, 4096, 16384, 65536))
   parser.add_argument("mode", choices=["time", "fit"])
   parser.add_argument("--devices", type=int, default=8)
-  parser.add_argument("--lengths", default=[1024, 4096, 16384, 65536],
-                      type=lambda s: [int(x) for x in s.split(",") if x])
   parser.add_argument("--steps", type=int, default=10)
   parser.add_argument("--config", default="configs/llama_7b.py")
   parser.add_argument("--budget_gib", type=float, default=80.0)
-  args = parser.parse_args()
-  _setup(args.devices)
+  args = parser.parse_args(argv)
+  common.fake_cpu_devices(args.devices)
   (run_time if args.mode == "time" else run_fit)(args)
 
 

@@ -30,11 +30,11 @@ shares, not the absolute times, and use ``--ring 2`` (one device per core here).
 from __future__ import annotations
 
 import collections
+import functools
 import glob
 import gzip
 import json
 import os
-import re
 import sys
 import tempfile
 
@@ -45,81 +45,54 @@ from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import ring_jax  # noqa: E402
 from benchmarks import common  # noqa: E402
+from ring_jax import analysis  # noqa: E402
 
 common.fake_cpu_devices()
 
 KINDS = ("matmul", "exp", "select/compare", "layout copies", "transfer", "other")
 PARTS = ("xla_hop_fwd_blocks", "xla_hop_bwd_blocks", "merge")
 _CONTROL = ("while", "conditional", "call")
-_COLLECTIVES = ("collective-permute", "all-gather", "all-reduce", "reduce-scatter",
-                "all-to-all")
-_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+) = .*?\s([\w\-]+)\((.*)$")
 
 
 def parse_hlo(hlo: str) -> dict[str, tuple[str, str]]:
-  """``{instruction name: (kind, named-scope path)}`` of a compiled HLO module's text."""
-  comps, name = {}, None
-  for line in hlo.splitlines():
-    if line and not line.startswith(" ") and line.rstrip().endswith("{"):
-      name = line.split()[0].lstrip("%") if not line.startswith("ENTRY") else "ENTRY"
-      comps[name] = []
-    elif name is not None and line.strip() and line.strip() != "}":
-      comps[name].append(line)
-
-  def opcodes(comp, seen=()):
-    """Every opcode a computation holds, through the computations it calls."""
-    ops = set()
-    for line in comps.get(comp, ()):
-      m = _INSTR.match(line)
-      if m:
-        ops.add(m.group(2))
-      for callee in re.findall(r"calls=%([\w.\-]+)", line):
-        if callee not in seen:
-          ops |= opcodes(callee, seen + (comp,))
-    return ops
-
+  """``{instruction name: (kind, named-scope path)}`` of a compiled HLO module's text (parsed
+  by :func:`ring_jax.analysis.parse_module`)."""
+  comps = analysis.parse_module(hlo)
   # Who calls each computation (loop bodies, branches, fusions): an instruction without a
   # named scope of its own (XLA drops it on many fusions) takes its caller's.
   caller = {}
-  for comp, lines in comps.items():
-    for line in lines:
-      m = _INSTR.match(line)
-      if not m:
-        continue
-      callees = re.findall(r"(?:calls|body|condition|to_apply)=%([\w.\-]+)", line)
-      for group in re.findall(r"branch_computations=\{([^}]*)\}", line):
-        callees += [c.strip().lstrip("%") for c in group.split(",")]
-      for callee in callees:
-        caller.setdefault(callee, (comp, line))
+  for comp, insts in comps.items():
+    for inst in insts:
+      for callee in inst.called:
+        caller.setdefault(callee, (comp, inst))
 
-  def own_scope(line):
-    found = re.search(r'op_name="([^"]*)"', line)
-    return found.group(1) if found else ""
+  @functools.cache
+  def opcodes(comp: str) -> frozenset[str]:
+    """Every opcode a computation holds, through the fusions it calls."""
+    return frozenset().union(*({i.opcode} | inner(i) for i in comps.get(comp, ())))
 
-  def comp_scope(comp, depth=0):
+  def inner(inst) -> set[str]:
+    """The opcodes of the computations a fusion (or an async op) runs."""
+    if inst.opcode not in ("fusion", "async-start"):
+      return set()
+    return set().union(*(opcodes(c) for c in inst.called))
+
+  def comp_scope(comp: str, depth: int = 0) -> str:
     """The named scope of the instruction that calls ``comp`` (or of its caller, ...)."""
     if comp not in caller or depth > 50:
       return ""
-    parent, line = caller[comp]
-    return own_scope(line) or comp_scope(parent, depth + 1)
+    parent, inst = caller[comp]
+    return inst.op_name or comp_scope(parent, depth + 1)
 
-  out = {}
-  for comp, lines in comps.items():
-    for line in lines:
-      m = _INSTR.match(line)
-      if not m:
-        continue
-      inst, op = m.group(1), m.group(2)
-      called = re.findall(r"calls=%([\w.\-]+)", line)
-      ops = {op}.union(*(opcodes(c) for c in called)) if called else {op}
-      out[inst] = (_kind(op, ops), own_scope(line) or comp_scope(comp))
-  return out
+  return {inst.name: (_kind(inst.opcode, {inst.opcode} | inner(inst)),
+                      inst.op_name or comp_scope(comp))
+          for comp, insts in comps.items() for inst in insts}
 
 
 def _kind(op: str, ops: set[str]) -> str:
   if op in _CONTROL:
     return "control"
-  if any(c in o for o in ops for c in _COLLECTIVES):
+  if any(c in o for o in ops for c in common.COLLECTIVES):
     return "transfer"
   if "dot" in ops or "convolution" in ops:
     return "matmul"

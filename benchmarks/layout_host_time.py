@@ -1,26 +1,17 @@
 r"""Host time of the data pipeline's layout step per batch: zigzag vs the document layout.
 
   PYTHONPATH=. python benchmarks/layout_host_time.py                # seconds, 2 CPU cores
-  PYTHONPATH=. python benchmarks/layout_host_time.py --ring 16 --mean 1024 \
-      --shapes 1x131072,1x524288
   PYTHONPATH=. python benchmarks/layout_host_time.py --ring 8,16 --mean 4096,1024 \
       --out benchmarks/results/layout_host_time_cpu.json     # what the docs quote
 
-Every batch is reordered once on the host into the ring's layout
-(:func:`training.data.to_layout_np`, run inside the Grain pipeline before the batch is
-handed to the step). Zigzag applies one fixed permutation to every row; ``"document"``
-builds each row's own permutation from its segment ids
-(:func:`ring_jax.document_layout`) and applies it to the five fields of
-:mod:`training.batch`. This times that call alone on packed batches of each
-``--shapes`` (rows x length): segment ids of lognormal document lengths
-(``--mean`` tokens, sigma 1, as ``benchmarks/packed_balance.py`` draws them; the last
-one cut at the row's end; every row differs, so each builds its own permutation), a fresh
-batch per repetition. It prints, per shape and layout, the median and the fastest of
-``--reps`` calls in ms per batch and the tokens per second of the median: the rate the
-layout step alone can feed, to compare with the tokens per second the train step consumes
-per host (benchmarks/README.md, "The document layout's host cost"). ``--ring`` and ``--mean``
-take comma-separated lists (every combination is timed); ``--out FILE.json`` writes the rows
-with the date, machine and command.
+Times :func:`training.data.to_layout_np` alone (the reorder the Grain pipeline runs once per
+batch: zigzag applies one fixed permutation, ``"document"`` builds each row's own from its
+segment ids with :func:`ring_jax.document_layout`) on packed batches of each ``--shapes``
+(rows x length; documents of lognormal length, ``--mean`` tokens, sigma 1, as
+``benchmarks/packed_balance.py`` draws them), a fresh batch per repetition: per shape, ring
+and mean (``--ring`` and ``--mean`` take lists) the median and fastest of ``--reps`` calls in
+ms per batch and the tokens per second of the median, to compare with the tokens per second
+the train step consumes (benchmarks/README.md, "The document layout's host cost").
 """
 
 from __future__ import annotations

@@ -29,17 +29,11 @@ CPU (8 fake devices, tiny model; a few minutes on 2 quiet cores):
 
 from __future__ import annotations
 
-import argparse
 import collections
-import datetime
 import json
 import os
 import sys
 import tempfile
-
-if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                             " --xla_force_host_platform_device_count=8").strip()
 
 import jax
 import jax.numpy as jnp
@@ -49,6 +43,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks import common  # noqa: E402
 from benchmarks import two_level  # noqa: E402
 from ring_jax import analysis  # noqa: E402
+
+common.fake_cpu_devices()
 
 # A tiny LLaMA over the byte tokenizer's ids (configs/tiny.py:text's vocabulary).
 MODEL = {"model.vocab_size": 264, "model.dim": 64, "model.mlp_dim": 128, "model.num_heads": 4,
@@ -211,10 +207,9 @@ def run_config(args, corpus: str, buckets: tuple[int, ...]) -> dict:
 
 
 def main(argv=None):
-  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  ap = common.parser(__doc__, out="", ring=8)
   ap.add_argument("--seq-len", type=int, default=2048)
-  ap.add_argument("--ring", type=int, default=8, help="the one ring: mesh data=1 x sequence=N")
-  ap.add_argument("--buckets", default=None,
+  ap.add_argument("--buckets", type=common.ints, default=None,
                   help="comma-separated bucket lengths (default seq_len/8, /4, /2)")
   ap.add_argument("--batch", type=int, default=1, help="rows of seq_len per step")
   ap.add_argument("--layout", default="zigzag")
@@ -229,11 +224,10 @@ def main(argv=None):
                        "not quiet")
   ap.add_argument("--no-steps", action="store_true",
                   help="compile only: programs, ring bytes per step")
-  ap.add_argument("--out", default=None, help="write the results as JSON here")
   args = ap.parse_args(argv)
   if args.buckets is None:
-    args.buckets = ",".join(str(args.seq_len // d) for d in (8, 4, 2))
-  buckets = tuple(int(b) for b in args.buckets.split(",") if b)
+    args.buckets = [args.seq_len // d for d in (8, 4, 2)]
+  buckets = tuple(args.buckets)
 
   with tempfile.TemporaryDirectory(prefix="length_buckets_") as tmp:
     corpus = os.path.join(tmp, "corpus.jsonl")
@@ -265,12 +259,8 @@ def main(argv=None):
           f"{results[1]['real_tokens_per_s'] / results[0]['real_tokens_per_s']:.2f}x", flush=True)
   if args.out:
     common.write_result(args.out, dict(
-        meta=dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                  jax=jax.__version__, platform=jax.default_backend(),
-                  cpu_count=os.cpu_count(), num_devices=jax.device_count(),
-                  command="PYTHONPATH=. python benchmarks/length_buckets.py " +
-                          " ".join(sys.argv[1:] if argv is None else argv)),
-        settings=dict(vars(args), model=MODEL),
+        meta=common.run_meta(argv, __file__),
+        settings=dict(vars(args), buckets=",".join(map(str, buckets)), model=MODEL),
         corpus=dict(documents=args.docs, tokens=int(lengths.sum()),
                     short_fraction=float(np.mean(lengths <= args.seq_len // 8)),
                     max_length=int(lengths.max())),

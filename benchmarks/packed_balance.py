@@ -2,23 +2,16 @@ r"""Causal work per device on packed rows: zigzag vs the per-document layout (pu
 
   PYTHONPATH=. python benchmarks/packed_balance.py            # ring 8, 128K rows, ~1 min
 
-Rows of ``--length`` tokens are packed from documents of lognormal length
-(``sigma`` 1, mean 2K..32K: ``mu = log(mean) - sigma^2 / 2``), the last one cut
-at the row's end, ``--rows`` rows per mean. For each row and layout:
-
-* token level: the (query, key) pairs each device scores, causal within
-  documents (:func:`ring_jax.documents.token_work`);
-* the kernel's own plan: the block pairs the ring computes per device and hop,
-  from the block table it builds (:func:`ring_jax.documents.block_work`, blocks
-  of ``--block``, the ring's default for these lengths), summed per device, and
-  the critical path (each hop costs its busiest device).
-
-Reported per mean: median and max over rows of max/mean work per device, the
-critical path over the mean device's work, and (medians) the document layout's
-total block pairs and critical path over zigzag's: its pieces are finer (a
-document is cut into ``2n`` pieces), so blocks straddle more documents and it
-computes more partly masked pairs in all; the critical path (what a ring pass
-waits for) is what it buys back.
+Rows of ``--length`` tokens are packed from documents of lognormal length (sigma 1, mean
+2K..32K: ``mu = log(mean) - sigma^2 / 2``, the last one cut at the row's end), ``--rows``
+per mean. Per row and layout: the (query, key) pairs each device scores
+(:func:`ring_jax.documents.token_work`) and the block pairs the ring computes per device and
+hop from its own block tables (:func:`ring_jax.documents.block_work`, blocks of
+``--block``), summed per device, with the critical path (each hop costs its busiest device).
+Reported per mean: median and max over rows of max/mean work per device, the critical path
+over the mean device's work, and (medians) the document layout's total block pairs and
+critical path over zigzag's (its finer pieces compute more partly masked pairs in all; the
+critical path is what it buys back).
 Writes ``<out>/packed_balance.json`` and ``.log``. ``--dry-run``: small rows.
 """
 

@@ -8,8 +8,9 @@ shards (``jax.shard_map`` of :func:`ring_jax.ring_attention` or
 the compiled program: the collective-permutes it executes per run (loop trip counts, a
 ``lax.switch`` branch per trip: :func:`benchmarks.two_level.permute_traffic`) and the bytes
 they move over all devices' links together (each executed permute's operand times its
-source-target pairs), ``memory_analysis()`` temp bytes and the scheduled HLO's size (:func:`program_chars`: its
-computations without debug information and name numbering); compiled for a TPU
+source-target pairs), ``memory_analysis()`` temp bytes and the scheduled HLO's size
+(:func:`program_chars`: its computations without debug information and name numbering);
+compiled for a TPU
 slice (``--topology``, no TPU attached) also the ring transfers in flight during block
 compute (:func:`ring_jax.analysis.overlap_report`). Nothing runs.
 
@@ -42,6 +43,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import ring_jax  # noqa: E402
 from benchmarks import common, two_level  # noqa: E402
+from ring_jax import topology  # noqa: E402
 
 if "--topology" not in sys.argv and "--compare" not in sys.argv:
   common.fake_cpu_devices()
@@ -180,8 +182,7 @@ def main(argv=None):
   if args.compare:
     return compare(*args.compare)
   if args.topology:
-    from benchmarks.tpu_overlap import topology_devices
-    devices = topology_devices(args.topology)
+    devices = topology.devices(args.topology)
   else:
     devices = jax.devices()
   header = dict(label=args.label, date=datetime.date.today().isoformat(),

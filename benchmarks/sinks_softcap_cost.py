@@ -8,8 +8,8 @@ head, applied once to the ring's result), ``+softcap`` (``c * tanh(s / c)`` on e
 and ``+both``, per head dim of ``--head-dim`` (a comma-separated list: each head dim's four
 are interleaved among themselves). Each row records the best and the median process CPU
 seconds and wall seconds (:func:`benchmarks.common.timed_call`) and their ratio to ``plain``
-at its head dim in the same run; the issue's bound is ``ratio <= --bound`` (1.10) for each. Inputs in the layout's order
-(``inputs_in_layout=True``), so only the attention is timed.
+at its head dim in the same run; the issue's bound is ``ratio <= --bound`` (1.10) for each.
+Inputs in the layout's order (``inputs_in_layout=True``), so only the attention is timed.
 
     python benchmarks/sinks_softcap_cost.py --head-dim 64,128,256   # 4K tokens, ring of 8
     python benchmarks/sinks_softcap_cost.py --length 512 --repeats 2 --out ''   # a smoke run
@@ -20,47 +20,71 @@ machine: the figures are times.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import ring_jax  # noqa: E402
+from benchmarks import common  # noqa: E402
+
 CONFIGS = ("plain", "+sinks", "+softcap", "+both")
 
 
 def parse_args(argv):
-  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  p.add_argument("--length", type=int, default=4096, help="global tokens per row")
-  p.add_argument("--ring", type=int, default=8, help="fake CPU devices on the ring")
-  p.add_argument("--heads", type=int, default=8)
+  p = common.parser(__doc__, out="sinks_softcap_cost.json", repeats=7, length=4096, ring=8,
+                    heads=8)
   p.add_argument("--kv-heads", type=int, default=8)
-  p.add_argument("--head-dim", default="64",
+  p.add_argument("--head-dim", type=common.ints, default=[64],
                  help="comma-separated head dims (each its own interleaved set of four)")
   p.add_argument("--layout", default="zigzag")
   p.add_argument("--no-causal", dest="causal", action="store_false")
   p.add_argument("--soft-cap", type=float, default=50.0, help="logits_soft_cap of +softcap")
-  p.add_argument("--repeats", type=int, default=7, help="interleaved rounds")
   p.add_argument("--bound", type=float, default=1.10, help="the issue's bound on each ratio")
-  p.add_argument("--out", default=os.path.join(RESULTS, "sinks_softcap_cost.json"),
-                 help="result file ('' to write nothing)")
   return p.parse_args(argv)
+
+
+def time_configs(args, mesh, q, k, v, do, sinks) -> list[dict]:
+  """The four configurations at ``q``'s head dim, interleaved: their rows."""
+  def step(config):
+    def loss(q, k, v, z):
+      out = ring_jax.ring_attention_sharded(
+          q, k, v, mesh=mesh, is_causal=args.causal, layout=args.layout,
+          inputs_in_layout=True, hop_kernel="xla",
+          sinks=z if config in ("+sinks", "+both") else None,
+          logits_soft_cap=args.soft_cap if config in ("+softcap", "+both") else None)
+      return jnp.sum(out * do)
+    return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))
+
+  fns = {c: step(c) for c in CONFIGS}
+  for c, f in fns.items():  # compile + warm up; every configuration must give finite grads
+    if not all(bool(jnp.isfinite(g).all()) for g in jax.block_until_ready(f(q, k, v, sinks))):
+      raise SystemExit(f"{c}: non-finite gradients")
+  times = common.interleaved({c: (f, (q, k, v, sinks)) for c, f in fns.items()}, args.repeats,
+                             warmup=0)
+  plain, rows, h = times["plain"], [], q.shape[-1]
+  for c in CONFIGS:
+    cpu, wall = times[c]["cpu"], times[c]["wall"]
+    row = dict(config=c, head_dim=h, best_cpu_s=min(cpu), median_cpu_s=common.median(cpu),
+               best_wall_s=min(wall), median_wall_s=common.median(wall), cpu_s=cpu, wall_s=wall,
+               ratio_cpu=min(cpu) / min(plain["cpu"]), ratio_wall=min(wall) / min(plain["wall"]))
+    row["within_bound"] = row["ratio_cpu"] <= args.bound
+    rows.append(row)
+    print(f"head dim {h:3d} {c:9s} best cpu {row['best_cpu_s']:.3f}s (x{row['ratio_cpu']:.3f})  "
+          f"best wall {row['best_wall_s']:.3f}s (x{row['ratio_wall']:.3f})  "
+          f"{'within' if row['within_bound'] else 'OVER'} {args.bound}", flush=True)
+  return rows
 
 
 def main(argv=None):
   argv = sys.argv[1:] if argv is None else argv
   args = parse_args(argv)
-  os.environ.setdefault("JAX_PLATFORMS", "cpu")
-  if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                               f" --xla_force_host_platform_device_count={args.ring}").strip()
-  sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-  import jax  # noqa: PLC0415
-  import jax.numpy as jnp  # noqa: PLC0415
-  import numpy as np  # noqa: PLC0415
-
-  import ring_jax  # noqa: PLC0415
-  from benchmarks import common  # noqa: PLC0415
-
+  if "JAX_PLATFORMS" not in os.environ:  # fake CPU devices, also on an accelerator host
+    jax.config.update("jax_platforms", "cpu")
+  common.fake_cpu_devices(args.ring)
   if jax.device_count() < args.ring:
     raise SystemExit(f"needs {args.ring} devices, have {jax.device_count()} (XLA_FLAGS set "
                      "before jax was imported?)")
@@ -69,63 +93,17 @@ def main(argv=None):
   normal = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)  # noqa: E731
   b, length, n, kh = 1, args.length, args.heads, args.kv_heads
   sinks = normal(n) * 3.0
-  def time_configs(q, k, v, do) -> list:
-    """The four configurations at ``q``'s head dim, interleaved: their rows."""
-    def step(config):
-      cap = args.soft_cap if config in ("+softcap", "+both") else None
-      with_sinks = config in ("+sinks", "+both")
-
-      def loss(q, k, v, z):
-        out = ring_jax.ring_attention_sharded(
-            q, k, v, mesh=mesh, is_causal=args.causal, layout=args.layout,
-            inputs_in_layout=True, hop_kernel="xla", sinks=z if with_sinks else None,
-            logits_soft_cap=cap)
-        return jnp.sum(out * do)
-
-      return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))
-
-    fns = {c: step(c) for c in CONFIGS}
-    for c, f in fns.items():  # compile + warm up; every configuration must give finite grads
-      grads = jax.block_until_ready(f(q, k, v, sinks))
-      if not all(bool(jnp.isfinite(g).all()) for g in grads):
-        raise SystemExit(f"{c}: non-finite gradients")
-    cpu = {c: [] for c in CONFIGS}
-    wall = {c: [] for c in CONFIGS}
-    for _ in range(args.repeats):
-      for c, f in fns.items():
-        w, s, _ = common.timed_call(f, q, k, v, sinks)
-        wall[c].append(w)
-        cpu[c].append(s)
-
-    rows, h = [], q.shape[-1]
-    for c in CONFIGS:
-      row = dict(config=c, head_dim=h, best_cpu_s=min(cpu[c]),
-                 median_cpu_s=common.median(cpu[c]),
-                 best_wall_s=min(wall[c]), median_wall_s=common.median(wall[c]),
-                 cpu_s=cpu[c], wall_s=wall[c])
-      row["ratio_cpu"] = row["best_cpu_s"] / min(cpu["plain"])
-      row["ratio_wall"] = row["best_wall_s"] / min(wall["plain"])
-      row["within_bound"] = row["ratio_cpu"] <= args.bound
-      rows.append(row)
-      print(f"head dim {h:3d} {c:9s} best cpu {row['best_cpu_s']:.3f}s (x{row['ratio_cpu']:.3f})  "
-            f"best wall {row['best_wall_s']:.3f}s (x{row['ratio_wall']:.3f})  "
-            f"{'within' if row['within_bound'] else 'OVER'} {args.bound}", flush=True)
-    return rows
-
   rows = []
-  for h in (int(x) for x in args.head_dim.split(",")):
-    q, k, v, do = (normal(b, length, n, h), normal(b, length, kh, h),
-                   normal(b, length, kh, h), normal(b, length, n, h))
-    rows += time_configs(q, k, v, do)
-
+  for h in args.head_dim:
+    rows += time_configs(args, mesh, normal(b, length, n, h), normal(b, length, kh, h),
+                         normal(b, length, kh, h), normal(b, length, n, h), sinks)
   result = dict(
       common.run_meta(argv, __file__),
       about="ring_attention_sharded(hop_kernel='xla') fwd+bwd with sinks / soft-cap vs "
             "without, interleaved in one process; ratios to 'plain' of the best process CPU "
             "(and wall) seconds at the same head dim",
-      length=length, ring=args.ring, heads=n, kv_heads=kh,
-      head_dims=[int(x) for x in args.head_dim.split(",")], dtype="float32",
-      layout=args.layout, is_causal=args.causal, soft_cap=args.soft_cap,
+      length=length, ring=args.ring, heads=n, kv_heads=kh, head_dims=args.head_dim,
+      dtype="float32", layout=args.layout, is_causal=args.causal, soft_cap=args.soft_cap,
       repeats=args.repeats, bound=args.bound, rows=rows)
   if args.out:
     common.write_result(args.out, result)

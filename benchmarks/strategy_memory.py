@@ -50,12 +50,8 @@ def main(argv=None) -> dict:
     f = functools.partial(ring_jax.attention_sharded, mesh=mesh, strategy=strategy,
                           seq_axis="sequence", batch_axis=None, is_causal=True,
                           layout=args.layout)
-
-    fwd = jax.jit(f).lower(x, x, x).compile()
-    both = jax.jit(common.fwd_bwd(f)).lower(x, x, x, x).compile()
-    rows.append(dict(strategy=strategy,
-                     fwd_temp_bytes=common.compiled_memory(fwd)["temp_size_in_bytes"],
-                     fwdbwd_temp_bytes=common.compiled_memory(both)["temp_size_in_bytes"],
+    rows.append(dict(strategy=strategy, fwd_temp_bytes=common.temp_bytes(f, x, x, x),
+                     fwdbwd_temp_bytes=common.temp_bytes(common.fwd_bwd(f), x, x, x, x),
                      plan_memory_bytes=int(plan.estimate(strategy).memory_bytes)))
     r = rows[-1]
     print(f"{strategy:10s} temp fwd {r['fwd_temp_bytes'] / 2**20:7.1f} MiB, fwd+bwd "

@@ -38,7 +38,6 @@ named (a row's ``config`` gains ``+<kernel>``), the hop kernels' memory side by 
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import os
 import sys
@@ -53,7 +52,7 @@ import numpy as np  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import ring_jax  # noqa: E402
 from benchmarks import common  # noqa: E402
-from ring_jax import analysis  # noqa: E402
+from ring_jax import analysis, topology  # noqa: E402
 
 #: The hop kernels that compile for a TPU: "xla" and the registry's TPU kernels.
 HOP_KERNELS = ("xla", *(k for k, p in ring_jax.kernels.PLATFORM.items() if p == "tpu"))
@@ -62,17 +61,6 @@ SOFT_CAP = 50.0
 CONFIGS = ("zigzag-causal", "zigzag-causal+inplace_dkv", "zigzag-full", "contiguous-causal",
            "contiguous-causal+routed", "zigzag-causal+splash", "zigzag-causal+routed",
            "two_level-zigzag-causal", "two_level-zigzag-causal+inplace_dkv")
-
-
-def topology_devices(name: str):
-  """The compile-only devices of TPU slice ``name`` (e.g. ``v5p:2x2x1``), one slice."""
-  from jax.experimental import topologies
-  chips = tuple(int(x) for x in name.split(":")[1].split("x"))
-  topo = topologies.get_topology_desc(
-      platform="tpu", topology_name=name, chip_config_name="default",
-      chips_per_host_bounds=chips if len(chips) == 3 else (*chips, 1), num_slices=1,
-      wrap=(False,) * 3)
-  return topo.devices
 
 
 def hop_kernel(config: str) -> str:
@@ -178,6 +166,7 @@ def measure(config: str, devices, length: int, heads: int, head_dim: int,
   seconds = common.median(times)
   report = analysis.overlap_report(compiled)
   hidden, total = report.ring()
+  memory = common.compiled_memory(compiled)
   return {
       "config": config,
       "hop_kernel": "tokamax" if config.startswith("tokamax_ring") else hop_kernel(config),
@@ -185,9 +174,8 @@ def measure(config: str, devices, length: int, heads: int, head_dim: int,
       "value_head_dim": value_head_dim if "dv" in config.split("+") else head_dim,
       "kv_heads": heads // 4 if "gqa" in config.split("+") else heads,
       "compile_s": round(seconds, 1),
-      "temp_mib": round(compiled.memory_analysis().temp_size_in_bytes / common.MIB, 1),
-      "argument_mib": round(compiled.memory_analysis().argument_size_in_bytes / common.MIB, 1),
-      "output_mib": round(compiled.memory_analysis().output_size_in_bytes / common.MIB, 1),
+      **{f"{k}_mib": round(memory[f"{k}_size_in_bytes"] / common.MIB, 1)
+         for k in ("temp", "argument", "output")},
       "hlo_chars": len(compiled.as_text()),
       "ring_in_flight": hidden,
       "ring_transfers": total,
@@ -198,10 +186,8 @@ def measure(config: str, devices, length: int, heads: int, head_dim: int,
 
 
 def main(argv=None):
-  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p = common.parser(__doc__, out="", repeats=1, length=32768, heads=8)
   p.add_argument("--topology", default="v5p:2x2x1")
-  p.add_argument("--length", type=int, default=32768)
-  p.add_argument("--heads", type=int, default=8)
   p.add_argument("--head_dim", type=int, default=128)
   p.add_argument("--value_head_dim", type=int, default=128,
                  help="V's head dim in configurations with +dv")
@@ -211,10 +197,7 @@ def main(argv=None):
   p.add_argument("--hop-kernel", default=None,
                  help=f"comma-separated hop kernels ({', '.join(HOP_KERNELS)}): each "
                       "configuration compiled once per kernel (default: as the config says)")
-  p.add_argument("--repeats", type=int, default=1,
-                 help="compiles per configuration; compile_s is their median")
   p.add_argument("--label", default="", help="recorded with the rows (e.g. a commit)")
-  p.add_argument("--out", default=None, help="result file (default: print only)")
   args = p.parse_args(argv)
   configs = args.configs.split(",")
   if args.hop_kernel:
@@ -223,14 +206,14 @@ def main(argv=None):
     if unknown:
       p.error(f"--hop-kernel: unknown {unknown}; choose from {', '.join(HOP_KERNELS)}")
     configs = [c if k == "xla" else f"{c}+{k}" for c in configs for k in kernels]
-  devices = topology_devices(args.topology)
+  devices = topology.devices(args.topology)
   rows = []
   for config in configs:
     try:
       row = measure(config, devices, args.length, args.heads, args.head_dim, args.block,
                     args.value_head_dim, args.repeats)
-    except Exception as e:  # one failed configuration is reported, the next one runs
-      row = {"config": config, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
+    except Exception as e:  # noqa: BLE001  (one failed configuration is reported, the next runs)
+      row = {"config": config, "error": common.error_line(e, 300)}
     rows.append(row)
     print(row, flush=True)
   if args.out:

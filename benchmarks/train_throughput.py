@@ -33,7 +33,6 @@ import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks import common  # noqa: E402
@@ -41,6 +40,8 @@ from ring_jax import hardware  # noqa: E402
 
 common.fake_cpu_devices()
 
+#: The model sizes a flag may override (``--dim`` ...), else the preset's.
+MODEL_FIELDS = ("vocab_size", "dim", "num_layers", "num_heads", "num_kv_heads", "mlp_dim")
 PRESETS = {
     "tiny": dict(vocab_size=256, dim=256, num_layers=2, num_heads=8, num_kv_heads=8,
                  mlp_dim=512),
@@ -74,19 +75,11 @@ def peak_per_device(args, n_devices):
 def model_config(args, backend):
   from models.llama import LlamaConfig
 
-  preset = dict(PRESETS[args.preset])
-  for k in ("vocab_size", "dim", "num_layers", "num_heads", "num_kv_heads", "mlp_dim"):
-    v = getattr(args, k)
-    if v:
-      preset[k] = v
+  preset = dict(PRESETS[args.preset], **{k: getattr(args, k) for k in MODEL_FIELDS
+                                          if getattr(args, k)})
   return LlamaConfig(**preset, attention=backend, layout=args.layout, remat_policy=args.remat,
                      dtype=args.dtype, param_dtype="float32", ffn_chunk_size=args.ffn_chunk,
                      loss_chunk_size=args.loss_chunk, block_q=args.block, block_kv=args.block)
-
-
-def run_one(backend, args, mesh, peak):
-  return dict(attention=backend, **time_train_step(model_config(args, backend), mesh,
-                                                   args.batch, args.seq_len, args.steps, peak))
 
 
 def time_train_step(cfg, mesh, b, length, steps, peak):
@@ -139,7 +132,7 @@ def main(argv=None):
   ap = common.parser(__doc__, out="", mesh="data=1,sequence=8,tensor=1")
   ap.add_argument("--dtype", default=None, help="compute dtype (default f32 on CPU, bf16 else)")
   ap.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
-  for k in ("vocab_size", "dim", "num_layers", "num_heads", "num_kv_heads", "mlp_dim"):
+  for k in MODEL_FIELDS:
     ap.add_argument(f"--{k.replace('_', '-')}", type=int, default=None)
   ap.add_argument("--seq-len", type=int, default=2048)
   ap.add_argument("--batch", type=int, default=1)
@@ -155,9 +148,8 @@ def main(argv=None):
   if args.dtype is None:
     args.dtype = "float32" if jax.default_backend() == "cpu" else "bfloat16"
   shape = args.mesh
-  n = int(np.prod(list(shape.values())))
   mesh = common.make_mesh(shape)
-  peak, peak_src = peak_per_device(args, n)
+  peak, peak_src = peak_per_device(args, mesh.devices.size)
   print(f"jax {jax.__version__} {jax.default_backend()} mesh {shape}; peak/device "
         f"{peak / 1e12:.3g} TFLOP/s ({peak_src}); preset {args.preset}, L={args.seq_len}, "
         f"B={args.batch}, layout {args.layout}, remat {args.remat}, {args.dtype}", flush=True)
@@ -166,7 +158,8 @@ def main(argv=None):
   results = []
   for backend in args.attention.split(","):
     try:
-      r = run_one(backend, args, mesh, peak)
+      r = dict(attention=backend, **time_train_step(model_config(args, backend), mesh,
+                                                    args.batch, args.seq_len, args.steps, peak))
       print(f"{backend:<10} {1e3 * r['step_s']:>9.1f} {r['tokens_per_s']:>10.1f} "
             f"{r['model_tflops_per_s']:>8.3f} {r['mfu']:>7.1%} "
             f"{(r['temp_bytes_per_device'] or 0) / 2**20:>12.1f} {r['loss']:>7.3f}", flush=True)

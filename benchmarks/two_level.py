@@ -38,7 +38,6 @@ from jax.sharding import PartitionSpec as P
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import ring_jax  # noqa: E402
 from benchmarks import common  # noqa: E402
-from benchmarks.common import _ARRAY, _ITEM_BYTES  # noqa: E402
 
 common.fake_cpu_devices()
 
@@ -121,11 +120,10 @@ def permute_traffic(hlo: str, mesh_shape, outer: int = 0) -> list[dict]:
       pairs = _PAIRS.search(line)
       if not m or not pairs:
         continue
-      dtype, dims = _ARRAY.findall(m.group(1))[0]  # -start: (operand, result, ...)
-      nbytes = _ITEM_BYTES.get(dtype, 4) * math.prod(int(d) for d in dims.split(",") if d)
+      nbytes = common.shape_bytes(m.group(1), first=True)  # -start: (operand, result, ...)
       st = [tuple(map(int, p)) for p in re.findall(r"\{(\d+),(\d+)\}", pairs.group(1))]
-      crossing = sum(np.unravel_index(a, mesh_shape)[outer] != np.unravel_index(b, mesh_shape)[outer]
-                     for a, b in st)
+      crossing = sum(np.unravel_index(a, mesh_shape)[outer]
+                     != np.unravel_index(b, mesh_shape)[outer] for a, b in st)
       scope = _SCOPE.search(line)
       ops.append(dict(scope=scope.group(1) if scope else "", bytes=nbytes, runs=runs[name],
                       pairs=len(st), outer_pairs=int(crossing)))
@@ -169,7 +167,7 @@ def compiled_text(split, *, two_level: bool, backward: bool, is_causal: bool, le
   fn = jax.shard_map(local, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec), out_specs=q_spec)
   if backward:
     fwd = fn
-    fn = lambda q, k, v: jax.grad(lambda q, k, v: jnp.sum(fwd(q, k, v)), (0, 1, 2))(q, k, v)  # noqa: E731
+    fn = jax.grad(lambda q, k, v: jnp.sum(fwd(q, k, v)), (0, 1, 2))
   # float32: XLA:CPU moves bfloat16 collectives as float32 anyway; bf16 halves the K/V bytes.
   shapes = [jax.ShapeDtypeStruct((1, length, n, head_dim), jnp.float32)
             for n in (heads, kv_heads, kv_heads)]
@@ -195,7 +193,7 @@ def measure(splits=((2, 4), (4, 2)), length: int = 8192, is_causal: bool = True,
 
 
 def print_table(rows, out=sys.stdout):
-  mib = 2 ** 20
+  mib = common.MIB
   print(f"{'split':>6} {'pass':>8} {'ring':>10} {'outer xfers':>12} {'outer MiB':>10} "
         f"{'all outer MiB':>14} {'inner xfers':>12} {'inner MiB':>10}", file=out)
   for r in rows:
