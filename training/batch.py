@@ -1,4 +1,5 @@
-"""The batch the train and eval steps take: its fields, their dtypes and their sharding.
+"""The batch the train and eval steps take: its fields, their dtypes, their sharding, and
+the fields made of a row's tokens and segment ids (:func:`from_segments`).
 
 A batch is a dict of ``[rows, seq_len]`` arrays in the ring's layout order::
 

@@ -110,10 +110,7 @@ class KVRetrievalTask:
 
   @classmethod
   def from_config(cls, data_config) -> "KVRetrievalTask":
-    kv = data_config.kv
-    return cls(seq_len=data_config.seq_len, num_pairs=kv.num_pairs,
-               num_queries=kv.num_queries, num_keys=kv.num_keys, num_values=kv.num_values,
-               num_filler=kv.num_filler, docs_per_row=kv.docs_per_row)
+    return cls(seq_len=data_config.seq_len, **data_config.kv)
 
   @property
   def key_start(self) -> int:
@@ -250,20 +247,16 @@ def bad_record_counts(state: dict[str, Any]) -> dict[str, int]:
 
   ``{"data/bad_records": total, "data/bad_<kind>": count, ...}``; empty for the kv task.
   """
-  def find(node):
+  nodes = [state]  # the document reader's state, wherever the pipeline nests it
+  while nodes:
+    node = nodes.pop()
     if isinstance(node, dict):
       if isinstance(node.get("bad_records"), dict):
-        return node["bad_records"].get("counts", {})
-      for v in node.values():
-        if (found := find(v)) is not None:
-          return found
-    return None
-
-  counts = find(state)
-  if counts is None:
-    return {}
-  return {"data/bad_records": sum(counts.values()),
-          **{f"data/bad_{k}": n for k, n in sorted(counts.items())}}
+        counts = node["bad_records"].get("counts", {})
+        return {"data/bad_records": sum(counts.values()),
+                **{f"data/bad_{k}": n for k, n in sorted(counts.items())}}
+      nodes.extend(node.values())
+  return {}
 
 
 # ----------------------------------------------------------------------------

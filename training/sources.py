@@ -156,17 +156,6 @@ class BadRecords:
 # ----------------------------------------------------------------------------
 
 
-def _lines_before(path: str, offset: int) -> int:
-  """Lines before the first one a range starting at byte ``offset`` owns (for locations only)."""
-  with open(path, "rb") as f:
-    count = sum(f.read(min(READ_BUFFER_BYTES, offset - done)).count(b"\n")
-                for done in range(0, offset, READ_BUFFER_BYTES))
-    if offset > 0:
-      f.seek(offset - 1)
-      count += f.read(1) != b"\n"  # Mid-line: the partial line belongs to the range before.
-  return count
-
-
 class _Cursor:
   """Where a reader stands: unit offset, and lines read since the span start."""
 
@@ -175,8 +164,15 @@ class _Cursor:
     self._line_base = 0 if span.start == 0 else None
 
   def line_location(self, line: int) -> str:
-    if self._line_base is None:  # Lazily: a scan of the bytes before the span, once.
-      self._line_base = _lines_before(self.span.path, self.span.start)
+    """``path:N`` of the ``line``-th line since the span start (N counts from 1 in the file)."""
+    if self._line_base is None:  # Lazily, once: the lines before the first the span owns.
+      start = self.span.start  # > 0 here
+      with open(self.span.path, "rb") as f:
+        base = sum(f.read(min(READ_BUFFER_BYTES, start - done)).count(b"\n")
+                   for done in range(0, start, READ_BUFFER_BYTES))
+        f.seek(start - 1)
+        # Mid-line: the partial line belongs to the range before.
+        self._line_base = base + (f.read(1) != b"\n")
     return f"{self.span.path}:{self._line_base + line + 1}"
 
 
