@@ -1,4 +1,5 @@
-"""The batch the train and eval steps take: its fields, their dtypes and their sharding.
+"""The batch the train and eval steps take: its fields, their dtypes, their sharding, and
+the fields made of a row's tokens and segment ids (:func:`from_segments`).
 
 A batch is a dict of ``[rows, seq_len]`` arrays in the ring's layout order::
 
@@ -57,6 +58,40 @@ def abstract(shape: tuple[int, int], mesh) -> dict[str, jax.ShapeDtypeStruct]:
           for name, dtype in DTYPES.items()}
 
 
+def segment_positions(segment_ids: np.ndarray) -> np.ndarray:
+  """Position of each token inside its segment (restarts at 0 per document), natural order."""
+  rows, length = segment_ids.shape
+  idx = np.broadcast_to(np.arange(length, dtype=np.int32), (rows, length))
+  starts = np.ones_like(segment_ids, dtype=bool)
+  starts[:, 1:] = segment_ids[:, 1:] != segment_ids[:, :-1]
+  # Index of the most recent segment start at or before each token.
+  last_start = np.maximum.accumulate(np.where(starts, idx, 0), axis=1)
+  return (idx - last_start).astype(np.int32)
+
+
+def next_token_targets(tokens: np.ndarray, segment_ids: np.ndarray):
+  """Labels and loss mask that never cross a document (or row) boundary."""
+  labels = np.zeros_like(tokens)
+  labels[:, :-1] = tokens[:, 1:]
+  same_doc = np.zeros(tokens.shape, dtype=bool)
+  same_doc[:, :-1] = (segment_ids[:, 1:] == segment_ids[:, :-1]) & (segment_ids[:, :-1] != 0)
+  labels = np.where(same_doc, labels, 0).astype(np.int32)
+  return labels, same_doc.astype(np.float32)
+
+
+def from_segments(tokens: np.ndarray, segment_ids: np.ndarray, positions=None,
+                  loss_mask=None) -> dict[str, np.ndarray]:
+  """Every field of a natural-order ``[rows, L]`` batch from its tokens and segment ids:
+  positions restarting at 0 per segment (or ``positions``), 0 on padding (segment 0); the
+  labels and loss mask of :func:`next_token_targets` (or that ``loss_mask``)."""
+  labels, targets = next_token_targets(tokens, segment_ids)
+  positions = segment_positions(segment_ids) if positions is None else positions
+  out = dict(tokens=tokens, positions=np.where(segment_ids > 0, positions, 0),
+             segment_ids=segment_ids, labels=labels,
+             loss_mask=targets if loss_mask is None else loss_mask)
+  return {k: np.asarray(out[k], DTYPES[k]) for k in FIELDS}
+
+
 def random_documents(seed: int, rows: int, length: int, vocab_size: int, layout: str,
                      ring_size: int) -> dict[str, np.ndarray]:
   """A host batch of uniformly random tokens, one document per row, in layout order (for
@@ -64,13 +99,7 @@ def random_documents(seed: int, rows: int, length: int, vocab_size: int, layout:
   ring_jax.layouts.check_length(layout, ring_size, length)
   rng = np.random.default_rng(seed)
   stream = rng.integers(0, vocab_size, (rows, length + 1)).astype(np.int32)
-  loss_mask = np.ones((rows, length), np.float32)
-  loss_mask[:, -1] = 0.0  # the last token's next one belongs to no document
-  natural = dict(tokens=stream[:, :-1],
-                 positions=np.broadcast_to(np.arange(length, dtype=np.int32), (rows, length)),
-                 segment_ids=np.ones((rows, length), np.int32),
-                 labels=np.where(loss_mask > 0, stream[:, 1:], 0).astype(np.int32),
-                 loss_mask=loss_mask)
+  natural = from_segments(stream[:, :-1], np.ones((rows, length), np.int32))
   # One document per row: the document layout deals it as zigzag does.
   perm = ring_jax.layout_positions(ring_jax.layouts.mask_layout(layout), ring_size, length)
   return {name: np.ascontiguousarray(natural[name][:, perm]) for name in FIELDS}

@@ -50,19 +50,12 @@ class Bucket:
     """The batch fields' sharding on the bucket's mesh (rows over data, tokens over its ring)."""
     return batch_lib.sharding(self.mesh)
 
-  def describe(self) -> str:
-    s = self.mesh.shape
-    return (f"{self.length} tokens x {self.rows} rows on a ring of {self.ring} "
-            f"(data {s['data']} x sequence {s['sequence']})")
-
 
 def lengths_of(config) -> tuple[int, ...]:
   """``data.length_buckets`` as a tuple of ints with ``data.seq_len`` last (empty: one ring)."""
-  buckets = tuple(config.data.get("length_buckets", None) or ())
-  if not buckets:
-    return ()
+  buckets = tuple(int(b) for b in config.data.get("length_buckets", None) or ())
   seq_len = int(config.data.seq_len)
-  return tuple(int(b) for b in buckets) + (() if int(buckets[-1]) == seq_len else (seq_len,))
+  return buckets + ((seq_len,) if buckets and buckets[-1] != seq_len else ())
 
 
 def check(config, sizes: dict[str, int]) -> None:
@@ -176,21 +169,15 @@ def pack_rows(rows: list[list[list[int]]], length: int) -> dict[str, np.ndarray]
   """Rows of whole documents -> ``[len(rows), length]`` natural-order batch fields: segment
   ids 1, 2, ... per document, positions restarting at 0, labels inside each document, the
   rest of each row padding (segment 0, no target)."""
-  from training import data as data_lib
   tokens = np.zeros((len(rows), length), np.int32)
   segments = np.zeros((len(rows), length), np.int32)
-  positions = np.zeros((len(rows), length), np.int32)
   for r, docs in enumerate(rows):
     start = 0
     for d, doc in enumerate(docs):
       tokens[r, start:start + len(doc)] = doc
       segments[r, start:start + len(doc)] = d + 1
-      positions[r, start:start + len(doc)] = np.arange(len(doc))
       start += len(doc)
-  labels, loss_mask = data_lib.next_token_targets(tokens, segments)
-  out = dict(tokens=tokens, positions=positions, segment_ids=segments, labels=labels,
-             loss_mask=loss_mask)
-  return {k: np.asarray(out[k], batch_lib.DTYPES[k]) for k in batch_lib.FIELDS}
+  return batch_lib.from_segments(tokens, segments)
 
 
 def jit_step(train_step, bucket: Bucket, microbatches: int):
@@ -219,7 +206,9 @@ def compile_steps(train_step, buckets: tuple[Bucket, ...], microbatches: int, pa
 
 def describe(buckets: tuple[Bucket, ...]) -> str:
   """The startup line: which ring each bucket uses."""
-  return "length buckets: " + "; ".join(b.describe() for b in buckets)
+  return "length buckets: " + "; ".join(
+      f"{b.length} tokens x {b.rows} rows on a ring of {b.ring} "
+      f"(data {b.mesh.shape['data']} x sequence {b.mesh.shape['sequence']})" for b in buckets)
 
 
 def compiled_count_line(count: int) -> str:

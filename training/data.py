@@ -26,10 +26,11 @@ import numpy as np
 from models import lengths
 from ring_jax import documents, layouts
 from training import sources
-from training.batch import DTYPES, FIELDS
+from training.batch import (DTYPES, FIELDS, from_segments,  # noqa: F401 (the pipeline's API)
+                            next_token_targets, segment_positions)
 from training.sources import DataError, list_data_files  # noqa: F401 (the pipeline's API)
-from training.tokenizer import (BOS_ID, BYTE_OFFSET, BYTE_VOCAB_SIZE, EOS_ID,  # noqa: F401
-                                PAD_ID, byte_detokenize, byte_tokenize, load_tokenizer)
+from training.tokenizer import (BOS_ID, BYTE_VOCAB_SIZE, EOS_ID, PAD_ID,  # noqa: F401
+                                byte_detokenize, byte_tokenize, load_tokenizer)
 
 # Effectively infinite: batch indices are drawn lazily, never materialised.
 _NUM_BATCHES = 2**50
@@ -75,27 +76,6 @@ def pad_rows(batch: dict[str, np.ndarray], length: int) -> dict[str, np.ndarray]
   return {k: np.pad(v, [(0, 0), (0, length - have)]) for k, v in batch.items()}
 
 
-def segment_positions(segment_ids: np.ndarray) -> np.ndarray:
-  """Position of each token inside its segment (restarts at 0 per document), natural order."""
-  rows, length = segment_ids.shape
-  idx = np.broadcast_to(np.arange(length, dtype=np.int32), (rows, length))
-  starts = np.ones_like(segment_ids, dtype=bool)
-  starts[:, 1:] = segment_ids[:, 1:] != segment_ids[:, :-1]
-  # Index of the most recent segment start at or before each token.
-  last_start = np.maximum.accumulate(np.where(starts, idx, 0), axis=1)
-  return (idx - last_start).astype(np.int32)
-
-
-def next_token_targets(tokens: np.ndarray, segment_ids: np.ndarray):
-  """Labels and loss mask that never cross a document (or row) boundary."""
-  labels = np.zeros_like(tokens)
-  labels[:, :-1] = tokens[:, 1:]
-  same_doc = np.zeros(tokens.shape, dtype=bool)
-  same_doc[:, :-1] = (segment_ids[:, 1:] == segment_ids[:, :-1]) & (segment_ids[:, :-1] != 0)
-  labels = np.where(same_doc, labels, 0).astype(np.int32)
-  return labels, same_doc.astype(np.float32)
-
-
 # ----------------------------------------------------------------------------
 # (a) Synthetic key -> value retrieval at a distance
 # ----------------------------------------------------------------------------
@@ -130,10 +110,7 @@ class KVRetrievalTask:
 
   @classmethod
   def from_config(cls, data_config) -> "KVRetrievalTask":
-    kv = data_config.kv
-    return cls(seq_len=data_config.seq_len, num_pairs=kv.num_pairs,
-               num_queries=kv.num_queries, num_keys=kv.num_keys, num_values=kv.num_values,
-               num_filler=kv.num_filler, docs_per_row=kv.docs_per_row)
+    return cls(seq_len=data_config.seq_len, **data_config.kv)
 
   @property
   def key_start(self) -> int:
@@ -155,8 +132,12 @@ class KVRetrievalTask:
   def chance_accuracy(self) -> float:
     return 1.0 / self.num_values
 
-  def check(self) -> None:
-    """Raises ValueError (named by config field) if the task cannot be laid out."""
+  def check(self, vocab_size: int | None = None) -> None:
+    """Raises ValueError (named by config field) if the task cannot be laid out (or its ids
+    need more than a model's ``vocab_size``)."""
+    if vocab_size is not None and vocab_size < self.vocab_size:
+      raise ValueError(f"the kv_retrieval task needs model.vocab_size >= {self.vocab_size}, "
+                       f"got {vocab_size}.")
     if self.num_pairs > self.num_keys:
       raise ValueError(f"data.kv.num_pairs={self.num_pairs} exceeds num_keys={self.num_keys} "
                         "(keys in one document are distinct).")
@@ -197,15 +178,12 @@ class KVRetrievalTask:
     segment_ids = np.repeat(np.arange(self.docs_per_row + 1, dtype=np.int32),
                             [rest] + [self.doc_len] * self.docs_per_row)
     segment_ids = np.roll(segment_ids, -rest)  # documents 1..docs_per_row, then the padding
-    labels, _ = next_token_targets(tokens[None], segment_ids[None])
-    positions = np.where(segment_ids > 0, segment_positions(segment_ids[None])[0], 0)
-    return dict(tokens=tokens, positions=positions,
-                segment_ids=segment_ids, labels=labels[0],
-                loss_mask=is_query.astype(np.float32))
+    row = from_segments(tokens[None], segment_ids[None], loss_mask=is_query[None])
+    return {k: v[0] for k, v in row.items()}
 
   def rows(self, seed: int, first: int, count: int) -> dict[str, np.ndarray]:
     examples = [self.example(seed, first + i) for i in range(count)]
-    return {k: np.stack([e[k] for e in examples]).astype(DTYPES[k]) for k in FIELDS}
+    return {k: np.stack([e[k] for e in examples]) for k in FIELDS}
 
 
 # ----------------------------------------------------------------------------
@@ -227,12 +205,8 @@ def _fix_json_state(state):
 def finish_rows(packed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
   """Concat-then-split output ``[rows, L]`` -> the batch fields, natural order; no label
   crosses a segment end (:func:`next_token_targets`)."""
-  tokens, segment_ids = packed["tokens"], packed["tokens_segment_ids"]
-  labels, loss_mask = next_token_targets(tokens, segment_ids)
-  positions = np.where(segment_ids > 0, packed["tokens_positions"], 0)
-  out = dict(tokens=tokens, positions=positions, segment_ids=segment_ids, labels=labels,
-             loss_mask=loss_mask)
-  return {k: np.asarray(out[k], DTYPES[k]) for k in FIELDS}
+  return from_segments(packed["tokens"], packed["tokens_segment_ids"],
+                       positions=packed["tokens_positions"])
 
 
 def pack_stream(documents: grain.IterDataset, seq_len: int) -> grain.IterDataset:
@@ -273,20 +247,16 @@ def bad_record_counts(state: dict[str, Any]) -> dict[str, int]:
 
   ``{"data/bad_records": total, "data/bad_<kind>": count, ...}``; empty for the kv task.
   """
-  def find(node):
+  nodes = [state]  # the document reader's state, wherever the pipeline nests it
+  while nodes:
+    node = nodes.pop()
     if isinstance(node, dict):
       if isinstance(node.get("bad_records"), dict):
-        return node["bad_records"].get("counts", {})
-      for v in node.values():
-        if (found := find(v)) is not None:
-          return found
-    return None
-
-  counts = find(state)
-  if counts is None:
-    return {}
-  return {"data/bad_records": sum(counts.values()),
-          **{f"data/bad_{k}": n for k, n in sorted(counts.items())}}
+        counts = node["bad_records"].get("counts", {})
+        return {"data/bad_records": sum(counts.values()),
+                **{f"data/bad_{k}": n for k, n in sorted(counts.items())}}
+      nodes.extend(node.values())
+  return {}
 
 
 # ----------------------------------------------------------------------------
@@ -321,27 +291,21 @@ def make_dataset(config, sharding: jax.sharding.Sharding, ring_size: int, *,
   run_len = lengths.padded_length(config.model, ring_size, d.seq_len)
   rows, cols = process_slices(sharding, (batch, run_len))
   seed = config.seed + (0 if split == "train" else 1_000_003)
-  if d.kind == "kv_retrieval":
-    task = KVRetrievalTask.from_config(d)
-    layout = config.model.layout
-
-    def make_batch(k):  # this process's block of batch k
-      natural = pad_rows(task.rows(seed, k * batch + rows.start, rows.stop - rows.start), run_len)
-      return {name: v[:, cols] for name, v in to_layout_np(natural, layout, ring_size).items()}
-
-    return grain.MapDataset.range(_NUM_BATCHES).map(make_batch)
-  if d.kind != "text":
-    raise ValueError(f"unknown data.kind {d.kind!r}")
-  shard_index, shard_count = data_shard(sharding, (batch, run_len))
-  documents = text_documents(config, split, shard_index, shard_count)
   layout = config.model.layout
 
-  def finish(packed):
-    natural = pad_rows(finish_rows(packed), run_len)
-    return {k: v[:, cols] for k, v in to_layout_np(natural, layout, ring_size).items()}
+  def local_block(natural):  # natural-order rows -> padded, in layout order, our columns
+    padded = pad_rows(natural, run_len)
+    return {k: v[:, cols] for k, v in to_layout_np(padded, layout, ring_size).items()}
 
-  return (pack_stream(documents, d.seq_len)
-          .batch(rows.stop - rows.start, drop_remainder=True).map(finish))
+  if d.kind == "kv_retrieval":
+    task = KVRetrievalTask.from_config(d)
+    return grain.MapDataset.range(_NUM_BATCHES).map(
+        lambda k: local_block(task.rows(seed, k * batch + rows.start, rows.stop - rows.start)))
+  if d.kind != "text":
+    raise ValueError(f"unknown data.kind {d.kind!r}")
+  documents = text_documents(config, split, *data_shard(sharding, (batch, run_len)))
+  return (pack_stream(documents, d.seq_len).batch(rows.stop - rows.start, drop_remainder=True)
+          .map(lambda packed: local_block(finish_rows(packed))))
 
 
 class StreamIterator:

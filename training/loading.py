@@ -97,13 +97,10 @@ def model_differences(config, workdir: str) -> list[tuple[str, object, object]]:
   """``(field, saved value, config's value)`` of each ``config.model`` field but
   :data:`_INFERENCE_FIELDS` that differs from the run's saved one ([] without one)."""
   saved = saved_run_config(workdir).get("model") or {}
-  out = []
-  for name, value in config.model.to_dict().items():
-    # Compared as JSON stores them (tuples come back as lists).
-    if name in _INFERENCE_FIELDS or name not in saved or saved[name] == json.loads(json.dumps(value)):
-      continue
-    out.append((name, saved[name], value))
-  return out
+  # Compared as JSON stores them (tuples come back as lists).
+  return [(name, saved[name], value) for name, value in config.model.to_dict().items()
+          if name not in _INFERENCE_FIELDS and name in saved
+          and saved[name] != json.loads(json.dumps(value))]
 
 
 def warn_model_differences(config, workdir: str, log: Callable[[str], None] = _stderr) -> None:

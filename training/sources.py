@@ -30,11 +30,10 @@ import grain
 import numpy as np
 from absl import logging
 
-LINE_EXTS = (".jsonl", ".json")
-TEXT_EXTS = (".txt",)
-PARQUET_EXTS = (".parquet",)
-ARRAY_RECORD_EXTS = (".arrayrecord", ".array_record")
-DATA_EXTS = LINE_EXTS + TEXT_EXTS + PARQUET_EXTS + ARRAY_RECORD_EXTS
+#: Data file extension -> the kind of reader that reads it.
+FILE_KINDS = {".jsonl": "lines", ".json": "lines", ".txt": "txt", ".parquet": "parquet",
+              ".arrayrecord": "array_record", ".array_record": "array_record"}
+DATA_EXTS = tuple(FILE_KINDS)
 
 READ_BUFFER_BYTES = 1 << 20  # file read buffer of the line readers
 TXT_PIECE_BYTES = 1 << 20  # a .txt document is tokenised in pieces of about this size
@@ -57,11 +56,10 @@ class DataError(ValueError):
 
 
 def file_kind(path: str) -> str:
-  for kind, exts in (("lines", LINE_EXTS), ("txt", TEXT_EXTS), ("parquet", PARQUET_EXTS),
-                     ("array_record", ARRAY_RECORD_EXTS)):
-    if path.endswith(exts):
-      return kind
-  raise ValueError(f"{path}: unknown data file type; known: {DATA_EXTS}")
+  kind = FILE_KINDS.get(os.path.splitext(path)[1])
+  if kind is None:
+    raise ValueError(f"{path}: unknown data file type; known: {DATA_EXTS}")
+  return kind
 
 
 def list_data_files(path: str) -> list[str]:
@@ -158,22 +156,6 @@ class BadRecords:
 # ----------------------------------------------------------------------------
 
 
-def _lines_before(path: str, offset: int) -> int:
-  """Lines before the first one a range starting at byte ``offset`` owns (for locations only)."""
-  count, left = 0, offset
-  with open(path, "rb") as f:
-    while left > 0:
-      chunk = f.read(min(READ_BUFFER_BYTES, left))
-      if not chunk:
-        break
-      count += chunk.count(b"\n")
-      left -= len(chunk)
-    if offset > 0:
-      f.seek(offset - 1)
-      count += f.read(1) != b"\n"  # Mid-line: the partial line belongs to the range before.
-  return count
-
-
 class _Cursor:
   """Where a reader stands: unit offset, and lines read since the span start."""
 
@@ -182,19 +164,48 @@ class _Cursor:
     self._line_base = 0 if span.start == 0 else None
 
   def line_location(self, line: int) -> str:
-    if self._line_base is None:  # Lazily: a scan of the bytes before the span, once.
-      self._line_base = _lines_before(self.span.path, self.span.start)
+    """``path:N`` of the ``line``-th line since the span start (N counts from 1 in the file)."""
+    if self._line_base is None:  # Lazily, once: the lines before the first the span owns.
+      start = self.span.start  # > 0 here
+      with open(self.span.path, "rb") as f:
+        base = sum(f.read(min(READ_BUFFER_BYTES, start - done)).count(b"\n")
+                   for done in range(0, start, READ_BUFFER_BYTES))
+        f.seek(start - 1)
+        # Mid-line: the partial line belongs to the range before.
+        self._line_base = base + (f.read(1) != b"\n")
     return f"{self.span.path}:{self._line_base + line + 1}"
 
 
-def _open_at_line(span: Span, offset: int):
-  """File positioned at the first line starting at or after ``offset``; (file, position)."""
-  f = open(span.path, "rb", buffering=READ_BUFFER_BYTES)
-  if offset > 0:
-    f.seek(offset - 1)
-    if f.read(1) != b"\n":  # Mid-line: that line belongs to the range before.
-      offset += len(f.readline())
-  return f, offset
+def _lines(cur: _Cursor) -> Iterator[tuple[int, bytes]]:
+  """``(line number since the span start, bytes)`` of each line the span owns from
+  ``cur.offset`` on (the first line starting there or after), advancing ``cur``."""
+  with open(cur.span.path, "rb", buffering=READ_BUFFER_BYTES) as f:
+    if cur.offset > 0:
+      f.seek(cur.offset - 1)
+      if f.read(1) != b"\n":  # Mid-line: that line belongs to the range before.
+        cur.offset += len(f.readline())
+    while cur.offset < cur.span.stop and (raw := f.readline()):
+      cur.offset += len(raw)
+      cur.line += 1
+      yield cur.line - 1, raw
+
+
+def _checked_text(value, bad: BadRecords, where, missing) -> str | None:
+  """``value`` if it is a non-empty string (bytes: decoded as UTF-8), else None after
+  counting why not at ``where()``; ``missing(value)`` details a value that is no string."""
+  if isinstance(value, bytes):
+    try:
+      value = value.decode("utf-8")
+    except UnicodeDecodeError as e:
+      bad.add("undecodable", where(), str(e))
+      return None
+  if not isinstance(value, str):
+    bad.add("missing_field", where(), missing(value))
+    return None
+  if not value:
+    bad.add("empty", where())
+    return None
+  return value
 
 
 def _json_text(raw: bytes, field: str, bad: BadRecords, where) -> str | None:
@@ -202,34 +213,17 @@ def _json_text(raw: bytes, field: str, bad: BadRecords, where) -> str | None:
   ``where()`` (computed for a bad one only)."""
   try:
     record = json.loads(raw.decode("utf-8"))
-  except UnicodeDecodeError as e:
-    bad.add("undecodable", where(), str(e))
+  except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    bad.add("undecodable" if isinstance(e, UnicodeDecodeError) else "invalid_json", where(),
+            str(e))
     return None
-  except json.JSONDecodeError as e:
-    bad.add("invalid_json", where(), str(e))
-    return None
-  text = record.get(field) if isinstance(record, dict) else None
-  if not isinstance(text, str):
-    bad.add("missing_field", where(), f"data.text_field={field!r}")
-    return None
-  if not text:
-    bad.add("empty", where())
-    return None
-  return text
+  return _checked_text(record.get(field) if isinstance(record, dict) else None, bad, where,
+                       lambda _: f"data.text_field={field!r}")
 
 
 def _read_lines(cur: _Cursor, bad: BadRecords, field: str) -> Iterator[tuple]:
-  f, cur.offset = _open_at_line(cur.span, cur.offset)
-  with f:
-    while cur.offset < cur.span.stop:
-      raw = f.readline()
-      if not raw:
-        break
-      here = cur.line
-      cur.offset += len(raw)
-      cur.line += 1
-      if not raw.strip():
-        continue
+  for here, raw in _lines(cur):
+    if raw.strip():  # a blank line is no record
       where = lambda here=here: cur.line_location(here)
       text = _json_text(raw, field, bad, where)
       if text is not None:
@@ -238,42 +232,30 @@ def _read_lines(cur: _Cursor, bad: BadRecords, field: str) -> Iterator[tuple]:
 
 def _read_txt(cur: _Cursor, bad: BadRecords) -> Iterator[tuple]:
   first = cur.offset == cur.span.start  # Else resumed mid-document.
-  emitted = not first
-  f, cur.offset = _open_at_line(cur.span, cur.offset)
-  with f:
-    eof = False
-    while True:
-      lines, size = [], 0
-      while size < TXT_PIECE_BYTES and not eof:
-        if cur.offset >= cur.span.stop:
-          eof = True
-          break
-        raw = f.readline()
-        if not raw:
-          eof = True
-          break
-        here = cur.line
-        cur.offset += len(raw)
-        cur.line += 1
-        size += len(raw)
-        try:
-          lines.append(raw.decode("utf-8"))
-        except UnicodeDecodeError as e:
-          bad.add("undecodable", cur.line_location(here), str(e))
-      last = eof or cur.offset >= cur.span.stop
-      text = "".join(lines)
-      where = lambda line=cur.line: cur.line_location(line - 1)
-      if text:
-        emitted = True
-        yield text, first, last, where
-        first = False
-      elif last and emitted and not first:
-        # The previous piece ended exactly at the end: its EOS is still owed.
-        yield "", False, True, where
-      if last:
-        if not emitted:
-          bad.add("empty", cur.line_location(0))
-        return
+  emitted, lines = not first, _lines(cur)
+  while True:
+    piece, size, last = [], 0, True
+    for here, raw in lines:
+      size += len(raw)
+      try:
+        piece.append(raw.decode("utf-8"))
+      except UnicodeDecodeError as e:
+        bad.add("undecodable", cur.line_location(here), str(e))
+      if size >= TXT_PIECE_BYTES:
+        last = cur.offset >= cur.span.stop
+        break
+    text = "".join(piece)
+    where = lambda line=cur.line: cur.line_location(line - 1)
+    if text:
+      emitted = True
+      yield text, first, last, where
+      first = False
+    elif last and emitted:  # The previous piece ended exactly at the end: its EOS is owed.
+      yield "", False, True, where
+    if last:
+      if not emitted:
+        bad.add("empty", cur.line_location(0))
+      return
 
 
 def _read_parquet(cur: _Cursor, bad: BadRecords, field: str):
@@ -281,61 +263,47 @@ def _read_parquet(cur: _Cursor, bad: BadRecords, field: str):
 
   pf = pq.ParquetFile(cur.span.path)
   names, meta = pf.schema_arrow.names, pf.metadata
-  where = lambda row: f"{cur.span.path}:row {row}"
   if field in names:  # from the row group holding cur.offset on
     ends = np.cumsum([meta.row_group(g).num_rows for g in range(meta.num_row_groups)])
     first = int(np.searchsorted(ends, cur.offset, side="right"))
     row = int(ends[first - 1]) if first else 0
-    values = (v for g in range(first, meta.num_row_groups)
-              for b in pf.iter_batches(PARQUET_BATCH_ROWS, row_groups=[g], columns=[field])
-              for v in b.column(0).to_pylist())
+    values = itertools.chain.from_iterable(
+        b.column(0).to_pylist() for b in pf.iter_batches(
+            PARQUET_BATCH_ROWS, row_groups=list(range(first, meta.num_row_groups)),
+            columns=[field]))
   else:  # each row is a record without the field
     row, values = cur.offset, itertools.repeat(None)
-  for value in values:
-    if row >= cur.span.stop:
-      return
-    row += 1
-    if row <= cur.offset:
-      continue  # before where the reader resumes
-    cur.offset, r = row, row - 1
-    if isinstance(value, bytes):
-      try:
-        value = value.decode("utf-8")
-      except UnicodeDecodeError as e:
-        bad.add("undecodable", where(r), str(e))
-        continue
-    if not isinstance(value, str):
-      bad.add("missing_field", where(r), f"data.text_field={field!r}" + (
-          f" is {value!r:.40}" if field in names else f"; columns {names}"))
-      continue
-    if not value:
-      bad.add("empty", where(r))
-      continue
-    yield value, True, True, lambda r=r: where(r)
+  missing = lambda value: f"data.text_field={field!r}" + (
+      f" is {value!r:.40}" if field in names else f"; columns {names}")
+  rows = range(cur.offset, cur.span.stop)  # the rows before cur.offset skipped
+  for r, value in zip(rows, itertools.islice(values, cur.offset - row, None)):
+    cur.offset = r + 1
+    where = lambda r=r: f"{cur.span.path}:row {r}"
+    text = _checked_text(value, bad, where, missing)
+    if text is not None:
+      yield text, True, True, where
 
 
 def _read_array_record(cur: _Cursor, bad: BadRecords, field: str):
   source = grain.sources.ArrayRecordDataSource([cur.span.path])
-  where = lambda i: f"{cur.span.path}:record {i}"
   while cur.offset < cur.span.stop:
     indices = list(range(cur.offset, min(cur.offset + ARRAY_RECORD_BATCH, cur.span.stop)))
     for i, raw in zip(indices, source.__getitems__(indices)):
       cur.offset = i + 1
-      location = lambda i=i: where(i)
-      text = _json_text(bytes(raw), field, bad, location)
+      where = lambda i=i: f"{cur.span.path}:record {i}"
+      text = _json_text(bytes(raw), field, bad, where)
       if text is not None:
-        yield text, True, True, location
+        yield text, True, True, where
 
 
 def read_span(cur: _Cursor, bad: BadRecords, field: str):
+  """The pieces ``(text, is_first_piece, is_last_piece, location())`` of ``cur``'s span
+  from its offset on, advancing ``cur``."""
   kind = file_kind(cur.span.path)
-  if kind == "lines":
-    return _read_lines(cur, bad, field)
   if kind == "txt":
     return _read_txt(cur, bad)
-  if kind == "parquet":
-    return _read_parquet(cur, bad, field)
-  return _read_array_record(cur, bad, field)
+  readers = {"lines": _read_lines, "parquet": _read_parquet, "array_record": _read_array_record}
+  return readers[kind](cur, bad, field)
 
 
 # ----------------------------------------------------------------------------
@@ -382,10 +350,11 @@ class DocumentIterator(grain.DatasetIterator):
     self.bad = BadRecords(ds.strict)
     self._buffer: collections.deque = collections.deque()  # (state before it, tokens)
     self._error: DataError | None = None
-    self._set(epoch=0, span=0, offset=None, line=0, docs=0, epoch_docs=0)
+    self._set(epoch=0, span=0)
 
-  def _set(self, *, epoch, span, offset, line, docs, epoch_docs):
-    self._epoch, self._span, self._docs, self._epoch_docs = epoch, span, docs, epoch_docs
+  def _set(self, *, epoch, span, offset=None, line=0, epoch_docs=0):
+    """Stand at ``offset`` (None: the start) of span ``span`` of epoch ``epoch``."""
+    self._epoch, self._span, self._epoch_docs = epoch, span, epoch_docs
     self._spans = self._ds.epoch_spans(epoch)
     self._cursor = self._reader = None
     if self._span < len(self._spans):
@@ -403,18 +372,15 @@ class DocumentIterator(grain.DatasetIterator):
               f"data shard {self._ds.shard_index} of {self._ds.shard_count} holds no usable "
               f"document in {len(self._spans)} span(s) of {len(self._ds.spans)} "
               f"({self.bad.summary()}); add data or use fewer processes per data shard.")
-        self._set(epoch=self._epoch + 1, span=0, offset=None, line=0, docs=self._docs,
-                  epoch_docs=0)
+        self._set(epoch=self._epoch + 1, span=0)
         continue
       if self._reader is None:
         self._reader = read_span(self._cursor, self.bad, self._ds.text_field)
       before = self._reader_state()
       piece = next(self._reader, None)
       if piece is None:
-        self._set(epoch=self._epoch, span=self._span + 1, offset=None, line=0, docs=self._docs,
-                  epoch_docs=self._epoch_docs)
+        self._set(epoch=self._epoch, span=self._span + 1, epoch_docs=self._epoch_docs)
         continue
-      self._docs += 1
       self._epoch_docs += 1
       return before, piece
 
@@ -443,12 +409,10 @@ class DocumentIterator(grain.DatasetIterator):
   def _uncount(self, epoch: int, first: bool, location: str, later: list[dict]) -> None:
     """A piece empty once tokenised: out of the counts, here and in ``later`` states; a
     first piece is an empty document (a bad record)."""
-    self._docs -= 1
     self._epoch_docs -= self._epoch == epoch
     if first:
       self.bad.add("empty", location)
     for state in later:
-      state["docs"] -= 1
       state["epoch_docs"] -= state["epoch"] == epoch
       if first:
         bad = BadRecords(False, **state["bad_records"])
@@ -463,7 +427,7 @@ class DocumentIterator(grain.DatasetIterator):
   def _reader_state(self) -> dict[str, Any]:
     cur = self._cursor
     return dict(epoch=self._epoch, span=self._span, offset=cur.offset if cur else 0,
-                line=cur.line if cur else 0, docs=self._docs, epoch_docs=self._epoch_docs,
+                line=cur.line if cur else 0, epoch_docs=self._epoch_docs,
                 bad_records=self.bad.state())
 
   def get_state(self) -> dict[str, Any]:
@@ -477,4 +441,4 @@ class DocumentIterator(grain.DatasetIterator):
     self._buffer.clear()
     self._error = None
     self._set(epoch=state["epoch"], span=state["span"], offset=state["offset"],
-              line=state["line"], docs=state["docs"], epoch_docs=state["epoch_docs"])
+              line=state["line"], epoch_docs=state["epoch_docs"])

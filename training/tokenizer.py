@@ -32,8 +32,7 @@ _HF_FILE, _SP_FILE = "tokenizer.json", "tokenizer.model"
 
 def byte_tokenize(text: str) -> np.ndarray:
   """UTF-8 bytes shifted past the special ids, wrapped in BOS ... EOS."""
-  ids = np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int32) + BYTE_OFFSET
-  return np.concatenate([[BOS_ID], ids, [EOS_ID]]).astype(np.int32)
+  return load_tokenizer(BYTE).encode_document(text)
 
 
 def byte_detokenize(ids) -> str:
@@ -93,28 +92,21 @@ class Tokenizer:
     return self._impl.decode([i for i in ids if i not in specials and i >= 0])
 
 
-def _read_json(path: str) -> dict:
-  if not os.path.isfile(path):
-    return {}
-  with open(path, encoding="utf-8") as f:
-    return json.load(f)
-
-
-def _token_content(token) -> str | None:
-  """``bos_token`` in a tokenizer config is a string or an AddedToken dict."""
-  if isinstance(token, dict):
-    return token.get("content")
-  return token if isinstance(token, str) else None
-
-
 def _special_settings(directory: str) -> dict:
-  """bos/eos strings and add_bos/add_eos flags from the HF config files in ``directory``."""
+  """bos/eos strings (a token is a string or an AddedToken dict) and add_bos/add_eos flags
+  from the HF config files in ``directory``; ``tokenizer_config.json`` wins."""
   merged = {}
-  for name in ("special_tokens_map.json", "tokenizer_config.json"):  # the latter wins
-    cfg = _read_json(os.path.join(directory, name))
+  for name in ("special_tokens_map.json", "tokenizer_config.json"):
+    path = os.path.join(directory, name)
+    if not os.path.isfile(path):
+      continue
+    with open(path, encoding="utf-8") as f:
+      cfg = json.load(f)
     for key in ("bos_token", "eos_token"):
-      if _token_content(cfg.get(key)) is not None:
-        merged[key] = _token_content(cfg[key])
+      token = cfg.get(key)
+      token = token.get("content") if isinstance(token, dict) else token
+      if isinstance(token, str):
+        merged[key] = token
     for key in ("add_bos_token", "add_eos_token"):
       if isinstance(cfg.get(key), bool):
         merged[key] = cfg[key]
@@ -206,10 +198,9 @@ def _load(spec: str) -> Tokenizer:
 
 def load_tokenizer(spec: str | None) -> Tokenizer:
   """The tokenizer ``config.data.tokenizer`` names (loaded once per spec and process);
-  ValueError naming the fix for a path that holds no tokenizer."""
+  ValueError naming the fix for no spec or a path that holds no tokenizer."""
   if not spec:
-    raise ValueError("data.tokenizer is empty; use 'byte', a tokenizer.json, a SentencePiece "
-                     ".model, or a Hugging Face model directory.")
+    raise ValueError(UNSET)
   return _load(spec if spec == BYTE else os.path.abspath(os.path.expanduser(spec)))
 
 

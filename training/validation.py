@@ -5,6 +5,7 @@ model's ``LlamaConfig`` made of ``config.model``."""
 from __future__ import annotations
 
 import math
+import operator
 
 import ml_collections
 
@@ -120,7 +121,7 @@ def check_text_data(d: ml_collections.ConfigDict, m: ml_collections.ConfigDict) 
   if not data_lib.list_data_files(d.path):
     raise ConfigError(f"data.path={d.path!r} matches no "
                       f"{'/'.join(data_lib.sources.DATA_EXTS)} files.")
-  if d.tokenizer is None:
+  if not d.tokenizer:
     raise ConfigError(tokenizer_lib.UNSET)
   try:
     tokenizer = tokenizer_lib.load_explained(d.tokenizer)
@@ -186,9 +187,8 @@ def _in_range(value: float, rule: str) -> bool:
   """Whether the finite number ``value`` obeys ``rule`` (without its ``int`` prefix)."""
   if rule.startswith((">", "<")):
     op, bound = rule.split()
-    bound = float(bound)
-    return {">": value > bound, ">=": value >= bound, "<": value < bound,
-            "<=": value <= bound}[op]
+    compare = {">": operator.gt, ">=": operator.ge, "<": operator.lt, "<=": operator.le}[op]
+    return compare(value, float(bound))
   low, high = (float(x) for x in rule[1:-1].split(","))
   return ((low < value if rule[0] == "(" else low <= value)
           and (value < high if rule[-1] == ")" else value <= high))
@@ -201,10 +201,8 @@ def check_ranges(config: ml_collections.ConfigDict, prefix: str = "") -> None:
     if not path.startswith(prefix):
       continue
     node = config
-    for name in path.split("."):
+    for name in path.split("."):  # None once a parent is absent
       node = node.get(name) if hasattr(node, "get") else None
-      if node is None:
-        break
     if node is None:
       continue
     whole = rule.startswith("int ")
@@ -280,12 +278,8 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int) -> dict
     check_text_data(d, m)
   else:
     from training import data as data_lib
-    task = data_lib.KVRetrievalTask.from_config(d)
-    if m.vocab_size < task.vocab_size:
-      raise ConfigError(f"the kv_retrieval task needs model.vocab_size >= {task.vocab_size}, "
-                        f"got {m.vocab_size}.")
     try:
-      task.check()
+      data_lib.KVRetrievalTask.from_config(d).check(m.vocab_size)
     except ValueError as e:
       raise ConfigError(str(e)) from None
 
