@@ -16,6 +16,9 @@ import train as train_script
 from model_utils import tiny_config
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+# The Hugging Face helpers (random HF models, transformers' greedy decoding) live beside the
+# HF tests; this file imports them when run on its own too.
+sys.path.insert(0, os.path.join(ROOT, "tests", "hf"))
 TEXT = ("def add(a, b):\n    return a + b\n\n\nclass Point:\n    def __init__(self, x, y):\n"
         "        self.x = x\n        self.y = y\n") * 40
 
