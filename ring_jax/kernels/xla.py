@@ -20,8 +20,10 @@ with segment ids (one range per row) the rows' ranges are merged
 holds (blocks sharing no document in any row) is skipped.
 
 Blocks are sliced from the operands in place and rearranged per block to
-``[B, K, G, bq, H]`` / ``[B, K, bk, H]``, so every block matmul is a plain
-batched matmul over ``(B, K)``; outputs are written back block by block
+``[B*K, G*bq, H]`` / ``[B*K, bk, H]`` (:func:`_q_rows`), so every block matmul
+is a plain batched matmul over ``B*K`` and every elementwise step works on
+``[B*K, G*bq, bk]`` score blocks in the matmul's own layout; outputs are
+written back block by block
 (no full-size rearranged copies, which would cost memory).
 """
 
@@ -79,7 +81,7 @@ def _masked_pv(p_blk, v_blk, mask, precision):
 
 
 def _scores(q_blk, k_blk, scale, precision):
-  """float32 scaled scores ``[B, K, G, bq, bk]``.
+  """float32 scaled scores ``[B*K, G*bq, bk]`` of ``[B*K, G*bq, H]`` / ``[B*K, bk, H]`` blocks.
 
   For 32/64-bit inputs the scale goes into the query block before the matmul: with
   ``dot * scale`` the compiler may contract ``dot * scale - max`` (in ``exp(s - max)``)
@@ -89,10 +91,29 @@ def _scores(q_blk, k_blk, scale, precision):
   those multiply after the float32 matmul.
   """
   if jnp.dtype(q_blk.dtype).itemsize >= 4:
-    return jnp.einsum("bkgqh,bksh->bkgqs", q_blk * jnp.asarray(scale, q_blk.dtype), k_blk,
+    return jnp.einsum("nqh,nsh->nqs", q_blk * jnp.asarray(scale, q_blk.dtype), k_blk,
                       precision=precision, preferred_element_type=jnp.float32)
-  return jnp.einsum("bkgqh,bksh->bkgqs", q_blk, k_blk, precision=precision,
+  return jnp.einsum("nqh,nsh->nqs", q_blk, k_blk, precision=precision,
                     preferred_element_type=jnp.float32) * scale
+
+
+def _q_rows(x):
+  """``[B, K, G, bq, ...]`` -> ``[B*K, G*bq, ...]``: a query block (or its row statistics) as
+  rows of one batched matmul over ``B*K``. Score blocks in this shape keep the matmul's own
+  layout through every elementwise step (the mask, the soft-cap, the softmax and its
+  gradient): no per-element relayout between the matmul's ``[B*K, ...]`` and a
+  ``[B, K, G, ...]`` view."""
+  return x.reshape(x.shape[0] * x.shape[1], x.shape[2] * x.shape[3], *x.shape[4:])
+
+
+def _kv_rows(x):
+  """``[B, K, bk, H]`` -> ``[B*K, bk, H]`` (the matmul batch of :func:`_q_rows`)."""
+  return x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
+
+
+def _kv_unrows(x, b, kh):
+  """``[B*K, bk, H]`` -> ``[B, K, bk, H]``."""
+  return x.reshape(b, kh, *x.shape[1:])
 
 
 def _soft_cap(s, cap):
@@ -135,7 +156,7 @@ class XlaHopKernel:
   every platform, and what ``"auto"`` falls back to (loop structure in the
   :mod:`ring_jax.kernels.xla` docstring).
 
-  Each step materialises one ``[B, K, G, bq, bk]`` float32 score block and
+  Each step materialises one ``[B*K, G*bq, bk]`` float32 score block and
   nothing larger, so memory is linear in the local sequence length. Matmuls
   run in the input dtype with float32 accumulation. Runs on every platform,
   any block sizes dividing the local lengths. Profiles name the loops
@@ -162,12 +183,12 @@ class XlaHopKernel:
     def fold(guard_v: bool):
       def update(q_blk, a, bb, c, masked: bool):
         o, m, l = c
-        k_blk = _kv_block(k, bb, bk)                           # [B, K, bk, H]
-        v_blk = _kv_block(v, bb, bk)
+        k_blk = _kv_rows(_kv_block(k, bb, bk))                 # [B*K, bk, H]
+        v_blk = _kv_block(v, bb, bk)                           # [B, K, bk, Hv]
         s, _ = _soft_cap(_scores(q_blk, k_blk, scale, prec), spec.logits_soft_cap)
         mask = _pair_mask(masks, spec, a, bb) if masked else None
         if mask is not None:
-          s = jnp.where(mask, s, -jnp.inf)
+          s = jnp.where(_q_rows(jnp.broadcast_to(mask, (b, kh, g, bq, bk))), s, -jnp.inf)
         m_new = jnp.maximum(m, s.max(-1))
         # A row that has seen no visible key yet has m = -inf: subtract 0 instead, so
         # exp(-inf - 0) = 0 rather than exp(-inf + inf) = NaN. Per row, not per score.
@@ -176,19 +197,19 @@ class XlaHopKernel:
         alpha = jnp.exp(m - m_ref)
         l_new = alpha * l + p.sum(-1)
         if guard_v:
-          pv = _masked_pv(p, v_blk, mask, prec)
+          pv = _q_rows(_masked_pv(p.reshape(b, kh, g, bq, bk), v_blk, mask, prec))
         else:
-          pv = jnp.einsum("bkgqs,bksh->bkgqh", p.astype(v.dtype), v_blk, precision=prec,
+          pv = jnp.einsum("nqs,nsh->nqh", p.astype(v.dtype), _kv_rows(v_blk), precision=prec,
                           preferred_element_type=jnp.float32)
         return alpha[..., None] * o + pv, m_new, l_new
 
       def q_block(a, acc):
         out_full, lse_full = acc
-        q_blk = _q_block(q, a, bq)                             # [B, K, G, bq, H]
+        q_blk = _q_rows(_q_block(q, a, bq))                    # [B*K, G*bq, H]
         init = tuple(varying_like(x, q, k, v) for x in (
-            jnp.zeros((b, kh, g, bq, hv), jnp.float32),
-            jnp.full((b, kh, g, bq), -jnp.inf, jnp.float32),
-            jnp.zeros((b, kh, g, bq), jnp.float32)))
+            jnp.zeros((b * kh, g * bq, hv), jnp.float32),
+            jnp.full((b * kh, g * bq), -jnp.inf, jnp.float32),
+            jnp.zeros((b * kh, g * bq), jnp.float32)))
 
         def step(j, c, masked):
           return _unless_uncovered(skip and masked, table.q_ranges, a, j,
@@ -201,7 +222,8 @@ class XlaHopKernel:
         l_safe = jnp.where(empty, 1.0, l)
         out = jnp.where(empty[..., None], 0.0, o / l_safe[..., None])
         lse = jnp.where(empty, -jnp.inf, m + jnp.log(l_safe))
-        return (_put_q_block(out_full, out, a, bq), _put_q_block(lse_full, lse, a, bq))
+        return (_put_q_block(out_full, out.reshape(b, kh, g, bq, hv), a, bq),
+                _put_q_block(lse_full, lse.reshape(b, kh, g, bq), a, bq))
 
       init = tuple(varying_like(x, q, k, v) for x in (
           jnp.zeros((*q.shape[:4], hv), jnp.float32),
@@ -233,28 +255,33 @@ class XlaHopKernel:
     b, t, kh, g, h = q.shape
 
     def update(kv_blks, a, bb, c, masked: bool):
-      """``(dq_blk, dk_blk, dv_blk)``: this pair's dQ block and the updated dK/dV blocks."""
-      k_blk, kf_blk, vf_blk = kv_blks                          # [B, K, bk, H]
+      """``(dq_blk, dk_blk, dv_blk)``: this pair's dQ block and the updated dK/dV blocks.
+
+      Computed on ``[B*K, G*bq, bk]`` score blocks (:func:`_q_rows`)."""
+      k_blk, kf_blk, vf_blk = (_kv_rows(x) for x in kv_blks)   # [B*K, bk, H]
       _, dk_blk, dv_blk = c
-      row = lambda x: jax.lax.dynamic_index_in_dim(x, a, keepdims=False)
-      q_blk, do_blk = _q_block(q, a, bq), _q_block(do, a, bq)  # [B, K, G, bq, H]
+      row = lambda x: _q_rows(jax.lax.dynamic_index_in_dim(x, a, keepdims=False))[..., None]
+      q_blk, do_blk = _q_rows(_q_block(q, a, bq)), _q_rows(_q_block(do, a, bq))
       s, tanh = _soft_cap(_scores(q_blk, k_blk, scale, prec), spec.logits_soft_cap)
-      p = jnp.exp(s - row(lseB)[..., None])                    # softmax probabilities
+      p = jnp.exp(s - row(lseB))                               # softmax probabilities
       if masked:
-        p = jnp.where(_pair_mask(masks, spec, a, bb), p, 0.0)
-      dv_blk = dv_blk + jnp.einsum("bkgqs,bkgqh->bksh", p.astype(do.dtype), do_blk,
-                                   precision=prec, preferred_element_type=jnp.float32)
-      dp = jnp.einsum("bkgqh,bksh->bkgqs", do_blk, vf_blk, precision=prec,
+        mask = jnp.broadcast_to(_pair_mask(masks, spec, a, bb), (b, kh, g, bq, bk))
+        p = jnp.where(_q_rows(mask), p, 0.0)
+      dv_blk = dv_blk + _kv_unrows(jnp.einsum("nqs,nqh->nsh", p.astype(do.dtype), do_blk,
+                                              precision=prec,
+                                              preferred_element_type=jnp.float32), b, kh)
+      dp = jnp.einsum("nqh,nsh->nqs", do_blk, vf_blk, precision=prec,
                       preferred_element_type=jnp.float32)
-      ds = p * (dp - row(deltaB)[..., None])
+      ds = p * (dp - row(deltaB))
       if tanh is not None:  # through the cap: d(c tanh(r / c)) / dr
         ds = ds * (1.0 - tanh * tanh)
       ds = (ds * scale).astype(q.dtype)
-      dk_blk = dk_blk + jnp.einsum("bkgqs,bkgqh->bksh", ds, finite(q_blk), precision=prec,
-                                   preferred_element_type=jnp.float32)
-      dq_blk = jnp.einsum("bkgqs,bksh->bkgqh", ds, kf_blk, precision=prec,
+      dk_blk = dk_blk + _kv_unrows(jnp.einsum("nqs,nqh->nsh", ds, finite(q_blk),
+                                              precision=prec,
+                                              preferred_element_type=jnp.float32), b, kh)
+      dq_blk = jnp.einsum("nqs,nsh->nqh", ds, kf_blk, precision=prec,
                           preferred_element_type=jnp.float32)
-      return dq_blk, dk_blk, dv_blk
+      return dq_blk.reshape(b, kh, g, bq, h), dk_blk, dv_blk
 
     def kv_block(bb, acc):
       dq, dk, dv = acc
