@@ -18,8 +18,10 @@ splash hop kernel; default ``xla``), ``+window`` (``local_window_size=(4096, 0)`
 ``+segments`` (packed documents: an int32 ``segment_ids [B, L]`` argument), ``+gqa``
 (``--heads`` query heads over a quarter as many K/V heads), ``+sinks`` (a float32 ``sinks
 [heads]`` argument, differentiated too), ``+softcap`` (``logits_soft_cap=50``) and ``+dv``
-(V and the output with head dim ``--value_head_dim``, default 128); without them the defaults
-apply; ``+inlayout``: inputs already in the layout's order (``inputs_in_layout=True``, as
+(V and the output with head dim ``--value_head_dim``, default 128), ``+one_loop`` /
+``+peeled`` (every hop of a flat full rotation in one loop for every hop kernel / for none:
+``ring_jax.ring.PLATFORM_DEFAULTS["tpu"]["one_loop"]`` for that compile); without them the
+defaults apply; ``+inlayout``: inputs already in the layout's order (``inputs_in_layout=True``, as
 the model calls it). And ``two_level-<layout>-<causal|full>`` (outer 2 x inner ring over the
 rest of the chips). Mesh: data=1 x sequence=chips (two-level: data=1 x outer=2 x
 inner=chips/2). A peer on the same compiler: ``tokamax_ring-<causal|full>`` (tokamax's TPU
@@ -115,10 +117,17 @@ def compile_config(config: str, devices, length: int, heads: int, head_dim: int,
     return jnp.sum(out.astype(jnp.float32) ** 2)
 
   argnums = (0, 1, 2, 3) if sinks is not None else (0, 1, 2)
-  start = time.perf_counter()
-  compiled = jax.jit(jax.value_and_grad(loss, argnums=argnums)).lower(
-      x, xkv, xv, sinks, seg).compile()
-  return compiled, time.perf_counter() - start
+  tpu = ring_jax.ring.PLATFORM_DEFAULTS["tpu"]
+  shipped = tpu["one_loop"]
+  if "one_loop" in parts or "peeled" in parts:
+    tpu["one_loop"] = HOP_KERNELS if "one_loop" in parts else ()
+  try:
+    start = time.perf_counter()
+    compiled = jax.jit(jax.value_and_grad(loss, argnums=argnums)).lower(
+        x, xkv, xv, sinks, seg).compile()
+    return compiled, time.perf_counter() - start
+  finally:
+    tpu["one_loop"] = shipped
 
 
 def compile_tokamax_ring(parts, is_causal: bool, devices, length: int, heads: int,

@@ -247,16 +247,44 @@ def shard_to_layout(x, layout: str, axis_name, axis: int = 1):
   length), whereas reordering the global array gathers it. Striped needs the
   local length divisible by the ring size (:func:`can_reorder_shards`). Profiles and
   :mod:`ring_jax.analysis` name its transfers ``to_layout``.
+
+  ``x`` may be a pytree of arrays (None leaves stay None): the arrays of one dtype and the
+  same dimensions up to ``axis`` travel together, side by side along their flattened
+  trailing dimensions, so e.g. q, k and v take the collectives of one array.
   """
   with jax.named_scope("to_layout"):
-    return _reorder_shard(x, layout, axis_name, axis, inverse=False)
+    return _reorder_tree(x, layout, axis_name, axis, inverse=False)
 
 
 def shard_from_layout(x, layout: str, axis_name, axis: int = 1):
   """Inverse of :func:`shard_to_layout`: this device's layout shard -> its contiguous shard
-  (transfers named ``from_layout``)."""
+  (transfers named ``from_layout``; ``x`` an array or a pytree of arrays, grouped as
+  there)."""
   with jax.named_scope("from_layout"):
-    return _reorder_shard(x, layout, axis_name, axis, inverse=True)
+    return _reorder_tree(x, layout, axis_name, axis, inverse=True)
+
+
+def _reorder_tree(tree, layout, axis_name, axis, inverse):
+  """:func:`_reorder_shard` of every array of ``tree``, one call per group of arrays with
+  the same dtype and dimensions up to ``axis`` (joined along their flattened trailing
+  dimensions, split back after)."""
+  leaves, treedef = jax.tree.flatten(tree)
+  groups: dict = {}
+  for i, x in enumerate(leaves):
+    ax = axis % x.ndim
+    groups.setdefault((jnp.dtype(x.dtype), tuple(x.shape[:ax + 1])), []).append(i)
+  out = list(leaves)
+  for (_, lead), members in groups.items():
+    ax = len(lead) - 1
+    if len(members) == 1:
+      out[members[0]] = _reorder_shard(leaves[members[0]], layout, axis_name, ax, inverse)
+      continue
+    flat = [leaves[i].reshape(lead + (-1,)) for i in members]
+    joined = _reorder_shard(jnp.concatenate(flat, axis=-1), layout, axis_name, ax, inverse)
+    ends = np.cumsum([f.shape[-1] for f in flat])[:-1]
+    for i, part in zip(members, jnp.split(joined, ends, axis=-1)):
+      out[i] = part.reshape(leaves[i].shape)
+  return jax.tree.unflatten(treedef, out)
 
 
 def _reorder_shard(x, layout, axis_name, axis, inverse):

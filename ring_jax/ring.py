@@ -61,8 +61,14 @@ DEFAULT_BLOCK = 256  # platforms the table does not name
 # transfer asynchronously beside the block compute, so the full rotation (a routed hop picks
 # its transfers in a ``lax.switch``, whose branches start and finish them) and fresh dK/dV
 # buffers (the hop need not wait for the arriving accumulators) keep every ring transfer in
-# flight; the full rotation also takes less temp memory there.
-PLATFORM_DEFAULTS = {"tpu": {"causal_routing": False, "overlap_dkv": True}}
+# flight; the full rotation also takes less temp memory there. ``one_loop``: the hop kernels
+# whose flat full-rotation rings run every hop of a pass in one loop (one compiled hop per
+# pass, :func:`one_loop`) rather than peeling the hops with nothing to send or receive: a
+# smaller program and less temp memory with splash on TPU, for one unused transfer per peeled
+# hop, hidden behind a hop's compute; the xla hop keeps the peeled hops, which took less temp
+# memory there under a causal mask.
+PLATFORM_DEFAULTS = {"tpu": {"causal_routing": False, "overlap_dkv": True,
+                             "one_loop": ("splash",)}}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,6 +81,7 @@ class RingConfig:
   return_lse: bool = False
   hops: tuple[int, int] = (0, 0)  # (first, last) hops run (routing.hop_range)
   overlap_dkv: bool = False
+  one_loop: bool = False  # every hop of a full rotation in the loop (PLATFORM_DEFAULTS)
   routes: routing.Routes | None = None  # the route plan the loop runs (make_config sets it)
   # the backward's plan: routing.backward_rotation where routes is the whole ring's rotation
   backward_routes: routing.Routes | None = None
@@ -308,10 +315,12 @@ def make_config(query, key, value, *, axis_name, is_causal, segment_ids, scale,
     routes = routed if routed.routed else routes
   backward_routes = (routing.backward_rotation(layout, ring_size, s)
                      if not routes.routed and routes.hops == (0, ring_size - 1) else routes)
+  one_loop = getattr(kernel, "name", None) in PLATFORM_DEFAULTS.get(
+      topology.target_platform(), {}).get("one_loop", ())
   return RingConfig(axis_name=axis_name, ring_size=ring_size, layout=layout, spec=spec,
                     kernel=kernel, return_lse=bool(return_lse),
                     hops=hops,
-                    overlap_dkv=bool(overlap_dkv), routes=routes,
+                    overlap_dkv=bool(overlap_dkv), one_loop=bool(one_loop), routes=routes,
                     backward_routes=backward_routes)
 
 
@@ -368,7 +377,7 @@ def loop_span(count: int, peel_first: bool) -> tuple[int, int]:
   return (1 if peel_first else 0), count - 1
 
 
-def over_hops(count: int, step, state, *, peel_first: bool):
+def over_hops(count: int, step, state, *, peel_first: bool, peel: bool = True):
   """Runs ``step(i, state, name=, first=, last=)`` for the steps ``i = 0..count-1`` of a ring.
 
   The last step (nothing left to send) is peeled off the loop, with ``peel_first`` the first
@@ -376,7 +385,13 @@ def over_hops(count: int, step, state, *, peel_first: bool):
   the ones between (:func:`loop_span`) run in one ``fori_loop`` with ``i`` traced (inline,
   ``i`` an int, when there is one), named ``hop``; profiles name the peeled ones ``hop_0``
   and ``last_hop``. ``first=`` / ``last=`` say whether ``i`` is the first / last step.
+  ``peel=False``: every step runs in the loop as a middle one (``first=last=False``), so
+  the step is compiled once; the caller makes its transfers at the ends harmless
+  (:func:`one_loop`).
   """
+  if not peel:
+    body = lambda i, state: step(i, state, name="hop", first=False, last=False)  # noqa: E731
+    return jax.lax.fori_loop(0, count, body, state)
   lo, hi = loop_span(count, peel_first)
   if peel_first and count > 1:
     state = step(0, state, name="hop_0", first=True, last=False)
@@ -386,6 +401,25 @@ def over_hops(count: int, step, state, *, peel_first: bool):
   elif hi - lo > 1:
     state = jax.lax.fori_loop(lo, hi, body, state)
   return step(count - 1, state, name="last_hop", first=count == 1, last=True)
+
+
+def one_loop(cfg: RingConfig, routes: routing.Routes, home: bool = False) -> bool:
+  """Whether :func:`forward_loop` / :func:`backward_loop` run every hop of ``routes`` in one
+  loop (:func:`over_hops` with ``peel=False``): ``cfg.one_loop`` is set (the hop kernel is
+  one of :data:`PLATFORM_DEFAULTS`' ``one_loop`` on its platform), there are two hops
+  or more, and one stream moves the same pairs at every hop after the first (the full
+  rotation), so every step can send them; with ``home``, also every accumulator ends the
+  last hop on its owner (:func:`ring_jax.routing.backward_rotation`: nothing goes home).
+  The first hop's transfers then move what nothing reads (the backward's zero dK/dV) and
+  the last hop's send the K/V shard once more: one more transfer per peeled hop."""
+  count = routes.hops[1] - routes.hops[0] + 1
+  if not cfg.one_loop or count < 2 or len(routes.streams) != 1:
+    return False
+  s = routes.streams[0]
+  if not s.arrive[1] or len(set(s.arrive[1:])) != 1:
+    return False
+  return not home or (not any(s.home) and not any(s.done_home[:-1])
+                      and len(s.done_home[-1]) == routes.ring_size)
 
 
 def send(pairs, axis_name, *xs):
@@ -477,7 +511,8 @@ def forward_loop(cfg: RingConfig, q, held, acc, masks_at, *, also=None):
   next hop's parts (:func:`hop_send`, named ``send_kv``) before its block compute and reads
   it after (:func:`in_flight_during`); ``also`` (transfers the caller issued, or None) is
   tied to the last hop's compute in the same way. The hops run in one loop
-  (:func:`over_hops`, the last peeled).
+  (:func:`over_hops`): the last peeled, or (:func:`one_loop`) in the loop too, its send
+  unused and ``also`` tied to the whole loop.
   """
   routes, axis = cfg.routes, cfg.axis_name
   first, last = routes.hops
@@ -485,15 +520,16 @@ def forward_loop(cfg: RingConfig, q, held, acc, masks_at, *, also=None):
   if first != 0:
     with jax.named_scope("send_kv"):
       held = [send(s.arrive[0], axis, *p) for s, p in zip(routes.streams, held)]
-  rows = [[s.arrive[i + 1] if i + 1 < count else () for s in routes.streams]
-          for i in range(count)]
-  span = loop_span(count, peel_first=False)
+  peel = not one_loop(cfg, routes)
+  rows = [[s.arrive[i + 1] if i + 1 < count else () if peel else s.arrive[1]
+           for s in routes.streams] for i in range(count)]
+  span = loop_span(count, peel_first=False) if peel else (0, count)
 
   tied = {"also": also}  # read at the last hop only, which runs outside the loop
 
   def step(i, state, *, name, first, last):
     del first  # the forward's first hop needs nothing the others do not
-    held, acc = state
+    held, acc = state[:2]
     nxt = tied["also"] if last else None
     if not last:
       with jax.named_scope("send_kv"):
@@ -508,10 +544,16 @@ def forward_loop(cfg: RingConfig, q, held, acc, masks_at, *, also=None):
     if last:
       tied["also"] = nxt
       return held, acc
-    return nxt, acc
+    # one loop: the last step's parts are carried out beside the next ones (its send unused)
+    return (nxt, acc) if peel else (nxt, acc, held)
 
-  held, acc = over_hops(count, step, (held, acc), peel_first=False)
-  return acc, tied["also"], held
+  state = over_hops(count, step, (held, acc) if peel else (held, acc, held),
+                    peel_first=False, peel=peel)
+  if peel:
+    return state[1], tied["also"], state[0]
+  if also is not None:
+    also, state = in_flight_during(also, state)
+  return state[1], also, state[2]
 
 
 def backward_loop(cfg: RingConfig, q, held, res, dq, masks_at, *, also=None,
@@ -545,6 +587,8 @@ def backward_loop(cfg: RingConfig, q, held, res, dq, masks_at, *, also=None,
     with jax.named_scope("send_kv"):
       held = [move(s.arrive[0], axis, *p) for s, p in zip(streams, held)]
   acc = [(zeros(p[0]), zeros(p[1])) for p in held]
+  if one_loop(cfg, routes, home=home):
+    return _backward_one_loop(cfg, q, held, res, dq, masks_at, acc, also)
   span = loop_span(count, peel_first=True)
   arrive_next = [[s.arrive[i + 1] if i + 1 < count else () for s in streams]
                  for i in range(count)]
@@ -614,6 +658,36 @@ def backward_loop(cfg: RingConfig, q, held, res, dq, masks_at, *, also=None,
   return dq, join_streams([x[0] for x in out]), join_streams([x[1] for x in out]), tied["also"]
 
 
+def _backward_one_loop(cfg: RingConfig, q, held, res, dq, masks_at, acc, also):
+  """:func:`backward_loop` with every hop in one loop (:func:`one_loop`): each step sends
+  the K/V parts on and receives the accumulators of the parts it holds (the first step's
+  are zeros, the last step's K/V send is unused), and the accumulators the last step leaves
+  are this device's own shard's. ``also`` is tied to the whole loop."""
+  routes, axis = cfg.routes, cfg.axis_name
+  pairs = [routes.streams[0].arrive[1]]
+  move = send_distinct if routes.routed else send
+
+  def step(i, state):
+    held, acc, dq = state
+    with jax.named_scope("send_kv"):
+      nxt = [move(p, axis, *x) for p, x in zip(pairs, held)]
+    with jax.named_scope("send_dkv"):
+      acc = [move(p, axis, *a) for p, a in zip(pairs, acc)]
+    kh, vh, segh = (join_streams(x) for x in zip(*held))
+    dk, dv = join_streams([a[0] for a in acc]), join_streams([a[1] for a in acc])
+    with jax.named_scope("hop"):
+      masks = masks_at(routes.hops[0] + i, segh)
+      nxt, (dq, dk, dv) = backward_hop(cfg, q, kh, vh, masks, res, (dq, dk, dv), nxt,
+                                       arriving=True)
+    return nxt, split_streams(routes, dk, dv), dq
+
+  count = routes.hops[1] - routes.hops[0] + 1
+  _, acc, dq = jax.lax.fori_loop(0, count, step, (held, acc, dq))
+  if also is not None:
+    also, (acc, dq) = in_flight_during(also, (acc, dq))
+  return dq, acc[0][0], acc[0][1], also
+
+
 def backward_hop(cfg: RingConfig, q, k, v, masks, res, grads, nxt, *, arriving: bool):
   """One hop of the backward: ``(nxt, (dq, dk, dv))`` after the kernel's backward on the
   shard ``k, v`` held now; ``nxt`` (transfers in flight, or None) tied to the hop's compute.
@@ -657,7 +731,8 @@ def _forward(cfg: RingConfig, q, k, v, seg):
   """Returns ``(out [B,T,K,G,H] input dtype, lse [B,T,K,G] f32, -inf where no key was seen,
   held)``: :func:`forward_loop` over the ring's routes; ``held``: the ``(k, v, seg)`` parts of
   its last hop. Profiles name the parts ``ring_fwd/hop`` (the loop body),
-  ``ring_fwd/last_hop`` and ``ring_fwd/send_kv`` (the K/V transfer)."""
+  ``ring_fwd/last_hop`` (peeled, unless :func:`one_loop`) and ``ring_fwd/send_kv`` (the K/V
+  transfer)."""
   device = jax.lax.axis_index(cfg.axis_name)
   q_pos = layouts.local_positions(cfg.layout, cfg.ring_size, q.shape[1], device)
   v_finite = v_finite_flags(cfg.routes, cfg.axis_name, v)
@@ -678,7 +753,8 @@ def _backward(cfg: RingConfig, q, k, v, seg, out, lse, do, dlse, held=None):
   :func:`ring_jax.routing.backward_rotation`; a routed or windowed plan runs as forward).
   ``held``: the forward's last parts where :func:`_hands_over` (the first hop's, not sent
   again), else None. Profiles name the parts ``ring_bwd/hop_0``, ``ring_bwd/hop`` (the loop
-  body), ``ring_bwd/last_hop``, and the transfers ``ring_bwd/send_kv``,
+  body), ``ring_bwd/last_hop`` (the first and last peeled, unless :func:`one_loop`), and the
+  transfers ``ring_bwd/send_kv``,
   ``ring_bwd/send_dkv`` and ``ring_bwd/dkv_home``."""
   cfg = dataclasses.replace(cfg, routes=cfg.backward_routes or cfg.routes)
   device = jax.lax.axis_index(cfg.axis_name)

@@ -38,7 +38,8 @@ picked by a ``lax.switch`` on the step (:func:`ring_jax.ring.hop_send`, as the f
 routed ring's hops; unrolled steps hold more temp memory and a larger program,
 docs/performance.md). The inner rings rotate the group's whole buffer: they are
 :func:`ring_jax.ring.forward_loop` / :func:`ring_jax.ring.backward_loop` on the full
-rotation over the inner axis, the outer transfer tied to their last hop, and the outer
+rotation over the inner axis, the outer transfer tied to their last hop (so their last hop
+is peeled on every platform, never :func:`ring_jax.ring.one_loop`), and the outer
 steps run on the same driver (:func:`ring_jax.ring.over_hops`).
 
 The backward (a ``custom_vjp``) of the full rotation (no routing: striped and non-causal
@@ -181,7 +182,8 @@ def two_level_ring_attention(query, key, value, *, axis_name, is_causal: bool = 
       ring=cfg,
       outer=dataclasses.replace(cfg, axis_name=outer, ring_size=n_o, hops=(0, n_o - 1)),
       inner=dataclasses.replace(cfg, axis_name=inner, ring_size=n_i, hops=(0, n_i - 1),
-                                routes=routing.rotation(layout, n_i, key.shape[1])),
+                                routes=routing.rotation(layout, n_i, key.shape[1]),
+                                one_loop=False),
       routes=routes)
   result = attend_grouped(_two_level, tl, query, key, value, segment_ids, cfg.return_lse)
   return with_sinks(result, sinks, return_lse)

@@ -336,9 +336,8 @@ def _padded_run(strategy, query, key, value, segment_ids, padded: int, *, option
 
 def _in_layout(local, q, k, v, seg, *, layout, axis_name, sinks=None):
   """``local`` on natural-order shards: reordered into ``layout`` and back with collectives."""
-  to = functools.partial(layouts.shard_to_layout, layout=layout, axis_name=axis_name)
-  result = local(to(q), to(k), to(v), None if seg is None else to(seg), sinks=sinks)
-  return jax.tree.map(lambda x: layouts.shard_from_layout(x, layout, axis_name), result)
+  q, k, v, seg = layouts.shard_to_layout((q, k, v, seg), layout, axis_name)
+  return layouts.shard_from_layout(local(q, k, v, seg, sinks=sinks), layout, axis_name)
 
 
 def _shard_map(local, where: Placement, query, key, value, segment_ids, sinks,

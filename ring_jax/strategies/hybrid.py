@@ -8,7 +8,6 @@ the ring axis on it, and a second ``all_to_all`` restores the sequence shards.
 
 from __future__ import annotations
 
-import functools
 
 import jax
 
@@ -70,14 +69,11 @@ def _local(query, key, value, segment_ids, *, axis_name, options: AttentionOptio
   sinks = validation.check_sinks(sinks, query.shape[2])
   q, k, v, seg = gather_heads(query, key, value, segment_ids, uly_axis)
   if natural:
-    to = functools.partial(layouts.shard_to_layout, layout=options.layout, axis_name=ring_axis)
-    q, k, v = to(q), to(k), to(v)
-    seg = None if seg is None else to(seg)
+    q, k, v, seg = layouts.shard_to_layout((q, k, v, seg), options.layout, ring_axis)
   result = ring_attention(q, k, v, axis_name=ring_axis, segment_ids=seg,
                           sinks=local_heads(sinks, uly_axis), **options.ring_kwargs())
   if natural:
-    result = jax.tree.map(lambda x: layouts.shard_from_layout(x, options.layout, ring_axis),
-                          result)
+    result = layouts.shard_from_layout(result, options.layout, ring_axis)
   return jax.tree.map(lambda x: to_sequence(x, uly_axis), result)
 
 

@@ -82,3 +82,37 @@ def test_shard_reorder_matches_global_reorder(layout, ring_size):
   y = jax.jit(to)(x)
   np.testing.assert_array_equal(y, ring_jax.to_layout(x, layout, ring_size))
   np.testing.assert_array_equal(jax.jit(back)(y), x)
+
+
+@pytest.mark.parametrize("layout", ["zigzag", "striped"])
+def test_shard_reorder_of_a_pytree_groups_arrays(layout):
+  """A pytree reorders as its arrays one by one (None stays None); arrays of one dtype and
+  leading shape share one set of collectives (zigzag: two ppermutes for q, k, v together)."""
+  import jax
+  from jax.sharding import PartitionSpec as P
+  from attn_utils import make_mesh
+
+  n = 4
+  mesh = make_mesh((n,), ("sequence",))
+  length = 2 * n * n
+  rng = np.random.default_rng(0)
+  q = jnp.asarray(rng.standard_normal((2, length, 4, 3)), jnp.float32)
+  k = jnp.asarray(rng.standard_normal((2, length, 2, 3)), jnp.float32)
+  seg = jnp.arange(2 * length, dtype=jnp.int32).reshape(2, length)
+  spec, spec2 = P(None, "sequence"), P(None, "sequence")
+  tree = {"q": q, "k": k, "seg": seg, "none": None}
+  specs = {"q": spec, "k": spec, "seg": spec2, "none": None}
+  to = jax.shard_map(lambda t: ring_jax.shard_to_layout(t, layout, "sequence"), mesh=mesh,
+                     in_specs=(specs,), out_specs=specs)
+  back = jax.shard_map(lambda t: ring_jax.shard_from_layout(t, layout, "sequence"),
+                       mesh=mesh, in_specs=(specs,), out_specs=specs)
+  y = jax.jit(to)(tree)
+  assert y["none"] is None
+  for name in ("q", "k", "seg"):
+    np.testing.assert_array_equal(y[name], ring_jax.to_layout(tree[name], layout, n))
+  round_trip = jax.jit(back)(y)
+  for name in ("q", "k", "seg"):
+    np.testing.assert_array_equal(round_trip[name], tree[name])
+  if layout == "zigzag":
+    hlo = jax.jit(to).lower(tree).as_text()
+    assert hlo.count("collective_permute") + hlo.count("collective-permute") == 4  # f32, int32

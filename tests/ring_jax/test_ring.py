@@ -428,3 +428,29 @@ def test_default_overlap_dkv_and_routing_on_cpu_are_unchanged():
 
   assert hlo() == hlo(overlap_dkv=False, causal_routing=True)
   assert hlo() != hlo(overlap_dkv=True, causal_routing=True)
+
+
+@pytest.mark.parametrize("layout,is_causal,overlap_dkv,segments", [
+    ("zigzag", True, True, True), ("zigzag", True, False, False),
+    ("contiguous", False, False, True)])
+def test_one_loop_matches_the_oracle(monkeypatch, layout, is_causal, overlap_dkv, segments):
+  """Every hop of a full rotation in one loop per pass (``one_loop``, the TPU's table entry,
+  here set for the CPU): the first and last hops run in the loop (their transfers unused),
+  so the compiled program names no peeled hop; output and gradients as the oracle's."""
+  monkeypatch.setitem(ring_jax.ring.PLATFORM_DEFAULTS, "cpu", {"one_loop": ("xla",)})
+  mesh = make_mesh((4,), ("sequence",))
+  q, k, v = qkv(7, 2, 64, 4, 2, 8)
+  seg = packed_segments(2, 64, seed=7, pad_rows=(1,)) if segments else None
+  fn = functools.partial(ring_jax.ring_attention_sharded, mesh=mesh, is_causal=is_causal,
+                         layout=layout, segment_ids=seg, batch_axis=None, block_q=4,
+                         block_kv=4, overlap_dkv=overlap_dkv, causal_routing=False)
+  ref = functools.partial(ring_jax.reference_attention, is_causal=is_causal, segment_ids=seg)
+  assert_close(jax.jit(fn)(q, k, v), ref(q, k, v), what="out")
+  cot = jax.random.normal(jax.random.key(8), q.shape, jnp.float32)
+  got = jax.jit(functools.partial(grads, fn))(q, k, v, cot)
+  for name, g, w in zip("qkv", got, grads(ref, q, k, v, cot)):
+    assert_close(g, w, what=f"d{name}")
+  hlo = jax.jit(functools.partial(grads, fn)).lower(q, k, v, cot).as_text(debug_info=True)
+  scopes = {part for loc in re.findall(r'loc\("([^"]*)"', hlo) for part in loc.split("/")}
+  assert {"hop", "send_kv", "send_dkv"} <= scopes
+  assert not {"hop_0", "last_hop"} & scopes
