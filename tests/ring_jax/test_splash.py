@@ -207,6 +207,40 @@ def test_ring_with_a_nan_key_matches_the_xla_ring():
     _same_non_finite(g, w, name)
 
 
+@pytest.mark.parametrize("is_causal", [True, False])
+def test_one_loop_ring_matches_the_xla_ring(monkeypatch, is_causal):
+  """Splash's structure on TPU (every hop of the full rotation in one loop per pass,
+  ``PLATFORM_DEFAULTS["tpu"]["one_loop"]``), here set for the CPU: a ring of 4 (zigzag, GQA
+  4:2, segment ids) gives the peeled XLA ring's outputs and gradients, and the compiled
+  program names no peeled hop."""
+  import re  # noqa: PLC0415
+  from ring_jax import testing  # noqa: PLC0415
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]), ("sequence",))
+  rng = np.random.default_rng(5)
+  q = rng.standard_normal((1, 512, 4, 32)).astype(np.float32)
+  k, v = (rng.standard_normal((1, 512, 2, 32)).astype(np.float32) for _ in range(2))
+  seg = np.repeat(np.array([[1, 2, 3]], np.int32), [200, 200, 112], axis=1)
+  cot = rng.standard_normal(q.shape).astype(np.float32)
+
+  def run(kernel):
+    ring = testing.hop_kernel_attention(kernel, block=128, check_vma=False)
+    fn = lambda q, k, v: ring(q, k, v, is_causal=is_causal, layout="zigzag",  # noqa: E731
+                              segment_ids=seg, mesh=mesh)
+    out, vjp = jax.vjp(fn, q, k, v)
+    return (out, *vjp(jnp.asarray(cot)))
+
+  want = jax.jit(lambda: run(XlaHopKernel()))()
+  monkeypatch.setitem(ring_jax.ring.PLATFORM_DEFAULTS, "cpu", {"one_loop": ("splash",)})
+  lowered = jax.jit(lambda: run(KERNEL)).lower()
+  scopes = {part for loc in re.findall(r'loc\("([^"]*)"', lowered.as_text(debug_info=True))
+            for part in loc.split("/")}
+  assert "hop" in scopes and not {"hop_0", "last_hop"} & scopes
+  got = lowered.compile()()
+  for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
+    np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2e-5, atol=2e-5,
+                               err_msg=name)
+
+
 def test_no_branch_in_the_hop():
   """Without segment ids the non-finite handling is arithmetic around splash, not a
   ``cond`` to another kernel: neither pass holds a ``cond``."""
