@@ -183,9 +183,7 @@ def log(message: str) -> None:
     print(message, flush=True)
 
 
-# ----------------------------------------------------------------------------
-# Step metrics: fetched one step behind, checked for divergence as they arrive
-# ----------------------------------------------------------------------------
+# --- Step metrics: fetched one step behind, checked for divergence as they arrive -------------
 
 
 class Diverged(RuntimeError):
@@ -229,9 +227,7 @@ class StepMetrics:
     return {k: float(np.mean([r[k] for r in rows])) for k in self.WINDOW_KEYS}
 
 
-# ----------------------------------------------------------------------------
-# Profiling
-# ----------------------------------------------------------------------------
+# --- Profiling --------------------------------------------------------------------------------
 
 
 class Profile:
