@@ -164,17 +164,17 @@ class Checkpointer:
     self.last_saved: int | None = None
     if read_only and not os.path.isdir(self.directory):
       raise NoCheckpointError(f"{workdir} has no checkpoints/ directory")
-    if read_only:
-      options = ocp.CheckpointManagerOptions(create=False, read_only=True)
-    else:  # Preemption saves are train.py's save(force=True) at the agreed stop step.
-      options = ocp.CheckpointManagerOptions(
-          max_to_keep=keep, create=True, enable_async_checkpointing=async_save,
-          cleanup_tmp_directories=True,  # what a process killed mid-save left behind
-          save_decision_policy=ocp.checkpoint_managers.FixedIntervalPolicy(every))
-      if jax.process_count() == 1:
-        _whole_array_saves()
-    # A read-only manager warns that it saves nothing: what was asked for. Shown with -v.
+    if jax.process_count() == 1 and not read_only:
+      _whole_array_saves()
+    # Read-only, Orbax warns that it saves nothing: what was asked for. Shown with -v.
     with _absl_errors_only(read_only and absl_logging.get_verbosity() <= absl_logging.WARNING):
+      if read_only:
+        options = ocp.CheckpointManagerOptions(create=False, read_only=True)
+      else:  # Preemption saves are train.py's save(force=True) at the agreed stop step.
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=keep, create=True, enable_async_checkpointing=async_save,
+            cleanup_tmp_directories=True,  # what a process killed mid-save left behind
+            save_decision_policy=ocp.checkpoint_managers.FixedIntervalPolicy(every))
       self.manager = ocp.CheckpointManager(self.directory, options=options,
                                            item_names=("state", "data"))
 
