@@ -72,26 +72,25 @@ class Stage:
 
 
 def _cast(where: str, name: str, value):
+  """``value`` of stage field ``name`` as its type (:data:`FIELDS`); ConfigError if it has
+  none."""
   kind = FIELDS[name][1]
-  if value is None and name == "rope_scaling":
-    return None
   if kind is dict:
-    if not hasattr(value, "keys"):
+    if value is not None and not hasattr(value, "keys"):
       raise ConfigError(f"{where}: rope_scaling must be a dict such as "
                         "{'rope_type': 'llama3', 'factor': 8.0, ...}, got "
                         f"{value!r}; set it in a config file's stages list.")
-    return dict(value)
+    return None if value is None else dict(value)
   if isinstance(value, bool) or not isinstance(value, (int, float, str)):
     raise ConfigError(f"{where}: {name} must be a number, got {value!r}.")
   try:
     number = float(value)
-    if kind is int:
-      if number != int(number):
-        raise ValueError
-      return int(number)
-    return number
   except ValueError:
-    raise ConfigError(f"{where}: {name}={value!r} is not {'an integer' if kind is int else 'a number'}.") from None
+    number = None
+  if number is None or (kind is int and not number.is_integer()):
+    raise ConfigError(f"{where}: {name}={value!r} is not "
+                      f"{'an integer' if kind is int else 'a number'}.")
+  return int(number) if kind is int else number
 
 
 def parse(text: str) -> list[dict[str, Any]]:
