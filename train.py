@@ -19,10 +19,8 @@ values for the attached devices or a TPU slice (``--topology``) and reports its 
 
 Stopping and failing (docs/training.md, "When things go wrong"): SIGTERM/SIGINT finishes
 the step on every process, saves and exits 0 with the command that resumes; the other ends
-are :data:`EXIT_STATUS`'s one line; a corrupt newest checkpoint is moved aside and the one
-before it restored; on a multi-process run each process is a child of
-``training.supervisor``, and a dead process makes every survivor exit 75 with one line
-(``training.distributed``).
+are :data:`EXIT_STATUS`'s one line, or 75 with one line when a process of a multi-process
+run dies (``training.distributed``, ``training.supervisor``).
 """
 
 from __future__ import annotations
@@ -109,22 +107,17 @@ _TOPOLOGY_SLICES = flags.DEFINE_integer(
     "topology_slices", 1, "With --topology: this many such slices, over the data center "
     "network (config.mesh's sequence_outer, data, pipeline axes span them, in that order).")
 
-# Exit statuses besides 0 (done, or stopped cleanly by a signal / --stop_at_step).
-EXIT_USAGE = errors.EXIT_USAGE  # bad flag, config, gin binding, data, or no checkpoint restores
-EXIT_DIVERGED = 3  # non-finite loss or gradient norm
-EXIT_CHECKPOINT_WRITE = 4  # a checkpoint could not be written (disk full, quota, I/O)
-EXIT_PEER_LOST = distributed_lib.EXIT_PEER_LOST  # 75: another process of the run died
-EXIT_COMPILE_FAILED = 1  # --compile_only: the compiler refused the step
-
+EXIT_USAGE = errors.EXIT_USAGE  # 2: bad flag, config, gin binding, data, no restorable step
 #: The errors that end a run in one line: type -> (exit status, the line's start). Any other
-#: error ends in its traceback.
+#: error ends in its traceback; 0 is done or stopped cleanly (a signal, --stop_at_step), 75
+#: another process of the run died (distributed_lib.EXIT_PEER_LOST).
 EXIT_STATUS = {
     errors.ConfigError: (EXIT_USAGE, "config error: "),
     ckpt_lib.NoRestorableCheckpointError: (EXIT_USAGE, "error: "),
     data_lib.DataError: (EXIT_USAGE, "data error: "),  # a bad record (data.strict), no document
-    metrics_lib.Diverged: (EXIT_DIVERGED, "error: "),
-    ckpt_lib.CheckpointWriteError: (EXIT_CHECKPOINT_WRITE, "error: "),
-    compile_lib.CompileFailed: (EXIT_COMPILE_FAILED, "error: "),  # e.g. a kernel's VMEM
+    metrics_lib.Diverged: (3, "error: "),  # non-finite loss or gradient norm
+    ckpt_lib.CheckpointWriteError: (4, "error: "),  # disk full, quota, I/O
+    compile_lib.CompileFailed: (1, "error: "),  # --compile_only: e.g. a kernel's VMEM
 }
 
 
@@ -374,11 +367,6 @@ def _start_stage(stage, setup, num_stages, mesh, step, params, opt_state, data_s
       eval_dataset=eval_dataset, throughput=throughput)
 
 
-# ----------------------------------------------------------------------------
-# Entry point
-# ----------------------------------------------------------------------------
-
-
 def main(argv) -> None:
   if len(argv) > 1:
     flags_lib.fail(EXIT_USAGE, f"config error: unexpected arguments {argv[1:]}; flags are "
@@ -411,7 +399,7 @@ def main(argv) -> None:
     result = train(config, workdir, stop_at_step=_STOP_AT_STEP.value)
   except Exception as e:
     status, start = next((v for t, v in EXIT_STATUS.items() if isinstance(e, t)), (None, ""))
-    if status in (None, EXIT_CHECKPOINT_WRITE):
+    if status is None or isinstance(e, ckpt_lib.CheckpointWriteError):
       # On several processes a dead peer surfaces first as a collective's error (gloo:
       # "Connection reset by peer", from a step's metrics or a save): its line and 75 at
       # once. A failed save, or any other error, waits for the watchdog's verdict first.

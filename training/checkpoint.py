@@ -14,6 +14,7 @@ every process has written its part).
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import os
@@ -23,8 +24,10 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging as absl_logging
+from jax.experimental import multihost_utils
 
 from training.metrics import Diverged
 
@@ -41,10 +44,18 @@ def _whole_array_saves() -> None:
   handler = ocp.type_handlers.ArrayHandler(
       use_replica_parallel=False,
       array_metadata_store=getattr(current, "_array_metadata_store", None))
-  verbosity = absl_logging.get_verbosity()
-  absl_logging.set_verbosity(absl_logging.ERROR)  # "Type handler registry ... overriding"
-  try:
+  with _absl_errors_only():  # "Type handler registry ... overriding"
     ocp.type_handlers.register_type_handler(jax.Array, handler, override=True)
+
+
+@contextlib.contextmanager
+def _absl_errors_only(on: bool = True):
+  """Inside, absl (Orbax's log) shows errors only (if ``on``)."""
+  verbosity = absl_logging.get_verbosity()
+  if on:
+    absl_logging.set_verbosity(absl_logging.ERROR)
+  try:
+    yield
   finally:
     absl_logging.set_verbosity(verbosity)
 
@@ -130,11 +141,8 @@ def _one_line(error: BaseException) -> str:
 
 def _agree(ok: bool) -> bool:
   """True only if ``ok`` holds on every process (a no-op on a single process)."""
-  if jax.process_count() == 1:
-    return ok
-  from jax.experimental import multihost_utils
-  import numpy as np
-  return bool(np.all(multihost_utils.process_allgather(np.int32(ok))))
+  return ok if jax.process_count() == 1 else bool(
+      np.all(multihost_utils.process_allgather(np.int32(ok))))
 
 
 def checkpoint_directory(workdir: str) -> str:
@@ -150,42 +158,31 @@ class Checkpointer:
                read_only: bool = False):
     self.workdir = os.path.abspath(workdir)
     self.directory = checkpoint_directory(self.workdir)
-    self.every = every
-    self.read_only = read_only
+    self.every, self.read_only = every, read_only
     self._writing: int | None = None  # step of the newest save that may still be in flight
     # The newest step this run saved or resumed from (what a diverged run falls back to).
     self.last_saved: int | None = None
-    if read_only:
-      if not os.path.isdir(self.directory):
-        raise NoCheckpointError(f"{workdir} has no checkpoints/ directory")
-      # Orbax warns that a read-only manager saves nothing: what was asked for. Shown with -v.
-      verbosity = absl_logging.get_verbosity()
-      if verbosity <= absl_logging.WARNING:
-        absl_logging.set_verbosity(absl_logging.ERROR)
-      try:
-        self.manager = ocp.CheckpointManager(
-            self.directory, options=ocp.CheckpointManagerOptions(create=False, read_only=True),
-            item_names=("state", "data"))
-      finally:
-        absl_logging.set_verbosity(verbosity)
-      return
-    # Preemption saves are train.py's save(force=True) at the agreed stop step.
-    options = ocp.CheckpointManagerOptions(
-        max_to_keep=keep, create=True, enable_async_checkpointing=async_save,
-        cleanup_tmp_directories=True,  # what a process killed mid-save left behind
-        save_decision_policy=ocp.checkpoint_managers.FixedIntervalPolicy(every))
-    if jax.process_count() == 1:
+    if read_only and not os.path.isdir(self.directory):
+      raise NoCheckpointError(f"{workdir} has no checkpoints/ directory")
+    if jax.process_count() == 1 and not read_only:
       _whole_array_saves()
-    self.manager = ocp.CheckpointManager(self.directory, options=options,
-                                         item_names=("state", "data"))
+    # Read-only, Orbax warns that it saves nothing: what was asked for. Shown with -v.
+    with _absl_errors_only(read_only and absl_logging.get_verbosity() <= absl_logging.WARNING):
+      if read_only:
+        options = ocp.CheckpointManagerOptions(create=False, read_only=True)
+      else:  # Preemption saves are train.py's save(force=True) at the agreed stop step.
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=keep, create=True, enable_async_checkpointing=async_save,
+            cleanup_tmp_directories=True,  # what a process killed mid-save left behind
+            save_decision_policy=ocp.checkpoint_managers.FixedIntervalPolicy(every))
+      self.manager = ocp.CheckpointManager(self.directory, options=options,
+                                           item_names=("state", "data"))
 
   def latest_step(self) -> int | None:
     return self.manager.latest_step()
 
   def all_steps(self) -> list[int]:
     return sorted(self.manager.all_steps())
-
-  # --- Saving -----------------------------------------------------------------------------
 
   def check_for_errors(self) -> None:
     """Raises :class:`CheckpointWriteError` if a background save has failed."""
@@ -247,8 +244,6 @@ class Checkpointer:
       raise self._write_error(self._writing, e) from e
     finally:
       self.manager.close()
-
-  # --- Restoring --------------------------------------------------------------------------
 
   def restore(self, step: int, params_target, opt_state_target):
     """Restores ``step`` into the given abstract targets (their shardings decide placement).
@@ -328,7 +323,6 @@ class Checkpointer:
       os.makedirs(os.path.dirname(target), exist_ok=True)
       os.rename(os.path.join(self.directory, str(step)), target)
     if jax.process_count() > 1:
-      from jax.experimental import multihost_utils
       multihost_utils.sync_global_devices(f"ring_jax_move_aside_{step}")
     self.manager.reload()  # Forget the step: no save or retention may touch it again.
     return target

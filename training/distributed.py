@@ -98,9 +98,10 @@ def start_watchdog(distributed_config, checkpoint_dir: str,
                     workdir=os.path.dirname(checkpoint_dir), checkpoint_dir=checkpoint_dir,
                     resume_command=resume_command, coordinator=state.coordinator_address)
 
-  describe = describer(state.num_processes, checkpoint_dir, resume_command)
-  _ACTIVE = PeerWatchdog(timeout_s, describe, client=state.client,
-                         process_id=state.process_id, num_processes=state.num_processes)
+  _ACTIVE = PeerWatchdog(timeout_s, describer(state.num_processes, checkpoint_dir,
+                                               resume_command),
+                         client=state.client, process_id=state.process_id,
+                         num_processes=state.num_processes)
   atexit.register(_ACTIVE.stop)
   return _ACTIVE.start()
 
@@ -326,7 +327,7 @@ class StopRequest:
     self._multi = jax.process_count() > 1
     self._jax_notice = self._multi and bool(jax.config.jax_enable_preemption_service)
 
-  def install(self) -> "StopRequest":
+  def __enter__(self) -> "StopRequest":
     if threading.current_thread() is not threading.main_thread():
       return self  # signal.signal only works there (e.g. train() called from a worker thread)
     for sig in self.SIGNALS:
@@ -335,16 +336,10 @@ class StopRequest:
       self._previous[sig] = signal.signal(sig, self._handle)
     return self
 
-  def uninstall(self) -> None:
+  def __exit__(self, *exc_info) -> None:
     for sig, handler in self._previous.items():
       signal.signal(sig, handler)
     self._previous.clear()
-
-  def __enter__(self) -> "StopRequest":
-    return self.install()
-
-  def __exit__(self, *exc_info) -> None:
-    self.uninstall()
 
   def _handle(self, signum, frame) -> None:
     name = signal.Signals(signum).name

@@ -76,60 +76,51 @@ class Throughput:
     return out
 
 
-def _tensorboardx():
-  """tensorboardX's event writer and protocol buffers, imported without its optional
-  ``import torch`` (scalars need none)."""
+def _summary_writer():
+  """tensorboardX's ``SummaryWriter``, imported without its optional ``import torch``
+  (scalars need none)."""
   blocked = "torch" not in sys.modules
   if blocked:
     sys.modules["torch"] = None  # `import torch` raises ImportError while tensorboardX loads
   try:
-    from tensorboardX import event_file_writer
-    from tensorboardX.proto import event_pb2, summary_pb2
+    from tensorboardX import SummaryWriter
   finally:
     if blocked:
       del sys.modules["torch"]
-  return event_file_writer, event_pb2, summary_pb2
+  return SummaryWriter
 
 
 _WRITERS = itertools.count()  # one event file per MetricWriter of a process
 
 
 class MetricWriter:
-  """TensorBoard event files + ``metrics.jsonl`` in the workdir; only process 0 writes.
+  """TensorBoard event files (tensorboardX's ``SummaryWriter``) + ``metrics.jsonl`` in the
+  workdir; only process 0 writes.
 
   One curve per workdir: a run resumed from ``resume_step`` drops the JSONL rows past it
-  and tells TensorBoard to purge events from ``resume_step + 1`` on (a ``SessionLog.START``,
-  as ``SummaryWriter(purge_step=)`` writes). Each :meth:`write` is one event of float32
-  scalars in a new ``tensorboard/events.out.tfevents.*`` file, on disk when it returns.
+  and tells TensorBoard to purge events from ``resume_step + 1`` on (``purge_step``). Each
+  :meth:`write` adds its float32 scalars at ``step`` to ``tensorboard/events.out.tfevents.*``
+  (a new file per writer) and is on disk when it returns.
   """
 
   def __init__(self, workdir: str, *, resume_step: int = 0, enabled: bool | None = None):
     self.enabled = jax.process_index() == 0 if enabled is None else enabled
-    self._tb = None
-    self._jsonl = None
     if self.enabled:
       os.makedirs(workdir, exist_ok=True)
       path = os.path.join(workdir, "metrics.jsonl")
       dropped = truncate_jsonl(path, resume_step)
-      event_file_writer, event_pb2, self._summary_pb2 = _tensorboardx()
-      self._Event = event_pb2.Event
-      os.makedirs(os.path.join(workdir, "tensorboard"), exist_ok=True)
-      self._tb = event_file_writer.EventsWriter(  # writes the file-version event first
-          os.path.join(workdir, "tensorboard", "events"), f".{os.getpid()}.{next(_WRITERS)}")
-      if dropped:
-        self._tb.write_event(self._Event(wall_time=time.time(), step=resume_step + 1,
-                                         session_log=event_pb2.SessionLog(
-                                             status=event_pb2.SessionLog.START)))
-        self._tb.flush()
+      self._tb = _summary_writer()(
+          os.path.join(workdir, "tensorboard"), purge_step=resume_step + 1 if dropped else None,
+          filename_suffix=f".{os.getpid()}.{next(_WRITERS)}")
+      self._tb.flush()
       self._jsonl = open(path, "a")  # Rows carry their step; a resumed run appends.
 
   def write(self, step: int, metrics: dict[str, Any], prefix: str = "") -> None:
     if not self.enabled:
       return
     scalars = {f"{prefix}{k}": float(v) for k, v in metrics.items()}
-    Summary = self._summary_pb2.Summary
-    self._tb.write_event(self._Event(wall_time=time.time(), step=step, summary=Summary(
-        value=[Summary.Value(tag=tag, simple_value=v) for tag, v in scalars.items()])))
+    for tag, value in scalars.items():
+      self._tb.add_scalar(tag, value, step)
     self._tb.flush()
     self._jsonl.write(json.dumps({"step": step, **scalars}) + "\n")
     self._jsonl.flush()
@@ -192,9 +183,7 @@ def log(message: str) -> None:
     print(message, flush=True)
 
 
-# ----------------------------------------------------------------------------
-# Step metrics: fetched one step behind, checked for divergence as they arrive
-# ----------------------------------------------------------------------------
+# --- Step metrics: fetched one step behind, checked for divergence as they arrive -------------
 
 
 class Diverged(RuntimeError):
@@ -238,9 +227,7 @@ class StepMetrics:
     return {k: float(np.mean([r[k] for r in rows])) for k in self.WINDOW_KEYS}
 
 
-# ----------------------------------------------------------------------------
-# Profiling
-# ----------------------------------------------------------------------------
+# --- Profiling --------------------------------------------------------------------------------
 
 
 class Profile:

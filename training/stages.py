@@ -25,8 +25,9 @@ stage's, so the run's saved ``config.json`` describes the model the run ends wit
 
 from __future__ import annotations
 
-import collections
 import dataclasses
+import functools
+import json
 from typing import Any
 
 import ml_collections
@@ -70,35 +71,26 @@ class Stage:
             + (f", rope_scaling {dict(c.model.rope_scaling)}" if c.model.rope_scaling else ""))
 
 
-def _set(config, path: str, value) -> None:
-  *parents, leaf = path.split(".")
-  node = config
-  for name in parents:
-    node = node[name]
-  node[leaf] = value
-
-
 def _cast(where: str, name: str, value):
+  """``value`` of stage field ``name`` as its type (:data:`FIELDS`); ConfigError if it has
+  none."""
   kind = FIELDS[name][1]
-  if value is None and name == "rope_scaling":
-    return None
   if kind is dict:
-    if not hasattr(value, "keys"):
+    if value is not None and not hasattr(value, "keys"):
       raise ConfigError(f"{where}: rope_scaling must be a dict such as "
                         "{'rope_type': 'llama3', 'factor': 8.0, ...}, got "
                         f"{value!r}; set it in a config file's stages list.")
-    return dict(value)
+    return None if value is None else dict(value)
   if isinstance(value, bool) or not isinstance(value, (int, float, str)):
     raise ConfigError(f"{where}: {name} must be a number, got {value!r}.")
   try:
     number = float(value)
-    if kind is int:
-      if number != int(number):
-        raise ValueError
-      return int(number)
-    return number
   except ValueError:
-    raise ConfigError(f"{where}: {name}={value!r} is not {'an integer' if kind is int else 'a number'}.") from None
+    number = None
+  if number is None or (kind is int and not number.is_integer()):
+    raise ConfigError(f"{where}: {name}={value!r} is not "
+                      f"{'an integer' if kind is int else 'a number'}.")
+  return int(number) if kind is int else number
 
 
 def parse(text: str) -> list[dict[str, Any]]:
@@ -172,15 +164,14 @@ def resolve(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     if stage["steps"] < 1:
       raise ConfigError(f"config.stages stage {i + 1}: steps must be >= 1, got "
                         f"{stage['steps']}.")
-  explicit = [{name: (stage[name] if name in stage else _top_level(config, path))
+  explicit = [{name: (stage[name] if name in stage else _get(config, path))
                for name, (path, _) in FIELDS.items()} for stage in stages]
   config = config.copy_and_resolve_references()
   with config.unlocked():
     _set_stages(config, explicit)
     config.total_steps = sum(stage["steps"] for stage in explicit)
-    for name, (path, _) in FIELDS.items():
-      if path is not None:
-        _set(config, path, explicit[-1][name])
+    config.update_from_flattened_dict(
+        {path: explicit[-1][name] for name, (path, _) in FIELDS.items() if path})
   return config
 
 
@@ -192,7 +183,8 @@ def _set_stages(config, value) -> None:
   config.stages = config_dict.FieldReference(value, field_type=object)
 
 
-def _top_level(config, path: str):
+def _get(config, path: str):
+  """The value at the dotted ``path`` of ``config`` (a dict for a ConfigDict)."""
   value = config
   for name in path.split("."):
     value = value[name]
@@ -211,9 +203,8 @@ def plan(config: ml_collections.ConfigDict) -> list[Stage]:
     stage_config = config.copy_and_resolve_references()
     with stage_config.unlocked():
       _set_stages(stage_config, None)
-      for name, (path, _) in FIELDS.items():
-        if path is not None:
-          _set(stage_config, path, stage[name])
+      stage_config.update_from_flattened_dict(
+          {path: stage[name] for name, (path, _) in FIELDS.items() if path})
     out.append(Stage(index=i, start=start, steps=stage["steps"], config=stage_config))
     start += stage["steps"]
   return out
@@ -255,24 +246,16 @@ def build_stage(stage: Stage, mesh) -> StageSetup:
                     eval_shape=(c.eval_batch_size, run_len))
 
 
-# The train steps of the last few setups this process built: a second train() of the same
-# setup in one process reuses the jitted step, and so JAX's compiled program.
-_TRAIN_STEPS: collections.OrderedDict = collections.OrderedDict()
-_TRAIN_STEPS_KEPT = 4
-
-
 def cached_train_step(model_cfg, mesh, optim, steps: int, microbatches: int, seed: int):
-  """``build_train_step`` with an optimizer over ``steps``, or the same one built before (the
-  key holds everything the step's program depends on)."""
+  """``build_train_step`` with an optimizer over ``steps``, or the same one built before: the
+  last few are kept, so a second train() of the same setup in one process reuses the jitted
+  step and JAX's compiled program (the key holds everything the program depends on)."""
+  return _train_step(model_cfg, mesh, optim.to_json(), steps, microbatches, seed)
+
+
+@functools.lru_cache(maxsize=4)
+def _train_step(model_cfg, mesh, optim_json: str, steps: int, microbatches: int, seed: int):
   from training import step as step_lib
 
-  key = (model_cfg, mesh, optim.to_json(), steps, microbatches, seed)
-  if key in _TRAIN_STEPS:
-    _TRAIN_STEPS.move_to_end(key)
-    return _TRAIN_STEPS[key]
-  tx = step_lib.make_optimizer(optim, steps)
-  built = step_lib.build_train_step(model_cfg, mesh, tx, microbatches=microbatches, seed=seed)
-  _TRAIN_STEPS[key] = built
-  while len(_TRAIN_STEPS) > _TRAIN_STEPS_KEPT:
-    _TRAIN_STEPS.popitem(last=False)
-  return built
+  tx = step_lib.make_optimizer(ml_collections.ConfigDict(json.loads(optim_json)), steps)
+  return step_lib.build_train_step(model_cfg, mesh, tx, microbatches=microbatches, seed=seed)

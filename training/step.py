@@ -29,9 +29,7 @@ from models import sharding as shd
 from training import batch as batch_lib
 
 
-# ----------------------------------------------------------------------------
-# Optimizer
-# ----------------------------------------------------------------------------
+# --- Optimizer --------------------------------------------------------------------------------
 
 
 def make_schedule(optim_config, total_steps: int) -> optax.Schedule:
@@ -64,9 +62,7 @@ def opt_state_shardings(tx: optax.GradientTransformation, params, param_sharding
       transform_non_params=lambda _: replicated)
 
 
-# ----------------------------------------------------------------------------
-# Loss
-# ----------------------------------------------------------------------------
+# --- Loss -------------------------------------------------------------------------------------
 
 
 def loss_sums(graphdef, params, rest, batch) -> tuple[jax.Array, dict[str, jax.Array]]:
@@ -80,9 +76,7 @@ def loss_sums(graphdef, params, rest, batch) -> tuple[jax.Array, dict[str, jax.A
   return loss_sum, dict(tokens=jnp.sum(mask_BL.astype(jnp.float32)), correct=correct)
 
 
-# ----------------------------------------------------------------------------
-# Steps
-# ----------------------------------------------------------------------------
+# --- Steps ------------------------------------------------------------------------------------
 
 
 def _split_microbatches(batch, microbatches: int):
@@ -148,9 +142,7 @@ def init_opt_state(tx, params, opt_shardings):
   return jax.jit(tx.init, out_shardings=opt_shardings)(params)
 
 
-# ----------------------------------------------------------------------------
-# The one train-step builder
-# ----------------------------------------------------------------------------
+# --- The one train-step builder ---------------------------------------------------------------
 
 
 @dataclasses.dataclass(frozen=True)

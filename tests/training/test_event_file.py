@@ -61,6 +61,16 @@ def read_events(logdir):
   return [event_pb2.Event.FromString(r) for r in read_records(os.path.join(logdir, name))]
 
 
+def scalars(events) -> list[tuple[int, str, float]]:
+  """``(step, tag, value)`` of every scalar, in the file's order."""
+  return [(e.step, v.tag, v.simple_value) for e in events for v in e.summary.value]
+
+
+def purges(events) -> list[int]:
+  """The steps of the ``SessionLog.START`` events (TensorBoard drops what follows them)."""
+  return [e.step for e in events if e.session_log.status == event_pb2.SessionLog.START]
+
+
 def test_the_readers_crc32c_matches_the_rfc_3720_check_values():
   assert crc32c(b"123456789") == 0xE3069283
   assert crc32c(b"\x00" * 32) == 0x8A9136AA  # RFC 3720 B.4: 32 bytes of zeros
@@ -70,7 +80,7 @@ def test_the_readers_crc32c_matches_the_rfc_3720_check_values():
 
 def test_scalars_and_purge_read_back(tmp_path):
   """A resumed run's file: the version header, the purge (SessionLog.START at the first
-  step it does again), then one event per write with its scalars (float32) at its step."""
+  step it does again) before any scalar, then each write's scalars (float32) at its step."""
   (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 3, "train/loss": 9.0}) + "\n")
   writer = metrics_lib.MetricWriter(str(tmp_path), resume_step=2, enabled=True)
   writer.write(3, {"loss": 2.5, "lr": 1e-3}, prefix="train/")
@@ -79,14 +89,15 @@ def test_scalars_and_purge_read_back(tmp_path):
   logdir = tmp_path / "tensorboard"
   (name,) = os.listdir(logdir)
   assert name.startswith("events.out.tfevents.") and f".{os.getpid()}." in name
-  header, purge, first, second = read_events(logdir)
+  events = read_events(logdir)
+  header = events[0]
   assert header.file_version == "brain.Event:2" and header.wall_time > 1e9
-  assert purge.step == 3 and purge.session_log.status == event_pb2.SessionLog.START == 1
-  assert first.step == 3 and first.wall_time >= header.wall_time
-  assert {v.tag: v.simple_value for v in first.summary.value} == {
-      "train/loss": 2.5, "train/lr": np.float32(1e-3)}
-  assert second.step == 2 ** 40 and [(v.tag, v.simple_value) for v in second.summary.value] == [
-      ("eval/x", -0.125)]
+  assert purges(events) == [3] and event_pb2.SessionLog.START == 1
+  first_scalar = next(i for i, e in enumerate(events) if e.summary.value)
+  assert purges(events[:first_scalar]) == [3]
+  assert all(e.wall_time >= header.wall_time for e in events)
+  assert scalars(events) == [(3, "train/loss", 2.5), (3, "train/lr", np.float32(1e-3)),
+                             (2 ** 40, "eval/x", -0.125)]
 
 
 def test_a_corrupt_record_is_reported(tmp_path):
@@ -97,7 +108,7 @@ def test_a_corrupt_record_is_reported(tmp_path):
   logdir = tmp_path / "tensorboard"
   (name,) = os.listdir(logdir)
   path = os.path.join(logdir, name)
-  assert len(read_records(path)) == 2  # the header and step 1, both CRCs intact
+  assert len(read_records(path)) == 2  # the header and step 1, all CRCs intact
   data = bytearray(open(path, "rb").read())
   data[-5] ^= 0xFF  # inside the last record's payload
   open(path, "wb").write(bytes(data))
@@ -111,17 +122,17 @@ def test_metric_writer_writes_both_and_purges_a_resumed_curve(tmp_path):
   writer = metrics_lib.MetricWriter(str(tmp_path), resume_step=1, enabled=True)
   writer.write(2, {"loss": 0.5}, prefix="train/")
   writer.close()
-  header, purge, row = read_events(str(tmp_path / "tensorboard"))
-  assert purge.step == 2 and purge.session_log.status == 1  # rows past step 1 were dropped
-  assert row.step == 2 and [(v.tag, v.simple_value) for v in row.summary.value] == [
-      ("train/loss", 0.5)]
+  events = read_events(str(tmp_path / "tensorboard"))
+  assert purges(events) == [2]  # rows past step 1 were dropped
+  assert scalars(events) == [(2, "train/loss", 0.5)]
   assert [json.loads(l)["step"] for l in path.read_text().splitlines()] == [1, 2]
   # A fresh run with nothing to drop writes no purge: the header, then its rows.
   writer = metrics_lib.MetricWriter(str(tmp_path / "fresh"), enabled=True)
   writer.write(1, {"loss": 0.25}, prefix="train/")
   writer.close()
-  header, row = read_events(str(tmp_path / "fresh" / "tensorboard"))
-  assert header.file_version == "brain.Event:2" and row.step == 1
+  header, *rest = read_events(str(tmp_path / "fresh" / "tensorboard"))
+  assert header.file_version == "brain.Event:2" and purges(rest) == []
+  assert scalars(rest) == [(1, "train/loss", 0.25)]
 
 
 def test_the_writer_leaves_torch_unimported_and_importable():
