@@ -64,9 +64,10 @@ DEFAULT_BLOCK = 256  # platforms the table does not name
 # flight; the full rotation also takes less temp memory there. ``one_loop``: the hop kernels
 # whose flat full-rotation rings run every hop of a pass in one loop (one compiled hop per
 # pass, :func:`one_loop`) rather than peeling the hops with nothing to send or receive: a
-# smaller program and less temp memory with splash on TPU, for one unused transfer per peeled
-# hop, hidden behind a hop's compute; the xla hop keeps the peeled hops, which took less temp
-# memory there under a causal mask.
+# smaller program with splash on TPU (its temp memory falls on some libtpu versions and rises
+# on others: docs/performance.md, "Against tokamax's TPU ring"), for one unused transfer per
+# peeled hop, hidden behind a hop's compute; the xla hop keeps the peeled hops, which take
+# less temp memory there under a causal mask.
 PLATFORM_DEFAULTS = {"tpu": {"causal_routing": False, "overlap_dkv": True,
                              "one_loop": ("splash",)}}
 
