@@ -20,7 +20,8 @@ splash hop kernel; default ``xla``), ``+window`` (``local_window_size=(4096, 0)`
 [heads]`` argument, differentiated too), ``+softcap`` (``logits_soft_cap=50``) and ``+dv``
 (V and the output with head dim ``--value_head_dim``, default 128), ``+one_loop`` /
 ``+peeled`` (every hop of a flat full rotation in one loop for every hop kernel / for none:
-``ring_jax.ring.PLATFORM_DEFAULTS["tpu"]["one_loop"]`` for that compile); without them the
+``ring_jax.ring.PLATFORM_DEFAULTS["tpu"]["one_loop"]`` for that compile, and the ring's
+loop kept however few its hops: ``["unroll_hops"]`` 0); without them the
 defaults apply; ``+inlayout``: inputs already in the layout's order (``inputs_in_layout=True``, as
 the model calls it). And ``two_level-<layout>-<causal|full>`` (outer 2 x inner ring over the
 rest of the chips). Mesh: data=1 x sequence=chips (two-level: data=1 x outer=2 x
@@ -118,16 +119,17 @@ def compile_config(config: str, devices, length: int, heads: int, head_dim: int,
 
   argnums = (0, 1, 2, 3) if sinks is not None else (0, 1, 2)
   tpu = ring_jax.ring.PLATFORM_DEFAULTS["tpu"]
-  shipped = tpu["one_loop"]
-  if "one_loop" in parts or "peeled" in parts:
-    tpu["one_loop"] = HOP_KERNELS if "one_loop" in parts else ()
+  shipped = dict(tpu)
+  if "one_loop" in parts or "peeled" in parts:  # the ring's own loop, not unrolled
+    tpu.update(one_loop=HOP_KERNELS if "one_loop" in parts else (), unroll_hops=0)
   try:
     start = time.perf_counter()
     compiled = jax.jit(jax.value_and_grad(loss, argnums=argnums)).lower(
         x, xkv, xv, sinks, seg).compile()
     return compiled, time.perf_counter() - start
   finally:
-    tpu["one_loop"] = shipped
+    tpu.clear()
+    tpu.update(shipped)
 
 
 def compile_tokamax_ring(parts, is_causal: bool, devices, length: int, heads: int,

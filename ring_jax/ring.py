@@ -67,9 +67,13 @@ DEFAULT_BLOCK = 256  # platforms the table does not name
 # smaller program with splash on TPU (its temp memory falls on some libtpu versions and rises
 # on others: docs/performance.md, "Against tokamax's TPU ring"), for one unused transfer per
 # peeled hop, hidden behind a hop's compute; the xla hop keeps the peeled hops, which take
-# less temp memory there under a causal mask.
+# less temp memory there under a causal mask. ``unroll_hops``: passes of at most this many hops
+# run every hop outside a loop (:func:`over_hops`), one loop and peeling aside: on TPU a
+# transfer in flight across the hop's own loops inside the ring's loop takes temp memory
+# beside the compiler's heap plan, so a small ring unrolled takes less (docs/performance.md,
+# "Against tokamax's TPU ring"); a longer ring unrolled took more, and a larger program.
 PLATFORM_DEFAULTS = {"tpu": {"causal_routing": False, "overlap_dkv": True,
-                             "one_loop": ("splash",)}}
+                             "one_loop": ("splash",), "unroll_hops": 4}}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,6 +87,7 @@ class RingConfig:
   hops: tuple[int, int] = (0, 0)  # (first, last) hops run (routing.hop_range)
   overlap_dkv: bool = False
   one_loop: bool = False  # every hop of a full rotation in the loop (PLATFORM_DEFAULTS)
+  unroll_hops: int = 0  # passes of at most this many hops run unrolled (PLATFORM_DEFAULTS)
   routes: routing.Routes | None = None  # the route plan the loop runs (make_config sets it)
   # the backward's plan: routing.backward_rotation where routes is the whole ring's rotation
   backward_routes: routing.Routes | None = None
@@ -316,12 +321,13 @@ def make_config(query, key, value, *, axis_name, is_causal, segment_ids, scale,
     routes = routed if routed.routed else routes
   backward_routes = (routing.backward_rotation(layout, ring_size, s)
                      if not routes.routed and routes.hops == (0, ring_size - 1) else routes)
-  one_loop = getattr(kernel, "name", None) in PLATFORM_DEFAULTS.get(
-      topology.target_platform(), {}).get("one_loop", ())
+  rule = PLATFORM_DEFAULTS.get(topology.target_platform(), {})
+  one_loop = getattr(kernel, "name", None) in rule.get("one_loop", ())
   return RingConfig(axis_name=axis_name, ring_size=ring_size, layout=layout, spec=spec,
                     kernel=kernel, return_lse=bool(return_lse),
                     hops=hops,
-                    overlap_dkv=bool(overlap_dkv), one_loop=bool(one_loop), routes=routes,
+                    overlap_dkv=bool(overlap_dkv), one_loop=bool(one_loop),
+                    unroll_hops=int(rule.get("unroll_hops", 0)), routes=routes,
                     backward_routes=backward_routes)
 
 
@@ -378,7 +384,8 @@ def loop_span(count: int, peel_first: bool) -> tuple[int, int]:
   return (1 if peel_first else 0), count - 1
 
 
-def over_hops(count: int, step, state, *, peel_first: bool, peel: bool = True):
+def over_hops(count: int, step, state, *, peel_first: bool, peel: bool = True,
+              unroll: bool = False):
   """Runs ``step(i, state, name=, first=, last=)`` for the steps ``i = 0..count-1`` of a ring.
 
   The last step (nothing left to send) is peeled off the loop, with ``peel_first`` the first
@@ -388,7 +395,8 @@ def over_hops(count: int, step, state, *, peel_first: bool, peel: bool = True):
   and ``last_hop``. ``first=`` / ``last=`` say whether ``i`` is the first / last step.
   ``peel=False``: every step runs in the loop as a middle one (``first=last=False``), so
   the step is compiled once; the caller makes its transfers at the ends harmless
-  (:func:`one_loop`).
+  (:func:`one_loop`). ``unroll``: the steps between run one after another, ``i`` an int
+  (no loop: :attr:`RingConfig.unroll_hops`).
   """
   if not peel:
     body = lambda i, state: step(i, state, name="hop", first=False, last=False)  # noqa: E731
@@ -397,8 +405,9 @@ def over_hops(count: int, step, state, *, peel_first: bool, peel: bool = True):
   if peel_first and count > 1:
     state = step(0, state, name="hop_0", first=True, last=False)
   body = lambda i, state: step(i, state, name="hop", first=False, last=False)  # noqa: E731
-  if hi - lo == 1:
-    state = body(lo, state)
+  if hi - lo == 1 or unroll:
+    for i in range(lo, hi):
+      state = body(i, state)
   elif hi - lo > 1:
     state = jax.lax.fori_loop(lo, hi, body, state)
   return step(count - 1, state, name="last_hop", first=count == 1, last=True)
@@ -408,13 +417,14 @@ def one_loop(cfg: RingConfig, routes: routing.Routes, home: bool = False) -> boo
   """Whether :func:`forward_loop` / :func:`backward_loop` run every hop of ``routes`` in one
   loop (:func:`over_hops` with ``peel=False``): ``cfg.one_loop`` is set (the hop kernel is
   one of :data:`PLATFORM_DEFAULTS`' ``one_loop`` on its platform), there are two hops
-  or more, and one stream moves the same pairs at every hop after the first (the full
-  rotation), so every step can send them; with ``home``, also every accumulator ends the
-  last hop on its owner (:func:`ring_jax.routing.backward_rotation`: nothing goes home).
+  or more and more than ``cfg.unroll_hops``, and one stream moves the same pairs at every hop
+  after the first (the full rotation), so every step can send them; with ``home``, also
+  every accumulator ends the last hop on its owner
+  (:func:`ring_jax.routing.backward_rotation`: nothing goes home).
   The first hop's transfers then move what nothing reads (the backward's zero dK/dV) and
   the last hop's send the K/V shard once more: one more transfer per peeled hop."""
   count = routes.hops[1] - routes.hops[0] + 1
-  if not cfg.one_loop or count < 2 or len(routes.streams) != 1:
+  if not cfg.one_loop or count < 2 or count <= cfg.unroll_hops or len(routes.streams) != 1:
     return False
   s = routes.streams[0]
   if not s.arrive[1] or len(set(s.arrive[1:])) != 1:
@@ -549,7 +559,7 @@ def forward_loop(cfg: RingConfig, q, held, acc, masks_at, *, also=None):
     return (nxt, acc) if peel else (nxt, acc, held)
 
   state = over_hops(count, step, (held, acc) if peel else (held, acc, held),
-                    peel_first=False, peel=peel)
+                    peel_first=False, peel=peel, unroll=count <= cfg.unroll_hops)
   if peel:
     return state[1], tied["also"], state[0]
   if also is not None:
@@ -654,7 +664,8 @@ def backward_loop(cfg: RingConfig, q, held, res, dq, masks_at, *, also=None,
              for d, a, in_loop in zip(dkv, acc, home_in_loop)]
     return nxt, acc, dkv, dq
 
-  _, acc, dkv, dq = over_hops(count, step, (held, acc, dkv, dq), peel_first=True)
+  _, acc, dkv, dq = over_hops(count, step, (held, acc, dkv, dq), peel_first=True,
+                              unroll=count <= cfg.unroll_hops)
   out = dkv if home else acc
   return dq, join_streams([x[0] for x in out]), join_streams([x[1] for x in out]), tied["also"]
 

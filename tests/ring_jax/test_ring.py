@@ -454,3 +454,35 @@ def test_one_loop_matches_the_oracle(monkeypatch, layout, is_causal, overlap_dkv
   scopes = {part for loc in re.findall(r'loc\("([^"]*)"', hlo) for part in loc.split("/")}
   assert {"hop", "send_kv", "send_dkv"} <= scopes
   assert not {"hop_0", "last_hop"} & scopes
+
+
+@pytest.mark.parametrize("layout,is_causal,overlap_dkv,segments", [
+    ("zigzag", True, True, True), ("contiguous", False, False, False)])
+def test_unrolled_hops_match_the_oracle(monkeypatch, layout, is_causal, overlap_dkv, segments):
+  """Passes of at most ``unroll_hops`` hops (the TPU's table entry, here set for the CPU, with
+  ``one_loop`` too, which it overrides) run every hop outside a loop: the compiled ring has
+  no loop of its own (the hop's block loops remain), and output and gradients are the
+  oracle's."""
+  monkeypatch.setitem(ring_jax.ring.PLATFORM_DEFAULTS, "cpu",
+                      {"one_loop": ("xla",), "unroll_hops": 4})
+  mesh = make_mesh((4,), ("sequence",))
+  q, k, v = qkv(9, 2, 64, 4, 2, 8)
+  seg = packed_segments(2, 64, seed=9, pad_rows=(1,)) if segments else None
+  fn = functools.partial(ring_jax.ring_attention_sharded, mesh=mesh, is_causal=is_causal,
+                         layout=layout, segment_ids=seg, batch_axis=None, block_q=4,
+                         block_kv=4, overlap_dkv=overlap_dkv, causal_routing=False)
+  ref = functools.partial(ring_jax.reference_attention, is_causal=is_causal, segment_ids=seg)
+  assert_close(jax.jit(fn)(q, k, v), ref(q, k, v), what="out")
+  cot = jax.random.normal(jax.random.key(10), q.shape, jnp.float32)
+  got = jax.jit(functools.partial(grads, fn))(q, k, v, cot)
+  for name, g, w in zip("qkv", got, grads(ref, q, k, v, cot)):
+    assert_close(g, w, what=f"d{name}")
+  hlo = jax.jit(functools.partial(grads, fn)).lower(q, k, v, cot).as_text(debug_info=True)
+  locs = set(re.findall(r'loc\("([^"]*)"', hlo))
+  assert {"hop_0", "last_hop", "send_kv", "send_dkv"} <= {p for loc in locs for p in loc.split("/")}
+  ring_loops = {loc for loc in locs for name in ("ring_fwd", "ring_bwd")
+                if f"{name}/while" in loc}
+  assert not ring_loops, sorted(ring_loops)[:3]
+  monkeypatch.setitem(ring_jax.ring.PLATFORM_DEFAULTS, "cpu", {"one_loop": ("xla",)})
+  looped = jax.jit(functools.partial(grads, fn)).lower(q, k, v, cot).as_text(debug_info=True)
+  assert "ring_fwd/while" in looped and "ring_bwd/while" in looped
