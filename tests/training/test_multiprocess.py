@@ -128,9 +128,14 @@ def check_lost_line(rc, survivor_s, stderr, workdir, lost: int, reasons: tuple[s
   lost_step, kept = int(line.group(2)), int(line.group(3))
   assert earliest_step <= lost_step < 14 and line.group(4) == str(workdir / "checkpoints")
   assert "train.py" in line.group(5) and f"--workdir={workdir}" in line.group(5)
-  # Only complete steps are listed (a save cut short is at most a tmp directory).
-  assert 2 <= kept == max(tp.checkpoint_steps(workdir)) <= lost_step
-  return kept
+  # Only complete steps are listed (a save cut short is at most a tmp directory), as they
+  # stand when the line is written: an async save whose commit (process 0's rename, its parts
+  # all written before the death) lands after the line adds the next checkpoint step (every
+  # 2 in KILL_FLAGS). Returns the newest complete step, the one a restart resumes from.
+  steps = tp.checkpoint_steps(workdir)
+  assert 2 <= kept <= max(steps) <= lost_step and kept in steps, (kept, steps)
+  assert max(steps) - kept in (0, 2), (kept, steps)
+  return max(steps)
 
 
 def test_a_killed_process_ends_the_survivor_with_75_and_one_line_then_both_resume(tmp_path):
