@@ -430,6 +430,30 @@ def test_default_overlap_dkv_and_routing_on_cpu_are_unchanged():
   assert hlo() != hlo(overlap_dkv=True, causal_routing=True)
 
 
+def _structure_matches_the_oracle(seed, layout, is_causal, overlap_dkv, segments):
+  """A ring of 4 (blocks of 4, full rotation) against the oracle, output and gradients;
+  returns ``(the HLO's location strings, a function lowering the gradient again)``."""
+  mesh = make_mesh((4,), ("sequence",))
+  q, k, v = qkv(seed, 2, 64, 4, 2, 8)
+  seg = packed_segments(2, 64, seed=seed, pad_rows=(1,)) if segments else None
+  fn = functools.partial(ring_jax.ring_attention_sharded, mesh=mesh, is_causal=is_causal,
+                         layout=layout, segment_ids=seg, batch_axis=None, block_q=4,
+                         block_kv=4, overlap_dkv=overlap_dkv, causal_routing=False)
+  ref = functools.partial(ring_jax.reference_attention, is_causal=is_causal, segment_ids=seg)
+  assert_close(jax.jit(fn)(q, k, v), ref(q, k, v), what="out")
+  cot = jax.random.normal(jax.random.key(seed + 1), q.shape, jnp.float32)
+  got = jax.jit(functools.partial(grads, fn))(q, k, v, cot)
+  for name, g, w in zip("qkv", got, grads(ref, q, k, v, cot)):
+    assert_close(g, w, what=f"d{name}")
+  lower = lambda: jax.jit(functools.partial(grads, fn)).lower(  # noqa: E731
+      q, k, v, cot).as_text(debug_info=True)
+  return set(re.findall(r'loc\("([^"]*)"', lower())), lower
+
+
+def _scopes(locs):
+  return {part for loc in locs for part in loc.split("/")}
+
+
 @pytest.mark.parametrize("layout,is_causal,overlap_dkv,segments", [
     ("zigzag", True, True, True), ("zigzag", True, False, False),
     ("contiguous", False, False, True)])
@@ -438,22 +462,9 @@ def test_one_loop_matches_the_oracle(monkeypatch, layout, is_causal, overlap_dkv
   here set for the CPU): the first and last hops run in the loop (their transfers unused),
   so the compiled program names no peeled hop; output and gradients as the oracle's."""
   monkeypatch.setitem(ring_jax.ring.PLATFORM_DEFAULTS, "cpu", {"one_loop": ("xla",)})
-  mesh = make_mesh((4,), ("sequence",))
-  q, k, v = qkv(7, 2, 64, 4, 2, 8)
-  seg = packed_segments(2, 64, seed=7, pad_rows=(1,)) if segments else None
-  fn = functools.partial(ring_jax.ring_attention_sharded, mesh=mesh, is_causal=is_causal,
-                         layout=layout, segment_ids=seg, batch_axis=None, block_q=4,
-                         block_kv=4, overlap_dkv=overlap_dkv, causal_routing=False)
-  ref = functools.partial(ring_jax.reference_attention, is_causal=is_causal, segment_ids=seg)
-  assert_close(jax.jit(fn)(q, k, v), ref(q, k, v), what="out")
-  cot = jax.random.normal(jax.random.key(8), q.shape, jnp.float32)
-  got = jax.jit(functools.partial(grads, fn))(q, k, v, cot)
-  for name, g, w in zip("qkv", got, grads(ref, q, k, v, cot)):
-    assert_close(g, w, what=f"d{name}")
-  hlo = jax.jit(functools.partial(grads, fn)).lower(q, k, v, cot).as_text(debug_info=True)
-  scopes = {part for loc in re.findall(r'loc\("([^"]*)"', hlo) for part in loc.split("/")}
-  assert {"hop", "send_kv", "send_dkv"} <= scopes
-  assert not {"hop_0", "last_hop"} & scopes
+  locs, _ = _structure_matches_the_oracle(7, layout, is_causal, overlap_dkv, segments)
+  assert {"hop", "send_kv", "send_dkv"} <= _scopes(locs)
+  assert not {"hop_0", "last_hop"} & _scopes(locs)
 
 
 @pytest.mark.parametrize("layout,is_causal,overlap_dkv,segments", [
@@ -465,24 +476,11 @@ def test_unrolled_hops_match_the_oracle(monkeypatch, layout, is_causal, overlap_
   oracle's."""
   monkeypatch.setitem(ring_jax.ring.PLATFORM_DEFAULTS, "cpu",
                       {"one_loop": ("xla",), "unroll_hops": 4})
-  mesh = make_mesh((4,), ("sequence",))
-  q, k, v = qkv(9, 2, 64, 4, 2, 8)
-  seg = packed_segments(2, 64, seed=9, pad_rows=(1,)) if segments else None
-  fn = functools.partial(ring_jax.ring_attention_sharded, mesh=mesh, is_causal=is_causal,
-                         layout=layout, segment_ids=seg, batch_axis=None, block_q=4,
-                         block_kv=4, overlap_dkv=overlap_dkv, causal_routing=False)
-  ref = functools.partial(ring_jax.reference_attention, is_causal=is_causal, segment_ids=seg)
-  assert_close(jax.jit(fn)(q, k, v), ref(q, k, v), what="out")
-  cot = jax.random.normal(jax.random.key(10), q.shape, jnp.float32)
-  got = jax.jit(functools.partial(grads, fn))(q, k, v, cot)
-  for name, g, w in zip("qkv", got, grads(ref, q, k, v, cot)):
-    assert_close(g, w, what=f"d{name}")
-  hlo = jax.jit(functools.partial(grads, fn)).lower(q, k, v, cot).as_text(debug_info=True)
-  locs = set(re.findall(r'loc\("([^"]*)"', hlo))
-  assert {"hop_0", "last_hop", "send_kv", "send_dkv"} <= {p for loc in locs for p in loc.split("/")}
+  locs, lower = _structure_matches_the_oracle(9, layout, is_causal, overlap_dkv, segments)
+  assert {"hop_0", "last_hop", "send_kv", "send_dkv"} <= _scopes(locs)
   ring_loops = {loc for loc in locs for name in ("ring_fwd", "ring_bwd")
                 if f"{name}/while" in loc}
   assert not ring_loops, sorted(ring_loops)[:3]
   monkeypatch.setitem(ring_jax.ring.PLATFORM_DEFAULTS, "cpu", {"one_loop": ("xla",)})
-  looped = jax.jit(functools.partial(grads, fn)).lower(q, k, v, cot).as_text(debug_info=True)
+  looped = lower()
   assert "ring_fwd/while" in looped and "ring_bwd/while" in looped
