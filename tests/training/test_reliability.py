@@ -214,7 +214,8 @@ def test_resumed_metrics_keep_one_row_per_step(tmp_path):
 def test_a_save_cut_short_leaves_no_step_and_its_tmp_directory_is_removed(tmp_path):
   """What a process killed mid-save leaves (Orbax renames ``<step>.orbax-checkpoint-tmp``
   to ``<step>`` only once every process has written): never listed nor restored, and
-  deleted by the next run's Checkpointer."""
+  deleted by the next run's Checkpointer before its first save (Orbax removes it in a
+  background thread that a save waits for, so the directory is checked after one)."""
   import jax
   import jax.numpy as jnp
 
@@ -237,13 +238,14 @@ def test_a_save_cut_short_leaves_no_step_and_its_tmp_directory_is_removed(tmp_pa
   sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
   abstract = lambda tree: jax.tree.map(
       lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), tree)
-  resumed = ckpt_lib.Checkpointer(str(tmp_path), every=1, async_save=False)
+  resumed = ckpt_lib.Checkpointer(str(tmp_path), every=1, keep=2, async_save=False)
   step, got, _, data = resumed.restore_latest(abstract(params), abstract(opt_state),
                                               warn=pytest.fail)
-  resumed.close()
   assert (step, data) == (1, {"next_index": 1})
   np.testing.assert_array_equal(np.asarray(got["w"]), np.arange(4.0))
-  assert sorted(os.listdir(directory)) == ["1"]  # the tmp directory is gone
+  assert resumed.save(2, got, opt_state, {"next_index": 2})
+  resumed.close()
+  assert sorted(os.listdir(directory)) == ["1", "2"]  # the cut-short tmp directory is gone
 
 
 class FakeCoordinationClient:
