@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 import operator
 
+import jax
 import ml_collections
 
 from models import attention as attn_lib
@@ -49,37 +50,17 @@ def padding_line(model_config, ring: int, seq_len: int) -> str | None:
           f"row ({(run - seq_len) / run:.1%} of each row), masked out of attention and the loss")
 
 
-def check_model_parallelism(model_config, sizes: dict[str, int], seq_len: int) -> None:
-  """The ``config.model`` fields that depend on the mesh beyond the heads: the attention
-  strategy's head and axis rules, and tensor sequence parallelism's local length."""
-  m, ring, tensor = model_config, shd.ring_size(sizes), sizes["tensor"]
-  if sizes["sequence_outer"] > 1:  # the length rule's pair: the two-level ring
-    try:
-      attn_lib.check_sequence_axes(m.attention, shd.length_axes())
-    except ValueError as e:
-      raise ConfigError(str(e)) from None
-  heads_here = m.num_heads // tensor
-  kv_here = m.num_kv_heads // tensor if m.num_kv_heads % tensor == 0 else m.num_kv_heads
-  if m.attention == "ulysses" and ring > 1 and (
-      heads_here % ring or (kv_here % ring and ring % kv_here)):
-    raise ConfigError(
-        f"model.attention='ulysses' over the mesh 'sequence' axis ({ring}) needs the query heads "
-        f"per tensor shard ({heads_here}) divisible by it and the key/value heads ({kv_here}) "
-        "a multiple or a divisor of it; use model.attention='ring' or 'hybrid', or other sizes.")
-  if m.attention == "hybrid":
-    axes = tuple(m.get("hybrid_axes", ("sequence", "tensor")))
-    if len(axes) != 2 or axes[0] != "sequence" or axes[1] not in sizes or axes[1] == axes[0]:
-      raise ConfigError(
-          f"model.hybrid_axes={axes} must be ('sequence', <another mesh axis>): the ring runs "
-          f"over 'sequence', Ulysses over the second (mesh axes: {tuple(sizes)}).")
-    u = sizes[axes[1]]
-    heads, kv = (m.num_heads, m.num_kv_heads) if axes[1] == "tensor" else (heads_here, kv_here)
-    if heads % u or (kv % u and u % kv):
-      raise ConfigError(
-          f"model.attention='hybrid' with Ulysses over '{axes[1]}' ({u}) needs {heads} query "
-          f"heads divisible by it and {kv} key/value heads a multiple or a divisor of it.")
-  tsp = m.get("tensor_sequence_parallel", None)
-  if tsp is not False and tensor > 1 and m.get("ffn_chunk_size") and seq_len % (ring * tensor) == 0:
+def check_model_parallelism(model_cfg, sizes: dict[str, int], seq_len: int) -> None:
+  """The fields of ``model_cfg`` (a LlamaConfig) that depend on the mesh beyond the heads:
+  the attention strategy's axis and head rules (:func:`models.attention.check_mesh`), and
+  tensor sequence parallelism's local length."""
+  m, ring, tensor = model_cfg, shd.ring_size(sizes), sizes["tensor"]
+  try:
+    attn_lib.check_mesh(m, jax.sharding.AbstractMesh(tuple(sizes.values()), tuple(sizes)))
+  except ValueError as e:
+    raise ConfigError(str(e)) from None
+  tsp = m.tensor_sequence_parallel
+  if tsp is not False and tensor > 1 and m.ffn_chunk_size and seq_len % (ring * tensor) == 0:
     local = seq_len // (ring * tensor)
     if local % m.ffn_chunk_size:
       raise ConfigError(
@@ -257,9 +238,8 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int) -> dict
     raise ConfigError(f"model.mlp_dim={m.mlp_dim} and model.vocab_size={m.vocab_size} must be "
                       f"divisible by the mesh 'tensor' axis ({tensor}).")
 
-  run_len = run_length(m, ring, d.seq_len)
-  check_model_parallelism(m, sizes, run_len)
-  llama_config(config)  # the model's own checks (attention, hop kernel, routing, GQA heads)
+  model_cfg = llama_config(config)  # the model's own checks (attention, kernel, GQA heads)
+  check_model_parallelism(model_cfg, sizes, run_length(m, ring, d.seq_len))
 
   for name in ("batch_size", "eval_batch_size"):
     batch, micro = config[name], (config.microbatches if name == "batch_size" else 1)
