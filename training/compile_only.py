@@ -50,7 +50,8 @@ class Target:
     return f"{slices} {self.name} ({self.chips} chips)"
 
   def resolve(self) -> "Target":
-    """This target with its devices (a topology's need libtpu: checked here)."""
+    """This target with its devices (a topology's need libtpu, the one jax pins: a
+    ConfigError naming the extra that installs it)."""
     if self.devices is not None:
       return self
     if self.name is None:
@@ -79,16 +80,6 @@ def target(topology: str | None, slices: int = 1) -> Target:
   try:
     name = topology.strip().lower()
     return Target(name=name, slices=slices, chips=topo_lib.chips(name, slices))
-  except topo_lib.TopologyError as e:
-    raise ConfigError(f"--topology: {e}") from None
-
-
-def check_libtpu(where: Target) -> None:
-  """For a topology: libtpu installed and the one jax pins (ConfigError naming the extra)."""
-  if where.name is None:
-    return
-  try:
-    topo_lib.check_libtpu()
   except topo_lib.TopologyError as e:
     raise ConfigError(f"--topology: {e}") from None
 
@@ -184,7 +175,6 @@ def compile_stages(config, topology: str | None = None, slices: int = 1) -> list
   log = metrics_lib.log
   where = target(topology, slices)
   check_config(config, where)  # the mesh on the chips, the kernel's platform
-  check_libtpu(where)
   where = where.resolve()
   config = val_lib.resolve_run(config, where.chips, log)
   sizes = val_lib.validate_config(config, where.chips)
