@@ -110,9 +110,8 @@ def start_script(argv: Sequence[str], script_flags: dict) -> dict:
   from absl import logging
 
   if len(argv) > 1:
-    print(f"error: unexpected arguments {list(argv[1:])}; flags are written --name=value.",
-          file=sys.stderr)
-    sys.exit(EXIT_USAGE)
+    fail(EXIT_USAGE, f"error: unexpected arguments {list(argv[1:])}; flags are written "
+                     "--name=value.")
   if not flags.FLAGS["verbosity"].present:
     logging.set_verbosity(logging.WARNING)
   values = {name: flag.value for name, flag in script_flags.items()}
