@@ -84,16 +84,6 @@ def target(topology: str | None, slices: int = 1) -> Target:
     raise ConfigError(f"--topology: {e}") from None
 
 
-def check_config(config, where: Target) -> dict[str, int]:
-  """The config's mesh sizes on ``where``'s chips (split over its slices) with a hop kernel
-  that compiles there; needs no devices. ConfigError naming the fix."""
-  check_kernel(config.model.get("hop_kernel", "auto"), where)
-  sizes = mesh_lib.mesh_shape(config.mesh, where.chips, where=where.label)
-  if where.slices > 1:
-    mesh_lib.dcn_shape(sizes, where.slices)  # the slices split the mesh
-  return sizes
-
-
 def check_kernel(hop_kernel: str, where: Target) -> None:
   """For a topology: ``hop_kernel`` compiles for TPU (:data:`ring_jax.kernels.PLATFORM`)."""
   kernel_platform = ring_jax.kernels.PLATFORM.get(hop_kernel)
@@ -174,7 +164,10 @@ def compile_stages(config, topology: str | None = None, slices: int = 1) -> list
   """
   log = metrics_lib.log
   where = target(topology, slices)
-  check_config(config, where)  # the mesh on the chips, the kernel's platform
+  check_kernel(config.model.get("hop_kernel", "auto"), where)  # before any device exists:
+  sizes = mesh_lib.mesh_shape(config.mesh, where.chips, where=where.label)  # the chips
+  if where.slices > 1:
+    mesh_lib.dcn_shape(sizes, where.slices)  # and the slices split the mesh
   where = where.resolve()
   config = val_lib.resolve_run(config, where.chips, log)
   sizes = val_lib.validate_config(config, where.chips)

@@ -46,13 +46,7 @@ def parse_gin_bindings(text: str, source: str = "<gin_param>") -> list[tuple[str
         raise ConfigError(
             f"{source}: gin scopes ('{statement.scope}/...') are not supported; bind the "
             "ConfigDict field directly, e.g. `model.num_layers = 4`.")
-      selector = statement.selector
-      if selector == "config":
-        path = statement.arg_name
-      elif selector.startswith("config."):
-        path = f"{selector[len('config.'):]}.{statement.arg_name}"
-      else:
-        path = f"{selector}.{statement.arg_name}"
+      path = f"{statement.selector}.{statement.arg_name}".removeprefix("config.")
       out.append((path, statement.value))
     elif isinstance(statement, config_parser.IncludeStatement):
       base = os.path.dirname(source) if os.path.exists(source) else os.getcwd()

@@ -116,7 +116,7 @@ def check_text_data(d: ml_collections.ConfigDict, m: ml_collections.ConfigDict) 
 
 #: The valid range of each numeric field (``"> 0"``, ``"[0, 1)"``; ``"int ..."``: a whole
 #: number), checked by :func:`check_ranges`; an unset or absent field is not checked. The
-#: model's shape fields are ``LlamaConfig``'s to check, the mesh's :func:`training.mesh.mesh_shape`.
+#: fields ``LlamaConfig``, :func:`training.mesh.mesh_shape` or the kv task check are theirs.
 NUMERIC_RANGES: dict[str, str] = {
     # AdamW with global-norm clipping and warmup + cosine decay (training/step.py).
     "optim.lr": "> 0",
@@ -127,11 +127,10 @@ NUMERIC_RANGES: dict[str, str] = {
     "optim.b2": "[0, 1)",
     "optim.eps": "> 0",
     "optim.grad_clip": "> 0",
-    # Model fields without a range check in LlamaConfig.
+    # Model fields LlamaConfig leaves unchecked (or, rope_theta, lets inf through).
     "model.rope_theta": "> 0",
     "model.norm_eps": "> 0",
     "model.init_std": "> 0",
-    "model.sliding_window": "int >= 1",
     "model.rope_scaling.factor": "> 0",
     "model.rope_scaling.original_max_position_embeddings": "int >= 1",
     "model.rope_scaling.low_freq_factor": "> 0",
@@ -146,7 +145,6 @@ NUMERIC_RANGES: dict[str, str] = {
     "data.kv.num_keys": "int >= 1",
     "data.kv.num_values": "int >= 1",
     "data.kv.num_filler": "int >= 1",
-    "data.kv.docs_per_row": "int >= 1",
     "batch_size": "int >= 1",
     "microbatches": "int >= 1",
     "eval_batch_size": "int >= 1",
