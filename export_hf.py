@@ -77,7 +77,7 @@ def parse_size(text: str | int) -> int:
 
 def read_run_config(workdir: str) -> ml_collections.ConfigDict:
   """The config train.py saved in ``workdir``, with the model fields resolved."""
-  path = os.path.join(workdir, "config.json")
+  path = loading_lib.run_config_path(workdir)
   if not os.path.isfile(path):
     raise UsageError(f"{workdir} has no config.json; pass the --workdir of a train.py run.")
   with open(path) as f:

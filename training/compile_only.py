@@ -164,10 +164,11 @@ def compile_stages(config, topology: str | None = None, slices: int = 1) -> list
   """
   log = metrics_lib.log
   where = target(topology, slices)
-  check_kernel(config.model.get("hop_kernel", "auto"), where)  # before any device exists:
-  sizes = mesh_lib.mesh_shape(config.mesh, where.chips, where=where.label)  # the chips
+  # Before any device exists: the kernel compiles there, the mesh fits the chips and slices.
+  check_kernel(config.model.get("hop_kernel", "auto"), where)
+  sizes = mesh_lib.mesh_shape(config.mesh, where.chips, where=where.label)
   if where.slices > 1:
-    mesh_lib.dcn_shape(sizes, where.slices)  # and the slices split the mesh
+    mesh_lib.dcn_shape(sizes, where.slices)
   where = where.resolve()
   config = val_lib.resolve_run(config, where.chips, log)
   sizes = val_lib.validate_config(config, where.chips)

@@ -8,6 +8,7 @@ loads the tokenizer that goes with it. Errors are one line each
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -22,8 +23,7 @@ from training import tokenizer as tok_lib
 from training import validation as val_lib
 
 
-def _stderr(message: str) -> None:
-  print(message, file=sys.stderr, flush=True)
+_stderr = functools.partial(print, file=sys.stderr, flush=True)
 
 
 def restore_params(model_cfg, mesh, workdir: str, warn: Callable[[str], None] = _stderr, *,
