@@ -44,10 +44,9 @@ from absl import app, flags, logging
 from models import convert_hf
 from models import llama
 from models.sharding import MESH_AXES
-from training import checkpoint as ckpt_lib
 from training import errors
 from training import hf_init as hf_init_lib
-from training import step as step_lib
+from training import loading as loading_lib
 from training import tokenizer as tok_lib
 from training import validation as val_lib
 
@@ -78,7 +77,7 @@ def parse_size(text: str | int) -> int:
 
 def read_run_config(workdir: str) -> ml_collections.ConfigDict:
   """The config train.py saved in ``workdir``, with the model fields resolved."""
-  path = os.path.join(workdir, "config.json")
+  path = loading_lib.run_config_path(workdir)
   if not os.path.isfile(path):
     raise UsageError(f"{workdir} has no config.json; pass the --workdir of a train.py run.")
   with open(path) as f:
@@ -93,29 +92,11 @@ def read_run_config(workdir: str) -> ml_collections.ConfigDict:
 
 def restore_params(workdir: str, model_cfg: llama.LlamaConfig, step: int | None):
   """``(step, params State)`` of the run on this host's first CPU device: checkpoint ``step``,
-  or the newest that restores (a read-only Checkpointer: nothing is moved)."""
+  or the newest that restores (:func:`training.loading.restore_params`)."""
   host = jax.sharding.Mesh(np.asarray(jax.devices("cpu")[:1]).reshape((1,) * len(MESH_AXES)),
                            MESH_AXES)
-  _, target, _ = step_lib.abstract_model(model_cfg, host)
-  try:
-    checkpointer = ckpt_lib.Checkpointer(workdir, read_only=True)
-  except ckpt_lib.NoCheckpointError as e:
-    raise UsageError(f"{e}; pass the --workdir of a train.py run.") from None
-  try:
-    steps = checkpointer.all_steps()
-    if step is not None:
-      if step not in steps:
-        raise UsageError(f"{checkpointer.directory} has no checkpoint of step {step} "
-                         f"(steps: {steps}).")
-      return step, checkpointer.restore_params(step, target)
-    restored = checkpointer.restore_latest(target, warn=lambda m: print(m, file=sys.stderr))
-  except ckpt_lib.NoRestorableCheckpointError as e:
-    raise UsageError(str(e)) from None
-  finally:
-    checkpointer.close()
-  if restored is None:
-    raise UsageError(f"{checkpointer.directory} holds no checkpoint; train first.")
-  return restored[0], restored[1]
+  return loading_lib.restore_params(model_cfg, host, workdir, step=step,
+                                    fix="pass the --workdir of a train.py run")
 
 
 # ----------------------------------------------------------------------------------------------

@@ -11,9 +11,7 @@ ring over ``sequence_outer`` x ``sequence`` when ``mesh.sequence_outer > 1``).
 
 The workdir is a local or shared-filesystem path (NFS, a gcsfuse mount), not a gs:// URL.
 Rerunning the same command resumes from its newest checkpoint, data iterator included, so
-the loss curve continues as if the run had not stopped. :func:`train` is the loop: the config
-and mesh, the state (resumed or initialised), then per stage its step, data and compiled
-programs and its steps, then the final checkpoint. ``--compile_only``
+the loss curve continues as if the run had not stopped. ``--compile_only``
 (:func:`training.compile_only.compile_stages`) compiles each stage's step from abstract
 values for the attached devices or a TPU slice (``--topology``) and reports its memory.
 
@@ -67,6 +65,8 @@ from training import step as step_lib
 from training import validation as val_lib
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
+#: This process's command line as given (parse_flags may add --config): rerunning it resumes.
+_RESUME_COMMAND = shlex.join(["python", *sys.argv])
 
 _DEFAULT_CONFIG = os.path.join(_HERE, "configs", "tiny.py")
 # No default here: ml_collections would load it (and apply --config.* overrides) while this
@@ -320,8 +320,8 @@ class _StageRun:
 def _start_stage(stage, setup, num_stages, mesh, step, params, opt_state, data_state,
                  peak_flops):
   """``(setup, opt_state, run)`` of ``stage`` starting after ``step``: its train step (a fresh
-  AdamW state when the stage starts now, training/stages.py says why), its data (resumed from
-  ``data_state`` inside the stage) and its programs, compiled ahead of time."""
+  AdamW state when the stage starts now: docs/context_extension.md says why), its data
+  (resumed from ``data_state`` inside the stage) and its programs, compiled ahead of time."""
   log, c = metrics_lib.log, stage.config
   if setup.stage is not stage:
     setup = stages_lib.build_stage(stage, mesh)
@@ -393,8 +393,7 @@ def main(argv) -> None:
         "runs", os.path.splitext(os.path.basename(config_flags.get_config_filename(
             flags.FLAGS["config"])))[0])
     distributed_lib.start_watchdog(  # A no-op on one process.
-        config.distributed, ckpt_lib.checkpoint_directory(workdir),
-        shlex.join(_resume_command()))
+        config.distributed, ckpt_lib.checkpoint_directory(workdir), _RESUME_COMMAND)
     t0 = time.perf_counter()
     result = train(config, workdir, stop_at_step=_STOP_AT_STEP.value)
   except Exception as e:
@@ -414,8 +413,7 @@ def main(argv) -> None:
   wall = f"wall {time.perf_counter() - t0:.1f}s"
   if result.stopped_by is not None:
     print(f"stopped by {result.stopped_by} after step {result.step}; checkpoint saved in "
-          f"{result.checkpoint_dir}. Resume with: {shlex.join(_resume_command())}",
-          flush=True)
+          f"{result.checkpoint_dir}. Resume with: {_RESUME_COMMAND}", flush=True)
     return
   if not result.history:
     print(f"done: nothing to do, the checkpoint in {result.checkpoint_dir} is already at step "
@@ -428,13 +426,6 @@ def main(argv) -> None:
                                        if k != "step") if final_eval else "")
         + f", {wall}", flush=True)
 
-
-def _resume_command() -> list[str]:
-  """This process's command line: running it again resumes."""
-  return ["python", *_ORIGINAL_ARGV]
-
-
-_ORIGINAL_ARGV = list(sys.argv)
 
 if __name__ == "__main__":
   app.run(main, flags_parser=lambda argv: flags_lib.parse_flags(argv, _DEFAULT_CONFIG))

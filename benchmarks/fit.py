@@ -253,7 +253,6 @@ def run(config, *, devices: int = 1, memory_gib: float | None = None,
     devices = where.chips
     sizes = resolve_mesh(config, devices, mesh, where=where.label)
     compile_lib.check_kernel(config.model.get("hop_kernel", "auto"), where)
-    compile_lib.check_libtpu(where)
     where = where.resolve()
     target_devices = list(where.devices)
     quiet = compile_lib.compiling(where)

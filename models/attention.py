@@ -195,6 +195,28 @@ def hybrid_seq_axes(cfg, mesh) -> tuple[str, str]:
   return ring_axis, uly_axis
 
 
+def check_mesh(cfg, mesh) -> None:
+  """ValueError naming the fix unless ``cfg.attention`` runs on ``mesh`` (a ``Mesh`` or an
+  ``AbstractMesh`` of a config's sizes): one sequence axis where the strategy needs it
+  (:func:`check_sequence_axes`), ``cfg.hybrid_axes`` (:func:`hybrid_seq_axes`), and the heads
+  on each device over the Ulysses axis (:func:`ring_jax.validation.ulysses_repeat`; heads the
+  rules shard over another axis count per shard, a single key/value head is replicated)."""
+  seq_axis = sequence_axis(mesh)
+  if seq_axis is None or cfg.attention not in ("ulysses", "hybrid"):
+    return
+  check_sequence_axes(cfg.attention, seq_axis)
+  uly_axis = seq_axis if cfg.attention == "ulysses" else hybrid_seq_axes(cfg, mesh)[1]
+  heads, kv_heads, head_axis = cfg.num_heads, cfg.num_kv_heads, rule_axis("heads", mesh)
+  if head_axis not in (None, uly_axis):
+    shards = mesh.shape[head_axis]
+    heads, kv_heads = heads // shards, (kv_heads // shards if kv_heads % shards == 0
+                                        else kv_heads)
+  try:
+    ring_jax.validation.ulysses_repeat(heads, kv_heads, mesh.shape[uly_axis], uly_axis)
+  except ValueError as e:
+    raise ValueError(f"model.attention={cfg.attention!r}: {e}") from None
+
+
 def plan_attention(cfg, mesh, batch: int, seq_len: int):
   """:func:`ring_jax.plan` for ``cfg``'s attention on ``mesh``: a :class:`ring_jax.Plan`
   over :data:`AUTO_CANDIDATES` (``.strategy``, ``.reasons``), or None when ``mesh`` has no

@@ -50,7 +50,8 @@ class Target:
     return f"{slices} {self.name} ({self.chips} chips)"
 
   def resolve(self) -> "Target":
-    """This target with its devices (a topology's need libtpu: checked here)."""
+    """This target with its devices (a topology's need libtpu, the one jax pins: a
+    ConfigError naming the extra that installs it)."""
     if self.devices is not None:
       return self
     if self.name is None:
@@ -81,26 +82,6 @@ def target(topology: str | None, slices: int = 1) -> Target:
     return Target(name=name, slices=slices, chips=topo_lib.chips(name, slices))
   except topo_lib.TopologyError as e:
     raise ConfigError(f"--topology: {e}") from None
-
-
-def check_libtpu(where: Target) -> None:
-  """For a topology: libtpu installed and the one jax pins (ConfigError naming the extra)."""
-  if where.name is None:
-    return
-  try:
-    topo_lib.check_libtpu()
-  except topo_lib.TopologyError as e:
-    raise ConfigError(f"--topology: {e}") from None
-
-
-def check_config(config, where: Target) -> dict[str, int]:
-  """The config's mesh sizes on ``where``'s chips (split over its slices) with a hop kernel
-  that compiles there; needs no devices. ConfigError naming the fix."""
-  check_kernel(config.model.get("hop_kernel", "auto"), where)
-  sizes = mesh_lib.mesh_shape(config.mesh, where.chips, where=where.label)
-  if where.slices > 1:
-    mesh_lib.dcn_shape(sizes, where.slices)  # the slices split the mesh
-  return sizes
 
 
 def check_kernel(hop_kernel: str, where: Target) -> None:
@@ -183,8 +164,11 @@ def compile_stages(config, topology: str | None = None, slices: int = 1) -> list
   """
   log = metrics_lib.log
   where = target(topology, slices)
-  check_config(config, where)  # the mesh on the chips, the kernel's platform
-  check_libtpu(where)
+  # Before any device exists: the kernel compiles there, the mesh fits the chips and slices.
+  check_kernel(config.model.get("hop_kernel", "auto"), where)
+  sizes = mesh_lib.mesh_shape(config.mesh, where.chips, where=where.label)
+  if where.slices > 1:
+    mesh_lib.dcn_shape(sizes, where.slices)
   where = where.resolve()
   config = val_lib.resolve_run(config, where.chips, log)
   sizes = val_lib.validate_config(config, where.chips)

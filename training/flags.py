@@ -46,13 +46,7 @@ def parse_gin_bindings(text: str, source: str = "<gin_param>") -> list[tuple[str
         raise ConfigError(
             f"{source}: gin scopes ('{statement.scope}/...') are not supported; bind the "
             "ConfigDict field directly, e.g. `model.num_layers = 4`.")
-      selector = statement.selector
-      if selector == "config":
-        path = statement.arg_name
-      elif selector.startswith("config."):
-        path = f"{selector[len('config.'):]}.{statement.arg_name}"
-      else:
-        path = f"{selector}.{statement.arg_name}"
+      path = f"{statement.selector}.{statement.arg_name}".removeprefix("config.")
       out.append((path, statement.value))
     elif isinstance(statement, config_parser.IncludeStatement):
       base = os.path.dirname(source) if os.path.exists(source) else os.getcwd()
@@ -110,9 +104,8 @@ def start_script(argv: Sequence[str], script_flags: dict) -> dict:
   from absl import logging
 
   if len(argv) > 1:
-    print(f"error: unexpected arguments {list(argv[1:])}; flags are written --name=value.",
-          file=sys.stderr)
-    sys.exit(EXIT_USAGE)
+    fail(EXIT_USAGE, f"error: unexpected arguments {list(argv[1:])}; flags are written "
+                     "--name=value.")
   if not flags.FLAGS["verbosity"].present:
     logging.set_verbosity(logging.WARNING)
   values = {name: flag.value for name, flag in script_flags.items()}

@@ -8,6 +8,7 @@ loads the tokenizer that goes with it. Errors are one line each
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -22,30 +23,34 @@ from training import tokenizer as tok_lib
 from training import validation as val_lib
 
 
-def _stderr(message: str) -> None:
-  print(message, file=sys.stderr, flush=True)
+_stderr = functools.partial(print, file=sys.stderr, flush=True)
 
 
-def restore_params(model_cfg, mesh, workdir: str, warn: Callable[[str], None] = _stderr):
-  """``(step, params)``: the newest restorable checkpoint of ``workdir``, sharded on ``mesh``."""
+def restore_params(model_cfg, mesh, workdir: str, warn: Callable[[str], None] = _stderr, *,
+                   step: int | None = None, fix: str | None = None):
+  """``(step, params)``: checkpoint ``step`` of ``workdir``, else the newest that restores,
+  sharded on ``mesh`` (read only). No checkpoint: a UsageError ending in ``fix`` (default:
+  train first, or pass ``--hf_dir``)."""
+  fix = fix or f"train first (python train.py --config ... --workdir {workdir}) or pass --hf_dir"
   _, target, _ = step_lib.abstract_model(model_cfg, mesh)
   try:
     checkpointer = ckpt_lib.Checkpointer(workdir, read_only=True)
-  except ckpt_lib.NoCheckpointError:
-    raise errors.UsageError(
-        f"--workdir {workdir} has no checkpoints/ directory; train first (python train.py "
-        f"--config ... --workdir {workdir}) or pass --hf_dir.") from None
+  except ckpt_lib.NoCheckpointError as e:
+    raise errors.UsageError(f"--workdir {e}; {fix}.") from None
   try:
+    if step is not None:
+      if step not in checkpointer.all_steps():
+        raise errors.UsageError(f"{checkpointer.directory} has no checkpoint of step {step} "
+                                f"(steps: {checkpointer.all_steps()}).")
+      return step, checkpointer.restore_params(step, target)
     restored = checkpointer.restore_latest(target, warn=warn)
   except ckpt_lib.NoRestorableCheckpointError as e:
     raise errors.UsageError(str(e)) from None
   finally:
     checkpointer.close()
   if restored is None:
-    raise errors.UsageError(f"{checkpointer.directory} holds no checkpoint; train first or "
-                            "pass --hf_dir.")
-  step, params, _, _ = restored
-  return step, params
+    raise errors.UsageError(f"{checkpointer.directory} holds no checkpoint; {fix}.")
+  return restored[0], restored[1]
 
 
 def load_model(config, mesh, *, workdir: str | None = None, hf_dir: str | None = None,

@@ -1,33 +1,21 @@
-"""Progressive context extension: ``config.stages``, run in order in one workdir
-(docs/context_extension.md has the recipe).
+"""Progressive context extension: ``config.stages``, run in order in one workdir.
 
-A stage is a sequence length and a number of steps, and optionally the RoPE base
-(``rope_theta``), ``rope_scaling`` (a Hugging Face dict), ``batch_size``, the peak ``lr`` and
-its ``warmup_steps``. Semantics:
+A stage is a ``seq_len`` and a number of ``steps``, optionally with its own :data:`FIELDS`.
+Steps are global: stage ``i`` runs steps ``start_i + 1 .. start_i + steps_i`` and
+``total_steps`` is their sum. Each stage rebuilds its train step, data pipelines and
+learning-rate schedule; parameters carry over, the AdamW state restarts at every stage after
+the first (docs/context_extension.md, "What the run does", says why and how resuming works).
 
-* Steps are global: stage ``i`` runs steps ``start_i + 1 .. start_i + steps_i``;
-  ``total_steps`` is their sum (a checkpoint's step tells a resumed run its stage).
-* Each stage rebuilds its train step, its data pipelines and its learning-rate schedule
-  (warmup over its ``warmup_steps``, cosine over its steps). Parameters carry over; the AdamW
-  state is reset at the start of every stage after the first (its moments belong to the
-  previous length and RoPE base).
-* A checkpoint's data state belongs to its step's stage: a run resumed on a stage boundary
-  starts the next stage's pipeline from its beginning, as an uninterrupted run does.
-
-Stages come from a config file (``config.stages = [dict(seq_len=4096, steps=500), ...]``)
-or the command line's compact form, ``rope_scaling`` excepted::
-
-  --config.stages="256:20,512:20:rope_theta=1e6:lr=1e-4"
-
-:func:`resolve` makes every stage explicit and sets the top-level fields to the last
-stage's, so the run's saved ``config.json`` describes the model the run ends with.
+A config file lists dicts (``config.stages = [dict(seq_len=4096, steps=500), ...]``); the
+command line writes ``--config.stages="256:20,512:20:rope_theta=1e6:lr=1e-4"`` (no
+``rope_scaling``). :func:`resolve` makes every stage explicit and sets the top-level fields
+to the last stage's, so the run's saved ``config.json`` describes the model it ends with.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 from typing import Any
 
 import ml_collections
@@ -185,9 +173,7 @@ def _set_stages(config, value) -> None:
 
 def _get(config, path: str):
   """The value at the dotted ``path`` of ``config`` (a dict for a ConfigDict)."""
-  value = config
-  for name in path.split("."):
-    value = value[name]
+  value = config[path]
   return value.to_dict() if isinstance(value, ml_collections.ConfigDict) else value
 
 
@@ -250,12 +236,13 @@ def cached_train_step(model_cfg, mesh, optim, steps: int, microbatches: int, see
   """``build_train_step`` with an optimizer over ``steps``, or the same one built before: the
   last few are kept, so a second train() of the same setup in one process reuses the jitted
   step and JAX's compiled program (the key holds everything the program depends on)."""
-  return _train_step(model_cfg, mesh, optim.to_json(), steps, microbatches, seed)
+  return _train_step(model_cfg, mesh, ml_collections.FrozenConfigDict(optim), steps,
+                     microbatches, seed)
 
 
 @functools.lru_cache(maxsize=4)
-def _train_step(model_cfg, mesh, optim_json: str, steps: int, microbatches: int, seed: int):
+def _train_step(model_cfg, mesh, optim, steps: int, microbatches: int, seed: int):
   from training import step as step_lib
 
-  tx = step_lib.make_optimizer(ml_collections.ConfigDict(json.loads(optim_json)), steps)
+  tx = step_lib.make_optimizer(optim, steps)
   return step_lib.build_train_step(model_cfg, mesh, tx, microbatches=microbatches, seed=seed)

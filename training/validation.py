@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 import operator
 
+import jax
 import ml_collections
 
 from models import attention as attn_lib
@@ -49,37 +50,17 @@ def padding_line(model_config, ring: int, seq_len: int) -> str | None:
           f"row ({(run - seq_len) / run:.1%} of each row), masked out of attention and the loss")
 
 
-def check_model_parallelism(model_config, sizes: dict[str, int], seq_len: int) -> None:
-  """The ``config.model`` fields that depend on the mesh beyond the heads: the attention
-  strategy's head and axis rules, and tensor sequence parallelism's local length."""
-  m, ring, tensor = model_config, shd.ring_size(sizes), sizes["tensor"]
-  if sizes["sequence_outer"] > 1:  # the length rule's pair: the two-level ring
-    try:
-      attn_lib.check_sequence_axes(m.attention, shd.length_axes())
-    except ValueError as e:
-      raise ConfigError(str(e)) from None
-  heads_here = m.num_heads // tensor
-  kv_here = m.num_kv_heads // tensor if m.num_kv_heads % tensor == 0 else m.num_kv_heads
-  if m.attention == "ulysses" and ring > 1 and (
-      heads_here % ring or (kv_here % ring and ring % kv_here)):
-    raise ConfigError(
-        f"model.attention='ulysses' over the mesh 'sequence' axis ({ring}) needs the query heads "
-        f"per tensor shard ({heads_here}) divisible by it and the key/value heads ({kv_here}) "
-        "a multiple or a divisor of it; use model.attention='ring' or 'hybrid', or other sizes.")
-  if m.attention == "hybrid":
-    axes = tuple(m.get("hybrid_axes", ("sequence", "tensor")))
-    if len(axes) != 2 or axes[0] != "sequence" or axes[1] not in sizes or axes[1] == axes[0]:
-      raise ConfigError(
-          f"model.hybrid_axes={axes} must be ('sequence', <another mesh axis>): the ring runs "
-          f"over 'sequence', Ulysses over the second (mesh axes: {tuple(sizes)}).")
-    u = sizes[axes[1]]
-    heads, kv = (m.num_heads, m.num_kv_heads) if axes[1] == "tensor" else (heads_here, kv_here)
-    if heads % u or (kv % u and u % kv):
-      raise ConfigError(
-          f"model.attention='hybrid' with Ulysses over '{axes[1]}' ({u}) needs {heads} query "
-          f"heads divisible by it and {kv} key/value heads a multiple or a divisor of it.")
-  tsp = m.get("tensor_sequence_parallel", None)
-  if tsp is not False and tensor > 1 and m.get("ffn_chunk_size") and seq_len % (ring * tensor) == 0:
+def check_model_parallelism(model_cfg, sizes: dict[str, int], seq_len: int) -> None:
+  """The fields of ``model_cfg`` (a LlamaConfig) that depend on the mesh beyond the heads:
+  the attention strategy's axis and head rules (:func:`models.attention.check_mesh`), and
+  tensor sequence parallelism's local length."""
+  m, ring, tensor = model_cfg, shd.ring_size(sizes), sizes["tensor"]
+  try:
+    attn_lib.check_mesh(m, jax.sharding.AbstractMesh(tuple(sizes.values()), tuple(sizes)))
+  except ValueError as e:
+    raise ConfigError(str(e)) from None
+  tsp = m.tensor_sequence_parallel
+  if tsp is not False and tensor > 1 and m.ffn_chunk_size and seq_len % (ring * tensor) == 0:
     local = seq_len // (ring * tensor)
     if local % m.ffn_chunk_size:
       raise ConfigError(
@@ -135,7 +116,7 @@ def check_text_data(d: ml_collections.ConfigDict, m: ml_collections.ConfigDict) 
 
 #: The valid range of each numeric field (``"> 0"``, ``"[0, 1)"``; ``"int ..."``: a whole
 #: number), checked by :func:`check_ranges`; an unset or absent field is not checked. The
-#: model's shape fields are ``LlamaConfig``'s to check, the mesh's :func:`training.mesh.mesh_shape`.
+#: fields ``LlamaConfig``, :func:`training.mesh.mesh_shape` or the kv task check are theirs.
 NUMERIC_RANGES: dict[str, str] = {
     # AdamW with global-norm clipping and warmup + cosine decay (training/step.py).
     "optim.lr": "> 0",
@@ -146,11 +127,10 @@ NUMERIC_RANGES: dict[str, str] = {
     "optim.b2": "[0, 1)",
     "optim.eps": "> 0",
     "optim.grad_clip": "> 0",
-    # Model fields without a range check in LlamaConfig.
+    # Model fields LlamaConfig leaves unchecked (or, rope_theta, lets inf through).
     "model.rope_theta": "> 0",
     "model.norm_eps": "> 0",
     "model.init_std": "> 0",
-    "model.sliding_window": "int >= 1",
     "model.rope_scaling.factor": "> 0",
     "model.rope_scaling.original_max_position_embeddings": "int >= 1",
     "model.rope_scaling.low_freq_factor": "> 0",
@@ -165,7 +145,6 @@ NUMERIC_RANGES: dict[str, str] = {
     "data.kv.num_keys": "int >= 1",
     "data.kv.num_values": "int >= 1",
     "data.kv.num_filler": "int >= 1",
-    "data.kv.docs_per_row": "int >= 1",
     "batch_size": "int >= 1",
     "microbatches": "int >= 1",
     "eval_batch_size": "int >= 1",
@@ -257,9 +236,8 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int) -> dict
     raise ConfigError(f"model.mlp_dim={m.mlp_dim} and model.vocab_size={m.vocab_size} must be "
                       f"divisible by the mesh 'tensor' axis ({tensor}).")
 
-  run_len = run_length(m, ring, d.seq_len)
-  check_model_parallelism(m, sizes, run_len)
-  llama_config(config)  # the model's own checks (attention, hop kernel, routing, GQA heads)
+  model_cfg = llama_config(config)  # the model's own checks (attention, kernel, GQA heads)
+  check_model_parallelism(model_cfg, sizes, run_length(m, ring, d.seq_len))
 
   for name in ("batch_size", "eval_batch_size"):
     batch, micro = config[name], (config.microbatches if name == "batch_size" else 1)

@@ -357,12 +357,17 @@ def test_auto_attention_is_decided_once_and_says_why(tmp_path, capsys):
 
 @pytest.mark.parametrize("overrides,match", [
     ({"model.attention": "ulysses", "model.num_heads": 4, "model.num_kv_heads": 2,
-      "mesh.sequence": 8, "mesh.data": 1}, "ulysses.*query heads per tensor shard"),
+      "mesh.sequence": 8, "mesh.data": 1},
+     r"attention='ulysses': ulysses needs the query heads on each device \(4\) divisible by "
+     r"the size of axis 'sequence' \(8\)"),
     ({"model.attention": "hybrid", "model.hybrid_axes": ("data", "tensor")},
-     r"hybrid_axes=\('data', 'tensor'\) must be \('sequence'"),
+     r"hybrid_axes=\('data', 'tensor'\): the ring axis must be the axis the sequence is "
+     r"sharded over \('sequence'\)"),
     ({"model.attention": "hybrid", "model.hybrid_axes": ("sequence", "data"),
-      "model.num_heads": 6, "model.num_kv_heads": 6, "mesh.data": 4, "mesh.sequence": 2},
-     "hybrid.*Ulysses over 'data' \\(4\\) needs 6 query heads"),
+      "model.num_heads": 6, "model.num_kv_heads": 6, "model.head_dim": 8, "mesh.data": 4,
+      "mesh.sequence": 2},
+     r"attention='hybrid': ulysses needs the query heads on each device \(6\) divisible by "
+     r"the size of axis 'data' \(4\)"),
     ({"mesh.data": 1, "mesh.sequence": 2, "mesh.tensor": 4, "model.num_kv_heads": 4,
       "model.ffn_chunk_size": 16}, "ffn_chunk_size=16 must divide the residual"),
 ])
