@@ -20,6 +20,7 @@ import logging
 import os
 import sys
 import time
+import traceback
 from typing import Any, Callable
 
 import jax
@@ -64,12 +65,8 @@ def _is_failed_read_error(exc, tb) -> bool:
   """Whether ``exc`` (raised through ``tb``) is the leftover of a failed Orbax read: its
   other reads in flight end after the restore's event loop closed (``RuntimeError('Event
   loop is closed')`` or the same corruption); the restore reports the step in one line."""
-  files = []
-  while tb is not None:
-    files.append(tb.tb_frame.f_code.co_filename)
-    tb = tb.tb_next
   return (isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed") or any(
-      f"{os.sep}orbax{os.sep}" in f for f in files)
+      f"{os.sep}orbax{os.sep}" in frame.f_code.co_filename for frame, _ in traceback.walk_tb(tb))
 
 
 class _FailedReadLogFilter(logging.Filter):

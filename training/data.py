@@ -35,9 +35,7 @@ from training.tokenizer import (BOS_ID, BYTE_VOCAB_SIZE, EOS_ID, PAD_ID,  # noqa
 # Effectively infinite: batch indices are drawn lazily, never materialised.
 _NUM_BATCHES = 2**50
 
-# ----------------------------------------------------------------------------
-# Layout
-# ----------------------------------------------------------------------------
+# --- Layout -----------------------------------------------------------------------------------
 
 
 def to_layout_np(batch: dict[str, np.ndarray], layout: str, ring_size: int) -> dict:
@@ -47,13 +45,9 @@ def to_layout_np(batch: dict[str, np.ndarray], layout: str, ring_size: int) -> d
   ``segment_ids`` become that layout's renumbered ids."""
   if layout == layouts.DOCUMENT:
     seg = batch["segment_ids"]
-    first_row: dict[bytes, int] = {}  # a distinct row's ids -> its index among the distinct
-    distinct, inverse = [], np.empty(len(seg), np.intp)
-    for r, row in enumerate(seg):
-      inverse[r] = first_row.setdefault(row.tobytes(), len(first_row))
-      if inverse[r] == len(distinct):
-        distinct.append(r)
-    doc = documents.document_layout(seg[distinct], ring_size)
+    distinct, inverse = np.unique(seg, axis=0, return_inverse=True)
+    inverse = inverse.reshape(-1)  # (numpy 2.0.0 gives it the shape of the rows)
+    doc = documents.document_layout(distinct, ring_size)
     permutation = doc.permutation[inverse]
     out = {k: np.ascontiguousarray(np.take_along_axis(v, permutation, axis=1))
            for k, v in batch.items()}
@@ -76,9 +70,7 @@ def pad_rows(batch: dict[str, np.ndarray], length: int) -> dict[str, np.ndarray]
   return {k: np.pad(v, [(0, 0), (0, length - have)]) for k, v in batch.items()}
 
 
-# ----------------------------------------------------------------------------
-# (a) Synthetic key -> value retrieval at a distance
-# ----------------------------------------------------------------------------
+# --- (a) Synthetic key -> value retrieval at a distance ---------------------------------------
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,9 +178,7 @@ class KVRetrievalTask:
     return {k: np.stack([e[k] for e in examples]) for k in FIELDS}
 
 
-# ----------------------------------------------------------------------------
-# (b) Local text files, streamed, tokenised and packed with segment ids
-# ----------------------------------------------------------------------------
+# --- (b) Local text files, streamed, tokenised and packed with segment ids --------------------
 
 
 def _fix_json_state(state):
@@ -259,9 +249,7 @@ def bad_record_counts(state: dict[str, Any]) -> dict[str, int]:
   return {}
 
 
-# ----------------------------------------------------------------------------
-# Grain pipeline: batch k -> this process's rows, in layout order
-# ----------------------------------------------------------------------------
+# --- Grain pipeline: batch k -> this process's rows, in layout order --------------------------
 
 
 def process_slices(sharding: jax.sharding.Sharding, global_shape: tuple[int, int]):

@@ -2,25 +2,17 @@
 
 When a process of a ``jax.distributed`` run dies, every survivor ends with one line naming
 the lost process, the step, the last complete checkpoint and the command that resumes
-(:func:`lost_peer_message`), and exit status :data:`EXIT_PEER_LOST` (75, ``EX_TEMPFAIL``);
-docs/training.md, "When a process dies". The survivors learn of it in one of three ways:
-
-* a collective fails (the transport's connection to the dead peer closed):
-  :func:`exit_if_peer_lost` recognizes the transport's error (:data:`PEER_CONNECTION_CLOSED`)
-  and ends the process at once with ``os._exit`` (closing the checkpointer or JAX would wait
-  on barriers the dead peer never reaches);
-* the coordination service dies with process 0, and JAX ends each survivor from C++ before
-  any Python runs: the parent :mod:`training.supervisor` prints the line;
-* a heartbeat stops (no collective in flight): :class:`PeerWatchdog` beats a counter in the
-  coordination service's key-value store; process 0 declares a peer lost after
-  ``heartbeat_timeout_s`` without a beat and publishes the verdict for the others. JAX's own
-  heartbeat timeout is :data:`JAX_HEARTBEAT_FACTOR` times longer, a backstop. (JAX's
-  ``missed_heartbeat_callback`` is not exposed by ``jax.distributed.initialize``.)
+(:func:`lost_peer_message`), and exit status :data:`EXIT_PEER_LOST` (75, ``EX_TEMPFAIL``).
+A survivor learns of it from a collective that failed (:func:`exit_if_peer_lost`), from a
+heartbeat that stopped (:class:`PeerWatchdog`), or, when the coordination service died with
+process 0, not at all: its parent (:mod:`training.supervisor`) prints the line.
+docs/training.md, "When a process dies", has the whole story.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import re
 import signal
@@ -138,7 +130,8 @@ def collective_lost_peer(error: BaseException) -> tuple[str, str] | None:
 
 def exit_if_peer_lost(error: BaseException) -> None:
   """Where ``error`` says a collective lost a peer's connection on a multi-process run:
-  prints the lost-peer line and ends the process (``os._exit``) with :data:`EXIT_PEER_LOST`.
+  prints the lost-peer line and ends the process with :data:`EXIT_PEER_LOST` at once
+  (``os._exit``: closing the checkpointer or JAX would wait on the dead peer's barriers).
   Returns for any other error, and on one process."""
   found = collective_lost_peer(error)
   if found is not None and _ACTIVE is not None:
@@ -165,10 +158,12 @@ def wait_for_verdict() -> bool:
 
 
 class PeerWatchdog:
-  """Liveness counters in the coordination service: a process whose counter has not moved
-  for ``heartbeat_timeout_s`` is lost, and every survivor prints ``describe(lost_process or
-  None, step, reason)`` and calls ``exit(EXIT_PEER_LOST)``; so does a collective that lost
-  a peer's connection (:meth:`collective_failed`). ``client``: JAX's coordination client."""
+  """Liveness counters in the coordination service (``client``: JAX's coordination client):
+  process 0 declares a process whose counter has not moved for ``heartbeat_timeout_s`` lost
+  and publishes the verdict; every survivor prints ``describe(lost_process or None, step,
+  reason)`` and calls ``exit(EXIT_PEER_LOST)``; so does a collective that lost a peer's
+  connection (:meth:`collective_failed`). JAX's own heartbeat (:data:`JAX_HEARTBEAT_FACTOR`
+  times longer) aborts from C++ without either: it is only the backstop."""
 
   def __init__(self, heartbeat_timeout_s: float,
                describe: Callable[[int | None, int | None, str], str], *, client,
@@ -200,12 +195,10 @@ class PeerWatchdog:
     if self._stop.is_set():
       return
     self._stop.set()
-    if not done:
-      return
-    try:
-      self._client.key_value_set(f"{_PREFIX}/done/{self.process_id}", "1", allow_overwrite=True)
-    except Exception:  # The coordination service is gone: nobody is watching any more.
-      pass
+    if done:  # (if the coordination service is gone, nobody is watching any more)
+      with contextlib.suppress(Exception):
+        self._client.key_value_set(f"{_PREFIX}/done/{self.process_id}", "1",
+                                   allow_overwrite=True)
 
   def collective_failed(self, collective: str, closed: str) -> None:
     """A collective of this process failed because a peer's connection closed: the verdict
@@ -279,7 +272,7 @@ class PeerWatchdog:
     sys.stdout.flush()
     print(line, file=sys.stderr, flush=True)
     if lost != 0:  # Process 0 hosts the coordination service: none is left to tell.
-      try:
+      with contextlib.suppress(Exception):
         if publish:  # For the survivors in no collective: their watchdogs poll it.
           self._client.key_value_set(f"{_PREFIX}/lost/verdict",
                                      f"{'?' if lost is None else lost} {reason}",
@@ -289,8 +282,6 @@ class PeerWatchdog:
         else:
           self._client.key_value_set(f"{_PREFIX}/exiting/{self.process_id}", "1",
                                      allow_overwrite=True)
-      except Exception:
-        pass
     self._exit(EXIT_PEER_LOST)
     self._exited.set()
 

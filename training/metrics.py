@@ -66,9 +66,7 @@ class Throughput:
     self._steps += 1
 
   def window(self) -> dict[str, float]:
-    elapsed = time.perf_counter() - self._t0
-    steps = max(self._steps, 1)
-    step_time = elapsed / steps
+    step_time = (time.perf_counter() - self._t0) / max(self._steps, 1)
     tokens_per_s = self.tokens_per_step / step_time
     out = dict(step_time_s=step_time, tokens_per_s=tokens_per_s,
                mfu=tokens_per_s * self.flops_per_token / self.peak_total)
@@ -158,9 +156,8 @@ def truncate_jsonl(path: str, last_step: int) -> int:
 class Progress:
   """One console line per log step with ETA (process 0 only)."""
 
-  def __init__(self, total_steps: int, start_step: int, *, enabled: bool | None = None):
+  def __init__(self, total_steps: int, start_step: int):
     self.total, self.start = total_steps, start_step
-    self.enabled = jax.process_index() == 0 if enabled is None else enabled
     self._t0 = time.perf_counter()
 
   def line(self, step: int, m: dict[str, float]) -> str:
@@ -173,8 +170,7 @@ class Progress:
             f"MFU {100 * m['mfu']:.2f}% | ETA {format_duration(eta)}")
 
   def log(self, step: int, metrics: dict[str, float]) -> None:
-    if self.enabled:
-      print(self.line(step, metrics), flush=True)
+    log(self.line(step, metrics))
 
 
 def log(message: str) -> None:

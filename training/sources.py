@@ -66,10 +66,8 @@ def list_data_files(path: str) -> list[str]:
   """``path`` may be a file, a directory (searched recursively) or a glob; sorted."""
   if os.path.isfile(path):
     return [path]
-  if os.path.isdir(path):
-    found = glob.glob(os.path.join(path, "**", "*"), recursive=True)
-  else:
-    found = glob.glob(os.path.expanduser(path), recursive=True)
+  pattern = os.path.join(path, "**", "*") if os.path.isdir(path) else os.path.expanduser(path)
+  found = glob.glob(pattern, recursive=True)
   return sorted(f for f in found if os.path.isfile(f) and f.endswith(DATA_EXTS))
 
 
@@ -151,9 +149,7 @@ class BadRecords:
     return dict(counts=dict(self.counts), first={k: list(v) for k, v in self.first.items()})
 
 
-# ----------------------------------------------------------------------------
-# Readers: (text, is_first_piece, is_last_piece, location()) of one span, from an offset
-# ----------------------------------------------------------------------------
+# --- Readers: (text, is_first_piece, is_last_piece, location()) of one span, from an offset ---
 
 
 class _Cursor:
@@ -306,9 +302,7 @@ def read_span(cur: _Cursor, bad: BadRecords, field: str):
   return readers[kind](cur, bad, field)
 
 
-# ----------------------------------------------------------------------------
-# Grain dataset: tokenised documents of one shard, endless, checkpointable
-# ----------------------------------------------------------------------------
+# --- Grain dataset: tokenised documents of one shard, endless, checkpointable -----------------
 
 
 class DocumentDataset(grain.IterDataset):
