@@ -1,15 +1,11 @@
 """Orbax checkpoints: train state + data iterator state, restorable onto any mesh.
 
 A step holds ``state`` (``{"params", "opt_state"}``, ``StandardSave``: each process writes
-the shards it owns) and ``data`` (the Grain iterator state, JSON). Restoring passes
-``ShapeDtypeStruct`` targets with the current mesh's shardings, so a run resumes on any
-mesh shape. Beyond Orbax: no state with a non-finite value is ever written
-(:class:`NonFiniteStateError`), so retention cannot push good checkpoints out; a failed
-background save surfaces as one :class:`CheckpointWriteError` (earlier steps stay intact);
-:meth:`Checkpointer.restore_latest` falls back to the newest step that restores and moves
-the newer, unrestorable ones to ``<workdir>/checkpoints_corrupt/<step>-<UTC time>`` (never
-deleted); only complete steps are listed (Orbax renames a step's temporary directory once
-every process has written its part).
+the shards it owns) and ``data`` (the Grain iterator state, JSON); restoring into
+``ShapeDtypeStruct`` targets with the current mesh's shardings resumes on any mesh shape.
+Beyond Orbax (docs/training.md, "When things go wrong"): a non-finite state is never
+written, a failed background save is one :class:`CheckpointWriteError`, and
+:meth:`Checkpointer.restore_latest` falls back past steps that do not restore.
 """
 
 from __future__ import annotations
@@ -175,9 +171,6 @@ class Checkpointer:
       self.manager = ocp.CheckpointManager(self.directory, options=options,
                                            item_names=("state", "data"))
 
-  def latest_step(self) -> int | None:
-    return self.manager.latest_step()
-
   def all_steps(self) -> list[int]:
     return sorted(self.manager.all_steps())
 
@@ -229,11 +222,8 @@ class Checkpointer:
     return saved
 
   def close(self) -> None:
-    """Waits for pending async saves to land, then releases Orbax's threads.
-
-    Raises:
-      CheckpointWriteError: a pending save failed.
-    """
+    """Waits for pending async saves to land (:class:`CheckpointWriteError` if one failed),
+    then releases Orbax's threads."""
     try:
       self.manager.wait_until_finished()
       self.manager.check_for_errors()
@@ -243,10 +233,8 @@ class Checkpointer:
       self.manager.close()
 
   def restore(self, step: int, params_target, opt_state_target):
-    """Restores ``step`` into the given abstract targets (their shardings decide placement).
-
-    Returns ``(params, opt_state, data_state)``.
-    """
+    """``(params, opt_state, data_state)`` of ``step``, restored into the given abstract
+    targets (their shardings decide placement)."""
     restored = self.manager.restore(
         step,
         args=ocp.args.Composite(
@@ -327,11 +315,8 @@ class Checkpointer:
 
 def save(config, checkpointer, step_metrics, step: int, params, opt_state, train_iter, *,
          force: bool = False) -> None:
-  """Checkpoints ``step`` if it is on the interval (or ``force``), never a diverged state.
-
-  Raises:
-    Diverged: the step's metrics, or the state itself, are non-finite (nothing written).
-  """
+  """Checkpoints ``step`` if it is on the interval (or ``force``); :class:`Diverged` (nothing
+  written) if the step's metrics, or the state itself, are non-finite."""
   if force or step % config.checkpoint_every == 0:
     step_metrics.fetch(step)  # Never save the state of a diverged step.
   try:

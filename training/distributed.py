@@ -23,6 +23,7 @@ from typing import Any, Callable
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 
 from training import supervisor
 
@@ -348,12 +349,10 @@ class StopRequest:
   def reached(self, step: int) -> bool:
     """Whether to stop after ``step`` (called once per step, same steps on every process)."""
     if self._jax_notice:
-      from jax.experimental import multihost_utils
       if multihost_utils.reached_preemption_sync_point(step):
         self.received = self.received or "SIGTERM (preemption notice)"
         return True
       return False
     if self._multi:  # Preemption service disabled: agree through a collective each step.
-      from jax.experimental import multihost_utils
       return bool(np.max(multihost_utils.process_allgather(np.int32(self.received is not None))))
     return self.received is not None

@@ -30,11 +30,6 @@ UNSET = ("data.tokenizer is unset (configs/finetune.py takes the tokenizer of in
 _HF_FILE, _SP_FILE = "tokenizer.json", "tokenizer.model"
 
 
-def byte_tokenize(text: str) -> np.ndarray:
-  """UTF-8 bytes shifted past the special ids, wrapped in BOS ... EOS."""
-  return load_tokenizer(BYTE).encode_document(text)
-
-
 def byte_detokenize(ids) -> str:
   ids = np.asarray(ids)
   ids = ids[ids >= BYTE_OFFSET] - BYTE_OFFSET
