@@ -86,13 +86,11 @@ def start_watchdog(distributed_config, checkpoint_dir: str,
   state = jax_distributed.global_state
   if state.client is None or state.num_processes <= 1:
     return None
-  timeout_s = float(distributed_config.heartbeat_timeout_s)
   supervisor.report(process_id=state.process_id, num_processes=state.num_processes,
                     workdir=os.path.dirname(checkpoint_dir), checkpoint_dir=checkpoint_dir,
                     resume_command=resume_command, coordinator=state.coordinator_address)
-
-  _ACTIVE = PeerWatchdog(timeout_s, describer(state.num_processes, checkpoint_dir,
-                                               resume_command),
+  describe = describer(state.num_processes, checkpoint_dir, resume_command)
+  _ACTIVE = PeerWatchdog(float(distributed_config.heartbeat_timeout_s), describe,
                          client=state.client, process_id=state.process_id,
                          num_processes=state.num_processes)
   atexit.register(_ACTIVE.stop)
@@ -122,8 +120,7 @@ def collective_lost_peer(error: BaseException) -> tuple[str, str] | None:
   while error is not None and id(error) not in seen:
     seen.add(id(error))
     for pattern in PEER_CONNECTION_CLOSED:
-      match = pattern.search(str(error))
-      if match:
+      if match := pattern.search(str(error)):
         return match.group(1), match.group(2)
     error = error.__cause__ or error.__context__
   return None
