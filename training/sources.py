@@ -2,16 +2,12 @@
 
 A corpus (a file, a directory searched recursively, or a glob) is cut into spans (:class:`Span`),
 half-open ranges of one file's *units* (bytes of line files, parquet rows, ArrayRecord
-records), measured without reading the file. Splits: of several files the last
-``max(1, round(eval_fraction * files))`` are eval; one file holds out its last
-``eval_fraction`` of units. Shards: with at least as many spans as shards, span ``i`` of the
-epoch's (reshuffled) list goes to shard ``i % shards``, else each span is cut in ``shards``.
-A byte range owns every line that *starts* inside it, so any cut gives each line to one
-reader, which seeks to its range. A ``.txt`` file (or a range of one) is one document, read
-in pieces of about ``TXT_PIECE_BYTES`` cut at line ends. Parquet is read by row-group
-batches with ``pyarrow`` (Grain's ``ParquetIterDataset`` reads whole files).
-
-Bad records are counted by kind with their first locations and skipped, or raise
+records), measured without reading the file, then split (:func:`split_spans`) and sharded
+(:func:`shard_spans`). A byte range owns every line that *starts* inside it, so any cut gives
+each line to one reader, which seeks to its range. A ``.txt`` file (or a range of one) is one
+document, read in pieces of about ``TXT_PIECE_BYTES`` cut at line ends. Parquet is read by
+row-group batches with ``pyarrow`` (Grain's ``ParquetIterDataset`` reads whole files). Bad
+records are counted by kind with their first locations and skipped, or raise
 :class:`DataError` when ``strict``; blank lines of a ``.jsonl`` file are not records.
 """
 
@@ -97,7 +93,8 @@ class Span:
 
 
 def split_spans(files: list[str], eval_fraction: float, split: str) -> list[Span]:
-  """The spans of ``split`` ('train' | 'eval'); train and eval never share a unit."""
+  """The spans of ``split`` ('train' | 'eval'), which share no unit: of several files the last
+  ``max(1, round(eval_fraction * files))`` are eval, of one file its last ``eval_fraction``."""
   if not files:
     raise ValueError("no data files")
   if len(files) > 1:
@@ -110,7 +107,8 @@ def split_spans(files: list[str], eval_fraction: float, split: str) -> list[Span
 
 
 def shard_spans(spans: list[Span], index: int, count: int) -> list[Span]:
-  """Shard ``index`` of ``count``: whole spans round robin, or a part of every span."""
+  """Shard ``index`` of ``count``: with at least ``count`` spans, span ``i`` goes to shard
+  ``i % count``, else each span is cut in ``count`` parts."""
   if not 0 <= index < count:
     raise ValueError(f"shard index {index} is not in [0, {count})")
   if len(spans) >= count:
