@@ -228,16 +228,13 @@ class PeerWatchdog:
       try:
         self._client.key_value_set(f"{_PREFIX}/beat/{self.process_id}", str(counter),
                                    allow_overwrite=True)
-        lost = dict(self._client.key_value_dir_get(f"{_PREFIX}/lost/"))
-        if lost:
-          peer, _, reason = next(iter(lost.values())).partition(" ")
+        if lost := self._client.key_value_dir_get(f"{_PREFIX}/lost/"):
+          peer, _, reason = lost[0][1].partition(" ")  # [(key, "<process or ?> <reason>")]
           self._declare(int(peer) if peer.isdigit() else None, reason, publish=False)
           return
-        if self.process_id == 0:
-          peer = self._silent_peer(seen)
-          if peer is not None:
-            self._declare(peer, f"no heartbeat for {self.timeout_s:g} s", publish=True)
-            return
+        if self.process_id == 0 and (peer := self._silent_peer(seen)) is not None:
+          self._declare(peer, f"no heartbeat for {self.timeout_s:g} s", publish=True)
+          return
       except Exception:  # A transient RPC error; a dead coordinator ends us from C++.
         continue
 
