@@ -47,8 +47,7 @@ def sharding(mesh) -> NamedSharding:
 
 def shardings(mesh) -> dict[str, NamedSharding]:
   """Field name -> ``NamedSharding`` (jit ``in_shardings`` of the batch argument)."""
-  one = sharding(mesh)
-  return {name: one for name in FIELDS}
+  return dict.fromkeys(FIELDS, sharding(mesh))
 
 
 def abstract(shape: tuple[int, int], mesh) -> dict[str, jax.ShapeDtypeStruct]:

@@ -56,8 +56,7 @@ class Throughput:
     self.tokens_per_step = tokens_per_step
     self.flops_per_token = flops_per_token
     self.peak_total = peak_flops * num_devices
-    self._t0 = time.perf_counter()
-    self._steps = 0
+    self.reset()
 
   def reset(self) -> None:
     self._t0, self._steps = time.perf_counter(), 0

@@ -219,12 +219,12 @@ def _read_lines(cur: _Cursor, bad: BadRecords, field: str) -> Iterator[tuple]:
   for here, raw in _lines(cur):
     if raw.strip():  # a blank line is no record
       where = lambda here=here: cur.line_location(here)
-      text = _json_text(raw, field, bad, where)
-      if text is not None:
+      if (text := _json_text(raw, field, bad, where)) is not None:
         yield text, True, True, where
 
 
-def _read_txt(cur: _Cursor, bad: BadRecords) -> Iterator[tuple]:
+def _read_txt(cur: _Cursor, bad: BadRecords, field=None) -> Iterator[tuple]:
+  """A text file's pieces (it has no ``field``: the file is the document)."""
   first = cur.offset == cur.span.start  # Else resumed mid-document.
   emitted, lines = not first, _lines(cur)
   while True:
@@ -273,8 +273,7 @@ def _read_parquet(cur: _Cursor, bad: BadRecords, field: str):
   for r, value in zip(rows, itertools.islice(values, cur.offset - row, None)):
     cur.offset = r + 1
     where = lambda r=r: f"{cur.span.path}:row {r}"
-    text = _checked_text(value, bad, where, missing)
-    if text is not None:
+    if (text := _checked_text(value, bad, where, missing)) is not None:
       yield text, True, True, where
 
 
@@ -285,19 +284,16 @@ def _read_array_record(cur: _Cursor, bad: BadRecords, field: str):
     for i, raw in zip(indices, source.__getitems__(indices)):
       cur.offset = i + 1
       where = lambda i=i: f"{cur.span.path}:record {i}"
-      text = _json_text(bytes(raw), field, bad, where)
-      if text is not None:
+      if (text := _json_text(bytes(raw), field, bad, where)) is not None:
         yield text, True, True, where
 
 
 def read_span(cur: _Cursor, bad: BadRecords, field: str):
   """The pieces ``(text, is_first_piece, is_last_piece, location())`` of ``cur``'s span
   from its offset on, advancing ``cur``."""
-  kind = file_kind(cur.span.path)
-  if kind == "txt":
-    return _read_txt(cur, bad)
-  readers = {"lines": _read_lines, "parquet": _read_parquet, "array_record": _read_array_record}
-  return readers[kind](cur, bad, field)
+  readers = {"lines": _read_lines, "txt": _read_txt, "parquet": _read_parquet,
+             "array_record": _read_array_record}
+  return readers[file_kind(cur.span.path)](cur, bad, field)
 
 
 # --- Grain dataset: tokenised documents of one shard, endless, checkpointable -----------------

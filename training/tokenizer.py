@@ -186,7 +186,7 @@ def _load(spec: str) -> Tokenizer:
     return Tokenizer(spec=BYTE, kind="byte", vocab_size=BYTE_VOCAB_SIZE, bos_id=BOS_ID,
                      eos_id=EOS_ID, add_bos=True, add_eos=True)
   path = resolve_tokenizer_file(spec)
-  if os.path.basename(path) == _HF_FILE or path.endswith(".json"):
+  if path.endswith(".json"):
     return _load_tokenizers(path, spec)
   return _load_sentencepiece(path, spec)
 
