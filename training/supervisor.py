@@ -171,7 +171,7 @@ def supervise(argv: list[str] | None = None) -> int:
   held: list[str] = []  # stderr lines waiting for the next one (see _AGENT_LOG)
   held_since = 0.0
   swallowed: list[str] = []  # JAX's report of the lost service and all after it
-  out = sys.stderr
+  out = sys.stderr  # written through at once (Python >= 3.9): no flush needed
   streams = {child.stderr.fileno(): _Lines(child.stderr.fileno()), report_r: _Lines(report_r)}
   ended_at = None  # when the child exited: a process it forked may hold the pipes open
   try:
@@ -194,18 +194,15 @@ def supervise(argv: list[str] | None = None) -> int:
             held = []
           elif line == f"{info.get('declared')}\n":  # the child's line: never held as JAX's
             out.write(line)
-            out.flush()
           elif _AGENT_LOG.match(line) or (held and not _LOG_LINE.match(line)):
             held.append(line)
             held_since = time.monotonic()
           else:
             out.writelines([*held, line])
-            out.flush()
             held = []
       if held and (time.monotonic() - held_since > _HOLD_S or all(
           s.closed for fd, s in streams.items() if fd != report_r)):
         out.writelines(held)
-        out.flush()
         held = []
     returncode = child.wait()
     if info.get("declared"):  # JAX's lines about the loss the child reported go to the file
@@ -228,7 +225,6 @@ def supervise(argv: list[str] | None = None) -> int:
     if line in swallowed:
       swallowed.remove(line)
       out.write(line)
-      out.flush()
     _save_report(info, swallowed)
     return EXIT_PEER_LOST
   lost = None if returncode in (0, 75) or "checkpoint_dir" not in info else _lost_process(
@@ -239,14 +235,12 @@ def supervise(argv: list[str] | None = None) -> int:
       out.write(f"supervisor: the training process of process {info.get('process_id', '?')} "
                 f"(pid {child.pid}) was ended by {signal.Signals(-returncode).name} (signal "
                 f"{-returncode}); exit status {status}\n")
-      out.flush()
     return status
   path, directory = _save_report(info, swallowed), info["checkpoint_dir"]
   sys.stdout.flush()
   out.write(lost_peer_message(lost[0], info["num_processes"], lost[1], info.get("step"),
                               complete_steps(directory), directory, info["resume_command"])
             + "\n" + (f"note: JAX's report of it is in {path}\n" if path else ""))
-  out.flush()
   return EXIT_PEER_LOST
 
 
