@@ -256,9 +256,8 @@ class Checkpointer:
     Raises:
       NoRestorableCheckpointError: there are steps but none restores (nothing moved).
     """
-    steps = self.all_steps()
     failures: list[tuple[int, str]] = []
-    for step in reversed(steps):
+    for step in reversed(self.all_steps()):
       try:
         if opt_state_target is None:
           params, opt_state, data_state = self.restore_params(step, params_target), None, None
@@ -322,8 +321,8 @@ def save(config, checkpointer, step_metrics, step: int, params, opt_state, train
   try:
     checkpointer.save(step, params, opt_state, train_iter.get_state(), force=force)
   except NonFiniteStateError:  # Finite metrics, non-finite state: still diverged.
-    raise Diverged(divergence_message(config, step_metrics.last_row, checkpointer,
-                                                  state=True)) from None
+    raise Diverged(divergence_message(config, step_metrics.history[-1], checkpointer,
+                                      state=True)) from None
 
 
 def divergence_message(config, row, checkpointer, state=False) -> str:

@@ -197,7 +197,6 @@ class StepMetrics:
     self._pending: list[tuple[int, Any]] = []  # (step, metrics still on the device)
     self._window: list[dict[str, float]] = []
     self.history: list[dict[str, float]] = []
-    self.last_row: dict[str, float] = {}
 
   def add(self, step: int, metrics) -> None:
     """Queues the (on-device, not yet fetched) metrics of ``step``."""
@@ -208,7 +207,6 @@ class StepMetrics:
     while self._pending and self._pending[0][0] <= upto:
       step, metrics = self._pending.pop(0)
       row = dict(step=step, **{k: float(v) for k, v in jax.device_get(metrics).items()})
-      self.last_row = row
       self._window.append(row)
       self.history.append(row)
       if not (math.isfinite(row["loss"]) and math.isfinite(row["grad_norm"])):
