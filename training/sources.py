@@ -365,8 +365,7 @@ class DocumentIterator(grain.DatasetIterator):
       if self._reader is None:
         self._reader = read_span(self._cursor, self.bad, self._ds.text_field)
       before = self._reader_state()
-      piece = next(self._reader, None)
-      if piece is None:
+      if (piece := next(self._reader, None)) is None:
         self._set(epoch=self._epoch, span=self._span + 1, epoch_docs=self._epoch_docs)
         continue
       self._epoch_docs += 1
@@ -419,13 +418,10 @@ class DocumentIterator(grain.DatasetIterator):
                 bad_records=self.bad.state())
 
   def get_state(self) -> dict[str, Any]:
-    if self._buffer:
-      return copy.deepcopy(self._buffer[0][0])
-    return self._reader_state()
+    return copy.deepcopy(self._buffer[0][0]) if self._buffer else self._reader_state()
 
   def set_state(self, state: dict[str, Any]) -> None:
-    bad = state.get("bad_records", {})
-    self.bad = BadRecords(self._ds.strict, bad.get("counts"), bad.get("first"))
+    self.bad = BadRecords(self._ds.strict, **state.get("bad_records", {}))
     self._buffer.clear()
     self._error = None
     self._set(epoch=state["epoch"], span=state["span"], offset=state["offset"],
