@@ -3,10 +3,8 @@
 When process 0 dies, the coordination service it hosts dies with it and JAX's C++ client
 aborts every survivor before any of its Python runs, so the report must come from another
 process: ``train.py`` re-executes itself as a child under :func:`supervise`, which imports
-no JAX, forwards :data:`FORWARDED_SIGNALS` (the child, in its own process group, dies with
-it: ``PR_SET_PDEATHSIG``), passes stdout through and stderr line by line except JAX's report
-of a lost service (saved to ``<workdir>/abort_process_<i>.txt``), and learns from the child
-(:func:`report`) its process index, checkpoint directory, resume command and step. Its exit:
+no JAX, forwards :data:`FORWARDED_SIGNALS`, passes the child's output through (JAX's report
+of a lost service to a file) and learns what its line needs from :func:`report`. Its exit:
 
 * the child ended because the service is gone (JAX's line says so, or it aborted and the
   coordinator refuses connections), or because JAX propagated another task's failure
