@@ -3,8 +3,7 @@ step metrics with their divergence check, the profile of ``config.profile_steps`
 
 MFU = model FLOP/s achieved / peak FLOP/s of the devices: model FLOPs from
 ``LlamaConfig.flops_per_token`` (attention included, forward + backward), the peak from
-``config.peak_flops_per_device``, else :mod:`ring_jax.hardware` (dense bf16, by
-``device_kind``); on CPU, the nominal ``config.cpu_peak_flops_per_device``, labelled so.
+:func:`peak_flops_per_device`.
 """
 
 from __future__ import annotations
@@ -25,7 +24,8 @@ from ring_jax import hardware
 
 
 def peak_flops_per_device(config, device=None) -> tuple[float, str]:
-  """(peak FLOP/s per device, where the number came from) for MFU."""
+  """(peak FLOP/s per device, where the number came from) for MFU: the config's, the nominal
+  CPU figure on CPU, else :mod:`ring_jax.hardware`'s (dense bf16, by ``device_kind``)."""
   device = device or jax.devices()[0]
   if config.get("peak_flops_per_device"):
     return float(config.peak_flops_per_device), "config.peak_flops_per_device"
