@@ -70,12 +70,10 @@ class _FailedReadLogFilter(logging.Filter):
   leftovers, or TensorStore's own read error); installed once a restore has failed."""
 
   def filter(self, record) -> bool:
-    exc_info = record.exc_info
-    if not (exc_info and exc_info[1] is not None
-            and "exception was never retrieved" in record.getMessage()):
+    exc = record.exc_info[1] if record.exc_info else None
+    if exc is None or "exception was never retrieved" not in record.getMessage():
       return True
-    exc = exc_info[1]
-    return not (_is_failed_read_error(exc, exc_info[2]) or "Error reading" in str(exc)
+    return not (_is_failed_read_error(exc, record.exc_info[2]) or "Error reading" in str(exc)
                 or "TensorStore" in str(exc))
 
 
