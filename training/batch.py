@@ -1,17 +1,5 @@
 """The batch the train and eval steps take: its fields, their dtypes, their sharding, and
-the fields made of a row's tokens and segment ids (:func:`from_segments`).
-
-A batch is a dict of ``[rows, seq_len]`` arrays in the ring's layout order::
-
-  tokens       int32    input ids
-  positions    int32    position of each token inside its document (RoPE, causal mask)
-  segment_ids  int32    1, 2, ... per packed document; 0 = padding
-  labels       int32    next token of the same document (0 where there is none)
-  loss_mask    float32  1 where ``labels`` is a real target
-
-Every field has the logical axes ``("batch", "length")``, sharded by the rules table of
-:mod:`models.sharding` as the model's activations are.
-"""
+the fields made of a row's tokens and segment ids (:func:`from_segments`)."""
 
 from __future__ import annotations
 
@@ -22,16 +10,18 @@ from jax.sharding import NamedSharding, PartitionSpec
 import ring_jax
 from models import sharding as shd
 
-#: field name -> dtype, in a fixed order.
+#: Field name -> dtype, in a fixed order. A batch is a dict of ``[rows, seq_len]`` arrays in
+#: the ring's layout order.
 DTYPES: dict[str, np.dtype] = {
-    "tokens": np.dtype(np.int32),
-    "positions": np.dtype(np.int32),
-    "segment_ids": np.dtype(np.int32),
-    "labels": np.dtype(np.int32),
-    "loss_mask": np.dtype(np.float32),
+    "tokens": np.dtype(np.int32),  # input ids
+    "positions": np.dtype(np.int32),  # each token's place in its document (RoPE, causal mask)
+    "segment_ids": np.dtype(np.int32),  # 1, 2, ... per packed document; 0 = padding
+    "labels": np.dtype(np.int32),  # next token of the same document (0 where there is none)
+    "loss_mask": np.dtype(np.float32),  # 1 where ``labels`` is a real target
 }
 FIELDS: tuple[str, ...] = tuple(DTYPES)
-#: Logical axis names of every field (see models.sharding.LOGICAL_RULES).
+#: Logical axis names of every field: sharded by the rules table (models.sharding.LOGICAL_RULES)
+#: as the model's activations are.
 LOGICAL_AXES: tuple[str, str] = ("batch", "length")
 
 
@@ -47,8 +37,7 @@ def sharding(mesh) -> NamedSharding:
 
 def shardings(mesh) -> dict[str, NamedSharding]:
   """Field name -> ``NamedSharding`` (jit ``in_shardings`` of the batch argument)."""
-  one = sharding(mesh)
-  return {name: one for name in FIELDS}
+  return dict.fromkeys(FIELDS, sharding(mesh))
 
 
 def abstract(shape: tuple[int, int], mesh) -> dict[str, jax.ShapeDtypeStruct]:

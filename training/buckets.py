@@ -95,8 +95,7 @@ def bucket_mesh(mesh: jax.sharding.Mesh, ring: int) -> jax.sharding.Mesh:
   ring`` in the same device order: a ring of ``ring`` consecutive devices of the mesh's ring,
   the same flat device assignment (so shardings of the mesh stay valid)."""
   sizes = dict(mesh.shape)
-  factor = sizes["sequence"] // ring
-  shape = dict(sizes, data=sizes["data"] * factor, sequence=ring)
+  shape = dict(sizes, data=sizes["data"] * sizes["sequence"] // ring, sequence=ring)
   devices = mesh.devices.reshape(tuple(shape[a] for a in mesh.axis_names))
   return jax.sharding.Mesh(devices, mesh.axis_names, axis_types=mesh.axis_types)
 

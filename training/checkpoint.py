@@ -1,15 +1,11 @@
 """Orbax checkpoints: train state + data iterator state, restorable onto any mesh.
 
 A step holds ``state`` (``{"params", "opt_state"}``, ``StandardSave``: each process writes
-the shards it owns) and ``data`` (the Grain iterator state, JSON). Restoring passes
-``ShapeDtypeStruct`` targets with the current mesh's shardings, so a run resumes on any
-mesh shape. Beyond Orbax: no state with a non-finite value is ever written
-(:class:`NonFiniteStateError`), so retention cannot push good checkpoints out; a failed
-background save surfaces as one :class:`CheckpointWriteError` (earlier steps stay intact);
-:meth:`Checkpointer.restore_latest` falls back to the newest step that restores and moves
-the newer, unrestorable ones to ``<workdir>/checkpoints_corrupt/<step>-<UTC time>`` (never
-deleted); only complete steps are listed (Orbax renames a step's temporary directory once
-every process has written its part).
+the shards it owns) and ``data`` (the Grain iterator state, JSON); restoring into
+``ShapeDtypeStruct`` targets with the current mesh's shardings resumes on any mesh shape.
+Beyond Orbax (docs/training.md, "When things go wrong"): a non-finite state is never
+written, a failed background save is one :class:`CheckpointWriteError`, and
+:meth:`Checkpointer.restore_latest` falls back past steps that do not restore.
 """
 
 from __future__ import annotations
@@ -20,6 +16,7 @@ import logging
 import os
 import sys
 import time
+import traceback
 from typing import Any, Callable
 
 import jax
@@ -64,12 +61,8 @@ def _is_failed_read_error(exc, tb) -> bool:
   """Whether ``exc`` (raised through ``tb``) is the leftover of a failed Orbax read: its
   other reads in flight end after the restore's event loop closed (``RuntimeError('Event
   loop is closed')`` or the same corruption); the restore reports the step in one line."""
-  files = []
-  while tb is not None:
-    files.append(tb.tb_frame.f_code.co_filename)
-    tb = tb.tb_next
   return (isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed") or any(
-      f"{os.sep}orbax{os.sep}" in f for f in files)
+      f"{os.sep}orbax{os.sep}" in frame.f_code.co_filename for frame, _ in traceback.walk_tb(tb))
 
 
 class _FailedReadLogFilter(logging.Filter):
@@ -77,12 +70,10 @@ class _FailedReadLogFilter(logging.Filter):
   leftovers, or TensorStore's own read error); installed once a restore has failed."""
 
   def filter(self, record) -> bool:
-    exc_info = record.exc_info
-    if not (exc_info and exc_info[1] is not None
-            and "exception was never retrieved" in record.getMessage()):
+    exc = record.exc_info[1] if record.exc_info else None
+    if exc is None or "exception was never retrieved" not in record.getMessage():
       return True
-    exc = exc_info[1]
-    return not (_is_failed_read_error(exc, exc_info[2]) or "Error reading" in str(exc)
+    return not (_is_failed_read_error(exc, record.exc_info[2]) or "Error reading" in str(exc)
                 or "TensorStore" in str(exc))
 
 
@@ -178,9 +169,6 @@ class Checkpointer:
       self.manager = ocp.CheckpointManager(self.directory, options=options,
                                            item_names=("state", "data"))
 
-  def latest_step(self) -> int | None:
-    return self.manager.latest_step()
-
   def all_steps(self) -> list[int]:
     return sorted(self.manager.all_steps())
 
@@ -232,11 +220,8 @@ class Checkpointer:
     return saved
 
   def close(self) -> None:
-    """Waits for pending async saves to land, then releases Orbax's threads.
-
-    Raises:
-      CheckpointWriteError: a pending save failed.
-    """
+    """Waits for pending async saves to land (:class:`CheckpointWriteError` if one failed),
+    then releases Orbax's threads."""
     try:
       self.manager.wait_until_finished()
       self.manager.check_for_errors()
@@ -246,10 +231,8 @@ class Checkpointer:
       self.manager.close()
 
   def restore(self, step: int, params_target, opt_state_target):
-    """Restores ``step`` into the given abstract targets (their shardings decide placement).
-
-    Returns ``(params, opt_state, data_state)``.
-    """
+    """``(params, opt_state, data_state)`` of ``step``, restored into the given abstract
+    targets (their shardings decide placement)."""
     restored = self.manager.restore(
         step,
         args=ocp.args.Composite(
@@ -271,9 +254,8 @@ class Checkpointer:
     Raises:
       NoRestorableCheckpointError: there are steps but none restores (nothing moved).
     """
-    steps = self.all_steps()
     failures: list[tuple[int, str]] = []
-    for step in reversed(steps):
+    for step in reversed(self.all_steps()):
       try:
         if opt_state_target is None:
           params, opt_state, data_state = self.restore_params(step, params_target), None, None
@@ -330,18 +312,15 @@ class Checkpointer:
 
 def save(config, checkpointer, step_metrics, step: int, params, opt_state, train_iter, *,
          force: bool = False) -> None:
-  """Checkpoints ``step`` if it is on the interval (or ``force``), never a diverged state.
-
-  Raises:
-    Diverged: the step's metrics, or the state itself, are non-finite (nothing written).
-  """
+  """Checkpoints ``step`` if it is on the interval (or ``force``); :class:`Diverged` (nothing
+  written) if the step's metrics, or the state itself, are non-finite."""
   if force or step % config.checkpoint_every == 0:
     step_metrics.fetch(step)  # Never save the state of a diverged step.
   try:
     checkpointer.save(step, params, opt_state, train_iter.get_state(), force=force)
   except NonFiniteStateError:  # Finite metrics, non-finite state: still diverged.
-    raise Diverged(divergence_message(config, step_metrics.last_row, checkpointer,
-                                                  state=True)) from None
+    raise Diverged(divergence_message(config, step_metrics.history[-1], checkpointer,
+                                      state=True)) from None
 
 
 def divergence_message(config, row, checkpointer, state=False) -> str:

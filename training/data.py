@@ -1,16 +1,11 @@
 """Input pipeline: a synthetic long-range retrieval task and streamed local text, via Grain.
 
-Host-side numpy. A batch is the dict of ``[rows, seq_len]`` fields :mod:`training.batch`
-defines. Rows are built in natural order, padded at their end to the run length
-(:func:`training.validation.run_length`) with :func:`pad_rows` (segment 0, no target: the
-loss and gradients are unchanged), then reordered once into the ring's layout
-(:mod:`ring_jax.layouts`), so an even split of the sequence axis gives each device the
-tokens the ring expects; the loss is a masked sum, computed in layout order.
-
-Both pipelines are checkpointable (``get_state()/set_state()``, JSON-able): ``kv_retrieval``
-is a ``grain.MapDataset`` whose batch ``k`` is a pure function of ``(seed, k)``; ``text`` is
-a ``grain.IterDataset`` stream of this data shard's documents (:mod:`training.sources`),
-tokenised, packed by concat-and-split into rows with segment ids, batched and reordered.
+Host-side numpy: rows of the fields of :mod:`training.batch` are built in natural order,
+padded to the run length (:func:`pad_rows`) and reordered once into the ring's layout
+(:func:`to_layout_np`). Both pipelines are checkpointable (``get_state()/set_state()``,
+JSON-able): the kv task's batch ``k`` is a pure function of ``(seed, k)`` (a
+``grain.MapDataset``); text streams this data shard's documents (:mod:`training.sources`),
+tokenised and packed by concat-and-split (a ``grain.IterDataset``).
 """
 
 from __future__ import annotations
@@ -30,14 +25,12 @@ from training.batch import (DTYPES, FIELDS, from_segments,  # noqa: F401 (the pi
                             next_token_targets, segment_positions)
 from training.sources import DataError, list_data_files  # noqa: F401 (the pipeline's API)
 from training.tokenizer import (BOS_ID, BYTE_VOCAB_SIZE, EOS_ID, PAD_ID,  # noqa: F401
-                                byte_detokenize, byte_tokenize, load_tokenizer)
+                                byte_detokenize, load_tokenizer)
 
 # Effectively infinite: batch indices are drawn lazily, never materialised.
 _NUM_BATCHES = 2**50
 
-# ----------------------------------------------------------------------------
-# Layout
-# ----------------------------------------------------------------------------
+# --- Layout -----------------------------------------------------------------------------------
 
 
 def to_layout_np(batch: dict[str, np.ndarray], layout: str, ring_size: int) -> dict:
@@ -47,13 +40,9 @@ def to_layout_np(batch: dict[str, np.ndarray], layout: str, ring_size: int) -> d
   ``segment_ids`` become that layout's renumbered ids."""
   if layout == layouts.DOCUMENT:
     seg = batch["segment_ids"]
-    first_row: dict[bytes, int] = {}  # a distinct row's ids -> its index among the distinct
-    distinct, inverse = [], np.empty(len(seg), np.intp)
-    for r, row in enumerate(seg):
-      inverse[r] = first_row.setdefault(row.tobytes(), len(first_row))
-      if inverse[r] == len(distinct):
-        distinct.append(r)
-    doc = documents.document_layout(seg[distinct], ring_size)
+    distinct, inverse = np.unique(seg, axis=0, return_inverse=True)
+    inverse = inverse.reshape(-1)  # (numpy 2.0.0 gives it the shape of the rows)
+    doc = documents.document_layout(distinct, ring_size)
     permutation = doc.permutation[inverse]
     out = {k: np.ascontiguousarray(np.take_along_axis(v, permutation, axis=1))
            for k, v in batch.items()}
@@ -76,9 +65,7 @@ def pad_rows(batch: dict[str, np.ndarray], length: int) -> dict[str, np.ndarray]
   return {k: np.pad(v, [(0, 0), (0, length - have)]) for k, v in batch.items()}
 
 
-# ----------------------------------------------------------------------------
-# (a) Synthetic key -> value retrieval at a distance
-# ----------------------------------------------------------------------------
+# --- (a) Synthetic key -> value retrieval at a distance ---------------------------------------
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,9 +173,7 @@ class KVRetrievalTask:
     return {k: np.stack([e[k] for e in examples]) for k in FIELDS}
 
 
-# ----------------------------------------------------------------------------
-# (b) Local text files, streamed, tokenised and packed with segment ids
-# ----------------------------------------------------------------------------
+# --- (b) Local text files, streamed, tokenised and packed with segment ids --------------------
 
 
 def _fix_json_state(state):
@@ -243,10 +228,8 @@ def text_documents(config, split: str, shard_index: int = 0,
 
 
 def bad_record_counts(state: dict[str, Any]) -> dict[str, int]:
-  """Bad records skipped so far, read from a text iterator's ``get_state()``.
-
-  ``{"data/bad_records": total, "data/bad_<kind>": count, ...}``; empty for the kv task.
-  """
+  """``{"data/bad_records": total, "data/bad_<kind>": count, ...}`` of the bad records
+  skipped so far, read from a text iterator's ``get_state()``; empty for the kv task."""
   nodes = [state]  # the document reader's state, wherever the pipeline nests it
   while nodes:
     node = nodes.pop()
@@ -259,9 +242,7 @@ def bad_record_counts(state: dict[str, Any]) -> dict[str, int]:
   return {}
 
 
-# ----------------------------------------------------------------------------
-# Grain pipeline: batch k -> this process's rows, in layout order
-# ----------------------------------------------------------------------------
+# --- Grain pipeline: batch k -> this process's rows, in layout order --------------------------
 
 
 def process_slices(sharding: jax.sharding.Sharding, global_shape: tuple[int, int]):

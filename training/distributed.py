@@ -2,25 +2,17 @@
 
 When a process of a ``jax.distributed`` run dies, every survivor ends with one line naming
 the lost process, the step, the last complete checkpoint and the command that resumes
-(:func:`lost_peer_message`), and exit status :data:`EXIT_PEER_LOST` (75, ``EX_TEMPFAIL``);
-docs/training.md, "When a process dies". The survivors learn of it in one of three ways:
-
-* a collective fails (the transport's connection to the dead peer closed):
-  :func:`exit_if_peer_lost` recognizes the transport's error (:data:`PEER_CONNECTION_CLOSED`)
-  and ends the process at once with ``os._exit`` (closing the checkpointer or JAX would wait
-  on barriers the dead peer never reaches);
-* the coordination service dies with process 0, and JAX ends each survivor from C++ before
-  any Python runs: the parent :mod:`training.supervisor` prints the line;
-* a heartbeat stops (no collective in flight): :class:`PeerWatchdog` beats a counter in the
-  coordination service's key-value store; process 0 declares a peer lost after
-  ``heartbeat_timeout_s`` without a beat and publishes the verdict for the others. JAX's own
-  heartbeat timeout is :data:`JAX_HEARTBEAT_FACTOR` times longer, a backstop. (JAX's
-  ``missed_heartbeat_callback`` is not exposed by ``jax.distributed.initialize``.)
+(:func:`lost_peer_message`), and exit status :data:`EXIT_PEER_LOST` (75, ``EX_TEMPFAIL``).
+A survivor learns of it from a collective that failed (:func:`exit_if_peer_lost`), from a
+heartbeat that stopped (:class:`PeerWatchdog`), or, when the coordination service died with
+process 0, not at all: its parent (:mod:`training.supervisor`) prints the line.
+docs/training.md, "When a process dies", has the whole story.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import re
 import signal
@@ -31,6 +23,7 @@ from typing import Any, Callable
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 
 from training import supervisor
 
@@ -93,13 +86,11 @@ def start_watchdog(distributed_config, checkpoint_dir: str,
   state = jax_distributed.global_state
   if state.client is None or state.num_processes <= 1:
     return None
-  timeout_s = float(distributed_config.heartbeat_timeout_s)
   supervisor.report(process_id=state.process_id, num_processes=state.num_processes,
                     workdir=os.path.dirname(checkpoint_dir), checkpoint_dir=checkpoint_dir,
                     resume_command=resume_command, coordinator=state.coordinator_address)
-
-  _ACTIVE = PeerWatchdog(timeout_s, describer(state.num_processes, checkpoint_dir,
-                                               resume_command),
+  describe = describer(state.num_processes, checkpoint_dir, resume_command)
+  _ACTIVE = PeerWatchdog(float(distributed_config.heartbeat_timeout_s), describe,
                          client=state.client, process_id=state.process_id,
                          num_processes=state.num_processes)
   atexit.register(_ACTIVE.stop)
@@ -129,8 +120,7 @@ def collective_lost_peer(error: BaseException) -> tuple[str, str] | None:
   while error is not None and id(error) not in seen:
     seen.add(id(error))
     for pattern in PEER_CONNECTION_CLOSED:
-      match = pattern.search(str(error))
-      if match:
+      if match := pattern.search(str(error)):
         return match.group(1), match.group(2)
     error = error.__cause__ or error.__context__
   return None
@@ -138,7 +128,8 @@ def collective_lost_peer(error: BaseException) -> tuple[str, str] | None:
 
 def exit_if_peer_lost(error: BaseException) -> None:
   """Where ``error`` says a collective lost a peer's connection on a multi-process run:
-  prints the lost-peer line and ends the process (``os._exit``) with :data:`EXIT_PEER_LOST`.
+  prints the lost-peer line and ends the process with :data:`EXIT_PEER_LOST` at once
+  (``os._exit``: closing the checkpointer or JAX would wait on the dead peer's barriers).
   Returns for any other error, and on one process."""
   found = collective_lost_peer(error)
   if found is not None and _ACTIVE is not None:
@@ -165,10 +156,12 @@ def wait_for_verdict() -> bool:
 
 
 class PeerWatchdog:
-  """Liveness counters in the coordination service: a process whose counter has not moved
-  for ``heartbeat_timeout_s`` is lost, and every survivor prints ``describe(lost_process or
-  None, step, reason)`` and calls ``exit(EXIT_PEER_LOST)``; so does a collective that lost
-  a peer's connection (:meth:`collective_failed`). ``client``: JAX's coordination client."""
+  """Liveness counters in the coordination service (``client``: JAX's coordination client):
+  process 0 declares a process whose counter has not moved for ``heartbeat_timeout_s`` lost
+  and publishes the verdict; every survivor prints ``describe(lost_process or None, step,
+  reason)`` and calls ``exit(EXIT_PEER_LOST)``; so does a collective that lost a peer's
+  connection (:meth:`collective_failed`). JAX's own heartbeat (:data:`JAX_HEARTBEAT_FACTOR`
+  times longer) aborts from C++ without either: it is only the backstop."""
 
   def __init__(self, heartbeat_timeout_s: float,
                describe: Callable[[int | None, int | None, str], str], *, client,
@@ -200,12 +193,10 @@ class PeerWatchdog:
     if self._stop.is_set():
       return
     self._stop.set()
-    if not done:
-      return
-    try:
-      self._client.key_value_set(f"{_PREFIX}/done/{self.process_id}", "1", allow_overwrite=True)
-    except Exception:  # The coordination service is gone: nobody is watching any more.
-      pass
+    if done:  # (if the coordination service is gone, nobody is watching any more)
+      with contextlib.suppress(Exception):
+        self._client.key_value_set(f"{_PREFIX}/done/{self.process_id}", "1",
+                                   allow_overwrite=True)
 
   def collective_failed(self, collective: str, closed: str) -> None:
     """A collective of this process failed because a peer's connection closed: the verdict
@@ -237,16 +228,13 @@ class PeerWatchdog:
       try:
         self._client.key_value_set(f"{_PREFIX}/beat/{self.process_id}", str(counter),
                                    allow_overwrite=True)
-        lost = dict(self._client.key_value_dir_get(f"{_PREFIX}/lost/"))
-        if lost:
-          peer, _, reason = next(iter(lost.values())).partition(" ")
+        if lost := self._client.key_value_dir_get(f"{_PREFIX}/lost/"):
+          peer, _, reason = lost[0][1].partition(" ")  # [(key, "<process or ?> <reason>")]
           self._declare(int(peer) if peer.isdigit() else None, reason, publish=False)
           return
-        if self.process_id == 0:
-          peer = self._silent_peer(seen)
-          if peer is not None:
-            self._declare(peer, f"no heartbeat for {self.timeout_s:g} s", publish=True)
-            return
+        if self.process_id == 0 and (peer := self._silent_peer(seen)) is not None:
+          self._declare(peer, f"no heartbeat for {self.timeout_s:g} s", publish=True)
+          return
       except Exception:  # A transient RPC error; a dead coordinator ends us from C++.
         continue
 
@@ -279,7 +267,7 @@ class PeerWatchdog:
     sys.stdout.flush()
     print(line, file=sys.stderr, flush=True)
     if lost != 0:  # Process 0 hosts the coordination service: none is left to tell.
-      try:
+      with contextlib.suppress(Exception):
         if publish:  # For the survivors in no collective: their watchdogs poll it.
           self._client.key_value_set(f"{_PREFIX}/lost/verdict",
                                      f"{'?' if lost is None else lost} {reason}",
@@ -289,8 +277,6 @@ class PeerWatchdog:
         else:
           self._client.key_value_set(f"{_PREFIX}/exiting/{self.process_id}", "1",
                                      allow_overwrite=True)
-      except Exception:
-        pass
     self._exit(EXIT_PEER_LOST)
     self._exited.set()
 
@@ -357,12 +343,10 @@ class StopRequest:
   def reached(self, step: int) -> bool:
     """Whether to stop after ``step`` (called once per step, same steps on every process)."""
     if self._jax_notice:
-      from jax.experimental import multihost_utils
       if multihost_utils.reached_preemption_sync_point(step):
         self.received = self.received or "SIGTERM (preemption notice)"
         return True
       return False
     if self._multi:  # Preemption service disabled: agree through a collective each step.
-      from jax.experimental import multihost_utils
       return bool(np.max(multihost_utils.process_allgather(np.int32(self.received is not None))))
     return self.received is not None

@@ -3,8 +3,7 @@ step metrics with their divergence check, the profile of ``config.profile_steps`
 
 MFU = model FLOP/s achieved / peak FLOP/s of the devices: model FLOPs from
 ``LlamaConfig.flops_per_token`` (attention included, forward + backward), the peak from
-``config.peak_flops_per_device``, else :mod:`ring_jax.hardware` (dense bf16, by
-``device_kind``); on CPU, the nominal ``config.cpu_peak_flops_per_device``, labelled so.
+:func:`peak_flops_per_device`.
 """
 
 from __future__ import annotations
@@ -25,7 +24,8 @@ from ring_jax import hardware
 
 
 def peak_flops_per_device(config, device=None) -> tuple[float, str]:
-  """(peak FLOP/s per device, where the number came from) for MFU."""
+  """(peak FLOP/s per device, where the number came from) for MFU: the config's, the nominal
+  CPU figure on CPU, else :mod:`ring_jax.hardware`'s (dense bf16, by ``device_kind``)."""
   device = device or jax.devices()[0]
   if config.get("peak_flops_per_device"):
     return float(config.peak_flops_per_device), "config.peak_flops_per_device"
@@ -56,8 +56,7 @@ class Throughput:
     self.tokens_per_step = tokens_per_step
     self.flops_per_token = flops_per_token
     self.peak_total = peak_flops * num_devices
-    self._t0 = time.perf_counter()
-    self._steps = 0
+    self.reset()
 
   def reset(self) -> None:
     self._t0, self._steps = time.perf_counter(), 0
@@ -66,9 +65,7 @@ class Throughput:
     self._steps += 1
 
   def window(self) -> dict[str, float]:
-    elapsed = time.perf_counter() - self._t0
-    steps = max(self._steps, 1)
-    step_time = elapsed / steps
+    step_time = (time.perf_counter() - self._t0) / max(self._steps, 1)
     tokens_per_s = self.tokens_per_step / step_time
     out = dict(step_time_s=step_time, tokens_per_s=tokens_per_s,
                mfu=tokens_per_s * self.flops_per_token / self.peak_total)
@@ -158,9 +155,8 @@ def truncate_jsonl(path: str, last_step: int) -> int:
 class Progress:
   """One console line per log step with ETA (process 0 only)."""
 
-  def __init__(self, total_steps: int, start_step: int, *, enabled: bool | None = None):
+  def __init__(self, total_steps: int, start_step: int):
     self.total, self.start = total_steps, start_step
-    self.enabled = jax.process_index() == 0 if enabled is None else enabled
     self._t0 = time.perf_counter()
 
   def line(self, step: int, m: dict[str, float]) -> str:
@@ -173,8 +169,7 @@ class Progress:
             f"MFU {100 * m['mfu']:.2f}% | ETA {format_duration(eta)}")
 
   def log(self, step: int, metrics: dict[str, float]) -> None:
-    if self.enabled:
-      print(self.line(step, metrics), flush=True)
+    log(self.line(step, metrics))
 
 
 def log(message: str) -> None:
@@ -202,7 +197,6 @@ class StepMetrics:
     self._pending: list[tuple[int, Any]] = []  # (step, metrics still on the device)
     self._window: list[dict[str, float]] = []
     self.history: list[dict[str, float]] = []
-    self.last_row: dict[str, float] = {}
 
   def add(self, step: int, metrics) -> None:
     """Queues the (on-device, not yet fetched) metrics of ``step``."""
@@ -213,7 +207,6 @@ class StepMetrics:
     while self._pending and self._pending[0][0] <= upto:
       step, metrics = self._pending.pop(0)
       row = dict(step=step, **{k: float(v) for k, v in jax.device_get(metrics).items()})
-      self.last_row = row
       self._window.append(row)
       self.history.append(row)
       if not (math.isfinite(row["loss"]) and math.isfinite(row["grad_norm"])):

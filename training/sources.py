@@ -2,16 +2,12 @@
 
 A corpus (a file, a directory searched recursively, or a glob) is cut into spans (:class:`Span`),
 half-open ranges of one file's *units* (bytes of line files, parquet rows, ArrayRecord
-records), measured without reading the file. Splits: of several files the last
-``max(1, round(eval_fraction * files))`` are eval; one file holds out its last
-``eval_fraction`` of units. Shards: with at least as many spans as shards, span ``i`` of the
-epoch's (reshuffled) list goes to shard ``i % shards``, else each span is cut in ``shards``.
-A byte range owns every line that *starts* inside it, so any cut gives each line to one
-reader, which seeks to its range. A ``.txt`` file (or a range of one) is one document, read
-in pieces of about ``TXT_PIECE_BYTES`` cut at line ends. Parquet is read by row-group
-batches with ``pyarrow`` (Grain's ``ParquetIterDataset`` reads whole files).
-
-Bad records are counted by kind with their first locations and skipped, or raise
+records), measured without reading the file, then split (:func:`split_spans`) and sharded
+(:func:`shard_spans`). A byte range owns every line that *starts* inside it, so any cut gives
+each line to one reader, which seeks to its range. A ``.txt`` file (or a range of one) is one
+document, read in pieces of about ``TXT_PIECE_BYTES`` cut at line ends. Parquet is read by
+row-group batches with ``pyarrow`` (Grain's ``ParquetIterDataset`` reads whole files). Bad
+records are counted by kind with their first locations and skipped, or raise
 :class:`DataError` when ``strict``; blank lines of a ``.jsonl`` file are not records.
 """
 
@@ -66,10 +62,8 @@ def list_data_files(path: str) -> list[str]:
   """``path`` may be a file, a directory (searched recursively) or a glob; sorted."""
   if os.path.isfile(path):
     return [path]
-  if os.path.isdir(path):
-    found = glob.glob(os.path.join(path, "**", "*"), recursive=True)
-  else:
-    found = glob.glob(os.path.expanduser(path), recursive=True)
+  pattern = os.path.join(path, "**", "*") if os.path.isdir(path) else os.path.expanduser(path)
+  found = glob.glob(pattern, recursive=True)
   return sorted(f for f in found if os.path.isfile(f) and f.endswith(DATA_EXTS))
 
 
@@ -99,7 +93,8 @@ class Span:
 
 
 def split_spans(files: list[str], eval_fraction: float, split: str) -> list[Span]:
-  """The spans of ``split`` ('train' | 'eval'); train and eval never share a unit."""
+  """The spans of ``split`` ('train' | 'eval'), which share no unit: of several files the last
+  ``max(1, round(eval_fraction * files))`` are eval, of one file its last ``eval_fraction``."""
   if not files:
     raise ValueError("no data files")
   if len(files) > 1:
@@ -112,7 +107,8 @@ def split_spans(files: list[str], eval_fraction: float, split: str) -> list[Span
 
 
 def shard_spans(spans: list[Span], index: int, count: int) -> list[Span]:
-  """Shard ``index`` of ``count``: whole spans round robin, or a part of every span."""
+  """Shard ``index`` of ``count``: with at least ``count`` spans, span ``i`` goes to shard
+  ``i % count``, else each span is cut in ``count`` parts."""
   if not 0 <= index < count:
     raise ValueError(f"shard index {index} is not in [0, {count})")
   if len(spans) >= count:
@@ -151,9 +147,7 @@ class BadRecords:
     return dict(counts=dict(self.counts), first={k: list(v) for k, v in self.first.items()})
 
 
-# ----------------------------------------------------------------------------
-# Readers: (text, is_first_piece, is_last_piece, location()) of one span, from an offset
-# ----------------------------------------------------------------------------
+# --- Readers: (text, is_first_piece, is_last_piece, location()) of one span, from an offset ---
 
 
 class _Cursor:
@@ -225,12 +219,12 @@ def _read_lines(cur: _Cursor, bad: BadRecords, field: str) -> Iterator[tuple]:
   for here, raw in _lines(cur):
     if raw.strip():  # a blank line is no record
       where = lambda here=here: cur.line_location(here)
-      text = _json_text(raw, field, bad, where)
-      if text is not None:
+      if (text := _json_text(raw, field, bad, where)) is not None:
         yield text, True, True, where
 
 
-def _read_txt(cur: _Cursor, bad: BadRecords) -> Iterator[tuple]:
+def _read_txt(cur: _Cursor, bad: BadRecords, field=None) -> Iterator[tuple]:
+  """A text file's pieces (it has no ``field``: the file is the document)."""
   first = cur.offset == cur.span.start  # Else resumed mid-document.
   emitted, lines = not first, _lines(cur)
   while True:
@@ -279,8 +273,7 @@ def _read_parquet(cur: _Cursor, bad: BadRecords, field: str):
   for r, value in zip(rows, itertools.islice(values, cur.offset - row, None)):
     cur.offset = r + 1
     where = lambda r=r: f"{cur.span.path}:row {r}"
-    text = _checked_text(value, bad, where, missing)
-    if text is not None:
+    if (text := _checked_text(value, bad, where, missing)) is not None:
       yield text, True, True, where
 
 
@@ -291,24 +284,19 @@ def _read_array_record(cur: _Cursor, bad: BadRecords, field: str):
     for i, raw in zip(indices, source.__getitems__(indices)):
       cur.offset = i + 1
       where = lambda i=i: f"{cur.span.path}:record {i}"
-      text = _json_text(bytes(raw), field, bad, where)
-      if text is not None:
+      if (text := _json_text(bytes(raw), field, bad, where)) is not None:
         yield text, True, True, where
 
 
 def read_span(cur: _Cursor, bad: BadRecords, field: str):
   """The pieces ``(text, is_first_piece, is_last_piece, location())`` of ``cur``'s span
   from its offset on, advancing ``cur``."""
-  kind = file_kind(cur.span.path)
-  if kind == "txt":
-    return _read_txt(cur, bad)
-  readers = {"lines": _read_lines, "parquet": _read_parquet, "array_record": _read_array_record}
-  return readers[kind](cur, bad, field)
+  readers = {"lines": _read_lines, "txt": _read_txt, "parquet": _read_parquet,
+             "array_record": _read_array_record}
+  return readers[file_kind(cur.span.path)](cur, bad, field)
 
 
-# ----------------------------------------------------------------------------
-# Grain dataset: tokenised documents of one shard, endless, checkpointable
-# ----------------------------------------------------------------------------
+# --- Grain dataset: tokenised documents of one shard, endless, checkpointable -----------------
 
 
 class DocumentDataset(grain.IterDataset):
@@ -377,8 +365,7 @@ class DocumentIterator(grain.DatasetIterator):
       if self._reader is None:
         self._reader = read_span(self._cursor, self.bad, self._ds.text_field)
       before = self._reader_state()
-      piece = next(self._reader, None)
-      if piece is None:
+      if (piece := next(self._reader, None)) is None:
         self._set(epoch=self._epoch, span=self._span + 1, epoch_docs=self._epoch_docs)
         continue
       self._epoch_docs += 1
@@ -431,13 +418,10 @@ class DocumentIterator(grain.DatasetIterator):
                 bad_records=self.bad.state())
 
   def get_state(self) -> dict[str, Any]:
-    if self._buffer:
-      return copy.deepcopy(self._buffer[0][0])
-    return self._reader_state()
+    return copy.deepcopy(self._buffer[0][0]) if self._buffer else self._reader_state()
 
   def set_state(self, state: dict[str, Any]) -> None:
-    bad = state.get("bad_records", {})
-    self.bad = BadRecords(self._ds.strict, bad.get("counts"), bad.get("first"))
+    self.bad = BadRecords(self._ds.strict, **state.get("bad_records", {}))
     self._buffer.clear()
     self._error = None
     self._set(epoch=state["epoch"], span=state["span"], offset=state["offset"],

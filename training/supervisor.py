@@ -3,10 +3,8 @@
 When process 0 dies, the coordination service it hosts dies with it and JAX's C++ client
 aborts every survivor before any of its Python runs, so the report must come from another
 process: ``train.py`` re-executes itself as a child under :func:`supervise`, which imports
-no JAX, forwards :data:`FORWARDED_SIGNALS` (the child, in its own process group, dies with
-it: ``PR_SET_PDEATHSIG``), passes stdout through and stderr line by line except JAX's report
-of a lost service (saved to ``<workdir>/abort_process_<i>.txt``), and learns from the child
-(:func:`report`) its process index, checkpoint directory, resume command and step. Its exit:
+no JAX, forwards :data:`FORWARDED_SIGNALS`, passes the child's output through (JAX's report
+of a lost service to a file) and learns what its line needs from :func:`report`. Its exit:
 
 * the child ended because the service is gone (JAX's line says so, or it aborted and the
   coordinator refuses connections), or because JAX propagated another task's failure
@@ -19,6 +17,8 @@ of a lost service (saved to ``<workdir>/abort_process_<i>.txt``), and learns fro
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import json
 import os
 import re
@@ -101,16 +101,18 @@ def report(**fields) -> None:
   fd = os.environ.get(_FD_ENV)
   if not fd:
     return
-  try:
+  with contextlib.suppress(OSError):  # The supervisor is gone (SIGKILL next), or not our fd.
     os.write(int(fd), (json.dumps(fields) + "\n").encode())
-  except OSError:  # The supervisor is gone (we get SIGKILL next) or the fd is not ours.
-    pass
 
 
 # --- The parent's side --------------------------------------------------------------------
 
 
-def _child_setup(libc, parent_pid: int):
+def _child_setup():
+  """The child's ``preexec_fn``: its own process group, and (Linux) death with this process."""
+  parent_pid = os.getpid()
+  libc = ctypes.CDLL(None) if sys.platform.startswith("linux") else None  # loaded before fork
+
   def setup():
     os.setpgid(0, 0)  # Our own group: a terminal's signals reach the child once, via us.
     if libc is not None:
@@ -118,16 +120,6 @@ def _child_setup(libc, parent_pid: int):
       if os.getppid() != parent_pid:  # it died before the prctl
         os._exit(128 + signal.SIGKILL)
   return setup
-
-
-def _libc():
-  if not sys.platform.startswith("linux"):
-    return None
-  try:
-    import ctypes
-    return ctypes.CDLL(None, use_errno=True)
-  except OSError:
-    return None
 
 
 def coordinator_refuses(address: str, timeout_s: float = 2.0) -> bool:
@@ -166,21 +158,18 @@ def supervise(argv: list[str] | None = None) -> int:
   report_r, report_w = os.pipe()
   env = dict(os.environ, **{_CHILD_ENV: "1", _FD_ENV: str(report_w)})
   child = subprocess.Popen([sys.executable, *argv], env=env, pass_fds=(report_w,),
-                           stderr=subprocess.PIPE, preexec_fn=_child_setup(_libc(), os.getpid()))
+                           stderr=subprocess.PIPE, preexec_fn=_child_setup())
   os.close(report_w)
 
   def forward(signum, frame):
-    try:
-      child.send_signal(signum)
-    except ProcessLookupError:
-      pass
+    child.send_signal(signum)  # (a no-op once the child has exited)
   previous = {s: signal.signal(s, forward) for s in FORWARDED_SIGNALS}
 
   info: dict = {}
   held: list[str] = []  # stderr lines waiting for the next one (see _AGENT_LOG)
   held_since = 0.0
   swallowed: list[str] = []  # JAX's report of the lost service and all after it
-  out = sys.stderr
+  out = sys.stderr  # written through at once (Python >= 3.9): no flush needed
   streams = {child.stderr.fileno(): _Lines(child.stderr.fileno()), report_r: _Lines(report_r)}
   ended_at = None  # when the child exited: a process it forked may hold the pipes open
   try:
@@ -194,10 +183,8 @@ def supervise(argv: list[str] | None = None) -> int:
       for fd in sorted(ready, key=lambda fd: fd != report_r):  # reports first ("declared")
         for line in streams[fd].read():
           if fd == report_r:
-            try:
+            with contextlib.suppress(ValueError):
               info.update(json.loads(line))
-            except ValueError:
-              pass
           elif swallowed:
             swallowed.append(line)
           elif _TERMINATING in line:
@@ -205,18 +192,15 @@ def supervise(argv: list[str] | None = None) -> int:
             held = []
           elif line == f"{info.get('declared')}\n":  # the child's line: never held as JAX's
             out.write(line)
-            out.flush()
           elif _AGENT_LOG.match(line) or (held and not _LOG_LINE.match(line)):
             held.append(line)
             held_since = time.monotonic()
           else:
             out.writelines([*held, line])
-            out.flush()
             held = []
       if held and (time.monotonic() - held_since > _HOLD_S or all(
           s.closed for fd, s in streams.items() if fd != report_r)):
         out.writelines(held)
-        out.flush()
         held = []
     returncode = child.wait()
     if info.get("declared"):  # JAX's lines about the loss the child reported go to the file
@@ -233,7 +217,14 @@ def supervise(argv: list[str] | None = None) -> int:
       child.wait()
   status = returncode if returncode >= 0 else 128 - returncode
   if info.get("declared") and returncode != 0:
-    return _declared(info, swallowed, out)
+    # The child printed the lost-peer line itself, then ended (JAX's abort may beat its exit):
+    # that line alone (said here if JAX's report swallowed it), the report to the file.
+    line = info["declared"] + "\n"
+    if line in swallowed:
+      swallowed.remove(line)
+      out.write(line)
+    _save_report(info, swallowed)
+    return EXIT_PEER_LOST
   lost = None if returncode in (0, 75) or "checkpoint_dir" not in info else _lost_process(
       info, swallowed, aborted=returncode == -signal.SIGABRT)
   if lost is None:  # Some other ending: the child said what it had to say ...
@@ -242,9 +233,13 @@ def supervise(argv: list[str] | None = None) -> int:
       out.write(f"supervisor: the training process of process {info.get('process_id', '?')} "
                 f"(pid {child.pid}) was ended by {signal.Signals(-returncode).name} (signal "
                 f"{-returncode}); exit status {status}\n")
-      out.flush()
     return status
-  return _report_lost(info, swallowed, out, *lost)
+  path, directory = _save_report(info, swallowed), info["checkpoint_dir"]
+  sys.stdout.flush()
+  out.write(lost_peer_message(lost[0], info["num_processes"], lost[1], info.get("step"),
+                              complete_steps(directory), directory, info["resume_command"])
+            + "\n" + (f"note: JAX's report of it is in {path}\n" if path else ""))
+  return EXIT_PEER_LOST
 
 
 def _lost_process(info: dict, swallowed: list[str], aborted: bool) -> tuple[int, str] | None:
@@ -284,32 +279,6 @@ def _save_report(info: dict, swallowed: list[str]) -> str | None:
   except OSError:
     return None
   return path
-
-
-def _declared(info: dict, swallowed: list[str], out) -> int:
-  """The child printed the lost-peer line itself (``info["declared"]``), then ended (JAX's
-  abort may beat its exit): that line alone (said here if JAX's report swallowed it), the
-  report to the file, status 75."""
-  line = info["declared"] + "\n"
-  if line in swallowed:
-    swallowed.remove(line)
-    out.write(line)
-    out.flush()
-  _save_report(info, swallowed)
-  return EXIT_PEER_LOST
-
-
-def _report_lost(info: dict, swallowed: list[str], out, lost: int, reason: str) -> int:
-  path = _save_report(info, swallowed)
-  note = f"note: JAX's report of it is in {path}\n" if path else ""
-  directory = info["checkpoint_dir"]
-  line = lost_peer_message(
-      lost, info["num_processes"], reason, info.get("step"),
-      complete_steps(directory), directory, info["resume_command"])
-  sys.stdout.flush()
-  out.write(line + "\n" + note)
-  out.flush()
-  return EXIT_PEER_LOST
 
 
 def lost_peer_message(lost: int | None, num_processes: int, reason: str, step: int | None,

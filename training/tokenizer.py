@@ -30,11 +30,6 @@ UNSET = ("data.tokenizer is unset (configs/finetune.py takes the tokenizer of in
 _HF_FILE, _SP_FILE = "tokenizer.json", "tokenizer.model"
 
 
-def byte_tokenize(text: str) -> np.ndarray:
-  """UTF-8 bytes shifted past the special ids, wrapped in BOS ... EOS."""
-  return load_tokenizer(BYTE).encode_document(text)
-
-
 def byte_detokenize(ids) -> str:
   ids = np.asarray(ids)
   ids = ids[ids >= BYTE_OFFSET] - BYTE_OFFSET
@@ -191,7 +186,7 @@ def _load(spec: str) -> Tokenizer:
     return Tokenizer(spec=BYTE, kind="byte", vocab_size=BYTE_VOCAB_SIZE, bos_id=BOS_ID,
                      eos_id=EOS_ID, add_bos=True, add_eos=True)
   path = resolve_tokenizer_file(spec)
-  if os.path.basename(path) == _HF_FILE or path.endswith(".json"):
+  if path.endswith(".json"):
     return _load_tokenizers(path, spec)
   return _load_sentencepiece(path, spec)
 

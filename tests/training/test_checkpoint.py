@@ -54,7 +54,7 @@ def test_save_on_one_mesh_restore_on_another_and_keep_last_n(tmp_path):
   target = step_lib.build_train_step(MODEL, new_mesh, tx)
   p_shard, o_shard = target.param_shardings, target.opt_shardings
   restorer = ckpt_lib.Checkpointer(str(tmp_path), every=5, keep=2)
-  assert restorer.latest_step() == 5
+  assert restorer.all_steps()[-1] == 5
   got_params, got_opt, got_data = restorer.restore(5, target.abstract_params,
                                                    target.abstract_opt_state)
   restorer.close()

@@ -85,7 +85,7 @@ def _pack_documents(docs_tokens, seq_len):
 
 def test_packing_segments_never_cross_documents():
   docs = ["hello", "a", "the quick brown fox jumps", "", "xyz" * 7, "end"]
-  tokens = [data_lib.byte_tokenize(d) for d in docs if d]
+  tokens = [data_lib.load_tokenizer("byte").encode_document(d) for d in docs if d]
   packed = _pack_documents(tokens, seq_len=16)
   stream = np.concatenate(tokens)
   doc_of = np.concatenate([np.full(len(t), i) for i, t in enumerate(tokens)])
@@ -121,7 +121,7 @@ def test_packing_segments_never_cross_documents():
 
 def test_byte_tokenizer_roundtrip():
   text = "ring attention — zigzag ✓"
-  ids = data_lib.byte_tokenize(text)
+  ids = data_lib.load_tokenizer("byte").encode_document(text)
   assert ids[0] == data_lib.BOS_ID and ids[-1] == data_lib.EOS_ID
   assert ids.max() < data_lib.BYTE_VOCAB_SIZE
   assert data_lib.byte_detokenize(ids) == text

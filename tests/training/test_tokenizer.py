@@ -57,7 +57,9 @@ def _train_sentencepiece(directory, config: dict | None = None):
 def test_byte_tokenizer_is_the_default():
   tok = load_tokenizer("byte")
   assert tok.vocab_size == data_lib.BYTE_VOCAB_SIZE == 259
-  np.testing.assert_array_equal(tok.encode_document(TEXT), data_lib.byte_tokenize(TEXT))
+  byte_ids = np.frombuffer(TEXT.encode("utf-8"), np.uint8) + 3  # past PAD, BOS, EOS
+  np.testing.assert_array_equal(tok.encode_document(TEXT),
+                                [data_lib.BOS_ID, *byte_ids, data_lib.EOS_ID])
   assert tok.decode(tok.encode_document(TEXT)) == TEXT
   assert tiny_config().data.tokenizer == "byte"
 
