@@ -2,16 +2,9 @@
 
 Every table of measured figures in a markdown file sits between two whole-line markers,
 ``<!-- report: NAME -->`` and ``<!-- /report -->``, and is replaced wholesale by block ``NAME`` of
-:data:`BLOCKS`. A block, declared as data by :func:`table_block`, is an intro, a table and text
-after it, every figure computed from the raw numbers of its result files
-(``benchmarks/results/*.json`` / ``*.jsonl``), then a caption: per file its date, machine and jax,
-a link, and the command that made it. Nothing is typed by hand, so no quoted figure can drift
-from the run that made it. A new block is one call at module level (or ``@block(...)`` with the
-same arguments above the function that gives its rows)::
-
-    table_block("my_block", "my_result_cpu.json", rows=lambda d: d["rows"], align="-r",
-                intro="Ring of {ring}, {length:len} tokens:",   # over the file's top level
-                columns=[("config", "`{config}`"), ("temp MiB", "{temp_bytes:mib}")])
+:data:`BLOCKS` (declared as data by :func:`table_block`): every figure computed from the raw
+numbers of its result files, then a caption with per file its date, machine and jax, a link and
+the command that made it (from ``results/provenance.json`` where the file records none)::
 
     python benchmarks/report.py              # rewrite every block in every *.md of the repo
     python benchmarks/report.py --check      # exit 1 with a diff if a block is out of date
@@ -20,8 +13,7 @@ same arguments above the function that gives its rows)::
     python benchmarks/report.py --print headline   # one block's text (links from the root)
 
 An unknown block, an unterminated block or a missing result file is an error (exit 2). Pure
-Python: no jax, nothing compiled or timed. Files that do not record their date / machine / jax
-get them from ``results/provenance.json`` (from their ``.log`` or the commit that wrote them).
+Python: no jax, nothing compiled or timed.
 """
 
 from __future__ import annotations
@@ -123,7 +115,7 @@ def caption(*names: str, note: str = "") -> str:
   return f"<sub>{line} {note}</sub>" if note else f"<sub>{line}</sub>"
 
 
-# --- Formatting (one style everywhere) -------------------------------------------------------
+# --- Formatting: one function per kind of number, each also a format spec of fmt() -----------
 
 def mib(nbytes: float) -> str:
   return f"{nbytes / MIB:.1f}"
@@ -133,8 +125,8 @@ def gib(nbytes: float) -> str:
   return f"{nbytes / GIB:.1f}"
 
 
-def x(ratio: float, digits: int = 2) -> str:
-  return f"{ratio:.{digits}f}x"
+def x(ratio: float) -> str:
+  return f"{ratio:.2f}x"
 
 
 def pct(frac: float) -> str:
@@ -707,26 +699,23 @@ TPU_INTRO = ("`ring_attention_sharded` fwd+bwd compiled for {topology} (no TPU a
              "ring of 4")
 
 
-def _in_flight(r) -> str:
-  """Ring transfers with block compute in flight / all."""
-  return f"{r['ring_in_flight']} of {r['ring_transfers']}"
+IN_FLIGHT = "{ring_in_flight} of {ring_transfers}"  # ring transfers with compute in flight / all
+TEMP = "{temp_mib:.1f}"
 
 
 def _kinds(r) -> str:
-  """The same per kind of transfer."""
+  """Ring transfers with block compute in flight / all per kind: ``K/V 6/6, dK/dV 4/4``."""
   return ", ".join(f"{kind.removeprefix('ring ')} {h}/{t}" for kind, (h, t) in r["kinds"].items())
 
 
-def _temp(r) -> str:
-  return f"{r['temp_mib']:.1f}"
-
-
 def _before_after(after, before, *before_cells) -> list:
-  """Per configuration of ``after`` (errors left out): ``before_cells`` of the same one in
-  ``before`` (blank where it has none), then its transfers in flight, per kind and temp."""
+  """Per configuration of ``after`` (errors left out): ``before_cells`` (functions or format
+  strings) of the same one in ``before`` (blank where it has none), then its transfers in
+  flight, per kind and temp."""
   old = {r["config"]: r for r in before["rows"] if "error" not in r}
-  return [[f"`{r['config']}`", *(f(o) if o else "" for f in before_cells), _in_flight(r),
-           _kinds(r), _temp(r)]
+  cell = lambda c, r: c(r) if callable(c) else fmt(c, r)
+  return [[f"`{r['config']}`", *(cell(c, o) if o else "" for c in before_cells),
+           fmt(IN_FLIGHT, r), _kinds(r), fmt(TEMP, r)]
           for r in after["rows"] if "error" not in r for o in [old.get(r["config"])]]
 
 
@@ -741,7 +730,7 @@ table_block(
                         "(in-place dK/dV; causal contiguous routed):"),
     head=["configuration", "before: in flight", "before: temp MiB", "after: in flight",
           "after, per kind", "after: temp MiB"],
-    rows=lambda a, b: _before_after(a, b, _in_flight, _temp))
+    rows=lambda a, b: _before_after(a, b, IN_FLIGHT, TEMP))
 
 table_block(
     "tpu_backward_rotation", "tpu_backward_rotation_v5p.json",
@@ -753,7 +742,7 @@ table_block(
                         f"{b['label']} against {a['label']}:"),
     head=["configuration", "before: in flight", "before, per kind", "before: temp MiB",
           "after: in flight", "after, per kind", "after: temp MiB"],
-    rows=lambda a, b: _before_after(a, b, _in_flight, _kinds, _temp))
+    rows=lambda a, b: _before_after(a, b, IN_FLIGHT, _kinds, TEMP))
 
 
 def _hop_case(row) -> tuple[str, str]:
@@ -779,7 +768,7 @@ def _hop_memory_rows(d, tried) -> list:
   ratio to the xla hop's."""
   runs = [{_hop_case(r): r for r in f["rows"]} for f in (d, tried)]
   mib_of = lambda r: None if r is None or "error" in r else r["temp_mib"]
-  cell = lambda r: ("" if r is None else _temp(r) if "error" not in r else
+  cell = lambda r: ("" if r is None else fmt(TEMP, r) if "error" not in r else
                     "refused" if r["error"].startswith("ValueError") else "error")
   out = []
   for case in dict.fromkeys(c for c, _ in runs[0]):
@@ -813,9 +802,9 @@ def _splash_rows(after, before) -> list:
     case, kernel = _hop_case(r)
     b, xla = old.get((case, kernel)), old.get((case, "xla"))
     if "error" not in r and kernel == "splash" and b and xla:
-      rows.append([f"`{case}`", f"{r['heads']}:{r['kv_heads']}", _temp(xla)] +
-                  [c for s in (b, r) for c in (_temp(s), x(s["temp_mib"] / xla["temp_mib"]),
-                                               _in_flight(s), f"{s['hlo_chars'] / 1e6:.2f}M")])
+      rows.append([f"`{case}`", f"{r['heads']}:{r['kv_heads']}", fmt(TEMP, xla)] +
+                  [c for s in (b, r) for c in (fmt(TEMP, s), x(s["temp_mib"] / xla["temp_mib"]),
+                                               fmt(IN_FLIGHT, s), f"{s['hlo_chars'] / 1e6:.2f}M")])
   return rows
 
 
