@@ -697,8 +697,6 @@ table_block(
 TPU_NOTE = "Deviceless compiles with libtpu {libtpu}."
 TPU_INTRO = ("`ring_attention_sharded` fwd+bwd compiled for {topology} (no TPU attached), "
              "ring of 4")
-
-
 IN_FLIGHT = "{ring_in_flight} of {ring_transfers}"  # ring transfers with compute in flight / all
 TEMP = "{temp_mib:.1f}"
 
@@ -708,41 +706,9 @@ def _kinds(r) -> str:
   return ", ".join(f"{kind.removeprefix('ring ')} {h}/{t}" for kind, (h, t) in r["kinds"].items())
 
 
-def _before_after(after, before, *before_cells) -> list:
-  """Per configuration of ``after`` (errors left out): ``before_cells`` (functions or format
-  strings) of the same one in ``before`` (blank where it has none), then its transfers in
-  flight, per kind and temp."""
-  old = {r["config"]: r for r in before["rows"] if "error" not in r}
-  cell = lambda c, r: c(r) if callable(c) else fmt(c, r)
-  return [[f"`{r['config']}`", *(cell(c, o) if o else "" for c in before_cells),
-           fmt(IN_FLIGHT, r), _kinds(r), fmt(TEMP, r)]
-          for r in after["rows"] if "error" not in r for o in [old.get(r["config"])]]
-
-
-table_block(
-    "tpu_overlap", "tpu_overlap_v5p.json", "tpu_overlap_v5p_before.json", align="-rrr-r",
-    note=TPU_NOTE,
-    intro=lambda a, b: (TPU_INTRO.format_map(a) + f", {length(a['length'])} tokens, "
-                        f"{a['heads']} x {a['head_dim']} heads, {a['dtype']}, xla hop (splash "
-                        "where named), default blocks; ring transfers with block compute in "
-                        "flight / all (`ring_jax.analysis.overlap_report`, a loop body's pair "
-                        f"counted once) and temp per chip; {b['label']}, with its defaults "
-                        "(in-place dK/dV; causal contiguous routed):"),
-    head=["configuration", "before: in flight", "before: temp MiB", "after: in flight",
-          "after, per kind", "after: temp MiB"],
-    rows=lambda a, b: _before_after(a, b, IN_FLIGHT, TEMP))
-
-table_block(
-    "tpu_backward_rotation", "tpu_backward_rotation_v5p.json",
-    "tpu_backward_rotation_v5p_before.json", align="-r-rr-r", note=TPU_NOTE,
-    intro=lambda a, b: (TPU_INTRO.format_map(a) + f" (two-level: 2 x 2), {length(a['length'])} "
-                        f"tokens, {a['heads']} x {a['head_dim']} heads, {a['dtype']}, xla hop "
-                        "(splash where named), the TPU defaults; ring transfers with block "
-                        "compute in flight / all, per kind, and temp per chip; "
-                        f"{b['label']} against {a['label']}:"),
-    head=["configuration", "before: in flight", "before, per kind", "before: temp MiB",
-          "after: in flight", "after, per kind", "after: temp MiB"],
-    rows=lambda a, b: _before_after(a, b, IN_FLIGHT, _kinds, TEMP))
+def _compiled(d) -> list:
+  """The rows of a tpu_overlap.py run that compiled (a refused configuration records an error)."""
+  return [r for r in d["rows"] if "error" not in r]
 
 
 def _hop_case(row) -> tuple[str, str]:
@@ -753,59 +719,52 @@ def _hop_case(row) -> tuple[str, str]:
   return "+".join(p for p in parts if p != kernel), kernel
 
 
+# Per configuration that compiled: its ring transfers in flight, per kind, and temp per chip.
+TPU_OVERLAP = dict(
+    rows=_compiled, align="-r-r", note=TPU_NOTE,
+    intro=(TPU_INTRO + " (two-level: 2 x 2), {length:len} tokens, {heads} x {head_dim} heads, "
+           "{dtype}, xla hop (splash where named), default blocks, the TPU defaults; ring "
+           "transfers with block compute in flight / all (`ring_jax.analysis.overlap_report`, a "
+           "loop body's pair counted once), per kind, and temp per chip:"),
+    columns=[("configuration", "`{config}`"), ("in flight", IN_FLIGHT), ("per kind", _kinds),
+             ("temp MiB", TEMP)])
+table_block("tpu_overlap", "tpu_overlap_v5p.json", **TPU_OVERLAP)
+table_block("tpu_backward_rotation", "tpu_backward_rotation_v5p.json", **TPU_OVERLAP)
+
+
 @block(
-    "tpu_hop_memory", "tpu_hop_memory_v5p.json", "tpu_hop_memory_v5p_tried.json",
-    align="--rrrrrrr", note=TPU_NOTE,
-    intro=lambda d, tried: (TPU_INTRO.format_map(d) + f", {length(d['length'])} tokens, head "
-                            f"dim {d['head_dim']}, {d['dtype']}, default blocks, the TPU "
-                            "defaults (`overlap_dkv=True`, full rotation); temp MiB per chip "
-                            "(`memory_analysis()`), heads query:K/V; the last pair: splash with "
-                            f"the guard change of {tried['label']} (reverted):"),
-    head=["configuration", "heads", "xla", "pallas_tpu (removed)", "/ xla", "splash", "/ xla",
-          "splash, tried", "/ xla"])
-def _hop_memory_rows(d, tried) -> list:
+    "tpu_hop_memory", "tpu_hop_memory_v5p.json", align="--rrrrr", note=TPU_NOTE,
+    intro=(TPU_INTRO + ", {length:len} tokens, head dim {head_dim}, {dtype}, default blocks, the "
+           "TPU defaults (`overlap_dkv=True`, full rotation); temp MiB per chip "
+           "(`memory_analysis()`), heads query:K/V:"),
+    head=["configuration", "heads", "xla", "pallas_tpu (removed)", "/ xla", "splash", "/ xla"])
+def _hop_memory_rows(d) -> list:
   """Per configuration: its heads, the xla hop's temp, then per other kernel its temp and the
   ratio to the xla hop's."""
-  runs = [{_hop_case(r): r for r in f["rows"]} for f in (d, tried)]
+  run = {_hop_case(r): r for r in d["rows"]}
   mib_of = lambda r: None if r is None or "error" in r else r["temp_mib"]
   cell = lambda r: ("" if r is None else fmt(TEMP, r) if "error" not in r else
                     "refused" if r["error"].startswith("ValueError") else "error")
   out = []
-  for case in dict.fromkeys(c for c, _ in runs[0]):
-    xla = runs[0][(case, "xla")]
+  for case in dict.fromkeys(c for c, _ in run):
+    xla = run[(case, "xla")]
     cells = [f"`{case}`", f"{xla['heads']}:{xla['kv_heads']}", cell(xla)]
-    for run, kernel in ((runs[0], "pallas_tpu"), (runs[0], "splash"), (runs[1], "splash")):
+    for kernel in ("pallas_tpu", "splash"):
       r = run.get((case, kernel))
       cells += [cell(r), x(mib_of(r) / mib_of(xla)) if mib_of(r) and mib_of(xla) else ""]
     out.append(cells)
   return out
 
 
-@block(
-    "tpu_splash_nonfinite", "tpu_splash_nonfinite_v5p.json",
-    "tpu_splash_nonfinite_v5p_before.json", align="--rrrrrrrrr",
+table_block(
+    "tpu_splash_nonfinite", "tpu_splash_nonfinite_v5p.json", rows=_compiled, align="--rrr",
     note=TPU_NOTE,
-    intro=lambda a, b: (TPU_INTRO.format_map(a) + f", {length(a['length'])} tokens, head dim "
-                        f"{a['head_dim']}, {a['dtype']}, default blocks, the TPU defaults; temp "
-                        "MiB per chip, ring transfers in flight / all and the scheduled HLO's "
-                        f"characters; splash {b['label']} (a `cond` to the xla hop on non-finite "
-                        f"inputs) and {a['label']} (no `cond` without segment ids); the xla "
-                        "column from the before run:"),
-    head=["configuration", "heads", "xla", "splash before", "/ xla", "in flight", "HLO",
-          "splash after", "/ xla", "in flight", "HLO"])
-def _splash_rows(after, before) -> list:
-  """Per splash configuration in both runs: its heads, the xla hop's temp (before), then per
-  run the splash temp, its ratio to the xla hop's, transfers in flight and HLO characters."""
-  old = {_hop_case(r): r for r in before["rows"] if "error" not in r}
-  rows = []
-  for r in after["rows"]:
-    case, kernel = _hop_case(r)
-    b, xla = old.get((case, kernel)), old.get((case, "xla"))
-    if "error" not in r and kernel == "splash" and b and xla:
-      rows.append([f"`{case}`", f"{r['heads']}:{r['kv_heads']}", fmt(TEMP, xla)] +
-                  [c for s in (b, r) for c in (fmt(TEMP, s), x(s["temp_mib"] / xla["temp_mib"]),
-                                               fmt(IN_FLIGHT, s), f"{s['hlo_chars'] / 1e6:.2f}M")])
-  return rows
+    intro=(TPU_INTRO + ", {length:len} tokens, head dim {head_dim}, {dtype}, default blocks, the "
+           "TPU defaults; the splash hop: temp MiB per chip, ring transfers in flight / all and "
+           "the scheduled HLO's characters:"),
+    columns=[("configuration", lambda r: f"`{_hop_case(r)[0]}`"),
+             ("heads", "{heads}:{kv_heads}"), ("splash temp MiB", TEMP), ("in flight", IN_FLIGHT),
+             ("HLO", lambda r: f"{r['hlo_chars'] / 1e6:.2f}M")])
 
 
 # --- docs/performance.md: compile time; docs/training.md: the document layout's host time ------
