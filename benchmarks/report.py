@@ -340,13 +340,6 @@ def _fixed_block_rows(d) -> list:
            mib(temp["allgather", n]) if ("allgather", n) in temp else "-"] for n in lengths]
 
 
-table_block(
-    "memory_scan_allgather", MEMSCAN, align="-rr",
-    head=["L", "all-gather fwd+bwd temp MiB/device", "vs previous"],
-    rows=lambda d: [[length(n), mib(v), x(v / p[1]) if p else ""] for p, (n, v) in _pairs(
-        sorted((r["length"], r["fwdbwd_temp"]) for r in d["memscan"] if r["impl"] == "allgather"))])
-
-
 @block(
     "bf16_error", "attention_cpu_bf16.json", key="bf16_error",
     head=lambda e: ["impl"] + [f"ring {n}" for n in sorted({r["ring"] for r in e["rows"]
