@@ -2,16 +2,9 @@
 
 Every table of measured figures in a markdown file sits between two whole-line markers,
 ``<!-- report: NAME -->`` and ``<!-- /report -->``, and is replaced wholesale by block ``NAME`` of
-:data:`BLOCKS`. A block, declared as data by :func:`table_block`, is an intro, a table and text
-after it, every figure computed from the raw numbers of its result files
-(``benchmarks/results/*.json`` / ``*.jsonl``), then a caption: per file its date, machine and jax,
-a link, and the command that made it. Nothing is typed by hand, so no quoted figure can drift
-from the run that made it. A new block is one call at module level (or ``@block(...)`` with the
-same arguments above the function that gives its rows)::
-
-    table_block("my_block", "my_result_cpu.json", rows=lambda d: d["rows"], align="-r",
-                intro="Ring of {ring}, {length:len} tokens:",   # over the file's top level
-                columns=[("config", "`{config}`"), ("temp MiB", "{temp_bytes:mib}")])
+:data:`BLOCKS` (declared as data by :func:`table_block`): every figure computed from the raw
+numbers of its result files, then a caption with per file its date, machine and jax, a link and
+the command that made it (from ``results/provenance.json`` where the file records none)::
 
     python benchmarks/report.py              # rewrite every block in every *.md of the repo
     python benchmarks/report.py --check      # exit 1 with a diff if a block is out of date
@@ -20,8 +13,7 @@ same arguments above the function that gives its rows)::
     python benchmarks/report.py --print headline   # one block's text (links from the root)
 
 An unknown block, an unterminated block or a missing result file is an error (exit 2). Pure
-Python: no jax, nothing compiled or timed. Files that do not record their date / machine / jax
-get them from ``results/provenance.json`` (from their ``.log`` or the commit that wrote them).
+Python: no jax, nothing compiled or timed.
 """
 
 from __future__ import annotations
@@ -123,7 +115,7 @@ def caption(*names: str, note: str = "") -> str:
   return f"<sub>{line} {note}</sub>" if note else f"<sub>{line}</sub>"
 
 
-# --- Formatting (one style everywhere) -------------------------------------------------------
+# --- Formatting: one function per kind of number, each also a format spec of fmt() -----------
 
 def mib(nbytes: float) -> str:
   return f"{nbytes / MIB:.1f}"
@@ -133,8 +125,8 @@ def gib(nbytes: float) -> str:
   return f"{nbytes / GIB:.1f}"
 
 
-def x(ratio: float, digits: int = 2) -> str:
-  return f"{ratio:.{digits}f}x"
+def x(ratio: float) -> str:
+  return f"{ratio:.2f}x"
 
 
 def pct(frac: float) -> str:
@@ -348,13 +340,6 @@ def _fixed_block_rows(d) -> list:
            mib(temp["allgather", n]) if ("allgather", n) in temp else "-"] for n in lengths]
 
 
-table_block(
-    "memory_scan_allgather", MEMSCAN, align="-rr",
-    head=["L", "all-gather fwd+bwd temp MiB/device", "vs previous"],
-    rows=lambda d: [[length(n), mib(v), x(v / p[1]) if p else ""] for p, (n, v) in _pairs(
-        sorted((r["length"], r["fwdbwd_temp"]) for r in d["memscan"] if r["impl"] == "allgather"))])
-
-
 @block(
     "bf16_error", "attention_cpu_bf16.json", key="bf16_error",
     head=lambda e: ["impl"] + [f"ring {n}" for n in sorted({r["ring"] for r in e["rows"]
@@ -488,10 +473,6 @@ def _train_row(r, d) -> list:
 table_block(
     "train_throughput", "train_throughput_cpu_2k.json", "train_throughput_cpu.json",
     align="r-rrrrr",
-    intro=("**Superseded run**: measured at commit `c5be18c`, when the script still had its own "
-           "train step (plain AdamW, no clipping); the script now runs the shipped step and has "
-           "not been re-timed. MFU against this host's measured f32 matmul rate (only ratios "
-           "mean something):"),
     head=["L", "attention", "step ms", "tokens/s", "MFU (host-relative)", "temp MiB/device",
           "loss"],
     rows=lambda *runs: [_train_row(r, d) for d in runs for r in d["results"]])
@@ -705,55 +686,18 @@ table_block(
 TPU_NOTE = "Deviceless compiles with libtpu {libtpu}."
 TPU_INTRO = ("`ring_attention_sharded` fwd+bwd compiled for {topology} (no TPU attached), "
              "ring of 4")
-
-
-def _in_flight(r) -> str:
-  """Ring transfers with block compute in flight / all."""
-  return f"{r['ring_in_flight']} of {r['ring_transfers']}"
+IN_FLIGHT = "{ring_in_flight} of {ring_transfers}"  # ring transfers with compute in flight / all
+TEMP = "{temp_mib:.1f}"
 
 
 def _kinds(r) -> str:
-  """The same per kind of transfer."""
+  """Ring transfers with block compute in flight / all per kind: ``K/V 6/6, dK/dV 4/4``."""
   return ", ".join(f"{kind.removeprefix('ring ')} {h}/{t}" for kind, (h, t) in r["kinds"].items())
 
 
-def _temp(r) -> str:
-  return f"{r['temp_mib']:.1f}"
-
-
-def _before_after(after, before, *before_cells) -> list:
-  """Per configuration of ``after`` (errors left out): ``before_cells`` of the same one in
-  ``before`` (blank where it has none), then its transfers in flight, per kind and temp."""
-  old = {r["config"]: r for r in before["rows"] if "error" not in r}
-  return [[f"`{r['config']}`", *(f(o) if o else "" for f in before_cells), _in_flight(r),
-           _kinds(r), _temp(r)]
-          for r in after["rows"] if "error" not in r for o in [old.get(r["config"])]]
-
-
-table_block(
-    "tpu_overlap", "tpu_overlap_v5p.json", "tpu_overlap_v5p_before.json", align="-rrr-r",
-    note=TPU_NOTE,
-    intro=lambda a, b: (TPU_INTRO.format_map(a) + f", {length(a['length'])} tokens, "
-                        f"{a['heads']} x {a['head_dim']} heads, {a['dtype']}, xla hop (splash "
-                        "where named), default blocks; ring transfers with block compute in "
-                        "flight / all (`ring_jax.analysis.overlap_report`, a loop body's pair "
-                        f"counted once) and temp per chip; {b['label']}, with its defaults "
-                        "(in-place dK/dV; causal contiguous routed):"),
-    head=["configuration", "before: in flight", "before: temp MiB", "after: in flight",
-          "after, per kind", "after: temp MiB"],
-    rows=lambda a, b: _before_after(a, b, _in_flight, _temp))
-
-table_block(
-    "tpu_backward_rotation", "tpu_backward_rotation_v5p.json",
-    "tpu_backward_rotation_v5p_before.json", align="-r-rr-r", note=TPU_NOTE,
-    intro=lambda a, b: (TPU_INTRO.format_map(a) + f" (two-level: 2 x 2), {length(a['length'])} "
-                        f"tokens, {a['heads']} x {a['head_dim']} heads, {a['dtype']}, xla hop "
-                        "(splash where named), the TPU defaults; ring transfers with block "
-                        "compute in flight / all, per kind, and temp per chip; "
-                        f"{b['label']} against {a['label']}:"),
-    head=["configuration", "before: in flight", "before, per kind", "before: temp MiB",
-          "after: in flight", "after, per kind", "after: temp MiB"],
-    rows=lambda a, b: _before_after(a, b, _in_flight, _kinds, _temp))
+def _compiled(d) -> list:
+  """The rows of a tpu_overlap.py run that compiled (a refused configuration records an error)."""
+  return [r for r in d["rows"] if "error" not in r]
 
 
 def _hop_case(row) -> tuple[str, str]:
@@ -764,59 +708,52 @@ def _hop_case(row) -> tuple[str, str]:
   return "+".join(p for p in parts if p != kernel), kernel
 
 
+# Per configuration that compiled: its ring transfers in flight, per kind, and temp per chip.
+TPU_OVERLAP = dict(
+    rows=_compiled, align="-r-r", note=TPU_NOTE,
+    intro=(TPU_INTRO + " (two-level: 2 x 2), {length:len} tokens, {heads} x {head_dim} heads, "
+           "{dtype}, xla hop (splash where named), default blocks, the TPU defaults; ring "
+           "transfers with block compute in flight / all (`ring_jax.analysis.overlap_report`, a "
+           "loop body's pair counted once), per kind, and temp per chip:"),
+    columns=[("configuration", "`{config}`"), ("in flight", IN_FLIGHT), ("per kind", _kinds),
+             ("temp MiB", TEMP)])
+table_block("tpu_overlap", "tpu_overlap_v5p.json", **TPU_OVERLAP)
+table_block("tpu_backward_rotation", "tpu_backward_rotation_v5p.json", **TPU_OVERLAP)
+
+
 @block(
-    "tpu_hop_memory", "tpu_hop_memory_v5p.json", "tpu_hop_memory_v5p_tried.json",
-    align="--rrrrrrr", note=TPU_NOTE,
-    intro=lambda d, tried: (TPU_INTRO.format_map(d) + f", {length(d['length'])} tokens, head "
-                            f"dim {d['head_dim']}, {d['dtype']}, default blocks, the TPU "
-                            "defaults (`overlap_dkv=True`, full rotation); temp MiB per chip "
-                            "(`memory_analysis()`), heads query:K/V; the last pair: splash with "
-                            f"the guard change of {tried['label']} (reverted):"),
-    head=["configuration", "heads", "xla", "pallas_tpu (removed)", "/ xla", "splash", "/ xla",
-          "splash, tried", "/ xla"])
-def _hop_memory_rows(d, tried) -> list:
+    "tpu_hop_memory", "tpu_hop_memory_v5p.json", align="--rrrrr", note=TPU_NOTE,
+    intro=(TPU_INTRO + ", {length:len} tokens, head dim {head_dim}, {dtype}, default blocks, the "
+           "TPU defaults (`overlap_dkv=True`, full rotation); temp MiB per chip "
+           "(`memory_analysis()`), heads query:K/V:"),
+    head=["configuration", "heads", "xla", "pallas_tpu (removed)", "/ xla", "splash", "/ xla"])
+def _hop_memory_rows(d) -> list:
   """Per configuration: its heads, the xla hop's temp, then per other kernel its temp and the
   ratio to the xla hop's."""
-  runs = [{_hop_case(r): r for r in f["rows"]} for f in (d, tried)]
+  run = {_hop_case(r): r for r in d["rows"]}
   mib_of = lambda r: None if r is None or "error" in r else r["temp_mib"]
-  cell = lambda r: ("" if r is None else _temp(r) if "error" not in r else
+  cell = lambda r: ("" if r is None else fmt(TEMP, r) if "error" not in r else
                     "refused" if r["error"].startswith("ValueError") else "error")
   out = []
-  for case in dict.fromkeys(c for c, _ in runs[0]):
-    xla = runs[0][(case, "xla")]
+  for case in dict.fromkeys(c for c, _ in run):
+    xla = run[(case, "xla")]
     cells = [f"`{case}`", f"{xla['heads']}:{xla['kv_heads']}", cell(xla)]
-    for run, kernel in ((runs[0], "pallas_tpu"), (runs[0], "splash"), (runs[1], "splash")):
+    for kernel in ("pallas_tpu", "splash"):
       r = run.get((case, kernel))
       cells += [cell(r), x(mib_of(r) / mib_of(xla)) if mib_of(r) and mib_of(xla) else ""]
     out.append(cells)
   return out
 
 
-@block(
-    "tpu_splash_nonfinite", "tpu_splash_nonfinite_v5p.json",
-    "tpu_splash_nonfinite_v5p_before.json", align="--rrrrrrrrr",
+table_block(
+    "tpu_splash_nonfinite", "tpu_splash_nonfinite_v5p.json", rows=_compiled, align="--rrr",
     note=TPU_NOTE,
-    intro=lambda a, b: (TPU_INTRO.format_map(a) + f", {length(a['length'])} tokens, head dim "
-                        f"{a['head_dim']}, {a['dtype']}, default blocks, the TPU defaults; temp "
-                        "MiB per chip, ring transfers in flight / all and the scheduled HLO's "
-                        f"characters; splash {b['label']} (a `cond` to the xla hop on non-finite "
-                        f"inputs) and {a['label']} (no `cond` without segment ids); the xla "
-                        "column from the before run:"),
-    head=["configuration", "heads", "xla", "splash before", "/ xla", "in flight", "HLO",
-          "splash after", "/ xla", "in flight", "HLO"])
-def _splash_rows(after, before) -> list:
-  """Per splash configuration in both runs: its heads, the xla hop's temp (before), then per
-  run the splash temp, its ratio to the xla hop's, transfers in flight and HLO characters."""
-  old = {_hop_case(r): r for r in before["rows"] if "error" not in r}
-  rows = []
-  for r in after["rows"]:
-    case, kernel = _hop_case(r)
-    b, xla = old.get((case, kernel)), old.get((case, "xla"))
-    if "error" not in r and kernel == "splash" and b and xla:
-      rows.append([f"`{case}`", f"{r['heads']}:{r['kv_heads']}", _temp(xla)] +
-                  [c for s in (b, r) for c in (_temp(s), x(s["temp_mib"] / xla["temp_mib"]),
-                                               _in_flight(s), f"{s['hlo_chars'] / 1e6:.2f}M")])
-  return rows
+    intro=(TPU_INTRO + ", {length:len} tokens, head dim {head_dim}, {dtype}, default blocks, the "
+           "TPU defaults; the splash hop: temp MiB per chip, ring transfers in flight / all and "
+           "the scheduled HLO's characters:"),
+    columns=[("configuration", lambda r: f"`{_hop_case(r)[0]}`"),
+             ("heads", "{heads}:{kv_heads}"), ("splash temp MiB", TEMP), ("in flight", IN_FLIGHT),
+             ("HLO", lambda r: f"{r['hlo_chars'] / 1e6:.2f}M")])
 
 
 # --- docs/performance.md: compile time; docs/training.md: the document layout's host time ------
@@ -966,10 +903,7 @@ table_block(
     head=["function", *STATUSES],
     rows=lambda *runs: [[name, *(sum(r["status"] == s for r in d["rows"]) for s in STATUSES)]
                         for name, d in zip(CONFORMANCE, runs)],
-    after=lambda *runs: ("Per case: the worst quantity's error against the float64 oracle "
-                         "(max |error| / max |oracle|; bound 1.5e-5 in float32, 7.8e-3 in "
-                         "bfloat16), or why it failed; n/s: the signature takes no keyword the "
-                         "case needs.\n\n" + _conformance_matrix(*runs)))
+    after=_conformance_matrix)
 
 
 # --- The README's headline table ---------------------------------------------------------------
@@ -978,11 +912,8 @@ DOC = LINK_ROOT + "docs/benchmarks.md"
 HEADLINE = (CORE, PAPER_4K, MEMSCAN, BALANCE, PACKED, FIT_1, FIT_8, DECODE_FIT, TWO_LEVEL)
 
 
-@block(
-    "headline", *HEADLINE, cite=False,
-    head=["measured", "figure", "date, machine, jax", "result file; command"],
-    after=("Generated by `python benchmarks/report.py` from the result files; every table and its "
-           f"command: [docs/benchmarks.md]({DOC})."))
+@block("headline", *HEADLINE, cite=False,
+       head=["measured", "figure", "date, machine, jax", "result file; command"])
 def _headline_rows(core, paper, memscan, bal, packed, fit_1, fit_8, decode_fit, two_level):
   """Per headline figure: what it measures, the figure, the date, machine and jax of its result
   files, links to them and to its section of the docs."""

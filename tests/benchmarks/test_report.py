@@ -1,6 +1,7 @@
 """benchmarks/report.py: every quoted figure equals what its result file gives (pure JSON and
 strings: no jax, nothing compiled)."""
 
+import json
 import os
 import re
 import shutil
@@ -155,3 +156,23 @@ def test_a_block_declared_as_data(tmp_path, monkeypatch):
       "Ring of 8, 64K tokens:\n\n| config | temp MiB | ratio |\n|---|---:|---:|\n"
       "| `a+b` | 3.0 | 0.50x |\n\n" + caption)
   assert report.render_block("bare", readme) == "| config |\n|---|\n| `a+b` |\n\n" + caption
+
+
+def test_a_tpu_table_shows_the_configurations_that_compiled(tmp_path, monkeypatch):
+  """tpu_overlap: per configuration of the one result file, its transfers in flight, per kind
+  and temp; a configuration that raised (an ``error`` row) is left out."""
+  (tmp_path / "tpu_overlap_v5p.json").write_text(json.dumps(dict(
+      topology="v5p:2x2x1", length=32768, heads=8, head_dim=128, dtype="bfloat16",
+      libtpu="0.0.42.1", rows=[
+          dict(config="zigzag-causal", ring_in_flight=10, ring_transfers=10, temp_mib=406.2,
+               kinds={"ring K/V": [6, 6], "ring dK/dV": [4, 4]}),
+          dict(config="zigzag-causal+splash", error="ValueError: refused")])))
+  (tmp_path / "provenance.json").write_text("{}")
+  monkeypatch.setattr(report, "RESULTS", str(tmp_path))
+  text = report.render_block("tpu_overlap", os.path.join(ROOT, "README.md"))
+  assert text.split("\n\n")[1] == (
+      "| configuration | in flight | per kind | temp MiB |\n|---|---:|---|---:|\n"
+      "| `zigzag-causal` | 10 of 10 | K/V 6/6, dK/dV 4/4 | 406.2 |")
+  assert text.startswith("`ring_attention_sharded` fwd+bwd compiled for v5p:2x2x1 (no TPU "
+                         "attached), ring of 4 (two-level: 2 x 2), 32K tokens, 8 x 128 heads, ")
+  assert text.endswith("Deviceless compiles with libtpu 0.0.42.1.</sub>")
