@@ -1,8 +1,8 @@
 """The benchmarks' one harness: flags, timing, compiled memory, meshes, HLO, result files.
 
 Runs (:func:`fake_cpu_devices`, :func:`parser` with the shared flags, :func:`run_meta`: the
-provenance every result file records, :func:`write_result`, :func:`error_line`); timing
-(:func:`interleaved`: cases round-robin so a shared host's slow phases hit all alike,
+provenance every result file records, :func:`write_result`, :func:`save`, :func:`error_line`);
+timing (:func:`interleaved`: cases round-robin so a shared host's slow phases hit all alike,
 :func:`time_calls`, :func:`timed_call`: wall and process CPU seconds); compiled memory
 (:func:`compiled_memory`, :func:`per_device_bytes`, from ``ring_jax.topology``); meshes
 (:func:`parse_mesh`, :func:`make_mesh`); collectives of a compiled program
@@ -158,6 +158,15 @@ def write_result(path: str, result: dict, log: str | None = None) -> None:
       fh.write(log.rstrip("\n") + "\n")
 
 
+def save(path: str, result: dict, log: str | None = None) -> dict:
+  """:func:`write_result` and a line saying where, unless ``path`` is empty (a run that writes
+  nothing); returns ``result``."""
+  if path:
+    write_result(path, result, log)
+    print(f"wrote {path}")
+  return result
+
+
 def error_line(e: BaseException, n: int = 200) -> str:
   """``"Type: first line of the message"`` (at most ``n`` characters of it), for a row that
   failed."""
@@ -168,6 +177,14 @@ def error_line(e: BaseException, n: int = 200) -> str:
 # ----------------------------------------------------------------------------
 # Timing
 # ----------------------------------------------------------------------------
+
+
+_IMPORTED = time.perf_counter()
+
+
+def elapsed() -> float:
+  """Seconds since the harness was imported (a run's start, for its result file), to 0.1 s."""
+  return round(time.perf_counter() - _IMPORTED, 1)
 
 
 def cpu_seconds() -> float:

@@ -126,13 +126,9 @@ def work_table():
 def main(argv=None):
   args = common.parser(__doc__, out="core_report_cpu.json").parse_args(argv)
   print(f"jax {jax.__version__}, {jax.device_count()} {jax.devices()[0].platform} devices")
-  result = dict(
-      meta=common.run_meta(argv, __file__),
-      accuracy=accuracy_table(), memory=memory_table(), work=work_table())
-  if args.out:
-    common.write_result(args.out, result)
-    print(f"\nwrote {args.out}")
-  return result
+  return common.save(args.out, dict(meta=common.run_meta(argv, __file__),
+                                    accuracy=accuracy_table(), memory=memory_table(),
+                                    work=work_table()))
 
 
 if __name__ == "__main__":
