@@ -50,9 +50,7 @@ CPU_NOTE = (
     "communication overlap (ppermute/all-gather are memcpys here) do not show.")
 
 
-# ----------------------------------------------------------------------------
-# Implementations as functions of global [B, L, N, H] arrays (inputs in layout order)
-# ----------------------------------------------------------------------------
+# --- Implementations as functions of global [B, L, N, H] arrays (inputs in layout order) ----------
 
 #: ``ring-<layout>+<suffix>``: the ring's ``causal_routing`` (no suffix: the library's
 #: default, routed for causal contiguous only, ``ring_jax.routing.check_routing``).
@@ -169,9 +167,7 @@ def memory_budget(gib):
   return int(min(8 * GIB, 0.4 * (common.host_memory_available() or 16 * GIB)))
 
 
-# ----------------------------------------------------------------------------
-# Main table and block sweep: compile every case of a group, then time them round-robin
-# ----------------------------------------------------------------------------
+# --- Sections main and sweep: compile every case of a group, then time them round-robin -----------
 
 def prepare_case(s, name, length, causal, block=None, timed=True, modes=MODES):
   """Compiles ``modes`` (fwd, fwd+bwd) against abstract inputs; returns ``(row, {mode:
@@ -360,9 +356,7 @@ def main_table(s, args, names, masks, result, save):
            f"(the rest: compiled memory only)" if args.large_variants else ""))
 
 
-# ----------------------------------------------------------------------------
-# Errors: against ring_jax.reference_attention, and bf16 against a float64 oracle
-# ----------------------------------------------------------------------------
+# --- Sections check and bf16 (errors against oracles), memscan (compile only) ---------------------
 
 def check(s, args, names, masks, result, save):
   """Section ``check``: max abs error of each implementation's output and grads against
@@ -467,9 +461,7 @@ def memscan(s, args, names, masks, result, save):
 SECTIONS = dict(check=check, sweep=sweep, bf16=bf16, memscan=memscan, main=main_table)
 
 
-# ----------------------------------------------------------------------------
-# Output
-# ----------------------------------------------------------------------------
+# --- Output ---------------------------------------------------------------------------------------
 
 def fmt_ms(r, mode):
   st = r.get(f"{mode}_status", "-")
@@ -520,8 +512,6 @@ def render(path):
     print(report.sweep_markdown(result["sweep"]))
   return result
 
-
-# ----------------------------------------------------------------------------
 
 def parse_args(argv=None):
   ap = common.parser(__doc__, repeats=5, lengths=[2048, 4096, 8192, 16384], dtype="auto",

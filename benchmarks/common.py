@@ -54,9 +54,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "benchmarks", "results")
 
 
-# ----------------------------------------------------------------------------
-# Runs: devices, flags, provenance, result files
-# ----------------------------------------------------------------------------
+# --- Runs: devices, flags, provenance, result files -----------------------------------------------
 
 
 def fake_cpu_devices(n: int = 8) -> None:
@@ -174,9 +172,7 @@ def error_line(e: BaseException, n: int = 200) -> str:
   return f"{type(e).__name__}: {lines[0][:n] if lines else ''}"
 
 
-# ----------------------------------------------------------------------------
-# Timing
-# ----------------------------------------------------------------------------
+# --- Timing ---------------------------------------------------------------------------------------
 
 
 _IMPORTED = time.perf_counter()
@@ -211,9 +207,7 @@ def time_calls(fn: Callable, args: Sequence = (), repeats: int = 5, *,
   A call that returns new state (a train step) is timed with ``fn`` closing
   over that state, e.g. ``lambda: state.update(step(state))``.
   """
-  for _ in range(warmup):
-    jax.block_until_ready(fn(*args))
-  return [timed_call(fn, *args)[0] for _ in range(repeats)]
+  return interleaved({0: (fn, args)}, repeats, warmup)[0]["wall"]
 
 
 def interleaved(cases: dict[str, tuple[Callable, Sequence]], repeats: int, warmup: int = 1,
@@ -257,9 +251,7 @@ def median(times: Sequence[float]) -> float:
   return float(np.median(times))
 
 
-# ----------------------------------------------------------------------------
-# Compiled memory
-# ----------------------------------------------------------------------------
+# --- Compiled memory ------------------------------------------------------------------------------
 
 # One definition, in the library: the bytes a compiled program holds per device.
 from ring_jax.topology import MEMORY_FIELDS, compiled_memory, per_device_bytes  # noqa: E402,F401
@@ -292,9 +284,7 @@ def device_bytes_limit(device=None) -> int | None:
     return None
 
 
-# ----------------------------------------------------------------------------
-# Meshes
-# ----------------------------------------------------------------------------
+# --- Meshes ---------------------------------------------------------------------------------------
 
 
 def parse_mesh(text: str, axes: Sequence[str] | None = None) -> dict[str, int]:
@@ -338,9 +328,7 @@ def _trainer_axes() -> tuple[str, ...]:
   return tuple(MESH_AXES)
 
 
-# ----------------------------------------------------------------------------
-# Collectives of a compiled program
-# ----------------------------------------------------------------------------
+# --- Collectives of a compiled program ------------------------------------------------------------
 
 COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
 _ARRAY = re.compile(r"\b([a-z]+\d*)\[([\d,]*)\]")
@@ -434,9 +422,7 @@ def _only_sliced(name: str, ops, users, depth: int = 0) -> bool:
       ops[u][1] in _PASS_THROUGH and _only_sliced(u, ops, users, depth + 1)) for u in found)
 
 
-# ----------------------------------------------------------------------------
-# Budgeted checks (one accelerator slot)
-# ----------------------------------------------------------------------------
+# --- Budgeted checks (one accelerator slot) -------------------------------------------------------
 
 
 class Clock:
