@@ -133,8 +133,7 @@ def natural_fwd_bwd(f, layout, ring):
 @dataclasses.dataclass
 class Setup:
   """What every case of a run shares: the ring's mesh, dtype, head shape (batch 1), the
-  paper's function (None: not importable), the single-device memory budget (bytes) and the
-  run's start (``time.perf_counter()``)."""
+  paper's function (None: not importable) and the single-device memory budget (bytes)."""
   mesh: jax.sharding.Mesh
   dtype: Any
   heads: int
@@ -142,7 +141,6 @@ class Setup:
   paper_fn: Callable | None = None
   budget: int = 0
   batch: int = 1
-  started: float = 0.0
 
   @property
   def ring(self) -> int:
@@ -230,15 +228,14 @@ def matmul_case(s, flops):
   return f.lower(a, b).compile(), (a, b), 2 * n * m ** 3
 
 
-def run_group(s, cases, *, length, causal, repeats, warmup, timed_names, modes=MODES,
-              matmul_peak=False):
+def run_group(s, cases, *, length, causal, repeats, warmup, modes=MODES, matmul_peak=False):
   """The ``(name, block)`` cases of one (length, mask) (block None: the default): compile
   all, then time them round-robin (``common.interleaved``); ``matmul_peak``: also a
   same-size matmul, and each row's useful fwd+bwd FLOP/s as a fraction of its rate."""
   rows, todo = [], []
   for name, block in cases:
     try:
-      row, t = prepare_case(s, name, length, causal, block, name in timed_names, modes)
+      row, t = prepare_case(s, name, length, causal, block, modes=modes)
     except Exception as e:  # noqa: BLE001
       row, t = dict(impl=name, length=length, causal=causal, devices=s.ring, block=block,
                     fwd_mem={}, fwdbwd_mem={}, fwd_times_s=[], fwdbwd_times_s=[],
@@ -307,7 +304,7 @@ def sweep(s, args, names, masks, result, save):
         default = default_block(impl_layout(name), local)
         group = run_group(s, [(name, b) for b in sweep_blocks(name, local, args.sweep_blocks)],
                           length=length, causal=causal, repeats=args.sweep_repeats, warmup=1,
-                          timed_names={name}, modes=("fwdbwd",), matmul_peak=args.matmul_peak)
+                          modes=("fwdbwd",), matmul_peak=args.matmul_peak)
         best = min((r["fwdbwd_median_s"] for r in group if r["fwdbwd_status"] == "ok"),
                    default=None)
         for r in group:
@@ -323,37 +320,23 @@ def sweep(s, args, names, masks, result, save):
 
 def main_table(s, args, names, masks, result, save):
   """Section ``main``: per length and mask, every implementation's fwd and fwd+bwd time
-  (:func:`run_group`) and compiled memory, with the load average before and after; at
-  lengths from ``--large-from`` only ``--large-variants`` are timed."""
+  (:func:`run_group`) and compiled memory, with the load average before and after."""
   print("\n== timing (median of repeats after warm-up, implementations timed round-robin) "
         "and compiled temp memory per device ==", flush=True)
   for length in args.lengths:
-    large = length >= args.large_from
-    timed_names = {n for n in names if not (large and args.large_variants) or
-                   n in args.large_variants or
-                   (n.startswith("ring-") and "ring" in args.large_variants)}
     for causal in masks:
       load0 = os.getloadavg()[0]
       rows = run_group(s, [(n, None) for n in names], length=length, causal=causal,
-                       repeats=args.repeats_at.get(length, args.repeats),
-                       warmup=args.large_warmup if large else 1, timed_names=timed_names,
-                       matmul_peak=args.matmul_peak)
+                       repeats=args.repeats, warmup=1, matmul_peak=args.matmul_peak)
       for row in rows:
         row["loadavg_1min"] = [round(load0, 2), round(os.getloadavg()[0], 2)]
         result["rows"].append(row)
         print(row_line(row), flush=True)
-      print(f"  (t={time.perf_counter() - s.started:.0f}s, load average {load0:.1f} -> "
+      print(f"  (t={common.elapsed():.0f}s, load average {load0:.1f} -> "
             f"{os.getloadavg()[0]:.1f})", flush=True)
       save()
   if jax.default_backend() == "cpu":
     print("\n" + CPU_NOTE)
-  reduced = sorted({(r["length"], r["repeats"], r["warmup"]) for r in result["rows"]
-                    if r["repeats"] != args.repeats or r["warmup"] != 1})
-  if reduced:
-    print("Note: reduced repeats to keep the CPU run short: " + ", ".join(
-        f"L={L}: {n} timed run(s) after {w} warm-up" for L, n, w in reduced) +
-          (f"; at L >= {args.large_from} only {','.join(args.large_variants)} are timed "
-           f"(the rest: compiled memory only)" if args.large_variants else ""))
 
 
 # --- Sections check and bf16 (errors against oracles), memscan (compile only) ---------------------
@@ -516,15 +499,6 @@ def render(path):
 def parse_args(argv=None):
   ap = common.parser(__doc__, repeats=5, lengths=[2048, 4096, 8192, 16384], dtype="auto",
                      ring=8, heads=8, head_dim=64)
-  ap.add_argument("--large-from", type=int, default=16384,
-                  help="lengths from which --large-warmup and --large-variants apply")
-  ap.add_argument("--repeats-at", default={},
-                  type=lambda s: {int(a): int(b) for a, b in (x.split(":") for x in s.split(","))},
-                  help="per-length repeats overriding --repeats, e.g. 8192:2,16384:1")
-  ap.add_argument("--large-warmup", type=int, default=1,
-                  help="warm-up runs for lengths >= --large-from (AOT-compiled already)")
-  ap.add_argument("--large-variants", type=strs, default=None,
-                  help="the only ones timed at lengths >= --large-from ('ring': all layouts)")
   ap.add_argument("--matmul-peak", action="store_true",
                   help="useful fwd+bwd FLOP/s as a fraction of a same-size matmul's")
   ap.add_argument("--masks", type=strs, default=["causal", "full"])
@@ -552,7 +526,7 @@ def main(argv=None):
   args = parse_args(argv)
   if args.render:
     return render(args.render)
-  started, platform = time.perf_counter(), jax.default_backend()
+  platform = jax.default_backend()
   dtype = jnp.dtype(args.dtype).type if args.dtype != "auto" else (
       jnp.float32 if platform == "cpu" else jnp.bfloat16)
   ring = min(args.ring, len(jax.devices()))
@@ -564,20 +538,19 @@ def main(argv=None):
     paper_note = f"paper code SKIPPED: cannot import ringattention: {type(e).__name__}: {e}"
   print(paper_note, flush=True)
   s = Setup(common.make_mesh((ring,), (AXIS,)), dtype, args.heads, args.head_dim, paper_fn,
-            memory_budget(args.mem_budget_gib), started=started)
+            memory_budget(args.mem_budget_gib))
   names = [n for v in args.variants if v != "paper" or paper_fn
            for n in ([f"ring-{lay}" for lay in args.layouts] if v == "ring" else [v])]
   masks = [m == "causal" for m in args.masks]
   meta = common.run_meta(argv, __file__, ring=ring, dtype=jnp.dtype(dtype).name, batch=s.batch,
                          heads=args.heads, head_dim=args.head_dim, repeats=args.repeats,
-                         large_from=args.large_from, paper=paper_note,
-                         single_device_budget_gib=round(s.budget / GIB, 2),
+                         paper=paper_note, single_device_budget_gib=round(s.budget / GIB, 2),
                          note=CPU_NOTE if platform == "cpu" else "")
   stem = os.path.join(args.out, args.tag or f"attention_{platform}")
   result = dict(meta=meta, checks=[], rows=[])
 
   def save():
-    result["meta"]["elapsed_s"] = round(time.perf_counter() - started, 1)
+    result["meta"]["elapsed_s"] = common.elapsed()
     common.write_result(stem + ".json", result)
 
   print(f"jax {jax.__version__} on {platform} ({meta['device_kind']}), ring={ring}, "
@@ -586,7 +559,7 @@ def main(argv=None):
     if name in args.sections:
       section(s, args, names, masks, result, save)
       save()
-  print(f"\nwrote {stem}.json ({time.perf_counter() - started:.0f}s)")
+  print(f"\nwrote {stem}.json ({common.elapsed():.0f}s)")
   return result
 
 
