@@ -82,7 +82,9 @@ def parser(doc: str | None, *, out: str | None = None, repeats: int | None = Non
   defaults are given: ``--out`` (a result file name resolves into ``benchmarks/results``),
   ``--repeats``, ``--lengths`` / ``--length``, ``--mesh`` (parsed by :func:`parse_mesh`),
   ``--dtype``, and the attention's ``--ring`` (devices on the sequence axis), ``--heads``,
-  ``--head-dim``."""
+  ``--head-dim``. Starts the run's clock (:func:`elapsed`)."""
+  global _started
+  _started = time.perf_counter()
   ap = argparse.ArgumentParser(description=(doc or "").strip().split("\n")[0])
   if out is not None:
     ap.add_argument("--out", default=out if os.path.dirname(out) or not out
@@ -175,12 +177,13 @@ def error_line(e: BaseException, n: int = 200) -> str:
 # --- Timing ---------------------------------------------------------------------------------------
 
 
-_IMPORTED = time.perf_counter()
+_started = time.perf_counter()  # the run's start: the last parser() call, else the import
 
 
 def elapsed() -> float:
-  """Seconds since the harness was imported (a run's start, for its result file), to 0.1 s."""
-  return round(time.perf_counter() - _IMPORTED, 1)
+  """Seconds since the run began (the last :func:`parser` call, every benchmark's first step;
+  else the harness's import), to 0.1 s, for its result file."""
+  return round(time.perf_counter() - _started, 1)
 
 
 def cpu_seconds() -> float:
