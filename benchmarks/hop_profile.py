@@ -113,6 +113,8 @@ def _part(kind: str, scope: str) -> str:
 
 def profile(length: int, layout: str, causal: bool, block: int | None, ring: int, heads: int,
             head_dim: int, steps: int) -> dict:
+  """The ring's fwd+bwd (gradient of a sum of squares) profiled over ``steps`` calls: ms per
+  step and device by kind (:data:`KINDS`) and by part (:func:`_part`), and the case."""
   mesh = jax.make_mesh((ring,), ("sequence",))
   sharding = NamedSharding(mesh, P(None, "sequence"))
   keys = jax.random.split(jax.random.key(0), 3)
