@@ -5,7 +5,7 @@ of ``--repeats`` after a warm-up, the implementations timed round-robin) and the
 memory per device; sections for correctness against ``ring_jax.reference_attention``, the
 bf16 error against a float64 oracle, a fixed-block memory scan and a block-size sweep. The
 implementations, sections and commands: benchmarks/README.md, "Attention: `attention.py`".
-Results: a line per case, ``<out>/attention_<platform>.json`` and PNG plots.
+Results: a line per case and ``<out>/attention_<platform>.json`` (``plot_results.py`` plots it).
 
   PYTHONPATH=. python benchmarks/attention.py --lengths 2048 --repeats 2 --variants ring,paper
 
@@ -50,9 +50,7 @@ CPU_NOTE = (
     "communication overlap (ppermute/all-gather are memcpys here) do not show.")
 
 
-# ----------------------------------------------------------------------------
-# Implementations as functions of global [B, L, N, H] arrays (inputs in layout order)
-# ----------------------------------------------------------------------------
+# --- Implementations as functions of global [B, L, N, H] arrays (inputs in layout order) ----------
 
 #: ``ring-<layout>+<suffix>``: the ring's ``causal_routing`` (no suffix: the library's
 #: default, routed for causal contiguous only, ``ring_jax.routing.check_routing``).
@@ -89,23 +87,22 @@ def impl_layout(name):
 def make_impl(name, *, mesh, is_causal, dtype, block, paper_fn=None):
   """Returns ``(f(q, k, v) -> out, layout, on_one_device)`` or raises."""
   layout = impl_layout(name)
+  if name in ("dense", "reference"):
+    f = jax.nn.dot_product_attention if name == "dense" else ring_jax.reference_attention
+    return functools.partial(f, is_causal=is_causal), layout, True
+  blocks = dict(axis_name=AXIS, is_causal=is_causal, layout=layout, block_q=block, block_kv=block)
   if name.startswith("ring-"):
     _, kernel, routing = ring_variant(name)
     overlap = OVERLAP_SUFFIX in name[len("ring-"):].partition(":")[0].split("+")[1:]
-    local = functools.partial(ring_jax.ring_attention, axis_name=AXIS, is_causal=is_causal,
-                              layout=layout, block_q=block, block_kv=block, hop_kernel=kernel,
-                              causal_routing=routing, overlap_dkv=overlap)
+    local = functools.partial(ring_jax.ring_attention, hop_kernel=kernel, causal_routing=routing,
+                              overlap_dkv=overlap, **blocks)
     return jax.shard_map(local, mesh=mesh, in_specs=(SPEC,) * 3, out_specs=SPEC), layout, False
   if name.startswith("allgather"):
-    local = functools.partial(ring_jax.all_gather_attention, axis_name=AXIS, is_causal=is_causal,
-                              layout=layout, block_q=block, block_kv=block)
+    local = functools.partial(ring_jax.all_gather_attention, **blocks)
   elif name == "paper":
     if paper_fn is None:
       raise RuntimeError("paper code not importable")
     local = paper_local(paper_fn, is_causal=is_causal, chunk=block, dtype=dtype, axis_name=AXIS)
-  elif name in ("dense", "reference"):
-    f = jax.nn.dot_product_attention if name == "dense" else ring_jax.reference_attention
-    return functools.partial(f, is_causal=is_causal), layout, True
   else:
     raise ValueError(f"unknown implementation {name!r}")
   return (jax.shard_map(local, mesh=mesh, in_specs=(SPEC,) * 3, out_specs=SPEC,
@@ -168,9 +165,7 @@ def memory_budget(gib):
   return int(min(8 * GIB, 0.4 * (common.host_memory_available() or 16 * GIB)))
 
 
-# ----------------------------------------------------------------------------
-# Main table and block sweep: compile every case of a group, then time them round-robin
-# ----------------------------------------------------------------------------
+# --- Sections main and sweep: compile every case of a group, then time them round-robin -----------
 
 def prepare_case(s, name, length, causal, block=None, timed=True, modes=MODES):
   """Compiles ``modes`` (fwd, fwd+bwd) against abstract inputs; returns ``(row, {mode:
@@ -233,15 +228,14 @@ def matmul_case(s, flops):
   return f.lower(a, b).compile(), (a, b), 2 * n * m ** 3
 
 
-def run_group(s, cases, *, length, causal, repeats, warmup, timed_names, modes=MODES,
-              matmul_peak=False):
+def run_group(s, cases, *, length, causal, repeats, warmup, modes=MODES, matmul_peak=False):
   """The ``(name, block)`` cases of one (length, mask) (block None: the default): compile
   all, then time them round-robin (``common.interleaved``); ``matmul_peak``: also a
   same-size matmul, and each row's useful fwd+bwd FLOP/s as a fraction of its rate."""
   rows, todo = [], []
   for name, block in cases:
     try:
-      row, t = prepare_case(s, name, length, causal, block, name in timed_names, modes)
+      row, t = prepare_case(s, name, length, causal, block, modes=modes)
     except Exception as e:  # noqa: BLE001
       row, t = dict(impl=name, length=length, causal=causal, devices=s.ring, block=block,
                     fwd_mem={}, fwdbwd_mem={}, fwd_times_s=[], fwdbwd_times_s=[],
@@ -294,12 +288,12 @@ def sweep_blocks(name, local_len, candidates):
   return sorted({b for b in candidates if b <= chunk and chunk % b == 0} | whole)
 
 
-def sweep(s, names, masks, args, save, rows):
-  """fwd+bwd time (median of ``--sweep-repeats``, every block of one (length, mask,
-  layout) timed round-robin) and compiled temp memory per block size, for each ring
-  variant; the default block (``ring_jax.ring.default_block``) marked. The table
-  ``ring_jax.ring.BLOCK_TARGETS`` is read from these rows (docs/performance.md). Appends
-  to ``rows``."""
+def sweep(s, args, names, masks, result, save):
+  """Section ``sweep``: fwd+bwd time (median of ``--sweep-repeats``, every block of one
+  (length, mask, layout) timed round-robin) and compiled temp memory per block size, for each
+  ring variant; the default block (``ring_jax.ring.default_block``) marked. The table
+  ``ring_jax.ring.BLOCK_TARGETS`` is read from these rows (docs/performance.md)."""
+  rows = result["sweep"] = []  # filled row by row, saved after each group
   print(f"\n== block-size sweep, fwd+bwd (ring of {s.ring}; * = today's default) ==\n"
         f"  {'L':>6} {'mask':<6} {'layout':<11} {'block':>5} {'ms':>8} {'x best':>6} {'MiB':>6}",
         flush=True)
@@ -310,7 +304,7 @@ def sweep(s, names, masks, args, save, rows):
         default = default_block(impl_layout(name), local)
         group = run_group(s, [(name, b) for b in sweep_blocks(name, local, args.sweep_blocks)],
                           length=length, causal=causal, repeats=args.sweep_repeats, warmup=1,
-                          timed_names={name}, modes=("fwdbwd",), matmul_peak=args.matmul_peak)
+                          modes=("fwdbwd",), matmul_peak=args.matmul_peak)
         best = min((r["fwdbwd_median_s"] for r in group if r["fwdbwd_status"] == "ok"),
                    default=None)
         for r in group:
@@ -324,22 +318,54 @@ def sweep(s, names, masks, args, save, rows):
         save()
 
 
-# ----------------------------------------------------------------------------
-# Errors: against ring_jax.reference_attention, and bf16 against a float64 oracle
-# ----------------------------------------------------------------------------
+def main_table(s, args, names, masks, result, save):
+  """Section ``main``: per length and mask, every implementation's fwd and fwd+bwd time
+  (:func:`run_group`) and compiled memory, with the load average before and after."""
+  print("\n== timing (median of repeats after warm-up, implementations timed round-robin) "
+        "and compiled temp memory per device ==", flush=True)
+  for length in args.lengths:
+    for causal in masks:
+      load0 = os.getloadavg()[0]
+      rows = run_group(s, [(n, None) for n in names], length=length, causal=causal,
+                       repeats=args.repeats, warmup=1, matmul_peak=args.matmul_peak)
+      for row in rows:
+        row["loadavg_1min"] = [round(load0, 2), round(os.getloadavg()[0], 2)]
+        result["rows"].append(row)
+        print(row_line(row), flush=True)
+      print(f"  (t={common.elapsed():.0f}s, load average {load0:.1f} -> "
+            f"{os.getloadavg()[0]:.1f})", flush=True)
+      save()
+  if jax.default_backend() == "cpu":
+    print("\n" + CPU_NOTE)
 
-def check_case(s, name, length, causal):
-  """Max abs error of output and grads against ring_jax.reference_attention (natural order)."""
-  f, layout, one_dev = s.impl(name, causal, block_for(name, length // s.ring))
+
+# --- Sections check and bf16 (errors against oracles), memscan (compile only) ---------------------
+
+def check(s, args, names, masks, result, save):
+  """Section ``check``: max abs error of each implementation's output and grads against
+  ``ring_jax.reference_attention`` (natural order) at the shortest length (at most 4096)."""
+  length = min(min(args.lengths), 4096)
+  print(f"\n== correctness vs ring_jax.reference_attention at L={length} (max abs error) ==",
+        flush=True)
   xs = inputs(jax.random.key(7), s.shape(length), s.dtype)
-  ref = functools.partial(ring_jax.reference_attention, is_causal=causal)
-  want = [np.asarray(w, np.float32) for w in jax.jit(fwd_bwd(ref))(*xs)]
-  got = (jax.jit(fwd_bwd(f)) if one_dev else natural_fwd_bwd(f, layout, s.ring))(*xs)
-  errs = {nm: float(np.max(np.abs(np.asarray(x, np.float32) - w)))
-          for nm, x, w in zip(GRADS, got, want)}
-  tol = (2e-4 if s.dtype == jnp.float32 else 5e-2) * max(1.0, *(np.abs(w).max() for w in want))
-  return dict(impl=name, length=length, causal=causal, max_abs_err=errs,
-              ok=bool(all(e <= tol for e in errs.values())), tol=float(tol))
+  for causal in masks:
+    ref = functools.partial(ring_jax.reference_attention, is_causal=causal)
+    want = [np.asarray(w, np.float32) for w in jax.jit(fwd_bwd(ref))(*xs)]
+    tol = (2e-4 if s.dtype == jnp.float32 else 5e-2) * max(1.0, *(np.abs(w).max() for w in want))
+    for name in names:
+      c = dict(impl=name, length=length, causal=causal)
+      try:
+        f, layout, one_dev = s.impl(name, causal, block_for(name, length // s.ring))
+        got = (jax.jit(fwd_bwd(f)) if one_dev else natural_fwd_bwd(f, layout, s.ring))(*xs)
+        errs = {nm: float(np.max(np.abs(np.asarray(x, np.float32) - w)))
+                for nm, x, w in zip(GRADS, got, want)}
+        c.update(max_abs_err=errs, ok=all(e <= tol for e in errs.values()), tol=float(tol))
+      except Exception as e:  # noqa: BLE001
+        c.update(ok=False, error=common.error_line(e))
+      result["checks"].append(c)
+      print(f"  {'causal' if causal else 'full':<7} {name:<16} {'OK ' if c['ok'] else 'BAD'} " +
+            (" ".join(f"{k}={v:.1e}" for k, v in c["max_abs_err"].items())
+             if "max_abs_err" in c else c["error"]), flush=True)
 
 
 def oracle_f64(q, k, v, do, is_causal):
@@ -352,17 +378,22 @@ def oracle_f64(q, k, v, do, is_causal):
   return [r[name] for name in GRADS]
 
 
-def bf16_error_table(s, layouts, length, rings):
-  """Relative (Frobenius) and max abs error of out, dq, dk, dv in bfloat16 against the float64
-  oracle, causal, per ring size and implementation; the first row: bfloat16's own rounding."""
+def bf16(s, args, names, masks, result, save):
+  """Section ``bf16``: relative (Frobenius) and max abs error of out, dq, dk, dv in bfloat16
+  against the float64 oracle, causal, at ``--err-length`` per ring size of ``--err-rings``
+  and ring layout (and the paper's code); the first row: bfloat16's own rounding."""
+  length = args.err_length
+  print(f"\n== bf16 relative error (||x - x64|| / ||x64||) vs float64 oracle, causal, "
+        f"L={length} ==\n  {'impl':<34} {'ring':>4}  {'out':>8}  {'dq':>8}  "
+        f"{'dk':>8}  {'dv':>8}", flush=True)
   xs = inputs(jax.random.key(3), (1, length, s.heads, s.head_dim), jnp.bfloat16)
   want = oracle_f64(*xs, True)
   rel = lambda got: {nm: float(np.linalg.norm(np.asarray(x, np.float64) - w) /  # noqa: E731
                                np.linalg.norm(w)) for nm, x, w in zip(GRADS, got, want)}
   rows = [dict(impl="bf16 rounding of the f64 result", ring=None,
                rel_err=rel([jnp.asarray(w, jnp.bfloat16) for w in want]))]
-  impls = [f"ring-{lay}" for lay in layouts] + (["paper"] if s.paper_fn else [])
-  for ring in [r for r in rings if r <= len(jax.devices())]:
+  impls = [f"ring-{lay}" for lay in args.layouts] + (["paper"] if s.paper_fn else [])
+  for ring in [r for r in args.err_rings if r <= len(jax.devices())]:
     mesh = common.make_mesh((ring,), (AXIS,))
     for name in impls:
       try:
@@ -375,17 +406,23 @@ def bf16_error_table(s, layouts, length, rings):
         rows.append(dict(impl=name, ring=ring, error=common.error_line(e)))
       print_err_row(rows[-1])
   print_err_row(rows[0])
-  return dict(length=length, causal=True, heads=s.heads, head_dim=s.head_dim, rows=rows)
+  result["bf16_error"] = dict(length=length, causal=True, heads=s.heads, head_dim=s.head_dim,
+                              rows=rows)
 
 
-def memory_scan(s, names, lengths, block, causal):
-  """Compiled fwd+bwd temp memory per device at a FIXED block size (compile only, no run).
+def memscan(s, args, names, masks, result, save):
+  """Section ``memscan``: compiled fwd+bwd temp memory per device at the FIXED block
+  ``--memscan-block`` (compile only, no run), per length of ``--memscan-lengths``.
 
   The main table uses each implementation's default block, which grows with L
   up to 512; with a fixed block the remaining growth is the part linear in L.
   """
-  rows = []
-  for length, name in [(n, i) for n in lengths for i in names]:
+  block = args.memscan_block
+  print(f"\n== compiled temp memory per device at a fixed block of {block} (compile only) ==",
+        flush=True)
+  rows = result["memscan"] = []
+  for causal, length, name in [(c, n, i) for c in masks for n in args.memscan_lengths
+                               for i in names]:
     t = length // s.ring
     if name in ("dense", "reference") or t % block or (
         name.startswith("ring-zigzag") and (t // 2) % block):
@@ -401,12 +438,13 @@ def memory_scan(s, names, lengths, block, causal):
     print(f"  L={length:<7} {name:<16} block={block:<5} " +
           (f"fwd {r['fwd_temp'] / MIB:8.1f} MiB  fwd+bwd {r['fwdbwd_temp'] / MIB:8.1f} MiB"
            if "error" not in r else r["error"]), flush=True)
-  return rows
 
 
-# ----------------------------------------------------------------------------
-# Output
-# ----------------------------------------------------------------------------
+#: The sections in the order they run (``--sections`` picks).
+SECTIONS = dict(check=check, sweep=sweep, bf16=bf16, memscan=memscan, main=main_table)
+
+
+# --- Output ---------------------------------------------------------------------------------------
 
 def fmt_ms(r, mode):
   st = r.get(f"{mode}_status", "-")
@@ -444,85 +482,30 @@ def print_err_row(r):
         "  ".join(f"{r['rel_err'][nm]:.2e}" for nm in GRADS), flush=True)
 
 
-def plot(result, path_prefix):
-  """Per mask, a PNG of fwd time, fwd+bwd time and fwd+bwd temp memory against the length."""
-  try:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-  except Exception as e:  # noqa: BLE001
-    print(f"(no plots: matplotlib unavailable: {e})")
-    return []
-  rows, m, paths = result["rows"], result["meta"], []
-  for causal in sorted({r["causal"] for r in rows}):
-    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
-    for impl in sorted({r["impl"] for r in rows}):
-      rs = sorted((r for r in rows if r["impl"] == impl and r["causal"] == causal),
-                  key=lambda r: r["length"])
-      for ax, key in ((axes[0], "fwd_median_s"), (axes[1], "fwdbwd_median_s")):
-        pts = [(r["length"], r[key] * 1e3) for r in rs if key in r]
-        if pts:
-          ax.plot(*zip(*pts), marker="o", label=impl)
-      pts = [(r["length"], r["fwdbwd_mem"]["temp_size_in_bytes"] / MIB) for r in rs
-             if "temp_size_in_bytes" in r.get("fwdbwd_mem", {})]
-      if pts:
-        style = "--" if impl in ("dense", "reference") else "-"
-        axes[2].plot(*zip(*pts), style, marker="o", label=impl)
-    titles = ("forward time (ms)", "forward+backward time (ms)",
-              "fwd+bwd compiled temp memory per device (MiB)")
-    for ax, title in zip(axes, titles):
-      ax.set_xscale("log", base=2)
-      ax.set_yscale("log")
-      ax.set_xlabel("sequence length")
-      ax.set_title(title, fontsize=10)
-      ax.grid(True, which="both", alpha=0.3)
-    axes[2].legend(fontsize=8)
-    fig.suptitle(f"{'causal' if causal else 'non-causal'} attention, {m['platform']} "
-                 f"{m['dtype']}, B={m['batch']} N={m['heads']} H={m['head_dim']}, "
-                 f"ring={m['ring']} (dense: 1 device; OOM rows have memory but no time)",
-                 fontsize=10)
-    fig.tight_layout()
-    paths.append(f"{path_prefix}_{'causal' if causal else 'full'}.png")
-    fig.savefig(paths[-1], dpi=110)
-    plt.close(fig)
-  return paths
-
-
 def render(path):
-  """Re-print the rows (and redraw the plots) or the sweep table of a result file."""
+  """Re-print the rows or the sweep table of a result file (``plot_results.py`` draws its
+  plots)."""
   with open(path) as fh:
     result = json.load(fh)
   print(f"{result['meta'].get('command')}  ({result['meta'].get('date')})")
   if result["rows"]:
     print("\n".join(row_line(r) for r in result["rows"]))
-    plot(result, os.path.splitext(path)[0])
   if result.get("sweep"):
     from benchmarks import report  # noqa: PLC0415 - the one renderer (pure Python, no jax)
     print(report.sweep_markdown(result["sweep"]))
   return result
 
 
-# ----------------------------------------------------------------------------
-
 def parse_args(argv=None):
   ap = common.parser(__doc__, repeats=5, lengths=[2048, 4096, 8192, 16384], dtype="auto",
                      ring=8, heads=8, head_dim=64)
-  ap.add_argument("--large-from", type=int, default=16384,
-                  help="lengths from which --large-warmup and --large-variants apply")
-  ap.add_argument("--repeats-at", default={},
-                  type=lambda s: {int(a): int(b) for a, b in (x.split(":") for x in s.split(","))},
-                  help="per-length repeats overriding --repeats, e.g. 8192:2,16384:1")
-  ap.add_argument("--large-warmup", type=int, default=1,
-                  help="warm-up runs for lengths >= --large-from (AOT-compiled already)")
-  ap.add_argument("--large-variants", type=strs, default=None,
-                  help="the only ones timed at lengths >= --large-from ('ring': all layouts)")
   ap.add_argument("--matmul-peak", action="store_true",
                   help="useful fwd+bwd FLOP/s as a fraction of a same-size matmul's")
   ap.add_argument("--masks", type=strs, default=["causal", "full"])
   ap.add_argument("--variants", type=strs, default=["ring", "allgather", "dense", "paper"])
   ap.add_argument("--layouts", type=strs, default=list(ring_jax.LAYOUTS))
   ap.add_argument("--sections", type=strs, default=["check", "main", "bf16"],
-                  help="subset of check,main,bf16,memscan,sweep")
+                  help=f"subset of {','.join(SECTIONS)}")
   ap.add_argument("--err-length", type=int, default=2048)
   ap.add_argument("--err-rings", type=ints, default=[1, 2, 4, 8])
   ap.add_argument("--sweep-lengths", type=ints, default=[1024, 2048, 4096, 8192, 16384])
@@ -535,7 +518,7 @@ def parse_args(argv=None):
                   help="single-device memory above which dense rows are not run")
   ap.add_argument("--out", default=common.RESULTS, help="result folder")
   ap.add_argument("--tag", default=None, help="output file stem (default attention_<platform>)")
-  ap.add_argument("--render", default=None, help="re-print (and re-plot) a result file")
+  ap.add_argument("--render", default=None, help="re-print a result file's tables")
   return ap.parse_args(argv)
 
 
@@ -543,7 +526,6 @@ def main(argv=None):
   args = parse_args(argv)
   if args.render:
     return render(args.render)
-  t_start = time.perf_counter()
   platform = jax.default_backend()
   dtype = jnp.dtype(args.dtype).type if args.dtype != "auto" else (
       jnp.float32 if platform == "cpu" else jnp.bfloat16)
@@ -562,90 +544,22 @@ def main(argv=None):
   masks = [m == "causal" for m in args.masks]
   meta = common.run_meta(argv, __file__, ring=ring, dtype=jnp.dtype(dtype).name, batch=s.batch,
                          heads=args.heads, head_dim=args.head_dim, repeats=args.repeats,
-                         large_from=args.large_from, paper=paper_note,
-                         single_device_budget_gib=round(s.budget / GIB, 2),
+                         paper=paper_note, single_device_budget_gib=round(s.budget / GIB, 2),
                          note=CPU_NOTE if platform == "cpu" else "")
   stem = os.path.join(args.out, args.tag or f"attention_{platform}")
   result = dict(meta=meta, checks=[], rows=[])
 
   def save():
-    result["meta"]["elapsed_s"] = round(time.perf_counter() - t_start, 1)
+    result["meta"]["elapsed_s"] = common.elapsed()
     common.write_result(stem + ".json", result)
 
   print(f"jax {jax.__version__} on {platform} ({meta['device_kind']}), ring={ring}, "
         f"{meta['dtype']}, B={s.batch} N={args.heads} H={args.head_dim}", flush=True)
-
-  if "check" in args.sections:
-    cl = min(min(args.lengths), 4096)
-    print(f"\n== correctness vs ring_jax.reference_attention at L={cl} (max abs error) ==",
-          flush=True)
-    for causal in masks:
-      for name in names:
-        try:
-          c = check_case(s, name, cl, causal)
-        except Exception as e:  # noqa: BLE001
-          c = dict(impl=name, length=cl, causal=causal, ok=False, error=common.error_line(e))
-        result["checks"].append(c)
-        errs = c.get("max_abs_err")
-        print(f"  {'causal' if causal else 'full':<7} {name:<16} "
-              f"{'OK ' if c['ok'] else 'BAD'} " +
-              (" ".join(f"{k}={v:.1e}" for k, v in errs.items()) if errs else c.get("error", "")),
-              flush=True)
-    save()
-
-  if "sweep" in args.sections:
-    result["sweep"] = []  # filled row by row, saved after each group
-    sweep(s, names, masks, args, save, result["sweep"])
-
-  if "bf16" in args.sections:
-    print(f"\n== bf16 relative error (||x - x64|| / ||x64||) vs float64 oracle, causal, "
-          f"L={args.err_length} ==\n  {'impl':<34} {'ring':>4}  {'out':>8}  {'dq':>8}  "
-          f"{'dk':>8}  {'dv':>8}", flush=True)
-    result["bf16_error"] = bf16_error_table(s, args.layouts, args.err_length, args.err_rings)
-    save()
-
-  if "memscan" in args.sections:
-    print(f"\n== compiled temp memory per device at a fixed block of {args.memscan_block} "
-          f"(compile only) ==", flush=True)
-    result["memscan"] = [r for causal in masks for r in memory_scan(
-        s, names, args.memscan_lengths, args.memscan_block, causal)]
-    save()
-
-  if "main" in args.sections:
-    print("\n== timing (median of repeats after warm-up, implementations timed round-robin) "
-          "and compiled temp memory per device ==", flush=True)
-    for length in args.lengths:
-      large = length >= args.large_from
-      timed_names = {n for n in names if not (large and args.large_variants) or
-                     n in args.large_variants or
-                     (n.startswith("ring-") and "ring" in args.large_variants)}
-      for causal in masks:
-        load0 = os.getloadavg()[0]
-        rows = run_group(s, [(n, None) for n in names], length=length, causal=causal,
-                         repeats=args.repeats_at.get(length, args.repeats),
-                         warmup=args.large_warmup if large else 1, timed_names=timed_names,
-                         matmul_peak=args.matmul_peak)
-        for row in rows:
-          row["loadavg_1min"] = [round(load0, 2), round(os.getloadavg()[0], 2)]
-          result["rows"].append(row)
-          print(row_line(row), flush=True)
-        print(f"  (t={time.perf_counter() - t_start:.0f}s, load average {load0:.1f} -> "
-              f"{os.getloadavg()[0]:.1f})", flush=True)
-        save()
-
-  if result["rows"]:
-    if platform == "cpu":
-      print("\n" + CPU_NOTE)
-    reduced = sorted({(r["length"], r["repeats"], r["warmup"]) for r in result["rows"]
-                      if r["repeats"] != args.repeats or r["warmup"] != 1})
-    if reduced:
-      print("Note: reduced repeats to keep the CPU run short: " + ", ".join(
-          f"L={L}: {n} timed run(s) after {w} warm-up" for L, n, w in reduced) +
-            (f"; at L >= {args.large_from} only {','.join(args.large_variants)} are timed "
-             f"(the rest: compiled memory only)" if args.large_variants else ""))
-    result["plots"] = [os.path.relpath(p, args.out) for p in plot(result, stem)]
-  save()
-  print(f"\nwrote {stem}.json ({time.perf_counter() - t_start:.0f}s)")
+  for name, section in SECTIONS.items():
+    if name in args.sections:
+      section(s, args, names, masks, result, save)
+      save()
+  print(f"\nwrote {stem}.json ({common.elapsed():.0f}s)")
   return result
 
 

@@ -1,8 +1,8 @@
 """The benchmarks' one harness: flags, timing, compiled memory, meshes, HLO, result files.
 
 Runs (:func:`fake_cpu_devices`, :func:`parser` with the shared flags, :func:`run_meta`: the
-provenance every result file records, :func:`write_result`, :func:`error_line`); timing
-(:func:`interleaved`: cases round-robin so a shared host's slow phases hit all alike,
+provenance every result file records, :func:`write_result`, :func:`save`, :func:`error_line`);
+timing (:func:`interleaved`: cases round-robin so a shared host's slow phases hit all alike,
 :func:`time_calls`, :func:`timed_call`: wall and process CPU seconds); compiled memory
 (:func:`compiled_memory`, :func:`per_device_bytes`, from ``ring_jax.topology``); meshes
 (:func:`parse_mesh`, :func:`make_mesh`); collectives of a compiled program
@@ -54,9 +54,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "benchmarks", "results")
 
 
-# ----------------------------------------------------------------------------
-# Runs: devices, flags, provenance, result files
-# ----------------------------------------------------------------------------
+# --- Runs: devices, flags, provenance, result files -----------------------------------------------
 
 
 def fake_cpu_devices(n: int = 8) -> None:
@@ -84,7 +82,9 @@ def parser(doc: str | None, *, out: str | None = None, repeats: int | None = Non
   defaults are given: ``--out`` (a result file name resolves into ``benchmarks/results``),
   ``--repeats``, ``--lengths`` / ``--length``, ``--mesh`` (parsed by :func:`parse_mesh`),
   ``--dtype``, and the attention's ``--ring`` (devices on the sequence axis), ``--heads``,
-  ``--head-dim``."""
+  ``--head-dim``. Starts the run's clock (:func:`elapsed`)."""
+  global _started
+  _started = time.perf_counter()
   ap = argparse.ArgumentParser(description=(doc or "").strip().split("\n")[0])
   if out is not None:
     ap.add_argument("--out", default=out if os.path.dirname(out) or not out
@@ -158,6 +158,15 @@ def write_result(path: str, result: dict, log: str | None = None) -> None:
       fh.write(log.rstrip("\n") + "\n")
 
 
+def save(path: str, result: dict, log: str | None = None) -> dict:
+  """:func:`write_result` and a line saying where, unless ``path`` is empty (a run that writes
+  nothing); returns ``result``."""
+  if path:
+    write_result(path, result, log)
+    print(f"wrote {path}")
+  return result
+
+
 def error_line(e: BaseException, n: int = 200) -> str:
   """``"Type: first line of the message"`` (at most ``n`` characters of it), for a row that
   failed."""
@@ -165,9 +174,16 @@ def error_line(e: BaseException, n: int = 200) -> str:
   return f"{type(e).__name__}: {lines[0][:n] if lines else ''}"
 
 
-# ----------------------------------------------------------------------------
-# Timing
-# ----------------------------------------------------------------------------
+# --- Timing ---------------------------------------------------------------------------------------
+
+
+_started = time.perf_counter()  # the run's start: the last parser() call, else the import
+
+
+def elapsed() -> float:
+  """Seconds since the run began (the last :func:`parser` call, every benchmark's first step;
+  else the harness's import), to 0.1 s, for its result file."""
+  return round(time.perf_counter() - _started, 1)
 
 
 def cpu_seconds() -> float:
@@ -194,9 +210,7 @@ def time_calls(fn: Callable, args: Sequence = (), repeats: int = 5, *,
   A call that returns new state (a train step) is timed with ``fn`` closing
   over that state, e.g. ``lambda: state.update(step(state))``.
   """
-  for _ in range(warmup):
-    jax.block_until_ready(fn(*args))
-  return [timed_call(fn, *args)[0] for _ in range(repeats)]
+  return interleaved({0: (fn, args)}, repeats, warmup)[0]["wall"]
 
 
 def interleaved(cases: dict[str, tuple[Callable, Sequence]], repeats: int, warmup: int = 1,
@@ -240,9 +254,7 @@ def median(times: Sequence[float]) -> float:
   return float(np.median(times))
 
 
-# ----------------------------------------------------------------------------
-# Compiled memory
-# ----------------------------------------------------------------------------
+# --- Compiled memory ------------------------------------------------------------------------------
 
 # One definition, in the library: the bytes a compiled program holds per device.
 from ring_jax.topology import MEMORY_FIELDS, compiled_memory, per_device_bytes  # noqa: E402,F401
@@ -275,9 +287,7 @@ def device_bytes_limit(device=None) -> int | None:
     return None
 
 
-# ----------------------------------------------------------------------------
-# Meshes
-# ----------------------------------------------------------------------------
+# --- Meshes ---------------------------------------------------------------------------------------
 
 
 def parse_mesh(text: str, axes: Sequence[str] | None = None) -> dict[str, int]:
@@ -321,9 +331,7 @@ def _trainer_axes() -> tuple[str, ...]:
   return tuple(MESH_AXES)
 
 
-# ----------------------------------------------------------------------------
-# Collectives of a compiled program
-# ----------------------------------------------------------------------------
+# --- Collectives of a compiled program ------------------------------------------------------------
 
 COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
 _ARRAY = re.compile(r"\b([a-z]+\d*)\[([\d,]*)\]")
@@ -417,9 +425,7 @@ def _only_sliced(name: str, ops, users, depth: int = 0) -> bool:
       ops[u][1] in _PASS_THROUGH and _only_sliced(u, ops, users, depth + 1)) for u in found)
 
 
-# ----------------------------------------------------------------------------
-# Budgeted checks (one accelerator slot)
-# ----------------------------------------------------------------------------
+# --- Budgeted checks (one accelerator slot) -------------------------------------------------------
 
 
 class Clock:

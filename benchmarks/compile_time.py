@@ -103,39 +103,31 @@ def main(argv=None) -> dict:
   ap.add_argument("--dry-run", action="store_true",
                   help="smoke test: 256 tokens, one compile each, two cases, no train step")
   args = ap.parse_args(argv)
-  args.argv = sys.argv[1:] if argv is None else list(argv)
   cases = CASES
   if args.dry_run:
     args.length, args.repeats, args.no_train_step = 256, 1, True
     cases = (CASES[0], CASES[-1])
-  with common.without_persistent_cache():
-    return _run(args, cases)
-
-
-def _run(args, cases) -> dict:
   mesh = common.make_mesh((args.ring,), ("sequence",))
-  t_start = time.perf_counter()
   result = dict(meta=common.run_meta(
-      args.argv, __file__, dry_run=args.dry_run,
-      ring=args.ring, length=args.length, heads=args.heads, head_dim=args.head_dim,
-      dtype="float32", repeats=args.repeats, persistent_cache=False), attention=[])
-  for causal, layout, routing in cases:
-    r = attention_case(mesh, causal, layout, routing, args)
-    result["attention"].append(r)
-    print(f"{'causal' if causal else 'full':6s} {layout:10s} routed={r['routed']!s:5s} "
-          f"HLO {r['hlo_lines']:6,} lines {r['hlo_instructions']:6,} instructions  compile "
-          f"{r['compile_median_s']:.2f} s {r['compile_s']}  temp fwd "
-          f"{r['fwd_temp_bytes'] / 2**20:.1f} / fwd+bwd {r['fwdbwd_temp_bytes'] / 2**20:.1f} MiB",
-          flush=True)
-  if not args.no_train_step:
-    r = result["train_step"] = train_step_case(args)
-    print(f"train step {r['config']} {r['mesh']} batch {r['batch']}: HLO {r['hlo_lines']:,} "
-          f"lines {r['hlo_instructions']:,} instructions  compile {r['compile_median_s']:.2f} s "
-          f"{r['compile_s']}", flush=True)
-  result["meta"]["elapsed_s"] = round(time.perf_counter() - t_start, 1)
-  if args.out:
-    common.write_result(args.out, result)
-  return result
+      argv, __file__, dry_run=args.dry_run, ring=args.ring, length=args.length,
+      heads=args.heads, head_dim=args.head_dim, dtype="float32", repeats=args.repeats,
+      persistent_cache=False), attention=[])
+  with common.without_persistent_cache():
+    for causal, layout, routing in cases:
+      r = attention_case(mesh, causal, layout, routing, args)
+      result["attention"].append(r)
+      print(f"{'causal' if causal else 'full':6s} {layout:10s} routed={r['routed']!s:5s} "
+            f"HLO {r['hlo_lines']:6,} lines {r['hlo_instructions']:6,} instructions  compile "
+            f"{r['compile_median_s']:.2f} s {r['compile_s']}  temp fwd "
+            f"{r['fwd_temp_bytes'] / 2**20:.1f} / fwd+bwd {r['fwdbwd_temp_bytes'] / 2**20:.1f} "
+            "MiB", flush=True)
+    if not args.no_train_step:
+      r = result["train_step"] = train_step_case(args)
+      print(f"train step {r['config']} {r['mesh']} batch {r['batch']}: HLO {r['hlo_lines']:,} "
+            f"lines {r['hlo_instructions']:,} instructions  compile {r['compile_median_s']:.2f} "
+            f"s {r['compile_s']}", flush=True)
+  result["meta"]["elapsed_s"] = common.elapsed()
+  return common.save(args.out, result)
 
 
 if __name__ == "__main__":

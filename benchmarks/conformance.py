@@ -62,7 +62,6 @@ def targets(names, peers: bool) -> dict:
 
 
 def main(argv=None):
-  argv = sys.argv[1:] if argv is None else argv
   ap = common.parser(__doc__)
   ap.add_argument("--targets", default=",".join(OWN), help=f"of {list(OWN)}")
   ap.add_argument("--peers", action="store_true", help="also the peers' adapters")
@@ -77,11 +76,9 @@ def main(argv=None):
                          progress=lambda r: print(f"  {r.case:24s} {r.status}", flush=True))
     print(report.table(), flush=True)
     failed[name] = [r.case for r in report.failed]
-    if args.out_dir:
-      path = os.path.join(args.out_dir, f"conformance_{name}.json")
-      common.write_result(path, dict(meta=common.run_meta(argv, __file__, local_len=local_len),
-                                            **report.to_dict()))
-      print(f"wrote {path}")
+    path = os.path.join(args.out_dir, f"conformance_{name}.json") if args.out_dir else ""
+    common.save(path, dict(meta=common.run_meta(argv, __file__, local_len=local_len),
+                           **report.to_dict()))
   print("\nfailed cases:", failed)
   return failed
 

@@ -44,14 +44,11 @@ def accuracy_table():
   print("\n## 1. Error vs float64 dense oracle (max |err| / max |ref|), float32 inputs")
   print(f"{'case':44s} {'out':>9s} {'dq':>9s} {'dk':>9s} {'dv':>9s}")
   rng = np.random.default_rng(0)
-  cases = []
-  for layout in ring_jax.LAYOUTS:
-    for causal in (False, True):
-      for seg in (False, True):
-        cases.append(dict(n=4, layout=layout, causal=causal, seg=seg, heads=(4, 2)))
-  for n, layout in [(1, "contiguous"), (2, "zigzag"), (3, "zigzag"), (3, "striped"),
-                    (8, "zigzag"), (8, "striped"), (8, "contiguous")]:
-    cases.append(dict(n=n, layout=layout, causal=True, seg=True, heads=(4, 2)))
+  cases = [dict(n=4, layout=layout, causal=causal, seg=seg, heads=(4, 2))
+           for layout in ring_jax.LAYOUTS for causal in (False, True) for seg in (False, True)]
+  cases += [dict(n=n, layout=layout, causal=True, seg=True, heads=(4, 2))
+            for n, layout in [(1, "contiguous"), (2, "zigzag"), (3, "zigzag"), (3, "striped"),
+                              (8, "zigzag"), (8, "striped"), (8, "contiguous")]]
   cases.append(dict(n=8, layout="zigzag", causal=True, seg=True, heads=(4, 1)))  # MQA
   cases.append(dict(n=4, layout="zigzag", causal=True, seg=False, heads=(4, 4), tp=2))
   cases.append(dict(n=4, layout="zigzag", causal=True, seg=False, heads=(4, 1), tp=2))
@@ -126,13 +123,9 @@ def work_table():
 def main(argv=None):
   args = common.parser(__doc__, out="core_report_cpu.json").parse_args(argv)
   print(f"jax {jax.__version__}, {jax.device_count()} {jax.devices()[0].platform} devices")
-  result = dict(
-      meta=common.run_meta(argv, __file__),
-      accuracy=accuracy_table(), memory=memory_table(), work=work_table())
-  if args.out:
-    common.write_result(args.out, result)
-    print(f"\nwrote {args.out}")
-  return result
+  return common.save(args.out, dict(meta=common.run_meta(argv, __file__),
+                                    accuracy=accuracy_table(), memory=memory_table(),
+                                    work=work_table()))
 
 
 if __name__ == "__main__":

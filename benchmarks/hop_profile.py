@@ -1,30 +1,24 @@
 """Where a ring's time goes: a profile of ring attention's fwd+bwd, by kind of work and by part.
 
-Runs ``ring_jax.ring_attention_sharded`` (forward + backward) under ``jax.profiler`` and
-adds up the time of every executed HLO instruction, read from the profiler's trace, in two
-ways:
+Runs ``ring_jax.ring_attention_sharded`` (forward + backward) under ``jax.profiler`` and adds
+up the time of every executed HLO instruction of the profiler's trace, classified by what its
+compiled HLO computes (a fusion by the ops it fuses; ``while``/``conditional`` only contain
+others and are not counted):
 
-* by kind: ``matmul`` (fusions holding a ``dot``), ``exp`` (holding an ``exponential``),
-  ``select/compare`` (masks, and the NaN-aware compare/select of the row maxima),
-  ``layout copies`` (``copy``, ``transpose``, slices and their updates), ``transfer``
-  (``collective-permute``, all-gather, all-reduce), ``other`` (the remaining elementwise
-  work and reductions);
-* by part, from the ``jax.named_scope`` of each instruction (of the loop, branch or fusion
-  that holds it, for an instruction without one): forward / backward, and in them the hop
-  kernel's block loops (``xla_hop_fwd_blocks`` / ``xla_hop_bwd_blocks``), the
-  online-softmax merge (``merge``), the transfers (XLA:CPU keeps no scope on its
-  collectives, so the K/V and dK/dV transfers count together) and the rest (block tables,
-  masks' positions, the non-finite flags, casts).
+* by kind: ``matmul`` (a ``dot``), ``exp``, ``select/compare`` (masks, the NaN-aware row
+  maxima), ``layout copies`` (copies, transposes, slices and their updates), ``transfer``
+  (collectives), ``other`` (the remaining elementwise work and reductions);
+* by part, from the ``jax.named_scope`` of each instruction (else of the loop, branch or
+  fusion that holds it): forward / backward, and in them the hop kernel's block loops
+  (``xla_hop_fwd_blocks`` / ``xla_hop_bwd_blocks``), the online-softmax ``merge``, the
+  transfers (XLA:CPU keeps no scope on its collectives: K/V and dK/dV count together) and
+  the rest (block tables, positions, non-finite flags, casts).
 
-Control-flow instructions (``while``, ``conditional``) only contain others and are not
-counted. The instruction's kind comes from the compiled HLO (the same ``compile()`` that
-runs), so fused computations are classified by what they compute.
+On CPU the fake devices are threads sharing the cores: durations include waiting for a core
+and, in a collective, for the other devices. Read the shares, not the absolute times, and use
+``--ring 2`` (one device per core here).
 
-On CPU the fake devices are threads sharing the cores: durations include waiting for a
-core, and a collective's includes waiting for the other devices to reach it. Read the
-shares, not the absolute times, and use ``--ring 2`` (one device per core here).
-
-  PYTHONPATH=. python benchmarks/hop_profile.py --length 4096 --ring 2 --layout zigzag
+  PYTHONPATH=. python benchmarks/hop_profile.py --length 4096 --ring 2 --mask causal
 """
 
 from __future__ import annotations
@@ -38,9 +32,9 @@ import os
 import sys
 import tempfile
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import ring_jax  # noqa: E402
@@ -119,6 +113,8 @@ def _part(kind: str, scope: str) -> str:
 
 def profile(length: int, layout: str, causal: bool, block: int | None, ring: int, heads: int,
             head_dim: int, steps: int) -> dict:
+  """The ring's fwd+bwd (gradient of a sum of squares) profiled over ``steps`` calls: ms per
+  step and device by kind (:data:`KINDS`) and by part (:func:`_part`), and the case."""
   mesh = jax.make_mesh((ring,), ("sequence",))
   sharding = NamedSharding(mesh, P(None, "sequence"))
   keys = jax.random.split(jax.random.key(0), 3)
@@ -166,18 +162,16 @@ def print_profile(r: dict) -> None:
 
 
 def main(argv=None):
-  ap = common.parser(__doc__, length=4096, ring=8, heads=8, head_dim=64)
+  ap = common.parser(__doc__, out="", length=4096, ring=8, heads=8, head_dim=64)
   ap.add_argument("--layout", default="zigzag")
   ap.add_argument("--mask", choices=("causal", "full"), default="causal")
   ap.add_argument("--block", type=int, default=None, help="default: the ring's default block")
   ap.add_argument("--steps", type=int, default=3)
-  ap.add_argument("--json", default=None, help="also write the result here")
   args = ap.parse_args(argv)
   r = profile(args.length, args.layout, args.mask == "causal", args.block, args.ring,
               args.heads, args.head_dim, args.steps)
   print_profile(r)
-  if args.json:
-    common.write_result(args.json, dict(r, meta=common.run_meta(argv, __file__)))
+  common.save(args.out, dict(r, meta=common.run_meta(argv, __file__)))
   return r
 
 

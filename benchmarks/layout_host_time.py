@@ -19,7 +19,6 @@ from __future__ import annotations
 import os
 import statistics
 import sys
-import time
 
 import numpy as np
 
@@ -52,8 +51,6 @@ def main(argv=None) -> list[dict]:
   p.add_argument("--layouts", default="zigzag,document")
   p.add_argument("--seed", type=int, default=0)
   args = p.parse_args(argv)
-  t_start = time.perf_counter()
-
   rng = np.random.default_rng(args.seed)
   results = []
   for mean in (float(m) for m in args.mean.split(",")):
@@ -76,10 +73,9 @@ def main(argv=None) -> list[dict]:
                 f"({row['docs_per_row']} docs/row): median {row['median_ms']:8.2f} ms/batch "
                 f"(min {row['min_ms']:.2f}) over {args.reps}, "
                 f"{row['tokens_per_s'] / 1e6:.1f}M tokens/s", flush=True)
-  if args.out:
-    meta = common.run_meta(argv, __file__, devices=False, numpy=np.__version__, reps=args.reps,
-                           seed=args.seed, elapsed_s=round(time.perf_counter() - t_start, 1))
-    common.write_result(args.out, dict(meta=meta, rows=results))
+  meta = common.run_meta(argv, __file__, devices=False, numpy=np.__version__, reps=args.reps,
+                         seed=args.seed, elapsed_s=common.elapsed())
+  common.save(args.out, dict(meta=meta, rows=results))
   return results
 
 

@@ -1,6 +1,7 @@
-"""The README's plots, drawn from committed result files (nothing is measured here).
+"""The docs' plots, drawn from committed result files (nothing is measured here).
 
-  python benchmarks/plot_results.py      # -> benchmarks/results/plot_{memory,packed_balance}.png
+  python benchmarks/plot_results.py      # -> benchmarks/results/*.png: the three below
+  python benchmarks/plot_results.py --attention FILE.json   # only FILE's plots, in --out-dir
 
 * ``plot_memory.png``: fwd+bwd compiled temp memory per device against the sequence length,
   ring (zigzag) vs the paper's code vs all-gather context parallelism, fixed blocks of 256
@@ -9,6 +10,10 @@
 * ``plot_packed_balance.png``: causal work of the busiest device over the mean on packed rows,
   zigzag vs ``layout="document"``, against the mean document length
   (``results/packed_balance.json``, from ``benchmarks/packed_balance.py``).
+* ``attention_cpu_4k_{causal,full}.png`` (docs/benchmarks.md): per mask, fwd time, fwd+bwd
+  time and fwd+bwd temp memory against the length, per implementation
+  (``results/attention_cpu_4k.json``, from ``benchmarks/attention.py``; ``--attention``: of
+  another of its result files).
 
 Each title names its result file and the run's date, so a plot cannot outlive its data
 unnoticed; re-run this script after committing a new result file.
@@ -19,11 +24,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 MEMSCAN = "attention_cpu_memscan_scan.json"
 PACKED = "packed_balance.json"
+ATTENTION = "attention_cpu_4k.json"
 MIB = 2**20
 
 
@@ -53,23 +58,71 @@ def balance_series(packed: dict) -> dict[str, list[tuple[int, float, float]]]:
   return series
 
 
-def _save(fig, ax, path):
-  """The plots' common finish: grid, legend, a tight PNG."""
-  ax.grid(True, which="both", alpha=0.3)
+def _save(fig, ax, path, more_axes=()):
+  """The plots' common finish: grids (on ``ax`` and ``more_axes``), ``ax``'s legend, a tight
+  PNG."""
+  for a in (ax, *more_axes):
+    a.grid(True, which="both", alpha=0.3)
   ax.legend(fontsize=8)
   fig.tight_layout()
   fig.savefig(path, dpi=110)
   print("wrote", path)
 
 
+def attention_plots(path: str, out_dir: str) -> list[str]:
+  """Per mask of an ``attention.py`` result file, a PNG in ``out_dir`` of fwd time, fwd+bwd
+  time and fwd+bwd temp memory against the length, a line per implementation; returns their
+  paths."""
+  import matplotlib.pyplot as plt
+
+  with open(path) as f:
+    result = json.load(f)
+  rows, m, paths = result["rows"], result["meta"], []
+  for causal in sorted({r["causal"] for r in rows}):
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+    for impl in sorted({r["impl"] for r in rows}):
+      rs = sorted((r for r in rows if r["impl"] == impl and r["causal"] == causal),
+                  key=lambda r: r["length"])
+      for ax, key in ((axes[0], "fwd_median_s"), (axes[1], "fwdbwd_median_s")):
+        pts = [(r["length"], r[key] * 1e3) for r in rs if key in r]
+        if pts:
+          ax.plot(*zip(*pts), marker="o", label=impl)
+      pts = [(r["length"], r["fwdbwd_mem"]["temp_size_in_bytes"] / MIB) for r in rs
+             if "temp_size_in_bytes" in r.get("fwdbwd_mem", {})]
+      if pts:
+        axes[2].plot(*zip(*pts), "--" if impl in ("dense", "reference") else "-", marker="o",
+                     label=impl)
+    titles = ("forward time (ms)", "forward+backward time (ms)",
+              "fwd+bwd compiled temp memory per device (MiB)")
+    for ax, title in zip(axes, titles):
+      ax.set_xscale("log", base=2)
+      ax.set_yscale("log")
+      ax.set_xlabel("sequence length")
+      ax.set_title(title, fontsize=10)
+    fig.suptitle(f"{'causal' if causal else 'non-causal'} attention, {m['platform']} "
+                 f"{m['dtype']}, B={m['batch']} N={m['heads']} H={m['head_dim']}, "
+                 f"ring={m['ring']} (dense: 1 device; OOM rows have memory but no time); "
+                 f"{os.path.basename(path)}, {m['date'][:10]}", fontsize=10)
+    stem = os.path.splitext(os.path.basename(path))[0]
+    paths.append(os.path.join(out_dir, f"{stem}_{'causal' if causal else 'full'}.png"))
+    _save(fig, axes[2], paths[-1], axes[:2])
+  return paths
+
+
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--out-dir", default=RESULTS)
+  p.add_argument("--attention", default=None,
+                 help="only the plots of this attention.py result file")
   args = p.parse_args(argv)
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
 
+  if args.attention:
+    attention_plots(args.attention, args.out_dir)
+    return
+  attention_plots(os.path.join(RESULTS, ATTENTION), args.out_dir)
   scan = _load(MEMSCAN)
   meta = scan["meta"]
   fig, ax = plt.subplots(figsize=(6.4, 4.0))
@@ -105,4 +158,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  main()

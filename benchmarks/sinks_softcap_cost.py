@@ -34,7 +34,7 @@ from benchmarks import common  # noqa: E402
 CONFIGS = ("plain", "+sinks", "+softcap", "+both")
 
 
-def parse_args(argv):
+def parse_args(argv=None):
   p = common.parser(__doc__, out="sinks_softcap_cost.json", repeats=7, length=4096, ring=8,
                     heads=8)
   p.add_argument("--kv-heads", type=int, default=8)
@@ -80,7 +80,6 @@ def time_configs(args, mesh, q, k, v, do, sinks) -> list[dict]:
 
 
 def main(argv=None):
-  argv = sys.argv[1:] if argv is None else argv
   args = parse_args(argv)
   if "JAX_PLATFORMS" not in os.environ:  # fake CPU devices, also on an accelerator host
     jax.config.update("jax_platforms", "cpu")
@@ -97,18 +96,14 @@ def main(argv=None):
   for h in args.head_dim:
     rows += time_configs(args, mesh, normal(b, length, n, h), normal(b, length, kh, h),
                          normal(b, length, kh, h), normal(b, length, n, h), sinks)
-  result = dict(
+  return common.save(args.out, dict(
       common.run_meta(argv, __file__),
       about="ring_attention_sharded(hop_kernel='xla') fwd+bwd with sinks / soft-cap vs "
             "without, interleaved in one process; ratios to 'plain' of the best process CPU "
             "(and wall) seconds at the same head dim",
       length=length, ring=args.ring, heads=n, kv_heads=kh, head_dims=args.head_dim,
       dtype="float32", layout=args.layout, is_causal=args.causal, soft_cap=args.soft_cap,
-      repeats=args.repeats, bound=args.bound, rows=rows)
-  if args.out:
-    common.write_result(args.out, result)
-    print(f"wrote {args.out}")
-  return result
+      repeats=args.repeats, bound=args.bound, rows=rows))
 
 
 if __name__ == "__main__":

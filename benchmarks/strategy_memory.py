@@ -14,7 +14,6 @@ from __future__ import annotations
 import functools
 import os
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
@@ -35,35 +34,30 @@ def main(argv=None) -> dict:
                      head_dim=64)
   ap.add_argument("--devices", type=int, default=8)
   ap.add_argument("--layout", default="zigzag")
-  ap.add_argument("--strategies", default=",".join(STRATEGIES))
+  ap.add_argument("--strategies", type=common.strs, default=list(STRATEGIES))
   args = ap.parse_args(argv)
-  t0 = time.perf_counter()
-  n = args.devices
-  mesh = common.make_mesh((n,), ("sequence",))
+  mesh = common.make_mesh((args.devices,), ("sequence",))
   x = jax.ShapeDtypeStruct((1, args.length, args.heads, args.head_dim), jnp.float32,
                            sharding=NamedSharding(mesh, P(None, "sequence")))
   plan = ring_jax.plan(batch=1, seq_len=args.length, heads=args.heads, kv_heads=args.heads,
                        head_dim=args.head_dim, dtype="float32", is_causal=True,
-                       layout=args.layout, sequence=n, device="cpu")
+                       layout=args.layout, sequence=args.devices, device="cpu")
   rows = []
-  for strategy in args.strategies.split(","):
+  for strategy in args.strategies:
     f = functools.partial(ring_jax.attention_sharded, mesh=mesh, strategy=strategy,
                           seq_axis="sequence", batch_axis=None, is_causal=True,
                           layout=args.layout)
-    rows.append(dict(strategy=strategy, fwd_temp_bytes=common.temp_bytes(f, x, x, x),
-                     fwdbwd_temp_bytes=common.temp_bytes(common.fwd_bwd(f), x, x, x, x),
-                     plan_memory_bytes=int(plan.estimate(strategy).memory_bytes)))
-    r = rows[-1]
+    r = dict(strategy=strategy, fwd_temp_bytes=common.temp_bytes(f, x, x, x),
+             fwdbwd_temp_bytes=common.temp_bytes(common.fwd_bwd(f), x, x, x, x),
+             plan_memory_bytes=int(plan.estimate(strategy).memory_bytes))
+    rows.append(r)
     print(f"{strategy:10s} temp fwd {r['fwd_temp_bytes'] / 2**20:7.1f} MiB, fwd+bwd "
           f"{r['fwdbwd_temp_bytes'] / 2**20:7.1f} MiB; plan() counts "
           f"{r['plan_memory_bytes'] / 2**20:7.1f} MiB", flush=True)
-  result = dict(
-      meta=common.run_meta(argv, __file__, elapsed_s=round(time.perf_counter() - t0, 1)),
-      length=args.length, heads=args.heads, head_dim=args.head_dim, dtype="float32",
-      layout=args.layout, is_causal=True, rows=rows)
-  if args.out:
-    common.write_result(args.out, result)
-  return result
+  return common.save(args.out, dict(
+      meta=common.run_meta(argv, __file__, elapsed_s=common.elapsed()), length=args.length,
+      heads=args.heads, head_dim=args.head_dim, dtype="float32", layout=args.layout,
+      is_causal=True, rows=rows))
 
 
 if __name__ == "__main__":
