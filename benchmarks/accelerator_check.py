@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 import os
 import sys
 import time
@@ -264,10 +263,11 @@ def llama_config(dry: bool = False):
 
 
 def longest_context(s, known_fit=None):
-  """Doubling from 32K over powers of two; after two compiled points, compiled memory
-  (linear in L) is extrapolated to jump to the first power of two predicted not to fit,
-  and the answer is confirmed by compiling it and its neighbour (compiles are the cost).
-  The step: the shipped one (batch 1, one device), built once for all lengths."""
+  """The longest power of two, doubling from 32K (:func:`benchmarks.fit.search`; halving
+  where that does not fit) up to ``s.max_len``, at which the shipped train step (batch 1,
+  one device, built once for all lengths) fits the device's compiled memory; lengths up to
+  ``s.run_max`` also run one step. ``known_fit``: a length the throughput section ran."""
+  from benchmarks.fit import search
   from training import batch as batch_lib
   from training import step as step_lib
 
@@ -279,17 +279,20 @@ def longest_context(s, known_fit=None):
       f"params, {cfg}; device limit {gib(limit)}; f32 params + AdamW, {cfg.dtype} compute")
   mesh = common.make_mesh({})  # the trainer's axes, all of size 1: a ring of one
   step = step_lib.build_train_step(cfg, mesh, step_lib.make_optimizer(common.OPTIM, 100))
-  seen = {}  # length -> (needed bytes or None, fits)
+  out_of_time = []
 
   def check(length):
-    if length in seen:
-      return seen[length][1]
+    if length == known_fit:
+      say(f"L={length:>8}: fits (a train step ran in the throughput section)")
+      return True
+    if left() < 30:
+      out_of_time.append(length)
+      return False
     t = time.perf_counter()
     try:
       c = step.compile((1, length))
     except Exception as e:  # noqa: BLE001
       say(f"L={length:>8}: compile failed ({common.error_line(e, 120)}) -> counted as not fitting")
-      seen[length] = (None, False)
       return False
     nb = common.per_device_bytes(c)
     fits = nb is not None and (limit is None or nb <= limit)
@@ -309,47 +312,11 @@ def longest_context(s, known_fit=None):
       except Exception as e:  # noqa: BLE001
         say(f"L={length:>8}: RUN FAILED ({common.error_line(e, 120)})")
         fits = False
-    seen[length] = (nb, fits)
     return fits
 
-  start = 256 if s.dry else 32768
-  best = None
-  if known_fit:  # the throughput section already ran a step at this length
-    say(f"L={known_fit:>8}: fits (a train step ran in the throughput section)")
-    best, start = known_fit, 2 * known_fit
-  length = start
-  answered = False
-  while left() > 30 and length <= s.max_len:
-    if not check(length):
-      answered = True
-      break
-    best = length
-    nxt = 2 * length
-    fitted = sorted((L, v[0]) for L, v in seen.items() if v[1] and v[0])
-    if len(fitted) >= 2 and limit:
-      (l1, b1), (l2, b2) = fitted[-2], fitted[-1]
-      slope = (b2 - b1) / (l2 - l1)
-      if slope > 0:
-        pred = l2 + (limit - b2) / slope  # predicted longest length that fits
-        jump = min(2 ** int(math.floor(math.log2(max(pred, 1)))), s.max_len)
-        if jump > nxt:
-          say(f"linear fit of compiled memory predicts ~{pred / 1024:.0f}K tokens fit: "
-              f"jumping to {jump}")
-          nxt = jump
-    if nxt > 2 * length:
-      if check(nxt):
-        best, length = nxt, 2 * nxt
-        continue
-      down = nxt // 2  # overshot: halve back down
-      while down > length and left() > 30:
-        if check(down):
-          best = down
-          break
-        down //= 2
-      answered = down <= length or seen.get(down, (0, False))[1]
-      break
-    length = nxt
-  if not answered:
+  best, bounded = search(check, known_fit or (256 if s.dry else 32768), s.max_len,
+                         resolution=1.0)
+  if out_of_time or not bounded:
     say(f"stopped before finding a length that does not fit (time budget or "
         f"{s.platform.upper()}_CHECK_MAX_LEN): the answer is a lower bound")
   say(f"LONGEST CONTEXT THAT FITS (1 {s.platform.upper()}, 1B-class, batch 1, compiled memory"
