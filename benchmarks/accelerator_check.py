@@ -30,13 +30,14 @@ nothing).
 
 FLOPs: attention forward = 4*B*N*L^2*H (x0.5 causal), fwd+bwd = 3.5x forward
 (FlashAttention-2's convention). Train step: ``LlamaConfig.flops_per_token`` (PaLM App. B;
-MFU, not HFU). Peak FLOP/s: ``ring_jax.hardware`` by device kind, or ``GPU_PEAK_TFLOPS``.
+MFU, not HFU). Peak FLOP/s: ``GPU_PEAK_TFLOPS``, else ``train_throughput.peak_per_device``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import os
 import sys
 import time
@@ -50,7 +51,6 @@ from jax.sharding import PartitionSpec as P
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import ring_jax  # noqa: E402
 from benchmarks import common  # noqa: E402
-from ring_jax import hardware  # noqa: E402
 
 GIB = common.GIB
 RING_XLA = "ring_jax ring=1 [xla]"
@@ -324,30 +324,19 @@ def longest_context(s, known_fit=None):
   return best
 
 
-def peak_flops() -> tuple[float | None, str]:
-  """(dense bf16 peak FLOP/s of device 0, source); GPU_PEAK_TFLOPS overrides the table."""
-  if os.environ.get("GPU_PEAK_TFLOPS"):
-    return float(os.environ["GPU_PEAK_TFLOPS"]) * 1e12, "GPU_PEAK_TFLOPS"
-  kind = jax.devices()[0].device_kind
-  spec = hardware.device_spec(kind)
-  if spec is None:
-    return None, f"no peak known for {kind!r} (set GPU_PEAK_TFLOPS)"
-  return spec.peak_bf16_flops, spec.source
-
-
 def throughput(s):
   """Section 3: tokens/s and MFU of the shipped train step at 32K (batch 1, one device)."""
   from benchmarks import train_throughput  # the backend has started: its fake devices are moot
 
   length = 512 if s.dry else 32768
-  peak, source = peak_flops()
+  peak, source = train_throughput.peak_per_device(1, float(os.environ.get("GPU_PEAK_TFLOPS") or 0))
   r = train_throughput.time_train_step(llama_config(s.dry), common.make_mesh({}), 1, length,
                                        2 if s.dry else 5, peak)
   dt, tps, mfu = r["step_s"], r["tokens_per_s"], r["mfu"]
   s.clock.say(f"L={length}: step {dt * 1e3:.0f} ms, {tps:,.0f} tokens/s, "
               f"{r['model_tflops_per_s']:.1f} model TFLOP/s, MFU "
-              + (f"{mfu:.1%} (peak {peak / 1e12:g} TFLOP/s bf16 dense: {source}"
-                 if mfu is not None else f"n/a ({source}") + f"; loss {r['loss']:.3f})")
+              + (f"{mfu:.1%} (peak {peak / 1e12:g} TFLOP/s: {source}"
+                 if not math.isnan(peak) else f"n/a ({source}") + f"; loss {r['loss']:.3f})")
   return dict(length=length, step_s=dt, tokens_per_s=tps, mfu=mfu)
 
 

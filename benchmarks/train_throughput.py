@@ -38,24 +38,22 @@ PRESETS = {"tiny": dict(vocab_size=256, dim=256, num_layers=2, num_heads=8, num_
                         mlp_dim=512)}
 
 
-def cpu_peak_per_device(n_devices: int) -> float:
-  """Measured f32 matmul FLOP/s of this host / devices (the CPU 'peak')."""
-  n = 1024
-  a = jnp.ones((n, n), jnp.float32)
-  ts = common.time_calls(jax.jit(lambda a: a @ a), (a,), repeats=5)
-  return 2 * n ** 3 / min(ts) / n_devices
-
-
-def peak_per_device(args, n_devices):
-  if args.peak_tflops:
-    return args.peak_tflops * 1e12, "given"
+def peak_per_device(n_devices: int, tflops: float | None = None) -> tuple[float, str]:
+  """``(peak FLOP/s per device, its source)``: ``tflops`` if given, else the device kind's
+  dense bf16 peak (``ring_jax.hardware``), else on CPU the measured f32 matmul rate of this
+  host / ``n_devices``; NaN for an accelerator of unknown peak."""
+  if tflops:
+    return tflops * 1e12, "given"
   kind = jax.devices()[0].device_kind
   spec = hardware.device_spec(kind)
   if spec is not None:
     return spec.peak_bf16_flops, f"{kind}: {spec.source}"
   if jax.default_backend() == "cpu":
-    return cpu_peak_per_device(n_devices), "measured f32 matmul rate of this CPU / devices"
-  return float("nan"), f"unknown device {kind}: pass --peak-tflops"
+    n = 1024
+    a = jnp.ones((n, n), jnp.float32)
+    ts = common.time_calls(jax.jit(lambda a: a @ a), (a,), repeats=5)
+    return 2 * n ** 3 / min(ts) / n_devices, "measured f32 matmul rate of this CPU / devices"
+  return float("nan"), f"unknown device {kind}: pass its peak (--peak-tflops, GPU_PEAK_TFLOPS)"
 
 
 def model_config(args, backend):
@@ -131,7 +129,7 @@ def main(argv=None):
     args.dtype = "float32" if jax.default_backend() == "cpu" else "bfloat16"
   shape = args.mesh
   mesh = common.make_mesh(shape)
-  peak, peak_src = peak_per_device(args, mesh.devices.size)
+  peak, peak_src = peak_per_device(mesh.devices.size, args.peak_tflops)
   print(f"jax {jax.__version__} {jax.default_backend()} mesh {shape}; peak/device "
         f"{peak / 1e12:.3g} TFLOP/s ({peak_src}); preset {args.preset}, L={args.seq_len}, "
         f"B={args.batch}, layout {args.layout}, remat {args.remat}, {args.dtype}", flush=True)
