@@ -30,7 +30,7 @@ nothing).
 
 FLOPs: attention forward = 4*B*N*L^2*H (x0.5 causal), fwd+bwd = 3.5x forward
 (FlashAttention-2's convention). Train step: ``LlamaConfig.flops_per_token`` (PaLM App. B;
-MFU, not HFU). Peak FLOP/s: ``ring_jax.hardware`` by device kind, or ``GPU_PEAK_TFLOPS``.
+MFU, not HFU). Peak FLOP/s: ``GPU_PEAK_TFLOPS``, else ``train_throughput.peak_per_device``.
 """
 
 from __future__ import annotations
@@ -51,7 +51,6 @@ from jax.sharding import PartitionSpec as P
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import ring_jax  # noqa: E402
 from benchmarks import common  # noqa: E402
-from ring_jax import hardware  # noqa: E402
 
 GIB = common.GIB
 RING_XLA = "ring_jax ring=1 [xla]"
@@ -264,10 +263,11 @@ def llama_config(dry: bool = False):
 
 
 def longest_context(s, known_fit=None):
-  """Doubling from 32K over powers of two; after two compiled points, compiled memory
-  (linear in L) is extrapolated to jump to the first power of two predicted not to fit,
-  and the answer is confirmed by compiling it and its neighbour (compiles are the cost).
-  The step: the shipped one (batch 1, one device), built once for all lengths."""
+  """The longest power of two, doubling from 32K (:func:`benchmarks.fit.search`; halving
+  where that does not fit) up to ``s.max_len``, at which the shipped train step (batch 1,
+  one device, built once for all lengths) fits the device's compiled memory; lengths up to
+  ``s.run_max`` also run one step. ``known_fit``: a length the throughput section ran."""
+  from benchmarks.fit import search
   from training import batch as batch_lib
   from training import step as step_lib
 
@@ -279,17 +279,20 @@ def longest_context(s, known_fit=None):
       f"params, {cfg}; device limit {gib(limit)}; f32 params + AdamW, {cfg.dtype} compute")
   mesh = common.make_mesh({})  # the trainer's axes, all of size 1: a ring of one
   step = step_lib.build_train_step(cfg, mesh, step_lib.make_optimizer(common.OPTIM, 100))
-  seen = {}  # length -> (needed bytes or None, fits)
+  out_of_time = []
 
   def check(length):
-    if length in seen:
-      return seen[length][1]
+    if length == known_fit:
+      say(f"L={length:>8}: fits (a train step ran in the throughput section)")
+      return True
+    if left() < 30:
+      out_of_time.append(length)
+      return False
     t = time.perf_counter()
     try:
       c = step.compile((1, length))
     except Exception as e:  # noqa: BLE001
       say(f"L={length:>8}: compile failed ({common.error_line(e, 120)}) -> counted as not fitting")
-      seen[length] = (None, False)
       return False
     nb = common.per_device_bytes(c)
     fits = nb is not None and (limit is None or nb <= limit)
@@ -309,47 +312,11 @@ def longest_context(s, known_fit=None):
       except Exception as e:  # noqa: BLE001
         say(f"L={length:>8}: RUN FAILED ({common.error_line(e, 120)})")
         fits = False
-    seen[length] = (nb, fits)
     return fits
 
-  start = 256 if s.dry else 32768
-  best = None
-  if known_fit:  # the throughput section already ran a step at this length
-    say(f"L={known_fit:>8}: fits (a train step ran in the throughput section)")
-    best, start = known_fit, 2 * known_fit
-  length = start
-  answered = False
-  while left() > 30 and length <= s.max_len:
-    if not check(length):
-      answered = True
-      break
-    best = length
-    nxt = 2 * length
-    fitted = sorted((L, v[0]) for L, v in seen.items() if v[1] and v[0])
-    if len(fitted) >= 2 and limit:
-      (l1, b1), (l2, b2) = fitted[-2], fitted[-1]
-      slope = (b2 - b1) / (l2 - l1)
-      if slope > 0:
-        pred = l2 + (limit - b2) / slope  # predicted longest length that fits
-        jump = min(2 ** int(math.floor(math.log2(max(pred, 1)))), s.max_len)
-        if jump > nxt:
-          say(f"linear fit of compiled memory predicts ~{pred / 1024:.0f}K tokens fit: "
-              f"jumping to {jump}")
-          nxt = jump
-    if nxt > 2 * length:
-      if check(nxt):
-        best, length = nxt, 2 * nxt
-        continue
-      down = nxt // 2  # overshot: halve back down
-      while down > length and left() > 30:
-        if check(down):
-          best = down
-          break
-        down //= 2
-      answered = down <= length or seen.get(down, (0, False))[1]
-      break
-    length = nxt
-  if not answered:
+  best, bounded = search(check, known_fit or (256 if s.dry else 32768), s.max_len,
+                         resolution=1.0)
+  if out_of_time or not bounded:
     say(f"stopped before finding a length that does not fit (time budget or "
         f"{s.platform.upper()}_CHECK_MAX_LEN): the answer is a lower bound")
   say(f"LONGEST CONTEXT THAT FITS (1 {s.platform.upper()}, 1B-class, batch 1, compiled memory"
@@ -357,30 +324,19 @@ def longest_context(s, known_fit=None):
   return best
 
 
-def peak_flops() -> tuple[float | None, str]:
-  """(dense bf16 peak FLOP/s of device 0, source); GPU_PEAK_TFLOPS overrides the table."""
-  if os.environ.get("GPU_PEAK_TFLOPS"):
-    return float(os.environ["GPU_PEAK_TFLOPS"]) * 1e12, "GPU_PEAK_TFLOPS"
-  kind = jax.devices()[0].device_kind
-  spec = hardware.device_spec(kind)
-  if spec is None:
-    return None, f"no peak known for {kind!r} (set GPU_PEAK_TFLOPS)"
-  return spec.peak_bf16_flops, spec.source
-
-
 def throughput(s):
   """Section 3: tokens/s and MFU of the shipped train step at 32K (batch 1, one device)."""
   from benchmarks import train_throughput  # the backend has started: its fake devices are moot
 
   length = 512 if s.dry else 32768
-  peak, source = peak_flops()
+  peak, source = train_throughput.peak_per_device(1, float(os.environ.get("GPU_PEAK_TFLOPS") or 0))
   r = train_throughput.time_train_step(llama_config(s.dry), common.make_mesh({}), 1, length,
                                        2 if s.dry else 5, peak)
   dt, tps, mfu = r["step_s"], r["tokens_per_s"], r["mfu"]
   s.clock.say(f"L={length}: step {dt * 1e3:.0f} ms, {tps:,.0f} tokens/s, "
               f"{r['model_tflops_per_s']:.1f} model TFLOP/s, MFU "
-              + (f"{mfu:.1%} (peak {peak / 1e12:g} TFLOP/s bf16 dense: {source}"
-                 if mfu is not None else f"n/a ({source}") + f"; loss {r['loss']:.3f})")
+              + (f"{mfu:.1%} (peak {peak / 1e12:g} TFLOP/s: {source}"
+                 if not math.isnan(peak) else f"n/a ({source}") + f"; loss {r['loss']:.3f})")
   return dict(length=length, step_s=dt, tokens_per_s=tps, mfu=mfu)
 
 

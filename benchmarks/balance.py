@@ -2,17 +2,16 @@ r"""Causal load balance in wall time: one process per device, each on its own co
 
   PYTHONPATH=. python benchmarks/balance.py --processes 2 --lengths 4096,8192,16384 --repeats 5
 
-With all fake devices in one process (benchmarks/attention.py) the devices share the cores,
-so time measures the total work and zigzag's shorter critical path cannot show. Here each
-device is its own process, pinned to its own core before JAX starts, XLA:CPU and BLAS/OpenMP
-single-threaded, the processes one JAX system over ``jax.distributed`` with gloo collectives,
-so a ring step waits for the slowest device as on accelerators. Per length: causal fwd+bwd of
-each of ``--impls`` (built by ``benchmarks/attention.py``'s helpers; ``ring-<layout>`` with
-``+full`` / ``+routed``: ``causal_routing=False`` / ``True``, no suffix the default; and the
+Each device is its own process, pinned to its own core before JAX starts, XLA:CPU and
+BLAS/OpenMP single-threaded, the processes one JAX system over ``jax.distributed`` with gloo
+collectives, so a ring step waits for the slowest device as on accelerators (all fake
+devices in one process share the cores: time shows the total work, not the critical path).
+Per length: causal fwd+bwd of each of ``--impls`` (``benchmarks/attention.py``'s; a
+``ring-<layout>`` with ``+full`` / ``+routed``: ``causal_routing=False`` / ``True``; the
 paper's code, ``ringattention==0.1.2``, left out with a note when it does not import), timed
 round-robin after a warm-up; a repetition's time is the slowest process's, the figure their
 median, beside each layout's critical path from ``ring_jax.schedule`` (in full local hops).
-benchmarks/README.md, "Load balance in wall time", has the commands the docs quote.
+docs/benchmarks.md, "Load balance in wall time".
 
 Writes ``<out>/<tag>.json`` and ``.log``. ``--dry-run``: one short length, one repetition,
 no warm-up (a smoke test; the numbers mean nothing).
@@ -32,9 +31,10 @@ import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-RESULTS = os.path.join(ROOT, "benchmarks", "results")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# Imports JAX and NumPy but starts no thread: a worker still pins its core before JAX starts.
+from benchmarks import common  # noqa: E402
+
 #: One-thread XLA:CPU for each worker; one fake device per process.
 WORKER_XLA_FLAGS = ("--xla_force_host_platform_device_count=1 "
                     "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1")
@@ -50,35 +50,24 @@ ROUTED = ("ring-contiguous+full", "ring-contiguous+routed", "ring-zigzag+full",
           "ring-zigzag+routed")
 
 
-def ints(s):
-  return [int(x) for x in s.split(",") if x]
-
-
-def strs(s):
-  return [x for x in s.split(",") if x]
-
-
 def parse_args(argv=None):
-  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  ap = common.parser(__doc__, repeats=5, heads=8, head_dim=64)
   ap.add_argument("--processes", type=int, default=2, help="devices = processes = cores used")
-  ap.add_argument("--cores", type=ints, default=None,
+  ap.add_argument("--cores", type=common.ints, default=None,
                   help="core of each process (default: the first --processes cores this "
                        "process may run on)")
-  ap.add_argument("--lengths", type=ints, default=None,
+  ap.add_argument("--lengths", type=common.ints, default=None,
                   help="default 4096,8192,16384 (--dry-run: 256)")
-  ap.add_argument("--impls", type=strs, default=list(IMPLS))
-  ap.add_argument("--repeats", type=int, default=5)
+  ap.add_argument("--impls", type=common.strs, default=list(IMPLS))
   ap.add_argument("--warmup", type=int, default=1)
   ap.add_argument("--batch", type=int, default=1)
-  ap.add_argument("--heads", type=int, default=8)
-  ap.add_argument("--head-dim", type=int, default=64)
   ap.add_argument("--block", type=int, default=None,
                   help="block size of every implementation (default: the ring's default "
                        "block for its layout, as benchmarks/attention.py)")
   ap.add_argument("--dry-run", action="store_true",
                   help="one length (--lengths' first, default 256), 1 repetition, no warm-up")
   ap.add_argument("--timeout", type=float, default=3600, help="seconds for the whole run")
-  ap.add_argument("--out", default=RESULTS)
+  ap.add_argument("--out", default=common.RESULTS)
   ap.add_argument("--tag", default="balance_cpu", help="output file stem")
   # Internal: a worker process.
   ap.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
@@ -115,7 +104,6 @@ def worker(args) -> None:
   from jax.sharding import NamedSharding, PartitionSpec as P
 
   from benchmarks import attention as bench  # after XLA_FLAGS: it keeps our device count
-  from benchmarks import common
 
   n = jax.device_count()
   assert n == args.processes and jax.local_device_count() == 1, (n, jax.local_device_count())
@@ -190,7 +178,7 @@ def launch(args) -> dict:
   if not set(args.cores) <= set(allowed):
     raise SystemExit(f"--cores={args.cores} are not all available here ({allowed}).")
   env = dict(os.environ, XLA_FLAGS=WORKER_XLA_FLAGS, JAX_PLATFORMS="cpu", **ONE_THREAD_ENV)
-  env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH")) if p)
+  env["PYTHONPATH"] = os.pathsep.join(p for p in (common.ROOT, env.get("PYTHONPATH")) if p)
   port = free_port()
   with tempfile.TemporaryDirectory(prefix="balance_") as workdir:
     procs = [subprocess.Popen(worker_command(args, i, port, workdir), env=env,
@@ -283,8 +271,6 @@ def main(argv=None) -> dict | None:
   if args.worker is not None:
     worker(args)
     return None
-  from benchmarks import common  # the launcher only: a worker pins its core before JAX starts
-
   result = launch(args)
   table = io.StringIO()
   print_table(result, out=table)

@@ -114,7 +114,6 @@ def measure(path: str, tokenizer: str, seq_len: int, batch: int, batches: int) -
   from training import mesh as mesh_lib
 
   jax.config.update("jax_platforms", "cpu")
-  config = _config(path, tokenizer, seq_len, batch, 0)
   vocab = data_lib.load_tokenizer(tokenizer).vocab_size
   config = _config(path, tokenizer, seq_len, batch, vocab)
   mesh = mesh_lib.make_mesh(config.mesh)
@@ -176,8 +175,7 @@ def main(argv=None) -> dict:
     return {}
 
   base = args.dir or tempfile.mkdtemp(prefix="data_pipeline_", dir="/tmp")
-  results = dict(command="python benchmarks/data_pipeline.py " + " ".join(argv or sys.argv[1:]),
-                 seq_len=args.seq_len, batch=args.batch, runs=[])
+  results = dict(seq_len=args.seq_len, batch=args.batch, runs=[])  # the command: in meta
   try:
     bpe_dir = None
     for size in [int(s) for s in args.sizes_mb.split(",")]:

@@ -36,22 +36,16 @@ from training import validation as val_lib  # noqa: E402
 
 
 def _abstract_step(cfg, mesh, cache_len: int, batch: int = 1):
-  """The decode step lowered with abstract params and cache (donated)."""
+  """The decode step ``models.inference.Generator`` runs, lowered with abstract params and
+  cache (donated)."""
   abstract = nnx.eval_shape(lambda: llama.Llama(cfg, rngs=nnx.Rngs(0)))
-  graphdef, params, _ = nnx.split(abstract, nnx.Param, ...)
-  shardings = shd.param_shardings(params, mesh)
+  params = nnx.split(abstract, nnx.Param, ...)[1]
   params = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                        params, shardings)
+                        params, shd.param_shardings(params, mesh))
   cache = inference.abstract_cache(cfg, mesh, batch, cache_len)
-  tokens = jax.ShapeDtypeStruct((batch,), jnp.int32)
-
-  step_graphdef = inference._graphdef(inference.config_for_length(cfg, 1))
-
-  def step(params, cache, tokens):
-    return inference.decode_step(nnx.merge(step_graphdef, params), cache, tokens)
-
   with jax.set_mesh(mesh):
-    return jax.jit(step, donate_argnums=1).lower(params, cache, tokens), cache
+    return inference._step_jit.lower(params, cache, jax.ShapeDtypeStruct((batch,), jnp.int32),
+                                     cfg=cfg)
 
 
 def _peak(compiled) -> int:
@@ -119,15 +113,13 @@ def run_fit(args):
   budget = args.budget_gib * 2**30
   points = []
   for length in (n * 4096, n * 16384):
-    lowered, _ = _abstract_step(cfg, mesh, length)
-    points.append((length, _peak(lowered.compile())))
+    points.append((length, _peak(_abstract_step(cfg, mesh, length).compile())))
   (l0, p0), (l1, p1) = points
   slope = (p1 - p0) / (l1 - l0)
   longest = int((budget - (p0 - slope * l0)) / slope) // (n * 1024) * (n * 1024)
   step = n * 1024
   for _ in range(4):  # the line is nearly exact; step down until the compiled step fits
-    lowered, _ = _abstract_step(cfg, mesh, longest)
-    peak = _peak(lowered.compile())
+    peak = _peak(_abstract_step(cfg, mesh, longest).compile())
     if peak <= budget:
       break
     longest -= -(-int((peak - budget) / slope) // step) * step

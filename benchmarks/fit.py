@@ -34,10 +34,6 @@ import os
 import sys
 import time
 
-from absl import app
-from absl import flags
-from ml_collections import config_flags
-
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks import common  # noqa: E402  (imports JAX but starts no backend)
 from benchmarks.common import GIB, MIB  # noqa: E402
@@ -45,7 +41,11 @@ from benchmarks.common import GIB, MIB  # noqa: E402
 
 def define_flags() -> dict:
   """The command-line flags, defined only when run as a script (tests import this module
-  next to train.py, which defines --config too)."""
+  next to train.py, which defines --config too; the accelerator image, which imports
+  :func:`search`, has no ml_collections)."""
+  from absl import flags
+  from ml_collections import config_flags
+
   return dict(
       config=config_flags.DEFINE_config_file(
           "config", None, "ml_collections config (`path.py` or `path.py:arg`); override "
@@ -188,37 +188,42 @@ class Planner:
     print_row(row, self.unit)
     return row
 
-  def search(self, start: int, max_len: int, resolution: float) -> tuple[dict | None, bool]:
-    """``(row of the longest fitting length or None, whether a non-fitting one bounds it)``."""
-    g = self.multiple
-    length = max(g, start // g * g)
-    best, bad = None, None
-    if self.check(length)["fits"]:
-      best = length
-      while 2 * length <= max_len:
-        length *= 2
-        if not self.check(length)["fits"]:
-          bad = length
-          break
-        best = length
-    else:
-      bad = length
-      while length // 2 >= g and (length // 2) % g == 0:
-        length //= 2
-        if self.check(length)["fits"]:
-          best = length
-          break
+
+def search(fits, start: int, max_len: int, multiple: int = 1,
+           resolution: float = 0.125) -> tuple[int | None, bool]:
+  """``(longest length that fits or None, whether a length that does not fit bounds it)``:
+  ``fits(length)`` at multiples of ``multiple``, doubling from ``start`` (rounded down) up to
+  ``max_len`` until one does not fit, or halving until one does, then bisecting until the
+  bounds are within ``resolution`` of the answer (``resolution=1``: powers of two only)."""
+  g = multiple
+  length = max(g, start // g * g)
+  best, bad = None, None
+  if fits(length):
+    best = length
+    while 2 * length <= max_len:
+      length *= 2
+      if not fits(length):
         bad = length
-    if best is not None and bad is not None:
-      while bad - best > max(g, resolution * best):
-        mid = (best + bad) // 2 // g * g
-        if mid <= best:
-          break
-        if self.check(mid)["fits"]:
-          best = mid
-        else:
-          bad = mid
-    return (self.rows_by_length[best] if best is not None else None), bad is not None
+        break
+      best = length
+  else:
+    bad = length
+    while length // 2 >= g and (length // 2) % g == 0:
+      length //= 2
+      if fits(length):
+        best = length
+        break
+      bad = length
+  if best is not None and bad is not None:
+    while bad - best > max(g, resolution * best):
+      mid = (best + bad) // 2 // g * g
+      if mid <= best:
+        break
+      if fits(mid):
+        best = mid
+      else:
+        bad = mid
+  return best, bad is not None
 
 
 COLUMNS = (("argument", "argument_bytes"), ("temp", "temp_bytes"), ("output", "output_bytes"),
@@ -282,9 +287,10 @@ def run(config, *, devices: int = 1, memory_gib: float | None = None,
     if seq_len is not None:
       row, bounded = planner.check(seq_len), True
     else:
-      row, bounded = planner.search(start, max_len, resolution)
-      if row is None:  # nothing fits: report the shortest length tried
-        row = planner.rows_by_length[min(planner.rows_by_length)]
+      best, bounded = search(lambda length: planner.check(length)["fits"], start, max_len,
+                             planner.multiple, resolution)
+      # nothing fits: report the shortest length tried
+      row = planner.rows_by_length[min(planner.rows_by_length) if best is None else best]
       if not bounded and row["fits"]:
         print(f"note: every length up to --max_len={max_len} fits; the answer is a lower bound",
               flush=True)
@@ -308,6 +314,8 @@ def set_up_devices(devices: int, extra_xla_flags: str) -> None:
 
 
 def main(argv) -> None:
+  from absl import app
+
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments {argv[1:]}")
   kw = {name: flag.value for name, flag in _FLAGS.items()}
@@ -332,5 +340,7 @@ def main(argv) -> None:
 
 
 if __name__ == "__main__":
+  from absl import app
+
   _FLAGS = define_flags()
   app.run(main)

@@ -1,27 +1,19 @@
 """Length buckets vs one ring: the shipped train step on a fixed mixed-length corpus.
 
-One corpus of documents (``--docs``, made here from ``--seed``: ``--short-fraction`` of them
-at most ``seq_len / 8`` tokens, the rest longer, up to ``seq_len``), written as a JSON-lines
-text file and read by the trainer's own text pipeline (byte tokenizer), is trained on twice
-from the same initial parameters and the same document stream:
+One corpus (:func:`write_corpus`, from ``--seed``), read by the trainer's own text pipeline
+(byte tokenizer), is trained on twice from the same initial parameters and document stream,
+with what ``train.py`` runs (``training.stages.build_stage``'s train step and state):
 
   one ring   ``data.length_buckets=()``: rows of ``seq_len`` packed by concat-and-split
              (``training.data.make_dataset``), every step on the full ring
   buckets    ``data.length_buckets=--buckets``: ``training.buckets.BucketedBatches`` and one
              program per bucket (``training.buckets.jit_step``), each on its ring
 
-(exactly what ``train.py`` runs: ``training.stages.build_stage``'s train step and state,
-AdamW, params and optimizer state donated). Recorded per configuration: the number of
-compiled programs; per bucket its ring, rows and the ring's collective-permute bytes one step
-moves per device, read from the compiled program's HLO (every loop body counted once per
-iteration: the layer scan, the ring's hop loop);
-per step the bucket, the real tokens (segment ids > 0) and the loss; the padding fraction;
-and unless ``--no-timing``, each step's wall and CPU seconds and tokens/s over the timed
-steps (real tokens and all token slots). The loss curves of the two configurations are the
-evidence that a bucketed run trains like the one-ring run on the same documents.
-
-Batches are built on the host before the timed loop (the data pipeline is measured by
-``benchmarks/data_pipeline.py``); a timed step is the batch's transfer plus the step.
+Recorded per configuration: the compiled programs; per bucket its ring, rows and the ring's
+collective-permute bytes per step and device (:func:`permutes_per_step`); per step the
+bucket, real tokens and loss; the padding fraction; unless ``--no-timing``, each step's wall
+and CPU seconds and tokens/s. Batches are built on the host before the timed loop; a timed
+step is the batch's transfer plus the step. docs/training.md, "Length buckets (mixed-length data)".
 
 CPU (8 fake devices, tiny model; a few minutes on 2 quiet cores):
   PYTHONPATH=. python benchmarks/length_buckets.py --out benchmarks/results/length_buckets_cpu.json
@@ -192,15 +184,14 @@ def run_config(args, corpus: str, buckets: tuple[int, ...]) -> dict:
     steps.append(dict(bucket=programs[index][0], real_tokens=real, slots=int(np.prod(shape)),
                       loss=float(metrics["loss"]), target_tokens=int(metrics["target_tokens"]),
                       **({} if args.no_timing else dict(wall_s=wall, cpu_s=cpu))))
-  timed = steps
-  real, slots = sum(s["real_tokens"] for s in timed), sum(s["slots"] for s in timed)
-  result.update(steps=len(timed), step_rows=steps,
-                steps_per_bucket=dict(collections.Counter(str(s["bucket"]) for s in timed)),
+  real, slots = sum(s["real_tokens"] for s in steps), sum(s["slots"] for s in steps)
+  result.update(steps=len(steps), step_rows=steps,
+                steps_per_bucket=dict(collections.Counter(str(s["bucket"]) for s in steps)),
                 real_tokens=real, token_slots=slots, padding_fraction=1 - real / slots,
                 ring_permute_bytes=sum(rows[[r["length"] for r in rows].index(s["bucket"])]
-                                       ["ring_permute_bytes_per_step"] for s in timed))
+                                       ["ring_permute_bytes_per_step"] for s in steps))
   if not args.no_timing:
-    wall, cpu = sum(s["wall_s"] for s in timed), sum(s["cpu_s"] for s in timed)
+    wall, cpu = sum(s["wall_s"] for s in steps), sum(s["cpu_s"] for s in steps)
     result.update(wall_s=wall, cpu_s=cpu, real_tokens_per_s=real / wall,
                   tokens_per_s=slots / wall, real_tokens_per_cpu_s=real / cpu)
   return result

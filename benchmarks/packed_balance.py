@@ -75,8 +75,7 @@ def measure(seg: np.ndarray, ring: int, block: int) -> dict:
 
 
 def parse_args(argv=None):
-  ap = common.parser(__doc__, length=131072)
-  ap.add_argument("--ring", type=int, default=8)
+  ap = common.parser(__doc__, length=131072, ring=8)
   ap.add_argument("--means", default="2048,4096,8192,16384,32768")
   ap.add_argument("--sigma", type=float, default=1.0)
   ap.add_argument("--rows", type=int, default=20)

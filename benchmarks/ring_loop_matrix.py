@@ -1,18 +1,13 @@
 """The rings' compiled footprint over a fixed matrix, to compare two versions of the ring loop.
 
-For every ring of the matrix (flat rings of 2, 4 and 8 devices, two-level rings 2x2 and 4x2;
-layouts contiguous, zigzag, striped and document; causal, full and causal with a window;
-causal routing on and off; forward and forward+backward) it compiles the ring on its local
-shards (``jax.shard_map`` of :func:`ring_jax.ring_attention` or
-:func:`ring_jax.two_level_ring_attention`, inputs already in the layout) and records from
-the compiled program: the collective-permutes it executes per run (loop trip counts, a
-``lax.switch`` branch per trip: :func:`benchmarks.two_level.permute_traffic`) and the bytes
-they move over all devices' links together (each executed permute's operand times its
-source-target pairs), ``memory_analysis()`` temp bytes and the scheduled HLO's size
-(:func:`program_chars`: its computations without debug information and name numbering);
-compiled for a TPU
-slice (``--topology``, no TPU attached) also the ring transfers in flight during block
-compute (:func:`ring_jax.analysis.overlap_report`). Nothing runs.
+Each cell of the matrix (:func:`cells`: rings of 2, 4, 8 and two-level 2x2, 4x2 x layouts x
+causal, full, windowed x routing on, off x fwd, fwd+bwd) is compiled on its local shards
+(:func:`benchmarks.two_level.compile_ring`); recorded: the collective-permutes executed per
+run and the bytes they move over all links together
+(:func:`benchmarks.two_level.permute_traffic`), ``memory_analysis()`` temp bytes, the HLO's
+size (:func:`program_chars`) and, compiled for a TPU slice (``--topology``, no TPU attached),
+the ring transfers in flight during block compute (:func:`ring_jax.analysis.overlap_report`).
+Nothing runs. docs/performance.md, "One ring loop: the compiled program before and after".
 
     PYTHONPATH=. python benchmarks/ring_loop_matrix.py --label before --out /tmp/before.json
     ALLOW_MULTIPLE_LIBTPU_LOAD=1 PYTHONPATH=. python benchmarks/ring_loop_matrix.py \\
@@ -26,7 +21,6 @@ figure got worse (more permutes, bytes, temp or HLO, fewer transfers in flight).
 from __future__ import annotations
 
 import datetime
-import functools
 import json
 import math
 import os
@@ -36,17 +30,10 @@ import sys
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import ring_jax  # noqa: E402
-from benchmarks import common, two_level  # noqa: E402
+from benchmarks import common, two_level  # noqa: E402  (two_level: 8 fake CPU devices)
 from ring_jax import topology  # noqa: E402
-
-if "--topology" not in sys.argv and "--compare" not in sys.argv:
-  common.fake_cpu_devices()
 
 RINGS = ("2", "4", "8", "2x2", "4x2")
 LAYOUTS = ("contiguous", "zigzag", "striped", "document")
@@ -73,38 +60,16 @@ def cells(rings, layouts, masks, passes):
             yield dict(ring=ring, layout=layout, mask=mask, routed=routed, pass_=pass_)
 
 
-def compile_cell(cell, devices):
-  """The compiled program of one cell on the first devices of ``devices``."""
-  split = tuple(int(x) for x in cell["ring"].split("x"))
-  n = math.prod(split)
-  axes = ("outer", "inner") if len(split) == 2 else ("sequence",)
-  mesh = jax.sharding.Mesh(np.asarray(devices[:n]).reshape(split), axes)
-  seq = axes if len(axes) == 2 else axes[0]
-  attend = ring_jax.two_level_ring_attention if len(split) == 2 else ring_jax.ring_attention
-  kw = dict(axis_name=seq, is_causal=cell["mask"] != "full", layout=cell["layout"],
-            causal_routing=cell["routed"], block_q=BLOCK, block_kv=BLOCK, hop_kernel="xla",
-            local_window_size=WINDOW if cell["mask"] == "window" else None)
-  length = LOCAL_LEN * n
-  qkv = [jax.ShapeDtypeStruct((1, length, h, HEAD_DIM), jnp.float32)
-         for h in (HEADS, KV_HEADS, KV_HEADS)]
-  x_spec = P(None, seq)
-  if cell["layout"] == "document":
-    local = lambda q, k, v, seg: attend(q, k, v, segment_ids=seg, **kw)  # noqa: E731
-    args = [*qkv, jax.ShapeDtypeStruct((1, length), jnp.int32)]
-    specs = (x_spec,) * 4
-  else:
-    local = functools.partial(attend, **kw)
-    args, specs = qkv, (x_spec,) * 3
-  fn = jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=x_spec)
-  if cell["pass_"] == "fwd+bwd":
-    fwd = fn
-    fn = lambda *a: jax.grad(lambda q, k, v: jnp.sum(fwd(q, k, v, *a[3:]) ** 2),  # noqa: E731
-                             (0, 1, 2))(*a[:3])
-  return jax.jit(fn).lower(*args).compile(), split
-
-
 def measure(cell, devices, tpu: bool) -> dict:
-  compiled, split = compile_cell(cell, devices)
+  """One cell's figures, compiled on the first devices of ``devices`` (``tpu``: a TPU
+  slice's, whose schedule also gives the ring transfers in flight)."""
+  split = tuple(int(x) for x in cell["ring"].split("x"))
+  compiled = two_level.compile_ring(
+      split, two_level=len(split) == 2, backward=cell["pass_"] == "fwd+bwd",
+      is_causal=cell["mask"] != "full", length=LOCAL_LEN * math.prod(split), heads=HEADS,
+      kv_heads=KV_HEADS, head_dim=HEAD_DIM, layout=cell["layout"],
+      causal_routing=cell["routed"], devices=devices, block_q=BLOCK, block_kv=BLOCK,
+      hop_kernel="xla", local_window_size=WINDOW if cell["mask"] == "window" else None)
   text = compiled.as_text()
   ops = two_level.permute_traffic(text, split)
   row = dict(cell, permutes=sum(op["runs"] for op in ops),
@@ -181,10 +146,7 @@ def main(argv=None):
   args = p.parse_args(argv)
   if args.compare:
     return compare(*args.compare)
-  if args.topology:
-    devices = topology.devices(args.topology)
-  else:
-    devices = jax.devices()
+  devices = topology.devices(args.topology) if args.topology else jax.devices()
   header = dict(label=args.label, date=datetime.date.today().isoformat(),
                 jax=jax.__version__, platform=args.topology or jax.default_backend(),
                 shapes=dict(local_len=LOCAL_LEN, block=BLOCK, window=WINDOW, heads=HEADS,

@@ -81,18 +81,13 @@ def compile_config(config: str, devices, length: int, heads: int, head_dim: int,
     return compile_tokamax_ring(parts, words[-1] == "causal", devices, length, heads, head_dim)
   two_level = words[0] == "two_level"
   layout, mask = words[-2], words[-1]
+  forced = lambda on, off: True if on in parts else False if off in parts else None  # noqa: E731
   kw = dict(is_causal=mask == "causal", layout=layout, hop_kernel=hop_kernel(config),
-            inputs_in_layout="inlayout" in parts,
-            overlap_dkv=True if "overlap_dkv" in parts else False if "inplace_dkv" in parts
-            else None, block_q=block, block_kv=block)
-  if "routed" in parts:
-    kw["causal_routing"] = True
-  if "unrouted" in parts:
-    kw["causal_routing"] = False
-  if "window" in parts:
-    kw["local_window_size"] = WINDOW
-  if "softcap" in parts:
-    kw["logits_soft_cap"] = SOFT_CAP
+            inputs_in_layout="inlayout" in parts, block_q=block, block_kv=block,
+            overlap_dkv=forced("overlap_dkv", "inplace_dkv"),
+            causal_routing=forced("routed", "unrouted"),
+            local_window_size=WINDOW if "window" in parts else None,
+            logits_soft_cap=SOFT_CAP if "softcap" in parts else None)
   n = len(devices)
   if two_level:
     shape, axes, seq = (1, 2, n // 2), ("data", "outer", "inner"), ("outer", "inner")

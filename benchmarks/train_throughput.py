@@ -1,24 +1,16 @@
 """Tokens/s and MFU of the shipped LLaMA train step, per attention backend (strategy).
 
 Runs exactly what ``train.py`` runs: the train step and state of
-``training.step.build_train_step`` (the model of ``models.llama`` created
-sharded on a ``(data, sequence, tensor)`` mesh, AdamW + clipping, params and
-optimizer state donated, batch per ``training/batch.py``), on random tokens
-in the model's layout order. The attention backend is chosen by name from
-``models.attention.ATTENTION_BACKENDS``:
+``training.step.build_train_step`` (the model of ``models.llama`` created sharded on a
+``(data, sequence, tensor)`` mesh, AdamW + clipping, params and optimizer state donated,
+batch per ``training/batch.py``), on random tokens in the model's layout order, once per
+``--attention`` backend named in ``models.attention.ATTENTION_BACKENDS`` (ring, all_gather,
+ulysses, hybrid, auto; dense: full-sequence reference attention, O(L^2) memory).
 
-  ring        ring_jax.attention_sharded(strategy="ring")
-  all_gather  the same with strategy="all_gather" (all-gather K/V over
-              ``sequence``, local blockwise attention: the MaxText /
-              TransformerEngine default); likewise ulysses, hybrid, auto
-  dense       full-sequence reference attention per (batch, head) shard
-              (O(L^2) memory)
-
-MFU = ``cfg.flops_per_token(L) * tokens/s / (devices * peak)``; remat
-recomputation is not counted. ``--peak-tflops`` is per device (default: the
-device kind's dense bf16 peak from ``ring_jax.hardware``; on CPU the
-measured f32 matmul rate of the whole machine divided by the device count,
-so CPU "MFU" is relative to what this host can do, not a hardware spec).
+MFU = ``cfg.flops_per_token(L) * tokens/s / (devices * peak)``; remat recomputation is not
+counted. ``--peak-tflops`` is per device (default: the device kind's dense bf16 peak from
+``ring_jax.hardware``; on CPU the measured f32 matmul rate of the whole machine divided by
+the device count, so CPU "MFU" is relative to what this host can do, not a hardware spec).
 
 CPU example (8 fake devices, tiny model):
   PYTHONPATH=. python benchmarks/train_throughput.py --preset tiny --seq-len 2048 \\
@@ -42,34 +34,26 @@ common.fake_cpu_devices()
 
 #: The model sizes a flag may override (``--dim`` ...), else the preset's.
 MODEL_FIELDS = ("vocab_size", "dim", "num_layers", "num_heads", "num_kv_heads", "mlp_dim")
-PRESETS = {
-    "tiny": dict(vocab_size=256, dim=256, num_layers=2, num_heads=8, num_kv_heads=8,
-                 mlp_dim=512),
-    "small": dict(vocab_size=32000, dim=512, num_layers=4, num_heads=8, num_kv_heads=4,
-                  mlp_dim=1536),
-    "1b": dict(vocab_size=32000, dim=2048, num_layers=16, num_heads=32, num_kv_heads=8,
-               mlp_dim=8192),
-}
+PRESETS = {"tiny": dict(vocab_size=256, dim=256, num_layers=2, num_heads=8, num_kv_heads=8,
+                        mlp_dim=512)}
 
 
-def cpu_peak_per_device(n_devices: int) -> float:
-  """Measured f32 matmul FLOP/s of this host / devices (the CPU 'peak')."""
-  n = 1024
-  a = jnp.ones((n, n), jnp.float32)
-  ts = common.time_calls(jax.jit(lambda a: a @ a), (a,), repeats=5)
-  return 2 * n ** 3 / min(ts) / n_devices
-
-
-def peak_per_device(args, n_devices):
-  if args.peak_tflops:
-    return args.peak_tflops * 1e12, "given"
+def peak_per_device(n_devices: int, tflops: float | None = None) -> tuple[float, str]:
+  """``(peak FLOP/s per device, its source)``: ``tflops`` if given, else the device kind's
+  dense bf16 peak (``ring_jax.hardware``), else on CPU the measured f32 matmul rate of this
+  host / ``n_devices``; NaN for an accelerator of unknown peak."""
+  if tflops:
+    return tflops * 1e12, "given"
   kind = jax.devices()[0].device_kind
   spec = hardware.device_spec(kind)
   if spec is not None:
     return spec.peak_bf16_flops, f"{kind}: {spec.source}"
   if jax.default_backend() == "cpu":
-    return cpu_peak_per_device(n_devices), "measured f32 matmul rate of this CPU / devices"
-  return float("nan"), f"unknown device {kind}: pass --peak-tflops"
+    n = 1024
+    a = jnp.ones((n, n), jnp.float32)
+    ts = common.time_calls(jax.jit(lambda a: a @ a), (a,), repeats=5)
+    return 2 * n ** 3 / min(ts) / n_devices, "measured f32 matmul rate of this CPU / devices"
+  return float("nan"), f"unknown device {kind}: pass its peak (--peak-tflops, GPU_PEAK_TFLOPS)"
 
 
 def model_config(args, backend):
@@ -78,8 +62,7 @@ def model_config(args, backend):
   preset = dict(PRESETS[args.preset], **{k: getattr(args, k) for k in MODEL_FIELDS
                                           if getattr(args, k)})
   return LlamaConfig(**preset, attention=backend, layout=args.layout, remat_policy=args.remat,
-                     dtype=args.dtype, param_dtype="float32", ffn_chunk_size=args.ffn_chunk,
-                     loss_chunk_size=args.loss_chunk, block_q=args.block, block_kv=args.block)
+                     dtype=args.dtype, param_dtype="float32")
 
 
 def time_train_step(cfg, mesh, b, length, steps, peak):
@@ -139,9 +122,6 @@ def main(argv=None):
   ap.add_argument("--attention", default="ring,dense,all_gather")
   ap.add_argument("--layout", default="zigzag")
   ap.add_argument("--remat", default="full")
-  ap.add_argument("--ffn-chunk", type=int, default=None)
-  ap.add_argument("--loss-chunk", type=int, default=None)
-  ap.add_argument("--block", type=int, default=None)
   ap.add_argument("--steps", type=int, default=3)
   ap.add_argument("--peak-tflops", type=float, default=None, help="per device")
   args = ap.parse_args(argv)
@@ -149,7 +129,7 @@ def main(argv=None):
     args.dtype = "float32" if jax.default_backend() == "cpu" else "bfloat16"
   shape = args.mesh
   mesh = common.make_mesh(shape)
-  peak, peak_src = peak_per_device(args, mesh.devices.size)
+  peak, peak_src = peak_per_device(mesh.devices.size, args.peak_tflops)
   print(f"jax {jax.__version__} {jax.default_backend()} mesh {shape}; peak/device "
         f"{peak / 1e12:.3g} TFLOP/s ({peak_src}); preset {args.preset}, L={args.seq_len}, "
         f"B={args.batch}, layout {args.layout}, remat {args.remat}, {args.dtype}", flush=True)

@@ -1,22 +1,13 @@
 """Bytes over each mesh axis of the two-level ring vs the flat ring, from the compiled HLO.
 
-For ``seq_axis=(outer, inner)`` the sequence is split over both axes, outer-major.
-The flat ring (``ring_jax.ring_attention(axis_name=(outer, inner))``) sends every
-hop to the next ring index, so at every hop the last device of each group sends
-to the next group over the slow (outer) link: each of its ``n - 1`` hops waits
-for the slow link. The two-level ring (``strategy="ring"`` with a pair,
-:mod:`ring_jax.two_level`) sends over the outer axis ``n_o - 1`` times (the
-backward's dK/dV ``n_o`` times), each transfer issued a whole inner ring (``n_i``
-hops of compute) before it is read; routed (``causal_routing=True``) it sends
-each part of a group's K/V only to the groups that see it, over fewer pairs
-(``outer_total``: the bytes over all outer links together).
-
-:func:`permute_traffic` reads every ``collective-permute`` of a compiled
-program (``jax.jit(f).lower(...).compile().as_text()``) with its
-``source_target_pairs`` (partition ids = positions in the mesh's device
-order), classifies each source->target pair by whether it crosses the outer
-axis, and multiplies by the trip counts of the ``while`` loops around it
-(``known_trip_count``). Computation from the HLO alone: no timing.
+For ``seq_axis=(outer, inner)`` the sequence is split over both axes, outer-major. The flat
+ring (``ring_jax.ring_attention(axis_name=(outer, inner))``) sends every hop to the next ring
+index, so each of its ``n - 1`` hops waits for the slow (outer) link; the two-level ring
+(:mod:`ring_jax.two_level`) sends over it ``n_o - 1`` times (the backward's dK/dV ``n_o``
+times), each transfer issued a whole inner ring before it is read; routed
+(``causal_routing=True``) each part of a group's K/V goes only to the groups that see it.
+:func:`permute_traffic` counts what each sends, from the compiled program alone (no timing);
+docs/benchmarks.md, "Two link levels".
 
   PYTHONPATH=. python benchmarks/two_level.py   # -> results/two_level_cpu.json, a table
 """
@@ -153,25 +144,38 @@ def outer_total(ops: list[dict], scope: str = "") -> int:
   return sum(op["bytes"] * op["runs"] * op["outer_pairs"] for op in ops if scope in op["scope"])
 
 
-def compiled_text(split, *, two_level: bool, backward: bool, is_causal: bool, length: int,
-                  heads: int = 4, kv_heads: int = 2, head_dim: int = 64,
-                  layout: str = "zigzag", causal_routing: bool | None = False) -> str:
-  """Compiled HLO of the flat or two-level ring over a mesh ``split`` = (n_outer, n_inner);
-  ``causal_routing`` as in :func:`ring_jax.ring_attention` (default here: off)."""
-  mesh = jax.make_mesh(split, AXES, devices=jax.devices()[:math.prod(split)],
-                       axis_types=(jax.sharding.AxisType.Auto,) * 2)
+def compile_ring(split, *, two_level: bool, backward: bool, is_causal: bool, length: int,
+                 heads: int = 4, kv_heads: int = 2, head_dim: int = 64, layout: str = "zigzag",
+                 causal_routing: bool | None = False, devices=None, **ring_kw):
+  """The compiled flat or two-level ring on its local shards (``jax.shard_map`` of
+  :func:`ring_jax.ring_attention` / :func:`ring_jax.two_level_ring_attention`, inputs in the
+  layout) over the first ``prod(split)`` of ``devices`` (default: JAX's); ``split`` =
+  (n_outer, n_inner) names axes ``outer``, ``inner`` (the flat ring runs over both), one size
+  the axis ``sequence``. ``backward``: the gradients of the output's sum of squares;
+  ``layout="document"`` adds an int32 ``segment_ids`` input; ``ring_kw`` (blocks, hop kernel,
+  window) and ``causal_routing`` (default here: off) go to the ring."""
+  axes = AXES if len(split) == 2 else ("sequence",)
+  devices = jax.devices() if devices is None else devices
+  mesh = jax.sharding.Mesh(np.asarray(devices[:math.prod(split)]).reshape(split), axes)
+  seq = axes if len(axes) == 2 else axes[0]
   attend = ring_jax.two_level_ring_attention if two_level else ring_jax.ring_attention
-  local = functools.partial(attend, axis_name=AXES, is_causal=is_causal, layout=layout,
-                            causal_routing=causal_routing)
-  q_spec, kv_spec = P(None, AXES), P(None, AXES)
-  fn = jax.shard_map(local, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec), out_specs=q_spec)
+  kw = dict(ring_kw, axis_name=seq, is_causal=is_causal, layout=layout,
+            causal_routing=causal_routing)
+  # float32: XLA:CPU moves bfloat16 collectives as float32 anyway; bf16 halves the K/V bytes.
+  args = [jax.ShapeDtypeStruct((1, length, n, head_dim), jnp.float32)
+          for n in (heads, kv_heads, kv_heads)]
+  if layout == "document":
+    local = lambda q, k, v, seg: attend(q, k, v, segment_ids=seg, **kw)  # noqa: E731
+    args.append(jax.ShapeDtypeStruct((1, length), jnp.int32))
+  else:
+    local = functools.partial(attend, **kw)
+  fn = jax.shard_map(local, mesh=mesh, in_specs=(P(None, seq),) * len(args),
+                     out_specs=P(None, seq))
   if backward:
     fwd = fn
-    fn = jax.grad(lambda q, k, v: jnp.sum(fwd(q, k, v)), (0, 1, 2))
-  # float32: XLA:CPU moves bfloat16 collectives as float32 anyway; bf16 halves the K/V bytes.
-  shapes = [jax.ShapeDtypeStruct((1, length, n, head_dim), jnp.float32)
-            for n in (heads, kv_heads, kv_heads)]
-  return jax.jit(fn).lower(*shapes).compile().as_text()
+    fn = lambda *a: jax.grad(lambda q, k, v: jnp.sum(fwd(q, k, v, *a[3:]) ** 2),  # noqa: E731
+                             (0, 1, 2))(*a[:3])
+  return jax.jit(fn).lower(*args).compile()
 
 
 def measure(splits=((2, 4), (4, 2)), length: int = 8192, is_causal: bool = True,
@@ -183,10 +187,9 @@ def measure(splits=((2, 4), (4, 2)), length: int = 8192, is_causal: bool = True,
     for backward in (False, True):
       for ring, two_level, routing in (("flat", False, False), ("two-level", True, False),
                                        ("routed", True, True)):
-        text = compiled_text(split, two_level=two_level, backward=backward,
-                             is_causal=is_causal, length=length, layout=layout,
-                             causal_routing=routing)
-        ops = permute_traffic(text, split)
+        ops = permute_traffic(compile_ring(
+            split, two_level=two_level, backward=backward, is_causal=is_causal, length=length,
+            layout=layout, causal_routing=routing).as_text(), split)
         rows.append(dict(split=list(split), ring=ring, pass_="fwd+bwd" if backward else "fwd",
                          length=length, **axis_summary(ops), outer_total=outer_total(ops)))
   return rows

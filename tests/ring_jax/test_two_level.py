@@ -90,8 +90,8 @@ def test_bytes_over_each_axis_from_hlo():
   shard = 1 * 8 * 2 * 16 * 4  # 64 tokens / 8 devices, 2 K/V heads, head_dim 16, float32
   got = {}
   for two_level in (False, True):
-    text = bench.compiled_text((2, 4), two_level=two_level, backward=False, is_causal=False,
-                               length=64, heads=4, kv_heads=2, head_dim=16)
+    text = bench.compile_ring((2, 4), two_level=two_level, backward=False, is_causal=False,
+                              length=64, heads=4, kv_heads=2, head_dim=16).as_text()
     ops = bench.permute_traffic(text, (2, 4))
     assert all(op["bytes"] == shard for op in ops), ops
     got[two_level] = bench.axis_summary(ops)
@@ -173,9 +173,9 @@ def test_routed_outer_bytes_from_hlo():
   group = 2 * shard  # over the 2 device pairs of a group pair
 
   def measured(layout, routed):
-    text = bench.compiled_text(split, two_level=True, backward=True, is_causal=True,
-                               length=length, heads=2, kv_heads=2, head_dim=8, layout=layout,
-                               causal_routing=routed)
+    text = bench.compile_ring(split, two_level=True, backward=True, is_causal=True,
+                              length=length, heads=2, kv_heads=2, head_dim=8, layout=layout,
+                              causal_routing=routed).as_text()
     ops = bench.permute_traffic(text, split)
     return (bench.outer_total(ops, "/two_level_fwd/"), bench.outer_total(ops),
             bench.axis_summary(ops)["inner_bytes"])
