@@ -4,7 +4,7 @@ A stage is a ``seq_len`` and a number of ``steps``, optionally with its own :dat
 Steps are global: stage ``i`` runs steps ``start_i + 1 .. start_i + steps_i`` and
 ``total_steps`` is their sum. Each stage rebuilds its train step, data pipelines and
 learning-rate schedule; parameters carry over, the AdamW state restarts at every stage after
-the first (docs/context_extension.md, "What the run does", says why and how resuming works).
+the first (docs/context_extension.md, "Stages in one run", says why and how resuming works).
 
 A config file lists dicts (``config.stages = [dict(seq_len=4096, steps=500), ...]``); the
 command line writes ``--config.stages="256:20,512:20:rope_theta=1e6:lr=1e-4"`` (no
