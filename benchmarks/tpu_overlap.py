@@ -32,7 +32,7 @@ needs jax >= 0.11 and ``pip install tokamax==0.0.17``), ``+block512`` (its block
 ``--repeats N`` compiles each configuration N times, in N rounds over all of them (interleaved:
 a busy host slows each alike), and records the median wall and process-CPU seconds
 (``compile_s``, ``compile_cpu_s``). Rows also give the generated code size, the Mosaic custom
-calls and how many distinct Mosaic kernel bodies they hold (:func:`ring_jax.analysis.mosaic_kernels`).
+calls and how many distinct kernel bodies they hold (:func:`ring_jax.analysis.mosaic_kernels`).
 
 ``--hop-kernel xla,splash`` compiles every configuration once per hop kernel
 named (a row's ``config`` gains ``+<kernel>``), the hop kernels' memory side by side
