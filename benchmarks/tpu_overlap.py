@@ -76,8 +76,9 @@ def hop_kernel(config: str) -> str:
 
 def compile_config(config: str, devices, length: int, heads: int, head_dim: int,
                    block: int | None = None, value_head_dim: int = 128):
-  """``(compiled, seconds)`` of one configuration's fwd+bwd (``block``: block_q = block_kv,
-  None: the default)."""
+  """``(compiled, wall seconds, process CPU seconds)`` of one configuration's fwd+bwd
+  (``block``: block_q = block_kv, None: the default), both timed over ``lower().compile()``
+  (:func:`timed_compile`)."""
   parts = config.split("+")
   words = parts[0].split("-")
   if words[0] == "tokamax_ring":
@@ -126,10 +127,8 @@ def compile_config(config: str, devices, length: int, heads: int, head_dim: int,
   if "one_loop" in parts or "peeled" in parts:  # the ring's own loop, not unrolled
     tpu.update(one_loop=HOP_KERNELS if "one_loop" in parts else (), unroll_hops=0)
   try:
-    start = time.perf_counter()
-    compiled = jax.jit(jax.value_and_grad(loss, argnums=argnums)).lower(
-        x, xkv, xv, sinks, seg).compile()
-    return compiled, time.perf_counter() - start
+    return timed_compile(jax.jit(jax.value_and_grad(loss, argnums=argnums)),
+                         x, xkv, xv, sinks, seg)
   finally:
     tpu.clear()
     tpu.update(shipped)
@@ -137,8 +136,10 @@ def compile_config(config: str, devices, length: int, heads: int, head_dim: int,
 
 def compile_tokamax_ring(parts, is_causal: bool, devices, length: int, heads: int,
                          head_dim: int):
-  """``(compiled, seconds)`` of tokamax's TPU ring fwd+bwd over all ``devices`` (its layout:
-  ``[heads, L, head_dim]``, the sequence split over the ring), as its own test builds it."""
+  """``(compiled, wall seconds, CPU seconds)`` of tokamax's TPU ring fwd+bwd over all
+  ``devices`` (its layout: ``[heads, L, head_dim]``, the sequence split over the ring), as its
+  own test builds it; timed as ours (:func:`timed_compile`), its kernel's construction
+  (``make_ring_attention``, the mask's metadata built on the host) not counted."""
   import dataclasses
   from tokamax._src.ops.experimental.tpu.splash_attention import (
       ring_attention_kernel, splash_attention_kernel as splash, splash_attention_mask as masks)
@@ -165,20 +166,16 @@ def compile_tokamax_ring(parts, is_causal: bool, devices, length: int, heads: in
   def loss(q, k, v):
     return jnp.sum(attend(kernel, q, k, v).astype(jnp.float32) ** 2)
 
-  start = time.perf_counter()
-  compiled = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))).lower(x, x, x).compile()
-  return compiled, time.perf_counter() - start
+  return timed_compile(jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))), x, x, x)
 
 
-def timed_compile(config: str, devices, length: int, heads: int, head_dim: int,
-                  block: int | None = None, value_head_dim: int = 128):
-  """``(compiled, wall seconds, process CPU seconds)`` of one compile of ``config``. The CPU
-  seconds count every thread of this process (the compiler's too): on a shared host they
-  vary less than the wall seconds."""
-  cpu = time.process_time()
-  compiled, seconds = compile_config(config, devices, length, heads, head_dim, block,
-                                     value_head_dim)
-  return compiled, seconds, time.process_time() - cpu
+def timed_compile(jitted, *args):
+  """``(compiled, wall seconds, process CPU seconds)`` of ``jitted.lower(*args).compile()``.
+  The CPU seconds count every thread of this process (the compiler's too): on a shared host
+  they vary less than the wall seconds."""
+  cpu, start = time.process_time(), time.perf_counter()
+  compiled = jitted.lower(*args).compile()
+  return compiled, time.perf_counter() - start, time.process_time() - cpu
 
 
 def measure(config: str, compiled, times: list[float], cpu_times: list[float],
@@ -242,7 +239,7 @@ def main(argv=None):
       if config in errors:
         continue
       try:
-        compiled[config], wall, cpu = timed_compile(
+        compiled[config], wall, cpu = compile_config(
             config, devices, args.length, args.heads, args.head_dim, args.block,
             args.value_head_dim)
       except Exception as e:  # noqa: BLE001  (a failed configuration is reported, the next runs)
