@@ -29,7 +29,10 @@ inner=chips/2). A peer on the same compiler: ``tokamax_ring-<causal|full>`` (tok
 ring splash, ``tokamax.._src.ops.experimental.tpu.splash_attention.ring_attention_kernel``,
 needs jax >= 0.11 and ``pip install tokamax==0.0.17``), ``+block512`` (its blocks 512) and
 ``+dq3`` (``dq_reduction_steps=3``); its compile is timed as ours (``lower().compile()``).
-``--repeats N`` compiles each configuration N times and records the median seconds.
+``--repeats N`` compiles each configuration N times, in N rounds over all of them (interleaved:
+a busy host slows each alike), and records the median wall and process-CPU seconds
+(``compile_s``, ``compile_cpu_s``). Rows also give the generated code size, the Mosaic custom
+calls and how many distinct kernel bodies they hold (:func:`ring_jax.analysis.mosaic_kernels`).
 
 ``--hop-kernel xla,splash`` compiles every configuration once per hop kernel
 named (a row's ``config`` gains ``+<kernel>``), the hop kernels' memory side by side
@@ -73,8 +76,9 @@ def hop_kernel(config: str) -> str:
 
 def compile_config(config: str, devices, length: int, heads: int, head_dim: int,
                    block: int | None = None, value_head_dim: int = 128):
-  """``(compiled, seconds)`` of one configuration's fwd+bwd (``block``: block_q = block_kv,
-  None: the default)."""
+  """``(compiled, wall seconds, process CPU seconds)`` of one configuration's fwd+bwd
+  (``block``: block_q = block_kv, None: the default), both timed over ``lower().compile()``
+  (:func:`timed_compile`)."""
   parts = config.split("+")
   words = parts[0].split("-")
   if words[0] == "tokamax_ring":
@@ -118,10 +122,8 @@ def compile_config(config: str, devices, length: int, heads: int, head_dim: int,
   if "one_loop" in parts or "peeled" in parts:  # the ring's own loop, not unrolled
     tpu.update(one_loop=HOP_KERNELS if "one_loop" in parts else (), unroll_hops=0)
   try:
-    start = time.perf_counter()
-    compiled = jax.jit(jax.value_and_grad(loss, argnums=argnums)).lower(
-        x, xkv, xv, sinks, seg).compile()
-    return compiled, time.perf_counter() - start
+    return timed_compile(jax.jit(jax.value_and_grad(loss, argnums=argnums)),
+                         x, xkv, xv, sinks, seg)
   finally:
     tpu.clear()
     tpu.update(shipped)
@@ -129,8 +131,10 @@ def compile_config(config: str, devices, length: int, heads: int, head_dim: int,
 
 def compile_tokamax_ring(parts, is_causal: bool, devices, length: int, heads: int,
                          head_dim: int):
-  """``(compiled, seconds)`` of tokamax's TPU ring fwd+bwd over all ``devices`` (its layout:
-  ``[heads, L, head_dim]``, the sequence split over the ring), as its own test builds it."""
+  """``(compiled, wall seconds, CPU seconds)`` of tokamax's TPU ring fwd+bwd over all
+  ``devices`` (its layout: ``[heads, L, head_dim]``, the sequence split over the ring), as its
+  own test builds it; timed as ours (:func:`timed_compile`), its kernel's construction
+  (``make_ring_attention``, the mask's metadata built on the host) not counted."""
   import dataclasses
   from tokamax._src.ops.experimental.tpu.splash_attention import (
       ring_attention_kernel, splash_attention_kernel as splash, splash_attention_mask as masks)
@@ -157,32 +161,41 @@ def compile_tokamax_ring(parts, is_causal: bool, devices, length: int, heads: in
   def loss(q, k, v):
     return jnp.sum(attend(kernel, q, k, v).astype(jnp.float32) ** 2)
 
-  start = time.perf_counter()
-  compiled = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))).lower(x, x, x).compile()
-  return compiled, time.perf_counter() - start
+  return timed_compile(jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))), x, x, x)
 
 
-def measure(config: str, devices, length: int, heads: int, head_dim: int,
-            block: int | None = None, value_head_dim: int = 128, repeats: int = 1) -> dict:
-  times = []
-  for _ in range(repeats):
-    compiled, seconds = compile_config(config, devices, length, heads, head_dim, block,
-                                       value_head_dim)
-    times.append(seconds)
-  seconds = common.median(times)
+def timed_compile(jitted, *args):
+  """``(compiled, wall seconds, process CPU seconds)`` of ``jitted.lower(*args).compile()``.
+  The CPU seconds count every thread of this process (the compiler's too): on a shared host
+  they vary less than the wall seconds."""
+  cpu, start = time.process_time(), time.perf_counter()
+  compiled = jitted.lower(*args).compile()
+  return compiled, time.perf_counter() - start, time.process_time() - cpu
+
+
+def measure(config: str, compiled, times: list[float], cpu_times: list[float],
+            block: int | None, heads: int, head_dim: int, value_head_dim: int) -> dict:
+  """One result row: ``compiled``'s overlap report and memory, the median compile seconds
+  (wall and process CPU) of ``times`` / ``cpu_times``."""
   report = analysis.overlap_report(compiled)
   hidden, total = report.ring()
   memory = common.compiled_memory(compiled)
+  text = compiled.as_text()
   return {
       "config": config,
       "hop_kernel": "tokamax" if config.startswith("tokamax_ring") else hop_kernel(config),
       "block": block, "heads": heads, "head_dim": head_dim,
       "value_head_dim": value_head_dim if "dv" in config.split("+") else head_dim,
       "kv_heads": heads // 4 if "gqa" in config.split("+") else heads,
-      "compile_s": round(seconds, 1),
+      "compile_s": round(common.median(times), 1),
+      "compile_cpu_s": round(common.median(cpu_times), 1),
       **{f"{k}_mib": round(memory[f"{k}_size_in_bytes"] / common.MIB, 1)
          for k in ("temp", "argument", "output")},
-      "hlo_chars": len(compiled.as_text()),
+      "code_mib": round(compiled.memory_analysis().generated_code_size_in_bytes
+                        / common.MIB, 2),
+      "hlo_chars": len(text),
+      "mosaic_calls": text.count(analysis.MOSAIC_CALL),
+      "mosaic_kernels": len(analysis.mosaic_kernels(text)),
       "ring_in_flight": hidden,
       "ring_transfers": total,
       "kinds": {k: list(v) for k, v in report.kinds().items() if k.startswith("ring")},
@@ -213,13 +226,27 @@ def main(argv=None):
       p.error(f"--hop-kernel: unknown {unknown}; choose from {', '.join(HOP_KERNELS)}")
     configs = [c if k == "xla" else f"{c}+{k}" for c in configs for k in kernels]
   devices = topology.devices(args.topology)
+  # Rounds interleave the configurations (each compiled once per round), so a busy host
+  # slows every configuration alike and their ratios hold.
+  compiled, times, errors = {}, {c: ([], []) for c in configs}, {}
+  for _ in range(args.repeats):
+    for config in configs:
+      if config in errors:
+        continue
+      try:
+        compiled[config], wall, cpu = compile_config(
+            config, devices, args.length, args.heads, args.head_dim, args.block,
+            args.value_head_dim)
+      except Exception as e:  # noqa: BLE001  (a failed configuration is reported, the next runs)
+        errors[config] = common.error_line(e, 300)
+        continue
+      times[config][0].append(wall)
+      times[config][1].append(cpu)
   rows = []
   for config in configs:
-    try:
-      row = measure(config, devices, args.length, args.heads, args.head_dim, args.block,
-                    args.value_head_dim, args.repeats)
-    except Exception as e:  # noqa: BLE001  (one failed configuration is reported, the next runs)
-      row = {"config": config, "error": common.error_line(e, 300)}
+    row = ({"config": config, "error": errors[config]} if config in errors else
+           measure(config, compiled[config], *times[config], args.block, args.heads,
+                   args.head_dim, args.value_head_dim))
     rows.append(row)
     print(row, flush=True)
   if args.out:

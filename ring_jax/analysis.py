@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import hashlib
 import re
 
 # The JAX name scope (one op_name path component) of each transfer of ring_jax's, and its kind
@@ -334,3 +335,25 @@ def overlap_report(compiled) -> OverlapReport:
         transfers.append(Transfer(inst.name, inst.opcode, _kind(inst.opcode, inst.op_name),
                                   _scope(inst.op_name), cname, False, ()))
   return OverlapReport(tuple(transfers))
+
+
+MOSAIC_CALL = 'custom_call_target="tpu_custom_call"'
+# A Mosaic call's serialized kernel in its backend config (JSON, quotes escaped or not).
+_BODY = re.compile(r'\\?"body\\?"\s*:\s*\\?"([^"\\]*)')
+
+
+def mosaic_kernels(compiled) -> collections.Counter:
+  """The Mosaic (Pallas TPU) kernels of a compiled TPU program: per distinct kernel body
+  (the serialized module a ``tpu_custom_call`` carries, keyed by its SHA-1), how many custom
+  calls run it. Calls with equal bodies differ only in their operands (splash's mask
+  metadata, the K/V shard); each call is compiled on its own all the same.
+  ``compiled``: an executable or its ``as_text()``."""
+  text = compiled if isinstance(compiled, str) else compiled.as_text()
+  bodies = collections.Counter()
+  at = text.find(MOSAIC_CALL)
+  while at >= 0:
+    nxt = text.find(MOSAIC_CALL, at + len(MOSAIC_CALL))
+    body = _BODY.search(text, at, len(text) if nxt < 0 else nxt)
+    bodies[hashlib.sha1((body.group(1) if body else "").encode()).hexdigest()] += 1
+    at = nxt
+  return bodies

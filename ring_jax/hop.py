@@ -303,23 +303,32 @@ def query_ranges(q_positions, kv_positions, is_causal: bool, window):
 
 def flagged_in_ranges(flags, start, end):
   """bool ``[B, Y, ...]``: per ``y``, whether ``flags[b, x, ...]`` holds for some ``x`` in
-  ``[start[y], end[y])``. ``flags`` bool ``[B, X, ...]``; ``start``, ``end`` int32 ``[Y]``.
+  ``[start[y], end[y])``. ``flags`` bool ``[B, X, ...]``; ``start``, ``end`` int32 ``[Y]``,
+  one of them may be None: ranges open at that side (``start`` 0, ``end`` ``X``).
 
   Which outputs see a flagged input through a visible pair (``y`` a query and ``x`` a key,
   or the reverse; ranges from :func:`key_ranges` / :func:`query_ranges`) without any
-  ``[Y, X]`` array: one reverse running minimum of the next flagged index, read once per
-  ``y``.
+  ``[Y, X]`` array. A range open at one side needs only the first (or last) flagged index,
+  one reduction over ``x`` (the causal ranges without a window); a range bounded at both
+  sides, one reverse running minimum of the next flagged index, read once per ``y``.
   """
   b, nx = flags.shape[:2]
   index = jnp.int16 if nx < jnp.iinfo(jnp.int16).max else jnp.int32
   here = jnp.arange(nx, dtype=index).reshape(1, nx, *(1,) * (flags.ndim - 2))
+  per_y = lambda x: x.reshape(1, -1, *(1,) * (flags.ndim - 2))  # noqa: E731
+  if start is None:  # [0, end): the first flagged index lies before end
+    first = jnp.where(flags, here, jnp.asarray(nx, index)).min(axis=1, keepdims=True)
+    return first.astype(jnp.int32) < per_y(end)
+  if end is None:  # [start, X): the last flagged index lies at or after start
+    last = jnp.where(flags, here, jnp.asarray(-1, index)).max(axis=1, keepdims=True)
+    return last.astype(jnp.int32) >= per_y(start)
   nxt = jnp.where(flags, here, jnp.asarray(nx, index))
   nxt = jnp.concatenate([nxt, jnp.full((b, 1, *flags.shape[2:]), nx, index)], axis=1)
   nxt = jax.lax.cummin(nxt, axis=1, reverse=True)                              # [B, X + 1, ...]
   at = jnp.broadcast_to(start, (b, start.shape[-1])).reshape(b, -1, *(1,) * (flags.ndim - 2))
   found = jnp.take_along_axis(nxt, jnp.minimum(at, nx), axis=1,
                               mode="promise_in_bounds")                        # [B, Y, ...]
-  return found.astype(jnp.int32) < end.reshape(1, -1, *(1,) * (flags.ndim - 2))
+  return found.astype(jnp.int32) < per_y(end)
 
 
 def segment_key_ranges(q_segment_ids, kv_segment_ids):

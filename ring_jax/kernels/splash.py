@@ -310,7 +310,8 @@ class SplashHopKernel:
     if repair:  # NaN where a visible pair reads a non-finite value of V
       start, end = hop.key_ranges(masks.q_positions, masks.kv_positions, spec.is_causal,
                                   spec.window)
-      reads_bad = hop.flagged_in_ranges(~jnp.isfinite(v), start, end)  # [B, T, K, H]
+      reads_bad = hop.flagged_in_ranges(  # [B, T, K, H]; without a window start is 0
+          ~jnp.isfinite(v), None if spec.window is None else start, end)
       out = jnp.where(reads_bad[:, :, :, None, :], jnp.nan, out)
     # Rows that saw no key here: splash's finite mask value (or no block at all).
     empty = lse < 0.5 * MASK_VALUE
@@ -373,7 +374,8 @@ class SplashHopKernel:
     if repair:  # dV is NaN where a visible pair has p = exp(s - NaN), as in the XLA kernel
       start, end = hop.query_ranges(masks.q_positions, masks.kv_positions, spec.is_causal,
                                     spec.window)
-      sees_nan = hop.flagged_in_ranges(lse_nan.any(axis=-1), start, end)  # [B, S, K]
+      sees_nan = hop.flagged_in_ranges(  # [B, S, K]; without a window end is T
+          lse_nan.any(axis=-1), start, None if spec.window is None else end)
       dv = jnp.where(sees_nan[..., None], jnp.nan, dv)
     return hop.HopGrads(acc.dq + dq, acc.dk + dk, acc.dv + dv)
 

@@ -300,3 +300,18 @@ def test_cpu_compiled_layout_reorder_is_its_own_kind():
   assert kinds["layout reorder"] == (0, 8)
   assert report.ring() == (0, 10)
   assert "collective-permute" not in kinds
+
+
+def test_mosaic_kernels_counts_calls_per_distinct_body():
+  """Two calls of one kernel body (escaped and plain JSON configs, as lowered and compiled
+  text print them) and one of another; other custom calls are not Mosaic kernels."""
+  text = _module("""\
+  %k1 = f32[8,8]{1,0} custom-call(%a), custom_call_target="tpu_custom_call", backend_config={"flag_configs":[],"custom_call_config":{"body":"QUJD","cost_estimate":{}}}
+  %k2 = f32[8,8]{1,0} custom-call(%k1), custom_call_target="tpu_custom_call", frontend_attributes={kernel_metadata={
+"xprof_metadata":"{\\"block_q\\": 512}"
+}}, backend_config="{\\"custom_call_config\\": {\\"body\\": \\"QUJD\\"}}"
+  %s = f32[8,8]{1,0} custom-call(%k2), custom_call_target="Sharding", sharding={replicated}, backend_config={"custom_call_config":{"body":"QUJD"}}
+  ROOT %k3 = f32[8,8]{1,0} custom-call(%s), custom_call_target="tpu_custom_call", backend_config={"custom_call_config":{"body":"REVG"}}
+""")
+  assert sorted(analysis.mosaic_kernels(text).values()) == [1, 2]
+  assert text.count(analysis.MOSAIC_CALL) == 3

@@ -60,19 +60,27 @@ def test_key_ranges_are_each_querys_visible_keys(layout, is_causal, window):
 @pytest.mark.parametrize("seed", range(4))
 def test_flagged_in_ranges_is_any_flag_in_each_range(seed):
   """hop.flagged_in_ranges against a dense any(): random flags [B, X, K, H], random ranges
-  (empty, whole, at either end), per batch row."""
+  (empty, whole, at either end), per batch row; and ranges open at one side (None)."""
   rng = np.random.default_rng(seed)
   b, nx, ny = 2, 37, 29
   flags = rng.random((b, nx, 3, 4)) < 0.05
   start = rng.integers(0, nx + 1, ny)
   end = np.minimum(nx, start + rng.integers(0, nx + 1, ny))
   end[:3], start[3], end[3] = start[:3], 0, nx  # empty ranges and the whole axis
-  got = hop.flagged_in_ranges(jnp.asarray(flags), jnp.asarray(start, jnp.int32),
-                              jnp.asarray(end, jnp.int32))
-  inside = (np.arange(nx)[None] >= start[:, None]) & (np.arange(nx)[None] < end[:, None])
-  want = np.einsum("yx,bxkh->bykh", inside.astype(int), flags.astype(int)) > 0
-  np.testing.assert_array_equal(np.asarray(got), want)
-  assert want.any() and not want.all()
+
+  def want(start, end):
+    inside = (np.arange(nx)[None] >= start[:, None]) & (np.arange(nx)[None] < end[:, None])
+    return np.einsum("yx,bxkh->bykh", inside.astype(int), flags.astype(int)) > 0
+
+  i32 = lambda x: jnp.asarray(x, jnp.int32)  # noqa: E731
+  got = hop.flagged_in_ranges(jnp.asarray(flags), i32(start), i32(end))
+  np.testing.assert_array_equal(np.asarray(got), want(start, end))
+  assert want(start, end).any() and not want(start, end).all()
+  # Ranges open at one side (None): [0, end) and [start, X), empty ones included.
+  got = hop.flagged_in_ranges(jnp.asarray(flags), None, i32(end))
+  np.testing.assert_array_equal(np.asarray(got), want(np.zeros_like(end), end))
+  got = hop.flagged_in_ranges(jnp.asarray(flags), i32(start), None)
+  np.testing.assert_array_equal(np.asarray(got), want(start, np.full_like(start, nx)))
 
 
 @pytest.mark.parametrize("low", [0, -7, np.iinfo(np.int32).min, np.iinfo(np.int32).min + 1])
