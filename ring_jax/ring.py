@@ -508,7 +508,28 @@ def _masks(cfg: RingConfig, device, hop, q_pos, seg, kv_seg, v_finite=None):
       flags.append(v_finite[src] if v_finite.ndim == 1 else v_finite[src, i])
   finite = None if v_finite is None else functools.reduce(jnp.logical_and, flags)
   kv_pos = pos[0] if len(pos) == 1 else jnp.concatenate(pos)
-  return HopMasks.build(cfg.spec, q_pos, kv_pos, seg, kv_seg, v_finite=finite)
+  may_mask = (not isinstance(hop, int) or seg is not None
+              or hop_partly_masked(cfg, q_pos.shape[0], lambda s, d: s.source(d, hop, n)))
+  return HopMasks.build(cfg.spec, q_pos, kv_pos, seg, kv_seg, v_finite=finite,
+                        may_mask=may_mask)
+
+
+def hop_partly_masked(cfg: RingConfig, q_len: int, source) -> bool:
+  """Whether some device computes a partly masked block pair at a hop known at trace time
+  (:func:`ring_jax.masking.partly_masked` over every device's positions); ``source(stream,
+  d)``: the owner of the part of ``stream`` that device ``d`` holds (a Python int). False:
+  the hop's kernel compiles only its unmasked blocks (a causal zigzag or contiguous ring's
+  hops on other devices' shards: whole chunks meet whole chunks)."""
+  n, spec, routes = cfg.ring_size, cfg.spec, cfg.routes
+
+  def positions(d):
+    kv = [layouts.local_positions(cfg.layout, n, routes.local_len,
+                                  source(s, d))[s.start:s.stop] for s in routes.streams]
+    return (layouts.local_positions(cfg.layout, n, q_len, d),
+            kv[0] if len(kv) == 1 else np.concatenate(kv))
+
+  return masking.partly_masked([positions(d) for d in range(n)], spec.block_q, spec.block_kv,
+                               spec.is_causal, spec.window)
 
 
 def forward_loop(cfg: RingConfig, q, held, acc, masks_at, *, also=None):
