@@ -486,16 +486,20 @@ def test_unrolled_hops_match_the_oracle(monkeypatch, layout, is_causal, overlap_
   assert "ring_fwd/while" in looped and "ring_bwd/while" in looped
 
 
-@pytest.mark.parametrize("layout,masked_fwd,masked_bwd", [
-    ("zigzag", [True, False, False, False], [False, False, False, True]),
-    ("striped", [True] * 4, [True] * 4)])
-def test_hops_between_whole_chunks_compile_only_unmasked_blocks(monkeypatch, layout,
+@pytest.mark.parametrize("layout,unroll,masked_fwd,masked_bwd", [
+    ("zigzag", 4, [True, False, False, False], [False, False, False, True]),
+    ("zigzag", 0, [True, False], [False, False, True]),
+    ("striped", 4, [True] * 4, [True] * 4)])
+def test_hops_between_whole_chunks_compile_only_unmasked_blocks(monkeypatch, layout, unroll,
                                                                  masked_fwd, masked_bwd):
-  """Unrolled, a causal zigzag ring's hops on other devices' shards meet whole chunks (every
-  block pair visible everywhere or skipped), so the hop kernel gets a block table that masks
-  nothing and compiles only its unmasked blocks; the own shard's hop (the forward's first, the
-  backward's last) and every striped hop keep the mask. Output and gradients as the oracle's."""
-  monkeypatch.setitem(ring_jax.ring.PLATFORM_DEFAULTS, "cpu", {"unroll_hops": 4})
+  """A causal zigzag ring's hops on other devices' shards meet whole chunks (every block pair
+  visible everywhere or skipped), so the hop kernel gets a block table that masks nothing and
+  compiles only its unmasked blocks: unrolled, every such hop; with the ring's loop (the
+  forward: hops 0-2 in the loop, the last peeled; the backward: its first and last peeled),
+  a loop whose hops are all such. The own shard's hop (the forward's first, the backward's
+  last), a loop holding it, and every striped hop keep the mask. Output and gradients as the
+  oracle's."""
+  monkeypatch.setitem(ring_jax.ring.PLATFORM_DEFAULTS, "cpu", {"unroll_hops": unroll})
   seen = {"fwd": [], "bwd": []}
 
   @dataclasses.dataclass(frozen=True)
