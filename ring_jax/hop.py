@@ -73,10 +73,13 @@ class HopMasks(NamedTuple):
 
   @classmethod
   def build(cls, spec: "HopSpec", q_positions, kv_positions, q_segment_ids=None,
-            kv_segment_ids=None, v_finite=None) -> "HopMasks":
-    """Masks with their block table (:func:`ring_jax.masking.block_table`) for ``spec``."""
+            kv_segment_ids=None, v_finite=None, may_mask: bool = True) -> "HopMasks":
+    """Masks with their block table (:func:`ring_jax.masking.block_table`) for ``spec``;
+    ``may_mask=False``: every pair in the table's ranges is known to be visible everywhere
+    (:func:`ring_jax.masking.partly_masked`)."""
     blocks = masking.block_table(q_positions, kv_positions, q_segment_ids, kv_segment_ids,
-                                 spec.block_q, spec.block_kv, spec.is_causal, spec.window)
+                                 spec.block_q, spec.block_kv, spec.is_causal, spec.window,
+                                 may_mask)
     return cls(q_positions, kv_positions, q_segment_ids, kv_segment_ids, blocks, v_finite)
 
   def table(self) -> masking.BlockTable:

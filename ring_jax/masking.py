@@ -216,7 +216,7 @@ def _spans(vis, full):
 
 
 def block_table(q_pos, kv_pos, q_seg, kv_seg, block_q: int, block_kv: int, is_causal: bool,
-                window) -> BlockTable:
+                window, may_mask: bool = True) -> BlockTable:
   """The :class:`BlockTable` of one hop (numpy, or traced jax arrays inside a kernel's caller).
 
   ``q_pos`` ``[T]`` / ``kv_pos`` ``[S]`` positions; ``q_seg`` ``[B, T]`` /
@@ -224,7 +224,9 @@ def block_table(q_pos, kv_pos, q_seg, kv_seg, block_q: int, block_kv: int, is_ca
   positions allow one (:func:`block_visibility`) and, with ids, the blocks'
   document ranges overlap in that row (:class:`BlockSegments`); it is visible
   everywhere when the positions make it so and both blocks are one and the
-  same document (no padding).
+  same document (no padding). ``may_mask=False``: the caller knows that every pair in the
+  ranges is visible everywhere (:func:`partly_masked` is False for every device's positions),
+  so the table's pairs are computed without the elementwise mask.
   """
   any_, all_ = block_visibility(q_pos, kv_pos, block_q, block_kv, is_causal, window)
   any_, all_ = any_[None], all_[None]
@@ -236,7 +238,22 @@ def block_table(q_pos, kv_pos, q_seg, kv_seg, block_q: int, block_kv: int, is_ca
   all_ = all_ & any_
   return BlockTable(q_ranges=_spans(any_, all_),
                     kv_ranges=_spans(any_.swapaxes(1, 2), all_.swapaxes(1, 2)),
-                    may_mask=bool(is_causal or window is not None or q_seg is not None))
+                    may_mask=bool(may_mask and (is_causal or window is not None
+                                                or q_seg is not None)))
+
+
+def partly_masked(positions, block_q: int, block_kv: int, is_causal: bool, window) -> bool:
+  """Whether some block pair computed for some ``(q_pos, kv_pos)`` of ``positions`` (numpy
+  ``[T]`` / ``[S]``, e.g. one per device of a ring's hop) needs the elementwise mask: a pair
+  in a row's range ``[lo, hi)`` of :func:`block_table` outside its full run (no segment ids).
+  False lets a hop known at trace time compile only the unmasked block loop (a causal hop
+  between whole zigzag or contiguous chunks)."""
+  for q_pos, kv_pos in positions:
+    table = block_table(q_pos, kv_pos, None, None, block_q, block_kv, is_causal, window)
+    for r in (table.q_ranges, table.kv_ranges):
+      if (r[..., 0] != r[..., 1]).any() or (r[..., 2] != r[..., 3]).any():
+        return True
+  return False
 
 
 def merge_rows(ranges):

@@ -496,9 +496,11 @@ def v_finite_flags(routes: routing.Routes, axis_name, v):
       jnp.stack([finite[:, s.start:s.stop].all() for s in routes.streams]), axis_name)
 
 
-def _masks(cfg: RingConfig, device, hop, q_pos, seg, kv_seg, v_finite=None):
+def _masks(cfg: RingConfig, device, hop, q_pos, seg, kv_seg, hops=(), v_finite=None):
   """Masks of the parts held at ``hop`` (stream ``i``'s part from device ``source``): their
-  positions and ids side by side, and (forward) the AND of their non-finite-V flags."""
+  positions and ids side by side, and (forward) the AND of their non-finite-V flags.
+  ``hops``: the Python ints ``hop`` may be (a loop's steps); the block table masks nothing
+  where none of them has a partly masked pair on any device (:func:`hop_partly_masked`)."""
   routes, n = cfg.routes, cfg.ring_size
   pos, flags = [], []
   for i, stream in enumerate(routes.streams):
@@ -508,7 +510,28 @@ def _masks(cfg: RingConfig, device, hop, q_pos, seg, kv_seg, v_finite=None):
       flags.append(v_finite[src] if v_finite.ndim == 1 else v_finite[src, i])
   finite = None if v_finite is None else functools.reduce(jnp.logical_and, flags)
   kv_pos = pos[0] if len(pos) == 1 else jnp.concatenate(pos)
-  return HopMasks.build(cfg.spec, q_pos, kv_pos, seg, kv_seg, v_finite=finite)
+  may_mask = seg is not None or not hops or any(
+      hop_partly_masked(cfg, q_pos.shape[0], lambda s, d: s.source(d, h, n)) for h in hops)
+  return HopMasks.build(cfg.spec, q_pos, kv_pos, seg, kv_seg, v_finite=finite,
+                        may_mask=may_mask)
+
+
+def hop_partly_masked(cfg: RingConfig, q_len: int, source) -> bool:
+  """Whether some device computes a partly masked block pair at a hop known at trace time
+  (:func:`ring_jax.masking.partly_masked` over every device's positions); ``source(stream,
+  d)``: the owner of the part of ``stream`` that device ``d`` holds (a Python int). False:
+  the hop's kernel compiles only its unmasked blocks (a causal zigzag or contiguous ring's
+  hops on other devices' shards: whole chunks meet whole chunks)."""
+  n, spec, routes = cfg.ring_size, cfg.spec, cfg.routes
+
+  def positions(d):
+    kv = [layouts.local_positions(cfg.layout, n, routes.local_len,
+                                  source(s, d))[s.start:s.stop] for s in routes.streams]
+    return (layouts.local_positions(cfg.layout, n, q_len, d),
+            kv[0] if len(kv) == 1 else np.concatenate(kv))
+
+  return masking.partly_masked([positions(d) for d in range(n)], spec.block_q, spec.block_kv,
+                               spec.is_causal, spec.window)
 
 
 def forward_loop(cfg: RingConfig, q, held, acc, masks_at, *, also=None):
@@ -517,13 +540,13 @@ def forward_loop(cfg: RingConfig, q, held, acc, masks_at, *, also=None):
 
   ``held``: per stream of the routes, this device's ``(k, v, seg)`` parts before the first
   hop's transfer; ``acc``: the float32 ``(out, lse)`` carry, merged with each hop's result
-  (:func:`ring_jax.hop.merge`); ``masks_at(hop, kv_seg)``: the :class:`HopMasks` of the
-  parts held at ``hop`` (``kv_seg``: their segment ids). Each hop issues the transfer of the
-  next hop's parts (:func:`hop_send`, named ``send_kv``) before its block compute and reads
-  it after (:func:`in_flight_during`); ``also`` (transfers the caller issued, or None) is
-  tied to the last hop's compute in the same way. The hops run in one loop
-  (:func:`over_hops`): the last peeled, or (:func:`one_loop`) in the loop too, its send
-  unused and ``also`` tied to the whole loop.
+  (:func:`ring_jax.hop.merge`); ``masks_at(hop, kv_seg, hops)``: the :class:`HopMasks` of
+  the parts held at ``hop`` (``kv_seg``: their segment ids; ``hops``: the ints ``hop`` may
+  be). Each hop issues the transfer of the next hop's parts (:func:`hop_send`, named
+  ``send_kv``) before its block compute and reads it after (:func:`in_flight_during`);
+  ``also`` (transfers the caller issued, or None) is tied to the last hop's compute in the
+  same way. The hops run in one loop (:func:`over_hops`): the last peeled, or
+  (:func:`one_loop`) in the loop too, its send unused and ``also`` tied to the whole loop.
   """
   routes, axis = cfg.routes, cfg.axis_name
   first, last = routes.hops
@@ -547,7 +570,7 @@ def forward_loop(cfg: RingConfig, q, held, acc, masks_at, *, also=None):
         nxt = hop_send(i, rows, span, axis, held)
     kh, vh, segh = (join_streams(x) for x in zip(*held))
     with jax.named_scope(name):
-      masks = masks_at(routes.hops[0] + i, segh)
+      masks = masks_at(routes.hops[0] + i, segh, [routes.hops[0] + h for h in hops_of(i, span)])
       hop = cfg.kernel.forward(q, kh, vh, masks, cfg.spec)
       if nxt is not None:
         nxt, hop = in_flight_during(nxt, hop)
@@ -632,7 +655,7 @@ def backward_loop(cfg: RingConfig, q, held, res, dq, masks_at, *, also=None,
     kh, vh, segh = (join_streams(x) for x in zip(*held))
     dk, dv = join_streams([a[0] for a in acc]), join_streams([a[1] for a in acc])
     with jax.named_scope(name):
-      masks = masks_at(routes.hops[0] + i, segh)
+      masks = masks_at(routes.hops[0] + i, segh, [routes.hops[0] + h for h in hops_of(i, span)])
       nxt, (dq, dk, dv) = backward_hop(cfg, q, kh, vh, masks, res, (dq, dk, dv), nxt,
                                        arriving=not first)
     acc = split_streams(routes, dk, dv)
@@ -679,6 +702,8 @@ def _backward_one_loop(cfg: RingConfig, q, held, res, dq, masks_at, acc, also):
   pairs = [routes.streams[0].arrive[1]]
   move = send_distinct if routes.routed else send
 
+  count = routes.hops[1] - routes.hops[0] + 1
+
   def step(i, state):
     held, acc, dq = state
     with jax.named_scope("send_kv"):
@@ -688,12 +713,11 @@ def _backward_one_loop(cfg: RingConfig, q, held, res, dq, masks_at, acc, also):
     kh, vh, segh = (join_streams(x) for x in zip(*held))
     dk, dv = join_streams([a[0] for a in acc]), join_streams([a[1] for a in acc])
     with jax.named_scope("hop"):
-      masks = masks_at(routes.hops[0] + i, segh)
+      masks = masks_at(routes.hops[0] + i, segh, range(routes.hops[0], routes.hops[1] + 1))
       nxt, (dq, dk, dv) = backward_hop(cfg, q, kh, vh, masks, res, (dq, dk, dv), nxt,
                                        arriving=True)
     return nxt, split_streams(routes, dk, dv), dq
 
-  count = routes.hops[1] - routes.hops[0] + 1
   _, acc, dq = jax.lax.fori_loop(0, count, step, (held, acc, dq))
   if also is not None:
     also, (acc, dq) = in_flight_during(also, (acc, dq))
@@ -753,7 +777,9 @@ def _forward(cfg: RingConfig, q, k, v, seg):
   # some devices waiting for a ppermute on the others deadlocks (seen under jax.profiler).
   v_finite, k, v, seg = jax.lax.optimization_barrier((v_finite, k, v, seg))
   acc = tuple(varying_like(x, q, k, v) for x in empty_result(q, v.shape[-1]))
-  masks_at = lambda hop, kv_seg: _masks(cfg, device, hop, q_pos, seg, kv_seg, v_finite)  # noqa: E731
+  def masks_at(hop, kv_seg, hops):
+    return _masks(cfg, device, hop, q_pos, seg, kv_seg, hops, v_finite)
+
   (out, lse), _, held = forward_loop(cfg, q, split_streams(cfg.routes, k, v, seg), acc,
                                      masks_at)
   return out.astype(q.dtype), lse, held
@@ -772,7 +798,9 @@ def _backward(cfg: RingConfig, q, k, v, seg, out, lse, do, dlse, held=None):
   device = jax.lax.axis_index(cfg.axis_name)
   q_pos = layouts.local_positions(cfg.layout, cfg.ring_size, q.shape[1], device)
   res = HopResiduals(out=out, lse=lse_for_backward(lse), do=do, dlse=dlse)
-  masks_at = lambda hop, kv_seg: _masks(cfg, device, hop, q_pos, seg, kv_seg)  # noqa: E731
+  def masks_at(hop, kv_seg, hops):
+    return _masks(cfg, device, hop, q_pos, seg, kv_seg, hops)
+
   dq = varying_like(jnp.zeros(q.shape, jnp.float32), q, k, v)
   first = split_streams(cfg.routes, k, v, seg) if held is None else held
   dq, dk, dv, _ = backward_loop(cfg, q, first, res, dq, masks_at, arrived=held is not None)

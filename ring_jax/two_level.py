@@ -257,7 +257,8 @@ def _forward(tl: _TwoLevelConfig, q, k, v, seg):
       with jax.named_scope("send_outer"):
         nxt = hop_send(i, rows, span, tl.outer.axis_name, held)
     ko, vo, sego = (join_streams(x) for x in zip(*held))
-    masks_at = lambda h, kv_seg: _masks(tl, g, r, i, h, q_pos, seg, kv_seg, v_finite)  # noqa: E731
+    masks_at = lambda h, kv_seg, _: _masks(tl, g, r, i, h, q_pos, seg, kv_seg,  # noqa: E731
+                                           v_finite)
     acc, nxt, inner_held = forward_loop(tl.inner, q, [(ko, vo, sego)], acc, masks_at,
                                         also=nxt)
     if rotates and last:
@@ -329,7 +330,7 @@ def _backward(tl: _TwoLevelConfig, q, k, v, seg, out, lse, do, dlse, received):
     segh = join_streams([p[-1] for p in held])
     # The inner ring; its accumulators go home to the holder of the outer buffer, (g, r),
     # except at the last step, where they stay one device on (the outer ones move there).
-    masks_at = lambda h, kv_seg: _masks(tl, g, r, i, h, q_pos, seg, kv_seg)  # noqa: E731
+    masks_at = lambda h, kv_seg, _: _masks(tl, g, r, i, h, q_pos, seg, kv_seg)  # noqa: E731
     dq, dk, dv, sent_outer = backward_loop(tl.inner, q, [(kh, vh, segh)], res, dq, masks_at,
                                            also=sent_outer, home=not last)
     if sent_outer is not None:  # the next step's parts, in flight during the inner ring
@@ -399,7 +400,7 @@ def _backward_rotation(tl: _TwoLevelConfig, q, k, v, seg, out, lse, do, dlse, he
     if not first_step:  # the previous step's accumulators, in flight during the inner ring
       with jax.named_scope("outer_dkv"):
         (arrived,) = hop_send(i, arrive_now, span, outer, [acc])
-    masks_at = lambda h, kv_seg: _masks(tl, g, r, first + i, h, q_pos, seg, kv_seg)  # noqa: E731
+    masks_at = lambda h, kv_seg, _: _masks(tl, g, r, first + i, h, q_pos, seg, kv_seg)  # noqa: E731
     dq, dk, dv, nxt = backward_loop(tl.inner, q, [held], res, dq, masks_at, also=nxt,
                                     arrived=True)
     if arrived is not None:

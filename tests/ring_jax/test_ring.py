@@ -484,3 +484,44 @@ def test_unrolled_hops_match_the_oracle(monkeypatch, layout, is_causal, overlap_
   monkeypatch.setitem(ring_jax.ring.PLATFORM_DEFAULTS, "cpu", {"one_loop": ("xla",)})
   looped = lower()
   assert "ring_fwd/while" in looped and "ring_bwd/while" in looped
+
+
+@pytest.mark.parametrize("layout,unroll,masked_fwd,masked_bwd", [
+    ("zigzag", 4, [True, False, False, False], [False, False, False, True]),
+    ("zigzag", 0, [True, False], [False, False, True]),
+    ("striped", 4, [True] * 4, [True] * 4)])
+def test_hops_between_whole_chunks_compile_only_unmasked_blocks(monkeypatch, layout, unroll,
+                                                                 masked_fwd, masked_bwd):
+  """A causal zigzag ring's hops on other devices' shards meet whole chunks (every block pair
+  visible everywhere or skipped), so the hop kernel gets a block table that masks nothing and
+  compiles only its unmasked blocks: unrolled, every such hop; with the ring's loop (the
+  forward: hops 0-2 in the loop, the last peeled; the backward: its first and last peeled),
+  a loop whose hops are all such. The own shard's hop (the forward's first, the backward's
+  last), a loop holding it, and every striped hop keep the mask. Output and gradients as the
+  oracle's."""
+  monkeypatch.setitem(ring_jax.ring.PLATFORM_DEFAULTS, "cpu", {"unroll_hops": unroll})
+  seen = {"fwd": [], "bwd": []}
+
+  @dataclasses.dataclass(frozen=True)
+  class Recording(XlaHopKernel):
+    def forward(self, q, k, v, masks, spec):
+      seen["fwd"].append(masks.table().may_mask)
+      return super().forward(q, k, v, masks, spec)
+
+    def backward(self, q, k, v, masks, spec, res, acc):
+      seen["bwd"].append(masks.table().may_mask)
+      return super().backward(q, k, v, masks, spec, res, acc)
+
+  mesh = make_mesh((4,), ("sequence",))
+  q, k, v = qkv(21, 2, 64, 4, 2, 8)
+  fn = functools.partial(ring_jax.ring_attention_sharded, mesh=mesh, is_causal=True,
+                         layout=layout, batch_axis=None, block_q=4, block_kv=4,
+                         hop_kernel=Recording())
+  ref = functools.partial(ring_jax.reference_attention, is_causal=True)
+  cot = jax.random.normal(jax.random.key(22), q.shape, jnp.float32)
+  got = jax.jit(functools.partial(grads, fn))(q, k, v, cot)
+  for name, want in (("fwd", masked_fwd), ("bwd", masked_bwd)):  # traced once per pass or more
+    assert seen[name] and seen[name] == want * (len(seen[name]) // len(want)), (name, seen[name])
+  assert_close(jax.jit(fn)(q, k, v), ref(q, k, v), what="out")
+  for name, g, w in zip("qkv", got, grads(ref, q, k, v, cot)):
+    assert_close(g, w, what=f"d{name}")
