@@ -13,7 +13,7 @@ from jax.sharding import PartitionSpec as P
 
 import ring_jax
 from benchmarks import two_level as bench
-from attn_utils import assert_close, grads, make_mesh, packed_segments, qkv
+from attn_utils import assert_close, grads, make_mesh, out_and_grads, packed_segments, qkv
 from ring_jax import routing
 from ring_jax.two_level import two_level_ring_attention
 
@@ -48,7 +48,8 @@ def test_matches_float64_oracle(split, layout, is_causal, segments, overlap_dkv)
     fn = functools.partial(ring_jax.attention_sharded, strategy="ring")
   fn = functools.partial(fn, mesh=mesh, seq_axis=AXES, is_causal=is_causal, segment_ids=seg,
                          layout=layout, block_q=4, block_kv=4)
-  got = [jax.jit(fn)(q, k, v)] + list(jax.jit(functools.partial(grads, fn))(q, k, v, cot))
+  out, dqkv = out_and_grads(fn, q, k, v, cot)  # one program (tests/attn_utils.py)
+  got = [out, *dqkv]
   want = oracle(q, k, v, cot, is_causal=is_causal, segment_ids=seg)
   for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
     assert_close(g, w, what=f"{split} {layout} {name}")
