@@ -47,6 +47,16 @@ def grads(fn, q, k, v, cot):
                   argnums=(0, 1, 2))(q, k, v)
 
 
+def out_and_grads(fn, q, k, v, cot):
+  """``(fn(q, k, v), grads(fn, q, k, v, cot))`` as one jitted program: the forward of the
+  pass the gradients come from (a custom_vjp's fwd rule runs the same forward as its primal),
+  so a test compiles its function once, not once per pass."""
+  def both(q, k, v):
+    out, vjp = jax.vjp(fn, q, k, v)
+    return out, vjp(cot.astype(out.dtype))
+  return jax.jit(both)(q, k, v)
+
+
 def assert_close(actual, expected, rtol=1e-5, atol=1e-5, what=""):
   actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
   assert not np.isnan(actual).any(), f"{what}: NaN in result"

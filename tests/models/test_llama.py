@@ -155,17 +155,18 @@ def test_causal_routing_reaches_the_ring_and_keeps_values(baseline):
 @pytest.mark.parametrize("kernel", ["splash"])
 def test_fused_hop_kernels_run_in_the_model(kernel):
   """The model with each fused hop kernel (Pallas interpret mode on CPU) equals the dense
-  model on one device: logits and parameter gradients. One layer, packed documents with
-  padding, a ring of 2 in the zigzag layout with blocks of 128 (what the TPU kernel tiles):
-  one block per shard, the smallest shape a TPU kernel takes (interpret mode is slow)."""
+  model on one device: logits and parameter gradients. One layer, one row of two packed
+  documents (the second across two of the zigzag's 64-token chunks) and padding, a ring of 2
+  in the zigzag layout with blocks of 128 (what the TPU kernel tiles): one block per shard,
+  the smallest shape a TPU kernel takes (interpret mode is slow)."""
   length, ring = 256, 2
   dims = dict(num_layers=1, dim=64, num_heads=4, num_kv_heads=2, mlp_dim=64)
   dense = _cfg(**dims)
   params = random_params(dense)
-  tokens, pos, segs = packed_batch(TINY["vocab_size"], ((100, 125), (150, 50)), length)
+  tokens, pos, segs = packed_batch(TINY["vocab_size"], ((100, 125),), length)
   rng = np.random.default_rng(1)
-  weights = (rng.normal(size=(2, length, TINY["vocab_size"])) * (segs > 0)[..., None]
-             / (2 * length)).astype(np.float32)
+  weights = (rng.normal(size=(1, length, TINY["vocab_size"])) * (segs > 0)[..., None]
+             / length).astype(np.float32)
   want_logits, want_grads = _loss_and_grads(dense, params, tokens, pos, segs, weights)
   cfg = _cfg(**dims, attention="ring", layout="zigzag", block_q=128, block_kv=128,
              hop_kernel=kernel)

@@ -16,14 +16,24 @@ from ring_jax.strategies import ring as ring_strategy
 from ring_jax.strategies.options import AttentionOptions
 
 
-def _check(fn, q, k, v, **kw):
+def _check(fn, q, k, v, forward_alone=False, **kw):
+  """``fn``'s output and gradients (one program) against the dense reference's;
+  ``forward_alone``: its forward compiled on its own too (a call without gradients)."""
   ref = lambda q, k, v: ring_jax.reference_attention(q, k, v, **kw)  # noqa: E731
-  out = jax.jit(fn)(q, k, v)
+
+  def loss(f):  # the output comes with the gradients: one program
+    def value(*args):
+      out = f(*args)
+      return jnp.sum(jnp.sin(out)), out
+    return value
+
+  got, out = jax.jit(jax.grad(loss(fn), (0, 1, 2), has_aux=True))(q, k, v)
   assert out.shape == q.shape
-  assert_close(out, ref(q, k, v), what="out")
-  loss = lambda f: (lambda *a: jnp.sum(jnp.sin(f(*a))))  # noqa: E731
-  got = jax.jit(jax.grad(loss(fn), (0, 1, 2)))(q, k, v)
-  want = jax.grad(loss(ref), (0, 1, 2))(q, k, v)
+  expected = ref(q, k, v)
+  assert_close(out, expected, what="out")
+  if forward_alone:
+    assert_close(jax.jit(fn)(q, k, v), expected, what="forward alone")
+  want, _ = jax.grad(loss(ref), (0, 1, 2), has_aux=True)(q, k, v)
   for name, g, w in zip(("dq", "dk", "dv"), got, want):
     assert_close(g, w, what=name)
 
@@ -37,7 +47,7 @@ def test_ring_any_length(length, layout, is_causal):
   q, k, v = qkv(length, 2, length, 4, 2, 8)
   fn = lambda q, k, v: ring_jax.ring_attention_sharded(  # noqa: E731
       q, k, v, mesh=mesh, is_causal=is_causal, layout=layout)
-  _check(fn, q, k, v, is_causal=is_causal)
+  _check(fn, q, k, v, forward_alone=length == 37, is_causal=is_causal)
 
 
 def test_segments_window_blocks_lse_and_sinks_at_any_length():

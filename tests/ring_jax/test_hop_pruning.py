@@ -10,7 +10,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import ring_jax
-from attn_utils import assert_close, grads, make_mesh, qkv
+from attn_utils import assert_close, grads, make_mesh, out_and_grads, qkv
 
 
 def _count(jaxpr, name):
@@ -59,8 +59,8 @@ def test_pruned_ring_matches_dense(is_causal, window):
                          local_window_size=window)
   ref = functools.partial(ring_jax.reference_attention, is_causal=is_causal,
                           local_window_size=window)
-  assert_close(jax.jit(fn)(q, k, v), ref(q, k, v), what="forward")
   cot = jax.random.normal(jax.random.key(3), q.shape, jnp.float32)
-  got = jax.jit(functools.partial(grads, fn))(q, k, v, cot)
+  out, got = out_and_grads(fn, q, k, v, cot)  # one program (tests/attn_utils.py)
+  assert_close(out, ref(q, k, v), what="forward")
   for name, g, w in zip("qkv", got, grads(ref, q, k, v, cot)):
     assert_close(g, w, what=f"d{name}")

@@ -15,7 +15,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import ring_jax
-from attn_utils import assert_close, grads, make_mesh, packed_segments, qkv
+from attn_utils import assert_close, grads, make_mesh, out_and_grads, packed_segments, qkv
 from ring_jax import masking
 from ring_jax.hop import fold_blocks, varying_like
 from ring_jax.kernels.xla import XlaHopKernel
@@ -232,8 +232,8 @@ def test_bf16_error_does_not_grow_with_ring_size():
     mesh = make_mesh((n,), ("sequence",))
     fn = functools.partial(ring_jax.ring_attention_sharded, mesh=mesh, is_causal=True,
                            segment_ids=seg, layout="striped", block_q=16, block_kv=16)
-    got = [jax.jit(fn)(q, k, v)] + list(jax.jit(functools.partial(grads, fn))(
-        q, k, v, cot.astype(jnp.float32)))
+    out, dqkv = out_and_grads(fn, q, k, v, cot.astype(jnp.float32))  # one program
+    got = [out, *dqkv]
     errors[n] = [float(np.abs(np.asarray(g, np.float64) - w).max() / np.abs(w).max())
                  for g, w in zip(got, want)]
   for e1, e8 in zip(errors[1], errors[8]):
@@ -440,9 +440,9 @@ def _structure_matches_the_oracle(seed, layout, is_causal, overlap_dkv, segments
                          layout=layout, segment_ids=seg, batch_axis=None, block_q=4,
                          block_kv=4, overlap_dkv=overlap_dkv, causal_routing=False)
   ref = functools.partial(ring_jax.reference_attention, is_causal=is_causal, segment_ids=seg)
-  assert_close(jax.jit(fn)(q, k, v), ref(q, k, v), what="out")
   cot = jax.random.normal(jax.random.key(seed + 1), q.shape, jnp.float32)
-  got = jax.jit(functools.partial(grads, fn))(q, k, v, cot)
+  out, got = out_and_grads(fn, q, k, v, cot)  # one program
+  assert_close(out, ref(q, k, v), what="out")
   for name, g, w in zip("qkv", got, grads(ref, q, k, v, cot)):
     assert_close(g, w, what=f"d{name}")
   lower = lambda: jax.jit(functools.partial(grads, fn)).lower(  # noqa: E731

@@ -15,7 +15,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import ring_jax
-from attn_utils import assert_close, grads, make_mesh, packed_segments, qkv
+from attn_utils import assert_close, grads, make_mesh, out_and_grads, packed_segments, qkv
 from ring_jax import routing
 
 
@@ -118,12 +118,7 @@ def test_routed_ring_matches_the_float64_oracle(layout, n, causal, window, packe
                          causal_routing=True, **kw)
   cot = jax.random.normal(jax.random.key(n), q.shape, jnp.float32)
   want_out, want_grads = _float64_oracle(q, k, v, cot, **kw)
-
-  def out_and_grads(q, k, v):  # one program: compiling dominates these tiny shapes
-    out, vjp = jax.vjp(fn, q, k, v)
-    return out, vjp(cot)
-
-  out, got = jax.jit(out_and_grads)(q, k, v)
+  out, got = out_and_grads(fn, q, k, v, cot)  # one program: compiling dominates these shapes
   assert_close(out, want_out, what="out")
   for name, g, w in zip("qkv", got, want_grads):
     assert_close(g, w, what=f"d{name}")

@@ -9,20 +9,25 @@ import numpy as np
 import pytest
 
 import ring_jax
-from attn_utils import assert_close, grads, make_mesh, packed_segments, qkv
+from attn_utils import assert_close, grads, make_mesh, out_and_grads, packed_segments, qkv
 
 LAYOUTS = ring_jax.LAYOUTS
 
 
-def check_against_reference(mesh, q, k, v, *, rtol=1e-5, atol=1e-5, **kw):
+def check_against_reference(mesh, q, k, v, *, rtol=1e-5, atol=1e-5, forward_alone=False,
+                            **kw):
+  """The ring's output and gradients (one program: out_and_grads) against the dense
+  reference's; ``forward_alone``: the ring's forward compiled on its own too (the path of a
+  call without gradients)."""
   ring = functools.partial(ring_jax.ring_attention_sharded, mesh=mesh, **kw)
   kw.pop("layout", None), kw.pop("block_q", None), kw.pop("block_kv", None)
   ref = functools.partial(ring_jax.reference_attention, **kw)
   cot = jax.random.normal(jax.random.key(7), q.shape, jnp.float32)
-  out = jax.jit(ring)(q, k, v)
+  out, got = out_and_grads(ring, q, k, v, cot)
   expected = ref(q, k, v)
   assert_close(out, expected, rtol, atol, "forward")
-  got = jax.jit(functools.partial(grads, ring))(q, k, v, cot)
+  if forward_alone:
+    assert_close(jax.jit(ring)(q, k, v), expected, rtol, atol, "forward alone")
   want = grads(ref, q, k, v, cot)
   for name, g, w in zip("qkv", got, want):
     assert_close(g, w, rtol, atol, f"d{name}")
@@ -67,7 +72,7 @@ def test_three_axis_mesh_with_window():
   q, k, v = qkv(4, 2, 32, 4, 2, 8)
   seg = packed_segments(2, 32, seed=4)
   check_against_reference(mesh, q, k, v, is_causal=False, segment_ids=seg, layout="striped",
-                          local_window_size=(2, 7), block_q=4, block_kv=4)
+                          local_window_size=(2, 7), block_q=4, block_kv=4, forward_alone=True)
 
 
 def test_causal_window_zigzag():
@@ -86,7 +91,8 @@ def test_padding_rows_and_long_segment():
   seg[2, :10], seg[2, 10:50] = 1, 2
   seg = jnp.asarray(seg)   # row 1: nothing but padding
   out, got = check_against_reference(mesh, q, k, v, is_causal=True, segment_ids=seg,
-                                     layout="zigzag", block_q=2, block_kv=2)
+                                     layout="zigzag", block_q=2, block_kv=2,
+                                     forward_alone=True)
   assert np.all(np.asarray(out)[1] == 0) and np.all(np.asarray(out)[0, 60:] == 0)
   for g in got:
     assert np.isfinite(np.asarray(g)).all()

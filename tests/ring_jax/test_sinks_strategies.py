@@ -54,7 +54,12 @@ def check_against_oracles(fn, seed, *, is_causal, cap, what):
   q, k, v, seg, do, dlse = inputs(seed)
   sinks = jnp.asarray(SINKS)
   want = float64_oracle(q, k, v, seg, do, dlse, is_causal=is_causal, cap=cap)
-  out, lse = jax.jit(fn)(q, k, v, seg, sinks)
+
+  def loss(q, k, v, sinks):  # the output comes with the gradients: one program
+    out, lse = fn(q, k, v, seg, sinks)
+    return jnp.sum(out * do) + jnp.sum(lse * dlse), (out, lse)
+
+  got, (out, lse) = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3), has_aux=True))(q, k, v, sinks)
   assert_close(out, reference64(q, k, v, seg, is_causal=is_causal, cap=cap),
                what=f"{what} out vs reference_attention")
   assert_close(out, want["out"], what=f"{what} out")
@@ -63,12 +68,6 @@ def check_against_oracles(fn, seed, *, is_causal, cap, what):
   assert pad[1].all() and pad[0].any()
   np.testing.assert_array_equal(np.asarray(out)[pad], 0.0)
   np.testing.assert_array_equal(np.asarray(lse)[pad], np.broadcast_to(SINKS, (pad.sum(), N)))
-
-  def loss(q, k, v, sinks):
-    out, lse = fn(q, k, v, seg, sinks)
-    return jnp.sum(out * do) + jnp.sum(lse * dlse)
-
-  got = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(q, k, v, sinks)
   for name, g in zip(("dq", "dk", "dv", "dsinks"), got):
     assert_close(g, want[name], rtol=1e-4, atol=1e-5, what=f"{what} {name}")
 

@@ -10,19 +10,25 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import ring_jax
-from attn_utils import assert_close, grads, make_mesh, packed_segments, programs_compiled, qkv
+from attn_utils import (assert_close, make_mesh, out_and_grads, packed_segments,
+                        programs_compiled, qkv)
 
 
-def check(mesh, q, k, v, *, strategy, seq_axis="sequence", **kw):
+def check(mesh, q, k, v, *, strategy, seq_axis="sequence", forward_alone=False, **kw):
+  """The strategy's output and gradients (one program each: out_and_grads) against the
+  dense reference's; ``forward_alone``: its forward compiled on its own too (the path of a
+  call without gradients)."""
   fn = functools.partial(ring_jax.attention_sharded, mesh=mesh, strategy=strategy,
                          seq_axis=seq_axis, **kw)
   for arg in ("layout", "block_q", "block_kv", "head_axis", "batch_axis"):
     kw.pop(arg, None)
   ref = functools.partial(ring_jax.reference_attention, **kw)
   cot = jax.random.normal(jax.random.key(7), q.shape, jnp.float32)
-  assert_close(jax.jit(fn)(q, k, v), jax.jit(ref)(q, k, v), what=f"{strategy} forward")
-  got = jax.jit(functools.partial(grads, fn))(q, k, v, cot)
-  want = jax.jit(functools.partial(grads, ref))(q, k, v, cot)
+  out, got = out_and_grads(fn, q, k, v, cot)
+  want_out, want = out_and_grads(ref, q, k, v, cot)
+  assert_close(out, want_out, what=f"{strategy} forward")
+  if forward_alone:
+    assert_close(jax.jit(fn)(q, k, v), want_out, what=f"{strategy} forward alone")
   for name, g, w in zip("qkv", got, want):
     assert_close(g, w, what=f"{strategy} d{name}")
 
@@ -36,7 +42,7 @@ def test_matches_dense(strategy, layout, is_causal, segments):
   q, k, v = qkv(0, 1, 32, 8, 4 if strategy == "all_gather" else 8, 8)
   seg = packed_segments(1, 32, seed=2) if segments else None
   check(mesh, q, k, v, strategy=strategy, is_causal=is_causal, segment_ids=seg, layout=layout,
-        block_q=2, block_kv=2)
+        block_q=2, block_kv=2, forward_alone=is_causal)  # one case of each strategy
 
 
 def test_all_gather_striped_window_and_data_axis():
@@ -69,7 +75,7 @@ def test_hybrid_2x4(layout, segments):
   q, k, v = qkv(4, 1, 32, 4, 2, 8)
   seg = packed_segments(1, 32, seed=5) if segments else None
   check(mesh, q, k, v, strategy="hybrid", seq_axis=("ring", "ulysses"), is_causal=True,
-        segment_ids=seg, layout=layout, block_q=2, block_kv=2)
+        segment_ids=seg, layout=layout, block_q=2, block_kv=2, forward_alone=segments)
 
 
 def test_inputs_in_layout_and_explicit_mesh():

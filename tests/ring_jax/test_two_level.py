@@ -13,7 +13,7 @@ from jax.sharding import PartitionSpec as P
 
 import ring_jax
 from benchmarks import two_level as bench
-from attn_utils import assert_close, grads, make_mesh, packed_segments, qkv
+from attn_utils import assert_close, grads, make_mesh, out_and_grads, packed_segments, qkv
 from ring_jax import routing
 from ring_jax.two_level import two_level_ring_attention
 
@@ -48,7 +48,8 @@ def test_matches_float64_oracle(split, layout, is_causal, segments, overlap_dkv)
     fn = functools.partial(ring_jax.attention_sharded, strategy="ring")
   fn = functools.partial(fn, mesh=mesh, seq_axis=AXES, is_causal=is_causal, segment_ids=seg,
                          layout=layout, block_q=4, block_kv=4)
-  got = [jax.jit(fn)(q, k, v)] + list(jax.jit(functools.partial(grads, fn))(q, k, v, cot))
+  out, dqkv = out_and_grads(fn, q, k, v, cot)  # one program (tests/attn_utils.py)
+  got = [out, *dqkv]
   want = oracle(q, k, v, cot, is_causal=is_causal, segment_ids=seg)
   for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
     assert_close(g, w, what=f"{split} {layout} {name}")
@@ -287,8 +288,12 @@ def test_sinks_and_soft_cap_same_as_the_flat_ring(routed, value_head_dim):
   def run(attend):
     fn = jax.shard_map(lambda q, k, v, z: attend(q, k, v, sinks=z, **kw), mesh=mesh,
                        in_specs=(spec,) * 3 + (P(),), out_specs=(spec, lse_spec))
-    loss = lambda *a: (lambda o: jnp.sum(o[0] ** 2) + jnp.sum(jnp.sin(o[1])))(fn(*a))  # noqa: E731
-    return jax.jit(fn)(q, k, v, sinks), jax.jit(jax.grad(loss, (0, 1, 2, 3)))(q, k, v, sinks)
+    def loss(*a):  # the output comes with the gradients: one program
+      o = fn(*a)
+      return jnp.sum(o[0] ** 2) + jnp.sum(jnp.sin(o[1])), o
+
+    grads_, out = jax.jit(jax.grad(loss, (0, 1, 2, 3), has_aux=True))(q, k, v, sinks)
+    return out, grads_
 
   ((out2, lse2), g2), ((out1, lse1), g1) = run(two_level_ring_attention), run(ring_jax.ring_attention)
   assert_close(out2, out1, what="out")

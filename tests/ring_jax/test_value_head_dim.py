@@ -43,7 +43,14 @@ def check(fn, seed, *, is_causal, sinks=None, cap=None, what):
   q, k, v, seg, do, dlse = inputs(seed)
   want = float64_oracle(q, k, v, seg, do, dlse, is_causal=is_causal, sinks=sinks, cap=cap)
   z = None if sinks is None else jnp.asarray(sinks)
-  out, lse = jax.jit(fn)(q, k, v, seg, z)
+
+  def loss(q, k, v, z):  # the output comes with the gradients: one program
+    out, lse = fn(q, k, v, seg, z)
+    return jnp.sum(out * do) + jnp.sum(lse * dlse), (out, lse)
+
+  names = ("dq", "dk", "dv") + (("dsinks",) if sinks is not None else ())
+  got, (out, lse) = jax.jit(jax.grad(loss, argnums=tuple(range(len(names))), has_aux=True))(
+      q, k, v, z)
   assert out.shape == (B, L, N, HV), what
   with jax.enable_x64(True):
     ref = ring_jax.reference_attention(
@@ -56,13 +63,6 @@ def check(fn, seed, *, is_causal, sinks=None, cap=None, what):
   np.testing.assert_array_equal(np.isneginf(np.asarray(lse)), empty)
   assert_close(np.where(empty, 0.0, lse), np.where(empty, 0.0, want["lse"]),
                what=f"{what} lse")
-
-  def loss(q, k, v, z):
-    out, lse = fn(q, k, v, seg, z)
-    return jnp.sum(out * do) + jnp.sum(lse * dlse)
-
-  names = ("dq", "dk", "dv") + (("dsinks",) if sinks is not None else ())
-  got = jax.jit(jax.grad(loss, argnums=tuple(range(len(names)))))(q, k, v, z)
   for name, g in zip(names, got):
     assert g.shape == want[name].shape, (what, name)
     assert_close(g, want[name], rtol=1e-4, atol=1e-5, what=f"{what} {name}")
