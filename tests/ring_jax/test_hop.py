@@ -97,8 +97,8 @@ REFUSED = {("tokamax", "soft-cap"): "soft-cap",
 # adds (input order, first/last hop, short window, documents crossing shards, masked rows,
 # odd ring, bf16 error growth 1 -> 8). All at the kit's own size, 64 tokens per device in
 # blocks of 16 (XLA_RING_LOCAL, XLA_RING_BLOCK): four blocks per shard (two per zigzag or
-# striped chunk), so every hop loops over blocks, at about half the CPU time of 256-token
-# shards; windows and documents scale with the shard (ring_jax.testing.cases).
+# striped chunk), so every hop loops over blocks; windows and documents scale with the shard
+# (ring_jax.testing.cases).
 XLA_RING_CASES = [
     "full", "causal", "causal-zigzag", "zigzag", "causal-striped", "striped", "window-zigzag",
     "window-two-sided", "segments-zigzag", "segments-striped", "mqa-causal", "t-ne-s",
