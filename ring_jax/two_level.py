@@ -89,9 +89,9 @@ from ring_jax import validation
 from ring_jax.hop import (HopMasks, HopResiduals, empty_result,
                           lse_for_backward, varying_like)
 from ring_jax.ring import (RingConfig, attend_grouped, backward_loop, finish_grads,
-                           forward_loop, hop_send, hops_of, join_streams, loop_span,
-                           make_config, over_hops, platform_defaults, send_distinct, shift,
-                           split_streams, v_finite_flags, with_sinks)
+                           forward_loop, hop_partly_masked, hop_send, hops_of, join_streams,
+                           loop_span, make_config, over_hops, platform_defaults, send_distinct,
+                           shift, split_streams, v_finite_flags, with_sinks)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -203,12 +203,16 @@ def _source(tl: _TwoLevelConfig, stream: routing.Stream, g, r, step, hop):
   return stream.source(g, step, n_o) * n_i + inner.source(r, hop, n_i)
 
 
-def _masks(tl: _TwoLevelConfig, g, r, step, hop, q_pos, q_seg, kv_seg, v_finite=None):
+def _masks(tl: _TwoLevelConfig, g, r, step, hop, q_pos, q_seg, kv_seg, steps=(), hops=(),
+           v_finite=None):
   """Masks of the buffer held at outer ``step``, inner ``hop``: its streams' positions side by
   side (and, forward, the AND of their parts' non-finite-V flags ``v_finite[device,
   stream]``). A part this device did not receive (zeros: no query of its group sees that
   part, :func:`ring_jax.routing.group_routes`) has its source's positions, which the
-  causal mask / window hide from every query here, so the block table skips it."""
+  causal mask / window hide from every query here, so the block table skips it.
+  ``steps`` / ``hops``: the Python ints ``step`` / ``hop`` may be; the block table masks
+  nothing where no pair of them has a partly masked block pair on any device
+  (:func:`_partly_masked`)."""
   cfg, routes = tl.ring, tl.routes
   pos, flags = [], []
   for i, stream in enumerate(routes.streams):
@@ -219,7 +223,26 @@ def _masks(tl: _TwoLevelConfig, g, r, step, hop, q_pos, q_seg, kv_seg, v_finite=
       flags.append(v_finite[src] if v_finite.ndim == 1 else v_finite[src, i])
   finite = None if v_finite is None else functools.reduce(jnp.logical_and, flags)
   kv_pos = pos[0] if len(pos) == 1 else jnp.concatenate(pos)
-  return HopMasks.build(cfg.spec, q_pos, kv_pos, q_seg, kv_seg, v_finite=finite)
+  may_mask = (q_seg is not None or not steps or not hops
+              or _partly_masked(tl, q_pos.shape[0], steps, hops))
+  return HopMasks.build(cfg.spec, q_pos, kv_pos, q_seg, kv_seg, v_finite=finite,
+                        may_mask=may_mask)
+
+
+def _partly_masked(tl: _TwoLevelConfig, q_len: int, steps, hops) -> bool:
+  """Whether some device of the combined ring computes a partly masked block pair at some
+  outer step of ``steps`` and inner hop of ``hops`` (Python ints;
+  :func:`ring_jax.ring.hop_partly_masked` with the owners :func:`_source` gives device
+  ``d = g * n_i + r``)."""
+  n_i = tl.inner.ring_size
+  cfg = dataclasses.replace(tl.ring, routes=tl.routes)
+  for step in steps:
+    for hop in hops:
+      def source(stream, d, step=step, hop=hop):
+        return _source(tl, stream, d // n_i, d % n_i, step, hop)
+      if hop_partly_masked(cfg, q_len, source):
+        return True
+  return False
 
 
 def _forward(tl: _TwoLevelConfig, q, k, v, seg):
@@ -257,8 +280,8 @@ def _forward(tl: _TwoLevelConfig, q, k, v, seg):
       with jax.named_scope("send_outer"):
         nxt = hop_send(i, rows, span, tl.outer.axis_name, held)
     ko, vo, sego = (join_streams(x) for x in zip(*held))
-    masks_at = lambda h, kv_seg, _: _masks(tl, g, r, i, h, q_pos, seg, kv_seg,  # noqa: E731
-                                           v_finite)
+    masks_at = lambda h, kv_seg, hops: _masks(  # noqa: E731
+        tl, g, r, i, h, q_pos, seg, kv_seg, hops_of(i, span), hops, v_finite)
     acc, nxt, inner_held = forward_loop(tl.inner, q, [(ko, vo, sego)], acc, masks_at,
                                         also=nxt)
     if rotates and last:
@@ -330,7 +353,8 @@ def _backward(tl: _TwoLevelConfig, q, k, v, seg, out, lse, do, dlse, received):
     segh = join_streams([p[-1] for p in held])
     # The inner ring; its accumulators go home to the holder of the outer buffer, (g, r),
     # except at the last step, where they stay one device on (the outer ones move there).
-    masks_at = lambda h, kv_seg, _: _masks(tl, g, r, i, h, q_pos, seg, kv_seg)  # noqa: E731
+    masks_at = lambda h, kv_seg, hops: _masks(  # noqa: E731
+        tl, g, r, i, h, q_pos, seg, kv_seg, hops_of(i, span), hops)
     dq, dk, dv, sent_outer = backward_loop(tl.inner, q, [(kh, vh, segh)], res, dq, masks_at,
                                            also=sent_outer, home=not last)
     if sent_outer is not None:  # the next step's parts, in flight during the inner ring
@@ -400,7 +424,8 @@ def _backward_rotation(tl: _TwoLevelConfig, q, k, v, seg, out, lse, do, dlse, he
     if not first_step:  # the previous step's accumulators, in flight during the inner ring
       with jax.named_scope("outer_dkv"):
         (arrived,) = hop_send(i, arrive_now, span, outer, [acc])
-    masks_at = lambda h, kv_seg, _: _masks(tl, g, r, first + i, h, q_pos, seg, kv_seg)  # noqa: E731
+    masks_at = lambda h, kv_seg, hops: _masks(  # noqa: E731
+        tl, g, r, first + i, h, q_pos, seg, kv_seg, [first + s for s in hops_of(i, span)], hops)
     dq, dk, dv, nxt = backward_loop(tl.inner, q, [held], res, dq, masks_at, also=nxt,
                                     arrived=True)
     if arrived is not None:

@@ -3,6 +3,7 @@ forward and gradients, on (2, 4), (4, 2), (8, 1) and (1, 8) splits of 8 fake dev
 (causal_routing: the outer transfers under a causal mask); its errors; the bytes its compiled
 HLO sends over each axis; plan()'s choice on two link levels."""
 
+import dataclasses
 import functools
 
 import jax
@@ -15,6 +16,7 @@ import ring_jax
 from benchmarks import two_level as bench
 from attn_utils import assert_close, grads, make_mesh, out_and_grads, packed_segments, qkv
 from ring_jax import routing
+from ring_jax.kernels.xla import XlaHopKernel
 from ring_jax.two_level import two_level_ring_attention
 
 AXES = ("outer", "inner")
@@ -301,3 +303,39 @@ def test_sinks_and_soft_cap_same_as_the_flat_ring(routed, value_head_dim):
   for name, a, b in zip(("dq", "dk", "dv", "dsinks"), g2, g1):
     assert_close(a, b, what=name)
   assert float(jnp.abs(g1[3]).min()) > 1e-3  # the sinks' gradient is not trivially zero
+
+
+@pytest.mark.parametrize("layout,masked_fwd,masked_bwd", [
+    ("zigzag", [True, False, False, False], [False] * 5 + [True]),
+    ("striped", [True], [True])])
+def test_steps_between_whole_chunks_compile_only_unmasked_blocks(layout, masked_fwd,
+                                                                 masked_bwd):
+  """As the flat ring (tests/ring_jax/test_ring.py): where no device of the combined ring
+  holds a partly masked block pair at any outer step and inner hop a compiled step may be, the
+  hop kernel gets a block table that masks nothing. Causal zigzag, (2, 4): only the parts
+  that hold a device's own shard (the forward's first step's inner loop, the backward's
+  last step's last hop) keep the mask; every striped hop keeps it. Output and gradients as the oracle's."""
+  seen = {"fwd": [], "bwd": []}
+
+  @dataclasses.dataclass(frozen=True)
+  class Recording(XlaHopKernel):
+    def forward(self, q, k, v, masks, spec):
+      seen["fwd"].append(masks.table().may_mask)
+      return super().forward(q, k, v, masks, spec)
+
+    def backward(self, q, k, v, masks, spec, res, acc):
+      seen["bwd"].append(masks.table().may_mask)
+      return super().backward(q, k, v, masks, spec, res, acc)
+
+  mesh = make_mesh((2, 4), AXES)
+  q, k, v = qkv(12, 1, 64, 4, 2, 8)
+  cot = jax.random.normal(jax.random.key(6), q.shape, jnp.float32)
+  fn = functools.partial(ring_jax.ring_attention_sharded, mesh=mesh, seq_axis=AXES,
+                         is_causal=True, layout=layout, batch_axis=None, block_q=4,
+                         block_kv=4, hop_kernel=Recording())
+  out, dqkv = out_and_grads(fn, q, k, v, cot)
+  for name, want in (("fwd", masked_fwd), ("bwd", masked_bwd)):  # traced once per pass or more
+    assert seen[name] and seen[name] == want * (len(seen[name]) // len(want)), (name, seen[name])
+  for name, g, w in zip(("out", "dq", "dk", "dv"), [out, *dqkv], oracle(q, k, v, cot,
+                                                                      is_causal=True)):
+    assert_close(g, w, what=f"{layout} {name}")
