@@ -4,16 +4,9 @@ Every table of measured figures in a markdown file sits between two whole-line m
 ``<!-- report: NAME -->`` and ``<!-- /report -->``, and is replaced wholesale by block ``NAME`` of
 :data:`BLOCKS` (declared as data by :func:`table_block`): every figure computed from the raw
 numbers of its result files, then a caption with per file its date, machine and jax, a link and
-the command that made it (from ``results/provenance.json`` where the file records none)::
-
-    python benchmarks/report.py              # rewrite every block in every *.md of the repo
-    python benchmarks/report.py --check      # exit 1 with a diff if a block is out of date
-    python benchmarks/report.py --files README.md docs/benchmarks.md   # only these files
-    python benchmarks/report.py --list       # block names and their result files
-    python benchmarks/report.py --print headline   # one block's text (links from the root)
-
-An unknown block, an unterminated block or a missing result file is an error (exit 2). Pure
-Python: no jax, nothing compiled or timed.
+the command that made it (from ``results/provenance.json`` where the file records none). The
+commands: ``--help`` and benchmarks/README.md. An unknown block, an unterminated block or a
+missing result file is an error (exit 2). Pure Python: no jax, nothing compiled or timed.
 """
 
 from __future__ import annotations
