@@ -1,17 +1,13 @@
 """Figures for the ring_jax core: accuracy vs a float64 oracle, memory, causal work.
 
-    python benchmarks/core_report.py            # 8 fake CPU devices, ~2 minutes on 2 cores
-    python benchmarks/core_report.py --out X.json   # default benchmarks/results/core_report_cpu.json
+    python benchmarks/core_report.py     # 8 fake CPU devices, ~2 minutes on 2 cores
 
-Prints three tables:
-  1. max relative error of the forward output and of dQ/dK/dV against the
-     dense oracle in float64, per case (layout, mask, segments, GQA, ring size);
-  2. per-device compiled temp bytes of fwd+bwd at local lengths 512/1024/2048
-     (``memory_analysis().temp_size_in_bytes``);
-  3. causal work per device (block pairs) for each layout, from ``ring_jax.schedule``.
-
-and writes them, with the date, jax version and machine, as JSON to ``--out`` (the figures
-docs/benchmarks.md quotes through ``benchmarks/report.py``).
+Prints three tables and writes them, with the date, jax and machine, to ``--out`` (default
+benchmarks/results/core_report_cpu.json, which docs/benchmarks.md quotes through report.py):
+the max relative error of the output and of dQ/dK/dV against the dense float64 oracle per case
+(layout, mask, segments, GQA, ring size); per-device compiled fwd+bwd temp bytes at local
+lengths 512/1024/2048 (``memory_analysis``); causal block pairs per device per layout
+(``ring_jax.schedule``).
 """
 
 import functools
@@ -32,6 +28,7 @@ common.fake_cpu_devices()
 
 
 def segments(b, length, rng):
+  """``[b, length]`` segment ids: per row segments 1..4 cut at random, the last 1/8 padding (0)."""
   seg = np.zeros((b, length), np.int32)
   for r in range(b):
     cuts = np.sort(rng.choice(np.arange(1, length), 3, replace=False))

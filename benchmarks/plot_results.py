@@ -32,8 +32,9 @@ ATTENTION = "attention_cpu_4k.json"
 MIB = 2**20
 
 
-def _load(name):
-  with open(os.path.join(RESULTS, name)) as f:
+def _load(path: str) -> dict:
+  """A result file (a path, or a name in ``RESULTS``)."""
+  with open(os.path.join(RESULTS, path)) as f:
     return json.load(f)
 
 
@@ -58,12 +59,18 @@ def balance_series(packed: dict) -> dict[str, list[tuple[int, float, float]]]:
   return series
 
 
-def _save(fig, ax, path, more_axes=()):
-  """The plots' common finish: grids (on ``ax`` and ``more_axes``), ``ax``'s legend, a tight
-  PNG."""
-  for a in (ax, *more_axes):
+def _save(fig, axes, path, xlabel, ylabel=None, ybase=None):
+  """The plots' common finish: each of ``axes`` with a log2 x axis, a y axis in log base
+  ``ybase`` (None: linear) and a grid; the last one's legend; a tight PNG at ``path``."""
+  for a in axes:
+    a.set_xscale("log", base=2)
+    if ybase:
+      a.set_yscale("log", base=ybase)
+    a.set_xlabel(xlabel)
+    if ylabel:
+      a.set_ylabel(ylabel)
     a.grid(True, which="both", alpha=0.3)
-  ax.legend(fontsize=8)
+  axes[-1].legend(fontsize=8)
   fig.tight_layout()
   fig.savefig(path, dpi=110)
   print("wrote", path)
@@ -75,8 +82,7 @@ def attention_plots(path: str, out_dir: str) -> list[str]:
   paths."""
   import matplotlib.pyplot as plt
 
-  with open(path) as f:
-    result = json.load(f)
+  result = _load(path)
   rows, m, paths = result["rows"], result["meta"], []
   for causal in sorted({r["causal"] for r in rows}):
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
@@ -95,9 +101,6 @@ def attention_plots(path: str, out_dir: str) -> list[str]:
     titles = ("forward time (ms)", "forward+backward time (ms)",
               "fwd+bwd compiled temp memory per device (MiB)")
     for ax, title in zip(axes, titles):
-      ax.set_xscale("log", base=2)
-      ax.set_yscale("log")
-      ax.set_xlabel("sequence length")
       ax.set_title(title, fontsize=10)
     fig.suptitle(f"{'causal' if causal else 'non-causal'} attention, {m['platform']} "
                  f"{m['dtype']}, B={m['batch']} N={m['heads']} H={m['head_dim']}, "
@@ -105,7 +108,7 @@ def attention_plots(path: str, out_dir: str) -> list[str]:
                  f"{os.path.basename(path)}, {m['date'][:10]}", fontsize=10)
     stem = os.path.splitext(os.path.basename(path))[0]
     paths.append(os.path.join(out_dir, f"{stem}_{'causal' if causal else 'full'}.png"))
-    _save(fig, axes[2], paths[-1], axes[:2])
+    _save(fig, axes, paths[-1], "sequence length", ybase=10)
   return paths
 
 
@@ -130,15 +133,12 @@ def main(argv=None):
             "allgather": "all-gather context parallelism"}
   for impl, pts in memory_series(scan).items():
     ax.plot([x for x, _ in pts], [y for _, y in pts], "o-", label=labels.get(impl, impl))
-  ax.set_xscale("log", base=2)
-  ax.set_yscale("log", base=2)
-  ax.set_xlabel("sequence length (ring of %d)" % meta["ring"])
-  ax.set_ylabel("fwd+bwd temp per device (MiB)")
   blocks = sorted({row["block"] for row in scan["memscan"]})
   ax.set_title("causal attention, %d heads x %d, %s, blocks of %s\n%s, %s, jax %s" % (
       meta["heads"], meta["head_dim"], meta["dtype"], "/".join(map(str, blocks)), MEMSCAN,
       meta["date"][:10], meta["jax"]), fontsize=9)
-  _save(fig, ax, os.path.join(args.out_dir, "plot_memory.png"))
+  _save(fig, [ax], os.path.join(args.out_dir, "plot_memory.png"),
+        "sequence length (ring of %d)" % meta["ring"], "fwd+bwd temp per device (MiB)", ybase=2)
 
   packed = _load(PACKED)
   fig, ax = plt.subplots(figsize=(6.4, 4.0))
@@ -149,12 +149,10 @@ def main(argv=None):
     ax.plot(xs, [mx for _, _, mx in pts], "x--", color=color,
             label=f'layout="{layout}", worst row')
   ax.axhline(1.0, color="gray", lw=0.8)
-  ax.set_xscale("log", base=2)
-  ax.set_xlabel("mean document length (tokens)")
-  ax.set_ylabel("busiest device / mean (causal block pairs)")
   ax.set_title("packed rows of %d tokens, ring of %d, blocks of %d\n%s" % (
       packed["length"], packed["ring"], packed["block"], PACKED), fontsize=9)
-  _save(fig, ax, os.path.join(args.out_dir, "plot_packed_balance.png"))
+  _save(fig, [ax], os.path.join(args.out_dir, "plot_packed_balance.png"),
+        "mean document length (tokens)", "busiest device / mean (causal block pairs)")
 
 
 if __name__ == "__main__":

@@ -4,16 +4,9 @@ Every table of measured figures in a markdown file sits between two whole-line m
 ``<!-- report: NAME -->`` and ``<!-- /report -->``, and is replaced wholesale by block ``NAME`` of
 :data:`BLOCKS` (declared as data by :func:`table_block`): every figure computed from the raw
 numbers of its result files, then a caption with per file its date, machine and jax, a link and
-the command that made it (from ``results/provenance.json`` where the file records none)::
-
-    python benchmarks/report.py              # rewrite every block in every *.md of the repo
-    python benchmarks/report.py --check      # exit 1 with a diff if a block is out of date
-    python benchmarks/report.py --files README.md docs/benchmarks.md   # only these files
-    python benchmarks/report.py --list       # block names and their result files
-    python benchmarks/report.py --print headline   # one block's text (links from the root)
-
-An unknown block, an unterminated block or a missing result file is an error (exit 2). Pure
-Python: no jax, nothing compiled or timed.
+the command that made it (from ``results/provenance.json`` where the file records none). The
+commands: ``--help`` and benchmarks/README.md. An unknown block, an unterminated block or a
+missing result file is an error (exit 2). Pure Python: no jax, nothing compiled or timed.
 """
 
 from __future__ import annotations
@@ -40,7 +33,6 @@ BLOCK_RE = re.compile(r"^<!-- report: (?P<name>[^\s>]+) -->\n(?P<body>.*?)^<!-- 
                       re.S | re.M)
 OPEN_RE = re.compile(r"^<!-- report: (?P<name>[^\s>]*) -->$", re.M)
 CLOSE_RE = re.compile(r"^<!-- /report -->$", re.M)
-SKIP_DIRS = {"node_modules", "__pycache__", "build", "dist"}
 # Block name -> (a function that renders it, its result files).
 BLOCKS: dict[str, tuple[Callable[[], str], tuple[str, ...]]] = {}
 
@@ -68,8 +60,7 @@ def meta(name: str) -> dict:
   else from provenance.json."""
   rec = load(name)
   rec = rec if isinstance(rec, dict) else {}
-  m = {k: rec[k] for k in ("date", "jax", "command", "machine", "cpus", "processes") if k in rec}
-  m.update(rec["meta"] if isinstance(rec.get("meta"), dict) else {})
+  m = dict(rec, **rec.get("meta", {}))  # its ``meta`` dict over its top level
   out = dict(date=m["date"][:10] if m.get("date") else None, date_note="", jax=m.get("jax"),
              command=m.get("command"), machine=None)
   if m.get("platform") == "cpu" or m.get("machine"):
@@ -115,31 +106,12 @@ def caption(*names: str, note: str = "") -> str:
   return f"<sub>{line} {note}</sub>" if note else f"<sub>{line}</sub>"
 
 
-# --- Formatting: one function per kind of number, each also a format spec of fmt() -----------
-
-def mib(nbytes: float) -> str:
-  return f"{nbytes / MIB:.1f}"
-
-
-def gib(nbytes: float) -> str:
-  return f"{nbytes / GIB:.1f}"
-
-
-def x(ratio: float) -> str:
-  return f"{ratio:.2f}x"
-
-
-def pct(frac: float) -> str:
-  return f"{100 * frac:.1f}%"
-
+# --- Formatting: one unit per kind of number, each also a format spec of fmt() ---------------
 
 def sci(v: float) -> str:
+  """``v`` in scientific notation with one decimal: 5.3e-7."""
   mant, exp = f"{v:.1e}".split("e")
   return f"{mant}e{int(exp)}"
-
-
-def ms(seconds: float) -> str:
-  return f"{1e3 * seconds:.1f}"
 
 
 def tokens(n: float) -> str:
@@ -160,9 +132,17 @@ def length(n: int) -> str:
   return str(n)
 
 
-def block_sizes(rows) -> str:
-  """The block sizes of ``rows``: ``256, 512``."""
-  return ", ".join(map(str, sorted({r["block"] for r in rows})))
+# Format spec of fmt() -> the text of one kind of number.
+UNITS: dict[str, Callable] = {
+    "mib": lambda nbytes: f"{nbytes / MIB:.1f}",
+    "gib": lambda nbytes: f"{nbytes / GIB:.1f}",
+    "ratio": lambda ratio: f"{ratio:.2f}x",
+    "pct": lambda frac: f"{100 * frac:.1f}%",
+    "ms": lambda seconds: f"{1e3 * seconds:.1f}",
+    "medmax": lambda stats: f"{stats['median']:.2f} / {stats['max']:.2f}",
+    "sci": sci, "len": length, "tokens": tokens,
+    "blocks": lambda rows: ", ".join(map(str, sorted({r["block"] for r in rows})))}  # 256, 512
+mib, gib, x, pct, ms = (UNITS[k] for k in ("mib", "gib", "ratio", "pct", "ms"))
 
 
 def table(head: list[str], rows: list[list], align: str | None = None) -> str:
@@ -182,19 +162,10 @@ def _rows_by(rows, *keys) -> dict:
   return {tuple(r[k] for k in keys): r for r in rows}
 
 
-def _pairs(rows) -> list:
-  """``(previous row or None, row)`` for each row."""
-  rows = list(rows)
-  return list(zip([None] + rows[:-1], rows))
-
-
 class _Units(string.Formatter):
-  """``str.format`` with the report's units as format specs: ``{temp_bytes:mib}``."""
-  SPECS = {"mib": mib, "gib": gib, "ratio": x, "pct": pct, "sci": sci, "len": length,
-           "blocks": block_sizes}
-
+  """``str.format`` with :data:`UNITS` as format specs: ``{temp_bytes:mib}``."""
   def format_field(self, value, spec: str) -> str:
-    return self.SPECS[spec](value) if spec in self.SPECS else super().format_field(value, spec)
+    return UNITS[spec](value) if spec in UNITS else super().format_field(value, spec)
 
 
 def fmt(spec: str, record) -> str:
@@ -274,7 +245,7 @@ table_block(
     rows=lambda d: [[f"{r['local_len']:,}", f"{r['global_len']:,}", mib(r["temp_bytes"]),
                      x(r["temp_bytes"] / p["temp_bytes"]) if p else "",
                      f"{mib(r['local_len'] ** 2 * 4)} x {d['heads']} heads"]
-                    for p, r in _pairs(d["rows"])])
+                    for p, r in zip([None, *d["rows"]], d["rows"])])
 
 
 @block(
@@ -330,7 +301,7 @@ def _memscan(d) -> tuple[dict, str, list]:
 
 @block(
     "memory_fixed_block", MEMSCAN, align="-rrrr",
-    head=lambda d: [f"L ({_memscan(d)[1]}, causal, blocks of {block_sizes(d['memscan'])})",
+    head=lambda d: [f"L ({_memscan(d)[1]}, causal, blocks of {UNITS['blocks'](d['memscan'])})",
                     "ring MiB/device", "paper MiB/device", "ring / paper",
                     "all-gather MiB/device"])
 def _fixed_block_rows(d) -> list:
@@ -388,10 +359,6 @@ def _balance_rows(d) -> list:
   return rows
 
 
-def _mm(v) -> str:
-  return f"{v['median']:.2f} / {v['max']:.2f}"
-
-
 table_block(
     "packed_balance", PACKED, align="-rrrrrr",
     intro=("Ring of {ring}, rows of {length:,} tokens, lognormal document lengths (sigma "
@@ -400,10 +367,10 @@ table_block(
     rows=lambda d: sorted((dict(v, mean=int(k)) for k, v in d["means"].items()),
                           key=lambda v: v["mean"]),
     columns=[("mean document", "{mean:len}"),
-             ("zigzag, blocks", lambda v: _mm(v["zigzag"]["block_max_over_mean"])),
-             ("`document`, blocks", lambda v: f"**{_mm(v['document']['block_max_over_mean'])}**"),
-             ("zigzag, tokens", lambda v: _mm(v["zigzag"]["token_max_over_mean"])),
-             ("`document`, tokens", lambda v: _mm(v["document"]["token_max_over_mean"])),
+             ("zigzag, blocks", "{zigzag[block_max_over_mean]:medmax}"),
+             ("`document`, blocks", "**{document[block_max_over_mean]:medmax}**"),
+             ("zigzag, tokens", "{zigzag[token_max_over_mean]:medmax}"),
+             ("`document`, tokens", "{document[token_max_over_mean]:medmax}"),
              ("block pairs, document / zigzag", "{document_block_pairs_over_zigzag:ratio}"),
              ("critical path, document / zigzag", "{document_critical_path_over_zigzag:ratio}")])
 
@@ -624,7 +591,7 @@ def _tensor_sp_rows(d) -> list:
                              f"({side['collectives'][kind]['bytes'] / MIB:,.0f})")
   both = lambda r, kind: f"{coll(r['off'], kind)} / {coll(r['on'], kind)}"
   rows = []
-  for p, r in _pairs(d["rows"]):
+  for p, r in zip([None, *d["rows"]], d["rows"]):
     off, on = r["off"]["temp_bytes"], r["on"]["temp_bytes"]
     growth = "-"
     if p:
@@ -690,11 +657,6 @@ IN_FLIGHT = "{ring_in_flight} of {ring_transfers}"  # ring transfers with comput
 TEMP = "{temp_mib:.1f}"
 
 
-def _kinds(r) -> str:
-  """Ring transfers with block compute in flight / all per kind: ``K/V 6/6, dK/dV 4/4``."""
-  return ", ".join(f"{kind.removeprefix('ring ')} {h}/{t}" for kind, (h, t) in r["kinds"].items())
-
-
 def _compiled(d) -> list:
   """The rows of a tpu_overlap.py run that compiled (a refused configuration records an error)."""
   return [r for r in d["rows"] if "error" not in r]
@@ -715,7 +677,9 @@ TPU_OVERLAP = dict(
            "{dtype}, xla hop (splash where named), default blocks, the TPU defaults; ring "
            "transfers with block compute in flight / all (`ring_jax.analysis.overlap_report`, a "
            "loop body's pair counted once), per kind, and temp per chip:"),
-    columns=[("configuration", "`{config}`"), ("in flight", IN_FLIGHT), ("per kind", _kinds),
+    columns=[("configuration", "`{config}`"), ("in flight", IN_FLIGHT),
+             ("per kind", lambda r: ", ".join(f"{kind.removeprefix('ring ')} {h}/{t}"
+                                              for kind, (h, t) in r["kinds"].items())),
              ("temp MiB", TEMP)])
 table_block("tpu_overlap", "tpu_overlap_v5p.json", **TPU_OVERLAP)
 table_block("tpu_backward_rotation", "tpu_backward_rotation_v5p.json", **TPU_OVERLAP)
@@ -908,11 +872,8 @@ table_block(
 
 # --- The README's headline table ---------------------------------------------------------------
 
-DOC = LINK_ROOT + "docs/benchmarks.md"
-HEADLINE = (CORE, PAPER_4K, MEMSCAN, BALANCE, PACKED, FIT_1, FIT_8, DECODE_FIT, TWO_LEVEL)
-
-
-@block("headline", *HEADLINE, cite=False,
+@block("headline", CORE, PAPER_4K, MEMSCAN, BALANCE, PACKED, FIT_1, FIT_8, DECODE_FIT, TWO_LEVEL,
+       cite=False,
        head=["measured", "figure", "date, machine, jax", "result file; command"])
 def _headline_rows(core, paper, memscan, bal, packed, fit_1, fit_8, decode_fit, two_level):
   """Per headline figure: what it measures, the figure, the date, machine and jax of its result
@@ -968,7 +929,8 @@ def _headline_rows(core, paper, memscan, bal, packed, fit_1, fit_8, decode_fit, 
   ]
   return [[what, f"**{figure}**", "; ".join(dict.fromkeys(when(f, short=True) for f in files)),
            ", ".join(f"[{f}]({LINK_ROOT}benchmarks/results/{f})" for f in files) +
-           f"; [how]({DOC}#{anchor})"] for what, figure, files, anchor in figures]
+           f"; [how]({LINK_ROOT}docs/benchmarks.md#{anchor})"]
+          for what, figure, files, anchor in figures]
 
 
 # --- Rendering into markdown files -------------------------------------------------------------
@@ -982,8 +944,9 @@ def render_block(name: str, md_path: str) -> str:
   return BLOCKS[name][0]().replace(LINK_ROOT, prefix).rstrip("\n")
 
 
-def rewrite(text: str, md_path: str) -> tuple[str, list[tuple[str, str, str]]]:
-  """``text`` with every block regenerated; per block that changed, its name, old and new text."""
+def rewrite(text: str, md_path: str) -> tuple[str, list[tuple[str, str]]]:
+  """``text`` with every block regenerated; per block that changed, its name and a unified diff
+  of its old text to the generated."""
   rel = os.path.relpath(md_path, ROOT)
   if not len(OPEN_RE.findall(text)) == len(CLOSE_RE.findall(text)) == len(BLOCK_RE.findall(text)):
     raise ReportError(f"{rel}: unbalanced <!-- report: NAME --> / <!-- /report --> markers")
@@ -995,28 +958,22 @@ def rewrite(text: str, md_path: str) -> tuple[str, list[tuple[str, str, str]]]:
     except ReportError as e:
       raise ReportError(f"{rel}: block {m['name']!r}: {e}") from None
     if body != m["body"]:
-      changed.append((m["name"], m["body"], body))
+      diff = difflib.unified_diff(m["body"].splitlines(), body.splitlines(),
+                                  f"{rel} [{m['name']}]", "generated", lineterm="")
+      changed.append((m["name"], "\n".join(
+          [f"{rel}: block '{m['name']}' differs from its result files:", *diff])))
     return f"<!-- report: {m['name']} -->\n{body}<!-- /report -->"
 
   return BLOCK_RE.sub(sub, text), changed
-
-
-def block_diff(rel: str, changed: list[tuple[str, str, str]]) -> str:
-  """Per block that changed: its name and a unified diff of its old text to the generated."""
-  out = []
-  for name, old, new in changed:
-    out.append(f"{rel}: block '{name}' differs from its result files:")
-    out += difflib.unified_diff(old.splitlines(), new.splitlines(), f"{rel} [{name}]",
-                                "generated", lineterm="")
-  return "\n".join(out)
 
 
 def markdown_files(root: str = ROOT) -> list[str]:
   """Every *.md in the repository (hidden directories, virtualenvs and build output skipped)."""
   out = []
   for dirpath, dirnames, filenames in os.walk(root):
-    dirnames[:] = sorted(d for d in dirnames if not d.startswith(".") and d not in SKIP_DIRS
-                         and not d.endswith(".egg-info") and not d.startswith("venv"))
+    dirnames[:] = sorted(d for d in dirnames if not d.startswith((".", "venv"))
+                         and not d.endswith(".egg-info")
+                         and d not in ("node_modules", "__pycache__", "build", "dist"))
     out += [os.path.join(dirpath, f) for f in sorted(filenames) if f.endswith(".md")]
   return out
 
@@ -1034,8 +991,7 @@ def main(argv=None) -> int:
   stale, blocks = [], 0
   try:
     if args.list:
-      for name, (_, files) in sorted(BLOCKS.items()):
-        print(f"{name}: {', '.join(files)}")
+      print("\n".join(f"{name}: {', '.join(files)}" for name, (_, files) in sorted(BLOCKS.items())))
       return 0
     if args.print_block:
       print(render_block(args.print_block, os.path.join(ROOT, "README.md")))
@@ -1046,11 +1002,11 @@ def main(argv=None) -> int:
       blocks += len(BLOCK_RE.findall(new))
       rel = os.path.relpath(path, ROOT)
       if changed and args.check:
-        stale.append(block_diff(rel, changed))
+        stale.append("\n".join(diff for _, diff in changed))
       elif changed:
         with open(path, "w") as fh:
           fh.write(new)
-        print(f"{rel}: rewrote {', '.join(name for name, _, _ in changed)}")
+        print(f"{rel}: rewrote {', '.join(name for name, _ in changed)}")
   except ReportError as e:
     print(f"report.py: error: {e}", file=sys.stderr)
     return 2
