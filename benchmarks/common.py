@@ -456,3 +456,34 @@ class Clock:
         traceback.print_exc(limit=3)
         return None
     return wrapped
+
+
+# --- Shared by balance.py, packed_balance.py, data_pipeline.py (issue 48, b48data) -------------
+
+
+def fixed_table(columns: Sequence[tuple[str, str, str | Callable]], rows: Sequence[dict],
+                sep: str = " ", rule: bool = False) -> list[str]:
+  """A plain-text table's lines: a header of the columns' titles, a rule of dashes under it
+  when ``rule``, then a line per row. A column is ``(title, spec, cell)``: ``spec`` aligns and
+  pads (``">6"``, ``"<16"``) title and cells, ``cell`` is a format string over the row's keys
+  (``"{length}"``) or a function of the row returning the text."""
+  def line(cells):
+    return sep.join(f"{c:{spec}}" for c, (_, spec, _) in zip(cells, columns))
+  head = line([title for title, _, _ in columns])
+  body = [line([cell(r) if callable(cell) else cell.format(**r) for _, _, cell in columns])
+          for r in rows]
+  return [head] + (["-" * len(head)] if rule else []) + body
+
+
+def run_python(args: Sequence[str], timeout: float = 1800) -> str:
+  """The standard output of ``python args...`` run in the repository's root (this Python).
+
+  Raises:
+    RuntimeError: the command failed, with its exit status and the end of its stderr.
+  """
+  proc = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True,
+                        timeout=timeout)
+  if proc.returncode:
+    raise RuntimeError(f"{os.path.basename(args[0])} failed ({proc.returncode}):\n"
+                       f"{proc.stderr[-2000:]}")
+  return proc.stdout
