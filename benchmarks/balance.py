@@ -206,17 +206,16 @@ def table(result) -> str:
            f"per repetition); load average {', '.join(f'{x:.1f}' for x in result['load_avg'])}"]
   if result["paper_note"]:
     lines.append(f"note: {result['paper_note']}")
-  lines += common.fixed_table(
-      [("L", ">6", "{length}"), ("impl", "<16", "{impl}"), ("block", ">5", "{block!s}"),
-       ("fwd+bwd ms", ">11", lambda r: f"{1e3 * r['median_s']:.1f}"),
-       ("per process ms", ">18",
-        lambda r: "/".join(f"{1e3 * t:.0f}" for t in r["per_process_median_s"])),
-       ("/ paper", ">8", lambda r: "-" if r["time_over_paper"] is None
-        else f"{r['time_over_paper']:.2f}"),
-       ("crit. path hops", ">16", "{critical_path_hops:.3f}"),
-       ("total hops", ">11", "{total_hops:.3f}"),
-       ("temp MiB", ">9", lambda r: "-" if r["temp_bytes"] is None
-        else f"{r['temp_bytes'] / 2 ** 20:.1f}")], result["rows"], rule=True)
+  head = (f"{'L':>6} {'impl':<16} {'block':>5} {'fwd+bwd ms':>11} {'per process ms':>18} "
+          f"{'/ paper':>8} {'crit. path hops':>16} {'total hops':>11} {'temp MiB':>9}")
+  lines += [head, "-" * len(head)]
+  for r in result["rows"]:
+    per = "/".join(f"{1e3 * t:.0f}" for t in r["per_process_median_s"])
+    ratio = "-" if r["time_over_paper"] is None else f"{r['time_over_paper']:.2f}"
+    temp = "-" if r["temp_bytes"] is None else f"{r['temp_bytes'] / 2 ** 20:.1f}"
+    lines.append(f"{r['length']:>6} {r['impl']:<16} {str(r['block']):>5} "
+                 f"{1e3 * r['median_s']:>11.1f} {per:>18} {ratio:>8} "
+                 f"{r['critical_path_hops']:>16.3f} {r['total_hops']:>11.3f} {temp:>9}")
   return "\n".join(lines) + "\n"
 
 

@@ -458,21 +458,7 @@ class Clock:
     return wrapped
 
 
-# --- Shared by balance.py, packed_balance.py, data_pipeline.py (issue 48, b48data) -------------
-
-
-def fixed_table(columns: Sequence[tuple[str, str, str | Callable]], rows: Sequence[dict],
-                sep: str = " ", rule: bool = False) -> list[str]:
-  """A plain-text table's lines: a header of the columns' titles, a rule of dashes under it
-  when ``rule``, then a line per row. A column is ``(title, spec, cell)``: ``spec`` aligns and
-  pads (``">6"``, ``"<16"``) title and cells, ``cell`` is a format string over the row's keys
-  (``"{length}"``) or a function of the row returning the text."""
-  def line(cells):
-    return sep.join(f"{c:{spec}}" for c, (_, spec, _) in zip(cells, columns))
-  head = line([title for title, _, _ in columns])
-  body = [line([cell(r) if callable(cell) else cell.format(**r) for _, _, cell in columns])
-          for r in rows]
-  return [head] + (["-" * len(head)] if rule else []) + body
+# --- Child processes (issue 48: data_pipeline.py) -----------------------------------------------
 
 
 def run_python(args: Sequence[str], timeout: float = 1800) -> str:

@@ -64,21 +64,6 @@ def measure(seg: np.ndarray, ring: int, block: int) -> dict:
   return out
 
 
-def _median_max(layout: str, key: str):
-  return lambda fig: f"{fig[layout][key]['median']:.2f} / {fig[layout][key]['max']:.2f}"
-
-
-#: The printed table: (title, alignment, cell) per column (common.fixed_table).
-COLUMNS = [("mean", ">6", "{mean}"),
-           ("zigzag tokens", ">14", _median_max("zigzag", "token_max_over_mean")),
-           ("document tokens", ">15", _median_max("document", "token_max_over_mean")),
-           ("zigzag blocks", ">14", _median_max("zigzag", "block_max_over_mean")),
-           ("document blocks", ">15", _median_max("document", "block_max_over_mean")),
-           ("doc crit. path", ">14", _median_max("document", "critical_path_over_mean")),
-           ("doc/zz pairs", ">12", "{document_block_pairs_over_zigzag:.2f}"),
-           ("doc/zz crit.", ">12", "{document_critical_path_over_zigzag:.2f}")]
-
-
 def parse_args(argv=None):
   ap = common.parser(__doc__, length=131072, ring=8)
   ap.add_argument("--means", default="2048,4096,8192,16384,32768")
@@ -102,15 +87,23 @@ def main(argv=None) -> dict:
   result = {"meta": common.run_meta(argv, __file__, devices=False), "ring": args.ring,
             "length": args.length, "sigma": args.sigma, "rows": args.rows, "block": args.block,
             "seed": args.seed, "means": {}}
-  for mean in common.ints(args.means):
-    result["means"][str(mean)] = measure(
-        packed_rows(rng, args.rows, args.length, mean, args.sigma), args.ring, args.block)
-  result["seconds"] = time.perf_counter() - start
+  def line(cells):  # the table's columns, right-aligned
+    return " | ".join(f"{c:>{w}}" for c, w in zip(cells, (6, 14, 15, 14, 15, 14, 12, 12)))
   lines = [f"ring {args.ring}, {args.length}-token rows, lognormal sigma {args.sigma}, "
            f"{args.rows} rows per mean, blocks of {args.block}; max/mean work per device "
-           "(median / max over rows)"]
-  lines += common.fixed_table(COLUMNS, [dict(fig, mean=int(m))
-                                        for m, fig in result["means"].items()], sep=" | ")
+           "(median / max over rows)",
+           line(["mean", "zigzag tokens", "document tokens", "zigzag blocks", "document blocks",
+                 "doc crit. path", "doc/zz pairs", "doc/zz crit."])]
+  for mean in common.ints(args.means):
+    fig = result["means"][str(mean)] = measure(
+        packed_rows(rng, args.rows, args.length, mean, args.sigma), args.ring, args.block)
+    ratios = [fig[layout][key + "_over_mean"] for layout, key in (
+        ("zigzag", "token_max"), ("document", "token_max"), ("zigzag", "block_max"),
+        ("document", "block_max"), ("document", "critical_path"))]
+    lines.append(line([mean, *(f"{r['median']:.2f} / {r['max']:.2f}" for r in ratios),
+                       f"{fig['document_block_pairs_over_zigzag']:.2f}",
+                       f"{fig['document_critical_path_over_zigzag']:.2f}"]))
+  result["seconds"] = time.perf_counter() - start
   print("\n".join(lines))
   common.write_result(os.path.join(args.out, f"{args.tag}.json"), result, log="\n".join(lines))
   return result
