@@ -77,9 +77,19 @@ def permutes_per_step(hlo: str, num_devices: int) -> dict[str, dict[str, int]]:
   return out
 
 
-def make_config(args, corpus: str, buckets: tuple[int, ...]):
+def run_config(args, corpus: str, buckets: tuple[int, ...]) -> dict:
+  """One configuration (configs/tiny.py:text with :data:`MODEL` and the flags): its programs
+  compiled (per bucket its ring, rows, collective-permutes per step and device, temp bytes),
+  then unless ``--no-steps`` its batches drawn on the host and its steps run: per step the
+  bucket, real tokens, loss and (unless ``--no-timing``) wall and CPU seconds; totals, padding
+  and tokens/s."""
   from configs import tiny
+  from training import buckets as buckets_lib
+  from training import data as data_lib
   from training import flags as flags_lib
+  from training import mesh as mesh_lib
+  from training import stages as stages_lib
+  from training import validation as val_lib
 
   overrides = dict(MODEL, **{
       "data.path": corpus, "data.seq_len": args.seq_len, "data.length_buckets": buckets,
@@ -87,21 +97,8 @@ def make_config(args, corpus: str, buckets: tuple[int, ...]):
       "mesh.data": 1, "mesh.sequence": args.ring, "model.layout": args.layout,
       "optim.warmup_steps": 0, "optim.lr": args.lr, "total_steps": args.steps + 1,
       "seed": args.seed})
-  return flags_lib.apply_overrides(tiny.get_config("text"), overrides.items())
-
-
-def run_config(args, corpus: str, buckets: tuple[int, ...]) -> dict:
-  """One configuration: its programs compiled (per bucket its ring, rows, collective-permutes
-  per step and device, temp bytes), then unless ``--no-steps`` its batches drawn on the host
-  and its steps run: per step the bucket, real tokens, loss and (unless ``--no-timing``) wall
-  and CPU seconds; totals, padding and tokens/s."""
-  from training import buckets as buckets_lib
-  from training import data as data_lib
-  from training import mesh as mesh_lib
-  from training import stages as stages_lib
-  from training import validation as val_lib
-
-  config = val_lib.resolve_run(make_config(args, corpus, buckets), jax.device_count())
+  config = val_lib.resolve_run(flags_lib.apply_overrides(tiny.get_config("text"),
+                                                         overrides.items()), jax.device_count())
   sizes = val_lib.validate_config(config, jax.device_count())
   mesh = mesh_lib.make_mesh(config.mesh)
   with jax.set_mesh(mesh):
