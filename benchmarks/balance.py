@@ -32,7 +32,8 @@ WORKER_XLA_FLAGS = ("--xla_force_host_platform_device_count=1 "
 #: BLAS / OpenMP pools at one thread; XLA's own share the one core the process is pinned to.
 ONE_THREAD_ENV = dict.fromkeys(("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"), "1")
 IMPLS = ("ring-contiguous", "ring-zigzag", "ring-striped", "paper")
-#: Also accepted by --impls: a ring with its routing forced (+full: causal_routing=False).
+#: Also accepted by --impls: a ring with its routing forced (+full: causal_routing=False,
+#: +routed: True).
 ROUTED = tuple(f"ring-{lay}+{r}" for lay in ("contiguous", "zigzag") for r in ("full", "routed"))
 
 

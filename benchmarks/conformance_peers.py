@@ -3,7 +3,8 @@
 Each adapter only translates the call (global arrays -> ``jax.shard_map`` over the kit's
 "sequence" axis, keyword names); no peer's code is edited. What each adapter does besides,
 which decides what the kit measures, is stated in its docstring. ``python
-benchmarks/conformance.py --peers`` runs those installed (docs/conformance.md says how).
+benchmarks/conformance.py --peers`` runs those installed (``pip install ringattention==0.1.2
+ejkernel==0.0.80.3``; tokamax 0.0.17: a Python >= 3.12 environment, docs/conformance.md).
 """
 
 from __future__ import annotations
