@@ -181,9 +181,7 @@ def main(argv=None):
   ap.add_argument("--no-steps", action="store_true",
                   help="compile only: programs, ring bytes per step")
   args = ap.parse_args(argv)
-  if args.buckets is None:
-    args.buckets = [args.seq_len // d for d in (8, 4, 2)]
-  buckets = tuple(args.buckets)
+  buckets = tuple(args.buckets or [args.seq_len // d for d in (8, 4, 2)])
 
   with tempfile.TemporaryDirectory(prefix="length_buckets_") as tmp:
     corpus = os.path.join(tmp, "corpus.jsonl")
