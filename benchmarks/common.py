@@ -456,3 +456,20 @@ class Clock:
         traceback.print_exc(limit=3)
         return None
     return wrapped
+
+
+# --- Child processes (issue 48: data_pipeline.py) -----------------------------------------------
+
+
+def run_python(args: Sequence[str], timeout: float = 1800) -> str:
+  """The standard output of ``python args...`` run in the repository's root (this Python).
+
+  Raises:
+    RuntimeError: the command failed, with its exit status and the end of its stderr.
+  """
+  proc = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True,
+                        timeout=timeout)
+  if proc.returncode:
+    raise RuntimeError(f"{os.path.basename(args[0])} failed ({proc.returncode}):\n"
+                       f"{proc.stderr[-2000:]}")
+  return proc.stdout

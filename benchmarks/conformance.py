@@ -1,14 +1,12 @@
 """The conformance kit's full matrix (ring_jax.testing) on ring_jax and on its peers.
 
-    python benchmarks/conformance.py                 # ring_jax's ring, all-gather, Ulysses
-    python benchmarks/conformance.py --peers         # + ringattention, ejkernel, tokamax (if importable)
+    python benchmarks/conformance.py              # ring_jax's ring, all-gather, Ulysses
+    python benchmarks/conformance.py --peers      # + the peers' adapters, where importable
     python benchmarks/conformance.py --targets ring --cases causal,gqa
 
-Each target is a function of the kit's calling convention; its table (pass / fail / not
-supported per case, each quantity's error against the float64 oracle) is printed and
-written, with the date, jax version and machine, to
-``benchmarks/results/conformance_<target>.json`` (docs/conformance.md summarises them).
-8 fake CPU devices; CI runs a fixed subset of these cases (tests/ring_jax/test_hop.py).
+Per target, its table (each case's verdict, each quantity's error against the float64 oracle)
+is printed and written with the run's provenance to
+``benchmarks/results/conformance_<target>.json`` (docs/conformance.md). 8 fake CPU devices.
 """
 
 import functools
@@ -30,49 +28,38 @@ from ring_jax import testing  # noqa: E402
 
 #: The kit's tokens per device (a peer whose kernels need more says so in its adapter).
 LOCAL_LEN = 64
-
-#: ring_jax's own entry points in the kit's convention (blocks of 16: 4 per shard at the
-#: kit's 64 tokens per device).
-OWN = {
-    "ring": functools.partial(ring_jax.ring_attention_sharded, block_q=16, block_kv=16),
-    "all_gather": functools.partial(ring_jax.attention_sharded, strategy="all_gather",
-                                    block_q=16, block_kv=16),
-    "ulysses": functools.partial(ring_jax.attention_sharded, strategy="ulysses",
-                                 block_q=16, block_kv=16),
-}
-
-
-#: What ring_jax's own entry points declare beyond their keywords (each takes V's own head
-#: size).
+#: ring_jax's own entry points in the kit's convention (blocks of 16: 4 per shard).
+_BLOCKS = dict(block_q=16, block_kv=16)
+OWN = {"ring": functools.partial(ring_jax.ring_attention_sharded, **_BLOCKS),
+       **{name: functools.partial(ring_jax.attention_sharded, strategy=name, **_BLOCKS)
+          for name in ("all_gather", "ulysses")}}
+#: What ring_jax's own entry points declare beyond their keywords: V's own head size.
 OWN_FEATURES = {name: ("value_head_dim",) for name in OWN}
 
 
 def targets(names, peers: bool) -> dict:
-  """``{name: (fn, tokens per device, declared features)}``."""
+  """``{name: (fn, tokens per device, declared features)}`` of ``names`` (of :data:`OWN`) and,
+  with ``peers``, of every peer adapter importable here (the others named as not run)."""
   found = {n: (OWN[n], LOCAL_LEN, OWN_FEATURES.get(n, ())) for n in names}
   if peers:
-    from benchmarks import conformance_peers  # noqa: PLC0415
-    found.update({n: (fn, conformance_peers.LOCAL_LEN.get(n, LOCAL_LEN),
-                      conformance_peers.FEATURES.get(n, ()))
-                  for n, fn in conformance_peers.available().items()})
-    missing = set(conformance_peers.PEERS) - set(found)
-    for name in sorted(missing):
+    from benchmarks import conformance_peers as cp  # noqa: PLC0415
+    found.update({n: (fn, cp.LOCAL_LEN.get(n, LOCAL_LEN), cp.FEATURES.get(n, ()))
+                  for n, fn in cp.available().items()})
+    for name in sorted(set(cp.PEERS) - set(found)):
       print(f"# {name}: not importable here, not run", flush=True)
   return found
 
 
 def main(argv=None):
   ap = common.parser(__doc__)
-  ap.add_argument("--targets", default=",".join(OWN), help=f"of {list(OWN)}")
+  ap.add_argument("--targets", type=common.strs, default=list(OWN), help=f"of {list(OWN)}")
   ap.add_argument("--peers", action="store_true", help="also the peers' adapters")
-  ap.add_argument("--cases", help="comma-separated case names (default: all)")
+  ap.add_argument("--cases", type=common.strs, help="comma-separated case names (default: all)")
   ap.add_argument("--out-dir", default=common.RESULTS, help="'' to write nothing")
   args = ap.parse_args(argv)
-  cases = args.cases.split(",") if args.cases else None
   failed = {}
-  for name, (fn, local_len, features) in targets([t for t in args.targets.split(",") if t],
-                                                 args.peers).items():
-    report = testing.run(fn, cases, name=name, local_len=local_len, features=features,
+  for name, (fn, local_len, features) in targets(args.targets, args.peers).items():
+    report = testing.run(fn, args.cases or None, name=name, local_len=local_len, features=features,
                          progress=lambda r: print(f"  {r.case:24s} {r.status}", flush=True))
     print(report.table(), flush=True)
     failed[name] = [r.case for r in report.failed]

@@ -1,18 +1,17 @@
 """Adapters: peer ring attentions in the conformance kit's calling convention.
 
-Each adapter only translates the call (global arrays, placed on an Explicit-axes mesh with
-``jax.reshard`` where the mesh has one, -> ``jax.shard_map`` over the kit's "sequence" axis,
-keyword names); no peer's code is edited. What each adapter does besides, which decides what
-the kit measures, is stated in its docstring. Run them with ``python
-benchmarks/conformance.py --peers`` where they are installed (``pip install
-ringattention==0.1.2 ejkernel==0.0.80.3``; tokamax 0.0.17 needs Python >= 3.12 and jax >=
-0.11.1: a separate environment; docs/conformance.md).
+Each adapter only translates the call (global arrays -> ``jax.shard_map`` over the kit's
+"sequence" axis, keyword names); no peer's code is edited. What each adapter does besides,
+which decides what the kit measures, is stated in its docstring. ``python
+benchmarks/conformance.py --peers`` runs those installed (``pip install ringattention==0.1.2
+ejkernel==0.0.80.3``; tokamax 0.0.17: a Python >= 3.12 environment, docs/conformance.md).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib
 
 import jax
 import jax.numpy as jnp
@@ -116,18 +115,23 @@ def ejkernel_ring(query, key, value, *, is_causal=False, segment_ids=None, scale
                   [SEQ] * 3 + [spec for _, spec in extra.values()])
 
 
+def _splash(module: str):
+  """tokamax's ``splash_attention.<module>`` (imported on first use)."""
+  return importlib.import_module(f"tokamax._src.ops.experimental.tpu.splash_attention.{module}")
+
+
 def _tokamax_mask(t_len, s_len, is_causal, window):
   """The global ``[T, S]`` mask tokamax's ring takes: a ``FullMask`` or a boolean ``NumpyMask``."""
-  from tokamax._src.ops.experimental.tpu.splash_attention import splash_attention_mask  # noqa: PLC0415
+  masks = _splash("splash_attention_mask")
   if not is_causal and window is None:
-    return splash_attention_mask.FullMask(_shape=(t_len, s_len))
+    return masks.FullMask(_shape=(t_len, s_len))
   d = np.arange(t_len)[:, None] - np.arange(s_len)[None, :]
   vis = np.ones((t_len, s_len), bool)
   if is_causal:
     vis &= d >= 0
   if window is not None:
     vis &= (d <= window[0]) & (d >= -window[1])
-  return splash_attention_mask.NumpyMask(vis)
+  return masks.NumpyMask(vis)
 
 
 def tokamax_ring(query, key, value, *, is_causal=False, segment_ids=None, scale=None,
@@ -142,20 +146,19 @@ def tokamax_ring(query, key, value, *, is_causal=False, segment_ids=None, scale=
   the batch ``jax.vmap``-ed, and for GQA the K/V heads too with ``is_mqa=True`` (each group's
   query heads against one K/V head). It raises ``NotImplementedError`` for sinks, so it takes
   no ``sinks=``; it takes V's own head size (declared in ``FEATURES``)."""
-  from tokamax._src.ops.experimental.tpu.splash_attention import base  # noqa: PLC0415
-  from tokamax._src.ops.experimental.tpu.splash_attention import ring_attention_kernel  # noqa: PLC0415
-  from tokamax._src.ops.experimental.tpu.splash_attention import splash_attention_kernel  # noqa: PLC0415
+  base, ring_kernel, splash = map(_splash, ("base", "ring_attention_kernel",
+                                            "splash_attention_kernel"))
   ring = mesh.shape["sequence"]
   t_len, n, h = query.shape[1:]
   s_len, kh = key.shape[1:3]
   scale = h ** -0.5 if scale is None else scale
   config = dataclasses.replace(
-      splash_attention_kernel.SplashConfig.get_default(), interpret=True,
+      splash.SplashConfig.get_default(), interpret=True,
       block_q=TOKAMAX_BLOCK, block_kv=TOKAMAX_BLOCK, block_kv_compute=TOKAMAX_BLOCK,
       block_q_dkv=TOKAMAX_BLOCK, block_kv_dkv=TOKAMAX_BLOCK, block_kv_dkv_compute=TOKAMAX_BLOCK,
       use_base2_exp=False, fuse_reciprocal=True, attn_logits_soft_cap=logits_soft_cap)
   is_mqa = kh != n
-  kernel = ring_attention_kernel.make_ring_attention(
+  kernel = ring_kernel.make_ring_attention(
       _tokamax_mask(t_len, s_len, is_causal, local_window_size), config=config,
       is_mqa=is_mqa, ring_axis="sequence", q_seq_shards=ring, kv_seq_shards=ring)
 
@@ -194,18 +197,15 @@ FEATURES = {"tokamax-0.0.17-ring-interpret": ("value_head_dim",)}
 
 
 def available() -> dict:
-  """The peers importable here, by name."""
+  """The peers importable here, by name (a peer's module is named by its name's first word)."""
+  probes = {"ringattention": import_ringattention,
+            "ejkernel": lambda: importlib.import_module("ejkernel.kernels._xla.ring_attention"),
+            "tokamax": lambda: _splash("ring_attention_kernel")}
   found = {}
   for name, fn in PEERS.items():
     try:
-      if name.startswith("ringattention"):
-        import_ringattention()
-      elif name.startswith("tokamax"):
-        from tokamax._src.ops.experimental.tpu.splash_attention import ring_attention_kernel  # noqa: F401, PLC0415
-      else:
-        import ejkernel.kernels._xla.ring_attention  # noqa: F401, PLC0415
+      probes[name.split("-")[0]]()
     except Exception:  # noqa: BLE001 -- not installed or not importable: not run
       continue
     found[name] = fn
   return found
-

@@ -1,22 +1,12 @@
 """Length buckets vs one ring: the shipped train step on a fixed mixed-length corpus.
 
-One corpus (:func:`write_corpus`, from ``--seed``), read by the trainer's own text pipeline
-(byte tokenizer), is trained on twice from the same initial parameters and document stream,
-with what ``train.py`` runs (``training.stages.build_stage``'s train step and state):
-
-  one ring   ``data.length_buckets=()``: rows of ``seq_len`` packed by concat-and-split
-             (``training.data.make_dataset``), every step on the full ring
-  buckets    ``data.length_buckets=--buckets``: ``training.buckets.BucketedBatches`` and one
-             program per bucket (``training.buckets.jit_step``), each on its ring
-
-Recorded per configuration: the compiled programs; per bucket its ring, rows and the ring's
-collective-permute bytes per step and device (:func:`permutes_per_step`); per step the
-bucket, real tokens and loss; the padding fraction; unless ``--no-timing``, each step's wall
-and CPU seconds and tokens/s. Batches are built on the host before the timed loop; a timed
-step is the batch's transfer plus the step. docs/training.md, "Length buckets (mixed-length data)".
-
-CPU (8 fake devices, tiny model; a few minutes on 2 quiet cores):
   PYTHONPATH=. python benchmarks/length_buckets.py --out benchmarks/results/length_buckets_cpu.json
+
+One corpus (:func:`write_corpus`, from ``--seed``), read by the trainer's text pipeline (byte
+tokenizer), trained on from the same initial parameters with ``train.py``'s step and state,
+once on one ring (``data.length_buckets=()``) and once with ``--buckets`` (one program per
+bucket, each on its ring): :func:`run_config` says what is recorded. A timed step is the
+batch's transfer plus the step. docs/training.md, "Length buckets (mixed-length data)".
 """
 
 from __future__ import annotations
@@ -42,11 +32,6 @@ common.fake_cpu_devices()
 MODEL = {"model.vocab_size": 264, "model.dim": 64, "model.mlp_dim": 128, "model.num_heads": 4,
          "model.num_kv_heads": 2, "model.num_layers": 2}
 RING_SCOPES = frozenset(scope for scope, kind in analysis.SCOPE_KINDS if kind.startswith("ring"))
-
-
-# ----------------------------------------------------------------------------
-# The corpus
-# ----------------------------------------------------------------------------
 
 
 def document_lengths(rng: np.random.Generator, docs: int, seq_len: int,
@@ -78,10 +63,6 @@ def write_corpus(path: str, seed: int, docs: int, seq_len: int, short_fraction: 
   return [int(n) for n in lengths]
 
 
-# ----------------------------------------------------------------------------
-# Collectives per step, from the compiled program
-# ----------------------------------------------------------------------------
-
 def permutes_per_step(hlo: str, num_devices: int) -> dict[str, dict[str, int]]:
   """``{"ring": {count, bytes}, "other": {count, bytes}}``: the collective-permutes one run
   of the compiled program ``hlo`` executes, per device, loop trip counts included
@@ -96,14 +77,19 @@ def permutes_per_step(hlo: str, num_devices: int) -> dict[str, dict[str, int]]:
   return out
 
 
-# ----------------------------------------------------------------------------
-# One configuration
-# ----------------------------------------------------------------------------
-
-
-def make_config(args, corpus: str, buckets: tuple[int, ...]):
+def run_config(args, corpus: str, buckets: tuple[int, ...]) -> dict:
+  """One configuration (configs/tiny.py:text with :data:`MODEL` and the flags): its programs
+  compiled (per bucket its ring, rows, collective-permutes per step and device, temp bytes),
+  then unless ``--no-steps`` its batches drawn on the host and its steps run: per step the
+  bucket, real tokens, loss and (unless ``--no-timing``) wall and CPU seconds; totals, padding
+  and tokens/s."""
   from configs import tiny
+  from training import buckets as buckets_lib
+  from training import data as data_lib
   from training import flags as flags_lib
+  from training import mesh as mesh_lib
+  from training import stages as stages_lib
+  from training import validation as val_lib
 
   overrides = dict(MODEL, **{
       "data.path": corpus, "data.seq_len": args.seq_len, "data.length_buckets": buckets,
@@ -111,54 +97,34 @@ def make_config(args, corpus: str, buckets: tuple[int, ...]):
       "mesh.data": 1, "mesh.sequence": args.ring, "model.layout": args.layout,
       "optim.warmup_steps": 0, "optim.lr": args.lr, "total_steps": args.steps + 1,
       "seed": args.seed})
-  return flags_lib.apply_overrides(tiny.get_config("text"), overrides.items())
-
-
-def run_config(args, corpus: str, buckets: tuple[int, ...]) -> dict:
-  """Compiles the configuration's programs, draws its batches, runs its steps."""
-  from training import batch as batch_lib
-  from training import buckets as buckets_lib
-  from training import data as data_lib
-  from training import mesh as mesh_lib
-  from training import stages as stages_lib
-  from training import validation as val_lib
-
-  config = val_lib.resolve_run(make_config(args, corpus, buckets), jax.device_count())
+  config = val_lib.resolve_run(flags_lib.apply_overrides(tiny.get_config("text"),
+                                                         overrides.items()), jax.device_count())
   sizes = val_lib.validate_config(config, jax.device_count())
   mesh = mesh_lib.make_mesh(config.mesh)
   with jax.set_mesh(mesh):
     setup = stages_lib.build_stage(stages_lib.plan(config)[0], mesh)
   train_step = setup.train_step
   plan = buckets_lib.plan(config, setup.model_cfg, mesh)
-  ring = sizes["sequence"]
   if plan:
-    programs = [(b.length, b.ring, b.shape, b.mesh, b.sharding,
-                 buckets_lib.jit_step(train_step, b, config.microbatches)) for b in plan]
     batches = buckets_lib.BucketedBatches(data_lib.text_documents(config, "train"), plan,
                                           config.model.layout)
-  else:
-    programs = [(config.data.seq_len, ring, setup.train_shape, mesh, batch_lib.sharding(mesh),
-                 train_step.step)]
-    dataset = data_lib.make_dataset(config, batch_lib.sharding(mesh), ring, split="train")
+  else:  # one ring: the run's own step, as a bucket of the full length on the whole mesh
+    plan = (buckets_lib.Bucket(0, config.data.seq_len, sizes["sequence"], *setup.train_shape,
+                               mesh),)
+    dataset = data_lib.make_dataset(config, plan[0].sharding, plan[0].ring, split="train")
     batches = ((0, b) for b in data_lib.make_iterator(dataset, prefetch=0))
-
-  rows, compiled = [], []
-  for length, ring_b, shape, bmesh, _, step in programs:
-    with jax.set_mesh(bmesh):
-      lowered = step.lower(train_step.abstract_params, train_step.abstract_opt_state,
-                           batch_lib.abstract(shape, bmesh))
-      exe = lowered.compile()
-    hlo = exe.as_text()
-    per_step = permutes_per_step(hlo, bmesh.devices.size)
-    compiled.append(exe)
-    rows.append(dict(length=length, ring=ring_b, rows=shape[0], run_length=shape[1],
-                     mesh=dict(data=int(bmesh.shape["data"]),
-                               sequence=int(bmesh.shape["sequence"])),
+  compiled = buckets_lib.compile_steps(train_step, plan, config.microbatches)
+  rows = []
+  for b, exe in zip(plan, compiled):
+    per_step = permutes_per_step(exe.as_text(), b.mesh.devices.size)
+    rows.append(dict(length=b.length, ring=b.ring, rows=b.rows, run_length=b.run_length,
+                     mesh=dict(data=int(b.mesh.shape["data"]),
+                               sequence=int(b.mesh.shape["sequence"])),
                      ring_permute_bytes_per_step=per_step["ring"]["bytes"],
                      ring_permutes_per_step=per_step["ring"]["count"],
                      other_permute_bytes_per_step=per_step["other"]["bytes"],
                      temp_bytes_per_device=common.compiled_memory(exe).get("temp_size_in_bytes")))
-    print(f"  bucket {length:>6} on a ring of {ring_b}: {shape[0]} x {shape[1]}, ring "
+    print(f"  bucket {b.length:>6} on a ring of {b.ring}: {b.rows} x {b.run_length}, ring "
           f"collective-permutes {per_step['ring']['count']} per step, "
           f"{per_step['ring']['bytes'] / common.MIB:.2f} MiB/device/step", flush=True)
   result = dict(length_buckets=list(buckets), compiled_programs=len(compiled), buckets=rows)
@@ -167,29 +133,28 @@ def run_config(args, corpus: str, buckets: tuple[int, ...]) -> dict:
 
   host = [next(batches) for _ in range(args.steps)]
   params, opt_state = train_step.init_state()
-  for exe, (_, _, shape, bmesh, sharding, _) in zip(compiled, programs):  # each program's
-    with jax.set_mesh(bmesh):  # first call, untimed, on a copy of the state (discarded)
-      empty = {k: np.zeros(shape, v.dtype) for k, v in host[0][1].items()}
-      jax.block_until_ready(exe(jax.tree.map(jnp.copy, params),
-                                jax.tree.map(jnp.copy, opt_state),
-                                data_lib.to_global(empty, sharding, shape)))
+  for exe, b in zip(compiled, plan):  # each program's first call, untimed, on a copy of the
+    with jax.set_mesh(b.mesh):  # state (discarded)
+      empty = {k: np.zeros(b.shape, v.dtype) for k, v in host[0][1].items()}
+      jax.block_until_ready(exe(jax.tree.map(jnp.copy, params), jax.tree.map(jnp.copy, opt_state),
+                                data_lib.to_global(empty, b.sharding, b.shape)))
   steps = []
   for index, batch in host:
-    _, _, shape, bmesh, sharding, _ = programs[index]
-    real = int((batch["segment_ids"] > 0).sum())
-    with jax.set_mesh(bmesh):
+    b = plan[index]
+    with jax.set_mesh(b.mesh):
       wall, cpu, (params, opt_state, metrics) = common.timed_call(
-          lambda b: compiled[index](params, opt_state, data_lib.to_global(b, sharding, shape)),
+          lambda x: compiled[index](params, opt_state, data_lib.to_global(x, b.sharding, b.shape)),
           batch)
-    steps.append(dict(bucket=programs[index][0], real_tokens=real, slots=int(np.prod(shape)),
-                      loss=float(metrics["loss"]), target_tokens=int(metrics["target_tokens"]),
+    steps.append(dict(bucket=b.length, real_tokens=int((batch["segment_ids"] > 0).sum()),
+                      slots=int(np.prod(b.shape)), loss=float(metrics["loss"]),
+                      target_tokens=int(metrics["target_tokens"]),
                       **({} if args.no_timing else dict(wall_s=wall, cpu_s=cpu))))
   real, slots = sum(s["real_tokens"] for s in steps), sum(s["slots"] for s in steps)
+  per_step = {r["length"]: r["ring_permute_bytes_per_step"] for r in rows}
   result.update(steps=len(steps), step_rows=steps,
                 steps_per_bucket=dict(collections.Counter(str(s["bucket"]) for s in steps)),
                 real_tokens=real, token_slots=slots, padding_fraction=1 - real / slots,
-                ring_permute_bytes=sum(rows[[r["length"] for r in rows].index(s["bucket"])]
-                                       ["ring_permute_bytes_per_step"] for s in steps))
+                ring_permute_bytes=sum(per_step[s["bucket"]] for s in steps))
   if not args.no_timing:
     wall, cpu = sum(s["wall_s"] for s in steps), sum(s["cpu_s"] for s in steps)
     result.update(wall_s=wall, cpu_s=cpu, real_tokens_per_s=real / wall,
@@ -216,9 +181,7 @@ def main(argv=None):
   ap.add_argument("--no-steps", action="store_true",
                   help="compile only: programs, ring bytes per step")
   args = ap.parse_args(argv)
-  if args.buckets is None:
-    args.buckets = [args.seq_len // d for d in (8, 4, 2)]
-  buckets = tuple(args.buckets)
+  buckets = tuple(args.buckets or [args.seq_len // d for d in (8, 4, 2)])
 
   with tempfile.TemporaryDirectory(prefix="length_buckets_") as tmp:
     corpus = os.path.join(tmp, "corpus.jsonl")

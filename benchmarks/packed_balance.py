@@ -2,17 +2,11 @@ r"""Causal work per device on packed rows: zigzag vs the per-document layout (pu
 
   PYTHONPATH=. python benchmarks/packed_balance.py            # ring 8, 128K rows, ~1 min
 
-Rows of ``--length`` tokens are packed from documents of lognormal length (sigma 1, mean
-2K..32K: ``mu = log(mean) - sigma^2 / 2``, the last one cut at the row's end), ``--rows``
-per mean. Per row and layout: the (query, key) pairs each device scores
-(:func:`ring_jax.documents.token_work`) and the block pairs the ring computes per device and
-hop from its own block tables (:func:`ring_jax.documents.block_work`, blocks of
-``--block``), summed per device, with the critical path (each hop costs its busiest device).
-Reported per mean: median and max over rows of max/mean work per device, the critical path
-over the mean device's work, and (medians) the document layout's total block pairs and
-critical path over zigzag's (its finer pieces compute more partly masked pairs in all; the
-critical path is what it buys back).
-Writes ``<out>/packed_balance.json`` and ``.log``. ``--dry-run``: small rows.
+Per mean document length and layout, over ``--rows`` packed rows: max/mean per device of the
+token pairs scored (:func:`ring_jax.documents.token_work`) and of the block pairs the ring
+computes from its own block tables (:func:`ring_jax.documents.block_work`), the critical path
+(each hop costs its busiest device), and the document layout's block pairs and critical path
+over zigzag's. Writes ``<out>/<tag>.json`` and ``.log``; ``--dry-run``: small rows.
 """
 
 from __future__ import annotations
@@ -23,9 +17,7 @@ import time
 
 import numpy as np
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import ring_jax  # noqa: E402
 from benchmarks import common  # noqa: E402
 from ring_jax import documents  # noqa: E402
@@ -34,7 +26,8 @@ LAYOUTS = ("zigzag", "document")
 
 
 def packed_rows(rng, rows: int, length: int, mean: float, sigma: float) -> np.ndarray:
-  """int32 ``[rows, length]`` segment ids 1, 2, ... of lognormal-length documents."""
+  """int32 ``[rows, length]`` segment ids 1, 2, ... of documents of lognormal length (``mu =
+  log(mean) - sigma^2 / 2``, so ``mean`` is their mean), the last one cut at the row's end."""
   seg = np.zeros((rows, length), np.int32)
   mu = np.log(mean) - sigma ** 2 / 2
   for r in range(rows):
@@ -47,7 +40,9 @@ def packed_rows(rng, rows: int, length: int, mean: float, sigma: float) -> np.nd
 
 
 def measure(seg: np.ndarray, ring: int, block: int) -> dict:
-  """Per-layout balance figures of the rows ``seg`` (natural order)."""
+  """Per-layout balance figures of the rows ``seg`` (natural order): max/mean token pairs,
+  block pairs and critical path per device (median and max over rows), and the medians of
+  the document layout's block pairs and critical path over zigzag's."""
   doc = ring_jax.document_layout(seg, ring)
   zigzag = ring_jax.layout_positions("zigzag", ring, seg.shape[1])
   perms = {"zigzag": np.broadcast_to(zigzag, seg.shape), "document": doc.permutation}
@@ -57,17 +52,12 @@ def measure(seg: np.ndarray, ring: int, block: int) -> dict:
     tokens = documents.token_work(seg, perms[layout], ring)
     blocks = documents.block_work(ids[layout], layout, ring, block, block)
     per_device = blocks.sum(-1)
-    ratio_t = tokens.max(1) / tokens.mean(1)
-    ratio_b = per_device.max(1) / per_device.mean(1)
-    critical = blocks.max(1).sum(-1) / per_device.mean(1)
-    totals[layout] = per_device.sum(1)
-    critical_paths[layout] = blocks.max(1).sum(-1)
-    out[layout] = {
-        "token_max_over_mean": {"median": float(np.median(ratio_t)), "max": float(ratio_t.max())},
-        "block_max_over_mean": {"median": float(np.median(ratio_b)), "max": float(ratio_b.max())},
-        "critical_path_over_mean": {"median": float(np.median(critical)),
-                                    "max": float(critical.max())},
-    }
+    totals[layout], critical_paths[layout] = per_device.sum(1), blocks.max(1).sum(-1)
+    ratios = {"token_max_over_mean": tokens.max(1) / tokens.mean(1),
+              "block_max_over_mean": per_device.max(1) / per_device.mean(1),
+              "critical_path_over_mean": critical_paths[layout] / per_device.mean(1)}
+    out[layout] = {k: {"median": float(np.median(v)), "max": float(v.max())}
+                   for k, v in ratios.items()}
   out["document_block_pairs_over_zigzag"] = float(np.median(totals["document"] / totals["zigzag"]))
   out["document_critical_path_over_zigzag"] = float(
       np.median(critical_paths["document"] / critical_paths["zigzag"]))
@@ -97,25 +87,22 @@ def main(argv=None) -> dict:
   result = {"meta": common.run_meta(argv, __file__, devices=False), "ring": args.ring,
             "length": args.length, "sigma": args.sigma, "rows": args.rows, "block": args.block,
             "seed": args.seed, "means": {}}
+  def line(cells):  # the table's columns, right-aligned
+    return " | ".join(f"{c:>{w}}" for c, w in zip(cells, (6, 14, 15, 14, 15, 14, 12, 12)))
   lines = [f"ring {args.ring}, {args.length}-token rows, lognormal sigma {args.sigma}, "
            f"{args.rows} rows per mean, blocks of {args.block}; max/mean work per device "
            "(median / max over rows)",
-           f"{'mean':>6} | {'zigzag tokens':>14} | {'document tokens':>15} | "
-           f"{'zigzag blocks':>14} | {'document blocks':>15} | {'doc crit. path':>14} | "
-           f"{'doc/zz pairs':>12} | {'doc/zz crit.':>12}"]
-  for mean in [int(m) for m in args.means.split(",")]:
-    fig = measure(packed_rows(rng, args.rows, args.length, mean, args.sigma), args.ring,
-                  args.block)
-    result["means"][str(mean)] = fig
-    f = lambda layout, key: (f"{fig[layout][key]['median']:.2f} / "  # noqa: E731
-                             f"{fig[layout][key]['max']:.2f}")
-    lines.append(f"{mean:>6} | {f('zigzag', 'token_max_over_mean'):>14} | "
-                 f"{f('document', 'token_max_over_mean'):>15} | "
-                 f"{f('zigzag', 'block_max_over_mean'):>14} | "
-                 f"{f('document', 'block_max_over_mean'):>15} | "
-                 f"{f('document', 'critical_path_over_mean'):>14} | "
-                 f"{fig['document_block_pairs_over_zigzag']:>12.2f} | "
-                 f"{fig['document_critical_path_over_zigzag']:>12.2f}")
+           line(["mean", "zigzag tokens", "document tokens", "zigzag blocks", "document blocks",
+                 "doc crit. path", "doc/zz pairs", "doc/zz crit."])]
+  for mean in common.ints(args.means):
+    fig = result["means"][str(mean)] = measure(
+        packed_rows(rng, args.rows, args.length, mean, args.sigma), args.ring, args.block)
+    ratios = [fig[layout][key + "_over_mean"] for layout, key in (
+        ("zigzag", "token_max"), ("document", "token_max"), ("zigzag", "block_max"),
+        ("document", "block_max"), ("document", "critical_path"))]
+    lines.append(line([mean, *(f"{r['median']:.2f} / {r['max']:.2f}" for r in ratios),
+                       f"{fig['document_block_pairs_over_zigzag']:.2f}",
+                       f"{fig['document_critical_path_over_zigzag']:.2f}"]))
   result["seconds"] = time.perf_counter() - start
   print("\n".join(lines))
   common.write_result(os.path.join(args.out, f"{args.tag}.json"), result, log="\n".join(lines))
