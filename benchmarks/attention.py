@@ -1,15 +1,11 @@
 """Side-by-side attention benchmark: ring_jax vs all-gather CP vs dense vs the paper's code.
 
-Per sequence length, mask and implementation: forward and forward+backward wall time (median
-of ``--repeats`` after a warm-up, the implementations timed round-robin) and the compiled
-memory per device; sections for correctness against ``ring_jax.reference_attention``, the
-bf16 error against a float64 oracle, a fixed-block memory scan and a block-size sweep. The
-implementations, sections and commands: benchmarks/README.md, "Attention: `attention.py`".
-Results: a line per case and ``<out>/attention_<platform>.json`` (``plot_results.py`` plots it).
+The sections of :data:`SECTIONS` (time and compiled memory per device, correctness, bf16
+error, a fixed-block memory scan, a block-size sweep) write ``<out>/attention_<platform>.json``
+(``--tag``); implementations, sections and commands: benchmarks/README.md, "Attention". On
+GPU/TPU the same command uses the real devices and bfloat16.
 
   PYTHONPATH=. python benchmarks/attention.py --lengths 2048 --repeats 2 --variants ring,paper
-
-On GPU/TPU the same command uses the real devices and bfloat16.
 """
 
 from __future__ import annotations
@@ -52,35 +48,37 @@ CPU_NOTE = (
 
 # --- Implementations as functions of global [B, L, N, H] arrays (inputs in layout order) ----------
 
-#: ``ring-<layout>+<suffix>``: the ring's ``causal_routing`` (no suffix: the library's
-#: default, routed for causal contiguous only, ``ring_jax.routing.check_routing``).
-ROUTING_SUFFIXES = {"routed": True, "full": False}
-#: ``ring-<layout>+overlap``: ``overlap_dkv=True`` (combines with a routing suffix).
-OVERLAP_SUFFIX = "overlap"
+#: ``ring-<layout>+<suffix>`` -> the ring's keywords (no routing suffix: the library's default
+#: ``causal_routing``, routed for causal contiguous only, ``ring_jax.routing.check_routing``).
+RING_SUFFIXES = {"routed": dict(causal_routing=True), "full": dict(causal_routing=False),
+                 "overlap": dict(overlap_dkv=True)}
+
+
+def ring_options(name):
+  """``"ring-<layout>[+routed|+full][+overlap][:<hop kernel>]"`` -> ``(layout, keywords of
+  ring_jax.ring_attention)``: ``hop_kernel`` (default ``"auto"``; e.g. ``ring-zigzag:splash``,
+  which runs in interpret mode on CPU), ``causal_routing`` (default None) and ``overlap_dkv``
+  (default False), set by :data:`RING_SUFFIXES` (which combine)."""
+  layout, _, kernel = name[len("ring-"):].partition(":")
+  layout, *suffixes = layout.split("+")
+  kw = dict(hop_kernel=kernel or "auto", causal_routing=None, overlap_dkv=False)
+  for suffix in suffixes:
+    if suffix not in RING_SUFFIXES:
+      raise ValueError(f"{name!r}: the suffix after '+' must be one of {list(RING_SUFFIXES)}.")
+    kw.update(RING_SUFFIXES[suffix])
+  return layout, kw
 
 
 def ring_variant(name):
-  """``"ring-<layout>[+routed|+full][+overlap][:<hop kernel>]"`` -> ``(layout, hop kernel name,
-  causal_routing)`` (kernel default ``"auto"``; e.g. ``ring-zigzag:splash``, which runs
-  in interpret mode on CPU; ``+routed`` / ``+full``: ``causal_routing=True`` / ``False``,
-  no suffix: ``None``, the default)."""
-  layout, _, kernel = name[len("ring-"):].partition(":")
-  layout, *suffixes = layout.split("+")
-  routing = None
-  for suffix in suffixes:
-    if suffix == OVERLAP_SUFFIX:
-      continue
-    if suffix not in ROUTING_SUFFIXES:
-      raise ValueError(f"{name!r}: the suffix after '+' must be one of "
-                       f"{sorted(ROUTING_SUFFIXES) + [OVERLAP_SUFFIX]}.")
-    routing = ROUTING_SUFFIXES[suffix]
-  return layout, kernel or "auto", routing
+  """``(layout, hop kernel name, causal_routing)`` of a ring variant (:func:`ring_options`)."""
+  layout, kw = ring_options(name)
+  return layout, kw["hop_kernel"], kw["causal_routing"]
 
 
 def impl_layout(name):
   """The layout an implementation takes its inputs in (``allgather-<layout>``, ``ring-...``)."""
   if name.startswith("ring-"):
-    return ring_variant(name)[0]
+    return ring_options(name)[0]
   return name.split("-", 1)[1] if name.startswith("allgather-") else "contiguous"
 
 
@@ -92,12 +90,8 @@ def make_impl(name, *, mesh, is_causal, dtype, block, paper_fn=None):
     return functools.partial(f, is_causal=is_causal), layout, True
   blocks = dict(axis_name=AXIS, is_causal=is_causal, layout=layout, block_q=block, block_kv=block)
   if name.startswith("ring-"):
-    _, kernel, routing = ring_variant(name)
-    overlap = OVERLAP_SUFFIX in name[len("ring-"):].partition(":")[0].split("+")[1:]
-    local = functools.partial(ring_jax.ring_attention, hop_kernel=kernel, causal_routing=routing,
-                              overlap_dkv=overlap, **blocks)
-    return jax.shard_map(local, mesh=mesh, in_specs=(SPEC,) * 3, out_specs=SPEC), layout, False
-  if name.startswith("allgather"):
+    local = functools.partial(ring_jax.ring_attention, **ring_options(name)[1], **blocks)
+  elif name.startswith("allgather"):
     local = functools.partial(ring_jax.all_gather_attention, **blocks)
   elif name == "paper":
     if paper_fn is None:
@@ -106,28 +100,12 @@ def make_impl(name, *, mesh, is_causal, dtype, block, paper_fn=None):
   else:
     raise ValueError(f"unknown implementation {name!r}")
   return (jax.shard_map(local, mesh=mesh, in_specs=(SPEC,) * 3, out_specs=SPEC,
-                        check_vma=False), layout, False)
+                        check_vma=name.startswith("ring-")), layout, False)
 
 
 def block_for(name, local_len, block=None):
   """Block size an implementation uses at this local length (``block``: the caller's)."""
   return min(block, local_len) if block else default_block(impl_layout(name), local_len)
-
-
-def inputs(key, shape, dtype, sharding=None):
-  """q, k, v, do: standard normal (drawn in float32) ``shape`` arrays in ``dtype``, placed
-  with ``sharding``, else uncommitted (usable on one device or the mesh)."""
-  xs = [jax.random.normal(k_, shape, jnp.float32).astype(dtype)
-        for k_ in jax.random.split(key, 4)]
-  return xs if sharding is None else [jax.device_put(x, sharding) for x in xs]
-
-
-def natural_fwd_bwd(f, layout, ring):
-  """Jitted ``(q, k, v, do) -> [out, dq, dk, dv]`` of ``f`` in natural order: the inputs
-  moved into ``layout`` over a ring of ``ring`` devices, the results moved back."""
-  to = lambda x: ring_jax.to_layout(x, layout, ring)  # noqa: E731
-  back = lambda x: ring_jax.from_layout(x, layout, ring)  # noqa: E731
-  return jax.jit(lambda *a: [back(x) for x in fwd_bwd(f)(*map(to, a))])
 
 
 @dataclasses.dataclass
@@ -152,6 +130,19 @@ class Setup:
   def impl(self, name, causal, block, mesh=None, dtype=None):
     return make_impl(name, mesh=mesh or self.mesh, is_causal=causal, dtype=dtype or self.dtype,
                      block=block, paper_fn=self.paper_fn)
+
+  def natural(self, name, causal, xs, mesh=None, dtype=None):
+    """``[out, dq, dk, dv]`` of implementation ``name`` (its default block, on ``mesh``,
+    default the run's) at natural-order ``xs``: a ring's inputs moved into its layout and
+    the results moved back."""
+    mesh = mesh or self.mesh
+    ring = mesh.shape[AXIS]
+    f, layout, one_dev = self.impl(name, causal, block_for(name, xs[0].shape[1] // ring), mesh,
+                                   dtype)
+    to, back = (functools.partial(g, layout=layout, ring_size=ring)
+                for g in (ring_jax.to_layout, ring_jax.from_layout))
+    return jax.jit(fwd_bwd(f) if one_dev else
+                   lambda *a: [back(x) for x in fwd_bwd(f)(*map(to, a))])(*xs)
 
 
 def memory_budget(gib):
@@ -196,7 +187,7 @@ def prepare_case(s, name, length, causal, block=None, timed=True, modes=MODES):
       status, todo[mode] = "pending", (compiled, n)
     row[f"{mode}_status"] = status
   if todo:
-    xs = inputs(jax.random.key(length), s.shape(length), s.dtype, sharding)
+    xs = common.normal_arrays(jax.random.key(length), [s.shape(length)] * 4, s.dtype, sharding)
     todo = {mode: (c, xs[:n]) for mode, (c, n) in todo.items()}
   return row, todo
 
@@ -220,9 +211,8 @@ def matmul_case(s, flops):
   Returns ``(compiled, args, flops)``."""
   n = s.ring
   m = max(64, int(round((flops / (2 * n)) ** (1 / 3) / 32)) * 32)
-  sh = NamedSharding(s.mesh, P(AXIS, None, None))
-  a, b = (jax.device_put(jax.random.normal(jax.random.key(i), (n, m, m), jnp.float32)
-                         .astype(s.dtype), sh) for i in (1, 2))
+  a, b = common.normal_arrays(jax.random.key(1), [(n, m, m)] * 2, s.dtype,
+                              NamedSharding(s.mesh, P(AXIS, None, None)))
   f = jax.jit(lambda a, b: jnp.einsum("nij,njk->nik", a, b,
                                       preferred_element_type=jnp.float32))
   return f.lower(a, b).compile(), (a, b), 2 * n * m ** 3
@@ -347,7 +337,7 @@ def check(s, args, names, masks, result, save):
   length = min(min(args.lengths), 4096)
   print(f"\n== correctness vs ring_jax.reference_attention at L={length} (max abs error) ==",
         flush=True)
-  xs = inputs(jax.random.key(7), s.shape(length), s.dtype)
+  xs = common.normal_arrays(jax.random.key(7), [s.shape(length)] * 4, s.dtype)
   for causal in masks:
     ref = functools.partial(ring_jax.reference_attention, is_causal=causal)
     want = [np.asarray(w, np.float32) for w in jax.jit(fwd_bwd(ref))(*xs)]
@@ -355,10 +345,8 @@ def check(s, args, names, masks, result, save):
     for name in names:
       c = dict(impl=name, length=length, causal=causal)
       try:
-        f, layout, one_dev = s.impl(name, causal, block_for(name, length // s.ring))
-        got = (jax.jit(fwd_bwd(f)) if one_dev else natural_fwd_bwd(f, layout, s.ring))(*xs)
         errs = {nm: float(np.max(np.abs(np.asarray(x, np.float32) - w)))
-                for nm, x, w in zip(GRADS, got, want)}
+                for nm, x, w in zip(GRADS, s.natural(name, causal, xs), want)}
         c.update(max_abs_err=errs, ok=all(e <= tol for e in errs.values()), tol=float(tol))
       except Exception as e:  # noqa: BLE001
         c.update(ok=False, error=common.error_line(e))
@@ -386,7 +374,8 @@ def bf16(s, args, names, masks, result, save):
   print(f"\n== bf16 relative error (||x - x64|| / ||x64||) vs float64 oracle, causal, "
         f"L={length} ==\n  {'impl':<34} {'ring':>4}  {'out':>8}  {'dq':>8}  "
         f"{'dk':>8}  {'dv':>8}", flush=True)
-  xs = inputs(jax.random.key(3), (1, length, s.heads, s.head_dim), jnp.bfloat16)
+  xs = common.normal_arrays(jax.random.key(3), [(1, length, s.heads, s.head_dim)] * 4,
+                           jnp.bfloat16)
   want = oracle_f64(*xs, True)
   rel = lambda got: {nm: float(np.linalg.norm(np.asarray(x, np.float64) - w) /  # noqa: E731
                                np.linalg.norm(w)) for nm, x, w in zip(GRADS, got, want)}
@@ -397,8 +386,7 @@ def bf16(s, args, names, masks, result, save):
     mesh = common.make_mesh((ring,), (AXIS,))
     for name in impls:
       try:
-        f, layout, _ = s.impl(name, True, block_for(name, length // ring), mesh, jnp.bfloat16)
-        got = natural_fwd_bwd(f, layout, ring)(*xs)
+        got = s.natural(name, True, xs, mesh, jnp.bfloat16)
         mx = {nm: float(np.max(np.abs(np.asarray(x, np.float64) - w)))
               for nm, x, w in zip(GRADS, got, want)}
         rows.append(dict(impl=name, ring=ring, rel_err=rel(got), max_abs_err=mx))

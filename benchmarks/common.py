@@ -458,8 +458,7 @@ class Clock:
     return wrapped
 
 
-# --- Child processes (issue 48: data_pipeline.py) -----------------------------------------------
-
+# --- Child processes ------------------------------------------------------------------------------
 
 def run_python(args: Sequence[str], timeout: float = 1800) -> str:
   """The standard output of ``python args...`` run in the repository's root (this Python).
@@ -473,3 +472,38 @@ def run_python(args: Sequence[str], timeout: float = 1800) -> str:
     raise RuntimeError(f"{os.path.basename(args[0])} failed ({proc.returncode}):\n"
                        f"{proc.stderr[-2000:]}")
   return proc.stdout
+
+
+# --- Ring attention inputs on a sequence mesh (attention.py, compile_time.py, hop_profile.py,
+# --- sinks_softcap_cost.py, strategy_memory.py) -------------------------------------------------
+
+def floats(text: str) -> list[float]:
+  """The numbers of a comma-separated flag value (empty items skipped)."""
+  return [float(x) for x in text.split(",") if x]
+
+
+#: ``[B, L, ...]`` split over the mesh axis ``sequence`` on its dim 1.
+SEQ_SPEC = jax.sharding.PartitionSpec(None, "sequence")
+
+
+def ring_mesh(n: int) -> jax.sharding.Mesh:
+  """A mesh of the first ``n`` devices on one axis, ``sequence``."""
+  return make_mesh((n,), ("sequence",))
+
+
+def abstract_qkv(mesh: jax.sharding.Mesh, shape: Sequence[int],
+                 dtype=np.float32) -> jax.ShapeDtypeStruct:
+  """A ``jax.ShapeDtypeStruct`` of ``shape`` (``[B, L, N, H]``) split over ``mesh``'s
+  ``sequence`` axis: what a compile-only benchmark lowers the attention at."""
+  return jax.ShapeDtypeStruct(tuple(shape), dtype,
+                              sharding=jax.sharding.NamedSharding(mesh, SEQ_SPEC))
+
+
+def normal_arrays(key, shapes: Sequence[Sequence[int]], dtype=np.float32,
+                  sharding=None) -> list[jax.Array]:
+  """One standard normal array per shape of ``shapes`` (drawn in float32 from its own key of
+  ``jax.random.split(key, len(shapes))``, then cast to ``dtype``), placed with ``sharding``,
+  else uncommitted (usable on one device or a mesh)."""
+  keys = jax.random.split(key, len(shapes))
+  xs = [jax.random.normal(k, tuple(s), np.float32).astype(dtype) for k, s in zip(keys, shapes)]
+  return xs if sharding is None else [jax.device_put(x, sharding) for x in xs]

@@ -3,18 +3,10 @@
   PYTHONPATH=. python benchmarks/compile_time.py      # -> benchmarks/results/compile_time_cpu.json
   PYTHONPATH=. python benchmarks/compile_time.py --dry-run --out /tmp/compile_time.json
 
-Per case, ``ring_jax.ring_attention_sharded`` forward + backward (``jax.vjp``) on a ring of
-``--ring`` fake CPU devices at ``--length`` tokens, ``--heads`` x ``--head-dim``, float32,
-default blocks: the compiled module's text (``compiled.as_text()``) in lines and in HLO
-instructions, the compile seconds (median of ``--repeats`` compiles, each of a freshly
-traced and lowered function after ``jax.clear_caches()``, with JAX's persistent compilation
-cache off), and the compiled
-temp memory per device of the forward and of fwd+bwd (``memory_analysis()``). Cases: causal
-zigzag and contiguous at the library's default ``causal_routing`` and with it flipped (the
-routed / full-rotation comparison), non-causal zigzag and contiguous. Then the train step of
-``configs/tiny.py`` built by the shipped code (``benchmarks/fit.py``'s ``Planner``:
-``training.step.build_train_step`` on the config's mesh), at the config's batch: the same
-figures. Compile only: nothing runs.
+Per case of :data:`CASES` (``ring_jax.ring_attention_sharded`` fwd+bwd, float32, default
+blocks), then for ``configs/tiny.py``'s train step (``benchmarks/fit.py``'s ``Planner``): the
+compiled module's size, the median of ``--repeats`` fresh compiles and the compiled temp
+memory per device (benchmarks/README.md, "Compile time and strategy memory"). Compile only.
 """
 
 from __future__ import annotations
@@ -27,56 +19,50 @@ import sys
 import time
 
 import jax
-import jax.numpy as jnp
-from jax.sharding import NamedSharding, PartitionSpec as P
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import ring_jax  # noqa: E402
 from benchmarks import common  # noqa: E402
 from ring_jax.routing import check_routing  # noqa: E402
 
 common.fake_cpu_devices()
 
-#: (causal, layout, causal_routing); None: the library's default.
+#: (causal, layout, causal_routing; None: the library's default): causal zigzag and contiguous
+#: at the default routing and flipped, then non-causal.
 CASES = ((True, "zigzag", None), (True, "zigzag", True), (True, "contiguous", None),
          (True, "contiguous", False), (False, "zigzag", None), (False, "contiguous", None))
 INSTRUCTION = re.compile(r"^\s+(ROOT )?%?[\w.\-]+ = ")
 
 
-def program_figures(compiled, times) -> dict:
-  """The compiled module's text in lines and HLO instructions, and the compile seconds."""
-  lines = compiled.as_text().splitlines()
-  return dict(hlo_lines=len(lines),
-              hlo_instructions=sum(1 for line in lines if INSTRUCTION.match(line)),
-              compile_s=[round(t, 3) for t in times],
-              compile_median_s=round(statistics.median(times), 3))
-
-
-def timed_compiles(lower, repeats: int):
-  """``(compiled, [seconds per compile])``; ``lower()`` traces and lowers afresh each time."""
-  times, compiled = [], None
+def timed_compiles(lower, repeats: int) -> tuple:
+  """``(compiled, figures)``: ``lower()`` (tracing and lowering afresh) compiled ``repeats``
+  times; the figures: the last compiled module's text in lines and HLO instructions, and
+  the seconds of each compile and their median."""
+  times = []
   for _ in range(repeats):
     jax.clear_caches()  # no in-memory executable to reuse either
     lowered = lower()
     t0 = time.perf_counter()
     compiled = lowered.compile()
     times.append(time.perf_counter() - t0)
-  return compiled, times
+  lines = compiled.as_text().splitlines()
+  return compiled, dict(hlo_lines=len(lines),
+                        hlo_instructions=sum(1 for line in lines if INSTRUCTION.match(line)),
+                        compile_s=[round(t, 3) for t in times],
+                        compile_median_s=round(statistics.median(times), 3))
 
 
 def attention_case(mesh, causal, layout, routing, args):
-  x = jax.ShapeDtypeStruct((1, args.length, args.heads, args.head_dim), jnp.float32,
-                           sharding=NamedSharding(mesh, P(None, "sequence")))
+  x = common.abstract_qkv(mesh, (1, args.length, args.heads, args.head_dim))
 
   def attn():  # a new function object per call: traced and lowered afresh
     return functools.partial(ring_jax.ring_attention_sharded, mesh=mesh, is_causal=causal,
                              layout=layout, causal_routing=routing)
 
-  compiled, times = timed_compiles(
+  compiled, figures = timed_compiles(
       lambda: jax.jit(common.fwd_bwd(attn())).lower(x, x, x, x), args.repeats)
   return dict(causal=causal, layout=layout, causal_routing=routing,
-              routed=check_routing(routing, layout, causal), **program_figures(compiled, times),
+              routed=check_routing(routing, layout, causal), **figures,
               fwd_temp_bytes=common.temp_bytes(attn(), x, x, x),
               fwdbwd_temp_bytes=common.compiled_memory(compiled)["temp_size_in_bytes"])
 
@@ -89,25 +75,23 @@ def train_step_case(args):
   sizes = fit.resolve_mesh(config, len(jax.devices()), None)
   planner = fit.Planner(config, sizes, limit_bytes=2 ** 40)
   shape = (config.batch_size, config.data.seq_len)
-  compiled, times = timed_compiles(lambda: planner.step.lower(shape), args.repeats)
+  compiled, figures = timed_compiles(lambda: planner.step.lower(shape), args.repeats)
   return dict(config="configs/tiny.py", mesh=sizes, batch=list(shape),
-              attention=planner.model_cfg.attention, layout=planner.model_cfg.layout,
-              **program_figures(compiled, times),
+              attention=planner.model_cfg.attention, layout=planner.model_cfg.layout, **figures,
               temp_bytes=common.compiled_memory(compiled)["temp_size_in_bytes"])
 
 
 def main(argv=None) -> dict:
   ap = common.parser(__doc__, out="compile_time_cpu.json", length=4096, repeats=3, ring=8,
                      heads=8, head_dim=64)
-  ap.add_argument("--no-train-step", action="store_true", help="only the attention cases")
   ap.add_argument("--dry-run", action="store_true",
                   help="smoke test: 256 tokens, one compile each, two cases, no train step")
   args = ap.parse_args(argv)
   cases = CASES
   if args.dry_run:
-    args.length, args.repeats, args.no_train_step = 256, 1, True
+    args.length, args.repeats = 256, 1
     cases = (CASES[0], CASES[-1])
-  mesh = common.make_mesh((args.ring,), ("sequence",))
+  mesh = common.ring_mesh(args.ring)
   result = dict(meta=common.run_meta(
       argv, __file__, dry_run=args.dry_run, ring=args.ring, length=args.length,
       heads=args.heads, head_dim=args.head_dim, dtype="float32", repeats=args.repeats,
@@ -121,7 +105,7 @@ def main(argv=None) -> dict:
             f"{r['compile_median_s']:.2f} s {r['compile_s']}  temp fwd "
             f"{r['fwd_temp_bytes'] / 2**20:.1f} / fwd+bwd {r['fwdbwd_temp_bytes'] / 2**20:.1f} "
             "MiB", flush=True)
-    if not args.no_train_step:
+    if not args.dry_run:
       r = result["train_step"] = train_step_case(args)
       print(f"train step {r['config']} {r['mesh']} batch {r['batch']}: HLO {r['hlo_lines']:,} "
             f"lines {r['hlo_instructions']:,} instructions  compile {r['compile_median_s']:.2f} "

@@ -1,22 +1,11 @@
 """Where a ring's time goes: a profile of ring attention's fwd+bwd, by kind of work and by part.
 
 Runs ``ring_jax.ring_attention_sharded`` (forward + backward) under ``jax.profiler`` and adds
-up the time of every executed HLO instruction of the profiler's trace, classified by what its
-compiled HLO computes (a fusion by the ops it fuses; ``while``/``conditional`` only contain
-others and are not counted):
-
-* by kind: ``matmul`` (a ``dot``), ``exp``, ``select/compare`` (masks, the NaN-aware row
-  maxima), ``layout copies`` (copies, transposes, slices and their updates), ``transfer``
-  (collectives), ``other`` (the remaining elementwise work and reductions);
-* by part, from the ``jax.named_scope`` of each instruction (else of the loop, branch or
-  fusion that holds it): forward / backward, and in them the hop kernel's block loops
-  (``xla_hop_fwd_blocks`` / ``xla_hop_bwd_blocks``), the online-softmax ``merge``, the
-  transfers (XLA:CPU keeps no scope on its collectives: K/V and dK/dV count together) and
-  the rest (block tables, positions, non-finite flags, casts).
-
-On CPU the fake devices are threads sharing the cores: durations include waiting for a core
-and, in a collective, for the other devices. Read the shares, not the absolute times, and use
-``--ring 2`` (one device per core here).
+up the time of every executed HLO instruction of the trace, classified by what its compiled
+HLO computes (a fusion by the ops it fuses; :func:`_kind`: :data:`KINDS`) and by its
+``jax.named_scope`` (:func:`_part`: forward / backward, the hop kernel's block loops, the
+online-softmax ``merge``, the transfers, the rest). On CPU the fake devices are threads
+sharing the cores, so durations include waiting: read the shares, and use ``--ring 2``.
 
   PYTHONPATH=. python benchmarks/hop_profile.py --length 4096 --ring 2 --mask causal
 """
@@ -34,7 +23,6 @@ import tempfile
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import NamedSharding, PartitionSpec as P
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import ring_jax  # noqa: E402
@@ -84,6 +72,10 @@ def parse_hlo(hlo: str) -> dict[str, tuple[str, str]]:
 
 
 def _kind(op: str, ops: set[str]) -> str:
+  """The kind of an instruction ``op`` that computes ``ops`` (its fused ops too): ``control``
+  (loops, branches, calls: not counted, they only hold others), ``transfer`` (collectives),
+  ``matmul`` (a ``dot``), ``exp``, ``select/compare`` (masks, the NaN-aware row maxima),
+  ``layout copies`` (copies, transposes, slices), else ``other`` (elementwise, reductions)."""
   if op in _CONTROL:
     return "control"
   if any(c in o for o in ops for c in common.COLLECTIVES):
@@ -102,8 +94,11 @@ def _kind(op: str, ops: set[str]) -> str:
 
 
 def _part(kind: str, scope: str) -> str:
+  """``"<fwd|bwd>: <part>"`` of an instruction of ``kind`` in named ``scope``: the transfers
+  (XLA:CPU keeps no scope on its collectives: K/V and dK/dV count together), one of
+  :data:`PARTS`, else ``other`` (block tables, positions, non-finite flags, casts)."""
   direction = "bwd" if "ring_bwd" in scope or "transpose(" in scope else "fwd"
-  if kind == "transfer":  # XLA:CPU keeps no named scope on its collectives
+  if kind == "transfer":
     return f"{direction}: transfers"
   for part in PARTS:
     if part in scope:
@@ -115,11 +110,9 @@ def profile(length: int, layout: str, causal: bool, block: int | None, ring: int
             head_dim: int, steps: int) -> dict:
   """The ring's fwd+bwd (gradient of a sum of squares) profiled over ``steps`` calls: ms per
   step and device by kind (:data:`KINDS`) and by part (:func:`_part`), and the case."""
-  mesh = jax.make_mesh((ring,), ("sequence",))
-  sharding = NamedSharding(mesh, P(None, "sequence"))
-  keys = jax.random.split(jax.random.key(0), 3)
-  q, k, v = (jax.device_put(jax.random.normal(key, (1, length, heads, head_dim)), sharding)
-             for key in keys)
+  mesh = common.ring_mesh(ring)
+  q, k, v = common.normal_arrays(jax.random.key(0), [(1, length, heads, head_dim)] * 3,
+                                 sharding=jax.sharding.NamedSharding(mesh, common.SEQ_SPEC))
 
   def loss(q, k, v):
     out = ring_jax.ring_attention_sharded(q, k, v, mesh=mesh, is_causal=causal, layout=layout,

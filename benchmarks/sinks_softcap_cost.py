@@ -1,21 +1,14 @@
 """What attention sinks and the logit soft-cap cost the xla hop: ring fwd+bwd, interleaved.
 
-Times ``ring_attention_sharded(hop_kernel="xla")`` forward + backward (the gradients of q, k,
-v, and of the sinks where given) on a ring of ``--ring`` fake CPU devices, in four
-configurations compiled once each and then called in turn, ``--repeats`` rounds (so a
-busy machine slows every configuration alike): ``plain``, ``+sinks`` (one logit per query
-head, applied once to the ring's result), ``+softcap`` (``c * tanh(s / c)`` on every score)
-and ``+both``, per head dim of ``--head-dim`` (a comma-separated list: each head dim's four
-are interleaved among themselves). Each row records the best and the median process CPU
-seconds and wall seconds (:func:`benchmarks.common.timed_call`) and their ratio to ``plain``
-at its head dim in the same run; the issue's bound is ``ratio <= --bound`` (1.10) for each.
-Inputs in the layout's order (``inputs_in_layout=True``), so only the attention is timed.
+``ring_attention_sharded(hop_kernel="xla")`` causal fwd+bwd (the gradients of q, k, v, sinks)
+on a ring of ``--ring`` fake CPU devices, inputs in the layout's order, in the four
+:data:`CONFIGS` per head dim of ``--head-dim``, compiled once each and then timed
+round-robin (``common.interleaved``), ``--repeats`` rounds. Per row: the best and median
+process CPU and wall seconds and their ratio to ``plain`` at its head dim, against the
+issue's bound ``--bound``. Run it on a quiet machine: the figures are times.
 
     python benchmarks/sinks_softcap_cost.py --head-dim 64,128,256   # 4K tokens, ring of 8
     python benchmarks/sinks_softcap_cost.py --length 512 --repeats 2 --out ''   # a smoke run
-
-Writes ``benchmarks/results/sinks_softcap_cost.json`` (``--out``). Run it on a quiet
-machine: the figures are times.
 """
 
 from __future__ import annotations
@@ -25,12 +18,13 @@ import sys
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import ring_jax  # noqa: E402
 from benchmarks import common  # noqa: E402
 
+#: ``+sinks``: one logit per query head, applied once to the ring's result; ``+softcap``:
+#: ``c * tanh(s / c)`` on every score.
 CONFIGS = ("plain", "+sinks", "+softcap", "+both")
 
 
@@ -41,7 +35,6 @@ def parse_args(argv=None):
   p.add_argument("--head-dim", type=common.ints, default=[64],
                  help="comma-separated head dims (each its own interleaved set of four)")
   p.add_argument("--layout", default="zigzag")
-  p.add_argument("--no-causal", dest="causal", action="store_false")
   p.add_argument("--soft-cap", type=float, default=50.0, help="logits_soft_cap of +softcap")
   p.add_argument("--bound", type=float, default=1.10, help="the issue's bound on each ratio")
   return p.parse_args(argv)
@@ -52,7 +45,7 @@ def time_configs(args, mesh, q, k, v, do, sinks) -> list[dict]:
   def step(config):
     def loss(q, k, v, z):
       out = ring_jax.ring_attention_sharded(
-          q, k, v, mesh=mesh, is_causal=args.causal, layout=args.layout,
+          q, k, v, mesh=mesh, is_causal=True, layout=args.layout,
           inputs_in_layout=True, hop_kernel="xla",
           sinks=z if config in ("+sinks", "+both") else None,
           logits_soft_cap=args.soft_cap if config in ("+softcap", "+both") else None)
@@ -87,22 +80,21 @@ def main(argv=None):
   if jax.device_count() < args.ring:
     raise SystemExit(f"needs {args.ring} devices, have {jax.device_count()} (XLA_FLAGS set "
                      "before jax was imported?)")
-  mesh = common.make_mesh((args.ring,), ("sequence",))
-  rng = np.random.default_rng(0)
-  normal = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)  # noqa: E731
-  b, length, n, kh = 1, args.length, args.heads, args.kv_heads
-  sinks = normal(n) * 3.0
+  mesh = common.ring_mesh(args.ring)
+  length, n, kh = args.length, args.heads, args.kv_heads
+  sinks = common.normal_arrays(jax.random.key(1), [(n,)])[0] * 3.0
   rows = []
   for h in args.head_dim:
-    rows += time_configs(args, mesh, normal(b, length, n, h), normal(b, length, kh, h),
-                         normal(b, length, kh, h), normal(b, length, n, h), sinks)
+    q, k, v, do = common.normal_arrays(jax.random.key(h), [(1, length, n, h)] + [
+        (1, length, kh, h)] * 2 + [(1, length, n, h)])
+    rows += time_configs(args, mesh, q, k, v, do, sinks)
   return common.save(args.out, dict(
       common.run_meta(argv, __file__),
       about="ring_attention_sharded(hop_kernel='xla') fwd+bwd with sinks / soft-cap vs "
             "without, interleaved in one process; ratios to 'plain' of the best process CPU "
             "(and wall) seconds at the same head dim",
       length=length, ring=args.ring, heads=n, kv_heads=kh, head_dims=args.head_dim,
-      dtype="float32", layout=args.layout, is_causal=args.causal, soft_cap=args.soft_cap,
+      dtype="float32", layout=args.layout, is_causal=True, soft_cap=args.soft_cap,
       repeats=args.repeats, bound=args.bound, rows=rows))
 
 

@@ -1,12 +1,10 @@
 """Compiled memory per device of each sequence-parallel strategy, beside ``ring_jax.plan``'s.
 
-  PYTHONPATH=. python benchmarks/strategy_memory.py   # -> benchmarks/results/strategy_memory_cpu.json
+  PYTHONPATH=. python benchmarks/strategy_memory.py   # -> results/strategy_memory_cpu.json
 
-``ring_jax.attention_sharded(..., strategy=S)`` forward and forward + backward (``jax.vjp``)
-on ``--devices`` fake CPU devices (one ``sequence`` axis), ``--length`` tokens, ``--heads`` x
-``--head-dim``, float32, causal ``--layout``, default blocks: the compiled temp memory per
-device (``memory_analysis().temp_size_in_bytes``), and the memory ``ring_jax.plan`` counts
-for the same call (``Estimate.memory_bytes``, fwd+bwd). Compile only: nothing runs.
+Per strategy, the compiled temp memory per device (``memory_analysis()``) of
+``ring_jax.attention_sharded`` forward and fwd+bwd (causal, float32, default blocks) and the
+memory ``ring_jax.plan`` counts for the same call (``Estimate.memory_bytes``). Compile only.
 """
 
 from __future__ import annotations
@@ -15,18 +13,11 @@ import functools
 import os
 import sys
 
-import jax
-import jax.numpy as jnp
-from jax.sharding import NamedSharding, PartitionSpec as P
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import ring_jax  # noqa: E402
 from benchmarks import common  # noqa: E402
 
 common.fake_cpu_devices()
-
-STRATEGIES = ("ring", "ulysses", "all_gather")
 
 
 def main(argv=None) -> dict:
@@ -34,16 +25,14 @@ def main(argv=None) -> dict:
                      head_dim=64)
   ap.add_argument("--devices", type=int, default=8)
   ap.add_argument("--layout", default="zigzag")
-  ap.add_argument("--strategies", type=common.strs, default=list(STRATEGIES))
   args = ap.parse_args(argv)
-  mesh = common.make_mesh((args.devices,), ("sequence",))
-  x = jax.ShapeDtypeStruct((1, args.length, args.heads, args.head_dim), jnp.float32,
-                           sharding=NamedSharding(mesh, P(None, "sequence")))
+  mesh = common.ring_mesh(args.devices)
+  x = common.abstract_qkv(mesh, (1, args.length, args.heads, args.head_dim))
   plan = ring_jax.plan(batch=1, seq_len=args.length, heads=args.heads, kv_heads=args.heads,
                        head_dim=args.head_dim, dtype="float32", is_causal=True,
                        layout=args.layout, sequence=args.devices, device="cpu")
   rows = []
-  for strategy in args.strategies:
+  for strategy in ("ring", "ulysses", "all_gather"):
     f = functools.partial(ring_jax.attention_sharded, mesh=mesh, strategy=strategy,
                           seq_axis="sequence", batch_axis=None, is_causal=True,
                           layout=args.layout)

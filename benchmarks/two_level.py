@@ -1,34 +1,41 @@
-"""Bytes over each mesh axis of the two-level ring vs the flat ring, from the compiled HLO.
+"""Bytes over each mesh axis of the two-level ring vs the flat ring, from the compiled HLO;
+``matrix``: the rings' compiled footprint over a fixed matrix, to compare two ring loops.
 
-For ``seq_axis=(outer, inner)`` the sequence is split over both axes, outer-major. The flat
-ring (``ring_jax.ring_attention(axis_name=(outer, inner))``) sends every hop to the next ring
-index, so each of its ``n - 1`` hops waits for the slow (outer) link; the two-level ring
-(:mod:`ring_jax.two_level`) sends over it ``n_o - 1`` times (the backward's dK/dV ``n_o``
-times), each transfer issued a whole inner ring before it is read; routed
-(``causal_routing=True``) each part of a group's K/V goes only to the groups that see it.
-:func:`permute_traffic` counts what each sends, from the compiled program alone (no timing);
-docs/benchmarks.md, "Two link levels".
+:func:`permute_traffic` counts what every collective-permute of a compiled program sends (no
+timing): the flat ring (``ring_jax.ring_attention`` over both axes), the two-level ring
+(:mod:`ring_jax.two_level`) in full rotation and routed (docs/benchmarks.md, "Two link
+levels"). ``matrix`` measures each cell of :func:`cells` (:func:`measure_cell`), optionally
+compiled for a TPU slice; ``matrix --compare`` prints the cells whose figures differ and
+exits non-zero when one got worse (docs/performance.md, "One ring loop"). Commands:
+benchmarks/README.md, "Two link levels".
 
   PYTHONPATH=. python benchmarks/two_level.py   # -> results/two_level_cpu.json, a table
+  PYTHONPATH=. python benchmarks/two_level.py matrix --compare BEFORE.json AFTER.json
 """
 
 from __future__ import annotations
 
 import collections
+import datetime
 import functools
+import itertools
+import json
 import math
 import os
 import re
 import sys
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-from jax.sharding import PartitionSpec as P
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import ring_jax  # noqa: E402
 from benchmarks import common  # noqa: E402
+from ring_jax import topology  # noqa: E402
 
 common.fake_cpu_devices()
 
@@ -155,8 +162,7 @@ def compile_ring(split, *, two_level: bool, backward: bool, is_causal: bool, len
   ``layout="document"`` adds an int32 ``segment_ids`` input; ``ring_kw`` (blocks, hop kernel,
   window) and ``causal_routing`` (default here: off) go to the ring."""
   axes = AXES if len(split) == 2 else ("sequence",)
-  devices = jax.devices() if devices is None else devices
-  mesh = jax.sharding.Mesh(np.asarray(devices[:math.prod(split)]).reshape(split), axes)
+  mesh = common.make_mesh(split, axes, devices)
   seq = axes if len(axes) == 2 else axes[0]
   attend = ring_jax.two_level_ring_attention if two_level else ring_jax.ring_attention
   kw = dict(ring_kw, axis_name=seq, is_causal=is_causal, layout=layout,
@@ -206,11 +212,136 @@ def print_table(rows, out=sys.stdout):
           f"{r['inner_bytes'] / mib:>10.2f}", file=out)
 
 
+# --- matrix: the rings' compiled footprint over a fixed matrix ---------------------------------
+
+RINGS = ("2", "4", "8", "2x2", "4x2")
+LAYOUTS = ("contiguous", "zigzag", "striped", "document")
+MASKS = ("causal", "full", "window")
+PASSES = ("fwd", "fwd+bwd")
+LOCAL_LEN = 128   # tokens per device
+BLOCK = 32
+WINDOW = (160, 0)  # causal, reaching a bit over one shard back
+HEADS, KV_HEADS, HEAD_DIM = 4, 2, 32
+# (figure, better when) compared by --compare
+FIGURES = (("permutes", "lower"), ("permute_bytes", "lower"), ("temp_bytes", "lower"),
+           ("hlo_chars", "lower"), ("ring_in_flight", "higher"))
+
+
+def cells(rings, layouts, masks, passes):
+  """The matrix's cells as dicts (document: no window, the layout takes none)."""
+  for ring, layout, mask, routed, pass_ in itertools.product(rings, layouts, masks,
+                                                             (False, True), passes):
+    if not (layout == "document" and mask == "window"):
+      yield dict(ring=ring, layout=layout, mask=mask, routed=routed, pass_=pass_)
+
+
+def measure_cell(cell, devices, tpu: bool) -> dict:
+  """One cell compiled on its local shards (:func:`compile_ring`, on the first ``devices``):
+  the collective-permutes executed per run and the bytes they move over all links together
+  (:func:`permute_traffic`), ``memory_analysis()`` temp bytes, the HLO's size
+  (:func:`program_chars`) and, ``tpu`` (a TPU slice's devices), the ring transfers in flight
+  during block compute (:func:`ring_jax.analysis.overlap_report`)."""
+  split = tuple(int(x) for x in cell["ring"].split("x"))
+  compiled = compile_ring(
+      split, two_level=len(split) == 2, backward=cell["pass_"] == "fwd+bwd",
+      is_causal=cell["mask"] != "full", length=LOCAL_LEN * math.prod(split), heads=HEADS,
+      kv_heads=KV_HEADS, head_dim=HEAD_DIM, layout=cell["layout"],
+      causal_routing=cell["routed"], devices=devices, block_q=BLOCK, block_kv=BLOCK,
+      hop_kernel="xla", local_window_size=WINDOW if cell["mask"] == "window" else None)
+  text = compiled.as_text()
+  ops = permute_traffic(text, split)
+  row = dict(cell, permutes=sum(op["runs"] for op in ops),
+             permute_bytes=sum(op["bytes"] * op["runs"] * op["pairs"] for op in ops),
+             temp_bytes=int(compiled.memory_analysis().temp_size_in_bytes),
+             hlo_chars=program_chars(text))
+  if tpu:
+    from ring_jax import analysis
+    row["ring_in_flight"], row["ring_transfers"] = analysis.overlap_report(compiled).ring()
+  return row
+
+
+_METADATA = re.compile(r",? ?metadata=\{[^}]*\}")
+_NUMBERING = re.compile(r"(?<=[A-Za-z_])\.\d+|\.clone|(?<=region)_\d+")
+
+
+def program_chars(text: str) -> int:
+  """Characters of an HLO module's computations without their debug information: from the
+  first computation on (the stack-frame tables before it name source files and lines),
+  without each instruction's ``metadata={...}``, and with the compiler's numbering of names
+  dropped (``%fusion.123`` counts as ``%fusion``, ``region_7.clone.clone`` as ``region``: the
+  same program numbered from another counter is the same size)."""
+  lines = text.splitlines()
+  start = next((i for i, line in enumerate(lines) if line.startswith(("%", "ENTRY"))), 0)
+  return len(_NUMBERING.sub("", _METADATA.sub("", "\n".join(lines[start:]))))
+
+
+def key(row) -> str:
+  return (f"{row['ring']} {row['layout']}-{row['mask']}{'+routed' if row['routed'] else ''} "
+          f"{row['pass_']}")
+
+
+def compare(before_path, after_path) -> int:
+  """Prints the cells whose figures differ; 1 when one got worse (or is missing), else 0."""
+  load = lambda p: {key(r): r for r in json.load(open(p))["rows"]}  # noqa: E731
+  before, after = load(before_path), load(after_path)
+  counts = collections.Counter()
+  for k, b in before.items():
+    a = after.get(k)
+    if a is None:
+      print(f"{k}: missing after")
+      counts["worse"] += 1
+      continue
+    changed = [(fig, (a[fig] > b[fig]) == (good == "lower")) for fig, good in FIGURES
+               if fig in a and fig in b and a[fig] != b[fig]]
+    counts["worse" if any(bad for _, bad in changed) else
+           "better" if changed else "equal"] += 1
+    if changed:
+      print(f"{k}: " + "; ".join(f"{fig} {b[fig]} -> {a[fig]}{' WORSE' if bad else ''}"
+                                 for fig, bad in changed))
+  print(f"{len(before)} cells: {counts['equal']} equal, {counts['better']} better, "
+        f"{counts['worse']} worse")
+  return 1 if counts["worse"] else 0
+
+
+def matrix(args) -> int:
+  """The ``matrix`` command: every cell's figures, written after each cell (a long run
+  stopped early keeps what it measured); ``--compare``: :func:`compare`."""
+  if args.compare:
+    return compare(*args.compare)
+  devices = topology.devices(args.topology) if args.topology else jax.devices()
+  header = dict(label=args.label, date=datetime.date.today().isoformat(),
+                jax=jax.__version__, platform=args.topology or jax.default_backend(),
+                shapes=dict(local_len=LOCAL_LEN, block=BLOCK, window=WINDOW, heads=HEADS,
+                            kv_heads=KV_HEADS, head_dim=HEAD_DIM, dtype="float32"))
+  rows = []
+  for cell in cells(args.rings, args.layouts, args.masks, args.passes):
+    r = measure_cell(cell, devices, tpu=bool(args.topology))
+    rows.append(r)
+    print(f"{key(r):45s} permutes {r['permutes']:4d} bytes {r['permute_bytes']:10d} "
+          f"temp {r['temp_bytes']:10d} hlo {r['hlo_chars']:9d}"
+          + (f" in flight {r['ring_in_flight']}/{r['ring_transfers']}" if args.topology
+             else ""), flush=True)
+    if args.out:
+      common.write_result(args.out, dict(header, rows=rows))
+  return 0
+
+
 def main(argv=None):
   ap = common.parser(__doc__, out="two_level_cpu.json", length=8192)
   ap.add_argument("--non-causal", action="store_true")
   ap.add_argument("--layout", default="zigzag")
+  sub = ap.add_subparsers(dest="command")
+  mx = sub.add_parser("matrix", help="the rings' compiled footprint over a fixed matrix")
+  mx.add_argument("--out", default="", help="result file (JSON)")
+  mx.add_argument("--topology", default=None, help="compile for this TPU slice (8 chips)")
+  for flag, values in (("rings", RINGS), ("layouts", LAYOUTS), ("masks", MASKS),
+                       ("passes", PASSES)):
+    mx.add_argument(f"--{flag}", type=common.strs, default=list(values))
+  mx.add_argument("--label", default="")
+  mx.add_argument("--compare", nargs=2, metavar=("BEFORE", "AFTER"))
   args = ap.parse_args(argv)
+  if args.command == "matrix":
+    return matrix(args)
   rows = measure(length=args.length, is_causal=not args.non_causal, layout=args.layout)
   print_table(rows)
   common.write_result(args.out, dict(
@@ -220,4 +351,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-  main()
+  result = main()
+  sys.exit(result if isinstance(result, int) else 0)

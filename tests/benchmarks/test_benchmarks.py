@@ -344,6 +344,33 @@ def test_attention_block_sweep(tmp_path, capsys):
   assert "| L | mask | layout | 8 | 32 |" in table and "| 128 | causal | zigzag | " in table
 
 
+def test_two_level_matrix_cells_and_compare(tmp_path, capsys):
+  """benchmarks/two_level.py matrix: 22 cells per ring and pass (document takes no window);
+  --compare counts a cell equal, better or worse from its figures and exits 1 on a worse one
+  or a missing one."""
+  import json
+
+  from benchmarks import two_level
+
+  cells = list(two_level.cells(["2"], two_level.LAYOUTS, two_level.MASKS, ["fwd"]))
+  assert len(cells) == 22 and not any(c["layout"] == "document" and c["mask"] == "window"
+                                      for c in cells)
+  base = [dict(c, permutes=4, permute_bytes=100, temp_bytes=10, hlo_chars=50)
+          for c in cells[:3]]
+  after = [dict(base[0]), dict(base[1], permutes=2), dict(base[2], temp_bytes=11)]
+  paths = []
+  for name, rows in (("before", base), ("after", after), ("short", after[:2])):
+    paths.append(tmp_path / f"{name}.json")
+    paths[-1].write_text(json.dumps(dict(rows=rows)))
+  capsys.readouterr()
+  assert two_level.main(["matrix", "--compare", str(paths[0]), str(paths[1])]) == 1
+  out = capsys.readouterr().out
+  assert "3 cells: 1 equal, 1 better, 1 worse" in out and "temp_bytes 10 -> 11 WORSE" in out
+  assert two_level.main(["matrix", "--compare", str(paths[0]), str(paths[0])]) == 0
+  assert two_level.main(["matrix", "--compare", str(paths[0]), str(paths[2])]) == 1
+  assert "missing after" in capsys.readouterr().out
+
+
 def test_hop_profile_attributes_the_ring_by_kind_and_part():
   """benchmarks/hop_profile.py: the compiled HLO's block matmuls are 'matmul' inside the hop
   kernel's named loops, and a profiled ring's time lands in those kinds and parts."""
