@@ -1,10 +1,7 @@
-"""Throughput/MFU accounting, metric sinks (TensorBoard, JSONL, console), the one-step-behind
-step metrics with their divergence check, the profile of ``config.profile_steps``, the eval.
-
-MFU = model FLOP/s achieved / peak FLOP/s of the devices: model FLOPs from
-``LlamaConfig.flops_per_token`` (attention included, forward + backward), the peak from
-:func:`peak_flops_per_device`.
-"""
+"""Throughput/MFU accounting (model FLOP/s from ``LlamaConfig.flops_per_token``, attention
+included, forward + backward, over :func:`peak_flops_per_device`), metric sinks (TensorBoard,
+JSONL, console), the one-step-behind step metrics with their divergence check, the profile
+of ``config.profile_steps``, the eval."""
 
 from __future__ import annotations
 
@@ -53,8 +50,7 @@ class Throughput:
 
   def __init__(self, *, tokens_per_step: int, flops_per_token: float, peak_flops: float,
                num_devices: int):
-    self.tokens_per_step = tokens_per_step
-    self.flops_per_token = flops_per_token
+    self.tokens_per_step, self.flops_per_token = tokens_per_step, flops_per_token
     self.peak_total = peak_flops * num_devices
     self.reset()
 
@@ -219,8 +215,6 @@ class StepMetrics:
     rows, self._window = self._window, []
     return {k: float(np.mean([r[k] for r in rows])) for k in self.WINDOW_KEYS}
 
-
-# --- Profiling --------------------------------------------------------------------------------
 
 
 class Profile:
