@@ -156,9 +156,7 @@ class Progress:
     self._t0 = time.perf_counter()
 
   def line(self, step: int, m: dict[str, float]) -> str:
-    done = step - self.start
-    elapsed = time.perf_counter() - self._t0
-    eta = elapsed / max(done, 1) * (self.total - step)
+    eta = (time.perf_counter() - self._t0) / max(step - self.start, 1) * (self.total - step)
     return (f"step {step:>6}/{self.total} | loss {m['loss']:.4f} | acc {m['accuracy']:.3f} | "
             f"lr {m['learning_rate']:.2e} | gnorm {m['grad_norm']:.3f} | "
             f"{m['tokens_per_s']:,.0f} tok/s | {m['step_time_s'] * 1e3:.0f} ms/step | "
