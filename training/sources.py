@@ -1,14 +1,11 @@
 """Streamed document sources: ``.jsonl``/``.json``, ``.txt``, ``.parquet`` and ArrayRecord files.
 
-A corpus (a file, a directory searched recursively, or a glob) is cut into spans (:class:`Span`),
-half-open ranges of one file's *units* (bytes of line files, parquet rows, ArrayRecord
-records), measured without reading the file, then split (:func:`split_spans`) and sharded
-(:func:`shard_spans`). A byte range owns every line that *starts* inside it, so any cut gives
-each line to one reader, which seeks to its range. A ``.txt`` file (or a range of one) is one
-document, read in pieces of about ``TXT_PIECE_BYTES`` cut at line ends. Parquet is read by
-row-group batches with ``pyarrow`` (Grain's ``ParquetIterDataset`` reads whole files). Bad
-records are counted by kind with their first locations and skipped, or raise
-:class:`DataError` when ``strict``; blank lines of a ``.jsonl`` file are not records.
+A corpus is cut into spans (:class:`Span`), half-open ranges of one file's *units* (bytes of
+line files, parquet rows, ArrayRecord records), measured without reading the file, then split
+(:func:`split_spans`) and sharded (:func:`shard_spans`); a byte range owns every line that
+*starts* inside it, so any cut gives each line to one reader. Parquet is read by row-group
+batches (Grain's ``ParquetIterDataset`` reads whole files). docs/training.md, "Data", has the
+formats, the bad records and the resume.
 """
 
 from __future__ import annotations

@@ -1,11 +1,7 @@
 """Tokenizers for the text pipeline: bytes, a Hugging Face ``tokenizer.json``, SentencePiece.
 
-:func:`load_tokenizer` (``config.data.tokenizer``) takes ``"byte"`` (UTF-8 bytes past three
-special ids, vocab 259), a ``tokenizer.json`` (the ``tokenizers`` package), a SentencePiece
-``*.model``, or a directory holding one (``tokenizer.json`` preferred, as ``transformers``).
-A document is ``[BOS] ids [EOS]``, each special added as ``tokenizer_config.json`` /
-``special_tokens_map.json`` say, else as a ``tokenizer.json``'s post-processor adds it, else
-(SentencePiece) whenever the model defines it. Nothing is fetched.
+:func:`load_tokenizer` loads ``config.data.tokenizer`` (nothing is fetched); a document is
+``[BOS] ids [EOS]``, each special token added as docs/training.md ("Data", Tokenizer) says.
 """
 
 from __future__ import annotations
