@@ -1,11 +1,9 @@
-"""Orbax checkpoints: train state + data iterator state, restorable onto any mesh.
-
-A step holds ``state`` (``{"params", "opt_state"}``, ``StandardSave``: each process writes
-the shards it owns) and ``data`` (the Grain iterator state, JSON); restoring into
-``ShapeDtypeStruct`` targets with the current mesh's shardings resumes on any mesh shape.
-Beyond Orbax (docs/training.md, "When things go wrong"): a non-finite state is never
-written, a failed background save is one :class:`CheckpointWriteError`, and
-:meth:`Checkpointer.restore_latest` falls back past steps that do not restore.
+"""Orbax checkpoints: train state (``{"params", "opt_state"}``, each process writing the
+shards it owns) + data iterator state (JSON), restorable onto any mesh (``ShapeDtypeStruct``
+targets with the current mesh's shardings). Beyond Orbax (docs/training.md, "When things go
+wrong"): a non-finite state is never written, a failed background save is one
+:class:`CheckpointWriteError`, and :meth:`Checkpointer.restore_latest` falls back past steps
+that do not restore.
 """
 
 from __future__ import annotations

@@ -283,13 +283,9 @@ class PeerWatchdog:
 
 
 class StopRequest:
-  """SIGTERM / SIGINT -> finish the current step, agree on it, save, exit cleanly.
-
-  One process: a handler sets a flag the loop reads after each step. Several: JAX's
-  preemption notifier takes SIGTERM to every process (SIGINT is re-sent as SIGTERM) and
-  :meth:`reached` is ``reached_preemption_sync_point(step)``, True everywhere at one step.
-  A second signal of the same kind re-sends it to the previous handler (exits at once).
-  """
+  """SIGTERM / SIGINT -> finish the current step, agree on it, save, exit cleanly: several
+  processes agree through JAX's preemption notifier (SIGINT re-sent as SIGTERM; docs/training.md,
+  "Preemption"). A second signal of the same kind goes to the previous handler (exits at once)."""
 
   SIGNALS = (signal.SIGTERM, signal.SIGINT)
 

@@ -87,14 +87,10 @@ _WRITERS = itertools.count()  # one event file per MetricWriter of a process
 
 
 class MetricWriter:
-  """TensorBoard event files (tensorboardX's ``SummaryWriter``) + ``metrics.jsonl`` in the
-  workdir; only process 0 writes.
-
-  One curve per workdir: a run resumed from ``resume_step`` drops the JSONL rows past it
-  and tells TensorBoard to purge events from ``resume_step + 1`` on (``purge_step``). Each
-  :meth:`write` adds its float32 scalars at ``step`` to ``tensorboard/events.out.tfevents.*``
-  (a new file per writer) and is on disk when it returns.
-  """
+  """TensorBoard event files (tensorboardX's ``SummaryWriter``, a new file per writer) +
+  ``metrics.jsonl`` in the workdir, written by process 0 and on disk when :meth:`write`
+  returns; one curve per workdir: a run resumed from ``resume_step`` drops the JSONL rows past
+  it and purges TensorBoard's events from ``resume_step + 1`` on (``purge_step``)."""
 
   def __init__(self, workdir: str, *, resume_step: int = 0, enabled: bool | None = None):
     self.enabled = jax.process_index() == 0 if enabled is None else enabled
