@@ -1,21 +1,14 @@
 """Length buckets: each batch on the ring its longest row needs (``data.length_buckets``).
 
-With buckets ``(L_1, ..., L_k)`` (sorted, each ``<= data.seq_len = L``, which is always the
-last) bucket ``b`` holds ``B * L / L_b`` rows (``B = batch_size``) of ``L_b`` tokens on a ring
-of ``n_b = n * L_b / L`` devices: the same tokens per step and device as the one-ring run,
-the rest of the sequence devices joining the data parallelism. :func:`bucket_mesh` re-splits
-the mesh's ``data x sequence`` devices in the same order, so parameters and optimizer state
-keep their one sharding in every bucket's step.
-
-:class:`BucketedBatches` puts each document into the shortest bucket it fits (one longer
-than ``L`` is cut into pieces of ``L``), packs each bucket's rows greedily without cutting
-a document, and yields whichever bucket fills its batch first. Attention never crosses a
-document, so the summed loss and gradients are those of any other packing. Text data, one
-process.
+Bucket ``b`` holds ``batch_size * seq_len / L_b`` rows of ``L_b`` tokens on a ring of
+``sequence * L_b / seq_len`` devices of the same mesh, re-split (:func:`bucket_mesh`), so the
+state keeps one sharding; :class:`BucketedBatches` packs whole documents per bucket (text
+data, one process). docs/training.md, "Length buckets", has the whole story.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from typing import Any
 
@@ -153,15 +146,13 @@ class BucketedBatches:
     return index, data_lib.to_layout_np(batch, self._layout, bucket.ring)
 
   def get_state(self) -> dict[str, Any]:
-    rows = lambda rs: [[list(doc) for doc in row] for row in rs]  # noqa: E731 (a copy)
-    return dict(source=self._it.get_state(), pending=[rows(r) for r in self._pending],
-                full=[[b, rows(r)] for b, r in self._full])
+    return copy.deepcopy(dict(source=self._it.get_state(), pending=self._pending,
+                              full=self._full))
 
   def set_state(self, state: dict[str, Any]) -> None:
-    from training import data as data_lib
-    self._it.set_state(data_lib._fix_json_state(state["source"]))
-    self._pending = [[list(map(list, row)) for row in rows] for rows in state["pending"]]
-    self._full = [[int(b), [list(map(list, row)) for row in rows]] for b, rows in state["full"]]
+    state = copy.deepcopy(state)
+    self._it.set_state(state["source"])  # the document stream's state: JSON as it is
+    self._pending, self._full = state["pending"], state["full"]
 
 
 def pack_rows(rows: list[list[list[int]]], length: int) -> dict[str, np.ndarray]:

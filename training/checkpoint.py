@@ -1,11 +1,9 @@
-"""Orbax checkpoints: train state + data iterator state, restorable onto any mesh.
-
-A step holds ``state`` (``{"params", "opt_state"}``, ``StandardSave``: each process writes
-the shards it owns) and ``data`` (the Grain iterator state, JSON); restoring into
-``ShapeDtypeStruct`` targets with the current mesh's shardings resumes on any mesh shape.
-Beyond Orbax (docs/training.md, "When things go wrong"): a non-finite state is never
-written, a failed background save is one :class:`CheckpointWriteError`, and
-:meth:`Checkpointer.restore_latest` falls back past steps that do not restore.
+"""Orbax checkpoints: train state (``{"params", "opt_state"}``, each process writing the
+shards it owns) + data iterator state (JSON), restorable onto any mesh (``ShapeDtypeStruct``
+targets with the current mesh's shardings). Beyond Orbax (docs/training.md, "When things go
+wrong"): a non-finite state is never written, a failed background save is one
+:class:`CheckpointWriteError`, and :meth:`Checkpointer.restore_latest` falls back past steps
+that do not restore.
 """
 
 from __future__ import annotations
@@ -65,16 +63,15 @@ def _is_failed_read_error(exc, tb) -> bool:
       f"{os.sep}orbax{os.sep}" in frame.f_code.co_filename for frame, _ in traceback.walk_tb(tb))
 
 
-class _FailedReadLogFilter(logging.Filter):
-  """Drops asyncio's "exception was never retrieved" records of a failed Orbax read (the same
-  leftovers, or TensorStore's own read error); installed once a restore has failed."""
-
-  def filter(self, record) -> bool:
-    exc = record.exc_info[1] if record.exc_info else None
-    if exc is None or "exception was never retrieved" not in record.getMessage():
-      return True
-    return not (_is_failed_read_error(exc, record.exc_info[2]) or "Error reading" in str(exc)
-                or "TensorStore" in str(exc))
+def _keeps_asyncio_record(record) -> bool:
+  """The ``asyncio`` logger's filter once a restore has failed: False for its "exception was
+  never retrieved" records of a failed Orbax read (the same leftovers, or TensorStore's own
+  read error)."""
+  exc = record.exc_info[1] if record.exc_info else None
+  if exc is None or "exception was never retrieved" not in record.getMessage():
+    return True
+  return not (_is_failed_read_error(exc, record.exc_info[2]) or "Error reading" in str(exc)
+              or "TensorStore" in str(exc))
 
 
 def drop_failed_read_leftovers() -> None:
@@ -92,8 +89,8 @@ def drop_failed_read_leftovers() -> None:
     hook._drops_failed_read_leftovers = True
     sys.unraisablehook = hook
   asyncio_logger = logging.getLogger("asyncio")
-  if not any(isinstance(f, _FailedReadLogFilter) for f in asyncio_logger.filters):
-    asyncio_logger.addFilter(_FailedReadLogFilter())
+  if _keeps_asyncio_record not in asyncio_logger.filters:
+    asyncio_logger.addFilter(_keeps_asyncio_record)
   gc.collect()
 
 
@@ -114,14 +111,10 @@ class NoCheckpointError(FileNotFoundError):
 
 
 @jax.jit
-def _all_finite(tree) -> jax.Array:
+def all_finite(tree) -> jax.Array:
+  """Whether every floating-point value in ``tree`` is finite (one fused reduction)."""
   leaves = [x for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
   return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves])) if leaves else True
-
-
-def all_finite(tree) -> bool:
-  """Whether every floating-point value in ``tree`` is finite (one fused reduction)."""
-  return bool(jax.device_get(_all_finite(tree)))
 
 
 def _one_line(error: BaseException) -> str:
@@ -206,12 +199,9 @@ class Checkpointer:
     if not all_finite((params, opt_state)):
       raise NonFiniteStateError(f"the state of step {step} holds NaN or inf; not saving it.")
     try:
-      saved = self.manager.save(
-          step,
-          args=ocp.args.Composite(
-              state=ocp.args.StandardSave({"params": params, "opt_state": opt_state}),
-              data=ocp.args.JsonSave(data_state)),
-          force=force)
+      saved = self.manager.save(step, force=force, args=ocp.args.Composite(
+          state=ocp.args.StandardSave({"params": params, "opt_state": opt_state}),
+          data=ocp.args.JsonSave(data_state)))
     except Exception as e:  # This save failed, or Orbax waited on the previous one and it did.
       previous_failed = self._writing is not None and self._writing not in self.all_steps()
       raise self._write_error(self._writing if previous_failed else step, e) from e
@@ -233,12 +223,9 @@ class Checkpointer:
   def restore(self, step: int, params_target, opt_state_target):
     """``(params, opt_state, data_state)`` of ``step``, restored into the given abstract
     targets (their shardings decide placement)."""
-    restored = self.manager.restore(
-        step,
-        args=ocp.args.Composite(
-            state=ocp.args.StandardRestore({"params": params_target,
-                                            "opt_state": opt_state_target}),
-            data=ocp.args.JsonRestore()))
+    restored = self.manager.restore(step, args=ocp.args.Composite(
+        state=ocp.args.StandardRestore({"params": params_target, "opt_state": opt_state_target}),
+        data=ocp.args.JsonRestore()))
     state = restored["state"]
     if restored["data"] is None:
       raise FileNotFoundError("the data iterator state ('data' item) is missing")

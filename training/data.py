@@ -27,11 +27,6 @@ from training.sources import DataError, list_data_files  # noqa: F401 (the pipel
 from training.tokenizer import (BOS_ID, BYTE_VOCAB_SIZE, EOS_ID, PAD_ID,  # noqa: F401
                                 byte_detokenize, load_tokenizer)
 
-# Effectively infinite: batch indices are drawn lazily, never materialised.
-_NUM_BATCHES = 2**50
-
-# --- Layout -----------------------------------------------------------------------------------
-
 
 def to_layout_np(batch: dict[str, np.ndarray], layout: str, ring_size: int) -> dict:
   """Every ``[rows, L]`` field from natural order into ``layout`` order, on the host (the
@@ -198,8 +193,7 @@ def pack_stream(documents: grain.IterDataset, seq_len: int) -> grain.IterDataset
   """Documents (``{"tokens": int32[n]}``) -> rows of ``seq_len`` by concat-and-split: laid
   end to end, one that does not fit the rest of a row continuing in the next as a new
   segment; segment ids restart at 1 per row, positions at 0 per segment."""
-  return grain.experimental.ConcatThenSplitIterDataset(documents,
-                                                       length_struct={"tokens": seq_len})
+  return grain.experimental.ConcatThenSplitIterDataset(documents, length_struct={"tokens": seq_len})
 
 
 def data_shard(sharding: jax.sharding.Sharding, global_shape: tuple[int, int]) -> tuple[int, int]:
@@ -280,7 +274,7 @@ def make_dataset(config, sharding: jax.sharding.Sharding, ring_size: int, *,
 
   if d.kind == "kv_retrieval":
     task = KVRetrievalTask.from_config(d)
-    return grain.MapDataset.range(_NUM_BATCHES).map(
+    return grain.MapDataset.range(2**50).map(  # endless: indices are drawn lazily
         lambda k: local_block(task.rows(seed, k * batch + rows.start, rows.stop - rows.start)))
   if d.kind != "text":
     raise ValueError(f"unknown data.kind {d.kind!r}")
@@ -317,8 +311,7 @@ def make_iterator(dataset: grain.MapDataset | grain.IterDataset, prefetch: int =
     options = grain.ReadOptions(num_threads=1 if prefetch else 0, prefetch_buffer_size=prefetch)
     return iter(dataset.to_iter_dataset(options))
   if prefetch:
-    dataset = grain.experimental.ThreadPrefetchIterDataset(dataset,
-                                                           prefetch_buffer_size=prefetch)
+    dataset = grain.experimental.ThreadPrefetchIterDataset(dataset, prefetch_buffer_size=prefetch)
   return StreamIterator(iter(dataset))
 
 

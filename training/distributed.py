@@ -1,11 +1,6 @@
-"""Multi-process start-up and the clean exit when a peer process dies.
-
-When a process of a ``jax.distributed`` run dies, every survivor ends with one line naming
-the lost process, the step, the last complete checkpoint and the command that resumes
-(:func:`lost_peer_message`), and exit status :data:`EXIT_PEER_LOST` (75, ``EX_TEMPFAIL``).
-A survivor learns of it from a collective that failed (:func:`exit_if_peer_lost`), from a
-heartbeat that stopped (:class:`PeerWatchdog`), or, when the coordination service died with
-process 0, not at all: its parent (:mod:`training.supervisor`) prints the line.
+"""Multi-process start-up and the clean exit when a peer process dies: every survivor ends
+with one line (:func:`lost_peer_message`) and status :data:`EXIT_PEER_LOST`, from a failed
+collective (:func:`exit_if_peer_lost`) or a stopped heartbeat (:class:`PeerWatchdog`);
 docs/training.md, "When a process dies", has the whole story.
 """
 
@@ -59,18 +54,15 @@ def start(mode: str, distributed_config) -> int:
   launcher = supervisor.multiprocess_launch_detected()
   if mode == "off" or (mode == "auto" and launcher is None):
     return 1
-  kwargs = {}
-  if os.environ.get("JAX_NUM_PROCESSES"):
-    kwargs["num_processes"] = int(os.environ["JAX_NUM_PROCESSES"])
-  if os.environ.get("JAX_PROCESS_ID"):
-    kwargs["process_id"] = int(os.environ["JAX_PROCESS_ID"])
+  kwargs = {arg: int(os.environ[name]) for arg, name in (("num_processes", "JAX_NUM_PROCESSES"),
+                                                         ("process_id", "JAX_PROCESS_ID"))
+            if os.environ.get(name)}
   if os.environ.get("JAX_PLATFORMS", "") == "cpu":
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
   jax.distributed.initialize(  # the heartbeat and start-up timeouts of config.distributed
       heartbeat_timeout_seconds=JAX_HEARTBEAT_FACTOR * int(distributed_config.heartbeat_timeout_s),
       initialization_timeout=int(distributed_config.initialization_timeout_s), **kwargs)
-  print(f"jax.distributed initialised ({launcher or 'forced by --distributed=on'})",
-        flush=True)
+  print(f"jax.distributed initialised ({launcher or 'forced by --distributed=on'})", flush=True)
   for name in ("JAX_NUM_PROCESSES", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE"):
     if os.environ.get(name):
       return int(os.environ[name])
@@ -102,9 +94,8 @@ _ACTIVE: "PeerWatchdog | None" = None
 
 def describer(num_processes: int, checkpoint_dir: str, resume_command: str
               ) -> Callable[[int | None, int | None, str], str]:
-  """The watchdog's ``describe``: the lost-peer line of this run, its complete steps listed
-  without Orbax (``supervisor.complete_steps``: its thread pool is gone once Python began
-  its shutdown)."""
+  """The watchdog's ``describe``: the lost-peer line of this run, its complete steps listed without
+  Orbax (``supervisor.complete_steps``: its thread pool is gone once Python began its shutdown)."""
   def describe(lost: int | None, step: int | None, reason: str) -> str:
     return lost_peer_message(lost, num_processes, reason, step,
                              supervisor.complete_steps(checkpoint_dir), checkpoint_dir,
@@ -168,18 +159,14 @@ class PeerWatchdog:
                process_id: int, num_processes: int, exit: Callable[[int], None] = os._exit):
     self.timeout_s = float(heartbeat_timeout_s)
     self.interval_s = max(self.timeout_s / 5, 0.2)
-    self.describe = describe
-    self._exit = exit
-    self._client = client
-    self.process_id = process_id
-    self.num_processes = num_processes
+    self.describe, self._exit, self._client = describe, exit, client
+    self.process_id, self.num_processes = process_id, num_processes
     self.step: int | None = None  # the newest step the loop started (note_step)
     self._stop = threading.Event()
     self._verdict = threading.Event()
     self._verdict_lock = threading.Lock()  # the watchdog and the main thread may both find one
     self._exited = threading.Event()  # the exit call returned (only a test's exit does)
-    self._thread = threading.Thread(target=self._run, name="ring_jax-peer-watchdog",
-                                    daemon=True)
+    self._thread = threading.Thread(target=self._run, name="ring_jax-peer-watchdog", daemon=True)
 
   def start(self) -> "PeerWatchdog":
     self._thread.start()
@@ -195,8 +182,7 @@ class PeerWatchdog:
     self._stop.set()
     if done:  # (if the coordination service is gone, nobody is watching any more)
       with contextlib.suppress(Exception):
-        self._client.key_value_set(f"{_PREFIX}/done/{self.process_id}", "1",
-                                   allow_overwrite=True)
+        self._client.key_value_set(f"{_PREFIX}/done/{self.process_id}", "1", allow_overwrite=True)
 
   def collective_failed(self, collective: str, closed: str) -> None:
     """A collective of this process failed because a peer's connection closed: the verdict
@@ -297,13 +283,9 @@ class PeerWatchdog:
 
 
 class StopRequest:
-  """SIGTERM / SIGINT -> finish the current step, agree on it, save, exit cleanly.
-
-  One process: a handler sets a flag the loop reads after each step. Several: JAX's
-  preemption notifier takes SIGTERM to every process (SIGINT is re-sent as SIGTERM) and
-  :meth:`reached` is ``reached_preemption_sync_point(step)``, True everywhere at one step.
-  A second signal of the same kind re-sends it to the previous handler (exits at once).
-  """
+  """SIGTERM / SIGINT -> finish the current step, agree on it, save, exit cleanly: several
+  processes agree through JAX's preemption notifier (SIGINT re-sent as SIGTERM; docs/training.md,
+  "Preemption"). A second signal of the same kind goes to the previous handler (exits at once)."""
 
   SIGNALS = (signal.SIGTERM, signal.SIGINT)
 

@@ -12,8 +12,7 @@ from training.errors import ConfigError
 
 def hf_init_dir(config) -> str:
   """``config.init.hf_dir``, or "" (also for configs saved before the field existed)."""
-  init = config.get("init")
-  return (init.get("hf_dir") if init is not None else None) or ""
+  return (config.get("init") or {}).get("hf_dir") or ""
 
 
 def resolve_hf_init(config: ml_collections.ConfigDict, log=None) -> ml_collections.ConfigDict:

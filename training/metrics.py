@@ -1,10 +1,7 @@
-"""Throughput/MFU accounting, metric sinks (TensorBoard, JSONL, console), the one-step-behind
-step metrics with their divergence check, the profile of ``config.profile_steps``, the eval.
-
-MFU = model FLOP/s achieved / peak FLOP/s of the devices: model FLOPs from
-``LlamaConfig.flops_per_token`` (attention included, forward + backward), the peak from
-:func:`peak_flops_per_device`.
-"""
+"""Throughput/MFU accounting (model FLOP/s from ``LlamaConfig.flops_per_token``, attention
+included, forward + backward, over :func:`peak_flops_per_device`), metric sinks (TensorBoard,
+JSONL, console), the one-step-behind step metrics with their divergence check, the profile
+of ``config.profile_steps``, the eval."""
 
 from __future__ import annotations
 
@@ -53,8 +50,7 @@ class Throughput:
 
   def __init__(self, *, tokens_per_step: int, flops_per_token: float, peak_flops: float,
                num_devices: int):
-    self.tokens_per_step = tokens_per_step
-    self.flops_per_token = flops_per_token
+    self.tokens_per_step, self.flops_per_token = tokens_per_step, flops_per_token
     self.peak_total = peak_flops * num_devices
     self.reset()
 
@@ -91,14 +87,10 @@ _WRITERS = itertools.count()  # one event file per MetricWriter of a process
 
 
 class MetricWriter:
-  """TensorBoard event files (tensorboardX's ``SummaryWriter``) + ``metrics.jsonl`` in the
-  workdir; only process 0 writes.
-
-  One curve per workdir: a run resumed from ``resume_step`` drops the JSONL rows past it
-  and tells TensorBoard to purge events from ``resume_step + 1`` on (``purge_step``). Each
-  :meth:`write` adds its float32 scalars at ``step`` to ``tensorboard/events.out.tfevents.*``
-  (a new file per writer) and is on disk when it returns.
-  """
+  """TensorBoard event files (tensorboardX's ``SummaryWriter``, a new file per writer) +
+  ``metrics.jsonl`` in the workdir, written by process 0 and on disk when :meth:`write`
+  returns; one curve per workdir: a run resumed from ``resume_step`` drops the JSONL rows past
+  it and purges TensorBoard's events from ``resume_step + 1`` on (``purge_step``)."""
 
   def __init__(self, workdir: str, *, resume_step: int = 0, enabled: bool | None = None):
     self.enabled = jax.process_index() == 0 if enabled is None else enabled
@@ -160,9 +152,7 @@ class Progress:
     self._t0 = time.perf_counter()
 
   def line(self, step: int, m: dict[str, float]) -> str:
-    done = step - self.start
-    elapsed = time.perf_counter() - self._t0
-    eta = elapsed / max(done, 1) * (self.total - step)
+    eta = (time.perf_counter() - self._t0) / max(step - self.start, 1) * (self.total - step)
     return (f"step {step:>6}/{self.total} | loss {m['loss']:.4f} | acc {m['accuracy']:.3f} | "
             f"lr {m['learning_rate']:.2e} | gnorm {m['grad_norm']:.3f} | "
             f"{m['tokens_per_s']:,.0f} tok/s | {m['step_time_s'] * 1e3:.0f} ms/step | "
@@ -219,8 +209,6 @@ class StepMetrics:
     rows, self._window = self._window, []
     return {k: float(np.mean([r[k] for r in rows])) for k in self.WINDOW_KEYS}
 
-
-# --- Profiling --------------------------------------------------------------------------------
 
 
 class Profile:

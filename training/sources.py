@@ -1,14 +1,11 @@
 """Streamed document sources: ``.jsonl``/``.json``, ``.txt``, ``.parquet`` and ArrayRecord files.
 
-A corpus (a file, a directory searched recursively, or a glob) is cut into spans (:class:`Span`),
-half-open ranges of one file's *units* (bytes of line files, parquet rows, ArrayRecord
-records), measured without reading the file, then split (:func:`split_spans`) and sharded
-(:func:`shard_spans`). A byte range owns every line that *starts* inside it, so any cut gives
-each line to one reader, which seeks to its range. A ``.txt`` file (or a range of one) is one
-document, read in pieces of about ``TXT_PIECE_BYTES`` cut at line ends. Parquet is read by
-row-group batches with ``pyarrow`` (Grain's ``ParquetIterDataset`` reads whole files). Bad
-records are counted by kind with their first locations and skipped, or raise
-:class:`DataError` when ``strict``; blank lines of a ``.jsonl`` file are not records.
+A corpus is cut into spans (:class:`Span`), half-open ranges of one file's *units* (bytes of
+line files, parquet rows, ArrayRecord records), measured without reading the file, then split
+(:func:`split_spans`) and sharded (:func:`shard_spans`); a byte range owns every line that
+*starts* inside it, so any cut gives each line to one reader. Parquet is read by row-group
+batches (Grain's ``ParquetIterDataset`` reads whole files). docs/training.md, "Data", has the
+formats, the bad records and the resume.
 """
 
 from __future__ import annotations
@@ -39,12 +36,8 @@ ARRAY_RECORD_BATCH = 64  # records fetched at a time from an ArrayRecord file
 ENCODE_BATCH, ENCODE_BATCH_BYTES = 32, 1 << 20
 FIRST_LOCATIONS = 3  # locations kept (and printed) per kind of bad record
 
-BAD_KINDS = {
-    "invalid_json": "invalid JSON",
-    "missing_field": "no string text field",
-    "undecodable": "bytes that are not UTF-8",
-    "empty": "an empty document",
-}
+BAD_KINDS = {"invalid_json": "invalid JSON", "missing_field": "no string text field",
+             "undecodable": "bytes that are not UTF-8", "empty": "an empty document"}
 
 
 class DataError(ValueError):
@@ -85,12 +78,6 @@ class Span:
   start: int
   stop: int
 
-  def part(self, index: int, count: int) -> "Span":
-    """The ``index``-th of ``count`` equal unit ranges of this span."""
-    size = self.stop - self.start
-    return Span(self.path, self.start + size * index // count,
-                self.start + size * (index + 1) // count)
-
 
 def split_spans(files: list[str], eval_fraction: float, split: str) -> list[Span]:
   """The spans of ``split`` ('train' | 'eval'), which share no unit: of several files the last
@@ -108,12 +95,13 @@ def split_spans(files: list[str], eval_fraction: float, split: str) -> list[Span
 
 def shard_spans(spans: list[Span], index: int, count: int) -> list[Span]:
   """Shard ``index`` of ``count``: with at least ``count`` spans, span ``i`` goes to shard
-  ``i % count``, else each span is cut in ``count`` parts."""
+  ``i % count``, else each span is cut in ``count`` equal unit ranges."""
   if not 0 <= index < count:
     raise ValueError(f"shard index {index} is not in [0, {count})")
   if len(spans) >= count:
     return spans[index::count]
-  return [s.part(index, count) for s in spans]
+  cut = lambda s, i: s.start + (s.stop - s.start) * i // count
+  return [Span(s.path, cut(s, index), cut(s, index + 1)) for s in spans]
 
 
 class BadRecords:
@@ -208,8 +196,7 @@ def _json_text(raw: bytes, field: str, bad: BadRecords, where) -> str | None:
   try:
     record = json.loads(raw.decode("utf-8"))
   except (UnicodeDecodeError, json.JSONDecodeError) as e:
-    bad.add("undecodable" if isinstance(e, UnicodeDecodeError) else "invalid_json", where(),
-            str(e))
+    bad.add("undecodable" if isinstance(e, UnicodeDecodeError) else "invalid_json", where(), str(e))
     return None
   return _checked_text(record.get(field) if isinstance(record, dict) else None, bad, where,
                        lambda _: f"data.text_field={field!r}")

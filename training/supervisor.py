@@ -2,17 +2,9 @@
 
 When process 0 dies, the coordination service it hosts dies with it and JAX's C++ client
 aborts every survivor before any of its Python runs, so the report must come from another
-process: ``train.py`` re-executes itself as a child under :func:`supervise`, which imports
-no JAX, forwards :data:`FORWARDED_SIGNALS`, passes the child's output through (JAX's report
-of a lost service to a file) and learns what its line needs from :func:`report`. Its exit:
-
-* the child ended because the service is gone (JAX's line says so, or it aborted and the
-  coordinator refuses connections), or because JAX propagated another task's failure
-  (``/task:N``): the line of :func:`lost_peer_message` for that process, status 75;
-* the child printed the lost-peer line itself and ended: that line once, status 75;
-* otherwise the child's status (``128 + N`` for signal N, after a line that says so).
-
-``RING_JAX_SUPERVISOR=0`` runs without it (a dead process 0 then aborts the survivors).
+process: :func:`supervise` (which imports no JAX) re-executes ``train.py`` as its child and
+prints the lost-peer line the child could not. docs/training.md, "When a process dies", has
+its exit statuses; ``RING_JAX_SUPERVISOR=0`` runs without it.
 """
 
 from __future__ import annotations
@@ -39,8 +31,7 @@ SWITCH_ENV = "RING_JAX_SUPERVISOR"
 #: a temporary failure, rerunning the same command on all processes resumes).
 EXIT_PEER_LOST = 75
 
-FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1,
-                     signal.SIGUSR2)
+FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
 
 # JAX's client ends a process with this line when the coordination service reports an error;
 # "Failed to send RPC to coordination service" / UNAVAILABLE: the service itself is gone.
@@ -94,10 +85,9 @@ def wanted(argv, environ=os.environ) -> bool:
 
 
 def report(**fields) -> None:
-  """Sends ``fields`` to the supervisor (no-op without one): ``process_id``,
-  ``num_processes``, ``workdir``, ``checkpoint_dir``, ``resume_command``, ``coordinator``
-  once; ``step`` as the loop advances; ``declared``, the lost-peer line, just before the
-  child prints it itself."""
+  """Sends ``fields`` to the supervisor (no-op without one): ``process_id``, ``num_processes``,
+  ``workdir``, ``checkpoint_dir``, ``resume_command``, ``coordinator`` once; ``step`` as the loop
+  advances; ``declared``, the lost-peer line, just before the child prints it itself."""
   fd = os.environ.get(_FD_ENV)
   if not fd:
     return
@@ -153,7 +143,12 @@ class _Lines:
 
 def supervise(argv: list[str] | None = None) -> int:
   """Runs ``[sys.executable, *argv]`` (default: this interpreter's own command line) as the
-  supervised child; returns the exit status for this process (see the module docstring)."""
+  supervised child, forwarding :data:`FORWARDED_SIGNALS`, passing its output through (JAX's
+  report of a lost service to a file) and learning what its line needs from :func:`report`;
+  returns the exit status for this process: 75 (:data:`EXIT_PEER_LOST`) after the line of
+  :func:`lost_peer_message` when the child ended on a lost peer (the service gone, another
+  task's failure, or the line the child printed itself), else the child's (``128 + N`` for
+  signal N, after a line that says so)."""
   argv = list(sys.orig_argv[1:] if argv is None else argv)
   report_r, report_w = os.pipe()
   env = dict(os.environ, **{_CHILD_ENV: "1", _FD_ENV: str(report_w)})
@@ -264,8 +259,7 @@ def complete_steps(directory: str) -> list[int]:
     names = os.listdir(directory)
   except FileNotFoundError:
     return []
-  return sorted(int(n) for n in names
-                if n.isdigit() and os.path.isdir(os.path.join(directory, n)))
+  return sorted(int(n) for n in names if n.isdigit() and os.path.isdir(os.path.join(directory, n)))
 
 
 def _save_report(info: dict, swallowed: list[str]) -> str | None:

@@ -1,11 +1,7 @@
 """Tokenizers for the text pipeline: bytes, a Hugging Face ``tokenizer.json``, SentencePiece.
 
-:func:`load_tokenizer` (``config.data.tokenizer``) takes ``"byte"`` (UTF-8 bytes past three
-special ids, vocab 259), a ``tokenizer.json`` (the ``tokenizers`` package), a SentencePiece
-``*.model``, or a directory holding one (``tokenizer.json`` preferred, as ``transformers``).
-A document is ``[BOS] ids [EOS]``, each special added as ``tokenizer_config.json`` /
-``special_tokens_map.json`` say, else as a ``tokenizer.json``'s post-processor adds it, else
-(SentencePiece) whenever the model defines it. Nothing is fetched.
+:func:`load_tokenizer` loads ``config.data.tokenizer`` (nothing is fetched); a document is
+``[BOS] ids [EOS]``, each special token added as docs/training.md ("Data", Tokenizer) says.
 """
 
 from __future__ import annotations
@@ -97,15 +93,26 @@ def _special_settings(directory: str) -> dict:
       continue
     with open(path, encoding="utf-8") as f:
       cfg = json.load(f)
-    for key in ("bos_token", "eos_token"):
-      token = cfg.get(key)
-      token = token.get("content") if isinstance(token, dict) else token
-      if isinstance(token, str):
-        merged[key] = token
-    for key in ("add_bos_token", "add_eos_token"):
-      if isinstance(cfg.get(key), bool):
-        merged[key] = cfg[key]
+    for key, kind in (("bos_token", str), ("eos_token", str), ("add_bos_token", bool),
+                      ("add_eos_token", bool)):
+      value = cfg.get(key)
+      value = value.get("content") if isinstance(value, dict) else value
+      if isinstance(value, kind):
+        merged[key] = value
   return merged
+
+
+def _special_id(spec: str, settings: dict, key: str, fallback, lookup, known: str):
+  """The id of the ``key`` token ``settings`` name (``lookup(content)``, None: unknown, a
+  ValueError saying it is not ``known``), else ``fallback``."""
+  content = settings.get(key)
+  if content is None:
+    return fallback
+  found = lookup(content)
+  if found is None:
+    raise ValueError(f"data.tokenizer={spec!r}: {key} {content!r} of its tokenizer config is not "
+                     f"{known}.")
+  return found
 
 
 def resolve_tokenizer_file(spec: str) -> str:
@@ -130,20 +137,10 @@ def _load_tokenizers(path: str, spec: str) -> Tokenizer:
   # What the post-processor wraps a text in (e.g. a template "<s> $A" or "$A </s>").
   plain = tok.encode("a", add_special_tokens=False).ids
   full = tok.encode("a", add_special_tokens=True).ids
-  start = next((i for i in range(len(full) - len(plain) + 1)
-                if full[i:i + len(plain)] == plain), 0)
+  start = next((i for i in range(len(full) - len(plain) + 1) if full[i:i + len(plain)] == plain), 0)
   head, tail = full[:start], full[start + len(plain):]
-
-  def token_id(key, fallback):
-    content = settings.get(key)
-    if content is not None:
-      found = tok.token_to_id(content)
-      if found is None:
-        raise ValueError(f"data.tokenizer={spec!r}: {key} {content!r} of its tokenizer config is "
-                         "not in the vocabulary.")
-      return found
-    return fallback
-
+  token_id = lambda key, fallback: _special_id(spec, settings, key, fallback, tok.token_to_id,
+                                               "in the vocabulary")
   bos_id = token_id("bos_token", head[0] if len(head) == 1 else None)
   eos_id = token_id("eos_token", tail[0] if len(tail) == 1 else None)
   add_bos = settings.get("add_bos_token", len(head) == 1 and head[0] == bos_id)
@@ -161,17 +158,11 @@ def _load_sentencepiece(path: str, spec: str) -> Tokenizer:
 
   sp = sentencepiece.SentencePieceProcessor(model_file=path)
   settings = _special_settings(os.path.dirname(path))
-
-  def token_id(key, default):
-    content = settings.get(key)
-    if content is None:
-      return default if default >= 0 else None
-    found = sp.piece_to_id(content)
-    if found == sp.unk_id() and content != sp.id_to_piece(sp.unk_id()):
-      raise ValueError(f"data.tokenizer={spec!r}: {key} {content!r} of its tokenizer config is "
-                       "not a piece of the SentencePiece model.")
-    return found
-
+  unk = sp.unk_id()
+  piece = lambda content: (None if (found := sp.piece_to_id(content)) == unk
+                           and content != sp.id_to_piece(unk) else found)
+  token_id = lambda key, default: _special_id(spec, settings, key, default if default >= 0 else
+                                              None, piece, "a piece of the SentencePiece model")
   bos_id, eos_id = token_id("bos_token", sp.bos_id()), token_id("eos_token", sp.eos_id())
   add_bos = settings.get("add_bos_token", bos_id is not None)
   add_eos = settings.get("add_eos_token", eos_id is not None)
@@ -230,16 +221,13 @@ def write_hf_tokenizer_json(spec: str, out_path: str) -> None:
   if impl.encode("a", add_special_tokens=True).ids == want:
     shutil.copyfile(path, out_path)
     return
-  specials, single, pair = [], ["$A:0"], ["$B:1"]
-  for add, token_id, at in ((tok.add_bos, tok.bos_id, 0), (tok.add_eos, tok.eos_id, None)):
-    if not add:
-      continue
-    content = impl.id_to_token(token_id)
-    specials.append((content, token_id))
-    for seq, part in ((single, 0), (pair, 1)):
-      seq.insert(len(seq) if at is None else at, f"{content}:{part}")
-  template = processors.TemplateProcessing(single=" ".join(single),
-                                           pair=" ".join(single + pair), special_tokens=specials)
+  bos = [(impl.id_to_token(tok.bos_id), tok.bos_id)] if tok.add_bos else []
+  eos = [(impl.id_to_token(tok.eos_id), tok.eos_id)] if tok.add_eos else []
+  wrap = lambda seq, part: " ".join(  # [BOS:part] seq [EOS:part]
+      [f"{t}:{part}" for t, _ in bos] + [seq] + [f"{t}:{part}" for t, _ in eos])
+  single = wrap("$A:0", 0)
+  template = processors.TemplateProcessing(single=single, pair=f"{single} {wrap('$B:1', 1)}",
+                                           special_tokens=bos + eos)
   existing = impl.post_processor
   impl.post_processor = (processors.Sequence([existing, template])
                          if isinstance(existing, processors.ByteLevel) else template)
