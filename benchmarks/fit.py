@@ -96,7 +96,6 @@ class Planner:
 
     from models import lengths
     from models import sharding as shd
-    from training import errors
     from training import mesh as mesh_lib
     from training import step as step_lib
     from training import validation as val_lib
@@ -120,10 +119,7 @@ class Planner:
       raise FitError(f"batch_size={self.rows} / microbatches={micro} must be divisible by the "
                      f"mesh 'data' axis ({sizes['data']}); e.g. --config.batch_size="
                      f"{sizes['data'] * micro}.")
-    try:
-      val_lib.check_pipeline(config, sizes)
-    except errors.ConfigError as e:
-      raise FitError(str(e)) from None
+    val_lib.check_pipeline(config, sizes)  # a ConfigError: main prints it in one line too
     tx = step_lib.make_optimizer(config.optim, config.total_steps)
     self.step = step_lib.build_train_step(self.model_cfg, self.mesh, tx, microbatches=micro,
                                           seed=config.seed)
