@@ -83,14 +83,14 @@ def run_time(args):
 def run_fit(args):
   config = runpy.run_path(args.config)["get_config"]()
   tensor = int(config.mesh.tensor)
-  mesh = mesh_lib.make_mesh({"data": 1, "sequence": args.devices // tensor, "tensor": tensor})
-  config, _ = val_lib.resolve_layout(config, args.devices // tensor)  # model.layout="auto"
+  n = args.devices // tensor
+  mesh = mesh_lib.make_mesh({"data": 1, "sequence": n, "tensor": tensor})
+  config, _ = val_lib.resolve_layout(config, n)  # model.layout="auto"
   # XLA:CPU computes bfloat16 in float32 and holds a float32 copy of a bf16 cache (measured:
   # temp = 2x the cache), which no accelerator does; so the fit compiles a float32 model,
   # where the CPU's memory analysis is faithful, and a bf16 cache is derived from it below.
   cfg = dataclasses.replace(val_lib.llama_config(config), dtype="float32")
   bf16 = dataclasses.replace(cfg, dtype="bfloat16")
-  n = args.devices // tensor
   budget = args.budget_gib * 2**30
   (l0, p0), (l1, p1) = ((length, peak_bytes(cfg, mesh, length))
                         for length in (n * 4096, n * 16384))
