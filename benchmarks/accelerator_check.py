@@ -3,30 +3,12 @@ trainable context and train-step MFU.
 
 Run through ``benchmarks/gpu_check.sh`` (``python benchmarks/accelerator_check.py gpu``) or
 ``benchmarks/tpu_check.sh`` (``... tpu``), ``PYTHONPATH=.``; knobs are environment variables
-``GPU_CHECK_*`` / ``TPU_CHECK_*`` (``<P>_CHECK_*``, :func:`settings`). A failing section
-is printed and the next one runs (``common.Clock``); cases that would start after the global
-budget (``<P>_CHECK_BUDGET_S``, default 450 s) are skipped and say so. ``<P>_CHECK_DRY=1``
-runs everything at tiny sizes on CPU (TPU kernels in Pallas interpret mode; timings mean
-nothing).
-
-1. Per-device blockwise attention (``ring_jax.ring_attention`` on a ring of one) with the XLA
-   hop kernel and the platform's fused one, fwd and fwd+bwd TFLOP/s, bf16, causal and not,
-   next to the single-device ceiling (cases whose compiled memory exceeds the device are
-   reported, not run). GPU, 8K / 32K / 64K, 16 heads x 128: tokamax's Mosaic GPU flash
-   attention (``hop_kernel="tokamax"``, the ``[gpu]`` extra; offline: ``pip install
-   --no-index --find-links DIR tokamax==0.0.17``) against ``jax.nn.dot_product_attention``
-   with ``implementation="cudnn"`` and ``"xla"``. TPU, 8K-64K, 16 query / 8 kv heads: the
-   splash hop (``hop_kernel="splash"``) against JAX's bundled splash attention
-   (``make_splash_mha``, fused backward, queries pre-scaled). Then each fused kernel's
-   ratios to the ceiling and to the XLA hop, its output's largest distance from the first
-   baseline that ran, and what ``hop_kernel="auto"`` resolved to
-   (``ring_jax.kernels.describe``). Writes ``results/gpu_check_h200.json`` /
-   ``tpu_check.json`` (``<P>_CHECK_OUT``).
-2. (GPU) The longest context at which ``configs/llama_1b.py:long``'s train step
-   (``training.step.build_train_step``, as ``train.py`` runs it) fits one device: compiled
-   memory against ``bytes_limit``, by doubling from 32K; contexts up to
-   ``GPU_CHECK_RUN_MAX`` (64K) also run once. Needs jax, flax, optax and einops only.
-3. (GPU) Tokens/s and MFU of that train step at 32K.
+``<P>_CHECK_*`` (:func:`settings`). A failing section is printed and the next one runs
+(``common.Clock``); cases that would start after the budget (``<P>_CHECK_BUDGET_S``) are
+skipped and say so. ``<P>_CHECK_DRY=1`` runs everything at tiny sizes on CPU (TPU kernels in
+Pallas interpret mode; timings mean nothing). The sections, :func:`attention_tflops`,
+:func:`throughput` and :func:`longest_context`, and their sizes: benchmarks/README.md,
+"One GPU" (tokamax offline: ``pip install --no-index --find-links DIR tokamax==0.0.17``).
 
 FLOPs: attention forward = 4*B*N*L^2*H (x0.5 causal), fwd+bwd = 3.5x forward
 (FlashAttention-2's convention). Train step: ``LlamaConfig.flops_per_token`` (PaLM App. B;
@@ -62,6 +44,13 @@ FUSED = {"gpu": {"ring_jax ring=1 [tokamax]": "tokamax"},
 BASELINES = {"gpu": (CUDNN, RING_XLA), "tpu": (SPLASH, RING_XLA)}
 
 
+# (platform, dry run): lengths, (B, N query heads, K kv heads (GQA), H), the ring's block.
+SIZES = {("gpu", False): ("8192,32768,65536", (1, 16, 16, 128), None),
+         ("gpu", True): ("128", (1, 2, 2, 64), 64),
+         ("tpu", False): ("8192,16384,32768,65536", (1, 16, 8, 128), 512),
+         ("tpu", True): ("256", (1, 2, 1, 128), 128)}
+
+
 def settings(platform: str) -> types.SimpleNamespace:
   """The run's sizes and knobs for ``platform`` ("gpu" or "tpu"), from ``<P>_CHECK_`` + DRY,
   BUDGET_S, LENGTHS, BLOCK, MAX_LEN (longest context tried), RUN_MAX and OUT."""
@@ -71,15 +60,12 @@ def settings(platform: str) -> types.SimpleNamespace:
   dry = env("DRY", "0") != "0"
   gpu = platform == "gpu"
   budget = float(env("BUDGET_S", "300" if dry and gpu else "450"))
-  lengths = ("128" if dry else "8192,32768,65536") if gpu else (
-      "256" if dry else "8192,16384,32768,65536")
-  b, n, k, h = ((1, 2, 2, 64) if dry else (1, 16, 16, 128)) if gpu else (
-      (1, 2, 1, 128) if dry else (1, 16, 8, 128))  # N query heads, K kv heads (GQA)
+  lengths, (b, n, k, h), block = SIZES[platform, dry]
   out = f"{platform}_check{'_dry' if dry else '_h200' if gpu else ''}.json"
   return types.SimpleNamespace(
       platform=platform, dry=dry, budget_s=budget, clock=common.Clock(budget),
       lengths=common.ints(env("LENGTHS", lengths)), B=b, N=n, K=k, H=h,
-      block=int(env("BLOCK", "0")) or ((64 if dry else None) if gpu else (128 if dry else 512)),
+      block=int(env("BLOCK", "0")) or block,
       # bf16 on the accelerator; the GPU dry run uses float32 (XLA:CPU bf16 matmuls are slow).
       dtype=jnp.float32 if dry and gpu else jnp.bfloat16,
       # Section 1 starts no new case after this many seconds, leaving time for sections 2-3.
@@ -95,9 +81,7 @@ def gib(x):
   return f"{x / GIB:.1f} GiB" if x >= GIB else f"{x / 2 ** 20:.1f} MiB"
 
 
-# ----------------------------------------------------------------------------
-# 1. attention TFLOP/s
-# ----------------------------------------------------------------------------
+# --- 1. Attention TFLOP/s ---------------------------------------------------------------------
 
 
 def ring_impl(s, causal, hop_kernel):
@@ -114,8 +98,9 @@ def ring_impl(s, causal, hop_kernel):
 
 
 def splash_impl(s, length, causal):
-  """The splash attention kernel bundled with JAX on ``[B, L, heads, H]`` inputs (built when
-  traced: a JAX without it fails that case, not the run)."""
+  """The splash attention kernel bundled with JAX (``make_splash_mha``, fused backward,
+  queries pre-scaled) on ``[B, L, heads, H]`` inputs (built when traced: a JAX without it
+  fails that case, not the run)."""
 
   def fwd(q, k, v):  # [B, L, heads, H] -> splash's [heads, L, H] per batch row
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
@@ -134,7 +119,8 @@ def splash_impl(s, length, causal):
 
 
 def attn_impls(s, length, causal):
-  """name -> f(q, k, v): the ring on a ring of one with each hop kernel, and the ceiling(s)."""
+  """name -> f(q, k, v): the ring on a ring of one with each hop kernel, and the ceiling(s):
+  on a GPU ``jax.nn.dot_product_attention`` (cuDNN and XLA), on a TPU :func:`splash_impl`."""
   out = {RING_XLA: ring_impl(s, causal, "xla")}
   out.update({name: ring_impl(s, causal, kernel) for name, kernel in FUSED[s.platform].items()})
   if s.platform == "tpu":
@@ -159,10 +145,11 @@ def auto_verdict(s) -> str:
 
 
 def attention_tflops(s):
-  """Section 1: fwd and fwd+bwd TFLOP/s of each implementation; each fused hop kernel's
-  ratios to the ceiling and to the XLA hop kernel (targets at 32K causal: >= 0.9x the ceiling,
-  >= 3x the XLA kernel); max |difference| of its outputs from the first baseline that ran.
-  JSON to ``s.out``."""
+  """Section 1: fwd and fwd+bwd TFLOP/s of each implementation of :func:`attn_impls`, bf16,
+  causal and not (a case whose compiled memory exceeds the device is reported, not run); each
+  fused hop kernel's ratios to the ceiling and to the XLA hop kernel (targets at 32K causal:
+  >= 0.9x the ceiling, >= 3x the XLA kernel); max |difference| of its outputs from the first
+  baseline that ran; what ``hop_kernel="auto"`` resolved to. JSON to ``s.out``."""
   clock, limit, fused = s.clock, common.device_bytes_limit(), FUSED[s.platform]
   shape = dict(B=s.B, N=s.N, K=s.K, H=s.H, dtype=jnp.dtype(s.dtype).name, block=s.block)
   clock.say(f"{shape}, lengths {s.lengths}; device limit {gib(limit)}")
@@ -234,9 +221,7 @@ def attention_tflops(s):
   return rows
 
 
-# ----------------------------------------------------------------------------
-# 2./3. 1B-class LLaMA train step: models/llama.py + training/step.py
-# ----------------------------------------------------------------------------
+# --- 2./3. 1B-class LLaMA train step: models/llama.py + training/step.py ----------------------
 
 # The variant of configs/llama_1b.py measured here.
 VARIANT = "long"

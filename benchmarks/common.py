@@ -1,13 +1,6 @@
-"""The benchmarks' one harness: flags, timing, compiled memory, meshes, HLO, result files.
-
-Runs (:func:`fake_cpu_devices`, :func:`parser` with the shared flags, :func:`run_meta`: the
-provenance every result file records, :func:`write_result`, :func:`save`, :func:`error_line`);
-timing (:func:`interleaved`: cases round-robin so a shared host's slow phases hit all alike,
-:func:`time_calls`, :func:`timed_call`: wall and process CPU seconds); compiled memory
-(:func:`compiled_memory`, :func:`per_device_bytes`, from ``ring_jax.topology``); meshes
-(:func:`parse_mesh`, :func:`make_mesh`); collectives of a compiled program
-(:func:`compile_partitioned`, :func:`count_collectives`, :func:`shape_bytes`); and
-:class:`Clock`, a time budget for ``accelerator_check.py``.
+"""The benchmarks' one harness: runs (fake CPU devices, the shared flags, provenance, result
+files), timing (round-robin over cases, wall and process CPU seconds), compiled memory,
+meshes, the collectives of a compiled program, and :class:`Clock`, a time budget.
 
 Needs only JAX and NumPy (the model's axis names come from ``models.sharding``, which imports
 without Flax), so every benchmark, on every accelerator image, uses it.
@@ -26,7 +19,6 @@ import math
 import os
 import platform
 import re
-import resource
 import shutil
 import subprocess
 import sys
@@ -186,21 +178,13 @@ def elapsed() -> float:
   return round(time.perf_counter() - _started, 1)
 
 
-def cpu_seconds() -> float:
-  """CPU time (user + system, all threads) of this process so far.
-
-  On a shared CPU host wall time depends on what else runs; the CPU time the
-  process burns measures its own work, so it is recorded next to wall time.
-  """
-  r = resource.getrusage(resource.RUSAGE_SELF)
-  return r.ru_utime + r.ru_stime
-
-
 def timed_call(fn: Callable, *args) -> tuple[float, float, Any]:
-  """``(wall seconds, process CPU seconds, result)`` of ``fn(*args)``, waited for."""
-  c0, t0 = cpu_seconds(), time.perf_counter()
+  """``(wall seconds, process CPU seconds, result)`` of ``fn(*args)``, waited for. The CPU
+  seconds (user + system, every thread) measure the process's own work, which on a shared
+  host varies less than the wall time."""
+  c0, t0 = time.process_time(), time.perf_counter()
   out = jax.block_until_ready(fn(*args))
-  return time.perf_counter() - t0, cpu_seconds() - c0, out
+  return time.perf_counter() - t0, time.process_time() - c0, out
 
 
 def time_calls(fn: Callable, args: Sequence = (), repeats: int = 5, *,
@@ -219,16 +203,16 @@ def interleaved(cases: dict[str, tuple[Callable, Sequence]], repeats: int, warmu
   """``{name: {"wall": [s, ...], "cpu": [s, ...]}}`` of ``repeats`` calls ``fn(*args)`` per
   case after ``warmup`` untimed ones, timed round-robin (call 1 of every case, then call 2,
   ...), so a shared host's slow phases spread over all cases instead of penalising whichever
-  ran then. A case that raises is dropped from later rounds (``on_error(name, exc)``; without
-  it the exception propagates). ``before(name, round)`` runs before each call, untimed (e.g.
-  a barrier across processes)."""
+  ran then. ``before(name, round)`` runs before each call, untimed (e.g. a barrier across
+  processes). A case whose call or ``before`` raises is dropped from later rounds
+  (``on_error(name, exc)``; without it the exception propagates)."""
   out = {name: {"wall": [], "cpu": []} for name in cases}
   live = dict(cases)
   for it in range(warmup + repeats):
     for name, (fn, args) in list(live.items()):
-      if before is not None:
-        before(name, it)
       try:
+        if before is not None:
+          before(name, it)
         wall, cpu, _ = timed_call(fn, *args)
       except Exception as e:  # noqa: BLE001  (a real OOM on an accelerator, ...)
         if on_error is None:

@@ -1,24 +1,20 @@
-r"""Decode-step figures for the README: step time and cache memory vs context length.
+r"""Decode-step figures: step time and cache memory vs context length (``time``), the
+longest cache whose compiled decode step fits a budget (``fit``); JSON lines on stdout.
 
   python benchmarks/decode.py time --devices 8 --lengths 1024,4096,16384,65536
   python benchmarks/decode.py fit --devices 8 --config configs/llama_7b.py --budget_gib 80
 
-``time``: a small model (dim 256, 4 layers, 8 heads, 4 key/value heads) on a
-``sequence=<devices>`` mesh, batch 1: per-device KV cache bytes (from the cache's sharding,
-and the compiled step's argument size) and the median wall time of the decode step with a
-cache filled to each length. ``fit``: the longest cache (batch 1) whose compiled decode step
-fits ``--budget_gib`` per device, from the memory analysis of compiles on fake CPU devices
-with abstract inputs: the step's peak is linear in the cache length, so two compiles give
-the line and a third confirms the answer (mesh: the config's ``tensor``, the rest on
-``sequence``). Prints JSON lines.
+What each mode builds and measures: docs/benchmarks.md, "Decode". ``fit`` compiles on fake
+CPU devices with abstract inputs: the step's peak is linear in the cache length, so two
+compiles give the line and a third confirms the answer.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 import os
+import runpy
 import sys
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")  # read when jax is imported
@@ -30,28 +26,20 @@ from flax import nnx  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks import common  # noqa: E402
 from models import inference, llama  # noqa: E402
-from models import sharding as shd  # noqa: E402
 from training import mesh as mesh_lib  # noqa: E402
+from training import step as step_lib  # noqa: E402
 from training import validation as val_lib  # noqa: E402
 
 
-def _abstract_step(cfg, mesh, cache_len: int, batch: int = 1):
-  """The decode step ``models.inference.Generator`` runs, lowered with abstract params and
-  cache (donated)."""
-  abstract = nnx.eval_shape(lambda: llama.Llama(cfg, rngs=nnx.Rngs(0)))
-  params = nnx.split(abstract, nnx.Param, ...)[1]
-  params = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                        params, shd.param_shardings(params, mesh))
-  cache = inference.abstract_cache(cfg, mesh, batch, cache_len)
+def peak_bytes(cfg, mesh, cache_len: int) -> int:
+  """Bytes one device holds in the decode step ``models.inference.Generator`` runs (batch 1),
+  compiled with abstract params and cache (donated): XLA's peak where it reports one, at
+  least args + outputs + temporaries - aliased outputs (:func:`common.per_device_bytes`)."""
+  params = step_lib.abstract_model(cfg, mesh)[1]
+  cache = inference.abstract_cache(cfg, mesh, 1, cache_len)
   with jax.set_mesh(mesh):
-    return inference._step_jit.lower(params, cache, jax.ShapeDtypeStruct((batch,), jnp.int32),
-                                     cfg=cfg)
-
-
-def _peak(compiled) -> int:
-  """Bytes one device holds: XLA's peak where it reports one, at least args + outputs +
-  temporaries - aliased outputs (:func:`benchmarks.common.per_device_bytes`)."""
-  memory = common.compiled_memory(compiled)
+    memory = common.compiled_memory(inference._step_jit.lower(
+        params, cache, jax.ShapeDtypeStruct((1,), jnp.int32), cfg=cfg).compile())
   return max(memory.get("peak_memory_in_bytes", 0), common.per_device_bytes(memory))
 
 
@@ -62,19 +50,15 @@ def run_time(args):
   params = nnx.split(llama.create_sharded_model(cfg, mesh), nnx.Param, ...)[1]
   gen = inference.Generator(cfg, params, mesh, max(args.lengths))
   for length in args.lengths:
-    cs = inference.cache_shardings(cfg, mesh, 1, length)
     kv = (cfg.num_layers, 1, length, cfg.num_kv_heads, cfg.resolved_head_dim)
     filled = length - 2 * args.devices  # room for the timed steps
-    with jax.set_mesh(mesh):
-      cache = inference.KVCache(
-          k=jax.device_put(jnp.ones(kv, cfg.compute_dtype), cs.k),
-          v=jax.device_put(jnp.ones(kv, cfg.compute_dtype), cs.v),
-          positions=jax.device_put(jnp.arange(length, dtype=jnp.int32)[None], cs.positions),
-          segment_ids=jax.device_put((jnp.arange(length) < filled).astype(jnp.int32)[None],
-                                     cs.segment_ids),
-          next_position=jax.device_put(jnp.full((1,), filled, jnp.int32), cs.next_position),
-          segment=jax.device_put(jnp.ones((1,), jnp.int32), cs.segment),
-          prompt_slots=jnp.int32(length // args.devices - 2), steps=jnp.int32(0))
+    cache = jax.device_put(inference.KVCache(
+        k=jnp.ones(kv, cfg.compute_dtype), v=jnp.ones(kv, cfg.compute_dtype),
+        positions=jnp.arange(length, dtype=jnp.int32)[None],
+        segment_ids=(jnp.arange(length) < filled).astype(jnp.int32)[None],
+        next_position=jnp.full((1,), filled, jnp.int32), segment=jnp.ones((1,), jnp.int32),
+        prompt_slots=jnp.int32(length // args.devices - 2), steps=jnp.int32(0)),
+        inference.cache_shardings(cfg, mesh, 1, length))
     gen.cache_len = length
     with jax.set_mesh(mesh):
       compiled = inference._step_jit.lower(params, cache, jnp.zeros((1,), jnp.int32),
@@ -97,29 +81,24 @@ def run_time(args):
 
 
 def run_fit(args):
-  spec = importlib.util.spec_from_file_location("cfgmod", args.config)
-  mod = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(mod)
-  config = mod.get_config()
+  config = runpy.run_path(args.config)["get_config"]()
   tensor = int(config.mesh.tensor)
-  mesh = mesh_lib.make_mesh({"data": 1, "sequence": args.devices // tensor, "tensor": tensor})
-  config, _ = val_lib.resolve_layout(config, args.devices // tensor)  # model.layout="auto"
+  n = args.devices // tensor
+  mesh = mesh_lib.make_mesh({"data": 1, "sequence": n, "tensor": tensor})
+  config, _ = val_lib.resolve_layout(config, n)  # model.layout="auto"
   # XLA:CPU computes bfloat16 in float32 and holds a float32 copy of a bf16 cache (measured:
   # temp = 2x the cache), which no accelerator does; so the fit compiles a float32 model,
   # where the CPU's memory analysis is faithful, and a bf16 cache is derived from it below.
   cfg = dataclasses.replace(val_lib.llama_config(config), dtype="float32")
   bf16 = dataclasses.replace(cfg, dtype="bfloat16")
-  n = args.devices // tensor
   budget = args.budget_gib * 2**30
-  points = []
-  for length in (n * 4096, n * 16384):
-    points.append((length, _peak(_abstract_step(cfg, mesh, length).compile())))
-  (l0, p0), (l1, p1) = points
+  (l0, p0), (l1, p1) = ((length, peak_bytes(cfg, mesh, length))
+                        for length in (n * 4096, n * 16384))
   slope = (p1 - p0) / (l1 - l0)
   longest = int((budget - (p0 - slope * l0)) / slope) // (n * 1024) * (n * 1024)
   step = n * 1024
   for _ in range(4):  # the line is nearly exact; step down until the compiled step fits
-    peak = _peak(_abstract_step(cfg, mesh, longest).compile())
+    peak = peak_bytes(cfg, mesh, longest)
     if peak <= budget:
       break
     longest -= -(-int((peak - budget) / slope) // step) * step

@@ -1,28 +1,15 @@
 r"""How long a context fits: the longest ``seq_len`` whose train step fits in memory.
 
-  python benchmarks/fit.py --config configs/llama_1b.py:long --devices 1 --memory_gib 128
   python benchmarks/fit.py --config configs/llama_1b.py:long --devices 8 --memory_gib 128
-  python benchmarks/fit.py --config configs/llama_1b.py --devices 8 --mesh data=1,sequence=8 \
-      --seq_len 1048576 --config.model.remat_policy=full --config.batch_size=1
   python benchmarks/fit.py --config configs/llama_7b.py --devices 8 \
       --mesh data=1,sequence=2,tensor=4 --config.batch_size=1 --seq_len 65536 --collectives
   python benchmarks/fit.py --config configs/llama_7b.py --topology v5p:4x4x4  # a TPU slice
 
-Compiles the train step ``train.py`` compiles (``training.step.build_train_step``) ahead of
-time against abstract inputs on ``--devices`` fake CPU devices, or for a TPU slice's
-compile-only devices (``--topology``, :mod:`training.compile_only`; the limit: the chip's
-HBM), and reads ``memory_analysis()``: per device, arguments + outputs + temporaries -
-outputs aliasing donated arguments - what an ``offload_*`` remat policy places in host memory
-(``TrainStep.offloaded_bytes``, which XLA:CPU keeps on the device). Nothing is allocated and
-nothing runs. The search doubles from ``--start`` on the config's length granularity
-(``models.lengths.length_multiple``) until a length does not fit (or halves until one does),
-then bisects; ``--seq_len`` checks one length (padded to the granularity as train.py runs
-it: the row's ``run_len``). Prints a table row per compiled length and, as the LAST line, one
-JSON object (``seq_len``, ``per_device_bytes``, ``fits``, every row checked; ``--collectives``:
-each row's collectives, :func:`benchmarks.common.count_collectives`; on a TPU slice each row's
-ring transfers in flight, :func:`ring_jax.analysis.overlap_report`). The mesh is
-``config.mesh`` with its ``-1`` axis filling the devices, or ``--mesh``. What the CPU plan can
-and cannot show: docs/performance.md, "How long a context fits".
+Compiles the train step ``train.py`` compiles ahead of time against abstract inputs, on
+``--devices`` fake CPU devices or a TPU slice's compile-only devices (``--topology``), and
+searches the lengths on its ``memory_analysis()`` (:class:`Planner`, :func:`search`): a table
+row per compiled length, then, as the LAST line, one JSON object. What a row counts, and what
+the CPU plan can and cannot show: docs/performance.md, "How long a context fits".
 """
 
 from __future__ import annotations
@@ -96,7 +83,8 @@ def resolve_mesh(config, devices: int, mesh_text: str | None,
   except errors.ConfigError as e:
     flag = "the topology's" if where else f"--devices={devices}"
     raise FitError(f"{e} For {flag} {devices} devices pass e.g. --mesh data=1,sequence="
-                   f"{devices} or --config.mesh.sequence={devices} --config.mesh.data=-1.") from None
+                   f"{devices} or --config.mesh.sequence={devices} --config.mesh.data=-1."
+                   ) from None
 
 
 class Planner:
@@ -108,7 +96,6 @@ class Planner:
 
     from models import lengths
     from models import sharding as shd
-    from training import errors
     from training import mesh as mesh_lib
     from training import step as step_lib
     from training import validation as val_lib
@@ -132,10 +119,7 @@ class Planner:
       raise FitError(f"batch_size={self.rows} / microbatches={micro} must be divisible by the "
                      f"mesh 'data' axis ({sizes['data']}); e.g. --config.batch_size="
                      f"{sizes['data'] * micro}.")
-    try:
-      val_lib.check_pipeline(config, sizes)
-    except errors.ConfigError as e:
-      raise FitError(str(e)) from None
+    val_lib.check_pipeline(config, sizes)  # a ConfigError: main prints it in one line too
     tx = step_lib.make_optimizer(config.optim, config.total_steps)
     self.step = step_lib.build_train_step(self.model_cfg, self.mesh, tx, microbatches=micro,
                                           seed=config.seed)
@@ -302,17 +286,6 @@ def run(config, *, devices: int = 1, memory_gib: float | None = None,
                 checked=sorted(planner.rows_by_length.values(), key=lambda r: r["seq_len"]))
 
 
-def set_up_devices(devices: int, extra_xla_flags: str) -> None:
-  """CPU platform with ``devices`` fake devices and the extra XLA flags (before JAX starts)."""
-  import jax
-
-  os.environ["XLA_FLAGS"] = " ".join(
-      f for f in (os.environ.get("XLA_FLAGS", ""), extra_xla_flags) if f).strip()
-  jax.config.update("jax_platforms", "cpu")
-  if "xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:  # else: it wins
-    jax.config.update("jax_num_cpu_devices", devices)
-
-
 def main(argv) -> None:
   from absl import app
 
@@ -322,18 +295,18 @@ def main(argv) -> None:
   xla_flags, out = kw.pop("xla_flags"), kw.pop("out")
   if kw["config"] is None:
     raise app.UsageError("--config is required, e.g. --config configs/llama_1b.py:long")
-  set_up_devices(kw["devices"], xla_flags)
+  import jax  # CPU devices (before JAX starts), ignored by --topology; the caller's count wins
+  os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {xla_flags}".strip()
+  common.fake_cpu_devices(kw["devices"])
+  jax.config.update("jax_platforms", "cpu")
   from training import compile_only as compile_lib
   from training.errors import ConfigError
 
   try:
     result = run(**kw)
-  except (FitError, ConfigError) as e:  # FitError is a setting of this tool, ConfigError one
-    print(f"error: {e}", file=sys.stderr, flush=True)  # of the config: both name the fix
-    sys.exit(2)
-  except compile_lib.CompileFailed as e:  # the TPU compiler refused a step (e.g. VMEM)
+  except (FitError, ConfigError, compile_lib.CompileFailed) as e:  # each names the fix
     print(f"error: {e}", file=sys.stderr, flush=True)
-    sys.exit(1)
+    sys.exit(1 if isinstance(e, compile_lib.CompileFailed) else 2)  # 1: the TPU compiler's
   if out:
     common.write_result(out, dict(result, meta=common.run_meta(script=__file__)))
   print(json.dumps(result, separators=(",", ":")), flush=True)

@@ -1,45 +1,35 @@
 """Ring transfers in flight during block compute, in the TPU compiler's schedule (no TPU needed).
 
-Compiles ``ring_attention_sharded`` forward+backward (``jax.value_and_grad`` of a sum of
-squares) deviceless for a TPU slice (``jax.experimental.topologies``, libtpu from PyPI:
-docs/performance.md, "Ring transfers on the TPU compiler") and reads, per ring
-configuration, from the compiled program: the ring's transfers and how many of them have
-block compute scheduled while in flight (:func:`ring_jax.analysis.overlap_report`), the
-temp bytes per chip (``memory_analysis``), the compile seconds and the scheduled HLO's size.
-Nothing runs; compile seconds are this host's (shared CPUs: indicative only).
+Compiles ``ring_attention_sharded`` fwd+bwd (``jax.value_and_grad`` of a sum of squares)
+deviceless for a TPU slice (docs/performance.md, "Ring transfers on the TPU compiler") and
+records per configuration a row of :func:`measure`. Nothing runs; compile seconds are this
+host's (shared CPUs: indicative only).
 
     ALLOW_MULTIPLE_LIBTPU_LOAD=1 python benchmarks/tpu_overlap.py \\
         --topology v5p:2x2x1 --length 32768 --out benchmarks/results/tpu_overlap_v5p.json
 
-Configurations (``--configs``, comma-separated; default all): ``<layout>-<causal|full>``
-with suffixes ``+routed`` (``causal_routing=True``), ``+unrouted`` (False),
-``+overlap_dkv`` / ``+inplace_dkv`` (``overlap_dkv=True`` / False), ``+splash`` (the
+Configurations (``--configs``, comma-separated; default :data:`CONFIGS`):
+``<layout>-<causal|full>`` with suffixes ``+routed`` (``causal_routing=True``), ``+unrouted``
+(False), ``+overlap_dkv`` / ``+inplace_dkv`` (``overlap_dkv=True`` / False), ``+splash`` (the
 splash hop kernel; default ``xla``), ``+window`` (``local_window_size=(4096, 0)``),
 ``+segments`` (packed documents: an int32 ``segment_ids [B, L]`` argument), ``+gqa``
 (``--heads`` query heads over a quarter as many K/V heads), ``+sinks`` (a float32 ``sinks
-[heads]`` argument, differentiated too), ``+softcap`` (``logits_soft_cap=50``) and ``+dv``
-(V and the output with head dim ``--value_head_dim``, default 128), ``+one_loop`` /
-``+peeled`` (every hop of a flat full rotation in one loop for every hop kernel / for none:
-``ring_jax.ring.PLATFORM_DEFAULTS["tpu"]["one_loop"]`` for that compile, and the ring's
-loop kept however few its hops: ``["unroll_hops"]`` 0); without them the
-defaults apply; ``+inlayout``: inputs already in the layout's order (``inputs_in_layout=True``, as
-the model calls it). And ``two_level-<layout>-<causal|full>`` (outer 2 x inner ring over the
-rest of the chips). Mesh: data=1 x sequence=chips (two-level: data=1 x outer=2 x
-inner=chips/2). A peer on the same compiler: ``tokamax_ring-<causal|full>`` (tokamax's TPU
-ring splash, ``tokamax.._src.ops.experimental.tpu.splash_attention.ring_attention_kernel``,
-needs jax >= 0.11 and ``pip install tokamax==0.0.17``), ``+block512`` (its blocks 512) and
-``+dq3`` (``dq_reduction_steps=3``); its compile is timed as ours (``lower().compile()``).
-``--repeats N`` compiles each configuration N times, in N rounds over all of them (interleaved:
-a busy host slows each alike), and records the median wall and process-CPU seconds
-(``compile_s``, ``compile_cpu_s``). Rows also give the generated code size, the Mosaic custom
-calls and how many distinct kernel bodies they hold (:func:`ring_jax.analysis.mosaic_kernels`).
-
-``--hop-kernel xla,splash`` compiles every configuration once per hop kernel
-named (a row's ``config`` gains ``+<kernel>``), the hop kernels' memory side by side
-(docs/performance.md, "Splash hop memory on the TPU compiler"):
-
-    ALLOW_MULTIPLE_LIBTPU_LOAD=1 python benchmarks/tpu_overlap.py --configs zigzag-causal \
-        --hop-kernel xla,splash --out benchmarks/results/tpu_hop_memory_v5p.json
+[heads]`` argument, differentiated too), ``+softcap`` (``logits_soft_cap=50``), ``+dv`` (V
+and the output with head dim ``--value_head_dim``), ``+one_loop`` / ``+peeled`` (every hop of
+a flat full rotation in one loop for every hop kernel / for none:
+``ring_jax.ring.PLATFORM_DEFAULTS["tpu"]["one_loop"]`` for that compile, and the ring's loop
+kept however few its hops: ``["unroll_hops"]`` 0; without them the defaults apply) and
+``+inlayout`` (inputs already in the layout's order, ``inputs_in_layout=True``, as the model
+calls it). And ``two_level-<layout>-<causal|full>`` (outer 2 x inner ring over the rest of
+the chips). Mesh: data=1 x sequence=chips (two-level: data=1 x outer=2 x inner=chips/2). A
+peer on the same compiler: ``tokamax_ring-<causal|full>`` (:func:`tokamax_ring`; needs jax
+>= 0.11 and ``pip install tokamax==0.0.17``), ``+block512`` (its blocks 512) and ``+dq3``
+(``dq_reduction_steps=3``); its compile is timed as ours (``lower().compile()``).
+``--repeats N`` compiles each configuration N times, in N rounds over all of them
+(interleaved: a busy host slows each alike), and records the median wall and process-CPU
+seconds. ``--hop-kernel xla,splash`` compiles every configuration once per hop kernel named
+(a row's ``config`` gains ``+<kernel>``): the hop kernels' memory side by side
+(docs/performance.md, "Splash hop memory on the TPU compiler").
 """
 
 from __future__ import annotations
@@ -47,7 +37,6 @@ from __future__ import annotations
 import datetime
 import os
 import sys
-import time
 
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
@@ -74,16 +63,16 @@ def hop_kernel(config: str) -> str:
   return next((k for k in HOP_KERNELS if k in config.split("+")[1:]), "xla")
 
 
-def compile_config(config: str, devices, length: int, heads: int, head_dim: int,
-                   block: int | None = None, value_head_dim: int = 128):
-  """``(compiled, wall seconds, process CPU seconds)`` of one configuration's fwd+bwd
-  (``block``: block_q = block_kv, None: the default), both timed over ``lower().compile()``
-  (:func:`timed_compile`)."""
+def build(config: str, devices, length: int, heads: int, head_dim: int,
+          block: int | None = None, value_head_dim: int = 128):
+  """A function of no arguments returning one configuration's fwd+bwd (``block``: block_q =
+  block_kv, None: the default) compiled: ``jit(...).lower().compile()`` of what is built here
+  first, so that timing it times the compile alone."""
   parts = config.split("+")
   words = parts[0].split("-")
   if words[0] == "tokamax_ring":
-    return compile_tokamax_ring(parts, words[-1] == "causal", devices, length, heads, head_dim)
-  two_level = words[0] == "two_level"
+    jitted, args = tokamax_ring(parts, words[-1] == "causal", devices, length, heads, head_dim)
+    return lambda: jitted.lower(*args).compile()
   layout, mask = words[-2], words[-1]
   forced = lambda on, off: True if on in parts else False if off in parts else None  # noqa: E731
   kw = dict(is_causal=mask == "causal", layout=layout, hop_kernel=hop_kernel(config),
@@ -93,23 +82,19 @@ def compile_config(config: str, devices, length: int, heads: int, head_dim: int,
             local_window_size=WINDOW if "window" in parts else None,
             logits_soft_cap=SOFT_CAP if "softcap" in parts else None)
   n = len(devices)
-  if two_level:
+  if words[0] == "two_level":
     shape, axes, seq = (1, 2, n // 2), ("data", "outer", "inner"), ("outer", "inner")
   else:
     shape, axes, seq = (1, n), ("data", "sequence"), "sequence"
   mesh = jax.sharding.Mesh(np.asarray(devices).reshape(shape), axes)
-  spec = jax.sharding.NamedSharding(mesh, jax.P("data", seq, None, None))
-  x = jax.ShapeDtypeStruct((1, length, heads, head_dim), jnp.bfloat16, sharding=spec)
+  sharded = lambda shape, dtype, *spec: jax.ShapeDtypeStruct(  # noqa: E731
+      shape, dtype, sharding=jax.sharding.NamedSharding(mesh, jax.P(*spec)))
   kv_heads = heads // 4 if "gqa" in parts else heads
-  xkv = jax.ShapeDtypeStruct((1, length, kv_heads, head_dim), jnp.bfloat16, sharding=spec)
-  xv = jax.ShapeDtypeStruct((1, length, kv_heads, value_head_dim if "dv" in parts else
-                             head_dim), jnp.bfloat16, sharding=spec)
-  sinks = (jax.ShapeDtypeStruct((heads,), jnp.float32,
-                                sharding=jax.sharding.NamedSharding(mesh, jax.P()))
-           if "sinks" in parts else None)
-  seg = (jax.ShapeDtypeStruct((1, length), jnp.int32,
-                              sharding=jax.sharding.NamedSharding(mesh, jax.P("data", seq)))
-         if "segments" in parts else None)
+  x, xkv, xv = (sharded((1, length, h, d), jnp.bfloat16, "data", seq, None, None)
+                for h, d in ((heads, head_dim), (kv_heads, head_dim),
+                             (kv_heads, value_head_dim if "dv" in parts else head_dim)))
+  sinks = sharded((heads,), jnp.float32) if "sinks" in parts else None
+  seg = sharded((1, length), jnp.int32, "data", seq) if "segments" in parts else None
 
   def loss(q, k, v, sinks, seg):
     out = ring_jax.ring_attention_sharded(q, k, v, mesh=mesh, seq_axis=seq, segment_ids=seg,
@@ -117,24 +102,27 @@ def compile_config(config: str, devices, length: int, heads: int, head_dim: int,
     return jnp.sum(out.astype(jnp.float32) ** 2)
 
   argnums = (0, 1, 2, 3) if sinks is not None else (0, 1, 2)
-  tpu = ring_jax.ring.PLATFORM_DEFAULTS["tpu"]
-  shipped = dict(tpu)
-  if "one_loop" in parts or "peeled" in parts:  # the ring's own loop, not unrolled
-    tpu.update(one_loop=HOP_KERNELS if "one_loop" in parts else (), unroll_hops=0)
-  try:
-    return timed_compile(jax.jit(jax.value_and_grad(loss, argnums=argnums)),
-                         x, xkv, xv, sinks, seg)
-  finally:
-    tpu.clear()
-    tpu.update(shipped)
+  jitted = jax.jit(jax.value_and_grad(loss, argnums=argnums))
+
+  def compile_():
+    tpu = ring_jax.ring.PLATFORM_DEFAULTS["tpu"]
+    shipped = dict(tpu)
+    if "one_loop" in parts or "peeled" in parts:  # the ring's own loop, not unrolled
+      tpu.update(one_loop=HOP_KERNELS if "one_loop" in parts else (), unroll_hops=0)
+    try:
+      return jitted.lower(x, xkv, xv, sinks, seg).compile()
+    finally:
+      tpu.clear()
+      tpu.update(shipped)
+
+  return compile_
 
 
-def compile_tokamax_ring(parts, is_causal: bool, devices, length: int, heads: int,
-                         head_dim: int):
-  """``(compiled, wall seconds, CPU seconds)`` of tokamax's TPU ring fwd+bwd over all
-  ``devices`` (its layout: ``[heads, L, head_dim]``, the sequence split over the ring), as its
-  own test builds it; timed as ours (:func:`timed_compile`), its kernel's construction
-  (``make_ring_attention``, the mask's metadata built on the host) not counted."""
+def tokamax_ring(parts, is_causal: bool, devices, length: int, heads: int, head_dim: int):
+  """``(jitted fwd+bwd, its abstract arguments)`` of tokamax's TPU ring over all ``devices``
+  (its layout: ``[heads, L, head_dim]``, the sequence split over the ring), as its own test
+  builds it: its kernel's construction (``make_ring_attention``, the mask's metadata built on
+  the host) is here, not in the timed compile."""
   import dataclasses
   from tokamax._src.ops.experimental.tpu.splash_attention import (
       ring_attention_kernel, splash_attention_kernel as splash, splash_attention_mask as masks)
@@ -161,22 +149,16 @@ def compile_tokamax_ring(parts, is_causal: bool, devices, length: int, heads: in
   def loss(q, k, v):
     return jnp.sum(attend(kernel, q, k, v).astype(jnp.float32) ** 2)
 
-  return timed_compile(jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))), x, x, x)
-
-
-def timed_compile(jitted, *args):
-  """``(compiled, wall seconds, process CPU seconds)`` of ``jitted.lower(*args).compile()``.
-  The CPU seconds count every thread of this process (the compiler's too): on a shared host
-  they vary less than the wall seconds."""
-  cpu, start = time.process_time(), time.perf_counter()
-  compiled = jitted.lower(*args).compile()
-  return compiled, time.perf_counter() - start, time.process_time() - cpu
+  return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))), (x, x, x)
 
 
 def measure(config: str, compiled, times: list[float], cpu_times: list[float],
             block: int | None, heads: int, head_dim: int, value_head_dim: int) -> dict:
-  """One result row: ``compiled``'s overlap report and memory, the median compile seconds
-  (wall and process CPU) of ``times`` / ``cpu_times``."""
+  """One result row: the ring's transfers and how many have block compute scheduled while in
+  flight (:func:`ring_jax.analysis.overlap_report`), the memory per chip, the generated code
+  size, the Mosaic custom calls and their distinct kernel bodies
+  (:func:`ring_jax.analysis.mosaic_kernels`), the HLO's size, and the median compile seconds
+  (``compile_s``, ``compile_cpu_s``: wall and process CPU) of ``times`` / ``cpu_times``."""
   report = analysis.overlap_report(compiled)
   hidden, total = report.ring()
   memory = common.compiled_memory(compiled)
@@ -226,27 +208,25 @@ def main(argv=None):
       p.error(f"--hop-kernel: unknown {unknown}; choose from {', '.join(HOP_KERNELS)}")
     configs = [c if k == "xla" else f"{c}+{k}" for c in configs for k in kernels]
   devices = topology.devices(args.topology)
-  # Rounds interleave the configurations (each compiled once per round), so a busy host
-  # slows every configuration alike and their ratios hold.
-  compiled, times, errors = {}, {c: ([], []) for c in configs}, {}
-  for _ in range(args.repeats):
-    for config in configs:
-      if config in errors:
-        continue
-      try:
-        compiled[config], wall, cpu = compile_config(
-            config, devices, args.length, args.heads, args.head_dim, args.block,
-            args.value_head_dim)
-      except Exception as e:  # noqa: BLE001  (a failed configuration is reported, the next runs)
-        errors[config] = common.error_line(e, 300)
-        continue
-      times[config][0].append(wall)
-      times[config][1].append(cpu)
+  # Rounds interleave the configurations (each built, untimed, then compiled once per round),
+  # so a busy host slows every configuration alike and their ratios hold.
+  built, compiled, errors = {}, {}, {}
+
+  def before(config, _):
+    built[config] = build(config, devices, args.length, args.heads, args.head_dim, args.block,
+                          args.value_head_dim)
+
+  def compile_(config):
+    compiled[config] = built.pop(config)()
+
+  times = common.interleaved(
+      {c: (compile_, (c,)) for c in configs}, args.repeats, warmup=0, before=before,
+      on_error=lambda config, e: errors.setdefault(config, common.error_line(e, 300)))
   rows = []
   for config in configs:
     row = ({"config": config, "error": errors[config]} if config in errors else
-           measure(config, compiled[config], *times[config], args.block, args.heads,
-                   args.head_dim, args.value_head_dim))
+           measure(config, compiled[config], times[config]["wall"], times[config]["cpu"],
+                   args.block, args.heads, args.head_dim, args.value_head_dim))
     rows.append(row)
     print(row, flush=True)
   if args.out:

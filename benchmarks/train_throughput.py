@@ -1,16 +1,9 @@
-"""Tokens/s and MFU of the shipped LLaMA train step, per attention backend (strategy).
+"""Tokens/s and MFU of the shipped LLaMA train step (``training.step.build_train_step``, as
+``train.py`` runs it) on random tokens, once per ``--attention`` backend named in
+``models.attention.ATTENTION_BACKENDS`` (dense: full-sequence reference attention).
 
-Runs exactly what ``train.py`` runs: the train step and state of
-``training.step.build_train_step`` (the model of ``models.llama`` created sharded on a
-``(data, sequence, tensor)`` mesh, AdamW + clipping, params and optimizer state donated,
-batch per ``training/batch.py``), on random tokens in the model's layout order, once per
-``--attention`` backend named in ``models.attention.ATTENTION_BACKENDS`` (ring, all_gather,
-ulysses, hybrid, auto; dense: full-sequence reference attention, O(L^2) memory).
-
-MFU = ``cfg.flops_per_token(L) * tokens/s / (devices * peak)``; remat recomputation is not
-counted. ``--peak-tflops`` is per device (default: the device kind's dense bf16 peak from
-``ring_jax.hardware``; on CPU the measured f32 matmul rate of the whole machine divided by
-the device count, so CPU "MFU" is relative to what this host can do, not a hardware spec).
+MFU = ``cfg.flops_per_token(L) * tokens/s / (devices * peak)``, remat recomputation not
+counted; ``--peak-tflops`` per device, default :func:`peak_per_device`.
 
 CPU example (8 fake devices, tiny model):
   PYTHONPATH=. python benchmarks/train_throughput.py --preset tiny --seq-len 2048 \\
@@ -54,15 +47,6 @@ def peak_per_device(n_devices: int, tflops: float | None = None) -> tuple[float,
     ts = common.time_calls(jax.jit(lambda a: a @ a), (a,), repeats=5)
     return 2 * n ** 3 / min(ts) / n_devices, "measured f32 matmul rate of this CPU / devices"
   return float("nan"), f"unknown device {kind}: pass its peak (--peak-tflops, GPU_PEAK_TFLOPS)"
-
-
-def model_config(args, backend):
-  from models.llama import LlamaConfig
-
-  preset = dict(PRESETS[args.preset], **{k: getattr(args, k) for k in MODEL_FIELDS
-                                          if getattr(args, k)})
-  return LlamaConfig(**preset, attention=backend, layout=args.layout, remat_policy=args.remat,
-                     dtype=args.dtype, param_dtype="float32")
 
 
 def time_train_step(cfg, mesh, b, length, steps, peak):
@@ -112,6 +96,8 @@ def time_train_step(cfg, mesh, b, length, steps, peak):
 
 
 def main(argv=None):
+  from models.llama import LlamaConfig
+
   ap = common.parser(__doc__, out="", mesh="data=1,sequence=8,tensor=1")
   ap.add_argument("--dtype", default=None, help="compute dtype (default f32 on CPU, bf16 else)")
   ap.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
@@ -135,11 +121,15 @@ def main(argv=None):
         f"B={args.batch}, layout {args.layout}, remat {args.remat}, {args.dtype}", flush=True)
   print(f"{'attention':<10} {'step ms':>9} {'tokens/s':>10} {'TFLOP/s':>8} {'MFU':>7} "
         f"{'temp MiB/dev':>12} {'loss':>7}", flush=True)
+  sizes = dict(PRESETS[args.preset], **{k: getattr(args, k) for k in MODEL_FIELDS
+                                         if getattr(args, k)})
   results = []
   for backend in args.attention.split(","):
     try:
-      r = dict(attention=backend, **time_train_step(model_config(args, backend), mesh,
-                                                    args.batch, args.seq_len, args.steps, peak))
+      cfg = LlamaConfig(**sizes, attention=backend, layout=args.layout, remat_policy=args.remat,
+                        dtype=args.dtype, param_dtype="float32")
+      r = dict(attention=backend, **time_train_step(cfg, mesh, args.batch, args.seq_len,
+                                                    args.steps, peak))
       print(f"{backend:<10} {1e3 * r['step_s']:>9.1f} {r['tokens_per_s']:>10.1f} "
             f"{r['model_tflops_per_s']:>8.3f} {r['mfu']:>7.1%} "
             f"{(r['temp_bytes_per_device'] or 0) / 2**20:>12.1f} {r['loss']:>7.3f}", flush=True)
