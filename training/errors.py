@@ -1,6 +1,5 @@
-"""The trainer's error types and exit status for bad input, in a module of their own so that
-every training module can raise them without importing another's (``training.validation``
-imports ``training.stages``, which raises :class:`ConfigError`)."""
+"""The trainer's error types and exit status for bad input, importable by every training
+module without importing another."""
 
 #: Exit status of train.py, generate.py and evaluate.py for a bad flag, config or input.
 EXIT_USAGE = 2

@@ -50,8 +50,7 @@ def parse_gin_bindings(text: str, source: str = "<gin_param>") -> list[tuple[str
       out.append((path, statement.value))
     elif isinstance(statement, config_parser.IncludeStatement):
       base = os.path.dirname(source) if os.path.exists(source) else os.getcwd()
-      inc = statement.filename
-      inc = inc if os.path.isabs(inc) else os.path.join(base, inc)
+      inc = os.path.join(base, statement.filename)  # an absolute filename stays as it is
       with open(inc) as f:
         out.extend(parse_gin_bindings(f.read(), inc))
     else:

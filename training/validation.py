@@ -216,7 +216,8 @@ def profile_steps(config: ml_collections.ConfigDict) -> range | None:
 
 
 def validate_config(config: ml_collections.ConfigDict, num_devices: int) -> dict[str, int]:
-  """Checks everything knowable without tracing; returns the resolved mesh sizes."""
+  """Checks everything knowable without tracing, each of ``config.stages`` as a config of its
+  own (its ConfigError names the stage); returns the resolved mesh sizes."""
   check_ranges(config)
   sizes = mesh_lib.mesh_shape(config.mesh, num_devices)
   ring, tensor, data_par = shd.ring_size(sizes), sizes["tensor"], sizes["data"]
@@ -225,7 +226,17 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int) -> dict
         f"model.layout={config.model.layout!r} is unknown; choose one of {LAYOUT_CHOICES}.")
   config, _ = resolve_layout(config, ring)  # "auto": checked as it resolves on this ring
   m, d = config.model, config.data
-  validate_stages(config, num_devices)  # first: its errors name the stage
+  for stage in stages_lib.plan(config) if stages_lib.stage_dicts(config) else ():
+    c = stage.config  # c.stages is None: validate_config(c) does not recurse
+    try:
+      if c.optim.warmup_steps > stage.steps:
+        raise ConfigError(f"warmup_steps={c.optim.warmup_steps} exceeds the stage's "
+                          f"steps={stage.steps}; each stage warms up anew (set the stage's "
+                          "warmup_steps=, or --config.optim.warmup_steps=).")
+      validate_config(c, num_devices)
+    except ConfigError as e:
+      raise ConfigError(f"config.stages stage {stage.index + 1} (seq_len={c.data.seq_len}, "
+                        f"steps={stage.steps}): {e}") from None
 
   try:  # heads are sharded over 'tensor' (a single key/value head, MQA, is replicated)
     attention_axes(sizes, batch=1, heads=m.num_heads, kv_heads=m.num_kv_heads, batch_axis=None,
@@ -281,25 +292,6 @@ def clamp_warmup(config: ml_collections.ConfigDict
   config.optim.warmup_steps = total
   return config, (f"optim.warmup_steps={warmup} exceeds total_steps={total}: warming up over "
                   f"all {total} steps (optim.warmup_steps={total})")
-
-
-def validate_stages(config: ml_collections.ConfigDict, num_devices: int) -> None:
-  """Checks each of ``config.stages`` as a config of its own (and ``warmup_steps <=
-  steps``); the ConfigError names the stage."""
-  if not stages_lib.stage_dicts(config):
-    return
-  for stage in stages_lib.plan(config):
-    c = stage.config
-    where = (f"config.stages stage {stage.index + 1} (seq_len={c.data.seq_len}, "
-             f"steps={stage.steps})")
-    try:
-      if c.optim.warmup_steps > stage.steps:
-        raise ConfigError(f"warmup_steps={c.optim.warmup_steps} exceeds the stage's "
-                          f"steps={stage.steps}; each stage warms up anew (set the stage's "
-                          "warmup_steps=, or --config.optim.warmup_steps=).")
-      validate_config(c, num_devices)  # c.stages is None: no recursion.
-    except ConfigError as e:
-      raise ConfigError(f"{where}: {e}") from None
 
 
 def llama_config(config: ml_collections.ConfigDict):
