@@ -18,6 +18,7 @@ statuses (:data:`EXIT_STATUS`): docs/training.md, "When things go wrong".
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import shlex
@@ -193,7 +194,7 @@ def train(config, workdir: str, *, stop_at_step: int | None = None) -> TrainResu
             stopped_by = stop.received
             break
           if step % config.eval_every == 0 or step == stage.end:  # also each stage's end
-            result = metrics_lib.evaluate(run.eval_step, params, run.eval_dataset, c,
+            result = metrics_lib.evaluate(setup.train_step.eval_step, params, run.eval_dataset, c,
                                           run.batch_sharding, setup.eval_shape)
             evals.append(dict(step=step, **result))
             writer.write(step, result, prefix="eval/")
@@ -211,11 +212,10 @@ def train(config, workdir: str, *, stop_at_step: int | None = None) -> TrainResu
       checkpointer.close()
     except BaseException as e:
       # A collective that lost a peer: main() ends the process; closing would wait on it.
+      # Else closing lets good in-flight saves land; its errors are secondary.
       if distributed_lib.collective_lost_peer(e) is None:
-        try:  # Lets good in-flight saves land; their errors are secondary.
+        with contextlib.suppress(Exception):
           checkpointer.close()
-        except Exception:
-          pass
       raise
     finally:  # The profile and the metric writers, on every exit path.
       profile.close()
@@ -295,7 +295,6 @@ class _StageRun:
   buckets: tuple
   batches: Any  # this process's batches (checkpointable); with buckets, (bucket, batch) pairs
   batch_sharding: Any
-  eval_step: Any
   eval_dataset: Any
   throughput: metrics_lib.Throughput
 
@@ -355,8 +354,7 @@ def _start_stage(stage, setup, num_stages, mesh, step, params, opt_state, data_s
       peak_flops=peak_flops, num_devices=jax.device_count())
   return setup, opt_state, _StageRun(
       setup=setup, programs=programs, buckets=buckets, batches=batches,
-      batch_sharding=batch_sharding, eval_step=setup.train_step.eval_step,
-      eval_dataset=eval_dataset, throughput=throughput)
+      batch_sharding=batch_sharding, eval_dataset=eval_dataset, throughput=throughput)
 
 
 def main(argv) -> None:

@@ -22,7 +22,7 @@ from training import mesh as mesh_lib
 from training import metrics as metrics_lib
 from training import stages as stages_lib
 from training import validation as val_lib
-from training.errors import ConfigError
+from training.errors import ConfigError, reraise_as
 
 GIB = 2 ** 30
 
@@ -48,19 +48,16 @@ class Target:
   def resolve(self) -> "Target":
     """This target with its devices (a topology's need libtpu, the one jax pins: a
     ConfigError naming the extra that installs it)."""
-    if self.devices is not None:
-      return self
     if self.name is None:
       return dataclasses.replace(self, devices=tuple(jax.devices()))
-    try:
+    with reraise_as(ConfigError, "--topology: ", catch=topo_lib.TopologyError):
       return dataclasses.replace(self, devices=topo_lib.devices(self.name, self.slices))
-    except topo_lib.TopologyError as e:
-      raise ConfigError(f"--topology: {e}") from None
 
   @property
   def hbm_bytes(self) -> int | None:
-    """HBM per chip (:mod:`ring_jax.hardware`); None for devices the table lacks (CPU)."""
-    device = self.resolve().devices[0]
+    """HBM per chip of the resolved target (:mod:`ring_jax.hardware`); None for devices the
+    table lacks (CPU)."""
+    device = self.devices[0]
     return None if not self.name and device.platform == "cpu" else topo_lib.hbm_bytes(device)
 
 
@@ -73,11 +70,9 @@ def target(topology: str | None, slices: int = 1) -> Target:
     if slices != 1:
       raise ConfigError("--topology_slices needs --topology (the slices' TPU topology).")
     return Target(name=None, slices=1, chips=jax.device_count())
-  try:
-    name = topology.strip().lower()
+  name = topology.strip().lower()
+  with reraise_as(ConfigError, "--topology: ", catch=topo_lib.TopologyError):
     return Target(name=name, slices=slices, chips=topo_lib.chips(name, slices))
-  except topo_lib.TopologyError as e:
-    raise ConfigError(f"--topology: {e}") from None
 
 
 def check_kernel(hop_kernel: str, where: Target) -> None:
@@ -132,7 +127,7 @@ def memory_lines(compiled, where: Target, compile_s: float) -> tuple[list[str], 
              compile_s=round(compile_s, 1))
   if total is None:
     return [f"compiled in {compile_s:.1f}s; the compiler reports no memory analysis"], row
-  kind = where.resolve().devices[0].device_kind
+  kind = where.devices[0].device_kind
   against = ("no HBM figure for this device kind" if hbm is None else
              f"of {hbm / GIB:.2f} GiB HBM ({kind}): "
              f"{'fits' if row['fits'] else 'does NOT fit'} ({100 * total / hbm:.0f}%)")

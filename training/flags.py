@@ -14,7 +14,7 @@ from typing import Any, Iterable, Sequence
 import ml_collections
 
 from training import mesh as mesh_lib
-from training.errors import EXIT_USAGE, ConfigError
+from training.errors import EXIT_USAGE, ConfigError, reraise_as
 from training.supervisor import flag_value
 
 
@@ -76,10 +76,9 @@ def apply_overrides(config: ml_collections.ConfigDict,
                         f"here: {sorted(node.keys()) if hasattr(node, 'keys') else '-'}.")
     if isinstance(value, list):
       value = tuple(value)
-    try:
+    # ConfigDict's type safety: an int field cannot take a str.
+    with reraise_as(ConfigError, f"gin binding `{path} = {value!r}`: ", catch=TypeError):
       node[leaf] = value
-    except TypeError as e:  # ConfigDict's type safety: an int field cannot take a str.
-      raise ConfigError(f"gin binding `{path} = {value!r}`: {e}") from None
   return config
 
 

@@ -61,12 +61,11 @@ def load_model(config, mesh, *, workdir: str | None = None, hf_dir: str | None =
     from flax import nnx
     from models import convert_hf
     m = config.model
-    try:
+    # A ValueError: e.g. a layout the model's window rules out.
+    with errors.reraise_as(errors.UsageError, f"--hf_dir {hf_dir}: "):
       cfg = convert_hf.load_hf_config(
           hf_dir, attention=m.attention, layout=m.layout, block_q=m.block_q,
           block_kv=m.block_kv, dtype=m.dtype, param_dtype=m.param_dtype)
-    except ValueError as e:  # e.g. a layout the model's window rules out
-      raise errors.UsageError(f"--hf_dir {hf_dir}: {e}") from None
     model = convert_hf.load_hf_checkpoint(hf_dir, cfg, mesh=mesh)
     log(f"loaded {hf_dir}")
     return model.cfg, nnx.split(model, nnx.Param, ...)[1]
@@ -138,10 +137,8 @@ def load_run_tokenizer(config, *, workdir: str | None = None, hf_dir: str | None
   """The :class:`training.tokenizer.Tokenizer` of :func:`run_tokenizer_spec` (UsageError
   naming the fix when it does not load)."""
   spec = run_tokenizer_spec(config, workdir=workdir, hf_dir=hf_dir, log=log)
-  try:
+  with errors.reraise_as(errors.UsageError, f"tokenizer {spec!r} "):
     return tok_lib.load_explained(spec)
-  except ValueError as e:
-    raise errors.UsageError(f"tokenizer {spec!r} {e}") from None
 
 
 def save_run_config(config, workdir: str) -> None:

@@ -77,11 +77,8 @@ def _cast(where: str, name: str, value):
 
 
 def parse(text: str) -> list[dict[str, Any]]:
-  """The compact form ``"seq_len:steps[:field=value...],..."`` -> a list of stage dicts.
-
-  Raises:
-    ConfigError: a stage without ``seq_len:steps``, an unknown field, a bad number.
-  """
+  """The compact form ``"seq_len:steps[:field=value...],..."`` -> a list of stage dicts
+  (untyped); ConfigError for a stage without ``seq_len:steps`` or an item not ``field=value``."""
   out = []
   for i, part in enumerate(p.strip() for p in text.split(",")):
     where = f"config.stages stage {i + 1} ({part!r})"
@@ -104,12 +101,8 @@ def parse(text: str) -> list[dict[str, Any]]:
 
 
 def stage_dicts(config) -> list[dict[str, Any]]:
-  """``config.stages`` as a list of dicts with typed values (empty: no stages).
-
-  Raises:
-    ConfigError: not a string or a list of dicts, an unknown or missing field, a bad value,
-      ``steps < 1``.
-  """
+  """``config.stages`` as a list of dicts with typed values (empty: no stages); ConfigError
+  for anything but a string or a list of dicts, an unknown or missing field, a bad value."""
   raw = config.get("stages")
   if raw is None or (isinstance(raw, (str, list, tuple)) and not raw):
     return []
@@ -138,11 +131,8 @@ def stage_dicts(config) -> list[dict[str, Any]]:
 
 def resolve(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   """``config`` with explicit stages, ``total_steps`` their sum and the top-level stage
-  fields those of the last stage (a copy; unchanged without stages). Idempotent.
-
-  Raises:
-    ConfigError: :func:`stage_dicts`'s errors.
-  """
+  fields those of the last stage (a copy; unchanged without stages). Idempotent;
+  :func:`stage_dicts`'s ConfigErrors."""
   stages = stage_dicts(config)
   if not stages:
     return config
