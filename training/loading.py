@@ -8,6 +8,7 @@ loads the tokenizer that goes with it. Errors are one line each
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
@@ -37,17 +38,14 @@ def restore_params(model_cfg, mesh, workdir: str, warn: Callable[[str], None] = 
     checkpointer = ckpt_lib.Checkpointer(workdir, read_only=True)
   except ckpt_lib.NoCheckpointError as e:
     raise errors.UsageError(f"--workdir {e}; {fix}.") from None
-  try:
+  with contextlib.closing(checkpointer), errors.reraise_as(
+      errors.UsageError, catch=ckpt_lib.NoRestorableCheckpointError):
     if step is not None:
       if step not in checkpointer.all_steps():
         raise errors.UsageError(f"{checkpointer.directory} has no checkpoint of step {step} "
                                 f"(steps: {checkpointer.all_steps()}).")
       return step, checkpointer.restore_params(step, target)
     restored = checkpointer.restore_latest(target, warn=warn)
-  except ckpt_lib.NoRestorableCheckpointError as e:
-    raise errors.UsageError(str(e)) from None
-  finally:
-    checkpointer.close()
   if restored is None:
     raise errors.UsageError(f"{checkpointer.directory} holds no checkpoint; {fix}.")
   return restored[0], restored[1]
