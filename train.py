@@ -9,20 +9,16 @@ ring over ``sequence_outer`` x ``sequence`` when ``mesh.sequence_outer > 1``).
   python train.py --config configs/tiny.py --config.mesh.data=1 --config.mesh.sequence_outer=2
   python train.py --config configs/llama_7b.py --compile_only --topology v5p:4x4x4  # fits?
 
-The workdir is a local or shared-filesystem path (NFS, a gcsfuse mount), not a gs:// URL.
-Rerunning the same command resumes from its newest checkpoint, data iterator included, so
-the loss curve continues as if the run had not stopped. ``--compile_only``
-(:func:`training.compile_only.compile_stages`) compiles each stage's step from abstract
-values for the attached devices or a TPU slice (``--topology``) and reports its memory.
-
-Stopping and failing (docs/training.md, "When things go wrong"): SIGTERM/SIGINT finishes
-the step on every process, saves and exits 0 with the command that resumes; the other ends
-are :data:`EXIT_STATUS`'s one line, or 75 with one line when a process of a multi-process
-run dies (``training.distributed``, ``training.supervisor``).
+The workdir is a local or shared-filesystem path (NFS, a gcsfuse mount), not a gs:// URL;
+rerunning the same command resumes from its newest checkpoint, data iterator included.
+``--compile_only`` compiles each stage's step for the attached devices or a TPU slice and
+reports its memory (:mod:`training.compile_only`). How a run stops and fails, and its exit
+statuses (:data:`EXIT_STATUS`): docs/training.md, "When things go wrong".
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import shlex
@@ -61,7 +57,6 @@ from training import loading as loading_lib
 from training import mesh as mesh_lib
 from training import metrics as metrics_lib
 from training import stages as stages_lib
-from training import step as step_lib
 from training import validation as val_lib
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
@@ -199,7 +194,7 @@ def train(config, workdir: str, *, stop_at_step: int | None = None) -> TrainResu
             stopped_by = stop.received
             break
           if step % config.eval_every == 0 or step == stage.end:  # also each stage's end
-            result = metrics_lib.evaluate(run.eval_step, params, run.eval_dataset, c,
+            result = metrics_lib.evaluate(setup.train_step.eval_step, params, run.eval_dataset, c,
                                           run.batch_sharding, setup.eval_shape)
             evals.append(dict(step=step, **result))
             writer.write(step, result, prefix="eval/")
@@ -217,11 +212,10 @@ def train(config, workdir: str, *, stop_at_step: int | None = None) -> TrainResu
       checkpointer.close()
     except BaseException as e:
       # A collective that lost a peer: main() ends the process; closing would wait on it.
+      # Else closing lets good in-flight saves land; its errors are secondary.
       if distributed_lib.collective_lost_peer(e) is None:
-        try:  # Lets good in-flight saves land; their errors are secondary.
+        with contextlib.suppress(Exception):
           checkpointer.close()
-        except Exception:
-          pass
       raise
     finally:  # The profile and the metric writers, on every exit path.
       profile.close()
@@ -284,8 +278,7 @@ def _resume_or_init(config, workdir, checkpointer, setup):
     t0 = time.perf_counter()
     params = convert_hf.load_hf_params(hf_dir, train_step.model_cfg,
                                        shardings=train_step.param_shardings)
-    restored = (0, params, step_lib.init_opt_state(train_step.tx, params,
-                                                   train_step.opt_shardings), None)
+    restored = (0, params, train_step.init_opt_state(params), None)
     log(f"initialised from {hf_dir} in {time.perf_counter() - t0:.1f}s")
   else:
     restored = (0, *train_step.init_state(), None)
@@ -302,7 +295,6 @@ class _StageRun:
   buckets: tuple
   batches: Any  # this process's batches (checkpointable); with buckets, (bucket, batch) pairs
   batch_sharding: Any
-  eval_step: Any
   eval_dataset: Any
   throughput: metrics_lib.Throughput
 
@@ -328,8 +320,7 @@ def _start_stage(stage, setup, num_stages, mesh, step, params, opt_state, data_s
   if num_stages > 1:
     log(stage.describe())
   if stage.index > 0 and step == stage.start:
-    opt_state = step_lib.init_opt_state(setup.train_step.tx, params,
-                                        setup.train_step.opt_shardings)
+    opt_state = setup.train_step.init_opt_state(params)
   # This process's rows in the ring's layout, sharded (data, sequence); with
   # data.length_buckets whole batches per bucket, each on its own re-split mesh.
   batch_sharding, ring_size = batch_lib.sharding(mesh), shd.ring_size(mesh.shape)
@@ -363,8 +354,7 @@ def _start_stage(stage, setup, num_stages, mesh, step, params, opt_state, data_s
       peak_flops=peak_flops, num_devices=jax.device_count())
   return setup, opt_state, _StageRun(
       setup=setup, programs=programs, buckets=buckets, batches=batches,
-      batch_sharding=batch_sharding, eval_step=setup.train_step.eval_step(),
-      eval_dataset=eval_dataset, throughput=throughput)
+      batch_sharding=batch_sharding, eval_dataset=eval_dataset, throughput=throughput)
 
 
 def main(argv) -> None:

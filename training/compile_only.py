@@ -22,7 +22,7 @@ from training import mesh as mesh_lib
 from training import metrics as metrics_lib
 from training import stages as stages_lib
 from training import validation as val_lib
-from training.errors import ConfigError
+from training.errors import ConfigError, reraise_as
 
 GIB = 2 ** 30
 
@@ -38,10 +38,6 @@ class Target:
   devices: tuple | None = None
 
   @property
-  def platform(self) -> str:
-    return "tpu" if self.name else jax.default_backend()
-
-  @property
   def label(self) -> str:
     """``"TPU slice v5p:4x4x4 (64 chips)"``, ``"2 slices of v5e:2x2 (8 chips)"``, ``"cpu"``."""
     if self.name is None:
@@ -52,19 +48,16 @@ class Target:
   def resolve(self) -> "Target":
     """This target with its devices (a topology's need libtpu, the one jax pins: a
     ConfigError naming the extra that installs it)."""
-    if self.devices is not None:
-      return self
     if self.name is None:
       return dataclasses.replace(self, devices=tuple(jax.devices()))
-    try:
+    with reraise_as(ConfigError, "--topology: ", catch=topo_lib.TopologyError):
       return dataclasses.replace(self, devices=topo_lib.devices(self.name, self.slices))
-    except topo_lib.TopologyError as e:
-      raise ConfigError(f"--topology: {e}") from None
 
   @property
   def hbm_bytes(self) -> int | None:
-    """HBM per chip (:mod:`ring_jax.hardware`); None for devices the table lacks (CPU)."""
-    device = self.resolve().devices[0]
+    """HBM per chip of the resolved target (:mod:`ring_jax.hardware`); None for devices the
+    table lacks (CPU)."""
+    device = self.devices[0]
     return None if not self.name and device.platform == "cpu" else topo_lib.hbm_bytes(device)
 
 
@@ -77,11 +70,9 @@ def target(topology: str | None, slices: int = 1) -> Target:
     if slices != 1:
       raise ConfigError("--topology_slices needs --topology (the slices' TPU topology).")
     return Target(name=None, slices=1, chips=jax.device_count())
-  try:
-    name = topology.strip().lower()
+  name = topology.strip().lower()
+  with reraise_as(ConfigError, "--topology: ", catch=topo_lib.TopologyError):
     return Target(name=name, slices=slices, chips=topo_lib.chips(name, slices))
-  except topo_lib.TopologyError as e:
-    raise ConfigError(f"--topology: {e}") from None
 
 
 def check_kernel(hop_kernel: str, where: Target) -> None:
@@ -94,37 +85,33 @@ def check_kernel(hop_kernel: str, where: Target) -> None:
 
 
 class CompileFailed(RuntimeError):
-  """The compiler refused the train step (e.g. a Mosaic kernel's VMEM); the message is one
-  line: the compiler's error and, where it names them, the allocation and the op."""
-
-
-def compile_failure(error: Exception, where: Target) -> CompileFailed:
-  """``error`` from the compiler as a :class:`CompileFailed` of one line."""
-  text = str(error)
-  lines = [line.strip() for line in text.splitlines() if line.strip()]
-  parts = [lines[0].rstrip(":") if lines else type(error).__name__]
-  scoped = re.search(r"Scoped allocation with size \S+ and limit \S+ exceeded .*? by "
-                     r"[\d.]+[KMG]?", text)
-  if scoped:
-    parts.append(scoped.group(0))
-  op = re.search(r'op_name="([^"]+)"', text)
-  if op:  # the op's last two name scopes, e.g. splash_mha_fwd/pallas_call
-    parts.append("in " + "/".join(op.group(1).split("/")[-2:]))
-  return CompileFailed(f"the compiler refused the train step for {where.label}: "
-                       + "; ".join(parts))
+  """The compiler refused the train step (e.g. a Mosaic kernel's VMEM); one line
+  (:func:`compiling`)."""
 
 
 @contextlib.contextmanager
 def compiling(where: Target):
-  """Around a compile for ``where``: the compiler's refusal as :class:`CompileFailed`; for a
-  topology, without JAX's warning that a cached compile-only program cannot be loaded."""
+  """Around a compile for ``where``: the compiler's refusal as a :class:`CompileFailed` of one
+  line (its error and, where it names them, the scoped allocation and the op); for a topology,
+  without JAX's warning that a cached compile-only program cannot be loaded."""
   with warnings.catch_warnings():
     if where.name is not None:
       warnings.filterwarnings("ignore", message="Error reading persistent compilation cache")
     try:
       yield
     except jax.errors.JaxRuntimeError as e:
-      raise compile_failure(e, where) from None
+      text = str(e)
+      lines = [line.strip() for line in text.splitlines() if line.strip()]
+      parts = [lines[0].rstrip(":") if lines else type(e).__name__]
+      scoped = re.search(r"Scoped allocation with size \S+ and limit \S+ exceeded .*? by "
+                         r"[\d.]+[KMG]?", text)
+      op = re.search(r'op_name="([^"]+)"', text)
+      if scoped:
+        parts.append(scoped.group(0))
+      if op:  # the op's last two name scopes, e.g. splash_mha_fwd/pallas_call
+        parts.append("in " + "/".join(op.group(1).split("/")[-2:]))
+      raise CompileFailed(f"the compiler refused the train step for {where.label}: "
+                          + "; ".join(parts)) from None
 
 
 def memory_lines(compiled, where: Target, compile_s: float) -> tuple[list[str], dict]:
@@ -133,15 +120,14 @@ def memory_lines(compiled, where: Target, compile_s: float) -> tuple[list[str], 
   memory = topo_lib.compiled_memory(compiled)
   total = topo_lib.per_device_bytes(memory)
   hbm = where.hbm_bytes
-  row = dict(argument_bytes=memory.get("argument_size_in_bytes"),
-             temp_bytes=memory.get("temp_size_in_bytes"),
-             output_bytes=memory.get("output_size_in_bytes"),
-             alias_bytes=memory.get("alias_size_in_bytes"), per_chip_bytes=total,
-             hbm_bytes=hbm, fits=None if total is None or hbm is None else bool(total <= hbm),
+  row = {f"{part}_bytes": memory.get(f"{part}_size_in_bytes")
+         for part in ("argument", "temp", "output", "alias")}
+  row.update(per_chip_bytes=total, hbm_bytes=hbm,
+             fits=None if total is None or hbm is None else bool(total <= hbm),
              compile_s=round(compile_s, 1))
   if total is None:
     return [f"compiled in {compile_s:.1f}s; the compiler reports no memory analysis"], row
-  kind = where.resolve().devices[0].device_kind
+  kind = where.devices[0].device_kind
   against = ("no HBM figure for this device kind" if hbm is None else
              f"of {hbm / GIB:.2f} GiB HBM ({kind}): "
              f"{'fits' if row['fits'] else 'does NOT fit'} ({100 * total / hbm:.0f}%)")
@@ -203,7 +189,7 @@ def compile_stages(config, topology: str | None = None, slices: int = 1) -> list
           count = len(buckets_lib.compile_steps(setup.train_step, buckets[:-1], c.microbatches))
         log(buckets_lib.compiled_count_line(count + 1))
       if m.attention != "dense":
-        log(ring_jax.kernels.describe(m.hop_kernel, platform=where.platform))
+        log(ring_jax.kernels.describe(m.hop_kernel, platform="tpu" if where.name else None))
         log(attn_lib.describe_routing(m, mesh))
       overlap = list(analysis.overlap_report(compiled).summary_lines())
       for line in overlap:

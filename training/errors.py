@@ -1,6 +1,7 @@
-"""The trainer's error types and exit status for bad input, in a module of their own so that
-every training module can raise them without importing another's (``training.validation``
-imports ``training.stages``, which raises :class:`ConfigError`)."""
+"""The trainer's error types and exit status for bad input, importable by every training
+module without importing another."""
+
+import contextlib
 
 #: Exit status of train.py, generate.py and evaluate.py for a bad flag, config or input.
 EXIT_USAGE = 2
@@ -14,3 +15,13 @@ class UsageError(ValueError):
   """Bad command-line input to a script (a prompt, a length, a workdir without a
   checkpoint): reported in one line, exit status :data:`EXIT_USAGE`, before anything
   compiles."""
+
+
+@contextlib.contextmanager
+def reraise_as(error: type[Exception], prefix: str = "", catch=ValueError):
+  """Inside: a ``catch`` exception re-raised as ``error(prefix + its message)``, without the
+  original's chain (the line a script prints)."""
+  try:
+    yield
+  except catch as e:
+    raise error(f"{prefix}{e}") from None

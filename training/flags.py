@@ -14,7 +14,7 @@ from typing import Any, Iterable, Sequence
 import ml_collections
 
 from training import mesh as mesh_lib
-from training.errors import EXIT_USAGE, ConfigError
+from training.errors import EXIT_USAGE, ConfigError, reraise_as
 from training.supervisor import flag_value
 
 
@@ -50,8 +50,7 @@ def parse_gin_bindings(text: str, source: str = "<gin_param>") -> list[tuple[str
       out.append((path, statement.value))
     elif isinstance(statement, config_parser.IncludeStatement):
       base = os.path.dirname(source) if os.path.exists(source) else os.getcwd()
-      inc = statement.filename
-      inc = inc if os.path.isabs(inc) else os.path.join(base, inc)
+      inc = os.path.join(base, statement.filename)  # an absolute filename stays as it is
       with open(inc) as f:
         out.extend(parse_gin_bindings(f.read(), inc))
     else:
@@ -77,10 +76,9 @@ def apply_overrides(config: ml_collections.ConfigDict,
                         f"here: {sorted(node.keys()) if hasattr(node, 'keys') else '-'}.")
     if isinstance(value, list):
       value = tuple(value)
-    try:
+    # ConfigDict's type safety: an int field cannot take a str.
+    with reraise_as(ConfigError, f"gin binding `{path} = {value!r}`: ", catch=TypeError):
       node[leaf] = value
-    except TypeError as e:  # ConfigDict's type safety: an int field cannot take a str.
-      raise ConfigError(f"gin binding `{path} = {value!r}`: {e}") from None
   return config
 
 

@@ -8,6 +8,7 @@ loads the tokenizer that goes with it. Errors are one line each
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
@@ -37,17 +38,14 @@ def restore_params(model_cfg, mesh, workdir: str, warn: Callable[[str], None] = 
     checkpointer = ckpt_lib.Checkpointer(workdir, read_only=True)
   except ckpt_lib.NoCheckpointError as e:
     raise errors.UsageError(f"--workdir {e}; {fix}.") from None
-  try:
+  with contextlib.closing(checkpointer), errors.reraise_as(
+      errors.UsageError, catch=ckpt_lib.NoRestorableCheckpointError):
     if step is not None:
       if step not in checkpointer.all_steps():
         raise errors.UsageError(f"{checkpointer.directory} has no checkpoint of step {step} "
                                 f"(steps: {checkpointer.all_steps()}).")
       return step, checkpointer.restore_params(step, target)
     restored = checkpointer.restore_latest(target, warn=warn)
-  except ckpt_lib.NoRestorableCheckpointError as e:
-    raise errors.UsageError(str(e)) from None
-  finally:
-    checkpointer.close()
   if restored is None:
     raise errors.UsageError(f"{checkpointer.directory} holds no checkpoint; {fix}.")
   return restored[0], restored[1]
@@ -61,12 +59,11 @@ def load_model(config, mesh, *, workdir: str | None = None, hf_dir: str | None =
     from flax import nnx
     from models import convert_hf
     m = config.model
-    try:
+    # A ValueError: e.g. a layout the model's window rules out.
+    with errors.reraise_as(errors.UsageError, f"--hf_dir {hf_dir}: "):
       cfg = convert_hf.load_hf_config(
           hf_dir, attention=m.attention, layout=m.layout, block_q=m.block_q,
           block_kv=m.block_kv, dtype=m.dtype, param_dtype=m.param_dtype)
-    except ValueError as e:  # e.g. a layout the model's window rules out
-      raise errors.UsageError(f"--hf_dir {hf_dir}: {e}") from None
     model = convert_hf.load_hf_checkpoint(hf_dir, cfg, mesh=mesh)
     log(f"loaded {hf_dir}")
     return model.cfg, nnx.split(model, nnx.Param, ...)[1]
@@ -138,10 +135,8 @@ def load_run_tokenizer(config, *, workdir: str | None = None, hf_dir: str | None
   """The :class:`training.tokenizer.Tokenizer` of :func:`run_tokenizer_spec` (UsageError
   naming the fix when it does not load)."""
   spec = run_tokenizer_spec(config, workdir=workdir, hf_dir=hf_dir, log=log)
-  try:
+  with errors.reraise_as(errors.UsageError, f"tokenizer {spec!r} "):
     return tok_lib.load_explained(spec)
-  except ValueError as e:
-    raise errors.UsageError(f"tokenizer {spec!r} {e}") from None
 
 
 def save_run_config(config, workdir: str) -> None:

@@ -17,28 +17,27 @@ def mesh_shape(mesh_config, num_devices: int, where: str | None = None) -> dict[
   """Resolves the ``config.mesh`` sizes; one axis may be -1 (= the remaining devices).
   ``where``: what the devices are, for the error (default: the JAX backend's name)."""
   sizes = {axis: int(mesh_config.get(axis, 1)) for axis in MESH_AXES}
+  where = where or jax.default_backend()
   unknown = set(mesh_config.keys()) - set(MESH_AXES)
   if unknown:
     raise ConfigError(f"config.mesh has unknown axes {sorted(unknown)}; axes are {MESH_AXES}.")
   fill = [a for a, s in sizes.items() if s == -1]
   if len(fill) > 1:
     raise ConfigError(f"config.mesh: at most one axis may be -1, got {fill}.")
-  bad = [a for a, s in sizes.items() if s < 1 and s != -1]
-  if bad:
+  if any(s < 1 and s != -1 for s in sizes.values()):
     raise ConfigError(f"config.mesh sizes must be >= 1 or -1, got {sizes}.")
   fixed = math.prod(s for s in sizes.values() if s != -1)
+  if fill and num_devices % fixed:
+    raise ConfigError(
+        f"config.mesh={sizes}: the fixed axes multiply to {fixed}, which does not divide "
+        f"the {num_devices} devices ({where}), so '{fill[0]}=-1' cannot fill the rest.")
   if fill:
-    if num_devices % fixed:
-      raise ConfigError(
-          f"config.mesh={sizes}: the fixed axes multiply to {fixed}, which does not divide "
-          f"the {num_devices} devices ({where or jax.default_backend()}), so '{fill[0]}=-1' "
-          "cannot fill the rest.")
     sizes[fill[0]] = num_devices // fixed
   if math.prod(sizes.values()) != num_devices:
     raise ConfigError(
         f"config.mesh={sizes} needs {math.prod(sizes.values())} devices but "
-        f"{num_devices} are available ({where or jax.default_backend()}). Set one axis to -1 to "
-        "use all devices, or change the sizes.")
+        f"{num_devices} are available ({where}). Set one axis to -1 to use all devices, or "
+        "change the sizes.")
   return sizes
 
 

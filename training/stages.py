@@ -1,15 +1,10 @@
 """Progressive context extension: ``config.stages``, run in order in one workdir.
 
-A stage is a ``seq_len`` and a number of ``steps``, optionally with its own :data:`FIELDS`.
-Steps are global: stage ``i`` runs steps ``start_i + 1 .. start_i + steps_i`` and
-``total_steps`` is their sum. Each stage rebuilds its train step, data pipelines and
-learning-rate schedule; parameters carry over, the AdamW state restarts at every stage after
-the first (docs/context_extension.md, "Stages in one run", says why and how resuming works).
-
-A config file lists dicts (``config.stages = [dict(seq_len=4096, steps=500), ...]``); the
-command line writes ``--config.stages="256:20,512:20:rope_theta=1e6:lr=1e-4"`` (no
-``rope_scaling``). :func:`resolve` makes every stage explicit and sets the top-level fields
-to the last stage's, so the run's saved ``config.json`` describes the model it ends with.
+A stage is a ``seq_len`` and a number of ``steps``, optionally with its own :data:`FIELDS`;
+steps are global (stage ``i`` runs ``start_i + 1 .. start_i + steps_i``) and ``total_steps``
+is their sum. What carries over between stages and how resuming works: docs/context_extension.md.
+A config file lists dicts (``config.stages = [dict(seq_len=4096, steps=500), ...]``), the
+command line the compact form ``--config.stages="256:20,512:20:rope_theta=1e6:lr=1e-4"``.
 """
 
 from __future__ import annotations
@@ -82,11 +77,8 @@ def _cast(where: str, name: str, value):
 
 
 def parse(text: str) -> list[dict[str, Any]]:
-  """The compact form ``"seq_len:steps[:field=value...],..."`` -> a list of stage dicts.
-
-  Raises:
-    ConfigError: a stage without ``seq_len:steps``, an unknown field, a bad number.
-  """
+  """The compact form ``"seq_len:steps[:field=value...],..."`` -> a list of stage dicts
+  (untyped); ConfigError for a stage without ``seq_len:steps`` or an item not ``field=value``."""
   out = []
   for i, part in enumerate(p.strip() for p in text.split(",")):
     where = f"config.stages stage {i + 1} ({part!r})"
@@ -109,11 +101,8 @@ def parse(text: str) -> list[dict[str, Any]]:
 
 
 def stage_dicts(config) -> list[dict[str, Any]]:
-  """``config.stages`` as a list of dicts with typed values (empty: no stages).
-
-  Raises:
-    ConfigError: not a string or a list of dicts, an unknown or missing field, a bad value.
-  """
+  """``config.stages`` as a list of dicts with typed values (empty: no stages); ConfigError
+  for anything but a string or a list of dicts, an unknown or missing field, a bad value."""
   raw = config.get("stages")
   if raw is None or (isinstance(raw, (str, list, tuple)) and not raw):
     return []
@@ -135,40 +124,35 @@ def stage_dicts(config) -> list[dict[str, Any]]:
     if missing:
       raise ConfigError(f"{where}: missing {missing}; e.g. {_EXAMPLE}.")
     out.append({name: _cast(where, name, stage[name]) for name in FIELDS if name in stage})
+    if out[-1]["steps"] < 1:
+      raise ConfigError(f"{where}: steps must be >= 1, got {out[-1]['steps']}.")
   return out
 
 
 def resolve(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   """``config`` with explicit stages, ``total_steps`` their sum and the top-level stage
-  fields those of the last stage (a copy; unchanged without stages). Idempotent.
-
-  Raises:
-    ConfigError: :func:`stage_dicts`'s errors, or a stage with ``steps < 1``.
-  """
+  fields those of the last stage (a copy; unchanged without stages). Idempotent;
+  :func:`stage_dicts`'s ConfigErrors."""
   stages = stage_dicts(config)
   if not stages:
     return config
-  for i, stage in enumerate(stages):
-    if stage["steps"] < 1:
-      raise ConfigError(f"config.stages stage {i + 1}: steps must be >= 1, got "
-                        f"{stage['steps']}.")
   explicit = [{name: (stage[name] if name in stage else _get(config, path))
                for name, (path, _) in FIELDS.items()} for stage in stages]
-  config = config.copy_and_resolve_references()
-  with config.unlocked():
-    _set_stages(config, explicit)
-    config.total_steps = sum(stage["steps"] for stage in explicit)
-    config.update_from_flattened_dict(
-        {path: explicit[-1][name] for name, (path, _) in FIELDS.items() if path})
+  config = _with_stage(config, explicit[-1], stages=explicit)
+  config.total_steps = sum(stage["steps"] for stage in explicit)
   return config
 
 
-def _set_stages(config, value) -> None:
-  """Sets ``config.stages`` whatever it held (a string or a list): the field's type stays
-  ``object``, as ``configs/common.py`` declares it."""
-  if "stages" in config:
+def _with_stage(config, stage: dict[str, Any], stages) -> ml_collections.ConfigDict:
+  """A copy of ``config`` with the fields of ``stage`` and ``config.stages = stages`` (the
+  field's type stays ``object``, as ``configs/common.py`` declares it)."""
+  config = config.copy_and_resolve_references()
+  with config.unlocked():
     del config["stages"]
-  config.stages = config_dict.FieldReference(value, field_type=object)
+    config.stages = config_dict.FieldReference(stages, field_type=object)
+    config.update_from_flattened_dict(
+        {path: stage[name] for name, (path, _) in FIELDS.items() if path})
+  return config
 
 
 def _get(config, path: str):
@@ -186,12 +170,8 @@ def plan(config: ml_collections.ConfigDict) -> list[Stage]:
     return [Stage(index=0, start=0, steps=config.total_steps, config=config)]
   out, start = [], 0
   for i, stage in enumerate(stages):
-    stage_config = config.copy_and_resolve_references()
-    with stage_config.unlocked():
-      _set_stages(stage_config, None)
-      stage_config.update_from_flattened_dict(
-          {path: stage[name] for name, (path, _) in FIELDS.items() if path})
-    out.append(Stage(index=i, start=start, steps=stage["steps"], config=stage_config))
+    out.append(Stage(index=i, start=start, steps=stage["steps"],
+                     config=_with_stage(config, stage, stages=None)))
     start += stage["steps"]
   return out
 
@@ -225,23 +205,20 @@ def build_stage(stage: Stage, mesh) -> StageSetup:
   if padding_line:
     metrics_lib.log(padding_line)
   run_len = val_lib.run_length(model_cfg, ring, c.data.seq_len)  # data.seq_len, padded
-  train_step = cached_train_step(model_cfg, mesh, c.optim, stage.steps, c.microbatches, c.seed)
+  train_step = cached_train_step(model_cfg, mesh, ml_collections.FrozenConfigDict(c.optim),
+                                 stage.steps, c.microbatches, c.seed)
   return StageSetup(stage=stage, model_cfg=model_cfg, train_step=train_step,
                     schedule=step_lib.make_schedule(c.optim, stage.steps),
                     train_shape=(c.batch_size, run_len),
                     eval_shape=(c.eval_batch_size, run_len))
 
 
-def cached_train_step(model_cfg, mesh, optim, steps: int, microbatches: int, seed: int):
+@functools.lru_cache(maxsize=4)
+def cached_train_step(model_cfg, mesh, optim: ml_collections.FrozenConfigDict, steps: int,
+                      microbatches: int, seed: int):
   """``build_train_step`` with an optimizer over ``steps``, or the same one built before: the
   last few are kept, so a second train() of the same setup in one process reuses the jitted
   step and JAX's compiled program (the key holds everything the program depends on)."""
-  return _train_step(model_cfg, mesh, ml_collections.FrozenConfigDict(optim), steps,
-                     microbatches, seed)
-
-
-@functools.lru_cache(maxsize=4)
-def _train_step(model_cfg, mesh, optim, steps: int, microbatches: int, seed: int):
   from training import step as step_lib
 
   tx = step_lib.make_optimizer(optim, steps)

@@ -2,11 +2,9 @@
 :func:`build_train_step`, the one place a train step and its state are assembled.
 
 The model is split once (NNX) into ``graphdef``, ``params`` (``nnx.Param`` leaves, trained)
-and ``rest`` (other state, read-only); the step is a pure ``(params, opt_state, batch) ->
-(params, opt_state, metrics)`` that merges the module inside the trace, so params and
-opt_state can be donated. :func:`build_train_step` gets every shape and sharding from
-``nnx.eval_shape``/``jax.eval_shape``: building it allocates nothing. Needs JAX, Flax,
-Optax and einops only (the benchmarks run it on accelerator images).
+and ``rest`` (read-only); the step merges them inside the trace, so params and opt_state can
+be donated. Every shape and sharding comes from ``nnx.eval_shape``/``jax.eval_shape``: building
+a step allocates nothing. Needs JAX, Flax, Optax and einops only (the benchmarks' images).
 """
 
 from __future__ import annotations
@@ -29,9 +27,6 @@ from models import sharding as shd
 from training import batch as batch_lib
 
 
-# --- Optimizer --------------------------------------------------------------------------------
-
-
 def make_schedule(optim_config, total_steps: int) -> optax.Schedule:
   """Linear warmup from 0 to ``lr``, then cosine decay to ``lr * min_lr_ratio``."""
   return optax.warmup_cosine_decay_schedule(
@@ -51,20 +46,6 @@ def make_optimizer(optim_config, total_steps: int) -> optax.GradientTransformati
                   mask=llama.weight_decay_mask))
 
 
-def opt_state_shardings(tx: optax.GradientTransformation, params, param_shardings, mesh):
-  """Moments share their parameter's sharding; counters and scalars are replicated.
-  Abstract only (``tx.init`` under ``jax.eval_shape``: ``mesh`` may be compile-only)."""
-  abstract = jax.eval_shape(tx.init, params)
-  replicated = NamedSharding(mesh, P())
-  return optax.tree_utils.tree_map_params(
-      lambda placeholder: jax.eval_shape(lambda: tx.init(placeholder)),
-      lambda _, sharding: sharding, abstract, param_shardings,
-      transform_non_params=lambda _: replicated)
-
-
-# --- Loss -------------------------------------------------------------------------------------
-
-
 def loss_sums(graphdef, params, rest, batch) -> tuple[jax.Array, dict[str, jax.Array]]:
   """Summed masked next-token NLL over ``batch`` (any token order: it is a sum), and the
   target and argmax-correct counts, so microbatches combine exactly before one division."""
@@ -74,9 +55,6 @@ def loss_sums(graphdef, params, rest, batch) -> tuple[jax.Array, dict[str, jax.A
   loss_sum, correct = model.nll_sums(batch["tokens"], batch["positions"], batch["segment_ids"],
                                      batch["labels"], mask_BL)
   return loss_sum, dict(tokens=jnp.sum(mask_BL.astype(jnp.float32)), correct=correct)
-
-
-# --- Steps ------------------------------------------------------------------------------------
 
 
 def _split_microbatches(batch, microbatches: int):
@@ -137,14 +115,6 @@ def jit_train_step(*, graphdef, rest, tx, microbatches: int, mesh, param_shardin
       donate_argnames=("params", "opt_state"))
 
 
-def init_opt_state(tx, params, opt_shardings):
-  """Optimizer state created directly with its target shardings (never gathered)."""
-  return jax.jit(tx.init, out_shardings=opt_shardings)(params)
-
-
-# --- The one train-step builder ---------------------------------------------------------------
-
-
 @dataclasses.dataclass(frozen=True)
 class TrainStep:
   """The jitted train step (:func:`jit_train_step`) of one model config on one mesh, and its
@@ -167,23 +137,28 @@ class TrainStep:
     with jax.set_mesh(self.mesh):
       model = llama.create_sharded_model(self.model_cfg, self.mesh, seed=self.seed)
       _, params, _ = nnx.split(model, nnx.Param, ...)
-      return params, init_opt_state(self.tx, params, self.opt_shardings)
+      return params, self.init_opt_state(params)
 
+  def init_opt_state(self, params):
+    """A fresh optimizer state of ``params``, created directly with its target shardings."""
+    return jax.jit(self.tx.init, out_shardings=self.opt_shardings)(params)
+
+  @functools.cached_property
   def eval_step(self) -> Callable:
     """The jitted eval step of the same model, built once per TrainStep."""
-    if "_eval_step" not in self.__dict__:  # frozen: set once, bypassing __setattr__
-      step = functools.partial(eval_step, graphdef=self.graphdef, rest=self.rest)
-      object.__setattr__(self, "_eval_step", jax.jit(
-          step, in_shardings=(self.param_shardings, batch_lib.shardings(self.mesh)),
-          out_shardings=NamedSharding(self.mesh, P())))
-    return self.__dict__["_eval_step"]
+    step = functools.partial(eval_step, graphdef=self.graphdef, rest=self.rest)
+    return jax.jit(step, in_shardings=(self.param_shardings, batch_lib.shardings(self.mesh)),
+                   out_shardings=NamedSharding(self.mesh, P()))
 
-  def lower(self, batch_shape: tuple[int, int], params=None, opt_state=None):
-    """``step.lower`` for a ``[rows, seq_len]`` batch; state defaults to the abstract one."""
+  def lower(self, batch_shape: tuple[int, int], params=None, opt_state=None,
+            platform: str | None = None):
+    """``step.lower`` for a ``[rows, seq_len]`` batch (for ``platform`` if given, else the
+    default backend); state defaults to the abstract one."""
     params = self.abstract_params if params is None else params
     opt_state = self.abstract_opt_state if opt_state is None else opt_state
     with jax.set_mesh(self.mesh):
-      return self.step.lower(params, opt_state, batch_lib.abstract(batch_shape, self.mesh))
+      traced = self.step.trace(params, opt_state, batch_lib.abstract(batch_shape, self.mesh))
+      return traced.lower(lowering_platforms=(platform,) if platform else None)
 
   def compile(self, batch_shape: tuple[int, int], params=None, opt_state=None):
     """The compiled step for ``batch_shape`` (``memory_analysis()`` is per device)."""
@@ -195,10 +170,7 @@ class TrainStep:
     from the step lowered for ``platform`` (XLA:CPU has no host memory space): each
     ``pinned_host`` placement is one layer's residual, stacked ``layers`` times by the layer
     scan (1 when unrolled), divided over the devices of the batch's ``(batch, length)``."""
-    with jax.set_mesh(self.mesh):
-      text = self.step.trace(self.abstract_params, self.abstract_opt_state,
-                             batch_lib.abstract(batch_shape, self.mesh)).lower(
-                                 lowering_platforms=(platform,)).as_text()
+    text = self.lower(batch_shape, platform=platform).as_text()
     total = 0
     for line in text.splitlines():
       if "annotate_device_placement" in line and '"pinned_host"' in line:
@@ -221,9 +193,12 @@ def build_train_step(model_cfg: llama.LlamaConfig, mesh, tx: optax.GradientTrans
   only; :meth:`TrainStep.init_state` makes the concrete state, seeded by ``seed``."""
   graphdef, params, rest = abstract_model(model_cfg, mesh, seed=seed)
   param_shardings = jax.tree.map(lambda x: x.sharding, params)
-  with jax.set_mesh(mesh):
-    opt_shardings = opt_state_shardings(tx, params, param_shardings, mesh)
+  with jax.set_mesh(mesh):  # moments: their parameter's sharding; counters: replicated
     opt_state = jax.eval_shape(tx.init, params)
+    opt_shardings = optax.tree_utils.tree_map_params(
+        lambda placeholder: jax.eval_shape(lambda: tx.init(placeholder)),
+        lambda _, sharding: sharding, opt_state, param_shardings,
+        transform_non_params=lambda _: NamedSharding(mesh, P()))
   step = jit_train_step(graphdef=graphdef, rest=rest, tx=tx, microbatches=microbatches,
                         mesh=mesh, param_shardings=param_shardings, opt_shardings=opt_shardings)
   return TrainStep(

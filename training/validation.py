@@ -20,7 +20,7 @@ from training import buckets as buckets_lib
 from training import hf_init as hf_init_lib
 from training import mesh as mesh_lib
 from training import stages as stages_lib
-from training.errors import ConfigError
+from training.errors import ConfigError, reraise_as
 from training import tokenizer as tokenizer_lib
 
 DATA_KINDS: tuple[str, ...] = ("kv_retrieval", "text")
@@ -33,10 +33,8 @@ LAYOUT_CHOICES: tuple[str, ...] = (AUTO_LAYOUT,) + layouts.ALL_LAYOUTS
 def run_length(model_config, ring: int, seq_len: int) -> int:
   """The row length ``data.seq_len`` runs at on a ring of ``ring`` devices
   (:func:`models.lengths.padded_length`); ConfigError for ``seq_len < 1``."""
-  try:
+  with reraise_as(ConfigError, "data.seq_len: "):
     return lengths.padded_length(model_config, ring, int(seq_len))
-  except ValueError as e:
-    raise ConfigError(f"data.seq_len: {e}") from None
 
 
 def padding_line(model_config, ring: int, seq_len: int) -> str | None:
@@ -55,10 +53,8 @@ def check_model_parallelism(model_cfg, sizes: dict[str, int], seq_len: int) -> N
   the attention strategy's axis and head rules (:func:`models.attention.check_mesh`), and
   tensor sequence parallelism's local length."""
   m, ring, tensor = model_cfg, shd.ring_size(sizes), sizes["tensor"]
-  try:
+  with reraise_as(ConfigError):
     attn_lib.check_mesh(m, jax.sharding.AbstractMesh(tuple(sizes.values()), tuple(sizes)))
-  except ValueError as e:
-    raise ConfigError(str(e)) from None
   tsp = m.tensor_sequence_parallel
   if tsp is not False and tensor > 1 and m.ffn_chunk_size and seq_len % (ring * tensor) == 0:
     local = seq_len // (ring * tensor)
@@ -104,10 +100,8 @@ def check_text_data(d: ml_collections.ConfigDict, m: ml_collections.ConfigDict) 
                       f"{'/'.join(data_lib.sources.DATA_EXTS)} files.")
   if not d.tokenizer:
     raise ConfigError(tokenizer_lib.UNSET)
-  try:
+  with reraise_as(ConfigError, f"data.tokenizer={d.tokenizer!r} "):
     tokenizer = tokenizer_lib.load_explained(d.tokenizer)
-  except ValueError as e:
-    raise ConfigError(f"data.tokenizer={d.tokenizer!r} {e}") from None
   if tokenizer.vocab_size > m.vocab_size:
     raise ConfigError(f"the {tokenizer.name} tokenizer needs model.vocab_size >= "
                       f"{tokenizer.vocab_size}, got {m.vocab_size}: raise "
@@ -216,7 +210,8 @@ def profile_steps(config: ml_collections.ConfigDict) -> range | None:
 
 
 def validate_config(config: ml_collections.ConfigDict, num_devices: int) -> dict[str, int]:
-  """Checks everything knowable without tracing; returns the resolved mesh sizes."""
+  """Checks everything knowable without tracing, each of ``config.stages`` as a config of its
+  own (its ConfigError names the stage); returns the resolved mesh sizes."""
   check_ranges(config)
   sizes = mesh_lib.mesh_shape(config.mesh, num_devices)
   ring, tensor, data_par = shd.ring_size(sizes), sizes["tensor"], sizes["data"]
@@ -225,13 +220,21 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int) -> dict
         f"model.layout={config.model.layout!r} is unknown; choose one of {LAYOUT_CHOICES}.")
   config, _ = resolve_layout(config, ring)  # "auto": checked as it resolves on this ring
   m, d = config.model, config.data
-  validate_stages(config, num_devices)  # first: its errors name the stage
+  for stage in stages_lib.plan(config) if stages_lib.stage_dicts(config) else ():
+    c = stage.config  # c.stages is None: validate_config(c) does not recurse
+    try:
+      if c.optim.warmup_steps > stage.steps:
+        raise ConfigError(f"warmup_steps={c.optim.warmup_steps} exceeds the stage's "
+                          f"steps={stage.steps}; each stage warms up anew (set the stage's "
+                          "warmup_steps=, or --config.optim.warmup_steps=).")
+      validate_config(c, num_devices)
+    except ConfigError as e:
+      raise ConfigError(f"config.stages stage {stage.index + 1} (seq_len={c.data.seq_len}, "
+                        f"steps={stage.steps}): {e}") from None
 
-  try:  # heads are sharded over 'tensor' (a single key/value head, MQA, is replicated)
+  with reraise_as(ConfigError):  # heads over 'tensor' (one K/V head, MQA, is replicated)
     attention_axes(sizes, batch=1, heads=m.num_heads, kv_heads=m.num_kv_heads, batch_axis=None,
                    head_axis="tensor", names=("batch", "model.num_heads", "model.num_kv_heads"))
-  except ValueError as e:
-    raise ConfigError(str(e)) from None
   if m.mlp_dim % tensor or m.vocab_size % tensor:
     raise ConfigError(f"model.mlp_dim={m.mlp_dim} and model.vocab_size={m.vocab_size} must be "
                       f"divisible by the mesh 'tensor' axis ({tensor}).")
@@ -256,10 +259,8 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int) -> dict
     check_text_data(d, m)
   else:
     from training import data as data_lib
-    try:
+    with reraise_as(ConfigError):
       data_lib.KVRetrievalTask.from_config(d).check(m.vocab_size)
-    except ValueError as e:
-      raise ConfigError(str(e)) from None
 
   profile_steps(config)
   if config.optim.warmup_steps > config.total_steps:
@@ -283,25 +284,6 @@ def clamp_warmup(config: ml_collections.ConfigDict
                   f"all {total} steps (optim.warmup_steps={total})")
 
 
-def validate_stages(config: ml_collections.ConfigDict, num_devices: int) -> None:
-  """Checks each of ``config.stages`` as a config of its own (and ``warmup_steps <=
-  steps``); the ConfigError names the stage."""
-  if not stages_lib.stage_dicts(config):
-    return
-  for stage in stages_lib.plan(config):
-    c = stage.config
-    where = (f"config.stages stage {stage.index + 1} (seq_len={c.data.seq_len}, "
-             f"steps={stage.steps})")
-    try:
-      if c.optim.warmup_steps > stage.steps:
-        raise ConfigError(f"warmup_steps={c.optim.warmup_steps} exceeds the stage's "
-                          f"steps={stage.steps}; each stage warms up anew (set the stage's "
-                          "warmup_steps=, or --config.optim.warmup_steps=).")
-      validate_config(c, num_devices)  # c.stages is None: no recursion.
-    except ConfigError as e:
-      raise ConfigError(f"{where}: {e}") from None
-
-
 def llama_config(config: ml_collections.ConfigDict):
   """``config.model`` (a ConfigDict) -> the model's frozen ``LlamaConfig``."""
   from models.llama import LlamaConfig  # Local: keeps this module importable without Flax.
@@ -314,10 +296,8 @@ def llama_config(config: ml_collections.ConfigDict):
   unknown = set(fields) - {f for f in LlamaConfig.__dataclass_fields__}
   if unknown:
     raise ConfigError(f"config.model has fields LlamaConfig does not know: {sorted(unknown)}.")
-  try:
+  with reraise_as(ConfigError, "config.model: "):
     return LlamaConfig.from_dict(fields)
-  except ValueError as e:
-    raise ConfigError(f"config.model: {e}") from None
 
 
 def resolve_attention(config: ml_collections.ConfigDict, model_cfg, mesh):

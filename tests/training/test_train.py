@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import jax
+import ml_collections
 import numpy as np
 import pytest
 from flax import nnx
@@ -383,12 +384,14 @@ def test_a_second_train_of_the_same_setup_reuses_the_jitted_step():
   config = small_config()
   mesh = mesh_lib.make_mesh(config.mesh)
   model_cfg = val_lib.llama_config(config)
-  args = (model_cfg, mesh, config.optim, 6, config.microbatches, config.seed)
+  optim = ml_collections.FrozenConfigDict(config.optim)
+  args = (model_cfg, mesh, optim, 6, config.microbatches, config.seed)
   first = stages_lib.cached_train_step(*args)
   assert stages_lib.cached_train_step(*args) is first
-  assert first.eval_step() is first.eval_step()
-  assert stages_lib.cached_train_step(model_cfg, mesh, config.optim, 7, config.microbatches,
+  assert first.eval_step is first.eval_step
+  assert stages_lib.cached_train_step(model_cfg, mesh, optim, 7, config.microbatches,
                                   config.seed) is not first  # another schedule length
-  other_optim = flags_lib.apply_overrides(small_config(), [("optim.lr", 5e-4)]).optim
+  other_optim = ml_collections.FrozenConfigDict(
+      flags_lib.apply_overrides(small_config(), [("optim.lr", 5e-4)]).optim)
   assert stages_lib.cached_train_step(model_cfg, mesh, other_optim, 6, config.microbatches,
                                   config.seed) is not first
