@@ -134,6 +134,9 @@ class HopKernel(Protocol):
   Optional: ``takes_block(block: int) -> bool``, the block sizes the kernel takes whatever
   length they tile (the TPU kernels: multiples of 128); default blocks are chosen among them
   (:func:`ring_jax.ring.default_block`), so ``check`` refuses only a caller's explicit block.
+  Optional: ``prepare_backward(q, k, v, seg, spec) -> (kernel, k, v)``, what the backward's
+  hops read of the K/V shard (``seg``: its segment ids or None), made once where the pass
+  starts (it travels so), and the kernel that reads it so (:func:`prepare_backward`).
   """
 
   name: ClassVar[str]
@@ -149,6 +152,20 @@ class HopKernel(Protocol):
                acc: HopGrads) -> HopGrads:
     """The float32 accumulators ``acc`` plus this hop's gradients, given the ring's final
     ``out`` and ``lse`` in ``res``; ``acc`` is not read afterwards (may be updated in place)."""
+
+
+def prepare_backward(kernel, q, parts, spec):
+  """``(kernel, parts)`` the backward's hops run: where ``kernel`` has ``prepare_backward``
+  (:class:`HopKernel`) and one ``(k, v, seg)`` part is the whole shard, that part as it
+  prepares it and the kernel it returns; else both as they are. The preparation is
+  elementwise, so it commutes with the ring's transfers: made once, it equals making it at
+  every hop."""
+  prepare = getattr(kernel, "prepare_backward", None)
+  if prepare is None or len(parts) != 1:
+    return kernel, parts
+  (k, v, seg), = parts
+  kernel, k, v = prepare(q, k, v, seg, spec)
+  return kernel, [(k, v, seg)]
 
 
 def takes_block(kernel, block: int) -> bool:

@@ -44,8 +44,8 @@ from ring_jax import routing
 from ring_jax import topology
 from ring_jax import validation
 from ring_jax.hop import (HopGrads, HopKernel, HopMasks, HopResiduals, HopSpec, add_sinks,
-                          varying_axes, empty_result, lse_for_backward, merge, takes_block,
-                          varying_like)
+                          varying_axes, empty_result, lse_for_backward, merge,
+                          prepare_backward, takes_block, varying_like)
 
 # The largest block default_block picks, per platform (topology.target_platform()): a block size,
 # or ((up to this local length, block), ..., (None, block)) steps. Each hop holds a few
@@ -602,10 +602,12 @@ def backward_loop(cfg: RingConfig, q, held, res, dq, masks_at, *, also=None,
   them, ``dk, dv`` are those of the parts held at the last hop. ``held``, ``masks_at`` and
   ``also`` as in :func:`forward_loop`; ``arrived``: ``held`` are already the parts of the
   first hop (its transfer is not sent). The first and last hops are peeled
-  (:func:`over_hops`). A routed plan's transfers are :func:`send_distinct` (its K/V ones
-  equal the forward's, whose received parts XLA would otherwise keep alive into the
-  backward); the full rotation's are plain sends, so a K/V transfer outside the loops that
-  equals the forward's (a ring of 2) is one transfer for both passes.
+  (:func:`over_hops`); where every hop is compiled apart (unrolled), the hop kernel's
+  :func:`ring_jax.hop.prepare_backward` runs once on ``held``. A routed plan's transfers
+  are :func:`send_distinct` (its K/V ones equal the forward's, whose received parts XLA
+  would otherwise keep alive into the backward); the full rotation's are plain sends, so a
+  K/V transfer outside the loops that equals the forward's (a ring of 2) is one transfer for
+  both passes.
   """
   routes, axis = cfg.routes, cfg.axis_name
   first, last = routes.hops
@@ -623,6 +625,9 @@ def backward_loop(cfg: RingConfig, q, held, res, dq, masks_at, *, also=None,
   acc = [(zeros(p[0]), zeros(p[1])) for p in held]
   if one_loop(cfg, routes, home=home):
     return _backward_one_loop(cfg, q, held, res, dq, masks_at, acc, also)
+  if count <= cfg.unroll_hops:  # every hop compiled apart: what they read prepared once
+    kernel, held = prepare_backward(cfg.kernel, q, held, cfg.spec)
+    cfg = dataclasses.replace(cfg, kernel=kernel)
   span = loop_span(count, peel_first=True)
   arrive_next = [[s.arrive[i + 1] if i + 1 < count else () for s in streams]
                  for i in range(count)]

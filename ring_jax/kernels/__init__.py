@@ -104,6 +104,13 @@ class AutoHopKernel:
   def forward(self, q, k, v, masks, spec):
     return self._for(q, k, masks, spec).forward(q, k, v, masks, spec)
 
+  def prepare_backward(self, q, k, v, seg, spec):
+    """The resolved kernel's ``prepare_backward`` (:func:`ring_jax.hop.prepare_backward`),
+    resolved as every hop of the pass would be; ``(self, k, v)`` where it has none."""
+    kernel = self.resolve(q.shape, k.shape, q.dtype, spec, segments=seg is not None)
+    prepare = getattr(kernel, "prepare_backward", None)
+    return (self, k, v) if prepare is None else prepare(q, k, v, seg, spec)
+
   def backward(self, q, k, v, masks, spec, res, acc):
     return self._for(q, k, masks, spec).backward(q, k, v, masks, spec, res, acc)
 

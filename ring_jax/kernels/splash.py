@@ -14,9 +14,11 @@ under the hop-kernel seam (:mod:`ring_jax.hop`):
   the blocks the other kernels skip, whatever the hop's offset (causal diagonal, zigzag
   chunks, striped, windows). No dense ``[heads, T, S]`` mask exists: inside a block the
   element mask comes from splash's ``mask_function`` path, which compares each key's
-  index with a per-query value (``q_sequence``). Positions increase within every shard
-  the ring makes, so a query's visible keys at a hop are one index range
-  ``[start, end)`` (:func:`ring_jax.hop.key_ranges`); ``q_sequence`` carries ``end`` (causal) or
+  index with a per-query value (``q_sequence``); a hop known to hold no partly masked
+  block pair (``BlockTable.may_mask`` False) runs the kernels without it. Positions
+  increase within every shard the ring makes, so a query's visible keys at a hop are one
+  index range ``[start, end)`` (:func:`ring_jax.hop.key_ranges`); ``q_sequence`` carries
+  ``end`` (causal) or
   ``start * 2**16 + end`` (a window: needs S < 2**15, :meth:`SplashHopKernel.check`).
 * **Segment ids** are splash's own ``SegmentIds(q, kv)`` (equality); our 0 = padding
   rule becomes two pad ids that match nothing (:func:`splash_segment_ids`).
@@ -40,7 +42,9 @@ under the hop-kernel seam (:mod:`ring_jax.hop`):
   selected away); the backward reads Q and K with NaN as 0 and infinities as
   ``+-2**100`` (a ``-inf`` score keeps ``p = 0``), a NaN lse row as ``+inf`` (it adds
   nothing but its NaN ``delta``, which reaches dQ and dK as in the XLA kernel), and sets
-  dV to NaN for the keys such a row sees (:func:`ring_jax.hop.query_ranges`). Given the
+  dV to NaN for the keys such a row sees (:func:`ring_jax.hop.query_ranges`); where the
+  ring compiles every backward hop apart it cleans K and V once per pass instead
+  (:meth:`SplashHopKernel.prepare_backward`). Given the
   forward's own ``out``/``lse`` the NaN/inf pattern is the XLA kernel's. With segment ids
   a hop whose V (forward) or Q/K/V (backward) holds a non-finite value runs the XLA kernel
   instead (``lax.cond``; :attr:`ring_jax.hop.HopMasks.v_finite` makes the forward test
@@ -158,9 +162,12 @@ class SplashHopKernel:
     interpret: run splash in Pallas interpret mode. ``None`` (default): exactly when
       the platform compiled for (:func:`ring_jax.topology.target_platform`) is not a TPU
       (tests on CPU).
+    kv_prepared: the backward's K/V arrive as :meth:`prepare_backward` makes them (the ring
+      sets it for its backward; K/V read as they are).
   """
   name: ClassVar[str] = "splash"
   interpret: bool | None = None
+  kv_prepared: bool = False
 
   def takes_block(self, block: int) -> bool:
     """Multiples of 128 (the TPU lane width)."""
@@ -198,6 +205,17 @@ class SplashHopKernel:
           "not fit its per-query key range in one int32; use more sequence devices (shorter "
           "shards) or hop_kernel='xla'.")
 
+  def prepare_backward(self, q, k, v, seg, spec):
+    """``(kernel, k, v)``: without segment ids, K with NaN as 0 and infinities as ``+-``
+    :data:`_HUGE` and V with non-finite values as 0, as the backward reads them (module
+    docstring), made once per pass (:func:`ring_jax.hop.prepare_backward`), and this
+    kernel with ``kv_prepared``; with segment ids (the backward's guard tests the K/V it
+    holds) all as they are."""
+    del q, spec
+    if seg is not None:
+      return self, k, v
+    return dataclasses.replace(self, kv_prepared=True), _huge_part(k), _finite_part(v)
+
   def _interpret(self) -> bool:
     if self.interpret is None:
       return topology.target_platform() != "tpu"
@@ -221,7 +239,7 @@ class SplashHopKernel:
     q_next = jnp.where(block_mask[0] > 0, q_block, 0).astype(index_type)[None]
 
     mask_function, q_sequence = None, None
-    if spec.is_causal or spec.window is not None:
+    if masks.table().may_mask and (spec.is_causal or spec.window is not None):
       start, end = hop.key_ranges(masks.q_positions, masks.kv_positions, spec.is_causal,
                               spec.window)
       if spec.window is None:
@@ -233,15 +251,18 @@ class SplashHopKernel:
                                           q_sequence=q_sequence)
     return info(kv_next), info(q_next), mask_function
 
-  def _operands(self, q, k, v, masks, spec, finite_v: bool = False, finite_qk: bool = False):
+  def _operands(self, q, k, v, masks, spec, finite_v: bool = False, finite_q: bool = False,
+                finite_k: bool = False):
     """Splash's head-major operands: q ``[B, N, T, H]`` (scaled), k/v ``[B, K, S, H]`` and
     ``SegmentIds`` per batch row (or None). ``finite_v``: V's non-finite entries read as 0
-    (:func:`_finite_part`); ``finite_qk``: Q's and K's NaN as 0 and infinities as ``+-``
-    :data:`_HUGE` (:func:`_huge_part`)."""
+    (:func:`_finite_part`); ``finite_q`` / ``finite_k``: Q's / K's NaN as 0 and infinities as
+    ``+-`` :data:`_HUGE` (:func:`_huge_part`)."""
     b, t, kh, g, h = q.shape
     q_scaled = (q * spec.scale).astype(q.dtype)
-    if finite_qk:
-      q_scaled, k = _huge_part(q_scaled), _huge_part(k)
+    if finite_q:
+      q_scaled = _huge_part(q_scaled)
+    if finite_k:
+      k = _huge_part(k)
     if finite_v:
       v = _finite_part(v)
     q_bnth = jnp.transpose(q_scaled.reshape(b, t, kh * g, h), (0, 2, 1, 3))
@@ -337,8 +358,9 @@ class SplashHopKernel:
     tmasks, tspec = self._tiled(masks, spec)
     b, t, kh, g, h = q.shape
     dq_info, dkv_info, mask_function = self._mask(tmasks, tspec, t, k.shape[1])
-    q_bnth, k_bksh, v_bksh, seg = self._operands(q, k, v, tmasks, tspec, finite_v=repair,
-                                                 finite_qk=repair)
+    clean_kv = repair and not self.kv_prepared
+    q_bnth, k_bksh, v_bksh, seg = self._operands(q, k, v, tmasks, tspec, finite_v=clean_kv,
+                                                 finite_q=repair, finite_k=clean_kv)
     heads_first = lambda x: jnp.transpose(x.reshape(b, t, kh * g, *x.shape[4:]),  # noqa: E731
                                           (0, 2, 1, *range(3, x.ndim - 1)))
     lse_nan = jnp.isnan(res.lse)

@@ -189,17 +189,30 @@ def test_non_finite_inputs_match_the_xla_kernel(case, segments):
     _same_non_finite(g, w, name)
 
 
-def test_ring_with_a_nan_key_matches_the_xla_ring():
-  """A ring of 2 (causal zigzag, GQA 4:2, blocks of 128) with one NaN in K: splash at
+@pytest.mark.parametrize("bad_in,unroll", [("k", 0), ("k", 4), ("v", 4)])
+def test_ring_with_a_nan_key_or_value_matches_the_xla_ring(monkeypatch, bad_in, unroll):
+  """A ring of 2 (causal zigzag, GQA 4:2, blocks of 128) with one NaN in K or V: splash at
   every hop gives the XLA ring's outputs and gradients, NaN exactly where it has them (the
-  rows that see the NaN, not the other rows nor the other batch element)."""
+  rows that see the NaN, not the other rows nor the other batch element). ``unroll=4``: the
+  hops unrolled (the TPU's structure for rings up to 4, set here for the CPU), where the
+  backward reads K/V cleaned once per pass (``SplashHopKernel.prepare_backward``), not at
+  every hop."""
   from ring_jax import testing  # noqa: PLC0415
+  monkeypatch.setitem(ring_jax.ring.PLATFORM_DEFAULTS, "cpu", {"unroll_hops": unroll})
+  seen = []
+
+  @dataclasses.dataclass(frozen=True)
+  class Recording(splash.SplashHopKernel):
+    def backward(self, q, k, v, masks, spec, res, acc):
+      seen.append(self.kv_prepared)
+      return super().backward(q, k, v, masks, spec, res, acc)
+
   mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("sequence",))
   rng = np.random.default_rng(3)
   q = rng.standard_normal((2, 512, 4, 32)).astype(np.float32)
   k, v = (rng.standard_normal((2, 512, 2, 32)).astype(np.float32) for _ in range(2))
   at = (0, 300, 1, 2)
-  k[at] = np.nan
+  {"k": k, "v": v}[bad_in][at] = np.nan
   cot = rng.standard_normal(q.shape).astype(np.float32)
 
   def run(kernel):
@@ -208,7 +221,9 @@ def test_ring_with_a_nan_key_matches_the_xla_ring():
     out, vjp = jax.vjp(fn, q, k, v)
     return (out, *vjp(jnp.asarray(cot)))
 
-  got, want = jax.jit(lambda: run(KERNEL))(), jax.jit(lambda: run(XlaHopKernel()))()
+  got = jax.jit(lambda: run(Recording(interpret=True)))()
+  want = jax.jit(lambda: run(XlaHopKernel()))()
+  assert seen and set(seen) == {unroll > 0}
   bad = np.isnan(np.asarray(want[0]))
   assert bad.any() and not bad[1 - at[0]].any() and not bad[at[0], :at[1]].any()
   for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
