@@ -1,9 +1,13 @@
 """Shared helpers for the attention tests: random inputs, meshes, tolerances."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType
+
+from ring_jax.kernels.xla import XlaHopKernel
 
 
 def make_mesh(shape, names, explicit=False):
@@ -74,3 +78,22 @@ def programs_compiled(caplog, fn, *args, **kwargs):
     result = fn(*args, **kwargs)
   return result, [r.getMessage() for r in caplog.records
                   if r.getMessage().startswith("Finished XLA compilation")]
+
+
+def may_mask_recorder():
+  """``(kernel, seen)``: an XLA hop kernel that appends each traced hop's
+  ``masks.table().may_mask`` to ``seen["fwd"]`` / ``seen["bwd"]`` (which hops compile the
+  masked block loop)."""
+  seen = {"fwd": [], "bwd": []}
+
+  @dataclasses.dataclass(frozen=True)
+  class Recording(XlaHopKernel):
+    def forward(self, q, k, v, masks, spec):
+      seen["fwd"].append(masks.table().may_mask)
+      return super().forward(q, k, v, masks, spec)
+
+    def backward(self, q, k, v, masks, spec, res, acc):
+      seen["bwd"].append(masks.table().may_mask)
+      return super().backward(q, k, v, masks, spec, res, acc)
+
+  return Recording(), seen

@@ -15,7 +15,8 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import ring_jax
-from attn_utils import assert_close, grads, make_mesh, out_and_grads, packed_segments, qkv
+from attn_utils import (assert_close, grads, make_mesh, may_mask_recorder, out_and_grads,
+                        packed_segments, qkv)
 from ring_jax import masking
 from ring_jax.hop import fold_blocks, varying_like
 from ring_jax.kernels.xla import XlaHopKernel
@@ -500,23 +501,13 @@ def test_hops_between_whole_chunks_compile_only_unmasked_blocks(monkeypatch, lay
   last), a loop holding it, and every striped hop keep the mask. Output and gradients as the
   oracle's."""
   monkeypatch.setitem(ring_jax.ring.PLATFORM_DEFAULTS, "cpu", {"unroll_hops": unroll})
-  seen = {"fwd": [], "bwd": []}
-
-  @dataclasses.dataclass(frozen=True)
-  class Recording(XlaHopKernel):
-    def forward(self, q, k, v, masks, spec):
-      seen["fwd"].append(masks.table().may_mask)
-      return super().forward(q, k, v, masks, spec)
-
-    def backward(self, q, k, v, masks, spec, res, acc):
-      seen["bwd"].append(masks.table().may_mask)
-      return super().backward(q, k, v, masks, spec, res, acc)
+  recording, seen = may_mask_recorder()
 
   mesh = make_mesh((4,), ("sequence",))
   q, k, v = qkv(21, 2, 64, 4, 2, 8)
   fn = functools.partial(ring_jax.ring_attention_sharded, mesh=mesh, is_causal=True,
                          layout=layout, batch_axis=None, block_q=4, block_kv=4,
-                         hop_kernel=Recording())
+                         hop_kernel=recording)
   ref = functools.partial(ring_jax.reference_attention, is_causal=True)
   cot = jax.random.normal(jax.random.key(22), q.shape, jnp.float32)
   got = jax.jit(functools.partial(grads, fn))(q, k, v, cot)

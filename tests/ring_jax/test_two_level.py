@@ -3,7 +3,6 @@ forward and gradients, on (2, 4), (4, 2), (8, 1) and (1, 8) splits of 8 fake dev
 (causal_routing: the outer transfers under a causal mask); its errors; the bytes its compiled
 HLO sends over each axis; plan()'s choice on two link levels."""
 
-import dataclasses
 import functools
 
 import jax
@@ -14,9 +13,9 @@ from jax.sharding import PartitionSpec as P
 
 import ring_jax
 from benchmarks import two_level as bench
-from attn_utils import assert_close, grads, make_mesh, out_and_grads, packed_segments, qkv
+from attn_utils import (assert_close, grads, make_mesh, may_mask_recorder, out_and_grads,
+                        packed_segments, qkv)
 from ring_jax import routing
-from ring_jax.kernels.xla import XlaHopKernel
 from ring_jax.two_level import two_level_ring_attention
 
 AXES = ("outer", "inner")
@@ -315,24 +314,14 @@ def test_steps_between_whole_chunks_compile_only_unmasked_blocks(layout, masked_
   hop kernel gets a block table that masks nothing. Causal zigzag, (2, 4): only the parts
   that hold a device's own shard (the forward's first step's inner loop, the backward's
   last step's last hop) keep the mask; every striped hop keeps it. Output and gradients as the oracle's."""
-  seen = {"fwd": [], "bwd": []}
-
-  @dataclasses.dataclass(frozen=True)
-  class Recording(XlaHopKernel):
-    def forward(self, q, k, v, masks, spec):
-      seen["fwd"].append(masks.table().may_mask)
-      return super().forward(q, k, v, masks, spec)
-
-    def backward(self, q, k, v, masks, spec, res, acc):
-      seen["bwd"].append(masks.table().may_mask)
-      return super().backward(q, k, v, masks, spec, res, acc)
+  recording, seen = may_mask_recorder()
 
   mesh = make_mesh((2, 4), AXES)
   q, k, v = qkv(12, 1, 64, 4, 2, 8)
   cot = jax.random.normal(jax.random.key(6), q.shape, jnp.float32)
   fn = functools.partial(ring_jax.ring_attention_sharded, mesh=mesh, seq_axis=AXES,
                          is_causal=True, layout=layout, batch_axis=None, block_q=4,
-                         block_kv=4, hop_kernel=Recording())
+                         block_kv=4, hop_kernel=recording)
   out, dqkv = out_and_grads(fn, q, k, v, cot)
   for name, want in (("fwd", masked_fwd), ("bwd", masked_bwd)):  # traced once per pass or more
     assert seen[name] and seen[name] == want * (len(seen[name]) // len(want)), (name, seen[name])
