@@ -591,7 +591,7 @@ def forward_loop(cfg: RingConfig, q, held, acc, masks_at, *, also=None):
 
 
 def backward_loop(cfg: RingConfig, q, held, res, dq, masks_at, *, also=None,
-                  home: bool = True, arrived: bool = False):
+                  home: bool = True, arrived: bool = False, prepare: bool = False):
   """The backward over the hops of ``cfg.routes``: ``(dq, dk, dv, also)``, float32.
 
   dQ stays here (``dq``: the accumulator to add to). Each part's float32 dK/dV accumulator
@@ -602,8 +602,8 @@ def backward_loop(cfg: RingConfig, q, held, res, dq, masks_at, *, also=None,
   them, ``dk, dv`` are those of the parts held at the last hop. ``held``, ``masks_at`` and
   ``also`` as in :func:`forward_loop`; ``arrived``: ``held`` are already the parts of the
   first hop (its transfer is not sent). The first and last hops are peeled
-  (:func:`over_hops`); where every hop is compiled apart (unrolled), the hop kernel's
-  :func:`ring_jax.hop.prepare_backward` runs once on ``held``. A routed plan's transfers
+  (:func:`over_hops`); with ``prepare``, where every hop is compiled apart (unrolled), the
+  hop kernel's :func:`ring_jax.hop.prepare_backward` runs once on ``held``. A routed plan's transfers
   are :func:`send_distinct` (its K/V ones equal the forward's, whose received parts XLA
   would otherwise keep alive into the backward); the full rotation's are plain sends, so a
   K/V transfer outside the loops that equals the forward's (a ring of 2) is one transfer for
@@ -625,7 +625,7 @@ def backward_loop(cfg: RingConfig, q, held, res, dq, masks_at, *, also=None,
   acc = [(zeros(p[0]), zeros(p[1])) for p in held]
   if one_loop(cfg, routes, home=home):
     return _backward_one_loop(cfg, q, held, res, dq, masks_at, acc, also)
-  if count <= cfg.unroll_hops:  # every hop compiled apart: what they read prepared once
+  if prepare and count <= cfg.unroll_hops:  # every hop compiled apart: prepared once
     kernel, held = prepare_backward(cfg.kernel, q, held, cfg.spec)
     cfg = dataclasses.replace(cfg, kernel=kernel)
   span = loop_span(count, peel_first=True)
@@ -808,7 +808,8 @@ def _backward(cfg: RingConfig, q, k, v, seg, out, lse, do, dlse, held=None):
 
   dq = varying_like(jnp.zeros(q.shape, jnp.float32), q, k, v)
   first = split_streams(cfg.routes, k, v, seg) if held is None else held
-  dq, dk, dv, _ = backward_loop(cfg, q, first, res, dq, masks_at, arrived=held is not None)
+  dq, dk, dv, _ = backward_loop(cfg, q, first, res, dq, masks_at, arrived=held is not None,
+                                prepare=True)
   return finish_grads(q, k, v, dq, dk, dv)
 
 
