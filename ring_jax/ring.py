@@ -603,11 +603,11 @@ def backward_loop(cfg: RingConfig, q, held, res, dq, masks_at, *, also=None,
   ``also`` as in :func:`forward_loop`; ``arrived``: ``held`` are already the parts of the
   first hop (its transfer is not sent). The first and last hops are peeled
   (:func:`over_hops`); with ``prepare``, where every hop is compiled apart (unrolled), the
-  hop kernel's :func:`ring_jax.hop.prepare_backward` runs once on ``held``. A routed plan's transfers
-  are :func:`send_distinct` (its K/V ones equal the forward's, whose received parts XLA
-  would otherwise keep alive into the backward); the full rotation's are plain sends, so a
-  K/V transfer outside the loops that equals the forward's (a ring of 2) is one transfer for
-  both passes.
+  hop kernel's :func:`ring_jax.hop.prepare_backward` runs once on ``held``. A routed plan's
+  transfers are :func:`send_distinct` (its K/V ones equal the forward's, whose received
+  parts XLA would otherwise keep alive into the backward); the full rotation's are plain
+  sends, so a K/V transfer outside the loops that equals the forward's (a ring of 2) is one
+  transfer for both passes.
   """
   routes, axis = cfg.routes, cfg.axis_name
   first, last = routes.hops

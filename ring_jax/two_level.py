@@ -236,13 +236,8 @@ def _partly_masked(tl: _TwoLevelConfig, q_len: int, steps, hops) -> bool:
   ``d = g * n_i + r``)."""
   n_i = tl.inner.ring_size
   cfg = dataclasses.replace(tl.ring, routes=tl.routes)
-  for step in steps:
-    for hop in hops:
-      def source(stream, d, step=step, hop=hop):
-        return _source(tl, stream, d // n_i, d % n_i, step, hop)
-      if hop_partly_masked(cfg, q_len, source):
-        return True
-  return False
+  return any(hop_partly_masked(cfg, q_len, lambda st, d: _source(tl, st, d // n_i, d % n_i, s, h))
+             for s in steps for h in hops)
 
 
 def _forward(tl: _TwoLevelConfig, q, k, v, seg):

@@ -313,7 +313,8 @@ def test_steps_between_whole_chunks_compile_only_unmasked_blocks(layout, masked_
   holds a partly masked block pair at any outer step and inner hop a compiled step may be, the
   hop kernel gets a block table that masks nothing. Causal zigzag, (2, 4): only the parts
   that hold a device's own shard (the forward's first step's inner loop, the backward's
-  last step's last hop) keep the mask; every striped hop keeps it. Output and gradients as the oracle's."""
+  last step's last hop) keep the mask; every striped hop keeps it. Output and gradients as
+  the oracle's."""
   recording, seen = may_mask_recorder()
 
   mesh = make_mesh((2, 4), AXES)
