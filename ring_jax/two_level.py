@@ -89,9 +89,9 @@ from ring_jax import validation
 from ring_jax.hop import (HopMasks, HopResiduals, empty_result,
                           lse_for_backward, varying_like)
 from ring_jax.ring import (RingConfig, attend_grouped, backward_loop, finish_grads,
-                           forward_loop, hop_partly_masked, hop_send, hops_of, join_streams,
-                           loop_span, make_config, over_hops, platform_defaults, send_distinct,
-                           shift, split_streams, v_finite_flags, with_sinks)
+                           forward_loop, hop_partly_masked, hop_send, hops_of, in_flight_during,
+                           join_streams, loop_span, make_config, over_hops, platform_defaults,
+                           send_distinct, shift, split_streams, v_finite_flags, with_sinks)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -396,7 +396,9 @@ def _backward_rotation(tl: _TwoLevelConfig, q, k, v, seg, out, lse, do, dlse, he
   at inner hop ``h = 1..n_i``, ending on ``(g + s, r)`` with that shard's float32 dK/dV
   accumulator: no transfer home inside a step. The outer buffer goes on to ``(g - 1, r)``
   (``send_outer``, issued before the inner ring) and so does the step's accumulator
-  (``outer_dkv``, issued at the next step's start and added after its inner ring): device
+  (``outer_dkv``, issued at the next step's start and read only once that step's inner ring
+  has made its dQ, :func:`ring_jax.ring.in_flight_during`; at the last step nothing else
+  reads it before the end, and untied the compiler issued it after the last kernel): device
   ``(g - 1, r)`` ends step ``s + 1`` on the same shard. At ``s = n_o`` every device ends on
   its own shard: no transfer follows the last hop's compute. ``held``: the first step's
   buffer, the forward's last inner hop's parts (not sent again)."""
@@ -424,6 +426,7 @@ def _backward_rotation(tl: _TwoLevelConfig, q, k, v, seg, out, lse, do, dlse, he
     dq, dk, dv, nxt = backward_loop(tl.inner, q, [held], res, dq, masks_at, also=nxt,
                                     arrived=True)
     if arrived is not None:
+      arrived, dq = in_flight_during(arrived, dq)
       dk, dv = dk + arrived[0], dv + arrived[1]
     return (held if last else nxt), (dk, dv), dq
 

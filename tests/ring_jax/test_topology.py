@@ -172,6 +172,31 @@ def test_ring_compiles_for_v5p_with_the_splash_hop():
       2048 // 4) * 2 * 128 * 2
 
 
+
+@pytest.mark.tpu_compiler
+def test_two_level_ring_keeps_every_transfer_in_flight_with_the_splash_hop():
+  """The two-level ring (outer 2 x inner 2 on v5p:2x2x1, causal contiguous, the full
+  rotation) with the splash hop: every ring transfer has block compute in flight in the TPU
+  compiler's schedule, the last step's outer dK/dV transfer included (in flight during that
+  step's inner ring, not issued after its last kernel)."""
+  devices = np.asarray(topology.devices("v5p:2x2x1")).reshape(2, 2)
+  mesh = jax.sharding.Mesh(devices, ("outer", "inner"))
+  spec = jax.ShapeDtypeStruct((1, 4096, 2, 128), jnp.bfloat16,
+                              sharding=NamedSharding(mesh, P(None, ("outer", "inner"))))
+
+  def loss(q, k, v):
+    out = ring_jax.ring_attention_sharded(q, k, v, mesh=mesh, seq_axis=("outer", "inner"),
+                                          is_causal=True, layout="contiguous",
+                                          hop_kernel="splash")
+    return jnp.sum(jnp.square(out.astype(jnp.float32)))
+
+  with jax.set_mesh(mesh):
+    compiled = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))).lower(
+        spec, spec, spec).compile()
+  report = analysis.overlap_report(compiled)
+  assert report.kinds()["ring dK/dV (outer)"] == (2, 2)
+  assert report.ring() == (18, 18), [t.scope for t in report.exposed()]
+
 @pytest.mark.tpu_compiler
 def test_auto_is_splash_on_a_tpu_slice_with_its_self_check_skipped():
   """``auto`` traces the same program as ``splash`` for a TPU slice (lowered only: the
