@@ -2,11 +2,10 @@
 
 Every table of measured figures in a markdown file sits between two whole-line markers,
 ``<!-- report: NAME -->`` and ``<!-- /report -->``, and is replaced wholesale by block ``NAME`` of
-:data:`BLOCKS` (declared as data by :func:`table_block`): every figure computed from the raw
-numbers of its result files, then a caption with per file its date, machine and jax, a link and
-the command that made it (from ``results/provenance.json`` where the file records none). The
-commands: ``--help`` and benchmarks/README.md. An unknown block, an unterminated block or a
-missing result file is an error (exit 2). Pure Python: no jax, nothing compiled or timed.
+:data:`BLOCKS` (declared by :func:`table_block`): figures computed from the raw numbers of its
+result files, then a caption giving per file its date, machine, jax, a link and the command that
+made it. An unknown block, an unterminated block or a missing result file is an error (exit 2).
+Pure Python: no jax, nothing compiled or timed.
 """
 
 from __future__ import annotations
@@ -31,8 +30,7 @@ LINK_ROOT = "@@/"
 # Markers are whole lines (a marker quoted inside a line of prose is not one).
 BLOCK_RE = re.compile(r"^<!-- report: (?P<name>[^\s>]+) -->\n(?P<body>.*?)^<!-- /report -->$",
                       re.S | re.M)
-OPEN_RE = re.compile(r"^<!-- report: (?P<name>[^\s>]*) -->$", re.M)
-CLOSE_RE = re.compile(r"^<!-- /report -->$", re.M)
+MARKER_RE = re.compile(r"^<!-- (report: [^\s>]*|/report) -->$", re.M)
 # Block name -> (a function that renders it, its result files).
 BLOCKS: dict[str, tuple[Callable[[], str], tuple[str, ...]]] = {}
 
@@ -55,12 +53,11 @@ def load(name: str):
 
 
 def meta(name: str) -> dict:
-  """Date, machine, jax and command of a result file, from the file itself where it records
-  them (the ``meta`` dict of attention.py / core_report.py, the top level of balance.py),
-  else from provenance.json."""
+  """Date, date_note, machine, jax and command of a result file: what the file records (its
+  ``meta`` dict over its top level; balance.py's flags), the rest from provenance.json."""
   rec = load(name)
   rec = rec if isinstance(rec, dict) else {}
-  m = dict(rec, **rec.get("meta", {}))  # its ``meta`` dict over its top level
+  m = dict(rec, **rec.get("meta", {}))
   out = dict(date=m["date"][:10] if m.get("date") else None, date_note="", jax=m.get("jax"),
              command=m.get("command"), machine=None)
   if m.get("platform") == "cpu" or m.get("machine"):
@@ -71,7 +68,7 @@ def meta(name: str) -> dict:
     elif m.get("num_devices"):
       parts.append(f"{m['num_devices']} fake devices")
     out["machine"] = ", ".join(parts)
-  if rec.get("benchmark") == "balance" and not out["command"]:  # balance.py records its flags
+  if rec.get("benchmark") == "balance" and not out["command"]:
     stem = os.path.splitext(name)[0]
     out["command"] = (f"PYTHONPATH=. python benchmarks/balance.py --processes {rec['processes']} "
                       f"--lengths {','.join(map(str, rec['lengths']))} --repeats {rec['repeats']} "
@@ -95,13 +92,9 @@ def when(name: str, short: bool = False) -> str:
 
 
 def caption(*names: str, note: str = "") -> str:
-  """The line under a table: per result file a link, its date, machine, jax and the command
-  that made it; ``note`` at the end."""
-  parts = []
-  for name in names:
-    cmd = meta(name)["command"]
-    parts.append(f"[`{name}`]({LINK_ROOT}benchmarks/results/{name}): {when(name)}" +
-                 (f"; `{cmd}`" if cmd else ""))
+  """The line under a table: per result file a link, :func:`when` and its command; ``note``."""
+  parts = [f"[`{n}`]({LINK_ROOT}benchmarks/results/{n}): {when(n)}" +
+           (f"; `{meta(n)['command']}`" if meta(n)["command"] else "") for n in names]
   line = ("Source: " if len(names) == 1 else "Sources: ") + "; ".join(parts) + "."
   return f"<sub>{line} {note}</sub>" if note else f"<sub>{line}</sub>"
 
@@ -125,10 +118,9 @@ def tokens(n: float) -> str:
 
 def length(n: int) -> str:
   """A sequence length in binary units: 4096 -> 4K, 655360 -> 640K, 4718592 -> 4.5M."""
-  if n >= 2 ** 20:
-    return f"{n / 2 ** 20:g}M"
-  if n >= 1024:
-    return f"{n / 1024:g}K"
+  for unit, div in (("M", 2 ** 20), ("K", 1024)):
+    if n >= div:
+      return f"{n / div:g}{unit}"
   return str(n)
 
 
@@ -158,7 +150,6 @@ def _mesh(sizes: dict, sep: str, keep: str = "") -> str:
 
 
 def _rows_by(rows, *keys) -> dict:
-  """``rows`` by the tuple of their ``keys``."""
   return {tuple(r[k] for k in keys): r for r in rows}
 
 
@@ -173,6 +164,11 @@ def fmt(spec: str, record) -> str:
   return _Units().vformat(spec, (), record)
 
 
+def cell(spec, record) -> str:
+  """``spec(record)``, or the format string ``spec`` over ``record``."""
+  return spec(record) if callable(spec) else fmt(spec, record)
+
+
 # --- Blocks declared as data -----------------------------------------------------------------
 
 def table_block(name: str, *files: str, key: str = "", rows: Callable | None = None, columns=(),
@@ -180,15 +176,12 @@ def table_block(name: str, *files: str, key: str = "", rows: Callable | None = N
                 after: str | Callable = "", note: str | Callable = "",
                 cite: bool = True) -> None:
   """Registers block ``name``: ``intro``, a table, ``after`` and the caption of ``files``
-  (``note`` at its end; none if not ``cite``), each left out where empty, separated by blank
-  lines.
+  (``note`` at its end; none if not ``cite``), each left out where empty.
 
   ``rows(*data)`` (``data``: the contents of ``files``, or their entry ``key``) gives the
-  table's records; no ``rows``, no table. With ``columns`` (``[(header, cell)]``) a record is
-  one row and ``cell`` is ``cell(record)`` or a format string (:func:`fmt`) over it; without, a
-  record is a list of cells under ``head``. ``intro``, ``after``, ``note``, ``align`` (one
-  letter per column, ``r``: right-aligned) and ``head`` are fixed or functions of ``*data``;
-  fixed text is a format string over the first file's contents."""
+  table's records. With ``columns`` (``[(header, cell)]``) a record is one row, its cells
+  :func:`cell`; without, a record is a list of cells under ``head``. The other arguments are
+  fixed or functions of ``*data``; fixed text is a format string over the first file's data."""
   def text(spec, data: list) -> str:
     if callable(spec):
       return spec(*data)
@@ -198,12 +191,9 @@ def table_block(name: str, *files: str, key: str = "", rows: Callable | None = N
     data = [load(f)[key] if key else load(f) for f in files]
     grid = ""
     if rows is not None:
-      records = list(rows(*data))
+      records, hd = list(rows(*data)), head(*data) if callable(head) else head
       if columns:
-        hd = [h for h, _ in columns]
-        records = [[c(r) if callable(c) else fmt(c, r) for _, c in columns] for r in records]
-      else:
-        hd = head(*data) if callable(head) else head
+        records, hd = [[cell(c, r) for _, c in columns] for r in records], [h for h, _ in columns]
       grid = table(hd, records, text(align, data))
     parts = [text(intro, data), grid, text(after, data),
              caption(*files, note=text(note, data)) if cite else ""]
@@ -324,13 +314,9 @@ def _bf16_rows(e) -> list:
   by = {(r["impl"], r["ring"]): r["rel_err"] for r in e["rows"]}
   rings = sorted({n for _, n in by if n})
   errors = lambda v: " / ".join(sci(v[k]) for k in ("out", *GRADS))
-  rows = []
-  for impl in dict.fromkeys(r["impl"] for r in e["rows"]):
-    if (impl, None) in by:
-      rows.append([impl, errors(by[(impl, None)])] + [""] * (len(rings) - 1))
-    else:
-      rows.append([impl] + [errors(by[(impl, n)]) if (impl, n) in by else "-" for n in rings])
-  return rows
+  return [[impl] + ([errors(by[(impl, None)])] + [""] * (len(rings) - 1) if (impl, None) in by
+                    else [errors(by[(impl, n)]) if (impl, n) in by else "-" for n in rings])
+          for impl in dict.fromkeys(r["impl"] for r in e["rows"])]
 
 
 # --- Load balance: balance.py, packed_balance.py -----------------------------------------------
@@ -782,31 +768,28 @@ def _layout_host_rows(d) -> list:
 def _buckets_vs_one_ring(d) -> str:
   """The table of a run with one ring against one with length buckets."""
   one, bucketed = both = d["results"]
-  rows = [["compiled train-step programs"] + [r["compiled_programs"] for r in both]]
+  rows = [("compiled train-step programs", "{compiled_programs}")]
   if "steps" in one:
-    last = min(10, one["steps"])
-    at = sorted({1, *range(one["steps"] // 4, one["steps"] + 1, one["steps"] // 4)})
+    n, last = one["steps"], min(10, one["steps"])
+    at = sorted({1, *range(n // 4, n + 1, n // 4)})
     rows += [
-        ["steps"] + [r["steps"] for r in both],
-        ["real tokens (token slots)"] + [f"{r['real_tokens']:,} ({r['token_slots']:,})"
-                                         for r in both],
-        ["padding"] + [pct(r["padding_fraction"]) for r in both],
-        ["ring MiB per device, whole run"] + [mib(r["ring_permute_bytes"]) for r in both],
-        ["ring bytes per real token"] + [f"{r['ring_permute_bytes'] / r['real_tokens']:.0f}"
-                                         for r in both],
-        [f"loss at steps {', '.join(map(str, at))}"] + [
-            " / ".join(f"{r['step_rows'][i - 1]['loss']:.3f}" for i in at) for r in both],
-        [f"mean loss, last {last} steps"] + [
-            f"{sum(s['loss'] for s in r['step_rows'][-last:]) / last:.3f}" for r in both]]
-    if "real_tokens_per_s" in one:
-      ratio = bucketed["real_tokens_per_s"] / one["real_tokens_per_s"]
-      rows += [["real tokens/s (all token slots/s)"] + [
-                   f"{r['real_tokens_per_s']:.0f} ({r['tokens_per_s']:.0f})" for r in both],
-               ["real tokens/s vs one ring", "1.00x", f"**{x(ratio)}**"]]
-    else:
-      rows += [["tokens/s", "not timed (`--no-timing`: the host was not quiet)", ""]]
-  return table(["", "one ring", f"`length_buckets={tuple(bucketed['length_buckets'])}`"], rows,
-               "-rr")
+        ("steps", "{steps}"), ("real tokens (token slots)", "{real_tokens:,} ({token_slots:,})"),
+        ("padding", "{padding_fraction:pct}"),
+        ("ring MiB per device, whole run", "{ring_permute_bytes:mib}"),
+        ("ring bytes per real token",
+         lambda r: f"{r['ring_permute_bytes'] / r['real_tokens']:.0f}"),
+        (f"loss at steps {', '.join(map(str, at))}",
+         lambda r: " / ".join(f"{r['step_rows'][i - 1]['loss']:.3f}" for i in at)),
+        (f"mean loss, last {last} steps",
+         lambda r: f"{sum(s['loss'] for s in r['step_rows'][-last:]) / last:.3f}")]
+    rows += ([("real tokens/s (all token slots/s)", "{real_tokens_per_s:.0f} ({tokens_per_s:.0f})"),
+              ("real tokens/s vs one ring", lambda r: "1.00x" if r is one else
+               f"**{x(r['real_tokens_per_s'] / one['real_tokens_per_s'])}**")]
+             if "real_tokens_per_s" in one else
+             [("tokens/s", lambda r: "" if r is bucketed else
+               "not timed (`--no-timing`: the host was not quiet)")])
+  return table(["", "one ring", f"`length_buckets={tuple(bucketed['length_buckets'])}`"],
+               [[label, *(cell(c, r) for r in both)] for label, c in rows], "-rr")
 
 
 @block(
@@ -948,7 +931,7 @@ def rewrite(text: str, md_path: str) -> tuple[str, list[tuple[str, str]]]:
   """``text`` with every block regenerated; per block that changed, its name and a unified diff
   of its old text to the generated."""
   rel = os.path.relpath(md_path, ROOT)
-  if not len(OPEN_RE.findall(text)) == len(CLOSE_RE.findall(text)) == len(BLOCK_RE.findall(text)):
+  if len(MARKER_RE.findall(text)) != 2 * len(BLOCK_RE.findall(text)):
     raise ReportError(f"{rel}: unbalanced <!-- report: NAME --> / <!-- /report --> markers")
   changed = []
 
