@@ -182,10 +182,7 @@ def table_block(name: str, *files: str, key: str = "", rows: Callable | None = N
   table's records. With ``columns`` (``[(header, cell)]``) a record is one row, its cells
   :func:`cell`; without, a record is a list of cells under ``head``. The other arguments are
   fixed or functions of ``*data``; fixed text is a format string over the first file's data."""
-  def text(spec, data: list) -> str:
-    if callable(spec):
-      return spec(*data)
-    return fmt(spec, data[0]) if spec else ""
+  text = lambda spec, data: spec(*data) if callable(spec) else fmt(spec, data[0]) if spec else ""
 
   def render() -> str:
     data = [load(f)[key] if key else load(f) for f in files]
@@ -374,15 +371,12 @@ FIT_8 = "fit_llama_1b_long_8dev.json"
                         "the longest length that fits. Per device = compiled - to host:"),
     head=["devices (mesh)", "seq_len", "compiled GiB", "to host GiB", "per device GiB", "fits"])
 def _fit_rows(*runs) -> list:
-  rows = []
-  for d in runs:
-    for c in d["checked"]:
-      bold = (lambda s: f"**{s}**") if c["seq_len"] == d["seq_len"] else str
-      rows.append([f"{d['devices']} ({_mesh(d['mesh'], ', ') or 'sequence=1'})",
-                   bold(f"{c['seq_len']:,} ({length(c['seq_len'])})"),
-                   gib(c["compiled_per_device_bytes"]), gib(c["offloaded_bytes"]),
-                   bold(gib(c["per_device_bytes"])), "yes" if c["fits"] else "no"])
-  return rows
+  bold = lambda s, on: f"**{s}**" if on else s
+  return [[f"{d['devices']} ({_mesh(d['mesh'], ', ') or 'sequence=1'})",
+           bold(f"{c['seq_len']:,} ({length(c['seq_len'])})", c["seq_len"] == d["seq_len"]),
+           gib(c["compiled_per_device_bytes"]), gib(c["offloaded_bytes"]),
+           bold(gib(c["per_device_bytes"]), c["seq_len"] == d["seq_len"]),
+           "yes" if c["fits"] else "no"] for d in runs for c in d["checked"]]
 
 
 def _nolicm(with_, d) -> str:
@@ -485,9 +479,8 @@ def _vs_flat(d) -> list:
 
 def sweep_markdown(rows) -> str:
   """A block-size sweep (``attention.py --sections sweep``) as a markdown table: per (length,
-  mask, layout), each block's fwd+bwd time over the best block's and its temp MiB; ``*`` marks
-  the default. The last column: the default against the best block, in time and in temp
-  memory. ``attention.py --render`` prints the same table."""
+  mask, layout), each block's fwd+bwd time over the best block's and its temp MiB (``*``: the
+  default), then the default's time and temp over the best block's."""
   sizes = sorted({r["block"] for r in rows if r.get("block")})
   temp = lambda r: r["fwdbwd_mem"].get("temp_size_in_bytes", 0)
   cell = lambda r: (f"{r['x_best']:.2f}x, {temp(r) / MIB:.1f}" + ("*" if r.get("is_default")
@@ -579,10 +572,8 @@ def _tensor_sp_rows(d) -> list:
   rows = []
   for p, r in zip([None, *d["rows"]], d["rows"]):
     off, on = r["off"]["temp_bytes"], r["on"]["temp_bytes"]
-    growth = "-"
-    if p:
-      go, gn = off - p["off"]["temp_bytes"], on - p["on"]["temp_bytes"]
-      growth = f"{go / GIB:.2f} / {gn / GIB:.2f} ({gn / go:.2f})"
+    go, gn = (off - p["off"]["temp_bytes"], on - p["on"]["temp_bytes"]) if p else (0, 0)
+    growth = f"{go / GIB:.2f} / {gn / GIB:.2f} ({gn / go:.2f})" if p else "-"
     rows.append([f"{r['seq_len']:,}", f"{off / GIB:.2f}", f"{on / GIB:.2f}", f"{on / off:.2f}",
                  f"{(off - _grads(d)) / GIB:.2f} / {(on - _grads(d)) / GIB:.2f}", growth,
                  both(r, "all-reduce"), coll(r["on"], "reduce-scatter"), both(r, "all-gather"),
@@ -681,17 +672,15 @@ def _hop_memory_rows(d) -> list:
   """Per configuration: its heads, the xla hop's temp, then per other kernel its temp and the
   ratio to the xla hop's."""
   run = {_hop_case(r): r for r in d["rows"]}
-  mib_of = lambda r: None if r is None or "error" in r else r["temp_mib"]
-  cell = lambda r: ("" if r is None else fmt(TEMP, r) if "error" not in r else
+  mib_of = lambda r: r["temp_mib"] if r and "error" not in r else None
+  temp = lambda r: ("" if r is None else fmt(TEMP, r) if "error" not in r else
                     "refused" if r["error"].startswith("ValueError") else "error")
+  ratio = lambda r, xla: x(mib_of(r) / mib_of(xla)) if mib_of(r) and mib_of(xla) else ""
   out = []
   for case in dict.fromkeys(c for c, _ in run):
-    xla = run[(case, "xla")]
-    cells = [f"`{case}`", f"{xla['heads']}:{xla['kv_heads']}", cell(xla)]
-    for kernel in ("pallas_tpu", "splash"):
-      r = run.get((case, kernel))
-      cells += [cell(r), x(mib_of(r) / mib_of(xla)) if mib_of(r) and mib_of(xla) else ""]
-    out.append(cells)
+    xla, others = run[(case, "xla")], [run.get((case, k)) for k in ("pallas_tpu", "splash")]
+    out.append([f"`{case}`", f"{xla['heads']}:{xla['kv_heads']}", temp(xla),
+                *(c for r in others for c in (temp(r), ratio(r, xla)))])
   return out
 
 
@@ -738,14 +727,12 @@ def _compile_rows(d) -> list:
 def _routing_compile_rows(d) -> list:
   rows = []
   for layout in ("contiguous", "zigzag"):
-    full, routed = (next(r for r in d["attention"] if r["causal"] and r["layout"] == layout
-                         and r["routed"] == routed) for routed in (False, True))
-    rows.append([f"{layout} fwd", f"{mib(full['fwd_temp_bytes'])} MiB",
-                 f"{mib(routed['fwd_temp_bytes'])} MiB", "", ""])
-    rows.append([f"{layout} fwd+bwd", f"{mib(full['fwdbwd_temp_bytes'])} MiB",
-                 f"{mib(routed['fwdbwd_temp_bytes'])} MiB",
-                 f"{full['hlo_lines']:,} / {routed['hlo_lines']:,}",
-                 x(routed["compile_median_s"] / full["compile_median_s"])])
+    full, routed = both = [next(r for r in d["attention"] if r["causal"] and r["layout"] == layout
+                                and r["routed"] == routed) for routed in (False, True)]
+    rows += [[f"{layout} fwd", *(f"{mib(r['fwd_temp_bytes'])} MiB" for r in both), "", ""],
+             [f"{layout} fwd+bwd", *(f"{mib(r['fwdbwd_temp_bytes'])} MiB" for r in both),
+              f"{full['hlo_lines']:,} / {routed['hlo_lines']:,}",
+              x(routed["compile_median_s"] / full["compile_median_s"])]]
   return rows
 
 
@@ -971,11 +958,11 @@ def main(argv=None) -> int:
   ap.add_argument("--print", dest="print_block", default=None, metavar="NAME",
                   help="print one block (links relative to the repository root)")
   args = ap.parse_args(argv)
+  if args.list:
+    print("\n".join(f"{name}: {', '.join(files)}" for name, (_, files) in sorted(BLOCKS.items())))
+    return 0
   stale, blocks = [], 0
   try:
-    if args.list:
-      print("\n".join(f"{name}: {', '.join(files)}" for name, (_, files) in sorted(BLOCKS.items())))
-      return 0
     if args.print_block:
       print(render_block(args.print_block, os.path.join(ROOT, "README.md")))
       return 0
