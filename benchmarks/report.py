@@ -4,8 +4,9 @@ Every table of measured figures in a markdown file sits between two whole-line m
 ``<!-- report: NAME -->`` and ``<!-- /report -->``, and is replaced wholesale by block ``NAME`` of
 :data:`BLOCKS` (declared by :func:`table_block`): figures computed from the raw numbers of its
 result files, then a caption giving per file its date, machine, jax, a link and the command that
-made it. An unknown block, an unterminated block or a missing result file is an error (exit 2).
-Pure Python: no jax, nothing compiled or timed.
+made it (from ``results/provenance.json`` where the file records none). The commands: ``--help``
+and benchmarks/README.md. An unknown block, an unterminated block or a missing result file is an
+error (exit 2). Pure Python: no jax, nothing compiled or timed.
 """
 
 from __future__ import annotations
@@ -94,7 +95,7 @@ def when(name: str, short: bool = False) -> str:
 def caption(*names: str, note: str = "") -> str:
   """The line under a table: per result file a link, :func:`when` and its command; ``note``."""
   parts = [f"[`{n}`]({LINK_ROOT}benchmarks/results/{n}): {when(n)}" +
-           (f"; `{meta(n)['command']}`" if meta(n)["command"] else "") for n in names]
+           (f"; `{cmd}`" if (cmd := meta(n)["command"]) else "") for n in names]
   line = ("Source: " if len(names) == 1 else "Sources: ") + "; ".join(parts) + "."
   return f"<sub>{line} {note}</sub>" if note else f"<sub>{line}</sub>"
 
@@ -179,9 +180,10 @@ def table_block(name: str, *files: str, key: str = "", rows: Callable | None = N
   (``note`` at its end; none if not ``cite``), each left out where empty.
 
   ``rows(*data)`` (``data``: the contents of ``files``, or their entry ``key``) gives the
-  table's records. With ``columns`` (``[(header, cell)]``) a record is one row, its cells
-  :func:`cell`; without, a record is a list of cells under ``head``. The other arguments are
-  fixed or functions of ``*data``; fixed text is a format string over the first file's data."""
+  table's records (no ``rows``, no table). With ``columns`` (``[(header, cell)]``) a record is
+  one row, its cells :func:`cell`; without, a record is a list of cells under ``head``. The
+  other arguments are fixed or functions of ``*data``; fixed text is a format string over the
+  first file's data."""
   text = lambda spec, data: spec(*data) if callable(spec) else fmt(spec, data[0]) if spec else ""
 
   def render() -> str:
