@@ -2,11 +2,11 @@
 
 Every table of measured figures in a markdown file sits between two whole-line markers,
 ``<!-- report: NAME -->`` and ``<!-- /report -->``, and is replaced wholesale by block ``NAME`` of
-:data:`BLOCKS` (declared as data by :func:`table_block`): every figure computed from the raw
-numbers of its result files, then a caption with per file its date, machine and jax, a link and
-the command that made it (from ``results/provenance.json`` where the file records none). The
-commands: ``--help`` and benchmarks/README.md. An unknown block, an unterminated block or a
-missing result file is an error (exit 2). Pure Python: no jax, nothing compiled or timed.
+:data:`BLOCKS` (declared by :func:`table_block`): figures computed from the raw numbers of its
+result files, then a caption giving per file its date, machine, jax, a link and the command that
+made it (from ``results/provenance.json`` where the file records none). The commands: ``--help``
+and benchmarks/README.md. An unknown block, an unterminated block or a missing result file is an
+error (exit 2). Pure Python: no jax, nothing compiled or timed.
 """
 
 from __future__ import annotations
@@ -31,8 +31,7 @@ LINK_ROOT = "@@/"
 # Markers are whole lines (a marker quoted inside a line of prose is not one).
 BLOCK_RE = re.compile(r"^<!-- report: (?P<name>[^\s>]+) -->\n(?P<body>.*?)^<!-- /report -->$",
                       re.S | re.M)
-OPEN_RE = re.compile(r"^<!-- report: (?P<name>[^\s>]*) -->$", re.M)
-CLOSE_RE = re.compile(r"^<!-- /report -->$", re.M)
+MARKER_RE = re.compile(r"^<!-- (report: [^\s>]*|/report) -->$", re.M)
 # Block name -> (a function that renders it, its result files).
 BLOCKS: dict[str, tuple[Callable[[], str], tuple[str, ...]]] = {}
 
@@ -55,12 +54,11 @@ def load(name: str):
 
 
 def meta(name: str) -> dict:
-  """Date, machine, jax and command of a result file, from the file itself where it records
-  them (the ``meta`` dict of attention.py / core_report.py, the top level of balance.py),
-  else from provenance.json."""
+  """Date, date_note, machine, jax and command of a result file: what the file records (its
+  ``meta`` dict over its top level; balance.py's flags), the rest from provenance.json."""
   rec = load(name)
   rec = rec if isinstance(rec, dict) else {}
-  m = dict(rec, **rec.get("meta", {}))  # its ``meta`` dict over its top level
+  m = dict(rec, **rec.get("meta", {}))
   out = dict(date=m["date"][:10] if m.get("date") else None, date_note="", jax=m.get("jax"),
              command=m.get("command"), machine=None)
   if m.get("platform") == "cpu" or m.get("machine"):
@@ -71,7 +69,7 @@ def meta(name: str) -> dict:
     elif m.get("num_devices"):
       parts.append(f"{m['num_devices']} fake devices")
     out["machine"] = ", ".join(parts)
-  if rec.get("benchmark") == "balance" and not out["command"]:  # balance.py records its flags
+  if rec.get("benchmark") == "balance" and not out["command"]:
     stem = os.path.splitext(name)[0]
     out["command"] = (f"PYTHONPATH=. python benchmarks/balance.py --processes {rec['processes']} "
                       f"--lengths {','.join(map(str, rec['lengths']))} --repeats {rec['repeats']} "
@@ -95,13 +93,9 @@ def when(name: str, short: bool = False) -> str:
 
 
 def caption(*names: str, note: str = "") -> str:
-  """The line under a table: per result file a link, its date, machine, jax and the command
-  that made it; ``note`` at the end."""
-  parts = []
-  for name in names:
-    cmd = meta(name)["command"]
-    parts.append(f"[`{name}`]({LINK_ROOT}benchmarks/results/{name}): {when(name)}" +
-                 (f"; `{cmd}`" if cmd else ""))
+  """The line under a table: per result file a link, :func:`when` and its command; ``note``."""
+  parts = [f"[`{n}`]({LINK_ROOT}benchmarks/results/{n}): {when(n)}" +
+           (f"; `{cmd}`" if (cmd := meta(n)["command"]) else "") for n in names]
   line = ("Source: " if len(names) == 1 else "Sources: ") + "; ".join(parts) + "."
   return f"<sub>{line} {note}</sub>" if note else f"<sub>{line}</sub>"
 
@@ -125,10 +119,9 @@ def tokens(n: float) -> str:
 
 def length(n: int) -> str:
   """A sequence length in binary units: 4096 -> 4K, 655360 -> 640K, 4718592 -> 4.5M."""
-  if n >= 2 ** 20:
-    return f"{n / 2 ** 20:g}M"
-  if n >= 1024:
-    return f"{n / 1024:g}K"
+  for unit, div in (("M", 2 ** 20), ("K", 1024)):
+    if n >= div:
+      return f"{n / div:g}{unit}"
   return str(n)
 
 
@@ -158,7 +151,6 @@ def _mesh(sizes: dict, sep: str, keep: str = "") -> str:
 
 
 def _rows_by(rows, *keys) -> dict:
-  """``rows`` by the tuple of their ``keys``."""
   return {tuple(r[k] for k in keys): r for r in rows}
 
 
@@ -173,6 +165,11 @@ def fmt(spec: str, record) -> str:
   return _Units().vformat(spec, (), record)
 
 
+def cell(spec, record) -> str:
+  """``spec(record)``, or the format string ``spec`` over ``record``."""
+  return spec(record) if callable(spec) else fmt(spec, record)
+
+
 # --- Blocks declared as data -----------------------------------------------------------------
 
 def table_block(name: str, *files: str, key: str = "", rows: Callable | None = None, columns=(),
@@ -180,30 +177,22 @@ def table_block(name: str, *files: str, key: str = "", rows: Callable | None = N
                 after: str | Callable = "", note: str | Callable = "",
                 cite: bool = True) -> None:
   """Registers block ``name``: ``intro``, a table, ``after`` and the caption of ``files``
-  (``note`` at its end; none if not ``cite``), each left out where empty, separated by blank
-  lines.
+  (``note`` at its end; none if not ``cite``), each left out where empty.
 
   ``rows(*data)`` (``data``: the contents of ``files``, or their entry ``key``) gives the
-  table's records; no ``rows``, no table. With ``columns`` (``[(header, cell)]``) a record is
-  one row and ``cell`` is ``cell(record)`` or a format string (:func:`fmt`) over it; without, a
-  record is a list of cells under ``head``. ``intro``, ``after``, ``note``, ``align`` (one
-  letter per column, ``r``: right-aligned) and ``head`` are fixed or functions of ``*data``;
-  fixed text is a format string over the first file's contents."""
-  def text(spec, data: list) -> str:
-    if callable(spec):
-      return spec(*data)
-    return fmt(spec, data[0]) if spec else ""
+  table's records (no ``rows``, no table). With ``columns`` (``[(header, cell)]``) a record is
+  one row, its cells :func:`cell`; without, a record is a list of cells under ``head``. The
+  other arguments are fixed or functions of ``*data``; fixed text is a format string over the
+  first file's data."""
+  text = lambda spec, data: spec(*data) if callable(spec) else fmt(spec, data[0]) if spec else ""
 
   def render() -> str:
     data = [load(f)[key] if key else load(f) for f in files]
     grid = ""
     if rows is not None:
-      records = list(rows(*data))
+      records, hd = list(rows(*data)), head(*data) if callable(head) else head
       if columns:
-        hd = [h for h, _ in columns]
-        records = [[c(r) if callable(c) else fmt(c, r) for _, c in columns] for r in records]
-      else:
-        hd = head(*data) if callable(head) else head
+        records, hd = [[cell(c, r) for _, c in columns] for r in records], [h for h, _ in columns]
       grid = table(hd, records, text(align, data))
     parts = [text(intro, data), grid, text(after, data),
              caption(*files, note=text(note, data)) if cite else ""]
@@ -324,13 +313,9 @@ def _bf16_rows(e) -> list:
   by = {(r["impl"], r["ring"]): r["rel_err"] for r in e["rows"]}
   rings = sorted({n for _, n in by if n})
   errors = lambda v: " / ".join(sci(v[k]) for k in ("out", *GRADS))
-  rows = []
-  for impl in dict.fromkeys(r["impl"] for r in e["rows"]):
-    if (impl, None) in by:
-      rows.append([impl, errors(by[(impl, None)])] + [""] * (len(rings) - 1))
-    else:
-      rows.append([impl] + [errors(by[(impl, n)]) if (impl, n) in by else "-" for n in rings])
-  return rows
+  return [[impl] + ([errors(by[(impl, None)])] + [""] * (len(rings) - 1) if (impl, None) in by
+                    else [errors(by[(impl, n)]) if (impl, n) in by else "-" for n in rings])
+          for impl in dict.fromkeys(r["impl"] for r in e["rows"])]
 
 
 # --- Load balance: balance.py, packed_balance.py -----------------------------------------------
@@ -388,15 +373,12 @@ FIT_8 = "fit_llama_1b_long_8dev.json"
                         "the longest length that fits. Per device = compiled - to host:"),
     head=["devices (mesh)", "seq_len", "compiled GiB", "to host GiB", "per device GiB", "fits"])
 def _fit_rows(*runs) -> list:
-  rows = []
-  for d in runs:
-    for c in d["checked"]:
-      bold = (lambda s: f"**{s}**") if c["seq_len"] == d["seq_len"] else str
-      rows.append([f"{d['devices']} ({_mesh(d['mesh'], ', ') or 'sequence=1'})",
-                   bold(f"{c['seq_len']:,} ({length(c['seq_len'])})"),
-                   gib(c["compiled_per_device_bytes"]), gib(c["offloaded_bytes"]),
-                   bold(gib(c["per_device_bytes"])), "yes" if c["fits"] else "no"])
-  return rows
+  bold = lambda s, on: f"**{s}**" if on else s
+  return [[f"{d['devices']} ({_mesh(d['mesh'], ', ') or 'sequence=1'})",
+           bold(f"{c['seq_len']:,} ({length(c['seq_len'])})", c["seq_len"] == d["seq_len"]),
+           gib(c["compiled_per_device_bytes"]), gib(c["offloaded_bytes"]),
+           bold(gib(c["per_device_bytes"]), c["seq_len"] == d["seq_len"]),
+           "yes" if c["fits"] else "no"] for d in runs for c in d["checked"]]
 
 
 def _nolicm(with_, d) -> str:
@@ -499,9 +481,8 @@ def _vs_flat(d) -> list:
 
 def sweep_markdown(rows) -> str:
   """A block-size sweep (``attention.py --sections sweep``) as a markdown table: per (length,
-  mask, layout), each block's fwd+bwd time over the best block's and its temp MiB; ``*`` marks
-  the default. The last column: the default against the best block, in time and in temp
-  memory. ``attention.py --render`` prints the same table."""
+  mask, layout), each block's fwd+bwd time over the best block's and its temp MiB (``*``: the
+  default), then the default's time and temp over the best block's."""
   sizes = sorted({r["block"] for r in rows if r.get("block")})
   temp = lambda r: r["fwdbwd_mem"].get("temp_size_in_bytes", 0)
   cell = lambda r: (f"{r['x_best']:.2f}x, {temp(r) / MIB:.1f}" + ("*" if r.get("is_default")
@@ -593,10 +574,8 @@ def _tensor_sp_rows(d) -> list:
   rows = []
   for p, r in zip([None, *d["rows"]], d["rows"]):
     off, on = r["off"]["temp_bytes"], r["on"]["temp_bytes"]
-    growth = "-"
-    if p:
-      go, gn = off - p["off"]["temp_bytes"], on - p["on"]["temp_bytes"]
-      growth = f"{go / GIB:.2f} / {gn / GIB:.2f} ({gn / go:.2f})"
+    go, gn = (off - p["off"]["temp_bytes"], on - p["on"]["temp_bytes"]) if p else (0, 0)
+    growth = f"{go / GIB:.2f} / {gn / GIB:.2f} ({gn / go:.2f})" if p else "-"
     rows.append([f"{r['seq_len']:,}", f"{off / GIB:.2f}", f"{on / GIB:.2f}", f"{on / off:.2f}",
                  f"{(off - _grads(d)) / GIB:.2f} / {(on - _grads(d)) / GIB:.2f}", growth,
                  both(r, "all-reduce"), coll(r["on"], "reduce-scatter"), both(r, "all-gather"),
@@ -695,17 +674,15 @@ def _hop_memory_rows(d) -> list:
   """Per configuration: its heads, the xla hop's temp, then per other kernel its temp and the
   ratio to the xla hop's."""
   run = {_hop_case(r): r for r in d["rows"]}
-  mib_of = lambda r: None if r is None or "error" in r else r["temp_mib"]
-  cell = lambda r: ("" if r is None else fmt(TEMP, r) if "error" not in r else
+  mib_of = lambda r: r["temp_mib"] if r and "error" not in r else None
+  temp = lambda r: ("" if r is None else fmt(TEMP, r) if "error" not in r else
                     "refused" if r["error"].startswith("ValueError") else "error")
+  ratio = lambda r, xla: x(mib_of(r) / mib_of(xla)) if mib_of(r) and mib_of(xla) else ""
   out = []
   for case in dict.fromkeys(c for c, _ in run):
-    xla = run[(case, "xla")]
-    cells = [f"`{case}`", f"{xla['heads']}:{xla['kv_heads']}", cell(xla)]
-    for kernel in ("pallas_tpu", "splash"):
-      r = run.get((case, kernel))
-      cells += [cell(r), x(mib_of(r) / mib_of(xla)) if mib_of(r) and mib_of(xla) else ""]
-    out.append(cells)
+    xla, others = run[(case, "xla")], [run.get((case, k)) for k in ("pallas_tpu", "splash")]
+    out.append([f"`{case}`", f"{xla['heads']}:{xla['kv_heads']}", temp(xla),
+                *(c for r in others for c in (temp(r), ratio(r, xla)))])
   return out
 
 
@@ -752,14 +729,12 @@ def _compile_rows(d) -> list:
 def _routing_compile_rows(d) -> list:
   rows = []
   for layout in ("contiguous", "zigzag"):
-    full, routed = (next(r for r in d["attention"] if r["causal"] and r["layout"] == layout
-                         and r["routed"] == routed) for routed in (False, True))
-    rows.append([f"{layout} fwd", f"{mib(full['fwd_temp_bytes'])} MiB",
-                 f"{mib(routed['fwd_temp_bytes'])} MiB", "", ""])
-    rows.append([f"{layout} fwd+bwd", f"{mib(full['fwdbwd_temp_bytes'])} MiB",
-                 f"{mib(routed['fwdbwd_temp_bytes'])} MiB",
-                 f"{full['hlo_lines']:,} / {routed['hlo_lines']:,}",
-                 x(routed["compile_median_s"] / full["compile_median_s"])])
+    full, routed = both = [next(r for r in d["attention"] if r["causal"] and r["layout"] == layout
+                                and r["routed"] == routed) for routed in (False, True)]
+    rows += [[f"{layout} fwd", *(f"{mib(r['fwd_temp_bytes'])} MiB" for r in both), "", ""],
+             [f"{layout} fwd+bwd", *(f"{mib(r['fwdbwd_temp_bytes'])} MiB" for r in both),
+              f"{full['hlo_lines']:,} / {routed['hlo_lines']:,}",
+              x(routed["compile_median_s"] / full["compile_median_s"])]]
   return rows
 
 
@@ -782,31 +757,28 @@ def _layout_host_rows(d) -> list:
 def _buckets_vs_one_ring(d) -> str:
   """The table of a run with one ring against one with length buckets."""
   one, bucketed = both = d["results"]
-  rows = [["compiled train-step programs"] + [r["compiled_programs"] for r in both]]
+  rows = [("compiled train-step programs", "{compiled_programs}")]
   if "steps" in one:
-    last = min(10, one["steps"])
-    at = sorted({1, *range(one["steps"] // 4, one["steps"] + 1, one["steps"] // 4)})
+    n, last = one["steps"], min(10, one["steps"])
+    at = sorted({1, *range(n // 4, n + 1, n // 4)})
     rows += [
-        ["steps"] + [r["steps"] for r in both],
-        ["real tokens (token slots)"] + [f"{r['real_tokens']:,} ({r['token_slots']:,})"
-                                         for r in both],
-        ["padding"] + [pct(r["padding_fraction"]) for r in both],
-        ["ring MiB per device, whole run"] + [mib(r["ring_permute_bytes"]) for r in both],
-        ["ring bytes per real token"] + [f"{r['ring_permute_bytes'] / r['real_tokens']:.0f}"
-                                         for r in both],
-        [f"loss at steps {', '.join(map(str, at))}"] + [
-            " / ".join(f"{r['step_rows'][i - 1]['loss']:.3f}" for i in at) for r in both],
-        [f"mean loss, last {last} steps"] + [
-            f"{sum(s['loss'] for s in r['step_rows'][-last:]) / last:.3f}" for r in both]]
-    if "real_tokens_per_s" in one:
-      ratio = bucketed["real_tokens_per_s"] / one["real_tokens_per_s"]
-      rows += [["real tokens/s (all token slots/s)"] + [
-                   f"{r['real_tokens_per_s']:.0f} ({r['tokens_per_s']:.0f})" for r in both],
-               ["real tokens/s vs one ring", "1.00x", f"**{x(ratio)}**"]]
-    else:
-      rows += [["tokens/s", "not timed (`--no-timing`: the host was not quiet)", ""]]
-  return table(["", "one ring", f"`length_buckets={tuple(bucketed['length_buckets'])}`"], rows,
-               "-rr")
+        ("steps", "{steps}"), ("real tokens (token slots)", "{real_tokens:,} ({token_slots:,})"),
+        ("padding", "{padding_fraction:pct}"),
+        ("ring MiB per device, whole run", "{ring_permute_bytes:mib}"),
+        ("ring bytes per real token",
+         lambda r: f"{r['ring_permute_bytes'] / r['real_tokens']:.0f}"),
+        (f"loss at steps {', '.join(map(str, at))}",
+         lambda r: " / ".join(f"{r['step_rows'][i - 1]['loss']:.3f}" for i in at)),
+        (f"mean loss, last {last} steps",
+         lambda r: f"{sum(s['loss'] for s in r['step_rows'][-last:]) / last:.3f}")]
+    rows += ([("real tokens/s (all token slots/s)", "{real_tokens_per_s:.0f} ({tokens_per_s:.0f})"),
+              ("real tokens/s vs one ring", lambda r: "1.00x" if r is one else
+               f"**{x(r['real_tokens_per_s'] / one['real_tokens_per_s'])}**")]
+             if "real_tokens_per_s" in one else
+             [("tokens/s", lambda r: "" if r is bucketed else
+               "not timed (`--no-timing`: the host was not quiet)")])
+  return table(["", "one ring", f"`length_buckets={tuple(bucketed['length_buckets'])}`"],
+               [[label, *(cell(c, r) for r in both)] for label, c in rows], "-rr")
 
 
 @block(
@@ -948,7 +920,7 @@ def rewrite(text: str, md_path: str) -> tuple[str, list[tuple[str, str]]]:
   """``text`` with every block regenerated; per block that changed, its name and a unified diff
   of its old text to the generated."""
   rel = os.path.relpath(md_path, ROOT)
-  if not len(OPEN_RE.findall(text)) == len(CLOSE_RE.findall(text)) == len(BLOCK_RE.findall(text)):
+  if len(MARKER_RE.findall(text)) != 2 * len(BLOCK_RE.findall(text)):
     raise ReportError(f"{rel}: unbalanced <!-- report: NAME --> / <!-- /report --> markers")
   changed = []
 
@@ -988,11 +960,11 @@ def main(argv=None) -> int:
   ap.add_argument("--print", dest="print_block", default=None, metavar="NAME",
                   help="print one block (links relative to the repository root)")
   args = ap.parse_args(argv)
+  if args.list:
+    print("\n".join(f"{name}: {', '.join(files)}" for name, (_, files) in sorted(BLOCKS.items())))
+    return 0
   stale, blocks = [], 0
   try:
-    if args.list:
-      print("\n".join(f"{name}: {', '.join(files)}" for name, (_, files) in sorted(BLOCKS.items())))
-      return 0
     if args.print_block:
       print(render_block(args.print_block, os.path.join(ROOT, "README.md")))
       return 0
