@@ -35,7 +35,6 @@ class Bucket:
 
   @property
   def shape(self) -> tuple[int, int]:
-    """The global batch shape ``[rows, run_length]``."""
     return (self.rows, self.run_length)
 
   @property

@@ -146,16 +146,13 @@ def save_run_config(config, workdir: str) -> None:
 def saved_config_hint(config, workdir: str) -> str:
   """The end of the error of a run none of whose checkpoints restores: what differs from the
   saved config and how to rerun with it."""
-  path = run_config_path(workdir)
   diffs = model_differences(config, workdir)
   if not diffs:
     return f"This run wrote nothing into {workdir}."
-  scalar = (bool, int, float, str)
   flags = " ".join(f"--config.model.{name}={saved}" for name, saved, _ in diffs
-                   if isinstance(saved, scalar))
-  return (f"The checkpoints were written under the config saved in {path}, which differs in "
-          + ", ".join(f"model.{name} ({saved!r} there, {value!r} here)"
+                   if isinstance(saved, (bool, int, float, str)))
+  changes = ", ".join(f"model.{name} ({saved!r} there, {value!r} here)"
                       for name, saved, value in diffs)
-          + ": rerunning with the saved values resumes"
-          + (f" (e.g. add {flags})" if flags else "")
-          + f". This run wrote nothing into {workdir}.")
+  return (f"The checkpoints were written under the config saved in {run_config_path(workdir)}, "
+          f"which differs in {changes}: rerunning with the saved values resumes"
+          + (f" (e.g. add {flags})" if flags else "") + f". This run wrote nothing into {workdir}.")

@@ -310,7 +310,7 @@ class DocumentIterator(grain.DatasetIterator):
     self._ds = ds
     self.bad = BadRecords(ds.strict)
     self._buffer: collections.deque = collections.deque()  # (state before it, tokens)
-    self._error: Exception | None = None  # StopIteration or DataError after the buffer
+    self._error: Exception | None = None  # the end or a DataError, once the buffer is out
     self._set(epoch=0, span=0)
 
   def _set(self, *, epoch, span, offset=None, line=0, epoch_docs=0):

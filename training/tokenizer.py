@@ -10,6 +10,7 @@ import dataclasses
 import functools
 import json
 import os
+import shutil
 
 import numpy as np
 
@@ -204,8 +205,6 @@ def write_hf_tokenizer_json(spec: str, out_path: str) -> None:
   ids of :meth:`Tokenizer.encode_document`: copied as is where that holds, else with a
   ``TemplateProcessing`` post-processor adding them (after a ``ByteLevel`` one, if any).
   ValueError for another kind of tokenizer."""
-  import shutil
-
   import tokenizers
   from tokenizers import processors
 
