@@ -147,14 +147,11 @@ class _Cursor:
 
   def line_location(self, line: int) -> str:
     """``path:N`` of the ``line``-th line since the span start (N counts from 1 in the file)."""
-    if self._line_base is None:  # Lazily, once: the lines before the first the span owns.
-      start = self.span.start  # > 0 here
+    if self._line_base is None:  # Lazily, once: the lines starting before the span's first,
+      end = self.span.start - 1  # the one at 0 and one after each newline in [0, end).
       with open(self.span.path, "rb") as f:
-        base = sum(f.read(min(READ_BUFFER_BYTES, start - done)).count(b"\n")
-                   for done in range(0, start, READ_BUFFER_BYTES))
-        f.seek(start - 1)
-        # Mid-line: the partial line belongs to the range before.
-        self._line_base = base + (f.read(1) != b"\n")
+        self._line_base = 1 + sum(f.read(min(READ_BUFFER_BYTES, end - done)).count(b"\n")
+                                  for done in range(0, end, READ_BUFFER_BYTES))
     return f"{self.span.path}:{self._line_base + line + 1}"
 
 
@@ -162,10 +159,9 @@ def _lines(cur: _Cursor) -> Iterator[tuple[int, bytes]]:
   """``(line number since the span start, bytes)`` of each line the span owns from
   ``cur.offset`` on (the first line starting there or after), advancing ``cur``."""
   with open(cur.span.path, "rb", buffering=READ_BUFFER_BYTES) as f:
-    if cur.offset > 0:
+    if cur.offset > 0:  # from the byte before: the rest of a line the range before owns
       f.seek(cur.offset - 1)
-      if f.read(1) != b"\n":  # Mid-line: that line belongs to the range before.
-        cur.offset += len(f.readline())
+      cur.offset += len(f.readline()) - 1
     while cur.offset < cur.span.stop and (raw := f.readline()):
       cur.offset += len(raw)
       cur.line += 1
