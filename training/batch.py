@@ -43,8 +43,7 @@ def shardings(mesh) -> dict[str, NamedSharding]:
 def abstract(shape: tuple[int, int], mesh) -> dict[str, jax.ShapeDtypeStruct]:
   """Field name -> ``ShapeDtypeStruct`` of a ``[rows, seq_len]`` batch sharded on ``mesh``."""
   one = sharding(mesh)
-  return {name: jax.ShapeDtypeStruct(shape, dtype, sharding=one)
-          for name, dtype in DTYPES.items()}
+  return {name: jax.ShapeDtypeStruct(shape, dtype, sharding=one) for name, dtype in DTYPES.items()}
 
 
 def segment_positions(segment_ids: np.ndarray) -> np.ndarray:

@@ -35,7 +35,6 @@ class Bucket:
 
   @property
   def shape(self) -> tuple[int, int]:
-    """The global batch shape ``[rows, run_length]``."""
     return (self.rows, self.run_length)
 
   @property
@@ -112,9 +111,7 @@ class BucketedBatches:
   state is the stream's position plus every bucket's rows not yet yielded (JSON-able)."""
 
   def __init__(self, documents, buckets: tuple[Bucket, ...], layout: str):
-    self._it = iter(documents)
-    self._buckets = buckets
-    self._layout = layout
+    self._it, self._buckets, self._layout = iter(documents), buckets, layout
     self._pending: list[list[list[list[int]]]] = [[] for _ in buckets]  # bucket, row, doc
     self._full: list[list] = []  # [bucket, rows] of batches filled, not yet yielded
 
@@ -159,14 +156,11 @@ def pack_rows(rows: list[list[list[int]]], length: int) -> dict[str, np.ndarray]
   """Rows of whole documents -> ``[len(rows), length]`` natural-order batch fields: segment
   ids 1, 2, ... per document, positions restarting at 0, labels inside each document, the
   rest of each row padding (segment 0, no target)."""
-  tokens = np.zeros((len(rows), length), np.int32)
-  segments = np.zeros((len(rows), length), np.int32)
+  tokens, segments = np.zeros((2, len(rows), length), np.int32)
   for r, docs in enumerate(rows):
-    start = 0
-    for d, doc in enumerate(docs):
-      tokens[r, start:start + len(doc)] = doc
-      segments[r, start:start + len(doc)] = d + 1
-      start += len(doc)
+    sizes = [len(doc) for doc in docs]
+    tokens[r, :sum(sizes)] = [t for doc in docs for t in doc]
+    segments[r, :sum(sizes)] = np.repeat(np.arange(1, len(docs) + 1), sizes)
   return batch_lib.from_segments(tokens, segments)
 
 

@@ -1,11 +1,8 @@
 """Input pipeline: a synthetic long-range retrieval task and streamed local text, via Grain.
 
-Host-side numpy: rows of the fields of :mod:`training.batch` are built in natural order,
-padded to the run length (:func:`pad_rows`) and reordered once into the ring's layout
-(:func:`to_layout_np`). Both pipelines are checkpointable (``get_state()/set_state()``,
-JSON-able): the kv task's batch ``k`` is a pure function of ``(seed, k)`` (a
-``grain.MapDataset``); text streams this data shard's documents (:mod:`training.sources`),
-tokenised and packed by concat-and-split (a ``grain.IterDataset``).
+Host-side numpy rows of the :mod:`training.batch` fields, built in natural order, padded
+(:func:`pad_rows`) and reordered once into the ring's layout (:func:`to_layout_np`); both
+pipelines are checkpointable with JSON-able states (:func:`make_dataset`, :func:`make_iterator`).
 """
 
 from __future__ import annotations
@@ -154,13 +151,11 @@ class KVRetrievalTask:
     """Row ``index`` of the stream ``seed`` (natural order, ``[seq_len]`` fields)."""
     rng = np.random.default_rng([seed, index])
     docs = [self._document(rng) for _ in range(self.docs_per_row)]
-    rest = self.seq_len - self.docs_per_row * self.doc_len  # padding (segment 0) at the end
-    tokens = np.concatenate([t for t, _ in docs] + [np.full(rest, PAD_ID)]).astype(np.int32)
-    is_query = np.concatenate([m for _, m in docs] + [np.zeros(rest, bool)])
-    segment_ids = np.repeat(np.arange(self.docs_per_row + 1, dtype=np.int32),
-                            [rest] + [self.doc_len] * self.docs_per_row)
-    segment_ids = np.roll(segment_ids, -rest)  # documents 1..docs_per_row, then the padding
-    row = from_segments(tokens[None], segment_ids[None], loss_mask=is_query[None])
+    rest = self.seq_len - self.docs_per_row * self.doc_len  # then padding: PAD_ID, segment 0
+    pad = lambda parts: np.pad(np.concatenate(parts), (0, rest))[None]  # one row, zeros after
+    row = from_segments(pad([t for t, _ in docs]),
+                        pad([np.full(self.doc_len, d + 1) for d in range(len(docs))]),
+                        loss_mask=pad([m for _, m in docs]))
     return {k: v[0] for k, v in row.items()}
 
   def rows(self, seed: int, first: int, count: int) -> dict[str, np.ndarray]:

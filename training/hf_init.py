@@ -16,12 +16,10 @@ def hf_init_dir(config) -> str:
 
 
 def resolve_hf_init(config: ml_collections.ConfigDict, log=None) -> ml_collections.ConfigDict:
-  """``config`` (a copy) with the model fields of ``init.hf_dir/config.json``
-  (:data:`models.convert_hf.HF_FIELDS`): a field that is None takes config.json's value; a
-  set one overrides it (a line to ``log``), except a shape field
-  (:data:`models.convert_hf.HF_SHAPE_FIELDS`), which the weights fix (ConfigError). A None
-  ``data.tokenizer`` becomes ``init.hf_dir``. Idempotent; unchanged without ``init.hf_dir``.
-  """
+  """``config`` (a copy) with the model fields of ``init.hf_dir/config.json``: None takes
+  config.json's value, a value overrides it (a line to ``log``) but for a shape field
+  (ConfigError); see docs/huggingface.md, "Which model settings win". A None ``data.tokenizer``
+  becomes ``init.hf_dir``. Idempotent; unchanged without ``init.hf_dir``."""
   hf_dir = hf_init_dir(config)
   if not hf_dir:
     return config

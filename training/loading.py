@@ -1,10 +1,5 @@
-"""The trained model of a run, for generate.py and evaluate.py, and the run's saved config.
-
-:func:`load_model` restores the parameters of a workdir's newest checkpoint that restores
-(read only) onto a mesh, or converts a local Hugging Face directory; :func:`load_run_tokenizer`
-loads the tokenizer that goes with it. Errors are one line each
-(:class:`training.errors.UsageError`).
-"""
+"""The trained model of a run and its tokenizer (for generate.py, evaluate.py, export_hf.py),
+and the run's saved config; errors are one line each (:class:`training.errors.UsageError`)."""
 
 from __future__ import annotations
 
@@ -58,12 +53,10 @@ def load_model(config, mesh, *, workdir: str | None = None, hf_dir: str | None =
   if hf_dir:
     from flax import nnx
     from models import convert_hf
-    m = config.model
     # A ValueError: e.g. a layout the model's window rules out.
     with errors.reraise_as(errors.UsageError, f"--hf_dir {hf_dir}: "):
-      cfg = convert_hf.load_hf_config(
-          hf_dir, attention=m.attention, layout=m.layout, block_q=m.block_q,
-          block_kv=m.block_kv, dtype=m.dtype, param_dtype=m.param_dtype)
+      cfg = convert_hf.load_hf_config(hf_dir, **{k: config.model[k] for k in (
+          "attention", "layout", "block_q", "block_kv", "dtype", "param_dtype")})
     model = convert_hf.load_hf_checkpoint(hf_dir, cfg, mesh=mesh)
     log(f"loaded {hf_dir}")
     return model.cfg, nnx.split(model, nnx.Param, ...)[1]
@@ -122,8 +115,7 @@ def run_tokenizer_spec(config, *, workdir: str | None = None, hf_dir: str | None
   saved = (saved_run_config(workdir).get("data") or {}).get("tokenizer") if workdir else None
   if saved:
     if spec and saved != spec:
-      log(f"tokenizer: {saved} (the run's {run_config_path(workdir)}), not "
-          f"--config's {spec}")
+      log(f"tokenizer: {saved} (the run's {run_config_path(workdir)}), not --config's {spec}")
     spec = saved
   if not spec:
     raise errors.UsageError(f"no tokenizer: {tok_lib.UNSET}")
@@ -154,16 +146,13 @@ def save_run_config(config, workdir: str) -> None:
 def saved_config_hint(config, workdir: str) -> str:
   """The end of the error of a run none of whose checkpoints restores: what differs from the
   saved config and how to rerun with it."""
-  path = run_config_path(workdir)
   diffs = model_differences(config, workdir)
   if not diffs:
     return f"This run wrote nothing into {workdir}."
-  scalar = (bool, int, float, str)
   flags = " ".join(f"--config.model.{name}={saved}" for name, saved, _ in diffs
-                   if isinstance(saved, scalar))
-  return (f"The checkpoints were written under the config saved in {path}, which differs in "
-          + ", ".join(f"model.{name} ({saved!r} there, {value!r} here)"
+                   if isinstance(saved, (bool, int, float, str)))
+  changes = ", ".join(f"model.{name} ({saved!r} there, {value!r} here)"
                       for name, saved, value in diffs)
-          + ": rerunning with the saved values resumes"
-          + (f" (e.g. add {flags})" if flags else "")
-          + f". This run wrote nothing into {workdir}.")
+  return (f"The checkpoints were written under the config saved in {run_config_path(workdir)}, "
+          f"which differs in {changes}: rerunning with the saved values resumes"
+          + (f" (e.g. add {flags})" if flags else "") + f". This run wrote nothing into {workdir}.")

@@ -147,14 +147,11 @@ class _Cursor:
 
   def line_location(self, line: int) -> str:
     """``path:N`` of the ``line``-th line since the span start (N counts from 1 in the file)."""
-    if self._line_base is None:  # Lazily, once: the lines before the first the span owns.
-      start = self.span.start  # > 0 here
+    if self._line_base is None:  # Lazily, once: the lines starting before the span's first,
+      end = self.span.start - 1  # the one at 0 and one after each newline in [0, end).
       with open(self.span.path, "rb") as f:
-        base = sum(f.read(min(READ_BUFFER_BYTES, start - done)).count(b"\n")
-                   for done in range(0, start, READ_BUFFER_BYTES))
-        f.seek(start - 1)
-        # Mid-line: the partial line belongs to the range before.
-        self._line_base = base + (f.read(1) != b"\n")
+        self._line_base = 1 + sum(f.read(min(READ_BUFFER_BYTES, end - done)).count(b"\n")
+                                  for done in range(0, end, READ_BUFFER_BYTES))
     return f"{self.span.path}:{self._line_base + line + 1}"
 
 
@@ -162,59 +159,56 @@ def _lines(cur: _Cursor) -> Iterator[tuple[int, bytes]]:
   """``(line number since the span start, bytes)`` of each line the span owns from
   ``cur.offset`` on (the first line starting there or after), advancing ``cur``."""
   with open(cur.span.path, "rb", buffering=READ_BUFFER_BYTES) as f:
-    if cur.offset > 0:
+    if cur.offset > 0:  # from the byte before: the rest of a line the range before owns
       f.seek(cur.offset - 1)
-      if f.read(1) != b"\n":  # Mid-line: that line belongs to the range before.
-        cur.offset += len(f.readline())
+      cur.offset += len(f.readline()) - 1
     while cur.offset < cur.span.stop and (raw := f.readline()):
       cur.offset += len(raw)
       cur.line += 1
       yield cur.line - 1, raw
 
 
-def _checked_text(value, bad: BadRecords, where, missing) -> str | None:
-  """``value`` if it is a non-empty string (bytes: decoded as UTF-8), else None after
-  counting why not at ``where()``; ``missing(value)`` details a value that is no string."""
+def _record(value, bad: BadRecords, where, missing) -> Iterator[tuple]:
+  """The one piece of a record whose text is ``value``, a non-empty string (bytes: decoded as
+  UTF-8), else none after counting why not at ``where()``; ``missing(value)`` details a
+  value that is no string."""
   if isinstance(value, bytes):
     try:
       value = value.decode("utf-8")
     except UnicodeDecodeError as e:
       bad.add("undecodable", where(), str(e))
-      return None
+      return
   if not isinstance(value, str):
     bad.add("missing_field", where(), missing(value))
-    return None
-  if not value:
+  elif not value:
     bad.add("empty", where())
-    return None
-  return value
+  else:
+    yield value, True, True, where
 
 
-def _json_text(raw: bytes, field: str, bad: BadRecords, where) -> str | None:
-  """The ``field`` text of one JSON record, or None after counting why it is bad at
-  ``where()`` (computed for a bad one only)."""
+def _json_record(raw: bytes, field: str, bad: BadRecords, where) -> Iterator[tuple]:
+  """:func:`_record` of the ``field`` text of one JSON record, or none after counting why it
+  is bad at ``where()`` (computed for a bad one only)."""
   try:
     record = json.loads(raw.decode("utf-8"))
   except (UnicodeDecodeError, json.JSONDecodeError) as e:
     bad.add("undecodable" if isinstance(e, UnicodeDecodeError) else "invalid_json", where(), str(e))
-    return None
-  return _checked_text(record.get(field) if isinstance(record, dict) else None, bad, where,
-                       lambda _: f"data.text_field={field!r}")
+    return
+  yield from _record(record.get(field) if isinstance(record, dict) else None, bad, where,
+                     lambda _: f"data.text_field={field!r}")
 
 
 def _read_lines(cur: _Cursor, bad: BadRecords, field: str) -> Iterator[tuple]:
   for here, raw in _lines(cur):
     if raw.strip():  # a blank line is no record
-      where = lambda here=here: cur.line_location(here)
-      if (text := _json_text(raw, field, bad, where)) is not None:
-        yield text, True, True, where
+      yield from _json_record(raw, field, bad, lambda here=here: cur.line_location(here))
 
 
 def _read_txt(cur: _Cursor, bad: BadRecords, field=None) -> Iterator[tuple]:
   """A text file's pieces (it has no ``field``: the file is the document)."""
   first = cur.offset == cur.span.start  # Else resumed mid-document.
-  emitted, lines = not first, _lines(cur)
-  while True:
+  emitted, lines, last = not first, _lines(cur), False
+  while not last:
     piece, size, last = [], 0, True
     for here, raw in lines:
       size += len(raw)
@@ -226,17 +220,11 @@ def _read_txt(cur: _Cursor, bad: BadRecords, field=None) -> Iterator[tuple]:
         last = cur.offset >= cur.span.stop
         break
     text = "".join(piece)
-    where = lambda line=cur.line: cur.line_location(line - 1)
-    if text:
-      emitted = True
-      yield text, first, last, where
-      first = False
-    elif last and emitted:  # The previous piece ended exactly at the end: its EOS is owed.
-      yield "", False, True, where
-    if last:
-      if not emitted:
-        bad.add("empty", cur.line_location(0))
-      return
+    if text or (last and emitted):  # "" last: the previous piece ended at the end, EOS owed
+      yield text, first, last, lambda line=cur.line: cur.line_location(line - 1)
+      emitted, first = True, False
+  if not emitted:
+    bad.add("empty", cur.line_location(0))
 
 
 def _read_parquet(cur: _Cursor, bad: BadRecords, field: str):
@@ -259,9 +247,7 @@ def _read_parquet(cur: _Cursor, bad: BadRecords, field: str):
   rows = range(cur.offset, cur.span.stop)  # the rows before cur.offset skipped
   for r, value in zip(rows, itertools.islice(values, cur.offset - row, None)):
     cur.offset = r + 1
-    where = lambda r=r: f"{cur.span.path}:row {r}"
-    if (text := _checked_text(value, bad, where, missing)) is not None:
-      yield text, True, True, where
+    yield from _record(value, bad, lambda r=r: f"{cur.span.path}:row {r}", missing)
 
 
 def _read_array_record(cur: _Cursor, bad: BadRecords, field: str):
@@ -270,17 +256,13 @@ def _read_array_record(cur: _Cursor, bad: BadRecords, field: str):
     indices = list(range(cur.offset, min(cur.offset + ARRAY_RECORD_BATCH, cur.span.stop)))
     for i, raw in zip(indices, source.__getitems__(indices)):
       cur.offset = i + 1
-      where = lambda i=i: f"{cur.span.path}:record {i}"
-      if (text := _json_text(bytes(raw), field, bad, where)) is not None:
-        yield text, True, True, where
+      yield from _json_record(bytes(raw), field, bad, lambda i=i: f"{cur.span.path}:record {i}")
 
 
-def read_span(cur: _Cursor, bad: BadRecords, field: str):
-  """The pieces ``(text, is_first_piece, is_last_piece, location())`` of ``cur``'s span
-  from its offset on, advancing ``cur``."""
-  readers = {"lines": _read_lines, "txt": _read_txt, "parquet": _read_parquet,
-             "array_record": _read_array_record}
-  return readers[file_kind(cur.span.path)](cur, bad, field)
+# File kind -> its reader: ``reader(cursor, bad records, text field)`` yields the pieces
+# of the cursor's span from its offset on, advancing the cursor.
+_READERS = {"lines": _read_lines, "txt": _read_txt, "parquet": _read_parquet,
+            "array_record": _read_array_record}
 
 
 # --- Grain dataset: tokenised documents of one shard, endless, checkpointable -----------------
@@ -324,7 +306,7 @@ class DocumentIterator(grain.DatasetIterator):
     self._ds = ds
     self.bad = BadRecords(ds.strict)
     self._buffer: collections.deque = collections.deque()  # (state before it, tokens)
-    self._error: DataError | None = None
+    self._error: Exception | None = None  # the end or a DataError, once the buffer is out
     self._set(epoch=0, span=0)
 
   def _set(self, *, epoch, span, offset=None, line=0, epoch_docs=0):
@@ -335,6 +317,7 @@ class DocumentIterator(grain.DatasetIterator):
     if self._span < len(self._spans):
       s = self._spans[self._span]
       self._cursor = _Cursor(s, s.start if offset is None else offset, line)
+      self._reader = _READERS[file_kind(s.path)](self._cursor, self.bad, self._ds.text_field)
 
   def _read_piece(self):
     """(state before it, (text, first, last, location)) of the next piece; StopIteration."""
@@ -349,8 +332,6 @@ class DocumentIterator(grain.DatasetIterator):
               f"({self.bad.summary()}); add data or use fewer processes per data shard.")
         self._set(epoch=self._epoch + 1, span=0)
         continue
-      if self._reader is None:
-        self._reader = read_span(self._cursor, self.bad, self._ds.text_field)
       before = self._reader_state()
       if (piece := next(self._reader, None)) is None:
         self._set(epoch=self._epoch, span=self._span + 1, epoch_docs=self._epoch_docs)
@@ -366,10 +347,7 @@ class DocumentIterator(grain.DatasetIterator):
       while len(entries) < ENCODE_BATCH and size < ENCODE_BATCH_BYTES:
         entries.append(self._read_piece())
         size += len(entries[-1][1][0])
-    except StopIteration:
-      if not entries:
-        raise
-    except DataError as e:  # strict: first hand out the documents read before the bad one
+    except (StopIteration, DataError) as e:  # raised once the documents read before it are out
       if not entries:
         raise
       self._error = e
@@ -411,5 +389,4 @@ class DocumentIterator(grain.DatasetIterator):
     self.bad = BadRecords(self._ds.strict, **state.get("bad_records", {}))
     self._buffer.clear()
     self._error = None
-    self._set(epoch=state["epoch"], span=state["span"], offset=state["offset"],
-              line=state["line"], epoch_docs=state["epoch_docs"])
+    self._set(**{k: state[k] for k in ("epoch", "span", "offset", "line", "epoch_docs")})

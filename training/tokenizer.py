@@ -10,6 +10,7 @@ import dataclasses
 import functools
 import json
 import os
+import shutil
 
 import numpy as np
 
@@ -102,17 +103,17 @@ def _special_settings(directory: str) -> dict:
   return merged
 
 
-def _special_id(spec: str, settings: dict, key: str, fallback, lookup, known: str):
-  """The id of the ``key`` token ``settings`` name (``lookup(content)``, None: unknown, a
-  ValueError saying it is not ``known``), else ``fallback``."""
-  content = settings.get(key)
-  if content is None:
-    return fallback
-  found = lookup(content)
-  if found is None:
-    raise ValueError(f"data.tokenizer={spec!r}: {key} {content!r} of its tokenizer config is not "
-                     f"{known}.")
-  return found
+def _special_ids(spec: str, settings: dict, fallbacks, lookup, known: str) -> list:
+  """[bos id, eos id]: of the token ``settings`` names (``lookup(content)``; None: unknown, a
+  ValueError saying it is not ``known``), else the ``fallbacks`` one."""
+  ids = []
+  for key, fallback in zip(("bos_token", "eos_token"), fallbacks):
+    content = settings.get(key)
+    ids.append(fallback if content is None else lookup(content))
+    if ids[-1] is None and content is not None:
+      raise ValueError(f"data.tokenizer={spec!r}: {key} {content!r} of its tokenizer config is "
+                       f"not {known}.")
+  return ids
 
 
 def resolve_tokenizer_file(spec: str) -> str:
@@ -139,10 +140,8 @@ def _load_tokenizers(path: str, spec: str) -> Tokenizer:
   full = tok.encode("a", add_special_tokens=True).ids
   start = next((i for i in range(len(full) - len(plain) + 1) if full[i:i + len(plain)] == plain), 0)
   head, tail = full[:start], full[start + len(plain):]
-  token_id = lambda key, fallback: _special_id(spec, settings, key, fallback, tok.token_to_id,
-                                               "in the vocabulary")
-  bos_id = token_id("bos_token", head[0] if len(head) == 1 else None)
-  eos_id = token_id("eos_token", tail[0] if len(tail) == 1 else None)
+  fallbacks = [w[0] if len(w) == 1 else None for w in (head, tail)]
+  bos_id, eos_id = _special_ids(spec, settings, fallbacks, tok.token_to_id, "in the vocabulary")
   add_bos = settings.get("add_bos_token", len(head) == 1 and head[0] == bos_id)
   add_eos = settings.get("add_eos_token", len(tail) == 1 and tail[0] == eos_id)
   for flag, key, value in ((add_bos, "bos_token", bos_id), (add_eos, "eos_token", eos_id)):
@@ -161,9 +160,8 @@ def _load_sentencepiece(path: str, spec: str) -> Tokenizer:
   unk = sp.unk_id()
   piece = lambda content: (None if (found := sp.piece_to_id(content)) == unk
                            and content != sp.id_to_piece(unk) else found)
-  token_id = lambda key, default: _special_id(spec, settings, key, default if default >= 0 else
-                                              None, piece, "a piece of the SentencePiece model")
-  bos_id, eos_id = token_id("bos_token", sp.bos_id()), token_id("eos_token", sp.eos_id())
+  bos_id, eos_id = _special_ids(spec, settings, [i if i >= 0 else None for i in (
+      sp.bos_id(), sp.eos_id())], piece, "a piece of the SentencePiece model")
   add_bos = settings.get("add_bos_token", bos_id is not None)
   add_eos = settings.get("add_eos_token", eos_id is not None)
   return Tokenizer(spec=spec, kind="sentencepiece", vocab_size=sp.get_piece_size(),
@@ -207,8 +205,6 @@ def write_hf_tokenizer_json(spec: str, out_path: str) -> None:
   ids of :meth:`Tokenizer.encode_document`: copied as is where that holds, else with a
   ``TemplateProcessing`` post-processor adding them (after a ``ByteLevel`` one, if any).
   ValueError for another kind of tokenizer."""
-  import shutil
-
   import tokenizers
   from tokenizers import processors
 
