@@ -185,8 +185,8 @@ class StepMetrics:
   def __init__(self, explain: Callable[[dict[str, float]], str]):
     self._explain = explain
     self._pending: list[tuple[int, Any]] = []  # (step, metrics still on the device)
-    self._window: list[dict[str, float]] = []
     self.history: list[dict[str, float]] = []
+    self._window_start = 0  # the first row of history in the next window
 
   def add(self, step: int, metrics) -> None:
     """Queues the (on-device, not yet fetched) metrics of ``step``."""
@@ -197,7 +197,6 @@ class StepMetrics:
     while self._pending and self._pending[0][0] <= upto:
       step, metrics = self._pending.pop(0)
       row = dict(step=step, **{k: float(v) for k, v in jax.device_get(metrics).items()})
-      self._window.append(row)
       self.history.append(row)
       if not (math.isfinite(row["loss"]) and math.isfinite(row["grad_norm"])):
         raise Diverged(self._explain(row))
@@ -206,9 +205,8 @@ class StepMetrics:
     """Means of :data:`WINDOW_KEYS` over the steps since the last window, up to ``step``
     (fetched first: this blocks until ``step`` is done, so window times are real)."""
     self.fetch(step)
-    rows, self._window = self._window, []
+    rows, self._window_start = self.history[self._window_start:], len(self.history)
     return {k: float(np.mean([r[k] for r in rows])) for k in self.WINDOW_KEYS}
-
 
 
 class Profile:
