@@ -151,24 +151,18 @@ class Progress:
     self.total, self.start = total_steps, start_step
     self._t0 = time.perf_counter()
 
-  def line(self, step: int, m: dict[str, float]) -> str:
+  def log(self, step: int, m: dict[str, float]) -> None:
     eta = (time.perf_counter() - self._t0) / max(step - self.start, 1) * (self.total - step)
-    return (f"step {step:>6}/{self.total} | loss {m['loss']:.4f} | acc {m['accuracy']:.3f} | "
-            f"lr {m['learning_rate']:.2e} | gnorm {m['grad_norm']:.3f} | "
-            f"{m['tokens_per_s']:,.0f} tok/s | {m['step_time_s'] * 1e3:.0f} ms/step | "
-            f"MFU {100 * m['mfu']:.2f}% | ETA {format_duration(eta)}")
-
-  def log(self, step: int, metrics: dict[str, float]) -> None:
-    log(self.line(step, metrics))
+    log(f"step {step:>6}/{self.total} | loss {m['loss']:.4f} | acc {m['accuracy']:.3f} | "
+        f"lr {m['learning_rate']:.2e} | gnorm {m['grad_norm']:.3f} | "
+        f"{m['tokens_per_s']:,.0f} tok/s | {m['step_time_s'] * 1e3:.0f} ms/step | "
+        f"MFU {100 * m['mfu']:.2f}% | ETA {format_duration(eta)}")
 
 
 def log(message: str) -> None:
   """Console message from process 0 only."""
   if jax.process_index() == 0:
     print(message, flush=True)
-
-
-# --- Step metrics: fetched one step behind, checked for divergence as they arrive -------------
 
 
 class Diverged(RuntimeError):
