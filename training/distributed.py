@@ -1,8 +1,7 @@
 """Multi-process start-up and the clean exit when a peer process dies: every survivor ends
 with one line (:func:`lost_peer_message`) and status :data:`EXIT_PEER_LOST`, from a failed
 collective (:func:`exit_if_peer_lost`) or a stopped heartbeat (:class:`PeerWatchdog`);
-docs/training.md, "When a process dies", has the whole story.
-"""
+docs/training.md, "When a process dies", has the whole story."""
 
 from __future__ import annotations
 
@@ -112,10 +111,9 @@ def collective_lost_peer(error: BaseException) -> tuple[str, str] | None:
 
 
 def exit_if_peer_lost(error: BaseException) -> None:
-  """Where ``error`` says a collective lost a peer's connection on a multi-process run:
-  prints the lost-peer line and ends the process with :data:`EXIT_PEER_LOST` at once
-  (``os._exit``: closing the checkpointer or JAX would wait on the dead peer's barriers).
-  Returns for any other error, and on one process."""
+  """Where :func:`collective_lost_peer` finds ``error`` on a multi-process run: the lost-peer
+  line and :data:`EXIT_PEER_LOST` at once (``os._exit``: closing the checkpointer or JAX would
+  wait on the dead peer's barriers). Returns for any other error, and on one process."""
   found = collective_lost_peer(error)
   if found is not None and _ACTIVE is not None:
     _ACTIVE.collective_failed(*found)
@@ -143,12 +141,11 @@ def wait_for_verdict() -> bool:
 class PeerWatchdog:
   """Liveness counters in the coordination service (``client``: JAX's coordination client):
   process 0 declares a process whose counter has not moved for ``heartbeat_timeout_s`` lost
-  and publishes the verdict; every survivor prints ``describe(lost=process or None,
-  step=, reason=)`` and calls ``exit(EXIT_PEER_LOST)``; so does a collective that lost a peer's
+  and publishes the verdict; every survivor prints ``describe(lost=process or None, step=,
+  reason=)`` and calls ``exit(EXIT_PEER_LOST)``; so does a collective that lost a peer's
   connection (:meth:`collective_failed`)."""
 
-  def __init__(self, heartbeat_timeout_s: float,
-               describe: Callable[[int | None, int | None, str], str], *, client,
+  def __init__(self, heartbeat_timeout_s: float, describe: Callable[..., str], *, client,
                process_id: int, num_processes: int, exit: Callable[[int], None] = os._exit):
     self.timeout_s = float(heartbeat_timeout_s)
     self.interval_s = max(self.timeout_s / 5, 0.2)
@@ -191,8 +188,6 @@ class PeerWatchdog:
       return False
     self._exited.wait()  # Going on would print the failed collective's traceback after the line.
     return True
-
-  # --- The watchdog thread ----------------------------------------------------------------
 
   def _run(self) -> None:
     counter = 0

@@ -78,21 +78,13 @@ def wanted(argv, environ=os.environ) -> bool:
   return mode == "on" or (mode == "auto" and multiprocess_launch_detected(environ) is not None)
 
 
-# --- The child's side ---------------------------------------------------------------------
-
-
 def report(**fields) -> None:
   """Sends ``fields`` to the supervisor (no-op without one): ``process_id``, ``num_processes``,
   ``workdir``, ``checkpoint_dir``, ``resume_command``, ``coordinator`` once; ``step`` as the loop
   advances; ``declared``, the lost-peer line, just before the child prints it itself."""
-  fd = os.environ.get(_FD_ENV)
-  if not fd:
-    return
-  with contextlib.suppress(OSError):  # The supervisor is gone (SIGKILL next), or not our fd.
-    os.write(int(fd), (json.dumps(fields) + "\n").encode())
-
-
-# --- The parent's side --------------------------------------------------------------------
+  if fd := os.environ.get(_FD_ENV):
+    with contextlib.suppress(OSError):  # The supervisor is gone (SIGKILL next), or not our fd.
+      os.write(int(fd), (json.dumps(fields) + "\n").encode())
 
 
 def _child_setup():
@@ -151,9 +143,7 @@ def supervise(argv: list[str] | None = None) -> int:
                            stderr=subprocess.PIPE, preexec_fn=_child_setup())
   os.close(report_w)
 
-  def forward(signum, frame):
-    child.send_signal(signum)  # (a no-op once the child has exited)
-  previous = {s: signal.signal(s, forward) for s in FORWARDED_SIGNALS}
+  previous = {s: signal.signal(s, lambda n, _: child.send_signal(n)) for s in FORWARDED_SIGNALS}
 
   info: dict = {}
   held: list[str] = []  # stderr lines waiting for the next one (see _AGENT_LOG)
