@@ -272,8 +272,7 @@ class StopRequest:
   def __init__(self):
     self.received: str | None = None
     self._previous: dict[int, Any] = {}
-    self._jax_notice = (jax.process_count() > 1
-                        and bool(jax.config.jax_enable_preemption_service))
+    self._jax_notice = jax.process_count() > 1 and bool(jax.config.jax_enable_preemption_service)
 
   def __enter__(self) -> "StopRequest":
     if threading.current_thread() is not threading.main_thread():
