@@ -217,10 +217,9 @@ class Checkpointer:
     restored = self.manager.restore(step, args=ocp.args.Composite(
         state=ocp.args.StandardRestore({"params": params_target, "opt_state": opt_state_target}),
         data=ocp.args.JsonRestore()))
-    state = restored["state"]
     if restored["data"] is None:
       raise FileNotFoundError("the data iterator state ('data' item) is missing")
-    return state["params"], state["opt_state"], restored["data"]
+    return restored["state"]["params"], restored["state"]["opt_state"], restored["data"]
 
   def restore_latest(self, params_target, opt_state_target=None,
                      warn: Callable[[str], None] = print):
