@@ -1,10 +1,8 @@
-"""Orbax checkpoints: train state (``{"params", "opt_state"}``, each process writing the
-shards it owns) + data iterator state (JSON), restorable onto any mesh (``ShapeDtypeStruct``
-targets with the current mesh's shardings). Beyond Orbax (docs/training.md, "When things go
-wrong"): a non-finite state is never written, a failed background save is one
-:class:`CheckpointWriteError`, and :meth:`Checkpointer.restore_latest` falls back past steps
-that do not restore.
-"""
+"""Orbax checkpoints of the train state (``{"params", "opt_state"}``, each process writing the
+shards it owns) and the data iterator's state (JSON), restorable onto any mesh. Beyond Orbax
+(docs/training.md, "When things go wrong"): a non-finite state is never written, a failed
+background save is one :class:`CheckpointWriteError`, and :meth:`Checkpointer.restore_latest`
+falls back past steps that do not restore."""
 
 from __future__ import annotations
 
@@ -19,11 +17,11 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging as absl_logging
 from jax.experimental import multihost_utils
 
+from training import distributed
 from training.metrics import Diverged
 
 CORRUPT_DIRNAME = "checkpoints_corrupt"
@@ -123,12 +121,6 @@ def _one_line(error: BaseException) -> str:
   return f"{type(error).__name__}: {lines[0] if lines else '(no message)'}"
 
 
-def _agree(ok: bool) -> bool:
-  """True only if ``ok`` holds on every process (a no-op on a single process)."""
-  return ok if jax.process_count() == 1 else bool(
-      np.all(multihost_utils.process_allgather(np.int32(ok))))
-
-
 def checkpoint_directory(workdir: str) -> str:
   """Where a run in ``workdir`` keeps its checkpoint steps."""
   return os.path.join(os.path.abspath(workdir), "checkpoints")
@@ -144,8 +136,7 @@ class Checkpointer:
     self.directory = checkpoint_directory(self.workdir)
     self.every, self.read_only = every, read_only
     self._writing: int | None = None  # step of the newest save that may still be in flight
-    # The newest step this run saved or resumed from (what a diverged run falls back to).
-    self.last_saved: int | None = None
+    self.last_saved: int | None = None  # the newest step this run saved or resumed from
     if read_only and not os.path.isdir(self.directory):
       raise NoCheckpointError(f"{workdir} has no checkpoints/ directory")
     if jax.process_count() == 1 and not read_only:
@@ -226,10 +217,9 @@ class Checkpointer:
     restored = self.manager.restore(step, args=ocp.args.Composite(
         state=ocp.args.StandardRestore({"params": params_target, "opt_state": opt_state_target}),
         data=ocp.args.JsonRestore()))
-    state = restored["state"]
     if restored["data"] is None:
       raise FileNotFoundError("the data iterator state ('data' item) is missing")
-    return state["params"], state["opt_state"], restored["data"]
+    return restored["state"]["params"], restored["state"]["opt_state"], restored["data"]
 
   def restore_latest(self, params_target, opt_state_target=None,
                      warn: Callable[[str], None] = print):
@@ -253,7 +243,7 @@ class Checkpointer:
         reason = _one_line(e)
         del e
         drop_failed_read_leftovers()
-      if not _agree(reason is None):
+      if distributed.on_any_process(reason is not None):
         reason = reason or "it failed to restore on another process"
         warn(f"warning: checkpoint step {step} in {self.directory} does not restore "
              f"({reason}); trying the previous one.")

@@ -1,13 +1,13 @@
 """Multi-process start-up and the clean exit when a peer process dies: every survivor ends
 with one line (:func:`lost_peer_message`) and status :data:`EXIT_PEER_LOST`, from a failed
 collective (:func:`exit_if_peer_lost`) or a stopped heartbeat (:class:`PeerWatchdog`);
-docs/training.md, "When a process dies", has the whole story.
-"""
+docs/training.md, "When a process dies", has the whole story."""
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import os
 import re
 import signal
@@ -21,11 +21,8 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from training import supervisor
-
-# The exit status and the line of a lost peer are the supervisor's (it imports no JAX and
-# reports a lost coordinator itself); this module re-exports them.
-EXIT_PEER_LOST = supervisor.EXIT_PEER_LOST
-lost_peer_message = supervisor.lost_peer_message
+# Re-exported: the supervisor (no JAX; it reports a lost coordinator itself) defines them.
+from training.supervisor import EXIT_PEER_LOST, lost_peer_message
 
 #: JAX's coordination-service heartbeat timeout, as a multiple of ``heartbeat_timeout_s``
 #: (it may fire from half its value on): the watchdog's verdict comes first.
@@ -69,6 +66,9 @@ def start(mode: str, distributed_config) -> int:
   return 1  # Unknown here (e.g. TPU metadata): only used to size simulated CPU devices.
 
 
+_ACTIVE: "PeerWatchdog | None" = None
+
+
 def start_watchdog(distributed_config, checkpoint_dir: str,
                    resume_command: str) -> "PeerWatchdog | None":
   """Starts the :class:`PeerWatchdog` of a multi-process run (None on one process). Without
@@ -81,7 +81,8 @@ def start_watchdog(distributed_config, checkpoint_dir: str,
   supervisor.report(process_id=state.process_id, num_processes=state.num_processes,
                     workdir=os.path.dirname(checkpoint_dir), checkpoint_dir=checkpoint_dir,
                     resume_command=resume_command, coordinator=state.coordinator_address)
-  describe = describer(state.num_processes, checkpoint_dir, resume_command)
+  describe = functools.partial(lost_peer_message, num_processes=state.num_processes,
+                               checkpoint_dir=checkpoint_dir, resume_command=resume_command)
   _ACTIVE = PeerWatchdog(float(distributed_config.heartbeat_timeout_s), describe,
                          client=state.client, process_id=state.process_id,
                          num_processes=state.num_processes)
@@ -89,24 +90,16 @@ def start_watchdog(distributed_config, checkpoint_dir: str,
   return _ACTIVE.start()
 
 
-_ACTIVE: "PeerWatchdog | None" = None
-
-
-def describer(num_processes: int, checkpoint_dir: str, resume_command: str
-              ) -> Callable[[int | None, int | None, str], str]:
-  """The watchdog's ``describe``: the lost-peer line of this run, its complete steps listed without
-  Orbax (``supervisor.complete_steps``: its thread pool is gone once Python began its shutdown)."""
-  def describe(lost: int | None, step: int | None, reason: str) -> str:
-    return lost_peer_message(lost, num_processes, reason, step,
-                             supervisor.complete_steps(checkpoint_dir), checkpoint_dir,
-                             resume_command)
-  return describe
+def on_any_process(flag: bool) -> bool:
+  """Whether ``flag`` holds on some process (a collective on several processes)."""
+  if jax.process_count() == 1:
+    return flag
+  return bool(np.max(multihost_utils.process_allgather(np.int32(flag))))
 
 
 def collective_lost_peer(error: BaseException) -> tuple[str, str] | None:
-  """``(collective, transport's words)`` where ``error``, or an exception it was raised
-  from or while handling, is a collective's report that a peer's connection closed
-  (:data:`PEER_CONNECTION_CLOSED`); None for any other error."""
+  """``(collective, transport's words)`` of :data:`PEER_CONNECTION_CLOSED` in ``error`` or its
+  ``__cause__``/``__context__`` chain; None for any other error."""
   seen = set()
   while error is not None and id(error) not in seen:
     seen.add(id(error))
@@ -118,10 +111,9 @@ def collective_lost_peer(error: BaseException) -> tuple[str, str] | None:
 
 
 def exit_if_peer_lost(error: BaseException) -> None:
-  """Where ``error`` says a collective lost a peer's connection on a multi-process run:
-  prints the lost-peer line and ends the process with :data:`EXIT_PEER_LOST` at once
-  (``os._exit``: closing the checkpointer or JAX would wait on the dead peer's barriers).
-  Returns for any other error, and on one process."""
+  """Where :func:`collective_lost_peer` finds ``error`` on a multi-process run: the lost-peer
+  line and :data:`EXIT_PEER_LOST` at once (``os._exit``: closing the checkpointer or JAX would
+  wait on the dead peer's barriers). Returns for any other error, and on one process."""
   found = collective_lost_peer(error)
   if found is not None and _ACTIVE is not None:
     _ACTIVE.collective_failed(*found)
@@ -136,7 +128,7 @@ def finish() -> None:
 def note_step(step: int) -> None:
   """Tells the watchdog and the supervisor (if any) the loop's step, for their line."""
   if _ACTIVE is not None:
-    _ACTIVE.note_step(step)
+    _ACTIVE.step = step
     supervisor.report(step=step)
 
 
@@ -149,19 +141,17 @@ def wait_for_verdict() -> bool:
 class PeerWatchdog:
   """Liveness counters in the coordination service (``client``: JAX's coordination client):
   process 0 declares a process whose counter has not moved for ``heartbeat_timeout_s`` lost
-  and publishes the verdict; every survivor prints ``describe(lost_process or None, step,
-  reason)`` and calls ``exit(EXIT_PEER_LOST)``; so does a collective that lost a peer's
-  connection (:meth:`collective_failed`). JAX's own heartbeat (:data:`JAX_HEARTBEAT_FACTOR`
-  times longer) aborts from C++ without either: it is only the backstop."""
+  and publishes the verdict; every survivor prints ``describe(lost=process or None, step=,
+  reason=)`` and calls ``exit(EXIT_PEER_LOST)``; so does a collective that lost a peer's
+  connection (:meth:`collective_failed`)."""
 
-  def __init__(self, heartbeat_timeout_s: float,
-               describe: Callable[[int | None, int | None, str], str], *, client,
+  def __init__(self, heartbeat_timeout_s: float, describe: Callable[..., str], *, client,
                process_id: int, num_processes: int, exit: Callable[[int], None] = os._exit):
     self.timeout_s = float(heartbeat_timeout_s)
     self.interval_s = max(self.timeout_s / 5, 0.2)
     self.describe, self._exit, self._client = describe, exit, client
     self.process_id, self.num_processes = process_id, num_processes
-    self.step: int | None = None  # the newest step the loop started (note_step)
+    self.step: int | None = None  # the newest step the loop started (note_step sets it)
     self._stop = threading.Event()
     self._verdict = threading.Event()
     self._verdict_lock = threading.Lock()  # the watchdog and the main thread may both find one
@@ -171,9 +161,6 @@ class PeerWatchdog:
   def start(self) -> "PeerWatchdog":
     self._thread.start()
     return self
-
-  def note_step(self, step: int) -> None:
-    self.step = step
 
   def stop(self, done: bool = False) -> None:
     """Stops beating; ``done``: a clean end, so the watchers stop expecting this process."""
@@ -187,8 +174,8 @@ class PeerWatchdog:
   def collective_failed(self, collective: str, closed: str) -> None:
     """A collective of this process failed because a peer's connection closed: the verdict
     (published for the survivors in no collective), the line and the exit, from the calling
-    thread. Of two processes the lost one is the other; of more, gloo's and NCCL's errors
-    name an address at most, so the line says "another process"."""
+    thread."""
+    # Of more than two processes, gloo's and NCCL's errors name an address at most.
     lost = 1 - self.process_id if self.num_processes == 2 else None
     self._declare(lost, f"{COLLECTIVE_CLOSED}, {collective} failed: {closed}", publish=True)
     self._exited.wait()  # The watchdog thread's verdict came first: it is ending the process.
@@ -199,12 +186,8 @@ class PeerWatchdog:
     wait = 2 * self.timeout_s + 5 * self.interval_s if timeout_s is None else timeout_s
     if not self._verdict.wait(wait):
       return False
-    # The watchdog is printing its line and exiting the process: the caller must not go on
-    # (a traceback of the collective that failed meanwhile would follow the line).
-    self._exited.wait()
+    self._exited.wait()  # Going on would print the failed collective's traceback after the line.
     return True
-
-  # --- The watchdog thread ----------------------------------------------------------------
 
   def _run(self) -> None:
     counter = 0
@@ -225,13 +208,10 @@ class PeerWatchdog:
         continue
 
   def _silent_peer(self, seen) -> int | None:
-    now = time.monotonic()
-    beats = dict(self._client.key_value_dir_get(f"{_PREFIX}/beat/"))
-    done = self._ids("done")
+    now, beats, done = time.monotonic(), self._values("beat"), self._values("done")
     for peer in range(1, self.num_processes):
-      value = beats.get(f"{_PREFIX}/beat/{peer}")
-      if peer not in seen or seen[peer][0] != value:
-        seen[peer] = (value, now)
+      if peer not in seen or seen[peer][0] != beats.get(peer):
+        seen[peer] = (beats.get(peer), now)
       elif peer not in done and now - seen[peer][1] > self.timeout_s:
         return peer
     return None
@@ -245,7 +225,7 @@ class PeerWatchdog:
         return
       self._verdict.set()
     try:
-      line = self.describe(lost, self.step, reason)
+      line = self.describe(lost=lost, step=self.step, reason=reason)
     except Exception as e:  # Never let the report itself hide the verdict.
       who = "another process" if lost is None else f"process {lost}"
       line = f"error: {who} of {self.num_processes} stopped responding ({reason}; {e!r})"
@@ -271,15 +251,15 @@ class PeerWatchdog:
     most two polls of theirs. Neither the lost process nor one that ended cleanly will;
     where the lost one is unknown, one process may be missing."""
     deadline = time.monotonic() + 2 * self.interval_s + 1.0
-    others = set(range(1, self.num_processes)) - {lost} - self._ids("done")
+    others = set(range(1, self.num_processes)) - {lost} - set(self._values("done"))
     missing = 1 if lost is None else 0
-    while len(others - self._ids("exiting")) > missing and time.monotonic() < deadline:
+    while len(others - set(self._values("exiting"))) > missing and time.monotonic() < deadline:
       time.sleep(0.05)
 
-  def _ids(self, kind: str) -> set[int]:
-    """The processes with a key under ``<prefix>/<kind>/`` ("done", "exiting")."""
-    return {int(k.rsplit("/", 1)[-1])
-            for k, _ in self._client.key_value_dir_get(f"{_PREFIX}/{kind}/")}
+  def _values(self, kind: str) -> dict[int, str]:
+    """``{process: value}`` of the keys under ``<prefix>/<kind>/`` ("beat", "done", "exiting")."""
+    return {int(k.rsplit("/", 1)[-1]): v
+            for k, v in self._client.key_value_dir_get(f"{_PREFIX}/{kind}/")}
 
 
 class StopRequest:
@@ -292,8 +272,7 @@ class StopRequest:
   def __init__(self):
     self.received: str | None = None
     self._previous: dict[int, Any] = {}
-    self._multi = jax.process_count() > 1
-    self._jax_notice = self._multi and bool(jax.config.jax_enable_preemption_service)
+    self._jax_notice = jax.process_count() > 1 and bool(jax.config.jax_enable_preemption_service)
 
   def __enter__(self) -> "StopRequest":
     if threading.current_thread() is not threading.main_thread():
@@ -329,6 +308,4 @@ class StopRequest:
         self.received = self.received or "SIGTERM (preemption notice)"
         return True
       return False
-    if self._multi:  # Preemption service disabled: agree through a collective each step.
-      return bool(np.max(multihost_utils.process_allgather(np.int32(self.received is not None))))
-    return self.received is not None
+    return on_any_process(self.received is not None)  # Without the notice: a collective.

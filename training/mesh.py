@@ -18,8 +18,7 @@ def mesh_shape(mesh_config, num_devices: int, where: str | None = None) -> dict[
   ``where``: what the devices are, for the error (default: the JAX backend's name)."""
   sizes = {axis: int(mesh_config.get(axis, 1)) for axis in MESH_AXES}
   where = where or jax.default_backend()
-  unknown = set(mesh_config.keys()) - set(MESH_AXES)
-  if unknown:
+  if unknown := set(mesh_config.keys()) - set(MESH_AXES):
     raise ConfigError(f"config.mesh has unknown axes {sorted(unknown)}; axes are {MESH_AXES}.")
   fill = [a for a, s in sizes.items() if s == -1]
   if len(fill) > 1:
@@ -45,8 +44,7 @@ def make_mesh(mesh_config, devices=None) -> jax.sharding.Mesh:
   """The :data:`MESH_AXES` mesh of ``devices`` (default ``jax.devices()``) with Auto axes
   (shardings are stated at the jit boundary). ``jax.make_mesh`` orders the devices for the
   physical topology, so ``sequence`` neighbours are physical neighbours; several TPU slices
-  are split over the data center network by :func:`dcn_shape`. ConfigError if they do not fit.
-  """
+  are split over the data center network by :func:`dcn_shape`. ConfigError if they do not fit."""
   devices = jax.devices() if devices is None else list(devices)
   sizes = mesh_shape(mesh_config, len(devices))
   shape = tuple(sizes[a] for a in MESH_AXES)

@@ -151,24 +151,18 @@ class Progress:
     self.total, self.start = total_steps, start_step
     self._t0 = time.perf_counter()
 
-  def line(self, step: int, m: dict[str, float]) -> str:
+  def log(self, step: int, m: dict[str, float]) -> None:
     eta = (time.perf_counter() - self._t0) / max(step - self.start, 1) * (self.total - step)
-    return (f"step {step:>6}/{self.total} | loss {m['loss']:.4f} | acc {m['accuracy']:.3f} | "
-            f"lr {m['learning_rate']:.2e} | gnorm {m['grad_norm']:.3f} | "
-            f"{m['tokens_per_s']:,.0f} tok/s | {m['step_time_s'] * 1e3:.0f} ms/step | "
-            f"MFU {100 * m['mfu']:.2f}% | ETA {format_duration(eta)}")
-
-  def log(self, step: int, metrics: dict[str, float]) -> None:
-    log(self.line(step, metrics))
+    log(f"step {step:>6}/{self.total} | loss {m['loss']:.4f} | acc {m['accuracy']:.3f} | "
+        f"lr {m['learning_rate']:.2e} | gnorm {m['grad_norm']:.3f} | "
+        f"{m['tokens_per_s']:,.0f} tok/s | {m['step_time_s'] * 1e3:.0f} ms/step | "
+        f"MFU {100 * m['mfu']:.2f}% | ETA {format_duration(eta)}")
 
 
 def log(message: str) -> None:
   """Console message from process 0 only."""
   if jax.process_index() == 0:
     print(message, flush=True)
-
-
-# --- Step metrics: fetched one step behind, checked for divergence as they arrive -------------
 
 
 class Diverged(RuntimeError):
@@ -185,8 +179,8 @@ class StepMetrics:
   def __init__(self, explain: Callable[[dict[str, float]], str]):
     self._explain = explain
     self._pending: list[tuple[int, Any]] = []  # (step, metrics still on the device)
-    self._window: list[dict[str, float]] = []
     self.history: list[dict[str, float]] = []
+    self._window_start = 0  # the first row of history in the next window
 
   def add(self, step: int, metrics) -> None:
     """Queues the (on-device, not yet fetched) metrics of ``step``."""
@@ -197,7 +191,6 @@ class StepMetrics:
     while self._pending and self._pending[0][0] <= upto:
       step, metrics = self._pending.pop(0)
       row = dict(step=step, **{k: float(v) for k, v in jax.device_get(metrics).items()})
-      self._window.append(row)
       self.history.append(row)
       if not (math.isfinite(row["loss"]) and math.isfinite(row["grad_norm"])):
         raise Diverged(self._explain(row))
@@ -206,9 +199,8 @@ class StepMetrics:
     """Means of :data:`WINDOW_KEYS` over the steps since the last window, up to ``step``
     (fetched first: this blocks until ``step`` is done, so window times are real)."""
     self.fetch(step)
-    rows, self._window = self._window, []
+    rows, self._window_start = self.history[self._window_start:], len(self.history)
     return {k: float(np.mean([r[k] for r in rows])) for k in self.WINDOW_KEYS}
-
 
 
 class Profile:

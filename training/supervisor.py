@@ -1,11 +1,8 @@
-"""A thin parent process around each process of a multi-process ``train.py`` run.
-
-When process 0 dies, the coordination service it hosts dies with it and JAX's C++ client
-aborts every survivor before any of its Python runs, so the report must come from another
-process: :func:`supervise` (which imports no JAX) re-executes ``train.py`` as its child and
-prints the lost-peer line the child could not. docs/training.md, "When a process dies", has
-its exit statuses; ``RING_JAX_SUPERVISOR=0`` runs without it.
-"""
+"""A thin parent process around each process of a multi-process ``train.py`` run:
+:func:`supervise` (importing no JAX) re-executes ``train.py`` as its child and prints the
+lost-peer line the child could not when JAX's C++ client aborted it (process 0, host of the
+coordination service, died). docs/training.md, "When a process dies", has its exit statuses;
+``RING_JAX_SUPERVISOR=0`` runs without it."""
 
 from __future__ import annotations
 
@@ -81,21 +78,13 @@ def wanted(argv, environ=os.environ) -> bool:
   return mode == "on" or (mode == "auto" and multiprocess_launch_detected(environ) is not None)
 
 
-# --- The child's side ---------------------------------------------------------------------
-
-
 def report(**fields) -> None:
   """Sends ``fields`` to the supervisor (no-op without one): ``process_id``, ``num_processes``,
   ``workdir``, ``checkpoint_dir``, ``resume_command``, ``coordinator`` once; ``step`` as the loop
   advances; ``declared``, the lost-peer line, just before the child prints it itself."""
-  fd = os.environ.get(_FD_ENV)
-  if not fd:
-    return
-  with contextlib.suppress(OSError):  # The supervisor is gone (SIGKILL next), or not our fd.
-    os.write(int(fd), (json.dumps(fields) + "\n").encode())
-
-
-# --- The parent's side --------------------------------------------------------------------
+  if fd := os.environ.get(_FD_ENV):
+    with contextlib.suppress(OSError):  # The supervisor is gone (SIGKILL next), or not our fd.
+      os.write(int(fd), (json.dumps(fields) + "\n").encode())
 
 
 def _child_setup():
@@ -142,13 +131,11 @@ class _Lines:
 
 
 def supervise(argv: list[str] | None = None) -> int:
-  """Runs ``[sys.executable, *argv]`` (default: this interpreter's own command line) as the
+  """Runs ``[sys.executable, *argv]`` (default: this interpreter's command line) as the
   supervised child, forwarding :data:`FORWARDED_SIGNALS`, passing its output through (JAX's
-  report of a lost service to a file) and learning what its line needs from :func:`report`;
-  returns the exit status for this process: 75 (:data:`EXIT_PEER_LOST`) after the line of
-  :func:`lost_peer_message` when the child ended on a lost peer (the service gone, another
-  task's failure, or the line the child printed itself), else the child's (``128 + N`` for
-  signal N, after a line that says so)."""
+  report of a lost service to a file), learning what its line needs from :func:`report`.
+  Returns :data:`EXIT_PEER_LOST` after the lost-peer line when the child ended on a lost
+  peer, else the child's status (``128 + N`` for signal N, after a line that says so)."""
   argv = list(sys.orig_argv[1:] if argv is None else argv)
   report_r, report_w = os.pipe()
   env = dict(os.environ, **{_CHILD_ENV: "1", _FD_ENV: str(report_w)})
@@ -156,45 +143,41 @@ def supervise(argv: list[str] | None = None) -> int:
                            stderr=subprocess.PIPE, preexec_fn=_child_setup())
   os.close(report_w)
 
-  def forward(signum, frame):
-    child.send_signal(signum)  # (a no-op once the child has exited)
-  previous = {s: signal.signal(s, forward) for s in FORWARDED_SIGNALS}
+  previous = {s: signal.signal(s, lambda n, _: child.send_signal(n)) for s in FORWARDED_SIGNALS}
 
   info: dict = {}
   held: list[str] = []  # stderr lines waiting for the next one (see _AGENT_LOG)
   held_since = 0.0
   swallowed: list[str] = []  # JAX's report of the lost service and all after it
   out = sys.stderr  # written through at once (Python >= 3.9): no flush needed
-  streams = {child.stderr.fileno(): _Lines(child.stderr.fileno()), report_r: _Lines(report_r)}
+  err, reports = _Lines(child.stderr.fileno()), _Lines(report_r)
   ended_at = None  # when the child exited: a process it forked may hold the pipes open
   try:
-    while not all(s.closed for s in streams.values()):
+    while not (err.closed and reports.closed):
       if ended_at is None and child.poll() is not None:
         ended_at = time.monotonic()
       if ended_at is not None and time.monotonic() - ended_at > _HOLD_S:
         break
-      ready, _, _ = select.select([fd for fd, s in streams.items() if not s.closed], [], [],
+      ready, _, _ = select.select([s.fd for s in (err, reports) if not s.closed], [], [],
                                   _HOLD_S / 4)
-      for fd in sorted(ready, key=lambda fd: fd != report_r):  # reports first ("declared")
-        for line in streams[fd].read():
-          if fd == report_r:
-            with contextlib.suppress(ValueError):
-              info.update(json.loads(line))
-          elif swallowed:
-            swallowed.append(line)
-          elif _TERMINATING in line:
-            swallowed.extend([*held, line])
-            held = []
-          elif line == f"{info.get('declared')}\n":  # the child's line: never held as JAX's
-            out.write(line)
-          elif _AGENT_LOG.match(line) or (held and not _LOG_LINE.match(line)):
-            held.append(line)
-            held_since = time.monotonic()
-          else:
-            out.writelines([*held, line])
-            held = []
-      if held and (time.monotonic() - held_since > _HOLD_S or all(
-          s.closed for fd, s in streams.items() if fd != report_r)):
+      for line in reports.read() if report_r in ready else ():  # first: "declared"
+        with contextlib.suppress(ValueError):
+          info.update(json.loads(line))
+      for line in err.read() if err.fd in ready else ():
+        if swallowed:
+          swallowed.append(line)
+        elif _TERMINATING in line:
+          swallowed.extend([*held, line])
+          held = []
+        elif line == f"{info.get('declared')}\n":  # the child's line: never held as JAX's
+          out.write(line)
+        elif _AGENT_LOG.match(line) or (held and not _LOG_LINE.match(line)):
+          held.append(line)
+          held_since = time.monotonic()
+        else:
+          out.writelines([*held, line])
+          held = []
+      if held and (time.monotonic() - held_since > _HOLD_S or err.closed):
         out.writelines(held)
         held = []
     returncode = child.wait()
@@ -220,8 +203,8 @@ def supervise(argv: list[str] | None = None) -> int:
       out.write(line)
     _save_report(info, swallowed)
     return EXIT_PEER_LOST
-  lost = None if returncode in (0, 75) or "checkpoint_dir" not in info else _lost_process(
-      info, swallowed, aborted=returncode == -signal.SIGABRT)
+  lost = None if returncode in (0, EXIT_PEER_LOST) or "checkpoint_dir" not in info else (
+      _lost_process(info, swallowed, aborted=returncode == -signal.SIGABRT))
   if lost is None:  # Some other ending: the child said what it had to say ...
     out.writelines(swallowed)
     if returncode < 0:  # ... unless a signal ended it (an OOM killer's SIGKILL says nothing)
@@ -229,10 +212,10 @@ def supervise(argv: list[str] | None = None) -> int:
                 f"(pid {child.pid}) was ended by {signal.Signals(-returncode).name} (signal "
                 f"{-returncode}); exit status {status}\n")
     return status
-  path, directory = _save_report(info, swallowed), info["checkpoint_dir"]
+  path = _save_report(info, swallowed)
   sys.stdout.flush()
   out.write(lost_peer_message(lost[0], info["num_processes"], lost[1], info.get("step"),
-                              complete_steps(directory), directory, info["resume_command"])
+                              info["checkpoint_dir"], info["resume_command"])
             + "\n" + (f"note: JAX's report of it is in {path}\n" if path else ""))
   return EXIT_PEER_LOST
 
@@ -276,14 +259,15 @@ def _save_report(info: dict, swallowed: list[str]) -> str | None:
 
 
 def lost_peer_message(lost: int | None, num_processes: int, reason: str, step: int | None,
-                      checkpoint_steps: list[int], checkpoint_dir: str,
-                      resume_command: str) -> str:
+                      checkpoint_dir: str, resume_command: str) -> str:
   """The one line a survivor prints; ``reason`` says how the loss was noticed; ``lost``
-  None: the survivor cannot tell which process it lost."""
+  None: the survivor cannot tell which process it lost. The checkpoint steps are listed
+  without Orbax (:func:`complete_steps`: its threads are gone once Python's shutdown began)."""
   who = "another process" if lost is None else f"process {lost}"
   where = f" at step {step}" if step is not None else " before the first step"
-  kept = (f"the last complete checkpoint is step {checkpoint_steps[-1]} in {checkpoint_dir}"
-          if checkpoint_steps else f"no complete checkpoint is in {checkpoint_dir} (a rerun "
+  steps = complete_steps(checkpoint_dir)
+  kept = (f"the last complete checkpoint is step {steps[-1]} in {checkpoint_dir}"
+          if steps else f"no complete checkpoint is in {checkpoint_dir} (a rerun "
           "starts afresh)")
   return (f"error: {who} of {num_processes} stopped responding ({reason}){where}; "
           f"{kept}; restart all {num_processes} processes with the same command to resume: "

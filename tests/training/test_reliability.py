@@ -263,26 +263,34 @@ class FakeCoordinationClient:
     return [(k, v) for k, v in sorted(self.store.items()) if k.startswith(prefix)]
 
 
-def _watchdog(client, process_id, num_processes, exits, timeout_s=1.0):
+def _checkpoints(tmp_path):
+  """A checkpoint directory with the complete steps 4 and 6 and step 8 cut short."""
+  for name in ("4", "6", "8.orbax-checkpoint-tmp-1733240000"):
+    (tmp_path / "checkpoints" / name).mkdir(parents=True)
+  return str(tmp_path / "checkpoints")
+
+
+def _watchdog(client, process_id, num_processes, exits, timeout_s=1.0,
+              checkpoint_dir="/w/checkpoints"):
   from training import distributed as dist_lib
 
   def describe(lost, step, reason):
-    return dist_lib.lost_peer_message(lost, num_processes, reason, step, [4, 6],
-                                      "/w/checkpoints", "python train.py --workdir=/w")
+    return dist_lib.lost_peer_message(lost, num_processes, reason, step, checkpoint_dir,
+                                      "python train.py --workdir=/w")
 
   return dist_lib.PeerWatchdog(timeout_s, describe, client=client, process_id=process_id,
                                num_processes=num_processes, exit=exits.append)
 
 
-def test_peer_watchdog_names_the_silent_process_and_every_survivor_exits_75(capsys):
+def test_peer_watchdog_names_the_silent_process_and_every_survivor_exits_75(capsys, tmp_path):
   from training import distributed as dist_lib
 
-  client, exits = FakeCoordinationClient(), []
+  client, exits, checkpoints = FakeCoordinationClient(), [], _checkpoints(tmp_path)
   # Three processes: 2 was killed (it never beats); 1 is alive and hears the verdict.
-  coordinator = _watchdog(client, 0, 3, exits)
-  survivor = _watchdog(client, 1, 3, exits)
-  coordinator.note_step(7)
-  survivor.note_step(7)
+  coordinator = _watchdog(client, 0, 3, exits, checkpoint_dir=checkpoints)
+  survivor = _watchdog(client, 1, 3, exits, checkpoint_dir=checkpoints)
+  coordinator.step = 7
+  survivor.step = 7
   coordinator.start()
   survivor.start()
   assert coordinator.wait_for_verdict(10.0)
@@ -293,9 +301,9 @@ def test_peer_watchdog_names_the_silent_process_and_every_survivor_exits_75(caps
   lines = capsys.readouterr().err.strip().splitlines()
   assert len(lines) == 2 and lines[0] == lines[1], lines  # each survivor's line, the same
   # Process 2 of 3, how it was noticed, the step the run reached, the last complete
-  # checkpoint (of [4, 6]) and where, how many processes to restart, and the command.
+  # checkpoint (of 4, 6) and where, how many processes to restart, and the command.
   assert_states(lines[0], "process 2", "3", "no heartbeat for 1 s", "step 7", "step 6",
-                "/w/checkpoints", "all 3 processes",
+                checkpoints, "all 3 processes",
                 starts_with="error: ", ends_with=": python train.py --workdir=/w")
 
 
@@ -342,7 +350,7 @@ NCCL = ("INTERNAL: external/xla/xla/backends/gpu/collectives/nccl_communicator.c
 
 
 def test_a_collective_that_lost_its_peer_ends_the_process_at_once_with_one_line(
-    capsys, monkeypatch):
+    capsys, monkeypatch, tmp_path):
   """gloo's and NCCL's closed-connection errors, also as the cause of a failed save, end a
   process of a multi-process run with the line and 75; other errors, even with the same
   socket words, do not."""
@@ -359,8 +367,9 @@ def test_a_collective_that_lost_its_peer_ends_the_process_at_once_with_one_line(
                 RuntimeError("NCCL operation ncclGroupEnd() failed: unhandled cuda error")):
     assert dist_lib.collective_lost_peer(other) is None, other
 
-  exits = []
-  monkeypatch.setattr(dist_lib, "_ACTIVE", _watchdog(FakeCoordinationClient(), 0, 2, exits))
+  exits, checkpoints = [], _checkpoints(tmp_path)
+  monkeypatch.setattr(dist_lib, "_ACTIVE", _watchdog(FakeCoordinationClient(), 0, 2, exits,
+                                                     checkpoint_dir=checkpoints))
   dist_lib.note_step(7)
   dist_lib.exit_if_peer_lost(ValueError("not a collective's"))
   assert exits == [] and capsys.readouterr().err == ""
@@ -376,7 +385,7 @@ def test_a_collective_that_lost_its_peer_ends_the_process_at_once_with_one_line(
   # The peer (process 1 of 2; the collective cannot tell which, the watchdog's client can),
   # the collective's own words for the failure, then the step, checkpoint and command.
   assert_states(line, "process 1", "2", dist_lib.COLLECTIVE_CLOSED, "Gloo AllGather",
-                "Connection reset by peer", "step 7", "step 6", "/w/checkpoints",
+                "Connection reset by peer", "step 7", "step 6", checkpoints,
                 "all 2 processes", starts_with="error: ",
                 ends_with=": python train.py --workdir=/w")
 
@@ -389,15 +398,18 @@ def test_the_lost_peer_line_lists_the_complete_checkpoints(tmp_path):
   (tmp_path / "4").mkdir()
   (tmp_path / "6.orbax-checkpoint-tmp-1733240000").mkdir()
 
-  describe = dist_lib.describer(2, str(tmp_path), "python train.py")
-  assert describe(1, 7, "no heartbeat for 60 s") == dist_lib.lost_peer_message(
-      1, 2, "no heartbeat for 60 s", 7, [4], str(tmp_path), "python train.py")
+  line = dist_lib.lost_peer_message(1, 2, "no heartbeat for 60 s", 7, str(tmp_path),
+                                    "python train.py")
+  assert_states(line, "process 1", "2", "no heartbeat for 60 s", "step 7", "step 4",
+                str(tmp_path), "all 2 processes", starts_with="error: ",
+                ends_with=": python train.py")
+  assert "step 6" not in line, line  # cut short: not complete
 
 
 def test_lost_peer_message_before_the_first_step_and_without_checkpoints():
   from training import distributed as dist_lib
 
-  line = dist_lib.lost_peer_message(1, 2, "no heartbeat for 60 s", None, [], "/w/checkpoints",
+  line = dist_lib.lost_peer_message(1, 2, "no heartbeat for 60 s", None, "/w/checkpoints",
                                     "python t.py")
   assert_states(line, "process 1", "2", "no heartbeat for 60 s", "before the first step",
                 "no complete checkpoint", "/w/checkpoints", "starts afresh", "all 2 processes",
