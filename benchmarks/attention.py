@@ -37,6 +37,7 @@ common.fake_cpu_devices()
 AXIS = "sequence"
 SPEC = P(None, AXIS, None, None)
 MODES = ("fwd", "fwdbwd")
+ERR_RINGS = (1, 2, 4, 8)  # the bf16 section's ring sizes (those the devices allow)
 GRADS = ("out", "dq", "dk", "dv")
 
 CPU_NOTE = (
@@ -56,9 +57,8 @@ RING_SUFFIXES = {"routed": dict(causal_routing=True), "full": dict(causal_routin
 
 def ring_options(name):
   """``"ring-<layout>[+routed|+full][+overlap][:<hop kernel>]"`` -> ``(layout, keywords of
-  ring_jax.ring_attention)``: ``hop_kernel`` (default ``"auto"``; e.g. ``ring-zigzag:splash``,
-  which runs in interpret mode on CPU), ``causal_routing`` (default None) and ``overlap_dkv``
-  (default False), set by :data:`RING_SUFFIXES` (which combine)."""
+  ring_jax.ring_attention)``: ``hop_kernel`` (default ``"auto"``), ``causal_routing`` (None)
+  and ``overlap_dkv`` (False), set by :data:`RING_SUFFIXES` (which combine)."""
   layout, _, kernel = name[len("ring-"):].partition(":")
   layout, *suffixes = layout.split("+")
   kw = dict(hop_kernel=kernel or "auto", causal_routing=None, overlap_dkv=False)
@@ -168,7 +168,8 @@ def prepare_case(s, name, length, causal, block=None, timed=True, modes=MODES):
               NamedSharding(s.mesh, SPEC))
   x = jax.ShapeDtypeStruct(s.shape(length), s.dtype, sharding=sharding)
   row = dict(impl=name, length=length, causal=causal, layout=layout,
-             block=None if one_dev else block, devices=1 if one_dev else s.ring)
+             block=None if one_dev else block, devices=1 if one_dev else s.ring,
+             fwd_status="not run", fwdbwd_status="not run")
   todo = {}
   for mode, fn, n in (("fwd", f, 3), ("fwdbwd", fwd_bwd(f), 4)):
     if mode not in modes:
@@ -230,12 +231,9 @@ def run_group(s, cases, *, length, causal, repeats, warmup, modes=MODES, matmul_
       row, t = dict(impl=name, length=length, causal=causal, devices=s.ring, block=block,
                     fwd_mem={}, fwdbwd_mem={}, fwd_times_s=[], fwdbwd_times_s=[],
                     fwd_status=f"failed: {common.error_line(e)}", fwdbwd_status="failed"), {}
-    for mode in MODES:
-      row.setdefault(f"{mode}_status", "not run")
     rows.append(row)
     todo += [(row, mode, c, a) for mode, (c, a) in t.items()]
-  flops = useful_flops(s, length, causal, "fwdbwd")
-  peak = None
+  flops, peak = useful_flops(s, length, causal, "fwdbwd"), None
   if matmul_peak and todo:
     c, a, peak_flops = matmul_case(s, flops)
     peak = dict(impl="matmul", flops=peak_flops, fwdbwd_times_s=[], fwdbwd_status="pending")
@@ -368,7 +366,7 @@ def oracle_f64(q, k, v, do, is_causal):
 
 def bf16(s, args, names, masks, result, save):
   """Section ``bf16``: relative (Frobenius) and max abs error of out, dq, dk, dv in bfloat16
-  against the float64 oracle, causal, at ``--err-length`` per ring size of ``--err-rings``
+  against the float64 oracle, causal, at ``--err-length`` per ring size of :data:`ERR_RINGS`
   and ring layout (and the paper's code); the first row: bfloat16's own rounding."""
   length = args.err_length
   print(f"\n== bf16 relative error (||x - x64|| / ||x64||) vs float64 oracle, causal, "
@@ -382,8 +380,8 @@ def bf16(s, args, names, masks, result, save):
   rows = [dict(impl="bf16 rounding of the f64 result", ring=None,
                rel_err=rel([jnp.asarray(w, jnp.bfloat16) for w in want]))]
   impls = [f"ring-{lay}" for lay in args.layouts] + (["paper"] if s.paper_fn else [])
-  for ring in [r for r in args.err_rings if r <= len(jax.devices())]:
-    mesh = common.make_mesh((ring,), (AXIS,))
+  for ring in [r for r in ERR_RINGS if r <= len(jax.devices())]:
+    mesh = common.ring_mesh(ring)
     for name in impls:
       try:
         got = s.natural(name, True, xs, mesh, jnp.bfloat16)
@@ -485,8 +483,8 @@ def render(path):
 
 
 def parse_args(argv=None):
-  ap = common.parser(__doc__, repeats=5, lengths=[2048, 4096, 8192, 16384], dtype="auto",
-                     ring=8, heads=8, head_dim=64)
+  ap = common.parser(__doc__, repeats=5, lengths=[2048, 4096, 8192, 16384], ring=8, heads=8,
+                     head_dim=64)
   ap.add_argument("--matmul-peak", action="store_true",
                   help="useful fwd+bwd FLOP/s as a fraction of a same-size matmul's")
   ap.add_argument("--masks", type=strs, default=["causal", "full"])
@@ -495,7 +493,6 @@ def parse_args(argv=None):
   ap.add_argument("--sections", type=strs, default=["check", "main", "bf16"],
                   help=f"subset of {','.join(SECTIONS)}")
   ap.add_argument("--err-length", type=int, default=2048)
-  ap.add_argument("--err-rings", type=ints, default=[1, 2, 4, 8])
   ap.add_argument("--sweep-lengths", type=ints, default=[1024, 2048, 4096, 8192, 16384])
   ap.add_argument("--sweep-blocks", type=ints, default=[64, 128, 256, 512, 1024],
                   help="candidate block sizes (those dividing the layout's chunk run)")
@@ -510,22 +507,24 @@ def parse_args(argv=None):
   return ap.parse_args(argv)
 
 
+def paper():
+  """``(function, note)``: ringattention 0.1.2's, else None and why not."""
+  try:
+    return import_paper(), "ringattention 0.1.2 imported (jax.lib.xla_bridge alias installed)"
+  except Exception as e:  # noqa: BLE001
+    return None, f"paper code SKIPPED: cannot import ringattention: {type(e).__name__}: {e}"
+
+
 def main(argv=None):
   args = parse_args(argv)
   if args.render:
     return render(args.render)
   platform = jax.default_backend()
-  dtype = jnp.dtype(args.dtype).type if args.dtype != "auto" else (
-      jnp.float32 if platform == "cpu" else jnp.bfloat16)
+  dtype = jnp.float32 if platform == "cpu" else jnp.bfloat16
   ring = min(args.ring, len(jax.devices()))
-  try:
-    paper_fn = import_paper()
-    paper_note = "ringattention 0.1.2 imported (jax.lib.xla_bridge alias installed)"
-  except Exception as e:  # noqa: BLE001
-    paper_fn = None
-    paper_note = f"paper code SKIPPED: cannot import ringattention: {type(e).__name__}: {e}"
+  paper_fn, paper_note = paper()
   print(paper_note, flush=True)
-  s = Setup(common.make_mesh((ring,), (AXIS,)), dtype, args.heads, args.head_dim, paper_fn,
+  s = Setup(common.ring_mesh(ring), dtype, args.heads, args.head_dim, paper_fn,
             memory_budget(args.mem_budget_gib))
   names = [n for v in args.variants if v != "paper" or paper_fn
            for n in ([f"ring-{lay}" for lay in args.layouts] if v == "ring" else [v])]
@@ -543,10 +542,9 @@ def main(argv=None):
 
   print(f"jax {jax.__version__} on {platform} ({meta['device_kind']}), ring={ring}, "
         f"{meta['dtype']}, B={s.batch} N={args.heads} H={args.head_dim}", flush=True)
-  for name, section in SECTIONS.items():
-    if name in args.sections:
-      section(s, args, names, masks, result, save)
-      save()
+  for name in [n for n in SECTIONS if n in args.sections]:
+    SECTIONS[name](s, args, names, masks, result, save)
+    save()
   print(f"\nwrote {stem}.json ({common.elapsed():.0f}s)")
   return result
 
