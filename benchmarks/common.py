@@ -69,46 +69,38 @@ def items(kind: Callable) -> Callable[[str], list]:
 ints, strs, floats = items(int), items(str), items(float)
 
 
-def parser(doc: str | None, *, out: str | None = None, repeats: int | None = None,
-           lengths: Sequence[int] | None = None, length: int | None = None,
-           mesh: str | None = None, dtype: str | None = None, ring: int | None = None,
-           heads: int | None = None, head_dim: int | None = None) -> argparse.ArgumentParser:
-  """An ``ArgumentParser`` (described by ``doc``'s first line) with the shared flags whose
-  defaults are given: ``--out`` (a result file name resolves into ``benchmarks/results``),
-  ``--repeats``, ``--lengths`` / ``--length``, ``--mesh`` (parsed by :func:`parse_mesh`),
-  ``--dtype``, and the attention's ``--ring`` (devices on the sequence axis), ``--heads``,
-  ``--head-dim``. Starts the run's clock (:func:`elapsed`)."""
-  global _started
-  _started = time.perf_counter()
-  ap = argparse.ArgumentParser(description=(doc or "").strip().split("\n")[0])
-  if out is not None:
-    ap.add_argument("--out", default=out if os.path.dirname(out) or not out
-                    else os.path.join(RESULTS, out), help="result file (JSON)")
-  if repeats is not None:
-    ap.add_argument("--repeats", type=int, default=repeats, help="timed calls per case")
-  if lengths is not None:
-    ap.add_argument("--lengths", type=ints, default=list(lengths), help="sequence lengths")
-  if length is not None:
-    ap.add_argument("--length", type=int, default=length, help="global sequence length")
-  if mesh is not None:
-    ap.add_argument("--mesh", type=mesh_arg, default=mesh,
-                    help="axis=size pairs, e.g. data=1,sequence=8")
-  if dtype is not None:
-    ap.add_argument("--dtype", default=dtype, help="float32 or bfloat16")
-  for flag, default, text in (("--ring", ring, "devices on the sequence axis"),
-                              ("--heads", heads, "attention heads"),
-                              ("--head-dim", head_dim, "size of a head")):
-    if default is not None:
-      ap.add_argument(flag, type=int, default=default, help=text)
-  return ap
-
-
 def mesh_arg(text: str) -> dict[str, int]:
   """:func:`parse_mesh` for argparse (a bad mesh is a usage error, one line)."""
   try:
     return parse_mesh(text)
   except ValueError as e:
     raise argparse.ArgumentTypeError(str(e)) from None
+
+
+#: The shared flags :func:`parser` adds when given a default: name -> (type, help).
+SHARED_FLAGS = dict(
+    repeats=(int, "timed calls per case"), lengths=(ints, "sequence lengths"),
+    length=(int, "global sequence length"), dtype=(str, "float32 or bfloat16"),
+    mesh=(mesh_arg, "axis=size pairs, e.g. data=1,sequence=8"),
+    ring=(int, "devices on the sequence axis"), heads=(int, "attention heads"),
+    head_dim=(int, "size of a head"))
+
+
+def parser(doc: str | None, *, out: str | None = None, **defaults) -> argparse.ArgumentParser:
+  """An ``ArgumentParser`` (described by ``doc``'s first line) with ``--out`` (a result file
+  name resolves into ``benchmarks/results``) and each of :data:`SHARED_FLAGS` given a default
+  in ``defaults`` (``head_dim``: ``--head-dim``). Starts the run's clock (:func:`elapsed`)."""
+  global _started
+  _started = time.perf_counter()
+  ap = argparse.ArgumentParser(description=(doc or "").strip().split("\n")[0])
+  if out is not None:
+    ap.add_argument("--out", default=out if os.path.dirname(out) or not out
+                    else os.path.join(RESULTS, out), help="result file (JSON)")
+  for name, default in defaults.items():
+    kind, text = SHARED_FLAGS[name]
+    ap.add_argument("--" + name.replace("_", "-"), type=kind, help=text,
+                    default=list(default) if isinstance(default, tuple) else default)
+  return ap
 
 
 def git_state() -> str | None:
