@@ -193,16 +193,15 @@ def prepare_case(s, name, length, causal, block=None, timed=True, modes=MODES):
   return row, todo
 
 
-def useful_flops(s, length, causal, mode):
-  """Matmul FLOPs attention must do (no recomputation, masked pairs excluded).
+def useful_flops(s, length, causal):
+  """Matmul FLOPs attention's fwd+bwd must do (no recomputation, masked pairs excluded).
 
   Forward: ``QK^T`` and ``PV``, ``4 B L^2 N H``; the backward's ``dV``, ``dP``, ``dQ``,
   ``dK`` twice that (FlashAttention's recomputed ``QK^T`` is not counted). Causal: the
   ``L (L + 1) / 2`` visible pairs.
   """
   pairs = length * (length + 1) / 2 if causal else length * length
-  fwd = 4 * s.batch * pairs * s.heads * s.head_dim
-  return fwd if mode == "fwd" else 3 * fwd
+  return 3 * 4 * s.batch * pairs * s.heads * s.head_dim
 
 
 def matmul_case(s, flops):
@@ -219,7 +218,7 @@ def matmul_case(s, flops):
   return f.lower(a, b).compile(), (a, b), 2 * n * m ** 3
 
 
-def run_group(s, cases, *, length, causal, repeats, warmup, modes=MODES, matmul_peak=False):
+def run_group(s, cases, *, length, causal, repeats, warmup=1, modes=MODES, matmul_peak=False):
   """The ``(name, block)`` cases of one (length, mask) (block None: the default): compile
   all, then time them round-robin (``common.interleaved``); ``matmul_peak``: also a
   same-size matmul, and each row's useful fwd+bwd FLOP/s as a fraction of its rate."""
@@ -233,7 +232,7 @@ def run_group(s, cases, *, length, causal, repeats, warmup, modes=MODES, matmul_
                     fwd_status=f"failed: {common.error_line(e)}", fwdbwd_status="failed"), {}
     rows.append(row)
     todo += [(row, mode, c, a) for mode, (c, a) in t.items()]
-  flops, peak = useful_flops(s, length, causal, "fwdbwd"), None
+  flops, peak = useful_flops(s, length, causal), None
   if matmul_peak and todo:
     c, a, peak_flops = matmul_case(s, flops)
     peak = dict(impl="matmul", flops=peak_flops, fwdbwd_times_s=[], fwdbwd_status="pending")
@@ -291,7 +290,7 @@ def sweep(s, args, names, masks, result, save):
       for name in [n for n in names if n.startswith("ring-")]:
         default = default_block(impl_layout(name), local)
         group = run_group(s, [(name, b) for b in sweep_blocks(name, local, args.sweep_blocks)],
-                          length=length, causal=causal, repeats=args.sweep_repeats, warmup=1,
+                          length=length, causal=causal, repeats=args.sweep_repeats,
                           modes=("fwdbwd",), matmul_peak=args.matmul_peak)
         best = min((r["fwdbwd_median_s"] for r in group if r["fwdbwd_status"] == "ok"),
                    default=None)
@@ -315,7 +314,7 @@ def main_table(s, args, names, masks, result, save):
     for causal in masks:
       load0 = os.getloadavg()[0]
       rows = run_group(s, [(n, None) for n in names], length=length, causal=causal,
-                       repeats=args.repeats, warmup=1, matmul_peak=args.matmul_peak)
+                       repeats=args.repeats, matmul_peak=args.matmul_peak)
       for row in rows:
         row["loadavg_1min"] = [round(load0, 2), round(os.getloadavg()[0], 2)]
         result["rows"].append(row)
