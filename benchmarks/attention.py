@@ -76,22 +76,19 @@ def ring_variant(name):
 
 
 def impl_layout(name):
-  """The layout an implementation takes its inputs in (``allgather-<layout>``, ``ring-...``)."""
-  if name.startswith("ring-"):
-    return ring_options(name)[0]
-  return name.split("-", 1)[1] if name.startswith("allgather-") else "contiguous"
+  """The layout an implementation takes its inputs in (a ring's own, else contiguous)."""
+  return ring_options(name)[0] if name.startswith("ring-") else "contiguous"
 
 
 def make_impl(name, *, mesh, is_causal, dtype, block, paper_fn=None):
   """Returns ``(f(q, k, v) -> out, layout, on_one_device)`` or raises."""
   layout = impl_layout(name)
-  if name in ("dense", "reference"):
-    f = jax.nn.dot_product_attention if name == "dense" else ring_jax.reference_attention
-    return functools.partial(f, is_causal=is_causal), layout, True
+  if name == "dense":
+    return functools.partial(jax.nn.dot_product_attention, is_causal=is_causal), layout, True
   blocks = dict(axis_name=AXIS, is_causal=is_causal, layout=layout, block_q=block, block_kv=block)
   if name.startswith("ring-"):
     local = functools.partial(ring_jax.ring_attention, **ring_options(name)[1], **blocks)
-  elif name.startswith("allgather"):
+  elif name == "allgather":
     local = functools.partial(ring_jax.all_gather_attention, **blocks)
   elif name == "paper":
     if paper_fn is None:
@@ -409,7 +406,7 @@ def memscan(s, args, names, masks, result, save):
   for causal, length, name in [(c, n, i) for c in masks for n in args.memscan_lengths
                                for i in names]:
     t = length // s.ring
-    if name in ("dense", "reference") or t % block or (
+    if name == "dense" or t % block or (
         name.startswith("ring-zigzag") and (t // 2) % block):
       continue
     try:
