@@ -263,7 +263,7 @@ def run_group(s, cases, *, length, causal, repeats, warmup=1, modes=MODES, matmu
 
 
 def sweep_blocks(name, local_len, candidates):
-  """The candidate blocks the ring variant ``name`` can run at this local length: divisors of
+  """The candidate blocks implementation ``name`` can run at this local length: divisors of
   the layout's chunk (half the shard for zigzag, where a block across the two chunks
   cannot skip the masked one), plus the whole chunk when it is no larger than the largest
   candidate."""
@@ -405,9 +405,7 @@ def memscan(s, args, names, masks, result, save):
   rows = result["memscan"] = []
   for causal, length, name in [(c, n, i) for c in masks for n in args.memscan_lengths
                                for i in names]:
-    t = length // s.ring
-    if name == "dense" or t % block or (
-        name.startswith("ring-zigzag") and (t // 2) % block):
+    if name == "dense" or block not in sweep_blocks(name, length // s.ring, [block]):
       continue
     try:
       mem = prepare_case(s, name, length, causal, block, timed=False)[0]
