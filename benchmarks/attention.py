@@ -202,10 +202,8 @@ def useful_flops(s, length, causal):
 
 
 def matmul_case(s, flops):
-  """The same machine's matmul rate, as a contender of the group: a plain batched
-  ``jnp.einsum`` of about ``flops`` FLOPs, one ``m x m x m`` product per device of the
-  mesh (so it runs on the devices, threads and cores the attention runs on).
-  Returns ``(compiled, args, flops)``."""
+  """``(compiled, args, flops)`` of a batched ``jnp.einsum`` of about ``flops`` FLOPs, one
+  ``m x m x m`` product per device of the mesh: the rate the attention's devices reach."""
   n = s.ring
   m = max(64, int(round((flops / (2 * n)) ** (1 / 3) / 32)) * 32)
   a, b = common.normal_arrays(jax.random.key(1), [(n, m, m)] * 2, s.dtype,
@@ -393,12 +391,8 @@ def bf16(s, args, names, masks, result, save):
 
 
 def memscan(s, args, names, masks, result, save):
-  """Section ``memscan``: compiled fwd+bwd temp memory per device at the FIXED block
-  ``--memscan-block`` (compile only, no run), per length of ``--memscan-lengths``.
-
-  The main table uses each implementation's default block, which grows with L
-  up to 512; with a fixed block the remaining growth is the part linear in L.
-  """
+  """Section ``memscan``: compiled fwd and fwd+bwd temp memory per device at the fixed block
+  ``--memscan-block`` (compile only), per length of ``--memscan-lengths`` the block divides."""
   block = args.memscan_block
   print(f"\n== compiled temp memory per device at a fixed block of {block} (compile only) ==",
         flush=True)
