@@ -37,6 +37,7 @@ common.fake_cpu_devices()
 AXIS = "sequence"
 SPEC = P(None, AXIS, None, None)
 MODES = ("fwd", "fwdbwd")
+ERR_RINGS = (1, 2, 4, 8)  # the bf16 section's ring sizes (those the devices allow)
 GRADS = ("out", "dq", "dk", "dv")
 
 CPU_NOTE = (
@@ -56,9 +57,8 @@ RING_SUFFIXES = {"routed": dict(causal_routing=True), "full": dict(causal_routin
 
 def ring_options(name):
   """``"ring-<layout>[+routed|+full][+overlap][:<hop kernel>]"`` -> ``(layout, keywords of
-  ring_jax.ring_attention)``: ``hop_kernel`` (default ``"auto"``; e.g. ``ring-zigzag:splash``,
-  which runs in interpret mode on CPU), ``causal_routing`` (default None) and ``overlap_dkv``
-  (default False), set by :data:`RING_SUFFIXES` (which combine)."""
+  ring_jax.ring_attention)``: ``hop_kernel`` (default ``"auto"``), ``causal_routing`` (None)
+  and ``overlap_dkv`` (False), set by :data:`RING_SUFFIXES` (which combine)."""
   layout, _, kernel = name[len("ring-"):].partition(":")
   layout, *suffixes = layout.split("+")
   kw = dict(hop_kernel=kernel or "auto", causal_routing=None, overlap_dkv=False)
@@ -76,22 +76,19 @@ def ring_variant(name):
 
 
 def impl_layout(name):
-  """The layout an implementation takes its inputs in (``allgather-<layout>``, ``ring-...``)."""
-  if name.startswith("ring-"):
-    return ring_options(name)[0]
-  return name.split("-", 1)[1] if name.startswith("allgather-") else "contiguous"
+  """The layout an implementation takes its inputs in (a ring's own, else contiguous)."""
+  return ring_options(name)[0] if name.startswith("ring-") else "contiguous"
 
 
 def make_impl(name, *, mesh, is_causal, dtype, block, paper_fn=None):
   """Returns ``(f(q, k, v) -> out, layout, on_one_device)`` or raises."""
   layout = impl_layout(name)
-  if name in ("dense", "reference"):
-    f = jax.nn.dot_product_attention if name == "dense" else ring_jax.reference_attention
-    return functools.partial(f, is_causal=is_causal), layout, True
+  if name == "dense":
+    return functools.partial(jax.nn.dot_product_attention, is_causal=is_causal), layout, True
   blocks = dict(axis_name=AXIS, is_causal=is_causal, layout=layout, block_q=block, block_kv=block)
   if name.startswith("ring-"):
     local = functools.partial(ring_jax.ring_attention, **ring_options(name)[1], **blocks)
-  elif name.startswith("allgather"):
+  elif name == "allgather":
     local = functools.partial(ring_jax.all_gather_attention, **blocks)
   elif name == "paper":
     if paper_fn is None:
@@ -168,7 +165,8 @@ def prepare_case(s, name, length, causal, block=None, timed=True, modes=MODES):
               NamedSharding(s.mesh, SPEC))
   x = jax.ShapeDtypeStruct(s.shape(length), s.dtype, sharding=sharding)
   row = dict(impl=name, length=length, causal=causal, layout=layout,
-             block=None if one_dev else block, devices=1 if one_dev else s.ring)
+             block=None if one_dev else block, devices=1 if one_dev else s.ring,
+             fwd_status="not run", fwdbwd_status="not run")
   todo = {}
   for mode, fn, n in (("fwd", f, 3), ("fwdbwd", fwd_bwd(f), 4)):
     if mode not in modes:
@@ -192,23 +190,20 @@ def prepare_case(s, name, length, causal, block=None, timed=True, modes=MODES):
   return row, todo
 
 
-def useful_flops(s, length, causal, mode):
-  """Matmul FLOPs attention must do (no recomputation, masked pairs excluded).
+def useful_flops(s, length, causal):
+  """Matmul FLOPs attention's fwd+bwd must do (no recomputation, masked pairs excluded).
 
   Forward: ``QK^T`` and ``PV``, ``4 B L^2 N H``; the backward's ``dV``, ``dP``, ``dQ``,
   ``dK`` twice that (FlashAttention's recomputed ``QK^T`` is not counted). Causal: the
   ``L (L + 1) / 2`` visible pairs.
   """
   pairs = length * (length + 1) / 2 if causal else length * length
-  fwd = 4 * s.batch * pairs * s.heads * s.head_dim
-  return fwd if mode == "fwd" else 3 * fwd
+  return 3 * 4 * s.batch * pairs * s.heads * s.head_dim
 
 
 def matmul_case(s, flops):
-  """The same machine's matmul rate, as a contender of the group: a plain batched
-  ``jnp.einsum`` of about ``flops`` FLOPs, one ``m x m x m`` product per device of the
-  mesh (so it runs on the devices, threads and cores the attention runs on).
-  Returns ``(compiled, args, flops)``."""
+  """``(compiled, args, flops)`` of a batched ``jnp.einsum`` of about ``flops`` FLOPs, one
+  ``m x m x m`` product per device of the mesh: the rate the attention's devices reach."""
   n = s.ring
   m = max(64, int(round((flops / (2 * n)) ** (1 / 3) / 32)) * 32)
   a, b = common.normal_arrays(jax.random.key(1), [(n, m, m)] * 2, s.dtype,
@@ -218,7 +213,7 @@ def matmul_case(s, flops):
   return f.lower(a, b).compile(), (a, b), 2 * n * m ** 3
 
 
-def run_group(s, cases, *, length, causal, repeats, warmup, modes=MODES, matmul_peak=False):
+def run_group(s, cases, *, length, causal, repeats, warmup=1, modes=MODES, matmul_peak=False):
   """The ``(name, block)`` cases of one (length, mask) (block None: the default): compile
   all, then time them round-robin (``common.interleaved``); ``matmul_peak``: also a
   same-size matmul, and each row's useful fwd+bwd FLOP/s as a fraction of its rate."""
@@ -230,12 +225,9 @@ def run_group(s, cases, *, length, causal, repeats, warmup, modes=MODES, matmul_
       row, t = dict(impl=name, length=length, causal=causal, devices=s.ring, block=block,
                     fwd_mem={}, fwdbwd_mem={}, fwd_times_s=[], fwdbwd_times_s=[],
                     fwd_status=f"failed: {common.error_line(e)}", fwdbwd_status="failed"), {}
-    for mode in MODES:
-      row.setdefault(f"{mode}_status", "not run")
     rows.append(row)
     todo += [(row, mode, c, a) for mode, (c, a) in t.items()]
-  flops = useful_flops(s, length, causal, "fwdbwd")
-  peak = None
+  flops, peak = useful_flops(s, length, causal), None
   if matmul_peak and todo:
     c, a, peak_flops = matmul_case(s, flops)
     peak = dict(impl="matmul", flops=peak_flops, fwdbwd_times_s=[], fwdbwd_status="pending")
@@ -269,7 +261,7 @@ def run_group(s, cases, *, length, causal, repeats, warmup, modes=MODES, matmul_
 
 
 def sweep_blocks(name, local_len, candidates):
-  """The candidate blocks the ring variant ``name`` can run at this local length: divisors of
+  """The candidate blocks implementation ``name`` can run at this local length: divisors of
   the layout's chunk (half the shard for zigzag, where a block across the two chunks
   cannot skip the masked one), plus the whole chunk when it is no larger than the largest
   candidate."""
@@ -293,7 +285,7 @@ def sweep(s, args, names, masks, result, save):
       for name in [n for n in names if n.startswith("ring-")]:
         default = default_block(impl_layout(name), local)
         group = run_group(s, [(name, b) for b in sweep_blocks(name, local, args.sweep_blocks)],
-                          length=length, causal=causal, repeats=args.sweep_repeats, warmup=1,
+                          length=length, causal=causal, repeats=args.sweep_repeats,
                           modes=("fwdbwd",), matmul_peak=args.matmul_peak)
         best = min((r["fwdbwd_median_s"] for r in group if r["fwdbwd_status"] == "ok"),
                    default=None)
@@ -317,7 +309,7 @@ def main_table(s, args, names, masks, result, save):
     for causal in masks:
       load0 = os.getloadavg()[0]
       rows = run_group(s, [(n, None) for n in names], length=length, causal=causal,
-                       repeats=args.repeats, warmup=1, matmul_peak=args.matmul_peak)
+                       repeats=args.repeats, matmul_peak=args.matmul_peak)
       for row in rows:
         row["loadavg_1min"] = [round(load0, 2), round(os.getloadavg()[0], 2)]
         result["rows"].append(row)
@@ -368,7 +360,7 @@ def oracle_f64(q, k, v, do, is_causal):
 
 def bf16(s, args, names, masks, result, save):
   """Section ``bf16``: relative (Frobenius) and max abs error of out, dq, dk, dv in bfloat16
-  against the float64 oracle, causal, at ``--err-length`` per ring size of ``--err-rings``
+  against the float64 oracle, causal, at ``--err-length`` per ring size of :data:`ERR_RINGS`
   and ring layout (and the paper's code); the first row: bfloat16's own rounding."""
   length = args.err_length
   print(f"\n== bf16 relative error (||x - x64|| / ||x64||) vs float64 oracle, causal, "
@@ -382,8 +374,8 @@ def bf16(s, args, names, masks, result, save):
   rows = [dict(impl="bf16 rounding of the f64 result", ring=None,
                rel_err=rel([jnp.asarray(w, jnp.bfloat16) for w in want]))]
   impls = [f"ring-{lay}" for lay in args.layouts] + (["paper"] if s.paper_fn else [])
-  for ring in [r for r in args.err_rings if r <= len(jax.devices())]:
-    mesh = common.make_mesh((ring,), (AXIS,))
+  for ring in [r for r in ERR_RINGS if r <= len(jax.devices())]:
+    mesh = common.ring_mesh(ring)
     for name in impls:
       try:
         got = s.natural(name, True, xs, mesh, jnp.bfloat16)
@@ -399,21 +391,15 @@ def bf16(s, args, names, masks, result, save):
 
 
 def memscan(s, args, names, masks, result, save):
-  """Section ``memscan``: compiled fwd+bwd temp memory per device at the FIXED block
-  ``--memscan-block`` (compile only, no run), per length of ``--memscan-lengths``.
-
-  The main table uses each implementation's default block, which grows with L
-  up to 512; with a fixed block the remaining growth is the part linear in L.
-  """
+  """Section ``memscan``: compiled fwd and fwd+bwd temp memory per device at the fixed block
+  ``--memscan-block`` (compile only), per length of ``--memscan-lengths`` the block divides."""
   block = args.memscan_block
   print(f"\n== compiled temp memory per device at a fixed block of {block} (compile only) ==",
         flush=True)
   rows = result["memscan"] = []
   for causal, length, name in [(c, n, i) for c in masks for n in args.memscan_lengths
                                for i in names]:
-    t = length // s.ring
-    if name in ("dense", "reference") or t % block or (
-        name.startswith("ring-zigzag") and (t // 2) % block):
+    if name == "dense" or block not in sweep_blocks(name, length // s.ring, [block]):
       continue
     try:
       mem = prepare_case(s, name, length, causal, block, timed=False)[0]
@@ -485,8 +471,8 @@ def render(path):
 
 
 def parse_args(argv=None):
-  ap = common.parser(__doc__, repeats=5, lengths=[2048, 4096, 8192, 16384], dtype="auto",
-                     ring=8, heads=8, head_dim=64)
+  ap = common.parser(__doc__, repeats=5, lengths=[2048, 4096, 8192, 16384], ring=8, heads=8,
+                     head_dim=64)
   ap.add_argument("--matmul-peak", action="store_true",
                   help="useful fwd+bwd FLOP/s as a fraction of a same-size matmul's")
   ap.add_argument("--masks", type=strs, default=["causal", "full"])
@@ -495,7 +481,6 @@ def parse_args(argv=None):
   ap.add_argument("--sections", type=strs, default=["check", "main", "bf16"],
                   help=f"subset of {','.join(SECTIONS)}")
   ap.add_argument("--err-length", type=int, default=2048)
-  ap.add_argument("--err-rings", type=ints, default=[1, 2, 4, 8])
   ap.add_argument("--sweep-lengths", type=ints, default=[1024, 2048, 4096, 8192, 16384])
   ap.add_argument("--sweep-blocks", type=ints, default=[64, 128, 256, 512, 1024],
                   help="candidate block sizes (those dividing the layout's chunk run)")
@@ -510,22 +495,24 @@ def parse_args(argv=None):
   return ap.parse_args(argv)
 
 
+def paper():
+  """``(function, note)``: ringattention 0.1.2's, else None and why not."""
+  try:
+    return import_paper(), "ringattention 0.1.2 imported (jax.lib.xla_bridge alias installed)"
+  except Exception as e:  # noqa: BLE001
+    return None, f"paper code SKIPPED: cannot import ringattention: {type(e).__name__}: {e}"
+
+
 def main(argv=None):
   args = parse_args(argv)
   if args.render:
     return render(args.render)
   platform = jax.default_backend()
-  dtype = jnp.dtype(args.dtype).type if args.dtype != "auto" else (
-      jnp.float32 if platform == "cpu" else jnp.bfloat16)
+  dtype = jnp.float32 if platform == "cpu" else jnp.bfloat16
   ring = min(args.ring, len(jax.devices()))
-  try:
-    paper_fn = import_paper()
-    paper_note = "ringattention 0.1.2 imported (jax.lib.xla_bridge alias installed)"
-  except Exception as e:  # noqa: BLE001
-    paper_fn = None
-    paper_note = f"paper code SKIPPED: cannot import ringattention: {type(e).__name__}: {e}"
+  paper_fn, paper_note = paper()
   print(paper_note, flush=True)
-  s = Setup(common.make_mesh((ring,), (AXIS,)), dtype, args.heads, args.head_dim, paper_fn,
+  s = Setup(common.ring_mesh(ring), dtype, args.heads, args.head_dim, paper_fn,
             memory_budget(args.mem_budget_gib))
   names = [n for v in args.variants if v != "paper" or paper_fn
            for n in ([f"ring-{lay}" for lay in args.layouts] if v == "ring" else [v])]
@@ -543,10 +530,9 @@ def main(argv=None):
 
   print(f"jax {jax.__version__} on {platform} ({meta['device_kind']}), ring={ring}, "
         f"{meta['dtype']}, B={s.batch} N={args.heads} H={args.head_dim}", flush=True)
-  for name, section in SECTIONS.items():
-    if name in args.sections:
-      section(s, args, names, masks, result, save)
-      save()
+  for name in [n for n in SECTIONS if n in args.sections]:
+    SECTIONS[name](s, args, names, masks, result, save)
+    save()
   print(f"\nwrote {stem}.json ({common.elapsed():.0f}s)")
   return result
 

@@ -58,46 +58,15 @@ def fake_cpu_devices(n: int = 8) -> None:
     os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
 
 
-def ints(text: str) -> list[int]:
-  return [int(x) for x in text.split(",") if x]
+def items(kind: Callable) -> Callable[[str], list]:
+  """A flag type: the comma-separated values of ``kind`` (empty items skipped)."""
+  def parse(text: str) -> list:
+    return [kind(x) for x in text.split(",") if x]
+  parse.__name__ = kind.__name__  # argparse names it in its errors
+  return parse
 
 
-def strs(text: str) -> list[str]:
-  return [x for x in text.split(",") if x]
-
-
-def parser(doc: str | None, *, out: str | None = None, repeats: int | None = None,
-           lengths: Sequence[int] | None = None, length: int | None = None,
-           mesh: str | None = None, dtype: str | None = None, ring: int | None = None,
-           heads: int | None = None, head_dim: int | None = None) -> argparse.ArgumentParser:
-  """An ``ArgumentParser`` (described by ``doc``'s first line) with the shared flags whose
-  defaults are given: ``--out`` (a result file name resolves into ``benchmarks/results``),
-  ``--repeats``, ``--lengths`` / ``--length``, ``--mesh`` (parsed by :func:`parse_mesh`),
-  ``--dtype``, and the attention's ``--ring`` (devices on the sequence axis), ``--heads``,
-  ``--head-dim``. Starts the run's clock (:func:`elapsed`)."""
-  global _started
-  _started = time.perf_counter()
-  ap = argparse.ArgumentParser(description=(doc or "").strip().split("\n")[0])
-  if out is not None:
-    ap.add_argument("--out", default=out if os.path.dirname(out) or not out
-                    else os.path.join(RESULTS, out), help="result file (JSON)")
-  if repeats is not None:
-    ap.add_argument("--repeats", type=int, default=repeats, help="timed calls per case")
-  if lengths is not None:
-    ap.add_argument("--lengths", type=ints, default=list(lengths), help="sequence lengths")
-  if length is not None:
-    ap.add_argument("--length", type=int, default=length, help="global sequence length")
-  if mesh is not None:
-    ap.add_argument("--mesh", type=mesh_arg, default=mesh,
-                    help="axis=size pairs, e.g. data=1,sequence=8")
-  if dtype is not None:
-    ap.add_argument("--dtype", default=dtype, help="float32 or bfloat16")
-  for flag, default, text in (("--ring", ring, "devices on the sequence axis"),
-                              ("--heads", heads, "attention heads"),
-                              ("--head-dim", head_dim, "size of a head")):
-    if default is not None:
-      ap.add_argument(flag, type=int, default=default, help=text)
-  return ap
+ints, strs, floats = items(int), items(str), items(float)
 
 
 def mesh_arg(text: str) -> dict[str, int]:
@@ -106,6 +75,32 @@ def mesh_arg(text: str) -> dict[str, int]:
     return parse_mesh(text)
   except ValueError as e:
     raise argparse.ArgumentTypeError(str(e)) from None
+
+
+#: The shared flags :func:`parser` adds when given a default: name -> (type, help).
+SHARED_FLAGS = dict(
+    repeats=(int, "timed calls per case"), lengths=(ints, "sequence lengths"),
+    length=(int, "global sequence length"), dtype=(str, "float32 or bfloat16"),
+    mesh=(mesh_arg, "axis=size pairs, e.g. data=1,sequence=8"),
+    ring=(int, "devices on the sequence axis"), heads=(int, "attention heads"),
+    head_dim=(int, "size of a head"))
+
+
+def parser(doc: str | None, *, out: str | None = None, **defaults) -> argparse.ArgumentParser:
+  """An ``ArgumentParser`` (described by ``doc``'s first line) with ``--out`` (a result file
+  name resolves into ``benchmarks/results``) and each of :data:`SHARED_FLAGS` given a default
+  in ``defaults`` (``head_dim``: ``--head-dim``). Starts the run's clock (:func:`elapsed`)."""
+  global _started
+  _started = time.perf_counter()
+  ap = argparse.ArgumentParser(description=(doc or "").strip().split("\n")[0])
+  if out is not None:
+    ap.add_argument("--out", default=out if os.path.dirname(out) or not out
+                    else os.path.join(RESULTS, out), help="result file (JSON)")
+  for name, default in defaults.items():
+    kind, text = SHARED_FLAGS[name]
+    ap.add_argument("--" + name.replace("_", "-"), type=kind, help=text,
+                    default=list(default) if isinstance(default, tuple) else default)
+  return ap
 
 
 def git_state() -> str | None:
@@ -189,11 +184,8 @@ def timed_call(fn: Callable, *args) -> tuple[float, float, Any]:
 
 def time_calls(fn: Callable, args: Sequence = (), repeats: int = 5, *,
                warmup: int = 1) -> list[float]:
-  """Wall seconds of each of ``repeats`` calls ``fn(*args)`` after ``warmup`` untimed ones.
-
-  A call that returns new state (a train step) is timed with ``fn`` closing
-  over that state, e.g. ``lambda: state.update(step(state))``.
-  """
+  """Wall seconds of each of ``repeats`` calls ``fn(*args)`` after ``warmup`` untimed ones
+  (a step that returns new state: ``fn`` closes over it, ``lambda: s.update(step(s))``)."""
   return interleaved({0: (fn, args)}, repeats, warmup)[0]["wall"]
 
 
@@ -369,15 +361,12 @@ def compile_partitioned(lowered):
 def count_collectives(hlo: str) -> dict[str, dict[str, int]]:
   """``{kind: {"count", "bytes"}}`` of the collectives in HLO text, per device.
 
-  Read from the SPMD partitioner's output (:func:`compile_partitioned`): the
-  partitioner writes a reduce-scatter as an ``all-reduce`` whose result each
-  device only slices with ``dynamic-slice`` (its shard), possibly after adding it to
-  other such partial sums (the backward pass of q, k and v sums three);
-  XLA:GPU/TPU rewrite that into ``reduce-scatter`` ops (``ReduceScatterCreator``),
-  XLA:CPU keeps the all-reduce, so CPU's compiled text would show all-reduces
-  only. Such an all-reduce counts here as a reduce-scatter. ``bytes`` is the
-  size of each result (a reduce-scatter's: the full buffer reduced). A loop
-  body (the layer scan) is counted once, not once per iteration.
+  Read from the SPMD partitioner's output (:func:`compile_partitioned`), which writes a
+  reduce-scatter as an ``all-reduce`` whose result each device only slices (``dynamic-slice``,
+  maybe after adding other such partial sums): XLA:GPU/TPU rewrite it into a
+  ``reduce-scatter`` (``ReduceScatterCreator``), XLA:CPU keeps it, so it counts here as a
+  reduce-scatter. ``bytes``: each result's size (a reduce-scatter's: the buffer reduced). A
+  loop body (the layer scan) counts once, not once per iteration.
   """
   ops, users = {}, collections.defaultdict(list)
   for inst in filter(None, map(analysis.parse_instruction, hlo.splitlines())):
@@ -459,12 +448,7 @@ def run_python(args: Sequence[str], timeout: float = 1800) -> str:
 
 
 # --- Ring attention inputs on a sequence mesh (attention.py, compile_time.py, hop_profile.py,
-# --- sinks_softcap_cost.py, strategy_memory.py) -------------------------------------------------
-
-def floats(text: str) -> list[float]:
-  """The numbers of a comma-separated flag value (empty items skipped)."""
-  return [float(x) for x in text.split(",") if x]
-
+# --- sinks_softcap_cost.py) -------------------------------------------------------------------
 
 #: ``[B, L, ...]`` split over the mesh axis ``sequence`` on its dim 1.
 SEQ_SPEC = jax.sharding.PartitionSpec(None, "sequence")

@@ -2,25 +2,21 @@
 
     python benchmarks/core_report.py     # 8 fake CPU devices, ~2 minutes on 2 cores
 
-Prints three tables and writes them, with the date, jax and machine, to ``--out`` (default
-benchmarks/results/core_report_cpu.json, which docs/benchmarks.md quotes through report.py):
-the max relative error of the output and of dQ/dK/dV against the dense float64 oracle per case
-(layout, mask, segments, GQA, ring size); per-device compiled fwd+bwd temp bytes at local
-lengths 512/1024/2048 (``memory_analysis``); causal block pairs per device per layout
-(``ring_jax.schedule``).
+Three tables, printed and written to ``--out`` (results/core_report_cpu.json): the max
+relative error of the output and of dQ/dK/dV against the dense float64 oracle per case;
+per-device compiled fwd+bwd temp bytes per local length; causal block pairs per device per
+layout (``ring_jax.schedule``).
 """
 
 import functools
 import os
 import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import jax
+import jax.numpy as jnp
+import numpy as np
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
-
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import ring_jax  # noqa: E402
 from benchmarks import common  # noqa: E402
 
@@ -53,8 +49,7 @@ def accuracy_table():
   for c in cases:
     n, (nh, kh), tp = c["n"], c["heads"], c.get("tp", 1)
     length, b = 48 * n, 2
-    mesh = (common.make_mesh((tp, n), ("tensor", "sequence")) if tp > 1
-            else common.make_mesh((n,), ("sequence",)))
+    mesh = common.make_mesh((tp, n), ("tensor", "sequence")) if tp > 1 else common.ring_mesh(n)
     q, k, v = (rng.normal(size=(b, length, h, 16)).astype(np.float32) for h in (nh, kh, kh))
     cot = rng.normal(size=q.shape).astype(np.float32)
     seg = segments(b, length, rng) if c["seg"] else None
@@ -84,13 +79,12 @@ def memory_table():
   print(f"{'local len':>10s} {'global len':>11s} {'temp MiB':>9s} {'x prev':>7s} "
         f"{'[L/n]^2 scores/head MiB':>24s}")
   n, prev, rows = 8, None, []
-  mesh = common.make_mesh((n,), ("sequence",))
-  spec = P(None, "sequence", None, None)
+  spec = jax.P(None, "sequence", None, None)
   for local in (512, 1024, 2048):
     fn = jax.shard_map(functools.partial(ring_jax.ring_attention, axis_name="sequence",
                                          is_causal=True, layout="zigzag", block_q=256,
                                          block_kv=256),
-                       mesh=mesh, in_specs=(spec,) * 3, out_specs=spec)
+                       mesh=common.ring_mesh(n), in_specs=(spec,) * 3, out_specs=spec)
     shape = jax.ShapeDtypeStruct((1, n * local, 4, 64), jnp.float32)
     temp = common.temp_bytes(jax.grad(lambda q, k, v: fn(q, k, v).sum(), argnums=(0, 1, 2)),
                              shape, shape, shape)

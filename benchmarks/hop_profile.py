@@ -51,13 +51,12 @@ def parse_hlo(hlo: str) -> dict[str, tuple[str, str]]:
   @functools.cache
   def opcodes(comp: str) -> frozenset[str]:
     """Every opcode a computation holds, through the fusions it calls."""
-    return frozenset().union(*({i.opcode} | inner(i) for i in comps.get(comp, ())))
+    return frozenset().union(*map(ops, comps.get(comp, ())))
 
-  def inner(inst) -> set[str]:
-    """The opcodes of the computations a fusion (or an async op) runs."""
-    if inst.opcode not in ("fusion", "async-start"):
-      return set()
-    return set().union(*(opcodes(c) for c in inst.called))
+  def ops(inst) -> set[str]:
+    """An instruction's opcode and those of what it runs if a fusion (or an async op)."""
+    fused = inst.called if inst.opcode in ("fusion", "async-start") else ()
+    return {inst.opcode}.union(*map(opcodes, fused))
 
   def comp_scope(comp: str, depth: int = 0) -> str:
     """The named scope of the instruction that calls ``comp`` (or of its caller, ...)."""
@@ -66,8 +65,7 @@ def parse_hlo(hlo: str) -> dict[str, tuple[str, str]]:
     parent, inst = caller[comp]
     return inst.op_name or comp_scope(parent, depth + 1)
 
-  return {inst.name: (_kind(inst.opcode, {inst.opcode} | inner(inst)),
-                      inst.op_name or comp_scope(comp))
+  return {inst.name: (_kind(inst.opcode, ops(inst)), inst.op_name or comp_scope(comp))
           for comp, insts in comps.items() for inst in insts}
 
 

@@ -28,18 +28,6 @@ from benchmarks import common  # noqa: E402
 CONFIGS = ("plain", "+sinks", "+softcap", "+both")
 
 
-def parse_args(argv=None):
-  p = common.parser(__doc__, out="sinks_softcap_cost.json", repeats=7, length=4096, ring=8,
-                    heads=8)
-  p.add_argument("--kv-heads", type=int, default=8)
-  p.add_argument("--head-dim", type=common.ints, default=[64],
-                 help="comma-separated head dims (each its own interleaved set of four)")
-  p.add_argument("--layout", default="zigzag")
-  p.add_argument("--soft-cap", type=float, default=50.0, help="logits_soft_cap of +softcap")
-  p.add_argument("--bound", type=float, default=1.10, help="the issue's bound on each ratio")
-  return p.parse_args(argv)
-
-
 def time_configs(args, mesh, q, k, v, do, sinks) -> list[dict]:
   """The four configurations at ``q``'s head dim, interleaved: their rows."""
   def step(config):
@@ -73,7 +61,15 @@ def time_configs(args, mesh, q, k, v, do, sinks) -> list[dict]:
 
 
 def main(argv=None):
-  args = parse_args(argv)
+  p = common.parser(__doc__, out="sinks_softcap_cost.json", repeats=7, length=4096, ring=8,
+                    heads=8)
+  p.add_argument("--kv-heads", type=int, default=8)
+  p.add_argument("--head-dim", type=common.ints, default=[64],
+                 help="comma-separated head dims (each its own interleaved set of four)")
+  p.add_argument("--layout", default="zigzag")
+  p.add_argument("--soft-cap", type=float, default=50.0, help="logits_soft_cap of +softcap")
+  p.add_argument("--bound", type=float, default=1.10, help="the issue's bound on each ratio")
+  args = p.parse_args(argv)
   if "JAX_PLATFORMS" not in os.environ:  # fake CPU devices, also on an accelerator host
     jax.config.update("jax_platforms", "cpu")
   common.fake_cpu_devices(args.ring)

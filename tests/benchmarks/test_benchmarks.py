@@ -196,6 +196,23 @@ def test_compile_time_dry_run(tmp_path):
   assert "train_step" not in saved and saved["meta"]["jax"] == jax.__version__
 
 
+def test_compile_time_strategy_memory(tmp_path):
+  """benchmarks/compile_time.py strategy: per strategy the compiled fwd and fwd+bwd temp
+  memory and ring_jax.plan's figure for the same call, in the result file with its command."""
+  import json
+
+  from benchmarks import compile_time
+
+  out = tmp_path / "strategy.json"
+  result = compile_time.main(["strategy", "--length", "512", "--out", str(out)])
+  assert [r["strategy"] for r in result["rows"]] == ["ring", "ulysses", "all_gather"]
+  for r in result["rows"]:
+    assert 0 < r["fwd_temp_bytes"] <= r["fwdbwd_temp_bytes"] and r["plan_memory_bytes"] > 0
+  saved = json.loads(out.read_text())
+  assert saved["rows"] == result["rows"] and saved["length"] == 512
+  assert saved["meta"]["command"].startswith("python benchmarks/compile_time.py strategy")
+
+
 def test_layout_host_time_small_batch():
   """benchmarks/layout_host_time.py on a small batch: a row per shape and layout, times
   positive; the batch it times has the pipeline's fields and packs several documents per
