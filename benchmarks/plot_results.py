@@ -9,7 +9,7 @@
   memscan``).
 * ``plot_packed_balance.png``: causal work of the busiest device over the mean on packed rows,
   zigzag vs ``layout="document"``, against the mean document length
-  (``results/packed_balance.json``, from ``benchmarks/packed_balance.py``).
+  (``results/packed_balance.json``, from ``benchmarks/balance.py packed``).
 * ``attention_cpu_4k_{causal,full}.png`` (docs/benchmarks.md): per mask, fwd time, fwd+bwd
   time and fwd+bwd temp memory against the length, per implementation
   (``results/attention_cpu_4k.json``, from ``benchmarks/attention.py``; ``--attention``: of
