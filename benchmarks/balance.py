@@ -125,12 +125,11 @@ def worker(args) -> dict:
       block = bench.block_for(name, length // n, args.block)
       f, layout, _ = bench.make_impl(name, mesh=mesh, is_causal=True, dtype=jnp.float32,
                                      block=block, paper_fn=paper_fn)
-      t0 = time.perf_counter()
-      compiled[name] = jax.jit(bench.fwd_bwd(f)).lower(*qkvdo).compile()
+      compile_s, _, compiled[name] = common.timed_call(
+          lambda: jax.jit(bench.fwd_bwd(f)).lower(*qkvdo).compile())
       cases.append(dict(impl=name, layout=layout, block=block, length=length,
-                        compile_s=round(time.perf_counter() - t0, 2),
-                        temp_bytes=common.compiled_memory(compiled[name]).get(
-                            "temp_size_in_bytes")))
+                        compile_s=round(compile_s, 2), temp_bytes=common.compiled_memory(
+                            compiled[name]).get("temp_size_in_bytes")))
     # Round-robin (a slow phase of the machine hits every impl alike), all processes in step.
     times = common.interleaved(
         {name: (exe, qkvdo) for name, exe in compiled.items()}, args.repeats, args.warmup,
