@@ -158,12 +158,12 @@ def tokamax_ring(query, key, value, *, is_causal=False, segment_ids=None, scale=
   splash-attention Pallas/Mosaic kernels at every hop) in Pallas interpret mode
   (``SplashConfig(interpret=True)``) over ``mesh``'s sequence axis. Blocks of
   ``TOKAMAX_BLOCK`` (hence its tokens per device in :data:`PEERS`) and, as tokamax's own ring
-  test sets, ``use_base2_exp=False``, ``fuse_reciprocal=True``. The mask is the global ``[T, S]`` one
-  it takes (:func:`_tokamax_mask`); segment ids go in as ``SegmentIds(q, kv)``. It works on
-  ``[heads, length, head_dim]`` with no batch and no scale: ``q`` is multiplied by ``scale``,
-  the batch ``jax.vmap``-ed, and for GQA the K/V heads too with ``is_mqa=True`` (each group's
-  query heads against one K/V head). It raises ``NotImplementedError`` for sinks, so it takes
-  no ``sinks=``; it takes V's own head size (declared in :data:`PEERS`)."""
+  test sets, ``use_base2_exp=False``, ``fuse_reciprocal=True``. The mask is the global
+  ``[T, S]`` one it takes (:func:`_tokamax_mask`); segment ids go in as ``SegmentIds(q, kv)``.
+  It works on ``[heads, length, head_dim]`` with no batch and no scale: ``q`` is multiplied by
+  ``scale``, the batch ``jax.vmap``-ed, and for GQA the K/V heads too with ``is_mqa=True``
+  (each group's query heads against one K/V head). It raises ``NotImplementedError`` for
+  sinks, so it takes no ``sinks=``; it takes V's own head size (declared in :data:`PEERS`)."""
   base, ring_kernel, splash = map(_splash, ("base", "ring_attention_kernel",
                                             "splash_attention_kernel"))
   ring = mesh.shape["sequence"]
