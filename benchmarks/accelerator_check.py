@@ -1,14 +1,12 @@
 """One-accelerator check: attention TFLOP/s of each hop kernel; on a GPU also the longest
 trainable context and train-step MFU.
 
-Run through ``benchmarks/gpu_check.sh`` (``python benchmarks/accelerator_check.py gpu``) or
-``benchmarks/tpu_check.sh`` (``... tpu``), ``PYTHONPATH=.``; knobs are environment variables
-``<P>_CHECK_*`` (:func:`settings`). A failing section is printed and the next one runs
-(``common.Clock``); cases that would start after the budget (``<P>_CHECK_BUDGET_S``) are
-skipped and say so. ``<P>_CHECK_DRY=1`` runs everything at tiny sizes on CPU (TPU kernels in
-Pallas interpret mode; timings mean nothing). The sections, :func:`attention_tflops`,
-:func:`throughput` and :func:`longest_context`, and their sizes: benchmarks/README.md,
-"One GPU" (tokamax offline: ``pip install --no-index --find-links DIR tokamax==0.0.17``).
+Run through ``benchmarks/{gpu,tpu}_check.sh`` (``python benchmarks/accelerator_check.py
+{gpu,tpu}``); knobs: environment variables ``<P>_CHECK_*`` (:func:`settings`). A failing
+section is printed and the next one runs (``common.Clock``); cases past the budget are skipped
+and say so; ``<P>_CHECK_DRY=1``: tiny sizes on CPU (TPU kernels interpreted). The sections and
+their sizes: benchmarks/README.md, "One GPU" (tokamax offline: ``pip install --no-index
+--find-links DIR tokamax==0.0.17``).
 
 FLOPs: attention forward = 4*B*N*L^2*H (x0.5 causal), fwd+bwd = 3.5x forward
 (FlashAttention-2's convention). Train step: ``LlamaConfig.flops_per_token`` (PaLM App. B;
@@ -28,7 +26,6 @@ import types
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import PartitionSpec as P
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import ring_jax  # noqa: E402
@@ -86,14 +83,13 @@ def gib(x):
 
 def ring_impl(s, causal, hop_kernel):
   """``ring_jax.ring_attention`` on a ring of one with ``hop_kernel``."""
-  spec = P(None, "sequence", None, None)
   # TPU dry run (CPU): check_vma=False lets Pallas run its generic interpreter, 3.5-6x faster
   # than the TPU interpreter check_vma=True takes on CPU (tests/ring_jax/test_hop.py runs
   # both); on a TPU the kernels compile under check_vma=True, as users call them.
   return jax.shard_map(
       functools.partial(ring_jax.ring_attention, axis_name="sequence", is_causal=causal,
                         block_q=s.block, block_kv=s.block, hop_kernel=hop_kernel),
-      mesh=common.make_mesh((1,), ("sequence",)), in_specs=(spec,) * 3, out_specs=spec,
+      mesh=common.ring_mesh(1), in_specs=(common.SEQ_SPEC,) * 3, out_specs=common.SEQ_SPEC,
       check_vma=not (s.dry and s.platform == "tpu"))
 
 
@@ -157,9 +153,8 @@ def attention_tflops(s):
         f"{'f+b ms':>9} {'f+b TF/s':>9}  note", flush=True)
   rows, checks, ratios = [], [], []
   for length in s.lengths:
-    kq, kk, kv, kd = jax.random.split(jax.random.key(0), 4)
-    q, do = (jax.random.normal(x, (s.B, length, s.N, s.H), s.dtype) for x in (kq, kd))
-    k, v = (jax.random.normal(x, (s.B, length, s.K, s.H), s.dtype) for x in (kk, kv))
+    q, k, v, do = (jax.random.normal(key, (s.B, length, heads, s.H), s.dtype) for key, heads
+                   in zip(jax.random.split(jax.random.key(0), 4), (s.N, s.K, s.K, s.N)))
     reps = 1 if s.dry else (3 if length >= 32768 else 5)
     for causal in (True, False):
       mask = "causal" if causal else "full"

@@ -29,8 +29,8 @@ from ring_jax.ring import default_block  # noqa: E402
 from benchmarks import common  # noqa: E402
 from benchmarks.common import GIB, MIB, fwd_bwd, ints, strs  # noqa: E402,F401
 # The conformance kit's adapter of ringattention 0.1.2 (one import, one call).
-from benchmarks.conformance_peers import import_ringattention as import_paper  # noqa: E402
-from benchmarks.conformance_peers import paper_local  # noqa: E402
+from benchmarks.conformance import import_ringattention as import_paper  # noqa: E402
+from benchmarks.conformance import paper_local  # noqa: E402
 
 common.fake_cpu_devices()
 

@@ -1,13 +1,16 @@
-r"""Causal load balance in wall time: one process per device, each pinned to its own core.
+r"""Causal load balance: in wall time, one process per device, each pinned to its own core;
+``packed``: the work per device on packed rows, zigzag vs the document layout (pure numpy).
 
   PYTHONPATH=. python benchmarks/balance.py --processes 2 --lengths 4096,8192,16384 --repeats 5
+  PYTHONPATH=. python benchmarks/balance.py packed   # ring 8, 128K rows, ~1 min
 
 Per length: causal fwd+bwd of each of ``--impls`` (``benchmarks/attention.py``'s; the paper's
 code left out with a note when it does not import), timed round-robin after a warm-up; a
 repetition's time is the slowest process's, the figure their median, beside each layout's
-critical path from ``ring_jax.schedule`` (in full local hops). Writes ``<out>/<tag>.json`` and
-``.log``; ``--dry-run``: one short length, one repetition, no warm-up (a smoke test). How the
-processes are set up: benchmarks/README.md, "Load balance in wall time".
+critical path from ``ring_jax.schedule`` (in full local hops). ``packed``: per mean document
+length, :func:`measure_packed`. Both write ``<out>/<tag>.json`` and ``.log``; ``--dry-run``: one
+short length, one repetition, no warm-up (``packed``: small rows). How the processes are set
+up: benchmarks/README.md, "Load balance in wall time".
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ import socket
 import subprocess
 import sys
 import time
+
+import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # Imports JAX and NumPy but starts no thread: a worker still pins its core before JAX starts.
@@ -45,16 +50,31 @@ def parse_args(argv=None):
   ap.add_argument("--lengths", type=common.ints, default=None,
                   help="default 4096,8192,16384 (--dry-run: 256)")
   ap.add_argument("--impls", type=common.strs, default=list(IMPLS))
-  ap.add_argument("--block", type=int, default=None,
-                  help="block size of every implementation (default: the ring's for its layout)")
-  ap.add_argument("--dry-run", action="store_true",
-                  help="one length (--lengths' first, default 256), 1 repetition, no warm-up")
   ap.add_argument("--timeout", type=float, default=3600, help="seconds for the whole run")
-  ap.add_argument("--out", default=common.RESULTS)
-  ap.add_argument("--tag", default="balance_cpu", help="output file stem")
   ap.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)  # internal
   ap.add_argument("--port", type=int, default=None, help=argparse.SUPPRESS)
+  pk = ap.add_subparsers(dest="command").add_parser(
+      "packed", help="causal work per device on packed rows (pure numpy)")
+  pk.add_argument("--length", type=int, default=131072, help="tokens per row")
+  pk.add_argument("--ring", type=int, default=8, help="devices on the sequence axis")
+  pk.add_argument("--means", type=common.ints, default=[2048, 4096, 8192, 16384, 32768],
+                  help="mean document lengths")
+  pk.add_argument("--sigma", type=float, default=1.0, help="of the log document lengths")
+  pk.add_argument("--rows", type=int, default=20, help="rows per mean")
+  pk.add_argument("--seed", type=int, default=0)
+  for p, block, dry, tag in (
+      (ap, "block size of every implementation (default: the ring's for its layout)",
+       "one length (--lengths' first, default 256), 1 repetition, no warm-up", "balance_cpu"),
+      (pk, "block size", "4K rows, 2 per mean", "packed_balance")):
+    p.add_argument("--block", type=int, default=None if p is ap else 256, help=block)
+    p.add_argument("--dry-run", action="store_true", help=dry)
+    p.add_argument("--out", default=common.RESULTS)
+    p.add_argument("--tag", default=tag, help="output file stem")
   args = ap.parse_args(argv)
+  if args.command == "packed":
+    if args.dry_run:
+      args.length, args.rows, args.means, args.block = 4096, 2, [256, 1024], 32
+    return args
   args.argv = sys.argv[1:] if argv is None else list(argv)
   args.warmup, args.batch = (0 if args.dry_run else 1), 1
   if args.dry_run:
@@ -77,7 +97,6 @@ def worker(args) -> dict:
   jax.distributed.initialize(coordinator_address=f"127.0.0.1:{args.port}",
                              num_processes=args.processes, process_id=args.worker)
   import jax.numpy as jnp
-  import numpy as np
   from jax.experimental import multihost_utils
 
   from benchmarks import attention as bench  # after XLA_FLAGS: it keeps our device count
@@ -106,12 +125,11 @@ def worker(args) -> dict:
       block = bench.block_for(name, length // n, args.block)
       f, layout, _ = bench.make_impl(name, mesh=mesh, is_causal=True, dtype=jnp.float32,
                                      block=block, paper_fn=paper_fn)
-      t0 = time.perf_counter()
-      compiled[name] = jax.jit(bench.fwd_bwd(f)).lower(*qkvdo).compile()
+      compile_s, _, compiled[name] = common.timed_call(
+          lambda: jax.jit(bench.fwd_bwd(f)).lower(*qkvdo).compile())
       cases.append(dict(impl=name, layout=layout, block=block, length=length,
-                        compile_s=round(time.perf_counter() - t0, 2),
-                        temp_bytes=common.compiled_memory(compiled[name]).get(
-                            "temp_size_in_bytes")))
+                        compile_s=round(compile_s, 2), temp_bytes=common.compiled_memory(
+                            compiled[name]).get("temp_size_in_bytes")))
     # Round-robin (a slow phase of the machine hits every impl alike), all processes in step.
     times = common.interleaved(
         {name: (exe, qkvdo) for name, exe in compiled.items()}, args.repeats, args.warmup,
@@ -161,8 +179,6 @@ def launch(args) -> dict:
 
 def merge(args, workers: list[dict]) -> dict:
   """One row per (length, impl): per repetition the slowest process's time, then the median."""
-  import numpy as np
-
   import ring_jax
   from benchmarks.attention import ring_variant
   from ring_jax.ring import default_block
@@ -220,13 +236,93 @@ def table(result) -> str:
   return "\n".join(lines) + "\n"
 
 
+# --- packed: causal work per device on packed rows (pure numpy) -----------------------------
+
+PACKED_LAYOUTS = ("zigzag", "document")
+
+
+def packed_rows(rng, rows: int, length: int, mean: float, sigma: float) -> np.ndarray:
+  """int32 ``[rows, length]`` segment ids 1, 2, ... of documents of lognormal length (``mu =
+  log(mean) - sigma^2 / 2``, so ``mean`` is their mean), the last one cut at the row's end."""
+  seg = np.zeros((rows, length), np.int32)
+  mu = np.log(mean) - sigma ** 2 / 2
+  for r in range(rows):
+    pos, doc = 0, 1
+    while pos < length:
+      size = max(1, int(rng.lognormal(mu, sigma)))
+      seg[r, pos:pos + size] = doc
+      pos, doc = pos + size, doc + 1
+  return seg
+
+
+def measure_packed(seg: np.ndarray, ring: int, block: int) -> dict:
+  """Per-layout balance figures of the rows ``seg`` (natural order): max/mean token pairs
+  (:func:`ring_jax.documents.token_work`), block pairs the ring computes from its own block
+  tables (:func:`ring_jax.documents.block_work`) and critical path (each hop costs its
+  busiest device) per device, median and max over rows; and the medians of the document
+  layout's block pairs and critical path over zigzag's."""
+  import ring_jax
+  from ring_jax import documents
+
+  doc = ring_jax.document_layout(seg, ring)
+  zigzag = ring_jax.layout_positions("zigzag", ring, seg.shape[1])
+  perms = {"zigzag": np.broadcast_to(zigzag, seg.shape), "document": doc.permutation}
+  ids = {"zigzag": seg[:, zigzag], "document": doc.segment_ids}
+  out, totals, critical_paths = {}, {}, {}
+  for layout in PACKED_LAYOUTS:
+    tokens = documents.token_work(seg, perms[layout], ring)
+    blocks = documents.block_work(ids[layout], layout, ring, block, block)
+    per_device = blocks.sum(-1)
+    totals[layout], critical_paths[layout] = per_device.sum(1), blocks.max(1).sum(-1)
+    ratios = {"token_max_over_mean": tokens.max(1) / tokens.mean(1),
+              "block_max_over_mean": per_device.max(1) / per_device.mean(1),
+              "critical_path_over_mean": critical_paths[layout] / per_device.mean(1)}
+    out[layout] = {k: {"median": float(np.median(v)), "max": float(v.max())}
+                   for k, v in ratios.items()}
+  out["document_block_pairs_over_zigzag"] = float(np.median(totals["document"] / totals["zigzag"]))
+  out["document_critical_path_over_zigzag"] = float(
+      np.median(critical_paths["document"] / critical_paths["zigzag"]))
+  return out
+
+
+def packed(args, argv) -> tuple[dict, str]:
+  """The ``packed`` command: ``(result, its table)``, :func:`measure_packed` per mean of
+  ``--means`` over ``--rows`` rows of :func:`packed_rows`."""
+  rng = np.random.default_rng(args.seed)
+  start = time.perf_counter()
+  result = {"meta": common.run_meta(argv, __file__, devices=False), "ring": args.ring,
+            "length": args.length, "sigma": args.sigma, "rows": args.rows, "block": args.block,
+            "seed": args.seed, "means": {}}
+  def line(cells):  # the table's columns, right-aligned
+    return " | ".join(f"{c:>{w}}" for c, w in zip(cells, (6, 14, 15, 14, 15, 14, 12, 12)))
+  lines = [f"ring {args.ring}, {args.length}-token rows, lognormal sigma {args.sigma}, "
+           f"{args.rows} rows per mean, blocks of {args.block}; max/mean work per device "
+           "(median / max over rows)",
+           line(["mean", "zigzag tokens", "document tokens", "zigzag blocks", "document blocks",
+                 "doc crit. path", "doc/zz pairs", "doc/zz crit."])]
+  for mean in args.means:
+    fig = result["means"][str(mean)] = measure_packed(
+        packed_rows(rng, args.rows, args.length, mean, args.sigma), args.ring, args.block)
+    ratios = [fig[layout][key + "_over_mean"] for layout, key in (
+        ("zigzag", "token_max"), ("document", "token_max"), ("zigzag", "block_max"),
+        ("document", "block_max"), ("document", "critical_path"))]
+    lines.append(line([mean, *(f"{r['median']:.2f} / {r['max']:.2f}" for r in ratios),
+                       f"{fig['document_block_pairs_over_zigzag']:.2f}",
+                       f"{fig['document_critical_path_over_zigzag']:.2f}"]))
+  result["seconds"] = time.perf_counter() - start
+  return result, "\n".join(lines) + "\n"
+
+
 def main(argv=None) -> dict | None:
   args = parse_args(argv)
   if args.worker is not None:
     print(json.dumps(worker(args)), flush=True)
     return None
-  result = launch(args)
-  text = table(result)
+  if args.command == "packed":
+    result, text = packed(args, argv)
+  else:
+    result = launch(args)
+    text = table(result)
   print(text, end="")
   stem = os.path.join(args.out, args.tag)
   common.write_result(stem + ".json", result, log=text)

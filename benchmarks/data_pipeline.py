@@ -140,7 +140,6 @@ def main(argv=None) -> dict:
   p.add_argument("--seq-len", type=int, default=2048)
   p.add_argument("--batch", type=int, default=8, help="rows per batch (global)")
   p.add_argument("--batches", type=int, default=50, help="batches timed after the first")
-  p.add_argument("--tokenizers", type=common.strs, default=["byte", "bpe"])
   p.add_argument("--bpe-vocab", type=int, default=4096)
   p.add_argument("--train-steps", type=int, default=0,
                  help="also run train.py on configs/tiny.py:text for this many steps")
@@ -162,11 +161,10 @@ def main(argv=None) -> dict:
       paths = write_corpus(corpus, size, args.file_mb)
       print(f"corpus {size} MiB: {len(paths)} file(s) in {time.perf_counter() - t0:.1f}s",
             flush=True)
-      for name in args.tokenizers:
-        if name == "bpe" and bpe_dir is None:
-          bpe_dir = train_bpe(paths[0], os.path.join(base, "bpe"), args.bpe_vocab)
-        out = common.run_python([os.path.abspath(__file__), "--_measure", corpus,
-                                 "byte" if name == "byte" else bpe_dir, *sizes])
+      bpe_dir = bpe_dir or train_bpe(paths[0], os.path.join(base, "bpe"), args.bpe_vocab)
+      for tokenizer in ("byte", bpe_dir):  # each measured in a fresh process
+        out = common.run_python([os.path.abspath(__file__), "--_measure", corpus, tokenizer,
+                                 *sizes])
         run = dict(corpus_mb=size, files=len(paths), **json.loads(out.splitlines()[-1]))
         results["runs"].append(run)
         print(json.dumps(run), flush=True)
@@ -179,8 +177,7 @@ def main(argv=None) -> dict:
     if args.dir is None:
       shutil.rmtree(base, ignore_errors=True)
   if args.out:
-    results = dict(results, meta=common.run_meta(argv, __file__))
-    common.write_result(args.out, results)
+    results = common.save(args.out, dict(results, meta=common.run_meta(argv, __file__)))
   return results
 
 

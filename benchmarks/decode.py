@@ -91,12 +91,12 @@ def run_fit(args):
   # where the CPU's memory analysis is faithful, and a bf16 cache is derived from it below.
   cfg = dataclasses.replace(val_lib.llama_config(config), dtype="float32")
   bf16 = dataclasses.replace(cfg, dtype="bfloat16")
-  budget = args.budget_gib * 2**30
+  budget, step = args.budget_gib * 2**30, n * 1024
   (l0, p0), (l1, p1) = ((length, peak_bytes(cfg, mesh, length))
                         for length in (n * 4096, n * 16384))
   slope = (p1 - p0) / (l1 - l0)
-  longest = int((budget - (p0 - slope * l0)) / slope) // (n * 1024) * (n * 1024)
-  step = n * 1024
+  fixed = p0 - slope * l0
+  longest = int((budget - fixed) / slope) // step * step
   for _ in range(4):  # the line is nearly exact; step down until the compiled step fits
     peak = peak_bytes(cfg, mesh, longest)
     if peak <= budget:
@@ -106,14 +106,13 @@ def run_fit(args):
       mode="fit", config=os.path.basename(args.config), devices=args.devices,
       mesh=dict(data=1, sequence=n, tensor=tensor), param_dtype=cfg.param_dtype,
       cache_dtype=cfg.dtype, bytes_per_token_per_device=slope,
-      fixed_gib_per_device=(p0 - slope * l0) / 2**30, longest_cache_tokens=longest,
+      fixed_gib_per_device=fixed / 2**30, longest_cache_tokens=longest,
       peak_gib_at_longest=peak / 2**30, budget_gib=args.budget_gib,
       cache_gib_at_longest=inference.cache_bytes_per_device(cfg, mesh, 1, longest) / 2**30,
       # Same fixed memory, the cache at 2 bytes per element instead of 4 (not compiled).
-      longest_bf16_cache_tokens_derived=int(
-          (budget - (p0 - slope * l0)) / (slope - inference.cache_bytes_per_device(
-              cfg, mesh, 1, n) / n + inference.cache_bytes_per_device(bf16, mesh, 1, n) / n))
-      // (n * 1024) * (n * 1024))), flush=True)
+      longest_bf16_cache_tokens_derived=int((budget - fixed) / (
+          slope - inference.cache_bytes_per_device(cfg, mesh, 1, n) / n
+          + inference.cache_bytes_per_device(bf16, mesh, 1, n) / n)) // step * step)), flush=True)
 
 
 def main(argv=None):

@@ -54,7 +54,6 @@ def define_flags() -> dict:
           "(axes not named are 1; one may be -1)."),
       start=flags.DEFINE_integer("start", 131072, "First length of the power-of-two search "
                                  "(rounded to the length granularity).", lower_bound=1),
-      max_len=flags.DEFINE_integer("max_len", 2 ** 26, "Longest length the search tries."),
       xla_flags=flags.DEFINE_string("xla_flags", "", "Extra XLA flags for the compile."),
       out=flags.DEFINE_string("out", None, "Also write the final JSON object to this file."),
       collectives=flags.DEFINE_bool(
@@ -153,10 +152,9 @@ class Planner:
       offloaded = self.step.offloaded_bytes((self.rows, run_len),
                                             layers=m.num_layers if m.scan_layers else 1)
     device = total - offloaded
-    row = dict(seq_len=length, run_len=run_len, argument_bytes=ma["argument_size_in_bytes"],
-               temp_bytes=ma["temp_size_in_bytes"], output_bytes=ma["output_size_in_bytes"],
-               alias_bytes=ma["alias_size_in_bytes"],
-               host_temp_bytes=ma.get("host_temp_size_in_bytes", 0),
+    row = dict(seq_len=length, run_len=run_len,
+               **{f"{k}_bytes": ma.get(f"{k}_size_in_bytes", 0)
+                  for k in ("argument", "temp", "output", "alias", "host_temp")},
                compiled_per_device_bytes=total, offloaded_bytes=offloaded,
                per_device_bytes=device, fits=bool(device <= self.limit),
                compile_s=round(time.perf_counter() - t0, 1))
@@ -276,8 +274,7 @@ def run(config, *, devices: int = 1, memory_gib: float | None = None,
       # nothing fits: report the shortest length tried
       row = planner.rows_by_length[min(planner.rows_by_length) if best is None else best]
       if not bounded and row["fits"]:
-        print(f"note: every length up to --max_len={max_len} fits; the answer is a lower bound",
-              flush=True)
+        print(f"note: every length up to {max_len} fits; the answer is a lower bound", flush=True)
     return dict(seq_len=row["seq_len"], per_device_bytes=row["per_device_bytes"],
                 fits=row["fits"], memory_bytes=limit, devices=devices, mesh=sizes,
                 batch_rows=planner.rows, remat_policy=m.remat_policy, platform=device.platform,

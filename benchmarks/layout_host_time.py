@@ -21,7 +21,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks import common  # noqa: E402
-from benchmarks.packed_balance import packed_rows  # noqa: E402
+from benchmarks.balance import packed_rows  # noqa: E402
 from training import batch as batch_lib  # noqa: E402
 from training import data as data_lib  # noqa: E402
 
@@ -29,7 +29,7 @@ from training import data as data_lib  # noqa: E402
 def packed_batch(rng, rows: int, length: int, mean: float) -> dict[str, np.ndarray]:
   """A natural-order batch of :mod:`training.batch`'s fields over ``rows`` packed rows of
   ``length`` tokens, documents of lognormal length (``mean`` tokens, sigma 1, as
-  ``benchmarks/packed_balance.py`` draws them)."""
+  ``benchmarks/balance.py packed`` draws them)."""
   seg = packed_rows(rng, rows, length, mean, sigma=1.0)
   tokens = rng.integers(3, 259, size=(rows, length)).astype(batch_lib.DTYPES["tokens"])
   labels, loss_mask = data_lib.next_token_targets(tokens, seg)

@@ -208,17 +208,17 @@ def main(argv=None):
     print("mean loss of the last {} steps: ".format(last) + ", ".join(
         f"{r['config']} {np.mean([s['loss'] for s in r['step_rows'][-last:]]):.3f}"
         for r in results), flush=True)
-  if "steps" in results[0] and "tokens_per_s" in results[0]:
-    print(f"buckets / one ring: real tokens/s "
-          f"{results[1]['real_tokens_per_s'] / results[0]['real_tokens_per_s']:.2f}x", flush=True)
-  if args.out:
-    common.write_result(args.out, dict(
-        meta=common.run_meta(argv, __file__),
-        settings=dict(vars(args), buckets=",".join(map(str, buckets)), model=MODEL),
-        corpus=dict(documents=args.docs, tokens=int(lengths.sum()),
-                    short_fraction=float(np.mean(lengths <= args.seq_len // 8)),
-                    max_length=int(lengths.max())),
-        results=results))
+    if "tokens_per_s" in results[0]:
+      print(f"buckets / one ring: real tokens/s "
+            f"{results[1]['real_tokens_per_s'] / results[0]['real_tokens_per_s']:.2f}x",
+            flush=True)
+  common.save(args.out, dict(
+      meta=common.run_meta(argv, __file__),
+      settings=dict(vars(args), buckets=",".join(map(str, buckets)), model=MODEL),
+      corpus=dict(documents=args.docs, tokens=int(lengths.sum()),
+                  short_fraction=float(np.mean(lengths <= args.seq_len // 8)),
+                  max_length=int(lengths.max())),
+      results=results))
   return results
 
 

@@ -3,20 +3,17 @@
   python benchmarks/plot_results.py      # -> benchmarks/results/*.png: the three below
   python benchmarks/plot_results.py --attention FILE.json   # only FILE's plots, in --out-dir
 
-* ``plot_memory.png``: fwd+bwd compiled temp memory per device against the sequence length,
-  ring (zigzag) vs the paper's code vs all-gather context parallelism, fixed blocks of 256
-  (``results/attention_cpu_memscan_scan.json``, from ``benchmarks/attention.py --sections
-  memscan``).
-* ``plot_packed_balance.png``: causal work of the busiest device over the mean on packed rows,
-  zigzag vs ``layout="document"``, against the mean document length
-  (``results/packed_balance.json``, from ``benchmarks/packed_balance.py``).
+* ``plot_memory.png``: fwd+bwd compiled temp memory per device against the length, ring
+  (zigzag) vs the paper's code vs all-gather, fixed blocks (:data:`MEMSCAN`, from
+  ``attention.py --sections memscan``).
+* ``plot_packed_balance.png``: the busiest device's causal work over the mean on packed rows,
+  zigzag vs ``layout="document"``, against the mean document length (:data:`PACKED`, from
+  ``balance.py packed``).
 * ``attention_cpu_4k_{causal,full}.png`` (docs/benchmarks.md): per mask, fwd time, fwd+bwd
-  time and fwd+bwd temp memory against the length, per implementation
-  (``results/attention_cpu_4k.json``, from ``benchmarks/attention.py``; ``--attention``: of
-  another of its result files).
+  time and temp memory against the length, per implementation (:data:`ATTENTION`, from
+  ``attention.py``; ``--attention``: of another of its result files).
 
-Each title names its result file and the run's date, so a plot cannot outlive its data
-unnoticed; re-run this script after committing a new result file.
+Each title names its result file and the run's date; re-run this after committing a new one.
 """
 
 from __future__ import annotations

@@ -8,28 +8,20 @@ host's (shared CPUs: indicative only).
     ALLOW_MULTIPLE_LIBTPU_LOAD=1 python benchmarks/tpu_overlap.py \\
         --topology v5p:2x2x1 --length 32768 --out benchmarks/results/tpu_overlap_v5p.json
 
-Configurations (``--configs``, comma-separated; default :data:`CONFIGS`):
-``<layout>-<causal|full>`` with suffixes ``+routed`` (``causal_routing=True``), ``+unrouted``
-(False), ``+overlap_dkv`` / ``+inplace_dkv`` (``overlap_dkv=True`` / False), ``+splash`` (the
-splash hop kernel; default ``xla``), ``+window`` (``local_window_size=(4096, 0)``),
-``+segments`` (packed documents: an int32 ``segment_ids [B, L]`` argument), ``+gqa``
-(``--heads`` query heads over a quarter as many K/V heads), ``+sinks`` (a float32 ``sinks
-[heads]`` argument, differentiated too), ``+softcap`` (``logits_soft_cap=50``), ``+dv`` (V
-and the output with head dim ``--value_head_dim``), ``+one_loop`` / ``+peeled`` (every hop of
-a flat full rotation in one loop for every hop kernel / for none:
-``ring_jax.ring.PLATFORM_DEFAULTS["tpu"]["one_loop"]`` for that compile, and the ring's loop
-kept however few its hops: ``["unroll_hops"]`` 0; without them the defaults apply) and
-``+inlayout`` (inputs already in the layout's order, ``inputs_in_layout=True``, as the model
-calls it). And ``two_level-<layout>-<causal|full>`` (outer 2 x inner ring over the rest of
-the chips). Mesh: data=1 x sequence=chips (two-level: data=1 x outer=2 x inner=chips/2). A
-peer on the same compiler: ``tokamax_ring-<causal|full>`` (:func:`tokamax_ring`; needs jax
->= 0.11 and ``pip install tokamax==0.0.17``), ``+block512`` (its blocks 512) and ``+dq3``
-(``dq_reduction_steps=3``); its compile is timed as ours (``lower().compile()``).
-``--repeats N`` compiles each configuration N times, in N rounds over all of them
-(interleaved: a busy host slows each alike), and records the median wall and process-CPU
-seconds. ``--hop-kernel xla,splash`` compiles every configuration once per hop kernel named
-(a row's ``config`` gains ``+<kernel>``): the hop kernels' memory side by side
-(docs/performance.md, "Splash hop memory on the TPU compiler").
+Configurations (``--configs``, default :data:`CONFIGS`): ``<layout>-<causal|full>`` and
+``+<suffix>``es: a keyword of the ring (:data:`RING_KW`, a hop kernel's name included; default
+``xla``), ``+segments`` (an int32 ``segment_ids [B, L]`` argument), ``+gqa`` (a quarter as many
+K/V heads), ``+sinks`` (a float32 ``sinks [heads]`` argument, differentiated too), ``+dv`` (V
+and the output with head dim ``--value_head_dim``), ``+one_loop`` / ``+peeled`` (every hop of a
+flat full rotation in one loop for every hop kernel / for none:
+``ring_jax.ring.PLATFORM_DEFAULTS["tpu"]`` for that compile, loop kept however few its hops);
+``two_level-<layout>-<mask>``: outer 2 x inner ring over the rest of the chips (mesh data=1 x
+outer x inner; else data=1 x sequence=chips). A peer on the same compiler:
+``tokamax_ring-<mask>`` (:func:`tokamax_ring`; jax >= 0.11, ``tokamax==0.0.17``), ``+block512``
+(its blocks 512), ``+dq3`` (``dq_reduction_steps=3``). ``--repeats N``: N compiles each, in N
+rounds over all configurations, median wall and process-CPU seconds. ``--hop-kernel
+xla,splash``: every configuration once per hop kernel (its ``config`` gains ``+<kernel>``;
+docs/performance.md, "Splash hop memory on the TPU compiler").
 """
 
 from __future__ import annotations
@@ -37,6 +29,7 @@ from __future__ import annotations
 import datetime
 import os
 import sys
+from unittest import mock
 
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
@@ -51,16 +44,14 @@ from ring_jax import analysis, topology  # noqa: E402
 
 #: The hop kernels that compile for a TPU: "xla" and the registry's TPU kernels.
 HOP_KERNELS = ("xla", *(k for k, p in ring_jax.kernels.PLATFORM.items() if p == "tpu"))
-WINDOW = (4096, 0)
-SOFT_CAP = 50.0
+#: The ``+<suffix>``es that set a keyword of ``ring_attention_sharded``.
+RING_KW = {"routed": dict(causal_routing=True), "unrouted": dict(causal_routing=False),
+           "overlap_dkv": dict(overlap_dkv=True), "inplace_dkv": dict(overlap_dkv=False),
+           "inlayout": dict(inputs_in_layout=True), "window": dict(local_window_size=(4096, 0)),
+           "softcap": dict(logits_soft_cap=50.0), **{k: dict(hop_kernel=k) for k in HOP_KERNELS}}
 CONFIGS = ("zigzag-causal", "zigzag-causal+inplace_dkv", "zigzag-full", "contiguous-causal",
            "contiguous-causal+routed", "zigzag-causal+splash", "zigzag-causal+routed",
            "two_level-zigzag-causal", "two_level-zigzag-causal+inplace_dkv")
-
-
-def hop_kernel(config: str) -> str:
-  """The hop kernel a configuration names (``+splash``), else ``xla``."""
-  return next((k for k in HOP_KERNELS if k in config.split("+")[1:]), "xla")
 
 
 def build(config: str, devices, length: int, heads: int, head_dim: int,
@@ -73,14 +64,10 @@ def build(config: str, devices, length: int, heads: int, head_dim: int,
   if words[0] == "tokamax_ring":
     jitted, args = tokamax_ring(parts, words[-1] == "causal", devices, length, heads, head_dim)
     return lambda: jitted.lower(*args).compile()
-  layout, mask = words[-2], words[-1]
-  forced = lambda on, off: True if on in parts else False if off in parts else None  # noqa: E731
-  kw = dict(is_causal=mask == "causal", layout=layout, hop_kernel=hop_kernel(config),
-            inputs_in_layout="inlayout" in parts, block_q=block, block_kv=block,
-            overlap_dkv=forced("overlap_dkv", "inplace_dkv"),
-            causal_routing=forced("routed", "unrouted"),
-            local_window_size=WINDOW if "window" in parts else None,
-            logits_soft_cap=SOFT_CAP if "softcap" in parts else None)
+  kw = dict(is_causal=words[-1] == "causal", layout=words[-2], hop_kernel="xla", block_q=block,
+            block_kv=block)
+  for part in parts[1:]:
+    kw.update(RING_KW.get(part, {}))
   n = len(devices)
   if words[0] == "two_level":
     shape, axes, seq = (1, 2, n // 2), ("data", "outer", "inner"), ("outer", "inner")
@@ -104,16 +91,12 @@ def build(config: str, devices, length: int, heads: int, head_dim: int,
   argnums = (0, 1, 2, 3) if sinks is not None else (0, 1, 2)
   jitted = jax.jit(jax.value_and_grad(loss, argnums=argnums))
 
+  loop = (dict(one_loop=HOP_KERNELS if "one_loop" in parts else (), unroll_hops=0)
+          if "one_loop" in parts or "peeled" in parts else {})  # the ring's own loop, kept
+
   def compile_():
-    tpu = ring_jax.ring.PLATFORM_DEFAULTS["tpu"]
-    shipped = dict(tpu)
-    if "one_loop" in parts or "peeled" in parts:  # the ring's own loop, not unrolled
-      tpu.update(one_loop=HOP_KERNELS if "one_loop" in parts else (), unroll_hops=0)
-    try:
+    with mock.patch.dict(ring_jax.ring.PLATFORM_DEFAULTS["tpu"], loop):  # then as shipped
       return jitted.lower(x, xkv, xv, sinks, seg).compile()
-    finally:
-      tpu.clear()
-      tpu.update(shipped)
 
   return compile_
 
@@ -152,25 +135,26 @@ def tokamax_ring(parts, is_causal: bool, devices, length: int, heads: int, head_
   return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))), (x, x, x)
 
 
-def measure(config: str, compiled, times: list[float], cpu_times: list[float],
-            block: int | None, heads: int, head_dim: int, value_head_dim: int) -> dict:
+def measure(config: str, compiled, times: dict, args) -> dict:
   """One result row: the ring's transfers and how many have block compute scheduled while in
   flight (:func:`ring_jax.analysis.overlap_report`), the memory per chip, the generated code
   size, the Mosaic custom calls and their distinct kernel bodies
   (:func:`ring_jax.analysis.mosaic_kernels`), the HLO's size, and the median compile seconds
-  (``compile_s``, ``compile_cpu_s``: wall and process CPU) of ``times`` / ``cpu_times``."""
+  (``compile_s``, ``compile_cpu_s``: wall and process CPU) of ``times["wall"]`` / ``["cpu"]``."""
   report = analysis.overlap_report(compiled)
   hidden, total = report.ring()
   memory = common.compiled_memory(compiled)
   text = compiled.as_text()
+  parts = config.split("+")
   return {
       "config": config,
-      "hop_kernel": "tokamax" if config.startswith("tokamax_ring") else hop_kernel(config),
-      "block": block, "heads": heads, "head_dim": head_dim,
-      "value_head_dim": value_head_dim if "dv" in config.split("+") else head_dim,
-      "kv_heads": heads // 4 if "gqa" in config.split("+") else heads,
-      "compile_s": round(common.median(times), 1),
-      "compile_cpu_s": round(common.median(cpu_times), 1),
+      "hop_kernel": "tokamax" if config.startswith("tokamax_ring") else next(
+          (k for k in HOP_KERNELS if k in parts[1:]), "xla"),  # the one it names (+splash)
+      "block": args.block, "heads": args.heads, "head_dim": args.head_dim,
+      "value_head_dim": args.value_head_dim if "dv" in parts else args.head_dim,
+      "kv_heads": args.heads // 4 if "gqa" in parts else args.heads,
+      "compile_s": round(common.median(times["wall"]), 1),
+      "compile_cpu_s": round(common.median(times["cpu"]), 1),
       **{f"{k}_mib": round(memory[f"{k}_size_in_bytes"] / common.MIB, 1)
          for k in ("temp", "argument", "output")},
       "code_mib": round(compiled.memory_analysis().generated_code_size_in_bytes
@@ -225,19 +209,18 @@ def main(argv=None):
   rows = []
   for config in configs:
     row = ({"config": config, "error": errors[config]} if config in errors else
-           measure(config, compiled[config], times[config]["wall"], times[config]["cpu"],
-                   args.block, args.heads, args.head_dim, args.value_head_dim))
+           measure(config, compiled[config], times[config], args))
     rows.append(row)
     print(row, flush=True)
   if args.out:
     import libtpu
+    version = getattr(libtpu, "__version__", "?")
     common.write_result(args.out, {
         "about": "ring_attention_sharded fwd+bwd compiled deviceless for a TPU slice: ring "
                  "transfers with block compute in flight (ring_jax.analysis), temp per chip",
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
-        "jax": jax.__version__, "libtpu": getattr(libtpu, "__version__", "?"),
-        "machine": f"CPU host, deviceless TPU compile ({args.topology}, libtpu "
-                   f"{getattr(libtpu, '__version__', '?')})",
+        "jax": jax.__version__, "libtpu": version,
+        "machine": f"CPU host, deviceless TPU compile ({args.topology}, libtpu {version})",
         "topology": args.topology, "length": args.length, "heads": args.heads,
         "head_dim": args.head_dim, "dtype": "bfloat16", "batch": 1, "label": args.label,
         "command": "python benchmarks/tpu_overlap.py " + " ".join(argv or sys.argv[1:]),

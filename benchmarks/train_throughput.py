@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
@@ -64,16 +63,14 @@ def time_train_step(cfg, mesh, b, length, steps, peak):
   host = batch_lib.random_documents(0, b, length, cfg.vocab_size, cfg.layout,
                                     shd.ring_size(mesh.shape))
   batch = jax.device_put(host, batch_lib.shardings(mesh))
-  t0 = time.perf_counter()
-  compiled = train_step.compile((b, length), state["params"], state["opt_state"])
-  compile_s = time.perf_counter() - t0
+  compile_s, _, compiled = common.timed_call(train_step.compile, (b, length), state["params"],
+                                            state["opt_state"])
   temp = common.compiled_memory(compiled).get("temp_size_in_bytes")
   if temp and jax.default_backend() == "cpu":
     # CPU "devices" share host RAM: refuse what would not fit (the dense backend at long
     # L replicates the full [L, L] scores on every device of the sequence axis).
-    need = temp * mesh.devices.size
     avail = common.host_memory_available()
-    if avail and need > 0.6 * avail:
+    if avail and temp * mesh.devices.size > 0.6 * avail:
       raise MemoryError(f"OOM(est): compiled temp {temp / 2**30:.1f} GiB/device x "
                         f"{mesh.devices.size} devices > 60% of {avail / 2**30:.1f} GiB free")
 
@@ -87,10 +84,10 @@ def time_train_step(cfg, mesh, b, length, steps, peak):
   dt = common.median(ts)
   tps = b * length / dt
   flops = cfg.flops_per_token(length) * tps
-  n_dev = mesh.devices.size
   return dict(seq_len=length, batch=b, step_s=dt, step_times_s=ts,
               tokens_per_s=tps, model_tflops_per_s=flops / 1e12,
-              mfu=flops / (n_dev * peak) if peak else None, compile_s=round(compile_s, 1),
+              mfu=flops / (mesh.devices.size * peak) if peak else None,
+              compile_s=round(compile_s, 1),
               temp_bytes_per_device=temp, loss=float(state["metrics"]["loss"]),
               params=cfg.num_params(), config=cfg.to_dict())
 
@@ -113,10 +110,9 @@ def main(argv=None):
   args = ap.parse_args(argv)
   if args.dtype is None:
     args.dtype = "float32" if jax.default_backend() == "cpu" else "bfloat16"
-  shape = args.mesh
-  mesh = common.make_mesh(shape)
+  mesh = common.make_mesh(args.mesh)
   peak, peak_src = peak_per_device(mesh.devices.size, args.peak_tflops)
-  print(f"jax {jax.__version__} {jax.default_backend()} mesh {shape}; peak/device "
+  print(f"jax {jax.__version__} {jax.default_backend()} mesh {args.mesh}; peak/device "
         f"{peak / 1e12:.3g} TFLOP/s ({peak_src}); preset {args.preset}, L={args.seq_len}, "
         f"B={args.batch}, layout {args.layout}, remat {args.remat}, {args.dtype}", flush=True)
   print(f"{'attention':<10} {'step ms':>9} {'tokens/s':>10} {'TFLOP/s':>8} {'MFU':>7} "
@@ -137,10 +133,9 @@ def main(argv=None):
       r = dict(attention=backend, error=common.error_line(e, 300))
       print(f"{backend:<10} FAILED: {r['error']}", flush=True)
     results.append(r)
-  if args.out:
-    common.write_result(args.out, dict(meta=common.run_meta(
-        argv, __file__, mesh=shape, peak_per_device=peak, peak_source=peak_src),
-        results=results))
+  common.save(args.out, dict(meta=common.run_meta(
+      argv, __file__, mesh=args.mesh, peak_per_device=peak, peak_source=peak_src),
+      results=results))
   return results
 
 

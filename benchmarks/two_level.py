@@ -2,15 +2,10 @@
 ``matrix``: the rings' compiled footprint over a fixed matrix, to compare two ring loops.
 
 :func:`permute_traffic` counts what every collective-permute of a compiled program sends (no
-timing): the flat ring (``ring_jax.ring_attention`` over both axes), the two-level ring
-(:mod:`ring_jax.two_level`) in full rotation and routed (docs/benchmarks.md, "Two link
-levels"). ``matrix`` measures each cell of :func:`cells` (:func:`measure_cell`), optionally
-compiled for a TPU slice; ``matrix --compare`` prints the cells whose figures differ and
-exits non-zero when one got worse (docs/performance.md, "One ring loop"). Commands:
-benchmarks/README.md, "Two link levels".
-
-  PYTHONPATH=. python benchmarks/two_level.py   # -> results/two_level_cpu.json, a table
-  PYTHONPATH=. python benchmarks/two_level.py matrix --compare BEFORE.json AFTER.json
+timing), for the flat ring, the two-level ring in full rotation and routed (:func:`measure`);
+``matrix`` measures each cell of :func:`cells` (:func:`measure_cell`), ``matrix --compare``
+prints the cells whose figures differ and exits non-zero when one got worse. Commands and
+flags: benchmarks/README.md, "Two link levels".
 """
 
 from __future__ import annotations
@@ -81,13 +76,11 @@ def _executions(comps, entry) -> dict[str, int]:
     name = order.pop(0)
     for line in comps.get(name, ()):
       trips = _TRIPS.search(line)
-      callees = _CALLEE.findall(line)
-      branches = []
-      for b in _BRANCHES.findall(line):
-        branches += re.findall(r"%([\w.\-]+)", b)
-      for callee in callees + branches:
-        times = int(trips.group(1)) if trips and f"body=%{callee}" in line else 1
-        if trips and f"body=%{callee}" in line:
+      branches = [c for b in _BRANCHES.findall(line) for c in re.findall(r"%([\w.\-]+)", b)]
+      for callee in _CALLEE.findall(line) + branches:
+        body = trips and f"body=%{callee}" in line
+        times = int(trips.group(1)) if body else 1
+        if body:
           loop_trips[callee] = times
         if callee in branches and loop_trips.get(name) == len(branches) > 1:
           runs[callee] += runs[name] // len(branches)
@@ -201,15 +194,15 @@ def measure(splits=((2, 4), (4, 2)), length: int = 8192, is_causal: bool = True,
   return rows
 
 
-def print_table(rows, out=sys.stdout):
+def print_table(rows):
   mib = common.MIB
   print(f"{'split':>6} {'pass':>8} {'ring':>10} {'outer xfers':>12} {'outer MiB':>10} "
-        f"{'all outer MiB':>14} {'inner xfers':>12} {'inner MiB':>10}", file=out)
+        f"{'all outer MiB':>14} {'inner xfers':>12} {'inner MiB':>10}")
   for r in rows:
     print(f"{'x'.join(map(str, r['split'])):>6} {r['pass_']:>8} {r['ring']:>10} "
           f"{r['outer_transfers']:>12} {r['outer_bytes'] / mib:>10.2f} "
           f"{r['outer_total'] / mib:>14.2f} {r['inner_transfers']:>12} "
-          f"{r['inner_bytes'] / mib:>10.2f}", file=out)
+          f"{r['inner_bytes'] / mib:>10.2f}")
 
 
 # --- matrix: the rings' compiled footprint over a fixed matrix ---------------------------------
@@ -330,8 +323,8 @@ def main(argv=None):
   ap = common.parser(__doc__, out="two_level_cpu.json", length=8192)
   ap.add_argument("--non-causal", action="store_true")
   ap.add_argument("--layout", default="zigzag")
-  sub = ap.add_subparsers(dest="command")
-  mx = sub.add_parser("matrix", help="the rings' compiled footprint over a fixed matrix")
+  mx = ap.add_subparsers(dest="command").add_parser(
+      "matrix", help="the rings' compiled footprint over a fixed matrix")
   mx.add_argument("--out", default="", help="result file (JSON)")
   mx.add_argument("--topology", default=None, help="compile for this TPU slice (8 chips)")
   for flag, values in (("rings", RINGS), ("layouts", LAYOUTS), ("masks", MASKS),

@@ -692,7 +692,7 @@ def choose_layout(ring_size: int, *, packed: bool, is_causal: bool = True,
     ``"document"``, each row balanced by its own documents
     (:func:`ring_jax.document_layout`: the busiest device's causal work 1.01-1.09x the
     mean where zigzag's is 1.5-1.9x on 128K-token rows of realistic documents,
-    ``benchmarks/packed_balance.py``).
+    ``benchmarks/balance.py packed``).
   * one sequence per row: ``"zigzag"``, the same causal work on every device at every hop.
 
   Args:

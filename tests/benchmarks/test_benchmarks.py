@@ -158,13 +158,13 @@ def test_ring_variant_names_the_routing():
 
 
 def test_packed_balance_dry_run(tmp_path):
-  """benchmarks/packed_balance.py --dry-run: the document layout balances the block pairs
+  """benchmarks/balance.py packed --dry-run: the document layout balances the block pairs
   the kernels compute per device where zigzag does not, and the JSON and log are written."""
   import json
 
-  from benchmarks import packed_balance
+  from benchmarks import balance
 
-  result = packed_balance.main(["--dry-run", "--out", str(tmp_path)])
+  result = balance.main(["packed", "--dry-run", "--out", str(tmp_path)])
   for fig in result["means"].values():
     assert fig["document"]["block_max_over_mean"]["max"] <= 1.10
     assert fig["zigzag"]["block_max_over_mean"]["median"] > 1.3
