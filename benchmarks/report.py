@@ -318,7 +318,7 @@ def _bf16_rows(e) -> list:
           for impl in dict.fromkeys(r["impl"] for r in e["rows"])]
 
 
-# --- Load balance: balance.py, packed_balance.py -----------------------------------------------
+# --- Load balance: balance.py, balance.py packed -----------------------------------------------
 
 BALANCE = "balance_cpu.json"
 PACKED = "packed_balance.json"
