@@ -180,8 +180,7 @@ def compile_stages(config, topology: str | None = None, slices: int = 1) -> list
       with compiling(where):
         compiled = setup.train_step.compile(setup.train_shape)
       lines, row = memory_lines(compiled, where, time.perf_counter() - t0)
-      for line in lines:
-        log(line)
+      log("\n".join(lines))
       buckets = buckets_lib.plan(c, m, mesh)
       if buckets:  # every bucket's program, as the run compiles them
         log(buckets_lib.describe(buckets))

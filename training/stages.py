@@ -16,6 +16,9 @@ from typing import Any
 import ml_collections
 from ml_collections import config_dict
 
+from models import sharding as shd
+from training import metrics as metrics_lib
+from training import step as step_lib
 from training.errors import ConfigError
 
 #: Stage field -> (the config field it sets, its type). ``steps`` sets no field: it is
@@ -191,10 +194,7 @@ def build_stage(stage: Stage, mesh) -> StageSetup:
   """The train step of ``stage`` (abstract only): its model and an optimizer whose schedule
   spans the stage's steps, its batch shapes ``[rows, run length]`` (the padding logged).
   Parameter shapes are the same in every stage, so any stage restores another's checkpoint."""
-  from models import sharding as shd  # Local: this module's config code needs no JAX.
-  from training import metrics as metrics_lib
-  from training import step as step_lib
-  from training import validation as val_lib
+  from training import validation as val_lib  # Local: validation imports this module.
 
   c = stage.config
   model_cfg, attention_line = val_lib.resolve_attention(c, val_lib.llama_config(c), mesh)
@@ -219,7 +219,5 @@ def cached_train_step(model_cfg, mesh, optim: ml_collections.FrozenConfigDict, s
   """``build_train_step`` with an optimizer over ``steps``, or the same one built before: the
   last few are kept, so a second train() of the same setup in one process reuses the jitted
   step and JAX's compiled program (the key holds everything the program depends on)."""
-  from training import step as step_lib
-
   tx = step_lib.make_optimizer(optim, steps)
   return step_lib.build_train_step(model_cfg, mesh, tx, microbatches=microbatches, seed=seed)

@@ -5,7 +5,6 @@ model's ``LlamaConfig`` made of ``config.model``."""
 from __future__ import annotations
 
 import math
-import operator
 
 import jax
 import ml_collections
@@ -108,8 +107,8 @@ def check_text_data(d: ml_collections.ConfigDict, m: ml_collections.ConfigDict) 
                       "--config.model.vocab_size (the embedding must cover every token id).")
 
 
-#: The valid range of each numeric field (``"> 0"``, ``"[0, 1)"``; ``"int ..."``: a whole
-#: number), checked by :func:`check_ranges`; an unset or absent field is not checked. The
+#: The valid range of each numeric field (``"> 0"``, ``">= 0"``, ``"[0, 1)"``; ``"int ..."``: a
+#: whole number), checked by :func:`check_ranges`; an unset or absent field is not checked. The
 #: fields ``LlamaConfig``, :func:`training.mesh.mesh_shape` or the kv task check are theirs.
 NUMERIC_RANGES: dict[str, str] = {
     # AdamW with global-norm clipping and warmup + cosine decay (training/step.py).
@@ -158,10 +157,9 @@ NUMERIC_RANGES: dict[str, str] = {
 
 def _in_range(value: float, rule: str) -> bool:
   """Whether the finite number ``value`` obeys ``rule`` (without its ``int`` prefix)."""
-  if rule.startswith((">", "<")):
+  if rule[0] == ">":
     op, bound = rule.split()
-    compare = {">": operator.gt, ">=": operator.ge, "<": operator.lt, "<=": operator.le}[op]
-    return compare(value, float(bound))
+    return value > float(bound) if op == ">" else value >= float(bound)
   low, high = (float(x) for x in rule[1:-1].split(","))
   return ((low < value if rule[0] == "(" else low <= value)
           and (value < high if rule[-1] == ")" else value <= high))
@@ -183,7 +181,7 @@ def check_ranges(config: ml_collections.ConfigDict, prefix: str = "") -> None:
     number = not isinstance(node, bool) and isinstance(node, (int, float))
     finite = number and (isinstance(node, int) or (not whole and math.isfinite(node)))
     if not (finite and _in_range(node, bounds)):
-      what = bounds if bounds[0] in "<>" else f"in {bounds}"
+      what = bounds if bounds[0] == ">" else f"in {bounds}"
       what = (f"a whole number {what}" if whole else what if finite
               else f"a finite number {what}")
       raise ConfigError(f"{path}={node!r} must be {what}.")
