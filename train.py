@@ -141,8 +141,7 @@ def train(config, workdir: str, *, stop_at_step: int | None = None) -> TrainResu
   log = metrics_lib.log
   if stop_at_step is not None and stop_at_step < 1:
     raise errors.ConfigError(f"stop_at_step must be >= 1, got {stop_at_step}.")
-  config, mesh = _config_and_mesh(config)  # resolved once: fails before anything compiles
-  stages = stages_lib.plan(config)  # one stage unless config.stages
+  config, mesh, stages = _config_and_mesh(config)  # resolved once, before anything compiles
   end_step = min(stop_at_step or config.total_steps, config.total_steps)
   # Installed first: a signal while compiling still ends in a clean stop after one step.
   with (distributed_lib.StopRequest() as stop, jax.set_mesh(mesh),
@@ -232,7 +231,7 @@ def train(config, workdir: str, *, stop_at_step: int | None = None) -> TrainResu
 
 def _config_and_mesh(config):
   """The config resolved once (``init.hf_dir``, stages, ``"auto"`` fields) and checked, the
-  mesh, and the startup lines that describe them."""
+  mesh and the stages, and the startup lines that describe them."""
   log, count = metrics_lib.log, jax.device_count()
   config = val_lib.resolve_run(config, count, log)
   config, warmup_line = val_lib.clamp_warmup(config)  # a run shorter than its warmup
@@ -242,8 +241,8 @@ def _config_and_mesh(config):
   if buckets_lib.lengths_of(config) and jax.process_count() > 1:
     raise errors.ConfigError("data.length_buckets run in one process (every process would "
                              "have to fill the same bucket first); drop the buckets.")
-  mesh = mesh_lib.make_mesh(config.mesh)
-  first = stages_lib.plan(config)[0].config  # attention="auto" is decided per stage's shapes
+  mesh, stages = mesh_lib.make_mesh(config.mesh), stages_lib.plan(config)
+  first = stages[0].config  # attention="auto" is decided per stage's shapes
   model_cfg, attention_line = val_lib.resolve_attention(first, val_lib.llama_config(first), mesh)
   log(f"devices: {count} x {jax.devices()[0].device_kind} "
       f"({jax.process_count()} process(es)); mesh {sizes}; attention={model_cfg.attention} "
@@ -259,7 +258,7 @@ def _config_and_mesh(config):
     log(f"pipeline: {sizes['pipeline']} stages x {model_cfg.num_layers // sizes['pipeline']} "
         f"layers, GPipe over {micro} microbatches, bubble fraction "
         f"{pipeline_lib.bubble_fraction(sizes['pipeline'], micro):.3f}")
-  return config, mesh
+  return config, mesh, stages
 
 
 def _resume_or_init(config, workdir, checkpointer, setup):

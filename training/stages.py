@@ -184,6 +184,7 @@ class StageSetup:
   """What one stage builds (:func:`build_stage`): its step, schedule and batch shapes."""
   stage: Stage
   model_cfg: Any
+  attention_line: str | None  # why model.attention="auto" chose; logged here after stage 1
   train_step: Any  # training.step.TrainStep
   schedule: Any  # learning rate at the stage's update count (0 at its first step)
   train_shape: tuple[int, int]
@@ -207,10 +208,9 @@ def build_stage(stage: Stage, mesh) -> StageSetup:
   run_len = val_lib.run_length(model_cfg, ring, c.data.seq_len)  # data.seq_len, padded
   train_step = cached_train_step(model_cfg, mesh, ml_collections.FrozenConfigDict(c.optim),
                                  stage.steps, c.microbatches, c.seed)
-  return StageSetup(stage=stage, model_cfg=model_cfg, train_step=train_step,
-                    schedule=step_lib.make_schedule(c.optim, stage.steps),
-                    train_shape=(c.batch_size, run_len),
-                    eval_shape=(c.eval_batch_size, run_len))
+  return StageSetup(stage=stage, model_cfg=model_cfg, attention_line=attention_line,
+                    train_step=train_step, schedule=step_lib.make_schedule(c.optim, stage.steps),
+                    train_shape=(c.batch_size, run_len), eval_shape=(c.eval_batch_size, run_len))
 
 
 @functools.lru_cache(maxsize=4)

@@ -220,15 +220,13 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int) -> dict
   m, d = config.model, config.data
   for stage in stages_lib.plan(config) if stages_lib.stage_dicts(config) else ():
     c = stage.config  # c.stages is None: validate_config(c) does not recurse
-    try:
+    with reraise_as(ConfigError, f"config.stages stage {stage.index + 1} (seq_len="
+                    f"{c.data.seq_len}, steps={stage.steps}): ", catch=ConfigError):
       if c.optim.warmup_steps > stage.steps:
         raise ConfigError(f"warmup_steps={c.optim.warmup_steps} exceeds the stage's "
                           f"steps={stage.steps}; each stage warms up anew (set the stage's "
                           "warmup_steps=, or --config.optim.warmup_steps=).")
       validate_config(c, num_devices)
-    except ConfigError as e:
-      raise ConfigError(f"config.stages stage {stage.index + 1} (seq_len={c.data.seq_len}, "
-                        f"steps={stage.steps}): {e}") from None
 
   with reraise_as(ConfigError):  # heads over 'tensor' (one K/V head, MQA, is replicated)
     attention_axes(sizes, batch=1, heads=m.num_heads, kv_heads=m.num_kv_heads, batch_axis=None,
