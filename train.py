@@ -242,8 +242,7 @@ def _config_and_mesh(config):
     raise errors.ConfigError("data.length_buckets run in one process (every process would "
                              "have to fill the same bucket first); drop the buckets.")
   mesh, stages = mesh_lib.make_mesh(config.mesh), stages_lib.plan(config)
-  first = stages[0].config  # attention="auto" is decided per stage's shapes
-  model_cfg, attention_line = val_lib.resolve_attention(first, val_lib.llama_config(first), mesh)
+  model_cfg, attention_line = val_lib.resolve_attention(stages[0].config, mesh)  # per stage
   log(f"devices: {count} x {jax.devices()[0].device_kind} "
       f"({jax.process_count()} process(es)); mesh {sizes}; attention={model_cfg.attention} "
       f"layout={model_cfg.layout} ring={shd.ring_size(sizes)}"

@@ -198,7 +198,7 @@ def build_stage(stage: Stage, mesh) -> StageSetup:
   from training import validation as val_lib  # Local: validation imports this module.
 
   c = stage.config
-  model_cfg, attention_line = val_lib.resolve_attention(c, val_lib.llama_config(c), mesh)
+  model_cfg, attention_line = val_lib.resolve_attention(c, mesh)
   if attention_line and stage.index > 0:  # train.py logs the first stage's
     metrics_lib.log(attention_line)
   ring = shd.ring_size(mesh.shape)

@@ -296,11 +296,11 @@ def llama_config(config: ml_collections.ConfigDict):
     return LlamaConfig.from_dict(fields)
 
 
-def resolve_attention(config: ml_collections.ConfigDict, model_cfg, mesh):
-  """``(model_cfg, line)``: ``model.attention="auto"`` decided for a microbatch of the run
-  on ``mesh`` (:func:`models.attention.resolve_attention`) and the line saying why; any
-  other strategy: ``(model_cfg, None)``."""
-  rows = config.batch_size // config.microbatches
+def resolve_attention(config: ml_collections.ConfigDict, mesh):
+  """``(model_cfg, line)``: ``config``'s :func:`llama_config` with ``model.attention="auto"``
+  decided for a microbatch of the run on ``mesh`` (:func:`models.attention.resolve_attention`)
+  and the line saying why; any other strategy: ``(model_cfg, None)``."""
+  model_cfg, rows = llama_config(config), config.batch_size // config.microbatches
   run_len = run_length(model_cfg, shd.ring_size(mesh.shape), config.data.seq_len)
   resolved, chosen = attn_lib.resolve_attention(model_cfg, mesh, rows, run_len)
   if resolved is model_cfg:
