@@ -220,8 +220,8 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int) -> dict
   m, d = config.model, config.data
   for stage in stages_lib.plan(config) if stages_lib.stage_dicts(config) else ():
     c = stage.config  # c.stages is None: validate_config(c) does not recurse
-    with reraise_as(ConfigError, f"config.stages stage {stage.index + 1} (seq_len="
-                    f"{c.data.seq_len}, steps={stage.steps}): ", catch=ConfigError):
+    with reraise_as(ConfigError, f"config.stages stage {stage.index + 1} "
+                    f"(seq_len={c.data.seq_len}, steps={stage.steps}): ", catch=ConfigError):
       if c.optim.warmup_steps > stage.steps:
         raise ConfigError(f"warmup_steps={c.optim.warmup_steps} exceeds the stage's "
                           f"steps={stage.steps}; each stage warms up anew (set the stage's "
