@@ -79,12 +79,10 @@ def check_pipeline(config: ml_collections.ConfigDict, sizes: dict[str, int]) -> 
                       f"{m.num_layers}; choose mesh.pipeline from {divisors}.")
   for name, rows in (("batch_size", config.batch_size // config.microbatches),
                      ("eval_batch_size", config.eval_batch_size)):
-    try:
+    with reraise_as(ConfigError, f"{name}={config[name]} on mesh.pipeline={stages}: ",
+                    suffix=" Set model.pipeline_microbatches to a divisor of the rows, or "
+                    f"change {name}."):
       pipeline_lib.resolve_microbatches(micro, rows, stages, data_par)
-    except ValueError as e:
-      raise ConfigError(f"{name}={config[name]} on mesh.pipeline={stages}: {e} Set "
-                        "model.pipeline_microbatches to a divisor of the rows, or change "
-                        f"{name}.") from None
 
 
 def check_text_data(d: ml_collections.ConfigDict, m: ml_collections.ConfigDict) -> None:
