@@ -141,11 +141,11 @@ def train(config, workdir: str, *, stop_at_step: int | None = None) -> TrainResu
   log = metrics_lib.log
   if stop_at_step is not None and stop_at_step < 1:
     raise errors.ConfigError(f"stop_at_step must be >= 1, got {stop_at_step}.")
-  config, mesh = _config_and_mesh(config)  # resolved once: fails before anything compiles
-  stages = stages_lib.plan(config)  # one stage unless config.stages
+  config, mesh, stages = _config_and_mesh(config)  # resolved once, before anything compiles
   end_step = min(stop_at_step or config.total_steps, config.total_steps)
   # Installed first: a signal while compiling still ends in a clean stop after one step.
-  with distributed_lib.StopRequest() as stop, jax.set_mesh(mesh):
+  with (distributed_lib.StopRequest() as stop, jax.set_mesh(mesh),
+        contextlib.ExitStack() as closing):  # closes the profile and metric writers
     setup = stages_lib.build_stage(stages[0], mesh)  # abstract: the state's shardings
     log(f"model: {setup.model_cfg.num_params() / 1e6:.2f}M params, "
         f"{setup.model_cfg.flops_per_token(config.data.seq_len) / 1e6:.2f} "
@@ -154,13 +154,14 @@ def train(config, workdir: str, *, stop_at_step: int | None = None) -> TrainResu
                                          keep=config.keep_checkpoints,
                                          async_save=config.async_checkpointing)
     profile = metrics_lib.Profile(val_lib.profile_steps(config), os.path.join(workdir, "profile"))
-    writer = None
+    closing.callback(profile.close)
     try:  # Orbax runs threads from here on: every exit path closes the checkpointer.
       start_step, params, opt_state, data_state = _resume_or_init(config, workdir,
                                                                   checkpointer, setup)
       peak_flops, peak_source = metrics_lib.peak_flops_per_device(config)
       log(f"MFU counted against {peak_flops:.3g} FLOP/s per device: {peak_source}")
       writer = metrics_lib.MetricWriter(workdir, resume_step=start_step)
+      closing.callback(writer.close)
       progress = metrics_lib.Progress(end_step, start_step)
       step, stage_config, evals, stopped_by = start_step, config, [], None
       step_metrics = metrics_lib.StepMetrics(  # the running stage's settings in its message
@@ -170,8 +171,14 @@ def train(config, workdir: str, *, stop_at_step: int | None = None) -> TrainResu
         if stage.end <= step or step >= end_step or stopped_by is not None:
           continue  # done before this call, or this call stops before it
         c = stage_config = stage.config
-        setup, opt_state, run = _start_stage(stage, setup, len(stages), mesh, step, params,
-                                             opt_state, data_state, peak_flops)
+        if setup.stage is not stage:
+          setup = stages_lib.build_stage(stage, mesh)
+        if len(stages) > 1:
+          log(stage.describe())
+        if stage.index > 0 and step == stage.start:  # fresh AdamW state: docs/context_extension.md
+          opt_state = setup.train_step.init_opt_state(params)
+        run = _StageRun(setup, mesh, params, opt_state,
+                        data_state if step > stage.start else None, peak_flops)
         data_state, stage_end = None, min(stage.end, end_step)
         for step in range(step + 1, stage_end + 1):  # run, log, eval, checkpoint
           distributed_lib.note_step(step)  # For the line if a peer process dies.
@@ -217,10 +224,6 @@ def train(config, workdir: str, *, stop_at_step: int | None = None) -> TrainResu
         with contextlib.suppress(Exception):
           checkpointer.close()
       raise
-    finally:  # The profile and the metric writers, on every exit path.
-      profile.close()
-      if writer is not None:
-        writer.close()
   return TrainResult(history=step_metrics.history, evals=evals, params=params,
                      opt_state=opt_state, step=step, mesh=mesh, stopped_by=stopped_by,
                      checkpoint_dir=checkpointer.directory)
@@ -228,7 +231,7 @@ def train(config, workdir: str, *, stop_at_step: int | None = None) -> TrainResu
 
 def _config_and_mesh(config):
   """The config resolved once (``init.hf_dir``, stages, ``"auto"`` fields) and checked, the
-  mesh, and the startup lines that describe them."""
+  mesh and the stages, and the startup lines that describe them."""
   log, count = metrics_lib.log, jax.device_count()
   config = val_lib.resolve_run(config, count, log)
   config, warmup_line = val_lib.clamp_warmup(config)  # a run shorter than its warmup
@@ -238,9 +241,8 @@ def _config_and_mesh(config):
   if buckets_lib.lengths_of(config) and jax.process_count() > 1:
     raise errors.ConfigError("data.length_buckets run in one process (every process would "
                              "have to fill the same bucket first); drop the buckets.")
-  mesh = mesh_lib.make_mesh(config.mesh)
-  first = stages_lib.plan(config)[0].config  # attention="auto" is decided per stage's shapes
-  model_cfg, attention_line = val_lib.resolve_attention(first, val_lib.llama_config(first), mesh)
+  mesh, stages = mesh_lib.make_mesh(config.mesh), stages_lib.plan(config)
+  model_cfg, attention_line = val_lib.resolve_attention(stages[0].config, mesh)  # per stage
   log(f"devices: {count} x {jax.devices()[0].device_kind} "
       f"({jax.process_count()} process(es)); mesh {sizes}; attention={model_cfg.attention} "
       f"layout={model_cfg.layout} ring={shd.ring_size(sizes)}"
@@ -255,7 +257,7 @@ def _config_and_mesh(config):
     log(f"pipeline: {sizes['pipeline']} stages x {model_cfg.num_layers // sizes['pipeline']} "
         f"layers, GPipe over {micro} microbatches, bubble fraction "
         f"{pipeline_lib.bubble_fraction(sizes['pipeline'], micro):.3f}")
-  return config, mesh
+  return config, mesh, stages
 
 
 def _resume_or_init(config, workdir, checkpointer, setup):
@@ -286,17 +288,43 @@ def _resume_or_init(config, workdir, checkpointer, setup):
   return restored
 
 
-@dataclasses.dataclass
 class _StageRun:
-  """A stage's compiled programs and data: ``programs[i]`` runs a batch of bucket ``i`` (one
-  program, ``buckets=()``, without ``data.length_buckets``)."""
-  setup: stages_lib.StageSetup
-  programs: list
-  buckets: tuple
-  batches: Any  # this process's batches (checkpointable); with buckets, (bucket, batch) pairs
-  batch_sharding: Any
-  eval_dataset: Any
-  throughput: metrics_lib.Throughput
+  """A stage's data and its train step's programs, compiled ahead of time: ``programs[i]``
+  runs a batch of bucket ``i`` (one program, ``buckets=()``, without ``data.length_buckets``)."""
+
+  def __init__(self, setup, mesh, params, opt_state, data_state, peak_flops):
+    log, c, self.setup = metrics_lib.log, setup.stage.config, setup
+    # This process's rows in the ring's layout, sharded (data, sequence); with
+    # data.length_buckets whole batches per bucket, each on its own re-split mesh.
+    self.batch_sharding, ring_size = batch_lib.sharding(mesh), shd.ring_size(mesh.shape)
+    self.buckets = buckets_lib.plan(c, setup.model_cfg, mesh)
+    if self.buckets:
+      log(buckets_lib.describe(self.buckets))
+      self.batches = buckets_lib.BucketedBatches(data_lib.text_documents(c, "train"),
+                                                 self.buckets, c.model.layout)
+    else:
+      self.batches = data_lib.make_iterator(
+          data_lib.make_dataset(c, self.batch_sharding, ring_size, split="train"))
+    if data_state is not None:  # resumed inside the stage
+      self.batches.set_state(data_state)
+    self.eval_dataset = data_lib.make_dataset(c, self.batch_sharding, ring_size, split="eval")
+    t0 = time.perf_counter()
+    self.programs = [setup.train_step.compile(setup.train_shape, params, opt_state)]
+    if self.buckets:  # one program per bucket; the full ring's is the run's own
+      self.programs[:0] = buckets_lib.compile_steps(setup.train_step, self.buckets[:-1],
+                                                    c.microbatches, params, opt_state)
+      log(buckets_lib.compiled_count_line(len(self.programs)))
+    memory = self.programs[-1].memory_analysis()
+    log(f"compiled train step in {time.perf_counter() - t0:.1f}s"
+        + (f"; per-device temp {memory.temp_size_in_bytes / 2**20:.1f} MiB, arguments "
+           f"{memory.argument_size_in_bytes / 2**20:.1f} MiB" if memory is not None else ""))
+    if setup.model_cfg.attention != "dense":  # what "auto" chose, and its self-check
+      log(ring_jax.kernels.describe(setup.model_cfg.hop_kernel))
+      log(attn_lib.describe_routing(setup.model_cfg, mesh))
+    self.throughput = metrics_lib.Throughput(
+        tokens_per_step=c.batch_size * c.data.seq_len,
+        flops_per_token=setup.model_cfg.flops_per_token(c.data.seq_len),
+        peak_flops=peak_flops, num_devices=jax.device_count())
 
   def step(self, params, opt_state):
     """One train step on the next batch: ``(params, opt_state, metrics)``."""
@@ -307,54 +335,6 @@ class _StageRun:
     batch = data_lib.to_global(local, sharding or self.batch_sharding, shape)
     self.throughput.tick()
     return self.programs[index](params, opt_state, batch)
-
-
-def _start_stage(stage, setup, num_stages, mesh, step, params, opt_state, data_state,
-                 peak_flops):
-  """``(setup, opt_state, run)`` of ``stage`` starting after ``step``: its train step (a fresh
-  AdamW state when the stage starts now: docs/context_extension.md says why), its data
-  (resumed from ``data_state`` inside the stage) and its programs, compiled ahead of time."""
-  log, c = metrics_lib.log, stage.config
-  if setup.stage is not stage:
-    setup = stages_lib.build_stage(stage, mesh)
-  if num_stages > 1:
-    log(stage.describe())
-  if stage.index > 0 and step == stage.start:
-    opt_state = setup.train_step.init_opt_state(params)
-  # This process's rows in the ring's layout, sharded (data, sequence); with
-  # data.length_buckets whole batches per bucket, each on its own re-split mesh.
-  batch_sharding, ring_size = batch_lib.sharding(mesh), shd.ring_size(mesh.shape)
-  buckets = buckets_lib.plan(c, setup.model_cfg, mesh)
-  if buckets:
-    log(buckets_lib.describe(buckets))
-    batches = buckets_lib.BucketedBatches(data_lib.text_documents(c, "train"), buckets,
-                                          c.model.layout)
-  else:
-    batches = data_lib.make_iterator(
-        data_lib.make_dataset(c, batch_sharding, ring_size, split="train"))
-  if data_state is not None and step > stage.start:  # the checkpoint's stage
-    batches.set_state(data_state)
-  eval_dataset = data_lib.make_dataset(c, batch_sharding, ring_size, split="eval")
-  t0 = time.perf_counter()
-  programs = [setup.train_step.compile(setup.train_shape, params, opt_state)]
-  if buckets:  # one program per bucket; the full ring's is the run's own
-    programs[:0] = buckets_lib.compile_steps(setup.train_step, buckets[:-1], c.microbatches,
-                                             params, opt_state)
-    log(buckets_lib.compiled_count_line(len(programs)))
-  memory = programs[-1].memory_analysis()
-  log(f"compiled train step in {time.perf_counter() - t0:.1f}s"
-      + (f"; per-device temp {memory.temp_size_in_bytes / 2**20:.1f} MiB, arguments "
-         f"{memory.argument_size_in_bytes / 2**20:.1f} MiB" if memory is not None else ""))
-  if setup.model_cfg.attention != "dense":  # what "auto" chose, and its self-check
-    log(ring_jax.kernels.describe(setup.model_cfg.hop_kernel))
-    log(attn_lib.describe_routing(setup.model_cfg, mesh))
-  throughput = metrics_lib.Throughput(
-      tokens_per_step=c.batch_size * c.data.seq_len,
-      flops_per_token=setup.model_cfg.flops_per_token(c.data.seq_len),
-      peak_flops=peak_flops, num_devices=jax.device_count())
-  return setup, opt_state, _StageRun(
-      setup=setup, programs=programs, buckets=buckets, batches=batches,
-      batch_sharding=batch_sharding, eval_dataset=eval_dataset, throughput=throughput)
 
 
 def main(argv) -> None:
@@ -409,12 +389,10 @@ def main(argv) -> None:
     print(f"done: nothing to do, the checkpoint in {result.checkpoint_dir} is already at step "
           f"{result.step} (total_steps or --stop_at_step); {wall}", flush=True)
     return
-  final_eval = result.evals[-1] if result.evals else {}
+  final = [f"{k} {v:.4f}" for k, v in (result.evals or [{}])[-1].items() if k != "step"]
   print(f"done: step {result.step}, train loss {result.history[0]['loss']:.4f} -> "
         f"{result.history[-1]['loss']:.4f}"
-        + (", final eval " + ", ".join(f"{k} {v:.4f}" for k, v in final_eval.items()
-                                       if k != "step") if final_eval else "")
-        + f", {wall}", flush=True)
+        + (", final eval " + ", ".join(final) if final else "") + f", {wall}", flush=True)
 
 
 if __name__ == "__main__":

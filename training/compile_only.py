@@ -166,12 +166,9 @@ def compile_stages(config, topology: str | None = None, slices: int = 1) -> list
     stages = stages_lib.plan(config)
     for stage in stages:
       setup = stages_lib.build_stage(stage, mesh)
-      c = stage.config
-      if stage.index == 0:
-        _, line = val_lib.resolve_attention(c, val_lib.llama_config(c), mesh)
-        if line:
-          log(line)
-      m = setup.model_cfg
+      c, m = stage.config, setup.model_cfg
+      if stage.index == 0 and setup.attention_line:  # build_stage logs the later stages'
+        log(setup.attention_line)
       log(f"{stage.describe() + ': ' if len(stages) > 1 else ''}train step of "
           f"{m.num_params() / 1e6:,.2f}M params, batch {setup.train_shape[0]} x "
           f"{setup.train_shape[1]} tokens, attention={m.attention} layout={m.layout} "
@@ -180,8 +177,7 @@ def compile_stages(config, topology: str | None = None, slices: int = 1) -> list
       with compiling(where):
         compiled = setup.train_step.compile(setup.train_shape)
       lines, row = memory_lines(compiled, where, time.perf_counter() - t0)
-      for line in lines:
-        log(line)
+      log("\n".join(lines))
       buckets = buckets_lib.plan(c, m, mesh)
       if buckets:  # every bucket's program, as the run compiles them
         log(buckets_lib.describe(buckets))

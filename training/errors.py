@@ -18,10 +18,10 @@ class UsageError(ValueError):
 
 
 @contextlib.contextmanager
-def reraise_as(error: type[Exception], prefix: str = "", catch=ValueError):
-  """Inside: a ``catch`` exception re-raised as ``error(prefix + its message)``, without the
-  original's chain (the line a script prints)."""
+def reraise_as(error: type[Exception], prefix: str = "", catch=ValueError, suffix: str = ""):
+  """Inside: a ``catch`` exception re-raised as ``error(prefix + its message + suffix)``,
+  without the original's chain (the line a script prints)."""
   try:
     yield
   except catch as e:
-    raise error(f"{prefix}{e}") from None
+    raise error(f"{prefix}{e}{suffix}") from None

@@ -16,6 +16,9 @@ from typing import Any
 import ml_collections
 from ml_collections import config_dict
 
+from models import sharding as shd
+from training import metrics as metrics_lib
+from training import step as step_lib
 from training.errors import ConfigError
 
 #: Stage field -> (the config field it sets, its type). ``steps`` sets no field: it is
@@ -181,6 +184,7 @@ class StageSetup:
   """What one stage builds (:func:`build_stage`): its step, schedule and batch shapes."""
   stage: Stage
   model_cfg: Any
+  attention_line: str | None  # why model.attention="auto" chose; logged here after stage 1
   train_step: Any  # training.step.TrainStep
   schedule: Any  # learning rate at the stage's update count (0 at its first step)
   train_shape: tuple[int, int]
@@ -191,13 +195,10 @@ def build_stage(stage: Stage, mesh) -> StageSetup:
   """The train step of ``stage`` (abstract only): its model and an optimizer whose schedule
   spans the stage's steps, its batch shapes ``[rows, run length]`` (the padding logged).
   Parameter shapes are the same in every stage, so any stage restores another's checkpoint."""
-  from models import sharding as shd  # Local: this module's config code needs no JAX.
-  from training import metrics as metrics_lib
-  from training import step as step_lib
-  from training import validation as val_lib
+  from training import validation as val_lib  # Local: validation imports this module.
 
   c = stage.config
-  model_cfg, attention_line = val_lib.resolve_attention(c, val_lib.llama_config(c), mesh)
+  model_cfg, attention_line = val_lib.resolve_attention(c, mesh)
   if attention_line and stage.index > 0:  # train.py logs the first stage's
     metrics_lib.log(attention_line)
   ring = shd.ring_size(mesh.shape)
@@ -207,10 +208,9 @@ def build_stage(stage: Stage, mesh) -> StageSetup:
   run_len = val_lib.run_length(model_cfg, ring, c.data.seq_len)  # data.seq_len, padded
   train_step = cached_train_step(model_cfg, mesh, ml_collections.FrozenConfigDict(c.optim),
                                  stage.steps, c.microbatches, c.seed)
-  return StageSetup(stage=stage, model_cfg=model_cfg, train_step=train_step,
-                    schedule=step_lib.make_schedule(c.optim, stage.steps),
-                    train_shape=(c.batch_size, run_len),
-                    eval_shape=(c.eval_batch_size, run_len))
+  return StageSetup(stage=stage, model_cfg=model_cfg, attention_line=attention_line,
+                    train_step=train_step, schedule=step_lib.make_schedule(c.optim, stage.steps),
+                    train_shape=(c.batch_size, run_len), eval_shape=(c.eval_batch_size, run_len))
 
 
 @functools.lru_cache(maxsize=4)
@@ -219,7 +219,5 @@ def cached_train_step(model_cfg, mesh, optim: ml_collections.FrozenConfigDict, s
   """``build_train_step`` with an optimizer over ``steps``, or the same one built before: the
   last few are kept, so a second train() of the same setup in one process reuses the jitted
   step and JAX's compiled program (the key holds everything the program depends on)."""
-  from training import step as step_lib
-
   tx = step_lib.make_optimizer(optim, steps)
   return step_lib.build_train_step(model_cfg, mesh, tx, microbatches=microbatches, seed=seed)

@@ -96,12 +96,6 @@ def train_step(params, opt_state, batch, *, graphdef, rest, tx: optax.GradientTr
   return params, opt_state, metrics
 
 
-def eval_step(params, batch, *, graphdef, rest):
-  """Summed loss, token count and correct-argmax count (combined over batches on host)."""
-  loss_sum, aux = loss_sums(graphdef, params, rest, batch)
-  return dict(loss_sum=loss_sum, tokens=aux["tokens"], correct=aux["correct"])
-
-
 def jit_train_step(*, graphdef, rest, tx, microbatches: int, mesh, param_shardings,
                    opt_shardings) -> Callable:
   """``jax.jit`` with explicit in/out shardings; params and opt_state are donated."""
@@ -145,8 +139,11 @@ class TrainStep:
 
   @functools.cached_property
   def eval_step(self) -> Callable:
-    """The jitted eval step of the same model, built once per TrainStep."""
-    step = functools.partial(eval_step, graphdef=self.graphdef, rest=self.rest)
+    """The jitted eval step of the same model, built once per TrainStep: the summed loss,
+    target count and correct-argmax count of a batch (combined over batches on host)."""
+    def step(params, batch):
+      loss_sum, aux = loss_sums(self.graphdef, params, self.rest, batch)
+      return dict(loss_sum=loss_sum, **aux)
     return jax.jit(step, in_shardings=(self.param_shardings, batch_lib.shardings(self.mesh)),
                    out_shardings=NamedSharding(self.mesh, P()))
 
@@ -176,10 +173,8 @@ class TrainStep:
       if "annotate_device_placement" in line and '"pinned_host"' in line:
         shape, dtype = _PLACED.search(line).groups()
         total += math.prod(int(d) for d in shape.split("x")) * _DTYPE_BYTES[dtype]
-    spec = batch_lib.spec(self.mesh)
-    shards = math.prod(self.mesh.shape[a] for part in spec if part is not None
-                       for a in ((part,) if isinstance(part, str) else part))
-    return total * layers // shards
+    shard = batch_lib.sharding(self.mesh).shard_shape(batch_shape)
+    return total * layers // (math.prod(batch_shape) // math.prod(shard))
 
 
 # The result type of a placement annotation: "-> tensor<1x256x64xbf16>".

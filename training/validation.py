@@ -5,7 +5,6 @@ model's ``LlamaConfig`` made of ``config.model``."""
 from __future__ import annotations
 
 import math
-import operator
 
 import jax
 import ml_collections
@@ -80,12 +79,10 @@ def check_pipeline(config: ml_collections.ConfigDict, sizes: dict[str, int]) -> 
                       f"{m.num_layers}; choose mesh.pipeline from {divisors}.")
   for name, rows in (("batch_size", config.batch_size // config.microbatches),
                      ("eval_batch_size", config.eval_batch_size)):
-    try:
+    with reraise_as(ConfigError, f"{name}={config[name]} on mesh.pipeline={stages}: ",
+                    suffix=" Set model.pipeline_microbatches to a divisor of the rows, or "
+                    f"change {name}."):
       pipeline_lib.resolve_microbatches(micro, rows, stages, data_par)
-    except ValueError as e:
-      raise ConfigError(f"{name}={config[name]} on mesh.pipeline={stages}: {e} Set "
-                        "model.pipeline_microbatches to a divisor of the rows, or change "
-                        f"{name}.") from None
 
 
 def check_text_data(d: ml_collections.ConfigDict, m: ml_collections.ConfigDict) -> None:
@@ -108,8 +105,8 @@ def check_text_data(d: ml_collections.ConfigDict, m: ml_collections.ConfigDict) 
                       "--config.model.vocab_size (the embedding must cover every token id).")
 
 
-#: The valid range of each numeric field (``"> 0"``, ``"[0, 1)"``; ``"int ..."``: a whole
-#: number), checked by :func:`check_ranges`; an unset or absent field is not checked. The
+#: The valid range of each numeric field (``"> 0"``, ``">= 0"``, ``"[0, 1)"``; ``"int ..."``: a
+#: whole number), checked by :func:`check_ranges`; an unset or absent field is not checked. The
 #: fields ``LlamaConfig``, :func:`training.mesh.mesh_shape` or the kv task check are theirs.
 NUMERIC_RANGES: dict[str, str] = {
     # AdamW with global-norm clipping and warmup + cosine decay (training/step.py).
@@ -158,10 +155,9 @@ NUMERIC_RANGES: dict[str, str] = {
 
 def _in_range(value: float, rule: str) -> bool:
   """Whether the finite number ``value`` obeys ``rule`` (without its ``int`` prefix)."""
-  if rule.startswith((">", "<")):
+  if rule[0] == ">":
     op, bound = rule.split()
-    compare = {">": operator.gt, ">=": operator.ge, "<": operator.lt, "<=": operator.le}[op]
-    return compare(value, float(bound))
+    return value > float(bound) if op == ">" else value >= float(bound)
   low, high = (float(x) for x in rule[1:-1].split(","))
   return ((low < value if rule[0] == "(" else low <= value)
           and (value < high if rule[-1] == ")" else value <= high))
@@ -183,7 +179,7 @@ def check_ranges(config: ml_collections.ConfigDict, prefix: str = "") -> None:
     number = not isinstance(node, bool) and isinstance(node, (int, float))
     finite = number and (isinstance(node, int) or (not whole and math.isfinite(node)))
     if not (finite and _in_range(node, bounds)):
-      what = bounds if bounds[0] in "<>" else f"in {bounds}"
+      what = bounds if bounds[0] == ">" else f"in {bounds}"
       what = (f"a whole number {what}" if whole else what if finite
               else f"a finite number {what}")
       raise ConfigError(f"{path}={node!r} must be {what}.")
@@ -222,15 +218,13 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int) -> dict
   m, d = config.model, config.data
   for stage in stages_lib.plan(config) if stages_lib.stage_dicts(config) else ():
     c = stage.config  # c.stages is None: validate_config(c) does not recurse
-    try:
+    with reraise_as(ConfigError, f"config.stages stage {stage.index + 1} "
+                    f"(seq_len={c.data.seq_len}, steps={stage.steps}): ", catch=ConfigError):
       if c.optim.warmup_steps > stage.steps:
         raise ConfigError(f"warmup_steps={c.optim.warmup_steps} exceeds the stage's "
                           f"steps={stage.steps}; each stage warms up anew (set the stage's "
                           "warmup_steps=, or --config.optim.warmup_steps=).")
       validate_config(c, num_devices)
-    except ConfigError as e:
-      raise ConfigError(f"config.stages stage {stage.index + 1} (seq_len={c.data.seq_len}, "
-                        f"steps={stage.steps}): {e}") from None
 
   with reraise_as(ConfigError):  # heads over 'tensor' (one K/V head, MQA, is replicated)
     attention_axes(sizes, batch=1, heads=m.num_heads, kv_heads=m.num_kv_heads, batch_axis=None,
@@ -300,11 +294,11 @@ def llama_config(config: ml_collections.ConfigDict):
     return LlamaConfig.from_dict(fields)
 
 
-def resolve_attention(config: ml_collections.ConfigDict, model_cfg, mesh):
-  """``(model_cfg, line)``: ``model.attention="auto"`` decided for a microbatch of the run
-  on ``mesh`` (:func:`models.attention.resolve_attention`) and the line saying why; any
-  other strategy: ``(model_cfg, None)``."""
-  rows = config.batch_size // config.microbatches
+def resolve_attention(config: ml_collections.ConfigDict, mesh):
+  """``(model_cfg, line)``: ``config``'s :func:`llama_config` with ``model.attention="auto"``
+  decided for a microbatch of the run on ``mesh`` (:func:`models.attention.resolve_attention`)
+  and the line saying why; any other strategy: ``(model_cfg, None)``."""
+  model_cfg, rows = llama_config(config), config.batch_size // config.microbatches
   run_len = run_length(model_cfg, shd.ring_size(mesh.shape), config.data.seq_len)
   resolved, chosen = attn_lib.resolve_attention(model_cfg, mesh, rows, run_len)
   if resolved is model_cfg:

@@ -292,8 +292,7 @@ def test_weight_decay_skips_stacked_norm_scales():
 def _losses(config, steps: int = 3):
   """Losses of ``steps`` train steps of ``config`` on its mesh (same seed and batches)."""
   mesh = mesh_lib.make_mesh(config.mesh)
-  model_cfg = val_lib.llama_config(config)
-  model_cfg, _ = val_lib.resolve_attention(config, model_cfg, mesh)
+  model_cfg, _ = val_lib.resolve_attention(config, mesh)
   tx = step_lib.make_optimizer(config.optim, config.total_steps)
   train_step = step_lib.build_train_step(model_cfg, mesh, tx, seed=config.seed)
   params, opt_state = train_step.init_state()
@@ -343,7 +342,7 @@ def test_auto_attention_is_decided_once_and_says_why(tmp_path, capsys):
   the line train.py prints at startup (and runs); any other strategy is left as it is."""
   config = small_config(**{"model.attention": "auto", "total_steps": 1})
   mesh = mesh_lib.make_mesh(config.mesh)
-  resolved, line = val_lib.resolve_attention(config, val_lib.llama_config(config), mesh)
+  resolved, line = val_lib.resolve_attention(config, mesh)
   assert resolved.attention in ("ring", "all_gather", "ulysses")
   assert line.startswith(f"attention=auto -> {resolved.attention} (ring_jax.plan): ")
   assert len(line) > len("attention=auto -> ring (ring_jax.plan): ") + 10  # the reasons
@@ -352,8 +351,7 @@ def test_auto_attention_is_decided_once_and_says_why(tmp_path, capsys):
   startup = capsys.readouterr().out.splitlines()
   assert f"attention={resolved.attention} " in startup[0] and startup[1] == line
   ring = small_config()
-  model_cfg = val_lib.llama_config(ring)
-  assert val_lib.resolve_attention(ring, model_cfg, mesh) == (model_cfg, None)
+  assert val_lib.resolve_attention(ring, mesh) == (val_lib.llama_config(ring), None)
 
 
 @pytest.mark.parametrize("overrides,match", [
