@@ -207,7 +207,8 @@ def run(config, *, workdir=None, hf_dir=None, prompts: list[str], max_new_tokens
       f"{inference.cache_bytes_per_device(model_cfg, mesh, len(ids), cache_len) / 2**20:.2f} "
       "MiB per device")
   gen = inference.Generator(model_cfg, params, mesh, cache_len)
-  vocab_limit = tok.vocab_limit if tok.vocab_limit and tok.vocab_limit < model_cfg.vocab_size else None
+  vocab_limit = (tok.vocab_limit if tok.vocab_limit and tok.vocab_limit < model_cfg.vocab_size
+                 else None)
   produced: list[list[int]] = [[] for _ in ids]
   done = [False] * len(ids)
   streamed = ""

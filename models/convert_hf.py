@@ -95,7 +95,8 @@ from flax import nnx
 from models import sharding as shd
 from models.llama import Llama, LlamaConfig
 
-#: The ``LlamaConfig`` fields a Hugging Face ``config.json`` determines (see :func:`hf_model_fields`).
+#: The ``LlamaConfig`` fields a Hugging Face ``config.json`` determines (see
+#: :func:`hf_model_fields`).
 HF_FIELDS: tuple[str, ...] = ("vocab_size", "dim", "num_layers", "num_heads", "num_kv_heads",
                               "head_dim", "mlp_dim", "rope_theta", "rope_scaling", "norm_eps",
                               "tie_embeddings", "qkv_bias", "qk_norm", "sliding_window",

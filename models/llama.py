@@ -331,8 +331,9 @@ def weight_decay_mask(params):
 
   Decided by the ``logical_axes`` metadata, not by ``ndim``: the stacked norm
   scales are ``[layers, dim]``, 2-D like a matrix; a parameter whose last axis is
-  ``heads`` is a sink logit per head (every weight's last axis is ``head_dim`` or ``embed``). Takes a Module, a State or
-  any pytree of Variables and returns the same structure holding bools.
+  ``heads`` is a sink logit per head (every weight's last axis is ``head_dim`` or ``embed``).
+  Takes a Module, a State or any pytree of Variables and returns the same structure holding
+  bools.
   """
   if isinstance(params, nnx.Module):
     params = nnx.state(params)

@@ -117,9 +117,9 @@ for d in devices:
 # other device counts get a ring over as many devices as divide 4. On a single-chip runtime
 # (e.g. TPU v5e-1) the ring has size 1: everything runs, but nothing travels; pick a
 # multi-core TPU runtime (v2-8) to see a real ring, or read
-# [docs/training.md](https://github.com/ring-jax/ring_jax/blob/main/docs/training.md) for pod slices and multi-GPU hosts.
-# `jax.make_mesh` orders the devices along the physical interconnect, so ring neighbours
-# are link neighbours on a TPU.
+# [docs/training.md](https://github.com/ring-jax/ring_jax/blob/main/docs/training.md) for pod
+# slices and multi-GPU hosts. `jax.make_mesh` orders the devices along the physical
+# interconnect, so ring neighbours are link neighbours on a TPU.
 
 # %%
 n = len(devices)
@@ -377,6 +377,8 @@ assert max(err_y, err_g) < (2e-2 if ON_ACCELERATOR else 1e-4)
 # `ring_jax.ring_attention_sharded(q, k, v, is_causal=True, segment_ids=seg,
 # layout="zigzag", inputs_in_layout=True)` replaces the explicit `shard_map` above with one
 # call (it reads the mesh set with `jax.set_mesh`, shards batch over `data` and heads over
-# `tensor` too). See [docs/using_the_kernel.md](https://github.com/ring-jax/ring_jax/blob/main/docs/using_the_kernel.md)
+# `tensor` too). See
+# [docs/using_the_kernel.md](https://github.com/ring-jax/ring_jax/blob/main/docs/using_the_kernel.md)
 # for segment ids, GQA/MQA under tensor parallelism, sliding windows and block sizes, and
-# [docs/performance.md](https://github.com/ring-jax/ring_jax/blob/main/docs/performance.md) for choosing the ring size and layout.
+# [docs/performance.md](https://github.com/ring-jax/ring_jax/blob/main/docs/performance.md) for
+# choosing the ring size and layout.

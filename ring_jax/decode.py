@@ -37,8 +37,8 @@ def partial_attention(q_BTNH, k_BSKH, v_BSKH, mask_BTS, scale: float | None = No
   """``(o [B, T, N, Hv] float32, lse [B, T, N] float32)`` of queries over local keys.
 
   ``v`` ``[B, S, K, Hv]``: V's head size ``Hv`` may differ from Q/K's ``H`` (MLA); K and V
-  stay two arrays. ``logits_soft_cap`` ``c``: scores become ``c * tanh(score / c)`` before masking (as
-  :func:`ring_jax.ring_attention`'s).
+  stay two arrays. ``logits_soft_cap`` ``c``: scores become ``c * tanh(score / c)`` before
+  masking (as :func:`ring_jax.ring_attention`'s).
 
   GQA: query head ``n`` uses key/value head ``n // (N // K)``. ``o`` is
   normalised over the visible keys (0 where none is visible, with

@@ -14,8 +14,9 @@ never builds the ``[q_length, kv_length]`` matrix a mask or bias lives on):
 ``is_causal=True``, ``segment_ids=`` (packed documents and padding) and
 ``local_window_size=``; so do attention sinks (``sinks=``, GPT-OSS) and a logit soft-cap
 (``logits_soft_cap=``, Gemma 2), which Flax's signature has no place for.
-V's head size may differ from Q/K's (MLA) where a module passes such values. A module that passes a ``mask``, a ``bias``, active
-dropout or ``sow_weights=True`` is refused with a ``ValueError`` naming that fix.
+V's head size may differ from Q/K's (MLA) where a module passes such values. A module that
+passes a ``mask``, a ``bias``, active dropout or ``sow_weights=True`` is refused with a
+``ValueError`` naming that fix.
 """
 
 from __future__ import annotations

@@ -299,9 +299,11 @@ def _reorder_shard(x, layout, axis_name, axis, inverse):
   if layout == "contiguous" or n == 1:
     return x
   if not can_reorder_shards(layout, n, local_len):
+    need = ("striped needs a multiple of the ring size" if layout == "striped"
+            else "zigzag needs an even length")
     raise ValueError(
         f"cannot reorder a local shard of {local_len} tokens into layout={layout!r} over "
-        f"{n} devices: {'striped needs a multiple of the ring size' if layout == 'striped' else 'zigzag needs an even length'}.")
+        f"{n} devices: {need}.")
   if layout == "zigzag":
     half = local_len // 2
     even_device = jax.lax.axis_index(axis_name) % 2 == 0

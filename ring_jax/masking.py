@@ -123,7 +123,8 @@ def block_segments(seg, block: int) -> BlockSegments:
 
 
 def _share_a_segment(q: BlockSegments, k: BlockSegments):
-  """bool ``[B, nq, nk]``: the blocks' ranges of non-padding ids overlap (see :func:`blocks_share_a_segment`)."""
+  """bool ``[B, nq, nk]``: the blocks' ranges of non-padding ids overlap (see
+  :func:`blocks_share_a_segment`)."""
   return (q.lo[:, :, None] <= k.hi[:, None, :]) & (k.lo[:, None, :] <= q.hi[:, :, None])
 
 
@@ -277,12 +278,14 @@ def merge_rows(ranges):
 
 
 def rows_cover(ranges, i, j):
-  """bool: block ``j`` lies in the range of block ``i`` in some batch row (``ranges`` ``[R, n, 4]``)."""
+  """bool: block ``j`` lies in the range of block ``i`` in some batch row (``ranges``
+  ``[R, n, 4]``)."""
   return ((ranges[:, i, 0] <= j) & (j < ranges[:, i, 3])).any()
 
 
 def segment_ids_int32(q_seg, kv_seg):
-  """Segment ids as int32 (for kernels that take int32 ids), keeping equality and the 0 = padding rule.
+  """Segment ids as int32 (for kernels that take int32 ids), keeping equality and the 0 =
+  padding rule.
 
   Ids that already fit int32 are cast. Wider ids (int64 / uint32 / uint64 values
   outside int32) are remapped to dense int32 codes by rank over the union of both

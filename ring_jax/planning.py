@@ -553,8 +553,8 @@ assert tuple(_COSTS) == STRATEGIES
 
 
 def plan(*, batch: int, seq_len: int, heads: int, head_dim: int, kv_heads: int | None = None,
-         value_head_dim: int | None = None, dtype="bfloat16", is_causal: bool = True, local_window_size=None,
-         layout: str = "zigzag", sequence=8, tensor: int = 1, data: int = 1,
+         value_head_dim: int | None = None, dtype="bfloat16", is_causal: bool = True,
+         local_window_size=None, layout: str = "zigzag", sequence=8, tensor: int = 1, data: int = 1,
          device: str | None = None, peak_flops: float | None = None,
          link_bandwidth: float | None = None, network_bandwidth: float | None = None,
          memory_bytes: float | None = None, backward: bool = True, block: int | None = None,

@@ -96,9 +96,10 @@ class RingConfig:
 def platform_defaults(platform: str | None = None, *, causal_routing=None,
                       overlap_dkv=None) -> dict:
   """``{"causal_routing", "overlap_dkv"}`` with ``None`` resolved for ``platform`` (default:
-  the one compiled for, :func:`ring_jax.topology.target_platform`) by :data:`PLATFORM_DEFAULTS`: ``overlap_dkv`` becomes a bool
-  (``False`` where the table says nothing), ``causal_routing`` stays ``None`` (the layout
-  rule of :func:`ring_jax.routing.check_routing`) where the table says nothing."""
+  the one compiled for, :func:`ring_jax.topology.target_platform`) by
+  :data:`PLATFORM_DEFAULTS`: ``overlap_dkv`` becomes a bool (``False`` where the table says
+  nothing), ``causal_routing`` stays ``None`` (the layout rule of
+  :func:`ring_jax.routing.check_routing`) where the table says nothing."""
   rule = PLATFORM_DEFAULTS.get(platform or topology.target_platform(), {})
   if causal_routing is None:
     causal_routing = rule.get("causal_routing")
@@ -487,8 +488,9 @@ def hops_of(i, span):
 
 def v_finite_flags(routes: routing.Routes, axis_name, v):
   """bool ``[n, streams]`` (``[n]`` when one stream is the whole shard): device ``d``'s
-  part of each stream of its V shard holds no NaN/inf. One pass over the local V and one gather per forward, instead of a pass over V
-  at every hop (the kernels' non-finite-V guard reads the flag of the part they hold)."""
+  part of each stream of its V shard holds no NaN/inf. One pass over the local V and one
+  gather per forward, instead of a pass over V at every hop (the kernels' non-finite-V guard
+  reads the flag of the part they hold)."""
   finite = jnp.isfinite(v)
   if len(routes.streams) == 1 and routes.streams[0].stop - routes.streams[0].start == v.shape[1]:
     return jax.lax.all_gather(finite.all(), axis_name)  # [n]: one stream, the whole shard
@@ -505,7 +507,8 @@ def _masks(cfg: RingConfig, device, hop, q_pos, seg, kv_seg, hops=(), v_finite=N
   pos, flags = [], []
   for i, stream in enumerate(routes.streams):
     src = stream.source(device, hop, n)
-    pos.append(layouts.local_positions(cfg.layout, n, routes.local_len, src)[stream.start:stream.stop])
+    pos.append(
+        layouts.local_positions(cfg.layout, n, routes.local_len, src)[stream.start:stream.stop])
     if v_finite is not None:
       flags.append(v_finite[src] if v_finite.ndim == 1 else v_finite[src, i])
   finite = None if v_finite is None else functools.reduce(jnp.logical_and, flags)

@@ -29,8 +29,8 @@ class Schedule:
   ``(d - h) mod n`` (K/V travel ``d -> d+1``).
 
   With :attr:`routes` (:func:`ring_jax.routing.routes`), device ``d`` holds at hop ``h`` each
-  stream's part of the shard of device ``stream.source(d, h, n)`` instead (zigzag: the early chunk of
-  ``d - h``, the late chunk of ``d + h``), side by side in stream order.
+  stream's part of the shard of device ``stream.source(d, h, n)`` instead (zigzag: the early
+  chunk of ``d - h``, the late chunk of ``d + h``), side by side in stream order.
 
   Attributes:
     pairs: int32 ``[n, n, Q*K, 2]``: ``pairs[d, h, p] = (q_block, kv_block)`` for

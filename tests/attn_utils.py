@@ -68,7 +68,8 @@ def assert_close(actual, expected, rtol=1e-5, atol=1e-5, what=""):
   bound = atol + rtol * np.abs(expected)
   worst = np.unravel_index(np.argmax(err - bound), err.shape)
   assert (err <= bound).all(), (
-      f"{what}: max abs err {err.max():.3g}; worst at {worst}: {actual[worst]} vs {expected[worst]}")
+      f"{what}: max abs err {err.max():.3g}; worst at {worst}: "
+      f"{actual[worst]} vs {expected[worst]}")
 
 
 def programs_compiled(caplog, fn, *args, **kwargs):

@@ -27,8 +27,9 @@ Runs of several ``jax.distributed`` processes use a cache directory of their own
 (``train_procs.env``): on CPU, JAX's cache key does not tell a 2-process program on 2x4
 devices from a 1-process one on 8 (same HLO, same device ids), and
 ``tests/training/test_multiprocess.py`` runs both of one config, so a shared cache would hand a
-2-process ``train.py`` run the 1-process train step. Among themselves the 2-process runs share theirs as a multi-host job shares one
-(process 0 writes, every process reads), so a resumed 2-process run loads its step.
+2-process ``train.py`` run the 1-process train step. Among themselves the 2-process runs share
+theirs as a multi-host job shares one (process 0 writes, every process reads), so a resumed
+2-process run loads its step.
 """
 import atexit
 import os
@@ -167,12 +168,12 @@ def _mark_newest_jax(items):
 
 @pytest.hookimpl(tryfirst=True)  # before -m deselects by the markers set here
 def pytest_collection_modifyitems(items):
-  """Marks leg 2's selection (NEWEST_JAX_FOLDERS), then orders whole files (a module's fixtures stay set up once) for pytest-xdist's
-  ``--dist worksteal`` with 2 workers: worker 0 starts with the first half of the list,
-  worker 1 with the second, and an idle worker steals the end of the other's queue. So
-  the slow files, split between the halves by time (longest first), start each half and
-  the quick files fill the ends: the run does not end waiting on one long test while the
-  other worker idles."""
+  """Marks leg 2's selection (NEWEST_JAX_FOLDERS), then orders whole files (a module's
+  fixtures stay set up once) for pytest-xdist's ``--dist worksteal`` with 2 workers: worker 0
+  starts with the first half of the list, worker 1 with the second, and an idle worker steals
+  the end of the other's queue. So the slow files, split between the halves by time (longest
+  first), start each half and the quick files fill the ends: the run does not end waiting on
+  one long test while the other worker idles."""
   _mark_newest_jax(items)
   by_file: dict[str, list] = {}
   for item in items:

@@ -182,5 +182,5 @@ def describe(name_or_instance, platform: str | None = None) -> str:
   return f"hop kernel: {chosen} (auto on {platform}: {fused} " + "; ".join(parts) + ")"
 
 
-__all__ = ["AUTO", "HOP_KERNELS", "PLATFORM", "AutoHopKernel", "XlaHopKernel", "check_name", "describe",
-           "get_hop_kernel", "kernel_names"]
+__all__ = ["AUTO", "HOP_KERNELS", "PLATFORM", "AutoHopKernel", "XlaHopKernel", "check_name",
+           "describe", "get_hop_kernel", "kernel_names"]

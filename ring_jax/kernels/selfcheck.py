@@ -86,7 +86,8 @@ def verdict(name: str, kernel, platform: str, dtype, *, is_causal: bool, segment
   try:
     reason = _in_own_thread(_compare, kernel, platform, dtype, bool(is_causal), bool(segments),
                             bool(grouped))
-  except Exception as e:  # noqa: BLE001 - any failure (lowering, compile, run) means "not this kernel"
+  except Exception as e:  # noqa: BLE001
+    # any failure (lowering, compile, run) means "not this kernel"
     reason = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
   reason = _agree(reason)
   result = Verdict(kernel=name, platform=platform, dtype=dtype, ok=not reason, reason=reason)

@@ -36,7 +36,7 @@ from ring_jax.testing.runner import (FAIL, NOT_SUPPORTED, PASS, Report, Row,
                                      hop_kernel_attention, run, run_case, tolerance)
 
 __all__ = [
-    "CASES", "CI_CASES", "FAIL", "GROWTH", "HOP_CASES", "HOP_SHARDS", "NOT_SUPPORTED", "PASS", "Case",
-    "Report", "Row", "case_names", "hop_kernel_attention", "oracle_attention", "run",
+    "CASES", "CI_CASES", "FAIL", "GROWTH", "HOP_CASES", "HOP_SHARDS", "NOT_SUPPORTED", "PASS",
+    "Case", "Report", "Row", "case_names", "hop_kernel_attention", "oracle_attention", "run",
     "run_case", "run_hop", "run_hop_case", "select", "tolerance",
 ]

@@ -24,7 +24,8 @@ def _fake_devices(count: int) -> None:
 
 def main(argv=None) -> int:
   import argparse  # noqa: PLC0415
-  ap = argparse.ArgumentParser(prog="python -m ring_jax.testing", description=__doc__.split("\n")[0])
+  ap = argparse.ArgumentParser(prog="python -m ring_jax.testing",
+                               description=__doc__.split("\n")[0])
   ap.add_argument("function", nargs="?", help="MODULE:FUNCTION (or MODULE:HopKernelClass)")
   ap.add_argument("--cases", help="comma-separated case names (default: all; 'ci': the CI subset)")
   ap.add_argument("--mesh", help="comma-separated ring sizes to run every case at instead of "

@@ -45,7 +45,8 @@ def run_hop_case(kernel, case: cases_lib.Case | str, shards=(0, 0), *, local_len
   ``<case>@q<i>-kv<j>``."""
   import jax  # noqa: PLC0415
   import jax.numpy as jnp  # noqa: PLC0415
-  from ring_jax.hop import HopGrads, HopMasks, HopResiduals, HopSpec, lse_for_backward  # noqa: PLC0415
+  from ring_jax.hop import (  # noqa: PLC0415
+      HopGrads, HopMasks, HopResiduals, HopSpec, lse_for_backward)
 
   case = cases_lib.CASES[case] if isinstance(case, str) else case
   qd, kd = shards

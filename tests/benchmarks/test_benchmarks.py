@@ -430,10 +430,10 @@ def test_count_collectives_reads_tuple_shapes_with_index_comments():
   (compiled CPU HLO of a gradient's combined all-reduce): counted, with every element's
   bytes; an all-gather beside it too."""
   from benchmarks import common
-  hlo = textwrap.dedent("""\
-      %all-reduce.3 = (f32[4,8]{1,0}, f32[8]{0}, f32[2]{0}, f32[3]{0}, f32[5]{0}, /*index=5*/bf16[6]{0}) all-reduce(%a, %b, %c, %d, %e, %f), channel_id=1, replica_groups={{0,1}}, to_apply=%add
-      ROOT %all-gather.1 = f32[16]{0} all-gather(%g), channel_id=2, dimensions={0}
-      """)
+  hlo = ("%all-reduce.3 = (f32[4,8]{1,0}, f32[8]{0}, f32[2]{0}, f32[3]{0}, f32[5]{0}, "
+         "/*index=5*/bf16[6]{0}) all-reduce(%a, %b, %c, %d, %e, %f), channel_id=1, "
+         "replica_groups={{0,1}}, to_apply=%add\n"
+         "ROOT %all-gather.1 = f32[16]{0} all-gather(%g), channel_id=2, dimensions={0}\n")
   counts = common.count_collectives(hlo)
   assert counts["all-reduce"] == {"count": 1, "bytes": 4 * (32 + 8 + 2 + 3 + 5) + 2 * 6}
   assert counts["all-gather"] == {"count": 1, "bytes": 64}

@@ -24,7 +24,8 @@ SMALL = ["--config", TINY, "--devices", "2",
 
 def fit_cli(*args):
   proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "fit.py"), *args],
-                        env=train_procs.env(), capture_output=True, text=True, timeout=600, cwd=ROOT)
+                        env=train_procs.env(), capture_output=True, text=True, timeout=600,
+                        cwd=ROOT)
   return proc, proc.stdout.strip().splitlines()
 
 

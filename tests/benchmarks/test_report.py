@@ -79,7 +79,8 @@ def test_edited_number_is_caught_and_rewritten(tmp_path, capsys):
   capsys.readouterr()
   assert report.main(["--check", "--files", path]) == 1
   out = capsys.readouterr().out
-  assert "page.md: block 'paper_4k'" in out and "-| causal: fwd+bwd time vs paper | **0.70x**" in out
+  assert "page.md: block 'paper_4k'" in out
+  assert "-| causal: fwd+bwd time vs paper | **0.70x**" in out
   assert report.main(["--files", path]) == 0  # rewritten wholesale
   assert open(path).read() == text
 

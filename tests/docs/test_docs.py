@@ -22,7 +22,8 @@ DOCS = os.path.join(ROOT, "docs")
 GUIDES = sorted(f for f in os.listdir(DOCS) if f.endswith(".md"))
 SKIP = re.compile(r"<!--\s*docs-test:\s*skip:\s*(?P<reason>.*?)\s*-->\s*$")
 FENCE = re.compile(r"^(?P<indent> *)```(?P<info>[^`]*)$")
-GITHUB = "https://github.com/ring-jax/ring_jax/blob/main/"  # placeholder org/repo, as in the notebook
+# placeholder org/repo, as in the notebook
+GITHUB = "https://github.com/ring-jax/ring_jax/blob/main/"
 
 
 def code_blocks(path):

@@ -114,8 +114,9 @@ def test_inverse_frequencies_match_hugging_face():
   """Our llama3-scaled inv_freq equals HF's _compute_llama3_parameters (all three bands hit)."""
   from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-  hf_cfg = transformers.LlamaConfig(hidden_size=256, num_attention_heads=2, rope_theta=10000.0,
-                                    rope_scaling=dict(LLAMA3_ROPE, original_max_position_embeddings=256))
+  hf_cfg = transformers.LlamaConfig(
+      hidden_size=256, num_attention_heads=2, rope_theta=10000.0,
+      rope_scaling=dict(LLAMA3_ROPE, original_max_position_embeddings=256))
   expected, attention_factor = ROPE_INIT_FUNCTIONS["llama3"](hf_cfg, "cpu")
   assert attention_factor == 1.0
   cfg = LlamaConfig(dim=256, num_heads=2, rope_theta=10000.0,

@@ -538,7 +538,8 @@ def test_exported_tokenizer_encodes_as_the_run_did(tmp_path, hf, kind):
   if os.path.exists(os.path.join(source, "tokenizer_config.json")):
     shutil.copyfile(os.path.join(source, "tokenizer_config.json"), out / "tokenizer_config.json")
   if kind == "bos_template":  # already what training adds: copied byte for byte
-    assert (out / "tokenizer.json").read_bytes() == (tmp_path / "src" / "tokenizer.json").read_bytes()
+    src = tmp_path / "src" / "tokenizer.json"
+    assert (out / "tokenizer.json").read_bytes() == src.read_bytes()
   hf_tok = transformers.AutoTokenizer.from_pretrained(str(out))
   for text in ("The ring passes key and value blocks.", "a", ""):
     ids = tok.encode_document(text).tolist()

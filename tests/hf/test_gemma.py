@@ -31,8 +31,9 @@ GEMMA_CASES = {
     # Alternating windows of 8 (layers 0, 2), attention soft-cap 5, final soft-cap 3,
     # query_pre_attn_scalar 24 != head_dim 16.
     "gemma2": dict(attn_logit_softcapping=5.0, final_logit_softcapping=3.0),
-    # 7 layers of 2 local : 1 global (sliding_window_pattern 3), the local layers' own RoPE base (1e4)
-    # against the global layers' 1e6 with linear scaling x4, q/k norms, final soft-cap 3.
+    # 7 layers of 2 local : 1 global (sliding_window_pattern 3), the local layers' own RoPE
+    # base (1e4) against the global layers' 1e6 with linear scaling x4, q/k norms, final
+    # soft-cap 3.
     "gemma3": dict(sliding_window_pattern=3, final_logit_softcapping=3.0, rope_parameters={
         "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6},
         "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}),

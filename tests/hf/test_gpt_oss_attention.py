@@ -240,9 +240,9 @@ def test_decode_sinks_and_soft_cap_equal_the_reference():
 
 def test_model_with_sinks_decodes_as_it_recomputes():
   """A model with every score option (sinks of up to |4|, soft-cap, query_pre_attn_scalar,
-  a 16-token window on every other layer of 4, scanned as one pattern) prefills with ring attention on data=2 x
-  sequence=4, decodes from the sharded KV cache, and its greedy tokens equal the dense
-  full recompute at every step."""
+  a 16-token window on every other layer of 4, scanned as one pattern) prefills with ring
+  attention on data=2 x sequence=4, decodes from the sharded KV cache, and its greedy tokens
+  equal the dense full recompute at every step."""
   from models import inference
   from tests import model_utils
 

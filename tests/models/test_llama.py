@@ -180,7 +180,8 @@ def test_fused_hop_kernels_run_in_the_model(kernel):
 
 
 def test_dense_backend_on_layout_order(baseline):
-  """The dense backend masks by the given positions, so zigzag-ordered inputs give the same result."""
+  """The dense backend masks by the given positions, so zigzag-ordered inputs give the same
+  result."""
   params, (tokens, pos, segs, _), want_logits, _ = baseline
   to = lambda x: np.asarray(ring_jax.to_layout(x, "zigzag", 4))
   model = nnx.merge(_graphdef(_cfg(layout="zigzag")), params)

@@ -20,7 +20,8 @@ from attn_utils import make_mesh
 _SEND_KV = 'op_name="jit(f)/shard_map/ring_fwd/while/body/closed_call/send_kv/ppermute"'
 _SEND_DKV = 'op_name="jit(f)/transpose(jvp(f))/shard_map/ring_bwd/send_dkv/ppermute"'
 
-_HEADER = """HloModule jit_f, is_scheduled=true, entry_computation_layout={(f32[8,8]{1,0})->f32[8,8]{1,0}}
+_HEADER = """HloModule jit_f, is_scheduled=true, \
+entry_computation_layout={(f32[8,8]{1,0})->f32[8,8]{1,0}}
 
 %add (x: f32[], y: f32[]) -> f32[] {
   %x = f32[] parameter(0)
@@ -43,7 +44,8 @@ _HEADER = """HloModule jit_f, is_scheduled=true, entry_computation_layout={(f32[
 %conv_inner (c0: f32[1,8,8], c1: f32[1,1,8]) -> f32[1,8,8] {
   %c0 = f32[1,8,8]{2,1,0} parameter(0)
   %c1 = f32[1,1,8]{2,1,0} parameter(1)
-  ROOT %convolution.3 = f32[1,8,8]{2,1,0} convolution(%c0, %c1), window={size=1}, dim_labels=b0f_io0->b0f
+  ROOT %convolution.3 = f32[1,8,8]{2,1,0} convolution(%c0, %c1), window={size=1}, \
+dim_labels=b0f_io0->b0f
 }
 
 %conv_outer (o0: f32[1,8,8], o1: f32[1,1,8]) -> f32[1,8,8] {
@@ -67,7 +69,10 @@ def _one(report, name):
 
 def test_dot_fusion_between_start_and_done_is_in_flight():
   text = _module(f"""\
-  %cp-start = (f32[8,8]{{1,0}}, f32[8,8]{{1,0}}, u32[]{{:S(2)}}, u32[]{{:S(2)}}) collective-permute-start(%a), channel_id=1, source_target_pairs={{{{0,1}},{{1,0}}}}, metadata={{{_SEND_KV}}}, backend_config={{"flag_configs":[]}}
+  %cp-start = (f32[8,8]{{1,0}}, f32[8,8]{{1,0}}, u32[]{{:S(2)}}, \
+u32[]{{:S(2)}}) collective-permute-start(%a), channel_id=1, \
+source_target_pairs={{{{0,1}},{{1,0}}}}, metadata={{{_SEND_KV}}}, \
+backend_config={{"flag_configs":[]}}
   %fusion.7 = f32[8,8]{{1,0}} fusion(%a, %a), kind=kOutput, calls=%dot_computation
   %cp-done = f32[8,8]{{1,0}} collective-permute-done(%cp-start), metadata={{{_SEND_KV}}}
   ROOT %out = f32[8,8]{{1,0}} add(%cp-done, %fusion.7)
@@ -87,11 +92,14 @@ def test_names_that_mention_compute_are_not_compute():
   # computation multiplies (its root is *named* dot.2); the compute fusion runs after done.
   text = _module(f"""\
   %dot_input = f32[8,8]{{1,0}} negate(%a), metadata={{op_name="jit(f)/dot_general/convolution"}}
-  %cp-start = (f32[8,8]{{1,0}}, f32[8,8]{{1,0}}) collective-permute-start(%dot_input), source_target_pairs={{{{0,1}},{{1,0}}}}, metadata={{{_SEND_DKV}}}
-  %not_a_dot_fusion = f32[8,8]{{1,0}} fusion(%dot_input, %a), kind=kLoop, calls=%elementwise_dot_named, metadata={{op_name="jit(f)/fusion/dot"}}
+  %cp-start = (f32[8,8]{{1,0}}, f32[8,8]{{1,0}}) collective-permute-start(%dot_input), \
+source_target_pairs={{{{0,1}},{{1,0}}}}, metadata={{{_SEND_DKV}}}
+  %not_a_dot_fusion = f32[8,8]{{1,0}} fusion(%dot_input, %a), kind=kLoop, \
+calls=%elementwise_dot_named, metadata={{op_name="jit(f)/fusion/dot"}}
   %convolution_copy = f32[8,8]{{1,0}} copy(%not_a_dot_fusion)
   %cp-done = f32[8,8]{{1,0}} collective-permute-done(%cp-start), metadata={{{_SEND_DKV}}}
-  %fusion.8 = f32[8,8]{{1,0}} fusion(%cp-done, %convolution_copy), kind=kOutput, calls=%dot_computation
+  %fusion.8 = f32[8,8]{{1,0}} fusion(%cp-done, %convolution_copy), kind=kOutput, \
+calls=%dot_computation
   ROOT %out = f32[8,8]{{1,0}} add(%fusion.8, %fusion.8)
 """)
   report = analysis.overlap_report(text)
@@ -114,7 +122,8 @@ def test_nested_fusion_with_convolution_is_compute():
   text = _module("""\
   %r = f32[1,8,8]{2,1,0} reshape(%a)
   %w = f32[1,1,8]{2,1,0} slice(%r), slice={[0:1], [0:1], [0:8]}
-  %ag-start = (f32[1,8,8]{2,1,0}, f32[2,8,8]{2,1,0}) all-gather-start(%r), dimensions={0}, replica_groups={{0,1}}, metadata={op_name="jit(f)/all_gather"}
+  %ag-start = (f32[1,8,8]{2,1,0}, f32[2,8,8]{2,1,0}) all-gather-start(%r), dimensions={0}, \
+replica_groups={{0,1}}, metadata={op_name="jit(f)/all_gather"}
   %fusion.9 = f32[1,8,8]{2,1,0} fusion(%r, %w), kind=kLoop, calls=%fused_outer_caller
   %ag-done = f32[2,8,8]{2,1,0} all-gather-done(%ag-start)
   %s = f32[1,8,8]{2,1,0} slice(%ag-done), slice={[1:2], [0:8], [0:8]}
@@ -148,7 +157,8 @@ def test_loop_body_pairs_and_compute_in_called_loops_and_branches():
 
 %branch_a (ba: f32[8,8]) -> f32[8,8] {{
   %ba = f32[8,8]{{1,0}} parameter(0)
-  ROOT %cp-inner = f32[8,8]{{1,0}} collective-permute(%ba), source_target_pairs={{{{0,1}},{{1,0}}}}, metadata={{op_name="jit(f)/switch/ppermute"}}
+  ROOT %cp-inner = f32[8,8]{{1,0}} collective-permute(%ba), \
+source_target_pairs={{{{0,1}},{{1,0}}}}, metadata={{op_name="jit(f)/switch/ppermute"}}
 }}
 
 %branch_b (bb: f32[8,8]) -> f32[8,8] {{
@@ -160,12 +170,14 @@ def test_loop_body_pairs_and_compute_in_called_loops_and_branches():
   %p = (s32[], f32[8,8]{{1,0}}, /*index=2*/f32[8,8]{{1,0}}) parameter(0)
   %i = s32[] get-tuple-element(%p), index=0
   %x = f32[8,8]{{1,0}} get-tuple-element(%p), index=1
-  %send-kv-start = (f32[8,8]{{1,0}}, f32[8,8]{{1,0}}) collective-permute-start(%x), source_target_pairs={{{{0,1}},{{1,0}}}}, metadata={{{_SEND_KV}}}
+  %send-kv-start = (f32[8,8]{{1,0}}, f32[8,8]{{1,0}}) collective-permute-start(%x), \
+source_target_pairs={{{{0,1}},{{1,0}}}}, metadata={{{_SEND_KV}}}
   %init = (s32[], f32[8,8]{{1,0}}) tuple(%i, %x)
   %loop = (s32[], f32[8,8]{{1,0}}) while(%init), condition=%inner_cond, body=%inner_body
   %send-kv-done = f32[8,8]{{1,0}} collective-permute-done(%send-kv-start)
   %y = f32[8,8]{{1,0}} get-tuple-element(%loop), index=1
-  %dkv-start = (f32[8,8]{{1,0}}, f32[8,8]{{1,0}}) collective-permute-start(%y), source_target_pairs={{{{0,1}},{{1,0}}}}, metadata={{{_SEND_DKV}}}
+  %dkv-start = (f32[8,8]{{1,0}}, f32[8,8]{{1,0}}) collective-permute-start(%y), \
+source_target_pairs={{{{0,1}},{{1,0}}}}, metadata={{{_SEND_DKV}}}
   %k = s32[] constant(0)
   %cond.1 = f32[8,8]{{1,0}} conditional(%k, %y, %y), branch_computations={{%branch_a, %branch_b}}
   %dkv-done = f32[8,8]{{1,0}} collective-permute-done(%dkv-start)
@@ -183,7 +195,8 @@ def test_loop_body_pairs_and_compute_in_called_loops_and_branches():
   text = _module("""\
   %zero = s32[] constant(0)
   %tup = (s32[], f32[8,8]{1,0}) tuple(%zero, %a)
-  %w = (s32[], f32[8,8]{1,0}) while(%tup), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"3"}}
+  %w = (s32[], f32[8,8]{1,0}) while(%tup), condition=%cond, body=%body, \
+backend_config={"known_trip_count":{"n":"3"}}
   ROOT %res = f32[8,8]{1,0} get-tuple-element(%w), index=1
 """, extra)
   report = analysis.overlap_report(text)
@@ -205,12 +218,15 @@ def test_async_wrapped_collective_and_custom_calls():
   extra = """
 %rs_computation (r0: f32[8,8]) -> f32[4,8] {
   %r0 = f32[8,8]{1,0} parameter(0)
-  ROOT %rs = f32[4,8]{1,0} reduce-scatter(%r0), dimensions={0}, replica_groups={{0,1}}, to_apply=%add
+  ROOT %rs = f32[4,8]{1,0} reduce-scatter(%r0), dimensions={0}, replica_groups={{0,1}}, \
+to_apply=%add
 }
 """
   text = _module("""\
-  %rs-start = ((f32[8,8]{1,0}), f32[4,8]{1,0}) async-start(%a), calls=%rs_computation, metadata={op_name="jit(f)/send_kv_extra/reduce_scatter"}
-  %mosaic = f32[8,8]{1,0} custom-call(%a), custom_call_target="tpu_custom_call", backend_config="{\\"custom_call_config\\": {\\"body\\": \\"dot(\\"}}"
+  %rs-start = ((f32[8,8]{1,0}), f32[4,8]{1,0}) async-start(%a), calls=%rs_computation, \
+metadata={op_name="jit(f)/send_kv_extra/reduce_scatter"}
+  %mosaic = f32[8,8]{1,0} custom-call(%a), custom_call_target="tpu_custom_call", \
+backend_config="{\\"custom_call_config\\": {\\"body\\": \\"dot(\\"}}"
   %rs-update = ((f32[8,8]{1,0}), f32[4,8]{1,0}) async-update(%rs-start)
   %rs-done = f32[4,8]{1,0} async-done(%rs-update)
   %ar-start = f32[8,8]{1,0} all-reduce-start(%mosaic), replica_groups={{0,1}}, to_apply=%add
@@ -306,12 +322,16 @@ def test_mosaic_kernels_counts_calls_per_distinct_body():
   """Two calls of one kernel body (escaped and plain JSON configs, as lowered and compiled
   text print them) and one of another; other custom calls are not Mosaic kernels."""
   text = _module("""\
-  %k1 = f32[8,8]{1,0} custom-call(%a), custom_call_target="tpu_custom_call", backend_config={"flag_configs":[],"custom_call_config":{"body":"QUJD","cost_estimate":{}}}
-  %k2 = f32[8,8]{1,0} custom-call(%k1), custom_call_target="tpu_custom_call", frontend_attributes={kernel_metadata={
+  %k1 = f32[8,8]{1,0} custom-call(%a), custom_call_target="tpu_custom_call", \
+backend_config={"flag_configs":[],"custom_call_config":{"body":"QUJD","cost_estimate":{}}}
+  %k2 = f32[8,8]{1,0} custom-call(%k1), custom_call_target="tpu_custom_call", \
+frontend_attributes={kernel_metadata={
 "xprof_metadata":"{\\"block_q\\": 512}"
 }}, backend_config="{\\"custom_call_config\\": {\\"body\\": \\"QUJD\\"}}"
-  %s = f32[8,8]{1,0} custom-call(%k2), custom_call_target="Sharding", sharding={replicated}, backend_config={"custom_call_config":{"body":"QUJD"}}
-  ROOT %k3 = f32[8,8]{1,0} custom-call(%s), custom_call_target="tpu_custom_call", backend_config={"custom_call_config":{"body":"REVG"}}
+  %s = f32[8,8]{1,0} custom-call(%k2), custom_call_target="Sharding", sharding={replicated}, \
+backend_config={"custom_call_config":{"body":"QUJD"}}
+  ROOT %k3 = f32[8,8]{1,0} custom-call(%s), custom_call_target="tpu_custom_call", \
+backend_config={"custom_call_config":{"body":"REVG"}}
 """)
   assert sorted(analysis.mosaic_kernels(text).values()) == [1, 2]
   assert text.count(analysis.MOSAIC_CALL) == 3

@@ -25,8 +25,10 @@ def test_round_trip_and_positions(layout, ring_size):
 
 
 def test_layout_definitions():
-  np.testing.assert_array_equal(ring_jax.layout_positions("zigzag", 2, 8), [0, 1, 6, 7, 2, 3, 4, 5])
-  np.testing.assert_array_equal(ring_jax.layout_positions("striped", 2, 8), [0, 2, 4, 6, 1, 3, 5, 7])
+  np.testing.assert_array_equal(ring_jax.layout_positions("zigzag", 2, 8),
+                                [0, 1, 6, 7, 2, 3, 4, 5])
+  np.testing.assert_array_equal(ring_jax.layout_positions("striped", 2, 8),
+                                [0, 2, 4, 6, 1, 3, 5, 7])
   np.testing.assert_array_equal(ring_jax.layout_positions("contiguous", 2, 8), np.arange(8))
 
 

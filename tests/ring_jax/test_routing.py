@@ -148,8 +148,8 @@ def _permute_bytes(hlo: str, scope: str = ""):
   def run(comp, times, trips=None):
     out = []
     for line in comps[comp]:
-      cp = re.search(r"= (\w+)\[([\d,]*)\]\S* collective-permute\(.*source_target_pairs=\{(.*?)\}\}",
-                     line)
+      cp = re.search(r"= (\w+)\[([\d,]*)\]\S* collective-permute\("
+                     r".*source_target_pairs=\{(.*?)\}\}", line)
       if cp and scope in line:
         dtype, dims, pairs = cp.groups()
         elems = int(np.prod([int(d) for d in dims.split(",") if d]))

@@ -1,4 +1,5 @@
-"""The block schedule (ring_jax.scheduling), the masks and the segment-id rule (ring_jax.masking)."""
+"""The block schedule (ring_jax.scheduling), the masks and the segment-id rule
+(ring_jax.masking)."""
 
 import itertools
 

@@ -206,5 +206,6 @@ def test_auto_without_a_fused_kernel_is_xla():
   assert "cpu" not in kernels.AUTO
   assert isinstance(ring_jax.get_hop_kernel("auto", "cpu"), XlaHopKernel)
   assert ring_jax.get_hop_kernel("auto", "tpu") == kernels.AutoHopKernel("tpu")
-  assert kernels.describe("auto", "cpu") == "hop kernel: xla (auto: no fused kernel is picked on cpu)"
+  assert kernels.describe("auto", "cpu") == (
+      "hop kernel: xla (auto: no fused kernel is picked on cpu)")
   assert kernels.describe("splash", "tpu") == "hop kernel: splash"

@@ -425,7 +425,8 @@ def test_bad_window_is_a_value_error(window, match):
 
 
 @pytest.mark.parametrize("kwargs,match", [
-    (dict(sinks=np.zeros((3,), np.float32)), r"sinks must be one float logit per query head, shape \(4,\)"),
+    (dict(sinks=np.zeros((3,), np.float32)),
+     r"sinks must be one float logit per query head, shape \(4,\)"),
     (dict(sinks=np.zeros((4,), np.int32)), "sinks must be floating point"),
     (dict(logits_soft_cap=0.0), "logits_soft_cap=0.0 must be a finite number > 0"),
     (dict(logits_soft_cap=float("inf")), "must be a finite number > 0"),

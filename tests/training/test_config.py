@@ -178,7 +178,8 @@ def _with_mesh(mesh):
 
 
 @pytest.mark.parametrize("overrides,match", [
-    ({"model.attention": "flash"}, r"config.model: attention must be one of \[.*'ring'.*got 'flash'"),
+    ({"model.attention": "flash"},
+     r"config.model: attention must be one of \[.*'ring'.*got 'flash'"),
     ({"model.layout": "spiral"}, r"model.layout='spiral' is unknown; choose one of \('auto', "),
     ({"model.hop_kernel": "flash"},
      r"config.model: hop_kernel='flash' is not a known hop kernel; choose one of.*'auto', 'xla'"),

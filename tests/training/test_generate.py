@@ -171,7 +171,8 @@ def test_evaluate_kv_task(tmp_path):
 
 def test_evaluate_cli_bad_length_is_one_line(tmp_path):
   """evaluate.py at a length below 1: exit 2 with one error line, before anything loads (any
-  length >= 1 runs: padded to the model's length rule, tests/training/test_trainer_any_length.py)."""
+  length >= 1 runs: padded to the model's length rule,
+  tests/training/test_trainer_any_length.py)."""
   cmd = [sys.executable, "evaluate.py", "--config", "configs/tiny.py",
          f"--workdir={tmp_path}", "--lengths=256,0"]
   proc = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT),
