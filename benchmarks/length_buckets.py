@@ -118,8 +118,7 @@ def run_config(args, corpus: str, buckets: tuple[int, ...]) -> dict:
   for b, exe in zip(plan, compiled):
     per_step = permutes_per_step(exe.as_text(), b.mesh.devices.size)
     rows.append(dict(length=b.length, ring=b.ring, rows=b.rows, run_length=b.run_length,
-                     mesh=dict(data=int(b.mesh.shape["data"]),
-                               sequence=int(b.mesh.shape["sequence"])),
+                     mesh={axis: int(b.mesh.shape[axis]) for axis in ("data", "sequence")},
                      ring_permute_bytes_per_step=per_step["ring"]["bytes"],
                      ring_permutes_per_step=per_step["ring"]["count"],
                      other_permute_bytes_per_step=per_step["other"]["bytes"],
