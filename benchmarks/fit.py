@@ -103,8 +103,7 @@ class Planner:
     # init.hf_dir's model fields, config.stages and model.layout="auto": what train.py
     # resolves at startup for this data and ring.
     config, _ = val_lib.resolve_config(config, self.ring)
-    self.config, self.sizes, self.limit = config, sizes, limit_bytes
-    self.collectives = collectives
+    self.limit, self.collectives = limit_bytes, collectives
     devices = jax.devices() if devices is None else devices
     self.mesh = mesh_lib.make_mesh(sizes, devices[:math.prod(sizes.values())])
     self.platform = self.mesh.devices.flat[0].platform
@@ -173,32 +172,25 @@ def search(fits, start: int, max_len: int, multiple: int = 1,
   bounds are within ``resolution`` of the answer (``resolution=1``: powers of two only)."""
   g = multiple
   length = max(g, start // g * g)
-  best, bad = None, None
-  if fits(length):
-    best = length
-    while 2 * length <= max_len:
-      length *= 2
-      if not fits(length):
-        bad = length
-        break
-      best = length
-  else:
-    bad = length
-    while length // 2 >= g and (length // 2) % g == 0:
-      length //= 2
-      if fits(length):
-        best = length
-        break
-      bad = length
-  if best is not None and bad is not None:
-    while bad - best > max(g, resolution * best):
-      mid = (best + bad) // 2 // g * g
-      if mid <= best:
-        break
-      if fits(mid):
-        best = mid
-      else:
-        bad = mid
+  best, bad = (length, None) if fits(length) else (None, length)
+  while bad is None and 2 * best <= max_len:  # doubling until a length does not fit
+    if fits(2 * best):
+      best *= 2
+    else:
+      bad = 2 * best
+  while best is None and bad // 2 >= g and (bad // 2) % g == 0:  # halving until one fits
+    if fits(bad // 2):
+      best = bad // 2
+    else:
+      bad //= 2
+  while best is not None and bad is not None and bad - best > max(g, resolution * best):
+    mid = (best + bad) // 2 // g * g
+    if mid <= best:
+      break
+    if fits(mid):
+      best = mid
+    else:
+      bad = mid
   return best, bad is not None
 
 
