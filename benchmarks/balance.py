@@ -21,9 +21,10 @@ import json
 import os
 import platform
 import socket
-import subprocess
 import sys
 import time
+from concurrent import futures
+from unittest import mock
 
 import numpy as np
 
@@ -103,8 +104,8 @@ def worker(args) -> dict:
 
   n = jax.device_count()
   assert n == args.processes and jax.local_device_count() == 1, (n, jax.local_device_count())
-  mesh = jax.sharding.Mesh(np.array(jax.devices()), (bench.AXIS,))
-  sharding = jax.NamedSharding(mesh, jax.P(None, bench.AXIS, None, None))
+  mesh = common.ring_mesh(n)
+  sharding = jax.NamedSharding(mesh, bench.SPEC)
   paper_fn, paper_note = None, None
   if "paper" in args.impls:
     try:
@@ -142,7 +143,8 @@ def worker(args) -> dict:
 
 
 def launch(args) -> dict:
-  """Starts one worker per device, waits for all, returns the merged result."""
+  """Starts one worker per device (:func:`common.run_python`, all at once, each with one-thread
+  XLA, BLAS and OpenMP), waits for all, returns the merged result."""
   allowed = sorted(os.sched_getaffinity(0))
   args.cores = args.cores or allowed[:args.processes]
   if len(args.cores) != args.processes or len(set(args.cores)) != args.processes:
@@ -150,45 +152,29 @@ def launch(args) -> dict:
                      f"(this process may use {allowed}); lower --processes or name the cores.")
   if not set(args.cores) <= set(allowed):
     raise SystemExit(f"--cores={args.cores} are not all available here ({allowed}).")
-  env = dict(os.environ, XLA_FLAGS=WORKER_XLA_FLAGS, JAX_PLATFORMS="cpu", **ONE_THREAD_ENV)
-  env["PYTHONPATH"] = os.pathsep.join(p for p in (common.ROOT, env.get("PYTHONPATH")) if p)
   with socket.socket() as s:  # a free port for the coordinator
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
-  cores = ",".join(map(str, args.cores))
-  procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), *args.argv, "--worker",
-                             str(i), "--port", str(port), "--cores", cores],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-           for i in range(args.processes)]
-  deadline = time.monotonic() + args.timeout
-  outputs = []
-  try:
-    for p in procs:
-      outputs.append(p.communicate(timeout=max(1.0, deadline - time.monotonic())))
-  finally:
-    for p in procs:  # A failed or overrunning worker: stop the ones this run started.
-      if p.poll() is None:
-        p.kill()
-        p.wait()
-  for i, p in enumerate(procs):
-    if p.returncode:
-      raise SystemExit(f"worker {i} exited with status {p.returncode}:\n"
-                       f"{(outputs[i][0] + outputs[i][1])[-4000:]}")
-  return merge(args, [json.loads(out.strip().splitlines()[-1]) for out, _ in outputs])
+  flags = [os.path.abspath(__file__), *args.argv, "--port", str(port),
+           "--cores", ",".join(map(str, args.cores)), "--worker"]
+  # The workers' environment, for as long as they run (this process's JAX has started).
+  with mock.patch.dict(os.environ, XLA_FLAGS=WORKER_XLA_FLAGS, JAX_PLATFORMS="cpu",
+                       **ONE_THREAD_ENV), futures.ThreadPoolExecutor(args.processes) as pool:
+    outputs = list(pool.map(lambda i: common.run_python([*flags, str(i)], args.timeout),
+                            range(args.processes)))
+  return merge(args, [json.loads(out.strip().splitlines()[-1]) for out in outputs])
 
 
 def merge(args, workers: list[dict]) -> dict:
   """One row per (length, impl): per repetition the slowest process's time, then the median."""
   import ring_jax
   from benchmarks.attention import ring_variant
-  from ring_jax.ring import default_block
 
   rows = []
   for j, row in enumerate(workers[0]["rows"]):
     per_rep = np.max([w["rows"][j]["times_s"] for w in workers], axis=0)
     n, length = args.processes, row["length"]
-    local = length // n
-    b = row["block"] or default_block(row["layout"], local)
+    local, b = length // n, row["block"]
     routing = ring_variant(row["impl"])[2] if row["impl"].startswith("ring-") else False
     sched = ring_jax.schedule(row["layout"], n, local, b, b, True, causal_routing=routing)
     unit = (local * local) / (b * b)  # block pairs of one full local hop

@@ -12,6 +12,7 @@ and tokens/s; ``--train-steps N``: also ``train.py``'s own tokens/s on the corpu
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import resource
@@ -20,9 +21,9 @@ import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks import common  # noqa: E402
+from benchmarks.common import ROOT  # noqa: E402
 
 
 def write_corpus(directory: str, size_mb: int, file_mb: int, seed: int = 0) -> list[str]:
@@ -151,10 +152,10 @@ def main(argv=None) -> dict:
     print(json.dumps(measure(*args._measure, args.seq_len, args.batch, args.batches)))
     return {}
 
-  base = args.dir or tempfile.mkdtemp(prefix="data_pipeline_", dir="/tmp")
   results = dict(seq_len=args.seq_len, batch=args.batch, runs=[])  # the command: in meta
-  try:
-    bpe_dir = None
+  bpe_dir = None
+  with (contextlib.nullcontext(args.dir) if args.dir else tempfile.TemporaryDirectory(
+      prefix="data_pipeline_", dir="/tmp", ignore_cleanup_errors=True)) as base:
     for size in args.sizes_mb:
       corpus = os.path.join(base, f"corpus_{size}mb")
       t0 = time.perf_counter()
@@ -173,12 +174,8 @@ def main(argv=None) -> dict:
                                                   os.path.join(base, "train_run"))
         print("train step:", json.dumps(results["train_step"]), flush=True)
       shutil.rmtree(corpus)
-  finally:
-    if args.dir is None:
-      shutil.rmtree(base, ignore_errors=True)
-  if args.out:
-    results = common.save(args.out, dict(results, meta=common.run_meta(argv, __file__)))
-  return results
+  return (common.save(args.out, dict(results, meta=common.run_meta(argv, __file__)))
+          if args.out else results)
 
 
 if __name__ == "__main__":

@@ -103,8 +103,7 @@ class Planner:
     # init.hf_dir's model fields, config.stages and model.layout="auto": what train.py
     # resolves at startup for this data and ring.
     config, _ = val_lib.resolve_config(config, self.ring)
-    self.config, self.sizes, self.limit = config, sizes, limit_bytes
-    self.collectives = collectives
+    self.limit, self.collectives = limit_bytes, collectives
     devices = jax.devices() if devices is None else devices
     self.mesh = mesh_lib.make_mesh(sizes, devices[:math.prod(sizes.values())])
     self.platform = self.mesh.devices.flat[0].platform
@@ -137,29 +136,23 @@ class Planner:
       run_len = val_lib.run_length(self.model_cfg, self.ring, length)
     except errors.ConfigError as e:
       raise FitError(str(e)) from None
-    t0 = time.perf_counter()
-    counts = None
+    t0, shape, m = time.perf_counter(), (self.rows, run_len), self.model_cfg
     if self.collectives:
-      compiled, hlo = common.compile_partitioned(self.step.lower((self.rows, run_len)))
-      counts = common.count_collectives(hlo)
+      compiled, hlo = common.compile_partitioned(self.step.lower(shape))
     else:
-      compiled = self.step.compile((self.rows, run_len))
+      compiled = self.step.compile(shape)
     ma = common.compiled_memory(compiled, common.MEMORY_FIELDS + ("host_temp_size_in_bytes",))
     total = common.per_device_bytes(ma)
-    offloaded = 0
-    if "offload" in self.model_cfg.remat_policy and self.platform == "cpu":
-      m = self.model_cfg
-      offloaded = self.step.offloaded_bytes((self.rows, run_len),
-                                            layers=m.num_layers if m.scan_layers else 1)
-    device = total - offloaded
+    offloaded = (self.step.offloaded_bytes(shape, layers=m.num_layers if m.scan_layers else 1)
+                 if "offload" in m.remat_policy and self.platform == "cpu" else 0)
     row = dict(seq_len=length, run_len=run_len,
                **{f"{k}_bytes": ma.get(f"{k}_size_in_bytes", 0)
                   for k in ("argument", "temp", "output", "alias", "host_temp")},
                compiled_per_device_bytes=total, offloaded_bytes=offloaded,
-               per_device_bytes=device, fits=bool(device <= self.limit),
+               per_device_bytes=total - offloaded, fits=bool(total - offloaded <= self.limit),
                compile_s=round(time.perf_counter() - t0, 1))
-    if counts is not None:
-      row["collectives"] = counts
+    if self.collectives:
+      row["collectives"] = common.count_collectives(hlo)
     if self.platform == "tpu":  # the TPU compiler's schedule: ring transfers in flight
       from ring_jax import analysis
       report = analysis.overlap_report(compiled)
@@ -167,7 +160,7 @@ class Planner:
       row["transfers"] = {k: list(v) for k, v in report.kinds().items()}
       row["exposed"] = sorted({f"{t.kind}: {t.scope}" for t in report.exposed()})
     self.rows_by_length[length] = row
-    print_row(row, self.unit)
+    print(table_line(row, self.unit), flush=True)
     return row
 
 
@@ -179,32 +172,25 @@ def search(fits, start: int, max_len: int, multiple: int = 1,
   bounds are within ``resolution`` of the answer (``resolution=1``: powers of two only)."""
   g = multiple
   length = max(g, start // g * g)
-  best, bad = None, None
-  if fits(length):
-    best = length
-    while 2 * length <= max_len:
-      length *= 2
-      if not fits(length):
-        bad = length
-        break
-      best = length
-  else:
-    bad = length
-    while length // 2 >= g and (length // 2) % g == 0:
-      length //= 2
-      if fits(length):
-        best = length
-        break
-      bad = length
-  if best is not None and bad is not None:
-    while bad - best > max(g, resolution * best):
-      mid = (best + bad) // 2 // g * g
-      if mid <= best:
-        break
-      if fits(mid):
-        best = mid
-      else:
-        bad = mid
+  best, bad = (length, None) if fits(length) else (None, length)
+  while bad is None and 2 * best <= max_len:  # doubling until a length does not fit
+    if fits(2 * best):
+      best *= 2
+    else:
+      bad = 2 * best
+  while best is None and bad // 2 >= g and (bad // 2) % g == 0:  # halving until one fits
+    if fits(bad // 2):
+      best = bad // 2
+    else:
+      bad //= 2
+  while best is not None and bad is not None and bad - best > max(g, resolution * best):
+    mid = (best + bad) // 2 // g * g
+    if mid <= best:
+      break
+    if fits(mid):
+      best = mid
+    else:
+      bad = mid
   return best, bad is not None
 
 
@@ -213,15 +199,15 @@ COLUMNS = (("argument", "argument_bytes"), ("temp", "temp_bytes"), ("output", "o
            ("per-device", "per_device_bytes"))
 
 
-def header(unit: str) -> str:
-  return (f"{'seq_len':>10} " + " ".join(f"{f'{name} {unit}':>16}" for name, _ in COLUMNS) +
-          f" {'fits':>5} {'compile s':>10}")
-
-
-def print_row(row: dict, unit: str) -> None:
-  scale = GIB if unit == "GiB" else MIB
-  print(f"{row['seq_len']:>10} " + " ".join(f"{row[key] / scale:>16.2f}" for _, key in COLUMNS)
-        + f" {'yes' if row['fits'] else 'no':>5} {row['compile_s']:>10.1f}", flush=True)
+def table_line(row: dict | None, unit: str) -> str:
+  """The printed table's header (``row=None``) or ``row``'s line, bytes in ``unit``."""
+  if row is None:
+    cells = ["seq_len", *(f"{name} {unit}" for name, _ in COLUMNS), "fits", "compile s"]
+  else:
+    cells = [row["seq_len"], *(f"{row[key] / (GIB if unit == 'GiB' else MIB):.2f}"
+                               for _, key in COLUMNS),
+             "yes" if row["fits"] else "no", f"{row['compile_s']:.1f}"]
+  return " ".join(f"{c:>{w}}" for c, w in zip(cells, (10,) + (16,) * len(COLUMNS) + (5, 10)))
 
 
 def run(config, *, devices: int = 1, memory_gib: float | None = None,
@@ -235,27 +221,21 @@ def run(config, *, devices: int = 1, memory_gib: float | None = None,
 
   from training import compile_only as compile_lib
 
-  if topology is not None:  # every check before the first compile
-    where = compile_lib.target(topology, topology_slices)
-    devices = where.chips
-    sizes = resolve_mesh(config, devices, mesh, where=where.label)
-    compile_lib.check_kernel(config.model.get("hop_kernel", "auto"), where)
-    where = where.resolve()
-    target_devices = list(where.devices)
-    quiet = compile_lib.compiling(where)
-    if memory_gib is None and where.hbm_bytes is not None:
-      memory_gib = where.hbm_bytes / GIB
-  else:
-    sizes = resolve_mesh(config, devices, mesh)
-    if len(jax.devices()) < devices:
-      raise FitError(f"--devices={devices} but JAX has {len(jax.devices())} devices; run "
-                     "benchmarks/fit.py as a script (it creates the fake CPU devices).")
-    target_devices = jax.devices()
-    quiet = contextlib.nullcontext()
-  memory_gib = 128.0 if memory_gib is None else memory_gib
+  # Every check before the first compile (check_kernel: a topology's; no devices yet).
+  where = (compile_lib.target(topology, topology_slices) if topology is not None
+           else compile_lib.Target(name=None, slices=1, chips=devices))
+  devices = where.chips
+  sizes = resolve_mesh(config, devices, mesh, where=where.label if topology else None)
+  compile_lib.check_kernel(config.model.get("hop_kernel", "auto"), where)
+  if topology is None and len(jax.devices()) < devices:
+    raise FitError(f"--devices={devices} but JAX has {len(jax.devices())} devices; run "
+                   "benchmarks/fit.py as a script (it creates the fake CPU devices).")
+  where = where.resolve()
+  if memory_gib is None:
+    memory_gib = where.hbm_bytes / GIB if topology and where.hbm_bytes else 128.0
   limit = int(memory_gib * GIB)
-  planner = Planner(config, sizes, limit, collectives=collectives, devices=target_devices)
-  device = target_devices[0]
+  planner = Planner(config, sizes, limit, collectives=collectives, devices=list(where.devices))
+  device = where.devices[0]
   m = planner.model_cfg
   print(f"train step of {m.num_params() / 1e9:.3f}B params (remat_policy={m.remat_policy}, "
         f"layout={m.layout}, attention={m.attention}, tensor_sequence_parallel="
@@ -264,8 +244,8 @@ def run(config, *, devices: int = 1, memory_gib: float | None = None,
         f"{planner.multiple}; limit {memory_gib:g} GiB per device; compiled for "
         f"{device.platform} ({device.device_kind}"
         + (f", TPU slice {topology} x {topology_slices}" if topology else "") + ")", flush=True)
-  print(header(planner.unit), flush=True)
-  with quiet:  # the whole search
+  print(table_line(None, planner.unit), flush=True)
+  with compile_lib.compiling(where) if topology else contextlib.nullcontext():  # the search
     if seq_len is not None:
       row, bounded = planner.check(seq_len), True
     else:

@@ -103,7 +103,6 @@ def run_config(args, corpus: str, buckets: tuple[int, ...]) -> dict:
   mesh = mesh_lib.make_mesh(config.mesh)
   with jax.set_mesh(mesh):
     setup = stages_lib.build_stage(stages_lib.plan(config)[0], mesh)
-  train_step = setup.train_step
   plan = buckets_lib.plan(config, setup.model_cfg, mesh)
   if plan:
     batches = buckets_lib.BucketedBatches(data_lib.text_documents(config, "train"), plan,
@@ -113,13 +112,12 @@ def run_config(args, corpus: str, buckets: tuple[int, ...]) -> dict:
                                mesh),)
     dataset = data_lib.make_dataset(config, plan[0].sharding, plan[0].ring, split="train")
     batches = ((0, b) for b in data_lib.make_iterator(dataset, prefetch=0))
-  compiled = buckets_lib.compile_steps(train_step, plan, config.microbatches)
+  compiled = buckets_lib.compile_steps(setup.train_step, plan, config.microbatches)
   rows = []
   for b, exe in zip(plan, compiled):
     per_step = permutes_per_step(exe.as_text(), b.mesh.devices.size)
     rows.append(dict(length=b.length, ring=b.ring, rows=b.rows, run_length=b.run_length,
-                     mesh=dict(data=int(b.mesh.shape["data"]),
-                               sequence=int(b.mesh.shape["sequence"])),
+                     mesh={axis: int(b.mesh.shape[axis]) for axis in ("data", "sequence")},
                      ring_permute_bytes_per_step=per_step["ring"]["bytes"],
                      ring_permutes_per_step=per_step["ring"]["count"],
                      other_permute_bytes_per_step=per_step["other"]["bytes"],
@@ -132,7 +130,7 @@ def run_config(args, corpus: str, buckets: tuple[int, ...]) -> dict:
     return result
 
   host = [next(batches) for _ in range(args.steps)]
-  params, opt_state = train_step.init_state()
+  params, opt_state = setup.train_step.init_state()
   for exe, b in zip(compiled, plan):  # each program's first call, untimed, on a copy of the
     with jax.set_mesh(b.mesh):  # state (discarded)
       empty = {k: np.zeros(b.shape, v.dtype) for k, v in host[0][1].items()}
