@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import collections
 import datetime
-import functools
 import itertools
 import json
 import math
@@ -106,10 +105,9 @@ def compile_ring(split, *, two_level: bool, backward: bool, is_causal: bool, len
   args = [jax.ShapeDtypeStruct((1, length, n, head_dim), jnp.float32)
           for n in (heads, kv_heads, kv_heads)]
   if layout == "document":
-    local = lambda q, k, v, seg: attend(q, k, v, segment_ids=seg, **kw)  # noqa: E731
     args.append(jax.ShapeDtypeStruct((1, length), jnp.int32))
-  else:
-    local = functools.partial(attend, **kw)
+  local = lambda q, k, v, *seg: attend(  # noqa: E731
+      q, k, v, segment_ids=seg[0] if seg else None, **kw)
   fn = jax.shard_map(local, mesh=mesh, in_specs=(P(None, seq),) * len(args),
                      out_specs=P(None, seq))
   if backward:
