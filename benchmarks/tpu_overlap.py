@@ -136,7 +136,7 @@ def measure(config: str, compiled, times: dict, args) -> dict:
   (``compile_s``, ``compile_cpu_s``: wall and process CPU) of ``times["wall"]`` / ``["cpu"]``."""
   report = analysis.overlap_report(compiled)
   hidden, total = report.ring()
-  memory = common.compiled_memory(compiled)
+  memory = common.compiled_memory(compiled, (*common.MEMORY_FIELDS, "generated_code_size_in_bytes"))
   text = compiled.as_text()
   parts = config.split("+")
   return {
@@ -150,8 +150,7 @@ def measure(config: str, compiled, times: dict, args) -> dict:
       "compile_cpu_s": round(common.median(times["cpu"]), 1),
       **{f"{k}_mib": round(memory[f"{k}_size_in_bytes"] / common.MIB, 1)
          for k in ("temp", "argument", "output")},
-      "code_mib": round(compiled.memory_analysis().generated_code_size_in_bytes
-                        / common.MIB, 2),
+      "code_mib": round(memory["generated_code_size_in_bytes"] / common.MIB, 2),
       "hlo_chars": len(text),
       "mosaic_calls": text.count(analysis.MOSAIC_CALL),
       "mosaic_kernels": len(analysis.mosaic_kernels(text)),
