@@ -259,11 +259,10 @@ def executions(comps: dict[str, list[Instruction]]) -> collections.Counter:
   rings' ``lax.switch`` on the step, ``ring_jax.ring.hop_send``); anything else called (other
   conditionals' branches too: an upper bound) once per run of its caller.
   """
-  called = {c for insts in comps.values() for i in insts for c in i.called}
-  order = [c for c in comps if c not in called]
-  runs, seen, loop_trips = collections.Counter(order), set(order), {}
-  while order:  # callers before callees (HLO call graphs are acyclic)
-    name = order.pop(0)
+  callers = collections.Counter(c for insts in comps.values() for i in insts for c in i.called)
+  order = [c for c in comps if not callers[c]]
+  runs, loop_trips = collections.Counter(order), {}
+  for name in order:  # a computation joins once every call of it is counted (acyclic graph)
     for inst in comps.get(name, ()):
       trips = inst.trip_count if inst.opcode == "while" else None
       switch = inst.opcode == "conditional" and loop_trips.get(name) == len(inst.called) > 1
@@ -271,8 +270,8 @@ def executions(comps: dict[str, list[Instruction]]) -> collections.Counter:
         if trips:
           loop_trips[callee] = trips
         runs[callee] += runs[name] // len(inst.called) if switch else runs[name] * (trips or 1)
-        if callee not in seen:
-          seen.add(callee)
+        callers[callee] -= 1
+        if not callers[callee]:
           order.append(callee)
   return runs
 
