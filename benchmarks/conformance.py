@@ -133,14 +133,29 @@ def ejkernel_ring(query, key, value, *, is_causal=False, segment_ids=None, scale
                   [SEQ] * 3 + [spec for _, spec in extra.values()])
 
 
-def _splash(module: str):
+def splash_module(module: str):
   """tokamax's ``splash_attention.<module>`` (imported on first use)."""
   return importlib.import_module(f"tokamax._src.ops.experimental.tpu.splash_attention.{module}")
 
 
+def tokamax_ring_kernel(mask, n: int, *, ring_axis: str, is_mqa: bool = False,
+                        block: int | None = None, **config):
+  """tokamax's ring attention kernel (``ring_attention_kernel.make_ring_attention``) for the
+  global ``mask`` over ``n`` shards of ``ring_axis``, configured as tokamax's own ring test
+  does (``use_base2_exp=False``, ``fuse_reciprocal=True``), with every block ``block`` (None:
+  tokamax's defaults) and the other ``SplashConfig`` fields of ``config``."""
+  blocks = dict.fromkeys(("block_q", "block_kv", "block_kv_compute", "block_q_dkv",
+                          "block_kv_dkv", "block_kv_dkv_compute"), block) if block else {}
+  config = dataclasses.replace(
+      splash_module("splash_attention_kernel").SplashConfig.get_default(),
+      use_base2_exp=False, fuse_reciprocal=True, **blocks, **config)
+  return splash_module("ring_attention_kernel").make_ring_attention(
+      mask, config=config, is_mqa=is_mqa, ring_axis=ring_axis, q_seq_shards=n, kv_seq_shards=n)
+
+
 def _tokamax_mask(t_len, s_len, is_causal, window):
   """The global ``[T, S]`` mask tokamax's ring takes: a ``FullMask`` or a boolean ``NumpyMask``."""
-  masks = _splash("splash_attention_mask")
+  masks = splash_module("splash_attention_mask")
   if not is_causal and window is None:
     return masks.FullMask(_shape=(t_len, s_len))
   d = np.arange(t_len)[:, None] - np.arange(s_len)[None, :]
@@ -154,31 +169,24 @@ def _tokamax_mask(t_len, s_len, is_causal, window):
 
 def tokamax_ring(query, key, value, *, is_causal=False, segment_ids=None, scale=None,
                  mesh=None, local_window_size=None, logits_soft_cap=None):
-  """tokamax 0.0.17's TPU ring attention (``ring_attention_kernel.make_ring_attention``:
-  splash-attention Pallas/Mosaic kernels at every hop) in Pallas interpret mode
-  (``SplashConfig(interpret=True)``) over ``mesh``'s sequence axis. Blocks of
-  ``TOKAMAX_BLOCK`` (hence its tokens per device in :data:`PEERS`) and, as tokamax's own ring
-  test sets, ``use_base2_exp=False``, ``fuse_reciprocal=True``. The mask is the global
-  ``[T, S]`` one it takes (:func:`_tokamax_mask`); segment ids go in as ``SegmentIds(q, kv)``.
-  It works on ``[heads, length, head_dim]`` with no batch and no scale: ``q`` is multiplied by
-  ``scale``, the batch ``jax.vmap``-ed, and for GQA the K/V heads too with ``is_mqa=True``
-  (each group's query heads against one K/V head). It raises ``NotImplementedError`` for
-  sinks, so it takes no ``sinks=``; it takes V's own head size (declared in :data:`PEERS`)."""
-  base, ring_kernel, splash = map(_splash, ("base", "ring_attention_kernel",
-                                            "splash_attention_kernel"))
+  """tokamax 0.0.17's TPU ring attention (:func:`tokamax_ring_kernel`: splash-attention
+  Pallas/Mosaic kernels at every hop) in Pallas interpret mode
+  (``SplashConfig(interpret=True)``) over ``mesh``'s sequence axis, blocks of ``TOKAMAX_BLOCK``
+  (hence its tokens per device in :data:`PEERS`). The mask is the global ``[T, S]`` one it takes
+  (:func:`_tokamax_mask`); segment ids go in as ``SegmentIds(q, kv)``. It works on ``[heads,
+  length, head_dim]`` with no batch and no scale: ``q`` is multiplied by ``scale``, the batch
+  ``jax.vmap``-ed, and for GQA the K/V heads too with ``is_mqa=True`` (each group's query heads
+  against one K/V head). It raises ``NotImplementedError`` for sinks, so it takes no ``sinks=``;
+  it takes V's own head size (declared in :data:`PEERS`)."""
+  base = splash_module("base")
   ring = mesh.shape["sequence"]
   t_len, n, h = query.shape[1:]
   s_len, kh = key.shape[1:3]
   scale = h ** -0.5 if scale is None else scale
-  config = dataclasses.replace(
-      splash.SplashConfig.get_default(), interpret=True,
-      block_q=TOKAMAX_BLOCK, block_kv=TOKAMAX_BLOCK, block_kv_compute=TOKAMAX_BLOCK,
-      block_q_dkv=TOKAMAX_BLOCK, block_kv_dkv=TOKAMAX_BLOCK, block_kv_dkv_compute=TOKAMAX_BLOCK,
-      use_base2_exp=False, fuse_reciprocal=True, attn_logits_soft_cap=logits_soft_cap)
   is_mqa = kh != n
-  kernel = ring_kernel.make_ring_attention(
-      _tokamax_mask(t_len, s_len, is_causal, local_window_size), config=config,
-      is_mqa=is_mqa, ring_axis="sequence", q_seq_shards=ring, kv_seq_shards=ring)
+  kernel = tokamax_ring_kernel(
+      _tokamax_mask(t_len, s_len, is_causal, local_window_size), ring, ring_axis="sequence",
+      is_mqa=is_mqa, block=TOKAMAX_BLOCK, interpret=True, attn_logits_soft_cap=logits_soft_cap)
 
   def one(kern, q_NTH, k_KSH, v_KSH, seg):
     """One batch row: q ``[N, t, H]``, K/V ``[K, s, H]`` (local), segment ids ``[t]``."""
@@ -217,7 +225,7 @@ PEERS = {
     "ejkernel-0.0.80.3-xla-native-gqa": (functools.partial(ejkernel_ring, repeat_kv=False),
                                          LOCAL_LEN, (), lambda: importlib.import_module(_EJKERNEL)),
     "tokamax-0.0.17-ring-interpret": (tokamax_ring, 2 * TOKAMAX_BLOCK, ("value_head_dim",),
-                                      lambda: _splash("ring_attention_kernel")),
+                                      lambda: splash_module("ring_attention_kernel")),
 }
 
 

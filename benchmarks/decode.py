@@ -31,15 +31,19 @@ from training import step as step_lib  # noqa: E402
 from training import validation as val_lib  # noqa: E402
 
 
-def peak_bytes(cfg, mesh, cache_len: int) -> int:
-  """Bytes one device holds in the decode step ``models.inference.Generator`` runs (batch 1),
-  compiled with abstract params and cache (donated): XLA's peak where it reports one, at
-  least args + outputs + temporaries - aliased outputs (:func:`common.per_device_bytes`)."""
-  params = step_lib.abstract_model(cfg, mesh)[1]
-  cache = inference.abstract_cache(cfg, mesh, 1, cache_len)
+def step_memory(cfg, mesh, params, cache) -> dict:
+  """Compiled memory of ``models.inference.Generator``'s decode step at ``params``, ``cache``."""
   with jax.set_mesh(mesh):
-    memory = common.compiled_memory(inference._step_jit.lower(
+    return common.compiled_memory(inference._step_jit.lower(
         params, cache, jax.ShapeDtypeStruct((1,), jnp.int32), cfg=cfg).compile())
+
+
+def peak_bytes(cfg, mesh, cache_len: int) -> int:
+  """Bytes one device holds in the decode step, compiled with abstract params and cache:
+  XLA's peak where it reports one, at least args + outputs + temporaries - aliased outputs
+  (:func:`common.per_device_bytes`)."""
+  memory = step_memory(cfg, mesh, step_lib.abstract_model(cfg, mesh)[1],
+                       inference.abstract_cache(cfg, mesh, 1, cache_len))
   return max(memory.get("peak_memory_in_bytes", 0), common.per_device_bytes(memory))
 
 
@@ -60,9 +64,7 @@ def run_time(args):
         prompt_slots=jnp.int32(length // args.devices - 2), steps=jnp.int32(0)),
         inference.cache_shardings(cfg, mesh, 1, length))
     gen.cache_len = length
-    with jax.set_mesh(mesh):
-      compiled = inference._step_jit.lower(params, cache, jnp.zeros((1,), jnp.int32),
-                                           cfg=cfg).compile()
+    m = step_memory(cfg, mesh, params, cache)
     tokens = jnp.zeros((1,), jnp.int32)
     state = dict(cache=cache)
 
@@ -71,12 +73,11 @@ def run_time(args):
       return logits
 
     times = common.time_calls(one_step, repeats=args.steps)  # after a compile + warm-up call
-    m = common.compiled_memory(compiled)
     print(json.dumps(dict(
         mode="time", devices=args.devices, length=length,
-        cache_mib_per_device=inference.cache_bytes_per_device(cfg, mesh, 1, length) / 2**20,
-        step_args_mib_per_device=m["argument_size_in_bytes"] / 2**20,
-        step_temp_mib_per_device=m["temp_size_in_bytes"] / 2**20,
+        cache_mib_per_device=inference.cache_bytes_per_device(cfg, mesh, 1, length) / common.MIB,
+        step_args_mib_per_device=m["argument_size_in_bytes"] / common.MIB,
+        step_temp_mib_per_device=m["temp_size_in_bytes"] / common.MIB,
         step_ms_median=1e3 * common.median(times))), flush=True)
 
 
@@ -91,7 +92,7 @@ def run_fit(args):
   # where the CPU's memory analysis is faithful, and a bf16 cache is derived from it below.
   cfg = dataclasses.replace(val_lib.llama_config(config), dtype="float32")
   bf16 = dataclasses.replace(cfg, dtype="bfloat16")
-  budget, step = args.budget_gib * 2**30, n * 1024
+  budget, step = args.budget_gib * common.GIB, n * 1024
   (l0, p0), (l1, p1) = ((length, peak_bytes(cfg, mesh, length))
                         for length in (n * 4096, n * 16384))
   slope = (p1 - p0) / (l1 - l0)
@@ -106,9 +107,9 @@ def run_fit(args):
       mode="fit", config=os.path.basename(args.config), devices=args.devices,
       mesh=dict(data=1, sequence=n, tensor=tensor), param_dtype=cfg.param_dtype,
       cache_dtype=cfg.dtype, bytes_per_token_per_device=slope,
-      fixed_gib_per_device=fixed / 2**30, longest_cache_tokens=longest,
-      peak_gib_at_longest=peak / 2**30, budget_gib=args.budget_gib,
-      cache_gib_at_longest=inference.cache_bytes_per_device(cfg, mesh, 1, longest) / 2**30,
+      fixed_gib_per_device=fixed / common.GIB, longest_cache_tokens=longest,
+      peak_gib_at_longest=peak / common.GIB, budget_gib=args.budget_gib,
+      cache_gib_at_longest=inference.cache_bytes_per_device(cfg, mesh, 1, longest) / common.GIB,
       # Same fixed memory, the cache at 2 bytes per element instead of 4 (not compiled).
       longest_bf16_cache_tokens_derived=int((budget - fixed) / (
           slope - inference.cache_bytes_per_device(cfg, mesh, 1, n) / n

@@ -106,22 +106,15 @@ def tokamax_ring(parts, is_causal: bool, devices, length: int, heads: int, head_
   (its layout: ``[heads, L, head_dim]``, the sequence split over the ring), as its own test
   builds it: its kernel's construction (``make_ring_attention``, the mask's metadata built on
   the host) is here, not in the timed compile."""
-  import dataclasses
-  from tokamax._src.ops.experimental.tpu.splash_attention import (
-      ring_attention_kernel, splash_attention_kernel as splash, splash_attention_mask as masks)
+  from benchmarks.conformance import splash_module, tokamax_ring_kernel
+  masks = splash_module("splash_attention_mask")
   n = len(devices)
   mesh = jax.sharding.Mesh(np.asarray(devices).reshape(1, n), ("heads", "ring"))
   mask = (masks.make_causal_mask((length, length)) if is_causal
           else masks.FullMask(_shape=(length, length)))
-  config = dataclasses.replace(splash.SplashConfig.get_default(), use_base2_exp=False,
-                               fuse_reciprocal=True)
-  if "block512" in parts:
-    config = dataclasses.replace(config, block_q=512, block_kv=512, block_kv_compute=512,
-                                 block_q_dkv=512, block_kv_dkv=512, block_kv_dkv_compute=512)
-  if "dq3" in parts:
-    config = dataclasses.replace(config, dq_reduction_steps=3)
-  kernel = ring_attention_kernel.make_ring_attention(
-      mask, is_mqa=False, ring_axis="ring", config=config, q_seq_shards=n, kv_seq_shards=n)
+  extra = dict(dq_reduction_steps=3) if "dq3" in parts else {}
+  kernel = tokamax_ring_kernel(mask, n, ring_axis="ring",
+                               block=512 if "block512" in parts else None, **extra)
   spec = jax.P(None, "ring", None)
   attend = jax.shard_map(lambda kernel, q, k, v: kernel(q, k, v, None), mesh=mesh,
                          in_specs=(kernel.manual_sharding_spec(), spec, spec, spec),
@@ -143,7 +136,7 @@ def measure(config: str, compiled, times: dict, args) -> dict:
   (``compile_s``, ``compile_cpu_s``: wall and process CPU) of ``times["wall"]`` / ``["cpu"]``."""
   report = analysis.overlap_report(compiled)
   hidden, total = report.ring()
-  memory = common.compiled_memory(compiled)
+  memory = common.compiled_memory(compiled, (*common.MEMORY_FIELDS, "generated_code_size_in_bytes"))
   text = compiled.as_text()
   parts = config.split("+")
   return {
@@ -157,8 +150,7 @@ def measure(config: str, compiled, times: dict, args) -> dict:
       "compile_cpu_s": round(common.median(times["cpu"]), 1),
       **{f"{k}_mib": round(memory[f"{k}_size_in_bytes"] / common.MIB, 1)
          for k in ("temp", "argument", "output")},
-      "code_mib": round(compiled.memory_analysis().generated_code_size_in_bytes
-                        / common.MIB, 2),
+      "code_mib": round(memory["generated_code_size_in_bytes"] / common.MIB, 2),
       "hlo_chars": len(text),
       "mosaic_calls": text.count(analysis.MOSAIC_CALL),
       "mosaic_kernels": len(analysis.mosaic_kernels(text)),

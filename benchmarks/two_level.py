@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import collections
 import datetime
-import functools
 import itertools
 import json
 import math
@@ -30,66 +29,11 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import ring_jax  # noqa: E402
 from benchmarks import common  # noqa: E402
-from ring_jax import topology  # noqa: E402
+from ring_jax import analysis, topology  # noqa: E402
 
 common.fake_cpu_devices()
 
 AXES = ("outer", "inner")
-_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%([\w.\-]+)\s.*\{\s*$")
-_CALLEE = re.compile(r"\b(?:body|calls|to_apply|condition|true_computation|false_computation)"
-                     r"=%([\w.\-]+)")
-_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
-_TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
-_PERMUTE = re.compile(r"=\s*(\([^=]*?\)|\S+)\s+collective-permute(?:-start)?\(")
-_PAIRS = re.compile(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}")
-_SCOPE = re.compile(r'op_name="([^"]*)"')
-
-
-def _computations(hlo: str) -> tuple[dict[str, list[str]], str]:
-  """``({name: instruction lines}, entry name)`` of HLO text."""
-  comps, entry, current = {}, None, None
-  for line in hlo.splitlines():
-    m = _COMPUTATION.match(line)
-    if m:
-      current = m.group(1)
-      comps[current] = []
-      if line.startswith("ENTRY"):
-        entry = current
-    elif line.strip() == "}":
-      current = None
-    elif current is not None:
-      comps[current].append(line)
-  return comps, entry
-
-
-def _executions(comps, entry) -> dict[str, int]:
-  """How often each computation runs per program run: a while body ``known_trip_count``
-  times per run of its caller (a loop without one counts once); a conditional's branches in
-  a loop body of as many trips as branches once per run of that loop each (the routed
-  rings' ``lax.switch`` on the step, ``ring_jax.ring.hop_send``, as
-  ``tests/ring_jax/test_routing.py`` counts them); anything else called (other conditionals'
-  branches too: an upper bound) once per run of its caller."""
-  runs = collections.Counter({entry: 1})
-  loop_trips = {}  # while body -> its known_trip_count
-  order, seen = [entry], {entry}
-  while order:  # callers before callees (HLO call graphs are acyclic)
-    name = order.pop(0)
-    for line in comps.get(name, ()):
-      trips = _TRIPS.search(line)
-      branches = [c for b in _BRANCHES.findall(line) for c in re.findall(r"%([\w.\-]+)", b)]
-      for callee in _CALLEE.findall(line) + branches:
-        body = trips and f"body=%{callee}" in line
-        times = int(trips.group(1)) if body else 1
-        if body:
-          loop_trips[callee] = times
-        if callee in branches and loop_trips.get(name) == len(branches) > 1:
-          runs[callee] += runs[name] // len(branches)
-        else:
-          runs[callee] += runs[name] * times
-        if callee not in seen:
-          seen.add(callee)
-          order.append(callee)
-  return runs
 
 
 def permute_traffic(hlo: str, mesh_shape, outer: int = 0) -> list[dict]:
@@ -100,24 +44,21 @@ def permute_traffic(hlo: str, mesh_shape, outer: int = 0) -> list[dict]:
   sends: the operand), ``runs`` (loop trip counts included), ``pairs`` and
   ``outer_pairs`` (how many of its source->target pairs cross mesh dimension
   ``outer`` of ``mesh_shape``: the partition ids are positions in the mesh's
-  device order). A computation that XLA did not give a trip count is counted once.
+  device order); how often each computation runs: :func:`ring_jax.analysis.executions`.
   """
-  comps, entry = _computations(hlo)
-  runs = _executions(comps, entry)
+  comps = analysis.parse_module(hlo)
+  runs = analysis.executions(comps)
   ops = []
-  for name, lines in comps.items():
-    for line in lines:
-      m = _PERMUTE.search(line)
-      pairs = _PAIRS.search(line)
-      if not m or not pairs:
+  for name, insts in comps.items():
+    for inst in insts:
+      st = inst.source_target_pairs
+      if inst.opcode not in ("collective-permute", "collective-permute-start") or not st:
         continue
-      nbytes = common.shape_bytes(m.group(1), first=True)  # -start: (operand, result, ...)
-      st = [tuple(map(int, p)) for p in re.findall(r"\{(\d+),(\d+)\}", pairs.group(1))]
       crossing = sum(np.unravel_index(a, mesh_shape)[outer]
                      != np.unravel_index(b, mesh_shape)[outer] for a, b in st)
-      scope = _SCOPE.search(line)
-      ops.append(dict(scope=scope.group(1) if scope else "", bytes=nbytes, runs=runs[name],
-                      pairs=len(st), outer_pairs=int(crossing)))
+      # -start's shape: (operand, result, ...)
+      ops.append(dict(scope=inst.op_name, bytes=common.shape_bytes(inst.shape, first=True),
+                      runs=runs[name], pairs=len(st), outer_pairs=int(crossing)))
   return ops
 
 
@@ -164,10 +105,9 @@ def compile_ring(split, *, two_level: bool, backward: bool, is_causal: bool, len
   args = [jax.ShapeDtypeStruct((1, length, n, head_dim), jnp.float32)
           for n in (heads, kv_heads, kv_heads)]
   if layout == "document":
-    local = lambda q, k, v, seg: attend(q, k, v, segment_ids=seg, **kw)  # noqa: E731
     args.append(jax.ShapeDtypeStruct((1, length), jnp.int32))
-  else:
-    local = functools.partial(attend, **kw)
+  local = lambda q, k, v, *seg: attend(  # noqa: E731
+      q, k, v, segment_ids=seg[0] if seg else None, **kw)
   fn = jax.shard_map(local, mesh=mesh, in_specs=(P(None, seq),) * len(args),
                      out_specs=P(None, seq))
   if backward:
@@ -248,7 +188,6 @@ def measure_cell(cell, devices, tpu: bool) -> dict:
              temp_bytes=int(compiled.memory_analysis().temp_size_in_bytes),
              hlo_chars=program_chars(text))
   if tpu:
-    from ring_jax import analysis
     row["ring_in_flight"], row["ring_transfers"] = analysis.overlap_report(compiled).ring()
   return row
 

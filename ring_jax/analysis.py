@@ -17,7 +17,7 @@ schedule; the TPU compiler's, compiled deviceless for a topology, is the one tha
 matters) and needs no accelerator and no compiler plugin: the text is parsed into
 computations and instructions (names, opcodes, operands, called computations, the
 ``op_name`` metadata naming the JAX name scope). A pair inside a loop body counts once,
-whatever the loop's trip count.
+whatever the loop's trip count; :func:`executions` says how often each computation runs.
 
 Ring transfers are recognised by the name scopes :mod:`ring_jax.ring` and
 :mod:`ring_jax.two_level` give them (:data:`SCOPE_KINDS`); other transfers are grouped
@@ -77,6 +77,8 @@ class Instruction:
   custom_call_target: str = ""
   wrapped: str = ""           # async-start: the opcode of the op it runs asynchronously
   shape: str = ""
+  trip_count: int | None = None  # a while loop's known_trip_count (backend config), if any
+  source_target_pairs: tuple[tuple[int, int], ...] = ()  # a collective-permute's
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,6 +159,8 @@ _CALLED_ONE = re.compile(
     r"\b(?:calls|to_apply|body|condition|true_computation|false_computation)=%?([\w.\-]+)")
 _CALLED_MANY = re.compile(r"\b(?:branch_computations|called_computations|calls)=\{([^}]*)\}")
 _OPERAND = re.compile(r"%([\w.\-]+)")
+_TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+_PAIRS_ATTR = re.compile(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}")
 
 
 def _balanced(text: str, start: int) -> int:
@@ -214,9 +218,14 @@ def parse_instruction(line: str) -> Instruction | None:
   for group in _CALLED_MANY.findall(plain):
     called += _OPERAND.findall(group) or [g.strip() for g in group.split(",") if g.strip()]
   called += [c for c in _CALLED_ONE.findall(plain) if c not in called]
+  trips, pairs = _TRIPS.search(attrs), _PAIRS_ATTR.search(plain)
   return Instruction(name=m.group(1), opcode=op.group(1), operands=operands,
                      called=tuple(called), op_name=meta.group(1) if meta else "",
-                     custom_call_target=target.group(1) if target else "", shape=shape)
+                     custom_call_target=target.group(1) if target else "", shape=shape,
+                     trip_count=int(trips.group(1)) if trips else None,
+                     source_target_pairs=tuple(
+                         (int(a), int(b)) for a, b in
+                         re.findall(r"\{(\d+),(\d+)\}", pairs.group(1))) if pairs else ())
 
 
 def parse_module(text: str) -> dict[str, list[Instruction]]:
@@ -238,6 +247,33 @@ def parse_module(text: str) -> dict[str, list[Instruction]]:
     if inst is not None:
       current.append(inst)
   return comps
+
+
+def executions(comps: dict[str, list[Instruction]]) -> collections.Counter:
+  """How often each computation of :func:`parse_module`'s ``comps`` runs per program run.
+
+  A computation no instruction calls (the entry) runs once; a ``while``'s body and condition
+  ``trip_count`` times per run of the loop (once without a known trip count; the condition's
+  extra check not counted); a ``conditional``'s branches, when it sits in a loop body of as
+  many trips as it has branches (more than one), once per run of that loop each (the routed
+  rings' ``lax.switch`` on the step, ``ring_jax.ring.hop_send``); anything else called (other
+  conditionals' branches too: an upper bound) once per run of its caller.
+  """
+  callers = collections.Counter(c for insts in comps.values() for i in insts for c in i.called)
+  order = [c for c in comps if not callers[c]]
+  runs, loop_trips = collections.Counter(order), {}
+  for name in order:  # a computation joins once every call of it is counted (acyclic graph)
+    for inst in comps.get(name, ()):
+      trips = inst.trip_count if inst.opcode == "while" else None
+      switch = inst.opcode == "conditional" and loop_trips.get(name) == len(inst.called) > 1
+      for callee in inst.called:
+        if trips:
+          loop_trips[callee] = trips
+        runs[callee] += runs[name] // len(inst.called) if switch else runs[name] * (trips or 1)
+        callers[callee] -= 1
+        if not callers[callee]:
+          order.append(callee)
+  return runs
 
 
 def _wrapped_ops(comps, inst: Instruction) -> list[Instruction]:

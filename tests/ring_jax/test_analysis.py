@@ -252,6 +252,63 @@ def test_parse_instruction_fields():
       "tuple.9", "conditional", ("p.1", "t.2", "t.3"), ("region_1.2_spmd", "region_3.4"),
       "jit(f)/ring_fwd/hop/cond")
   assert analysis.parse_instruction("  }") is None
+  loop = analysis.parse_instruction(
+      '  %w = (s32[], f32[8]{0}) while(%t), condition=%c, body=%b, '
+      'backend_config={"known_trip_count":{"n":"4"}}')
+  permute = analysis.parse_instruction(
+      '  %cp = f32[8]{0} collective-permute(%x), source_target_pairs={{0,1},{1,2},{2,0}}')
+  assert (loop.trip_count, loop.called, loop.source_target_pairs) == (4, ("c", "b"), ())
+  assert (permute.trip_count, permute.source_target_pairs) == (None, ((0, 1), (1, 2), (2, 0)))
+
+
+def test_executions_counts_loop_trips_and_switch_branches():
+  """A while body runs its known trip count per run of its caller, a loop without one once;
+  a conditional with as many branches as its loop has trips (a ``lax.switch`` on the step)
+  runs each branch once per run of the loop, any other conditional's branches every time."""
+  text = """
+%sw_a (a0: f32[8]) -> f32[8] {
+  ROOT %a0 = f32[8]{0} parameter(0)
+}
+
+%sw_b (b0: f32[8]) -> f32[8] {
+  ROOT %b0 = f32[8]{0} parameter(0)
+}
+
+%other (o0: f32[8]) -> f32[8] {
+  ROOT %o0 = f32[8]{0} parameter(0)
+}
+
+%inner (i0: f32[8]) -> f32[8] {
+  ROOT %i0 = f32[8]{0} parameter(0)
+}
+
+%body (p: (s32[], f32[8])) -> (s32[], f32[8]) {
+  %p = (s32[], f32[8]{0}) parameter(0)
+  %k = s32[] get-tuple-element(%p), index=0
+  %x = f32[8]{0} get-tuple-element(%p), index=1
+  %s = f32[8]{0} conditional(%k, %x, %x), branch_computations={%sw_a, %sw_b}
+  %o = f32[8]{0} conditional(%k, %s, %s, %s), branch_computations={%other, %sw_a, %sw_b}
+  %w2 = f32[8]{0} while(%o), condition=%cond, body=%inner
+  ROOT %t = (s32[], f32[8]{0}) tuple(%k, %w2)
+}
+
+%cond (c: (s32[], f32[8])) -> pred[] {
+  %c = (s32[], f32[8]{0}) parameter(0)
+  ROOT %lt = pred[] constant(true)
+}
+
+ENTRY %main (a: f32[8]) -> f32[8] {
+  %a = f32[8]{0} parameter(0)
+  %zero = s32[] constant(0)
+  %tup = (s32[], f32[8]{0}) tuple(%zero, %a)
+  %w = (s32[], f32[8]{0}) while(%tup), condition=%cond, body=%body, \
+backend_config={"known_trip_count":{"n":"2"}}
+  ROOT %res = f32[8]{0} get-tuple-element(%w), index=1
+}
+"""
+  runs = analysis.executions(analysis.parse_module(text))
+  assert (runs["main"], runs["body"], runs["inner"], runs["other"]) == (1, 2, 2, 2)
+  assert runs["sw_a"] == runs["sw_b"] == 1 + 2  # the switch's once, the other conditional's 2
 
 
 def _ring_loss(mesh, **kw):
