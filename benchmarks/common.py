@@ -30,7 +30,7 @@ from typing import Any, Callable, Sequence
 import jax
 import numpy as np
 
-from ring_jax import analysis
+from ring_jax import analysis, topology
 
 GIB = 2 ** 30
 MIB = 2 ** 20
@@ -46,7 +46,6 @@ RESULTS = os.path.join(ROOT, "benchmarks", "results")
 
 
 # --- Runs: devices, flags, provenance, result files -----------------------------------------------
-
 
 def fake_cpu_devices(n: int = 8) -> None:
   """``n`` fake CPU devices, unless ``XLA_FLAGS`` already sets a count (the caller's wins;
@@ -162,7 +161,6 @@ def error_line(e: BaseException, n: int = 200) -> str:
 
 # --- Timing ---------------------------------------------------------------------------------------
 
-
 _started = time.perf_counter()  # the run's start: the last parser() call, else the import
 
 
@@ -232,7 +230,8 @@ def median(times: Sequence[float]) -> float:
 # --- Compiled memory ------------------------------------------------------------------------------
 
 # One definition, in the library: the bytes a compiled program holds per device.
-from ring_jax.topology import MEMORY_FIELDS, compiled_memory, per_device_bytes  # noqa: E402,F401
+MEMORY_FIELDS, compiled_memory = topology.MEMORY_FIELDS, topology.compiled_memory
+per_device_bytes = topology.per_device_bytes
 
 
 def temp_bytes(fn: Callable, *args) -> int:
@@ -260,7 +259,6 @@ def device_bytes_limit(device=None) -> int | None:
 
 
 # --- Meshes ---------------------------------------------------------------------------------------
-
 
 def parse_mesh(text: str, axes: Sequence[str] | None = None) -> dict[str, int]:
   """``'data=1,sequence=8'`` -> ``{'data': 1, 'pipeline': 1, 'sequence_outer': 1,
@@ -392,7 +390,6 @@ def _only_sliced(name: str, ops, users, depth: int = 0) -> bool:
 
 
 # --- Budgeted checks (one accelerator slot) -------------------------------------------------------
-
 
 class Clock:
   """A run's clock against a time budget: :meth:`say` prints with the elapsed seconds,
