@@ -15,7 +15,6 @@ import functools
 import json
 import os
 import sys
-import time
 from typing import Any, Callable
 
 import jax
@@ -171,11 +170,10 @@ def prepare_case(s, name, length, causal, block=None, timed=True, modes=MODES):
   for mode, fn, n in (("fwd", f, 3), ("fwdbwd", fwd_bwd(f), 4)):
     if mode not in modes:
       continue
-    t0 = time.perf_counter()
-    compiled = jax.jit(fn).lower(*(x,) * n).compile()
+    compile_s, _, compiled = common.timed_call(lambda: jax.jit(fn).lower(*(x,) * n).compile())
     mem = common.compiled_memory(compiled)
     need = sum(mem.get(f"{k}_size_in_bytes", 0) for k in ("temp", "argument", "output"))
-    row.update({f"{mode}_compile_s": round(time.perf_counter() - t0, 2), f"{mode}_mem": mem,
+    row.update({f"{mode}_compile_s": round(compile_s, 2), f"{mode}_mem": mem,
                 f"{mode}_times_s": []})
     if one_dev and need > s.budget:
       status = f"OOM(est {need / GIB:.1f} GiB > {s.budget / GIB:.1f} GiB budget)"
