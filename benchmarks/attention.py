@@ -500,9 +500,9 @@ def main(argv=None):
   platform = jax.default_backend()
   dtype = jnp.float32 if platform == "cpu" else jnp.bfloat16
   ring = min(args.ring, len(jax.devices()))
-  try:  # the paper's function, else None and why not
-    paper_fn, paper_note = import_paper(), ("ringattention 0.1.2 imported (jax.lib.xla_bridge "
-                                            "alias installed)")
+  try:  # ringattention 0.1.2's function, else None and why not
+    paper_fn = import_paper()
+    paper_note = "ringattention 0.1.2 imported (jax.lib.xla_bridge alias installed)"
   except Exception as e:  # noqa: BLE001
     paper_fn = None
     paper_note = f"paper code SKIPPED: cannot import ringattention: {type(e).__name__}: {e}"
