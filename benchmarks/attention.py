@@ -15,7 +15,6 @@ import functools
 import json
 import os
 import sys
-import time
 from typing import Any, Callable
 
 import jax
@@ -125,6 +124,7 @@ class Setup:
     return (self.batch, length, self.heads, self.head_dim)
 
   def impl(self, name, causal, block, mesh=None, dtype=None):
+    """:func:`make_impl` on ``mesh`` in ``dtype`` (default: the run's)."""
     return make_impl(name, mesh=mesh or self.mesh, is_causal=causal, dtype=dtype or self.dtype,
                      block=block, paper_fn=self.paper_fn)
 
@@ -132,8 +132,7 @@ class Setup:
     """``[out, dq, dk, dv]`` of implementation ``name`` (its default block, on ``mesh``,
     default the run's) at natural-order ``xs``: a ring's inputs moved into its layout and
     the results moved back."""
-    mesh = mesh or self.mesh
-    ring = mesh.shape[AXIS]
+    ring = (mesh or self.mesh).shape[AXIS]
     f, layout, one_dev = self.impl(name, causal, block_for(name, xs[0].shape[1] // ring), mesh,
                                    dtype)
     to, back = (functools.partial(g, layout=layout, ring_size=ring)
@@ -171,11 +170,10 @@ def prepare_case(s, name, length, causal, block=None, timed=True, modes=MODES):
   for mode, fn, n in (("fwd", f, 3), ("fwdbwd", fwd_bwd(f), 4)):
     if mode not in modes:
       continue
-    t0 = time.perf_counter()
-    compiled = jax.jit(fn).lower(*(x,) * n).compile()
+    compile_s, _, compiled = common.timed_call(lambda: jax.jit(fn).lower(*(x,) * n).compile())
     mem = common.compiled_memory(compiled)
     need = sum(mem.get(f"{k}_size_in_bytes", 0) for k in ("temp", "argument", "output"))
-    row.update({f"{mode}_compile_s": round(time.perf_counter() - t0, 2), f"{mode}_mem": mem,
+    row.update({f"{mode}_compile_s": round(compile_s, 2), f"{mode}_mem": mem,
                 f"{mode}_times_s": []})
     if one_dev and need > s.budget:
       status = f"OOM(est {need / GIB:.1f} GiB > {s.budget / GIB:.1f} GiB budget)"
@@ -337,8 +335,7 @@ def check(s, args, names, masks, result, save):
     for name in names:
       c = dict(impl=name, length=length, causal=causal)
       try:
-        errs = {nm: float(np.max(np.abs(np.asarray(x, np.float32) - w)))
-                for nm, x, w in zip(GRADS, s.natural(name, causal, xs), want)}
+        errs = max_abs_err(s.natural(name, causal, xs), want)
         c.update(max_abs_err=errs, ok=all(e <= tol for e in errs.values()), tol=float(tol))
       except Exception as e:  # noqa: BLE001
         c.update(ok=False, error=common.error_line(e))
@@ -346,6 +343,12 @@ def check(s, args, names, masks, result, save):
       print(f"  {'causal' if causal else 'full':<7} {name:<16} {'OK ' if c['ok'] else 'BAD'} " +
             (" ".join(f"{k}={v:.1e}" for k, v in c["max_abs_err"].items())
              if "max_abs_err" in c else c["error"]), flush=True)
+
+
+def max_abs_err(got, want):
+  """``{out, dq, dk, dv: max abs error}`` of ``got`` against ``want``, in ``want``'s dtype."""
+  return {nm: float(np.max(np.abs(np.asarray(x, w.dtype) - w)))
+          for nm, x, w in zip(GRADS, got, want)}
 
 
 def oracle_f64(q, k, v, do, is_causal):
@@ -379,9 +382,8 @@ def bf16(s, args, names, masks, result, save):
     for name in impls:
       try:
         got = s.natural(name, True, xs, mesh, jnp.bfloat16)
-        mx = {nm: float(np.max(np.abs(np.asarray(x, np.float64) - w)))
-              for nm, x, w in zip(GRADS, got, want)}
-        rows.append(dict(impl=name, ring=ring, rel_err=rel(got), max_abs_err=mx))
+        rows.append(dict(impl=name, ring=ring, rel_err=rel(got),
+                         max_abs_err=max_abs_err(got, want)))
       except Exception as e:  # noqa: BLE001
         rows.append(dict(impl=name, ring=ring, error=common.error_line(e)))
       print_err_row(rows[-1])
@@ -470,7 +472,7 @@ def render(path):
   return result
 
 
-def parse_args(argv=None):
+def main(argv=None):
   ap = common.parser(__doc__, repeats=5, lengths=[2048, 4096, 8192, 16384], ring=8, heads=8,
                      head_dim=64)
   ap.add_argument("--matmul-peak", action="store_true",
@@ -492,25 +494,18 @@ def parse_args(argv=None):
   ap.add_argument("--out", default=common.RESULTS, help="result folder")
   ap.add_argument("--tag", default=None, help="output file stem (default attention_<platform>)")
   ap.add_argument("--render", default=None, help="re-print a result file's tables")
-  return ap.parse_args(argv)
-
-
-def paper():
-  """``(function, note)``: ringattention 0.1.2's, else None and why not."""
-  try:
-    return import_paper(), "ringattention 0.1.2 imported (jax.lib.xla_bridge alias installed)"
-  except Exception as e:  # noqa: BLE001
-    return None, f"paper code SKIPPED: cannot import ringattention: {type(e).__name__}: {e}"
-
-
-def main(argv=None):
-  args = parse_args(argv)
+  args = ap.parse_args(argv)
   if args.render:
     return render(args.render)
   platform = jax.default_backend()
   dtype = jnp.float32 if platform == "cpu" else jnp.bfloat16
   ring = min(args.ring, len(jax.devices()))
-  paper_fn, paper_note = paper()
+  try:  # ringattention 0.1.2's function, else None and why not
+    paper_fn = import_paper()
+    paper_note = "ringattention 0.1.2 imported (jax.lib.xla_bridge alias installed)"
+  except Exception as e:  # noqa: BLE001
+    paper_fn = None
+    paper_note = f"paper code SKIPPED: cannot import ringattention: {type(e).__name__}: {e}"
   print(paper_note, flush=True)
   s = Setup(common.ring_mesh(ring), dtype, args.heads, args.head_dim, paper_fn,
             memory_budget(args.mem_budget_gib))

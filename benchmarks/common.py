@@ -19,7 +19,6 @@ import math
 import os
 import platform
 import re
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -31,7 +30,7 @@ from typing import Any, Callable, Sequence
 import jax
 import numpy as np
 
-from ring_jax import analysis
+from ring_jax import analysis, topology
 
 GIB = 2 ** 30
 MIB = 2 ** 20
@@ -47,7 +46,6 @@ RESULTS = os.path.join(ROOT, "benchmarks", "results")
 
 
 # --- Runs: devices, flags, provenance, result files -----------------------------------------------
-
 
 def fake_cpu_devices(n: int = 8) -> None:
   """``n`` fake CPU devices, unless ``XLA_FLAGS`` already sets a count (the caller's wins;
@@ -105,12 +103,12 @@ def parser(doc: str | None, *, out: str | None = None, **defaults) -> argparse.A
 
 def git_state() -> str | None:
   """Commit of the checkout (and whether ring_jax/ had local edits) for the record."""
+  def git(*args):
+    return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=10).stdout.strip()
   try:
-    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                          text=True, timeout=10).stdout.strip()
-    dirty = subprocess.run(["git", "status", "--porcelain", "ring_jax"], cwd=ROOT,
-                           capture_output=True, text=True, timeout=10).stdout.strip()
-    return head + (" (ring_jax/ modified)" if dirty else "")
+    return git("rev-parse", "--short", "HEAD") + (
+        " (ring_jax/ modified)" if git("status", "--porcelain", "ring_jax") else "")
   except Exception:  # noqa: BLE001
     return None
 
@@ -162,7 +160,6 @@ def error_line(e: BaseException, n: int = 200) -> str:
 
 
 # --- Timing ---------------------------------------------------------------------------------------
-
 
 _started = time.perf_counter()  # the run's start: the last parser() call, else the import
 
@@ -233,7 +230,8 @@ def median(times: Sequence[float]) -> float:
 # --- Compiled memory ------------------------------------------------------------------------------
 
 # One definition, in the library: the bytes a compiled program holds per device.
-from ring_jax.topology import MEMORY_FIELDS, compiled_memory, per_device_bytes  # noqa: E402,F401
+MEMORY_FIELDS, compiled_memory = topology.MEMORY_FIELDS, topology.compiled_memory
+per_device_bytes = topology.per_device_bytes
 
 
 def temp_bytes(fn: Callable, *args) -> int:
@@ -246,12 +244,9 @@ def host_memory_available() -> int | None:
   """``MemAvailable`` of ``/proc/meminfo`` in bytes (None where there is none)."""
   try:
     with open("/proc/meminfo") as fh:
-      for line in fh:
-        if line.startswith("MemAvailable:"):
-          return int(line.split()[1]) * 1024
-  except OSError:
-    pass
-  return None
+      return int(re.search(r"^MemAvailable:\s+(\d+)", fh.read(), re.M).group(1)) * 1024
+  except (OSError, AttributeError):
+    return None
 
 
 def device_bytes_limit(device=None) -> int | None:
@@ -264,7 +259,6 @@ def device_bytes_limit(device=None) -> int | None:
 
 
 # --- Meshes ---------------------------------------------------------------------------------------
-
 
 def parse_mesh(text: str, axes: Sequence[str] | None = None) -> dict[str, int]:
   """``'data=1,sequence=8'`` -> ``{'data': 1, 'pipeline': 1, 'sequence_outer': 1,
@@ -344,8 +338,7 @@ def compile_partitioned(lowered):
   """``(compiled, hlo)``: ``lowered.compile()`` and the HLO text the SPMD partitioner
   produced for it (dumped during that one compile, which bypasses JAX's persistent
   compilation cache), the program :func:`count_collectives` reads."""
-  directory = tempfile.mkdtemp(prefix="fit_hlo_")
-  try:
+  with tempfile.TemporaryDirectory(prefix="fit_hlo_", ignore_cleanup_errors=True) as directory:
     with without_persistent_cache():
       compiled = lowered.compile(compiler_options={
           "xla_dump_to": directory, "xla_dump_hlo_pass_re": "spmd-partitioning"})
@@ -354,8 +347,6 @@ def compile_partitioned(lowered):
       raise RuntimeError(f"XLA wrote no partitioned HLO into {directory}")
     with open(found[-1]) as f:
       return compiled, f.read()
-  finally:
-    shutil.rmtree(directory, ignore_errors=True)
 
 
 def count_collectives(hlo: str) -> dict[str, dict[str, int]]:
@@ -399,7 +390,6 @@ def _only_sliced(name: str, ops, users, depth: int = 0) -> bool:
 
 
 # --- Budgeted checks (one accelerator slot) -------------------------------------------------------
-
 
 class Clock:
   """A run's clock against a time budget: :meth:`say` prints with the elapsed seconds,
@@ -447,8 +437,7 @@ def run_python(args: Sequence[str], timeout: float = 1800) -> str:
   return proc.stdout
 
 
-# --- Ring attention inputs on a sequence mesh (attention.py, compile_time.py, hop_profile.py,
-# --- sinks_softcap_cost.py) -------------------------------------------------------------------
+# --- Ring attention inputs on a sequence mesh ----------------------------------------------------
 
 #: ``[B, L, ...]`` split over the mesh axis ``sequence`` on its dim 1.
 SEQ_SPEC = jax.sharding.PartitionSpec(None, "sequence")

@@ -17,9 +17,7 @@ from __future__ import annotations
 import functools
 import os
 import re
-import statistics
 import sys
-import time
 
 import jax
 
@@ -45,29 +43,25 @@ def timed_compiles(lower, repeats: int) -> tuple:
   times = []
   for _ in range(repeats):
     jax.clear_caches()  # no in-memory executable to reuse either
-    lowered = lower()
-    t0 = time.perf_counter()
-    compiled = lowered.compile()
-    times.append(time.perf_counter() - t0)
+    wall, _, compiled = common.timed_call(lower().compile)
+    times.append(wall)
   lines = compiled.as_text().splitlines()
   return compiled, dict(hlo_lines=len(lines),
                         hlo_instructions=sum(1 for line in lines if INSTRUCTION.match(line)),
                         compile_s=[round(t, 3) for t in times],
-                        compile_median_s=round(statistics.median(times), 3))
+                        compile_median_s=round(common.median(times), 3))
 
 
 def attention_case(mesh, causal, layout, routing, args):
   x = common.abstract_qkv(mesh, (1, args.length, args.heads, args.head_dim))
-
-  def attn():  # a new function object per call: traced and lowered afresh
-    return functools.partial(ring_jax.ring_attention_sharded, mesh=mesh, is_causal=causal,
-                             layout=layout, causal_routing=routing)
-
+  attn = functools.partial(ring_jax.ring_attention_sharded, mesh=mesh, is_causal=causal,
+                           layout=layout, causal_routing=routing)
+  # fwd_bwd makes a new function per call: traced and lowered afresh
   compiled, figures = timed_compiles(
-      lambda: jax.jit(common.fwd_bwd(attn())).lower(x, x, x, x), args.repeats)
+      lambda: jax.jit(common.fwd_bwd(attn)).lower(x, x, x, x), args.repeats)
   return dict(causal=causal, layout=layout, causal_routing=routing,
               routed=check_routing(routing, layout, causal), **figures,
-              fwd_temp_bytes=common.temp_bytes(attn(), x, x, x),
+              fwd_temp_bytes=common.temp_bytes(attn, x, x, x),
               fwdbwd_temp_bytes=common.compiled_memory(compiled)["temp_size_in_bytes"])
 
 

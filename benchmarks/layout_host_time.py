@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import itertools
 import os
-import statistics
 import sys
 
 import numpy as np
@@ -58,7 +57,7 @@ def main(argv=None) -> list[dict]:
       data_lib.to_layout_np(batches[0], layout, ring)  # warm-up (caches, allocator)
       seconds = [common.timed_call(data_lib.to_layout_np, b, layout, ring)[0]
                  for b in batches]
-      median = statistics.median(seconds)
+      median = common.median(seconds)
       row = dict(shape=shape, layout=layout, ring=ring, mean=mean,
                  docs_per_row=round(docs, 1), median_ms=round(1e3 * median, 2),
                  min_ms=round(1e3 * min(seconds), 2),
