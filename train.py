@@ -371,7 +371,6 @@ def main(argv) -> None:
       # "Connection reset by peer", from a step's metrics or a save): its line and 75 at
       # once. A failed save, or any other error, waits for the watchdog's verdict first.
       distributed_lib.exit_if_peer_lost(e)
-      distributed_lib.wait_for_verdict()
     if status is None:
       raise
     flags_lib.fail(status, f"{start}{e}")
