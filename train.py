@@ -235,8 +235,7 @@ def _config_and_mesh(config):
   log, count = metrics_lib.log, jax.device_count()
   config = val_lib.resolve_run(config, count, log)
   config, warmup_line = val_lib.clamp_warmup(config)  # a run shorter than its warmup
-  if warmup_line:
-    log(warmup_line)
+  log(warmup_line)
   sizes = val_lib.validate_config(config, count)  # and each stage's
   if buckets_lib.lengths_of(config) and jax.process_count() > 1:
     raise errors.ConfigError("data.length_buckets run in one process (every process would "
@@ -248,8 +247,7 @@ def _config_and_mesh(config):
       f"layout={model_cfg.layout} ring={shd.ring_size(sizes)}"
       + (f" (two-level: {sizes['sequence_outer']} groups of {sizes['sequence']})"
          if sizes["sequence_outer"] > 1 else ""))
-  if attention_line:
-    log(attention_line)
+  log(attention_line)
   if sizes["pipeline"] > 1:
     micro = pipeline_lib.resolve_microbatches(
         model_cfg.pipeline_microbatches, config.batch_size // config.microbatches,
@@ -373,7 +371,6 @@ def main(argv) -> None:
       # "Connection reset by peer", from a step's metrics or a save): its line and 75 at
       # once. A failed save, or any other error, waits for the watchdog's verdict first.
       distributed_lib.exit_if_peer_lost(e)
-      distributed_lib.wait_for_verdict()
     if status is None:
       raise
     flags_lib.fail(status, f"{start}{e}")

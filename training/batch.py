@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding
 
 import ring_jax
 from models import sharding as shd
@@ -25,14 +25,9 @@ FIELDS: tuple[str, ...] = tuple(DTYPES)
 LOGICAL_AXES: tuple[str, str] = ("batch", "length")
 
 
-def spec(mesh=None) -> PartitionSpec:
-  """The fields' ``PartitionSpec`` on ``mesh`` (default: the context mesh) from the rules."""
-  return shd.logical_to_spec(LOGICAL_AXES, mesh=mesh)
-
-
 def sharding(mesh) -> NamedSharding:
-  """``NamedSharding`` of every field on ``mesh``."""
-  return NamedSharding(mesh, spec(mesh))
+  """``NamedSharding`` of every field on ``mesh``, its spec from the rules table."""
+  return NamedSharding(mesh, shd.logical_to_spec(LOGICAL_AXES, mesh=mesh))
 
 
 def shardings(mesh) -> dict[str, NamedSharding]:

@@ -164,26 +164,16 @@ def pack_rows(rows: list[list[list[int]]], length: int) -> dict[str, np.ndarray]
   return batch_lib.from_segments(tokens, segments)
 
 
-def jit_step(train_step, bucket: Bucket, microbatches: int):
-  """``train_step``'s update on ``bucket``'s mesh: its batch split (data x its ring), the
-  parameters and optimizer state in and out with ``train_step``'s shardings (the run's
-  mesh, the same devices in the same order), so no bucket reshards them."""
-  from training import step as step_lib
-  return step_lib.jit_train_step(
-      graphdef=train_step.graphdef, rest=train_step.rest, tx=train_step.tx,
-      microbatches=microbatches, mesh=bucket.mesh, param_shardings=train_step.param_shardings,
-      opt_shardings=train_step.opt_shardings)
-
-
 def compile_steps(train_step, buckets: tuple[Bucket, ...], microbatches: int, params=None,
                   opt_state=None) -> list:
-  """Every bucket's step compiled ahead of time (state defaults to the abstract one)."""
+  """Every bucket's step (:meth:`training.step.TrainStep.jit` on its mesh) compiled ahead of
+  time (state defaults to the abstract one)."""
   params = train_step.abstract_params if params is None else params
   opt_state = train_step.abstract_opt_state if opt_state is None else opt_state
   out = []
   for bucket in buckets:
     with jax.set_mesh(bucket.mesh):
-      out.append(jit_step(train_step, bucket, microbatches).lower(
+      out.append(train_step.jit(bucket.mesh, microbatches).lower(
           params, opt_state, batch_lib.abstract(bucket.shape, bucket.mesh)).compile())
   return out
 

@@ -167,7 +167,7 @@ def compile_stages(config, topology: str | None = None, slices: int = 1) -> list
     for stage in stages:
       setup = stages_lib.build_stage(stage, mesh)
       c, m = stage.config, setup.model_cfg
-      if stage.index == 0 and setup.attention_line:  # build_stage logs the later stages'
+      if stage.index == 0:  # build_stage logs the later stages'
         log(setup.attention_line)
       log(f"{stage.describe() + ': ' if len(stages) > 1 else ''}train step of "
           f"{m.num_params() / 1e6:,.2f}M params, batch {setup.train_shape[0]} x "

@@ -207,13 +207,10 @@ def text_documents(config, split: str, shard_index: int = 0,
                    shard_count: int = 1) -> sources.DocumentDataset:
   """The tokenised document stream of ``split`` for one data shard (train: reshuffled by epoch)."""
   d = config.data
-  files = list_data_files(d.path)
-  if not files:
-    raise ValueError(f"data.path={d.path!r} matches no {'/'.join(sources.DATA_EXTS)} files.")
   return sources.DocumentDataset(
-      sources.split_spans(files, d.eval_fraction, split), load_tokenizer(d.tokenizer),
-      text_field=d.text_field, shard_index=shard_index, shard_count=shard_count,
-      shuffle=split == "train", seed=config.seed, strict=d.strict)
+      sources.split_spans(list_data_files(d.path), d.eval_fraction, split),
+      load_tokenizer(d.tokenizer), text_field=d.text_field, shard_index=shard_index,
+      shard_count=shard_count, shuffle=split == "train", seed=config.seed, strict=d.strict)
 
 
 def bad_record_counts(state: dict[str, Any]) -> dict[str, int]:

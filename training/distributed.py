@@ -60,10 +60,8 @@ def start(mode: str, distributed_config) -> int:
       heartbeat_timeout_seconds=JAX_HEARTBEAT_FACTOR * int(distributed_config.heartbeat_timeout_s),
       initialization_timeout=int(distributed_config.initialization_timeout_s), **kwargs)
   print(f"jax.distributed initialised ({launcher or 'forced by --distributed=on'})", flush=True)
-  for name in ("JAX_NUM_PROCESSES", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE"):
-    if os.environ.get(name):
-      return int(os.environ[name])
-  return 1  # Unknown here (e.g. TPU metadata): only used to size simulated CPU devices.
+  sizes = [os.environ.get(n) for n in ("JAX_NUM_PROCESSES", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE")]
+  return int(next((n for n in sizes if n), 1))  # 1: unknown (TPU metadata), sizes CPU devices only
 
 
 _ACTIVE: "PeerWatchdog | None" = None
@@ -111,12 +109,14 @@ def collective_lost_peer(error: BaseException) -> tuple[str, str] | None:
 
 
 def exit_if_peer_lost(error: BaseException) -> None:
-  """Where :func:`collective_lost_peer` finds ``error`` on a multi-process run: the lost-peer
-  line and :data:`EXIT_PEER_LOST` at once (``os._exit``: closing the checkpointer or JAX would
-  wait on the dead peer's barriers). Returns for any other error, and on one process."""
-  found = collective_lost_peer(error)
-  if found is not None and _ACTIVE is not None:
+  """After an error on a multi-process run: where :func:`collective_lost_peer` finds it, the
+  lost-peer line and :data:`EXIT_PEER_LOST` at once (``os._exit``: closing the checkpointer or
+  JAX would wait on the dead peer's barriers); else the watchdog's time to find a lost peer (it
+  then prints its line and exits). Returns if none is lost, and on one process."""
+  if _ACTIVE is not None and (found := collective_lost_peer(error)) is not None:
     _ACTIVE.collective_failed(*found)
+  elif _ACTIVE is not None:
+    _ACTIVE.wait_for_verdict()
 
 
 def finish() -> None:
@@ -130,12 +130,6 @@ def note_step(step: int) -> None:
   if _ACTIVE is not None:
     _ACTIVE.step = step
     supervisor.report(step=step)
-
-
-def wait_for_verdict() -> bool:
-  """After an unexpected error on a multi-process run: gives the watchdog the time to
-  find a lost peer (it then prints its line and exits the process); False if none is."""
-  return _ACTIVE is not None and _ACTIVE.wait_for_verdict()
 
 
 class PeerWatchdog:

@@ -14,6 +14,7 @@ import jax
 
 from training import checkpoint as ckpt_lib
 from training import errors
+from training import metrics as metrics_lib
 from training import step as step_lib
 from training import tokenizer as tok_lib
 from training import validation as val_lib
@@ -134,13 +135,9 @@ def load_run_tokenizer(config, *, workdir: str | None = None, hf_dir: str | None
 def save_run_config(config, workdir: str) -> None:
   """Writes ``config`` to the run's ``config.json`` (process 0, in one rename); train.py calls
   it once the checkpoint restored under ``config``, so a run that cannot resume leaves it."""
-  if jax.process_index() != 0:
-    return
-  path = run_config_path(workdir)
-  os.makedirs(workdir, exist_ok=True)
-  with open(path + ".tmp", "w") as f:
-    f.write(config.to_json_best_effort(indent=2))
-  os.replace(path + ".tmp", path)
+  if jax.process_index() == 0:
+    os.makedirs(workdir, exist_ok=True)
+    metrics_lib.replace_file(run_config_path(workdir), config.to_json_best_effort(indent=2))
 
 
 def saved_config_hint(config, workdir: str) -> str:

@@ -37,13 +37,6 @@ def peak_flops_per_device(config, device=None) -> tuple[float, str]:
       "--config.peak_flops_per_device=<dense bf16 FLOP/s per device>.")
 
 
-def format_duration(seconds: float) -> str:
-  seconds = max(0, int(seconds))
-  h, rem = divmod(seconds, 3600)
-  m, s = divmod(rem, 60)
-  return f"{h}h{m:02d}m{s:02d}s" if h else f"{m}m{s:02d}s"
-
-
 class Throughput:
   """Tokens/s, step time and MFU over the window since the last log (the caller blocks on
   the step's outputs first, so the time includes the device's work)."""
@@ -121,8 +114,8 @@ class MetricWriter:
 
 
 def truncate_jsonl(path: str, last_step: int) -> int:
-  """Drops the rows of ``path`` past ``last_step`` and those that do not parse (replacing
-  the file in one rename); returns how many."""
+  """Drops the rows of ``path`` past ``last_step`` and those that do not parse
+  (:func:`replace_file`); returns how many."""
   if not os.path.exists(path):
     return 0
   with open(path) as f:
@@ -137,11 +130,15 @@ def truncate_jsonl(path: str, last_step: int) -> int:
       kept.append(line)
   if len(kept) == len(lines):
     return 0
-  tmp = path + ".tmp"
-  with open(tmp, "w") as f:
-    f.write("".join(l + "\n" for l in kept))
-  os.replace(tmp, path)
+  replace_file(path, "".join(l + "\n" for l in kept))
   return len(lines) - len(kept)
+
+
+def replace_file(path: str, text: str) -> None:
+  """Writes ``text`` to ``path`` through ``path.tmp`` and one rename (never half a file)."""
+  with open(path + ".tmp", "w") as f:
+    f.write(text)
+  os.replace(path + ".tmp", path)
 
 
 class Progress:
@@ -153,15 +150,17 @@ class Progress:
 
   def log(self, step: int, m: dict[str, float]) -> None:
     eta = (time.perf_counter() - self._t0) / max(step - self.start, 1) * (self.total - step)
+    h, rem = divmod(max(0, int(eta)), 3600)
+    eta_text = f"{h}h{rem // 60:02d}m{rem % 60:02d}s" if h else f"{rem // 60}m{rem % 60:02d}s"
     log(f"step {step:>6}/{self.total} | loss {m['loss']:.4f} | acc {m['accuracy']:.3f} | "
         f"lr {m['learning_rate']:.2e} | gnorm {m['grad_norm']:.3f} | "
         f"{m['tokens_per_s']:,.0f} tok/s | {m['step_time_s'] * 1e3:.0f} ms/step | "
-        f"MFU {100 * m['mfu']:.2f}% | ETA {format_duration(eta)}")
+        f"MFU {100 * m['mfu']:.2f}% | ETA {eta_text}")
 
 
-def log(message: str) -> None:
-  """Console message from process 0 only."""
-  if jax.process_index() == 0:
+def log(message: str | None) -> None:
+  """Console message from process 0 only; None: none."""
+  if message is not None and jax.process_index() == 0:
     print(message, flush=True)
 
 

@@ -52,12 +52,15 @@ def file_kind(path: str) -> str:
 
 
 def list_data_files(path: str) -> list[str]:
-  """``path`` may be a file, a directory (searched recursively) or a glob; sorted."""
+  """The data files of ``data.path``, a file, a directory (searched recursively) or a glob,
+  sorted; ValueError if there are none."""
   if os.path.isfile(path):
     return [path]
   pattern = os.path.join(path, "**", "*") if os.path.isdir(path) else os.path.expanduser(path)
   found = glob.glob(pattern, recursive=True)
-  return sorted(f for f in found if os.path.isfile(f) and f.endswith(DATA_EXTS))
+  if not (files := sorted(f for f in found if os.path.isfile(f) and f.endswith(DATA_EXTS))):
+    raise ValueError(f"data.path={path!r} matches no {'/'.join(DATA_EXTS)} files.")
+  return files
 
 
 def num_units(path: str) -> int:

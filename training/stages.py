@@ -199,12 +199,10 @@ def build_stage(stage: Stage, mesh) -> StageSetup:
 
   c = stage.config
   model_cfg, attention_line = val_lib.resolve_attention(c, mesh)
-  if attention_line and stage.index > 0:  # train.py logs the first stage's
+  if stage.index > 0:  # train.py logs the first stage's
     metrics_lib.log(attention_line)
   ring = shd.ring_size(mesh.shape)
-  padding_line = val_lib.padding_line(model_cfg, ring, c.data.seq_len)
-  if padding_line:
-    metrics_lib.log(padding_line)
+  metrics_lib.log(val_lib.padding_line(model_cfg, ring, c.data.seq_len))
   run_len = val_lib.run_length(model_cfg, ring, c.data.seq_len)  # data.seq_len, padded
   train_step = cached_train_step(model_cfg, mesh, ml_collections.FrozenConfigDict(c.optim),
                                  stage.steps, c.microbatches, c.seed)

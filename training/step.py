@@ -96,23 +96,10 @@ def train_step(params, opt_state, batch, *, graphdef, rest, tx: optax.GradientTr
   return params, opt_state, metrics
 
 
-def jit_train_step(*, graphdef, rest, tx, microbatches: int, mesh, param_shardings,
-                   opt_shardings) -> Callable:
-  """``jax.jit`` with explicit in/out shardings; params and opt_state are donated."""
-  replicated = NamedSharding(mesh, P())
-  step = functools.partial(train_step, graphdef=graphdef, rest=rest, tx=tx,
-                           microbatches=microbatches)
-  return jax.jit(
-      step,
-      in_shardings=(param_shardings, opt_shardings, batch_lib.shardings(mesh)),
-      out_shardings=(param_shardings, opt_shardings, replicated),
-      donate_argnames=("params", "opt_state"))
-
-
 @dataclasses.dataclass(frozen=True)
 class TrainStep:
-  """The jitted train step (:func:`jit_train_step`) of one model config on one mesh, and its
-  abstract state: ``ShapeDtypeStruct`` trees with their target shardings."""
+  """The train step of one model config on one mesh (:meth:`jit`), and its abstract state:
+  ``ShapeDtypeStruct`` trees with their target shardings."""
   model_cfg: llama.LlamaConfig
   mesh: jax.sharding.Mesh
   graphdef: Any
@@ -122,8 +109,25 @@ class TrainStep:
   param_shardings: Any
   abstract_opt_state: Any
   opt_shardings: Any
-  step: Callable
+  microbatches: int = 1
   seed: int = 0
+
+  def jit(self, mesh=None, microbatches: int | None = None) -> Callable:
+    """:func:`train_step` over ``microbatches`` (default: the step's) under ``jax.jit`` with
+    explicit in/out shardings, the batch's on ``mesh`` (default: the step's; a length bucket's
+    re-split of its devices, so the state keeps its shardings); params and opt_state are
+    donated."""
+    mesh, state = mesh or self.mesh, (self.param_shardings, self.opt_shardings)
+    return jax.jit(functools.partial(train_step, graphdef=self.graphdef, rest=self.rest,
+                                     tx=self.tx, microbatches=microbatches or self.microbatches),
+                   in_shardings=(*state, batch_lib.shardings(mesh)),
+                   out_shardings=(*state, NamedSharding(mesh, P())),
+                   donate_argnames=("params", "opt_state"))
+
+  @functools.cached_property
+  def step(self) -> Callable:
+    """The jitted step on the step's own mesh (:meth:`jit`), built once."""
+    return self.jit()
 
   def init_state(self):
     """``(params, opt_state)``: the model initialised from ``seed`` and AdamW's state,
@@ -194,13 +198,11 @@ def build_train_step(model_cfg: llama.LlamaConfig, mesh, tx: optax.GradientTrans
         lambda placeholder: jax.eval_shape(lambda: tx.init(placeholder)),
         lambda _, sharding: sharding, opt_state, param_shardings,
         transform_non_params=lambda _: NamedSharding(mesh, P()))
-  step = jit_train_step(graphdef=graphdef, rest=rest, tx=tx, microbatches=microbatches,
-                        mesh=mesh, param_shardings=param_shardings, opt_shardings=opt_shardings)
   return TrainStep(
       model_cfg=model_cfg, mesh=mesh, graphdef=graphdef, rest=rest, tx=tx,
       abstract_params=params, param_shardings=param_shardings,
       abstract_opt_state=abstract_like(opt_state, opt_shardings), opt_shardings=opt_shardings,
-      step=step, seed=seed)
+      microbatches=microbatches, seed=seed)
 
 
 def abstract_model(model_cfg: llama.LlamaConfig, mesh, *, seed: int = 0):

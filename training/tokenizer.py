@@ -130,11 +130,10 @@ def resolve_tokenizer_file(spec: str) -> str:
   return spec
 
 
-def _load_tokenizers(path: str, spec: str) -> Tokenizer:
+def _load_tokenizers(path: str, spec: str, settings: dict) -> Tokenizer:
   import tokenizers  # Local: only the HF path needs the package (the `hf` extra).
 
   tok = tokenizers.Tokenizer.from_file(path)
-  settings = _special_settings(os.path.dirname(path))
   # What the post-processor wraps a text in (e.g. a template "<s> $A" or "$A </s>").
   plain = tok.encode("a", add_special_tokens=False).ids
   full = tok.encode("a", add_special_tokens=True).ids
@@ -152,11 +151,10 @@ def _load_tokenizers(path: str, spec: str) -> Tokenizer:
                    add_bos=bool(add_bos), add_eos=bool(add_eos), _impl=tok)
 
 
-def _load_sentencepiece(path: str, spec: str) -> Tokenizer:
+def _load_sentencepiece(path: str, spec: str, settings: dict) -> Tokenizer:
   import sentencepiece  # Local: only the HF path needs the package (the `hf` extra).
 
   sp = sentencepiece.SentencePieceProcessor(model_file=path)
-  settings = _special_settings(os.path.dirname(path))
   unk = sp.unk_id()
   piece = lambda content: (None if (found := sp.piece_to_id(content)) == unk
                            and content != sp.id_to_piece(unk) else found)
@@ -174,10 +172,9 @@ def _load(spec: str) -> Tokenizer:
   if spec == BYTE:
     return Tokenizer(spec=BYTE, kind="byte", vocab_size=BYTE_VOCAB_SIZE, bos_id=BOS_ID,
                      eos_id=EOS_ID, add_bos=True, add_eos=True)
-  path = resolve_tokenizer_file(spec)
-  if path.endswith(".json"):
-    return _load_tokenizers(path, spec)
-  return _load_sentencepiece(path, spec)
+  path = resolve_tokenizer_file(spec)  # its special tokens: the HF config files beside it
+  load = _load_tokenizers if path.endswith(".json") else _load_sentencepiece
+  return load(path, spec, _special_settings(os.path.dirname(path)))
 
 
 def load_tokenizer(spec: str | None) -> Tokenizer:

@@ -23,10 +23,8 @@ from training.errors import ConfigError, reraise_as
 from training import tokenizer as tokenizer_lib
 
 DATA_KINDS: tuple[str, ...] = ("kv_retrieval", "text")
-#: ``model.layout="auto"``: :func:`resolve_layout` picks one of ``ring_jax``'s layouts.
-AUTO_LAYOUT = "auto"
-#: Every value ``model.layout`` takes.
-LAYOUT_CHOICES: tuple[str, ...] = (AUTO_LAYOUT,) + layouts.ALL_LAYOUTS
+#: Every value ``model.layout`` takes: a ``ring_jax`` layout, or "auto" (:func:`resolve_layout`).
+LAYOUT_CHOICES: tuple[str, ...] = ("auto",) + layouts.ALL_LAYOUTS
 
 
 def run_length(model_config, ring: int, seq_len: int) -> int:
@@ -91,10 +89,9 @@ def check_text_data(d: ml_collections.ConfigDict, m: ml_collections.ConfigDict) 
     raise ConfigError("data.kind='text' needs data.path (a .jsonl/.txt/.parquet/.arrayrecord "
                       "file, a directory or a glob), e.g. "
                       "--config.data.path=/path/to/corpus.jsonl.")
-  from training import data as data_lib  # Local: data imports grain, validation must not.
-  if not data_lib.list_data_files(d.path):
-    raise ConfigError(f"data.path={d.path!r} matches no "
-                      f"{'/'.join(data_lib.sources.DATA_EXTS)} files.")
+  from training import sources  # Local: sources imports grain, validation must not.
+  with reraise_as(ConfigError):
+    sources.list_data_files(d.path)
   if not d.tokenizer:
     raise ConfigError(tokenizer_lib.UNSET)
   with reraise_as(ConfigError, f"data.tokenizer={d.tokenizer!r} "):
@@ -283,7 +280,7 @@ def llama_config(config: ml_collections.ConfigDict):
   from models.llama import LlamaConfig  # Local: keeps this module importable without Flax.
 
   fields = config.model.to_dict()
-  if fields.get("layout") == AUTO_LAYOUT:
+  if fields.get("layout") == "auto":
     raise ConfigError("model.layout='auto' is decided for the run's data and ring by "
                       "training.validation.resolve_layout (train.py does it at startup): "
                       "resolve the config first, or name a layout.")
@@ -328,7 +325,7 @@ def resolve_layout(config: ml_collections.ConfigDict,
   layout, and the line saying why); a named layout: ``(config, None)``. Rows of several
   documents (text; the kv task's ``docs_per_row > 1``) count as packed; attention is causal,
   with the model's sliding window if a layer has one. Idempotent; stages keep the layout."""
-  if config.model.layout != AUTO_LAYOUT:
+  if config.model.layout != "auto":
     return config, None
   d = config.data
   if d.kind == "text":

@@ -272,10 +272,10 @@ def test_train_rejects_bad_config_before_compiling(tmp_path, monkeypatch):
   import train as train_script
   from training import step as step_lib
 
-  def must_not_compile(**_):
+  def must_not_compile(*_):
     raise AssertionError("compiled despite a bad config")
 
-  monkeypatch.setattr(step_lib, "jit_train_step", must_not_compile)
+  monkeypatch.setattr(step_lib.TrainStep, "jit", must_not_compile)
   with pytest.raises(ConfigError, match="needs 6 devices"):
     train_script.train(tiny(**{"mesh.data": 3, "mesh.sequence": 2}), str(tmp_path))
   assert not os.path.exists(os.path.join(tmp_path, "checkpoints"))
@@ -330,10 +330,10 @@ def test_a_negative_learning_rate_stops_train_before_compiling(tmp_path, monkeyp
   import train as train_script
   from training import step as step_lib
 
-  def must_not_compile(**_):
+  def must_not_compile(*_):
     raise AssertionError("compiled despite a bad config")
 
-  monkeypatch.setattr(step_lib, "jit_train_step", must_not_compile)
+  monkeypatch.setattr(step_lib.TrainStep, "jit", must_not_compile)
   with pytest.raises(ConfigError, match=r"^optim\.lr=-0\.003 must be > 0\.$"):
     train_script.train(tiny(**{"optim.lr": -3e-3}), str(tmp_path))
   assert os.listdir(tmp_path) == []

@@ -36,11 +36,11 @@ def sharding(mesh):
 
 def test_batch_spec_comes_from_the_rules(mesh):
   """Rows over 'data', the sequence over 'sequence': the rules table's ("batch", "length")."""
-  assert batch_lib.spec(mesh) == shd.logical_to_spec(("batch", "length"), mesh=mesh)
-  assert batch_lib.spec(mesh) == P("data", "sequence")
+  assert batch_lib.sharding(mesh).spec == shd.logical_to_spec(("batch", "length"), mesh=mesh)
+  assert batch_lib.sharding(mesh).spec == P("data", "sequence")
   # A mesh without a 'sequence' axis (no ring) keeps the sequence whole.
   data_only = jax.make_mesh((8,), ("data",))
-  assert batch_lib.spec(data_only) == P("data", None)
+  assert batch_lib.sharding(data_only).spec == P("data", None)
   abstract = batch_lib.abstract((4, 64), mesh)
   assert tuple(abstract) == batch_lib.FIELDS
   assert {k: v.dtype for k, v in abstract.items()} == batch_lib.DTYPES

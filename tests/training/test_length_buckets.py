@@ -149,7 +149,7 @@ def _sums_and_step(train_step, bucket, batch, params, opt_state, microbatches=1)
     loss_and_grads = jax.jit(jax.value_and_grad(
         lambda p: step_lib.loss_sums(train_step.graphdef, p, train_step.rest, batch)[0]))
     loss_sum, grads = loss_and_grads(params)
-    step = buckets_lib.jit_step(train_step, bucket, microbatches)
+    step = train_step.jit(bucket.mesh, microbatches)
     new_params, _, metrics = step(params, jax.tree.map(lambda x: x.copy(), opt_state), batch)
   for leaf, want in zip(jax.tree.leaves(new_params), jax.tree.leaves(train_step.param_shardings)):
     assert leaf.sharding.is_equivalent_to(want, leaf.ndim)  # one sharding across buckets
