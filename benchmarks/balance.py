@@ -24,7 +24,6 @@ import socket
 import sys
 import time
 from concurrent import futures
-from unittest import mock
 
 import numpy as np
 
@@ -157,10 +156,9 @@ def launch(args) -> dict:
     port = s.getsockname()[1]
   flags = [os.path.abspath(__file__), *args.argv, "--port", str(port),
            "--cores", ",".join(map(str, args.cores)), "--worker"]
-  # The workers' environment, for as long as they run (this process's JAX has started).
-  with mock.patch.dict(os.environ, XLA_FLAGS=WORKER_XLA_FLAGS, JAX_PLATFORMS="cpu",
-                       **ONE_THREAD_ENV), futures.ThreadPoolExecutor(args.processes) as pool:
-    outputs = list(pool.map(lambda i: common.run_python([*flags, str(i)], args.timeout),
+  env = dict(XLA_FLAGS=WORKER_XLA_FLAGS, JAX_PLATFORMS="cpu", **ONE_THREAD_ENV)
+  with futures.ThreadPoolExecutor(args.processes) as pool:
+    outputs = list(pool.map(lambda i: common.run_python([*flags, str(i)], args.timeout, env),
                             range(args.processes)))
   return merge(args, [json.loads(out.strip().splitlines()[-1]) for out in outputs])
 

@@ -423,14 +423,15 @@ class Clock:
 
 # --- Child processes ------------------------------------------------------------------------------
 
-def run_python(args: Sequence[str], timeout: float = 1800) -> str:
-  """The standard output of ``python args...`` run in the repository's root (this Python).
+def run_python(args: Sequence[str], timeout: float = 1800, env: dict | None = None) -> str:
+  """The standard output of ``python args...`` run in the repository's root (this Python),
+  with ``env`` added to this process's environment.
 
   Raises:
     RuntimeError: the command failed, with its exit status and the end of its stderr.
   """
   proc = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True,
-                        timeout=timeout)
+                        timeout=timeout, env={**os.environ, **(env or {})})
   if proc.returncode:
     raise RuntimeError(f"{os.path.basename(args[0])} failed ({proc.returncode}):\n"
                        f"{proc.stderr[-2000:]}")
