@@ -78,7 +78,7 @@ def mesh_arg(text: str) -> dict[str, int]:
 #: The shared flags :func:`parser` adds when given a default: name -> (type, help).
 SHARED_FLAGS = dict(
     repeats=(int, "timed calls per case"), lengths=(ints, "sequence lengths"),
-    length=(int, "global sequence length"), dtype=(str, "float32 or bfloat16"),
+    length=(int, "global sequence length"),
     mesh=(mesh_arg, "axis=size pairs, e.g. data=1,sequence=8"),
     ring=(int, "devices on the sequence axis"), heads=(int, "attention heads"),
     head_dim=(int, "size of a head"))
